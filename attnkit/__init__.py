@@ -1,0 +1,22 @@
+"""attnkit: measure what the attention heads of transformer encoders do, over whole corpora.
+
+    model, tokenizer = attnkit.load_model()          # the embedded MiniLM
+    feats = attnkit.extract(["A text.", ("A pair", "of texts.")], (model, tokenizer))
+    feats.to_pandas()
+"""
+from .errors import AttnkitError
+from .features import feature_names
+from .head_features import HeadFeatures
+from .hf_attention import register as _register_attention
+from .interventions import Intervention, intervene
+from .models import instrument, load_model
+from .ops import backend_info
+from .extraction import extract
+
+__version__ = "0.1.0"
+_register_attention()
+
+__all__ = [
+    "AttnkitError", "HeadFeatures", "Intervention", "backend_info", "extract", "feature_names",
+    "instrument", "intervene", "load_model",
+]

@@ -1,0 +1,40 @@
+"""Names and codes shared by the reference, the fused ops and everything downstream (SPEC.md "Features").
+
+Token classes, intervention modes and regions are small integers so the C++/CUDA kernels can read them.
+"""
+from __future__ import annotations
+
+# Token classes (SPEC.md "Token classes and sentences").
+OTHER, CLS, SEP, COMMA, PERIOD = 0, 1, 2, 3, 4
+TOKEN_CLASS_NAMES = ("other", "cls", "sep", "comma", "period")
+
+# Intervention modes and regions (SPEC.md "Interventions").
+MODES = ("keep", "zero", "uniform")
+REGIONS = ("all", "no_intra", "no_inter")
+KEEP, ZERO, UNIFORM = 0, 1, 2
+ALL, NO_INTRA, NO_INTER = 0, 1, 2
+
+DEFAULT_NUM_WINDOWS = 16
+ROW_FEATURES = ("prev", "next", "entropy", "max", "intra", "inter")
+
+
+def bucket_names(num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
+    """The exclusive distance-feature buckets (Guan et al. Eq. 2): they sum to 1 per row."""
+    return ["cls", "sep", "comma", "period", "self"] + [f"win_{i}" for i in range(num_windows)]
+
+
+def feature_names(num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
+    """All per-head features, in the order the ops emit them."""
+    return bucket_names(num_windows) + list(ROW_FEATURES) + ["cls_entropy"]
+
+
+def num_features(num_windows: int = DEFAULT_NUM_WINDOWS) -> int:
+    return 5 + num_windows + len(ROW_FEATURES) + 1
+
+
+def check_num_windows(num_windows: int) -> int:
+    from .errors import AttnkitError
+
+    if not isinstance(num_windows, int) or num_windows < 1:
+        raise AttnkitError(f"num_windows must be a positive integer, got {num_windows!r}")
+    return num_windows

@@ -1,0 +1,156 @@
+"""Per-head corpus features: the accumulator that extraction feeds, and the result it produces."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import AttnkitError
+
+FEATURES_FILE = "features.npz"
+META_FILE = "meta.json"
+
+
+def atomic_write(path: Path, write) -> None:
+    """Write through a temporary file and rename, so a crash never leaves a half-written `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj) -> None:
+    atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()))
+
+
+@dataclass
+class HeadFeatures:
+    """Corpus-level features per head.
+
+    mean, std: numpy arrays n_layers × n_heads × n_features (std over samples, every sample weighs
+    the same); names: the feature names; n_samples, n_tokens: what was measured; meta: settings.
+    """
+
+    mean: np.ndarray
+    std: np.ndarray
+    names: list[str]
+    n_samples: int
+    n_tokens: int
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        return self.mean.shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.mean.shape[1]
+
+    def feature(self, name: str, stat: str = "mean") -> np.ndarray:
+        """n_layers × n_heads array of one feature."""
+        if name not in self.names:
+            raise AttnkitError(f"unknown feature {name!r}; known: {', '.join(self.names)}")
+        return getattr(self, stat)[:, :, self.names.index(name)]
+
+    def to_pandas(self):
+        """One row per (layer, head), one column per feature mean and `<name>_std` per std."""
+        import pandas as pd
+
+        L, H, F = self.mean.shape
+        index = pd.MultiIndex.from_product([range(L), range(H)], names=["layer", "head"])
+        df = pd.DataFrame(self.mean.reshape(L * H, F), index=index, columns=self.names)
+        std = pd.DataFrame(self.std.reshape(L * H, F), index=index, columns=[f"{n}_std" for n in self.names])
+        return pd.concat([df, std], axis=1)
+
+    def save(self, directory) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        atomic_write(
+            directory / FEATURES_FILE,
+            lambda f: np.savez(f, mean=self.mean, std=self.std, names=np.array(self.names)),
+        )
+        meta = dict(self.meta)
+        meta.update(n_samples=int(self.n_samples), n_tokens=int(self.n_tokens),
+                    n_layers=self.n_layers, n_heads=self.n_heads)
+        write_json(directory / META_FILE, meta)
+        return directory
+
+    @classmethod
+    def load(cls, directory) -> "HeadFeatures":
+        directory = Path(directory)
+        fpath = directory / FEATURES_FILE
+        if not fpath.is_file():
+            raise AttnkitError(f"{directory} is not a run directory: {FEATURES_FILE} is missing")
+        try:
+            with np.load(fpath, allow_pickle=False) as z:
+                mean, std, names = z["mean"], z["std"], [str(n) for n in z["names"]]
+        except Exception as exc:
+            raise AttnkitError(f"{fpath} is unreadable or corrupt: {exc}") from None
+        if mean.ndim != 3 or mean.shape != std.shape or mean.shape[2] != len(names):
+            raise AttnkitError(f"{fpath} is inconsistent: mean {mean.shape}, std {std.shape}, {len(names)} names")
+        meta = {}
+        mpath = directory / META_FILE
+        if mpath.is_file():
+            try:
+                meta = json.loads(mpath.read_text())
+            except ValueError as exc:
+                raise AttnkitError(f"{mpath} is not valid JSON: {exc}") from None
+        return cls(mean, std, names, int(meta.get("n_samples", 0)), int(meta.get("n_tokens", 0)), meta)
+
+
+class FeatureAccumulator:
+    """Sums per-sample feature vectors (float64) so corpus means and stds come out exactly, in any
+    number of pieces: `merge` adds another accumulator (distributed runs), `state`/`from_state`
+    round-trip through checkpoints."""
+
+    def __init__(self, n_layers: int, n_heads: int, names: list[str]):
+        self.names = list(names)
+        shape = (n_layers, n_heads, len(self.names))
+        self.sum = np.zeros(shape, dtype=np.float64)
+        self.sumsq = np.zeros(shape, dtype=np.float64)
+        self.n_samples = 0
+        self.n_tokens = 0
+
+    def update(self, feats: np.ndarray, n_tokens: int) -> None:
+        """feats: B × n_layers × n_heads × F per-sample feature vectors."""
+        feats = np.asarray(feats, dtype=np.float64)
+        self.sum += feats.sum(0)
+        self.sumsq += np.square(feats).sum(0)
+        self.n_samples += feats.shape[0]
+        self.n_tokens += int(n_tokens)
+
+    def merge(self, other: "FeatureAccumulator") -> "FeatureAccumulator":
+        if other.names != self.names or other.sum.shape != self.sum.shape:
+            raise AttnkitError("cannot merge feature sums of different models or feature sets")
+        self.sum += other.sum
+        self.sumsq += other.sumsq
+        self.n_samples += other.n_samples
+        self.n_tokens += other.n_tokens
+        return self
+
+    def state(self) -> dict:
+        return {"sum": self.sum, "sumsq": self.sumsq, "n_samples": np.int64(self.n_samples),
+                "n_tokens": np.int64(self.n_tokens), "names": np.array(self.names)}
+
+    @classmethod
+    def from_state(cls, state) -> "FeatureAccumulator":
+        names = [str(n) for n in state["names"]]
+        acc = cls(state["sum"].shape[0], state["sum"].shape[1], names)
+        acc.sum = np.array(state["sum"], dtype=np.float64)
+        acc.sumsq = np.array(state["sumsq"], dtype=np.float64)
+        acc.n_samples = int(state["n_samples"])
+        acc.n_tokens = int(state["n_tokens"])
+        return acc
+
+    def result(self, meta: dict | None = None) -> HeadFeatures:
+        if self.n_samples == 0:
+            raise AttnkitError("no samples were measured")
+        mean = self.sum / self.n_samples
+        var = np.maximum(self.sumsq / self.n_samples - mean**2, 0.0)
+        return HeadFeatures(mean, np.sqrt(var), self.names, self.n_samples, self.n_tokens, dict(meta or {}))

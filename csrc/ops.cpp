@@ -1,0 +1,26 @@
+// Operator schemas for the `attnkit` namespace. Kernels live in csrc/cpu and csrc/cuda and register
+// themselves with TORCH_LIBRARY_IMPL; fake (meta) kernels and autograd are registered from Python
+// (attnkit/ops.py). Keeping the schemas here, in one place, is what makes every backend agree.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(attnkit, m) {
+  // Attention + interventions + per-(sample, head) features in one pass (SPEC.md).
+  //   q, k, v: B×H×L×D (fp32/fp16/bf16, same dtype); lengths: int64[B], 1 <= n <= L;
+  //   token_class, sentence_id: int32[B, L] or None; mode, region: int32[H] or None; gates: fp32[H] or None.
+  // Returns out: B×L×H×D (q's dtype) and features: fp32 B×H×F (F = 5 + num_windows + 7), or B×H×0
+  // when want_features is false.
+  m.def(
+      "fused_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
+      "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
+      "bool renormalize, Tensor? gates, bool want_features) -> (Tensor, Tensor)");
+  // Clark et al.'s Jensen-Shannon distances between every pair of M heads of one batch:
+  //   attn: fp32 B×M×L×L attention rows (padded keys 0); lengths: int64[B].
+  // Returns fp64 M×M: Σ_b Σ_{s<n_b} JS(attn[b,i,s,:], attn[b,j,s,:]), natural logs.
+  m.def("js_distances(Tensor attn, Tensor lengths) -> Tensor");
+}
+
+// A Python module with no functions: importing attnkit._C loads this library and runs the
+// registrations above.
+static struct PyModuleDef attnkit_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&attnkit_module); }
