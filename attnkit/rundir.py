@@ -1,0 +1,93 @@
+"""The run directory of an extraction, and its checkpoints.
+
+A finished run holds features.npz and meta.json. While a run is under way, only checkpoint.npz is
+written (atomically, every few batches and on interruption): it holds the feature sums, the index of
+the next segment and the settings. A failed or interrupted run therefore never damages a finished run
+in the same directory, and `--resume` continues from the checkpoint to the same numbers an
+uninterrupted run gives (the same batches, in the same order, summed in float64).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .errors import AttnkitError
+from .head_features import FEATURES_FILE, META_FILE, FeatureAccumulator, HeadFeatures, atomic_write
+
+CHECKPOINT_FILE = "checkpoint.npz"
+
+
+def corpus_fingerprint(segments) -> str:
+    h = hashlib.sha256()
+    for s in segments:
+        h.update(json.dumps(s if isinstance(s, str) else list(s), ensure_ascii=False).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+class RunDir:
+    def __init__(self, path):
+        self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise AttnkitError(f"output path {str(self.path)!r} exists and is not a directory")
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.path / CHECKPOINT_FILE
+
+    def is_finished(self) -> bool:
+        return (self.path / FEATURES_FILE).is_file()
+
+    def has_checkpoint(self) -> bool:
+        return self.checkpoint_path.is_file()
+
+    def check_new(self, overwrite: bool) -> None:
+        """Refuse to start a fresh run over an existing one unless told to."""
+        if overwrite:
+            return
+        if self.has_checkpoint():
+            raise AttnkitError(
+                f"{self.path} holds an interrupted run: continue it with --resume, or start over with --overwrite"
+            )
+        if self.is_finished():
+            raise AttnkitError(f"{self.path} already holds a finished run: use --overwrite or another -o/--out")
+
+    def load_checkpoint(self, settings: dict) -> tuple[FeatureAccumulator, int, int]:
+        """(accumulator, next segment index, truncated so far) after checking the settings match."""
+        if not self.has_checkpoint():
+            raise AttnkitError(f"nothing to resume in {self.path}: no {CHECKPOINT_FILE}")
+        try:
+            with np.load(self.checkpoint_path, allow_pickle=False) as z:
+                state = {k: z[k] for k in z.files}
+            saved = json.loads(str(state["settings"]))
+            acc = FeatureAccumulator.from_state(state)
+            next_index, n_truncated = int(state["next_index"]), int(state["n_truncated"])
+        except Exception as exc:
+            raise AttnkitError(f"checkpoint {self.checkpoint_path} is corrupt or unreadable: {exc}") from None
+        self.check_settings(saved, settings)
+        return acc, next_index, n_truncated
+
+    @staticmethod
+    def check_settings(saved: dict, settings: dict) -> None:
+        diffs = [f"{k}: run has {saved.get(k)!r}, now {settings.get(k)!r}"
+                 for k in sorted(set(saved) | set(settings)) if saved.get(k) != settings.get(k)]
+        if diffs:
+            raise AttnkitError("cannot resume: the run directory was made with other settings (" + "; ".join(diffs) + ")")
+
+    def finished_settings(self) -> dict:
+        meta = HeadFeatures.load(self.path).meta
+        return meta.get("settings", {})
+
+    def save_checkpoint(self, acc: FeatureAccumulator, next_index: int, n_truncated: int, settings: dict) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        state = acc.state()
+        state.update(next_index=np.int64(next_index), n_truncated=np.int64(n_truncated),
+                     settings=np.array(json.dumps(settings, sort_keys=True)))
+        atomic_write(self.checkpoint_path, lambda f: np.savez(f, **state))
+
+    def finish(self, features: HeadFeatures) -> None:
+        features.save(self.path)
+        self.checkpoint_path.unlink(missing_ok=True)

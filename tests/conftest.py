@@ -1,0 +1,39 @@
+"""Shared fixtures: the embedded MiniLM (loaded once) and tiny tokenizers built in code."""
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SENTENCES = [
+    "The cat sat on the mat, and the dog slept.",
+    "Rivers bend. Lakes form where the bend is cut!",
+    "Short one.",
+    "A bridge is a promise made in steel, stone and patience. Nobody thinks about it?",
+    "Bread needs time, water, salt, flour and yeast.",
+]
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    import attnkit
+
+    return attnkit.load_model(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def roberta_tokenizer():
+    """A byte-level BPE tokenizer with RoBERTa's special tokens and pair template, trained in memory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(SENTENCES * 3 + [", . ! ?"], trainer)
+    tok.post_processor = processors.RobertaProcessing(("</s>", tok.token_to_id("</s>")),
+                                                      ("<s>", tok.token_to_id("<s>")))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                                   cls_token="<s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>")

@@ -1,0 +1,145 @@
+"""`attnkit extract` end to end: outputs, interruption and resume, and one-line errors for bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from attnkit import HeadFeatures
+from attnkit.cli import main
+
+WORDS = "river bridge bread harbour library glacier orchestra market lighthouse forest".split()
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    lines = [f"The {WORDS[i % 10]} was quiet, and the {WORDS[(i * 3) % 10]} was {'near' if i % 2 else 'far'}. "
+             f"It was {i} days old." for i in range(48)]
+    p = tmp_path / "corpus.txt"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def run(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def test_extract_writes_run_directory(corpus, tmp_path):
+    out = tmp_path / "run"
+    code, text = run("extract", corpus, "-o", out, "--max-length", 12, "--limit", 10, "-q", "--backend", "reference")
+    assert code == 0, text
+    assert "10 samples" in text and "truncated" in text
+    feats = HeadFeatures.load(out)
+    assert feats.mean.shape == (6, 12, 28) and feats.n_samples == 10
+    np.testing.assert_allclose(feats.mean[..., :21].sum(-1), 1.0, atol=1e-5)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["settings"]["max_length"] == 12 and meta["n_truncated"] > 0
+    assert meta["backend"] in ("reference", "fused-cpu") and "torch" in meta["versions"]
+    with np.load(out / "features.npz") as z:
+        assert set(z.files) == {"mean", "std", "names"}
+    # a finished run is never silently replaced
+    code, text = run("extract", corpus, "-o", out, "-q")
+    assert code == 1 and "already holds a finished run" in text
+    assert HeadFeatures.load(out).n_samples == 10
+
+
+def _extract_cmd(corpus, out, *extra):
+    return [sys.executable, "-m", "attnkit.cli", "extract", str(corpus), "-o", str(out), "--batch-size", "1",
+            "--checkpoint-every", "1", "-q", "--backend", "reference", "--max-length", "24", *extra]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_interrupted_run_resumes_to_identical_numbers(corpus, tmp_path, sig):
+    full = tmp_path / "full"
+    assert run("extract", corpus, "-o", full, "--batch-size", 1, "-q", "--backend", "reference",
+               "--max-length", 24)[0] == 0
+    part = tmp_path / "part"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen(_extract_cmd(corpus, part), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not (part / "checkpoint.npz").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130 and b"--resume" in proc.stderr.read()
+    assert (part / "checkpoint.npz").exists() and not (part / "features.npz").exists()
+    with np.load(part / "checkpoint.npz") as z:
+        assert 0 < int(z["next_index"]) < 48
+    code, text = run("extract", corpus, "-o", part, "--batch-size", 1, "-q", "--backend", "reference",
+                     "--max-length", 24, "--resume")
+    assert code == 0, text
+    a, b = HeadFeatures.load(full), HeadFeatures.load(part)
+    assert b.n_samples == 48 and b.n_tokens == a.n_tokens
+    np.testing.assert_array_equal(a.mean, b.mean)
+    np.testing.assert_array_equal(a.std, b.std)
+    assert not (part / "checkpoint.npz").exists()
+
+
+def test_resume_errors(corpus, tmp_path):
+    out = tmp_path / "r"
+    code, text = run("extract", corpus, "-o", out, "--resume", "-q")
+    assert code == 1 and "nothing to resume" in text
+    out.mkdir()
+    (out / "checkpoint.npz").write_bytes(b"not a zip file")
+    code, text = run("extract", corpus, "-o", out, "--resume", "-q")
+    assert code == 1 and "corrupt" in text
+    code, text = run("extract", corpus, "-o", out, "-q")
+    assert code == 1 and "interrupted run" in text
+    # a checkpoint made with other settings is refused, naming the setting
+    good = tmp_path / "g"
+    from attnkit.head_features import FeatureAccumulator
+    from attnkit.rundir import RunDir
+
+    acc = FeatureAccumulator(6, 12, [f"f{i}" for i in range(28)])
+    RunDir(good).save_checkpoint(acc, 1, 0, {"max_length": 64})
+    code, text = run("extract", corpus, "-o", good, "--resume", "-q")
+    assert code == 1 and "max_length" in text and "other settings" in text
+
+
+def test_bad_model_inputs(corpus, tmp_path):
+    code, text = run("extract", corpus, "--model", tmp_path / "nope", "-o", tmp_path / "x", "-q")
+    assert code == 1 and "not found" in text
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    code, text = run("extract", corpus, "--model", broken, "-o", tmp_path / "x", "-q")
+    assert code == 1 and "could not load a model" in text and "Traceback" not in text
+    code, text = run("extract", corpus, "--max-length", 4096, "-o", tmp_path / "x", "-q")
+    assert code == 1 and "exceeds the model's 512 positions" in text
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"ok\n\xc3\x28 broken\n")
+    code, text = run("extract", bad, "-o", tmp_path / "x", "-q")
+    assert code == 1 and "bad.txt:2" in text and "UTF-8" in text
+    assert not (tmp_path / "x").exists()
+
+
+def test_unsupported_model_type_from_disk(tmp_path, minilm):
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    _, tok = minilm
+    path = tmp_path / "deberta"
+    DebertaV2Model(DebertaV2Config(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=1,
+                                   num_attention_heads=4, intermediate_size=64)).save_pretrained(path)
+    tok.save_pretrained(path)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("one line.\n")
+    code, text = run("extract", corpus, "--model", path, "-o", tmp_path / "x", "-q")
+    assert code == 1 and "deberta-v2" in text
+
+
+def test_help_explains_options():
+    code, text = run("extract", "--help")
+    assert code == 0
+    for opt in ("--model", "--max-length", "--batch-size", "--device", "--dtype", "--num-windows", "--sentences",
+                "--limit", "--out", "--resume"):
+        assert opt in text

@@ -1,0 +1,154 @@
+"""attnkit as a transformers attention implementation: equal to eager, and features equal to an
+independent computation from `output_attentions` maps."""
+import numpy as np
+import pytest
+import torch
+from transformers import (AutoModel, BertConfig, BertModel, DistilBertConfig, DistilBertModel, ElectraConfig,
+                          ElectraModel, RobertaConfig, RobertaModel)
+
+import attnkit
+from attnkit.errors import AttnkitError
+from attnkit.models import default_model_path
+
+from .conftest import SENTENCES
+
+TINY = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64)
+
+
+def _tiny(kind):
+    torch.manual_seed(0)
+    if kind == "bert":
+        return BertModel(BertConfig(**TINY))
+    if kind == "roberta":
+        return RobertaModel(RobertaConfig(**TINY, pad_token_id=1))
+    if kind == "electra":
+        return ElectraModel(ElectraConfig(**TINY, embedding_size=16))
+    if kind == "distilbert":
+        return DistilBertModel(DistilBertConfig(vocab_size=120, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                                max_position_embeddings=64))
+    raise ValueError(kind)
+
+
+def _padded_inputs(vocab=120, lengths=(9, 5, 1)):
+    g = torch.Generator().manual_seed(1)
+    L = max(lengths)
+    ids = torch.randint(5, vocab, (len(lengths), L), generator=g)
+    mask = (torch.arange(L)[None] < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta", "electra", "distilbert"])
+def test_tiny_models_equal_eager(kind):
+    model = _tiny(kind).eval()
+    inputs = _padded_inputs()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        expect = model(**inputs).last_hidden_state
+    attnkit.instrument(model)
+    assert len(model._attnkit_modules) == 2
+    assert [m.layer_idx for m in model._attnkit_modules] == [0, 1]
+    with torch.no_grad():
+        got = model(**inputs).last_hidden_state
+    valid = inputs["attention_mask"].bool()
+    assert (got - expect)[valid].abs().max().item() <= 1e-5
+
+
+def test_minilm_equals_eager_with_padding(minilm):
+    model, tok = minilm
+    eager = AutoModel.from_pretrained(default_model_path(), attn_implementation="eager").eval()
+    enc = tok(SENTENCES, padding=True, return_tensors="pt")
+    assert (enc["attention_mask"] == 0).any()
+    with torch.no_grad():
+        diff = (model(**enc).last_hidden_state - eager(**enc).last_hidden_state).abs().max().item()
+    assert diff <= 1e-5
+
+
+def test_unsupported_model_is_refused_by_name():
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    model = DebertaV2Model(DebertaV2Config(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                           intermediate_size=64)).eval()
+    with pytest.raises(AttnkitError, match="deberta-v2"):
+        attnkit.instrument(model)
+
+
+def test_decoder_is_refused():
+    model = BertModel(BertConfig(**TINY, is_decoder=True)).eval()
+    with pytest.raises(AttnkitError, match="decoder"):
+        attnkit.instrument(model)
+
+
+def _independent_features(attn, lengths, classes, sentences, num_windows):
+    """SPEC.md's features from full attention maps, written independently of attnkit.reference."""
+    L_, H = len(attn), attn[0].shape[1]
+    out = []
+    for b, n in enumerate(lengths):
+        per = np.zeros((L_, H, 5 + num_windows + 7))
+        cls_of = classes[b][:n]
+        sent = sentences[b][:n]
+        for layer in range(L_):
+            for h in range(H):
+                A = attn[layer][b, h, :n, :n].astype(np.float64)
+                rows = []
+                for s in range(n):
+                    r = np.zeros(5 + num_windows + 6)
+                    for t in range(n):
+                        c = cls_of[t]
+                        if c in (1, 2, 3, 4):
+                            r[c - 1] += A[s, t]
+                        elif t == s:
+                            r[4] += A[s, t]
+                        else:
+                            r[5 + abs(s - t) * num_windows // n] += A[s, t]
+                    k = 5 + num_windows
+                    r[k] = A[s, s - 1] if s > 0 else 0
+                    r[k + 1] = A[s, s + 1] if s + 1 < n else 0
+                    p = A[s][A[s] > 0]
+                    r[k + 2] = -(p * np.log(p)).sum()
+                    r[k + 3] = A[s].max()
+                    same = sent == sent[s]
+                    r[k + 4] = A[s][same].sum()
+                    r[k + 5] = A[s][~same].sum()
+                    rows.append(r)
+                rows = np.array(rows)
+                cls_rows = [s for s in range(n) if cls_of[s] == 1]
+                cls_ent = rows[cls_rows, 5 + num_windows + 2].mean() if cls_rows else 0.0
+                per[layer, h] = np.concatenate([rows.mean(0), [cls_ent]])
+        out.append(per)
+    return np.array(out)
+
+
+def test_extract_matches_independent_features_from_output_attentions(minilm):
+    model, tok = minilm
+    texts = SENTENCES[:3] + [(SENTENCES[3], SENTENCES[4])]
+    nw = 8
+    feats = attnkit.extract(texts, (model, tok), num_windows=nw, max_length=32, backend="reference", batch_size=2)
+    eager = AutoModel.from_pretrained(default_model_path(), attn_implementation="eager").eval()
+    from attnkit.tokens import Encoder
+
+    batch = Encoder(tok, max_length=32)(texts)
+    with torch.no_grad():
+        attn = [a.numpy() for a in eager(**batch.inputs, output_attentions=True).attentions]
+    per = _independent_features(attn, batch.lengths.tolist(), batch.token_class.numpy(), batch.sentence_id.numpy(), nw)
+    assert feats.n_samples == 4 and feats.n_tokens == int(batch.lengths.sum())
+    np.testing.assert_allclose(feats.mean, per.mean(0), atol=1e-5)
+    np.testing.assert_allclose(feats.std, per.std(0), atol=1e-5)
+    assert feats.names == attnkit.feature_names(nw)
+
+
+def test_model_outputs_do_not_change_while_measuring(minilm):
+    model, tok = minilm
+    from attnkit.extraction import forward_features, measuring
+    from attnkit.tokens import Encoder
+
+    batch = Encoder(tok)(SENTENCES)
+    with torch.no_grad():
+        plain = model(**batch.inputs).last_hidden_state
+    with measuring(model, backend="reference") as rt:
+        rt.batch = None
+        f = forward_features(model, batch, rt)
+    assert f.shape == (len(SENTENCES), 6, 12, len(attnkit.feature_names()))
+    with torch.no_grad():
+        again = model(**batch.inputs).last_hidden_state
+    assert torch.equal(plain, again)
