@@ -55,6 +55,17 @@ def forward_features(model, batch, rt) -> torch.Tensor:
         rt.features = {}
 
 
+def _chars(segment: Segment) -> int:
+    return len(segment) if isinstance(segment, str) else sum(len(x) for x in segment)
+
+
+def by_length(segments: Sequence[Segment]) -> list:
+    """Longest first (stable): batches of similar length waste little on padding. Per-sample features
+    do not depend on the batch a sample is in, and the order is a pure function of the corpus, so a
+    resumed run sees exactly the batches an uninterrupted one would."""
+    return sorted(segments, key=_chars, reverse=True)
+
+
 def check_max_length(model, max_length: int) -> None:
     limit = max_positions(model)
     if limit is not None and max_length > limit:
@@ -94,6 +105,7 @@ def run_extraction(
     if acc.names != names or acc.sum.shape[:2] != (len(mods), n_heads):
         raise AttnkitError("the accumulated features belong to another model or feature set")
     encoder = Encoder(tokenizer, max_length=max_length, split_sentences=split_sentences)
+    segments = by_length(segments)
     n_truncated = 0
     bar = None
     if progress:
