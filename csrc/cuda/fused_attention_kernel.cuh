@@ -122,7 +122,7 @@ __device__ __forceinline__ void load_tile(typename Traits::T* __restrict__ dst, 
 }
 
 template <typename Traits, bool kFeatures>
-__global__ void __launch_bounds__(Traits::kThreads) fused_attention_kernel(const FusedParams p) {
+__device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   using T = typename Traits::T;
   constexpr int BM = Traits::kBlockM;
   constexpr int BN = Traits::kBlockN;
@@ -473,6 +473,21 @@ __global__ void __launch_bounds__(Traits::kThreads) fused_attention_kernel(const
       if (x != 0.f) atomicAdd(&gfeat[i], x);
     }
   }
+}
+
+template <typename Traits, bool kFeatures>
+__global__ void __launch_bounds__(Traits::kThreads) fused_attention_kernel(const FusedParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  // fp16/bf16 WMMA needs sm_80 here (bf16 fragments); the host refuses those dtypes on older GPUs, so
+  // builds that include older architectures (TORCH_CUDA_ARCH_LIST) still compile.
+  if constexpr (Traits::kUseMma) {
+    __trap();
+  } else {
+    fused_attention_body<Traits, kFeatures>(p);
+  }
+#else
+  fused_attention_body<Traits, kFeatures>(p);
+#endif
 }
 
 template <typename T, int kHeadDim>
