@@ -1,0 +1,207 @@
+// Host API of the CUDA kernels: argument checks (each error names the argument), dispatch on dtype and
+// head dim to the generated per-configuration kernels, and the CUDA registrations of the attnkit ops
+// (schemas in csrc/ops.cpp; semantics in attnkit/reference.py).
+//
+// Only c10/cuda headers are used (not ATen/cuda/CUDAContext.h), so this file also compiles against a
+// CPU build of torch for the CI compile check (tools/check_cuda.sh).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include "fused_attention_params.h"
+
+namespace attnkit {
+namespace cuda {
+namespace {
+
+constexpr const char* kOp = "attnkit.fused_attention (CUDA): ";
+constexpr const char* kJsOp = "attnkit.js_distances (CUDA): ";
+
+// q/k/v as the kernel reads them: unit stride on the head dim, every other stride and the base address
+// 16-byte aligned (vector loads). Transposed views from transformers (B×L×H×D memory seen as B×H×L×D)
+// already qualify; anything else is copied.
+at::Tensor kernel_operand(const at::Tensor& t) {
+  const int64_t vec = 16 / int64_t(t.element_size());
+  const bool ok = t.stride(3) == 1 && t.stride(0) % vec == 0 && t.stride(1) % vec == 0 &&
+                  t.stride(2) % vec == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  return ok ? t : t.contiguous();
+}
+
+// An optional int32/fp32 side input: checked for device, dtype and shape; returned contiguous
+// (kept alive by the caller until the launch is queued).
+std::optional<at::Tensor> side_input(const std::optional<at::Tensor>& t, const char* name, at::ScalarType dtype,
+                                     at::IntArrayRef shape, const at::Device& device) {
+  if (!t.has_value()) return std::nullopt;
+  const at::Tensor& x = *t;
+  TORCH_CHECK(x.scalar_type() == dtype, kOp, name, " must be ", dtype, ", got ", x.scalar_type());
+  TORCH_CHECK(x.sizes() == shape, kOp, name, " must have shape ", shape, ", got ", x.sizes());
+  TORCH_CHECK(x.device() == device, kOp, name, " must be on ", device, " like q, got ", x.device());
+  return x.contiguous();
+}
+
+template <typename T>
+const T* ptr_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+int compute_capability_major(int device) {
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major;
+}
+
+template <typename T>
+void dispatch_head_dim(int head_dim, const FusedParams& params, cudaStream_t stream) {
+  switch (head_dim) {
+    case 32:
+      run_fused_attention<T, 32>(params, stream);
+      break;
+    case 64:
+      run_fused_attention<T, 64>(params, stream);
+      break;
+    case 128:
+      run_fused_attention<T, 128>(params, stream);
+      break;
+    default:
+      TORCH_CHECK(false, kOp, "head dim ", head_dim, " is not supported (32, 64 or 128)");
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
+    const std::optional<at::Tensor>& token_class, const std::optional<at::Tensor>& sentence_id, double scaling,
+    int64_t num_windows, const std::optional<at::Tensor>& mode, const std::optional<at::Tensor>& region,
+    bool renormalize, const std::optional<at::Tensor>& gates, bool want_features) {
+  TORCH_CHECK(q.is_cuda(), kOp, "q must be a CUDA tensor, got ", q.device());
+  TORCH_CHECK(q.dim() == 4, kOp, "q must be B×H×L×D, got shape ", q.sizes());
+  TORCH_CHECK(k.sizes() == q.sizes(), kOp, "k must have q's shape ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(v.sizes() == q.sizes(), kOp, "v must have q's shape ", q.sizes(), ", got ", v.sizes());
+  const at::Device device = q.device();
+  TORCH_CHECK(k.device() == device, kOp, "k must be on ", device, " like q, got ", k.device());
+  TORCH_CHECK(v.device() == device, kOp, "v must be on ", device, " like q, got ", v.device());
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, kOp,
+              "q must be float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(k.scalar_type() == dtype, kOp, "k must have q's dtype ", dtype, ", got ", k.scalar_type());
+  TORCH_CHECK(v.scalar_type() == dtype, kOp, "v must have q's dtype ", dtype, ", got ", v.scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  TORCH_CHECK(D == 32 || D == 64 || D == 128, kOp, "head dim (q.size(3)) must be 32, 64 or 128, got ", D);
+  TORCH_CHECK(L <= (int64_t(1) << 20), kOp, "sequence length ", L, " is too long");
+  TORCH_CHECK(B <= 65535 && H <= 65535, kOp, "batch (", B, ") and heads (", H, ") must be at most 65535");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B, kOp, "lengths must have shape [", B, "], got ",
+              lengths.sizes());
+  TORCH_CHECK(!at::isFloatingType(lengths.scalar_type()) && lengths.scalar_type() != at::kBool, kOp,
+              "lengths must be an integer tensor, got ", lengths.scalar_type());
+  TORCH_CHECK(num_windows >= 1, kOp, "num_windows must be >= 1, got ", num_windows);
+  TORCH_CHECK(!want_features || num_windows <= kMaxNumWindows, kOp, "num_windows must be at most ",
+              kMaxNumWindows, " on CUDA, got ", num_windows);
+  TORCH_CHECK(!want_features || (L - 1) * num_windows < (int64_t(1) << 31), kOp,
+              "num_windows × L is too large for the window arithmetic");
+
+  c10::cuda::CUDAGuard guard(device);
+  if (dtype != at::kFloat) {
+    TORCH_CHECK(compute_capability_major(device.index()) >= 8, kOp,
+                "float16/bfloat16 need a GPU of compute capability 8.0 or newer (tensor-core path)");
+  }
+  const int64_t F = 5 + num_windows + 7;
+  at::Tensor out = at::empty({B, L, H, D}, q.options());
+  at::Tensor features = want_features ? at::zeros({B, H, F}, q.options().dtype(at::kFloat))
+                                      : at::empty({B, H, 0}, q.options().dtype(at::kFloat));
+  if (B == 0 || H == 0 || L == 0) return {out, features};
+
+  const at::Tensor qk = kernel_operand(q), kk = kernel_operand(k), vk = kernel_operand(v);
+  // lengths may arrive on the CPU (a small host tensor); the kernel reads them on the device.
+  const at::Tensor len = lengths.to(device, at::kLong).contiguous();
+  const auto tc = side_input(token_class, "token_class", at::kInt, {B, L}, device);
+  const auto sid = side_input(sentence_id, "sentence_id", at::kInt, {B, L}, device);
+  const auto md = side_input(mode, "mode", at::kInt, {H}, device);
+  const auto rg = side_input(region, "region", at::kInt, {H}, device);
+  const auto gt = side_input(gates, "gates", at::kFloat, {H}, device);
+
+  FusedParams p{};
+  p.q = qk.data_ptr();
+  p.k = kk.data_ptr();
+  p.v = vk.data_ptr();
+  p.q_stride_b = qk.stride(0), p.q_stride_h = qk.stride(1), p.q_stride_l = qk.stride(2);
+  p.k_stride_b = kk.stride(0), p.k_stride_h = kk.stride(1), p.k_stride_l = kk.stride(2);
+  p.v_stride_b = vk.stride(0), p.v_stride_h = vk.stride(1), p.v_stride_l = vk.stride(2);
+  p.out = out.data_ptr();
+  p.lengths = len.data_ptr<int64_t>();
+  p.token_class = ptr_or_null<int32_t>(tc);
+  p.sentence_id = ptr_or_null<int32_t>(sid);
+  p.mode = ptr_or_null<int32_t>(md);
+  p.region = ptr_or_null<int32_t>(rg);
+  p.gates = ptr_or_null<float>(gt);
+  p.features = want_features ? features.data_ptr<float>() : nullptr;
+  p.B = int(B), p.H = int(H), p.L = int(L);
+  p.num_windows = int(num_windows);
+  p.num_features = want_features ? int(F) : 0;
+  p.scaling = float(scaling);
+  p.renormalize = renormalize;
+
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  switch (dtype) {
+    case at::kFloat:
+      dispatch_head_dim<float>(int(D), p, stream);
+      break;
+    case at::kHalf:
+      dispatch_head_dim<__half>(int(D), p, stream);
+      break;
+    default:
+      dispatch_head_dim<__nv_bfloat16>(int(D), p, stream);
+      break;
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (want_features) {
+    run_finalize_features(p, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {out, features};
+}
+
+at::Tensor js_distances_cuda(const at::Tensor& attn, const at::Tensor& lengths) {
+  TORCH_CHECK(attn.is_cuda(), kJsOp, "attn must be a CUDA tensor, got ", attn.device());
+  TORCH_CHECK(attn.dim() == 4 && attn.size(2) == attn.size(3), kJsOp, "attn must be B×M×L×L, got shape ",
+              attn.sizes());
+  TORCH_CHECK(attn.scalar_type() == at::kFloat, kJsOp, "attn must be float32, got ", attn.scalar_type());
+  const int64_t B = attn.size(0), M = attn.size(1), L = attn.size(2);
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B, kJsOp, "lengths must have shape [", B, "], got ",
+              lengths.sizes());
+  TORCH_CHECK(!at::isFloatingType(lengths.scalar_type()) && lengths.scalar_type() != at::kBool, kJsOp,
+              "lengths must be an integer tensor, got ", lengths.scalar_type());
+  TORCH_CHECK(B <= 65535, kJsOp, "batch (", B, ") must be at most 65535");
+  c10::cuda::CUDAGuard guard(attn.device());
+  at::Tensor out = at::zeros({M, M}, attn.options().dtype(at::kDouble));
+  if (B == 0 || M == 0 || L == 0) return out;
+  const at::Tensor a = attn.contiguous();
+  const at::Tensor len = lengths.to(attn.device(), at::kLong).contiguous();
+  JsParams p{};
+  p.attn = a.data_ptr<float>();
+  p.lengths = len.data_ptr<int64_t>();
+  p.out = out.data_ptr<double>();
+  p.B = int(B), p.M = int(M), p.L = int(L);
+  run_js_distances(p, c10::cuda::getCurrentCUDAStream(attn.device().index()).stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace attnkit
+
+TORCH_LIBRARY_IMPL(attnkit, CUDA, m) {
+  m.impl("fused_attention", TORCH_FN(attnkit::cuda::fused_attention_cuda));
+  m.impl("js_distances", TORCH_FN(attnkit::cuda::js_distances_cuda));
+}

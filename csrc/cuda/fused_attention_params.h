@@ -1,0 +1,64 @@
+// Plain-data parameters shared by the host API (fused_attention_api.cu) and the per-configuration
+// kernel files. Deliberately free of ATen and of kernel code, so the API file compiles quickly and the
+// heavy template instantiations live in one generated .cu per (dtype, head dim), built in parallel.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace attnkit {
+namespace cuda {
+
+// Codes shared with attnkit/features.py (token classes, intervention modes and regions).
+constexpr int kClassOther = 0, kClassCls = 1, kClassSep = 2, kClassComma = 3, kClassPeriod = 4;
+constexpr int kModeKeep = 0, kModeZero = 1, kModeUniform = 2;
+constexpr int kRegionAll = 0, kRegionNoIntra = 1, kRegionNoInter = 2;
+
+// The most windows a launch supports: the per-block feature accumulator lives in shared memory and the
+// window index is computed with 32-bit products d * num_windows (d < 2^12 for L <= 4096).
+constexpr int kMaxNumWindows = 1024;
+
+struct FusedParams {
+  // q, k, v: B×H×L×D with unit stride on D; strides in elements (multiples of 16 bytes / sizeof(T)).
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_stride_b, q_stride_h, q_stride_l;
+  int64_t k_stride_b, k_stride_h, k_stride_l;
+  int64_t v_stride_b, v_stride_h, v_stride_l;
+  // out: contiguous B×L×H×D in q's dtype.
+  void* out;
+  const int64_t* lengths;      // [B]
+  const int32_t* token_class;  // [B, L] contiguous, or nullptr (all OTHER)
+  const int32_t* sentence_id;  // [B, L] contiguous, or nullptr (one sentence)
+  const int32_t* mode;         // [H] or nullptr (keep)
+  const int32_t* region;       // [H] or nullptr (all)
+  const float* gates;          // [H] or nullptr (1)
+  float* features;             // [B, H, F] fp32 zero-initialised sums, or nullptr when not wanted
+  int B, H, L;
+  int num_windows;             // N; F = 5 + N + 7
+  int num_features;            // F
+  float scaling;
+  bool renormalize;
+};
+
+// One explicit specialisation per (element type, head dim) lives in a generated file
+// csrc/cuda/fused_attention_<dtype>_hdim<D>.cu (tools/generate_kernels.py).
+template <typename T, int kHeadDim>
+void run_fused_attention(const FusedParams& params, cudaStream_t stream);
+
+// Divides the per-(sample, head) sums by n (and cls_entropy by the number of CLS rows).
+void run_finalize_features(const FusedParams& params, cudaStream_t stream);
+
+struct JsParams {
+  const float* attn;        // B×M×L×L contiguous
+  const int64_t* lengths;   // [B]
+  double* out;              // M×M, zero-initialised
+  int B, M, L;
+};
+
+void run_js_distances(const JsParams& params, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace attnkit

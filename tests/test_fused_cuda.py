@@ -1,0 +1,279 @@
+"""The CUDA kernels of attnkit::fused_attention and attnkit::js_distances against the reference.
+
+Skipped when CUDA is unavailable or the extension was built without its CUDA kernels. Comparisons:
+  * out: the fused error against the fp32 reference is at most 2× the error PyTorch itself makes when it
+    computes the same attention (same interventions) in the input dtype (FlashAttention's test rule);
+    fp32 outputs to 1e-5 absolute / 1e-4 relative.
+  * features: 1e-4 relative in fp32 (1e-3 for fp16/bf16 inputs, whose scores differ by summation order).
+  * js_distances: against a chunked fp64 PyTorch implementation written out in this file.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attnkit.features import (
+    ALL,
+    CLS,
+    COMMA,
+    KEEP,
+    NO_INTER,
+    NO_INTRA,
+    OTHER,
+    PERIOD,
+    SEP,
+    UNIFORM,
+    ZERO,
+    feature_names,
+    num_features,
+)
+from attnkit.ops import has_kernel
+from attnkit.reference import _key_mask, intervene_weights, reference_attention
+
+HAS_CUDA_KERNEL = torch.cuda.is_available() and has_kernel("cuda")
+pytestmark = pytest.mark.skipif(not HAS_CUDA_KERNEL, reason="needs a GPU and attnkit._C built with CUDA")
+
+DEV = "cuda"
+LOWP = (torch.float16, torch.bfloat16)
+# every (mode, region) pair once, one per head
+MODE_REGION = [(m, r) for m in (KEEP, ZERO, UNIFORM) for r in (ALL, NO_INTRA, NO_INTER)]
+
+
+def make_inputs(B, H, L, D, dtype, lengths, *, seed=0, sentences=True, classes=True, scale=1.0):
+    """q, k, v as transformers passes them: B×H×L×D views of B×L×H×D memory."""
+    g = torch.Generator().manual_seed(seed)
+
+    def proj():
+        return (torch.randn(B, L, H, D, generator=g) * scale).to(DEV, dtype).transpose(1, 2)
+
+    q, k, v = proj(), proj(), proj()
+    lengths = torch.tensor(lengths, dtype=torch.int64)
+    token_class = sentence_id = None
+    if classes:
+        token_class = torch.full((B, L), OTHER, dtype=torch.int32)
+        pick = torch.rand(B, L, generator=g)
+        token_class[pick < 0.08] = COMMA
+        token_class[(pick >= 0.08) & (pick < 0.14)] = PERIOD
+        for b, n in enumerate(lengths.tolist()):
+            token_class[b, 0] = CLS
+            token_class[b, n - 1] = SEP
+            if n > 4:
+                token_class[b, n // 2] = SEP
+        token_class = token_class.to(DEV)
+    if sentences:
+        sentence_id = torch.zeros(B, L, dtype=torch.int32)
+        for b, n in enumerate(lengths.tolist()):
+            sentence_id[b, n // 2 + 1:] = 1
+            sentence_id[b, (3 * n) // 4 + 1:] = 2
+        sentence_id = sentence_id.to(DEV)
+    return q, k, v, lengths.to(DEV), token_class, sentence_id
+
+
+def pytorch_same_dtype(q, k, v, lengths, sentence_id, mode, region, renormalize, gates, scaling):
+    """Attention as PyTorch computes it in the input dtype (the error yardstick of the 2× rule)."""
+    L = q.shape[2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~_key_mask(lengths, L)[:, None, None, :], float("-inf"))
+    w = torch.softmax(scores, dim=-1)
+    w = intervene_weights(w, lengths, sentence_id, mode, region, renormalize)
+    out = torch.matmul(w, v)
+    if gates is not None:
+        out = out * gates.to(out.dtype).view(1, -1, 1, 1)
+    return out.transpose(1, 2)
+
+
+def fused(q, k, v, lengths, token_class, sentence_id, *, num_windows=16, mode=None, region=None,
+          renormalize=False, gates=None, want_features=True, scaling=None):
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+    return torch.ops.attnkit.fused_attention(q, k, v, lengths, token_class, sentence_id, float(scaling),
+                                             num_windows, mode, region, renormalize, gates, want_features)
+
+
+def check(q, k, v, lengths, token_class, sentence_id, *, num_windows=16, mode=None, region=None,
+          renormalize=False, gates=None, feature_rtol=None):
+    scaling = q.shape[-1] ** -0.5
+    out, feats = fused(q, k, v, lengths, token_class, sentence_id, num_windows=num_windows, mode=mode,
+                       region=region, renormalize=renormalize, gates=gates)
+    ref_out, ref_feats = reference_attention(
+        q.float(), k.float(), v.float(), lengths, token_class, sentence_id, scaling=scaling,
+        num_windows=num_windows, mode=mode, region=region, renormalize=renormalize, gates=gates,
+        want_features=True)
+    B, H, L, D = q.shape
+    assert out.shape == (B, L, H, D) and out.dtype == q.dtype
+    assert feats.shape == (B, H, num_features(num_windows)) and feats.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    if q.dtype == torch.float32:
+        torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    else:
+        pt = pytorch_same_dtype(q, k, v, lengths, sentence_id, mode, region, renormalize, gates, scaling)
+        err = (out.float() - ref_out).abs().max().item()
+        pt_err = (pt.float() - ref_out).abs().max().item()
+        assert err <= 2 * pt_err + 1e-5, f"fused error {err} > 2 × PyTorch's {q.dtype} error {pt_err}"
+    rtol = feature_rtol or (1e-4 if q.dtype == torch.float32 else 1e-3)
+    torch.testing.assert_close(feats, ref_feats, rtol=rtol, atol=rtol * 0.1)
+    return out, feats
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_every_mode_and_region(dtype, renormalize):
+    H = len(MODE_REGION)
+    L = 77
+    q, k, v, lengths, tc, sid = make_inputs(3, H, L, 64, dtype, [L, 40, 9], seed=1)
+    mode = torch.tensor([m for m, _ in MODE_REGION], dtype=torch.int32, device=DEV)
+    region = torch.tensor([r for _, r in MODE_REGION], dtype=torch.int32, device=DEV)
+    out, feats = check(q, k, v, lengths, tc, sid, mode=mode, region=region, renormalize=renormalize)
+    zero_heads = [h for h, (m, _) in enumerate(MODE_REGION) if m == ZERO]
+    assert (out[:, :, zero_heads] == 0).all() and (feats[:, zero_heads] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_head_dims_with_gates(dtype, D):
+    q, k, v, lengths, tc, sid = make_inputs(2, 3, 150, D, dtype, [150, 71], seed=2)
+    gates = torch.tensor([1.0, 0.5, -2.0], device=DEV)
+    check(q, k, v, lengths, tc, sid, gates=gates)
+
+
+@pytest.mark.parametrize("L", [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 257, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lengths_around_tile_edges(L, dtype):
+    lengths = [L, max(1, L // 2 + 1), 1]
+    q, k, v, lengths, tc, sid = make_inputs(3, 2, L, 32, dtype, lengths, seed=L)
+    check(q, k, v, lengths, tc, sid)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_long_sequence_4096(dtype):
+    L = 4096
+    q, k, v, lengths, tc, sid = make_inputs(2, 2, L, 64, dtype, [L, 3001], seed=3)
+    mode = torch.tensor([KEEP, UNIFORM], dtype=torch.int32, device=DEV)
+    region = torch.tensor([NO_INTER, NO_INTRA], dtype=torch.int32, device=DEV)
+    check(q, k, v, lengths, tc, sid, mode=mode, region=region, renormalize=True)
+
+
+def test_padding_rows_attend_like_eager_and_give_no_features():
+    L = 70
+    q, k, v, lengths, tc, sid = make_inputs(2, 2, L, 64, torch.float32, [L, 1], seed=4)
+    out, feats = check(q, k, v, lengths, tc, sid)
+    # a sample with one valid token: every row (padded ones too) puts all its weight on key 0
+    torch.testing.assert_close(out[1], v[1, :, :1].transpose(0, 1).expand(L, -1, -1), rtol=1e-5, atol=1e-6)
+    names = feature_names(16)
+    one_row = dict(zip(names, feats[1, 0].tolist()))
+    assert one_row["max"] == pytest.approx(1.0) and one_row["entropy"] == pytest.approx(0.0, abs=1e-6)
+    assert one_row["sep"] == pytest.approx(1.0)  # token 0 of that sample is its closing [SEP]
+    assert one_row["prev"] == 0 and one_row["next"] == 0
+    # padded keys must not change anything: garbage (even inf) after n is ignored
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, 1:] = float("inf")
+    v2[1, :, 1:] = float("nan")
+    out2, feats2 = fused(q, k2, v2, lengths, tc, sid)
+    torch.testing.assert_close(out2, out)
+    torch.testing.assert_close(feats2, feats)
+
+
+@pytest.mark.parametrize("num_windows", [1, 5, 16, 64])
+def test_num_windows(num_windows):
+    q, k, v, lengths, tc, sid = make_inputs(2, 2, 96, 32, torch.float32, [96, 37], seed=5)
+    _, feats = check(q, k, v, lengths, tc, sid, num_windows=num_windows)
+    buckets = feats[..., : 5 + num_windows].sum(-1)
+    torch.testing.assert_close(buckets, torch.ones_like(buckets), rtol=1e-5, atol=1e-5)
+
+
+def test_without_classes_or_sentences_and_sharp_scores():
+    # large-magnitude inputs make near-one-hot rows (exp underflow paths, max close to 1)
+    q, k, v, lengths, tc, sid = make_inputs(2, 4, 90, 64, torch.float32, [90, 50], seed=6,
+                                            classes=False, sentences=False, scale=3.0)
+    region = torch.tensor([ALL, NO_INTRA, NO_INTER, ALL], dtype=torch.int32, device=DEV)
+    check(q, k, v, lengths, None, None, region=region, renormalize=True)
+
+
+def test_strided_and_contiguous_inputs_agree():
+    q, k, v, lengths, tc, sid = make_inputs(2, 3, 50, 64, torch.float16, [50, 20], seed=7)
+    wide = torch.randn(2, 3, 50, 128, device=DEV, dtype=torch.float16)
+    q_odd = wide[..., ::2]  # stride 2 on D: the wrapper must copy
+    out_a, feats_a = fused(q_odd, k, v, lengths, tc, sid)
+    out_b, feats_b = fused(q_odd.contiguous(), k.contiguous(), v.contiguous(), lengths, tc, sid)
+    torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
+    torch.testing.assert_close(feats_a, feats_b)  # feature sums use atomics: order may differ
+
+
+def test_want_features_false():
+    q, k, v, lengths, tc, sid = make_inputs(2, 2, 40, 32, torch.float16, [40, 11], seed=8)
+    out, feats = fused(q, k, v, lengths, tc, sid, want_features=False)
+    out_f, _ = fused(q, k, v, lengths, tc, sid, want_features=True)
+    assert feats.shape == (2, 2, 0)
+    torch.testing.assert_close(out, out_f, rtol=0, atol=0)
+    lengths_cpu = lengths.cpu()  # a host lengths tensor is accepted too
+    out_c, _ = fused(q, k, v, lengths_cpu, tc, sid, want_features=False)
+    torch.testing.assert_close(out_c, out, rtol=0, atol=0)
+
+
+def test_bad_arguments_are_named():
+    q, k, v, lengths, tc, sid = make_inputs(1, 2, 16, 32, torch.float16, [16], seed=9)
+    with pytest.raises(RuntimeError, match="head dim"):
+        fused(q[..., :24], k[..., :24], v[..., :24], lengths, tc, sid)
+    with pytest.raises(RuntimeError, match="k must have q's dtype"):
+        fused(q, k.float(), v, lengths, tc, sid)
+    with pytest.raises(RuntimeError, match="token_class"):
+        fused(q, k, v, lengths, tc.long(), sid)
+    with pytest.raises(RuntimeError, match="lengths"):
+        fused(q, k, v, torch.tensor([16, 16], device=DEV), tc, sid)
+
+
+# --- Jensen-Shannon distances ----------------------------------------------------------------------
+
+def js_reference(attn, lengths):
+    """fp64, chunked over the first head: M×M Σ_b Σ_{s<n} JS(attn[b,i,s,:n], attn[b,j,s,:n])."""
+    B, M, L, _ = attn.shape
+    out = torch.zeros(M, M, dtype=torch.float64, device=attn.device)
+    for b in range(B):
+        n = int(lengths[b])
+        P = attn[b, :, :n, :n].double()
+        xlogx_p = torch.special.xlogy(P, P)
+        for i in range(M):
+            m = 0.5 * (P[i][None] + P)
+            js = 0.5 * (xlogx_p[i][None] + xlogx_p) - torch.special.xlogy(m, m)
+            out[i] = js.sum((-1, -2))
+    return out
+
+
+def random_attention(B, M, L, lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(B, M, L, L, generator=g) * 2.0
+    mask = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    attn = torch.softmax(scores, -1)
+    attn[:, 1] = attn[:, 0]  # identical heads: distance exactly 0
+    attn[:, 2, :, 0] = 0.0  # exact zeros in p and not in q
+    attn = attn * mask[:, None, :, None]  # padded rows 0 (they are skipped anyway)
+    return attn
+
+
+@pytest.mark.parametrize("B,M,L,lengths", [(3, 40, 70, [70, 33, 1]), (2, 144, 128, [128, 100])])
+def test_js_distances(B, M, L, lengths):
+    attn = random_attention(B, M, L, lengths, seed=M).to(DEV)
+    lengths_t = torch.tensor(lengths)
+    ref = js_reference(attn, lengths_t).cpu()
+    got = torch.ops.attnkit.js_distances(attn, lengths_t.to(DEV)).cpu()
+    assert got.dtype == torch.float64 and got.shape == (M, M)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6 * ref.abs().max().item())
+    assert got[0, 1] == 0 and got[1, 0] == 0 and (got.diagonal() == 0).all()
+    torch.testing.assert_close(got, got.T, rtol=0, atol=0)
+
+
+# --- compute-sanitizer ------------------------------------------------------------------------------
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None and not os.path.exists(
+    "/usr/local/cuda/bin/compute-sanitizer"), reason="compute-sanitizer not installed")
+def test_compute_sanitizer_clean():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "tools", "sanitize_cuda.sh")
+    proc = subprocess.run(["bash", script], cwd=root, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

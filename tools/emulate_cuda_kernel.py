@@ -1,0 +1,120 @@
+"""A slow, line-by-line NumPy emulation of csrc/cuda/fused_attention_kernel.cuh, checked against the reference.
+
+Not a test of the CUDA code itself (that needs a GPU: tests/test_fused_cuda.py); it checks the kernel's
+*algorithm* where no GPU exists: per-thread halves of 32 keys, per-tile online max/sum with the kept sum
+or count, the half combination, Z / log Z of the final weights, run-length window buckets flushed to the
+block accumulator, the feature index layout (prev .. cls_entropy after the windows) and the final
+division. Keep it in step with the kernel when the kernel's math changes.
+
+    python tools/emulate_cuda_kernel.py     # prints max differences against reference_attention
+"""
+import math, numpy as np, torch, sys
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+from attnkit.reference import reference_attention
+BM, BN = 64, 64
+def window_of(d, N, n):
+    w = int(np.float32(d) * np.float32(N) / np.float32(n))
+    dn = d * N
+    if w * n > dn: w -= 1
+    elif (w + 1) * n <= dn: w += 1
+    return min(w, N - 1)
+def kernel(q, k, v, lengths, tc, sid, scaling, N, mode, region, renorm, gates):
+    B, H, L, D = q.shape
+    F = 5 + N + 7
+    out = np.zeros((B, L, H, D), np.float32); feats = np.zeros((B, H, F), np.float32)
+    for b in range(B):
+        n = max(1, min(int(lengths[b]), L))
+        for h in range(H):
+            md, rg = int(mode[h]), int(region[h])
+            if md == 1: continue
+            S = (q[b, h] @ k[b, h].T).astype(np.float32) * np.float32(scaling)
+            use_scores = md == 0; need_kept = renorm and rg != 0
+            ntiles = (n + BN - 1) // BN; KPT = BN // 2
+            for row0 in range(0, L, BM):
+                feat_s = np.zeros(F, np.float32)
+                for r in range(BM):
+                    s = row0 + r
+                    if s >= L: continue
+                    rsid = sid[b, s]; rcls = tc[b, s]
+                    halves = []
+                    for half in range(2):
+                        m, l, lk, ck = -np.inf, 0.0, 0.0, 0
+                        for kt in range(ntiles):
+                            keys = [kt * BN + half * KPT + j for j in range(KPT)]
+                            keys = [t for t in keys if t < n]
+                            if use_scores:
+                                if not keys: continue
+                                mloc = max(S[s, t] for t in keys); mn = max(m, mloc)
+                                sc = math.exp(m - mn) if m > -np.inf else 0.0
+                                l *= sc; lk *= sc; m = mn
+                                for t in keys:
+                                    e = math.exp(S[s, t] - m); l += e
+                                    keep = rg == 0 or ((sid[b, t] == rsid) != (rg == 1))
+                                    if need_kept and keep: lk += e
+                            elif need_kept:
+                                ck += sum(1 for t in keys if (rg == 0 or ((sid[b, t] == rsid) != (rg == 1))))
+                        halves.append((m, l, lk, ck))
+                    (m1, l1, lk1, c1), (m2, l2, lk2, c2) = halves
+                    m = max(m1, m2)
+                    s1 = 0 if m1 == -np.inf else math.exp(m1 - m); s2 = 0 if m2 == -np.inf else math.exp(m2 - m)
+                    l = l1 * s1 + l2 * s2; lk = lk1 * s1 + lk2 * s2; ck = c1 + c2
+                    if use_scores:
+                        z = lk if need_kept else l; inv_z = 1 / z if z > 0 else 0; log_z = math.log(z) if z > 0 else 0
+                    else:
+                        c = ck if need_kept else n; inv_z = 1 / c if c > 0 else 0; log_z = math.log(c) if c > 0 else 0
+                    acc = np.zeros(11); o = np.zeros(D)
+                    for half in range(2):
+                        wcur, wacc = -1, 0.0
+                        for kt in range(ntiles):
+                            for j in range(KPT):
+                                t = kt * BN + half * KPT + j
+                                w = 0.0
+                                if t < n:
+                                    same = sid[b, t] == rsid
+                                    keep = rg == 0 or (same != (rg == 1))
+                                    if use_scores:
+                                        e = S[s, t] - m; w = math.exp(e) * inv_z if keep else 0; logw = e - log_z
+                                    else:
+                                        w = inv_z if keep else 0; logw = -log_z
+                                    if s < n and w > 0:
+                                        kc = tc[b, t]
+                                        if 1 <= kc <= 4: acc[kc - 1] += w
+                                        elif t == s: acc[4] += w
+                                        else:
+                                            wi = window_of(abs(s - t), N, n)
+                                            if wi != wcur:
+                                                if wcur >= 0: feat_s[5 + wcur] += wacc
+                                                wcur, wacc = wi, w
+                                            else: wacc += w
+                                        if t == s - 1: acc[5] += w
+                                        if t == s + 1: acc[6] += w
+                                        acc[7] -= w * logw; acc[8] = max(acc[8], w)
+                                        if same: acc[9] += w
+                                        else: acc[10] += w
+                                if t < L and w: o += w * v[b, h, t]
+                        if wcur >= 0: feat_s[5 + wcur] += wacc
+                    out[b, s, h] = o * gates[h]
+                    if s < n:
+                        feat_s[:5] += acc[:5]; feat_s[N + 5:N + 11] += acc[5:11]
+                        if rcls == 1: feat_s[N + 11] += acc[7]
+                feats[b, h] += feat_s
+        ncls = max(1, int(sum(tc[b, :n] == 1)))
+        feats[b, :, :-1] /= n; feats[b, :, -1] /= ncls
+    return out, feats
+
+torch.manual_seed(0)
+B, H, L, D = 2, 9, 150, 16
+q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+lengths = torch.tensor([150, 67])
+tc = torch.zeros(B, L, dtype=torch.int32); tc[:, 0] = 1; tc[0, 149] = 2; tc[1, 66] = 2; tc[:, 10::13] = 3; tc[:, 7::17] = 4
+sid = torch.zeros(B, L, dtype=torch.int32); sid[0, 70:] = 1; sid[1, 30:] = 1; sid[1, 50:] = 2
+mode = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2], dtype=torch.int32); region = torch.tensor([0, 1, 2] * 3, dtype=torch.int32)
+gates = torch.linspace(0.5, 1.5, H)
+for N in (16, 5):
+  for renorm in (False, True):
+    ref_out, ref_f = reference_attention(q, k, v, lengths, tc, sid, scaling=D ** -0.5, num_windows=N, mode=mode,
+                                         region=region, renormalize=renorm, gates=gates, want_features=True)
+    out, f = kernel(q.numpy(), k.numpy(), v.numpy(), lengths.numpy(), tc.numpy(), sid.numpy(), D ** -0.5, N,
+                    mode.numpy(), region.numpy(), renorm, gates.numpy())
+    print(N, renorm, "out maxdiff", np.abs(out - ref_out.numpy()).max(), "feat maxdiff", np.abs(f - ref_f.numpy()).max(),
+          "feat max rel", (np.abs(f - ref_f.numpy()) / (np.abs(ref_f.numpy()) + 1e-6)).max())
