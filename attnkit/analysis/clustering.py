@@ -169,6 +169,14 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
     # -- estimator API -----------------------------------------------------------------------------
     def fit(self, X, y=None):
         """Cluster the heads of `X` (HeadFeatures, or an array n_heads × d)."""
+        from threadpoolctl import threadpool_limits
+
+        # A model has at most a few thousand heads: thread pools cost more than they save here
+        # (one KMeans fit on 72 heads: 155 ms with the default pool, 31 ms on one thread).
+        with threadpool_limits(1):
+            return self._fit(X)
+
+    def _fit(self, X):
         from .naming import name_clusters
 
         data, subset = self._prepare(X)

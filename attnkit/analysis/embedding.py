@@ -32,7 +32,10 @@ def mds(dissimilarity, *, seed: int = 0, n_init: int = 4, max_iter: int = 300) -
         kw.update(metric="precomputed", metric_mds=True, init="random")
     else:
         kw.update(dissimilarity="precomputed", metric=True)
-    return np.asarray(MDS(**kw).fit_transform(d))
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):  # a few hundred heads: thread pools only add overhead
+        return np.asarray(MDS(**kw).fit_transform(d))
 
 
 def tsne(X, *, seed: int = 0, perplexity: float | None = None) -> np.ndarray:
@@ -45,7 +48,10 @@ def tsne(X, *, seed: int = 0, perplexity: float | None = None) -> np.ndarray:
         perplexity = max(2.0, min(30.0, (n - 1) / 3.0))
     if not 0 < perplexity < n:
         raise AttnkitError(f"perplexity must lie in (0, {n}), got {perplexity}")
-    return np.asarray(TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed).fit_transform(X))
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):
+        return np.asarray(TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed).fit_transform(X))
 
 
 __all__ = ["mds", "tsne"]

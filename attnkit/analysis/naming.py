@@ -18,7 +18,8 @@ each to the best of the clusters not yet named that pass its test:
    prev, next, short range; any V, Guan: "medium values in the special tokens"); best: highest near_r.
 3. ``dense``           test far_r ≥ 0.35 and V < 0.5 (weight spread out to the far windows, special
    tokens not dominant); best: lowest V (Guan: "relatively small attention to the special tokens").
-4. ``dense+vertical``  test far_r ≥ 0.35 and V ≥ 0.25 (broad weight plus stripes); best: highest V.
+4. ``dense+vertical``  test far_r ≥ 0.35, V ≥ 0.25 and far ≥ 0.15 (broad weight that really reaches
+   the far windows, plus stripes); best: highest V.
 
 So the names are relative, as in Guan et al.'s descriptions ("much higher than other types"), but a
 cluster only gets a name whose absolute test it passes. Clusters left without a name get a
@@ -36,14 +37,15 @@ V_VERTICAL = 0.5
 NEAR_DIAGONAL = 0.5
 FAR_BROAD = 0.35
 V_DENSE_VERTICAL = 0.25
+FAR_DENSE_VERTICAL = 0.15
 
 # (name, test, score: higher is a better fit), in the order the names are handed out
 RULES = (
     ("vertical", lambda g: g["special"] >= V_VERTICAL, lambda g: g["special"]),
     ("diagonal", lambda g: g["near_r"] >= NEAR_DIAGONAL, lambda g: g["near_r"]),
     ("dense", lambda g: g["far_r"] >= FAR_BROAD and g["special"] < V_VERTICAL, lambda g: -g["special"]),
-    ("dense+vertical", lambda g: g["far_r"] >= FAR_BROAD and g["special"] >= V_DENSE_VERTICAL,
-     lambda g: g["special"]),
+    ("dense+vertical", lambda g: g["far_r"] >= FAR_BROAD and g["special"] >= V_DENSE_VERTICAL
+     and g["far"] >= FAR_DENSE_VERTICAL, lambda g: g["special"]),
 )
 
 
