@@ -65,3 +65,27 @@ def layered_truth(L: int = 6, H: int = 12, seed: int = 0) -> np.ndarray:
         p = np.array([l / L, 0.25, 1 - abs(l - L / 2) / L, 1 - l / L]) + 0.05
         t[l] = rng.choice(4, size=H, p=p / p.sum())
     return t
+
+
+WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "a", "big", "red", "house", "is", "here", "and", "then"]
+
+
+def tiny_model_and_tokenizer(tmp_dir, n_layers: int = 2, n_heads: int = 2, seed: int = 0):
+    """A random-weight BERT (2 layers × 2 heads, hidden 16) and a fast WordPiece tokenizer built in code."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ",", ".", "!", "?"] + WORDS
+    path = f"{tmp_dir}/vocab.txt"
+    with open(path, "w") as f:
+        f.write("\n".join(vocab) + "\n")
+    tok = BertTokenizerFast(vocab_file=path, do_lower_case=True)
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                     intermediate_size=32, max_position_embeddings=64, attn_implementation="eager")
+    model = BertModel(cfg).eval()
+    with torch.no_grad():  # sharper attention than the default init, so heads differ
+        for layer in model.encoder.layer:
+            layer.attention.self.query.weight.mul_(8.0)
+            layer.attention.self.key.weight.mul_(8.0)
+    return model, tok
