@@ -198,8 +198,9 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
               help="Clustering method, when RUN/clusters.json does not exist yet.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of clustering and t-SNE/MDS.")
 @click.option("--device", default=None, help="Device for the example maps.")
+@click.option("--svg/--no-svg", default=True, show_default=True, help="Also save every figure as SVG.")
 @_fail_nicely
-def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, method, seed, device):
+def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, method, seed, device, svg):
     """Write RUN/report.html: one self-contained page (figures embedded, opens offline) with the
     settings, head types and stability, t-SNE and MDS maps, per-layer heatmaps, box plots and tables.
     Figures are also saved as PNG and SVG in RUN/figures/. Uses RUN/clusters.json (or clusters now)
@@ -212,7 +213,7 @@ def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, metho
 
         texts, meta = _corpus_from_run(run, corpus, fmt, squad_pairs, columns, limit)
         model = load_model(meta.get("model") or None, device=device)
-    path = build_report(run, k=k, method=method, seed=seed, examples=examples, texts=texts, model=model)
+    path = build_report(run, k=k, method=method, seed=seed, examples=examples, texts=texts, model=model, svg=svg)
     click.echo(f"wrote {path}")
 
 

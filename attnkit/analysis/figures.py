@@ -42,19 +42,22 @@ def type_colors(type_names) -> dict:
     return out
 
 
-def save_figure(fig, directory, stem: str, *, close: bool = True) -> dict:
-    """Write `directory/stem.png` and `.svg`; returns {"png": path, "svg": path, "png_bytes": bytes}."""
+def save_figure(fig, directory, stem: str, *, close: bool = True, svg: bool = True) -> dict:
+    """Write `directory/stem.png` and (with `svg`) `.svg`; returns {"png": path, "svg": path or None,
+    "png_bytes": bytes}."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     png = directory / f"{stem}.png"
     png.write_bytes(buf.getvalue())
-    svg = directory / f"{stem}.svg"
-    fig.savefig(svg, format="svg", bbox_inches="tight")
+    svg_path = None
+    if svg:
+        svg_path = directory / f"{stem}.svg"
+        fig.savefig(svg_path, format="svg", bbox_inches="tight")
     if close:
         plt.close(fig)
-    return {"png": png, "svg": svg, "png_bytes": buf.getvalue()}
+    return {"png": png, "svg": svg_path, "png_bytes": buf.getvalue()}
 
 
 def feature_heatmaps(features, panels=HEATMAP_FEATURES):

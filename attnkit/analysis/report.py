@@ -134,15 +134,19 @@ def _example_texts(texts, n: int, tokenizer, lo: int = 14, hi: int = 40) -> list
 
 
 def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, examples: int = 0,
-                 texts=None, model=None, do_sweep: bool = True, title: str | None = None) -> Path:
+                 texts=None, model=None, do_sweep: bool = True, title: str | None = None, svg: bool = True) -> Path:
     """Write RUN/report.html (and RUN/figures/*.png|svg). Clusters come from RUN/clusters.json when it
     exists (otherwise they are computed with k/method/seed and saved, with a k = 2..8 sweep);
     the MDS map needs RUN/distances.npz. `examples` > 0 draws that many example maps per type from
-    `texts` with `model` (a (model, tokenizer) pair)."""
+    `texts` with `model` (a (model, tokenizer) pair). `svg=False` skips the SVG copies of the figures."""
     run_dir = Path(run_dir)
     features = HeadFeatures.load(run_dir)
     fig_dir = run_dir / FIGURES_DIR
     notes = []
+
+    def save(fig, stem):
+        return figs.save_figure(fig, fig_dir, stem, svg=svg)
+
     if (run_dir / CLUSTERS_FILE).is_file():
         data = load_clusters(run_dir)
         if data["run"]["n_layers"] != features.n_layers or data["run"]["n_heads"] != features.n_heads:
@@ -185,15 +189,15 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
         '<p class="note">special = weight on [CLS]+[SEP]+comma+period; near_r, far_r = shares of the '
         "remaining weight on self + keys closer than n/8, and on keys at least n/4 away (naming rules in "
         "attnkit.analysis.naming).</p>")
-    saved = figs.save_figure(figs.type_share_per_layer(label_grid(data), type_names), fig_dir, "type_share_per_layer")
+    saved = save(figs.type_share_per_layer(label_grid(data), type_names), "type_share_per_layer")
     sections.append(_img(saved, "Head types per layer (cf. Guan et al. Fig. 3)."))
-    saved = figs.save_figure(figs.distance_boxplots(features, labels, type_names), fig_dir, "distance_boxplots")
+    saved = save(figs.distance_boxplots(features, labels, type_names), "distance_boxplots")
     sections.append(_img(saved, "Distance features of the heads of each type (cf. Guan et al. Fig. 1, bottom)."))
 
     if st.get("sweep"):
         srows = [(r["k"], _fmt(r["stability"]), _fmt(r["silhouette"]), _e(", ".join(r["type_names"])))
                  for r in st["sweep"]]
-        saved = figs.save_figure(figs.stability_sweep(st["sweep"]), fig_dir, "stability_sweep")
+        saved = save(figs.stability_sweep(st["sweep"]), "stability_sweep")
         sections.append("<h2>Stability over k</h2>" + _table(["k", "stability", "silhouette", "types"], srows,
                                                               left=(3,)) + _img(saved, "Stability and silhouette against k."))
 
@@ -203,7 +207,7 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
     from .embedding import mds, tsne
 
     xy = tsne(X, seed=seed)
-    saved = figs.save_figure(figs.tsne_scatter(xy, labels, type_names, head_ids), fig_dir, "tsne_types")
+    saved = save(figs.tsne_scatter(xy, labels, type_names, head_ids), "tsne_types")
     sections.append(_img(saved, "t-SNE of the clustered features, coloured by type (cf. Guan et al. Fig. 2)."))
     if (run_dir / DISTANCES_FILE).is_file():
         dist = HeadDistances.load(run_dir)
@@ -211,7 +215,7 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
             raise AttnkitError(f"{run_dir / DISTANCES_FILE} has {dist.total.shape[0]} heads, the run {L * H}")
         xy = mds(dist.per_token, seed=seed)
         layers = np.repeat(np.arange(L), H)
-        saved = figs.save_figure(figs.mds_maps(xy, labels, type_names, layers, head_ids), fig_dir, "mds_js")
+        saved = save(figs.mds_maps(xy, labels, type_names, layers, head_ids), "mds_js")
         sections.append(_img(saved, f"Metric MDS of the Jensen-Shannon divergences between heads (mean per "
                                     f"token over {dist.n_rows} query tokens), coloured by type and by layer "
                                     f"(cf. Clark et al. Fig. 6)."))
@@ -226,7 +230,7 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
                         f"distances needs `attnkit distances {_e(run_dir)} --corpus ...`.</p>")
 
     # heatmaps
-    saved = figs.save_figure(figs.feature_heatmaps(features), fig_dir, "feature_heatmaps")
+    saved = save(figs.feature_heatmaps(features), "feature_heatmaps")
     sections.append("<h2>Features per layer and head</h2>" +
                     _img(saved, "Per layer × head means over the corpus (cf. Clark et al. Figs. 2 and 6)."))
 
@@ -239,7 +243,7 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
         picks = pick_example_heads(features, data, per_type=examples, n_texts=len(idx))
         picks = [(t, l, h, idx[j]) for t, l, h, j in picks]
         ex = example_maps(mdl, tok, texts, picks)
-        saved = figs.save_figure(figs.attention_examples(ex), fig_dir, "attention_examples")
+        saved = save(figs.attention_examples(ex), "attention_examples")
         sections.append("<h2>Example attention maps</h2>" + _img(
             saved, "The heads nearest to each type's centroid on corpus samples (rows: types; rows of a map: "
                    "queries, columns: keys)."))
