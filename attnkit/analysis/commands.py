@@ -140,10 +140,10 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep)
     click.echo(f"{feats.n_layers} layers × {feats.n_heads} heads, {len(c.feature_names_in_)} features, "
                f"{method}, k = {k}: stability {c.stability_:.3f}, silhouette {c.silhouette_:.3f}")
     for j, name in enumerate(c.type_names_):
-        click.echo(f"  {name:<16} {int((c.labels_ == j).sum()):>4} heads ({c.shares_[j]:.1%})")
-    click.echo("types per layer (rows: layers):")
+        click.echo(f"  {j}: {name:<16} {int((c.labels_ == j).sum()):>4} heads ({c.shares_[j]:.1%})")
+    click.echo("type ids per layer (rows: layers, columns: heads):")
     for l in range(feats.n_layers):
-        click.echo(f"  L{l:<3} " + " ".join(f"{c.type_names_[x][:4]:<4}" for x in c.labels_grid_[l]))
+        click.echo(f"  L{l:<3} " + " ".join(str(int(x)) for x in c.labels_grid_[l]))
     if rows:
         click.echo("k  stability  silhouette")
         for r in rows:

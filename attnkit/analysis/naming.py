@@ -23,9 +23,10 @@ each to the best of the clusters not yet named that pass its test:
 
 So the names are relative, as in Guan et al.'s descriptions ("much higher than other types"), but a
 cluster only gets a name whose absolute test it passes. Clusters left without a name get a
-descriptive one: the cluster's largest component among cls, sep, punct (comma + period), self, near,
-mid, far, as ``"<component>-heavy"`` (``"mixed"`` when no component has a third of the weight), with
-" #2", " #3" … appended to keep names unique.
+descriptive one: the cluster's components among cls, sep, punct (comma + period), self, near, mid, far
+that hold at least a quarter of the weight, largest first, as ``"<a>+<b>-heavy"`` (e.g. "cls+near-heavy"
+for a diagonal band plus a [CLS] stripe when "diagonal" went to another cluster; ``"mixed"`` when no
+component has a quarter), with " #2", " #3" … appended to keep names unique.
 Profiles without distance buckets get descriptive names from their largest feature.
 """
 from __future__ import annotations
@@ -85,8 +86,8 @@ def descriptive_name(g: dict | None, profile=None, names=None) -> str:
         p = np.asarray(profile, dtype=np.float64)
         return f"{names[int(np.nanargmax(p))]}-heavy" if len(p) else "cluster"
     comps = {k: g[k] for k in ("cls", "sep", "punct", "self", "near", "mid", "far")}
-    top = max(comps, key=comps.get)
-    return f"{top}-heavy" if comps[top] >= 1 / 3 else "mixed"
+    big = sorted((c for c in comps if comps[c] >= 0.25), key=lambda c: -comps[c])
+    return "+".join(big) + "-heavy" if big else "mixed"
 
 
 def name_clusters(profiles, names) -> list[str]:
