@@ -91,7 +91,8 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
     Parameters
     ----------
     k : number of clusters (types).
-    method : "kmeans" (sklearn KMeans, n_init=10) or "gmm" (sklearn GaussianMixture, full covariance,
+    method : "kmeans" (sklearn KMeans, n_init=10) or "gmm" (sklearn GaussianMixture, diagonal covariance:
+        a model has too few heads for full 21×21 covariances (72 heads, 231 parameters per component);
         small `reg_covar`, n_init=3).
     features_subset : None for the distance buckets (cls, sep, comma, period, self, win_0..win_{N-1}),
         "all", a comma-separated string or a list of feature names. Only used when fitting a
@@ -147,7 +148,7 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
     def _make_estimator(self, seed: int):
         if self.method == "kmeans":
             return KMeans(n_clusters=int(self.k), n_init=10, random_state=seed)
-        return GaussianMixture(n_components=int(self.k), covariance_type="full", reg_covar=1e-4,
+        return GaussianMixture(n_components=int(self.k), covariance_type="diag", reg_covar=1e-4,
                                n_init=3, random_state=seed)
 
     def _prepare(self, X):
