@@ -169,3 +169,11 @@ def test_naming_is_relative_unique_and_falls_back():
     assert out == ["mid-heavy", "mid-heavy #2"]
     # no distance buckets at all: named after the largest feature
     assert name_clusters(np.array([[0.1, 0.9], [0.8, 0.2]]), ["prev", "next"]) == ["next-heavy", "prev-heavy"]
+
+
+def test_top_level_export(structured):
+    import attnkit
+    from attnkit.analysis import build_report, compare, mds, tsne  # noqa: F401  (lazy names resolve)
+
+    c = attnkit.cluster(structured, k=4, n_stability=0)
+    assert isinstance(c, HeadClusterer) and np.isnan(c.stability_)
