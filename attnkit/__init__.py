@@ -16,7 +16,17 @@ from .extraction import extract
 __version__ = "0.1.0"
 _register_attention()
 
+
+def __getattr__(name):
+    # `attnkit.cluster` without paying for scikit-learn's import on every `import attnkit`
+    if name == "cluster":
+        from .analysis import cluster
+
+        return cluster
+    raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
+
+
 __all__ = [
-    "AttnkitError", "HeadFeatures", "Intervention", "backend_info", "extract", "feature_names",
+    "AttnkitError", "HeadFeatures", "Intervention", "backend_info", "cluster", "extract", "feature_names",
     "instrument", "intervene", "load_model",
 ]

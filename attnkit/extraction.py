@@ -38,6 +38,18 @@ def measuring(model, *, backend: str = "auto", num_windows: int = 16):
         rt.features = {}
 
 
+@contextlib.contextmanager
+def _observing(rt, observers: Sequence[Callable]):
+    """Attach `observers` to the runtime for the block and always detach them again."""
+    observers = list(observers or ())
+    rt.observers.extend(observers)
+    try:
+        yield
+    finally:
+        for obs in observers:
+            rt.observers.remove(obs)
+
+
 def forward_features(model, batch, rt) -> torch.Tensor:
     """One forward of `batch` (already on the model's device); returns B × layers × heads × F on CPU."""
     rt.batch = BatchInfo(batch.lengths, batch.token_class, batch.sentence_id)
@@ -88,9 +100,12 @@ def run_extraction(
     start: int = 0,
     on_batch: Callable[[FeatureAccumulator, int, int], None] | None = None,
     progress: bool = False,
+    observers: Sequence[Callable] = (),
 ) -> tuple[FeatureAccumulator, int]:
     """Measure `segments[start:]` in order. `on_batch(acc, next_index, n_truncated)` runs after every
-    batch (checkpointing hooks in here). Returns the accumulator and the number of truncated segments."""
+    batch (checkpointing hooks in here). `observers` are added to the runtime's observers for the run
+    (each gets (layer, query, key, lengths, scaling) per layer and forward, e.g. the JS distance
+    collector of attnkit.analysis). Returns the accumulator and the number of truncated segments."""
     check_num_windows(num_windows)
     check_max_length(model, max_length)
     device = next(model.parameters()).device
@@ -113,7 +128,7 @@ def run_extraction(
 
         bar = tqdm(total=len(segments), initial=start, unit="seg", desc="extract", dynamic_ncols=True)
     t0, tokens0 = time.perf_counter(), acc.n_tokens
-    with measuring(model, backend=backend, num_windows=num_windows) as rt:
+    with measuring(model, backend=backend, num_windows=num_windows) as rt, _observing(rt, observers):
         for i in range(start, len(segments), batch_size):
             chunk = segments[i:i + batch_size]
             batch = encoder(chunk).to(device)
@@ -162,11 +177,13 @@ def extract(
     split_sentences: bool = False,
     tokenizer=None,
     progress: bool = False,
+    observers: Sequence[Callable] = (),
 ) -> HeadFeatures:
     """Per-head features of `texts` (a list of str or of (str, str) pairs) under `model`.
 
     `model`: None for the embedded MiniLM, a local path, or a (model, tokenizer) pair.
     `backend`: "reference" (pure PyTorch), "fused" (the compiled op), "auto" (fused when loaded).
+    `observers`: callables (layer, query, key, lengths, scaling) attached for the run (see `Runtime`).
     """
     if isinstance(texts, (str, bytes)):
         raise AttnkitError("texts must be a list of strings or (str, str) pairs, not a single string")
@@ -179,7 +196,7 @@ def extract(
     model, tokenizer = _as_model(model, tokenizer, device, dtype)
     acc, n_truncated = run_extraction(
         model, tokenizer, texts, max_length=max_length, batch_size=batch_size, num_windows=num_windows,
-        split_sentences=split_sentences, backend=backend, progress=progress,
+        split_sentences=split_sentences, backend=backend, progress=progress, observers=observers,
     )
     dev = next(model.parameters()).device
     meta = {

@@ -1,0 +1,258 @@
+"""Click commands of the analysis: `cluster`, `distances`, `report`, `compare`.
+
+They are plain `@click.command()`s; attnkit/cli.py adds them to the `attnkit` group with
+`main.add_command(...)`. `python -m attnkit.analysis ...` runs them without the main CLI.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..errors import AttnkitError
+
+RUN = click.Path(exists=True, file_okay=False, path_type=Path)
+
+
+def _fail_nicely(fn):
+    """Show AttnkitError as a one-line click error (exit 1), not a traceback."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except AttnkitError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    return wrapper
+
+
+def read_segments(path: Path, *, fmt: str = "auto", squad_pairs: bool = False, columns=None,
+                  limit: int | None = None) -> list:
+    """Corpus segments through attnkit.corpus when present, else a small reader (lines; TSV with
+    sentence1/sentence2 or a text column; SQuAD JSON contexts or (question, context) pairs)."""
+    try:
+        from ..corpus import read_corpus
+    except ImportError:
+        read_corpus = None
+    if read_corpus is not None:
+        return read_corpus(path, fmt, squad_pairs=squad_pairs, columns=columns, limit=limit)
+    import csv
+
+    path = Path(path)
+    if not path.is_file():
+        raise AttnkitError(f"corpus {str(path)!r} does not exist")
+    ext = path.suffix.lower() if fmt == "auto" else {"squad": ".json", "tsv": ".tsv"}.get(fmt, ".txt")
+    if ext == ".json":
+        doc = json.loads(path.read_text())
+        out = []
+        for art in doc.get("data", []):
+            for p in art.get("paragraphs", []):
+                out.extend([(qa["question"], p["context"]) for qa in p.get("qas", [])] if squad_pairs else [p["context"]])
+    elif ext in (".tsv", ".csv"):
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f, delimiter="\t" if ext == ".tsv" else ",", quoting=csv.QUOTE_NONE))
+        cols = list(columns) if columns else next(
+            (c for c in (["sentence1", "sentence2"], ["sentence"], ["text"]) if rows and all(x in rows[0] for x in c)), None)
+        if not cols:
+            raise AttnkitError(f"{path}: name the text column(s) with --columns")
+        out = [tuple(r[c] for c in cols) if len(cols) == 2 else r[cols[0]] for r in rows]
+    else:
+        out = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not out:
+        raise AttnkitError(f"corpus {str(path)!r} has no text")
+    return out[:limit] if limit else out
+
+
+def _corpus_from_run(run: Path, corpus, fmt, squad_pairs, columns, limit):
+    """The corpus of a run: --corpus, else the path recorded in meta.json (with its reading settings)."""
+    from ..head_features import HeadFeatures
+
+    meta = HeadFeatures.load(run).meta
+    if corpus is None:
+        recorded = meta.get("corpus")
+        if not recorded or not Path(recorded).is_file():
+            raise AttnkitError(f"{run}/meta.json names no readable corpus ({recorded!r}): pass --corpus PATH")
+        corpus = Path(recorded)
+        fmt = meta.get("format", fmt) or fmt
+        squad_pairs = bool(meta.get("squad_pairs", squad_pairs))
+        columns = columns or meta.get("columns")
+        limit = limit or meta.get("n_segments")
+    if isinstance(columns, str):
+        columns = tuple(c.strip() for c in columns.split(",") if c.strip())
+    return read_segments(corpus, fmt=fmt, squad_pairs=squad_pairs, columns=columns, limit=limit), meta
+
+
+_corpus_options = [
+    click.option("--corpus", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+                 help="Corpus file [default: the one recorded in RUN/meta.json]."),
+    click.option("--format", "fmt", type=click.Choice(["auto", "text", "jsonl", "squad", "tsv"]), default="auto",
+                 show_default=True, help="Corpus format (auto: by extension)."),
+    click.option("--squad-pairs", is_flag=True, help="SQuAD JSON: (question, context) pairs instead of contexts."),
+    click.option("--columns", default=None, metavar="COL[,COL2]", help="TSV/CSV text column(s)."),
+    click.option("--limit", type=click.IntRange(min=1), default=None, help="Use only the first N segments."),
+]
+
+
+def _with(options):
+    def deco(fn):
+        for opt in reversed(options):
+            fn = opt(fn)
+        return fn
+    return deco
+
+
+@click.command("cluster")
+@click.argument("run", type=RUN)
+@click.option("--k", "k", default=4, show_default=True, type=click.IntRange(min=2), help="Number of head types.")
+@click.option("--method", type=click.Choice(["kmeans", "gmm"]), default="kmeans", show_default=True,
+              help="scikit-learn KMeans or GaussianMixture.")
+@click.option("--features", default=None, metavar="NAMES",
+              help="Comma-separated features to cluster on, or 'all' [default: the distance buckets cls, sep, "
+                   "comma, period, self, win_0..win_N-1 (Guan et al.'s 21-dim distance feature)].")
+@click.option("--standardize/--no-standardize", default=False, show_default=True,
+              help="Scale every feature to unit variance first.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Random seed (fits and stability subsets).")
+@click.option("--stability", "n_stability", default=10, show_default=True, type=click.IntRange(min=0),
+              help="Fits on random halves of the heads for the stability measure (0: skip).")
+@click.option("--sweep/--no-sweep", default=False, show_default=True,
+              help="Also report stability and silhouette for k = 2..8.")
+@_fail_nicely
+def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep):
+    """Group the heads of RUN into types; writes RUN/clusters.json.
+
+    Types are named from their centroids (dense, diagonal, dense+vertical, vertical; see
+    attnkit.analysis.naming). Stability follows Guan et al. 2020: the share of heads that get the same
+    label in all fits on random 50% subsets of the heads, labels matched by the Hungarian method.
+    """
+    from ..head_features import HeadFeatures
+    from .clustering import cluster, sweep as do_sweep
+    from .results import save_clusters
+
+    feats = HeadFeatures.load(run)
+    c = cluster(feats, k=k, method=method, features_subset=features, standardize=standardize, seed=seed,
+                n_stability=n_stability)
+    rows = do_sweep(feats, method=method, features_subset=features, standardize=standardize, seed=seed,
+                    n_stability=n_stability) if sweep else None
+    path = save_clusters(run, c, feats, rows)
+    click.echo(f"{feats.n_layers} layers × {feats.n_heads} heads, {len(c.feature_names_in_)} features, "
+               f"{method}, k = {k}: stability {c.stability_:.3f}, silhouette {c.silhouette_:.3f}")
+    for j, name in enumerate(c.type_names_):
+        click.echo(f"  {j}: {name:<16} {int((c.labels_ == j).sum()):>4} heads ({c.shares_[j]:.1%})")
+    click.echo("type ids per layer (rows: layers, columns: heads):")
+    for l in range(feats.n_layers):
+        click.echo(f"  L{l:<3} " + " ".join(str(int(x)) for x in c.labels_grid_[l]))
+    if rows:
+        click.echo("k  stability  silhouette")
+        for r in rows:
+            click.echo(f"{r['k']:<2} {r['stability']:>9.3f} {r['silhouette']:>11.3f}")
+    click.echo(f"wrote {path}")
+
+
+@click.command("distances")
+@click.argument("run", type=RUN)
+@_with(_corpus_options)
+@click.option("--rows-per-sample", type=click.IntRange(min=1), default=None,
+              help="Sample this many query tokens per sample (for big corpora) [default: all].")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Samples per batch.")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the row sampling.")
+@_fail_nicely
+def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, device, seed):
+    """Jensen-Shannon distances between all pairs of heads of RUN's model over a corpus (Clark et al.
+    2019); writes RUN/distances.npz (sums, per-token means, rows counted).
+
+    Runs the model over the corpus (by default the one in RUN/meta.json, with the run's model and
+    max length); the attention maps are recomputed per layer inside the forward (Runtime observers)
+    and reduced to a heads × heads matrix per batch, never stored. Uses the compiled js_distances op
+    when it is built for the device, a chunked PyTorch computation otherwise.
+    """
+    from ..models import load_model
+    from .distances import collect_distances
+
+    texts, meta = _corpus_from_run(run, corpus, fmt, squad_pairs, columns, limit)
+    model = load_model(meta.get("model") or None, device=device)
+    feats, dist = collect_distances(texts, model, rows_per_sample=rows_per_sample, seed=seed,
+                                    max_length=int(meta.get("max_length", 128)), batch_size=batch_size,
+                                    num_windows=int(meta.get("num_windows", 16)))
+    if (feats.n_layers, feats.n_heads) != (meta.get("n_layers", feats.n_layers), meta.get("n_heads", feats.n_heads)):
+        raise AttnkitError(f"the model has {feats.n_layers} × {feats.n_heads} heads but {run} was measured "
+                           f"with {meta.get('n_layers')} × {meta.get('n_heads')}")
+    path = dist.save(run)
+    pt = dist.per_token
+    off = pt[~__import__("numpy").eye(pt.shape[0], dtype=bool)]
+    click.echo(f"{len(texts)} segments, {dist.n_rows} query tokens: mean JS per token between heads "
+               f"{off.mean():.4f} (min {off.min():.4f}, max {off.max():.4f}); wrote {path}")
+
+
+@click.command("report")
+@click.argument("run", type=RUN)
+@click.option("--examples", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Example attention maps per type, drawn from the corpus (needs the model and corpus).")
+@_with(_corpus_options)
+@click.option("--k", "k", default=4, show_default=True, type=click.IntRange(min=2),
+              help="Types, when RUN/clusters.json does not exist yet.")
+@click.option("--method", type=click.Choice(["kmeans", "gmm"]), default="kmeans", show_default=True,
+              help="Clustering method, when RUN/clusters.json does not exist yet.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of clustering and t-SNE/MDS.")
+@click.option("--device", default=None, help="Device for the example maps.")
+@click.option("--svg/--no-svg", default=True, show_default=True, help="Also save every figure as SVG.")
+@_fail_nicely
+def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, method, seed, device, svg):
+    """Write RUN/report.html: one self-contained page (figures embedded, opens offline) with the
+    settings, head types and stability, t-SNE and MDS maps, per-layer heatmaps, box plots and tables.
+    Figures are also saved as PNG and SVG in RUN/figures/. Uses RUN/clusters.json (or clusters now)
+    and RUN/distances.npz when present."""
+    from .report import build_report
+
+    texts = model = None
+    if examples:
+        from ..models import load_model
+
+        texts, meta = _corpus_from_run(run, corpus, fmt, squad_pairs, columns, limit)
+        model = load_model(meta.get("model") or None, device=device)
+    path = build_report(run, k=k, method=method, seed=seed, examples=examples, texts=texts, model=model, svg=svg)
+    click.echo(f"wrote {path}")
+
+
+@click.command("compare")
+@click.argument("run_a", type=RUN)
+@click.argument("run_b", type=RUN)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the comparison as JSON.")
+@_fail_nicely
+def compare_cmd(run_a, run_b, json_out):
+    """Compare the head types of two clustered runs (e.g. pretrained vs fine-tuned, or two corpora):
+    which heads changed type, and the type distribution per layer of each."""
+    from .results import compare, load_clusters
+
+    res = compare(load_clusters(run_a), load_clusters(run_b))
+    click.echo(f"{res['n_changed']} of {res['n_heads']} heads changed type")
+    for key, n in res["transitions"].items():
+        click.echo(f"  {key}: {n}")
+    for side, run in (("a", run_a), ("b", run_b)):
+        dist = res["per_layer"][side]
+        click.echo(f"types per layer in {run} (counts for layers 0..):")
+        for t, counts in dist.items():
+            click.echo(f"  {t:<16} " + " ".join(f"{c:>3}" for c in counts))
+    if res["changed"]:
+        click.echo("changed heads: " + ", ".join(f"L{c['layer']}H{c['head']} {c['a']}→{c['b']}" for c in res["changed"]))
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=2) + "\n")
+        click.echo(f"wrote {json_out}")
+
+
+COMMANDS = (cluster_cmd, distances_cmd, report_cmd, compare_cmd)
+
+
+@click.group()
+def analysis():
+    """attnkit analysis commands (also available as `attnkit cluster|distances|report|compare`)."""
+
+
+for _cmd in COMMANDS:
+    analysis.add_command(_cmd)
+
+__all__ = ["cluster_cmd", "distances_cmd", "report_cmd", "compare_cmd", "COMMANDS", "analysis", "read_segments"]

@@ -1,0 +1,284 @@
+"""RUN/report.html: one self-contained page (figures embedded as base64 PNG, no external resources)
+with the run's settings, the tables (features per head, clusters, stability) and the figures.
+The figures are also written as PNG and SVG under RUN/figures/.
+"""
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import AttnkitError
+from ..head_features import HeadFeatures, atomic_write
+from . import figures as figs
+from .clustering import cluster, distance_feature_names, head_matrix, sweep
+from .distances import DISTANCES_FILE, HeadDistances
+from .results import CLUSTERS_FILE, label_grid, load_clusters, save_clusters
+
+REPORT_FILE = "report.html"
+FIGURES_DIR = "figures"
+
+_CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1200px;
+color:#222;line-height:1.45;padding:0 16px}
+h1{font-size:1.6em;margin-bottom:.2em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
+table{border-collapse:collapse;font-size:12px;margin:.6em 0}
+th,td{border:1px solid #ccc;padding:3px 7px;text-align:right}th{background:#f3f3f3}
+td.l,th.l{text-align:left}figure{margin:1em 0}figure img{max-width:100%;border:1px solid #eee}
+figcaption{font-size:13px;color:#555}.note{color:#666;font-size:13px}.swatch{display:inline-block;
+width:.9em;height:.9em;border-radius:2px;vertical-align:middle;margin-right:4px}
+details{margin:.6em 0}summary{cursor:pointer;font-weight:600}
+.scroll{max-height:520px;overflow:auto;display:inline-block;border:1px solid #eee}
+"""
+
+
+def _e(x) -> str:
+    return html.escape(str(x))
+
+
+def _fmt(v, digits=3) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, (float, np.floating)):
+        return "–" if np.isnan(v) else f"{v:.{digits}f}"
+    return _e(v)
+
+
+def _table(header, rows, left=(0,)) -> str:
+    th = "".join(f'<th class="{"l" if i in left else ""}">{_e(h)}</th>' for i, h in enumerate(header))
+    body = []
+    for r in rows:
+        body.append("<tr>" + "".join(f'<td class="{"l" if i in left else ""}">{c}</td>' for i, c in enumerate(r))
+                    + "</tr>")
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _img(saved: dict, caption: str) -> str:
+    b64 = base64.b64encode(saved["png_bytes"]).decode("ascii")
+    return (f'<figure><img alt="{_e(caption)}" src="data:image/png;base64,{b64}">'
+            f"<figcaption>{_e(caption)}</figcaption></figure>")
+
+
+def example_maps(model, tokenizer, texts, picks, *, max_length: int = 64) -> list[dict]:
+    """Attention maps of chosen heads for a few texts, recomputed with the reference weights.
+
+    `picks`: list of (type name, layer, head, text index). One forward per distinct text; the weights
+    come from `attnkit.reference.attention_weights` on the layer's q and k (via the Runtime observers).
+    """
+    import torch
+
+    from ..models import instrument, runtime_of
+    from ..reference import attention_weights
+    from ..tokens import Encoder
+
+    instrument(model)
+    rt = runtime_of(model)
+    enc = Encoder(tokenizer, max_length=max_length)
+    out = []
+    by_text: dict[int, list] = {}
+    for p in picks:
+        by_text.setdefault(p[3], []).append(p)
+    device = next(model.parameters()).device
+    for ti, ps in by_text.items():
+        batch = enc([texts[ti]]).to(device)
+        captured: dict[int, torch.Tensor] = {}
+
+        def obs(layer, q, k, lengths, scaling, _captured=captured):
+            scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+            _captured[int(layer)] = attention_weights(q.detach(), k.detach(), lengths.long(), float(scaling))[0].cpu()
+
+        rt.observers.append(obs)
+        try:
+            with torch.inference_mode():
+                model(**batch.inputs)
+        finally:
+            rt.observers.remove(obs)
+        n = int(batch.lengths[0])
+        tokens = tokenizer.convert_ids_to_tokens(batch.inputs["input_ids"][0, :n].tolist())
+        for t, layer, head, _ in ps:
+            out.append({"type": t, "layer": layer, "head": head, "tokens": tokens,
+                        "weights": captured[layer][head, :n, :n].numpy()})
+    order = {p[:3]: i for i, p in enumerate(picks)}
+    out.sort(key=lambda e: order[(e["type"], e["layer"], e["head"])])
+    return out
+
+
+def pick_example_heads(features: HeadFeatures, data: dict, per_type: int = 3, n_texts: int = 1) -> list:
+    """For each type, the `per_type` heads closest to their cluster's centroid (most typical)."""
+    feats = data["settings"]["features"]
+    X = head_matrix(features, feats)
+    H = data["run"]["n_heads"]
+    picks = []
+    for c in data["clusters"]:
+        cen = np.array([c["centroid"][f] for f in feats])
+        members = [m for m, h in enumerate(data["heads"]) if h["label"] == c["label"]]
+        members.sort(key=lambda m: float(np.sum((X[m] - cen) ** 2)))
+        for j, m in enumerate(members[:per_type]):
+            picks.append((c["type"], m // H, m % H, j % max(n_texts, 1)))
+    return picks
+
+
+def _example_texts(texts, n: int, tokenizer, lo: int = 14, hi: int = 40) -> list[int]:
+    """Indices of up to n texts of moderate token length (readable maps)."""
+    good, rest = [], []
+    for i, t in enumerate(texts[:500]):
+        ids = tokenizer(*(t if isinstance(t, (tuple, list)) else (t,)))["input_ids"]
+        (good if lo <= len(ids) <= hi else rest).append((abs(len(ids) - (lo + hi) // 2), i))
+        if len(good) >= n:
+            break
+    chosen = [i for _, i in sorted(good)[:n]] or [i for _, i in sorted(rest)[:n]]
+    return chosen
+
+
+def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, examples: int = 0,
+                 texts=None, model=None, do_sweep: bool = True, title: str | None = None, svg: bool = True) -> Path:
+    """Write RUN/report.html (and RUN/figures/*.png|svg). Clusters come from RUN/clusters.json when it
+    exists (otherwise they are computed with k/method/seed and saved, with a k = 2..8 sweep);
+    the MDS map needs RUN/distances.npz. `examples` > 0 draws that many example maps per type from
+    `texts` with `model` (a (model, tokenizer) pair). `svg=False` skips the SVG copies of the figures."""
+    run_dir = Path(run_dir)
+    features = HeadFeatures.load(run_dir)
+    fig_dir = run_dir / FIGURES_DIR
+    notes = []
+
+    def save(fig, stem):
+        return figs.save_figure(fig, fig_dir, stem, svg=svg)
+
+    if (run_dir / CLUSTERS_FILE).is_file():
+        data = load_clusters(run_dir)
+        if data["run"]["n_layers"] != features.n_layers or data["run"]["n_heads"] != features.n_heads:
+            raise AttnkitError(f"{run_dir / CLUSTERS_FILE} does not match the run's {features.n_layers} × "
+                               f"{features.n_heads} heads: re-run `attnkit cluster {run_dir}`")
+    else:
+        c = cluster(features, k=k, method=method, seed=seed)
+        rows = sweep(features, method=method, seed=seed) if do_sweep else None
+        save_clusters(run_dir, c, features, rows)
+        data = load_clusters(run_dir)
+        notes.append(f"{CLUSTERS_FILE} was missing; clustered now with k = {k}, method {method}, seed {seed}.")
+    labels = label_grid(data).ravel()
+    type_names = [c["type"] for c in data["clusters"]]
+    L, H = features.n_layers, features.n_heads
+    head_ids = [f"L{m // H}H{m % H}" for m in range(L * H)]
+    colors = figs.type_colors(type_names)
+    sections = []
+
+    # settings
+    meta = dict(features.meta)
+    rows = [(_e(key), _e(v)) for key, v in meta.items()]
+    rows += [(_e(f"clustering: {key}"), _e(", ".join(v) if isinstance(v, list) else v))
+             for key, v in data["settings"].items()]
+    sections.append("<h2>Run and settings</h2>" + _table(["setting", "value"], rows, left=(0, 1)))
+
+    # clusters + stability
+    st = data["stability"]
+    crow = []
+    for c in data["clusters"]:
+        p = c["profile"] or {}
+        sw = f'<span class="swatch" style="background:{colors[c["type"]]}"></span>'
+        crow.append((sw + _e(c["type"]), c["n_heads"], _fmt(c["share"]), _fmt(p.get("special")),
+                     _fmt(p.get("cls")), _fmt(p.get("sep")), _fmt(p.get("punct")), _fmt(p.get("near_r")),
+                     _fmt(p.get("far_r"))))
+    text = (f"<p>k = {st['k']}: stability <b>{_fmt(st['stability'])}</b> (share of heads given the same "
+            f"label by all {st['n_stability']} fits on random halves of the heads, labels matched by the "
+            f"Hungarian method), silhouette {_fmt(st['silhouette'])}.</p>")
+    sections.append("<h2>Head types</h2>" + text + _table(
+        ["type", "heads", "share", "special", "cls", "sep", "punct", "near_r", "far_r"], crow) +
+        '<p class="note">special = weight on [CLS]+[SEP]+comma+period; near_r, far_r = shares of the '
+        "remaining weight on self + keys closer than n/8, and on keys at least n/4 away (naming rules in "
+        "attnkit.analysis.naming).</p>")
+    saved = save(figs.type_share_per_layer(label_grid(data), type_names), "type_share_per_layer")
+    sections.append(_img(saved, "Head types per layer (cf. Guan et al. Fig. 3)."))
+    saved = save(figs.distance_boxplots(features, labels, type_names), "distance_boxplots")
+    sections.append(_img(saved, "Distance features of the heads of each type (cf. Guan et al. Fig. 1, bottom)."))
+
+    if st.get("sweep"):
+        srows = [(r["k"], _fmt(r["stability"]), _fmt(r["silhouette"]), _e(", ".join(r["type_names"])))
+                 for r in st["sweep"]]
+        saved = save(figs.stability_sweep(st["sweep"]), "stability_sweep")
+        sections.append("<h2>Stability over k</h2>" + _table(["k", "stability", "silhouette", "types"], srows,
+                                                              left=(3,)) + _img(saved, "Stability and silhouette against k."))
+
+    # maps
+    sections.append("<h2>Maps of heads</h2>")
+    X = head_matrix(features, data["settings"]["features"])
+    from .embedding import mds, tsne
+
+    xy = tsne(X, seed=seed)
+    saved = save(figs.tsne_scatter(xy, labels, type_names, head_ids), "tsne_types")
+    sections.append(_img(saved, "t-SNE of the clustered features, coloured by type (cf. Guan et al. Fig. 2)."))
+    if (run_dir / DISTANCES_FILE).is_file():
+        dist = HeadDistances.load(run_dir)
+        if dist.total.shape[0] != L * H:
+            raise AttnkitError(f"{run_dir / DISTANCES_FILE} has {dist.total.shape[0]} heads, the run {L * H}")
+        xy = mds(dist.per_token, seed=seed)
+        layers = np.repeat(np.arange(L), H)
+        saved = save(figs.mds_maps(xy, labels, type_names, layers, head_ids), "mds_js")
+        sections.append(_img(saved, f"Metric MDS of the Jensen-Shannon divergences between heads (mean per "
+                                    f"token over {dist.n_rows} query tokens), coloured by type and by layer "
+                                    f"(cf. Clark et al. Fig. 6)."))
+        pt = dist.per_token
+        same = np.repeat(np.arange(L), H)
+        within = pt[(same[:, None] == same[None, :]) & ~np.eye(L * H, dtype=bool)].mean()
+        across = pt[same[:, None] != same[None, :]].mean()
+        sections.append(f'<p class="note">Mean JS divergence per token: between heads of the same layer '
+                        f"{within:.4f}, between heads of different layers {across:.4f}.</p>")
+    else:
+        sections.append(f'<p class="note">No {DISTANCES_FILE} in this run: the MDS map of Jensen-Shannon '
+                        f"distances needs `attnkit distances {_e(run_dir)} --corpus ...`.</p>")
+
+    # heatmaps
+    saved = save(figs.feature_heatmaps(features), "feature_heatmaps")
+    sections.append("<h2>Features per layer and head</h2>" +
+                    _img(saved, "Per layer × head means over the corpus (cf. Clark et al. Figs. 2 and 6)."))
+
+    # examples
+    if examples > 0:
+        if texts is None or model is None:
+            raise AttnkitError("example attention maps need the corpus texts and the model")
+        mdl, tok = model
+        idx = _example_texts(texts, examples, tok)
+        picks = pick_example_heads(features, data, per_type=examples, n_texts=len(idx))
+        picks = [(t, l, h, idx[j]) for t, l, h, j in picks]
+        ex = example_maps(mdl, tok, texts, picks)
+        saved = save(figs.attention_examples(ex), "attention_examples")
+        sections.append("<h2>Example attention maps</h2>" + _img(
+            saved, "The heads nearest to each type's centroid on corpus samples (rows: types; rows of a map: "
+                   "queries, columns: keys)."))
+
+    # feature table
+    names = features.names
+    show = [n for n in ("cls", "sep", "comma", "period", "self", "prev", "next", "entropy", "max", "intra",
+                        "inter", "cls_entropy") if n in names]
+    fgrid = label_grid(data)
+    trows = []
+    for l in range(L):
+        for h in range(H):
+            t = type_names[fgrid[l, h]]
+            sw = f'<span class="swatch" style="background:{colors[t]}"></span>'
+            trows.append([l, h, sw + _e(t)] + [_fmt(float(features.mean[l, h, names.index(n)])) for n in show])
+    sections.append("<h2>Features per head</h2><details><summary>Table of the corpus means per head "
+                    f"({L * H} rows)</summary><div class=\"scroll\">" +
+                    _table(["layer", "head", "type"] + show, trows, left=(2,)) + "</div></details>")
+    wins = distance_feature_names(names)
+    drows = [[l, h] + [_fmt(float(features.mean[l, h, names.index(n)])) for n in wins]
+             for l in range(L) for h in range(H)]
+    sections.append("<details><summary>Distance buckets per head</summary><div class=\"scroll\">" +
+                    _table(["layer", "head"] + wins, drows, left=()) + "</div></details>")
+
+    title = title or f"attnkit report: {run_dir.name}"
+    subtitle = (f"{_e(meta.get('model', ''))} — {features.n_samples} samples, {features.n_tokens} tokens, "
+                f"{L} layers × {H} heads; generated {_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}")
+    note_html = "".join(f'<p class="note">{_e(n)}</p>' for n in notes)
+    page = (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{_e(title)}</title>"
+            f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1><p class=\"note\">{subtitle}</p>{note_html}"
+            + "\n".join(sections) + "</body></html>\n")
+    out = run_dir / REPORT_FILE
+    atomic_write(out, lambda f: f.write(page.encode("utf-8")))
+    return out
+
+
+__all__ = ["build_report", "example_maps", "pick_example_heads", "REPORT_FILE"]

@@ -1,0 +1,143 @@
+"""RUN/clusters.json: head types of a run, written by `attnkit cluster` and read by report/compare.
+
+Layout (version 1):
+    {"version": 1,
+     "settings": {"k", "method", "features", "standardize", "seed", "n_stability", "subsample"},
+     "run": {"n_layers", "n_heads", "n_samples", "n_tokens", "model", "corpus"},
+     "heads": [{"layer", "head", "label", "type", "agreement"}, ...]      # (layer, head) order
+     "clusters": [{"label", "type", "n_heads", "share", "centroid": {feature: value},
+                   "profile": {"special", "near_r", "far_r", ...}}, ...],
+     "stability": {"k", "stability", "silhouette", "n_stability", "sweep": [{"k", "stability",
+                   "silhouette", "type_names", "shares"}, ...] or null}}
+`agreement` is the share of stability fits that gave the head its final label.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import AttnkitError
+from ..head_features import write_json
+from .naming import profile_groups
+
+CLUSTERS_FILE = "clusters.json"
+VERSION = 1
+
+
+def _num(x):
+    x = float(x)
+    return None if math.isnan(x) else x
+
+
+def clusters_dict(clusterer, features=None, sweep_rows=None) -> dict:
+    """The clusters.json content of a fitted HeadClusterer (fitted on HeadFeatures)."""
+    if getattr(clusterer, "grid_shape_", None) is None:
+        raise AttnkitError("clusters.json needs a clusterer fitted on HeadFeatures (layers × heads)")
+    L, H = clusterer.grid_shape_
+    names = clusterer.type_names_
+    heads = []
+    for m, lab in enumerate(clusterer.labels_):
+        heads.append({"layer": m // H, "head": m % H, "label": int(lab), "type": names[int(lab)],
+                      "agreement": _num(clusterer.head_stability_[m])})
+    clusters = []
+    for c, name in enumerate(names):
+        g = profile_groups(clusterer.profiles_[c], clusterer.profile_names_)
+        clusters.append({
+            "label": c, "type": name, "n_heads": int(np.sum(clusterer.labels_ == c)),
+            "share": float(clusterer.shares_[c]),
+            "centroid": {f: float(v) for f, v in zip(clusterer.feature_names_in_, clusterer.centroids_[c])},
+            "profile": None if g is None else {key: round(float(v), 6) for key, v in g.items()},
+        })
+    run = {"n_layers": int(L), "n_heads": int(H)}
+    if features is not None:
+        run.update(n_samples=int(features.n_samples), n_tokens=int(features.n_tokens),
+                   model=features.meta.get("model"), corpus=features.meta.get("corpus"))
+    return {
+        "version": VERSION,
+        "settings": {"k": int(clusterer.k), "method": clusterer.method,
+                     "features": list(clusterer.feature_names_in_), "standardize": bool(clusterer.standardize),
+                     "seed": int(clusterer.seed), "n_stability": int(clusterer.n_stability),
+                     "subsample": float(clusterer.subsample)},
+        "run": run,
+        "heads": heads,
+        "clusters": clusters,
+        "stability": {"k": int(clusterer.k), "stability": _num(clusterer.stability_),
+                      "silhouette": _num(clusterer.silhouette_), "n_stability": int(clusterer.n_stability),
+                      "sweep": [{key: (_num(v) if isinstance(v, float) else v) for key, v in r.items()}
+                                for r in sweep_rows] if sweep_rows is not None else None},
+    }
+
+
+def save_clusters(run_dir, clusterer, features=None, sweep_rows=None) -> Path:
+    path = Path(run_dir) / CLUSTERS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, clusters_dict(clusterer, features, sweep_rows))
+    return path
+
+
+def load_clusters(run_dir) -> dict:
+    path = Path(run_dir) / CLUSTERS_FILE
+    if not path.is_file():
+        raise AttnkitError(f"{path} is missing: run `attnkit cluster {run_dir}` first")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise AttnkitError(f"{path} is not valid JSON: {exc}") from None
+    for key in ("settings", "run", "heads", "clusters", "stability"):
+        if key not in data:
+            raise AttnkitError(f"{path} lacks {key!r}: not a clusters.json written by attnkit")
+    return data
+
+
+def type_grid(data: dict) -> np.ndarray:
+    """n_layers × n_heads array of type names from clusters.json content."""
+    L, H = data["run"]["n_layers"], data["run"]["n_heads"]
+    grid = np.empty((L, H), dtype=object)
+    for h in data["heads"]:
+        grid[h["layer"], h["head"]] = h["type"]
+    return grid
+
+
+def label_grid(data: dict) -> np.ndarray:
+    L, H = data["run"]["n_layers"], data["run"]["n_heads"]
+    grid = np.zeros((L, H), dtype=np.int64)
+    for h in data["heads"]:
+        grid[h["layer"], h["head"]] = h["label"]
+    return grid
+
+
+def type_distribution(data: dict) -> dict:
+    """{type: [count of heads of that type in layer 0, 1, ...]}"""
+    grid = type_grid(data)
+    names = [c["type"] for c in data["clusters"]]
+    return {t: [int(np.sum(row == t)) for row in grid] for t in names}
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Compare two clusters.json contents of the same architecture by type name.
+
+    Returns {"n_heads", "n_changed", "changed": [{"layer", "head", "a", "b"}], "transitions":
+    {"a -> b": count}, "per_layer": {"a": type_distribution(a), "b": type_distribution(b)}}.
+    Types are compared by name, so two runs must name their clusters with the same rules (they do:
+    names come from the centroids, not from label ids).
+    """
+    ga, gb = type_grid(a), type_grid(b)
+    if ga.shape != gb.shape:
+        raise AttnkitError(f"cannot compare runs of different shapes: {ga.shape} vs {gb.shape} (layers × heads)")
+    changed, transitions = [], {}
+    for l in range(ga.shape[0]):
+        for h in range(ga.shape[1]):
+            if ga[l, h] != gb[l, h]:
+                changed.append({"layer": l, "head": h, "a": ga[l, h], "b": gb[l, h]})
+                key = f"{ga[l, h]} -> {gb[l, h]}"
+                transitions[key] = transitions.get(key, 0) + 1
+    return {"n_heads": int(ga.size), "n_changed": len(changed), "changed": changed,
+            "transitions": dict(sorted(transitions.items(), key=lambda kv: -kv[1])),
+            "per_layer": {"a": type_distribution(a), "b": type_distribution(b)}}
+
+
+__all__ = ["CLUSTERS_FILE", "clusters_dict", "save_clusters", "load_clusters", "type_grid", "label_grid",
+           "type_distribution", "compare"]

@@ -1,0 +1,179 @@
+"""Clustering, stability, label matching and naming on synthetic head features with known types."""
+import numpy as np
+import pytest
+from sklearn.base import clone
+from sklearn.metrics import adjusted_rand_score
+
+from attnkit import AttnkitError
+from attnkit.analysis import HeadClusterer, cluster, match_labels, name_clusters, sweep
+from attnkit.analysis.clustering import resolve_subset
+from attnkit.analysis.naming import profile_groups
+from attnkit.features import bucket_names, feature_names
+
+try:
+    from tests.analysis_fixtures import KINDS, layered_truth, make_features, prototype
+except ImportError:  # tests/ not a package and the root not on sys.path
+    from analysis_fixtures import KINDS, layered_truth, make_features, prototype
+
+
+@pytest.fixture(scope="module")
+def truth():
+    return layered_truth()
+
+
+@pytest.fixture(scope="module")
+def structured(truth):
+    return make_features(truth, noise=0.01, seed=1)
+
+
+@pytest.fixture(scope="module")
+def fitted(structured):
+    return cluster(structured, k=4, seed=0)
+
+
+def test_kmeans_recovers_known_types_with_high_stability(truth, fitted):
+    assert adjusted_rand_score(truth.ravel(), fitted.labels_) == pytest.approx(1.0)
+    assert fitted.stability_ >= 0.95
+    assert np.all(fitted.head_stability_ >= 0.9)
+    # every cluster is named after the prototype its heads were drawn from
+    for c, name in enumerate(fitted.type_names_):
+        kinds = truth.ravel()[fitted.labels_ == c]
+        assert name == KINDS[np.bincount(kinds).argmax()]
+    assert fitted.labels_grid_.shape == truth.shape
+    assert fitted.type_of(2, 3) == KINDS[truth[2, 3]]
+    # shares and centroids in feature units
+    assert fitted.shares_.sum() == pytest.approx(1.0)
+    assert np.allclose(fitted.centroids_.sum(1), 1.0, atol=1e-9)  # distance buckets of a cluster sum to 1
+    assert list(fitted.feature_names_in_) == bucket_names(16)
+
+
+def test_gmm_recovers_known_types(truth, structured):
+    c = cluster(structured, k=4, method="gmm", seed=3, n_stability=4)
+    assert adjusted_rand_score(truth.ravel(), c.labels_) == pytest.approx(1.0)
+    assert c.stability_ >= 0.95
+    assert sorted(c.type_names_) == sorted(KINDS)
+
+
+def test_structureless_features_have_low_stability(truth):
+    flat = make_features(truth, noise=0.01, seed=2, structureless=True)
+    c = cluster(flat, k=4, seed=0)
+    assert c.stability_ < 0.5
+    assert c.silhouette_ < 0.2
+
+
+def test_sweep_reports_every_k_and_prefers_the_true_k(structured):
+    rows = sweep(structured, ks=range(2, 7), n_stability=5)
+    assert [r["k"] for r in rows] == [2, 3, 4, 5, 6]
+    by_k = {r["k"]: r for r in rows}
+    assert by_k[4]["silhouette"] == max(r["silhouette"] for r in rows)
+    assert by_k[4]["stability"] >= 0.95
+    for r in rows:
+        assert len(r["type_names"]) == r["k"] == len(set(r["type_names"]))
+        assert sum(r["shares"]) == pytest.approx(1.0)
+
+
+def test_estimator_contract(structured):
+    est = HeadClusterer(k=3, method="kmeans", seed=5, n_stability=2)
+    params = est.get_params()
+    assert params == {"k": 3, "method": "kmeans", "features_subset": None, "standardize": False, "seed": 5,
+                      "n_stability": 2, "subsample": 0.5}
+    assert not any(k.endswith("_") for k in vars(est))  # nothing learned before fit
+    twin = clone(est).set_params(k=4)
+    assert twin.k == 4 and est.k == 3
+    twin.fit(structured)
+    assert np.array_equal(twin.predict(structured), twin.labels_)
+    # fit_predict from ClusterMixin, on a plain array
+    X = structured.mean[:, :, :21].reshape(-1, 21)
+    labels = HeadClusterer(k=4, n_stability=0).fit_predict(X)
+    assert adjusted_rand_score(twin.labels_, labels) == pytest.approx(1.0)
+    # same seed, same result
+    again = clone(twin).fit(structured)
+    assert np.array_equal(again.labels_, twin.labels_) and again.stability_ == twin.stability_
+
+
+def test_standardize_and_feature_subsets(structured, truth):
+    c = cluster(structured, k=4, features_subset="cls,sep,self,win_0,win_8", standardize=True, n_stability=3)
+    assert list(c.feature_names_in_) == ["cls", "sep", "self", "win_0", "win_8"]
+    assert c.scaler_ is not None
+    assert adjusted_rand_score(truth.ravel(), c.labels_) == pytest.approx(1.0)
+    assert resolve_subset(feature_names(16), "all") == feature_names(16)
+    with pytest.raises(AttnkitError, match="unknown feature"):
+        cluster(structured, features_subset=["cls", "nope"])
+    with pytest.raises(AttnkitError, match="method"):
+        cluster(structured, method="dbscan")
+    with pytest.raises(AttnkitError, match="k must"):
+        cluster(structured, k=1)
+    with pytest.raises(AttnkitError, match="need more than"):
+        cluster(structured.mean[:1, :3, :21].reshape(3, 21), k=4)
+    with pytest.raises(AttnkitError, match="not fitted"):
+        HeadClusterer().predict(structured)
+
+
+def test_match_labels_is_the_best_permutation():
+    ref = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    perm = np.array([2, 0, 1])  # label l of the new fit means reference perm[l]... as written below
+    new = np.array([1, 1, 1, 2, 2, 0, 0, 0, 0])  # ref relabelled 0→1, 1→2, 2→0
+    assert np.array_equal(match_labels(ref, new, 3), ref)
+    # with one disagreement the matching still maximises agreement
+    noisy = new.copy()
+    noisy[0] = 2
+    out = match_labels(ref, noisy, 3)
+    assert np.sum(out == ref) == len(ref) - 1
+    # brute force over all permutations agrees
+    import itertools
+
+    best = max(np.sum(np.array(p)[noisy] == ref) for p in itertools.permutations(range(3)))
+    assert np.sum(out == ref) == best
+    with pytest.raises(AttnkitError):
+        match_labels(ref, new[:-1], 3)
+    with pytest.raises(AttnkitError):
+        match_labels(ref, new + 1, 3)
+    del perm
+
+
+def _profile(special, self_, win):
+    names = bucket_names(16)
+    return np.concatenate([special, [self_], win]), names
+
+
+def test_naming_rules_on_prototypes():
+    names = bucket_names(16)
+    profiles = np.stack([prototype(k) for k in KINDS])
+    assert name_clusters(profiles, names) == list(KINDS)
+    # order does not matter
+    assert name_clusters(profiles[::-1], names) == list(KINDS)[::-1]
+    g = profile_groups(prototype("vertical"), names)
+    assert g["special"] == pytest.approx(0.88)
+    assert g["near_r"] + g["far_r"] <= 1.0
+
+
+def test_naming_is_relative_unique_and_falls_back():
+    names = bucket_names(16)
+    # two broad clusters: the one with less special weight is dense, the other dense+vertical
+    win = np.array([2.0 * (16 - w) - 1 for w in range(16)])
+    win /= win.sum()
+    a = np.concatenate([[0.30, 0.08, 0.0, 0.0, 0.02], 0.60 * win])  # V = 0.38
+    b = np.concatenate([[0.45, 0.03, 0.01, 0.01, 0.0], 0.50 * win])  # V = 0.50 → vertical (only one)
+    c = np.concatenate([[0.35, 0.05, 0.0, 0.0, 0.0], 0.60 * win])  # V = 0.40
+    out = name_clusters(np.stack([a, b, c]), names)
+    assert out == ["dense", "vertical", "dense+vertical"]
+    # two vertical clusters: the stronger one keeps the name, the other gets a descriptive one
+    v1 = np.concatenate([[0.9, 0.0, 0.0, 0.0, 0.0], 0.1 * win])
+    v2 = np.concatenate([[0.0, 0.8, 0.0, 0.0, 0.0], 0.2 * win])
+    out = name_clusters(np.stack([v2, v1]), names)
+    assert out == ["sep-heavy", "vertical"]
+    # nothing fits: mid-range attention only
+    mid = np.zeros(21)
+    mid[5 + 2] = mid[5 + 3] = 0.5
+    out = name_clusters(np.stack([mid, mid]), names)
+    assert out == ["mid-heavy", "mid-heavy #2"]
+    # no distance buckets at all: named after the largest feature
+    assert name_clusters(np.array([[0.1, 0.9], [0.8, 0.2]]), ["prev", "next"]) == ["next-heavy", "prev-heavy"]
+
+
+def test_top_level_export(structured):
+    import attnkit
+    from attnkit.analysis import build_report, compare, mds, tsne  # noqa: F401  (lazy names resolve)
+
+    c = attnkit.cluster(structured, k=4, n_stability=0)
+    assert isinstance(c, HeadClusterer) and np.isnan(c.stability_)
