@@ -111,6 +111,10 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
     settings = {
         "model": str(Path(model_name).resolve()) if Path(model_name).exists() else model_name,
         "corpus": str(Path(corpus_path).resolve()),
+        "format": fmt,
+        "text_unit": text_unit,
+        "squad_pairs": squad_pairs,
+        "columns": ",".join(_columns(columns)) if columns else None,
         "corpus_sha256": corpus_fingerprint(segments),
         "n_segments": len(segments),
         "max_length": max_length,
@@ -171,6 +175,8 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
         "model": settings["model"],
         "model_type": model.config.model_type,
         "corpus": settings["corpus"],
+        **{k: settings[k] for k in ("format", "text_unit", "squad_pairs", "columns", "n_segments", "max_length",
+                                    "num_windows")},
         "n_truncated": n_truncated,
         "backend": label,
         "device": str(dev),
@@ -185,6 +191,16 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
     click.echo(f"measured {features.n_samples} samples, {features.n_tokens} tokens "
                f"({n_truncated} truncated to {max_length} tokens) in {elapsed:.1f}s"
                + (f" ({tok_s:,.0f} tokens/s)" if tok_s else "") + f"; wrote {out}/features.npz, meta.json")
+
+
+def _add_commands() -> None:
+    from .analysis.commands import COMMANDS
+
+    for cmd in COMMANDS:
+        main.add_command(cmd)
+
+
+_add_commands()
 
 
 def _versions() -> dict:

@@ -30,43 +30,15 @@ def _fail_nicely(fn):
 
 
 def read_segments(path: Path, *, fmt: str = "auto", squad_pairs: bool = False, columns=None,
-                  limit: int | None = None) -> list:
-    """Corpus segments through attnkit.corpus when present, else a small reader (lines; TSV with
-    sentence1/sentence2 or a text column; SQuAD JSON contexts or (question, context) pairs)."""
-    try:
-        from ..corpus import read_corpus
-    except ImportError:
-        read_corpus = None
-    if read_corpus is not None:
-        return read_corpus(path, fmt, squad_pairs=squad_pairs, columns=columns, limit=limit)
-    import csv
+                  limit: int | None = None, text_unit: str = "auto") -> list:
+    """Corpus segments, read exactly as `attnkit extract` reads them."""
+    from ..corpus import read_corpus
 
-    path = Path(path)
-    if not path.is_file():
-        raise AttnkitError(f"corpus {str(path)!r} does not exist")
-    ext = path.suffix.lower() if fmt == "auto" else {"squad": ".json", "tsv": ".tsv"}.get(fmt, ".txt")
-    if ext == ".json":
-        doc = json.loads(path.read_text())
-        out = []
-        for art in doc.get("data", []):
-            for p in art.get("paragraphs", []):
-                out.extend([(qa["question"], p["context"]) for qa in p.get("qas", [])] if squad_pairs else [p["context"]])
-    elif ext in (".tsv", ".csv"):
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f, delimiter="\t" if ext == ".tsv" else ",", quoting=csv.QUOTE_NONE))
-        cols = list(columns) if columns else next(
-            (c for c in (["sentence1", "sentence2"], ["sentence"], ["text"]) if rows and all(x in rows[0] for x in c)), None)
-        if not cols:
-            raise AttnkitError(f"{path}: name the text column(s) with --columns")
-        out = [tuple(r[c] for c in cols) if len(cols) == 2 else r[cols[0]] for r in rows]
-    else:
-        out = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    if not out:
-        raise AttnkitError(f"corpus {str(path)!r} has no text")
-    return out[:limit] if limit else out
+    return read_corpus(path, fmt, text_unit=text_unit, squad_pairs=squad_pairs, columns=columns, limit=limit)
 
 
 def _corpus_from_run(run: Path, corpus, fmt, squad_pairs, columns, limit):
+    text_unit = "auto"
     """The corpus of a run: --corpus, else the path recorded in meta.json (with its reading settings)."""
     from ..head_features import HeadFeatures
 
@@ -79,10 +51,12 @@ def _corpus_from_run(run: Path, corpus, fmt, squad_pairs, columns, limit):
         fmt = meta.get("format", fmt) or fmt
         squad_pairs = bool(meta.get("squad_pairs", squad_pairs))
         columns = columns or meta.get("columns")
+        text_unit = meta.get("text_unit", "auto")
         limit = limit or meta.get("n_segments")
     if isinstance(columns, str):
         columns = tuple(c.strip() for c in columns.split(",") if c.strip())
-    return read_segments(corpus, fmt=fmt, squad_pairs=squad_pairs, columns=columns, limit=limit), meta
+    return read_segments(corpus, fmt=fmt, squad_pairs=squad_pairs, columns=columns, limit=limit,
+                         text_unit=text_unit), meta
 
 
 _corpus_options = [
