@@ -124,7 +124,6 @@ RowFn pick_row_fn(bool feat, int region) {
 // Per-sample facts the feature code needs, computed once per call.
 struct SampleInfo {
   int64_t n;
-  std::vector<int32_t> win_start;          // N + 1 distance boundaries: window w is d in [ws[w], ws[w+1])
   std::vector<std::pair<int32_t, int32_t>> special;  // (key position, class) for class != OTHER
   std::vector<float> sidf;                 // sentence ids as floats (zeros when none), length L
   int64_t n_cls_rows = 0;
@@ -213,10 +212,6 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
       }
     }
     if (want_features) {
-      si.win_start.resize(N + 1);
-      si.win_start[0] = 1;
-      for (int64_t w = 1; w <= N; ++w) si.win_start[w] = static_cast<int32_t>((w * si.n + N - 1) / N);
-      si.win_start[N] = static_cast<int32_t>(si.n);
       if (tc.defined()) {
         const int32_t* cp = tc.data_ptr<int32_t>() + b * L;
         for (int64_t t = 0; t < si.n; ++t) {
@@ -259,7 +254,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> S(static_cast<size_t>(TQ * L));
     std::vector<float> row_c(TQ);
-    std::vector<float> fb(F);
+    std::vector<float> diag(want_features ? 2 * L : 0, 0.f);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t tile = task % n_tiles, bh = task / n_tiles, h = bh % H, b = bh / H;
       const int64_t r0 = tile * TQ, tq = std::min(TQ, L - r0);
@@ -293,27 +288,26 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
         row_c[r] = c * gate[h];
         if (!feat_row) continue;
         // --- features of row s (weights w = c · e) ---
-        const int32_t* ws = si.win_start.data();
-        std::fill(fb.begin(), fb.end(), 0.f);
-        for (int64_t w = 0; w < N; ++w) {
-          fb[5 + w] = clipped_sum(e, s + ws[w], s + ws[w + 1], n) + clipped_sum(e, s - ws[w + 1] + 1, s - ws[w] + 1, n);
-        }
+        // Distance windows: accumulate the scaled row into diag[t − s + n − 1]; the windows are sums
+        // of diag over |offset| ranges, folded once per tile. Special keys move from their window to
+        // their class bucket below.
+        axpy(c, e, diag.data() + (n - 1 - s), n);
+        double* a = acc;
         bool self_special = false;
         for (const auto& [t, cl] : si.special) {
-          fb[cl - 1] += e[t];
+          const double wt = static_cast<double>(c) * e[t];
+          a[cl - 1] += wt;
           if (t != s) {
             const int64_t d = t > s ? t - s : s - t;
-            fb[5 + (d * N) / n] -= e[t];
+            a[5 + (d * N) / n] -= wt;
           } else {
             self_special = true;
           }
         }
-        if (!self_special) fb[4] = e[s];
+        if (!self_special) a[4] += static_cast<double>(c) * e[s];
         const float T = c * st.Zk;
         const float H_ent = c > 0.f ? std::max(0.f, -c * st.S2 - c * std::log(c) * st.Zk) : 0.f;
         const float intra = c * st.I;
-        double* a = acc;
-        for (int64_t f = 0; f < 5 + N; ++f) a[f] += static_cast<double>(c * fb[f]);
         a[5 + N + 0] += s > 0 ? c * e[s - 1] : 0.f;
         a[5 + N + 1] += s + 1 < n ? c * e[s + 1] : 0.f;
         a[5 + N + 2] += H_ent;
@@ -322,14 +316,15 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
         a[5 + N + 5] += std::max(0.f, T - intra);
         if (tc.defined() && tc.data_ptr<int32_t>()[b * L + s] == kCls) a[F] += H_ent;
       }
-      // O_tile (row-major tq×D, ld H·D) == column-major Oᵀ (D×tq) = Vᵀ (D×n) · Eᵀ (n×tq)
-      if (out_f32) {
-        gemm('N', 'N', D, tq, n, 1.f, vt, vs2, S.data(), n, o, os_row);
-        for (int64_t r = 0; r < tq; ++r) scale_inplace(o + r * os_row, D, row_c[r]);
-      } else {
-        gemm('N', 'N', D, tq, n, 1.f, vt, vs2, S.data(), n, o, os_row);
-        for (int64_t r = 0; r < tq; ++r) scale_inplace(o + r * os_row, D, row_c[r]);
+      if (want_features && r0 < n) {  // fold the diagonal sums into the distance windows
+        double* a = acc;
+        for (int64_t d = 1; d < n; ++d) a[5 + (d * N) / n] += static_cast<double>(diag[n - 1 + d]) + diag[n - 1 - d];
+        std::fill(diag.begin(), diag.begin() + (2 * n - 1), 0.f);
       }
+      // O_tile (row-major tq×D, ld H·D) == column-major Oᵀ (D×tq) = Vᵀ (D×n) · Eᵀ (n×tq)
+      // (written into out, or into its fp32 twin for bf16/fp16 outputs)
+      gemm('N', 'N', D, tq, n, 1.f, vt, vs2, S.data(), n, o, os_row);
+      for (int64_t r = 0; r < tq; ++r) scale_inplace(o + r * os_row, D, row_c[r]);
     }
   });
 

@@ -59,4 +59,12 @@ inline void scale_inplace(float* p, int64_t len, float c) {
   for (; i < len; ++i) p[i] *= c;
 }
 
+// y[0..len) += a · x[0..len)
+inline void axpy(float a, const float* x, float* y, int64_t len) {
+  int64_t i = 0;
+  Vec av(a);
+  for (; i + kW <= len; i += kW) at::vec::fmadd(av, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
+  for (; i < len; ++i) y[i] += a * x[i];
+}
+
 }  // namespace attnkit::cpu
