@@ -90,7 +90,7 @@ def check_case(q, k, v, lengths, tc, sid, **kw):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("L", [1, 2, 17, 130])
+@pytest.mark.parametrize("L", [1, 2, 17, 130, 700])  # 130, 700: several row tiles
 def test_plain_matches_reference(dtype, L):
     check_case(*make_inputs(3, 2, L, 32, dtype, seed=L))
 
