@@ -169,7 +169,7 @@ def types_settings(shape, head_types: HeadTypes) -> list[Setting]:
         groups = [(t,) for t in types] + list(itertools.combinations(types, 2))
         for g in groups:
             iv = Intervention.from_types(shape, head_types, list(g), mode=mode)
-            out.append(row("2", f"{verb} {'+'.join(g)}", iv, {t: sym for t in g}))
+            out.append(row("2", f"{verb} {' & '.join(g)}", iv, {t: sym for t in g}))
     for region, part in (("no_intra", "intra"), ("no_inter", "inter")):
         for t in types:
             iv = Intervention.from_types(shape, head_types, [t], mode="keep", region=region)
@@ -288,7 +288,7 @@ def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], di
         for s in res["steps"]:
             new = [h for h in s["heads"] if h not in prev]
             prev = s["heads"]
-            row = {"setting": "baseline" if s["pruned"] == 0 else f"prune {100 * s['share']:.0f}%",
+            row = {"setting": "baseline" if s["pruned"] == 0 else f"prune {s['pruned']} heads",
                    "pruned": s["pruned"], "share": s["share"], **s["metrics"],
                    f"delta_{main_metric}": s["metrics"][main_metric] - base,
                    "newly_pruned": format_heads(new)}

@@ -462,6 +462,20 @@ class SquadTask(Task):
         out["n"] = n
         return out
 
+    def answer_positions(self, f) -> tuple[int, int]:
+        """Token positions of the first gold answer in window `f`; (0, 0) when there is none in it."""
+        _, _, _, texts, chars = self.examples[f["example"]]
+        if not texts:
+            return 0, 0
+        a0, a1 = chars[0], chars[0] + len(texts[0])
+        offs = f["offsets"]
+        cand = [t for t, o in enumerate(offs) if o is not None]
+        s_c = [t for t in cand if offs[t][0] <= a0 < max(offs[t][1], offs[t][0] + 1)]
+        e_c = [t for t in cand if offs[t][0] < a1 <= offs[t][1]]
+        if s_c and e_c and e_c[0] >= s_c[0]:
+            return s_c[0], e_c[0]
+        return 0, 0
+
     def losses(self, model, tokenizer, limit=None, batch_size=1):
         instrument(model)
         n = _limit(len(self.examples), limit)
@@ -473,19 +487,7 @@ class SquadTask(Task):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         for i in range(0, len(items), batch_size):
             chunk = items[i:i + batch_size]
-            starts, ends = [], []
-            for f in chunk:
-                _, _, _, texts, chars = self.examples[f["example"]]
-                s_tok = e_tok = 0
-                if texts:
-                    a0, a1 = chars[0], chars[0] + len(texts[0])
-                    cand = [t for t, o in enumerate(f["offsets"]) if o is not None]
-                    s_c = [t for t in cand if f["offsets"][t][0] <= a0 < max(f["offsets"][t][1], f["offsets"][t][0] + 1)]
-                    e_c = [t for t in cand if f["offsets"][t][0] < a1 <= f["offsets"][t][1]]
-                    if s_c and e_c and e_c[0] >= s_c[0]:
-                        s_tok, e_tok = s_c[0], e_c[0]
-                starts.append(s_tok)
-                ends.append(e_tok)
+            starts, ends = zip(*(self.answer_positions(f) for f in chunk))
             dev = _device(model)
             out = forward(model, self._collate(chunk, encoder, pad),
                           start_positions=torch.tensor(starts, device=dev), end_positions=torch.tensor(ends, device=dev))
