@@ -183,3 +183,47 @@ def test_ablate_command_end_to_end(tokenizer, stsb_file, tmp_path):
     res = runner.invoke(ablate, [str(tmp_path / "nope"), "--task", "stsb", "--data", stsb_file,
                                  "--experiment", "layers", "-o", str(tmp_path / "x")])
     assert res.exit_code != 0 and "not found" in res.output
+
+
+def test_region_interventions_see_the_sentences(tokenizer):
+    """Task forwards hand sentence ids to the op: no_inter changes a pair, not a single sentence."""
+    from attnkit.ablation.tasks import forward
+    from attnkit.tokens import Encoder
+
+    torch.manual_seed(0)
+    model = attnkit.instrument(BertModel(_cfg(tokenizer)).eval())
+    enc = Encoder(tokenizer, split_sentences=True)
+    pair = enc([("a man is playing", "the dog is eating")])
+    single = enc(["a man is playing guitar"])
+    everything = lambda **kw: attnkit.Intervention.from_layers(model, [0, 1], **kw)
+    with torch.no_grad():
+        base_pair, base_single = forward(model, pair)[0], forward(model, single)[0]
+        with attnkit.intervene(model, everything(mode="keep", region="no_inter")):
+            assert not torch.allclose(forward(model, pair)[0], base_pair, atol=1e-4)
+            assert torch.equal(forward(model, single)[0], base_single)
+        with attnkit.intervene(model, everything(mode="keep", region="no_intra")):
+            no_intra = forward(model, single)[0]
+        with attnkit.intervene(model, everything(mode="zero")):
+            zero = forward(model, single)[0]
+    torch.testing.assert_close(no_intra, zero)
+
+
+def test_types_settings_follow_guan_tables():
+    from attnkit.ablation.experiments import types_settings
+    from attnkit.features import NO_INTRA, UNIFORM, ZERO
+    from attnkit.interventions import HeadTypes
+
+    grid = np.array([["diagonal", "vertical", "dense"], ["dense", "diagonal", "vertical"]], dtype=object)
+    settings = types_settings((2, 3), HeadTypes(grid))
+    names = [s.name for s in settings]
+    assert names[0] == "baseline" and settings[0].intervention.is_identity
+    # Table 2: 3 single types + 3 pairs, for prune and for substitute; Table 3: 2 regions × 3 types × 2
+    assert len(settings) == 1 + 2 * (3 + 3) + 2 * 3 + 2 * 3
+    by = dict(zip(names, settings))
+    assert by["prune diagonal"].intervention.mode.tolist() == [[ZERO, 0, 0], [0, ZERO, 0]]
+    assert by["substitute dense & vertical"].intervention.mode.tolist() == [[0, UNIFORM, UNIFORM], [UNIFORM, 0, UNIFORM]]
+    only = by["only diagonal keeps intra"]
+    assert only.intervention.region.tolist() == [[0, NO_INTRA, NO_INTRA], [NO_INTRA, 0, NO_INTRA]]
+    assert not only.intervention.mode.any()
+    assert only.info["diagonal"] == "keep" and only.info["vertical"] == "-intra"
+    assert by["remove intra of vertical"].intervention.changed_heads() == [(0, 1), (1, 2)]

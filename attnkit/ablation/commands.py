@@ -27,12 +27,14 @@ from .tasks import TASKS, get_task
 @click.option("--glue-task", default=None, help="GLUE task of --data when it cannot be told from the header.")
 @click.option("--step", type=float, default=0.1, show_default=True, help="importance: share pruned per step.")
 @click.option("--no-layer-norm", is_flag=True, help="importance: do not normalise scores per layer.")
+@click.option("--renormalize", is_flag=True,
+              help="types: rescale what is left of each attention row after removing intra/inter attention.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available).")
 @click.option("-o", "--out", "out", type=click.Path(file_okay=False), default=None,
               help="Output directory (default: ablation-<task>-<experiment>).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def ablate(model, task_name, data, experiment, clusters, mode, limit, batch_size, glue_task, step, no_layer_norm,
-           device, out, quiet):
+           renormalize, device, out, quiet):
     """Disable heads, layers or head types of MODEL (a local model directory, or `default` for the embedded
     MiniLM) and measure the task metric; writes CSV/JSON/Markdown tables and a PNG figure."""
     from ..interventions import load_clusters
@@ -55,14 +57,14 @@ def ablate(model, task_name, data, experiment, clusters, mode, limit, batch_size
         table = run_experiment(
             experiment, m, evaluate, task.main_metric, mode=mode, head_types=head_types,
             losses=lambda: task.losses(m, tok, limit=limit, batch_size=1), step=step,
-            normalize_layers=not no_layer_norm, progress=not quiet,
+            normalize_layers=not no_layer_norm, renormalize=renormalize, progress=not quiet,
         )
         out = out or f"ablation-{task_name}-{experiment}"
         paths = table.save(out)
         name = "default (embedded MiniLM)" if model == "default" else model
         fig = save_figure(table, shape, out, title=f"{name}: {task_name} {experiment}")
         meta = {"model": name, "task": task_name, "data": os.path.abspath(data), "experiment": experiment,
-                "mode": mode, "limit": limit, "n_examples": table.rows[0].get("n"),
+                "mode": mode, "renormalize": renormalize, "limit": limit, "n_examples": table.rows[0].get("n"),
                 "clusters": os.path.abspath(clusters) if clusters else None,
                 "seconds": round(time.perf_counter() - t0, 1)}
         if head_types is not None:

@@ -150,8 +150,9 @@ def layers_settings(shape, mode: str = "uniform") -> list[Setting]:
     return out
 
 
-def types_settings(shape, head_types: HeadTypes) -> list[Setting]:
-    """Guan et al. Tables 2 and 3 for whatever types the clustering found.
+def types_settings(shape, head_types: HeadTypes, renormalize: bool = False) -> list[Setting]:
+    """Guan et al. Tables 2 and 3 for whatever types the clustering found. `renormalize` rescales what is
+    left of a row after removing intra/inter attention (Guan et al. do not; default off).
 
     Columns per type say what happens to it: keep, 0 (pruned), 1/n (substituted), -intra, -inter.
     """
@@ -172,14 +173,15 @@ def types_settings(shape, head_types: HeadTypes) -> list[Setting]:
             out.append(row("2", f"{verb} {' & '.join(g)}", iv, {t: sym for t in g}))
     for region, part in (("no_intra", "intra"), ("no_inter", "inter")):
         for t in types:
-            iv = Intervention.from_types(shape, head_types, [t], mode="keep", region=region)
+            iv = Intervention.from_types(shape, head_types, [t], mode="keep", region=region, renormalize=renormalize)
             out.append(row("3", f"remove {part} of {t}", iv, {t: f"-{part}"}))
     for region, part in (("no_intra", "intra"), ("no_inter", "inter")):
         for t in types:
             others = [o for o in types if o != t]
             if not others:
                 continue
-            iv = Intervention.from_types(shape, head_types, others, mode="keep", region=region)
+            iv = Intervention.from_types(shape, head_types, others, mode="keep", region=region,
+                                         renormalize=renormalize)
             out.append(row("3", f"only {t} keeps {part}", iv, {o: f"-{part}" for o in others}))
     return out
 
@@ -227,6 +229,10 @@ def bars_figure(table: ResultTable, path: str, title: str = "") -> str:
     names = [r["setting"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 0.8 + 0.28 * len(rows)))
     ax.barh(range(len(rows)), vals, color="#4c72b0")
+    finite = [v for v in vals + [table.rows[0][table.main_metric]] if v == v]
+    if finite:  # start the axis near the smallest bar so small differences stay visible
+        lo, hi = min(finite), max(finite)
+        ax.set_xlim(lo - 0.1 * (hi - lo) - 0.5, hi + 0.05 * (hi - lo) + 0.5)
     ax.axvline(table.rows[0][table.main_metric], color="orange", label="baseline")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(names, fontsize=8)
@@ -267,7 +273,8 @@ def importance_figure(table: ResultTable, path: str, title: str = "") -> str:
 # --- experiment drivers -------------------------------------------------------------------------------
 def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], dict], main_metric: str, *,
                    mode: str = "zero", head_types: HeadTypes | None = None, losses=None, step: float = 0.1,
-                   max_share: float = 1.0, normalize_layers: bool = True, progress: bool = True) -> ResultTable:
+                   max_share: float = 1.0, normalize_layers: bool = True, renormalize: bool = False,
+                   progress: bool = True) -> ResultTable:
     shape = Intervention.for_model(model).shape
     if experiment == "heads":
         return run_settings("heads", heads_settings(shape, mode), evaluate, main_metric, progress)
@@ -276,7 +283,7 @@ def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], di
     if experiment == "types":
         if head_types is None:
             raise AttnkitError("the types experiment needs head types: pass --clusters RUN (a run with clusters.json)")
-        return run_settings("types", types_settings(shape, head_types), evaluate, main_metric, progress)
+        return run_settings("types", types_settings(shape, head_types, renormalize), evaluate, main_metric, progress)
     if experiment == "importance":
         if losses is None:
             raise AttnkitError("the importance experiment needs the task's differentiable loss")
