@@ -12,7 +12,7 @@ import attnkit
 from attnkit import AttnkitError
 from attnkit.ablation import get_task, metrics
 from attnkit.ablation.commands import ablate
-from attnkit.ablation.tasks import GlueTask, detect_glue
+from attnkit.ablation.tasks import GlueTask, detect_glue, subset
 
 WORDS = ("a man woman child is are playing riding eating guitar horse dog cat the on in with big small red blue "
          "what who where does paris france tower city river old new").split()
@@ -70,12 +70,14 @@ def test_stsb_matches_manual_embedding(tokenizer, stsb_file):
     task = get_task("stsb", stsb_file)
     res = task.evaluate(model, tokenizer, limit=10, batch_size=3)
     assert res["n"] == 10
+    chosen = subset(len(task), 10)
+    assert chosen[0] == 0 and chosen[-1] == len(task) - 1 and len(chosen) == 10  # spread over the file
     cos = []
-    for a, b, _ in task.examples[:10]:
+    for a, b, _ in [task.examples[i] for i in chosen]:
         with torch.no_grad():
             e = [model(**tokenizer(s, return_tensors="pt")).last_hidden_state[0].mean(0) for s in (a, b)]
         cos.append(float(torch.nn.functional.cosine_similarity(e[0], e[1], dim=0)))
-    gold = [e[2] for e in task.examples[:10]]
+    gold = [task.examples[i][2] for i in chosen]
     assert res["spearman"] == pytest.approx(metrics.spearman(cos, gold), abs=1e-6)
     assert res["pearson"] == pytest.approx(metrics.pearson(cos, gold), abs=1e-4)
     losses = list(task.losses(model, tokenizer, limit=4))
@@ -129,7 +131,7 @@ def test_squad_v2(tokenizer, tmp_path):
     assert 0 <= res["exact"] <= res["f1"] <= 100 and res["total"] == 3
     assert res["HasAns_total"] == 2 and res["NoAns_total"] == 1
     # the loss targets the answer's tokens (in the windows that hold it) and position 0 otherwise
-    feats, _ = task._features(tokenizer, 3)
+    feats, _ = task._features(tokenizer, [0, 1, 2])
     found = {}
     for f in feats:
         s_tok, e_tok = task.answer_positions(f)
@@ -153,6 +155,18 @@ def test_mlm_masks_do_not_depend_on_batching(tokenizer, tmp_path):
     assert a["masked"] == b["masked"] >= 10 and a["accuracy"] == pytest.approx(b["accuracy"])
     c = task.evaluate(model, tokenizer, limit=4, batch_size=4)
     assert c["n"] == 4 and c["masked"] < a["masked"]
+    # a text gets the same masked positions whatever the limit and batch size
+
+    def masked_positions(limit, bs):
+        out = {}
+        for orig, batch, labels in task._masked(tokenizer, limit, bs):
+            for b, j in enumerate(orig):
+                out[j] = torch.nonzero(labels[b] != -100).flatten().tolist()
+        return out
+
+    full, part = masked_positions(None, 3), masked_positions(4, 4)
+    assert sorted(part) == subset(len(task), 4)
+    assert all(part[j] == full[j] and part[j] for j in part)
 
 
 def test_ablate_command_end_to_end(tokenizer, stsb_file, tmp_path):

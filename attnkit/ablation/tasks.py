@@ -76,6 +76,16 @@ def _limit(n: int, limit: int | None) -> int:
     return n if limit is None else min(n, limit)
 
 
+def subset(n: int, limit: int | None) -> list[int]:
+    """Indices of the examples used under `limit`: all of them, or `limit` evenly spaced over the file.
+    Data files are often sorted by source (STS-B dev starts with 500+ MSRvid captions; SQuAD by
+    article), so the first N would be a biased sample; evenly spaced indices are deterministic."""
+    k = _limit(n, limit)
+    if k == n:
+        return list(range(n))
+    return sorted(set(int(i) for i in np.linspace(0, n - 1, k).round()))
+
+
 class Task:
     """A dataset plus how to score a model on it."""
 
@@ -89,7 +99,7 @@ class Task:
 
     def _encode(self, tokenizer, segments, limit, batch_size, extra=None) -> list[tuple[np.ndarray, Batch]]:
         """Batches of segments sorted by length (less padding); each with the original indices."""
-        key = (id(tokenizer), limit, batch_size)
+        key = (id(tokenizer), len(segments), hash(tuple(segments)), batch_size)
         cache = self.__dict__.setdefault("_cache", {})
         if key not in cache:
             enc = Encoder(tokenizer, max_length=self.max_length, split_sentences=True)
@@ -156,8 +166,8 @@ class StsbTask(Task):
 
     def evaluate(self, model, tokenizer, limit=None, batch_size=32) -> dict:
         instrument(model)
-        n = _limit(len(self.examples), limit)
-        ex = self.examples[:n]
+        ex = [self.examples[i] for i in subset(len(self.examples), limit)]
+        n = len(ex)
         sentences = list(dict.fromkeys([s for a, b, _ in ex for s in (a, b)]))
         where = {s: i for i, s in enumerate(sentences)}
         with torch.inference_mode():
@@ -170,11 +180,11 @@ class StsbTask(Task):
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
         instrument(model)
-        n = _limit(len(self.examples), limit)
+        examples = [self.examples[i] for i in subset(len(self.examples), limit)]
         enc = Encoder(tokenizer, max_length=self.max_length, split_sentences=True)
         base = getattr(model, "base_model", model)
-        for i in range(0, n, batch_size):
-            ex = self.examples[i:i + batch_size]
+        for i in range(0, len(examples), batch_size):
+            ex = examples[i:i + batch_size]
             batch = enc([s for a, b, _ in ex for s in (a, b)]).to(_device(model))
             with _batch_info(model, batch):
                 hidden = base(**batch.inputs)[0]
@@ -311,8 +321,8 @@ class GlueTask(Task):
 
     def evaluate(self, model, tokenizer, limit=None, batch_size=32) -> dict:
         instrument(model)
-        n = _limit(len(self.examples), limit)
-        ex = self.examples[:n]
+        ex = [self.examples[i] for i in subset(len(self.examples), limit)]
+        n = len(ex)
         gold = self._targets(model, ex)
         regression = self.spec.labels is None
         pred = np.zeros(n, dtype=np.float64 if regression else np.int64)
@@ -327,10 +337,10 @@ class GlueTask(Task):
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
         instrument(model)
-        n = _limit(len(self.examples), limit)
+        examples = [self.examples[i] for i in subset(len(self.examples), limit)]
         enc = Encoder(tokenizer, max_length=self.max_length, split_sentences=True)
-        for i in range(0, n, batch_size):
-            ex = self.examples[i:i + batch_size]
+        for i in range(0, len(examples), batch_size):
+            ex = examples[i:i + batch_size]
             logits = forward(model, enc([e[0] for e in ex])).logits.float()
             y = torch.as_tensor(self._targets(model, ex), device=logits.device)
             if self.spec.labels is None:
@@ -370,13 +380,13 @@ class SquadTask(Task):
             raise AttnkitError(f"{path}: no questions")
         self.v2 = v2
 
-    def _features(self, tokenizer, n: int):
-        """Tokenised windows of the first n questions: list of dicts, cached per tokenizer."""
-        key = ("features", id(tokenizer), n)
+    def _features(self, tokenizer, idx: list[int]):
+        """Tokenised windows of the questions `idx`: list of dicts, cached per tokenizer."""
+        key = ("features", id(tokenizer), tuple(idx))
         cache = self.__dict__.setdefault("_cache", {})
         if key in cache:
             return cache[key]
-        ex = self.examples[:n]
+        ex = [self.examples[i] for i in idx]
         enc = tokenizer([e[1] for e in ex], [e[2] for e in ex], truncation="only_second",
                         max_length=self.max_length, stride=self.stride, return_overflowing_tokens=True,
                         return_offsets_mapping=True, padding=False)
@@ -385,7 +395,7 @@ class SquadTask(Task):
         for i, ids in enumerate(enc["input_ids"]):
             seq = enc.sequence_ids(i)
             feats.append({
-                "example": enc["overflow_to_sample_mapping"][i], "input_ids": ids,
+                "example": idx[enc["overflow_to_sample_mapping"][i]], "input_ids": ids,
                 "token_type_ids": enc["token_type_ids"][i] if "token_type_ids" in enc else None,
                 "offsets": [o if s == 1 else None for o, s in zip(enc["offset_mapping"][i], seq)],
                 "sentence_id": encoder.sentence_ids(ids, seq),
@@ -434,8 +444,9 @@ class SquadTask(Task):
 
     def evaluate(self, model, tokenizer, limit=None, batch_size=32) -> dict:
         instrument(model)
-        n = _limit(len(self.examples), limit)
-        feats, encoder = self._features(tokenizer, n)
+        idx = subset(len(self.examples), limit)
+        n = len(idx)
+        feats, encoder = self._features(tokenizer, idx)
         order = np.argsort([len(f["input_ids"]) for f in feats], kind="stable")
         best = {}  # example -> (score, text, min null)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -452,7 +463,8 @@ class SquadTask(Task):
                         prev = (score, text, prev[2])
                     best[f["example"]] = (prev[0], prev[1], min(prev[2], null))
         preds, golds = {}, {}
-        for k, (qid, _, _, answers, _) in enumerate(self.examples[:n]):
+        for k in idx:
+            qid, _, _, answers, _ = self.examples[k]
             score, text, null = best.get(k, (-float("inf"), None, 0.0))
             if text is None or (self.v2 and null > score):
                 text = ""
@@ -478,8 +490,7 @@ class SquadTask(Task):
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
         instrument(model)
-        n = _limit(len(self.examples), limit)
-        feats, encoder = self._features(tokenizer, n)
+        feats, encoder = self._features(tokenizer, subset(len(self.examples), limit))
         first = {}
         for f in feats:  # the first window of each question
             first.setdefault(f["example"], f)
@@ -553,8 +564,8 @@ class MlmTask(Task):
             raise AttnkitError(f"mask probability must be in (0, 1), got {mask_prob}")
         self.mask_prob, self.seed = mask_prob, seed
 
-    def _masked(self, tokenizer, n: int, batch_size: int):
-        key = ("masked", id(tokenizer), n, batch_size)
+    def _masked(self, tokenizer, limit: int | None, batch_size: int):
+        key = ("masked", id(tokenizer), limit, batch_size)
         cache = self.__dict__.setdefault("_cache", {})
         if key in cache:
             return cache[key]
@@ -562,7 +573,8 @@ class MlmTask(Task):
             raise AttnkitError("the tokenizer has no mask token: the mlm task needs a masked-LM tokenizer")
         special = set(tokenizer.all_special_ids)
         out = []
-        for idx, batch in self._encode(tokenizer, self.examples[:n], n, batch_size):
+        chosen = subset(len(self.examples), limit)
+        for idx, batch in self._encode(tokenizer, [self.examples[i] for i in chosen], limit, batch_size):
             ids = batch.inputs["input_ids"].clone()
             labels = torch.full_like(ids, -100)
             for b, j in enumerate(idx):
@@ -570,23 +582,24 @@ class MlmTask(Task):
                 cand = [t for t in range(L) if int(ids[b, t]) not in special]
                 if not cand:
                     continue
-                rng = np.random.default_rng([self.seed, int(j)])
+                rng = np.random.default_rng([self.seed, chosen[int(j)]])
                 k = max(1, int(round(self.mask_prob * len(cand))))
                 pick = rng.choice(cand, size=k, replace=False)
                 labels[b, pick] = ids[b, pick]
                 ids[b, pick] = tokenizer.mask_token_id
             inputs = dict(batch.inputs, input_ids=ids)
-            out.append((Batch(inputs, batch.lengths, batch.token_class, batch.sentence_id, 0), labels))
+            orig = [chosen[int(j)] for j in idx]
+            out.append((orig, Batch(inputs, batch.lengths, batch.token_class, batch.sentence_id, 0), labels))
         cache[key] = out
         return out
 
     def evaluate(self, model, tokenizer, limit=None, batch_size=32) -> dict:
         instrument(model)
-        n = _limit(len(self.examples), limit)
+        n = len(subset(len(self.examples), limit))
         correct = total = 0
         nll = 0.0
         with torch.inference_mode():
-            for batch, labels in self._masked(tokenizer, n, batch_size):
+            for _, batch, labels in self._masked(tokenizer, limit, batch_size):
                 logits = forward(model, batch).logits.float().cpu()
                 sel = labels != -100
                 correct += int((logits.argmax(-1)[sel] == labels[sel]).sum())
@@ -598,8 +611,7 @@ class MlmTask(Task):
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
         instrument(model)
-        n = _limit(len(self.examples), limit)
-        for batch, labels in self._masked(tokenizer, n, batch_size):
+        for _, batch, labels in self._masked(tokenizer, limit, batch_size):
             if (labels != -100).any():
                 logits = forward(model, batch).logits.float()
                 yield torch.nn.functional.cross_entropy(logits[labels != -100], labels[labels != -100].to(logits.device))
