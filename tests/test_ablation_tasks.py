@@ -192,6 +192,8 @@ def test_ablate_command_end_to_end(tokenizer, stsb_file, tmp_path):
         n_rows = {"heads": 1 + 8, "layers": 1 + 2, "importance": 5,
                   "types": 1 + 2 * (2 + 1) + 2 * 2 + 2 * 2}[exp]
         assert len(rows) == n_rows, [r["setting"] for r in rows]
+    res = runner.invoke(ablate, ["default", "--task", "glue", "--data", stsb_file, "--experiment", "heads"])
+    assert res.exit_code != 0 and "without a glue head" in res.output
     res = runner.invoke(ablate, [path, "--task", "stsb", "--data", stsb_file, "--experiment", "types"])
     assert res.exit_code != 0 and "--clusters" in res.output
     res = runner.invoke(ablate, [str(tmp_path / "nope"), "--task", "stsb", "--data", stsb_file,

@@ -45,6 +45,9 @@ def ablate(model, task_name, data, experiment, clusters, mode, limit, batch_size
             raise AttnkitError(f"--limit must be positive, got {limit}")
         if batch_size < 1:
             raise AttnkitError(f"--batch-size must be positive, got {batch_size}")
+        if model == "default" and task_name != "stsb":
+            raise AttnkitError(f"the embedded MiniLM is a sentence-embedding model without a {task_name} head; "
+                               f"give a local model fine-tuned for {task_name} (or use --task stsb)")
         task = get_task(task_name, data, glue_task=glue_task)
         m, tok = load_model(None if model == "default" else model, device=device, task=task.model_task)
         evaluate = TaskEvaluator(task, m, tok, limit=limit, batch_size=batch_size)

@@ -313,7 +313,7 @@ class GlueTask(Task):
             return out
         out["accuracy"] = metrics.accuracy(pred, gold)
         if "f1" in self.spec.metrics:
-            out["f1"] = metrics.f1(pred == positive, gold == positive)
+            out["f1"] = metrics.f1((pred == positive).astype(int), (gold == positive).astype(int))
             out["acc_and_f1"] = (out["accuracy"] + out["f1"]) / 2
         if "mcc" in self.spec.metrics:
             out["mcc"] = metrics.matthews(pred, gold)
