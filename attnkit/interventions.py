@@ -6,17 +6,171 @@ optional renormalisation, and differentiable per-head gates.
     with attnkit.intervene(model, iv):
         model(**inputs)
 
+Builders: `Intervention.from_heads(model_or_shape, "L2H5,L3H0", mode="zero")`, `.from_layers(...)`,
+`.from_types(shape, load_clusters(run), ["diagonal"], ...)`; `with_gates()` adds differentiable gates.
+
 transformers 5 removed `head_mask`; this replaces it, through the same fused op that extracts features.
+
+clusters.json (written by `attnkit cluster`; read tolerantly by `load_clusters`):
+    {"heads": [{"layer": 0, "head": 3, "label": 2, "type": "diagonal"}, ...]}
+`type` may be missing (then the type is "cluster<label>"), `label` may be missing when `type` is given.
+Also accepted: {"labels": [[...], ...]} (n_layers × n_heads ints) with an optional
+{"types": {"<label>": "<name>"}} or {"type_names": [...]} naming the labels.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
 from .errors import AttnkitError
 from .features import ALL, KEEP, MODES, REGIONS
+
+_HEAD_RE = re.compile(r"^L(\d+)(?:H(\d+))?$", re.IGNORECASE)
+
+
+def _shape_of(model_or_shape) -> tuple[int, int]:
+    """(n_layers, n_heads) from a model, an Intervention, or a (n_layers, n_heads) pair."""
+    if isinstance(model_or_shape, Intervention):
+        return model_or_shape.shape
+    if isinstance(model_or_shape, (tuple, list)) and len(model_or_shape) == 2:
+        L, H = (int(x) for x in model_or_shape)
+        if L < 1 or H < 1:
+            raise AttnkitError(f"an intervention needs at least one layer and one head, got {L} × {H}")
+        return L, H
+    cfg = getattr(model_or_shape, "config", None)
+    if cfg is None:
+        raise AttnkitError(f"cannot tell the number of layers and heads of {type(model_or_shape).__name__}")
+    n_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layers", None)
+    n_heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads", None)
+    if not n_layers or not n_heads:
+        raise AttnkitError(f"model config {type(cfg).__name__} names no layer/head counts")
+    return int(n_layers), int(n_heads)
+
+
+def parse_heads(spec, shape: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+    """Heads from "L2H5,L3H0" (0-based; "L4" = every head of layer 4) or an iterable of (layer, head).
+
+    With `shape` = (n_layers, n_heads), whole layers are expanded and every head is range-checked.
+    Duplicates are dropped; order of first appearance is kept.
+    """
+    items: list = []
+    if isinstance(spec, str):
+        for part in spec.replace(" ", "").split(","):
+            if not part:
+                continue
+            m = _HEAD_RE.match(part)
+            if not m:
+                raise AttnkitError(f"cannot read head {part!r}: write heads as L<layer>H<head>, e.g. L2H5, or L<layer>")
+            items.append((int(m.group(1)), None if m.group(2) is None else int(m.group(2))))
+    else:
+        for item in spec:
+            try:
+                layer, head = item
+            except (TypeError, ValueError):
+                raise AttnkitError(f"a head must be a (layer, head) pair, got {item!r}") from None
+            items.append((int(layer), None if head is None else int(head)))
+    out: list[tuple[int, int]] = []
+    for layer, head in items:
+        if head is None:
+            if shape is None:
+                raise AttnkitError(f"L{layer} names a whole layer: give the model's shape to expand it")
+            heads = [(layer, h) for h in range(shape[1])]
+        else:
+            heads = [(layer, head)]
+        for lh in heads:
+            if shape is not None and not (0 <= lh[0] < shape[0] and 0 <= lh[1] < shape[1]):
+                raise AttnkitError(f"head L{lh[0]}H{lh[1]} is outside this model's {shape[0]} layers × {shape[1]} heads")
+            if lh not in out:
+                out.append(lh)
+    return out
+
+
+def format_heads(heads: Iterable[tuple[int, int]]) -> str:
+    return ",".join(f"L{layer}H{head}" for layer, head in heads)
+
+
+@dataclass
+class HeadTypes:
+    """Head types from a clustering run: `grid[layer, head]` is a type name; `types` in first-seen order."""
+
+    grid: np.ndarray  # object array n_layers × n_heads of str ("" where a head has no type)
+    source: str = ""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.grid.shape
+
+    @property
+    def types(self) -> list[str]:
+        order = {"dense": 0, "diagonal": 1, "dense+vertical": 2, "dense&vertical": 2, "vertical": 3}
+        names = sorted({t for t in self.grid.ravel() if t}, key=lambda t: (order.get(t, 9), t))
+        return names
+
+    def heads(self, type_name: str) -> list[tuple[int, int]]:
+        if type_name not in self.types:
+            raise AttnkitError(f"no heads of type {type_name!r} in {self.source or 'the clusters'}; "
+                               f"types there: {', '.join(self.types)}")
+        return [(int(l), int(h)) for l, h in zip(*np.nonzero(self.grid == type_name))]
+
+    def counts(self) -> dict[str, int]:
+        return {t: len(self.heads(t)) for t in self.types}
+
+
+def load_clusters(run_or_file, shape: tuple[int, int] | None = None) -> HeadTypes:
+    """Read head types from a run directory's clusters.json (or that file). See the module docstring."""
+    path = str(run_or_file)
+    if os.path.isdir(path):
+        path = os.path.join(path, "clusters.json")
+    if not os.path.exists(path):
+        raise AttnkitError(f"no clusters file at {path!r}: run `attnkit cluster` on the run first")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise AttnkitError(f"cannot read clusters file {path!r}: {exc}") from None
+    entries: list[tuple[int, int, str]] = []
+    if isinstance(data, dict) and isinstance(data.get("heads"), list):
+        for i, e in enumerate(data["heads"]):
+            if not isinstance(e, dict) or "layer" not in e or "head" not in e:
+                raise AttnkitError(f"{path}: heads[{i}] lacks 'layer'/'head'")
+            name = e.get("type")
+            if name in (None, ""):
+                if e.get("label") is None:
+                    raise AttnkitError(f"{path}: heads[{i}] has neither 'type' nor 'label'")
+                name = f"cluster{e['label']}"
+            entries.append((int(e["layer"]), int(e["head"]), str(name)))
+    elif isinstance(data, dict) and isinstance(data.get("labels"), list):
+        labels = np.asarray(data["labels"])
+        if labels.ndim != 2:
+            raise AttnkitError(f"{path}: 'labels' must be an n_layers × n_heads list of lists")
+        names = data.get("types") or data.get("type_names") or {}
+        for (l, h), lab in np.ndenumerate(labels):
+            lab = int(lab)
+            if isinstance(names, dict):
+                name = names.get(str(lab), names.get(lab))
+            else:
+                name = names[lab] if 0 <= lab < len(names) else None
+            entries.append((l, h, str(name) if name else f"cluster{lab}"))
+    else:
+        raise AttnkitError(f"{path}: expected {{\"heads\": [{{\"layer\", \"head\", \"label\", \"type\"}}, ...]}}")
+    if not entries:
+        raise AttnkitError(f"{path}: no heads listed")
+    if shape is None:
+        shape = (max(e[0] for e in entries) + 1, max(e[1] for e in entries) + 1)
+    grid = np.full(shape, "", dtype=object)
+    for l, h, name in entries:
+        if not (0 <= l < shape[0] and 0 <= h < shape[1]):
+            raise AttnkitError(f"{path}: head L{l}H{h} is outside the model's {shape[0]} layers × {shape[1]} heads")
+        grid[l, h] = name
+    return HeadTypes(grid, source=path)
 
 
 class Intervention:
@@ -50,6 +204,74 @@ class Intervention:
         n_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layers")
         n_heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads")
         return cls.identity(n_layers, n_heads)
+
+    @classmethod
+    def from_heads(cls, model_or_shape, heads, *, mode: str = "zero", region: str = "all",
+                   renormalize: bool = False) -> "Intervention":
+        """Apply `mode`/`region` to the listed heads ("L2H5,L3H0", "L4", or (layer, head) pairs)."""
+        shape = _shape_of(model_or_shape)
+        iv = cls.identity(*shape)
+        iv.renormalize = bool(renormalize)
+        return iv.set_heads(parse_heads(heads, shape), mode=mode, region=region)
+
+    @classmethod
+    def from_layers(cls, model_or_shape, layers: Iterable[int] | int, *, mode: str = "uniform",
+                    region: str = "all", renormalize: bool = False) -> "Intervention":
+        """Apply `mode`/`region` to every head of the given layers."""
+        shape = _shape_of(model_or_shape)
+        layers = [layers] if isinstance(layers, (int, np.integer)) else list(layers)
+        return cls.from_heads(shape, [(int(l), None) for l in layers], mode=mode, region=region,
+                              renormalize=renormalize)
+
+    @classmethod
+    def from_types(cls, model_or_shape, head_types: "HeadTypes", types: Sequence[str] | str, *,
+                   mode: str = "zero", region: str = "all", renormalize: bool = False) -> "Intervention":
+        """Apply `mode`/`region` to every head whose cluster type is in `types`."""
+        shape = _shape_of(model_or_shape)
+        if head_types.shape != shape:
+            raise AttnkitError(f"clusters cover {head_types.shape[0]} layers × {head_types.shape[1]} heads "
+                               f"but the model has {shape[0]} × {shape[1]}")
+        types = [types] if isinstance(types, str) else list(types)
+        heads = list(itertools.chain.from_iterable(head_types.heads(t) for t in types))
+        iv = cls.identity(*shape)
+        iv.renormalize = bool(renormalize)
+        return iv.set_heads(heads, mode=mode, region=region)
+
+    def copy(self) -> "Intervention":
+        gates = None if self.gates is None else self.gates.detach().clone()
+        return Intervention(self.mode.copy(), self.region.copy(), self.renormalize, gates)
+
+    def with_gates(self, gates: torch.Tensor | None = None, requires_grad: bool = True) -> "Intervention":
+        """A copy with per-head gates (ones by default) that autograd tracks: Michel et al.'s ξ."""
+        iv = self.copy()
+        if gates is None:
+            gates = torch.ones(self.shape, dtype=torch.float32)
+        gates = gates.detach().to(torch.float32).clone().requires_grad_(requires_grad)
+        if tuple(gates.shape) != self.shape:
+            raise AttnkitError(f"gates shape {tuple(gates.shape)} differs from {self.shape}")
+        iv.gates = gates
+        return iv
+
+    def set_heads(self, heads: Iterable[tuple[int, int]], *, mode: str = "keep", region: str = "all") -> "Intervention":
+        for layer, head in heads:
+            self.set(layer, head, mode=mode, region=region)
+        return self
+
+    def changed_heads(self) -> list[tuple[int, int]]:
+        """Heads whose mode or region differs from keep/all."""
+        return [(int(l), int(h)) for l, h in zip(*np.nonzero((self.mode != KEEP) | (self.region != ALL)))]
+
+    def describe(self) -> str:
+        parts = []
+        for code, name in enumerate(MODES[1:], start=1):
+            heads = [(int(l), int(h)) for l, h in zip(*np.nonzero(self.mode == code))]
+            if heads:
+                parts.append(f"{name}: {format_heads(heads)}")
+        for code, name in enumerate(REGIONS[1:], start=1):
+            heads = [(int(l), int(h)) for l, h in zip(*np.nonzero(self.region == code))]
+            if heads:
+                parts.append(f"{name}: {format_heads(heads)}")
+        return "; ".join(parts) or "keep all"
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -92,10 +314,15 @@ def intervene(model, intervention: Intervention):
     """Apply `intervention` to an instrumented model inside the block; always restores the model."""
     from .models import attention_modules, runtime_of
 
+    if not isinstance(intervention, Intervention):
+        raise AttnkitError(f"intervene() needs an attnkit.Intervention, got {type(intervention).__name__}")
     rt = runtime_of(model)
     n_layers = len(attention_modules(model))
     if intervention.shape[0] != n_layers:
         raise AttnkitError(f"intervention covers {intervention.shape[0]} layers but the model has {n_layers}")
+    n_heads = _shape_of(model)[1] if getattr(model, "config", None) is not None else intervention.shape[1]
+    if intervention.shape[1] != n_heads:
+        raise AttnkitError(f"intervention covers {intervention.shape[1]} heads per layer but the model has {n_heads}")
     previous = rt.intervention
     rt.intervention = intervention
     try:

@@ -1,0 +1,318 @@
+"""Ablation experiments: lists of interventions ("settings"), their evaluation, tables and figures.
+
+* `types`  — Guan et al. 2020 Table 2 (prune = zero / substitute = uniform 1/n each head type and each
+  pair of types) and Table 3 (remove the intra- or inter-sentence attention of one type; keep one type's
+  intra/inter attention only, i.e. remove it from every other type).
+* `heads`  — Kovaleva et al. Fig. 8 / Michel et al. Table 3: one head at a time (zero or uniform).
+* `layers` — Kovaleva et al. Fig. 9: one whole layer at a time.
+* `importance` — Michel et al.: gradient importance + iterative pruning (see `importance.py`).
+
+Each experiment returns a `ResultTable` (baseline row first) that saves CSV, JSON and Markdown, and
+draws its figure with matplotlib.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..errors import AttnkitError
+from ..interventions import HeadTypes, Intervention, format_heads, intervene
+from .importance import iterative_pruning
+
+EXPERIMENTS = ("types", "heads", "layers", "importance")
+MODE_LABEL = {"zero": "prune (0)", "uniform": "substitute (1/n)"}
+
+
+@dataclass
+class Setting:
+    name: str
+    intervention: Intervention
+    info: dict = field(default_factory=dict)  # extra table columns (layer, head, type, ...)
+
+
+class TaskEvaluator:
+    """Callable(intervention) → metrics of `task` on `model` under that intervention."""
+
+    def __init__(self, task, model, tokenizer, limit=None, batch_size=32):
+        self.task, self.model, self.tokenizer = task, model, tokenizer
+        self.limit, self.batch_size = limit, batch_size
+        self.main_metric = task.main_metric
+
+    def __call__(self, iv: Intervention) -> dict:
+        with intervene(self.model, iv):
+            return self.task.evaluate(self.model, self.tokenizer, limit=self.limit, batch_size=self.batch_size)
+
+
+@dataclass
+class ResultTable:
+    experiment: str
+    main_metric: str
+    rows: list  # dicts; rows[0] is the baseline
+    extra: dict = field(default_factory=dict)  # e.g. importance matrices
+
+    @property
+    def columns(self) -> list[str]:
+        cols: list[str] = []
+        for r in self.rows:
+            for k in r:
+                if k not in cols:
+                    cols.append(k)
+        return cols
+
+    def to_pandas(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.rows, columns=self.columns)
+
+    def to_markdown(self, digits: int = 2) -> str:
+        cols = self.columns
+
+        def fmt(v):
+            if isinstance(v, float):
+                return "nan" if math.isnan(v) else f"{v:.{digits}f}"
+            return "" if v is None else str(v)
+
+        lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+        for r in self.rows:
+            lines.append("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
+        return "\n".join(lines)
+
+    def save(self, out_dir: str, stem: str | None = None) -> dict:
+        os.makedirs(out_dir, exist_ok=True)
+        stem = stem or self.experiment
+        paths = {k: os.path.join(out_dir, f"{stem}.{k}") for k in ("csv", "json", "md")}
+        self.to_pandas().to_csv(paths["csv"], index=False)
+        payload = {"experiment": self.experiment, "main_metric": self.main_metric, "rows": self.rows}
+        payload.update({k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in self.extra.items()})
+        with open(paths["json"], "w") as f:
+            json.dump(payload, f, indent=1, default=_json_default)
+        with open(paths["md"], "w") as f:
+            f.write(self.to_markdown() + "\n")
+        return paths
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(type(o).__name__)
+
+
+def run_settings(experiment: str, settings: list[Setting], evaluate: Callable[[Intervention], dict], main_metric: str,
+                 progress: bool = True) -> ResultTable:
+    """Evaluate every setting (the first must be the baseline) → table with Δ of the main metric."""
+    if not settings:
+        raise AttnkitError("no settings to evaluate")
+    rows = []
+    it = settings
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(settings, desc=experiment, unit="setting", dynamic_ncols=True)
+    base = None
+    for s in it:
+        m = evaluate(s.intervention)
+        if main_metric not in m:
+            raise AttnkitError(f"the evaluation returned no {main_metric!r} (got {sorted(m)})")
+        if base is None:
+            base = m[main_metric]
+        row = {"setting": s.name, **s.info, **{k: v for k, v in m.items()}}
+        row[f"delta_{main_metric}"] = m[main_metric] - base
+        rows.append(row)
+    return ResultTable(experiment, main_metric, rows)
+
+
+# --- settings -----------------------------------------------------------------------------------------
+def heads_settings(shape, mode: str = "zero") -> list[Setting]:
+    L, H = shape
+    out = [Setting("baseline", Intervention.identity(L, H), {"layer": None, "head": None})]
+    for layer in range(L):
+        for head in range(H):
+            out.append(Setting(f"L{layer}H{head} {mode}", Intervention.from_heads(shape, [(layer, head)], mode=mode),
+                               {"layer": layer, "head": head}))
+    return out
+
+
+def layers_settings(shape, mode: str = "uniform") -> list[Setting]:
+    L, H = shape
+    out = [Setting("baseline", Intervention.identity(L, H), {"layer": None})]
+    for layer in range(L):
+        out.append(Setting(f"L{layer} {mode}", Intervention.from_layers(shape, [layer], mode=mode), {"layer": layer}))
+    return out
+
+
+def types_settings(shape, head_types: HeadTypes, renormalize: bool = False) -> list[Setting]:
+    """Guan et al. Tables 2 and 3 for whatever types the clustering found. `renormalize` rescales what is
+    left of a row after removing intra/inter attention (Guan et al. do not; default off).
+
+    Columns per type say what happens to it: keep, 0 (pruned), 1/n (substituted), -intra, -inter.
+    """
+    types = head_types.types
+    if not types:
+        raise AttnkitError("the clusters name no head types")
+
+    def row(table, name, iv, what):
+        info = {"table": table, **{t: what.get(t, "keep") for t in types}, "heads": len(iv.changed_heads())}
+        return Setting(name, iv, info)
+
+    out = [row("-", "baseline", Intervention.identity(*shape), {})]
+    for mode, sym in (("zero", "0"), ("uniform", "1/n")):
+        verb = "prune" if mode == "zero" else "substitute"
+        groups = [(t,) for t in types] + list(itertools.combinations(types, 2))
+        for g in groups:
+            iv = Intervention.from_types(shape, head_types, list(g), mode=mode)
+            out.append(row("2", f"{verb} {' & '.join(g)}", iv, {t: sym for t in g}))
+    for region, part in (("no_intra", "intra"), ("no_inter", "inter")):
+        for t in types:
+            iv = Intervention.from_types(shape, head_types, [t], mode="keep", region=region, renormalize=renormalize)
+            out.append(row("3", f"remove {part} of {t}", iv, {t: f"-{part}"}))
+    for region, part in (("no_intra", "intra"), ("no_inter", "inter")):
+        for t in types:
+            others = [o for o in types if o != t]
+            if not others:
+                continue
+            iv = Intervention.from_types(shape, head_types, others, mode="keep", region=region,
+                                         renormalize=renormalize)
+            out.append(row("3", f"only {t} keeps {part}", iv, {o: f"-{part}" for o in others}))
+    return out
+
+
+# --- figures ------------------------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def heads_figure(table: ResultTable, shape, path: str, title: str = "") -> str:
+    plt = _plt()
+    key = f"delta_{table.main_metric}"
+    grid = np.full(shape, np.nan)
+    for r in table.rows[1:]:
+        grid[r["layer"], r["head"]] = r[key]
+    lim = np.nanmax(np.abs(grid)) if np.isfinite(grid).any() else 1.0
+    lim = lim or 1.0
+    fig, ax = plt.subplots(figsize=(1.0 + 0.55 * shape[1], 1.0 + 0.5 * shape[0]))
+    im = ax.imshow(grid, cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto")
+    for (l, h), v in np.ndenumerate(grid):
+        if np.isfinite(v):
+            ax.text(h, l, f"{v:.1f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(shape[1]))
+    ax.set_yticks(range(shape[0]))
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    base = table.rows[0][table.main_metric]
+    ax.set_title(title or f"Δ {table.main_metric} when one head is disabled (baseline {base:.2f})")
+    fig.colorbar(im, ax=ax, label=f"Δ {table.main_metric}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def bars_figure(table: ResultTable, path: str, title: str = "") -> str:
+    plt = _plt()
+    rows = table.rows[1:]
+    vals = [r[table.main_metric] for r in rows]
+    names = [r["setting"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.28 * len(rows)))
+    ax.barh(range(len(rows)), vals, color="#4c72b0")
+    finite = [v for v in vals + [table.rows[0][table.main_metric]] if v == v]
+    if finite:  # start the axis near the smallest bar so small differences stay visible
+        lo, hi = min(finite), max(finite)
+        ax.set_xlim(lo - 0.1 * (hi - lo) - 0.5, hi + 0.05 * (hi - lo) + 0.5)
+    ax.axvline(table.rows[0][table.main_metric], color="orange", label="baseline")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(table.main_metric)
+    ax.legend(loc="lower right")
+    ax.set_title(title or table.experiment)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def importance_figure(table: ResultTable, path: str, title: str = "") -> str:
+    plt = _plt()
+    imp = np.asarray(table.extra["importance"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.45 * imp.shape[0]))
+    im = a1.imshow(imp, cmap="viridis", aspect="auto")
+    a1.set_xlabel("head")
+    a1.set_ylabel("layer")
+    a1.set_xticks(range(imp.shape[1]))
+    a1.set_yticks(range(imp.shape[0]))
+    a1.set_title("head importance |∂L/∂ξ| (layer-normalised)" if table.extra.get("normalize_layers") else
+                 "head importance |∂L/∂ξ|")
+    fig.colorbar(im, ax=a1)
+    share = [100 * r["share"] for r in table.rows]
+    a2.plot(share, [r[table.main_metric] for r in table.rows], marker="o")
+    a2.set_xlabel("% heads pruned")
+    a2.set_ylabel(table.main_metric)
+    a2.set_title(title or "iterative pruning by importance")
+    a2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+# --- experiment drivers -------------------------------------------------------------------------------
+def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], dict], main_metric: str, *,
+                   mode: str = "zero", head_types: HeadTypes | None = None, losses=None, step: float = 0.1,
+                   max_share: float = 1.0, normalize_layers: bool = True, renormalize: bool = False,
+                   progress: bool = True) -> ResultTable:
+    shape = Intervention.for_model(model).shape
+    if experiment == "heads":
+        return run_settings("heads", heads_settings(shape, mode), evaluate, main_metric, progress)
+    if experiment == "layers":
+        return run_settings("layers", layers_settings(shape, mode), evaluate, main_metric, progress)
+    if experiment == "types":
+        if head_types is None:
+            raise AttnkitError("the types experiment needs head types: pass --clusters RUN (a run with clusters.json)")
+        return run_settings("types", types_settings(shape, head_types, renormalize), evaluate, main_metric, progress)
+    if experiment == "importance":
+        if losses is None:
+            raise AttnkitError("the importance experiment needs the task's differentiable loss")
+        res = iterative_pruning(model, evaluate, losses, mode=mode, step=step, max_share=max_share,
+                                normalize_layers=normalize_layers, progress=progress)
+        base = res["steps"][0]["metrics"][main_metric]
+        rows = []
+        prev: list = []
+        for s in res["steps"]:
+            new = [h for h in s["heads"] if h not in prev]
+            prev = s["heads"]
+            row = {"setting": "baseline" if s["pruned"] == 0 else f"prune {s['pruned']} heads",
+                   "pruned": s["pruned"], "share": s["share"], **s["metrics"],
+                   f"delta_{main_metric}": s["metrics"][main_metric] - base,
+                   "newly_pruned": format_heads(new)}
+            rows.append(row)
+        imp = res["importance"]
+        extra = {"importance": imp["importance"], "importance_raw": imp["raw"], "importance_n": imp["n"],
+                 "normalize_layers": normalize_layers, "mode": mode,
+                 "ranking": format_heads(tuple(int(x) for x in np.unravel_index(f, shape))
+                                         for f in np.argsort(-imp["importance"], axis=None, kind="stable"))}
+        return ResultTable("importance", main_metric, rows, extra)
+    raise AttnkitError(f"unknown experiment {experiment!r}; use one of {', '.join(EXPERIMENTS)}")
+
+
+def save_figure(table: ResultTable, shape, out_dir: str, title: str = "") -> str:
+    path = os.path.join(out_dir, f"{table.experiment}.png")
+    if table.experiment == "heads":
+        return heads_figure(table, shape, path, title)
+    if table.experiment == "importance":
+        return importance_figure(table, path, title)
+    return bars_figure(table, path, title)

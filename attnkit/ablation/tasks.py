@@ -1,0 +1,632 @@
+"""Evaluation tasks for ablations. Every loader reads local files only (no hub access).
+
+    task = get_task("stsb", "dev.tsv")
+    task.evaluate(model, tokenizer, limit=500, batch_size=32)   # {"spearman": 82.1, "pearson": ..., "n": 500}
+    task.main_metric                                              # "spearman"
+
+Each task also yields differentiable losses (`losses`) for gradient head importance (Michel et al.):
+* stsb: MSE between the cosine of the two mean-pooled embeddings and the gold score scaled to [0, 1]
+  (sentence-transformers' CosineSimilarityLoss, the loss STS models are fine-tuned with). Per pair, so
+  |∂L/∂gate| is taken per example as Michel et al. define it (a correlation is not per-example).
+* glue: cross-entropy (MSE on the single logit for STS-B regression models).
+* squad: the model's start/end cross-entropy on the first answer (position 0 = no answer / not in window).
+* mlm: cross-entropy on the masked tokens.
+
+Forwards set the attnkit runtime's batch info (lengths, token classes, sentence ids), so
+region interventions (no_intra / no_inter) know the sentences: the two segments of a pair are different
+sentences, and segments are also split after "." "!" "?" (Guan et al. constrain attention by sentences).
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from ..errors import AttnkitError
+from ..hf_attention import BatchInfo
+from ..models import instrument, runtime_of
+from ..tokens import Batch, Encoder
+from . import metrics
+
+TASKS = ("stsb", "glue", "squad", "mlm")
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+@contextlib.contextmanager
+def _batch_info(model, batch: Batch):
+    rt = runtime_of(model)
+    rt.batch = BatchInfo(batch.lengths, batch.token_class, batch.sentence_id)
+    try:
+        yield
+    finally:
+        rt.batch = None
+
+
+def forward(model, batch: Batch, **extra):
+    """One forward of an instrumented model on a `Batch` (moved to the model's device)."""
+    batch = batch.to(_device(model))
+    with _batch_info(model, batch):
+        return model(**batch.inputs, **extra)
+
+
+def _read_tsv(path: str) -> tuple[list[str], list[list[str]]]:
+    if not os.path.isfile(path):
+        raise AttnkitError(f"data file {path!r} not found")
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        rows = [r for r in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if r]
+    if not rows:
+        raise AttnkitError(f"{path} is empty")
+    return rows[0], rows[1:]
+
+
+def _limit(n: int, limit: int | None) -> int:
+    if limit is not None and limit < 1:
+        raise AttnkitError(f"--limit must be positive, got {limit}")
+    return n if limit is None else min(n, limit)
+
+
+def subset(n: int, limit: int | None) -> list[int]:
+    """Indices of the examples used under `limit`: all of them, or `limit` evenly spaced over the file.
+    Data files are often sorted by source (STS-B dev starts with 500+ MSRvid captions; SQuAD by
+    article), so the first N would be a biased sample; evenly spaced indices are deterministic."""
+    k = _limit(n, limit)
+    if k == n:
+        return list(range(n))
+    return sorted(set(int(i) for i in np.linspace(0, n - 1, k).round()))
+
+
+class Task:
+    """A dataset plus how to score a model on it."""
+
+    name = ""
+    main_metric = ""
+    model_task: str | None = None  # the `task` argument of attnkit.load_model
+    max_length = 128
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def _encode(self, tokenizer, segments, limit, batch_size, extra=None) -> list[tuple[np.ndarray, Batch]]:
+        """Batches of segments sorted by length (less padding); each with the original indices."""
+        key = (id(tokenizer), len(segments), hash(tuple(segments)), batch_size)
+        cache = self.__dict__.setdefault("_cache", {})
+        if key not in cache:
+            enc = Encoder(tokenizer, max_length=self.max_length, split_sentences=True)
+            lengths = [len(x) for x in tokenizer([s if isinstance(s, str) else list(s) for s in segments],
+                                                 truncation=True, max_length=self.max_length)["input_ids"]]
+            order = np.argsort(lengths, kind="stable")
+            batches = []
+            for i in range(0, len(order), batch_size):
+                idx = order[i:i + batch_size]
+                batches.append((idx, enc([segments[j] for j in idx])))
+            cache[key] = batches
+        return cache[key]
+
+    def evaluate(self, model, tokenizer, limit: int | None = None, batch_size: int = 32) -> dict:
+        raise NotImplementedError
+
+    def losses(self, model, tokenizer, limit: int | None = None, batch_size: int = 1) -> Iterator[torch.Tensor]:
+        """Differentiable losses, one per group of `batch_size` examples."""
+        raise NotImplementedError
+
+
+# --- STS-B with a sentence-embedding model ------------------------------------------------------------
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+
+
+class StsbTask(Task):
+    """Sentence-embedding similarity: cosine of mean-pooled embeddings vs the gold 0-5 score."""
+
+    name = "stsb"
+    main_metric = "spearman"
+    model_task = None
+
+    def __init__(self, path: str):
+        header, rows = _read_tsv(path)
+        cols = {c.strip().lower(): i for i, c in enumerate(header)}
+        missing = [c for c in ("sentence1", "sentence2", "score") if c not in cols]
+        if missing:
+            raise AttnkitError(f"{path}: STS-B TSV needs columns sentence1, sentence2, score; missing {missing} "
+                               f"(header: {header})")
+        self.examples = []
+        for n, r in enumerate(rows, start=2):
+            try:
+                self.examples.append((r[cols["sentence1"]], r[cols["sentence2"]], float(r[cols["score"]])))
+            except (IndexError, ValueError):
+                raise AttnkitError(f"{path}:{n}: malformed row (need sentence1, sentence2 and a numeric score)") from None
+        if len(self.examples) < 2:
+            raise AttnkitError(f"{path}: need at least two scored pairs")
+
+    def _embed(self, model, tokenizer, sentences, batch_size) -> torch.Tensor:
+        base = getattr(model, "base_model", model)
+        out = torch.empty(len(sentences), model.config.hidden_size)
+        for idx, batch in self._encode(tokenizer, sentences, len(sentences), batch_size):
+            hidden = self._base_forward(model, base, batch)
+            out[torch.as_tensor(idx)] = mean_pool(hidden, batch.inputs["attention_mask"].to(hidden.device)).float().cpu()
+        return out
+
+    @staticmethod
+    def _base_forward(model, base, batch):
+        batch = batch.to(_device(model))
+        with _batch_info(model, batch):
+            return base(**batch.inputs)[0]
+
+    def evaluate(self, model, tokenizer, limit=None, batch_size=32) -> dict:
+        instrument(model)
+        ex = [self.examples[i] for i in subset(len(self.examples), limit)]
+        n = len(ex)
+        sentences = list(dict.fromkeys([s for a, b, _ in ex for s in (a, b)]))
+        where = {s: i for i, s in enumerate(sentences)}
+        with torch.inference_mode():
+            emb = self._embed(model, tokenizer, sentences, batch_size)
+        a = emb[[where[e[0]] for e in ex]]
+        b = emb[[where[e[1]] for e in ex]]
+        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).numpy()
+        gold = np.array([e[2] for e in ex])
+        return {"spearman": metrics.spearman(cos, gold), "pearson": metrics.pearson(cos, gold), "n": n}
+
+    def losses(self, model, tokenizer, limit=None, batch_size=1):
+        instrument(model)
+        examples = [self.examples[i] for i in subset(len(self.examples), limit)]
+        enc = Encoder(tokenizer, max_length=self.max_length, split_sentences=True)
+        base = getattr(model, "base_model", model)
+        for i in range(0, len(examples), batch_size):
+            ex = examples[i:i + batch_size]
+            batch = enc([s for a, b, _ in ex for s in (a, b)]).to(_device(model))
+            with _batch_info(model, batch):
+                hidden = base(**batch.inputs)[0]
+            emb = mean_pool(hidden, batch.inputs["attention_mask"]).float()
+            cos = torch.nn.functional.cosine_similarity(emb[0::2], emb[1::2], dim=-1)
+            gold = torch.tensor([e[2] / 5.0 for e in ex], device=cos.device)
+            yield torch.nn.functional.mse_loss(cos, gold)
+
+
+# --- GLUE with a sequence-classification model --------------------------------------------------------
+@dataclass(frozen=True)
+class GlueSpec:
+    text: tuple  # column names (or indices for header-less files) of the one or two texts
+    label: object
+    labels: tuple | None  # label names in index order; None: regression
+    metrics: tuple
+    main: str
+
+
+GLUE = {
+    "cola": GlueSpec((3,), 1, ("0", "1"), ("mcc", "accuracy"), "mcc"),
+    "sst-2": GlueSpec(("sentence",), "label", ("0", "1"), ("accuracy",), "accuracy"),
+    "mrpc": GlueSpec(("#1 string", "#2 string"), "quality", ("0", "1"), ("accuracy", "f1"), "acc_and_f1"),
+    "qqp": GlueSpec(("question1", "question2"), "is_duplicate", ("0", "1"), ("accuracy", "f1"), "acc_and_f1"),
+    "sts-b": GlueSpec(("sentence1", "sentence2"), "score", None, ("pearson", "spearman"), "pearson_and_spearman"),
+    "mnli": GlueSpec(("sentence1", "sentence2"), "gold_label", ("contradiction", "entailment", "neutral"),
+                     ("accuracy",), "accuracy"),
+    "qnli": GlueSpec(("question", "sentence"), "label", ("entailment", "not_entailment"), ("accuracy",), "accuracy"),
+    "rte": GlueSpec(("sentence1", "sentence2"), "label", ("entailment", "not_entailment"), ("accuracy",), "accuracy"),
+    "wnli": GlueSpec(("sentence1", "sentence2"), "label", ("0", "1"), ("accuracy",), "accuracy"),
+}
+_GLUE_ALIASES = {"sst2": "sst-2", "stsb": "sts-b", "sts": "sts-b", "mnli-m": "mnli", "mnli-mm": "mnli"}
+
+
+def detect_glue(header: list[str], rows: list[list[str]], path: str) -> str:
+    """Which GLUE task a TSV holds, from its header (CoLA has none)."""
+    cols = {c.strip().lower() for c in header}
+    if "gold_label" in cols:
+        return "mnli"
+    if "is_duplicate" in cols:
+        return "qqp"
+    if "#1 string" in cols:
+        return "mrpc"
+    if "score" in cols and "sentence1" in cols:
+        return "sts-b"
+    if "question" in cols and "sentence" in cols:
+        return "qnli"
+    if cols >= {"sentence", "label"}:
+        return "sst-2"
+    if cols >= {"sentence1", "sentence2", "label"}:
+        labels = {r[-1].strip() for r in rows if r}
+        return "wnli" if labels <= {"0", "1"} else "rte"
+    if len(header) == 4 and header[1].strip() in ("0", "1"):
+        return "cola"
+    raise AttnkitError(f"{path}: cannot tell which GLUE task this TSV is (header: {header}); pass --glue-task")
+
+
+class GlueTask(Task):
+    name = "glue"
+    model_task = "sequence-classification"
+
+    def __init__(self, path: str, subtask: str | None = None):
+        header, rows = _read_tsv(path)
+        if subtask is not None:
+            subtask = _GLUE_ALIASES.get(subtask.lower(), subtask.lower())
+            if subtask not in GLUE:
+                raise AttnkitError(f"unknown GLUE task {subtask!r}; use one of {', '.join(GLUE)}")
+        self.subtask = subtask or detect_glue(header, rows, path)
+        spec = self.spec = GLUE[self.subtask]
+        self.main_metric = spec.main
+        if self.subtask == "cola":
+            rows = [header] + rows  # no header line
+            idx = {"text": list(spec.text), "label": spec.label}
+        else:
+            cols = {c.strip().lower(): i for i, c in enumerate(header)}
+            need = list(spec.text) + [spec.label]
+            missing = [c for c in need if c not in cols]
+            if missing:
+                raise AttnkitError(f"{path}: GLUE {self.subtask} TSV lacks columns {missing} (header: {header})")
+            idx = {"text": [cols[c] for c in spec.text], "label": cols[spec.label]}
+        self.examples = []
+        for n, r in enumerate(rows, start=1):
+            try:
+                texts = tuple(r[i] for i in idx["text"])
+                raw = r[idx["label"]].strip()
+            except IndexError:
+                raise AttnkitError(f"{path}: row {n} has too few columns") from None
+            if spec.labels is None:
+                try:
+                    label = float(raw)
+                except ValueError:
+                    raise AttnkitError(f"{path}: row {n}: score {raw!r} is not a number") from None
+            else:
+                if raw not in spec.labels:
+                    raise AttnkitError(f"{path}: row {n}: label {raw!r} is not one of {spec.labels}")
+                label = raw
+            self.examples.append((texts[0] if len(texts) == 1 else texts, label))
+        if not self.examples:
+            raise AttnkitError(f"{path}: no examples")
+
+    def _label_ids(self, model) -> dict:
+        """GLUE label name → the model's output index (from config.label2id when it names them)."""
+        labels = self.spec.labels
+        n_out = model.config.num_labels
+        if labels is None:
+            if n_out != 1:
+                raise AttnkitError(f"STS-B is a regression task but the model has {n_out} outputs (need 1)")
+            return {}
+        if n_out != len(labels):
+            raise AttnkitError(f"GLUE {self.subtask} has {len(labels)} labels but the model has {n_out} outputs")
+        l2i = {str(k).lower(): int(v) for k, v in (getattr(model.config, "label2id", None) or {}).items()}
+        if all(lab in l2i for lab in labels):
+            return {lab: l2i[lab] for lab in labels}
+        return {lab: i for i, lab in enumerate(labels)}
+
+    def _targets(self, model, ex) -> np.ndarray:
+        ids = self._label_ids(model)
+        return np.array([e[1] if not ids else ids[e[1]] for e in ex])
+
+    def score(self, pred: np.ndarray, gold: np.ndarray, positive: int = 1) -> dict:
+        out = {}
+        if self.spec.labels is None:
+            out["pearson"] = metrics.pearson(pred, gold)
+            out["spearman"] = metrics.spearman(pred, gold)
+            out["pearson_and_spearman"] = (out["pearson"] + out["spearman"]) / 2
+            return out
+        out["accuracy"] = metrics.accuracy(pred, gold)
+        if "f1" in self.spec.metrics:
+            out["f1"] = metrics.f1((pred == positive).astype(int), (gold == positive).astype(int))
+            out["acc_and_f1"] = (out["accuracy"] + out["f1"]) / 2
+        if "mcc" in self.spec.metrics:
+            out["mcc"] = metrics.matthews(pred, gold)
+        return out
+
+    def evaluate(self, model, tokenizer, limit=None, batch_size=32) -> dict:
+        instrument(model)
+        ex = [self.examples[i] for i in subset(len(self.examples), limit)]
+        n = len(ex)
+        gold = self._targets(model, ex)
+        regression = self.spec.labels is None
+        pred = np.zeros(n, dtype=np.float64 if regression else np.int64)
+        with torch.inference_mode():
+            for idx, batch in self._encode(tokenizer, [e[0] for e in ex], n, batch_size):
+                logits = forward(model, batch).logits.float().cpu()
+                pred[idx] = logits[:, 0].numpy() if regression else logits.argmax(-1).numpy()
+        positive = self._label_ids(model).get("1", 1) if not regression else 1
+        out = self.score(pred, gold, positive)
+        out["n"] = n
+        return out
+
+    def losses(self, model, tokenizer, limit=None, batch_size=1):
+        instrument(model)
+        examples = [self.examples[i] for i in subset(len(self.examples), limit)]
+        enc = Encoder(tokenizer, max_length=self.max_length, split_sentences=True)
+        for i in range(0, len(examples), batch_size):
+            ex = examples[i:i + batch_size]
+            logits = forward(model, enc([e[0] for e in ex])).logits.float()
+            y = torch.as_tensor(self._targets(model, ex), device=logits.device)
+            if self.spec.labels is None:
+                yield torch.nn.functional.mse_loss(logits[:, 0], y.float())
+            else:
+                yield torch.nn.functional.cross_entropy(logits, y.long())
+
+
+# --- SQuAD v1.1 / v2.0 with a question-answering model ------------------------------------------------
+class SquadTask(Task):
+    name = "squad"
+    model_task = "question-answering"
+    main_metric = "f1"
+
+    def __init__(self, path: str, max_length: int = 384, stride: int = 128, n_best: int = 20,
+                 max_answer_length: int = 30):
+        if not os.path.isfile(path):
+            raise AttnkitError(f"data file {path!r} not found")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            articles = data["data"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise AttnkitError(f"{path}: not SQuAD JSON ({{'data': [{{'paragraphs': ...}}]}}): {exc}") from None
+        self.max_length, self.stride, self.n_best, self.max_answer_length = max_length, stride, n_best, max_answer_length
+        self.examples = []  # (qid, question, context, [answer texts], [answer starts])
+        v2 = str(data.get("version", "")).startswith("v2")
+        for art in articles:
+            for para in art.get("paragraphs", []):
+                ctx = para["context"]
+                for qa in para.get("qas", []):
+                    answers = [] if qa.get("is_impossible") else qa.get("answers", [])
+                    v2 = v2 or "is_impossible" in qa
+                    self.examples.append((str(qa["id"]), qa["question"].lstrip(), ctx,
+                                          [a["text"] for a in answers], [int(a["answer_start"]) for a in answers]))
+        if not self.examples:
+            raise AttnkitError(f"{path}: no questions")
+        self.v2 = v2
+
+    def _features(self, tokenizer, idx: list[int]):
+        """Tokenised windows of the questions `idx`: list of dicts, cached per tokenizer."""
+        key = ("features", id(tokenizer), tuple(idx))
+        cache = self.__dict__.setdefault("_cache", {})
+        if key in cache:
+            return cache[key]
+        ex = [self.examples[i] for i in idx]
+        enc = tokenizer([e[1] for e in ex], [e[2] for e in ex], truncation="only_second",
+                        max_length=self.max_length, stride=self.stride, return_overflowing_tokens=True,
+                        return_offsets_mapping=True, padding=False)
+        encoder = Encoder(tokenizer, max_length=self.max_length, split_sentences=True)
+        feats = []
+        for i, ids in enumerate(enc["input_ids"]):
+            seq = enc.sequence_ids(i)
+            feats.append({
+                "example": idx[enc["overflow_to_sample_mapping"][i]], "input_ids": ids,
+                "token_type_ids": enc["token_type_ids"][i] if "token_type_ids" in enc else None,
+                "offsets": [o if s == 1 else None for o, s in zip(enc["offset_mapping"][i], seq)],
+                "sentence_id": encoder.sentence_ids(ids, seq),
+            })
+        cache[key] = (feats, encoder)
+        return cache[key]
+
+    @staticmethod
+    def _collate(feats, encoder, pad_id) -> Batch:
+        L = max(len(f["input_ids"]) for f in feats)
+        B = len(feats)
+        ids = torch.full((B, L), pad_id, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        tt = torch.zeros((B, L), dtype=torch.long)
+        sid = torch.zeros((B, L), dtype=torch.int32)
+        for b, f in enumerate(feats):
+            n = len(f["input_ids"])
+            ids[b, :n] = torch.tensor(f["input_ids"])
+            mask[b, :n] = 1
+            sid[b, :n] = torch.tensor(f["sentence_id"], dtype=torch.int32)
+            if f["token_type_ids"] is not None:
+                tt[b, :n] = torch.tensor(f["token_type_ids"])
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        if feats[0]["token_type_ids"] is not None:
+            inputs["token_type_ids"] = tt
+        return Batch(inputs, mask.sum(-1), encoder.token_classes(ids), sid, 0)
+
+    def _best(self, f, start, end) -> tuple[float, str | None, float]:
+        """(best span score, its text, null score) for one window."""
+        offsets = f["offsets"]
+        null = float(start[0] + end[0])
+        best, text = -float("inf"), None
+        ctx = self.examples[f["example"]][2]
+        starts = np.argsort(start)[::-1][: self.n_best]
+        ends = np.argsort(end)[::-1][: self.n_best]
+        for s in starts:
+            if s >= len(offsets) or offsets[s] is None:
+                continue
+            for e in ends:
+                if e >= len(offsets) or offsets[e] is None or e < s or e - s + 1 > self.max_answer_length:
+                    continue
+                score = float(start[s] + end[e])
+                if score > best:
+                    best, text = score, ctx[offsets[s][0]:offsets[e][1]]
+        return best, text, null
+
+    def evaluate(self, model, tokenizer, limit=None, batch_size=32) -> dict:
+        instrument(model)
+        idx = subset(len(self.examples), limit)
+        n = len(idx)
+        feats, encoder = self._features(tokenizer, idx)
+        order = np.argsort([len(f["input_ids"]) for f in feats], kind="stable")
+        best = {}  # example -> (score, text, min null)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        with torch.inference_mode():
+            for i in range(0, len(order), batch_size):
+                chunk = [feats[j] for j in order[i:i + batch_size]]
+                out = forward(model, self._collate(chunk, encoder, pad))
+                s_all, e_all = out.start_logits.float().cpu().numpy(), out.end_logits.float().cpu().numpy()
+                for b, f in enumerate(chunk):
+                    L = len(f["input_ids"])
+                    score, text, null = self._best(f, s_all[b, :L], e_all[b, :L])
+                    prev = best.get(f["example"], (-float("inf"), None, float("inf")))
+                    if score > prev[0]:
+                        prev = (score, text, prev[2])
+                    best[f["example"]] = (prev[0], prev[1], min(prev[2], null))
+        preds, golds = {}, {}
+        for k in idx:
+            qid, _, _, answers, _ = self.examples[k]
+            score, text, null = best.get(k, (-float("inf"), None, 0.0))
+            if text is None or (self.v2 and null > score):
+                text = ""
+            preds[qid] = text
+            golds[qid] = answers
+        out = metrics.squad_scores(preds, golds)
+        out["n"] = n
+        return out
+
+    def answer_positions(self, f) -> tuple[int, int]:
+        """Token positions of the first gold answer in window `f`; (0, 0) when there is none in it."""
+        _, _, _, texts, chars = self.examples[f["example"]]
+        if not texts:
+            return 0, 0
+        a0, a1 = chars[0], chars[0] + len(texts[0])
+        offs = f["offsets"]
+        cand = [t for t, o in enumerate(offs) if o is not None]
+        s_c = [t for t in cand if offs[t][0] <= a0 < max(offs[t][1], offs[t][0] + 1)]
+        e_c = [t for t in cand if offs[t][0] < a1 <= offs[t][1]]
+        if s_c and e_c and e_c[0] >= s_c[0]:
+            return s_c[0], e_c[0]
+        return 0, 0
+
+    def losses(self, model, tokenizer, limit=None, batch_size=1):
+        instrument(model)
+        feats, encoder = self._features(tokenizer, subset(len(self.examples), limit))
+        first = {}
+        for f in feats:  # the first window of each question
+            first.setdefault(f["example"], f)
+        items = [first[k] for k in sorted(first)]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        for i in range(0, len(items), batch_size):
+            chunk = items[i:i + batch_size]
+            starts, ends = zip(*(self.answer_positions(f) for f in chunk))
+            dev = _device(model)
+            out = forward(model, self._collate(chunk, encoder, pad),
+                          start_positions=torch.tensor(starts, device=dev), end_positions=torch.tensor(ends, device=dev))
+            yield out.loss
+
+
+# --- masked-language modelling on any corpus ----------------------------------------------------------
+TEXT_COLUMNS = ("text", "sentence", "sentence1", "sentence2", "question", "question1", "question2", "context")
+
+
+def read_corpus(path: str) -> list[str]:
+    """Texts of a corpus: .txt (one per non-empty line, or every .txt file of a directory), .jsonl
+    ("text" field), .tsv (text columns by header name), SQuAD .json (the contexts)."""
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".txt"))
+        if not files:
+            raise AttnkitError(f"{path}: directory holds no .txt files")
+        return [t for f in files for t in read_corpus(f)]
+    if not os.path.isfile(path):
+        raise AttnkitError(f"data file {path!r} not found")
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".tsv":
+        header, rows = _read_tsv(path)
+        cols = [i for i, c in enumerate(header) if c.strip().lower() in TEXT_COLUMNS]
+        if not cols:
+            raise AttnkitError(f"{path}: no text column among {TEXT_COLUMNS} (header: {header})")
+        return [r[i] for r in rows for i in cols if i < len(r) and r[i].strip()]
+    if ext == ".jsonl":
+        out = []
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        out.append(json.loads(line)["text"])
+                    except (ValueError, KeyError, TypeError):
+                        raise AttnkitError(f"{path}:{n}: expected a JSON object with a 'text' field") from None
+        return out
+    if ext == ".json":
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            return list(dict.fromkeys(p["context"] for a in data["data"] for p in a["paragraphs"]))
+        except (ValueError, KeyError, TypeError):
+            raise AttnkitError(f"{path}: JSON corpora must be SQuAD-format") from None
+    with open(path, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+class MlmTask(Task):
+    """Masked-token accuracy: 15% of the non-special tokens of each text (at least one) are replaced by
+    the mask token, chosen with a generator seeded by (seed, text index), so the masks do not depend on
+    --limit or the batch size."""
+
+    name = "mlm"
+    model_task = "masked-lm"
+    main_metric = "accuracy"
+
+    def __init__(self, path: str, mask_prob: float = 0.15, seed: int = 0):
+        self.examples = read_corpus(path)
+        if not self.examples:
+            raise AttnkitError(f"{path}: no text")
+        if not 0 < mask_prob < 1:
+            raise AttnkitError(f"mask probability must be in (0, 1), got {mask_prob}")
+        self.mask_prob, self.seed = mask_prob, seed
+
+    def _masked(self, tokenizer, limit: int | None, batch_size: int):
+        key = ("masked", id(tokenizer), limit, batch_size)
+        cache = self.__dict__.setdefault("_cache", {})
+        if key in cache:
+            return cache[key]
+        if tokenizer.mask_token_id is None:
+            raise AttnkitError("the tokenizer has no mask token: the mlm task needs a masked-LM tokenizer")
+        special = set(tokenizer.all_special_ids)
+        out = []
+        chosen = subset(len(self.examples), limit)
+        for idx, batch in self._encode(tokenizer, [self.examples[i] for i in chosen], limit, batch_size):
+            ids = batch.inputs["input_ids"].clone()
+            labels = torch.full_like(ids, -100)
+            for b, j in enumerate(idx):
+                L = int(batch.lengths[b])
+                cand = [t for t in range(L) if int(ids[b, t]) not in special]
+                if not cand:
+                    continue
+                rng = np.random.default_rng([self.seed, chosen[int(j)]])
+                k = max(1, int(round(self.mask_prob * len(cand))))
+                pick = rng.choice(cand, size=k, replace=False)
+                labels[b, pick] = ids[b, pick]
+                ids[b, pick] = tokenizer.mask_token_id
+            inputs = dict(batch.inputs, input_ids=ids)
+            orig = [chosen[int(j)] for j in idx]
+            out.append((orig, Batch(inputs, batch.lengths, batch.token_class, batch.sentence_id, 0), labels))
+        cache[key] = out
+        return out
+
+    def evaluate(self, model, tokenizer, limit=None, batch_size=32) -> dict:
+        instrument(model)
+        n = len(subset(len(self.examples), limit))
+        correct = total = 0
+        nll = 0.0
+        with torch.inference_mode():
+            for _, batch, labels in self._masked(tokenizer, limit, batch_size):
+                logits = forward(model, batch).logits.float().cpu()
+                sel = labels != -100
+                correct += int((logits.argmax(-1)[sel] == labels[sel]).sum())
+                nll += float(torch.nn.functional.cross_entropy(logits[sel], labels[sel], reduction="sum"))
+                total += int(sel.sum())
+        if total == 0:
+            raise AttnkitError("no token could be masked in the corpus")
+        return {"accuracy": 100.0 * correct / total, "loss": nll / total, "n": n, "masked": total}
+
+    def losses(self, model, tokenizer, limit=None, batch_size=1):
+        instrument(model)
+        for _, batch, labels in self._masked(tokenizer, limit, batch_size):
+            if (labels != -100).any():
+                logits = forward(model, batch).logits.float()
+                yield torch.nn.functional.cross_entropy(logits[labels != -100], labels[labels != -100].to(logits.device))
+
+
+def get_task(name: str, path, **options) -> Task:
+    """Load a task's data from a local file: name in stsb, glue, squad, mlm."""
+    path = str(path)
+    if name == "stsb":
+        return StsbTask(path)
+    if name == "glue":
+        return GlueTask(path, subtask=options.get("glue_task"))
+    if name == "squad":
+        kw = {k: options[k] for k in ("max_length", "stride") if options.get(k) is not None}
+        return SquadTask(path, **kw)
+    if name == "mlm":
+        return MlmTask(path, seed=options.get("seed") or 0)
+    raise AttnkitError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")
