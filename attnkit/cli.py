@@ -194,9 +194,10 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
 
 
 def _add_commands() -> None:
+    from .ablation.commands import ablate
     from .analysis.commands import COMMANDS
 
-    for cmd in COMMANDS:
+    for cmd in (*COMMANDS, ablate):
         main.add_command(cmd)
 
 

@@ -55,13 +55,21 @@ def test_tiny_models_equal_eager(kind):
 
 
 def test_minilm_equals_eager_with_padding(minilm):
+    """≤ 1e-5 on every real token. Padding positions are compared too, against PyTorch's own spread:
+    their outputs carry no meaning and amplify fp32 rounding (SDPA itself differs from eager there by
+    ~1.4e-5 on this batch, 10x more than on real tokens)."""
     model, tok = minilm
     eager = AutoModel.from_pretrained(default_model_path(), attn_implementation="eager").eval()
+    sdpa = AutoModel.from_pretrained(default_model_path(), attn_implementation="sdpa").eval()
     enc = tok(SENTENCES, padding=True, return_tensors="pt")
-    assert (enc["attention_mask"] == 0).any()
+    real = enc["attention_mask"].bool()
+    assert (~real).any()
     with torch.no_grad():
-        diff = (model(**enc).last_hidden_state - eager(**enc).last_hidden_state).abs().max().item()
-    assert diff <= 1e-5
+        expect = eager(**enc).last_hidden_state
+        diff = (model(**enc).last_hidden_state - expect).abs()
+        sdpa_diff = (sdpa(**enc).last_hidden_state - expect).abs()
+    assert diff[real].max().item() <= 1e-5
+    assert diff[~real].max().item() <= max(2 * sdpa_diff[~real].max().item(), 1e-5)
 
 
 def test_unsupported_model_is_refused_by_name():

@@ -22,7 +22,7 @@ from .tasks import TASKS, get_task
               help="Run directory (or clusters.json) with head types; needed by --experiment types.")
 @click.option("--mode", type=click.Choice(["zero", "uniform"]), default=None,
               help="How heads are disabled (heads: zero, layers: uniform, importance pruning: zero by default).")
-@click.option("--limit", type=int, default=None, help="Evaluate on the first N examples only.")
+@click.option("--limit", type=int, default=None, help="Evaluate on N examples spread evenly over the file (data files are often sorted by genre).")
 @click.option("--batch-size", type=int, default=32, show_default=True)
 @click.option("--glue-task", default=None, help="GLUE task of --data when it cannot be told from the header.")
 @click.option("--step", type=float, default=0.1, show_default=True, help="importance: share pruned per step.")
