@@ -11,20 +11,16 @@ Builders: `Intervention.from_heads(model_or_shape, "L2H5,L3H0", mode="zero")`, `
 
 transformers 5 removed `head_mask`; this replaces it, through the same fused op that extracts features.
 
-clusters.json (written by `attnkit cluster`; read tolerantly by `load_clusters`):
-    {"heads": [{"layer": 0, "head": 3, "label": 2, "type": "diagonal"}, ...]}
-`type` may be missing (then the type is "cluster<label>"), `label` may be missing when `type` is given.
-Also accepted: {"labels": [[...], ...]} (n_layers × n_heads ints) with an optional
-{"types": {"<label>": "<name>"}} or {"type_names": [...]} naming the labels.
+Head types come from a run's clusters.json, written by `attnkit cluster` (format in
+attnkit/analysis/results.py), through `load_clusters`.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
-import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -125,52 +121,18 @@ class HeadTypes:
 
 
 def load_clusters(run_or_file, shape: tuple[int, int] | None = None) -> HeadTypes:
-    """Read head types from a run directory's clusters.json (or that file). See the module docstring."""
-    path = str(run_or_file)
-    if os.path.isdir(path):
-        path = os.path.join(path, "clusters.json")
-    if not os.path.exists(path):
-        raise AttnkitError(f"no clusters file at {path!r}: run `attnkit cluster` on the run first")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise AttnkitError(f"cannot read clusters file {path!r}: {exc}") from None
-    entries: list[tuple[int, int, str]] = []
-    if isinstance(data, dict) and isinstance(data.get("heads"), list):
-        for i, e in enumerate(data["heads"]):
-            if not isinstance(e, dict) or "layer" not in e or "head" not in e:
-                raise AttnkitError(f"{path}: heads[{i}] lacks 'layer'/'head'")
-            name = e.get("type")
-            if name in (None, ""):
-                if e.get("label") is None:
-                    raise AttnkitError(f"{path}: heads[{i}] has neither 'type' nor 'label'")
-                name = f"cluster{e['label']}"
-            entries.append((int(e["layer"]), int(e["head"]), str(name)))
-    elif isinstance(data, dict) and isinstance(data.get("labels"), list):
-        labels = np.asarray(data["labels"])
-        if labels.ndim != 2:
-            raise AttnkitError(f"{path}: 'labels' must be an n_layers × n_heads list of lists")
-        names = data.get("types") or data.get("type_names") or {}
-        for (l, h), lab in np.ndenumerate(labels):
-            lab = int(lab)
-            if isinstance(names, dict):
-                name = names.get(str(lab), names.get(lab))
-            else:
-                name = names[lab] if 0 <= lab < len(names) else None
-            entries.append((l, h, str(name) if name else f"cluster{lab}"))
-    else:
-        raise AttnkitError(f"{path}: expected {{\"heads\": [{{\"layer\", \"head\", \"label\", \"type\"}}, ...]}}")
-    if not entries:
-        raise AttnkitError(f"{path}: no heads listed")
-    if shape is None:
-        shape = (max(e[0] for e in entries) + 1, max(e[1] for e in entries) + 1)
-    grid = np.full(shape, "", dtype=object)
-    for l, h, name in entries:
-        if not (0 <= l < shape[0] and 0 <= h < shape[1]):
-            raise AttnkitError(f"{path}: head L{l}H{h} is outside the model's {shape[0]} layers × {shape[1]} heads")
-        grid[l, h] = name
-    return HeadTypes(grid, source=path)
+    """Head types from a run's clusters.json (written by `attnkit cluster`), checked against `shape`."""
+    from .analysis.results import CLUSTERS_FILE, load_clusters as read_clusters, type_grid
+
+    path = Path(run_or_file)
+    data = read_clusters(path)
+    grid = type_grid(data)
+    if shape is not None and grid.shape != tuple(shape):
+        raise AttnkitError(f"{path} covers {grid.shape[0]} layers × {grid.shape[1]} heads, "
+                           f"but the model has {shape[0]} × {shape[1]}")
+    if any(t is None for t in grid.flat):
+        raise AttnkitError(f"{path}: some heads have no type")
+    return HeadTypes(grid, source=str(path if path.suffix else path / CLUSTERS_FILE))
 
 
 class Intervention:

@@ -37,3 +37,21 @@ def roberta_tokenizer():
                                                       ("<s>", tok.token_to_id("<s>")))
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>",
                                    cls_token="<s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>")
+
+
+def write_clusters_json(run, type_grid):
+    """A clusters.json in the format `attnkit cluster` writes (attnkit/analysis/results.py), for the
+    given layers × heads grid of type names."""
+    import json
+    from pathlib import Path
+
+    run = Path(run)
+    run.mkdir(parents=True, exist_ok=True)
+    names = sorted({t for row in type_grid for t in row})
+    heads = [{"layer": l, "head": h, "label": names.index(t), "type": t}
+             for l, row in enumerate(type_grid) for h, t in enumerate(row)]
+    data = {"version": 1, "settings": {"k": len(names)},
+            "run": {"n_layers": len(type_grid), "n_heads": len(type_grid[0])}, "heads": heads,
+            "clusters": [{"label": i, "type": t} for i, t in enumerate(names)], "stability": {}}
+    (run / "clusters.json").write_text(json.dumps(data))
+    return run

@@ -13,6 +13,8 @@ from attnkit.interventions import load_clusters, parse_heads
 from attnkit.models import runtime_of
 from attnkit.reference import reference_attention
 
+from .conftest import write_clusters_json
+
 
 def test_parse_heads():
     assert parse_heads("L2H5, l3h0,L2H5") == [(2, 5), (3, 0)]
@@ -48,29 +50,23 @@ def test_builders():
         Intervention.from_heads((3, 4), "L0H0", mode="drop")
 
 
-def test_load_clusters_formats(tmp_path):
-    heads = [{"layer": l, "head": h, "label": (l + h) % 2, "type": ["diagonal", "vertical"][(l + h) % 2]}
-             for l in range(2) for h in range(3)]
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "clusters.json").write_text(json.dumps({"heads": heads, "k": 2}))
+def test_load_clusters(tmp_path):
+    grid = [["diagonal", "vertical", "diagonal"], ["vertical", "diagonal", "vertical"]]
+    run = write_clusters_json(tmp_path / "run", grid)
     ht = load_clusters(run, shape=(2, 3))
     assert ht.types == ["diagonal", "vertical"]
     assert ht.heads("vertical") == [(0, 1), (1, 0), (1, 2)]
+    assert load_clusters(run / "clusters.json").counts() == {"diagonal": 3, "vertical": 3}
     iv = Intervention.from_types((2, 3), ht, ["vertical"], mode="zero")
     assert iv.changed_heads() == [(0, 1), (1, 0), (1, 2)]
     assert Intervention.from_types((2, 3), ht, "diagonal", region="no_intra").region[0, 0] == NO_INTRA
-    # labels only → cluster<label>; a labels grid with names
-    (tmp_path / "a.json").write_text(json.dumps({"heads": [{"layer": 0, "head": 0, "label": 3}]}))
-    assert load_clusters(tmp_path / "a.json").types == ["cluster3"]
-    (tmp_path / "b.json").write_text(json.dumps({"labels": [[0, 1], [1, 1]], "types": {"0": "dense", "1": "vertical"}}))
-    assert load_clusters(tmp_path / "b.json").counts() == {"dense": 1, "vertical": 3}
-    (tmp_path / "c.json").write_text(json.dumps({"what": 1}))
-    with pytest.raises(AttnkitError, match="expected"):
-        load_clusters(tmp_path / "c.json")
-    with pytest.raises(AttnkitError, match="outside"):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "clusters.json").write_text(json.dumps({"heads": []}))
+    with pytest.raises(AttnkitError, match="not a clusters.json written by attnkit"):
+        load_clusters(tmp_path / "other")
+    with pytest.raises(AttnkitError, match="but the model has 1 × 3"):
         load_clusters(run, shape=(1, 3))
-    with pytest.raises(AttnkitError, match="no clusters file"):
+    with pytest.raises(AttnkitError, match="missing: run `attnkit cluster"):
         load_clusters(tmp_path / "missing")
     with pytest.raises(AttnkitError, match="covers|clusters cover"):
         Intervention.from_types((3, 3), ht, "vertical")

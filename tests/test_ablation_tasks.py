@@ -14,6 +14,8 @@ from attnkit.ablation import get_task, metrics
 from attnkit.ablation.commands import ablate
 from attnkit.ablation.tasks import GlueTask, detect_glue, subset
 
+from .conftest import write_clusters_json
+
 WORDS = ("a man woman child is are playing riding eating guitar horse dog cat the on in with big small red blue "
          "what who where does paris france tower city river old new").split()
 
@@ -172,10 +174,7 @@ def test_mlm_masks_do_not_depend_on_batching(tokenizer, tmp_path):
 def test_ablate_command_end_to_end(tokenizer, stsb_file, tmp_path):
     torch.manual_seed(0)
     path = _save(BertModel(_cfg(tokenizer)), tokenizer, tmp_path / "model")
-    heads = [{"layer": l, "head": h, "label": h % 2, "type": ["diagonal", "vertical"][h % 2]}
-             for l in range(2) for h in range(4)]
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "clusters.json").write_text(json.dumps({"heads": heads}))
+    write_clusters_json(tmp_path / "run", [[["diagonal", "vertical"][h % 2] for h in range(4)] for _ in range(2)])
     runner = CliRunner()
     for exp, extra in (("heads", []), ("layers", []), ("types", ["--clusters", str(tmp_path / "run")]),
                        ("importance", ["--step", "0.25"])):

@@ -79,9 +79,12 @@ def save_clusters(run_dir, clusterer, features=None, sweep_rows=None) -> Path:
 
 
 def load_clusters(run_dir) -> dict:
-    path = Path(run_dir) / CLUSTERS_FILE
+    """The content of a run's clusters.json (`run_dir` may also be the file itself), validated."""
+    path = Path(run_dir)
+    if path.is_dir() or not path.suffix:
+        path = path / CLUSTERS_FILE
     if not path.is_file():
-        raise AttnkitError(f"{path} is missing: run `attnkit cluster {run_dir}` first")
+        raise AttnkitError(f"{path} is missing: run `attnkit cluster {path.parent}` first")
     try:
         data = json.loads(path.read_text())
     except ValueError as exc:
