@@ -10,7 +10,9 @@ but only when gradients are asked for; extraction runs without them.
 """
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 import threading
 
 import torch
@@ -22,12 +24,13 @@ from .reference import reference_attention
 log = logging.getLogger("attnkit")
 
 _EXT_ERROR: BaseException | None = None
-try:  # importing the extension runs its TORCH_LIBRARY registrations
-    import importlib
-
-    importlib.import_module("attnkit._C")
-except Exception as exc:  # ImportError, or an undefined symbol from a torch mismatch
-    _EXT_ERROR = exc
+if os.environ.get("ATTNKIT_NO_EXT") == "1":  # run on the reference, e.g. to rule the extension out
+    _EXT_ERROR = ImportError("disabled by ATTNKIT_NO_EXT=1")
+else:
+    try:  # importing the extension runs its TORCH_LIBRARY registrations
+        importlib.import_module("attnkit._C")
+    except Exception as exc:  # ImportError, or an undefined symbol from a torch mismatch
+        _EXT_ERROR = exc
 
 _warned = threading.Event()
 _OP = "attnkit::fused_attention"
