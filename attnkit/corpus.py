@@ -18,8 +18,8 @@ from .errors import AttnkitError
 
 FORMATS = ("auto", "text", "jsonl", "squad", "tsv")
 # TSV columns tried, in order, when none are named: (first, second or None)
-_TSV_GUESSES = (("sentence1", "sentence2"), ("question1", "question2"), ("question", "sentence"),
-                ("premise", "hypothesis"), ("sentence", None), ("text", None))
+_TSV_GUESSES = (("sentence1", "sentence2"), ("#1 String", "#2 String"), ("question1", "question2"),
+                ("question", "sentence"), ("premise", "hypothesis"), ("sentence", None), ("text", None))
 
 
 def default_corpus_path() -> Path:

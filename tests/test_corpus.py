@@ -46,6 +46,9 @@ def test_tsv_glue_style_and_named_columns(tmp_path):
     assert read_corpus(p, columns=("sentence2",)) == ["B.", "D"]
     with pytest.raises(AttnkitError, match="no column 'nope'"):
         read_corpus(p, columns=("nope",))
+    mrpc = tmp_path / "mrpc.tsv"
+    mrpc.write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t7\t8\tFirst one.\tSecond one.\n")
+    assert read_corpus(mrpc) == [("First one.", "Second one.")]
     q = tmp_path / "odd.tsv"
     q.write_text("a\tb\n1\t2\n")
     with pytest.raises(AttnkitError, match="--columns"):
