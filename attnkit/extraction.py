@@ -139,8 +139,8 @@ def run_extraction(
                 on_batch(acc, i + len(chunk), n_truncated)
             if bar is not None:
                 dt = max(time.perf_counter() - t0, 1e-9)
+                bar.set_postfix(tok_s=f"{(acc.n_tokens - tokens0) / dt:,.0f}", truncated=n_truncated, refresh=False)
                 bar.update(len(chunk))
-                bar.set_postfix(tok_s=f"{(acc.n_tokens - tokens0) / dt:,.0f}", truncated=n_truncated)
     if bar is not None:
         bar.close()
     return acc, n_truncated
