@@ -9,20 +9,10 @@ from pathlib import Path
 
 import click
 
-from .errors import AttnkitError
+from .errors import AttnkitError, cli_errors
 
 
-class _Group(click.Group):
-    """Turns AttnkitError (bad input) into a one-line message and exit status 1, never a traceback."""
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except AttnkitError as exc:
-            raise click.ClickException(str(exc)) from None
-
-
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="attnkit")
 def main():
     """Measure what the attention heads of transformer encoders do, over whole corpora.
@@ -85,6 +75,7 @@ def _columns(value):
 @click.option("--checkpoint-every", default=20, show_default=True, type=click.IntRange(min=1),
               help="Write a checkpoint every N batches (and always on interruption).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@cli_errors
 def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length, batch_size, device, dtype,
             num_windows, sentences, limit, backend, out, resume, overwrite, checkpoint_every, quiet):
     """Measure per-head attention features over CORPUS (default: a small built-in English corpus).

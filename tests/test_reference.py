@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from attnkit.features import (ALL, CLS, COMMA, KEEP, NO_INTER, NO_INTRA, OTHER, PERIOD, SEP, UNIFORM, ZERO,
+from attnkit.features import (ALL, CLS, COMMA, KEEP, NO_INTER, NO_INTRA, OTHER, SEP, UNIFORM, ZERO,
                               feature_names)
 from attnkit.reference import bucket_index, intervene_weights, reference_attention, row_features
 

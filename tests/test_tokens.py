@@ -1,5 +1,4 @@
 """Token classes and sentence ids from real tokenizer output (BERT- and RoBERTa-style vocabularies)."""
-import torch
 
 from attnkit.features import CLS, COMMA, OTHER, PERIOD, SEP
 from attnkit.tokens import Encoder

@@ -7,7 +7,7 @@ import time
 
 import click
 
-from ..errors import AttnkitError
+from ..errors import AttnkitError, cli_errors
 from .experiments import EXPERIMENTS, TaskEvaluator, run_experiment, save_figure
 from .tasks import TASKS, get_task
 
@@ -33,6 +33,7 @@ from .tasks import TASKS, get_task
 @click.option("-o", "--out", "out", type=click.Path(file_okay=False), default=None,
               help="Output directory (default: ablation-<task>-<experiment>).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@cli_errors
 def ablate(model, task_name, data, experiment, clusters, mode, limit, batch_size, glue_task, step, no_layer_norm,
            renormalize, device, out, quiet):
     """Disable heads, layers or head types of MODEL (a local model directory, or `default` for the embedded
@@ -40,42 +41,39 @@ def ablate(model, task_name, data, experiment, clusters, mode, limit, batch_size
     from ..interventions import load_clusters
     from ..models import load_model
 
-    try:
-        if limit is not None and limit < 1:
-            raise AttnkitError(f"--limit must be positive, got {limit}")
-        if batch_size < 1:
-            raise AttnkitError(f"--batch-size must be positive, got {batch_size}")
-        if model == "default" and task_name != "stsb":
-            raise AttnkitError(f"the embedded MiniLM is a sentence-embedding model without a {task_name} head; "
-                               f"give a local model fine-tuned for {task_name} (or use --task stsb)")
-        task = get_task(task_name, data, glue_task=glue_task)
-        m, tok = load_model(None if model == "default" else model, device=device, task=task.model_task)
-        evaluate = TaskEvaluator(task, m, tok, limit=limit, batch_size=batch_size)
-        shape = (m.config.num_hidden_layers, m.config.num_attention_heads)
-        head_types = load_clusters(clusters, shape) if clusters else None
-        if experiment == "types" and head_types is None:
-            raise AttnkitError("--experiment types needs --clusters RUN (a run directory with clusters.json)")
-        mode = mode or {"layers": "uniform"}.get(experiment, "zero")
-        t0 = time.perf_counter()
-        table = run_experiment(
-            experiment, m, evaluate, task.main_metric, mode=mode, head_types=head_types,
-            losses=lambda: task.losses(m, tok, limit=limit, batch_size=1), step=step,
-            normalize_layers=not no_layer_norm, renormalize=renormalize, progress=not quiet,
-        )
-        out = out or f"ablation-{task_name}-{experiment}"
-        paths = table.save(out)
-        name = "default (embedded MiniLM)" if model == "default" else model
-        fig = save_figure(table, shape, out, title=f"{name}: {task_name} {experiment}")
-        meta = {"model": name, "task": task_name, "data": os.path.abspath(data), "experiment": experiment,
-                "mode": mode, "renormalize": renormalize, "limit": limit, "n_examples": table.rows[0].get("n"),
-                "clusters": os.path.abspath(clusters) if clusters else None,
-                "seconds": round(time.perf_counter() - t0, 1)}
-        if head_types is not None:
-            meta["type_counts"] = head_types.counts()
-        with open(os.path.join(out, f"{experiment}.meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-    except AttnkitError as exc:
-        raise click.ClickException(str(exc)) from None
+    if limit is not None and limit < 1:
+        raise AttnkitError(f"--limit must be positive, got {limit}")
+    if batch_size < 1:
+        raise AttnkitError(f"--batch-size must be positive, got {batch_size}")
+    if model == "default" and task_name != "stsb":
+        raise AttnkitError(f"the embedded MiniLM is a sentence-embedding model without a {task_name} head; "
+                           f"give a local model fine-tuned for {task_name} (or use --task stsb)")
+    task = get_task(task_name, data, glue_task=glue_task)
+    m, tok = load_model(None if model == "default" else model, device=device, task=task.model_task)
+    evaluate = TaskEvaluator(task, m, tok, limit=limit, batch_size=batch_size)
+    shape = (m.config.num_hidden_layers, m.config.num_attention_heads)
+    head_types = load_clusters(clusters, shape) if clusters else None
+    if experiment == "types" and head_types is None:
+        raise AttnkitError("--experiment types needs --clusters RUN (a run directory with clusters.json)")
+    mode = mode or {"layers": "uniform"}.get(experiment, "zero")
+    t0 = time.perf_counter()
+    table = run_experiment(
+        experiment, m, evaluate, task.main_metric, mode=mode, head_types=head_types,
+        losses=lambda: task.losses(m, tok, limit=limit, batch_size=1), step=step,
+        normalize_layers=not no_layer_norm, renormalize=renormalize, progress=not quiet,
+    )
+    out = out or f"ablation-{task_name}-{experiment}"
+    paths = table.save(out)
+    name = "default (embedded MiniLM)" if model == "default" else model
+    fig = save_figure(table, shape, out, title=f"{name}: {task_name} {experiment}")
+    meta = {"model": name, "task": task_name, "data": os.path.abspath(data), "experiment": experiment,
+            "mode": mode, "renormalize": renormalize, "limit": limit, "n_examples": table.rows[0].get("n"),
+            "clusters": os.path.abspath(clusters) if clusters else None,
+            "seconds": round(time.perf_counter() - t0, 1)}
+    if head_types is not None:
+        meta["type_counts"] = head_types.counts()
+    with open(os.path.join(out, f"{experiment}.meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
     click.echo(f"{name} · {task_name} · {experiment} (mode {mode}) · {table.rows[0].get('n')} examples"
                + (f" · types {head_types.counts()}" if head_types is not None else ""))
     click.echo(table.to_markdown())

@@ -10,23 +10,9 @@ from pathlib import Path
 
 import click
 
-from ..errors import AttnkitError
+from ..errors import AttnkitError, cli_errors
 
 RUN = click.Path(exists=True, file_okay=False, path_type=Path)
-
-
-def _fail_nicely(fn):
-    """Show AttnkitError as a one-line click error (exit 1), not a traceback."""
-    import functools
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except AttnkitError as exc:
-            raise click.ClickException(str(exc)) from None
-
-    return wrapper
 
 
 def read_segments(path: Path, *, fmt: str = "auto", squad_pairs: bool = False, columns=None,
@@ -93,7 +79,7 @@ def _with(options):
               help="Fits on random halves of the heads for the stability measure (0: skip).")
 @click.option("--sweep/--no-sweep", default=False, show_default=True,
               help="Also report stability and silhouette for k = 2..8.")
-@_fail_nicely
+@cli_errors
 def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep):
     """Group the heads of RUN into types; writes RUN/clusters.json.
 
@@ -133,7 +119,7 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep)
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Samples per batch.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the row sampling.")
-@_fail_nicely
+@cli_errors
 def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, device, seed):
     """Jensen-Shannon distances between all pairs of heads of RUN's model over a corpus (Clark et al.
     2019); writes RUN/distances.npz (sums, per-token means, rows counted).
@@ -173,7 +159,7 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of clustering and t-SNE/MDS.")
 @click.option("--device", default=None, help="Device for the example maps.")
 @click.option("--svg/--no-svg", default=True, show_default=True, help="Also save every figure as SVG.")
-@_fail_nicely
+@cli_errors
 def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, method, seed, device, svg):
     """Write RUN/report.html: one self-contained page (figures embedded, opens offline) with the
     settings, head types and stability, t-SNE and MDS maps, per-layer heatmaps, box plots and tables.
@@ -196,7 +182,7 @@ def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, metho
 @click.argument("run_b", type=RUN)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the comparison as JSON.")
-@_fail_nicely
+@cli_errors
 def compare_cmd(run_a, run_b, json_out):
     """Compare the head types of two clustered runs (e.g. pretrained vs fine-tuned, or two corpora):
     which heads changed type, and the type distribution per layer of each."""
