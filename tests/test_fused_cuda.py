@@ -33,7 +33,7 @@ from attnkit.features import (
     num_features,
 )
 from attnkit.ops import has_kernel
-from attnkit.reference import _key_mask, intervene_weights, reference_attention
+from attnkit.reference import _key_mask, intervene_weights, reference_attention, reference_js_distances
 
 HAS_CUDA_KERNEL = torch.cuda.is_available() and has_kernel("cuda")
 pytestmark = pytest.mark.skipif(not HAS_CUDA_KERNEL, reason="needs a GPU and attnkit._C built with CUDA")
@@ -228,21 +228,6 @@ def test_bad_arguments_are_named():
 
 # --- Jensen-Shannon distances ----------------------------------------------------------------------
 
-def js_reference(attn, lengths):
-    """fp64, chunked over the first head: M×M Σ_b Σ_{s<n} JS(attn[b,i,s,:n], attn[b,j,s,:n])."""
-    B, M, L, _ = attn.shape
-    out = torch.zeros(M, M, dtype=torch.float64, device=attn.device)
-    for b in range(B):
-        n = int(lengths[b])
-        P = attn[b, :, :n, :n].double()
-        xlogx_p = torch.special.xlogy(P, P)
-        for i in range(M):
-            m = 0.5 * (P[i][None] + P)
-            js = 0.5 * (xlogx_p[i][None] + xlogx_p) - torch.special.xlogy(m, m)
-            out[i] = js.sum((-1, -2))
-    return out
-
-
 def random_attention(B, M, L, lengths, seed):
     g = torch.Generator().manual_seed(seed)
     scores = torch.randn(B, M, L, L, generator=g) * 2.0
@@ -259,7 +244,7 @@ def random_attention(B, M, L, lengths, seed):
 def test_js_distances(B, M, L, lengths):
     attn = random_attention(B, M, L, lengths, seed=M).to(DEV)
     lengths_t = torch.tensor(lengths)
-    ref = js_reference(attn, lengths_t).cpu()
+    ref = reference_js_distances(attn, lengths_t).cpu()
     got = torch.ops.attnkit.js_distances(attn, lengths_t.to(DEV)).cpu()
     assert got.dtype == torch.float64 and got.shape == (M, M)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6 * ref.abs().max().item())
