@@ -115,16 +115,24 @@ def read_squad(path: Path, pairs: bool = False) -> list:
     return out
 
 
-def read_tsv(path: Path, columns: tuple | None = None) -> list:
-    """Rows of a delimited file with a header. `columns`: (text column, optional pair column)."""
+def read_table(path) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    """Header and (line number, fields) rows of a delimited file: tabs, read literally (GLUE files hold
+    unbalanced quotes), or commas for .csv. Bad bytes are named by file and line."""
+    path = Path(path)
     delimiter = "," if path.suffix.lower() == ".csv" else "\t"
     lines = (l for _, l in _lines(path))
-    csv.field_size_limit(sys.maxsize)
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     reader = csv.reader(lines, delimiter=delimiter, quoting=csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL)
     try:
         header = next(reader)
     except StopIteration:
         raise AttnkitError(f"{path} is empty") from None
+    return header, list(enumerate(reader, 2))
+
+
+def read_tsv(path: Path, columns: tuple | None = None) -> list:
+    """Rows of a delimited file with a header. `columns`: (text column, optional pair column)."""
+    header, rows = read_table(path)
     if columns:
         first, second = (list(columns) + [None])[:2]
         for c in (first, second):
@@ -142,7 +150,7 @@ def read_tsv(path: Path, columns: tuple | None = None) -> list:
     i1 = header.index(first)
     i2 = header.index(second) if second else None
     out = []
-    for rowno, row in enumerate(reader, 2):
+    for rowno, row in rows:
         if not row or all(not c.strip() for c in row):
             continue
         need = max(i1, i2 or 0)

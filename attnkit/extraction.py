@@ -14,7 +14,6 @@ import torch
 from .errors import AttnkitError
 from .features import check_num_windows, feature_names
 from .head_features import FeatureAccumulator, HeadFeatures
-from .hf_attention import BatchInfo
 from .models import attention_modules, instrument, load_model, max_positions, runtime_of
 from .ops import backend_label, resolve_backend
 from .tokens import Encoder, Segment
@@ -52,10 +51,9 @@ def _observing(rt, observers: Sequence[Callable]):
 
 def forward_features(model, batch, rt) -> torch.Tensor:
     """One forward of `batch` (already on the model's device); returns B × layers × heads × F on CPU."""
-    rt.batch = BatchInfo(batch.lengths, batch.token_class, batch.sentence_id)
     rt.features = {}
     try:
-        with torch.inference_mode():
+        with rt.batch_of(batch), torch.inference_mode():
             model(**batch.inputs)
         n_layers = len(attention_modules(model))
         missing = [i for i in range(n_layers) if i not in rt.features]
@@ -63,7 +61,6 @@ def forward_features(model, batch, rt) -> torch.Tensor:
             raise AttnkitError(f"layers {missing} produced no features: their attention bypassed attnkit")
         return torch.stack([rt.features[i] for i in range(n_layers)], dim=1).cpu()
     finally:
-        rt.batch = None
         rt.features = {}
 
 

@@ -11,6 +11,7 @@ padding) instead of an L×L bias: the op takes per-sample lengths, never an L×L
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -52,6 +53,16 @@ class Runtime:
     @property
     def active(self) -> bool:
         return self.want_features or self.intervention is not None or bool(self.observers)
+
+    @contextlib.contextmanager
+    def batch_of(self, batch):
+        """Within the block, forwards use `batch`'s lengths, token classes and sentence ids
+        (an `attnkit.tokens.Batch` on the model's device)."""
+        self.batch = BatchInfo(batch.lengths, batch.token_class, batch.sentence_id)
+        try:
+            yield self
+        finally:
+            self.batch = None
 
 
 _probe: list | None = None  # set by models.instrument to learn which modules call us

@@ -18,19 +18,16 @@ sentences, and segments are also split after "." "!" "?" (Guan et al. constrain 
 """
 from __future__ import annotations
 
-import contextlib
-import csv
 import json
 import os
-import sys
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 import torch
 
+from ..corpus import read_corpus, read_table
 from ..errors import AttnkitError
-from ..hf_attention import BatchInfo
 from ..models import instrument, runtime_of
 from ..tokens import Batch, Encoder
 from . import metrics
@@ -42,32 +39,18 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-@contextlib.contextmanager
-def _batch_info(model, batch: Batch):
-    rt = runtime_of(model)
-    rt.batch = BatchInfo(batch.lengths, batch.token_class, batch.sentence_id)
-    try:
-        yield
-    finally:
-        rt.batch = None
-
-
 def forward(model, batch: Batch, **extra):
     """One forward of an instrumented model on a `Batch` (moved to the model's device)."""
     batch = batch.to(_device(model))
-    with _batch_info(model, batch):
+    with runtime_of(model).batch_of(batch):
         return model(**batch.inputs, **extra)
 
 
 def _read_tsv(path: str) -> tuple[list[str], list[list[str]]]:
     if not os.path.isfile(path):
         raise AttnkitError(f"data file {path!r} not found")
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        rows = [r for r in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if r]
-    if not rows:
-        raise AttnkitError(f"{path} is empty")
-    return rows[0], rows[1:]
+    header, rows = read_table(path)
+    return header, [r for _, r in rows if r]
 
 
 def _limit(n: int, limit: int | None) -> int:
@@ -161,7 +144,7 @@ class StsbTask(Task):
     @staticmethod
     def _base_forward(model, base, batch):
         batch = batch.to(_device(model))
-        with _batch_info(model, batch):
+        with runtime_of(model).batch_of(batch):
             return base(**batch.inputs)[0]
 
     def evaluate(self, model, tokenizer, limit=None, batch_size=32) -> dict:
@@ -186,8 +169,7 @@ class StsbTask(Task):
         for i in range(0, len(examples), batch_size):
             ex = examples[i:i + batch_size]
             batch = enc([s for a, b, _ in ex for s in (a, b)]).to(_device(model))
-            with _batch_info(model, batch):
-                hidden = base(**batch.inputs)[0]
+            hidden = self._base_forward(model, base, batch)
             emb = mean_pool(hidden, batch.inputs["attention_mask"]).float()
             cos = torch.nn.functional.cosine_similarity(emb[0::2], emb[1::2], dim=-1)
             gold = torch.tensor([e[2] / 5.0 for e in ex], device=cos.device)
@@ -506,45 +488,18 @@ class SquadTask(Task):
 
 
 # --- masked-language modelling on any corpus ----------------------------------------------------------
-TEXT_COLUMNS = ("text", "sentence", "sentence1", "sentence2", "question", "question1", "question2", "context")
-
-
-def read_corpus(path: str) -> list[str]:
-    """Texts of a corpus: .txt (one per non-empty line, or every .txt file of a directory), .jsonl
-    ("text" field), .tsv (text columns by header name), SQuAD .json (the contexts)."""
+def read_texts(path: str) -> list[str]:
+    """Texts of a corpus for masked-LM scoring, read as `attnkit extract` reads corpora (plain text one
+    per line; the two texts of a pair count separately); a directory means every .txt file in it."""
     if os.path.isdir(path):
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".txt"))
         if not files:
             raise AttnkitError(f"{path}: directory holds no .txt files")
-        return [t for f in files for t in read_corpus(f)]
+        return [t for f in files for t in read_texts(f)]
     if not os.path.isfile(path):
         raise AttnkitError(f"data file {path!r} not found")
-    ext = os.path.splitext(path)[1].lower()
-    if ext == ".tsv":
-        header, rows = _read_tsv(path)
-        cols = [i for i, c in enumerate(header) if c.strip().lower() in TEXT_COLUMNS]
-        if not cols:
-            raise AttnkitError(f"{path}: no text column among {TEXT_COLUMNS} (header: {header})")
-        return [r[i] for r in rows for i in cols if i < len(r) and r[i].strip()]
-    if ext == ".jsonl":
-        out = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        out.append(json.loads(line)["text"])
-                    except (ValueError, KeyError, TypeError):
-                        raise AttnkitError(f"{path}:{n}: expected a JSON object with a 'text' field") from None
-        return out
-    if ext == ".json":
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            return list(dict.fromkeys(p["context"] for a in data["data"] for p in a["paragraphs"]))
-        except (ValueError, KeyError, TypeError):
-            raise AttnkitError(f"{path}: JSON corpora must be SQuAD-format") from None
-    with open(path, encoding="utf-8") as f:
-        return [line.strip() for line in f if line.strip()]
+    segments = read_corpus(path, text_unit="line")
+    return [t for seg in segments for t in ((seg,) if isinstance(seg, str) else seg) if t.strip()]
 
 
 class MlmTask(Task):
@@ -557,7 +512,7 @@ class MlmTask(Task):
     main_metric = "accuracy"
 
     def __init__(self, path: str, mask_prob: float = 0.15, seed: int = 0):
-        self.examples = read_corpus(path)
+        self.examples = read_texts(path)
         if not self.examples:
             raise AttnkitError(f"{path}: no text")
         if not 0 < mask_prob < 1:
