@@ -15,19 +15,12 @@ from ..errors import AttnkitError, cli_errors
 RUN = click.Path(exists=True, file_okay=False, path_type=Path)
 
 
-def read_segments(path: Path, *, fmt: str = "auto", squad_pairs: bool = False, columns=None,
-                  limit: int | None = None, text_unit: str = "auto") -> list:
-    """Corpus segments, read exactly as `attnkit extract` reads them."""
-    from ..corpus import read_corpus
-
-    return read_corpus(path, fmt, text_unit=text_unit, squad_pairs=squad_pairs, columns=columns, limit=limit)
-
-
 def _corpus_from_run(run: Path, corpus, fmt, squad_pairs, columns, limit):
-    text_unit = "auto"
     """The corpus of a run: --corpus, else the path recorded in meta.json (with its reading settings)."""
+    from ..corpus import read_corpus
     from ..head_features import HeadFeatures
 
+    text_unit = "auto"
     meta = HeadFeatures.load(run).meta
     if corpus is None:
         recorded = meta.get("corpus")
@@ -41,8 +34,7 @@ def _corpus_from_run(run: Path, corpus, fmt, squad_pairs, columns, limit):
         limit = limit or meta.get("n_segments")
     if isinstance(columns, str):
         columns = tuple(c.strip() for c in columns.split(",") if c.strip())
-    return read_segments(corpus, fmt=fmt, squad_pairs=squad_pairs, columns=columns, limit=limit,
-                         text_unit=text_unit), meta
+    return read_corpus(corpus, fmt, text_unit=text_unit, squad_pairs=squad_pairs, columns=columns, limit=limit), meta
 
 
 _corpus_options = [
@@ -215,4 +207,4 @@ def analysis():
 for _cmd in COMMANDS:
     analysis.add_command(_cmd)
 
-__all__ = ["cluster_cmd", "distances_cmd", "report_cmd", "compare_cmd", "COMMANDS", "analysis", "read_segments"]
+__all__ = ["cluster_cmd", "distances_cmd", "report_cmd", "compare_cmd", "COMMANDS", "analysis"]
