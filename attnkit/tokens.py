@@ -104,8 +104,8 @@ class Encoder:
         tok = self.tokenizer
         enc = tok(items, truncation=True, max_length=self.max_length, padding="longest",
                   return_tensors="pt", padding_side="right")
-        full = tok(items, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]
-        n_truncated = sum(len(x) > self.max_length for x in full)
+        # the Rust encodings keep what truncation cut off: no second tokenisation to count it
+        n_truncated = sum(bool(e.overflowing) for e in enc.encodings)
         mask = enc["attention_mask"]
         lengths = mask.sum(-1).to(torch.int64)
         ids = enc["input_ids"]
