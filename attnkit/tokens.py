@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence, Union
 
+import numpy as np
 import torch
 
 from .errors import AttnkitError
@@ -33,9 +34,38 @@ class Batch:
     def n_tokens(self) -> int:
         return int(self.lengths.sum())
 
-    def to(self, device) -> "Batch":
-        return Batch({k: v.to(device) for k, v in self.inputs.items()}, self.lengths.to(device),
-                     self.token_class.to(device), self.sentence_id.to(device), self.n_truncated)
+    def to(self, device, non_blocking: bool = False) -> "Batch":
+        def move(t):
+            return t.to(device, non_blocking=non_blocking)
+
+        return Batch({k: move(v) for k, v in self.inputs.items()}, move(self.lengths), move(self.token_class),
+                     move(self.sentence_id), self.n_truncated)
+
+    def pin_memory(self) -> "Batch":
+        """Page-locked copies, so that `.to(cuda, non_blocking=True)` overlaps with the device's work."""
+        return Batch({k: v.pin_memory() for k, v in self.inputs.items()}, self.lengths.pin_memory(),
+                     self.token_class.pin_memory(), self.sentence_id.pin_memory(), self.n_truncated)
+
+    @classmethod
+    def from_arrays(cls, arrays: "EncodedArrays") -> "Batch":
+        """Wrap the numpy arrays of `Encoder.encode_arrays` without copying them."""
+        return cls({k: torch.from_numpy(v) for k, v in arrays.inputs.items()}, torch.from_numpy(arrays.lengths),
+                   torch.from_numpy(arrays.token_class), torch.from_numpy(arrays.sentence_id), arrays.n_truncated)
+
+
+@dataclass
+class EncodedArrays:
+    """A batch as numpy arrays: what tokenisation workers send back (cheap to pickle, no torch needed)."""
+
+    inputs: dict
+    lengths: np.ndarray  # int64 B
+    token_class: np.ndarray  # int32 B×L
+    sentence_id: np.ndarray  # int32 B×L
+    n_truncated: int
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.lengths.sum())
 
 
 def _ids(tokenizer, *names) -> set[int]:
@@ -72,15 +102,13 @@ class Encoder:
         self.period_id = _exact_token_id(tokenizer, ".")
         self.end_ids = {i for i in (_exact_token_id(tokenizer, t) for t in SENTENCE_END) if i is not None}
 
-    def token_classes(self, ids: torch.Tensor) -> torch.Tensor:
-        cls = torch.full_like(ids, OTHER, dtype=torch.int32)
+    def token_classes(self, ids: np.ndarray) -> np.ndarray:
+        cls = np.full(ids.shape, OTHER, dtype=np.int32)
         for tid, code in ((self.comma_id, COMMA), (self.period_id, PERIOD)):
             if tid is not None:
                 cls[ids == tid] = code
-        for tid in self.sep_ids:
-            cls[ids == tid] = SEP
-        for tid in self.cls_ids:
-            cls[ids == tid] = CLS
+        cls[np.isin(ids, list(self.sep_ids))] = SEP
+        cls[np.isin(ids, list(self.cls_ids))] = CLS
         return cls
 
     def sentence_ids(self, ids: list[int], sequence_ids: list) -> list[int]:
@@ -97,23 +125,24 @@ class Encoder:
             out.append(sid)
         return out
 
-    def __call__(self, segments: Sequence[Segment]) -> Batch:
+    def encode_arrays(self, segments: Sequence[Segment]) -> EncodedArrays:
+        """Tokenise `segments` into numpy arrays (what worker processes run: no torch operations)."""
         if not segments:
             raise AttnkitError("cannot encode an empty batch")
         items = [s if isinstance(s, str) else list(s) for s in segments]
-        tok = self.tokenizer
-        enc = tok(items, truncation=True, max_length=self.max_length, padding="longest",
-                  return_tensors="pt", padding_side="right")
+        enc = self.tokenizer(items, truncation=True, max_length=self.max_length, padding="longest",
+                             return_tensors="np", padding_side="right")
         # the Rust encodings keep what truncation cut off: no second tokenisation to count it
         n_truncated = sum(bool(e.overflowing) for e in enc.encodings)
-        mask = enc["attention_mask"]
-        lengths = mask.sum(-1).to(torch.int64)
-        ids = enc["input_ids"]
-        token_class = self.token_classes(ids)
-        sentence = torch.zeros_like(ids, dtype=torch.int32)
+        ids = np.ascontiguousarray(enc["input_ids"], dtype=np.int64)
+        lengths = np.asarray(enc["attention_mask"], dtype=np.int64).sum(-1)
+        sentence = np.zeros(ids.shape, dtype=np.int32)
         for b in range(ids.shape[0]):
             n = int(lengths[b])
-            sid = self.sentence_ids(ids[b, :n].tolist(), enc.sequence_ids(b)[:n])
-            sentence[b, :n] = torch.tensor(sid, dtype=torch.int32)
-        inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
-        return Batch(inputs, lengths, token_class, sentence, n_truncated)
+            sentence[b, :n] = self.sentence_ids(ids[b, :n].tolist(), enc.sequence_ids(b)[:n])
+        inputs = {k: np.ascontiguousarray(v, dtype=np.int64) for k, v in enc.items()
+                  if k in ("input_ids", "attention_mask", "token_type_ids")}
+        return EncodedArrays(inputs, lengths, self.token_classes(ids), sentence, n_truncated)
+
+    def __call__(self, segments: Sequence[Segment]) -> Batch:
+        return Batch.from_arrays(self.encode_arrays(segments))

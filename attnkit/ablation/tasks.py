@@ -403,7 +403,7 @@ class SquadTask(Task):
         inputs = {"input_ids": ids, "attention_mask": mask}
         if feats[0]["token_type_ids"] is not None:
             inputs["token_type_ids"] = tt
-        return Batch(inputs, mask.sum(-1), encoder.token_classes(ids), sid, 0)
+        return Batch(inputs, mask.sum(-1), torch.from_numpy(encoder.token_classes(ids.numpy())), sid, 0)
 
     def _best(self, f, start, end) -> tuple[float, str | None, float]:
         """(best span score, its text, null score) for one window."""
