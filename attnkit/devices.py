@@ -6,7 +6,9 @@ multi-device path is tested on machines without GPUs.
 """
 from __future__ import annotations
 
+import collections
 import copy
+from typing import Sequence
 
 import torch
 
@@ -50,4 +52,16 @@ def replicate(model, devices: list[torch.device]) -> list:
         for attr in ("_attnkit_runtime", "_attnkit_modules"):  # a fresh Runtime of its own
             clone.__dict__.pop(attr, None)
         out.append(instrument(clone.eval()))
+    return out
+
+
+def device_labels(devices: Sequence[torch.device]) -> list[str]:
+    """"cuda:0", "cuda:1", … — and "cpu#0", "cpu#1" when a device hosts more than one replica."""
+    names = [str(d) for d in devices]
+    counts = collections.Counter(names)
+    seen: collections.Counter = collections.Counter()
+    out = []
+    for n in names:
+        out.append(f"{n}#{seen[n]}" if counts[n] > 1 else n)
+        seen[n] += 1
     return out

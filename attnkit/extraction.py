@@ -102,7 +102,7 @@ def run_extraction(
     backend: str = "auto",
     accumulator: FeatureAccumulator | None = None,
     start: int = 0,
-    on_batch: Callable[[FeatureAccumulator, int, int], None] | None = None,
+    on_batch: Callable[..., None] | None = None,
     progress: bool = False,
     observers: Sequence[Callable] = (),
     window: int = DEFAULT_WINDOW,
@@ -115,8 +115,8 @@ def run_extraction(
 
     The plan (attnkit.batching) sorts by length within windows of `window` segments. `workers` tokenisation
     processes run ahead of the model; `replicas` are more instrumented copies of `model` on other devices.
-    `on_batch(acc, next_index, n_truncated)` runs after every batch, in plan order (checkpointing hooks in
-    here). `observers` are added to the runtime for the run (each gets (layer, query, key, lengths, scaling)
+    `on_batch(acc, next_index, n_truncated, full_lengths)` runs after every batch, in plan order
+    (checkpointing hooks in here; `full_lengths` are the batch's token counts before truncation). `observers` are added to the runtime for the run (each gets (layer, query, key, lengths, scaling)
     per layer and forward, e.g. the JS distance collector of attnkit.analysis; one replica only).
     Returns the accumulator and the number of truncated segments.
     """
@@ -153,7 +153,7 @@ def run_extraction(
         acc.update(res.features, res.n_tokens)
         state["truncated"] += res.n_truncated
         if on_batch is not None:
-            on_batch(acc, res.planned.end, state["truncated"])
+            on_batch(acc, res.planned.end, state["truncated"], res.full_lengths)
         if bar is not None:
             dt = max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix_str(_rates(acc.n_tokens - tokens0, dt, state.get("runners")) +

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .batching import PlannedBatch
+from .devices import device_labels
 from .errors import AttnkitError
 from .tokens import Batch, EncodedArrays, Encoder
 
@@ -63,6 +64,19 @@ def _mp_context():
     if sys.platform.startswith("linux"):
         return multiprocessing.get_context("fork")
     return multiprocessing.get_context("spawn")
+
+
+@contextlib.contextmanager
+def _worker_errors(pb: PlannedBatch):
+    """A dead worker or a failure inside one becomes a one-line AttnkitError naming the batch."""
+    try:
+        yield
+    except BrokenProcessPool:
+        raise AttnkitError("a tokenisation worker process died (killed, or out of memory)") from None
+    except AttnkitError:
+        raise
+    except Exception as exc:
+        raise AttnkitError(f"tokenising batch {pb.index} failed in a worker: {type(exc).__name__}: {exc}") from None
 
 
 class TokenizerPool:
@@ -117,19 +131,13 @@ class TokenizerPool:
                 if pb is None:
                     exhausted = True
                     break
-                pending.append((pb, self._executor.submit(_encode_in_worker, pb.segments)))
+                with _worker_errors(pb):
+                    pending.append((pb, self._executor.submit(_encode_in_worker, pb.segments)))
             if not pending:
                 return
             pb, fut = pending.popleft()
-            try:
+            with _worker_errors(pb):
                 arrays = fut.result()
-            except BrokenProcessPool:
-                raise AttnkitError("a tokenisation worker process died (killed, or out of memory); the run "
-                                   "stopped with a checkpoint: continue it with --resume") from None
-            except AttnkitError:
-                raise
-            except Exception as exc:
-                raise AttnkitError(f"tokenising batch {pb.index} failed in a worker: {type(exc).__name__}: {exc}") from None
             yield pb, arrays
 
 
@@ -141,6 +149,7 @@ class BatchResult:
     n_tokens: int
     n_truncated: int
     device: str
+    full_lengths: np.ndarray | None = None
 
 
 class DeviceRunner(threading.Thread):
@@ -159,7 +168,7 @@ class DeviceRunner(threading.Thread):
 
     def run(self) -> None:
         cuda = self.device.type == "cuda"
-        pending = None  # (planned, features on host, event, n_tokens, n_truncated)
+        pending = None  # (planned, features on host, event, arrays)
         try:
             if cuda:
                 torch.cuda.set_device(self.device)
@@ -179,33 +188,22 @@ class DeviceRunner(threading.Thread):
                     event.record()
                     if pending is not None:
                         self._deliver(*pending)
-                    pending = (planned, host, event, arrays.n_tokens, arrays.n_truncated)
+                    pending = (planned, host, event, arrays)
                 else:
                     feats = self.forward(self.model, batch.to(self.device))
-                    self._deliver(planned, feats, None, arrays.n_tokens, arrays.n_truncated)
+                    self._deliver(planned, feats, None, arrays)
                 self.busy_s += time.perf_counter() - t0
             if pending is not None:
                 self._deliver(*pending)
         except BaseException as exc:  # reported to the caller, which stops the run with a checkpoint
             self.outbox.put(exc)
 
-    def _deliver(self, planned, feats, event, n_tokens, n_truncated) -> None:
+    def _deliver(self, planned, feats, event, arrays: EncodedArrays) -> None:
         if event is not None:
             event.synchronize()
-        self.tokens += n_tokens
-        self.outbox.put(BatchResult(planned, feats.numpy(), n_tokens, n_truncated, self.label))
-
-
-def device_labels(devices: Sequence[torch.device]) -> list[str]:
-    """"cuda:0", "cuda:1", … — and "cpu#0", "cpu#1" when a device hosts more than one replica."""
-    names = [str(d) for d in devices]
-    counts = collections.Counter(names)
-    seen: collections.Counter = collections.Counter()
-    out = []
-    for n in names:
-        out.append(f"{n}#{seen[n]}" if counts[n] > 1 else n)
-        seen[n] += 1
-    return out
+        self.tokens += arrays.n_tokens
+        self.outbox.put(BatchResult(planned, feats.numpy(), arrays.n_tokens, arrays.n_truncated, self.label,
+                                    arrays.full_lengths))
 
 
 def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBatch], forward: Callable, *,
@@ -222,7 +220,8 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
             for pb, arrays in encoded:
                 batch = Batch.from_arrays(arrays).to(dev)
                 feats = forward(models[0], batch).cpu()
-                on_result(BatchResult(pb, feats.numpy(), arrays.n_tokens, arrays.n_truncated, labels[0]))
+                on_result(BatchResult(pb, feats.numpy(), arrays.n_tokens, arrays.n_truncated, labels[0],
+                                      arrays.full_lengths))
             return
         _run_threaded(models, labels, encoded, forward, pool.prefetch, on_result, on_progress)
 

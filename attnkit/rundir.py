@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,9 @@ from .errors import AttnkitError
 from .head_features import FEATURES_FILE, FeatureAccumulator, HeadFeatures, atomic_write
 
 CHECKPOINT_FILE = "checkpoint.npz"
+# What later steps add to a run directory: a fresh run that replaces a finished one removes them, since they
+# describe the old features (written by attnkit cluster, distances, report).
+DERIVED_OUTPUTS = ("clusters.json", "distances.npz", "report.html", "figures")
 
 
 def corpus_fingerprint(segments) -> str:
@@ -55,8 +59,9 @@ class RunDir:
         if self.is_finished():
             raise AttnkitError(f"{self.path} already holds a finished run: use --overwrite or another -o/--out")
 
-    def load_checkpoint(self, settings: dict) -> tuple[FeatureAccumulator, int, int]:
-        """(accumulator, next segment index, truncated so far) after checking the settings match."""
+    def load_checkpoint(self, settings: dict) -> tuple[FeatureAccumulator, int, int, np.ndarray | None]:
+        """(accumulator, next segment index, truncated so far, histogram of full token lengths) after checking
+        that the settings match and that the checkpoint's numbers are possible."""
         if not self.has_checkpoint():
             raise AttnkitError(f"nothing to resume in {self.path}: no {CHECKPOINT_FILE}")
         try:
@@ -65,10 +70,16 @@ class RunDir:
             saved = json.loads(str(state["settings"]))
             acc = FeatureAccumulator.from_state(state)
             next_index, n_truncated = int(state["next_index"]), int(state["n_truncated"])
+            lengths = np.asarray(state["lengths"], dtype=np.int64) if "lengths" in state else None
         except Exception as exc:
             raise AttnkitError(f"checkpoint {self.checkpoint_path} is corrupt or unreadable: {exc}") from None
+        if not isinstance(saved, dict):
+            raise AttnkitError(f"checkpoint {self.checkpoint_path} is corrupt: its settings are not a mapping")
         self.check_settings(saved, settings)
-        return acc, next_index, n_truncated
+        problem = checkpoint_problem(acc, next_index, n_truncated)
+        if problem:
+            raise AttnkitError(f"checkpoint {self.checkpoint_path} is impossible ({problem}); start over with --overwrite")
+        return acc, next_index, n_truncated, lengths
 
     @staticmethod
     def check_settings(saved: dict, settings: dict) -> None:
@@ -81,13 +92,43 @@ class RunDir:
         meta = HeadFeatures.load(self.path).meta
         return meta.get("settings", {})
 
-    def save_checkpoint(self, acc: FeatureAccumulator, next_index: int, n_truncated: int, settings: dict) -> None:
+    def save_checkpoint(self, acc: FeatureAccumulator, next_index: int, n_truncated: int, settings: dict,
+                        lengths: np.ndarray | None = None) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         state = acc.state()
         state.update(next_index=np.int64(next_index), n_truncated=np.int64(n_truncated),
                      settings=np.array(json.dumps(settings, sort_keys=True)))
+        if lengths is not None:
+            state["lengths"] = np.asarray(lengths, dtype=np.int64)
         atomic_write(self.checkpoint_path, lambda f: np.savez(f, **state))
 
-    def finish(self, features: HeadFeatures) -> None:
+    def finish(self, features: HeadFeatures, fresh: bool = True) -> None:
+        """Write the finished run; a `fresh` run (not a resumed one) also removes what later steps derived
+        from the features it replaces."""
         features.save(self.path)
         self.checkpoint_path.unlink(missing_ok=True)
+        if fresh:
+            for name in DERIVED_OUTPUTS:
+                p = self.path / name
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+
+
+def checkpoint_problem(acc: FeatureAccumulator, next_index: int, n_truncated: int) -> str | None:
+    """What makes a checkpoint's numbers impossible, or None. Every segment is one sample with at least one
+    token, and sums of squares cannot be negative."""
+    if next_index < 1:
+        return f"next segment {next_index} < 1"
+    if acc.n_samples != next_index:
+        return f"{acc.n_samples} samples summed for {next_index} segments"
+    if not 0 <= n_truncated <= next_index:
+        return f"{n_truncated} truncated of {next_index} segments"
+    if acc.n_tokens < acc.n_samples:
+        return f"{acc.n_tokens} tokens for {acc.n_samples} samples"
+    if not (np.isfinite(acc.sum).all() and np.isfinite(acc.sumsq).all()):
+        return "sums that are not finite"
+    if (acc.sumsq < 0).any():
+        return "negative sums of squares"
+    return None

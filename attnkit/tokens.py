@@ -62,6 +62,7 @@ class EncodedArrays:
     token_class: np.ndarray  # int32 B×L
     sentence_id: np.ndarray  # int32 B×L
     n_truncated: int
+    full_lengths: np.ndarray | None = None  # int64 B: tokens before truncation
 
     @property
     def n_tokens(self) -> int:
@@ -130,19 +131,38 @@ class Encoder:
         if not segments:
             raise AttnkitError("cannot encode an empty batch")
         items = [s if isinstance(s, str) else list(s) for s in segments]
+        self._check_room(items)
         enc = self.tokenizer(items, truncation=True, max_length=self.max_length, padding="longest",
                              return_tensors="np", padding_side="right")
-        # the Rust encodings keep what truncation cut off: no second tokenisation to count it
-        n_truncated = sum(bool(e.overflowing) for e in enc.encodings)
         ids = np.ascontiguousarray(enc["input_ids"], dtype=np.int64)
         lengths = np.asarray(enc["attention_mask"], dtype=np.int64).sum(-1)
+        if ids.shape[1] > self.max_length:
+            raise AttnkitError(f"the tokenizer did not truncate to {self.max_length} tokens (got {ids.shape[1]})")
+        # the Rust encodings keep what truncation cut off: only the truncated items are tokenised again, to
+        # learn their full length (for the --max-length advice)
+        cut = [i for i, e in enumerate(enc.encodings) if e.overflowing]
+        n_truncated = len(cut)
+        full_lengths = lengths.copy()
+        if cut:
+            again = self.tokenizer([items[i] for i in cut], truncation=False, verbose=False)["input_ids"]
+            full_lengths[cut] = [len(x) for x in again]
         sentence = np.zeros(ids.shape, dtype=np.int32)
         for b in range(ids.shape[0]):
             n = int(lengths[b])
             sentence[b, :n] = self.sentence_ids(ids[b, :n].tolist(), enc.sequence_ids(b)[:n])
         inputs = {k: np.ascontiguousarray(v, dtype=np.int64) for k, v in enc.items()
                   if k in ("input_ids", "attention_mask", "token_type_ids")}
-        return EncodedArrays(inputs, lengths, self.token_classes(ids), sentence, n_truncated)
+        return EncodedArrays(inputs, lengths, self.token_classes(ids), sentence, n_truncated, full_lengths)
+
+    def _check_room(self, items: list) -> None:
+        """Refuse a max length too short to keep a token of each text besides the special tokens (the
+        tokenizer would silently return the pair untruncated)."""
+        pair = any(not isinstance(x, str) for x in items)
+        need = self.tokenizer.num_special_tokens_to_add(pair=pair) + (2 if pair else 1)
+        if self.max_length < need:
+            what = "text pairs" if pair else "texts"
+            raise AttnkitError(f"max length {self.max_length} is too short for {what} with this tokenizer: "
+                               f"it needs at least {need} tokens (special tokens plus one per text)")
 
     def __call__(self, segments: Sequence[Segment]) -> Batch:
         return Batch.from_arrays(self.encode_arrays(segments))

@@ -1,0 +1,295 @@
+"""Benchmark: the corpus-scale extraction pipeline (issue 9).
+
+    python bench/pipeline.py overlap  [--corpus FILE] [--repeats 3]     tokenisation overlapped with a device
+    python bench/pipeline.py padding  FILE [FILE ...]                    padding of windowed vs global sorting
+    python bench/pipeline.py memory   [--sizes 50,500]                   peak RSS over generated corpora
+    python bench/pipeline.py ray      [--corpus FILE]                    Ray local cluster vs the in-process loop
+    python bench/pipeline.py gpu      [--corpus FILE]                    (GPU) extraction vs plain sdpa forward
+
+overlap: the model is replaced by a stand-in that takes, per batch, the time a device would need at R tokens/s
+  and leaves the CPU idle (it sleeps). T, the one-process tokenisation rate, is measured in the same run and
+  R = 1.5·T. Tokens/s end to end are reported for --workers 0 (tokenise, then run the device, in turn: at most
+  T·R/(T+R) = 0.6·R) and --workers 1, 2 (tokenisation ahead of the device in worker processes). Medians of
+  --repeats runs, interleaved.
+padding: padded tokens / real tokens when batches are cut from length-sorted windows of W segments, for several
+  W, against one global sort (the old loop), with the embedded MiniLM's tokenizer at --max-length.
+memory: `attnkit extract` with a tiny random BERT over generated corpora of the given sizes (MB), each in a fresh
+  process; peak RSS of the largest process (resource.getrusage of the children).
+ray: the same corpus through `--engine ray` on a local cluster and through the in-process loop (tokens/s).
+gpu: BERT-base (random weights) at --dtype bf16, L=128: attnkit extraction end to end (tokenisation workers,
+  pinned copies) vs a plain sdpa forward over the same pre-tokenised batches on the device.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+try:
+    import attnkit  # noqa: F401
+except ImportError:  # run from a source checkout: python bench/pipeline.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import torch
+
+WORDS = ("the river bridge bread harbour library glacier orchestra market lighthouse forest of and to in a was "
+         "quiet near far old new city music across under water stone light winter summer people town").split()
+
+
+def generated_lines(n_bytes: int, seed: int = 0):
+    """English-like lines of 5-60 words, about `n_bytes` in all."""
+    rng = np.random.default_rng(seed)
+    size = 0
+    while size < n_bytes:
+        n = int(rng.integers(5, 60))
+        words = [WORDS[i] for i in rng.integers(0, len(WORDS), n)]
+        line = " ".join(words).capitalize() + ("." if rng.random() < 0.8 else ", and more.") + "\n"
+        size += len(line)
+        yield line
+
+
+def corpus_segments(path: str | None, n: int) -> list:
+    from attnkit.corpus import read_corpus
+
+    if path:
+        return read_corpus(path)[:n]
+    return [line.strip() for _, line in zip(range(n), generated_lines(10**9))]
+
+
+# --- overlap ---------------------------------------------------------------------------------------------
+class _Stub(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(1))
+
+
+def overlap(args) -> dict:
+    from attnkit.batching import plan_batches
+    from attnkit.models import default_model_path
+    from attnkit.pipeline import run_pipeline
+    from attnkit.tokens import Encoder
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    segments = corpus_segments(args.corpus, args.segments)
+    encoder = Encoder(tok, max_length=args.max_length)
+    planned = list(plan_batches(segments, args.batch_size, 4096))
+
+    def tokenise_rate() -> float:
+        t0 = time.perf_counter()
+        n = sum(encoder.encode_arrays(pb.segments).n_tokens for pb in planned)
+        return n / (time.perf_counter() - t0)
+
+    tokenise_rate()  # warm-up
+    T = statistics.median(tokenise_rate() for _ in range(3))
+    R = 1.5 * T
+
+    def device(model, batch):  # the stand-in: the time a device at R tokens/s needs, CPU idle
+        time.sleep(batch.n_tokens / R)
+        return torch.zeros(batch.lengths.shape[0], 1, 1, 1)
+
+    def end_to_end(workers: int) -> float:
+        n = [0]
+
+        def on_result(res):
+            n[0] += res.n_tokens
+
+        t0 = time.perf_counter()
+        run_pipeline([_Stub()], encoder, iter(planned), device, workers=workers, on_result=on_result)
+        return n[0] / (time.perf_counter() - t0)
+
+    rates = {w: [] for w in args.workers}
+    for _ in range(args.repeats):
+        for w in args.workers:
+            rates[w].append(end_to_end(w))
+    out = {"T_tokenise_tok_s": T, "R_device_tok_s": R, "segments": len(segments)}
+    print(f"one-process tokenisation T = {T:,.0f} tok/s; stand-in device R = 1.5·T = {R:,.0f} tok/s; "
+          f"plain-loop bound T·R/(T+R) = {T * R / (T + R):,.0f} ({T / (T + R):.2f}·R)")
+    for w, r in rates.items():
+        med = statistics.median(r)
+        out[f"workers_{w}_tok_s"] = med
+        print(f"  --workers {w}: {med:,.0f} tok/s end to end = {med / R:.2f}·R   (runs: "
+              + ", ".join(f"{x:,.0f}" for x in r) + ")")
+    return out
+
+
+# --- padding ---------------------------------------------------------------------------------------------
+def padding(args) -> dict:
+    from attnkit.batching import batches_of_window, windows
+    from attnkit.corpus import read_corpus
+    from attnkit.models import default_model_path
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    out = {}
+    for path in args.files:
+        segs = read_corpus(path, squad_pairs=args.squad_pairs)
+        items = [s if isinstance(s, str) else list(s) for s in segs]
+        lengths = [len(x) for x in tok(items, truncation=True, max_length=args.max_length)["input_ids"]]
+        length_of = {id(s): n for s, n in zip(segs, lengths)}
+        real = sum(lengths)
+
+        def padded(window: int) -> int:
+            total = 0
+            for w in windows(segs, window):
+                for b in batches_of_window(w, args.batch_size):
+                    total += len(b) * max(length_of[id(s)] for s in b)
+            return total
+
+        glob = padded(len(segs))
+        unsorted = sum(len(b) * max(length_of[id(s)] for s in b)
+                       for b in (segs[i:i + args.batch_size] for i in range(0, len(segs), args.batch_size)))
+        row = {"segments": len(segs), "real_tokens": real, "global": glob / real, "unsorted": unsorted / real}
+        print(f"{path}: {len(segs)} segments, {real:,} tokens; padded/real: unsorted {unsorted / real:.3f}, "
+              f"global sort {glob / real:.3f}")
+        for w in args.windows:
+            p = padded(w)
+            row[f"window_{w}"] = p / real
+            print(f"  window {w:>6}: {p / real:.3f}  ({(p - glob) / glob:+.1%} vs global sort)")
+        out[path] = row
+    return out
+
+
+# --- memory ----------------------------------------------------------------------------------------------
+def tiny_model(path: Path) -> Path:
+    from attnkit.models import default_model_path
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=128)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def memory(args) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="attnkit-bench-"))
+    model = tiny_model(tmp / "tiny")
+    out = {}
+    for mb in args.sizes:
+        corpus = tmp / f"corpus-{mb}mb.txt"
+        with open(corpus, "w") as f:
+            f.writelines(generated_lines(mb * 10**6, seed=mb))
+        code = ("import resource, subprocess, sys, time; t=time.time(); "
+                f"r=subprocess.run([sys.executable, '-m', 'attnkit.cli', 'extract', {str(corpus)!r}, '--model', "
+                f"{str(model)!r}, '-o', {str(tmp / f'run-{mb}')!r}, '-q', '--max-length', '{args.max_length}', "
+                f"'--batch-size', '64', '--workers', '{args.workers}']); "
+                "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, time.time()-t)")
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        rc, rss_kb, secs = res.stdout.split()[-3:]
+        if rc != "0":
+            sys.exit(res.stderr[-2000:])
+        out[mb] = {"peak_rss_mb": int(rss_kb) / 1024, "seconds": float(secs)}
+        print(f"{mb:>5} MB corpus: peak RSS {int(rss_kb) / 1024:,.0f} MB, {float(secs):,.0f} s")
+        corpus.unlink()
+    if len(out) >= 2:
+        rss = [v["peak_rss_mb"] for v in out.values()]
+        print(f"difference largest − smallest corpus: {max(rss) - min(rss):+.0f} MB")
+    return out
+
+
+# --- ray -------------------------------------------------------------------------------------------------
+def ray_vs_local(args) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="attnkit-bench-"))
+    corpus = Path(args.corpus) if args.corpus else tmp / "corpus.txt"
+    if not args.corpus:
+        with open(corpus, "w") as f:
+            f.writelines(line for _, line in zip(range(args.segments), generated_lines(10**9)))
+    out = {}
+    for engine in ("local", "ray", "local"):
+        t0 = time.perf_counter()
+        run = tmp / f"run-{engine}-{len(out)}"
+        res = subprocess.run([sys.executable, "-m", "attnkit.cli", "extract", str(corpus), "-o", str(run), "-q",
+                              "--engine", engine, "--max-length", str(args.max_length)], capture_output=True, text=True)
+        if res.returncode:
+            sys.exit(res.stderr[-2000:])
+        meta = json.loads((run / "meta.json").read_text())
+        secs = time.perf_counter() - t0
+        out.setdefault(engine, []).append(meta["n_tokens"] / secs)
+        print(f"{engine:>6}: {meta['n_tokens'] / secs:,.0f} tok/s end to end ({secs:.1f} s, process start included)")
+    return out
+
+
+# --- gpu -------------------------------------------------------------------------------------------------
+def gpu(args) -> dict:
+    import attnkit
+    from attnkit.batching import plan_batches
+    from attnkit.extraction import run_extraction
+    from attnkit.models import default_model_path
+    from attnkit.tokens import Encoder
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    if not torch.cuda.is_available():
+        sys.exit("gpu: no CUDA device")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    segments = corpus_segments(args.corpus, args.segments)
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=tok.vocab_size)
+    sdpa = BertModel(cfg, attn_implementation="sdpa").to("cuda", dtype).eval()
+    fused = BertModel(cfg).to("cuda", dtype).eval()
+    fused.load_state_dict(sdpa.state_dict())
+    attnkit.instrument(fused)
+    enc = Encoder(tok, max_length=128)
+    batches = [enc(pb.segments).to("cuda") for pb in plan_batches(segments, args.batch_size, 4096)]
+    n_tokens = sum(b.n_tokens for b in batches)
+
+    def plain() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for b in batches:
+                sdpa(**b.inputs)
+        torch.cuda.synchronize()
+        return n_tokens / (time.perf_counter() - t0)
+
+    def extraction() -> float:
+        t0 = time.perf_counter()
+        acc, _ = run_extraction(fused, tok, segments, batch_size=args.batch_size, workers=args.workers[-1])
+        return acc.n_tokens / (time.perf_counter() - t0)
+
+    plain(), extraction()  # warm-up
+    p, e = [], []
+    for _ in range(args.repeats):
+        p.append(plain())
+        e.append(extraction())
+    mp, me = statistics.median(p), statistics.median(e)
+    print(f"{torch.cuda.get_device_name()}: plain sdpa forward {mp:,.0f} tok/s (pre-tokenised, on device); attnkit "
+          f"extraction end to end {me:,.0f} tok/s = {me / mp:.2f}x")
+    return {"device": torch.cuda.get_device_name(), "plain_sdpa_tok_s": mp, "extraction_tok_s": me, "ratio": me / mp}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["overlap", "padding", "memory", "ray", "gpu"])
+    ap.add_argument("files", nargs="*", help="padding: corpus files")
+    ap.add_argument("--corpus", default=None, help="a corpus file (default: generated English-like lines)")
+    ap.add_argument("--segments", type=int, default=3000)
+    ap.add_argument("--max-length", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--workers", default="0,1,2", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--windows", default="64,256,1024,4096", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--squad-pairs", action="store_true")
+    ap.add_argument("--sizes", default="50,500", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--json", default=None, help="write the figures to this file")
+    args = ap.parse_args()
+    if args.what == "memory":
+        args.workers = args.workers[-1]
+    result = {"overlap": overlap, "padding": padding, "memory": memory, "ray": ray_vs_local, "gpu": gpu}[args.what](args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
