@@ -236,3 +236,239 @@ def test_no_text_in_any_input_is_refused_at_the_end(tmp_path):
     with pytest.raises(AttnkitError, match="has no text in any of its 2 inputs"):
         list(open_corpus([a, b]))
     assert list(open_corpus([a, write(tmp_path / "c.txt", "words\n")])) == ["words"]
+
+
+# --- compression --------------------------------------------------------------------------------------------
+def _gzip(data):
+    import gzip
+
+    return gzip.compress(data)
+
+
+def _zstd(data):
+    import zstandard
+
+    return zstandard.ZstdCompressor().compress(data)
+
+
+PLAIN = {
+    "c.txt": "one line\nanother line\n\npara two\n",
+    "c.jsonl": json.dumps({"text": "x"}) + "\n" + json.dumps({"text": "q", "text_pair": "p"}) + "\n",
+    "c.tsv": "sentence1\tsentence2\nleft\tright\nup\tdown\n",
+    "c.csv": 'text,label\n"quoted, with comma",1\nplain,0\n',
+    "c.json": json.dumps(SQUAD_OK),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLAIN))
+@pytest.mark.parametrize("suffix, compress, compression", [(".gz", _gzip, "gzip"), (".zst", _zstd, "zstd"),
+                                                          (".zstd", _zstd, "zstd")])
+def test_compressed_files_read_like_the_plain_ones(tmp_path, name, suffix, compress, compression):
+    plain = write(tmp_path / "plain" / name, PLAIN[name])
+    packed = write(tmp_path / "packed" / (name + suffix), compress(PLAIN[name].encode()))
+    expected = read_corpus(plain)
+    assert len(expected) >= 1
+    corpus = open_corpus([packed])
+    assert list(corpus) == expected
+    info = corpus.describe()[0]
+    assert info["compression"] == compression and info["format"] == open_corpus([plain]).describe()[0]["format"]
+    assert info["sha256"] == hashlib.sha256(packed.read_bytes()).hexdigest()  # of the raw (compressed) bytes
+    assert f"({compression})" in corpus.summary()
+    # a directory search finds compressed files too
+    assert list(open_corpus([packed.parent])) == expected
+
+
+def test_multi_member_gzip_and_multi_frame_zstd_are_read_to_the_end(tmp_path):
+    gz = write(tmp_path / "m.txt.gz", _gzip(b"first\n") + _gzip(b"second\n"))
+    zst = write(tmp_path / "m.txt.zst", _zstd(b"first\n") + _zstd(b"second\n"))
+    assert read_corpus(gz) == read_corpus(zst) == ["first", "second"]
+
+
+def test_corrupt_compressed_data_is_named(tmp_path):
+    fake = write(tmp_path / "fake.txt.gz", b"plain text, not gzip\n")
+    with pytest.raises(AttnkitError, match=r"fake.txt.gz: cannot decompress"):
+        read_corpus(fake)
+    cut = write(tmp_path / "cut.txt.gz", _gzip(b"some words\n" * 1000)[:-30])
+    with pytest.raises(AttnkitError, match=r"cut.txt.gz: cannot decompress"):
+        read_corpus(cut)
+    junk = write(tmp_path / "junk.txt.zst", b"\x00" * 64)
+    with pytest.raises(AttnkitError, match=r"junk.txt.zst: cannot decompress"):
+        read_corpus(junk)
+    bad_utf8 = write(tmp_path / "bad.txt.zst", _zstd(b"fine\nbad \xfe here\n"))
+    with pytest.raises(AttnkitError, match=r"bad.txt.zst:2: not valid UTF-8 \(byte 0xfe at column 5\)"):
+        read_corpus(bad_utf8)
+
+
+# --- standard input ---------------------------------------------------------------------------------------
+def test_stdin_is_read_once_and_hashed(tmp_path):
+    data = b"from stdin\r\nsecond\n"
+    corpus = open_corpus(["-", write(tmp_path / "f.txt", "from file\n")], stdin=io.BytesIO(data))
+    assert corpus.sources[0].path == "-"
+    with pytest.raises(AttnkitError, match="known only after reading it"):
+        corpus.fingerprint()
+    assert corpus.sources[0].sha256() is None  # not read yet
+    assert corpus.summary().splitlines()[0].startswith("<stdin>: text, one segment per line")
+    assert list(corpus) == ["from stdin", "second", "from file"]
+    info = corpus.describe()[0]
+    assert info["sha256"] == hashlib.sha256(data).hexdigest() and info["n_segments"] == 2
+    assert len(corpus.fingerprint()) == 64
+    with pytest.raises(AttnkitError, match="standard input can be read only once"):
+        list(corpus)
+
+
+def test_stdin_formats_and_compression(tmp_path):
+    jsonl = PLAIN["c.jsonl"].encode()
+    assert list(open_corpus(["-"], "jsonl", stdin=io.BytesIO(jsonl))) == ["x", ("q", "p")]
+    assert list(open_corpus(["-"], "tsv", stdin=io.BytesIO(PLAIN["c.tsv"].encode()))) == [("left", "right"),
+                                                                                           ("up", "down")]
+    corpus = open_corpus(["-"], "jsonl", stdin=io.BytesIO(_gzip(jsonl)))
+    assert list(corpus) == ["x", ("q", "p")] and corpus.describe()[0]["compression"] == "gzip"
+    assert list(open_corpus(["-"], stdin=io.BytesIO(_zstd(b"a\n\nb\n")))) == ["a", "b"]
+    with pytest.raises(AttnkitError, match="parquet cannot be read from standard input"):
+        open_corpus(["-"], "parquet", stdin=io.BytesIO(b""))
+
+
+# --- Parquet and datasets directories ---------------------------------------------------------------------
+def test_parquet_columns_named_or_guessed(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 2500  # several record batches
+    table = pa.table({"id": list(range(n)), "question": [f"q{i}" for i in range(n)],
+                      "sentence": [None if i == 7 else f"s{i}" for i in range(n)]})
+    path = tmp_path / "qa.parquet"
+    pq.write_table(table, path, row_group_size=1000)
+    corpus = open_corpus([path])
+    segs = list(corpus)
+    assert len(segs) == n and segs[0] == ("q0", "s0") and segs[7] == ("q7", "") and segs[-1] == (f"q{n-1}", f"s{n-1}")
+    assert corpus.describe()[0]["columns"] == ["question", "sentence"]
+    assert corpus.summary() == f"{path}: parquet, pairs from columns question + sentence"
+    only = read_corpus(path, columns=("sentence",))
+    assert len(only) == n - 1 and "s7" not in only  # the null is a blank segment, skipped
+    with pytest.raises(AttnkitError, match=r"qa.parquet: column 'id' holds int64, not text"):
+        read_corpus(path, columns=("id",))
+    pq.write_table(pa.table({"x": [1.5], "y": ["a"]}), tmp_path / "odd.parquet")
+    with pytest.raises(AttnkitError, match=r"odd.parquet: no usable text column; name one with --columns "
+                                           r"\(columns are: x \(double\), y \(string\)\)"):
+        read_corpus(tmp_path / "odd.parquet")
+    assert read_corpus(tmp_path / "odd.parquet", columns="y") == ["a"]
+
+
+def test_unreadable_parquet_is_named(tmp_path):
+    fake = write(tmp_path / "fake.parquet", "just text\n")
+    with pytest.raises(AttnkitError, match=r"fake.parquet: not a readable Parquet file"):
+        read_corpus(fake)
+    with pytest.raises(AttnkitError, match=r"Parquet cannot be read through gzip"):
+        open_corpus([write(tmp_path / "x.parquet.gz", _gzip(b"x"))])
+
+
+def _save_dataset(path, columns):
+    import datasets
+
+    datasets.Dataset.from_dict(columns).save_to_disk(str(path))
+    return path
+
+
+def test_datasets_directory_is_read_in_batches(tmp_path):
+    n = 2100
+    ds = _save_dataset(tmp_path / "nli", {"premise": [f"p{i}" for i in range(n)],
+                                          "hypothesis": [f"h{i}" for i in range(n)], "label": [i % 3 for i in range(n)]})
+    corpus = open_corpus([ds])
+    segs = list(corpus)
+    assert segs == [(f"p{i}", f"h{i}") for i in range(n)]
+    info = corpus.describe()[0]
+    assert info["format"] == "datasets" and info["columns"] == ["premise", "hypothesis"] and info["n_segments"] == n
+    assert len(info["sha256"]) == 64
+    assert corpus.summary() == f"{ds}: datasets (save_to_disk), pairs from columns premise + hypothesis"
+    assert read_corpus(ds, columns=("hypothesis",))[:2] == ["h0", "h1"]
+    # inside a directory tree a datasets directory is one input (its .json files are not SQuAD)
+    write(tmp_path / "extra.txt", "extra\n")
+    tree = open_corpus([tmp_path])
+    assert [s.format for s in tree.sources] == ["text", "datasets"]
+    assert len(list(tree)) == n + 1
+    # the content hash follows the data
+    fp = corpus.fingerprint()
+    shutil.rmtree(ds)
+    _save_dataset(ds, {"premise": ["other"], "hypothesis": ["data"], "label": [0]})
+    assert open_corpus([ds]).fingerprint() != fp
+
+
+def test_datasets_directory_errors(tmp_path):
+    import datasets
+
+    nums = _save_dataset(tmp_path / "nums", {"a": [1, 2], "b": [0.5, 1.5]})
+    with pytest.raises(AttnkitError, match=r"nums: no usable text column; name one with --columns "
+                                           r"\(columns are: a \(.*int64.*\), b \(.*float64.*\)\)"):
+        read_corpus(nums)
+    with pytest.raises(AttnkitError, match=r"nums: column 'a' holds .*, not text"):
+        read_corpus(nums, columns="a")
+    splits = tmp_path / "splits"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["t"]}),
+                          "test": datasets.Dataset.from_dict({"text": ["u"]})}).save_to_disk(str(splits))
+    with pytest.raises(AttnkitError, match=r"splits holds the splits test, train of a datasets DatasetDict: "
+                                           r"give one of them"):
+        open_corpus([splits])
+    assert read_corpus(splits / "train") == ["t"]
+    with pytest.raises(AttnkitError, match=r"is a datasets directory, not tsv"):
+        open_corpus([nums], "tsv")
+
+
+# --- streaming --------------------------------------------------------------------------------------------
+class _CountingFile:
+    """A file object that counts the bytes read through it."""
+
+    def __init__(self, fh, counter):
+        self._fh, self._counter = fh, counter
+
+    def read(self, n=-1):
+        data = self._fh.read(n)
+        self._counter.append(len(data))
+        return data
+
+    def close(self):
+        self._fh.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def test_the_first_segment_of_a_large_file_reads_only_its_start(tmp_path, monkeypatch):
+    import attnkit.corpus.sources as sources
+
+    big = tmp_path / "big.txt"
+    with open(big, "w") as fh:
+        for i in range(200_000):
+            fh.write(f"segment number {i} of a corpus far larger than one read\n")
+    size = big.stat().st_size
+    assert size > 10_000_000
+    read = []
+    real_open = sources.open_file
+    monkeypatch.setattr(sources, "open_file", lambda p: _CountingFile(real_open(p), read))
+    first = next(iter(open_corpus([big], text_unit="line")))
+    assert first == "segment number 0 of a corpus far larger than one read"
+    assert sum(read) <= 1 << 16  # one chunk
+    read.clear()
+    it = iter(open_corpus([big]))  # auto text unit: a bounded look-ahead first
+    assert next(it) == first
+    assert sum(read) <= 2 << 20
+
+
+def test_reading_a_whole_compressed_corpus_keeps_memory_small(tmp_path):
+    import tracemalloc
+
+    lines = "".join(f"line {i} of a generated corpus, long enough to matter in memory\n" for i in range(60_000))
+    path = write(tmp_path / "big.jsonl.gz", _gzip("".join(json.dumps({"text": l}) + "\n"
+                                                          for l in lines.splitlines()).encode()))
+    del lines
+    corpus = open_corpus([path])
+    tracemalloc.start()
+    try:
+        n = sum(1 for _ in corpus)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert n == 60_000
+    assert peak < 1 << 20, f"peak {peak / 2**20:.1f} MiB for a {n}-segment corpus of ~4.5 MB"

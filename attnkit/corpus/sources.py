@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import AttnkitError
 from .streams import (PEEK_LINES, HashingReader, Lines, decompressed, hash_file, hash_files, open_file,
-                      split_compression)
+                      sniffed, split_compression)
 
 # Text columns (or JSONL fields) tried, in order, when none are named: (first, second or None)
 _TSV_GUESSES = (("sentence1", "sentence2"), ("#1 String", "#2 String"), ("question1", "question2"),
@@ -94,7 +94,8 @@ class Source:
         for the pass that follows the plan)."""
         if self._stdin is not None:
             if self._stdin_lines is None:
-                self._stdin_lines = Lines(self._stdin, STDIN_NAME)
+                self.compression, stream = sniffed(self._stdin)  # no file name: gzip/zstd by magic bytes
+                self._stdin_lines = Lines(decompressed(stream, self.compression), STDIN_NAME)
             return self._stdin_lines
         return Lines(decompressed(open_file(self.path), self.compression), self.path)
 
@@ -210,7 +211,7 @@ class JsonlSource(Source):
             return {"columns": [c for c in (first, second) if c], "pair_optional": False}
         lines = self._lines()
         try:
-            first_obj = next(((n, l) for n, l in lines.peek() if l.strip()), None)
+            first_obj = lines.first(str.strip)
         finally:
             if self._stdin is None:
                 lines.close()

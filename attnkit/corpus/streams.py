@@ -53,6 +53,41 @@ def decompressed(raw, compression: str | None):
     raise AttnkitError(f"unknown compression {compression!r}")
 
 
+_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd"}
+
+
+def sniffed(stream) -> tuple[str | None, object]:
+    """(compression told by the first bytes, a stream that still yields those bytes) for a stream that has
+    no file name (standard input)."""
+    head = b""
+    while len(head) < 4:
+        more = stream.read(4 - len(head))
+        if not more:
+            break
+        head += more
+    compression = next((c for magic, c in _MAGIC.items() if head.startswith(magic)), None)
+    return compression, _Prefixed(head, stream)
+
+
+class _Prefixed:
+    """`head` and then the rest of `stream`."""
+
+    def __init__(self, head: bytes, stream):
+        self._head, self._stream = head, stream
+
+    def read(self, n=-1):
+        if not self._head:
+            return self._stream.read(n)
+        if n is None or n < 0:
+            data, self._head = self._head + self._stream.read(), b""
+            return data
+        data, self._head = self._head[:n], self._head[n:]
+        return data
+
+    def close(self):
+        self._stream.close()
+
+
 class _Owning:
     """A stream that also closes the stream under it (GzipFile leaves its fileobj open)."""
 
@@ -71,14 +106,12 @@ class _Owning:
 
 def read_chunk(stream, name: str, size: int = CHUNK) -> bytes:
     """One chunk of a (possibly compressed) stream; corrupt or truncated compressed data is named."""
+    import zstandard
+
     try:
         return stream.read(size)
-    except (OSError, EOFError) as exc:
+    except (OSError, EOFError, zstandard.ZstdError) as exc:  # gzip.BadGzipFile is an OSError
         raise AttnkitError(f"{name}: cannot decompress ({exc})") from None
-    except Exception as exc:  # zstandard.ZstdError and friends
-        if type(exc).__module__.startswith("zstd"):
-            raise AttnkitError(f"{name}: cannot decompress ({exc})") from None
-        raise
 
 
 def raw_lines(stream, name: str, chunk_size: int = CHUNK):
@@ -142,6 +175,20 @@ class Lines:
             self._ahead.append(item)
             chars += len(item[1])
         return list(self._ahead)[:max_lines]
+
+    def first(self, predicate, max_lines: int = PEEK_LINES):
+        """The first (line number, text) within `max_lines` whose text satisfies `predicate`, not consumed."""
+        i = 0
+        while i < max_lines:
+            if i == len(self._ahead):
+                item = next(self._it, None)
+                if item is None:
+                    return None
+                self._ahead.append(item)
+            if predicate(self._ahead[i][1]):
+                return self._ahead[i]
+            i += 1
+        return None
 
     def __iter__(self):
         while True:
