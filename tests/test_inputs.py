@@ -472,3 +472,26 @@ def test_reading_a_whole_compressed_corpus_keeps_memory_small(tmp_path):
         tracemalloc.stop()
     assert n == 60_000
     assert peak < 1 << 20, f"peak {peak / 2**20:.1f} MiB for a {n}-segment corpus of ~4.5 MB"
+
+
+def test_recursive_glob_reads_each_file_once_and_datasets_dirs_whole(tree):
+    _save_dataset(tree / "ds", {"text": ["from the dataset"]})
+    (tree / "empty_dir").mkdir()
+    corpus = open_corpus([str(tree / "**")])
+    assert [os.path.relpath(s.path, tree) for s in corpus.sources] == [
+        "a.jsonl", "b.txt", "ds", "notes.md", os.path.join("sub", "deeper", "z.txt"), os.path.join("sub", "dev.tsv")]
+    assert "from the dataset" in list(corpus)
+
+
+def test_json_that_is_not_text_is_refused(tmp_path):
+    deep = write(tmp_path / "deep.jsonl", "[" * 100_000 + "\n")
+    with pytest.raises(AttnkitError, match=r"deep.jsonl:1: JSON nested too deeply"):
+        read_corpus(deep)
+    lone = write(tmp_path / "lone.jsonl", '{"text": "ok"}\n{"text": "bad \\ud800 escape"}\n')
+    with pytest.raises(AttnkitError, match=r'lone.jsonl:2: field "text": holds a lone surrogate escape \(\\ud800\)'):
+        read_corpus(lone)
+    doc = {"data": [{"paragraphs": [{"context": "C.", "qas": [{"question": "Q\ud83d?"}]}]}]}
+    squad = write(tmp_path / "s.json", json.dumps(doc))
+    with pytest.raises(AttnkitError, match=r"s.json: data\[0\].paragraphs\[0\].qas\[0\].question: holds a lone"):
+        read_corpus(squad, squad_pairs=True)
+    assert read_corpus(squad) == ["C."]

@@ -83,10 +83,7 @@ def resolve_paths(paths) -> list[tuple[str, str]]:
         elif os.path.exists(p):
             out.append(("file", p))
         elif _GLOB_CHARS & set(p):
-            matches = sorted(glob.glob(p, recursive=True), key=_sort_key)
-            if not matches:
-                raise AttnkitError(f"corpus pattern {p!r} matches no file")
-            out.extend(item for m in matches for item in resolve_paths([m]))
+            out.extend(_glob_inputs(p))
         else:
             raise AttnkitError(f"corpus file {p!r} does not exist")
     seen = {}
@@ -98,6 +95,29 @@ def resolve_paths(paths) -> list[tuple[str, str]]:
                                                            f" (also as {seen[key]!r}); each input is read once"))
         seen[key] = p
     return out
+
+
+def _glob_inputs(pattern: str) -> list[tuple[str, str]]:
+    """Inputs matched by a shell pattern, sorted: files as if named, directories searched; a file reached
+    twice by one pattern ("data/**") is read once, and a matched directory without corpus files is skipped."""
+    items, seen, datasets_dirs = [], set(), []
+    for match in sorted(glob.glob(pattern, recursive=True), key=_sort_key):
+        if os.path.isdir(match) and not is_datasets_dir(match):
+            found = [("datasets" if os.path.isdir(f) else "dir-file", f) for f in _directory_files(match)]
+        else:
+            found = resolve_paths([match])
+        for kind, p in found:
+            key = os.path.realpath(p)
+            if key in seen or any(key.startswith(d + os.sep) for d in datasets_dirs):
+                continue  # already matched, or a file inside a datasets directory matched as a whole
+            if kind == "datasets":
+                _check_datasets_dir(p)
+                datasets_dirs.append(key)
+            seen.add(key)
+            items.append((kind, p))
+    if not items:
+        raise AttnkitError(f"corpus pattern {pattern!r} matches no file")
+    return sorted(items, key=lambda item: _sort_key(item[1]))
 
 
 def _columns_tuple(columns):

@@ -27,6 +27,27 @@ def is_blank(segment) -> bool:
     return not segment.strip() if isinstance(segment, str) else not any(x.strip() for x in segment)
 
 
+def check_text(text: str, where: str) -> str:
+    """`text`, refused when a JSON escape left a lone surrogate in it (not text; tokenizers fail on it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise AttnkitError(f"{where}: holds a lone surrogate escape (\\u{ord(text[exc.start]):04x}), which is "
+                           f"not text") from None
+    return text
+
+
+def parse_json(text: str, where: str):
+    """json.loads with one-line errors (syntax with its line, or nesting too deep)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        line = f":{exc.lineno}" if ":" not in where else ""
+        raise AttnkitError(f"{where}{line}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise AttnkitError(f"{where}: JSON nested too deeply") from None
+
+
 def choose_columns(available, columns, name: str, kind: str = "column", guesses=_TSV_GUESSES):
     """(first, second or None): the named `columns`, else the first of `guesses` present in `available`."""
     available = list(available)
@@ -81,9 +102,13 @@ class Source:
 
     def segments(self):
         """The non-blank segments, streamed."""
-        for seg in self._read(self.plan()):
-            if not is_blank(seg):
-                yield seg
+        segments = self._read(self.plan())
+        try:
+            for seg in segments:
+                if not is_blank(seg):
+                    yield seg
+        finally:
+            segments.close()  # closes the file now when the consumer stops early
 
     def _read(self, plan):
         raise NotImplementedError
@@ -197,10 +222,7 @@ class JsonlSource(Source):
     format = "jsonl"
 
     def _parse(self, lineno, line):
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise AttnkitError(f"{self.name}:{lineno}: invalid JSON ({exc.msg})") from None
+        obj = parse_json(line, f"{self.name}:{lineno}")
         if not isinstance(obj, dict):
             raise AttnkitError(f"{self.name}:{lineno}: each line must be a JSON object, got {type(obj).__name__}")
         return obj
@@ -232,6 +254,7 @@ class JsonlSource(Source):
                 text = obj.get(first)
                 if not isinstance(text, str):
                     raise AttnkitError(f"{self.name}:{lineno}: each line needs a string field \"{first}\"")
+                check_text(text, f"{self.name}:{lineno}: field \"{first}\"")
                 if second is None:
                     yield text
                     continue
@@ -241,6 +264,7 @@ class JsonlSource(Source):
                 elif not isinstance(pair, str):
                     raise AttnkitError(f"{self.name}:{lineno}: \"{second}\" must be a string")
                 else:
+                    check_text(pair, f"{self.name}:{lineno}: field \"{second}\"")
                     yield (text, pair) if (pair or not optional) else text
 
     def _how(self):
@@ -302,19 +326,19 @@ class SquadSource(Source):
     def _read(self, plan):
         with self._lines() as lines:
             text = "\n".join(line for _, line in lines)
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise AttnkitError(f"{self.name}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+        doc = parse_json(text, self.name)
         problem = schema_problem(doc, SQUAD_SCHEMA)
         if problem:
             raise AttnkitError(f"{self.name} is not SQuAD-format JSON: {problem}")
         seen = set()
-        for article in doc["data"]:
-            for para in article.get("paragraphs", []):
-                ctx = para["context"]
+        for i, article in enumerate(doc["data"]):
+            for j, para in enumerate(article.get("paragraphs", [])):
+                where = f"{self.name}: data[{i}].paragraphs[{j}]"
+                ctx = check_text(para["context"], f"{where}.context")
                 if plan["squad_pairs"]:
-                    yield from ((qa["question"], ctx) for qa in para.get("qas", []) if qa["question"])
+                    for k, qa in enumerate(para.get("qas", [])):
+                        if qa["question"]:
+                            yield check_text(qa["question"], f"{where}.qas[{k}].question"), ctx
                 elif ctx not in seen:
                     seen.add(ctx)
                     yield ctx
@@ -359,7 +383,8 @@ def table_rows(lines: Lines, delimiter: str, name: str):
             if "unexpected end of data" in str(exc):
                 raise AttnkitError(f"{name}:{state['start']}: a quoted field opened on this line is never closed "
                                    f"(it runs to the end of the file)") from None
-            raise AttnkitError(f"{name}:{state['last']}: malformed CSV ({exc})") from None
+            kind = "CSV" if delimiter == "," else "TSV"
+            raise AttnkitError(f"{name}:{state['last']}: malformed {kind} ({exc})") from None
         yield state["start"], row
         state["start"] = state["last"] + 1
 
@@ -487,9 +512,11 @@ class ParquetSource(Source):
 
 
 def is_datasets_dir(path) -> bool:
-    """A directory written by `datasets` save_to_disk (a Dataset, or a DatasetDict of splits)."""
+    """A directory written by `datasets` save_to_disk: a Dataset (state.json and dataset_info.json), or a
+    DatasetDict of splits (dataset_dict.json)."""
     p = Path(path)
-    return p.is_dir() and any((p / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+    return p.is_dir() and ((p / "dataset_dict.json").is_file()
+                           or all((p / f).is_file() for f in ("state.json", "dataset_info.json")))
 
 
 class DatasetSource(Source):
@@ -528,11 +555,17 @@ class DatasetSource(Source):
         return plan
 
     def _read(self, plan):
+        import pyarrow as pa
+
         cols = plan["columns"]
         ds = self._dataset().select_columns(cols)
-        for batch in ds.iter(batch_size=self.batch_size):
-            values = [["" if v is None else v for v in batch[c]] for c in cols]
-            yield from (values[0] if len(cols) == 1 else zip(*values))
+        try:
+            for batch in ds.iter(batch_size=self.batch_size):
+                values = [["" if v is None else v for v in batch[c]] for c in cols]
+                yield from (values[0] if len(cols) == 1 else zip(*values))
+        except (pa.ArrowException, OSError) as exc:
+            raise AttnkitError(f"{self.path}: cannot read the datasets directory ({str(exc).splitlines()[0]})") \
+                from None
 
     def _data_files(self) -> list[Path]:
         p = Path(self.path)
