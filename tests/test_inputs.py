@@ -495,3 +495,19 @@ def test_json_that_is_not_text_is_refused(tmp_path):
     with pytest.raises(AttnkitError, match=r"s.json: data\[0\].paragraphs\[0\].qas\[0\].question: holds a lone"):
         read_corpus(squad, squad_pairs=True)
     assert read_corpus(squad) == ["C."]
+
+
+def test_stdin_given_as_a_text_stream_is_read_as_bytes():
+    text = io.TextIOWrapper(io.BytesIO("caf\u00e9\rnext\r".encode()), encoding="latin-1")
+    assert list(open_corpus(["-"], stdin=text)) == ["caf\u00e9", "next"]
+
+
+def test_a_corpus_of_files_can_be_sent_to_worker_processes(tree):
+    import pickle
+
+    corpus = open_corpus([tree])
+    corpus.describe()  # plans and hashes are cached on the sources: they travel too
+    copy = pickle.loads(pickle.dumps(corpus))
+    assert list(copy) == list(corpus)
+    assert [list(s.segments()) for s in copy.sources] == [list(s.segments()) for s in corpus.sources]
+    assert copy.fingerprint() == corpus.fingerprint()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import io
 import json
 import os
 import sys
@@ -134,7 +135,13 @@ def _columns_tuple(columns):
 
 
 class Corpus:
-    """Segments of several inputs, streamed source after source (see `open_corpus`)."""
+    """Segments of several inputs, streamed source after source (see `open_corpus`).
+
+    Iterating yields the non-blank segments of every source in order, at most `limit` in all, and raises
+    AttnkitError at the end when there were none. Each pass reads the files again and gives the same
+    segments; a corpus with standard input can be iterated once. A finished pass records on each source
+    how many segments it gave (`describe()["n_segments"]`). Corpora of files pickle (for worker processes).
+    """
 
     def __init__(self, sources: list[Source], limit: int | None = None):
         self.sources = sources
@@ -227,7 +234,9 @@ def open_corpus(paths=None, fmt: str = "auto", *, text_unit: str = "auto", colum
             stream_fmt = "text" if fmt == "auto" else fmt
             if stream_fmt in ("parquet", "datasets"):
                 raise AttnkitError(f"{stream_fmt} cannot be read from standard input: give the path")
-            stream = stdin if stdin is not None else sys.stdin.buffer
+            stream = stdin if stdin is not None else sys.stdin
+            if isinstance(stream, io.TextIOBase) or hasattr(stream, "buffer"):
+                stream = stream.buffer  # bytes under a text stream: attnkit decodes (and names bad bytes) itself
             sources.append(SOURCES[stream_fmt]("-", None, stdin=stream, **options))
             continue
         if kind == "datasets":

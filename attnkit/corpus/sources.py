@@ -136,11 +136,8 @@ class Source:
             return hash_file(self.path)  # raises the one-line error
         key = (st.st_size, st.st_mtime_ns, st.st_ino)
         if self._hash is None or self._hash[0] != key:
-            self._hash = (key, self._content_hash())
+            self._hash = (key, hash_file(self.path))
         return self._hash[1]
-
-    def _content_hash(self) -> str:
-        return hash_file(self.path)
 
     def describe(self) -> dict:
         plan = self.plan()
