@@ -511,3 +511,12 @@ def test_a_corpus_of_files_can_be_sent_to_worker_processes(tree):
     assert list(copy) == list(corpus)
     assert [list(s.segments()) for s in copy.sources] == [list(s.segments()) for s in corpus.sources]
     assert copy.fingerprint() == corpus.fingerprint()
+
+
+def test_column_names_with_newlines_keep_errors_on_one_line(tmp_path):
+    p = write(tmp_path / "h.csv", '"multi\nline",other\nx,y\n')
+    with pytest.raises(AttnkitError, match=r"h.csv: cannot tell which column holds the text; .*"
+                                           r"\(columns are: 'multi\\nline', other\)$") as info:
+        read_corpus(p)
+    assert "\n" not in str(info.value)
+    assert read_corpus(p, columns=("multi\nline",)) == ["x"]

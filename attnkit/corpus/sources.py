@@ -48,6 +48,11 @@ def parse_json(text: str, where: str):
         raise AttnkitError(f"{where}: JSON nested too deeply") from None
 
 
+def _names(names) -> str:
+    """Column names for a one-line message (names holding newlines or other control characters quoted)."""
+    return ", ".join(n if isinstance(n, str) and n.isprintable() else repr(n) for n in names) or "none"
+
+
 def choose_columns(available, columns, name: str, kind: str = "column", guesses=_TSV_GUESSES):
     """(first, second or None): the named `columns`, else the first of `guesses` present in `available`."""
     available = list(available)
@@ -55,13 +60,13 @@ def choose_columns(available, columns, name: str, kind: str = "column", guesses=
         first, second = (list(columns) + [None])[:2]
         for c in (first, second):
             if c is not None and c not in available:
-                raise AttnkitError(f"{name}: no {kind} {c!r}; {kind}s are: {', '.join(map(str, available))}")
+                raise AttnkitError(f"{name}: no {kind} {c!r}; {kind}s are: {_names(available)}")
         return first, second
     for first, second in guesses:
         if first in available and (second is None or second in available):
             return first, second
     raise AttnkitError(f"{name}: cannot tell which {kind} holds the text; name it with --columns "
-                       f"({kind}s are: {', '.join(map(str, available)) or 'none'})")
+                       f"({kind}s are: {_names(available)})")
 
 
 def _describe_columns(kind: str, first: str, second: str | None) -> str:
@@ -446,7 +451,7 @@ class TableSource(Source):
 
 def _plan_columns(names_types: dict, columns, name: str, is_text) -> dict:
     """Choose text columns among {name: type}; the chosen ones must hold text."""
-    listing = [f"{n} ({t})" for n, t in names_types.items()]
+    listing = [f"{_names([n])} ({t})" for n, t in names_types.items()]
     try:
         first, second = choose_columns(names_types, columns, name)
     except AttnkitError:
