@@ -66,8 +66,12 @@ def test_bad_inputs_name_the_problem(tmp_path):
     bad.write_bytes(b"good line\nbad \xff byte\n")
     with pytest.raises(AttnkitError, match=r"bad.txt:2: not valid UTF-8 \(byte 0xff at column 5\)"):
         read_corpus(bad)
-    with pytest.raises(AttnkitError, match="directory"):
-        read_corpus(tmp_path)
+    # a directory is read recursively now; one without corpus files is refused by name
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "readme.md").write_text("not a corpus\n")
+    with pytest.raises(AttnkitError, match=r"corpus directory '.*notes' holds no corpus files"):
+        read_corpus(notes)
 
 
 def test_default_corpus_is_substantial():

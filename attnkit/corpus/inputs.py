@@ -1,0 +1,262 @@
+"""Many corpus inputs as one stream: resolving paths, directories, globs and "-" into sources (up front,
+reading nothing), then streaming their segments in order."""
+from __future__ import annotations
+
+import glob
+import hashlib
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..errors import AttnkitError
+from .sources import SOURCES, STDIN_NAME, DatasetSource, Source, is_datasets_dir
+from .streams import split_compression
+
+FORMATS = ("auto", "text", "jsonl", "squad", "tsv", "parquet", "datasets")
+TEXT_UNITS = ("auto", "line", "paragraph")
+# extensions a directory is searched for (each also with .gz, .zst or .zstd after it)
+EXTENSIONS = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".json": "squad", ".tsv": "tsv", ".csv": "tsv",
+              ".parquet": "parquet"}
+_GLOB_CHARS = set("*?[")
+# bump when a reader changes what it yields for the same bytes and settings
+_READER_VERSION = 1
+
+
+def default_corpus_path() -> Path:
+    """The small English corpus shipped with attnkit (used when no corpus is given)."""
+    return Path(__file__).parent.parent / "data" / "default_corpus.txt"
+
+
+def _format_of(path: str) -> tuple[str | None, str | None]:
+    """(format or None when the extension is unknown, compression) from a file name."""
+    compression, inner = split_compression(path)
+    return EXTENSIONS.get(Path(inner).suffix.lower()), compression
+
+
+def _sort_key(path: str):
+    return Path(path).parts
+
+
+def _directory_files(root: str) -> list[str]:
+    """Corpus files under `root`, recursively, sorted by path; a datasets directory counts as one input.
+    Hidden files and folders (".name") are skipped."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        if dirpath != root and is_datasets_dir(dirpath):
+            found.append(os.path.normpath(dirpath))
+            dirnames[:] = []
+            continue
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        found.extend(os.path.normpath(os.path.join(dirpath, f)) for f in filenames
+                     if not f.startswith(".") and _format_of(f)[0] is not None)
+    return sorted(found, key=_sort_key)
+
+
+def _check_datasets_dir(path: str):
+    if (Path(path) / "dataset_dict.json").is_file():
+        splits = sorted(d.name for d in Path(path).iterdir() if is_datasets_dir(d))
+        raise AttnkitError(f"{path} holds the splits {', '.join(splits) or '(none)'} of a datasets DatasetDict: "
+                           f"give one of them (e.g. {os.path.join(path, splits[0] if splits else 'train')})")
+
+
+def resolve_paths(paths) -> list[tuple[str, str]]:
+    """(kind, path) for every input, kind "file", "dir-file" (found in a directory), "datasets" or "stdin"."""
+    out = []
+    for given in paths:
+        p = str(given)
+        if p == "-":
+            out.append(("stdin", "-"))
+        elif os.path.isdir(p):
+            if is_datasets_dir(p):
+                _check_datasets_dir(p)
+                out.append(("datasets", p))
+                continue
+            files = _directory_files(p)
+            if not files:
+                raise AttnkitError(f"corpus directory {p!r} holds no corpus files "
+                                   f"({', '.join(EXTENSIONS)}, optionally .gz/.zst, or a datasets directory)")
+            for f in files:
+                if os.path.isdir(f):
+                    _check_datasets_dir(f)
+                out.append(("datasets" if os.path.isdir(f) else "dir-file", f))
+        elif os.path.exists(p):
+            out.append(("file", p))
+        elif _GLOB_CHARS & set(p):
+            out.extend(_glob_inputs(p))
+        else:
+            raise AttnkitError(f"corpus file {p!r} does not exist")
+    seen = {}
+    for kind, p in out:
+        key = "-" if kind == "stdin" else os.path.realpath(p)
+        if key in seen:
+            what = "standard input ('-')" if kind == "stdin" else f"corpus file {p!r}"
+            raise AttnkitError(f"{what} is given twice" + ("" if kind == "stdin" else
+                                                           f" (also as {seen[key]!r}); each input is read once"))
+        seen[key] = p
+    return out
+
+
+def _glob_inputs(pattern: str) -> list[tuple[str, str]]:
+    """Inputs matched by a shell pattern, sorted: files as if named, directories searched; a file reached
+    twice by one pattern ("data/**") is read once, and a matched directory without corpus files is skipped."""
+    items, seen, datasets_dirs = [], set(), []
+    for match in sorted(glob.glob(pattern, recursive=True), key=_sort_key):
+        if os.path.isdir(match) and not is_datasets_dir(match):
+            found = [("datasets" if os.path.isdir(f) else "dir-file", f) for f in _directory_files(match)]
+        else:
+            found = resolve_paths([match])
+        for kind, p in found:
+            key = os.path.realpath(p)
+            if key in seen or any(key.startswith(d + os.sep) for d in datasets_dirs):
+                continue  # already matched, or a file inside a datasets directory matched as a whole
+            if kind == "datasets":
+                _check_datasets_dir(p)
+                datasets_dirs.append(key)
+            seen.add(key)
+            items.append((kind, p))
+    if not items:
+        raise AttnkitError(f"corpus pattern {pattern!r} matches no file")
+    return sorted(items, key=lambda item: _sort_key(item[1]))
+
+
+def _columns_tuple(columns):
+    if columns is None:
+        return None
+    if isinstance(columns, str):
+        columns = [c.strip() for c in columns.split(",") if c.strip()]
+    columns = tuple(columns)
+    if not columns:
+        return None
+    if len(columns) > 2 or not all(isinstance(c, str) and c for c in columns):
+        raise AttnkitError(f"--columns takes one or two column names, got {', '.join(map(str, columns))}")
+    return columns
+
+
+class Corpus:
+    """Segments of several inputs, streamed source after source (see `open_corpus`).
+
+    Iterating yields the non-blank segments of every source in order, at most `limit` in all, and raises
+    AttnkitError at the end when there were none. Each pass reads the files again and gives the same
+    segments; a corpus with standard input can be iterated once. A finished pass records on each source
+    how many segments it gave (`describe()["n_segments"]`). Corpora of files pickle (for worker processes).
+    """
+
+    def __init__(self, sources: list[Source], limit: int | None = None):
+        self.sources = sources
+        self.limit = limit
+        self._stdin_read = False
+
+    def __iter__(self):
+        has_stdin = any(s.path == "-" for s in self.sources)
+        if has_stdin:
+            if self._stdin_read:
+                raise AttnkitError("standard input can be read only once: this corpus was already read")
+            self._stdin_read = True
+        return self._segments()
+
+    def _segments(self):
+        counts = [0] * len(self.sources)
+        total = 0
+        for i, source in enumerate(self.sources):
+            if self.limit is not None and total >= self.limit:
+                break
+            stream = source.segments()
+            try:
+                for seg in stream:
+                    yield seg
+                    counts[i] += 1
+                    total += 1
+                    if self.limit is not None and total >= self.limit:
+                        break
+            finally:
+                stream.close()
+        if total == 0:
+            if len(self.sources) == 1:
+                src = self.sources[0]
+                raise AttnkitError(f"corpus {src.name!r} has no text ({src.format} format)")
+            raise AttnkitError(f"the corpus has no text in any of its {len(self.sources)} inputs")
+        for source, n in zip(self.sources, counts):
+            source.n_segments = n
+
+    def describe(self) -> list[dict]:
+        """Per input: path, format, compression, text_unit, columns, squad_pairs, sha256, n_segments (the
+        segments taken from it by the last complete pass, `limit` included; None before one)."""
+        return [s.describe() for s in self.sources]
+
+    def fingerprint(self) -> str:
+        """sha256 over the inputs' content hashes (in order) and reading settings; file paths do not enter, so
+        a moved corpus keeps its fingerprint. Files are hashed by streaming their bytes."""
+        items = []
+        for s in self.sources:
+            digest = s.sha256()
+            if digest is None:
+                raise AttnkitError(f"the content hash of {s.name} is known only after reading it to the end")
+            items.append({"sha256": digest, **s.settings()})
+        doc = {"reader": _READER_VERSION, "limit": self.limit, "sources": items}
+        return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+    def summary(self, max_lines: int = 20) -> str:
+        """One line per input saying how it is read (the first `max_lines`, then a count of the rest)."""
+        lines = [s.summary_line() for s in self.sources[:max_lines]]
+        rest = self.sources[max_lines:]
+        if rest:
+            formats = sorted({s.format for s in rest})
+            lines.append(f"... and {len(rest)} more inputs ({', '.join(formats)})")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return f"Corpus({len(self.sources)} inputs, limit={self.limit})"
+
+
+def open_corpus(paths=None, fmt: str = "auto", *, text_unit: str = "auto", columns=None, squad_pairs: bool = False,
+                limit: int | None = None, stdin=None) -> Corpus:
+    """A `Corpus` over `paths` (None or [] means the built-in corpus): files, directories (searched
+    recursively for known extensions, sorted by path), shell globs (recursive "**", sorted), "-" for standard
+    input (`stdin`, a binary stream; default sys.stdin.buffer; text unless `fmt` says otherwise) and
+    `datasets` directories written by save_to_disk. `fmt` other than auto applies to every file. Everything
+    is resolved and checked here; nothing is read until the corpus is iterated."""
+    if fmt not in FORMATS:
+        raise AttnkitError(f"unknown corpus format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if text_unit not in TEXT_UNITS:
+        raise AttnkitError(f"unknown text unit {text_unit!r}; use line, paragraph or auto")
+    if limit is not None and limit < 1:
+        raise AttnkitError(f"--limit must be at least 1, got {limit}")
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    paths = list(paths or []) or [default_corpus_path()]
+    columns = _columns_tuple(columns)
+    options = dict(text_unit=text_unit, columns=columns, squad_pairs=squad_pairs)
+    sources = []
+    for kind, p in resolve_paths(paths):
+        if kind == "stdin":
+            stream_fmt = "text" if fmt == "auto" else fmt
+            if stream_fmt in ("parquet", "datasets"):
+                raise AttnkitError(f"{stream_fmt} cannot be read from standard input: give the path")
+            stream = stdin if stdin is not None else sys.stdin
+            if isinstance(stream, io.TextIOBase) or hasattr(stream, "buffer"):
+                stream = stream.buffer  # bytes under a text stream: attnkit decodes (and names bad bytes) itself
+            sources.append(SOURCES[stream_fmt]("-", None, stdin=stream, **options))
+            continue
+        if kind == "datasets":
+            if fmt not in ("auto", "datasets"):
+                raise AttnkitError(f"{p!r} is a datasets directory, not {fmt}: drop --format or use datasets")
+            sources.append(DatasetSource(p, None, **options))
+            continue
+        detected, compression = _format_of(p)
+        file_fmt = (detected or "text") if fmt == "auto" else fmt
+        if file_fmt == "datasets":
+            raise AttnkitError(f"{p!r} is a file, not a datasets directory (save_to_disk)")
+        if file_fmt == "parquet" and compression:
+            raise AttnkitError(f"{p!r}: Parquet cannot be read through {compression} (it compresses its own "
+                               f"columns): decompress the file")
+        sources.append(SOURCES[file_fmt](p, compression, **options))
+    return Corpus(sources, limit)
+
+
+def read_corpus(path, fmt: str = "auto", *, text_unit: str = "auto", squad_pairs: bool = False,
+                columns=None, limit: int | None = None) -> list:
+    """All segments of one input (a file, directory, glob or datasets directory) as a list."""
+    return list(open_corpus([path], fmt, text_unit=text_unit, columns=columns, squad_pairs=squad_pairs,
+                            limit=limit))

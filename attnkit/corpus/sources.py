@@ -1,0 +1,593 @@
+"""One corpus input each: how a file of one format turns into a stream of segments (a str, or a
+(str, str) pair), what was decided while reading it (text unit, columns), and its content hash.
+
+Every reader streams, except SQuAD JSON: a .json file is one document, parsed whole (json.loads) and then
+checked against a schema. Blank segments are skipped here, so counts per source are counts of real text.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+from ..errors import AttnkitError
+from .streams import (PEEK_LINES, HashingReader, Lines, decompressed, hash_file, hash_files, open_file,
+                      sniffed, split_compression)
+
+# Text columns (or JSONL fields) tried, in order, when none are named: (first, second or None)
+_TSV_GUESSES = (("sentence1", "sentence2"), ("#1 String", "#2 String"), ("question1", "question2"),
+                ("question", "sentence"), ("premise", "hypothesis"), ("sentence", None), ("text", None))
+# A quoted CSV field may hold newlines, but one that runs this many lines is an unclosed quote.
+CSV_MAX_ROW_LINES = 200
+STDIN_NAME = "<stdin>"
+
+
+def is_blank(segment) -> bool:
+    return not segment.strip() if isinstance(segment, str) else not any(x.strip() for x in segment)
+
+
+def check_text(text: str, where: str) -> str:
+    """`text`, refused when a JSON escape left a lone surrogate in it (not text; tokenizers fail on it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise AttnkitError(f"{where}: holds a lone surrogate escape (\\u{ord(text[exc.start]):04x}), which is "
+                           f"not text") from None
+    return text
+
+
+def parse_json(text: str, where: str):
+    """json.loads with one-line errors (syntax with its line, or nesting too deep)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        line = f":{exc.lineno}" if ":" not in where else ""
+        raise AttnkitError(f"{where}{line}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise AttnkitError(f"{where}: JSON nested too deeply") from None
+
+
+def _names(names) -> str:
+    """Column names for a one-line message (names holding newlines or other control characters quoted)."""
+    return ", ".join(n if isinstance(n, str) and n.isprintable() else repr(n) for n in names) or "none"
+
+
+def choose_columns(available, columns, name: str, kind: str = "column", guesses=_TSV_GUESSES):
+    """(first, second or None): the named `columns`, else the first of `guesses` present in `available`."""
+    available = list(available)
+    if columns:
+        first, second = (list(columns) + [None])[:2]
+        for c in (first, second):
+            if c is not None and c not in available:
+                raise AttnkitError(f"{name}: no {kind} {c!r}; {kind}s are: {_names(available)}")
+        return first, second
+    for first, second in guesses:
+        if first in available and (second is None or second in available):
+            return first, second
+    raise AttnkitError(f"{name}: cannot tell which {kind} holds the text; name it with --columns "
+                       f"({kind}s are: {_names(available)})")
+
+
+def _describe_columns(kind: str, first: str, second: str | None) -> str:
+    return f"pairs from {kind}s {first} + {second}" if second else f"texts from {kind} {first}"
+
+
+class Source:
+    """One input: `.path` ("-" for standard input), `.format`, `.compression`; `.segments()` streams its
+    non-blank segments; `.describe()` says how it was read."""
+
+    format = "?"
+
+    def __init__(self, path: str, compression: str | None = None, *, text_unit: str = "auto",
+                 columns=None, squad_pairs: bool = False, stdin=None):
+        self.path = str(path)
+        self.compression = compression
+        self.text_unit, self.columns, self.squad_pairs = text_unit, columns, squad_pairs
+        self._stdin = HashingReader(stdin) if stdin is not None else None
+        self._stdin_lines = None
+        self._plan = None
+        self._hash = None  # (stat key, sha256) of the last hash of a file
+        self.n_segments = None  # segments taken from this source by the last complete pass over the corpus
+
+    @property
+    def name(self) -> str:
+        """How messages name this input."""
+        return STDIN_NAME if self._stdin is not None else self.path
+
+    # --- what the reader decided -------------------------------------------------------------------
+    def plan(self) -> dict:
+        """The settings resolved from the start of the input (cached): text_unit, columns, ..."""
+        if self._plan is None:
+            self._plan = self._make_plan()
+        return self._plan
+
+    def _make_plan(self) -> dict:
+        return {}
+
+    def segments(self):
+        """The non-blank segments, streamed."""
+        segments = self._read(self.plan())
+        try:
+            for seg in segments:
+                if not is_blank(seg):
+                    yield seg
+        finally:
+            segments.close()  # closes the file now when the consumer stops early
+
+    def _read(self, plan):
+        raise NotImplementedError
+
+    # --- line-based formats ---------------------------------------------------------------------------
+    def _lines(self) -> Lines:
+        """A fresh line stream of a file; for standard input the one shared stream (its look-ahead is kept
+        for the pass that follows the plan)."""
+        if self._stdin is not None:
+            if self._stdin_lines is None:
+                self.compression, stream = sniffed(self._stdin)  # no file name: gzip/zstd by magic bytes
+                self._stdin_lines = Lines(decompressed(stream, self.compression), STDIN_NAME)
+            return self._stdin_lines
+        return Lines(decompressed(open_file(self.path), self.compression), self.path)
+
+    # --- identity ---------------------------------------------------------------------------------------
+    def sha256(self) -> str | None:
+        """sha256 of the raw file bytes; for standard input the hash of what was read, once read to its
+        end (None before)."""
+        if self._stdin is not None:
+            return self._stdin.sha256.hexdigest() if self._stdin.at_end else None
+        try:
+            st = Path(self.path).stat()
+        except OSError:
+            return hash_file(self.path)  # raises the one-line error
+        key = (st.st_size, st.st_mtime_ns, st.st_ino)
+        if self._hash is None or self._hash[0] != key:
+            self._hash = (key, hash_file(self.path))
+        return self._hash[1]
+
+    def describe(self) -> dict:
+        plan = self.plan()
+        return {"path": self.path, "format": self.format, "compression": self.compression,
+                "text_unit": plan.get("text_unit"), "columns": plan.get("columns"),
+                "squad_pairs": plan.get("squad_pairs"), "sha256": self.sha256(), "n_segments": self.n_segments}
+
+    def settings(self) -> dict:
+        """What decides the segments besides the bytes (for the corpus fingerprint)."""
+        plan = {k: v for k, v in self.plan().items() if k != "text_unit_auto"}  # how it was chosen does not matter
+        return {"format": self.format, "compression": self.compression, **plan}
+
+    def summary_line(self) -> str:
+        how = f"{self._kind()} ({self.compression})" if self.compression else self._kind()
+        return f"{self.name}: {how}, {self._how()}"
+
+    def _kind(self) -> str:
+        return self.format
+
+    def _how(self) -> str:
+        return ""
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.path!r})"
+
+
+class TextSource(Source):
+    """Plain text: one segment per line, or per paragraph (blank-line separated; its lines joined by a
+    space). `auto` picks paragraphs when the look-ahead (first 10,000 lines / 1 MB) has a blank line
+    between text, else lines."""
+
+    format = "text"
+
+    def _make_plan(self):
+        unit = self.text_unit
+        if unit != "auto":
+            return {"text_unit": unit, "text_unit_auto": False}
+        lines = self._lines()
+        try:
+            ahead = lines.peek()
+        finally:
+            if self._stdin is None:
+                lines.close()
+        texts = [i for i, (_, line) in enumerate(ahead) if line.strip()]
+        gap = any(b - a > 1 for a, b in zip(texts, texts[1:]))
+        return {"text_unit": "paragraph" if gap else "line", "text_unit_auto": True}
+
+    def _read(self, plan):
+        with self._lines() as lines:
+            if plan["text_unit"] == "line":
+                for _, line in lines:
+                    yield line.strip()
+                return
+            cur = []
+            for _, line in lines:
+                line = line.strip()
+                if line:
+                    cur.append(line)
+                elif cur:
+                    yield " ".join(cur)
+                    cur = []
+            if cur:
+                yield " ".join(cur)
+
+    def _how(self):
+        plan = self.plan()
+        how = ("one segment per paragraph (blank-line separated)" if plan["text_unit"] == "paragraph"
+               else "one segment per line")
+        if plan["text_unit_auto"]:
+            how += (f" (auto: {'a' if plan['text_unit'] == 'paragraph' else 'no'} blank line between text in its "
+                    f"first {PEEK_LINES:,} lines)")
+        return how
+
+
+class JsonlSource(Source):
+    """JSON Lines: one object per line. Fields: `columns`, else "text" with an optional "text_pair"
+    (a pair where present), else the first of the TSV guesses present in the first object."""
+
+    format = "jsonl"
+
+    def _parse(self, lineno, line):
+        obj = parse_json(line, f"{self.name}:{lineno}")
+        if not isinstance(obj, dict):
+            raise AttnkitError(f"{self.name}:{lineno}: each line must be a JSON object, got {type(obj).__name__}")
+        return obj
+
+    def _make_plan(self):
+        if self.columns:
+            first, second = (list(self.columns) + [None])[:2]
+            return {"columns": [c for c in (first, second) if c], "pair_optional": False}
+        lines = self._lines()
+        try:
+            first_obj = lines.first(str.strip)
+        finally:
+            if self._stdin is None:
+                lines.close()
+        if first_obj is None or "text" in self._parse(*first_obj):
+            return {"columns": ["text", "text_pair"], "pair_optional": True}
+        obj = self._parse(*first_obj)
+        first, second = choose_columns(obj, None, f"{self.name}:{first_obj[0]}", kind="field")
+        return {"columns": [c for c in (first, second) if c], "pair_optional": False}
+
+    def _read(self, plan):
+        first, second = (plan["columns"] + [None])[:2]
+        optional = plan["pair_optional"]
+        with self._lines() as lines:
+            for lineno, line in lines:
+                if not line.strip():
+                    continue
+                obj = self._parse(lineno, line)
+                text = obj.get(first)
+                if not isinstance(text, str):
+                    raise AttnkitError(f"{self.name}:{lineno}: each line needs a string field \"{first}\"")
+                check_text(text, f"{self.name}:{lineno}: field \"{first}\"")
+                if second is None:
+                    yield text
+                    continue
+                pair = obj.get(second)
+                if optional and pair is None:
+                    yield text
+                elif not isinstance(pair, str):
+                    raise AttnkitError(f"{self.name}:{lineno}: \"{second}\" must be a string")
+                else:
+                    check_text(pair, f"{self.name}:{lineno}: field \"{second}\"")
+                    yield (text, pair) if (pair or not optional) else text
+
+    def _how(self):
+        plan = self.plan()
+        if plan["pair_optional"]:
+            return "texts from field text (pairs with text_pair where present)"
+        return _describe_columns("field", *(plan["columns"] + [None])[:2])
+
+
+# SQuAD 1.1/2.0, as far as attnkit reads it
+SQUAD_SCHEMA = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "array", "items": {
+        "type": "object",
+        "properties": {"paragraphs": {"type": "array", "items": {
+            "type": "object",
+            "required": ["context"],
+            "properties": {
+                "context": {"type": "string"},
+                "qas": {"type": "array", "items": {
+                    "type": "object", "required": ["question"], "properties": {"question": {"type": "string"}}}},
+            },
+        }}},
+    }}},
+}
+
+
+def schema_problem(doc, schema) -> str | None:
+    """The most relevant schema violation of `doc` as "at FIELD PATH: PROBLEM", or None when it is valid."""
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
+    if error is None:
+        return None
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
+    names = {"object": "an object", "array": "a list", "string": "a string"}
+    if error.validator == "type":
+        got = type(error.instance).__name__
+        got = {"dict": "an object", "list": "a list", "str": "a string", "NoneType": "null"}.get(got, got)
+        problem = f"must be {names.get(error.validator_value, error.validator_value)}, not {got}"
+    elif error.validator == "required":
+        missing = [k for k in error.validator_value if k not in error.instance]
+        problem = f"missing field {missing[0]!r}" if missing else error.message
+    else:
+        problem = error.message.splitlines()[0][:200]
+    return f"at {where or 'the top level'}: {problem}"
+
+
+class SquadSource(Source):
+    """SQuAD JSON: the paragraph contexts (each once, in file order), or (question, context) pairs.
+    The file is one JSON document, so it is read whole (unlike every other format)."""
+
+    format = "squad"
+
+    def _make_plan(self):
+        return {"squad_pairs": bool(self.squad_pairs)}
+
+    def _read(self, plan):
+        with self._lines() as lines:
+            text = "\n".join(line for _, line in lines)
+        doc = parse_json(text, self.name)
+        problem = schema_problem(doc, SQUAD_SCHEMA)
+        if problem:
+            raise AttnkitError(f"{self.name} is not SQuAD-format JSON: {problem}")
+        seen = set()
+        for i, article in enumerate(doc["data"]):
+            for j, para in enumerate(article.get("paragraphs", [])):
+                where = f"{self.name}: data[{i}].paragraphs[{j}]"
+                ctx = check_text(para["context"], f"{where}.context")
+                if plan["squad_pairs"]:
+                    for k, qa in enumerate(para.get("qas", [])):
+                        if qa["question"]:
+                            yield check_text(qa["question"], f"{where}.qas[{k}].question"), ctx
+                elif ctx not in seen:
+                    seen.add(ctx)
+                    yield ctx
+
+    def _kind(self):
+        return "SQuAD JSON"
+
+    def _how(self):
+        return "(question, context) pairs" if self.plan()["squad_pairs"] else "paragraph contexts, each once"
+
+
+def _delimiter(path: str) -> str:
+    """Commas for .csv (also under .gz/.zst), tabs otherwise."""
+    return "," if Path(split_compression(path)[1]).suffix.lower() == ".csv" else "\t"
+
+
+def table_rows(lines: Lines, delimiter: str, name: str):
+    """(line number where the row starts, fields) of a delimited stream. Tabs are read literally (GLUE
+    files hold unbalanced quotes); commas follow CSV quoting, strictly: a quoted field left open to the end
+    of the file, or running past CSV_MAX_ROW_LINES lines, is refused naming the line where it started."""
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    state = {"start": 1, "last": 0}
+
+    def feed():
+        for lineno, line in lines:
+            if lineno - state["start"] >= CSV_MAX_ROW_LINES:
+                raise AttnkitError(f"{name}:{state['start']}: a quoted field opened on this line runs past "
+                                   f"{CSV_MAX_ROW_LINES} lines (unclosed quote?)")
+            state["last"] = lineno
+            yield line + "\n"
+
+    if delimiter == "\t":
+        reader = csv.reader(feed(), delimiter="\t", quoting=csv.QUOTE_NONE)
+    else:
+        reader = csv.reader(feed(), delimiter=delimiter, strict=True)
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            if "unexpected end of data" in str(exc):
+                raise AttnkitError(f"{name}:{state['start']}: a quoted field opened on this line is never closed "
+                                   f"(it runs to the end of the file)") from None
+            kind = "CSV" if delimiter == "," else "TSV"
+            raise AttnkitError(f"{name}:{state['last']}: malformed {kind} ({exc})") from None
+        yield state["start"], row
+        state["start"] = state["last"] + 1
+
+
+def read_table(path) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    """Header and (line number, fields) rows of a delimited file (optionally .gz/.zst): tabs, read
+    literally, or commas for .csv. Bad bytes and unclosed quotes are named by file and line."""
+    path = str(path)
+    with Lines(decompressed(open_file(path), split_compression(path)[0]), path) as lines:
+        rows = table_rows(lines, _delimiter(path), path)
+        header = next(rows, None)
+        if header is None:
+            raise AttnkitError(f"{path} is empty")
+        return header[1], list(rows)
+
+
+class TableSource(Source):
+    """TSV/CSV with a header row; the text column(s) named by `columns` or guessed (GLUE files work)."""
+
+    format = "tsv"
+
+    @property
+    def delimiter(self) -> str:
+        return _delimiter(self.path) if self._stdin is None else "\t"
+
+    def _make_plan(self):
+        lines = self._lines()
+        try:
+            ahead = lines.peek(max_lines=CSV_MAX_ROW_LINES)
+        finally:
+            if self._stdin is None:
+                lines.close()
+        if not ahead:
+            raise AttnkitError(f"{self.name} is empty")
+        header = next(table_rows(iter(ahead), self.delimiter, self.name))[1]
+        first, second = choose_columns(header, self.columns, self.name)
+        return {"columns": [c for c in (first, second) if c], "header": header}
+
+    def _read(self, plan):
+        header = plan["header"]
+        idx = [header.index(c) for c in plan["columns"]]
+        need = max(idx)
+        with self._lines() as lines:
+            rows = table_rows(lines, self.delimiter, self.name)
+            next(rows, None)
+            for rowno, row in rows:
+                if not row or all(not c.strip() for c in row):
+                    continue
+                if len(row) <= need:
+                    raise AttnkitError(f"{self.name}:{rowno}: row has {len(row)} fields, expected at least {need + 1}")
+                yield row[idx[0]] if len(idx) == 1 else (row[idx[0]], row[idx[1]])
+
+    def settings(self):
+        return {**super().settings(), "delimiter": self.delimiter}
+
+    def _kind(self):
+        return "csv" if self.delimiter == "," else "tsv"
+
+    def _how(self):
+        return _describe_columns("column", *(self.plan()["columns"] + [None])[:2])
+
+
+def _plan_columns(names_types: dict, columns, name: str, is_text) -> dict:
+    """Choose text columns among {name: type}; the chosen ones must hold text."""
+    listing = [f"{_names([n])} ({t})" for n, t in names_types.items()]
+    try:
+        first, second = choose_columns(names_types, columns, name)
+    except AttnkitError:
+        if columns:
+            raise
+        raise AttnkitError(f"{name}: no usable text column; name one with --columns "
+                           f"(columns are: {', '.join(listing) or 'none'})") from None
+    for c in (first, second):
+        if c is not None and not is_text(names_types[c]):
+            raise AttnkitError(f"{name}: column {c!r} holds {names_types[c]}, not text")
+    return {"columns": [c for c in (first, second) if c]}
+
+
+class ParquetSource(Source):
+    """Parquet, read a batch of rows at a time (pyarrow), only the text column(s)."""
+
+    format = "parquet"
+    batch_size = 1024
+
+    def _file(self):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        open_file(self.path).close()  # the usual one-line errors for a missing or unreadable file
+        try:
+            return pq.ParquetFile(self.path)
+        except (pa.ArrowException, OSError) as exc:
+            raise AttnkitError(f"{self.path}: not a readable Parquet file ({str(exc).splitlines()[0]})") from None
+
+    def _make_plan(self):
+        import pyarrow as pa
+
+        schema = self._file().schema_arrow
+        types = {f.name: f.type for f in schema}
+
+        def is_text(t):
+            if pa.types.is_dictionary(t):
+                t = t.value_type
+            return pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view",
+                                                                                     lambda _: False)(t)
+
+        return _plan_columns(types, self.columns, self.path, is_text)
+
+    def _read(self, plan):
+        import pyarrow as pa
+
+        pf = self._file()
+        cols = plan["columns"]
+        try:
+            for batch in pf.iter_batches(batch_size=self.batch_size, columns=cols):
+                values = [["" if v is None else v for v in batch.column(c).to_pylist()] for c in cols]
+                yield from (values[0] if len(cols) == 1 else zip(*values))
+        except (pa.ArrowException, OSError) as exc:
+            raise AttnkitError(f"{self.path}: cannot read Parquet data ({str(exc).splitlines()[0]})") from None
+        finally:
+            pf.close()
+
+    def _how(self):
+        return _describe_columns("column", *(self.plan()["columns"] + [None])[:2])
+
+
+def is_datasets_dir(path) -> bool:
+    """A directory written by `datasets` save_to_disk: a Dataset (state.json and dataset_info.json), or a
+    DatasetDict of splits (dataset_dict.json)."""
+    p = Path(path)
+    return p.is_dir() and ((p / "dataset_dict.json").is_file()
+                           or all((p / f).is_file() for f in ("state.json", "dataset_info.json")))
+
+
+class DatasetSource(Source):
+    """A Hugging Face `datasets` directory (save_to_disk): memory-mapped Arrow, read in batches."""
+
+    format = "datasets"
+    batch_size = 1000
+
+    def _dataset(self):
+        import datasets
+
+        p = Path(self.path)
+        if not p.is_dir():
+            raise AttnkitError(f"{self.path}: not a directory saved by datasets' save_to_disk")
+        if (p / "dataset_dict.json").is_file():
+            splits = sorted(d.name for d in p.iterdir() if is_datasets_dir(d))
+            raise AttnkitError(f"{self.path} holds the splits {', '.join(splits)} of a DatasetDict: "
+                               f"give one of them (e.g. {p / (splits[0] if splits else 'train')})")
+        try:
+            ds = datasets.load_from_disk(str(p))
+        except Exception as exc:  # datasets raises FileNotFoundError, ValueError, ArrowInvalid, ...
+            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise AttnkitError(f"{self.path}: cannot load the datasets directory ({msg})") from None
+        return ds
+
+    def _make_plan(self):
+        import datasets
+
+        features = self._dataset().features
+
+        def is_text(feature):
+            return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "string_view")
+
+        types = dict(features.items())
+        plan = _plan_columns({k: v for k, v in types.items()}, self.columns, self.path, is_text)
+        return plan
+
+    def _read(self, plan):
+        import pyarrow as pa
+
+        cols = plan["columns"]
+        ds = self._dataset().select_columns(cols)
+        try:
+            for batch in ds.iter(batch_size=self.batch_size):
+                values = [["" if v is None else v for v in batch[c]] for c in cols]
+                yield from (values[0] if len(cols) == 1 else zip(*values))
+        except (pa.ArrowException, OSError) as exc:
+            raise AttnkitError(f"{self.path}: cannot read the datasets directory ({str(exc).splitlines()[0]})") \
+                from None
+
+    def _data_files(self) -> list[Path]:
+        p = Path(self.path)
+        try:
+            state = json.loads((p / "state.json").read_text())
+            files = [p / f["filename"] for f in state["_data_files"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            files = sorted(p.glob("*.arrow"))
+        if not files:
+            raise AttnkitError(f"{self.path}: a datasets directory without data files")
+        return files
+
+    def sha256(self):
+        return hash_files(self._data_files())
+
+    def _kind(self):
+        return "datasets (save_to_disk)"
+
+    def _how(self):
+        return _describe_columns("column", *(self.plan()["columns"] + [None])[:2])
+
+
+SOURCES = {cls.format: cls for cls in (TextSource, JsonlSource, SquadSource, TableSource, ParquetSource, DatasetSource)}
