@@ -11,6 +11,10 @@ Builders: `Intervention.from_heads(model_or_shape, "L2H5,L3H0", mode="zero")`, `
 
 transformers 5 removed `head_mask`; this replaces it, through the same fused op that extracts features.
 
+Regions (no_intra / no_inter) need each token's sentence: in a plain forward they are the segments of
+a text pair (token_type_ids or separator tokens), or ids given with `sentences(model, ids)` /
+`intervene(..., sentences=ids)`; attnkit/hf_attention.py has the exact rule and when it refuses.
+
 Head types come from a run's clusters.json, written by `attnkit cluster` (format in
 attnkit/analysis/results.py), through `load_clusters`.
 """
