@@ -8,7 +8,7 @@ from .errors import AttnkitError
 from .features import feature_names
 from .head_features import HeadFeatures
 from .hf_attention import register as _register_attention
-from .interventions import Intervention, intervene
+from .interventions import Intervention, intervene, sentences
 from .models import instrument, load_model
 from .ops import backend_info
 from .extraction import extract
@@ -28,5 +28,5 @@ def __getattr__(name):
 
 __all__ = [
     "AttnkitError", "HeadFeatures", "Intervention", "backend_info", "cluster", "extract", "feature_names",
-    "instrument", "intervene", "load_model",
+    "instrument", "intervene", "load_model", "sentences",
 ]

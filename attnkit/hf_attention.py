@@ -8,6 +8,21 @@ module; context managers in `extraction` and `interventions` fill it and always 
 
 The mask function registered beside it hands over the 2-D padding mask (or None when a batch has no
 padding) instead of an L×L bias: the op takes per-sample lengths, never an L×L tensor.
+
+Sentence ids (SPEC.md "Token classes and sentences") matter only to region interventions
+(`no_intra`/`no_inter`). For each forward they come from, in this order:
+1. attnkit's own batches (`extract`, `ablate`: `Runtime.batch_of`), computed by `attnkit.tokens.Encoder`;
+2. ids the user gave (`attnkit.sentences(model, ids)` or `intervene(model, iv, sentences=ids)`), B×L;
+3. the inputs of a plain forward, which hooks from `attnkit.models.instrument` record for its duration
+   (`Runtime.inputs`), per sample: `token_type_ids` when they take more than one value over the sample's
+   tokens (segments A and B of BERT, ELECTRA); else separator tokens in `input_ids`: a run of
+   separators before the end closes a segment (RoBERTa's `</s></s>`, BERT's middle `[SEP]`), and with
+   no such run the sample is a single text, one sentence; else (no separator token known for the
+   model) `token_type_ids` that take one value: a single text again, as the tokenizer marks pairs.
+Segments become sentences by `attnkit.tokens.sentence_ids` ([CLS] in the first, a [SEP] in the one it
+closes). Where none of this applies — the forward's inputs were not seen, or a sample has neither
+separating `token_type_ids` nor `input_ids` with a known separator token (e.g. `inputs_embeds`) — a
+region intervention raises AttnkitError saying how to give the ids; it never runs as a silent no-op.
 """
 from __future__ import annotations
 
@@ -22,6 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 
 from . import ops
 from .errors import AttnkitError
+from .tokens import sentence_ids as segment_sentence_ids
 
 NAME = "attnkit"
 
@@ -33,6 +49,15 @@ class BatchInfo:
     lengths: torch.Tensor  # int64 B
     token_class: torch.Tensor | None = None  # int32 B×L
     sentence_id: torch.Tensor | None = None  # int32 B×L
+
+
+@dataclass
+class ModelInputs:
+    """What the current forward of the instrumented model was given (recorded by attnkit.models' hooks)."""
+
+    input_ids: torch.Tensor | None
+    token_type_ids: torch.Tensor | None
+    sentence_id: torch.Tensor | None = None  # B×L int32, derived once per forward when first needed
 
 
 @dataclass
@@ -49,6 +74,18 @@ class Runtime:
     # e.g. the Jensen-Shannon distances between heads.
     observers: list[Callable] = field(default_factory=list)
     calls: int = 0
+    sentences: torch.Tensor | None = None  # user-given B×L sentence ids (attnkit.sentences)
+    inputs: ModelInputs | None = None  # the inputs of the forward under way, None outside one
+    separator_ids: tuple[int, ...] = ()  # sep/eos token ids, to find segments in input_ids
+    segment_types: bool = True  # whether token_type_ids mark segments (the model has > 1 type)
+    _outer_inputs: list = field(default_factory=list)  # inputs of enclosing forwards (nested calls)
+
+    def enter_forward(self, inputs: ModelInputs) -> None:
+        self._outer_inputs.append(self.inputs)
+        self.inputs = inputs
+
+    def exit_forward(self) -> None:
+        self.inputs = self._outer_inputs.pop() if self._outer_inputs else None
 
     @property
     def active(self) -> bool:
@@ -91,6 +128,79 @@ def lengths_from_mask(mask: torch.Tensor | None, B: int, L: int, device) -> torc
     return lengths
 
 
+def _segments_by_separators(ids: list[int], separators) -> list:
+    """Segment of each token (None for a separator): a run of separators followed by more tokens
+    closes a segment, so `<s> A </s></s> B </s>` and `[CLS] A [SEP] B [SEP]` have segments 0 and 1."""
+    seq, segment, after_separator = [], 0, False
+    for tok in ids:
+        if tok in separators:
+            seq.append(None)
+            after_separator = True
+            continue
+        if after_separator:
+            segment += 1
+            after_separator = False
+        seq.append(segment)
+    return seq
+
+
+def sentence_ids_from_inputs(input_ids, token_type_ids, lengths: list[int], L: int, separator_ids) -> torch.Tensor:
+    """B×L int32 sentence ids from a forward's inputs (rule 3 of the module docstring); padding gets 0.
+    `token_type_ids` None: none given, or the model's token types mark no segments. Raises
+    AttnkitError naming the first sample where no sentence structure can be found."""
+    separators = set(separator_ids)
+    out = torch.zeros((len(lengths), L), dtype=torch.int32)
+    for b, n in enumerate(lengths):
+        types = None if token_type_ids is None else token_type_ids[b, :n].tolist()
+        ids = None if input_ids is None else input_ids[b, :n].tolist()
+        if types is not None and len(set(types)) > 1:
+            seq = types
+        elif ids is not None and separators:
+            seq = _segments_by_separators(ids, separators)
+        elif types is not None:
+            seq = types  # one type: a single text, as the tokenizer gives a pair's segments two types
+        elif ids is None:
+            raise AttnkitError(
+                f"region interventions need sentence ids, but sample {b} of this forward has no token_type_ids "
+                "that separate segments and no input_ids (inputs_embeds) to find separator tokens in: "
+                + _HOW_TO_GIVE)
+        else:
+            raise AttnkitError(
+                f"region interventions need sentence ids, but sample {b} of this forward has no token_type_ids "
+                "that separate segments and the model names no separator token (attnkit.instrument(model, "
+                "tokenizer=tokenizer) tells it): " + _HOW_TO_GIVE)
+        out[b, :n] = torch.tensor(segment_sentence_ids(ids or [0] * n, seq), dtype=torch.int32)
+    return out
+
+
+_HOW_TO_GIVE = "give them with attnkit.sentences(model, ids) or attnkit.intervene(model, iv, sentences=ids)"
+
+
+def forward_sentence_ids(rt: Runtime, B: int, L: int, lengths: torch.Tensor, device) -> torch.Tensor:
+    """Sentence ids for a forward without an attnkit batch: the user's, else from the model's inputs."""
+    if rt.sentences is not None:
+        return rt.sentences.to(device)
+    inputs = rt.inputs
+    if inputs is None or any(t is not None and tuple(t.shape) != (B, L)
+                             for t in (inputs.input_ids, inputs.token_type_ids)):
+        raise AttnkitError(
+            "region interventions need sentence ids, but attnkit did not see this forward's inputs "
+            "(attention ran outside a forward of the instrumented model): " + _HOW_TO_GIVE)
+    if inputs.sentence_id is None:
+        types = inputs.token_type_ids if rt.segment_types else None
+        inputs.sentence_id = sentence_ids_from_inputs(inputs.input_ids, types, lengths.tolist(), L,
+                                                      rt.separator_ids)
+    inputs.sentence_id = inputs.sentence_id.to(device)
+    return inputs.sentence_id
+
+
+def check_sentences_shape(rt: Runtime, B: int, L: int) -> None:
+    if rt.sentences is not None and tuple(rt.sentences.shape) != (B, L):
+        raise AttnkitError(
+            f"attnkit.sentences gave sentence ids of shape {tuple(rt.sentences.shape)}, but the model got a "
+            f"batch of {B} × {L} tokens: give one id per token of the padded batch")
+
+
 def attnkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     if _probe is not None:
         _probe.append(module)
@@ -124,20 +234,25 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     want = False
     backend = "auto"
     num_windows = 16
+    sentence_id = info.sentence_id if info is not None else None
     if rt is not None:
         rt.calls += 1
         backend, num_windows = rt.backend, rt.num_windows
         want = rt.want_features and info is not None
+        if info is None:
+            check_sentences_shape(rt, B, L)
         if rt.intervention is not None:
             mode, region, gates = rt.intervention.for_layer(module.layer_idx, query.device)
             renormalize = rt.intervention.renormalize
+            if region is not None and sentence_id is None:
+                sentence_id = forward_sentence_ids(rt, B, L, lengths, query.device)
         for obs in rt.observers:
             obs(module.layer_idx, query, key, lengths, scaling)
 
     out, feats = ops.attention(
         query, key, value, lengths,
         info.token_class if info is not None else None,
-        info.sentence_id if info is not None else None,
+        sentence_id,
         scaling=scaling, num_windows=num_windows, mode=mode, region=region,
         renormalize=renormalize, gates=gates, want_features=want, backend=backend,
     )

@@ -11,6 +11,10 @@ Builders: `Intervention.from_heads(model_or_shape, "L2H5,L3H0", mode="zero")`, `
 
 transformers 5 removed `head_mask`; this replaces it, through the same fused op that extracts features.
 
+Regions (no_intra / no_inter) need each token's sentence: in a plain forward they are the segments of
+a text pair (token_type_ids or separator tokens), or ids given with `sentences(model, ids)` /
+`intervene(..., sentences=ids)`; attnkit/hf_attention.py has the exact rule and when it refuses.
+
 Head types come from a run's clusters.json, written by `attnkit cluster` (format in
 attnkit/analysis/results.py), through `load_clusters`.
 """
@@ -91,6 +95,23 @@ def parse_heads(spec, shape: tuple[int, int] | None = None) -> list[tuple[int, i
 
 def format_heads(heads: Iterable[tuple[int, int]]) -> str:
     return ",".join(f"L{layer}H{head}" for layer, head in heads)
+
+
+def _compact_heads(selected: np.ndarray) -> str:
+    """Heads of a layers × heads boolean grid, short: "L3" for a whole layer, "L1H0-H3" for a run."""
+    out = []
+    for layer, row in enumerate(selected):
+        if row.all():
+            out.append(f"L{layer}")
+            continue
+        runs: list[list[int]] = []  # [first, last] of consecutive heads
+        for h in np.flatnonzero(row).tolist():
+            if runs and h == runs[-1][1] + 1:
+                runs[-1][1] = h
+            else:
+                runs.append([h, h])
+        out += [f"L{layer}H{a}" + (f"-H{b}" if b > a else "") for a, b in runs]
+    return ",".join(out)
 
 
 @dataclass
@@ -239,6 +260,17 @@ class Intervention:
     def shape(self) -> tuple[int, int]:
         return self.mode.shape
 
+    def __repr__(self) -> str:
+        parts = [f"{name} {_compact_heads(self.mode == code)}"
+                 for code, name in enumerate(MODES) if code != KEEP and (self.mode == code).any()]
+        parts += [f"region {name} {_compact_heads(self.region == code)}"
+                  for code, name in enumerate(REGIONS) if code != ALL and (self.region == code).any()]
+        text = "; ".join(parts) or "keep all"
+        if self.gates is not None:
+            text += "; gates"
+        L, H = self.shape
+        return f"Intervention({L}×{H}: {text}, renormalize={self.renormalize})"
+
     def set(self, layer: int, head: int | None = None, *, mode: str = "keep", region: str = "all") -> "Intervention":
         """Set one head (or the whole layer when head is None); returns self for chaining."""
         if mode not in MODES:
@@ -271,9 +303,50 @@ class Intervention:
         return mode, region, gates
 
 
+def _as_sentence_ids(sentence_ids) -> torch.Tensor:
+    """User-given sentence ids as a B×L int32 CPU tensor, or a one-line AttnkitError."""
+    try:
+        ids = torch.as_tensor(np.asarray(sentence_ids) if not isinstance(sentence_ids, torch.Tensor) else sentence_ids)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise AttnkitError(f"sentence ids must be a batch × length array of integers ({exc})") from None
+    if ids.dim() != 2:
+        raise AttnkitError(f"sentence ids must be batch × length (one id per token), got shape {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex:
+        raise AttnkitError(f"sentence ids must be integers, got {ids.dtype}")
+    info = torch.iinfo(torch.int32)
+    if ids.numel() and (int(ids.min()) < info.min or int(ids.max()) > info.max):
+        raise AttnkitError("sentence ids must fit in 32 bits")
+    return ids.detach().to("cpu", torch.int32)
+
+
 @contextlib.contextmanager
-def intervene(model, intervention: Intervention):
-    """Apply `intervention` to an instrumented model inside the block; always restores the model."""
+def _given_sentences(model, sentence_ids):
+    from .models import runtime_of
+
+    rt = runtime_of(model)
+    ids = _as_sentence_ids(sentence_ids)
+    previous = rt.sentences
+    rt.sentences = ids
+    try:
+        yield model
+    finally:
+        rt.sentences = previous
+
+
+def sentences(model, sentence_ids):
+    """Inside the block, plain forwards of `model` use these sentence ids (batch × length integers,
+    one per token of the padded batch; equal ids = same sentence) for region interventions, instead
+    of the segments found from token_type_ids or separator tokens. attnkit's own runners (extract,
+    ablate) still use their own. A batch of another shape is refused."""
+    return _given_sentences(model, sentence_ids)
+
+
+@contextlib.contextmanager
+def intervene(model, intervention: Intervention, sentences=None):
+    """Apply `intervention` to an instrumented model inside the block; always restores the model.
+
+    Region interventions (no_intra / no_inter) take each forward's sentences from its token_type_ids
+    or separator tokens (attnkit/hf_attention.py says how), or from `sentences` (batch × length ids)."""
     from .models import attention_modules, runtime_of
 
     if not isinstance(intervention, Intervention):
@@ -285,9 +358,12 @@ def intervene(model, intervention: Intervention):
     n_heads = _shape_of(model)[1] if getattr(model, "config", None) is not None else intervention.shape[1]
     if intervention.shape[1] != n_heads:
         raise AttnkitError(f"intervention covers {intervention.shape[1]} heads per layer but the model has {n_heads}")
-    previous = rt.intervention
-    rt.intervention = intervention
-    try:
-        yield model
-    finally:
-        rt.intervention = previous
+    with contextlib.ExitStack() as stack:
+        if sentences is not None:
+            stack.enter_context(_given_sentences(model, sentences))
+        previous = rt.intervention
+        rt.intervention = intervention
+        try:
+            yield model
+        finally:
+            rt.intervention = previous

@@ -4,9 +4,12 @@
 probe forward to learn which modules call the attention interface (and in which order: that order
 numbers the layers for models such as DistilBERT whose attention has no `layer_idx`), and attaches a
 `Runtime` to them. A model whose attention does not go through the interface is refused by name.
+Hooks on the base model record each forward's `input_ids` and `token_type_ids` into the Runtime for
+the duration of that forward, so region interventions in a plain `model(**inputs)` find sentences.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
@@ -14,7 +17,7 @@ import torch
 
 from . import hf_attention
 from .errors import AttnkitError
-from .hf_attention import Runtime
+from .hf_attention import ModelInputs, Runtime
 
 log = logging.getLogger("attnkit")
 
@@ -82,9 +85,14 @@ def runtime_of(model) -> Runtime:
     return model._attnkit_runtime
 
 
-def instrument(model):
-    """Switch `model` to attnkit attention and attach a Runtime. Returns the model."""
+def instrument(model, tokenizer=None):
+    """Switch `model` to attnkit attention and attach a Runtime. Returns the model.
+
+    `tokenizer` (optional) names the separator tokens by which region interventions find the segments
+    of a plain forward without token_type_ids; without it they come from the model's config."""
     if getattr(model, "_attnkit_runtime", None) is not None and model.config._attn_implementation == hf_attention.NAME:
+        if tokenizer is not None:
+            model._attnkit_runtime.separator_ids = _separator_ids(model, tokenizer)
         return model
     cfg = model.config
     mtype = getattr(cfg, "model_type", type(model).__name__)
@@ -110,12 +118,55 @@ def instrument(model):
             raise AttnkitError(f"model type {mtype!r} uses causal attention; attnkit measures bidirectional encoders")
         if getattr(mod, "layer_idx", None) is None:
             mod.layer_idx = i
-    runtime = Runtime()
+    runtime = Runtime(separator_ids=_separator_ids(model, tokenizer),
+                      segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1)
     for mod in seen:
         mod._attnkit_runtime = runtime
+    _record_inputs(model, runtime)
     model._attnkit_modules = seen
     model._attnkit_runtime = runtime
     return model
+
+
+def _separator_ids(model, tokenizer=None) -> tuple[int, ...]:
+    """sep/eos token ids: the tokenizer's when given, else the model config's."""
+    source = tokenizer if tokenizer is not None else model.config
+    out: list[int] = []
+    for name in ("sep_token_id", "eos_token_id"):
+        tid = getattr(source, name, None)
+        for t in (tid if isinstance(tid, (list, tuple)) else [tid]):
+            if isinstance(t, int) and t not in out:
+                out.append(t)
+    return tuple(out)
+
+
+def _record_inputs(model, runtime: Runtime) -> None:
+    """Hooks on the base model (which every task head calls with the inputs) that put the forward's
+    input_ids and token_type_ids into `runtime.inputs` and take them out again, also on an exception.
+    The hooks find the runtime on the module, so a deep copy of the model records into its own, and
+    instrumenting a model again keeps the hooks it has."""
+    base = getattr(model, "base_model", None) or model
+    base._attnkit_runtime = runtime
+    if any(getattr(hook, "_attnkit_hook", False) for hook in base._forward_pre_hooks.values()):
+        return
+    names = [p.name for p in inspect.signature(base.forward).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def tensor(x):
+        return x if isinstance(x, torch.Tensor) else None
+
+    def before(module, args, kwargs):
+        given = dict(zip(names, args))
+        given.update(kwargs)
+        module._attnkit_runtime.enter_forward(
+            ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids"))))
+
+    def after(module, args, kwargs, output):
+        module._attnkit_runtime.exit_forward()
+
+    before._attnkit_hook = after._attnkit_hook = True
+    base.register_forward_pre_hook(before, with_kwargs=True)
+    base.register_forward_hook(after, with_kwargs=True, always_call=True)
 
 
 def _probe_attention_modules(model) -> list:
@@ -166,5 +217,5 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     if not getattr(tokenizer, "is_fast", False):
         raise AttnkitError(f"the tokenizer at {path!r} is not a fast tokenizer; attnkit needs one (tokenizer.json)")
     model.to(dev).eval()
-    instrument(model)
+    instrument(model, tokenizer)
     return model, tokenizer

@@ -86,6 +86,24 @@ def _exact_token_id(tokenizer, token: str) -> int | None:
     return int(tid) if tokenizer.convert_ids_to_tokens(int(tid)) == token else None
 
 
+def sentence_ids(ids: list[int], sequence_ids: list, end_ids=()) -> list[int]:
+    """Sentence id per token of one sample. `sequence_ids`: the segment of each token (None for a
+    special token, which belongs to the sentence before it); a new segment starts a new sentence, and
+    so does the token after one of `end_ids` (sentence-final tokens, when splitting sentences)."""
+    out = []
+    sid, prev_seq, pending = 0, None, False
+    for tok, seq in zip(ids, sequence_ids):
+        if seq is None:  # special token: belongs to the sentence before it
+            out.append(sid)
+            continue
+        if (prev_seq is not None and seq != prev_seq) or pending:
+            sid += 1
+        pending = tok in end_ids
+        prev_seq = seq
+        out.append(sid)
+    return out
+
+
 class Encoder:
     """Turns lists of segments (str or (str, str)) into `Batch`es for one tokenizer."""
 
@@ -113,18 +131,7 @@ class Encoder:
         return cls
 
     def sentence_ids(self, ids: list[int], sequence_ids: list) -> list[int]:
-        out = []
-        sid, prev_seq, pending = 0, None, False
-        for tok, seq in zip(ids, sequence_ids):
-            if seq is None:  # special token: belongs to the sentence before it
-                out.append(sid)
-                continue
-            if (prev_seq is not None and seq != prev_seq) or pending:
-                sid += 1
-            pending = self.split_sentences and tok in self.end_ids
-            prev_seq = seq
-            out.append(sid)
-        return out
+        return sentence_ids(ids, sequence_ids, self.end_ids if self.split_sentences else ())
 
     def encode_arrays(self, segments: Sequence[Segment]) -> EncodedArrays:
         """Tokenise `segments` into numpy arrays (what worker processes run: no torch operations)."""
