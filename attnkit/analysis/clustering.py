@@ -263,10 +263,13 @@ def cluster(features, *, k=4, method="kmeans", features_subset=None, standardize
                          seed=seed, n_stability=n_stability, subsample=subsample).fit(features)
 
 
-def sweep(features, ks=range(2, 9), **kwargs) -> list[dict]:
-    """Stability and silhouette for every k in `ks` (same settings otherwise)."""
+def sweep(features, ks=range(2, 9), progress: bool = False, **kwargs) -> list[dict]:
+    """Stability and silhouette for every k in `ks` (same settings otherwise); `progress` shows a bar
+    on stderr (one step per k)."""
+    from tqdm.auto import tqdm
+
     out = []
-    for k in ks:
+    for k in tqdm(list(ks), desc="sweep over k", unit="k", disable=not progress, dynamic_ncols=True):
         c = cluster(features, k=int(k), **kwargs)
         out.append({"k": int(k), "stability": c.stability_, "silhouette": c.silhouette_,
                     "type_names": list(c.type_names_), "shares": [float(s) for s in c.shares_]})
