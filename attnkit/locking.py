@@ -40,7 +40,7 @@ def run_lock(directory, command: str):
     Raises AttnkitError at once, without waiting, when another process holds the lock.
     """
     directory = ensure_writable_dir(directory, "run directory")
-    lock = FileLock(str(directory / LOCK_FILE), timeout=0, is_singleton=False, thread_local=False)
+    lock = FileLock(str(directory / LOCK_FILE), timeout=0, thread_local=False)
     try:
         lock.acquire()
     except Timeout:
