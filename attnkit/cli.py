@@ -118,8 +118,9 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
 def _add_commands() -> None:
     from .ablation.commands import ablate
     from .analysis.commands import COMMANDS
+    from .export import export_cmd
 
-    for cmd in (*COMMANDS, ablate):
+    for cmd in (*COMMANDS, ablate, export_cmd):
         main.add_command(cmd)
 
 

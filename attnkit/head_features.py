@@ -2,27 +2,17 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .errors import AttnkitError
+from .outputs import atomic_write, ensure_writable_dir  # atomic_write is also imported from here
+from .schemas import FEATURES_ARRAYS, META_SCHEMA, load_json, validate_arrays
 
 FEATURES_FILE = "features.npz"
 META_FILE = "meta.json"
-
-
-def atomic_write(path: Path, write) -> None:
-    """Write through a temporary file and rename, so a crash never leaves a half-written `path`."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_json(path: Path, obj) -> None:
@@ -69,8 +59,7 @@ class HeadFeatures:
         return pd.concat([df, std], axis=1)
 
     def save(self, directory) -> Path:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = ensure_writable_dir(directory, "run directory")
         atomic_write(
             directory / FEATURES_FILE,
             lambda f: np.savez(f, mean=self.mean, std=self.std, names=np.array(self.names)),
@@ -83,24 +72,34 @@ class HeadFeatures:
 
     @classmethod
     def load(cls, directory) -> "HeadFeatures":
+        """Read a run directory; features.npz and meta.json are checked against their schemas
+        (attnkit.schemas) and against each other, so a malformed file ends in an AttnkitError naming it."""
         directory = Path(directory)
         fpath = directory / FEATURES_FILE
         if not fpath.is_file():
             raise AttnkitError(f"{directory} is not a run directory: {FEATURES_FILE} is missing")
         try:
             with np.load(fpath, allow_pickle=False) as z:
-                mean, std, names = z["mean"], z["std"], [str(n) for n in z["names"]]
+                arrays = {k: z[k] for k in z.files}
         except Exception as exc:
             raise AttnkitError(f"{fpath} is unreadable or corrupt: {exc}") from None
-        if mean.ndim != 3 or mean.shape != std.shape or mean.shape[2] != len(names):
+        validate_arrays(arrays, FEATURES_ARRAYS, fpath)
+        mean, std, names = arrays["mean"].astype(np.float64), arrays["std"].astype(np.float64), \
+            [str(n) for n in arrays["names"]]
+        if mean.shape != std.shape or mean.shape[2] != len(names) or 0 in mean.shape:
             raise AttnkitError(f"{fpath} is inconsistent: mean {mean.shape}, std {std.shape}, {len(names)} names")
+        if len(set(names)) != len(names):
+            raise AttnkitError(f"{fpath}: feature names repeat: {names}")
         meta = {}
         mpath = directory / META_FILE
         if mpath.is_file():
-            try:
-                meta = json.loads(mpath.read_text())
-            except ValueError as exc:
-                raise AttnkitError(f"{mpath} is not valid JSON: {exc}") from None
+            meta = load_json(mpath, META_SCHEMA)
+            L, H, _ = mean.shape
+            for key, want in (("n_layers", L), ("n_heads", H)):
+                if key in meta and meta[key] != want:
+                    raise AttnkitError(f"{mpath}: field {key} is {meta[key]} but {fpath} holds {want}")
+            if "feature_names" in meta and meta["feature_names"] != names:
+                raise AttnkitError(f"{mpath}: field feature_names does not match the names in {fpath}")
         return cls(mean, std, names, int(meta.get("n_samples", 0)), int(meta.get("n_tokens", 0)), meta)
 
 

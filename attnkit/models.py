@@ -9,6 +9,7 @@ the duration of that forward, so region interventions in a plain `model(**inputs
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -188,12 +189,58 @@ def _probe_attention_modules(model) -> list:
     return seen
 
 
+# What a local transformers model directory must hold (any one file of each group).
+CONFIG_FILES = ("config.json",)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
+                   "tokenizer.model")
+
+
+def check_model_dir(path: str) -> None:
+    """Refuse a model path that cannot hold a complete model, naming the files that are missing."""
+    if not os.path.exists(path):
+        raise AttnkitError(f"model {path!r} not found: give a local directory holding a transformers model")
+    if not os.path.isdir(path):
+        raise AttnkitError(f"model {path!r} is a file: give the directory that holds config.json, the weights "
+                           f"and the tokenizer files")
+    present = set(os.listdir(path))
+    missing = []
+    for what, group in (("the config", CONFIG_FILES), ("the weights", WEIGHT_FILES),
+                        ("the tokenizer files", TOKENIZER_FILES)):
+        if not present & set(group):
+            missing.append(f"{what} ({' or '.join(group)})")
+    if missing:
+        raise AttnkitError(f"model directory {path!r} is incomplete: missing " + "; ".join(missing)
+                           + (f" (it holds: {', '.join(sorted(present))})" if present else " (it is empty)"))
+
+
+def _one_line(exc: Exception, limit: int = 300) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def _no_transformers_bars():
+    """Silence transformers' own progress bars (weight loading) for the block: attnkit shows its own."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None = None):
     """Load a model and its tokenizer from a local path (no hub downloads) with attnkit attention.
 
     `name_or_path=None` loads the embedded MiniLM. `task` picks the head: None (bare encoder),
     "sequence-classification", "question-answering", "masked-lm". Returns (model, tokenizer),
     the model in eval mode on `device` ("cpu", "cuda"; default: cuda when available).
+    A directory without config, weights or tokenizer files, or whose tokenizer knows far fewer tokens
+    than the model embeds (a tokenizer built from nothing), is refused with the files it lacks.
     """
     from transformers import (AutoModel, AutoModelForMaskedLM, AutoModelForQuestionAnswering,
                               AutoModelForSequenceClassification, AutoTokenizer)
@@ -206,16 +253,20 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if not os.path.exists(path):
-        raise AttnkitError(f"model {path!r} not found: give a local directory holding a transformers model")
+    check_model_dir(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = classes[task].from_pretrained(path, dtype=dt)
+        with _no_transformers_bars():
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = classes[task].from_pretrained(path, dtype=dt)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise AttnkitError(f"could not load a model from {path!r}: {first}") from None
+        raise AttnkitError(f"could not load a model from {path!r}: {_one_line(exc)}") from None
     if not getattr(tokenizer, "is_fast", False):
         raise AttnkitError(f"the tokenizer at {path!r} is not a fast tokenizer; attnkit needs one (tokenizer.json)")
+    vocab = getattr(model.config, "vocab_size", None)
+    if vocab and len(tokenizer) < vocab // 2:
+        raise AttnkitError(f"the tokenizer at {path!r} knows {len(tokenizer)} tokens but the model embeds {vocab}: "
+                           f"its tokenizer files ({', '.join(f for f in TOKENIZER_FILES if os.path.exists(os.path.join(path, f)))}) "
+                           f"do not belong to this model")
     model.to(dev).eval()
     instrument(model, tokenizer)
     return model, tokenizer

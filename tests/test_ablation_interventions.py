@@ -62,7 +62,7 @@ def test_load_clusters(tmp_path):
     assert Intervention.from_types((2, 3), ht, "diagonal", region="no_intra").region[0, 0] == NO_INTRA
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "clusters.json").write_text(json.dumps({"heads": []}))
-    with pytest.raises(AttnkitError, match="not a clusters.json written by attnkit"):
+    with pytest.raises(AttnkitError, match="clusters.json: missing .version., .settings., .run."):
         load_clusters(tmp_path / "other")
     with pytest.raises(AttnkitError, match="but the model has 1 × 3"):
         load_clusters(run, shape=(1, 3))

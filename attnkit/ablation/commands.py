@@ -1,7 +1,6 @@
 """`attnkit ablate`: intervention experiments on a model and a local task dataset."""
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -22,8 +21,12 @@ from .tasks import TASKS, get_task
               help="Run directory (or clusters.json) with head types; needed by --experiment types.")
 @click.option("--mode", type=click.Choice(["zero", "uniform"]), default=None,
               help="How heads are disabled (heads: zero, layers: uniform, importance pruning: zero by default).")
-@click.option("--limit", type=int, default=None, help="Evaluate on N examples spread evenly over the file (data files are often sorted by genre).")
-@click.option("--batch-size", type=int, default=32, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="Use only the first N examples of the file (as --limit does in every attnkit command).")
+@click.option("--sample", type=click.IntRange(min=1), default=None,
+              help="Use N examples spread evenly over the file (data files are often sorted by genre, so the "
+                   "first N can be a biased sample). Applied after --limit.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--glue-task", default=None, help="GLUE task of --data when it cannot be told from the header.")
 @click.option("--step", type=float, default=0.1, show_default=True, help="importance: share pruned per step.")
 @click.option("--no-layer-norm", is_flag=True, help="importance: do not normalise scores per layer.")
@@ -32,48 +35,50 @@ from .tasks import TASKS, get_task
 @click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available).")
 @click.option("-o", "--out", "out", type=click.Path(file_okay=False), default=None,
               help="Output directory (default: ablation-<task>-<experiment>).")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @cli_errors
-def ablate(model, task_name, data, experiment, clusters, mode, limit, batch_size, glue_task, step, no_layer_norm,
-           renormalize, device, out, quiet):
+def ablate(model, task_name, data, experiment, clusters, mode, limit, sample, batch_size, glue_task, step,
+           no_layer_norm, renormalize, device, out, quiet):
     """Disable heads, layers or head types of MODEL (a local model directory, or `default` for the embedded
     MiniLM) and measure the task metric; writes CSV/JSON/Markdown tables and a PNG figure."""
+    from ..head_features import write_json
     from ..interventions import load_clusters
+    from ..locking import run_lock
     from ..models import load_model
+    from ..outputs import ensure_writable_dir
 
-    if limit is not None and limit < 1:
-        raise AttnkitError(f"--limit must be positive, got {limit}")
-    if batch_size < 1:
-        raise AttnkitError(f"--batch-size must be positive, got {batch_size}")
     if model == "default" and task_name != "stsb":
         raise AttnkitError(f"the embedded MiniLM is a sentence-embedding model without a {task_name} head; "
                            f"give a local model fine-tuned for {task_name} (or use --task stsb)")
-    task = get_task(task_name, data, glue_task=glue_task)
-    m, tok = load_model(None if model == "default" else model, device=device, task=task.model_task)
-    evaluate = TaskEvaluator(task, m, tok, limit=limit, batch_size=batch_size)
-    shape = (m.config.num_hidden_layers, m.config.num_attention_heads)
-    head_types = load_clusters(clusters, shape) if clusters else None
-    if experiment == "types" and head_types is None:
+    if experiment == "types" and clusters is None:
         raise AttnkitError("--experiment types needs --clusters RUN (a run directory with clusters.json)")
-    mode = mode or {"layers": "uniform"}.get(experiment, "zero")
-    t0 = time.perf_counter()
-    table = run_experiment(
-        experiment, m, evaluate, task.main_metric, mode=mode, head_types=head_types,
-        losses=lambda: task.losses(m, tok, limit=limit, batch_size=1), step=step,
-        normalize_layers=not no_layer_norm, renormalize=renormalize, progress=not quiet,
-    )
     out = out or f"ablation-{task_name}-{experiment}"
-    paths = table.save(out)
-    name = "default (embedded MiniLM)" if model == "default" else model
-    fig = save_figure(table, shape, out, title=f"{name}: {task_name} {experiment}")
-    meta = {"model": name, "task": task_name, "data": os.path.abspath(data), "experiment": experiment,
-            "mode": mode, "renormalize": renormalize, "limit": limit, "n_examples": table.rows[0].get("n"),
-            "clusters": os.path.abspath(clusters) if clusters else None,
-            "seconds": round(time.perf_counter() - t0, 1)}
-    if head_types is not None:
-        meta["type_counts"] = head_types.counts()
-    with open(os.path.join(out, f"{experiment}.meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
+    ensure_writable_dir(out)  # before the work: a bad -o fails now, not after the experiment
+    task = get_task(task_name, data, glue_task=glue_task)
+    if limit is not None:
+        task.head(limit)
+    with run_lock(out, "attnkit ablate"):
+        m, tok = load_model(None if model == "default" else model, device=device, task=task.model_task)
+        evaluate = TaskEvaluator(task, m, tok, limit=sample, batch_size=batch_size)
+        shape = (m.config.num_hidden_layers, m.config.num_attention_heads)
+        head_types = load_clusters(clusters, shape) if clusters else None
+        mode = mode or {"layers": "uniform"}.get(experiment, "zero")
+        t0 = time.perf_counter()
+        table = run_experiment(
+            experiment, m, evaluate, task.main_metric, mode=mode, head_types=head_types,
+            losses=lambda: task.losses(m, tok, limit=sample, batch_size=1), step=step,
+            normalize_layers=not no_layer_norm, renormalize=renormalize, progress=not quiet,
+        )
+        paths = table.save(out)
+        name = "default (embedded MiniLM)" if model == "default" else model
+        fig = save_figure(table, shape, out, title=f"{name}: {task_name} {experiment}")
+        meta = {"model": name, "task": task_name, "data": os.path.abspath(data), "experiment": experiment,
+                "mode": mode, "renormalize": renormalize, "limit": limit, "sample": sample,
+                "n_examples": table.rows[0].get("n"), "clusters": os.path.abspath(clusters) if clusters else None,
+                "seconds": round(time.perf_counter() - t0, 1)}
+        if head_types is not None:
+            meta["type_counts"] = head_types.counts()
+        write_json(os.path.join(out, f"{experiment}.meta.json"), meta)
     click.echo(f"{name} · {task_name} · {experiment} (mode {mode}) · {table.rows[0].get('n')} examples"
                + (f" · types {head_types.counts()}" if head_types is not None else ""))
     click.echo(table.to_markdown())

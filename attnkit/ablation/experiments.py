@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -22,8 +23,11 @@ from typing import Callable
 import numpy as np
 
 from ..errors import AttnkitError
+from ..outputs import atomic_write, ensure_writable_dir, os_errors
 from ..interventions import HeadTypes, Intervention, format_heads, intervene
 from .importance import iterative_pruning
+
+log = logging.getLogger("attnkit")
 
 EXPERIMENTS = ("types", "heads", "layers", "importance")
 MODE_LABEL = {"zero": "prune (0)", "uniform": "substitute (1/n)"}
@@ -84,16 +88,17 @@ class ResultTable:
         return "\n".join(lines)
 
     def save(self, out_dir: str, stem: str | None = None) -> dict:
-        os.makedirs(out_dir, exist_ok=True)
+        """Write <stem>.csv, .json and .md into `out_dir` (each atomically; an OS error is one line)."""
+        ensure_writable_dir(out_dir)
         stem = stem or self.experiment
         paths = {k: os.path.join(out_dir, f"{stem}.{k}") for k in ("csv", "json", "md")}
-        self.to_pandas().to_csv(paths["csv"], index=False)
         payload = {"experiment": self.experiment, "main_metric": self.main_metric, "rows": self.rows}
         payload.update({k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in self.extra.items()})
-        with open(paths["json"], "w") as f:
-            json.dump(payload, f, indent=1, default=_json_default)
-        with open(paths["md"], "w") as f:
-            f.write(self.to_markdown() + "\n")
+        texts = {"csv": self.to_pandas().to_csv(index=False),
+                 "json": json.dumps(payload, indent=1, default=_json_default),
+                 "md": self.to_markdown() + "\n"}
+        for k, text in texts.items():
+            atomic_write(paths[k], lambda f, text=text: f.write(text.encode("utf-8")))
         return paths
 
 
@@ -125,9 +130,16 @@ def run_settings(experiment: str, settings: list[Setting], evaluate: Callable[[I
             raise AttnkitError(f"the evaluation returned no {main_metric!r} (got {sorted(m)})")
         if base is None:
             base = m[main_metric]
+        if isinstance(base, float) and math.isnan(base):
+            raise AttnkitError(f"the baseline {main_metric} is NaN (undefined on this data): the table would "
+                               f"hold only NaN; check the data file's gold labels or scores")
         row = {"setting": s.name, **s.info, **{k: v for k, v in m.items()}}
         row[f"delta_{main_metric}"] = m[main_metric] - base
         rows.append(row)
+    undefined = [r["setting"] for r in rows if isinstance(r[main_metric], float) and math.isnan(r[main_metric])]
+    if undefined:
+        log.warning("warning: %s is NaN (undefined: the model's outputs were constant) for %d setting(s): %s",
+                    main_metric, len(undefined), ", ".join(undefined[:5]) + (" ..." if len(undefined) > 5 else ""))
     return ResultTable(experiment, main_metric, rows)
 
 
@@ -310,9 +322,21 @@ def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], di
 
 
 def save_figure(table: ResultTable, shape, out_dir: str, title: str = "") -> str:
+    """Draw the experiment's figure into `out_dir`/<experiment>.png, through a temporary file so a failed
+    write (full disk, ...) leaves neither a partial figure nor a temporary file, only a one-line error."""
     path = os.path.join(out_dir, f"{table.experiment}.png")
-    if table.experiment == "heads":
-        return heads_figure(table, shape, path, title)
-    if table.experiment == "importance":
-        return importance_figure(table, path, title)
-    return bars_figure(table, path, title)
+    tmp = os.path.join(out_dir, f".{table.experiment}.{os.getpid()}.tmp.png")
+    try:
+        with os_errors("write the figure"):
+            if table.experiment == "heads":
+                heads_figure(table, shape, tmp, title)
+            elif table.experiment == "importance":
+                importance_figure(table, tmp, title)
+            else:
+                bars_figure(table, tmp, title)
+            os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path

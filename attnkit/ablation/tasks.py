@@ -18,7 +18,7 @@ sentences, and segments are also split after "." "!" "?" (Guan et al. constrain 
 """
 from __future__ import annotations
 
-import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -29,6 +29,7 @@ import torch
 from ..corpus import read_corpus, read_table
 from ..errors import AttnkitError
 from ..models import instrument, runtime_of
+from ..schemas import SQUAD_SCHEMA, load_json
 from ..tokens import Batch, Encoder
 from . import metrics
 
@@ -69,6 +70,25 @@ def subset(n: int, limit: int | None) -> list[int]:
     return sorted(set(int(i) for i in np.linspace(0, n - 1, k).round()))
 
 
+def parse_score(path: str, line: int, raw: str) -> float:
+    """A gold similarity score: a finite number, else an error naming the file and line."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise AttnkitError(f"{path}:{line}: score {raw!r} is not a number") from None
+    if not math.isfinite(value):
+        raise AttnkitError(f"{path}:{line}: score {raw!r} is not a finite number")
+    return value
+
+
+def check_gold_varies(path: str, gold, metric: str = "Spearman and Pearson correlations") -> None:
+    """Correlations with a constant gold are undefined (they would come out NaN): refuse, naming the file."""
+    gold = np.asarray(gold, dtype=np.float64)
+    if gold.size and np.ptp(gold) == 0:
+        raise AttnkitError(f"{path}: every gold score of the {gold.size} examples evaluated is {gold[0]:g}, so the "
+                           f"{metric} are undefined; use a file (or --limit/--sample) whose scores vary")
+
+
 class Task:
     """A dataset plus how to score a model on it."""
 
@@ -77,8 +97,18 @@ class Task:
     model_task: str | None = None  # the `task` argument of attnkit.load_model
     max_length = 128
 
+    path = ""
+
     def __len__(self) -> int:
         return len(self.examples)
+
+    def head(self, n: int) -> "Task":
+        """Keep only the first `n` examples of the file (`attnkit ablate --limit`)."""
+        if n < 1:
+            raise AttnkitError(f"--limit must be positive, got {n}")
+        self.examples = self.examples[:n]
+        self.__dict__.pop("_cache", None)
+        return self
 
     def _encode(self, tokenizer, segments, limit, batch_size, extra=None) -> list[tuple[np.ndarray, Batch]]:
         """Batches of segments sorted by length (less padding); each with the original indices."""
@@ -124,14 +154,17 @@ class StsbTask(Task):
         if missing:
             raise AttnkitError(f"{path}: STS-B TSV needs columns sentence1, sentence2, score; missing {missing} "
                                f"(header: {header})")
+        self.path = path
         self.examples = []
         for n, r in enumerate(rows, start=2):
             try:
-                self.examples.append((r[cols["sentence1"]], r[cols["sentence2"]], float(r[cols["score"]])))
-            except (IndexError, ValueError):
+                s1, s2, raw = r[cols["sentence1"]], r[cols["sentence2"]], r[cols["score"]]
+            except IndexError:
                 raise AttnkitError(f"{path}:{n}: malformed row (need sentence1, sentence2 and a numeric score)") from None
+            self.examples.append((s1, s2, parse_score(path, n, raw)))
         if len(self.examples) < 2:
             raise AttnkitError(f"{path}: need at least two scored pairs")
+        check_gold_varies(path, [e[2] for e in self.examples])
 
     def _embed(self, model, tokenizer, sentences, batch_size) -> torch.Tensor:
         base = getattr(model, "base_model", model)
@@ -159,6 +192,7 @@ class StsbTask(Task):
         b = emb[[where[e[1]] for e in ex]]
         cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).numpy()
         gold = np.array([e[2] for e in ex])
+        check_gold_varies(self.path, gold)
         return {"spearman": metrics.spearman(cos, gold), "pearson": metrics.pearson(cos, gold), "n": n}
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
@@ -230,6 +264,7 @@ class GlueTask(Task):
 
     def __init__(self, path: str, subtask: str | None = None):
         header, rows = _read_tsv(path)
+        self.path = path
         if subtask is not None:
             subtask = _GLUE_ALIASES.get(subtask.lower(), subtask.lower())
             if subtask not in GLUE:
@@ -255,10 +290,7 @@ class GlueTask(Task):
             except IndexError:
                 raise AttnkitError(f"{path}: row {n} has too few columns") from None
             if spec.labels is None:
-                try:
-                    label = float(raw)
-                except ValueError:
-                    raise AttnkitError(f"{path}: row {n}: score {raw!r} is not a number") from None
+                label = parse_score(path, n, raw)
             else:
                 if raw not in spec.labels:
                     raise AttnkitError(f"{path}: row {n}: label {raw!r} is not one of {spec.labels}")
@@ -266,6 +298,8 @@ class GlueTask(Task):
             self.examples.append((texts[0] if len(texts) == 1 else texts, label))
         if not self.examples:
             raise AttnkitError(f"{path}: no examples")
+        if spec.labels is None:
+            check_gold_varies(path, [e[1] for e in self.examples])
 
     def _label_ids(self, model) -> dict:
         """GLUE label name → the model's output index (from config.label2id when it names them)."""
@@ -312,6 +346,8 @@ class GlueTask(Task):
             for idx, batch in self._encode(tokenizer, [e[0] for e in ex], n, batch_size):
                 logits = forward(model, batch).logits.float().cpu()
                 pred[idx] = logits[:, 0].numpy() if regression else logits.argmax(-1).numpy()
+        if regression:
+            check_gold_varies(self.path, gold)
         positive = self._label_ids(model).get("1", 1) if not regression else 1
         out = self.score(pred, gold, positive)
         out["n"] = n
@@ -341,12 +377,9 @@ class SquadTask(Task):
                  max_answer_length: int = 30):
         if not os.path.isfile(path):
             raise AttnkitError(f"data file {path!r} not found")
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            articles = data["data"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise AttnkitError(f"{path}: not SQuAD JSON ({{'data': [{{'paragraphs': ...}}]}}): {exc}") from None
+        self.path = path
+        data = load_json(path, SQUAD_SCHEMA, "SQuAD JSON")  # structure checked: attnkit.schemas.SQUAD_SCHEMA
+        articles = data["data"]
         self.max_length, self.stride, self.n_best, self.max_answer_length = max_length, stride, n_best, max_answer_length
         self.examples = []  # (qid, question, context, [answer texts], [answer starts])
         v2 = str(data.get("version", "")).startswith("v2")
@@ -512,6 +545,7 @@ class MlmTask(Task):
     main_metric = "accuracy"
 
     def __init__(self, path: str, mask_prob: float = 0.15, seed: int = 0):
+        self.path = path
         self.examples = read_texts(path)
         if not self.examples:
             raise AttnkitError(f"{path}: no text")

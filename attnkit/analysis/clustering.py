@@ -263,11 +263,20 @@ def cluster(features, *, k=4, method="kmeans", features_subset=None, standardize
                          seed=seed, n_stability=n_stability, subsample=subsample).fit(features)
 
 
-def sweep(features, ks=range(2, 9), **kwargs) -> list[dict]:
-    """Stability and silhouette for every k in `ks` (same settings otherwise)."""
+def sweep(features, ks=range(2, 9), progress: bool = False, **kwargs) -> list[dict]:
+    """Stability and silhouette for every k in `ks` (same settings otherwise); `progress` shows a bar
+    on stderr (one step per k). Values of k that the number of heads cannot support (k clusters need
+    more than k heads, and a stability subset of at least k heads) are left out."""
+    from tqdm.auto import tqdm
+
+    n = features.mean.shape[0] * features.mean.shape[1] if isinstance(features, HeadFeatures) else len(features)
+    share = float(kwargs.get("subsample", 0.5)) if kwargs.get("n_stability", 10) else 1.0
+    feasible = [int(k) for k in ks if int(k) < n and int(round(share * n)) >= int(k)]
+    if not feasible:
+        raise AttnkitError(f"{n} heads are too few for a sweep over k = {', '.join(str(k) for k in ks)}")
     out = []
-    for k in ks:
-        c = cluster(features, k=int(k), **kwargs)
+    for k in tqdm(feasible, desc="sweep over k", unit="k", disable=not progress, dynamic_ncols=True):
+        c = cluster(features, k=k, **kwargs)
         out.append({"k": int(k), "stability": c.stability_, "silhouette": c.silhouette_,
                     "type_names": list(c.type_names_), "shares": [float(s) for s in c.shares_]})
     return out

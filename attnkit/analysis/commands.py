@@ -14,6 +14,27 @@ from ..errors import AttnkitError, cli_errors
 
 RUN = click.Path(exists=True, file_okay=False, path_type=Path)
 
+quiet_option = click.option("-q", "--quiet", is_flag=True,
+                            help="No progress bars or stage messages on stderr (results are still printed).")
+k_option = click.option("-k", "--k", "k", default=4, show_default=True, type=click.IntRange(min=2),
+                        help="Number of head types (clusters).")
+
+
+def _say(quiet: bool, message: str) -> None:
+    """A stage message on stderr (so stdout keeps only results)."""
+    if not quiet:
+        click.echo(message, err=True)
+
+
+def _run_shape(run: Path) -> tuple[int, int] | None:
+    """(n_layers, n_heads) of the run in `run`, or None when it holds no features.npz."""
+    from ..head_features import FEATURES_FILE, HeadFeatures
+
+    if not (run / FEATURES_FILE).is_file():
+        return None
+    f = HeadFeatures.load(run)
+    return f.n_layers, f.n_heads
+
 
 def _corpus_from_run(run: Path, corpus, fmt, squad_pairs, columns, limit):
     """The corpus of a run: --corpus, else the path recorded in meta.json (with its reading settings)."""
@@ -44,7 +65,8 @@ _corpus_options = [
                  show_default=True, help="Corpus format (auto: by extension)."),
     click.option("--squad-pairs", is_flag=True, help="SQuAD JSON: (question, context) pairs instead of contexts."),
     click.option("--columns", default=None, metavar="COL[,COL2]", help="TSV/CSV text column(s)."),
-    click.option("--limit", type=click.IntRange(min=1), default=None, help="Use only the first N segments."),
+    click.option("--limit", type=click.IntRange(min=1), default=None,
+                 help="Use only the first N segments (as `attnkit extract --limit`)."),
 ]
 
 
@@ -58,7 +80,7 @@ def _with(options):
 
 @click.command("cluster")
 @click.argument("run", type=RUN)
-@click.option("--k", "k", default=4, show_default=True, type=click.IntRange(min=2), help="Number of head types.")
+@k_option
 @click.option("--method", type=click.Choice(["kmeans", "gmm"]), default="kmeans", show_default=True,
               help="scikit-learn KMeans or GaussianMixture.")
 @click.option("--features", default=None, metavar="NAMES",
@@ -71,8 +93,9 @@ def _with(options):
               help="Fits on random halves of the heads for the stability measure (0: skip).")
 @click.option("--sweep/--no-sweep", default=False, show_default=True,
               help="Also report stability and silhouette for k = 2..8.")
+@quiet_option
 @cli_errors
-def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep):
+def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep, quiet):
     """Group the heads of RUN into types; writes RUN/clusters.json.
 
     Types are named from their centroids (dense, diagonal, dense+vertical, vertical; see
@@ -80,15 +103,20 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep)
     label in all fits on random 50% subsets of the heads, labels matched by the Hungarian method.
     """
     from ..head_features import HeadFeatures
+    from ..locking import run_lock
+    from ..outputs import os_errors
     from .clustering import cluster, sweep as do_sweep
     from .results import save_clusters
 
-    feats = HeadFeatures.load(run)
-    c = cluster(feats, k=k, method=method, features_subset=features, standardize=standardize, seed=seed,
-                n_stability=n_stability)
-    rows = do_sweep(feats, method=method, features_subset=features, standardize=standardize, seed=seed,
-                    n_stability=n_stability) if sweep else None
-    path = save_clusters(run, c, feats, rows)
+    with run_lock(run, "attnkit cluster"), os_errors(f"write into {run}"):
+        feats = HeadFeatures.load(run)
+        _say(quiet, f"attnkit cluster: {feats.n_layers} × {feats.n_heads} heads of {run}, {method}, k = {k}, "
+                    f"{n_stability} stability fits")
+        c = cluster(feats, k=k, method=method, features_subset=features, standardize=standardize, seed=seed,
+                    n_stability=n_stability)
+        rows = do_sweep(feats, method=method, features_subset=features, standardize=standardize, seed=seed,
+                        n_stability=n_stability, progress=not quiet) if sweep else None
+        path = save_clusters(run, c, feats, rows)
     click.echo(f"{feats.n_layers} layers × {feats.n_heads} heads, {len(c.feature_names_in_)} features, "
                f"{method}, k = {k}: stability {c.stability_:.3f}, silhouette {c.silhouette_:.3f}")
     for j, name in enumerate(c.type_names_):
@@ -111,8 +139,9 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep)
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Samples per batch.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the row sampling.")
+@quiet_option
 @cli_errors
-def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, device, seed):
+def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, device, seed, quiet):
     """Jensen-Shannon distances between all pairs of heads of RUN's model over a corpus (Clark et al.
     2019); writes RUN/distances.npz (sums, per-token means, rows counted).
 
@@ -121,20 +150,29 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
     and reduced to a heads × heads matrix per batch, never stored. Uses the compiled js_distances op
     when it is built for the device, a chunked PyTorch computation otherwise.
     """
+    import numpy as np
+
+    from ..locking import run_lock
     from ..models import load_model
+    from ..outputs import os_errors
     from .distances import collect_distances
 
-    texts, meta = _corpus_from_run(run, corpus, fmt, squad_pairs, columns, limit)
-    model = load_model(meta.get("model") or None, device=device)
-    feats, dist = collect_distances(texts, model, rows_per_sample=rows_per_sample, seed=seed,
-                                    max_length=int(meta.get("max_length", 128)), batch_size=batch_size,
-                                    num_windows=int(meta.get("num_windows", 16)))
-    if (feats.n_layers, feats.n_heads) != (meta.get("n_layers", feats.n_layers), meta.get("n_heads", feats.n_heads)):
-        raise AttnkitError(f"the model has {feats.n_layers} × {feats.n_heads} heads but {run} was measured "
-                           f"with {meta.get('n_layers')} × {meta.get('n_heads')}")
-    path = dist.save(run)
+    with run_lock(run, "attnkit distances"), os_errors(f"write into {run}"):
+        texts, meta = _corpus_from_run(run, corpus, fmt, squad_pairs, columns, limit)
+        _say(quiet, f"attnkit distances: loading the model of {run}")
+        model = load_model(meta.get("model") or None, device=device)
+        shape = (len(model[0]._attnkit_modules), int(model[0].config.num_attention_heads))
+        want = (meta.get("n_layers", shape[0]), meta.get("n_heads", shape[1]))
+        if shape != want:
+            raise AttnkitError(f"the model has {shape[0]} × {shape[1]} heads but {run} was measured "
+                               f"with {want[0]} × {want[1]}")
+        _say(quiet, f"attnkit distances: {len(texts)} segments, {shape[0] * shape[1]} heads")
+        feats, dist = collect_distances(texts, model, rows_per_sample=rows_per_sample, seed=seed,
+                                        max_length=int(meta.get("max_length", 128)), batch_size=batch_size,
+                                        num_windows=int(meta.get("num_windows", 16)), progress=not quiet)
+        path = dist.save(run)
     pt = dist.per_token
-    off = pt[~__import__("numpy").eye(pt.shape[0], dtype=bool)]
+    off = pt[~np.eye(pt.shape[0], dtype=bool)]
     click.echo(f"{len(texts)} segments, {dist.n_rows} query tokens: mean JS per token between heads "
                f"{off.mean():.4f} (min {off.min():.4f}, max {off.max():.4f}); wrote {path}")
 
@@ -144,28 +182,45 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
 @click.option("--examples", default=0, show_default=True, type=click.IntRange(min=0),
               help="Example attention maps per type, drawn from the corpus (needs the model and corpus).")
 @_with(_corpus_options)
-@click.option("--k", "k", default=4, show_default=True, type=click.IntRange(min=2),
-              help="Types, when RUN/clusters.json does not exist yet.")
+@k_option
 @click.option("--method", type=click.Choice(["kmeans", "gmm"]), default="kmeans", show_default=True,
               help="Clustering method, when RUN/clusters.json does not exist yet.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of clustering and t-SNE/MDS.")
 @click.option("--device", default=None, help="Device for the example maps.")
 @click.option("--svg/--no-svg", default=True, show_default=True, help="Also save every figure as SVG.")
+@quiet_option
 @cli_errors
-def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, method, seed, device, svg):
+def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, method, seed, device, svg, quiet):
     """Write RUN/report.html: one self-contained page (figures embedded, opens offline) with the
     settings, head types and stability, t-SNE and MDS maps, per-layer heatmaps, box plots and tables.
-    Figures are also saved as PNG and SVG in RUN/figures/. Uses RUN/clusters.json (or clusters now)
-    and RUN/distances.npz when present."""
-    from .report import build_report
+    Figures are also saved as PNG and SVG in RUN/figures/. Uses RUN/clusters.json (or clusters now,
+    with -k/--method/--seed) and RUN/distances.npz when present."""
+    from ..head_features import HeadFeatures
+    from ..locking import run_lock
+    from ..outputs import ensure_writable_dir, os_errors
+    from .distances import DISTANCES_FILE, HeadDistances
+    from .report import FIGURES_DIR, build_report
+    from .results import CLUSTERS_FILE, load_clusters
 
-    texts = model = None
-    if examples:
-        from ..models import load_model
+    with run_lock(run, "attnkit report"), os_errors(f"write the report into {run}"):
+        feats = HeadFeatures.load(run)
+        shape = (feats.n_layers, feats.n_heads)
+        # check what the report reads before drawing anything
+        if (run / CLUSTERS_FILE).is_file():
+            load_clusters(run, shape, complete=True)
+        if (run / DISTANCES_FILE).is_file():
+            HeadDistances.load(run, shape)
+        ensure_writable_dir(run / FIGURES_DIR, "figures directory")
+        texts = model = None
+        if examples:
+            from ..models import load_model
 
-        texts, meta = _corpus_from_run(run, corpus, fmt, squad_pairs, columns, limit)
-        model = load_model(meta.get("model") or None, device=device)
-    path = build_report(run, k=k, method=method, seed=seed, examples=examples, texts=texts, model=model, svg=svg)
+            texts, meta = _corpus_from_run(run, corpus, fmt, squad_pairs, columns, limit)
+            _say(quiet, f"attnkit report: loading the model of {run} for the example maps")
+            model = load_model(meta.get("model") or None, device=device)
+        _say(quiet, f"attnkit report: {shape[0]} × {shape[1]} heads of {run}")
+        path = build_report(run, k=k, method=method, seed=seed, examples=examples, texts=texts, model=model,
+                            svg=svg, progress=not quiet)
     click.echo(f"wrote {path}")
 
 
@@ -174,13 +229,21 @@ def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, metho
 @click.argument("run_b", type=RUN)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the comparison as JSON.")
+@quiet_option
 @cli_errors
-def compare_cmd(run_a, run_b, json_out):
+def compare_cmd(run_a, run_b, json_out, quiet):
     """Compare the head types of two clustered runs (e.g. pretrained vs fine-tuned, or two corpora):
     which heads changed type, and the type distribution per layer of each."""
+    import contextlib
+
+    from ..head_features import FEATURES_FILE, atomic_write
+    from ..locking import run_lock
+    from ..outputs import ensure_writable_dir
     from .results import compare, load_clusters
 
-    res = compare(load_clusters(run_a), load_clusters(run_b))
+    if json_out is not None:
+        ensure_writable_dir(json_out.parent, "output directory")
+    res = compare(load_clusters(run_a, _run_shape(run_a)), load_clusters(run_b, _run_shape(run_b)))
     click.echo(f"{res['n_changed']} of {res['n_heads']} heads changed type")
     for key, n in res["transitions"].items():
         click.echo(f"  {key}: {n}")
@@ -192,7 +255,9 @@ def compare_cmd(run_a, run_b, json_out):
     if res["changed"]:
         click.echo("changed heads: " + ", ".join(f"L{c['layer']}H{c['head']} {c['a']}→{c['b']}" for c in res["changed"]))
     if json_out:
-        json_out.write_text(json.dumps(res, indent=2) + "\n")
+        into_run = (json_out.parent / FEATURES_FILE).is_file()  # writing into a run directory: lock it
+        with run_lock(json_out.parent, "attnkit compare") if into_run else contextlib.nullcontext():
+            atomic_write(json_out, lambda f: f.write((json.dumps(res, indent=2) + "\n").encode()))
         click.echo(f"wrote {json_out}")
 
 

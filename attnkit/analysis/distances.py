@@ -25,6 +25,8 @@ import torch
 
 from ..errors import AttnkitError
 from ..head_features import atomic_write
+from ..outputs import ensure_writable_dir
+from ..schemas import DISTANCES_ARRAYS, validate_arrays
 
 DISTANCES_FILE = "distances.npz"
 JS_OP = "attnkit::js_distances"
@@ -200,8 +202,7 @@ class HeadDistances:
         return [f"L{l}H{h}" for l in range(self.n_layers) for h in range(self.n_heads)]
 
     def save(self, directory) -> Path:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = ensure_writable_dir(directory, "run directory")
         atomic_write(directory / DISTANCES_FILE, lambda f: np.savez(
             f, total=self.total, per_token=self.per_token, n_rows=np.int64(self.n_rows),
             n_layers=np.int64(self.n_layers), n_heads=np.int64(self.n_heads),
@@ -209,19 +210,33 @@ class HeadDistances:
         return directory / DISTANCES_FILE
 
     @classmethod
-    def load(cls, directory) -> "HeadDistances":
+    def load(cls, directory, shape: tuple[int, int] | None = None) -> "HeadDistances":
+        """Read RUN/distances.npz, checked against `attnkit.schemas.DISTANCES_ARRAYS` (and against the
+        run's (n_layers, n_heads) when `shape` is given)."""
         path = Path(directory) / DISTANCES_FILE
         if not path.is_file():
             raise AttnkitError(f"{path} is missing: collect distances first (attnkit distances RUN --corpus ...)")
         try:
             with np.load(path, allow_pickle=False) as z:
-                rps = int(z["rows_per_sample"]) if "rows_per_sample" in z else -1
-                return cls(z["total"], int(z["n_rows"]), int(z["n_layers"]), int(z["n_heads"]),
-                           {"rows_per_sample": None if rps < 0 else rps})
-        except AttnkitError:
-            raise
+                arrays = {k: z[k] for k in z.files}
         except Exception as exc:
             raise AttnkitError(f"{path} is unreadable or corrupt: {exc}") from None
+        validate_arrays(arrays, DISTANCES_ARRAYS, path)
+        L, H, n_rows = int(arrays["n_layers"]), int(arrays["n_heads"]), int(arrays["n_rows"])
+        total = arrays["total"].astype(np.float64)
+        if L < 1 or H < 1 or n_rows < 0:
+            raise AttnkitError(f"{path}: n_layers {L}, n_heads {H}, n_rows {n_rows} are impossible")
+        if total.shape != (L * H, L * H):
+            raise AttnkitError(f"{path}: array 'total' has shape {total.shape}, but {L} layers × {H} heads "
+                               f"need {L * H} × {L * H}")
+        if shape is not None and (L, H) != tuple(shape):
+            raise AttnkitError(f"{path} covers {L} layers × {H} heads, but the run has {shape[0]} × {shape[1]}: "
+                               f"re-run `attnkit distances`")
+        if np.any(total < 0) or not np.allclose(total, total.T):
+            raise AttnkitError(f"{path}: array 'total' is not a distance matrix (negative or not symmetric)")
+        rps = int(arrays["rows_per_sample"]) if "rows_per_sample" in arrays and arrays["rows_per_sample"].ndim == 0 \
+            else -1
+        return cls(total, n_rows, L, H, {"rows_per_sample": None if rps < 0 else rps})
 
 
 def collect_distances(texts, model=None, *, rows_per_sample: int | None = None, seed: int = 0,

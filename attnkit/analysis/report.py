@@ -134,27 +134,35 @@ def _example_texts(texts, n: int, tokenizer, lo: int = 14, hi: int = 40) -> list
 
 
 def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, examples: int = 0,
-                 texts=None, model=None, do_sweep: bool = True, title: str | None = None, svg: bool = True) -> Path:
+                 texts=None, model=None, do_sweep: bool = True, title: str | None = None, svg: bool = True,
+                 progress: bool = False) -> Path:
     """Write RUN/report.html (and RUN/figures/*.png|svg). Clusters come from RUN/clusters.json when it
     exists (otherwise they are computed with k/method/seed and saved, with a k = 2..8 sweep);
     the MDS map needs RUN/distances.npz. `examples` > 0 draws that many example maps per type from
-    `texts` with `model` (a (model, tokenizer) pair). `svg=False` skips the SVG copies of the figures."""
+    `texts` with `model` (a (model, tokenizer) pair). `svg=False` skips the SVG copies of the figures.
+    `progress` shows a bar on stderr, one step per figure written."""
+    from tqdm.auto import tqdm
+
     run_dir = Path(run_dir)
     features = HeadFeatures.load(run_dir)
     fig_dir = run_dir / FIGURES_DIR
     notes = []
+    bar = tqdm(desc="report", unit="figure", disable=not progress, dynamic_ncols=True)
 
     def save(fig, stem):
-        return figs.save_figure(fig, fig_dir, stem, svg=svg)
+        saved = figs.save_figure(fig, fig_dir, stem, svg=svg)
+        bar.set_postfix_str(stem, refresh=False)
+        bar.update(1)
+        return saved
 
     if (run_dir / CLUSTERS_FILE).is_file():
-        data = load_clusters(run_dir)
+        data = load_clusters(run_dir, (features.n_layers, features.n_heads), complete=True)
         if data["run"]["n_layers"] != features.n_layers or data["run"]["n_heads"] != features.n_heads:
             raise AttnkitError(f"{run_dir / CLUSTERS_FILE} does not match the run's {features.n_layers} × "
                                f"{features.n_heads} heads: re-run `attnkit cluster {run_dir}`")
     else:
         c = cluster(features, k=k, method=method, seed=seed)
-        rows = sweep(features, method=method, seed=seed) if do_sweep else None
+        rows = sweep(features, method=method, seed=seed, progress=progress) if do_sweep else None
         save_clusters(run_dir, c, features, rows)
         data = load_clusters(run_dir)
         notes.append(f"{CLUSTERS_FILE} was missing; clustered now with k = {k}, method {method}, seed {seed}.")
@@ -278,6 +286,7 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
             + "\n".join(sections) + "</body></html>\n")
     out = run_dir / REPORT_FILE
     atomic_write(out, lambda f: f.write(page.encode("utf-8")))
+    bar.close()
     return out
 
 

@@ -13,7 +13,6 @@ Layout (version 1):
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import numpy as np
 
 from ..errors import AttnkitError
 from ..head_features import write_json
+from ..outputs import ensure_writable_dir
+from ..schemas import CLUSTERS_REPORT_SCHEMA, CLUSTERS_SCHEMA, load_json
 from .naming import profile_groups
 
 CLUSTERS_FILE = "clusters.json"
@@ -72,27 +73,71 @@ def clusters_dict(clusterer, features=None, sweep_rows=None) -> dict:
 
 
 def save_clusters(run_dir, clusterer, features=None, sweep_rows=None) -> Path:
-    path = Path(run_dir) / CLUSTERS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = ensure_writable_dir(run_dir, "run directory") / CLUSTERS_FILE
     write_json(path, clusters_dict(clusterer, features, sweep_rows))
     return path
 
 
-def load_clusters(run_dir) -> dict:
-    """The content of a run's clusters.json (`run_dir` may also be the file itself), validated."""
+def clusters_path(run_dir) -> Path:
+    """RUN/clusters.json for a run directory; a path to a file is returned as it is."""
     path = Path(run_dir)
-    if path.is_dir() or not path.suffix:
-        path = path / CLUSTERS_FILE
+    return path / CLUSTERS_FILE if path.is_dir() or not path.suffix else path
+
+
+def load_clusters(run_dir, shape: tuple[int, int] | None = None, *, complete: bool = False) -> dict:
+    """The content of a run's clusters.json (`run_dir` may also be the file itself), validated.
+
+    The file must follow `attnkit.schemas.CLUSTERS_SCHEMA` (with `complete`: CLUSTERS_REPORT_SCHEMA,
+    every field the report reads) and be consistent: every (layer, head) of the run's
+    n_layers × n_heads exactly once, labels and types that name one of the clusters. With `shape`
+    (n_layers, n_heads), the run must have that shape. Problems end in an AttnkitError naming the
+    file and the field.
+    """
+    path = clusters_path(run_dir)
     if not path.is_file():
         raise AttnkitError(f"{path} is missing: run `attnkit cluster {path.parent}` first")
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise AttnkitError(f"{path} is not valid JSON: {exc}") from None
-    for key in ("settings", "run", "heads", "clusters", "stability"):
-        if key not in data:
-            raise AttnkitError(f"{path} lacks {key!r}: not a clusters.json written by attnkit")
+    data = load_json(path, CLUSTERS_REPORT_SCHEMA if complete else CLUSTERS_SCHEMA)
+    check_clusters(data, path, shape)
     return data
+
+
+def check_clusters(data: dict, path, shape: tuple[int, int] | None = None) -> None:
+    """The cross-field checks of clusters.json content that a schema cannot express."""
+    L, H = data["run"]["n_layers"], data["run"]["n_heads"]
+    if shape is not None and (L, H) != tuple(shape):
+        raise AttnkitError(f"{path} covers {L} layers × {H} heads, but the run has {shape[0]} × {shape[1]}: "
+                           f"re-run `attnkit cluster`")
+    labels = {}
+    for i, c in enumerate(data["clusters"]):
+        if c["label"] in labels:
+            raise AttnkitError(f"{path}: field clusters[{i}].label: label {c['label']} appears twice")
+        if c["type"] in labels.values():
+            raise AttnkitError(f"{path}: field clusters[{i}].type: type {c['type']!r} appears twice")
+        labels[c["label"]] = c["type"]
+    seen = set()
+    for i, h in enumerate(data["heads"]):
+        where = f"{path}: field heads[{i}]"
+        if h["layer"] >= L:
+            raise AttnkitError(f"{where}.layer: layer {h['layer']} is out of range (the run has {L} layers)")
+        if h["head"] >= H:
+            raise AttnkitError(f"{where}.head: head {h['head']} is out of range (the run has {H} heads per layer)")
+        if (h["layer"], h["head"]) in seen:
+            raise AttnkitError(f"{where}: L{h['layer']}H{h['head']} appears twice")
+        seen.add((h["layer"], h["head"]))
+        if h["label"] not in labels:
+            raise AttnkitError(f"{where}.label: label {h['label']} is none of the clusters' labels "
+                               f"({', '.join(map(str, sorted(labels)))})")
+        if h["type"] != labels[h["label"]]:
+            raise AttnkitError(f"{where}.type: {h['type']!r} differs from the type of cluster {h['label']} "
+                               f"({labels[h['label']]!r})")
+    if len(seen) != L * H:
+        raise AttnkitError(f"{path}: field heads: {len(seen)} heads listed, but the run has {L} × {H} = {L * H}")
+    feats = data["settings"].get("features")
+    if feats is not None:
+        for i, c in enumerate(data["clusters"]):
+            missing = [f for f in feats if "centroid" in c and f not in c["centroid"]]
+            if missing:
+                raise AttnkitError(f"{path}: field clusters[{i}].centroid: no value for {', '.join(missing)}")
 
 
 def type_grid(data: dict) -> np.ndarray:
@@ -142,5 +187,5 @@ def compare(a: dict, b: dict) -> dict:
             "per_layer": {"a": type_distribution(a), "b": type_distribution(b)}}
 
 
-__all__ = ["CLUSTERS_FILE", "clusters_dict", "save_clusters", "load_clusters", "type_grid", "label_grid",
+__all__ = ["CLUSTERS_FILE", "clusters_dict", "save_clusters", "load_clusters", "check_clusters", "clusters_path", "type_grid", "label_grid",
            "type_distribution", "compare"]

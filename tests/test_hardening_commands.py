@@ -1,0 +1,215 @@
+"""CLI conventions and output handling of cluster, report, compare, export: -k, -q, progress on stderr,
+outputs checked before the work, one-line errors, the run lock."""
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from attnkit.analysis import HeadDistances
+from attnkit.analysis.commands import cluster_cmd, compare_cmd, distances_cmd, report_cmd
+from attnkit.cli import main
+from attnkit.export import export_cmd
+
+try:
+    from tests.analysis_fixtures import layered_truth, make_features
+except ImportError:
+    from analysis_fixtures import layered_truth, make_features
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def feats():
+    return make_features(layered_truth(L=2, H=4, seed=3))
+
+
+@pytest.fixture
+def run(tmp_path, feats):
+    feats.save(tmp_path / "run")
+    return tmp_path / "run"
+
+
+def invoke(cmd, args):
+    return CliRunner().invoke(cmd, [str(a) for a in args])
+
+
+def test_k_short_and_long_option(run):
+    for opt in ("-k", "--k"):
+        r = invoke(cluster_cmd, [run, opt, "3", "--stability", "2", "-q"])
+        assert r.exit_code == 0, r.output
+        assert json.loads((run / "clusters.json").read_text())["settings"]["k"] == 3
+
+
+def test_every_command_takes_quiet():
+    for name, cmd in main.commands.items():
+        opts = {o for p in cmd.params for o in getattr(p, "opts", [])}
+        assert {"-q", "--quiet"} <= opts, name
+
+
+def test_cluster_sweep_shows_progress_on_stderr_unless_quiet(run):
+    r = invoke(cluster_cmd, [run, "--sweep", "--stability", "1"])
+    assert r.exit_code == 0, r.output
+    assert "sweep over k" in r.stderr and "attnkit cluster:" in r.stderr
+    assert "sweep over k" not in r.stdout and "stability" in r.stdout
+    r = invoke(cluster_cmd, [run, "--sweep", "--stability", "1", "-q"])
+    assert r.exit_code == 0 and r.stderr == ""
+
+
+def test_report_shows_progress_per_figure(run):
+    r = invoke(report_cmd, [run, "--no-svg", "-k", "3"])
+    assert r.exit_code == 0, r.output
+    assert "report:" in r.stderr and "figure" in r.stderr
+    assert (run / "report.html").is_file()
+    r = invoke(report_cmd, [run, "--no-svg", "-q"])
+    assert r.exit_code == 0 and r.stderr == ""
+
+
+def test_report_refuses_incomplete_clusters_before_drawing(run):
+    assert invoke(cluster_cmd, [run, "-k", "3", "--stability", "1", "-q"]).exit_code == 0
+    data = json.loads((run / "clusters.json").read_text())
+    del data["clusters"][0]["centroid"]
+    (run / "clusters.json").write_text(json.dumps(data))
+    r = invoke(report_cmd, [run, "-q"])
+    assert r.exit_code == 1
+    assert r.output.strip().endswith("clusters.json: field clusters[0]: missing 'centroid'")
+    assert not (run / "figures").exists() and not (run / "report.html").exists()
+
+
+def test_report_refuses_distances_of_another_shape(run):
+    HeadDistances(np.zeros((4, 4)), 10, 2, 2).save(run)
+    r = invoke(report_cmd, [run, "-q"])
+    assert r.exit_code == 1 and "covers 2 layers × 2 heads, but the run has 2 × 4" in r.output
+    assert not (run / "report.html").exists()
+
+
+def test_report_figures_path_that_is_a_file(run):
+    (run / "figures").write_text("not a directory")
+    r = invoke(report_cmd, [run, "-q"])
+    assert r.exit_code == 1 and "figures directory" in r.output and "is not a directory" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_report_full_disk_is_one_line_and_leaves_no_temp_file(run, monkeypatch):
+    real = os.replace
+
+    def full(src, dst):
+        if str(dst).endswith("report.html"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", full)
+    r = invoke(report_cmd, [run, "--no-svg", "-q"])
+    assert r.exit_code == 1 and r.output.strip() == f"Error: could not write {run / 'report.html'}: No space left on device"
+    assert not [p for p in os.listdir(run) if p.endswith(".tmp")]
+
+
+def test_compare_json_under_a_file_fails_before_the_work(run, tmp_path):
+    assert invoke(cluster_cmd, [run, "-k", "3", "--stability", "1", "-q"]).exit_code == 0
+    (tmp_path / "f").write_text("x")
+    r = invoke(compare_cmd, [run, run, "--json", tmp_path / "f" / "cmp.json"])
+    assert r.exit_code == 1 and "heads changed type" not in r.output
+    assert r.output.strip() == f"Error: output directory {str(tmp_path / 'f')!r} exists and is not a directory"
+    r = invoke(compare_cmd, [run, run, "--json", tmp_path / "out" / "cmp.json", "-q"])
+    assert r.exit_code == 0 and json.loads((tmp_path / "out" / "cmp.json").read_text())["n_changed"] == 0
+
+
+def test_compare_checks_clusters_against_the_run(run, tmp_path, feats):
+    assert invoke(cluster_cmd, [run, "-k", "3", "--stability", "1", "-q"]).exit_code == 0
+    other = tmp_path / "other"
+    make_features(layered_truth(L=3, H=4, seed=1)).save(other)
+    (other / "clusters.json").write_text((run / "clusters.json").read_text())  # 2 × 4 clusters in a 3 × 4 run
+    r = invoke(compare_cmd, [run, other])
+    assert r.exit_code == 1 and "covers 2 layers × 4 heads, but the run has 3 × 4" in r.output
+
+
+def test_distances_without_a_corpus_is_one_line(run):
+    r = invoke(distances_cmd, [run, "-q"])
+    assert r.exit_code == 1 and "names no readable corpus" in r.output
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from attnkit.locking import run_lock
+    with run_lock(sys.argv[1], sys.argv[2]):
+        print("locked", flush=True)
+        time.sleep(60)
+""")
+
+
+@pytest.fixture
+def holder():
+    procs = []
+
+    def hold(directory, command):
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        p = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory), command], stdout=subprocess.PIPE,
+                             env=env, text=True)
+        procs.append(p)
+        assert p.stdout.readline().strip() == "locked"
+        return p.pid
+
+    yield hold
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_writers_into_a_locked_run_are_refused(run, holder, tmp_path):
+    assert invoke(cluster_cmd, [run, "-k", "3", "--stability", "1", "-q"]).exit_code == 0
+    before = (run / "clusters.json").read_text()
+    pid = holder(run, "attnkit extract")
+    want = f"Error: {run} is in use by `attnkit extract` (pid {pid}); wait for it to finish or choose another directory"
+    for cmd, args in ((cluster_cmd, [run, "-q"]), (report_cmd, [run, "-q"]), (distances_cmd, [run, "-q"]),
+                      (compare_cmd, [run, run, "--json", run / "cmp.json"]), (export_cmd, [run])):
+        r = invoke(cmd, args)
+        assert r.exit_code == 1 and r.output.strip().splitlines()[-1] == want, (cmd.name, r.output)
+    assert (run / "clusters.json").read_text() == before
+    assert not (run / "report.html").exists() and not (run / "cmp.json").exists()
+    assert not (run / "features.csv").exists()
+    # writing elsewhere needs no lock on the run
+    r = invoke(export_cmd, [run, "-o", tmp_path / "x.csv"])
+    assert r.exit_code == 0, r.output
+
+
+# --- export ------------------------------------------------------------------------------------------------
+def test_export_csv_and_parquet_columns_and_values(run, feats, tmp_path):
+    r = invoke(export_cmd, [run])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(run / "features.csv")
+    names = feats.names
+    assert list(df.columns) == ["layer", "head"] + names + [f"{n}_std" for n in names]
+    assert len(df) == 2 * 4
+    row = df[(df["layer"] == 1) & (df["head"] == 2)].iloc[0]
+    np.testing.assert_allclose(row[names].to_numpy(float), feats.mean[1, 2], rtol=1e-12)
+    np.testing.assert_allclose(row[[f"{n}_std" for n in names]].to_numpy(float), feats.std[1, 2], rtol=1e-12)
+    r = invoke(export_cmd, [run, "-o", tmp_path / "f.parquet"])
+    assert r.exit_code == 0, r.output
+    pq = pd.read_parquet(tmp_path / "f.parquet")
+    assert list(pq.columns) == list(df.columns)
+    np.testing.assert_array_equal(pq.to_numpy(), pd.read_csv(run / "features.csv").to_numpy())
+    r = invoke(export_cmd, [run, "--format", "parquet", "-q"])
+    assert r.exit_code == 0 and r.output == "" and (run / "features.parquet").is_file()
+
+
+def test_export_to_stdout_and_bad_outputs(run, tmp_path):
+    r = invoke(export_cmd, [run, "-o", "-"])
+    assert r.exit_code == 0 and r.output.splitlines()[0].startswith("layer,head,cls,")
+    assert len(r.output.splitlines()) == 1 + 8
+    r = invoke(export_cmd, [run, "-o", "-", "--format", "parquet"])
+    assert r.exit_code == 1 and "only CSV" in r.output
+    (tmp_path / "f").write_text("x")
+    r = invoke(export_cmd, [run, "-o", tmp_path / "f" / "x.csv"])
+    assert r.exit_code == 1 and "exists and is not a directory" in r.output
+    r = invoke(export_cmd, [run, "-o", tmp_path / "f" / "sub" / "x.csv"])
+    assert r.exit_code == 1 and "is a file, not a directory" in r.output
+    (run / "meta.json").write_text('{"n_samples": "abc"}')
+    r = invoke(export_cmd, [run, "-o", "-"])
+    assert r.exit_code == 1 and "meta.json: field n_samples: expected an integer" in r.output
