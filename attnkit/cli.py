@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from .corpus import FORMATS
 from .errors import AttnkitError, cli_errors
 
 
@@ -46,7 +47,7 @@ def _columns(value):
 @click.argument("corpus", nargs=-1, metavar="[CORPUS]...")
 @click.option("--model", "model_path", default=None, metavar="PATH",
               help="Local model directory (transformers format). Default: the embedded MiniLM (6 layers × 12 heads).")
-@click.option("--format", "fmt", type=click.Choice(["auto", "text", "jsonl", "squad", "tsv", "parquet"]),
+@click.option("--format", "fmt", type=click.Choice(list(FORMATS)),
               default="auto", show_default=True,
               help="Corpus format; auto goes by extension (.txt .jsonl .json .tsv .csv .parquet, also .gz/.zst) "
                    "and recognises datasets saved with save_to_disk. Needed for '-' (standard input) unless it is text.")

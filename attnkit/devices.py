@@ -48,10 +48,10 @@ def replicate(model, devices: list[torch.device]) -> list:
         model.to(first)
     out = [model]
     for dev in devices[1:]:
-        clone = copy.deepcopy(model).to(dev)
-        for attr in ("_attnkit_runtime", "_attnkit_modules"):  # a fresh Runtime of its own
-            clone.__dict__.pop(attr, None)
-        out.append(instrument(clone.eval()))
+        # a deep copy is instrumented already, with a Runtime of its own shared by its own modules
+        clone = copy.deepcopy(model).to(dev).eval()
+        assert clone._attnkit_runtime is not model._attnkit_runtime
+        out.append(instrument(clone))
     return out
 
 

@@ -1,5 +1,6 @@
 """`attnkit extract` end to end: outputs, interruption and resume, and one-line errors for bad input."""
 import json
+import re
 import os
 import signal
 import subprocess
@@ -113,7 +114,7 @@ def test_bad_model_inputs(corpus, tmp_path):
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     code, text = run("extract", corpus, "--model", broken, "-o", tmp_path / "x", "-q")
-    assert code == 1 and "could not load a model" in text and "Traceback" not in text
+    assert code == 1 and "is incomplete: missing the weights" in text and "Traceback" not in text
     code, text = run("extract", corpus, "--max-length", 4096, "-o", tmp_path / "x", "-q")
     assert code == 1 and "exceeds the model's 512 positions" in text
     bad = tmp_path / "bad.txt"
@@ -143,3 +144,91 @@ def test_help_explains_options():
     for opt in ("--model", "--max-length", "--batch-size", "--device", "--dtype", "--num-windows", "--sentences",
                 "--limit", "--out", "--resume"):
         assert opt in text
+
+
+def test_many_inputs_are_recorded_in_meta(corpus, tmp_path):
+    import gzip
+
+    second = tmp_path / "more" / "b.jsonl.gz"
+    second.parent.mkdir()
+    with gzip.open(second, "wt") as f:
+        f.write('{"text": "A question?", "text_pair": "An answer."}\n{"text": "Alone."}\n')
+    out = tmp_path / "run"
+    code, text = run("extract", corpus, tmp_path / "more", "-o", out, "--max-length", 16, "-q", "--workers", 1,
+                     "--backend", "reference")
+    assert code == 0, text
+    meta = json.loads((out / "meta.json").read_text())
+    inputs = meta["inputs"]
+    assert [i["format"] for i in inputs] == ["text", "jsonl"] and inputs[1]["compression"] == "gzip"
+    assert inputs[0]["text_unit"] == "line" and inputs[0]["n_segments"] == 48 and inputs[1]["n_segments"] == 2
+    assert all(len(i["sha256"]) == 64 for i in inputs)
+    assert meta["n_samples"] == 50 and meta["settings"]["batch_size"] == 16 and meta["workers"] == 1
+
+
+def test_truncation_warning_suggests_a_length(corpus, tmp_path):
+    code, text = run("extract", corpus, "-o", tmp_path / "t", "--max-length", 8, "-q", "--backend", "reference")
+    assert code == 0, text
+    m = re.search(r"warning: (\d+)% of segments were longer than --max-length 8 .* --max-length (\d+) would cover 95%", text)
+    assert m and int(m.group(1)) == 100 and 18 <= int(m.group(2)) <= 30
+
+
+def test_resume_refuses_impossible_checkpoints_and_other_backends(corpus, tmp_path):
+    out = tmp_path / "r"
+    proc_args = ("extract", corpus, "-o", out, "--max-length", 16, "-q", "--batch-size", 8)
+    assert run(*proc_args, "--backend", "reference")[0] == 0
+    settings = json.loads((out / "meta.json").read_text())["settings"]
+    from attnkit.head_features import FeatureAccumulator
+    from attnkit.rundir import RunDir
+
+    acc = FeatureAccumulator(6, 12, json.loads((out / "meta.json").read_text())["feature_names"])
+    acc.update(np.full((8, 6, 12, 28), 0.5), 80)
+    ck = tmp_path / "ck"
+    settings_full = settings
+    RunDir(ck).save_checkpoint(acc, 8, 0, settings_full)
+    code, text = run("extract", corpus, "-o", ck, "--max-length", 16, "-q", "--batch-size", 8, "--backend", "fused",
+                     "--resume")
+    if settings["backend"] == "reference":
+        assert code == 1 and "backend" in text and "other settings" in text
+    RunDir(ck).save_checkpoint(acc, 9, 0, settings_full)  # 8 samples summed for 9 segments
+    code, text = run("extract", corpus, "-o", ck, "--max-length", 16, "-q", "--batch-size", 8, "--backend",
+                     "reference", "--resume")
+    assert code == 1 and "impossible" in text and "8 samples summed for 9 segments" in text
+    acc.sum[0, 0, 0] = np.nan
+    RunDir(ck).save_checkpoint(acc, 8, 0, settings_full)
+    code, text = run("extract", corpus, "-o", ck, "--max-length", 16, "-q", "--batch-size", 8, "--backend",
+                     "reference", "--resume")
+    assert code == 1 and "not finite" in text
+
+
+def test_output_problems_are_found_before_the_work(corpus, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, text = run("extract", corpus, "-o", blocker / "run", "-q")
+    assert code == 1 and "is a file" in text and "Traceback" not in text
+    from attnkit.locking import run_lock
+
+    busy = tmp_path / "busy"
+    with run_lock(busy, "attnkit cluster"):
+        code, text = run("extract", corpus, "-o", busy, "-q", "--limit", 4, "--backend", "reference")
+    assert code == 1 and f"pid {os.getpid()}" in text and "attnkit cluster" in text
+    assert not (busy / "features.npz").exists()
+
+
+def test_overwrite_removes_outputs_of_the_old_run(corpus, tmp_path):
+    out = tmp_path / "o"
+    assert run("extract", corpus, "-o", out, "-q", "--limit", 6, "--max-length", 16, "--backend", "reference")[0] == 0
+    (out / "clusters.json").write_text("{}")
+    (out / "figures").mkdir()
+    assert run("extract", corpus, "-o", out, "-q", "--limit", 8, "--max-length", 16, "--backend", "reference",
+               "--overwrite")[0] == 0
+    assert HeadFeatures.load(out).n_samples == 8
+    assert not (out / "clusters.json").exists() and not (out / "figures").exists()
+
+
+def test_standard_input(corpus, tmp_path):
+    out = tmp_path / "s"
+    result = CliRunner().invoke(main, ["extract", "-", "-o", str(out), "-q", "--max-length", "16", "--backend",
+                                       "reference"], input="One line here.\nAnother line, there.\n")
+    assert result.exit_code == 0, result.output
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["n_samples"] == 2 and meta["inputs"][0]["path"] == "-"
