@@ -31,6 +31,7 @@ class PlannedBatch:
     start: int
     window: int
     segments: list
+    positions: tuple = ()  # where each segment stands in the input stream (0-based)
 
     @property
     def end(self) -> int:
@@ -58,19 +59,26 @@ def windows(segments: Iterable[Segment], window: int) -> Iterator[list]:
         yield chunk
 
 
+def window_order(segments: list) -> list[int]:
+    """Positions of a window's segments, longest first (stable)."""
+    return sorted(range(len(segments)), key=lambda i: -segment_chars(segments[i]))
+
+
 def batches_of_window(segments: list, batch_size: int) -> list[list]:
     """A window's segments longest first (stable), cut into batches of `batch_size`."""
-    ordered = sorted(segments, key=segment_chars, reverse=True)
+    ordered = [segments[i] for i in window_order(segments)]
     return [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 
 def plan_window(segments: list, batch_size: int, *, window_index: int, first_batch: int, start: int) -> list[PlannedBatch]:
     """The planned batches of one window whose first batch is number `first_batch` and whose first segment is
-    number `start` of the plan."""
+    number `start` of the plan (and of the input stream: windows are consecutive cuts of it)."""
+    order = window_order(segments)
     out = []
-    for chunk in batches_of_window(segments, batch_size):
-        out.append(PlannedBatch(first_batch + len(out), start, window_index, chunk))
-        start += len(chunk)
+    for i in range(0, len(order), batch_size):
+        idx = order[i:i + batch_size]
+        out.append(PlannedBatch(first_batch + len(out), start + i, window_index, [segments[j] for j in idx],
+                                tuple(start + j for j in idx)))
     return out
 
 
