@@ -1,0 +1,39 @@
+"""Click command `attnkit patterns RUN`: Kovaleva et al.'s pattern types of every (example, head)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..errors import cli_errors
+
+RUN = click.Path(exists=True, file_okay=False, path_type=Path)
+
+
+@click.command("patterns")
+@click.argument("run", type=RUN)
+@click.option("--pairs", type=click.Choice(["auto", "yes", "no"]), default="auto", show_default=True,
+              help="Whether examples are text pairs (block needs two segments); auto: an example whose head "
+                   "puts any mass on another sentence (inter > 0).")
+@click.option("--svg/--no-svg", default=True, show_default=True, help="Also save the figure as SVG.")
+@cli_errors
+def patterns_cmd(run, pairs, svg):
+    """Classify every (example, head) of RUN into Kovaleva et al.'s five pattern types (vertical, diagonal,
+    vertical+diagonal, block, heterogeneous) by the rules in docs/patterns.md; needs RUN/per_sample.npy
+    (`attnkit extract --per-sample`). Writes RUN/patterns.json and RUN/figures/pattern_types.png."""
+    from ..locking import run_lock
+    from ..outputs import os_errors
+    from .patterns import CLASSES, run_patterns
+
+    flag = {"auto": None, "yes": True, "no": False}[pairs]
+    with run_lock(run, "attnkit patterns"), os_errors(f"write into {run}"):
+        path, data = run_patterns(run, pairs=flag, svg=svg)
+    click.echo(f"{data['n_examples']} examples × {data['n_layers']} layers × {data['n_heads']} heads")
+    click.echo("layer  " + " ".join(f"{c:>17}" for c in CLASSES))
+    for l in range(data["n_layers"]):
+        click.echo(f"L{l:<5} " + " ".join(f"{data['per_layer'][c][l]:>17.1%}" for c in CLASSES))
+    click.echo("all    " + " ".join(f"{data['overall'][c]:>17.1%}" for c in CLASSES))
+    click.echo(f"wrote {path}")
+
+
+COMMANDS = (patterns_cmd,)
