@@ -119,10 +119,11 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
 def _add_commands() -> None:
     from .ablation.commands import ablate
     from .analysis.commands import COMMANDS
+    from .analysis.compare_commands import COMMANDS as COMPARE_COMMANDS
     from .analysis.pattern_commands import COMMANDS as PATTERN_COMMANDS
     from .export import export_cmd
 
-    for cmd in (*COMMANDS, *PATTERN_COMMANDS, ablate, export_cmd):
+    for cmd in (*COMMANDS, *PATTERN_COMMANDS, *COMPARE_COMMANDS, ablate, export_cmd):
         main.add_command(cmd)
 
 
