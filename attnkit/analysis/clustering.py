@@ -26,6 +26,8 @@ from ..errors import AttnkitError
 from ..head_features import HeadFeatures
 
 METHODS = ("kmeans", "gmm")
+STABILITY_WARN = 0.8  # below this mean stability over seeds, head types are called unreliable
+DEFAULT_SEEDS = 10  # seeds for the mean and range of the stability
 
 
 def distance_feature_names(names) -> list[str]:
@@ -263,10 +265,31 @@ def cluster(features, *, k=4, method="kmeans", features_subset=None, standardize
                          seed=seed, n_stability=n_stability, subsample=subsample).fit(features)
 
 
-def sweep(features, ks=range(2, 9), progress: bool = False, **kwargs) -> list[dict]:
+def stability_over_seeds(features, *, n_seeds: int = DEFAULT_SEEDS, seed: int = 0, first=None, **kwargs) -> dict:
+    """The stability of `cluster(features, seed=s, **kwargs)` for s = seed .. seed + n_seeds − 1 (each seed
+    changes the reference fit and the random halves): {"n_seeds", "seeds", "values", "mean", "min", "max"}.
+    `first`: an already fitted clusterer for `seed` (its stability is reused)."""
+    if not isinstance(n_seeds, (int, np.integer)) or n_seeds < 1:
+        raise AttnkitError(f"the number of seeds must be a positive integer, got {n_seeds!r}")
+    if not kwargs.get("n_stability", 10):
+        raise AttnkitError("stability over seeds needs stability fits (n_stability > 0)")
+    seeds = [int(seed) + i for i in range(int(n_seeds))]
+    values = [float((first if (first is not None and s == seeds[0]) else cluster(features, seed=s, **kwargs)).stability_)
+              for s in seeds]
+    return seed_summary(seeds, values)
+
+
+def seed_summary(seeds, values) -> dict:
+    v = np.asarray(values, dtype=np.float64)
+    return {"n_seeds": len(seeds), "seeds": [int(s) for s in seeds], "values": [float(x) for x in v],
+            "mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())}
+
+
+def sweep(features, ks=range(2, 9), progress: bool = False, n_seeds: int = 1, **kwargs) -> list[dict]:
     """Stability and silhouette for every k in `ks` (same settings otherwise); `progress` shows a bar
     on stderr (one step per k). Values of k that the number of heads cannot support (k clusters need
-    more than k heads, and a stability subset of at least k heads) are left out."""
+    more than k heads, and a stability subset of at least k heads) are left out. With `n_seeds` > 1 each
+    row also holds the stability's mean, min and max over that many seeds (`stability_over_seeds`)."""
     from tqdm.auto import tqdm
 
     n = features.mean.shape[0] * features.mean.shape[1] if isinstance(features, HeadFeatures) else len(features)
@@ -277,10 +300,19 @@ def sweep(features, ks=range(2, 9), progress: bool = False, **kwargs) -> list[di
     out = []
     for k in tqdm(feasible, desc="sweep over k", unit="k", disable=not progress, dynamic_ncols=True):
         c = cluster(features, k=k, **kwargs)
-        out.append({"k": int(k), "stability": c.stability_, "silhouette": c.silhouette_,
-                    "type_names": list(c.type_names_), "shares": [float(s) for s in c.shares_]})
+        row = {"k": int(k), "stability": c.stability_, "silhouette": c.silhouette_,
+               "type_names": list(c.type_names_), "shares": [float(s) for s in c.shares_]}
+        if n_seeds > 1 and kwargs.get("n_stability", 10):
+            base = int(kwargs.get("seed", 0))
+            rest = {key: v for key, v in kwargs.items() if key != "seed"}
+            values = [c.stability_] + [cluster(features, k=k, seed=base + i, **rest).stability_
+                                       for i in range(1, n_seeds)]
+            summary = seed_summary(range(base, base + n_seeds), values)
+            row.update(stability_mean=summary["mean"], stability_min=summary["min"], stability_max=summary["max"],
+                       n_seeds=int(n_seeds))
+        out.append(row)
     return out
 
 
-__all__ = ["HeadClusterer", "cluster", "sweep", "match_labels", "resolve_subset", "distance_feature_names",
+__all__ = ["HeadClusterer", "cluster", "sweep", "stability_over_seeds", "seed_summary", "STABILITY_WARN", "match_labels", "resolve_subset", "distance_feature_names",
            "head_matrix", "clone"]

@@ -93,9 +93,12 @@ def _with(options):
               help="Fits on random halves of the heads for the stability measure (0: skip).")
 @click.option("--sweep/--no-sweep", default=False, show_default=True,
               help="Also report stability and silhouette for k = 2..8.")
+@click.option("--seeds", "n_seeds", default=10, show_default=True, type=click.IntRange(min=1),
+              help="Repeat the stability measure with this many seeds (seed, seed+1, ...) for its mean and range "
+                   "(1: only --seed).")
 @quiet_option
 @cli_errors
-def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep, quiet):
+def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep, n_seeds, quiet):
     """Group the heads of RUN into types; writes RUN/clusters.json.
 
     Types are named from their centroids (dense, diagonal, dense+vertical, vertical; see
@@ -105,7 +108,7 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
     from ..head_features import HeadFeatures
     from ..locking import run_lock
     from ..outputs import os_errors
-    from .clustering import cluster, sweep as do_sweep
+    from .clustering import STABILITY_WARN, cluster, stability_over_seeds, sweep as do_sweep
     from .results import save_clusters
 
     with run_lock(run, "attnkit cluster"), os_errors(f"write into {run}"):
@@ -114,20 +117,33 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
                     f"{n_stability} stability fits")
         c = cluster(feats, k=k, method=method, features_subset=features, standardize=standardize, seed=seed,
                     n_stability=n_stability)
+        over = None
+        if n_stability and n_seeds > 1:
+            over = stability_over_seeds(feats, n_seeds=n_seeds, seed=seed, first=c, k=k, method=method,
+                                        features_subset=features, standardize=standardize, n_stability=n_stability)
         rows = do_sweep(feats, method=method, features_subset=features, standardize=standardize, seed=seed,
-                        n_stability=n_stability, progress=not quiet) if sweep else None
-        path = save_clusters(run, c, feats, rows)
+                        n_stability=n_stability, progress=not quiet, n_seeds=n_seeds) if sweep else None
+        path = save_clusters(run, c, feats, rows, over)
     click.echo(f"{feats.n_layers} layers × {feats.n_heads} heads, {len(c.feature_names_in_)} features, "
                f"{method}, k = {k}: stability {c.stability_:.3f}, silhouette {c.silhouette_:.3f}")
+    if over is not None:
+        click.echo(f"stability over {over['n_seeds']} seeds: mean {over['mean']:.3f}, range "
+                   f"{over['min']:.3f}–{over['max']:.3f}")
+    judged = over["mean"] if over is not None else c.stability_
+    if judged == judged and judged < STABILITY_WARN:
+        click.echo(f"warning: stability {judged:.3f} is below {STABILITY_WARN}: these head types are not "
+                   "reliable (try another k, or more features)", err=True)
     for j, name in enumerate(c.type_names_):
         click.echo(f"  {j}: {name:<16} {int((c.labels_ == j).sum()):>4} heads ({c.shares_[j]:.1%})")
     click.echo("type ids per layer (rows: layers, columns: heads):")
     for l in range(feats.n_layers):
         click.echo(f"  L{l:<3} " + " ".join(str(int(x)) for x in c.labels_grid_[l]))
     if rows:
-        click.echo("k  stability  silhouette")
+        click.echo("k  stability  silhouette" + ("  stability over seeds (mean, min–max)" if n_seeds > 1 else ""))
         for r in rows:
-            click.echo(f"{r['k']:<2} {r['stability']:>9.3f} {r['silhouette']:>11.3f}")
+            extra = (f"  {r['stability_mean']:.3f} ({r['stability_min']:.3f}–{r['stability_max']:.3f})"
+                     if "stability_mean" in r else "")
+            click.echo(f"{r['k']:<2} {r['stability']:>9.3f} {r['silhouette']:>11.3f}{extra}")
     click.echo(f"wrote {path}")
 
 
@@ -139,16 +155,21 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Samples per batch.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the row sampling.")
+@click.option("--smooth", "smooth", is_flag=False, flag_value=0.001, default=0.0, type=click.FloatRange(0, 1, max_open=True),
+              metavar="[EPS]", help="Smooth every row to (1 − EPS)·A + EPS/n before the divergence, as Clark et al.'s "
+                                    "code (--smooth alone: EPS = 0.001) [default: no smoothing].")
 @quiet_option
 @cli_errors
-def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, device, seed, quiet):
-    """Jensen-Shannon distances between all pairs of heads of RUN's model over a corpus (Clark et al.
-    2019); writes RUN/distances.npz (sums, per-token means, rows counted).
+def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, device, seed, smooth,
+                  quiet):
+    """Jensen-Shannon divergences between all pairs of heads of RUN's model over a corpus (Clark et al.
+    2019; natural logs, between 0 and ln 2 per token; not the metric sqrt(JS)); writes RUN/distances.npz
+    (sums, per-token means, rows counted, smoothing).
 
     Runs the model over the corpus (by default the one in RUN/meta.json, with the run's model and
     max length); the attention maps are recomputed per layer inside the forward (Runtime observers)
     and reduced to a heads × heads matrix per batch, never stored. Uses the compiled js_distances op
-    when it is built for the device, a chunked PyTorch computation otherwise.
+    when it is built for the device and no smoothing is asked for, a chunked PyTorch computation otherwise.
     """
     import numpy as np
 
@@ -167,13 +188,14 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
             raise AttnkitError(f"the model has {shape[0]} × {shape[1]} heads but {run} was measured "
                                f"with {want[0]} × {want[1]}")
         _say(quiet, f"attnkit distances: {len(texts)} segments, {shape[0] * shape[1]} heads")
-        feats, dist = collect_distances(texts, model, rows_per_sample=rows_per_sample, seed=seed,
+        feats, dist = collect_distances(texts, model, rows_per_sample=rows_per_sample, seed=seed, smoothing=smooth,
                                         max_length=int(meta.get("max_length", 128)), batch_size=batch_size,
                                         num_windows=int(meta.get("num_windows", 16)), progress=not quiet)
         path = dist.save(run)
     pt = dist.per_token
     off = pt[~np.eye(pt.shape[0], dtype=bool)]
-    click.echo(f"{len(texts)} segments, {dist.n_rows} query tokens: mean JS per token between heads "
+    smoothed = f" (rows smoothed with ε = {smooth:g})" if smooth else ""
+    click.echo(f"{len(texts)} segments, {dist.n_rows} query tokens{smoothed}: mean JS divergence per token between heads "
                f"{off.mean():.4f} (min {off.min():.4f}, max {off.max():.4f}); wrote {path}")
 
 
@@ -245,6 +267,12 @@ def compare_cmd(run_a, run_b, json_out, quiet):
         ensure_writable_dir(json_out.parent, "output directory")
     res = compare(load_clusters(run_a, _run_shape(run_a)), load_clusters(run_b, _run_shape(run_b)))
     click.echo(f"{res['n_changed']} of {res['n_heads']} heads changed type")
+    if not res["reliable"]:
+        st = res["stability"]
+        click.echo("warning: type changes are unreliable: clustering stability "
+                   + ", ".join(f"{run} {'unknown' if st[s] is None else format(st[s], '.3f')}"
+                               for s, run in (("a", run_a), ("b", run_b)))
+                   + f" (below {res['stability_threshold']} in at least one run)", err=True)
     for key, n in res["transitions"].items():
         click.echo(f"  {key}: {n}")
     for side, run in (("a", run_a), ("b", run_b)):
@@ -253,7 +281,9 @@ def compare_cmd(run_a, run_b, json_out, quiet):
         for t, counts in dist.items():
             click.echo(f"  {t:<16} " + " ".join(f"{c:>3}" for c in counts))
     if res["changed"]:
-        click.echo("changed heads: " + ", ".join(f"L{c['layer']}H{c['head']} {c['a']}→{c['b']}" for c in res["changed"]))
+        mark = "" if res["reliable"] else " (unreliable)"
+        click.echo(f"changed heads{mark}: " + ", ".join(f"L{c['layer']}H{c['head']} {c['a']}→{c['b']}"
+                                                          for c in res["changed"]))
     if json_out:
         into_run = (json_out.parent / FEATURES_FILE).is_file()  # writing into a run directory: lock it
         with run_lock(json_out.parent, "attnkit compare") if into_run else contextlib.nullcontext():

@@ -14,6 +14,12 @@ weights of all layers of one forward through the Runtime's `observers` hook (rec
 with `attnkit.reference.attention_weights`) and adds the batch's distances when the last layer has
 been seen. It uses the compiled op `torch.ops.attnkit.js_distances` when the extension has a kernel
 for the device (and every valid row is kept), the chunked PyTorch computation otherwise.
+
+Smoothing (Clark et al.'s code): with `smoothing` ε > 0 every row is replaced by (1 − ε)·A + ε/n over the
+sample's n valid keys before the divergence (Clark: ε = 0.001), which keeps rows that put all their mass on
+different keys from saturating at ln 2 alone. Smoothed distances use the chunked PyTorch path (the op computes
+the unsmoothed divergence only). Whatever the smoothing, the values are Jensen-Shannon *divergences* (natural
+logs), not the metric sqrt(JS).
 """
 from __future__ import annotations
 
@@ -30,6 +36,18 @@ from ..schemas import DISTANCES_ARRAYS, validate_arrays
 
 DISTANCES_FILE = "distances.npz"
 JS_OP = "attnkit::js_distances"
+CLARK_SMOOTHING = 0.001  # ε in 0.999·A + 0.001/n (Clark et al.'s code)
+
+
+def smooth_attention(attn: torch.Tensor, lengths: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """(1 − ε)·A + ε/n on the n valid keys of each sample (padded keys stay 0); a new fp32 tensor."""
+    if not 0.0 <= float(smoothing) < 1.0:
+        raise AttnkitError(f"smoothing must lie in [0, 1), got {smoothing}")
+    B, M, L = _check_attn(attn, lengths)
+    lengths = lengths.to(attn.device).long()
+    valid = (torch.arange(L, device=attn.device)[None, :] < lengths[:, None]).float()  # B×L
+    add = (float(smoothing) / lengths.float())[:, None] * valid  # B×L
+    return attn.float() * (1.0 - float(smoothing)) + add[:, None, None, :]
 
 
 def _check_attn(attn: torch.Tensor, lengths: torch.Tensor) -> tuple[int, int, int]:
@@ -98,21 +116,26 @@ def js_from_rows(rows: torch.Tensor, max_elems: int = 1 << 24) -> torch.Tensor:
 
 def js_distances(attn: torch.Tensor, lengths: torch.Tensor, *, rows_per_sample: int | None = None,
                  generator: torch.Generator | None = None, use_op: bool | None = None,
-                 max_elems: int = 1 << 24) -> tuple[torch.Tensor, int]:
-    """(M×M fp64 JS sums, number of rows used) for B×M×L×L weights (padded keys 0) of one batch.
+                 max_elems: int = 1 << 24, smoothing: float = 0.0) -> tuple[torch.Tensor, int]:
+    """(M×M fp64 JS divergence sums, number of rows used) for B×M×L×L weights (padded keys 0) of one batch.
 
-    `use_op`: None picks `torch.ops.attnkit.js_distances` when it has a kernel for the device and
-    no row sampling is asked for; False forces the chunked PyTorch computation.
+    `use_op`: None picks `torch.ops.attnkit.js_distances` when it has a kernel for the device, no row
+    sampling and no smoothing is asked for; False forces the chunked PyTorch computation. `smoothing`: ε of
+    Clark et al.'s (1 − ε)·A + ε/n (0: none).
     """
     B, M, L = _check_attn(attn, lengths)
     lengths = lengths.to(attn.device).long()
     if use_op is None:
         from .. import ops
 
-        use_op = rows_per_sample is None and ops.has_kernel(attn.device.type, JS_OP)
+        use_op = rows_per_sample is None and not smoothing and ops.has_kernel(attn.device.type, JS_OP)
+    if smoothing:
+        attn = smooth_attention(attn, lengths, smoothing)
     if use_op:
         if rows_per_sample is not None:
             raise AttnkitError("the js_distances op uses every valid row; row sampling needs use_op=False")
+        if smoothing:
+            raise AttnkitError("the js_distances op computes unsmoothed divergences; smoothing needs use_op=False")
         from .. import ops
 
         return ops.js_distances(attn, lengths).double().cpu(), int(lengths.sum())
@@ -131,11 +154,14 @@ class DistanceCollector:
     """
 
     def __init__(self, n_layers: int, *, rows_per_sample: int | None = None, seed: int = 0,
-                 use_op: bool | None = None, max_elems: int = 1 << 24):
+                 use_op: bool | None = None, max_elems: int = 1 << 24, smoothing: float = 0.0):
         if n_layers < 1:
             raise AttnkitError(f"n_layers must be positive, got {n_layers}")
         self.n_layers = int(n_layers)
         self.rows_per_sample = rows_per_sample
+        if not 0.0 <= float(smoothing) < 1.0:
+            raise AttnkitError(f"smoothing must lie in [0, 1), got {smoothing}")
+        self.smoothing = float(smoothing)
         self.use_op = use_op
         self.max_elems = max_elems
         self.generator = torch.Generator().manual_seed(seed)
@@ -168,7 +194,8 @@ class DistanceCollector:
         self.n_heads = self._pending[0].shape[1]
         self._pending = {}
         d, n = js_distances(attn, self._lengths, rows_per_sample=self.rows_per_sample,
-                            generator=self.generator, use_op=self.use_op, max_elems=self.max_elems)
+                            generator=self.generator, use_op=self.use_op, max_elems=self.max_elems,
+                            smoothing=self.smoothing)
         d = d.numpy()
         self.sum = d if self.sum is None else self.sum + d
         self.n_rows += n
@@ -180,11 +207,13 @@ class DistanceCollector:
         if self.sum is None:
             raise AttnkitError("no forward was observed: no distances to report")
         return HeadDistances(self.sum, self.n_rows, self.n_layers, int(self.n_heads),
-                             {"rows_per_sample": self.rows_per_sample, "n_batches": self.n_batches})
+                             {"rows_per_sample": self.rows_per_sample, "n_batches": self.n_batches,
+                              "smoothing": self.smoothing})
 
 
 class HeadDistances:
-    """JS sums between heads (M×M, M = n_layers·n_heads), rows counted, and settings."""
+    """Jensen-Shannon divergence sums between heads (M×M, M = n_layers·n_heads), rows counted, and settings
+    (`meta["smoothing"]`: ε of the smoothing applied before the divergence, 0 for none)."""
 
     def __init__(self, total: np.ndarray, n_rows: int, n_layers: int, n_heads: int, meta: dict | None = None):
         total = np.asarray(total, dtype=np.float64)
@@ -206,7 +235,8 @@ class HeadDistances:
         atomic_write(directory / DISTANCES_FILE, lambda f: np.savez(
             f, total=self.total, per_token=self.per_token, n_rows=np.int64(self.n_rows),
             n_layers=np.int64(self.n_layers), n_heads=np.int64(self.n_heads),
-            rows_per_sample=np.int64(-1 if self.meta.get("rows_per_sample") is None else self.meta["rows_per_sample"])))
+            rows_per_sample=np.int64(-1 if self.meta.get("rows_per_sample") is None else self.meta["rows_per_sample"]),
+            smoothing=np.float64(self.meta.get("smoothing", 0.0)), measure=np.array("jensen-shannon divergence")))
         return directory / DISTANCES_FILE
 
     @classmethod
@@ -236,22 +266,24 @@ class HeadDistances:
             raise AttnkitError(f"{path}: array 'total' is not a distance matrix (negative or not symmetric)")
         rps = int(arrays["rows_per_sample"]) if "rows_per_sample" in arrays and arrays["rows_per_sample"].ndim == 0 \
             else -1
-        return cls(total, n_rows, L, H, {"rows_per_sample": None if rps < 0 else rps})
+        smoothing = float(arrays["smoothing"]) if "smoothing" in arrays and arrays["smoothing"].ndim == 0 else 0.0
+        return cls(total, n_rows, L, H, {"rows_per_sample": None if rps < 0 else rps, "smoothing": smoothing})
 
 
 def collect_distances(texts, model=None, *, rows_per_sample: int | None = None, seed: int = 0,
-                      use_op: bool | None = None, **extract_kwargs):
-    """Extract features and JS distances in one pass over `texts`: returns (HeadFeatures, HeadDistances)."""
+                      use_op: bool | None = None, smoothing: float = 0.0, **extract_kwargs):
+    """Extract features and JS divergences in one pass over `texts`: returns (HeadFeatures, HeadDistances).
+    `smoothing`: ε of Clark et al.'s (1 − ε)·A + ε/n before the divergence (CLARK_SMOOTHING = 0.001)."""
     from ..extraction import _as_model, extract
     from ..models import attention_modules
 
     model, tokenizer = _as_model(model, extract_kwargs.pop("tokenizer", None), extract_kwargs.pop("device", None),
                                  extract_kwargs.pop("dtype", None))
     collector = DistanceCollector(len(attention_modules(model)), rows_per_sample=rows_per_sample, seed=seed,
-                                  use_op=use_op)
+                                  use_op=use_op, smoothing=smoothing)
     feats = extract(texts, (model, tokenizer), observers=[collector], **extract_kwargs)
     return feats, collector.result()
 
 
-__all__ = ["js_distances", "js_from_rows", "valid_rows", "DistanceCollector", "HeadDistances",
+__all__ = ["js_distances", "js_from_rows", "smooth_attention", "CLARK_SMOOTHING", "valid_rows", "DistanceCollector", "HeadDistances",
            "collect_distances", "DISTANCES_FILE"]

@@ -187,6 +187,9 @@ def stability_sweep(rows):
     ks = [r["k"] for r in rows]
     fig, ax = plt.subplots(figsize=(5.6, 3.6))
     ax.plot(ks, [r["stability"] for r in rows], "o-", label="stability (share of heads stable in all fits)")
+    if all("stability_min" in r for r in rows):
+        ax.fill_between(ks, [r["stability_min"] for r in rows], [r["stability_max"] for r in rows], alpha=0.2,
+                        label=f"range over {rows[0].get('n_seeds', '')} seeds")
     ax.plot(ks, [r["silhouette"] for r in rows], "s--", label="silhouette")
     ax.set_xlabel("k (number of clusters)")
     ax.set_ylim(-0.05, 1.05)

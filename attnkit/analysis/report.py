@@ -16,7 +16,8 @@ from ..head_features import HeadFeatures, atomic_write
 from . import figures as figs
 from .clustering import cluster, distance_feature_names, head_matrix, sweep
 from .distances import DISTANCES_FILE, HeadDistances
-from .results import CLUSTERS_FILE, label_grid, load_clusters, save_clusters
+from .clustering import STABILITY_WARN, stability_over_seeds
+from .results import CLUSTERS_FILE, label_grid, load_clusters, run_stability, save_clusters
 
 REPORT_FILE = "report.html"
 FIGURES_DIR = "figures"
@@ -32,6 +33,7 @@ figcaption{font-size:13px;color:#555}.note{color:#666;font-size:13px}.swatch{dis
 width:.9em;height:.9em;border-radius:2px;vertical-align:middle;margin-right:4px}
 details{margin:.6em 0}summary{cursor:pointer;font-weight:600}
 .scroll{max-height:520px;overflow:auto;display:inline-block;border:1px solid #eee}
+.warn{color:#a40000}
 """
 
 
@@ -133,6 +135,35 @@ def _example_texts(texts, n: int, tokenizer, lo: int = 14, hi: int = 40) -> list
     return chosen
 
 
+def _clark_section(features, save) -> str:
+    """Clark et al. Fig. 2-style per-layer summaries, heads above the papers' thresholds, departures."""
+    from . import summaries as sm
+
+    summ = sm.layer_summaries(features)
+    saved = save(sm.layer_summary_figure(summ), "layer_summaries")
+    labels = list(summ["per_layer"])
+    rows = [[l] + [_fmt(summ["per_layer"][k][l]) for k in labels] for l in range(features.n_layers)]
+    html_ = ("<h2>Per-layer summaries (Clark et al.)</h2>" + _img(
+        saved, f"Mean attention to [CLS], [SEP] and punctuation per layer (dots: heads), and entropy with the "
+               f"uniform baseline ln n = {summ['uniform_entropy']:.2f} (n = {summ['n_mean_tokens']:.1f} mean "
+               "tokens per sample).") + _table(["layer"] + labels, rows, left=()))
+    th = sm.threshold_heads(features)
+    cuts = {"previous token": f"> {sm.PREV_NEXT_MIN}", "next token": f"> {sm.PREV_NEXT_MIN}",
+            "[CLS]": f"> {sm.SPECIAL_MIN}", "[SEP]": f"> {sm.SPECIAL_MIN}", "punctuation": f"> {sm.SPECIAL_MIN}",
+            "broad": f"entropy > {sm.BROAD_FRACTION} · ln n = {sm.BROAD_FRACTION * summ['uniform_entropy']:.2f}"}
+    trows = [(_e(k), _e(cuts[k]), len(v), _e(", ".join(f"L{r['layer']}H{r['head']} ({r['value']:.2f})" for r in v)
+                                           or "none"))
+             for k, v in th.items()]
+    html_ += "<h3>Heads above the papers' thresholds</h3>" + _table(["attention to", "threshold", "heads", "which"],
+                                                                      trows, left=(0, 1, 3))
+    notes = sm.paper_differences(features)
+    html_ += "<h3>Differs from the paper</h3>" + (
+        "<ul>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>" if notes else
+        '<p class="note">No departure from Clark et al.\'s main findings was detected by the checks in '
+        "attnkit.analysis.summaries.</p>")
+    return html_
+
+
 def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, examples: int = 0,
                  texts=None, model=None, do_sweep: bool = True, title: str | None = None, svg: bool = True,
                  progress: bool = False) -> Path:
@@ -163,7 +194,8 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
     else:
         c = cluster(features, k=k, method=method, seed=seed)
         rows = sweep(features, method=method, seed=seed, progress=progress) if do_sweep else None
-        save_clusters(run_dir, c, features, rows)
+        over = stability_over_seeds(features, seed=seed, first=c, k=k, method=method)
+        save_clusters(run_dir, c, features, rows, over)
         data = load_clusters(run_dir)
         notes.append(f"{CLUSTERS_FILE} was missing; clustered now with k = {k}, method {method}, seed {seed}.")
     labels = label_grid(data).ravel()
@@ -192,6 +224,14 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
     text = (f"<p>k = {st['k']}: stability <b>{_fmt(st['stability'])}</b> (share of heads given the same "
             f"label by all {st['n_stability']} fits on random halves of the heads, labels matched by the "
             f"Hungarian method), silhouette {_fmt(st['silhouette'])}.</p>")
+    over = st.get("over_seeds")
+    if over:
+        text += (f"<p>Over {over['n_seeds']} seeds ({over['seeds'][0]}–{over['seeds'][-1]}): stability mean "
+                 f"<b>{_fmt(over['mean'])}</b>, range {_fmt(over['min'])}–{_fmt(over['max'])}.</p>")
+    judged = run_stability(data)
+    if judged is not None and judged < STABILITY_WARN:
+        text += (f'<p class="warn"><b>Warning:</b> stability {_fmt(judged)} is below {STABILITY_WARN}: the head '
+                 "types below are not reliable (another k or other features may group the heads differently).</p>")
     sections.append("<h2>Head types</h2>" + text + _table(
         ["type", "heads", "share", "special", "cls", "sep", "punct", "near_r", "far_r"], crow) +
         '<p class="note">special = weight on [CLS]+[SEP]+comma+period; near_r, far_r = shares of the '
@@ -203,7 +243,11 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
     sections.append(_img(saved, "Distance features of the heads of each type (cf. Guan et al. Fig. 1, bottom)."))
 
     if st.get("sweep"):
-        srows = [(r["k"], _fmt(r["stability"]), _fmt(r["silhouette"]), _e(", ".join(r["type_names"])))
+        seeded = all("stability_mean" in r for r in st["sweep"])
+        srows = [(r["k"], _fmt(r["stability"])
+                  + (f" (mean {_fmt(r['stability_mean'])}, {_fmt(r['stability_min'])}–{_fmt(r['stability_max'])} "
+                     f"over {r.get('n_seeds', '?')} seeds)" if seeded else ""),
+                  _fmt(r["silhouette"]), _e(", ".join(r["type_names"])))
                  for r in st["sweep"]]
         saved = save(figs.stability_sweep(st["sweep"]), "stability_sweep")
         sections.append("<h2>Stability over k</h2>" + _table(["k", "stability", "silhouette", "types"], srows,
@@ -225,7 +269,9 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
         layers = np.repeat(np.arange(L), H)
         saved = save(figs.mds_maps(xy, labels, type_names, layers, head_ids), "mds_js")
         sections.append(_img(saved, f"Metric MDS of the Jensen-Shannon divergences between heads (mean per "
-                                    f"token over {dist.n_rows} query tokens), coloured by type and by layer "
+                                    f"token over {dist.n_rows} query tokens"
+                                    + (f", rows smoothed with ε = {dist.meta['smoothing']:g}" if dist.meta.get("smoothing") else "")
+                                    + "), coloured by type and by layer "
                                     f"(cf. Clark et al. Fig. 6)."))
         pt = dist.per_token
         same = np.repeat(np.arange(L), H)
@@ -241,6 +287,8 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
     saved = save(figs.feature_heatmaps(features), "feature_heatmaps")
     sections.append("<h2>Features per layer and head</h2>" +
                     _img(saved, "Per layer × head means over the corpus (cf. Clark et al. Figs. 2 and 6)."))
+
+    sections.append(_clark_section(features, save))
 
     # examples
     if examples > 0:

@@ -8,8 +8,11 @@ Layout (version 1):
      "clusters": [{"label", "type", "n_heads", "share", "centroid": {feature: value},
                    "profile": {"special", "near_r", "far_r", ...}}, ...],
      "stability": {"k", "stability", "silhouette", "n_stability", "sweep": [{"k", "stability",
-                   "silhouette", "type_names", "shares"}, ...] or null}}
-`agreement` is the share of stability fits that gave the head its final label.
+                   "silhouette", "type_names", "shares", ["stability_mean", "stability_min",
+                   "stability_max", "n_seeds"]}, ...] or null,
+                   "over_seeds": {"n_seeds", "seeds", "values", "mean", "min", "max"} or absent}}
+`agreement` is the share of stability fits that gave the head its final label; `over_seeds` repeats the
+whole stability measure with other seeds (`attnkit.analysis.clustering.stability_over_seeds`).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ def _num(x):
     return None if math.isnan(x) else x
 
 
-def clusters_dict(clusterer, features=None, sweep_rows=None) -> dict:
+def clusters_dict(clusterer, features=None, sweep_rows=None, seeds=None) -> dict:
     """The clusters.json content of a fitted HeadClusterer (fitted on HeadFeatures)."""
     if getattr(clusterer, "grid_shape_", None) is None:
         raise AttnkitError("clusters.json needs a clusterer fitted on HeadFeatures (layers × heads)")
@@ -68,13 +71,14 @@ def clusters_dict(clusterer, features=None, sweep_rows=None) -> dict:
         "stability": {"k": int(clusterer.k), "stability": _num(clusterer.stability_),
                       "silhouette": _num(clusterer.silhouette_), "n_stability": int(clusterer.n_stability),
                       "sweep": [{key: (_num(v) if isinstance(v, float) else v) for key, v in r.items()}
-                                for r in sweep_rows] if sweep_rows is not None else None},
+                                for r in sweep_rows] if sweep_rows is not None else None,
+                      **({"over_seeds": seeds} if seeds is not None else {})},
     }
 
 
-def save_clusters(run_dir, clusterer, features=None, sweep_rows=None) -> Path:
+def save_clusters(run_dir, clusterer, features=None, sweep_rows=None, seeds=None) -> Path:
     path = ensure_writable_dir(run_dir, "run directory") / CLUSTERS_FILE
-    write_json(path, clusters_dict(clusterer, features, sweep_rows))
+    write_json(path, clusters_dict(clusterer, features, sweep_rows, seeds))
     return path
 
 
@@ -164,14 +168,27 @@ def type_distribution(data: dict) -> dict:
     return {t: [int(np.sum(row == t)) for row in grid] for t in names}
 
 
+def run_stability(data: dict) -> float | None:
+    """The stability to judge a clustering by: the mean over seeds when recorded, else the single value."""
+    st = data.get("stability") or {}
+    over = st.get("over_seeds")
+    if over and over.get("mean") is not None:
+        return float(over["mean"])
+    return None if st.get("stability") is None else float(st["stability"])
+
+
 def compare(a: dict, b: dict) -> dict:
     """Compare two clusters.json contents of the same architecture by type name.
 
     Returns {"n_heads", "n_changed", "changed": [{"layer", "head", "a", "b"}], "transitions":
     {"a -> b": count}, "per_layer": {"a": type_distribution(a), "b": type_distribution(b)}}.
     Types are compared by name, so two runs must name their clusters with the same rules (they do:
-    names come from the centroids, not from label ids).
+    names come from the centroids, not from label ids). "reliable" is false when either run's clustering
+    stability (`run_stability`) is below STABILITY_WARN (or unknown): its type changes may be an artefact of
+    the clustering; "stability" gives both values and every changed head carries the same flag.
     """
+    from .clustering import STABILITY_WARN
+
     ga, gb = type_grid(a), type_grid(b)
     if ga.shape != gb.shape:
         raise AttnkitError(f"cannot compare runs of different shapes: {ga.shape} vs {gb.shape} (layers × heads)")
@@ -182,10 +199,15 @@ def compare(a: dict, b: dict) -> dict:
                 changed.append({"layer": l, "head": h, "a": ga[l, h], "b": gb[l, h]})
                 key = f"{ga[l, h]} -> {gb[l, h]}"
                 transitions[key] = transitions.get(key, 0) + 1
+    stab = {"a": run_stability(a), "b": run_stability(b)}
+    reliable = all(v is not None and v >= STABILITY_WARN for v in stab.values())
+    for c in changed:
+        c["reliable"] = reliable
     return {"n_heads": int(ga.size), "n_changed": len(changed), "changed": changed,
+            "reliable": reliable, "stability": stab, "stability_threshold": STABILITY_WARN,
             "transitions": dict(sorted(transitions.items(), key=lambda kv: -kv[1])),
             "per_layer": {"a": type_distribution(a), "b": type_distribution(b)}}
 
 
 __all__ = ["CLUSTERS_FILE", "clusters_dict", "save_clusters", "load_clusters", "check_clusters", "clusters_path", "type_grid", "label_grid",
-           "type_distribution", "compare"]
+           "type_distribution", "compare", "run_stability"]
