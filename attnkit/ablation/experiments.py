@@ -8,7 +8,10 @@
 * `importance` — Michel et al.: gradient importance + iterative pruning (see `importance.py`).
 
 Each experiment returns a `ResultTable` (baseline row first) that saves CSV, JSON and Markdown, and
-draws its figure with matplotlib.
+draws its figure with matplotlib. When the evaluation leaves per-example outputs (`evaluate.last_examples`,
+an `attnkit.ablation.metrics.ExampleScores`), every row's change of the main metric gets a paired bootstrap
+95% interval (columns delta_<metric>_lo / _hi; the same resamples of the examples for every setting), shown
+in the tables and as error bars in the figures.
 """
 from __future__ import annotations
 
@@ -49,8 +52,14 @@ class TaskEvaluator:
         self.main_metric = task.main_metric
 
     def __call__(self, iv: Intervention) -> dict:
+        self.task.last_examples = None
         with intervene(self.model, iv):
             return self.task.evaluate(self.model, self.tokenizer, limit=self.limit, batch_size=self.batch_size)
+
+    @property
+    def last_examples(self):
+        """Per-example outputs of the last evaluation (`ExampleScores`), when the task leaves them."""
+        return getattr(self.task, "last_examples", None)
 
 
 @dataclass
@@ -112,9 +121,34 @@ def _json_default(o):
     raise TypeError(type(o).__name__)
 
 
+N_BOOT = 1000
+LEVEL = 0.95
+
+
+class DeltaIntervals:
+    """Paired bootstrap intervals of main-metric changes against the first (baseline) evaluation."""
+
+    def __init__(self, n_boot: int = N_BOOT, seed: int = 0, level: float = LEVEL):
+        self.n_boot, self.seed, self.level = n_boot, seed, level
+        self.draws = self.base = None
+
+    def add(self, row: dict, key: str, examples) -> None:
+        """Put the interval of row[key] into row[key + "_lo"], row[key + "_hi"] (nan without examples)."""
+        from .metrics import bootstrap_values, percentile_interval, resample_indices
+
+        if examples is None or self.n_boot == 0:
+            return
+        if self.draws is None:
+            self.draws = resample_indices(examples.n, self.n_boot, self.seed)
+            self.base = bootstrap_values(examples, self.draws)
+        lo, hi = percentile_interval(bootstrap_values(examples, self.draws) - self.base, self.level)
+        row[f"{key}_lo"], row[f"{key}_hi"] = lo, hi
+
+
 def run_settings(experiment: str, settings: list[Setting], evaluate: Callable[[Intervention], dict], main_metric: str,
-                 progress: bool = True) -> ResultTable:
-    """Evaluate every setting (the first must be the baseline) → table with Δ of the main metric."""
+                 progress: bool = True, n_boot: int = N_BOOT, seed: int = 0) -> ResultTable:
+    """Evaluate every setting (the first must be the baseline) → table with Δ of the main metric (and its
+    paired bootstrap 95% interval from `n_boot` resamples when `evaluate.last_examples` is available)."""
     if not settings:
         raise AttnkitError("no settings to evaluate")
     rows = []
@@ -124,6 +158,7 @@ def run_settings(experiment: str, settings: list[Setting], evaluate: Callable[[I
 
         it = tqdm(settings, desc=experiment, unit="setting", dynamic_ncols=True)
     base = None
+    intervals = DeltaIntervals(n_boot, seed)
     for s in it:
         m = evaluate(s.intervention)
         if main_metric not in m:
@@ -135,6 +170,7 @@ def run_settings(experiment: str, settings: list[Setting], evaluate: Callable[[I
                                f"hold only NaN; check the data file's gold labels or scores")
         row = {"setting": s.name, **s.info, **{k: v for k, v in m.items()}}
         row[f"delta_{main_metric}"] = m[main_metric] - base
+        intervals.add(row, f"delta_{main_metric}", getattr(evaluate, "last_examples", None))
         rows.append(row)
     undefined = [r["setting"] for r in rows if isinstance(r[main_metric], float) and math.isnan(r[main_metric])]
     if undefined:
@@ -218,20 +254,37 @@ def heads_figure(table: ResultTable, shape, path: str, title: str = "") -> str:
     lim = lim or 1.0
     fig, ax = plt.subplots(figsize=(1.0 + 0.55 * shape[1], 1.0 + 0.5 * shape[0]))
     im = ax.imshow(grid, cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto")
+    sure = np.zeros(shape, dtype=bool)  # the bootstrap interval excludes 0
+    for r in table.rows[1:]:
+        lo, hi = r.get(f"{key}_lo"), r.get(f"{key}_hi")
+        sure[r["layer"], r["head"]] = lo is not None and hi is not None and (lo > 0 or hi < 0)
     for (l, h), v in np.ndenumerate(grid):
         if np.isfinite(v):
-            ax.text(h, l, f"{v:.1f}", ha="center", va="center", fontsize=7)
+            ax.text(h, l, f"{v:.1f}" + ("*" if sure[l, h] else ""), ha="center", va="center", fontsize=7)
     ax.set_xticks(range(shape[1]))
     ax.set_yticks(range(shape[0]))
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     base = table.rows[0][table.main_metric]
-    ax.set_title(title or f"Δ {table.main_metric} when one head is disabled (baseline {base:.2f})")
+    has_ci = any(f"{key}_lo" in r for r in table.rows)
+    ax.set_title(title or f"Δ {table.main_metric} when one head is disabled (baseline {base:.2f})"
+                 + ("\n* the 95% bootstrap interval excludes 0" if has_ci else ""), fontsize=9)
     fig.colorbar(im, ax=ax, label=f"Δ {table.main_metric}")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
+
+
+def _error_bars(table: ResultTable, rows) -> np.ndarray | None:
+    """2 × len(rows) distances from each row's metric to the ends of its change's bootstrap interval (the
+    metric is baseline + change, so its interval is baseline + the change's); None without intervals."""
+    key = f"delta_{table.main_metric}"
+    if not any(f"{key}_lo" in r for r in rows):
+        return None
+    lo = [r[key] - r.get(f"{key}_lo", np.nan) for r in rows]
+    hi = [r.get(f"{key}_hi", np.nan) - r[key] for r in rows]
+    return np.clip(np.array([lo, hi], dtype=np.float64), 0.0, None)
 
 
 def bars_figure(table: ResultTable, path: str, title: str = "") -> str:
@@ -240,8 +293,12 @@ def bars_figure(table: ResultTable, path: str, title: str = "") -> str:
     vals = [r[table.main_metric] for r in rows]
     names = [r["setting"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 0.8 + 0.28 * len(rows)))
-    ax.barh(range(len(rows)), vals, color="#4c72b0")
+    err = _error_bars(table, rows)
+    ax.barh(range(len(rows)), vals, color="#4c72b0", xerr=err, error_kw={"ecolor": "#333", "capsize": 2, "lw": 0.8})
     finite = [v for v in vals + [table.rows[0][table.main_metric]] if v == v]
+    if err is not None:
+        finite += [v - e for v, e in zip(vals, err[0]) if v == v and e == e]
+        finite += [v + e for v, e in zip(vals, err[1]) if v == v and e == e]
     if finite:  # start the axis near the smallest bar so small differences stay visible
         lo, hi = min(finite), max(finite)
         ax.set_xlim(lo - 0.1 * (hi - lo) - 0.5, hi + 0.05 * (hi - lo) + 0.5)
@@ -271,7 +328,8 @@ def importance_figure(table: ResultTable, path: str, title: str = "") -> str:
                  "head importance |∂L/∂ξ|")
     fig.colorbar(im, ax=a1)
     share = [100 * r["share"] for r in table.rows]
-    a2.plot(share, [r[table.main_metric] for r in table.rows], marker="o")
+    err = _error_bars(table, table.rows)
+    a2.errorbar(share, [r[table.main_metric] for r in table.rows], yerr=err, marker="o", capsize=2)
     a2.set_xlabel("% heads pruned")
     a2.set_ylabel(table.main_metric)
     a2.set_title(title or "iterative pruning by importance")
@@ -286,31 +344,41 @@ def importance_figure(table: ResultTable, path: str, title: str = "") -> str:
 def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], dict], main_metric: str, *,
                    mode: str = "zero", head_types: HeadTypes | None = None, losses=None, step: float = 0.1,
                    max_share: float = 1.0, normalize_layers: bool = True, renormalize: bool = False,
-                   progress: bool = True) -> ResultTable:
+                   progress: bool = True, n_boot: int = N_BOOT) -> ResultTable:
     shape = Intervention.for_model(model).shape
     if experiment == "heads":
-        return run_settings("heads", heads_settings(shape, mode), evaluate, main_metric, progress)
+        return run_settings("heads", heads_settings(shape, mode), evaluate, main_metric, progress, n_boot)
     if experiment == "layers":
-        return run_settings("layers", layers_settings(shape, mode), evaluate, main_metric, progress)
+        return run_settings("layers", layers_settings(shape, mode), evaluate, main_metric, progress, n_boot)
     if experiment == "types":
         if head_types is None:
             raise AttnkitError("the types experiment needs head types: pass --clusters RUN (a run with clusters.json)")
-        return run_settings("types", types_settings(shape, head_types, renormalize), evaluate, main_metric, progress)
+        return run_settings("types", types_settings(shape, head_types, renormalize), evaluate, main_metric, progress,
+                            n_boot)
     if experiment == "importance":
         if losses is None:
             raise AttnkitError("the importance experiment needs the task's differentiable loss")
-        res = iterative_pruning(model, evaluate, losses, mode=mode, step=step, max_share=max_share,
+        examples = []
+
+        def evaluate_and_keep(iv):
+            m = evaluate(iv)
+            examples.append(getattr(evaluate, "last_examples", None))
+            return m
+
+        res = iterative_pruning(model, evaluate_and_keep, losses, mode=mode, step=step, max_share=max_share,
                                 normalize_layers=normalize_layers, progress=progress)
+        intervals = DeltaIntervals(n_boot)
         base = res["steps"][0]["metrics"][main_metric]
         rows = []
         prev: list = []
-        for s in res["steps"]:
+        for i, s in enumerate(res["steps"]):
             new = [h for h in s["heads"] if h not in prev]
             prev = s["heads"]
             row = {"setting": "baseline" if s["pruned"] == 0 else f"prune {s['pruned']} heads",
                    "pruned": s["pruned"], "share": s["share"], **s["metrics"],
                    f"delta_{main_metric}": s["metrics"][main_metric] - base,
                    "newly_pruned": format_heads(new)}
+            intervals.add(row, f"delta_{main_metric}", examples[i] if i < len(examples) else None)
             rows.append(row)
         imp = res["importance"]
         extra = {"importance": imp["importance"], "importance_raw": imp["raw"], "importance_n": imp["n"],

@@ -96,6 +96,7 @@ class Task:
     main_metric = ""
     model_task: str | None = None  # the `task` argument of attnkit.load_model
     max_length = 128
+    last_examples = None  # metrics.ExampleScores of the last evaluate(), for bootstrap intervals
 
     path = ""
 
@@ -193,6 +194,8 @@ class StsbTask(Task):
         cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).numpy()
         gold = np.array([e[2] for e in ex])
         check_gold_varies(self.path, gold)
+        self.last_examples = metrics.ExampleScores({"pred": cos, "gold": gold},
+                                                   lambda a: metrics.spearman(a["pred"], a["gold"]))
         return {"spearman": metrics.spearman(cos, gold), "pearson": metrics.pearson(cos, gold), "n": n}
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
@@ -351,6 +354,8 @@ class GlueTask(Task):
         positive = self._label_ids(model).get("1", 1) if not regression else 1
         out = self.score(pred, gold, positive)
         out["n"] = n
+        self.last_examples = metrics.ExampleScores(
+            {"pred": pred, "gold": gold}, lambda a: self.score(a["pred"], a["gold"], positive)[self.main_metric])
         return out
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
@@ -487,6 +492,9 @@ class SquadTask(Task):
             golds[qid] = answers
         out = metrics.squad_scores(preds, golds)
         out["n"] = n
+        _, em, f1s = metrics.squad_per_question(preds, golds)
+        self.last_examples = metrics.ExampleScores(
+            {"exact": em, "f1": f1s}, lambda a: 100.0 * float(np.mean(a[self.main_metric])))
         return out
 
     def answer_positions(self, f) -> tuple[int, int]:
@@ -587,15 +595,23 @@ class MlmTask(Task):
         n = len(subset(len(self.examples), limit))
         correct = total = 0
         nll = 0.0
+        per_example = {}  # example -> (correct, masked)
         with torch.inference_mode():
-            for _, batch, labels in self._masked(tokenizer, limit, batch_size):
+            for orig, batch, labels in self._masked(tokenizer, limit, batch_size):
                 logits = forward(model, batch).logits.float().cpu()
                 sel = labels != -100
+                hit = (logits.argmax(-1) == labels) & sel
+                for b, j in enumerate(orig):
+                    per_example[j] = (int(hit[b].sum()), int(sel[b].sum()))
                 correct += int((logits.argmax(-1)[sel] == labels[sel]).sum())
                 nll += float(torch.nn.functional.cross_entropy(logits[sel], labels[sel], reduction="sum"))
                 total += int(sel.sum())
         if total == 0:
             raise AttnkitError("no token could be masked in the corpus")
+        keys = sorted(per_example)
+        self.last_examples = metrics.ExampleScores(
+            {"correct": np.array([per_example[k][0] for k in keys]), "masked": np.array([per_example[k][1] for k in keys])},
+            lambda a: 100.0 * a["correct"].sum() / max(int(a["masked"].sum()), 1))
         return {"accuracy": 100.0 * correct / total, "loss": nll / total, "n": n, "masked": total}
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
