@@ -244,7 +244,7 @@ def _zero_centred_limits(values, min_half_span: float = 1.0) -> tuple[float, flo
     if hi - lo < 2 * min_half_span:
         mid_pad = (2 * min_half_span - (hi - lo)) / 2
         lo, hi = lo - mid_pad, hi + mid_pad
-    pad = 0.08 * (hi - lo)
+    pad = 0.1 * (hi - lo)  # room for the value printed beside a short bar
     return min(lo - pad, -pad), max(hi + pad, pad)
 
 
@@ -271,11 +271,16 @@ def bars_axes(table: ResultTable, title: str = ""):
     lo, hi = _zero_centred_limits(d)
     ax.set_xlim(lo, hi)
     ax.axvline(0.0, color="black", linewidth=1.0)
+    span = hi - lo
     for i, v in enumerate(d):
-        label = "nan" if not np.isfinite(v) else f"{v:+.2f}"
-        right = not np.isfinite(v) or v >= 0
-        ax.text((v if np.isfinite(v) else 0.0) + (0.01 if right else -0.01) * (hi - lo), i, label,
-                va="center", ha="left" if right else "right", fontsize=7)
+        if not np.isfinite(v):
+            ax.text(0.01 * span, i, "nan", va="center", ha="left", fontsize=7)
+            continue
+        inside = abs(v) > 0.25 * span  # long bars carry their value inside, so it never leaves the axes
+        sign = 1.0 if v >= 0 else -1.0
+        x = v - sign * 0.01 * span if inside else v + sign * 0.01 * span
+        ha = ("right" if v >= 0 else "left") if inside else ("left" if v >= 0 else "right")
+        ax.text(x, i, f"{v:+.2f}", va="center", ha=ha, fontsize=7, color="white" if inside else "black")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([r["setting"] for r in rows], fontsize=8)
     ax.set_ylim(len(rows) - 0.5, -0.5)  # first setting on top
