@@ -1,6 +1,6 @@
 """Corpus → batches → instrumented forward passes → feature sums → `HeadFeatures`.
 
-`extract()` is the Python entry point (SPEC.md "Stable interfaces"). `run_extraction()` is the loop
+`extract()` is the Python entry point (a stable interface: see README.md). `run_extraction()` is the loop
 it shares with the CLI, which adds checkpoints so an interrupted run resumes where it stopped.
 """
 from __future__ import annotations

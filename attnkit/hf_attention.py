@@ -9,7 +9,7 @@ module; context managers in `extraction` and `interventions` fill it and always 
 The mask function registered beside it hands over the 2-D padding mask (or None when a batch has no
 padding) instead of an L×L bias: the op takes per-sample lengths, never an L×L tensor.
 
-Sentence ids (SPEC.md "Token classes and sentences") matter only to region interventions
+Sentence ids (docs/features.md, "Token classes" and "Sentence ids") matter only to region interventions
 (`no_intra`/`no_inter`). For each forward they come from, in this order:
 1. attnkit's own batches (`extract`, `ablate`: `Runtime.batch_of`), computed by `attnkit.tokens.Encoder`;
 2. ids the user gave (`attnkit.sentences(model, ids)` or `intervene(model, iv, sentences=ids)`), B×L;

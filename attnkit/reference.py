@@ -4,7 +4,7 @@ Every backend (the C++ and CUDA ops) is tested against `reference_attention`. It
 B×H×L×L weights, so it is for correctness and small inputs, not for speed. It is differentiable
 (autograd flows to q, k, v and gates), which the fused op's backward relies on.
 
-Semantics (SPEC.md):
+Semantics (docs/features.md, docs/interventions.md):
   * Padding is per sample: keys `t >= lengths[b]` get weight 0. Padded query rows still attend to the
     valid keys (as eager attention does) but contribute no features.
   * Weights = softmax(q kᵀ · scaling) → mode (keep / zero / uniform 1/n) → region (zero the intra- or
@@ -87,7 +87,7 @@ def attention_weights(
 
 
 def bucket_index(token_class: torch.Tensor, lengths: torch.Tensor, num_windows: int) -> torch.Tensor:
-    """B×L×L int64: the distance-feature bucket of key t for query s (SPEC.md).
+    """B×L×L int64: the distance-feature bucket of key t for query s (docs/features.md).
 
     0..3: key class cls/sep/comma/period; 4: self (t == s, class OTHER); 5 + w: window w of
     d = |s − t| ≥ 1, w = floor(d · N / n). Padded positions get a bucket too; callers mask them.

@@ -1,4 +1,4 @@
-"""The reference (attnkit/reference.py) against answers worked out by hand from SPEC.md."""
+"""The reference (attnkit/reference.py) against answers worked out by hand from docs/features.md."""
 import math
 
 import pytest
