@@ -165,10 +165,13 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
 
 def padding_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
     """transformers' mask function for attnkit: the 2-D padding mask (None when the batch has no
-    padding). While compiling, the mask is handed over even without padding: deciding "no padding"
-    needs its values (a graph break), and lengths_from_mask handles a full mask just as well."""
-    if torch.compiler.is_compiling():
-        return None if attention_mask is None else attention_mask[:, -kv_length:]
+    padding). While compiling or capturing a CUDA graph, the mask is handed over even without padding:
+    deciding "no padding" needs its values on the host (a graph break, or a sync that a capture
+    forbids), and lengths_from_mask handles a full mask just as well."""
+    if attention_mask is not None and (
+        torch.compiler.is_compiling() or (attention_mask.is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
+        return attention_mask[:, -kv_length:]
     return flash_attention_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, **kwargs)
 
 
