@@ -102,49 +102,56 @@ struct Seen {
   }
 };
 
-// One checked call: lengths, token classes (when features are wanted), mode, region, and L.
-struct CheckedArgs {
-  std::array<Seen, 4> seen;
-  int64_t L = -1;
+// Arguments whose values passed the check, on this thread: each kind remembered on its own, so a forward
+// with a new batch re-checks lengths and token classes once (not per layer), while the per-layer mode and
+// region tensors of an intervention are checked once for the whole run.
+enum CheckedKind { kLengths, kTokenClass, kMode, kRegion };
+
+struct CheckedEntry {
+  int kind = -1;
+  Seen tensor, lengths;  // lengths: which positions of the token classes were checked
+  int64_t extent = -1;   // L (lengths, token classes) or H (codes)
 };
 
-// The last calls whose device-resident arguments passed the check, on this thread.
-bool already_checked(const std::array<std::optional<at::Tensor>, 4>& args, int64_t L, bool remember) {
-  constexpr int kSlots = 32;
-  thread_local std::array<CheckedArgs, kSlots> slots;
-  thread_local int next = 0;
-  if (!remember) {
-    for (const auto& c : slots) {
-      if (c.L != L) continue;
-      bool all = true;
-      for (int i = 0; i < 4 && all; ++i) all = c.seen[i].same(args[i]);
-      if (all) return true;
-    }
-    return false;
+constexpr int kCheckedSlots = 64;
+thread_local std::array<CheckedEntry, kCheckedSlots> checked_slots;
+thread_local int checked_next = 0;
+
+bool checked_before(int kind, const at::Tensor& t, const std::optional<at::Tensor>& lengths, int64_t extent) {
+  for (const auto& e : checked_slots) {
+    if (e.kind == kind && e.extent == extent && e.tensor.same(t) && e.lengths.same(lengths)) return true;
   }
-  CheckedArgs& c = slots[next];
-  next = (next + 1) % kSlots;
-  c.L = L;
-  for (int i = 0; i < 4; ++i) c.seen[i].set(args[i]);
-  return true;
+  return false;
+}
+
+void remember_checked(int kind, const at::Tensor& t, const std::optional<at::Tensor>& lengths, int64_t extent) {
+  CheckedEntry& e = checked_slots[checked_next];
+  checked_next = (checked_next + 1) % kCheckedSlots;
+  e.kind = kind;
+  e.tensor.set(t);
+  e.lengths.set(lengths);
+  e.extent = extent;
 }
 
 // Range checks of lengths (unless checked on the host already), mode, region and token classes that live
-// on the device: one kernel, one read of its report. Each error names the argument, position and value.
+// on the device and were not checked before: one kernel, one read of its report. Each error names the
+// argument, the position and the value.
 void check_device_arguments(const at::Tensor& len, bool check_lengths, const std::optional<at::Tensor>& tc,
                             const std::optional<at::Tensor>& md, const std::optional<at::Tensor>& rg, int64_t B,
                             int64_t H, int64_t L, cudaStream_t stream) {
-  // len is part of the key even when the host checked it: which token classes count depends on it
-  const std::array<std::optional<at::Tensor>, 4> args{std::optional<at::Tensor>(len), tc, md, rg};
-  if (already_checked(args, L, false)) return;
+  const bool need_len = check_lengths && !checked_before(kLengths, len, std::nullopt, L);
+  const bool need_tc = tc.has_value() && !checked_before(kTokenClass, *tc, len, L);
+  const bool need_md = md.has_value() && !checked_before(kMode, *md, std::nullopt, H);
+  const bool need_rg = rg.has_value() && !checked_before(kRegion, *rg, std::nullopt, H);
+  if (!(need_len || need_tc || need_md || need_rg)) return;
   at::Tensor report = at::empty({int64_t(sizeof(ArgReport) / sizeof(long long))}, len.options().dtype(at::kLong));
   C10_CUDA_CHECK(cudaMemsetAsync(report.data_ptr(), 0xff, sizeof(ArgReport), stream));
   ArgCheckParams p{};
   p.lengths = len.data_ptr<int64_t>();
-  p.mode = ptr_or_null<int32_t>(md);
-  p.region = ptr_or_null<int32_t>(rg);
-  p.token_class = ptr_or_null<int32_t>(tc);
-  p.check_lengths = check_lengths;
+  p.mode = need_md ? md->data_ptr<int32_t>() : nullptr;
+  p.region = need_rg ? rg->data_ptr<int32_t>() : nullptr;
+  p.token_class = need_tc ? tc->data_ptr<int32_t>() : nullptr;
+  p.check_lengths = need_len;
   p.B = int(B), p.H = int(H), p.L = int(L);
   p.report = reinterpret_cast<ArgReport*>(report.data_ptr());
   run_check_arguments(p, stream);
@@ -159,7 +166,10 @@ void check_device_arguments(const at::Tensor& len, bool check_lengths, const std
               r.region_index);
   TORCH_CHECK(r.class_index < 0, kOp, "token_class codes must be 0..4, got ", r.class_value, " at [",
               r.class_index / L, ", ", r.class_index % L, "]");
-  already_checked(args, L, true);
+  if (need_len) remember_checked(kLengths, len, std::nullopt, L);
+  if (need_tc) remember_checked(kTokenClass, *tc, len, L);
+  if (need_md) remember_checked(kMode, *md, std::nullopt, H);
+  if (need_rg) remember_checked(kRegion, *rg, std::nullopt, H);
 }
 
 // Lengths that arrive on the CPU: checked here, then copied (not while a graph is captured).
