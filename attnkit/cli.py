@@ -71,7 +71,7 @@ def _columns(value):
                    "two CPU replicas).")
 @click.option("--workers", default=None, type=click.IntRange(min=0),
               help="Tokenisation processes running ahead of the model (0: tokenise between forwards) "
-                   "[default: CPU cores − 1, at most 8].")
+                   "[default: with GPUs the CPU cores − 1, at most 8; on the CPU one per 4 cores].")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
 @click.option("--num-windows", default=16, show_default=True, type=click.IntRange(min=1),
               help="Distance windows of the distance feature (Guan et al.).")

@@ -108,6 +108,10 @@ def run_extract_job(opts: ExtractOptions) -> None:
         "model": str(Path(model_name).resolve()) if Path(model_name).exists() else model_name,
         "inputs": [{k: v for k, v in d.items() if k not in ("n_segments", "sha256")} for d in corpus.describe()],
         "corpus_sha256": corpus.fingerprint(),
+        # how to read the same corpus again (attnkit distances / report use it)
+        "reading": {"paths": [src.path if src.path == "-" else str(Path(src.path).resolve()) for src in corpus.sources],
+                    "format": opts.fmt, "text_unit": opts.text_unit,
+                    "columns": list(opts.columns) if opts.columns else None, "squad_pairs": opts.squad_pairs},
         "limit": opts.limit,
         "max_length": opts.max_length,
         "batch_size": batch_size,
@@ -142,7 +146,7 @@ def _run_local(opts: ExtractOptions, run, corpus, settings: dict, devices, batch
 
     models, tokenizer = _load_models(opts, devices)
     model = models[0]
-    workers = default_workers() if opts.workers is None else opts.workers
+    workers = default_workers(devices[0].type) if opts.workers is None else opts.workers
     created = not run.path.exists()
     try:
         with run_lock(run.path, "attnkit extract"):

@@ -1,6 +1,6 @@
 """Corpus → batches → instrumented forward passes → feature sums → `HeadFeatures`.
 
-`extract()` is the Python entry point (SPEC.md "Stable interfaces"). `run_extraction()` is the loop
+`extract()` is the Python entry point (a stable interface: see README.md). `run_extraction()` is the loop
 it shares with the CLI, which adds checkpoints so an interrupted run resumes where it stopped.
 """
 from __future__ import annotations
@@ -220,7 +220,8 @@ def extract(
     devices=None,
     window: int = DEFAULT_WINDOW,
 ) -> HeadFeatures:
-    """Per-head features of `texts` (a list of str or of (str, str) pairs) under `model`.
+    """Per-head features of `texts` (a list of str or of (str, str) pairs, or an attnkit.corpus.Corpus, which
+    is streamed) under `model`.
 
     `model`: None for the embedded MiniLM, a local path, or a (model, tokenizer) pair.
     `backend`: "reference" (pure PyTorch), "fused" (the compiled op), "auto" (fused when loaded).
@@ -230,14 +231,17 @@ def extract(
     `window`: segments sorted by length together (see attnkit.batching); the numbers do not depend on it
     beyond float64 rounding, only padding does.
     """
+    from .corpus import Corpus
+
     if isinstance(texts, (str, bytes)):
         raise AttnkitError("texts must be a list of strings or (str, str) pairs, not a single string")
-    texts = list(texts)
-    if not texts:
-        raise AttnkitError("no texts to measure")
-    for j, t in enumerate(texts):
-        if not (isinstance(t, str) or (isinstance(t, (tuple, list)) and len(t) == 2 and all(isinstance(x, str) for x in t))):
-            raise AttnkitError(f"texts[{j}] is neither a string nor a pair of strings: {t!r:.80}")
+    if not isinstance(texts, Corpus):  # a Corpus streams (and checks) its own segments
+        texts = list(texts)
+        if not texts:
+            raise AttnkitError("no texts to measure")
+        for j, t in enumerate(texts):
+            if not (isinstance(t, str) or (isinstance(t, (tuple, list)) and len(t) == 2 and all(isinstance(x, str) for x in t))):
+                raise AttnkitError(f"texts[{j}] is neither a string nor a pair of strings: {t!r:.80}")
     if devices is not None:
         from .devices import parse_devices
 

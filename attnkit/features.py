@@ -1,14 +1,14 @@
-"""Names and codes shared by the reference, the fused ops and everything downstream (SPEC.md "Features").
+"""Names and codes shared by the reference, the fused ops and everything downstream (docs/features.md).
 
 Token classes, intervention modes and regions are small integers so the C++/CUDA kernels can read them.
 """
 from __future__ import annotations
 
-# Token classes (SPEC.md "Token classes and sentences").
+# Token classes (docs/features.md, "Token classes" and "Sentence ids").
 OTHER, CLS, SEP, COMMA, PERIOD = 0, 1, 2, 3, 4
 TOKEN_CLASS_NAMES = ("other", "cls", "sep", "comma", "period")
 
-# Intervention modes and regions (SPEC.md "Interventions").
+# Intervention modes and regions (docs/interventions.md).
 MODES = ("keep", "zero", "uniform")
 REGIONS = ("all", "no_intra", "no_inter")
 KEEP, ZERO, UNIFORM = 0, 1, 2

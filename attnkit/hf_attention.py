@@ -9,7 +9,7 @@ module; context managers in `extraction` and `interventions` fill it and always 
 The mask function registered beside it hands over the 2-D padding mask (or None when a batch has no
 padding) instead of an L×L bias: the op takes per-sample lengths, never an L×L tensor.
 
-Sentence ids (SPEC.md "Token classes and sentences") matter only to region interventions
+Sentence ids (docs/features.md, "Token classes" and "Sentence ids") matter only to region interventions
 (`no_intra`/`no_inter`). For each forward they come from, in this order:
 1. attnkit's own batches (`extract`, `ablate`: `Runtime.batch_of`), computed by `attnkit.tokens.Encoder`;
 2. ids the user gave (`attnkit.sentences(model, ids)` or `intervene(model, iv, sentences=ids)`), B×L;
@@ -107,22 +107,39 @@ _last_mask: tuple = (lambda: None, None)
 
 
 def lengths_from_mask(mask: torch.Tensor | None, B: int, L: int, device) -> torch.Tensor:
-    """Per-sample lengths from a 2-D padding mask; insists on right padding (1…1 0…0)."""
+    """Per-sample lengths (int64, on the mask's device) from a 2-D padding mask; insists on right
+    padding (1…1 0…0) and at least one token per sample.
+
+    The same mask object reaches every layer of a forward, so the lengths are computed and checked once
+    per forward. Checking needs the mask's values: in an eager forward (CPU, or CUDA outside graph
+    capture: one host sync per new mask) a bad mask raises AttnkitError. Under torch.compile, or while
+    a CUDA graph is being captured, nothing is read on the host (the lengths stay on the device): the
+    check becomes a device-side assertion (torch._assert_async), so a bad mask then fails the run
+    with an assertion instead of an AttnkitError. Run a batch eagerly before capturing a graph.
+    """
     global _last_mask
     if mask is None:
         return torch.full((B,), L, dtype=torch.int64, device=device)
-    if _last_mask[0]() is mask:  # the same mask object is passed to every layer of one forward
-        return _last_mask[1]
     if mask.dim() != 2 or mask.shape != (B, L):
         raise AttnkitError(
             f"attnkit attention needs a 2-D padding mask of shape (batch, length) = ({B}, {L}); "
             f"got shape {tuple(mask.shape)} (pass the tokenizer's attention_mask, not a prepared 4-D mask)"
         )
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _last_mask[0]() is mask:
+        return _last_mask[1]
     m = mask.bool()
     lengths = m.sum(-1)
-    if not torch.equal(m, torch.arange(L, device=m.device)[None, :] < lengths[:, None]):
+    right_padded = (m == (torch.arange(L, device=m.device)[None, :] < lengths[:, None])).all()
+    non_empty = (lengths > 0).all()
+    if compiling or (m.is_cuda and torch.cuda.is_current_stream_capturing()):
+        torch._assert_async(right_padded & non_empty,
+                            "attnkit attention needs right-padded batches with at least one token per sample")
+        return lengths
+    ok_padding, ok_non_empty = torch.stack([right_padded, non_empty]).tolist()  # one host read
+    if not ok_padding:
         raise AttnkitError("attnkit attention needs right-padded batches (padding_side='right')")
-    if bool((lengths == 0).any()):
+    if not ok_non_empty:
         raise AttnkitError("a sample in the batch has no unmasked token")
     _last_mask = (weakref.ref(mask), lengths)
     return lengths
@@ -261,10 +278,22 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     return out, None
 
 
+def padding_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
+    """transformers' mask function for attnkit: the 2-D padding mask (None when the batch has no
+    padding). While compiling or capturing a CUDA graph, the mask is handed over even without padding:
+    deciding "no padding" needs its values on the host (a graph break, or a sync that a capture
+    forbids), and lengths_from_mask handles a full mask just as well."""
+    if attention_mask is not None and (
+        torch.compiler.is_compiling() or (attention_mask.is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
+        return attention_mask[:, -kv_length:]
+    return flash_attention_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, **kwargs)
+
+
 def register() -> None:
     """Make "attnkit" a valid `attn_implementation` (idempotent; done on `import attnkit`)."""
     AttentionInterface.register(NAME, attnkit_attention)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    AttentionMaskInterface.register(NAME, padding_mask)
 
 
 register()

@@ -1,4 +1,4 @@
-"""Interventions on attention heads (SPEC.md "Interventions"): per (layer, head) a mode and a region,
+"""Interventions on attention heads (docs/interventions.md): per (layer, head) a mode and a region,
 optional renormalisation, and differentiable per-head gates.
 
     iv = Intervention.identity(n_layers, n_heads)

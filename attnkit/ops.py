@@ -6,12 +6,17 @@ autograd), and `attention()` picks the fused op or the pure-PyTorch reference.
 
 Autograd: the gradient w.r.t. q, k, v and gates (head importance, Michel et al.) is computed by
 re-running the differentiable reference in the backward pass. That costs the reference's L×L memory,
-but only when gradients are asked for; extraction runs without them.
+but only when gradients are asked for; extraction runs without them. The features output is not
+differentiable (it has no grad_fn): a loss on features raises instead of getting zero gradients.
+
+torch.compile: which kernels exist is decided once per (device type, op) outside the traced path
+(`has_kernel` reads a table), so `attention()` traces without graph breaks.
 """
 from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import threading
 
@@ -41,12 +46,26 @@ def extension_loaded() -> bool:
     return _EXT_ERROR is None
 
 
-def has_kernel(device_type: str, op: str = _OP) -> bool:
-    """True when the compiled extension has a kernel for `op` on this device type ("cpu"/"cuda")."""
+def _query_kernel(device_type: str, op: str) -> bool:
     if not extension_loaded():
         return False
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+
+
+# (device type, op) -> kernel registered? Filled at import (the extension's registrations do not change
+# afterwards), so the per-call check is a dict lookup that torch.compile traces as a constant.
+_KERNELS: dict[tuple[str, str], bool] = {
+    (dev, op): _query_kernel(dev, op) for dev in ("cpu", "cuda") for op in (_OP, _JS_OP)
+}
+
+
+def has_kernel(device_type: str, op: str = _OP) -> bool:
+    """True when the compiled extension has a kernel for `op` on this device type ("cpu"/"cuda")."""
+    key = (device_type, op)
+    if key not in _KERNELS:  # another op or device type: ask the dispatcher once
+        _KERNELS[key] = _query_kernel(device_type, op)
+    return _KERNELS[key]
 
 
 def _warn_reference_once() -> None:
@@ -87,7 +106,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     if backend == "fused":
         why = f" ({_EXT_ERROR})" if _EXT_ERROR else ""
         raise AttnkitError(f"backend 'fused' requested but the extension has no {device_type} kernel{why}")
-    _warn_reference_once()
+    if not torch.compiler.is_compiling():
+        _warn_reference_once()
     return "reference"
 
 
@@ -119,6 +139,8 @@ def attention(
     dev = q.device
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
+    if not math.isfinite(float(scaling)):
+        raise AttnkitError(f"attention scaling must be a finite number, got {scaling}")
     lengths = lengths.to(device=dev, dtype=torch.int64)
     token_class = _as(token_class, torch.int32, dev)
     sentence_id = _as(sentence_id, torch.int32, dev)
@@ -130,10 +152,16 @@ def attention(
             q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
             mode=mode, region=region, renormalize=renormalize, gates=gates, want_features=want_features,
         )
-    return torch.ops.attnkit.fused_attention(
-        q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
-        bool(renormalize), gates, bool(want_features),
-    )
+    try:
+        return torch.ops.attnkit.fused_attention(
+            q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
+            bool(renormalize), gates, bool(want_features),
+        )
+    except RuntimeError as exc:  # the kernels' argument checks (TORCH_CHECK) name the bad argument
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if "fused_attention" in msg:
+            raise AttnkitError(msg) from None
+        raise
 
 
 def js_distances(attn: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -164,6 +192,8 @@ if extension_loaded():
         ctx.save_for_backward(q, k, v, lengths, token_class, sentence_id, mode, region, gates)
         ctx.scaling = scaling
         ctx.renormalize = renormalize
+        # backward differentiates the attention output only: the features get no grad_fn
+        ctx.mark_non_differentiable(output[1])
 
     def _backward(ctx, grad_out, grad_feats):
         q, k, v, lengths, token_class, sentence_id, mode, region, gates = ctx.saved_tensors

@@ -35,9 +35,13 @@ from .errors import AttnkitError
 from .tokens import Batch, EncodedArrays, Encoder
 
 
-def default_workers() -> int:
-    """Tokenisation workers when none are asked for: the cores not needed to drive the devices, at most 8."""
+def default_workers(device_type: str = "cuda") -> int:
+    """Tokenisation workers when none are asked for. GPUs outrun one tokenizer by far: the cores not needed to
+    drive them, at most 8. A CPU model needs the cores itself, and tokenising costs a few percent of its
+    time: one worker per four cores (at least one)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if device_type == "cpu":
+        return max(1, n // 4)
     return max(0, min(8, n - 1))
 
 

@@ -4,7 +4,7 @@ Every backend (the C++ and CUDA ops) is tested against `reference_attention`. It
 B×H×L×L weights, so it is for correctness and small inputs, not for speed. It is differentiable
 (autograd flows to q, k, v and gates), which the fused op's backward relies on.
 
-Semantics (SPEC.md):
+Semantics (docs/features.md, docs/interventions.md):
   * Padding is per sample: keys `t >= lengths[b]` get weight 0. Padded query rows still attend to the
     valid keys (as eager attention does) but contribute no features.
   * Weights = softmax(q kᵀ · scaling) → mode (keep / zero / uniform 1/n) → region (zero the intra- or
@@ -12,11 +12,29 @@ Semantics (SPEC.md):
   * Output = weights · v, times the head's gate; returned as B×L×H×D like transformers expects.
   * Features describe the final weights and are means over the n valid query rows of each sample,
     except `cls_entropy`, the mean entropy of the rows whose token class is CLS (0 if there is none).
+  * Values at padding positions (q, k, v rows t >= n) never reach valid rows or features, whatever
+    they hold (even NaN). A head in mode zero outputs exactly 0 (its features are 0).
+
+Arguments (checked by every backend, errors name the argument): q, k, v of one shape B×H×L×D with
+D >= 1; lengths B integers in [1, L]; token_class B×L codes OTHER..PERIOD (0..4) at valid positions
+when features are wanted; sentence_id B×L integers, compared as integers (any int32 value); mode H
+codes KEEP/ZERO/UNIFORM (0..2); region H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats;
+num_windows >= 1; scaling a finite number (inf or NaN is refused).
+
+Numerics policy (NaN propagates, as in torch.softmax and scaled_dot_product_attention): a query row
+whose softmax is undefined — a NaN score among its valid keys, a +inf score, or every score −inf —
+has NaN weights on every valid key (whatever region intervention follows; modes zero and uniform do
+not use the scores and stay finite). Its output row is NaN, and all features of its (sample, head)
+are NaN when the row is a valid one. A NaN or inf in v at a valid key reaches the output the way a
+matrix product carries it (0 · NaN = NaN), but not the features, which describe weights only.
 """
 from __future__ import annotations
 
 import torch
 
+import math
+
+from .errors import AttnkitError
 from .features import (
     CLS,
     COMMA,
@@ -77,17 +95,21 @@ def attention_weights(
     region: torch.Tensor | None = None,
     renormalize: bool = False,
 ) -> torch.Tensor:
-    """B×H×L×L fp32 weights after softmax and interventions."""
-    L = q.shape[2]
+    """B×H×L×L fp32 weights after softmax and interventions (padded keys 0; NaN policy above)."""
+    B, H, L, _ = q.shape
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
     valid_key = _key_mask(lengths, L)[:, None, None, :]
     scores = scores.masked_fill(~valid_key, float("-inf"))
     weights = torch.softmax(scores, dim=-1)
-    return intervene_weights(weights, lengths, sentence_id, mode, region, renormalize)
+    undefined = weights.isnan().any(-1, keepdim=True)  # B×H×L×1: NaN / +inf score, or all −inf
+    weights = intervene_weights(weights, lengths, sentence_id, mode, region, renormalize)
+    uses_scores = undefined if mode is None else undefined & (mode.to(q.device).view(1, H, 1, 1) == KEEP)
+    nan_row = torch.where(valid_key, float("nan"), 0.0)
+    return torch.where(uses_scores, nan_row, weights)
 
 
 def bucket_index(token_class: torch.Tensor, lengths: torch.Tensor, num_windows: int) -> torch.Tensor:
-    """B×L×L int64: the distance-feature bucket of key t for query s (SPEC.md).
+    """B×L×L int64: the distance-feature bucket of key t for query s (docs/features.md).
 
     0..3: key class cls/sep/comma/period; 4: self (t == s, class OTHER); 5 + w: window w of
     d = |s − t| ≥ 1, w = floor(d · N / n). Padded positions get a bucket too; callers mask them.
@@ -100,7 +122,7 @@ def bucket_index(token_class: torch.Tensor, lengths: torch.Tensor, num_windows: 
     idx = 5 + window
     idx = torch.where(dist[None] == 0, torch.full_like(idx, 4), idx)
     key_cls = token_class[:, None, :].long().expand(B, L, L)
-    special = key_cls != OTHER
+    special = (key_cls >= CLS) & (key_cls <= PERIOD)  # codes at padded positions are not checked
     # class codes CLS..PERIOD (1..4) map to buckets 0..3
     idx = torch.where(special, key_cls - 1, idx)
     return idx
@@ -117,7 +139,7 @@ def row_features(
     B, H, L, _ = weights.shape
     w = weights.float()
     valid = _key_mask(lengths, L)  # B×L
-    w = w * valid[:, None, None, :]  # padded keys contribute nothing
+    w = torch.where(valid[:, None, None, :], w, 0.0)  # padded keys contribute nothing
     nb = 5 + num_windows
     idx = bucket_index(token_class, lengths, num_windows)[:, None].expand(B, H, L, L)
     buckets = torch.zeros(B, H, L, nb, dtype=torch.float32, device=w.device).scatter_add_(-1, idx, w)
@@ -139,14 +161,17 @@ def row_features(
     rows = torch.cat(
         [buckets, torch.stack([prev, nxt, entropy, mx, intra, inter], dim=-1)], dim=-1
     )  # B×H×L×(F-1)
-    row_valid = valid[:, None, :, None].float()
+    row_valid = valid[:, None, :, None]
     n = lengths.clamp(min=1).float().view(B, 1, 1)
-    means = (rows * row_valid).sum(2) / n
+    means = torch.where(row_valid, rows, 0.0).sum(2) / n  # padded rows (even NaN ones) add nothing
 
     is_cls_row = (token_class == CLS) & valid  # B×L
     n_cls = is_cls_row.sum(-1).float().view(B, 1)
-    cls_ent = (entropy * is_cls_row[:, None, :]).sum(-1) / n_cls.clamp(min=1)
+    cls_ent = torch.where(is_cls_row[:, None, :], entropy, 0.0).sum(-1) / n_cls.clamp(min=1)
     out = torch.cat([means, cls_ent[..., None]], dim=-1)
+    # NaN policy: a valid row with NaN weights makes every feature of its (sample, head) NaN
+    nan_row = (w.isnan().any(-1) & valid[:, None, :]).any(-1, keepdim=True)  # B×H×1
+    out = torch.where(nan_row, float("nan"), out)
     assert out.shape[-1] == num_features(num_windows)
     return out
 
@@ -173,14 +198,20 @@ def reference_attention(
     sentence). mode, region: H ints (codes in `attnkit.features`). gates: H floats.
     Returns (out B×L×H×D in q's dtype, features B×H×F fp32, or B×H×0 when not wanted).
     """
-    B, H, L, D = q.shape
-    if scaling is None:
+    B, H, L, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
+    if scaling is None and q.dim() == 4 and D >= 1:
         scaling = D**-0.5
+    check_arguments(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
+                    mode=mode, region=region, gates=gates, want_features=want_features)
     lengths = lengths.to(q.device).long()
     weights = attention_weights(q, k, lengths, scaling, sentence_id, mode, region, renormalize)
-    out = torch.matmul(weights, v.float())  # B×H×L×D
+    # padded keys of v are dropped, not multiplied by 0 (0 · NaN would leak garbage into valid rows)
+    v_valid = v.float().masked_fill(~_key_mask(lengths, L)[:, None, :, None], 0.0)
+    out = torch.matmul(weights, v_valid)  # B×H×L×D
     if gates is not None:
         out = out * gates.to(out.device, torch.float32).view(1, H, 1, 1)
+    if mode is not None:  # a zeroed head outputs exactly 0, whatever v and the gate hold
+        out = torch.where(mode.to(out.device).view(1, H, 1, 1) == ZERO, 0.0, out)
     out = out.transpose(1, 2).to(q.dtype)
     if want_features:
         if token_class is None:
@@ -191,8 +222,70 @@ def reference_attention(
     return out, feats
 
 
+def _require(ok: torch.Tensor, message) -> None:
+    """Raise AttnkitError(message()) unless the bool tensor `ok` is true. While compiling, the check
+    becomes a device-side assertion (no host read, no graph break)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, "attnkit reference attention: invalid argument values")
+    elif not bool(ok):
+        raise AttnkitError(message())
+
+
+def _first_bad(bad: torch.Tensor) -> str:
+    """'[i, j]' of the first True of a bool tensor."""
+    idx = bad.nonzero()[0].tolist()
+    return "[" + ", ".join(map(str, idx)) + "]"
+
+
+def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling=None, num_windows=16,
+                    mode=None, region=None, gates=None, want_features=False) -> None:
+    """The argument contract every backend enforces (module docstring); AttnkitError names the argument."""
+    if q.dim() != 4:
+        raise AttnkitError(f"q must be 4-D (B, H, L, D), got shape {tuple(q.shape)}")
+    B, H, L, D = q.shape
+    if k.shape != q.shape or v.shape != q.shape:
+        raise AttnkitError(f"k and v must have q's shape {tuple(q.shape)}, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if D < 1:
+        raise AttnkitError(f"head dim (q.size(3)) must be >= 1, got {D}")
+    if scaling is not None and not math.isfinite(float(scaling)):
+        raise AttnkitError(f"scaling must be a finite number, got {scaling}")
+    if isinstance(num_windows, bool) or not isinstance(num_windows, int) or num_windows < 1:
+        raise AttnkitError(f"num_windows must be an integer >= 1, got {num_windows!r}")
+
+    def int_tensor(t, name, shape):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise AttnkitError(f"{name} must be an integer tensor, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise AttnkitError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+
+    int_tensor(lengths, "lengths", (B,))
+    _require(((lengths >= 1) & (lengths <= L)).all(),
+             lambda: f"lengths must lie in [1, L] = [1, {L}], got lengths{_first_bad((lengths < 1) | (lengths > L))}"
+                     f" = {lengths[(lengths < 1) | (lengths > L)][0].item()}")
+    for t, name, names in ((mode, "mode", "0 (keep), 1 (zero) or 2 (uniform)"),
+                           (region, "region", "0 (all), 1 (no_intra) or 2 (no_inter)")):
+        if t is None:
+            continue
+        int_tensor(t, name, (H,))
+        bad_code = (t < 0) | (t > 2)
+        _require(~bad_code.any(), lambda: f"{name} codes must be {names}, got {t[bad_code][0].item()} at head "
+                                          f"{bad_code.nonzero()[0].item()}")
+    if sentence_id is not None:
+        int_tensor(sentence_id, "sentence_id", (B, L))
+    if token_class is not None:
+        int_tensor(token_class, "token_class", (B, L))
+        if want_features:
+            valid = _key_mask(lengths.to(token_class.device).long(), L)
+            bad_cls = valid & ((token_class < OTHER) | (token_class > PERIOD))
+            _require(~bad_cls.any(), lambda: f"token_class codes must be 0..4 at valid positions, got "
+                                             f"{token_class[bad_cls][0].item()} at {_first_bad(bad_cls)}")
+    if gates is not None and tuple(gates.shape) != (H,):
+        raise AttnkitError(f"gates must have shape [{H}], got {list(gates.shape)}")
+
+
 __all__ = [
     "reference_attention",
+    "check_arguments",
     "reference_js_distances",
     "attention_weights",
     "intervene_weights",

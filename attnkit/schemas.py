@@ -49,7 +49,23 @@ META_SCHEMA = {
         "backend": _STR_OR_NULL,
         "device": _STR_OR_NULL,
         "feature_names": {"type": "array", "items": {"type": "string"}},
-        "settings": {"type": "object"},
+        "settings": {
+            "type": "object",
+            "properties": {
+                # how `attnkit extract` read its inputs; analysis commands read the corpus again with it
+                "reading": {
+                    "type": "object",
+                    "properties": {
+                        "paths": {"type": "array", "items": {"type": "string"}},
+                        "format": _STR_OR_NULL,
+                        "text_unit": _STR_OR_NULL,
+                        "columns": {"type": ["array", "null"], "items": {"type": "string"}, "maxItems": 2},
+                        "squad_pairs": {"type": "boolean"},
+                    },
+                },
+            },
+        },
+        "inputs": {"type": "array", "items": {"type": "object"}},
         "versions": {"type": "object"},
         "elapsed_s": {"type": "number"},
     },

@@ -1,4 +1,4 @@
-"""From text to batches: tokenisation, token classes and sentence ids (SPEC.md "Token classes and sentences").
+"""From text to batches: tokenisation, token classes and sentence ids (docs/features.md, "Token classes" and "Sentence ids").
 
 Class of a token: CLS (the tokenizer's cls/bos token), SEP (sep/eos), COMMA (token string exactly
 ","), PERIOD (exactly "."), else OTHER. Sentence ids: the segments of a text pair are different

@@ -87,7 +87,7 @@ def make_batch(model, B: int, L: int, device):
 
 # --- the naive way: features from the returned maps ----------------------------------------------------
 def naive_features(attentions, lengths, token_class, sentence_id, num_windows: int = 16) -> torch.Tensor:
-    """B × layers × H × F features from output_attentions maps (same definitions as SPEC.md)."""
+    """B × layers × H × F features from output_attentions maps (same definitions as docs/features.md)."""
     A = torch.stack(attentions, 1).float()  # B×Ly×H×L×L
     B, Ly, H, L, _ = A.shape
     dev = A.device

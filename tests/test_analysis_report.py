@@ -116,13 +116,80 @@ def test_report_is_self_contained_html(tmp_path, truth):
     # a second report reuses clusters.json (and tolerates a run without distances)
 
 
-def test_report_without_clusters_or_distances(tmp_path):
+def test_report_without_clusters_or_distances_nests_settings(tmp_path):
     run = tmp_path / "small"
-    make_run(run, layered_truth(L=3, H=6, seed=1), distances=False)
+    feats = make_features(layered_truth(L=3, H=6, seed=1))
+    feats.meta.update(settings={"max_length": 128, "dtype": "float32", "columns": None},
+                      versions={"torch": "2.13.0", "python": "3.11"}, split_sentences=True)
+    feats.save(run)
     page = build_report(run, svg=False, do_sweep=False).read_text()
     assert "No distances.npz" in page and "clusters.json was missing" in page
     assert load_clusters(run)["stability"]["sweep"] is None
     assert not list((run / "figures").glob("*.svg"))
+    settings = page.split("<h2>Run and settings</h2>", 1)[1].split("<h2>", 1)[0]
+    # neither raw nor HTML-escaped Python dict text
+    assert "{'" not in settings and "{&#x27;" not in settings and "}" not in settings
+    assert settings.count('<table class="nested">') == 3  # settings, versions, clustering
+    assert '<td class="l">dtype</td><td class="l">float32</td>' in settings
+    assert '<td class="l">torch</td><td class="l">2.13.0</td>' in settings
+    assert '<td class="l">split_sentences</td><td class="l">yes</td>' in settings
+    # lists of names read as lists, not Python reprs
+    assert "cls, sep, comma, period, self, win_0" in settings and "['" not in settings
+
+
+def test_head_maps_name_few_heads_without_overlap(truth):
+    from attnkit.analysis import figures as figs
+
+    rng = np.random.default_rng(0)
+    labels = truth.ravel()
+    centres = np.array([[0, 0], [4, 0], [0, 4], [4, 4]], dtype=float)
+    xy = centres[labels] + rng.normal(0, 0.8, size=(len(labels), 2))  # four crowded blobs
+    xy = (xy - xy.mean(0)) / xy.std(0)  # unit spread on both axes, as label_candidates scales them
+    heads = [f"L{m // 12}H{m % 12}" for m in range(len(labels))]
+    order = figs.label_candidates(xy, labels, max_labels=10)
+    assert len(order) == 10 and len(set(order)) == 10
+    typical = set()
+    for c in range(4):
+        members = np.flatnonzero(labels == c)
+        typical.add(int(members[np.argmin(((xy[members] - xy[members].mean(0)) ** 2).sum(1))]))
+    assert set(order[:4]) == typical  # first the head nearest each type's mean position, then extremes
+    radius = (xy - np.median(xy, 0)) ** 2
+    assert max(range(len(xy)), key=lambda m: radius[m].sum()) in order
+    import matplotlib.pyplot as plt
+
+    layers = np.repeat(np.arange(truth.shape[0]), truth.shape[1])
+    for fig in (figs.tsne_scatter(xy, labels, KINDS, heads, max_labels=10),
+                figs.mds_maps(xy, labels, KINDS, layers, heads, max_labels=10)):
+        ax = fig.axes[0]
+        renderer = fig.canvas.get_renderer()
+        texts = [t for t in ax.texts if t.get_text() in heads]
+        assert 4 <= len(texts) <= 10
+        assert all(t.get_fontsize() >= 7 for t in texts)
+        boxes = [t.get_window_extent(renderer) for t in texts]
+        frame = ax.get_window_extent(renderer)
+        for i, a in enumerate(boxes):
+            assert frame.x0 <= a.x0 and a.x1 <= frame.x1 and frame.y0 <= a.y0 and a.y1 <= frame.y1
+            for b in boxes[i + 1:]:
+                assert not a.overlaps(b), (a, b)
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert legend.x0 >= frame.x1  # the legend hides no point
+        plt.close(fig)
+
+
+def test_example_maps_have_colour_bars():
+    from attnkit.analysis import figures as figs
+
+    toks = ["[CLS]", "a", "b", ",", "[SEP]"]
+    w = np.full((5, 5), 0.2)
+    ex = [{"type": t, "layer": 0, "head": h, "tokens": toks, "weights": w} for t in ("dense", "vertical") for h in (0, 1)]
+    fig = figs.attention_examples(ex)
+    maps = [ax for ax in fig.axes if ax.images]
+    bars = [ax for ax in fig.axes if not ax.images]  # colour bars hold no image
+    assert len(maps) == 4 and len(bars) == 4
+    for ax in maps:
+        assert [t.get_text() for t in ax.get_xticklabels()] == toks
+        lo, hi = ax.images[0].get_clim()
+        assert lo == 0 and hi == pytest.approx(0.2)
 
 
 def test_example_maps_are_attention_rows(tmp_path):

@@ -312,3 +312,138 @@ def test_extract_fused_equals_reference(minilm):
     fr = attnkit.extract(texts, minilm, backend="reference", batch_size=2)
     np.testing.assert_allclose(fa.mean, fr.mean, atol=1e-5, rtol=0)
     np.testing.assert_allclose(fa.std, fr.std, atol=1e-5, rtol=0)
+
+
+# --- argument checks, autograd of the features, numerics policy (issues 10 and 12) ----------------------
+
+def test_codes_lengths_and_scalars_are_range_checked():
+    q, k, v, lengths, tc, sid = make_inputs(2, 2, 8, 32)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    cases = [
+        (dict(mode=i32(0, 3)), "mode codes must be 0, 1 or 2, got 3"),
+        (dict(mode=i32(-1, 0)), "mode codes"),
+        (dict(region=i32(0, 7)), "region codes must be 0, 1 or 2, got 7"),
+        (dict(num_windows=0), "num_windows must be >= 1"),
+        (dict(scaling=float("inf")), "scaling must be a finite number"),
+        (dict(scaling=float("nan")), "scaling must be a finite number"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            fused(q, k, v, lengths, tc, sid, **kw)
+    for bad in ([0, 8], [8, 9], [-1, 8]):
+        with pytest.raises(RuntimeError, match=r"lengths must lie in \[1, L\]"):
+            fused(q, k, v, torch.tensor(bad), tc, sid)
+    tc_bad = tc.clone()
+    tc_bad[1, 2] = 5
+    with pytest.raises(RuntimeError, match=r"token_class codes must be 0..4, got 5 at \[1, 2\]"):
+        fused(q, k, v, torch.tensor([8, 8]), tc_bad, sid)
+    with pytest.raises(RuntimeError, match="head dim"):
+        fused(q[..., :0], k[..., :0], v[..., :0], lengths, tc, sid, scaling=1.0)
+
+
+def test_attention_wrapper_raises_attnkit_error():
+    from attnkit.errors import AttnkitError
+
+    q, k, v, lengths, tc, sid = make_inputs(2, 2, 8, 32)
+    with pytest.raises(AttnkitError, match="mode codes"):
+        ops.attention(q, k, v, lengths, tc, sid, mode=torch.tensor([0, 9]), backend="fused")
+    with pytest.raises(AttnkitError, match="lengths must lie in"):
+        ops.attention(q, k, v, torch.tensor([0, 8]), tc, sid, backend="fused")
+    with pytest.raises(AttnkitError, match="scaling must be a finite number"):
+        ops.attention(q, k, v, lengths, tc, sid, scaling=float("nan"), backend="fused")
+    # the reference refuses the same arguments
+    with pytest.raises(AttnkitError, match="mode codes"):
+        ops.attention(q, k, v, lengths, tc, sid, mode=torch.tensor([0, 9]), backend="reference")
+    with pytest.raises(AttnkitError, match="lengths must lie in"):
+        ops.attention(q, k, v, torch.tensor([0, 8]), tc, sid, backend="reference")
+
+
+def test_features_output_is_not_differentiable():
+    q, k, v, lengths, tc, sid = make_inputs(2, 2, 8, 32, seed=4)
+    q = q.detach().requires_grad_()
+    out, feats = fused(q, k, v, lengths, tc, sid)
+    assert out.grad_fn is not None
+    assert feats.grad_fn is None and not feats.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        feats.sum().backward()
+    out.sum().backward()  # the output still differentiates
+    assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+def _same_nan_pattern_and_values(a, b, atol):
+    assert torch.equal(a.isnan(), b.isnan()), "NaN positions differ"
+    torch.testing.assert_close(a.nan_to_num(0.0), b.nan_to_num(0.0), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_non_finite_inputs_propagate_nan_like_the_reference(renormalize):
+    B, H, L = 3, 4, 20
+    q, k, v, lengths, tc, sid = make_inputs(B, H, L, 32, seed=12, lengths=[20, 11, 20])
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q[0, 0, 3, 5] = float("nan")  # sample 0, head 0: row 3 undefined
+    k[1, 1, 4, 0] = float("inf")  # sample 1, head 1: rows with q[..., 0] > 0 score +inf on key 4
+    q[2, 2, 15:, :] = float("nan")  # sample 2 (n = 20), head 2: rows 15.. undefined
+    v[2, 3, 7, 1] = float("nan")  # sample 2, head 3: NaN in v reaches the output, not the features
+    q[1, 0, 15, :] = float("nan")  # sample 1, head 0: a padded query row (n = 11): no effect on features
+    k[1, 3, 12:, :] = float("inf")  # sample 1, head 3: garbage in padded keys is ignored
+    v[1, 3, 12:, :] = float("nan")
+    mode = torch.tensor([0, 0, 0, 0], dtype=torch.int32)
+    region = torch.tensor([1, 0, 2, 0], dtype=torch.int32)
+    out, feats = fused(q, k, v, lengths, tc, sid, mode=mode, region=region, renormalize=renormalize)
+    ref_out, ref_feats = ref(q, k, v, lengths, tc, sid, mode=mode, region=region, renormalize=renormalize,
+                             want_features=True)
+    _same_nan_pattern_and_values(out, ref_out, 2e-6)
+    _same_nan_pattern_and_values(feats, ref_feats, 1e-5)
+    # what the policy says, spelled out on the fused result
+    assert out[0, 3, 0].isnan().all() and not out[0, :3, 0].isnan().any() and not out[0, 4:, 0].isnan().any()
+    assert feats[0, 0].isnan().all() and not feats[0, 1:].isnan().any()
+    plus_inf_rows = q[1, 1, :, 0] > 0  # a −inf score (q[..., 0] < 0) only gives key 4 weight 0
+    assert plus_inf_rows[:11].any() and not plus_inf_rows.all()
+    assert torch.equal(out[1, :, 1].isnan().all(-1), plus_inf_rows) and not out[1, :, 1][~plus_inf_rows].isnan().any()
+    assert feats[1, 1].isnan().all()
+    assert feats[2, 2].isnan().all() and out[2, 15:, 2].isnan().all() and not out[2, :15, 2].isnan().any()
+    assert out[2, :, 3].isnan().any() and not feats[2, 3].isnan().any()
+    assert out[1, 15, 0].isnan().all() and not out[1, :11, 0].isnan().any() and not feats[1, 0].isnan().any()
+    assert not out[1, :, 3].isnan().any() and not feats[1, 3].isnan().any()
+
+
+def test_zero_and_uniform_heads_ignore_non_finite_scores():
+    q, k, v, lengths, tc, sid = make_inputs(1, 2, 10, 32, seed=13, lengths=[10], transposed=False)
+    q[0, :, 2, 0] = float("nan")
+    v[0, 0, 5, 0] = float("nan")  # head 0 is zeroed: its output is exactly 0 anyway
+    mode = torch.tensor([1, 2], dtype=torch.int32)
+    out, feats = fused(q, k, v, lengths, tc, sid, mode=mode)
+    ref_out, ref_feats = ref(q, k, v, lengths, tc, sid, mode=mode, want_features=True)
+    assert (out[:, :, 0] == 0).all() and (ref_out[:, :, 0] == 0).all()
+    assert torch.isfinite(out).all() and torch.isfinite(feats).all()
+    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=0)
+    torch.testing.assert_close(feats, ref_feats, atol=1e-5, rtol=0)
+
+
+def test_scaling_zero_keeps_nan_scores_nan():
+    q, k, v, lengths, tc, sid = make_inputs(1, 1, 6, 32, seed=14, lengths=[6], transposed=False)
+    k[0, 0, 2, 0] = float("inf")  # inf · 0 = NaN: the rows are undefined, even though BLAS skips alpha = 0
+    out, feats = fused(q, k, v, lengths, tc, sid, scaling=0.0)
+    ref_out, ref_feats = ref(q, k, v, lengths, tc, sid, scaling=0.0, want_features=True)
+    assert out.isnan().all() and ref_out.isnan().all()
+    assert feats.isnan().all() and ref_feats.isnan().all()
+
+
+def test_sentence_ids_compare_as_integers():
+    # 2^24 and 2^24 + 1 are the same float32: compared as floats they would be one sentence
+    q, k, v, lengths, tc, _ = make_inputs(2, 3, 12, 32, seed=15, lengths=[12, 9])
+    small = torch.zeros(2, 12, dtype=torch.int32)
+    small[:, 6:] = 1
+    big = small + 2**24
+    huge = torch.where(small == 0, torch.full_like(small, -(2**31)), torch.full_like(small, 2**31 - 1))
+    region = torch.tensor([0, 1, 2], dtype=torch.int32)
+    base = fused(q, k, v, lengths, tc, small, region=region)
+    for ids in (big, huge):
+        got = fused(q, k, v, lengths, tc, ids, region=region)
+        torch.testing.assert_close(got[0], base[0], atol=0, rtol=0)
+        torch.testing.assert_close(got[1], base[1], atol=0, rtol=0)
+        ref_out, ref_feats = ref(q, k, v, lengths, tc, ids, region=region, want_features=True)
+        np.testing.assert_allclose(got[1].numpy(), ref_feats.numpy(), atol=1e-5, rtol=0)
+    names = __import__("attnkit.features", fromlist=["feature_names"]).feature_names(16)
+    inter = base[1][..., names.index("inter")]
+    assert (inter[:, 0] > 0.1).all()  # two sentences really are seen

@@ -226,6 +226,201 @@ def test_bad_arguments_are_named():
         fused(q, k, v, torch.tensor([16, 16], device=DEV), tc, sid)
 
 
+# --- issue 10 part 1 and the numerics policy of issue 12 --------------------------------------------
+
+_MISALIGNED_SCRIPT = """
+import torch, attnkit.ops
+from tests.test_fused_cuda import make_inputs, fused
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    B, H, L, D = 2, 2, 40, 64
+    q, k, v, lengths, tc, sid = make_inputs(B, H, L, D, dtype, [40, 17], seed=20)
+    def misaligned(t):
+        buf = torch.zeros(t.numel() + 1, device="cuda", dtype=dtype)
+        view = buf[1:].view(B, H, L, D)  # contiguous, address 1 element past a 16-byte boundary
+        view.copy_(t)
+        assert view.is_contiguous() and view.data_ptr() % 16 != 0
+        return view
+    out_a, feats_a = fused(misaligned(q), misaligned(k), misaligned(v), lengths, tc, sid)
+    torch.cuda.synchronize()
+    out_b, feats_b = fused(q.contiguous(), k.contiguous(), v.contiguous(), lengths, tc, sid)
+    torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
+    torch.testing.assert_close(feats_a, feats_b)
+print("ok")
+"""
+
+
+def test_misaligned_contiguous_operands_are_copied():
+    # in a subprocess: before the fix the 16-byte loads fault, which kills the CUDA context for good
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _MISALIGNED_SCRIPT], cwd=root, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_codes_and_lengths_on_the_device_are_range_checked():
+    from attnkit import ops
+    from attnkit.errors import AttnkitError
+
+    q, k, v, lengths, tc, sid = make_inputs(2, 3, 20, 32, torch.float16, [20, 9], seed=21)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
+    cases = [
+        (dict(mode=i32(0, 3, 0)), r"mode codes must be 0, 1 or 2, got 3 at head 1"),
+        (dict(region=i32(0, 0, -2)), r"region codes must be 0, 1 or 2, got -2 at head 2"),
+        (dict(scaling=float("inf")), "scaling must be a finite number"),
+        (dict(num_windows=0), "num_windows must be >= 1"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            fused(q, k, v, lengths, tc, sid, **kw)
+    for bad in ([0, 9], [20, 21]):
+        for where in (DEV, "cpu"):
+            with pytest.raises(RuntimeError, match=r"lengths must lie in \[1, L\] = \[1, 20\]"):
+                fused(q, k, v, torch.tensor(bad, device=where), tc, sid)
+    tc_bad = tc.clone()
+    tc_bad[1, 3] = 9
+    with pytest.raises(RuntimeError, match=r"token_class codes must be 0..4, got 9 at \[1, 3\]"):
+        fused(q, k, v, lengths, tc_bad, sid)
+    tc_bad[1, 3] = 0
+    tc_bad[1, 15] = 9  # past lengths[1] = 9: padding, not read
+    fused(q, k, v, lengths, tc_bad, sid)
+    # a checked tensor written in place is checked again (version counter)
+    mode = i32(0, 1, 2)
+    fused(q, k, v, lengths, tc, sid, mode=mode)
+    mode[2] = 5
+    with pytest.raises(RuntimeError, match="mode codes"):
+        fused(q, k, v, lengths, tc, sid, mode=mode)
+    with pytest.raises(AttnkitError, match="mode codes"):
+        ops.attention(q, k, v, lengths, tc, sid, mode=mode, backend="fused")
+    torch.cuda.synchronize()  # the context survived every refusal
+
+
+def _same_nan_pattern(a, b, atol):
+    assert torch.equal(a.isnan(), b.isnan()), "NaN positions differ"
+    torch.testing.assert_close(a.nan_to_num(0.0), b.nan_to_num(0.0), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_non_finite_inputs_follow_the_reference(dtype):
+    B, H, L = 3, 4, 70
+    q, k, v, lengths, tc, sid = make_inputs(B, H, L, 64, dtype, [70, 31, 70], seed=22)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q[0, 0, 3, 5] = float("nan")  # one undefined row
+    k[1, 1, 4, 0] = float("inf")  # rows with q[..., 0] > 0 score +inf
+    q[2, 2, 65:] = float("nan")  # the last rows of a full sample
+    v[2, 3, 7, 1] = float("nan")  # reaches the output, not the features
+    q[1, 0, 50] = float("nan")  # a padded query row (n = 31)
+    k[1, 3, 40:] = float("inf")  # padded keys: ignored
+    v[1, 3, 40:] = float("nan")
+    mode = torch.tensor([KEEP, KEEP, KEEP, KEEP], dtype=torch.int32, device=DEV)
+    region = torch.tensor([NO_INTRA, ALL, NO_INTER, ALL], dtype=torch.int32, device=DEV)
+    for renormalize in (False, True):
+        out, feats = fused(q, k, v, lengths, tc, sid, mode=mode, region=region, renormalize=renormalize)
+        ref_out, ref_feats = reference_attention(q.float(), k.float(), v.float(), lengths, tc, sid,
+                                                 mode=mode, region=region, renormalize=renormalize,
+                                                 want_features=True)
+        _same_nan_pattern(out.float(), ref_out, 1e-5 if dtype == torch.float32 else 2e-2)
+        _same_nan_pattern(feats, ref_feats, 1e-4 if dtype == torch.float32 else 1e-3)
+        assert feats[0, 0].isnan().all() and feats[1, 1].isnan().all() and feats[2, 2].isnan().all()
+        assert torch.isfinite(feats[2, 3]).all() and torch.isfinite(feats[1, 3]).all()
+
+
+def test_large_sentence_ids_compare_as_integers():
+    q, k, v, lengths, tc, sid = make_inputs(2, 3, 40, 32, torch.float32, [40, 25], seed=23)
+    region = torch.tensor([ALL, NO_INTRA, NO_INTER], dtype=torch.int32, device=DEV)
+    base = fused(q, k, v, lengths, tc, sid, region=region)
+    big = fused(q, k, v, lengths, tc, sid + 2**24, region=region)
+    torch.testing.assert_close(big[0], base[0], rtol=0, atol=0)
+    torch.testing.assert_close(big[1], base[1])
+
+
+def test_too_little_shared_memory_is_a_clear_error(monkeypatch):
+    # float32 with head dim 128 needs ~77 KB per block (over the 48 KB default): pretend the GPU allows 60 KB
+    q, k, v, lengths, tc, sid = make_inputs(1, 1, 16, 128, torch.float32, [16], seed=24)
+    monkeypatch.setenv("ATTNKIT_CUDA_SMEM_LIMIT", "60000")
+    with pytest.raises(RuntimeError, match=r"float32 kernel for head dim 128 with features needs \d+ bytes") as err:
+        fused(q, k, v, lengths, tc, sid)
+    assert torch.cuda.get_device_name() in str(err.value)
+    monkeypatch.delenv("ATTNKIT_CUDA_SMEM_LIMIT")
+    fused(q, k, v, lengths, tc, sid)  # the real limit of this GPU
+
+
+def _capture(fn):
+    """Warm up `fn` on a side stream, capture it in a CUDA graph; returns (graph, its outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
+def test_cuda_graph_capture_of_the_op():
+    q, k, v, lengths, tc, sid = make_inputs(2, 3, 50, 64, torch.float16, [50, 21], seed=25)
+    static = [t.clone() for t in (q, k, v)]
+    graph, (out, feats) = _capture(lambda: fused(*static, lengths, tc, sid))
+    q2, k2, v2, *_ = make_inputs(2, 3, 50, 64, torch.float16, [50, 21], seed=26)
+    for dst, src in zip(static, (q2, k2, v2)):
+        dst.copy_(src)
+    graph.replay()
+    want_out, want_feats = fused(q2, k2, v2, lengths, tc, sid)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(feats, want_feats)
+    # host lengths cannot be copied inside a capture: refused by name
+    with pytest.raises(RuntimeError, match="lengths are on the CPU while a CUDA graph is being captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            fused(*static, lengths.cpu(), tc, sid)
+
+
+def test_cuda_graph_capture_of_an_instrumented_forward():
+    """A whole instrumented forward (padding mask → lengths on the device, features via the runtime
+    batch) captured in a CUDA graph and replayed on new inputs equals eager."""
+    import attnkit
+    from attnkit.extraction import measuring
+    from attnkit.tokens import Batch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=128, max_position_embeddings=64)).to(DEV).eval()
+    attnkit.instrument(model)
+    B, L = 3, 24
+    lengths = torch.tensor([24, 10, 17], device=DEV)
+    mask = (torch.arange(L, device=DEV)[None] < lengths[:, None]).long()
+
+    def ids(seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(5, 100, (B, L), generator=g).to(DEV) * mask
+
+    static_ids = ids(1)
+    tc = torch.zeros(B, L, dtype=torch.int32, device=DEV)
+    tc[:, 0] = CLS
+    sid = (torch.arange(L, device=DEV)[None] >= 8).int().expand(B, L).contiguous()
+    with torch.inference_mode():
+        # plain forward: lengths_from_mask on the device, no host sync inside the capture
+        graph, out = _capture(lambda: model(input_ids=static_ids, attention_mask=mask).last_hidden_state)
+        static_ids.copy_(ids(2))
+        graph.replay()
+        torch.testing.assert_close(out, model(input_ids=static_ids, attention_mask=mask).last_hidden_state,
+                                   rtol=1e-4, atol=1e-4)
+        # with features
+        batch = Batch({"input_ids": static_ids, "attention_mask": mask}, lengths, tc, sid, 0)
+        with measuring(model) as rt, rt.batch_of(batch):
+            def step():
+                rt.features = {}
+                hidden = model(**batch.inputs).last_hidden_state
+                return hidden, torch.stack([rt.features[i] for i in range(2)], 1)
+
+            graph, (hidden, feats) = _capture(step)
+            static_ids.copy_(ids(3))
+            graph.replay()
+            want_hidden, want_feats = step()
+        torch.testing.assert_close(hidden, want_hidden, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(feats, want_feats, rtol=1e-4, atol=1e-5)
+
+
 # --- Jensen-Shannon distances ----------------------------------------------------------------------
 
 def random_attention(B, M, L, lengths, seed):

@@ -3,10 +3,6 @@ outputs checked before the work, one-line errors, the run lock."""
 import errno
 import json
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -23,7 +19,10 @@ try:
 except ImportError:
     from analysis_fixtures import layered_truth, make_features
 
-ROOT = Path(__file__).resolve().parents[1]
+try:
+    from tests.lock_holder import lock_held
+except ImportError:
+    from lock_holder import lock_held
 
 
 @pytest.fixture(scope="module")
@@ -135,42 +134,15 @@ def test_distances_without_a_corpus_is_one_line(run):
     assert r.exit_code == 1 and "names no readable corpus" in r.output
 
 
-HOLDER = textwrap.dedent("""
-    import sys, time
-    from attnkit.locking import run_lock
-    with run_lock(sys.argv[1], sys.argv[2]):
-        print("locked", flush=True)
-        time.sleep(60)
-""")
-
-
-@pytest.fixture
-def holder():
-    procs = []
-
-    def hold(directory, command):
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        p = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory), command], stdout=subprocess.PIPE,
-                             env=env, text=True)
-        procs.append(p)
-        assert p.stdout.readline().strip() == "locked"
-        return p.pid
-
-    yield hold
-    for p in procs:
-        p.kill()
-        p.wait()
-
-
-def test_writers_into_a_locked_run_are_refused(run, holder, tmp_path):
+def test_writers_into_a_locked_run_are_refused(run, tmp_path):
     assert invoke(cluster_cmd, [run, "-k", "3", "--stability", "1", "-q"]).exit_code == 0
     before = (run / "clusters.json").read_text()
-    pid = holder(run, "attnkit extract")
-    want = f"Error: {run} is in use by `attnkit extract` (pid {pid}); wait for it to finish or choose another directory"
-    for cmd, args in ((cluster_cmd, [run, "-q"]), (report_cmd, [run, "-q"]), (distances_cmd, [run, "-q"]),
-                      (compare_cmd, [run, run, "--json", run / "cmp.json"]), (export_cmd, [run])):
-        r = invoke(cmd, args)
-        assert r.exit_code == 1 and r.output.strip().splitlines()[-1] == want, (cmd.name, r.output)
+    with lock_held(run, "attnkit extract") as pid:
+        want = f"Error: {run} is in use by `attnkit extract` (pid {pid}); wait for it to finish or choose another directory"
+        for cmd, args in ((cluster_cmd, [run, "-q"]), (report_cmd, [run, "-q"]), (distances_cmd, [run, "-q"]),
+                          (compare_cmd, [run, run, "--json", run / "cmp.json"]), (export_cmd, [run])):
+            r = invoke(cmd, args)
+            assert r.exit_code == 1 and r.output.strip().splitlines()[-1] == want, (cmd.name, r.output)
     assert (run / "clusters.json").read_text() == before
     assert not (run / "report.html").exists() and not (run / "cmp.json").exists()
     assert not (run / "features.csv").exists()

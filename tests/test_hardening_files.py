@@ -4,10 +4,6 @@ leave no temporary files; one command at a time per run directory."""
 import errno
 import json
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,10 +18,11 @@ from attnkit.schemas import CLUSTERS_SCHEMA, validate
 
 try:
     from tests.analysis_fixtures import layered_truth, make_features
+    from tests.lock_holder import lock_held
 except ImportError:
     from analysis_fixtures import layered_truth, make_features
+    from lock_holder import lock_held
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -240,30 +237,15 @@ def test_features_save_on_full_disk_is_one_line(tmp_path, feats, monkeypatch):
 
 
 # --- one command per run directory ------------------------------------------------------------------------
-HOLDER = textwrap.dedent("""
-    import sys, time
-    from attnkit.locking import run_lock
-    with run_lock(sys.argv[1], "attnkit extract"):
-        print("locked", flush=True)
-        time.sleep(60)
-""")
-
-
 def test_second_command_is_refused_naming_the_holder(tmp_path):
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, env=env, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        assert lock_owner(run) == {"pid": holder.pid, "command": "attnkit extract"}
+    with lock_held(run, "attnkit extract") as pid:
+        assert lock_owner(run) == {"pid": pid, "command": "attnkit extract"}
         with pytest.raises(AttnkitError) as e:
             with run_lock(run, "attnkit cluster"):
                 pass
-        assert str(e.value) == (f"{run} is in use by `attnkit extract` (pid {holder.pid}); "
+        assert str(e.value) == (f"{run} is in use by `attnkit extract` (pid {pid}); "
                                 "wait for it to finish or choose another directory")
-    finally:
-        holder.kill()
-        holder.wait()
     # a killed holder leaves its lock to the OS: the next command gets the directory
     with run_lock(run, "attnkit cluster"):
         assert lock_owner(run)["pid"] == os.getpid()
@@ -271,18 +253,15 @@ def test_second_command_is_refused_naming_the_holder(tmp_path):
 
 
 def test_second_cli_command_exits_with_one_line(tmp_path, feats):
+    from click.testing import CliRunner
+
+    from attnkit.cli import main
+
     run = tmp_path / "run"
     feats.save(run)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, env=env, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        r = subprocess.run([sys.executable, "-m", "attnkit.cli", "cluster", str(run), "-q"], env=env,
-                           capture_output=True, text=True, timeout=120)
-    finally:
-        holder.kill()
-        holder.wait()
-    assert r.returncode == 1
-    assert r.stderr.strip() == (f"Error: {run} is in use by `attnkit extract` (pid {holder.pid}); "
+    with lock_held(run, "attnkit extract") as pid:
+        r = CliRunner().invoke(main, ["cluster", str(run), "-q"])
+    assert r.exit_code == 1
+    assert r.stderr.strip() == (f"Error: {run} is in use by `attnkit extract` (pid {pid}); "
                                 "wait for it to finish or choose another directory")
     assert not (run / "clusters.json").exists()

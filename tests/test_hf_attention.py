@@ -88,7 +88,7 @@ def test_decoder_is_refused():
 
 
 def _independent_features(attn, lengths, classes, sentences, num_windows):
-    """SPEC.md's features from full attention maps, written independently of attnkit.reference."""
+    """docs/features.md's features from full attention maps, written independently of attnkit.reference."""
     L_, H = len(attn), attn[0].shape[1]
     out = []
     for b, n in enumerate(lengths):

@@ -1,4 +1,4 @@
-"""The reference (attnkit/reference.py) against answers worked out by hand from SPEC.md."""
+"""The reference (attnkit/reference.py) against answers worked out by hand from docs/features.md."""
 import math
 
 import pytest
@@ -168,3 +168,89 @@ def test_gates_and_inputs_receive_gradients():
     with torch.no_grad():
         ungated, _ = reference_attention(q, k, v, torch.tensor([4]))
     assert torch.allclose(gates.grad, ungated.sum(dim=(0, 1, 3)), atol=1e-5)
+
+
+# --- argument checks and the numerics policy (issue 12) ----------------------------------------------
+
+def _qkv(B=2, H=2, L=6, D=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, L, D, generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(lengths=torch.tensor([0, 6])), r"lengths must lie in \[1, L\] = \[1, 6\], got lengths\[0\] = 0"),
+    (dict(lengths=torch.tensor([6, 7])), r"got lengths\[1\] = 7"),
+    (dict(lengths=torch.tensor([6.0, 6.0])), "lengths must be an integer tensor"),
+    (dict(lengths=torch.tensor([6])), r"lengths must have shape \[2\]"),
+    (dict(mode=torch.tensor([0, 3])), "mode codes must be 0 \\(keep\\), 1 \\(zero\\) or 2 \\(uniform\\), got 3 at head 1"),
+    (dict(region=torch.tensor([-1, 0])), "region codes .* got -1 at head 0"),
+    (dict(token_class=torch.full((2, 6), 5), want_features=True), r"token_class codes must be 0..4 .* got 5 at \[0, 0\]"),
+    (dict(num_windows=0), "num_windows must be an integer >= 1"),
+    (dict(scaling=float("inf")), "scaling must be a finite number"),
+    (dict(scaling=float("nan")), "scaling must be a finite number"),
+    (dict(sentence_id=torch.zeros(2, 5, dtype=torch.int32)), r"sentence_id must have shape \[2, 6\]"),
+    (dict(gates=torch.ones(3)), r"gates must have shape \[2\]"),
+])
+def test_reference_refuses_bad_arguments_by_name(kw, match):
+    from attnkit.errors import AttnkitError
+
+    q, k, v = _qkv()
+    args = dict(lengths=torch.tensor([6, 4]), token_class=None, sentence_id=None)
+    args.update(kw)
+    with pytest.raises(AttnkitError, match=match):
+        reference_attention(q, k, v, args.pop("lengths"), args.pop("token_class"), args.pop("sentence_id"), **args)
+
+
+def test_reference_refuses_empty_head_dim_and_accepts_classes_beyond_lengths():
+    from attnkit.errors import AttnkitError
+
+    q, k, v = _qkv(D=0)
+    with pytest.raises(AttnkitError, match="head dim"):
+        reference_attention(q, k, v, torch.tensor([6, 4]), scaling=1.0)
+    q, k, v = _qkv()
+    tc = torch.zeros(2, 6, dtype=torch.int32)
+    tc[1, 4:] = 99  # padding: never read
+    reference_attention(q, k, v, torch.tensor([6, 4]), tc, want_features=True)
+
+
+def test_nan_policy_by_hand():
+    """A NaN score makes its row NaN (output and the features of its sample/head); padded garbage and
+    zeroed heads stay out of it; uniform heads do not look at scores."""
+    B, H, L, D = 2, 3, 5, 4
+    q, k, v = _qkv(B, H, L, D, seed=3)
+    lengths = torch.tensor([5, 3])
+    q[0, 0, 1, 0] = float("nan")  # sample 0, head 0, row 1
+    q[0, 1, 1, 0] = float("nan")  # same row in head 1 (uniform) and head 2 (zero)
+    q[0, 2, 1, 0] = float("nan")
+    v[0, 2, 0, 0] = float("nan")  # zeroed head: output stays 0
+    k[1, :, 3:] = float("nan")  # padded keys of sample 1
+    v[1, :, 3:] = float("inf")
+    q[1, :, 4] = float("nan")  # a padded query row of sample 1
+    mode = torch.tensor([KEEP, UNIFORM, ZERO])
+    region = torch.tensor([NO_INTRA, ALL, ALL])  # no_intra on one sentence drops every key: still NaN
+    out, f = reference_attention(q, k, v, lengths, mode=mode, region=region, want_features=True, num_windows=N)
+    assert out[0, 1, 0].isnan().all() and not out[0, [0, 2, 3, 4], 0].isnan().any()
+    assert f[0, 0].isnan().all() and torch.isfinite(f[0, 1:]).all()
+    assert torch.isfinite(out[0, :, 1]).all() and (out[0, :, 2] == 0).all()
+    assert torch.isfinite(out[1, :3]).all() and torch.isfinite(f[1]).all()
+    assert out[1, 4, 0].isnan().all()  # the padded row itself is NaN, as every backend computes it
+    # a +inf score: undefined too (torch.softmax gives NaN); a −inf score among finite ones: weight 0
+    q2, k2, v2 = _qkv(1, 1, 4, 1, seed=4)
+    q2.fill_(1.0)
+    k2[0, 0, 2, 0] = float("inf")
+    out2, f2 = reference_attention(q2, k2, v2, torch.tensor([4]), scaling=1.0, want_features=True)
+    assert out2.isnan().all() and f2.isnan().all()
+    k2[0, 0, 2, 0] = float("-inf")
+    out3, f3 = reference_attention(q2, k2, v2, torch.tensor([4]), scaling=1.0, want_features=True)
+    w = torch.softmax(k2[0, 0, [0, 1, 3], 0], 0)
+    torch.testing.assert_close(out3[0, 0, 0, 0], (w * v2[0, 0, [0, 1, 3], 0]).sum())
+    assert torch.isfinite(f3).all()
+
+
+def test_sentence_ids_compare_as_integers_in_the_reference():
+    q, k, v = _qkv(1, 1, 4, 4, seed=5)
+    a = torch.tensor([[0, 0, 1, 1]], dtype=torch.int32)
+    b = a + 2**24  # 2^24 and 2^24 + 1 share one float32
+    fa = reference_attention(q, k, v, torch.tensor([4]), sentence_id=a, want_features=True, num_windows=N)[1]
+    fb = reference_attention(q, k, v, torch.tensor([4]), sentence_id=b, want_features=True, num_windows=N)[1]
+    assert torch.equal(fa, fb) and fa[0, 0, IDX["inter"]] > 0

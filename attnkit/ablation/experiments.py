@@ -277,8 +277,8 @@ def heads_figure(table: ResultTable, shape, path: str, title: str = "") -> str:
 
 
 def _error_bars(table: ResultTable, rows) -> np.ndarray | None:
-    """2 × len(rows) distances from each row's metric to the ends of its change's bootstrap interval (the
-    metric is baseline + change, so its interval is baseline + the change's); None without intervals."""
+    """2 × len(rows) distances from each row's change of the main metric to the ends of its bootstrap
+    interval (for `xerr`/`yerr`); None when the table has no intervals."""
     key = f"delta_{table.main_metric}"
     if not any(f"{key}_lo" in r for r in rows):
         return None
@@ -287,35 +287,98 @@ def _error_bars(table: ResultTable, rows) -> np.ndarray | None:
     return np.clip(np.array([lo, hi], dtype=np.float64), 0.0, None)
 
 
+def _with_interval_ends(values, err) -> list:
+    """`values` and, with error bars, the ends of their intervals (for axis limits)."""
+    values = list(values)
+    if err is None:
+        return values
+    return values + [v - e for v, e in zip(values, err[0])] + [v + e for v, e in zip(values, err[1])]
+
+
+def _deltas(table: ResultTable) -> tuple[float, np.ndarray]:
+    """(baseline value, Δ of the main metric from the baseline for every row); NaN where unknown."""
+    metric = table.main_metric
+    base = table.rows[0].get(metric)
+    base = float("nan") if base is None else float(base)
+    out = []
+    for r in table.rows:
+        v = r.get(f"delta_{metric}")
+        if v is None and r.get(metric) is not None:
+            v = float(r[metric]) - base
+        out.append(float("nan") if v is None else float(v))
+    return base, np.asarray(out, dtype=np.float64)
+
+
+def _zero_centred_limits(values, min_half_span: float = 1.0) -> tuple[float, float]:
+    """Axis limits that contain 0 and every finite value, with a margin; at least ±`min_half_span`
+    wide so that noise of a few hundredths of a point does not fill the axis."""
+    finite = [float(v) for v in values if np.isfinite(v)]
+    lo, hi = min(finite + [0.0]), max(finite + [0.0])
+    if hi - lo < 2 * min_half_span:
+        mid_pad = (2 * min_half_span - (hi - lo)) / 2
+        lo, hi = lo - mid_pad, hi + mid_pad
+    pad = 0.1 * (hi - lo)  # room for the value printed beside a short bar
+    return min(lo - pad, -pad), max(hi + pad, pad)
+
+
+def _absolute_axis(ax, base: float, metric: str, which: str) -> None:
+    """A second axis (top or right) in absolute values of the metric, when the baseline is known."""
+    if not np.isfinite(base):
+        return
+    fns = (lambda d: d + base, lambda m: m - base)
+    sec = ax.secondary_xaxis("top", functions=fns) if which == "x" else ax.secondary_yaxis("right", functions=fns)
+    (sec.set_xlabel if which == "x" else sec.set_ylabel)(metric, fontsize=8)
+    sec.tick_params(labelsize=7)
+
+
+def bars_axes(table: ResultTable, title: str = ""):
+    """One bar per setting: Δ of the main metric from the baseline, on an axis through 0 (a bar's
+    length is the change, not the score). Returns (figure, axes); the top axis reads absolute scores."""
+    plt = _plt()
+    base, deltas = _deltas(table)
+    rows, d = table.rows[1:], deltas[1:]
+    metric = table.main_metric
+    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.3 * max(len(rows), 1)))
+    colors = ["#c44e52" if v < 0 else "#4c72b0" for v in np.nan_to_num(d)]
+    ax.barh(range(len(rows)), np.nan_to_num(d), color=colors, height=0.7)
+    err = _error_bars(table, rows)
+    if err is not None:  # the paired bootstrap 95% interval of each change
+        ax.errorbar(d, range(len(rows)), xerr=err, fmt="none", ecolor="#333", capsize=2, lw=0.8)
+    lo, hi = _zero_centred_limits(_with_interval_ends(d, err))
+    ax.set_xlim(lo, hi)
+    ax.axvline(0.0, color="black", linewidth=1.0)
+    span = hi - lo
+    for i, v in enumerate(d):
+        if not np.isfinite(v):
+            ax.text(0.01 * span, i, "nan", va="center", ha="left", fontsize=7)
+            continue
+        inside = abs(v) > 0.25 * span  # long bars carry their value inside, so it never leaves the axes
+        sign = 1.0 if v >= 0 else -1.0
+        x = v - sign * 0.01 * span if inside else v + sign * 0.01 * span
+        ha = ("right" if v >= 0 else "left") if inside else ("left" if v >= 0 else "right")
+        ax.text(x, i, f"{v:+.2f}", va="center", ha=ha, fontsize=7, color="white" if inside else "black")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([r["setting"] for r in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # first setting on top
+    ax.set_xlabel(f"Δ {metric} from the baseline ({base:.2f})")
+    ax.grid(axis="x", alpha=0.3)
+    _absolute_axis(ax, base, metric, "x")
+    ax.set_title(title or table.experiment, fontsize=10)
+    fig.tight_layout()
+    return fig, ax
+
+
 def bars_figure(table: ResultTable, path: str, title: str = "") -> str:
     plt = _plt()
-    rows = table.rows[1:]
-    vals = [r[table.main_metric] for r in rows]
-    names = [r["setting"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.28 * len(rows)))
-    err = _error_bars(table, rows)
-    ax.barh(range(len(rows)), vals, color="#4c72b0", xerr=err, error_kw={"ecolor": "#333", "capsize": 2, "lw": 0.8})
-    finite = [v for v in vals + [table.rows[0][table.main_metric]] if v == v]
-    if err is not None:
-        finite += [v - e for v, e in zip(vals, err[0]) if v == v and e == e]
-        finite += [v + e for v, e in zip(vals, err[1]) if v == v and e == e]
-    if finite:  # start the axis near the smallest bar so small differences stay visible
-        lo, hi = min(finite), max(finite)
-        ax.set_xlim(lo - 0.1 * (hi - lo) - 0.5, hi + 0.05 * (hi - lo) + 0.5)
-    ax.axvline(table.rows[0][table.main_metric], color="orange", label="baseline")
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels(names, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel(table.main_metric)
-    ax.legend(loc="lower right")
-    ax.set_title(title or table.experiment)
-    fig.tight_layout()
+    fig, _ = bars_axes(table, title)
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
 
 
-def importance_figure(table: ResultTable, path: str, title: str = "") -> str:
+def importance_axes(table: ResultTable, title: str = ""):
+    """Head importance (left) and the pruning curve as Δ of the main metric from the unpruned model on an
+    axis through 0 (right; its right-hand axis reads absolute scores). Returns (figure, (left, right))."""
     plt = _plt()
     imp = np.asarray(table.extra["importance"])
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.45 * imp.shape[0]))
@@ -327,14 +390,24 @@ def importance_figure(table: ResultTable, path: str, title: str = "") -> str:
     a1.set_title("head importance |∂L/∂ξ| (layer-normalised)" if table.extra.get("normalize_layers") else
                  "head importance |∂L/∂ξ|")
     fig.colorbar(im, ax=a1)
+    base, deltas = _deltas(table)
     share = [100 * r["share"] for r in table.rows]
     err = _error_bars(table, table.rows)
-    a2.errorbar(share, [r[table.main_metric] for r in table.rows], yerr=err, marker="o", capsize=2)
+    a2.errorbar(share, deltas, yerr=err, marker="o", capsize=2)
+    a2.axhline(0.0, color="black", linewidth=1.0)
+    a2.set_ylim(*_zero_centred_limits(_with_interval_ends(deltas, err)))
     a2.set_xlabel("% heads pruned")
-    a2.set_ylabel(table.main_metric)
+    a2.set_ylabel(f"Δ {table.main_metric} from the unpruned model ({base:.2f})")
+    _absolute_axis(a2, base, table.main_metric, "y")
     a2.set_title(title or "iterative pruning by importance")
     a2.grid(alpha=0.3)
     fig.tight_layout()
+    return fig, (a1, a2)
+
+
+def importance_figure(table: ResultTable, path: str, title: str = "") -> str:
+    plt = _plt()
+    fig, _ = importance_axes(table, title)
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path

@@ -5,11 +5,13 @@ They are plain `@click.command()`s; attnkit/cli.py adds them to the `attnkit` gr
 """
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import click
 
+from ..corpus import FORMATS
 from ..errors import AttnkitError, cli_errors
 
 RUN = click.Path(exists=True, file_okay=False, path_type=Path)
@@ -37,31 +39,39 @@ def _run_shape(run: Path) -> tuple[int, int] | None:
 
 
 def _corpus_from_run(run: Path, corpus, fmt, squad_pairs, columns, limit):
-    """The corpus of a run: --corpus, else the path recorded in meta.json (with its reading settings)."""
-    from ..corpus import read_corpus
+    """The corpus of a run: --corpus, else the inputs recorded in meta.json (read as the run read them).
+    Returns (a streamed attnkit.corpus.Corpus, the run's meta)."""
+    from ..corpus import open_corpus
     from ..head_features import HeadFeatures
 
     text_unit = "auto"
     meta = HeadFeatures.load(run).meta
     if corpus is None:
-        recorded = meta.get("corpus")
-        if not recorded or not Path(recorded).is_file():
-            raise AttnkitError(f"{run}/meta.json names no readable corpus ({recorded!r}): pass --corpus PATH")
-        corpus = Path(recorded)
-        fmt = meta.get("format", fmt) or fmt
-        squad_pairs = bool(meta.get("squad_pairs", squad_pairs))
-        columns = columns or meta.get("columns")
-        text_unit = meta.get("text_unit", "auto")
+        reading = (meta.get("settings") or {}).get("reading")
+        if isinstance(reading, dict) and reading.get("paths"):
+            paths = reading["paths"]
+            fmt, text_unit = reading.get("format") or "auto", reading.get("text_unit") or "auto"
+            columns, squad_pairs = columns or reading.get("columns"), bool(reading.get("squad_pairs"))
+        else:  # runs written before several inputs were possible
+            paths = [meta.get("corpus")]
+            fmt = meta.get("format", fmt) or fmt
+            squad_pairs = bool(meta.get("squad_pairs", squad_pairs))
+            columns = columns or meta.get("columns")
+            text_unit = meta.get("text_unit", "auto")
+        missing = [p for p in paths if not p or p == "-" or not Path(p).exists()]
+        if missing:
+            raise AttnkitError(f"{run}/meta.json names no readable corpus ({missing[0]!r}): pass --corpus PATH")
+        corpus = paths
         limit = limit or meta.get("n_segments")
     if isinstance(columns, str):
         columns = tuple(c.strip() for c in columns.split(",") if c.strip())
-    return read_corpus(corpus, fmt, text_unit=text_unit, squad_pairs=squad_pairs, columns=columns, limit=limit), meta
+    return open_corpus(corpus, fmt, text_unit=text_unit, squad_pairs=squad_pairs, columns=columns, limit=limit), meta
 
 
 _corpus_options = [
     click.option("--corpus", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
                  help="Corpus file [default: the one recorded in RUN/meta.json]."),
-    click.option("--format", "fmt", type=click.Choice(["auto", "text", "jsonl", "squad", "tsv"]), default="auto",
+    click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="auto",
                  show_default=True, help="Corpus format (auto: by extension)."),
     click.option("--squad-pairs", is_flag=True, help="SQuAD JSON: (question, context) pairs instead of contexts."),
     click.option("--columns", default=None, metavar="COL[,COL2]", help="TSV/CSV text column(s)."),
@@ -187,15 +197,20 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
         if shape != want:
             raise AttnkitError(f"the model has {shape[0]} × {shape[1]} heads but {run} was measured "
                                f"with {want[0]} × {want[1]}")
-        _say(quiet, f"attnkit distances: {len(texts)} segments, {shape[0] * shape[1]} heads")
-        feats, dist = collect_distances(texts, model, rows_per_sample=rows_per_sample, seed=seed, smoothing=smooth,
+        _say(quiet, f"attnkit distances: {texts.summary()}; {shape[0] * shape[1]} heads")
+        from ..pipeline import default_workers
+
+        workers = default_workers(next(model[0].parameters()).device.type)
+        feats, dist = collect_distances(texts, model, workers=workers, rows_per_sample=rows_per_sample, seed=seed,
+                                        smoothing=smooth,
                                         max_length=int(meta.get("max_length", 128)), batch_size=batch_size,
                                         num_windows=int(meta.get("num_windows", 16)), progress=not quiet)
         path = dist.save(run)
     pt = dist.per_token
     off = pt[~np.eye(pt.shape[0], dtype=bool)]
     smoothed = f" (rows smoothed with ε = {smooth:g})" if smooth else ""
-    click.echo(f"{len(texts)} segments, {dist.n_rows} query tokens{smoothed}: mean JS divergence per token between heads "
+    click.echo(f"{feats.n_samples} segments, {dist.n_rows} query tokens{smoothed}: mean JS divergence per token "
+               f"between heads "
                f"{off.mean():.4f} (min {off.min():.4f}, max {off.max():.4f}); wrote {path}")
 
 
@@ -238,6 +253,7 @@ def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, metho
             from ..models import load_model
 
             texts, meta = _corpus_from_run(run, corpus, fmt, squad_pairs, columns, limit)
+            texts = list(itertools.islice(texts, 500))  # example maps come from the first segments
             _say(quiet, f"attnkit report: loading the model of {run} for the example maps")
             model = load_model(meta.get("model") or None, device=device)
         _say(quiet, f"attnkit report: {shape[0]} × {shape[1]} heads of {run}")

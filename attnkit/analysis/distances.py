@@ -1,4 +1,4 @@
-"""Jensen-Shannon distances between every pair of heads (Clark et al. 2019, Sec. 6; SPEC.md).
+"""Jensen-Shannon distances between every pair of heads (Clark et al. 2019, Sec. 6; docs/analysis.md).
 
     D[i, j] = Σ_samples Σ_{valid query rows s} JS(A_i[s, :], A_j[s, :])
 

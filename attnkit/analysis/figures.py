@@ -85,36 +85,125 @@ def feature_heatmaps(features, panels=HEATMAP_FEATURES):
     return fig
 
 
-def _scatter_types(ax, xy, labels, type_names, heads=None):
+MAX_HEAD_LABELS = 14
+LABEL_FONTSIZE = 8
+# offsets (points) tried for a head label, nearest first: right/above, right/below, left/above, ...
+_LABEL_OFFSETS = ((5, 4, "left", "bottom"), (5, -4, "left", "top"), (-5, 4, "right", "bottom"),
+                  (-5, -4, "right", "top"), (0, 8, "center", "bottom"), (0, -8, "center", "top"))
+
+
+def label_candidates(xy, labels, max_labels: int = MAX_HEAD_LABELS) -> list[int]:
+    """Heads worth naming on a 2-D map, most telling first, at most `max_labels`.
+
+    First, per type, the head nearest the type's mean position (its most typical member); then the
+    extremes: each type's heads in decreasing distance from the centre of the whole map, taken from
+    the types in turn so that every type gets names. The map's axes are scaled by their spread first,
+    so a long, thin map does not favour one direction.
+    """
+    xy = np.asarray(xy, dtype=np.float64)
+    labels = np.asarray(labels)
+    if len(xy) == 0 or max_labels <= 0:
+        return []
+    spread = xy.std(0)
+    z = (xy - np.median(xy, 0)) / np.where(spread > 0, spread, 1.0)
+    radius = (z**2).sum(1)
+    chosen: list[int] = []
+    queues = []
+    for c in dict.fromkeys(labels.tolist()):
+        members = np.flatnonzero(labels == c)
+        centre = z[members].mean(0)
+        chosen.append(int(members[np.argmin(((z[members] - centre) ** 2).sum(1))]))
+        queues.append([int(m) for m in members[np.argsort(-radius[members], kind="stable")]])
+    for rank in range(max((len(q) for q in queues), default=0)):
+        chosen += [q[rank] for q in queues if rank < len(q) and q[rank] not in chosen]
+    return chosen[:max_labels]
+
+
+def _overlaps(box, boxes, pad: float = 2.0) -> bool:
+    return any(box.x0 - pad < b.x1 and b.x0 < box.x1 + pad and box.y0 - pad < b.y1 and b.y0 < box.y1 + pad
+               for b in boxes)
+
+
+def place_head_labels(ax, xy, names, order, *, fontsize: float = LABEL_FONTSIZE) -> list:
+    """Annotate the heads `order` (indices into xy/names) without overlaps; returns the annotations.
+
+    Call it once the figure's layout is final (after tight_layout): label positions are checked in
+    display coordinates. Each label tries a few offsets around its point and takes the first that
+    stays inside the axes, overlaps no label placed before, and covers no other point; failing that,
+    the first that only avoids the other labels and the axes' edges (on a white box); failing that,
+    the head stays unlabelled.
+    """
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    xy = np.asarray(xy, dtype=np.float64)
+    frame = ax.get_window_extent(renderer)
+    points = ax.transData.transform(xy)
+    r = 4.0 * fig.dpi / 72.0  # a marker's half-width in pixels (markers are about 6.5 points wide)
+    placed, boxes = [], []
+    for m in order:
+        accepted = None
+        for strict in (True, False):
+            for dx, dy, ha, va in _LABEL_OFFSETS:
+                ann = ax.annotate(names[m], xy[m], xytext=(dx, dy), textcoords="offset points", ha=ha, va=va,
+                                  fontsize=fontsize, color="#222222", zorder=5,
+                                  bbox=None if strict else dict(boxstyle="round,pad=0.1", fc="white", ec="none",
+                                                                alpha=0.75))
+                box = ann.get_window_extent(renderer)
+                inside = (box.x0 >= frame.x0 and box.x1 <= frame.x1 and box.y0 >= frame.y0 and box.y1 <= frame.y1)
+                covers = strict and any(box.x0 - r <= px <= box.x1 + r and box.y0 - r <= py <= box.y1 + r
+                                        for k, (px, py) in enumerate(points) if k != m)
+                if inside and not covers and not _overlaps(box, boxes):
+                    accepted = (ann, box)
+                    break
+                ann.remove()
+            if accepted:
+                break
+        if accepted:
+            placed.append(accepted[0])
+            boxes.append(accepted[1])
+    return placed
+
+
+def _scatter_types(ax, xy, labels, type_names):
     colors = type_colors(type_names)
     for c, name in enumerate(type_names):
         sel = labels == c
         if np.any(sel):
-            ax.scatter(xy[sel, 0], xy[sel, 1], s=36, c=colors[name], marker=MARKERS[c % len(MARKERS)],
-                       edgecolors="black", linewidths=0.3, label=f"{name} ({int(sel.sum())})")
-    if heads is not None:
-        for (x, y), lab in zip(xy, heads):
-            ax.annotate(lab, (x, y), fontsize=5, alpha=0.6, xytext=(2, 2), textcoords="offset points")
-    ax.legend(fontsize=8, loc="best", framealpha=0.8)
+            ax.scatter(xy[sel, 0], xy[sel, 1], s=40, c=colors[name], marker=MARKERS[c % len(MARKERS)],
+                       edgecolors="black", linewidths=0.3, label=f"{name} ({int(sel.sum())})", zorder=3)
+    # outside the axes, so that it hides no point and no head label
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, framealpha=0.9)
     ax.set_xticks([])
     ax.set_yticks([])
 
 
-def tsne_scatter(xy, labels, type_names, heads=None, title="t-SNE of head features, coloured by type"):
-    """Guan et al. Fig. 2: t-SNE of the distance features, colours = K-means types."""
-    fig, ax = plt.subplots(figsize=(6.4, 5.4))
-    _scatter_types(ax, np.asarray(xy), np.asarray(labels), list(type_names), heads)
+def _label_heads(ax, xy, labels, heads, max_labels):
+    if heads is None or max_labels <= 0:
+        return
+    ax.figure.canvas.draw()  # fix the layout so label extents are measured where they will be drawn
+    place_head_labels(ax, xy, list(heads), label_candidates(xy, labels, max_labels))
+
+
+def tsne_scatter(xy, labels, type_names, heads=None, title="t-SNE of head features, coloured by type",
+                 max_labels: int = MAX_HEAD_LABELS):
+    """Guan et al. Fig. 2: t-SNE of the distance features, colours = K-means types. With `heads` (names in
+    the order of xy), up to `max_labels` typical and extreme heads are named (see `label_candidates`)."""
+    xy, labels = np.asarray(xy), np.asarray(labels)
+    fig, ax = plt.subplots(figsize=(8.0, 5.6))
+    _scatter_types(ax, xy, labels, list(type_names))
     ax.set_title(title, fontsize=11)
     fig.tight_layout()
+    _label_heads(ax, xy, labels, heads, max_labels)
     return fig
 
 
-def mds_maps(xy, labels, type_names, layers, heads=None):
-    """Clark et al. Fig. 6: MDS of the JS distances, coloured by type (left) and by layer (right)."""
+def mds_maps(xy, labels, type_names, layers, heads=None, max_labels: int = MAX_HEAD_LABELS):
+    """Clark et al. Fig. 6: MDS of the JS distances, coloured by type (left) and by layer (right).
+    Head names as in `tsne_scatter`, on the left map."""
     xy, layers = np.asarray(xy), np.asarray(layers)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12.5, 5.4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14.5, 5.8), gridspec_kw={"width_ratios": [1.0, 0.9]})
     if labels is not None:
-        _scatter_types(a, xy, np.asarray(labels), list(type_names), heads)
+        _scatter_types(a, xy, np.asarray(labels), list(type_names))
         a.set_title("MDS of Jensen-Shannon distances: head types", fontsize=11)
     else:
         a.scatter(xy[:, 0], xy[:, 1], s=30, c="gray")
@@ -130,6 +219,7 @@ def mds_maps(xy, labels, type_names, layers, heads=None):
         ax.set_xticks([])
         ax.set_yticks([])
     fig.tight_layout()
+    _label_heads(a, xy, np.zeros(len(xy), dtype=int) if labels is None else np.asarray(labels), heads, max_labels)
     return fig
 
 
@@ -202,13 +292,14 @@ def stability_sweep(rows):
 
 def attention_examples(examples, max_tokens: int = 40):
     """A grid of example attention maps: `examples` is a list of dicts with keys type, layer, head,
-    weights (n × n numpy), tokens (n strings). Rows: types; columns: examples of that type."""
+    weights (n × n numpy), tokens (n strings). Rows: types; columns: examples of that type. Every map
+    has its own colour bar (its scale runs from 0 to its largest weight)."""
     if not examples:
         raise AttnkitError("no example attention maps to draw")
     types = list(dict.fromkeys(e["type"] for e in examples))
     per = {t: [e for e in examples if e["type"] == t] for t in types}
     cols = max(len(v) for v in per.values())
-    fig, axes = plt.subplots(len(types), cols, figsize=(3.3 * cols, 3.3 * len(types)), squeeze=False)
+    fig, axes = plt.subplots(len(types), cols, figsize=(4.8 * cols, 4.6 * len(types)), squeeze=False)
     for r, t in enumerate(types):
         for c in range(cols):
             ax = axes[r, c]
@@ -218,19 +309,21 @@ def attention_examples(examples, max_tokens: int = 40):
             e = per[t][c]
             w = np.asarray(e["weights"])[:max_tokens, :max_tokens]
             toks = list(e["tokens"])[:max_tokens]
-            ax.imshow(w, cmap="Blues", vmin=0, vmax=max(float(w.max()), 1e-6), interpolation="nearest")
+            im = ax.imshow(w, cmap="Blues", vmin=0, vmax=max(float(w.max()), 1e-6), interpolation="nearest")
+            cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03)
+            cb.ax.tick_params(labelsize=7)
             ax.set_title(f"{t}: L{e['layer']} H{e['head']}", fontsize=9)
-            if len(toks) <= 40:
-                ax.set_xticks(range(len(toks)))
-                ax.set_xticklabels(toks, rotation=90, fontsize=4)
-                ax.set_yticks(range(len(toks)))
-                ax.set_yticklabels(toks, fontsize=4)
-            else:
-                ax.set_xticks([])
-                ax.set_yticks([])
+            ax.set_xlabel("key", fontsize=7)
+            ax.set_ylabel("query", fontsize=7)
+            size = 6 if len(toks) <= 24 else 5
+            ax.set_xticks(range(len(toks)))
+            ax.set_xticklabels(toks, rotation=90, fontsize=size)
+            ax.set_yticks(range(len(toks)))
+            ax.set_yticklabels(toks, fontsize=size)
     fig.tight_layout()
     return fig
 
 
 __all__ = ["save_figure", "feature_heatmaps", "tsne_scatter", "mds_maps", "type_share_per_layer",
-           "distance_boxplots", "stability_sweep", "attention_examples", "type_colors"]
+           "distance_boxplots", "stability_sweep", "attention_examples", "type_colors", "label_candidates",
+           "place_head_labels"]

@@ -1,7 +1,7 @@
 """Names for head clusters, derived from their mean distance features (Guan et al. 2020, Sec. 4).
 
 A cluster's profile is the mean over its heads of the distance buckets (cls, sep, comma, period,
-self, win_0 … win_{N-1}; SPEC.md), renormalised to sum 1. From it:
+self, win_0 … win_{N-1}; docs/analysis.md), renormalised to sum 1. From it:
 
 * ``special`` (V)  = cls + sep + comma + period: weight on special tokens and punctuation, which draws
   vertical stripes in an attention map;

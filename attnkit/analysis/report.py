@@ -34,6 +34,8 @@ width:.9em;height:.9em;border-radius:2px;vertical-align:middle;margin-right:4px}
 details{margin:.6em 0}summary{cursor:pointer;font-weight:600}
 .scroll{max-height:520px;overflow:auto;display:inline-block;border:1px solid #eee}
 .warn{color:#a40000}
+table.nested{margin:0;font-size:11px}table.nested td{border-color:#e3e3e3;padding:1px 5px;vertical-align:top}
+td{vertical-align:top}
 """
 
 
@@ -49,13 +51,38 @@ def _fmt(v, digits=3) -> str:
     return _e(v)
 
 
-def _table(header, rows, left=(0,)) -> str:
-    th = "".join(f'<th class="{"l" if i in left else ""}">{_e(h)}</th>' for i, h in enumerate(header))
+def _table(header, rows, left=(0,), cls: str = "") -> str:
+    """An HTML table; the cells of `rows` are HTML already. `header` None: no header row."""
+    head = ""
+    if header is not None:
+        th = "".join(f'<th class="{"l" if i in left else ""}">{_e(h)}</th>' for i, h in enumerate(header))
+        head = f"<thead><tr>{th}</tr></thead>"
     body = []
     for r in rows:
         body.append("<tr>" + "".join(f'<td class="{"l" if i in left else ""}">{c}</td>' for i, c in enumerate(r))
                     + "</tr>")
-    return f"<table><thead><tr>{th}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    attr = f' class="{cls}"' if cls else ""
+    return f"<table{attr}>{head}<tbody>{''.join(body)}</tbody></table>"
+
+
+def _value_html(v) -> str:
+    """A setting's value as HTML: dicts as nested two-column tables, lists of plain values joined by
+    commas, lists with dicts or lists as one nested table row per item; None as a dash."""
+    if isinstance(v, dict):
+        if not v:
+            return "–"
+        return _table(None, [(_e(k), _value_html(x)) for k, x in v.items()], left=(0, 1), cls="nested")
+    if isinstance(v, (list, tuple)):
+        if not v:
+            return "–"
+        if any(isinstance(x, (dict, list, tuple)) for x in v):
+            return _table(None, [(i, _value_html(x)) for i, x in enumerate(v)], left=(1,), cls="nested")
+        return _e(", ".join("–" if x is None else str(x) for x in v))
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return _e(v)
 
 
 def _img(saved: dict, caption: str) -> str:
@@ -207,9 +234,8 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
 
     # settings
     meta = dict(features.meta)
-    rows = [(_e(key), _e(v)) for key, v in meta.items()]
-    rows += [(_e(f"clustering: {key}"), _e(", ".join(v) if isinstance(v, list) else v))
-             for key, v in data["settings"].items()]
+    rows = [(_e(key), _value_html(v)) for key, v in meta.items()]
+    rows.append(("clustering", _value_html(data["settings"])))
     sections.append("<h2>Run and settings</h2>" + _table(["setting", "value"], rows, left=(0, 1)))
 
     # clusters + stability

@@ -15,6 +15,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <vector>
 
 extern "C" {
@@ -56,18 +59,32 @@ void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const 
 
 struct RowStats {
   float Z, Zk, S2, I, Mx;
+  // The row's softmax is undefined (a NaN or +inf score, or every score -inf): numerics policy in
+  // attnkit/reference.py — the row's output and its (sample, head)'s features become NaN.
+  bool undefined;
 };
 
 // One pass over a row of n scores (in place → numerators e, dropped keys 0). REGION: kAll, kNoIntra,
-// kNoInter. sidf: sentence ids as floats (needed when FEAT or REGION != kAll).
+// kNoInter. sidf: sentence ids as floats (needed when FEAT or REGION != kAll); they are dense
+// per-sample ranks (see SampleInfo), so comparing them as floats is exact.
 template <bool FEAT, int REGION>
 RowStats row_pass(float* x, int64_t n, bool uniform, const float* sidf, float sid_s) {
   const float m = uniform ? 0.f : range_max(x, n);
+  // A +inf score or all −inf show in m (so may a NaN: at::vec::maximum propagates it, std::max in the
+  // scalar tail does not); NaN scores are also flagged lane by lane below. A −inf score among finite
+  // ones is fine: its weight is 0, as in torch.softmax.
+  if (!uniform && !std::isfinite(m)) {
+    RowStats r{};
+    r.undefined = true;
+    return r;
+  }
   Vec mv(m), one(1.f), zero(0.f), sv(sid_s);
-  Vec Zv(0.f), Zkv(0.f), S2v(0.f), Iv(0.f), Mxv(0.f);
+  Vec Zv(0.f), Zkv(0.f), S2v(0.f), Iv(0.f), Mxv(0.f), NaNv(0.f);
   int64_t i = 0;
   for (; i + kW <= n; i += kW) {
-    Vec y = uniform ? zero : Vec::loadu(x + i) - mv;
+    const Vec xv = Vec::loadu(x + i);
+    if (!uniform) NaNv = NaNv | xv.isnan();  // all-ones lanes where a score is NaN
+    Vec y = uniform ? zero : xv - mv;
     Vec e = uniform ? one : y.exp_u20();
     Zv = Zv + e;
     if constexpr (FEAT || REGION != kAll) {
@@ -84,7 +101,7 @@ RowStats row_pass(float* x, int64_t n, bool uniform, const float* sidf, float si
     e.store(x + i);
   }
   auto sum = [](Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); };
-  RowStats r{sum(Zv), 0.f, 0.f, 0.f, 0.f};
+  RowStats r{sum(Zv), 0.f, 0.f, 0.f, 0.f, NaNv.zero_mask() != (1 << kW) - 1};
   if constexpr (REGION != kAll) r.Zk = sum(Zkv);
   if constexpr (FEAT) {
     r.S2 = sum(S2v);
@@ -93,6 +110,7 @@ RowStats row_pass(float* x, int64_t n, bool uniform, const float* sidf, float si
   }
   for (; i < n; ++i) {
     float y = uniform ? 0.f : x[i] - m;
+    if (!uniform && std::isnan(x[i])) r.undefined = true;
     float e = uniform ? 1.f : std::exp(y);
     r.Z += e;
     if constexpr (FEAT || REGION != kAll) {
@@ -125,7 +143,9 @@ RowFn pick_row_fn(bool feat, int region) {
 struct SampleInfo {
   int64_t n;
   std::vector<std::pair<int32_t, int32_t>> special;  // (key position, class) for class != OTHER
-  std::vector<float> sidf;                 // sentence ids as floats (zeros when none), length L
+  // Sentence ids as dense per-sample ranks (0, 1, ... by value; zeros when none), length L, as floats
+  // for the vectorised comparisons: exact for any int32 id (a float holds every integer below 2^24).
+  std::vector<float> sidf;
   int64_t n_cls_rows = 0;
 };
 
@@ -157,6 +177,8 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
               "fused_attention: q, k and v must be on the CPU for this kernel");
   const int64_t B = q_in.size(0), H = q_in.size(1), L = q_in.size(2), D = q_in.size(3);
   TORCH_CHECK(num_windows >= 1, "fused_attention: num_windows must be >= 1, got ", num_windows);
+  TORCH_CHECK(D >= 1, "fused_attention: head dim (q.size(3)) must be >= 1, got ", D);
+  TORCH_CHECK(std::isfinite(scaling), "fused_attention: scaling must be a finite number, got ", scaling);
   TORCH_CHECK(lengths_in.device().is_cpu(), "fused_attention: lengths must be on the CPU like q");
   TORCH_CHECK(lengths_in.scalar_type() == at::kLong && lengths_in.dim() == 1 && lengths_in.size(0) == B,
               "fused_attention: lengths must be int64 of shape [B] = [", B, "], got ", lengths_in.scalar_type(),
@@ -208,7 +230,11 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
       si.sidf.assign(L, 0.f);
       if (sid.defined()) {
         const int32_t* sp = sid.data_ptr<int32_t>() + b * L;
-        for (int64_t t = 0; t < L; ++t) si.sidf[t] = static_cast<float>(sp[t]);
+        std::vector<int32_t> ids(sp, sp + L);
+        std::sort(ids.begin(), ids.end());
+        ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+        for (int64_t t = 0; t < L; ++t)
+          si.sidf[t] = static_cast<float>(std::lower_bound(ids.begin(), ids.end(), sp[t]) - ids.begin());
       }
     }
     if (want_features) {
@@ -270,10 +296,16 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
       const float* kt = kp + b * ks0 + h * ks1;
       const float* vt = vp + b * vs0 + h * vs1;
       // S (row-major tq×n, ld n) == column-major Sᵀ (n×tq) = K (n×D) · Q_tileᵀ
-      if (!uniform) gemm('T', 'N', n, tq, D, static_cast<float>(scaling), kt, ks2, qt, qs2, S.data(), n);
+      if (!uniform) {
+        // BLAS skips the product when alpha is 0; scaling by 0 afterwards keeps NaN/inf scores NaN.
+        const float alpha = scaling != 0.0 ? static_cast<float>(scaling) : 1.f;
+        gemm('T', 'N', n, tq, D, alpha, kt, ks2, qt, qs2, S.data(), n);
+        if (scaling == 0.0) scale_inplace(S.data(), tq * n, 0.f);
+      }
       const RowFn fn = pick_row_fn(want_features, region[h]);
       const float* sidf = si.sidf.empty() ? nullptr : si.sidf.data();
       double* acc = want_features ? partial.data() + task * FA : nullptr;
+      bool task_undefined = false;
       for (int64_t r = 0; r < tq; ++r) {
         const int64_t s = r0 + r;
         float* e = S.data() + r * n;
@@ -284,9 +316,15 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
         } else {
           st = pick_row_fn(false, region[h])(e, n, uniform, sidf, sidf ? sidf[s] : 0.f);
         }
-        const float c = renormalize ? (st.Zk > 0.f ? 1.f / st.Zk : 0.f) : 1.f / st.Z;
-        row_c[r] = c * gate[h];
+        const float c = st.undefined ? std::numeric_limits<float>::quiet_NaN()
+                        : renormalize ? (st.Zk > 0.f ? 1.f / st.Zk : 0.f)
+                                      : 1.f / st.Z;
+        row_c[r] = c * gate[h];  // an undefined row: NaN output
         if (!feat_row) continue;
+        if (st.undefined) {  // NaN features for the whole (sample, head): see fill below
+          task_undefined = true;
+          continue;
+        }
         // --- features of row s (weights w = c · e) ---
         // Distance windows: accumulate the scaled row into diag[t − s + n − 1]; the windows are sums
         // of diag over |offset| ranges, folded once per tile. Special keys move from their window to
@@ -321,6 +359,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
         for (int64_t d = 1; d < n; ++d) a[5 + (d * N) / n] += static_cast<double>(diag[n - 1 + d]) + diag[n - 1 - d];
         std::fill(diag.begin(), diag.begin() + (2 * n - 1), 0.f);
       }
+      if (task_undefined) std::fill(acc, acc + FA, std::numeric_limits<double>::quiet_NaN());
       // O_tile (row-major tq×D, ld H·D) == column-major Oᵀ (D×tq) = Vᵀ (D×n) · Eᵀ (n×tq)
       // (written into out, or into its fp32 twin for bf16/fp16 outputs)
       gemm('N', 'N', D, tq, n, 1.f, vt, vs2, S.data(), n, o, os_row);

@@ -4,6 +4,13 @@
 //
 // Only c10/cuda headers are used (not ATen/cuda/CUDAContext.h), so this file also compiles against a
 // CPU build of torch for the CI compile check (tools/check_cuda.sh).
+//
+// Argument values on the device (lengths, mode, region, token classes) are range-checked by a small
+// kernel whose report the host reads once (a sync). A thread-local record of the tensors already checked
+// (identity + version counter) skips the check when a forward passes the same tensors to every layer, so
+// that is one sync per forward, not per layer. While the current stream captures a CUDA graph nothing is
+// read on the host (no sync, no host-to-device copy): lengths must already be on the GPU, and values the
+// host could not check turn into NaN output and NaN features in the kernel instead of wrong numbers.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -16,11 +23,16 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 
 #include "fused_attention_params.h"
+#include "fused_attention_traits.h"
 
 namespace attnkit {
 namespace cuda {
@@ -31,12 +43,14 @@ constexpr const char* kJsOp = "attnkit.js_distances (CUDA): ";
 
 // q/k/v as the kernel reads them: unit stride on the head dim, every other stride and the base address
 // 16-byte aligned (vector loads). Transposed views from transformers (B×L×H×D memory seen as B×H×L×D)
-// already qualify; anything else is copied.
+// already qualify; anything else is copied into a fresh allocation. Not .contiguous(): it returns a
+// contiguous tensor unchanged even when its address is misaligned (a view at an odd element offset such
+// as buf[1:].view(B, H, L, D)), and the 16-byte loads would then fault.
 at::Tensor kernel_operand(const at::Tensor& t) {
   const int64_t vec = 16 / int64_t(t.element_size());
   const bool ok = t.stride(3) == 1 && t.stride(0) % vec == 0 && t.stride(1) % vec == 0 &&
                   t.stride(2) % vec == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  return ok ? t : t.contiguous();
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 // An optional int32/fp32 side input: checked for device, dtype and shape; returned contiguous
@@ -56,6 +70,135 @@ const T* ptr_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
+bool is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// A tensor as it was when its values were checked: identity (a weak reference keeps the address from
+// being reused), data pointer and version counter (bumped by in-place writes; inference tensors have
+// none, and are only written in place inside inference mode).
+struct Seen {
+  using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  WeakImpl impl{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  const void* data = nullptr;
+  int64_t version = -1;
+
+  static int64_t version_of(const at::Tensor& t) { return t.is_inference() ? -1 : int64_t(t._version()); }
+  void set(const std::optional<at::Tensor>& t) {
+    if (t.has_value()) {
+      impl = WeakImpl(t->getIntrusivePtr());
+      data = t->data_ptr();
+      version = version_of(*t);
+    } else {
+      *this = Seen{};
+    }
+  }
+  bool same(const std::optional<at::Tensor>& t) const {
+    if (!t.has_value()) return data == nullptr && impl.expired();
+    return !impl.expired() && impl._unsafe_get_target() == t->unsafeGetTensorImpl() && data == t->data_ptr() &&
+           version == version_of(*t);
+  }
+};
+
+// Arguments whose values passed the check, on this thread: each kind remembered on its own, so a forward
+// with a new batch re-checks lengths and token classes once (not per layer), while the per-layer mode and
+// region tensors of an intervention are checked once for the whole run.
+enum CheckedKind { kLengths, kTokenClass, kMode, kRegion };
+
+struct CheckedEntry {
+  int kind = -1;
+  Seen tensor, lengths;  // lengths: which positions of the token classes were checked
+  int64_t extent = -1;   // L (lengths, token classes) or H (codes)
+};
+
+constexpr int kCheckedSlots = 64;
+thread_local std::array<CheckedEntry, kCheckedSlots> checked_slots;
+thread_local int checked_next = 0;
+
+bool checked_before(int kind, const at::Tensor& t, const std::optional<at::Tensor>& lengths, int64_t extent) {
+  for (const auto& e : checked_slots) {
+    if (e.kind == kind && e.extent == extent && e.tensor.same(t) && e.lengths.same(lengths)) return true;
+  }
+  return false;
+}
+
+void remember_checked(int kind, const at::Tensor& t, const std::optional<at::Tensor>& lengths, int64_t extent) {
+  CheckedEntry& e = checked_slots[checked_next];
+  checked_next = (checked_next + 1) % kCheckedSlots;
+  e.kind = kind;
+  e.tensor.set(t);
+  e.lengths.set(lengths);
+  e.extent = extent;
+}
+
+// Range checks of lengths (unless checked on the host already), mode, region and token classes that live
+// on the device and were not checked before: one kernel, one read of its report. Each error names the
+// argument, the position and the value.
+void check_device_arguments(const at::Tensor& len, bool check_lengths, const std::optional<at::Tensor>& tc,
+                            const std::optional<at::Tensor>& md, const std::optional<at::Tensor>& rg, int64_t B,
+                            int64_t H, int64_t L, cudaStream_t stream) {
+  const bool need_len = check_lengths && !checked_before(kLengths, len, std::nullopt, L);
+  const bool need_tc = tc.has_value() && !checked_before(kTokenClass, *tc, len, L);
+  const bool need_md = md.has_value() && !checked_before(kMode, *md, std::nullopt, H);
+  const bool need_rg = rg.has_value() && !checked_before(kRegion, *rg, std::nullopt, H);
+  if (!(need_len || need_tc || need_md || need_rg)) return;
+  at::Tensor report = at::empty({int64_t(sizeof(ArgReport) / sizeof(long long))}, len.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cudaMemsetAsync(report.data_ptr(), 0xff, sizeof(ArgReport), stream));
+  ArgCheckParams p{};
+  p.lengths = len.data_ptr<int64_t>();
+  p.mode = need_md ? md->data_ptr<int32_t>() : nullptr;
+  p.region = need_rg ? rg->data_ptr<int32_t>() : nullptr;
+  p.token_class = need_tc ? tc->data_ptr<int32_t>() : nullptr;
+  p.check_lengths = need_len;
+  p.B = int(B), p.H = int(H), p.L = int(L);
+  p.report = reinterpret_cast<ArgReport*>(report.data_ptr());
+  run_check_arguments(p, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  ArgReport r{};
+  C10_CUDA_CHECK(cudaMemcpyAsync(&r, report.data_ptr(), sizeof(ArgReport), cudaMemcpyDeviceToHost, stream));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  TORCH_CHECK(r.len_index < 0, kOp, "lengths must lie in [1, L] = [1, ", L, "], got lengths[", r.len_index, "] = ",
+              r.len_value);
+  TORCH_CHECK(r.mode_index < 0, kOp, "mode codes must be 0, 1 or 2, got ", r.mode_value, " at head ", r.mode_index);
+  TORCH_CHECK(r.region_index < 0, kOp, "region codes must be 0, 1 or 2, got ", r.region_value, " at head ",
+              r.region_index);
+  TORCH_CHECK(r.class_index < 0, kOp, "token_class codes must be 0..4, got ", r.class_value, " at [",
+              r.class_index / L, ", ", r.class_index % L, "]");
+  if (need_len) remember_checked(kLengths, len, std::nullopt, L);
+  if (need_tc) remember_checked(kTokenClass, *tc, len, L);
+  if (need_md) remember_checked(kMode, *md, std::nullopt, H);
+  if (need_rg) remember_checked(kRegion, *rg, std::nullopt, H);
+}
+
+// Lengths that arrive on the CPU: checked here, then copied (not while a graph is captured).
+void check_host_lengths(const at::Tensor& lengths, int64_t L) {
+  const at::Tensor l = lengths.to(at::kLong).contiguous();
+  const int64_t* p = l.data_ptr<int64_t>();
+  for (int64_t b = 0; b < l.numel(); ++b)
+    TORCH_CHECK(p[b] >= 1 && p[b] <= L, kOp, "lengths must lie in [1, L] = [1, ", L, "], got lengths[", b, "] = ",
+                p[b]);
+}
+
+// Shared memory of one launch above the default 48 KB needs the device's opt-in limit; refuse clearly
+// when the GPU has less. ATTNKIT_CUDA_SMEM_LIMIT (bytes) lowers the limit, to test this on large GPUs.
+template <typename T, int kHeadDim>
+void check_shared_memory(int device, int num_features, const char* dtype_name) {
+  const int need = FusedTraits<T, kHeadDim>::smem_bytes(num_features);
+  if (need <= 48 * 1024) return;
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (const char* env = std::getenv("ATTNKIT_CUDA_SMEM_LIMIT")) optin = std::min(optin, std::atoi(env));
+  if (need <= optin) return;
+  cudaDeviceProp prop{};
+  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  TORCH_CHECK(false, kOp, "the ", dtype_name, " kernel for head dim ", kHeadDim,
+              num_features > 0 ? " with features" : "", " needs ", need, " bytes of shared memory per block, but ",
+              prop.name, " (cuda:", device, ") allows at most ", optin,
+              " (opt-in limit); use float16 or bfloat16, or a smaller head dim");
+}
+
 int compute_capability_major(int device) {
   int major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -63,15 +206,19 @@ int compute_capability_major(int device) {
 }
 
 template <typename T>
-void dispatch_head_dim(int head_dim, const FusedParams& params, cudaStream_t stream) {
+void dispatch_head_dim(int head_dim, const FusedParams& params, cudaStream_t stream, int device,
+                       const char* dtype_name) {
   switch (head_dim) {
     case 32:
+      check_shared_memory<T, 32>(device, params.num_features, dtype_name);
       run_fused_attention<T, 32>(params, stream);
       break;
     case 64:
+      check_shared_memory<T, 64>(device, params.num_features, dtype_name);
       run_fused_attention<T, 64>(params, stream);
       break;
     case 128:
+      check_shared_memory<T, 128>(device, params.num_features, dtype_name);
       run_fused_attention<T, 128>(params, stream);
       break;
     default:
@@ -105,6 +252,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
   TORCH_CHECK(!at::isFloatingType(lengths.scalar_type()) && lengths.scalar_type() != at::kBool, kOp,
               "lengths must be an integer tensor, got ", lengths.scalar_type());
   TORCH_CHECK(num_windows >= 1, kOp, "num_windows must be >= 1, got ", num_windows);
+  TORCH_CHECK(std::isfinite(scaling), kOp, "scaling must be a finite number, got ", scaling);
   TORCH_CHECK(!want_features || num_windows <= kMaxNumWindows, kOp, "num_windows must be at most ",
               kMaxNumWindows, " on CUDA, got ", num_windows);
   TORCH_CHECK(!want_features || (L - 1) * num_windows < (int64_t(1) << 31), kOp,
@@ -121,14 +269,30 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
                                       : at::empty({B, H, 0}, q.options().dtype(at::kFloat));
   if (B == 0 || H == 0 || L == 0) return {out, features};
 
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  const bool capturing = is_capturing(stream);
   const at::Tensor qk = kernel_operand(q), kk = kernel_operand(k), vk = kernel_operand(v);
-  // lengths may arrive on the CPU (a small host tensor); the kernel reads them on the device.
+  // lengths may arrive on the CPU (a small host tensor): checked there and copied, which a CUDA graph
+  // cannot capture. The kernel reads them on the device.
+  const bool host_lengths = lengths.is_cpu();
+  if (host_lengths) {
+    TORCH_CHECK(!capturing, kOp, "lengths are on the CPU while a CUDA graph is being captured; pass them on ",
+                device, " (a host-to-device copy cannot be captured)");
+    check_host_lengths(lengths, L);
+  } else {
+    TORCH_CHECK(lengths.device() == device, kOp, "lengths must be on ", device, " like q (or on the CPU), got ",
+                lengths.device());
+  }
   const at::Tensor len = lengths.to(device, at::kLong).contiguous();
   const auto tc = side_input(token_class, "token_class", at::kInt, {B, L}, device);
   const auto sid = side_input(sentence_id, "sentence_id", at::kInt, {B, L}, device);
   const auto md = side_input(mode, "mode", at::kInt, {H}, device);
   const auto rg = side_input(region, "region", at::kInt, {H}, device);
   const auto gt = side_input(gates, "gates", at::kFloat, {H}, device);
+  if (!capturing) {
+    check_device_arguments(len, !host_lengths, want_features ? tc : std::optional<at::Tensor>(), md, rg, B, H, L,
+                           stream);
+  }
 
   FusedParams p{};
   p.q = qk.data_ptr();
@@ -151,16 +315,15 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
   p.scaling = float(scaling);
   p.renormalize = renormalize;
 
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   switch (dtype) {
     case at::kFloat:
-      dispatch_head_dim<float>(int(D), p, stream);
+      dispatch_head_dim<float>(int(D), p, stream, device.index(), "float32");
       break;
     case at::kHalf:
-      dispatch_head_dim<__half>(int(D), p, stream);
+      dispatch_head_dim<__half>(int(D), p, stream, device.index(), "float16");
       break;
     default:
-      dispatch_head_dim<__nv_bfloat16>(int(D), p, stream);
+      dispatch_head_dim<__nv_bfloat16>(int(D), p, stream, device.index(), "bfloat16");
       break;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "fused_attention_params.h"
+#include "fused_attention_traits.h"
 
 namespace attnkit {
 namespace cuda {
@@ -46,43 +47,6 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-template <typename T_, int kHeadDim_>
-struct FusedTraits {
-  using T = T_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of 16");
-  // fp16/bf16 use tensor cores (WMMA 16×16×16, fp32 accumulation); fp32 uses a plain FMA path so that
-  // its error stays at fp32 level (TF32 would not).
-  static constexpr bool kUseMma = !std::is_same_v<T, float>;
-  static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = kUseMma ? 64 : 32;
-  static constexpr int kThreads = 128;
-  static constexpr int kWarps = kThreads / 32;
-  static_assert(kBlockM == 16 * kWarps, "each warp owns 16 rows");
-  static_assert(kThreads == 2 * kBlockM, "two threads per row");
-  static constexpr int kKeysPerThread = kBlockN / 2;
-  static constexpr int kVec = 16 / int(sizeof(T));  // elements per 16-byte load
-  // Shared-memory row strides (elements). Padding breaks bank conflicts; every WMMA fragment pointer
-  // stays 32-byte aligned (16 rows × stride × sizeof is a multiple of 32; 16 columns are 32 bytes).
-  static constexpr int kLdQ = kHeadDim + (kUseMma ? 8 : 4);  // Q, K and V tiles
-  static constexpr int kLdS = kBlockN + 4;                   // fp32 scores
-  static constexpr int kLdP = kUseMma ? kBlockN + 8 : kLdS;  // weights in T (fp32 path: in place in S)
-  static constexpr int kQBytes = kBlockM * kLdQ * int(sizeof(T));
-  static constexpr int kKBytes = kBlockN * kLdQ * int(sizeof(T));
-  static constexpr int kSBytes = kBlockM * kLdS * 4;
-  static constexpr int kPBytes = kUseMma ? kBlockM * kLdP * int(sizeof(T)) : 0;
-  static constexpr int kOffK = kQBytes;
-  static constexpr int kOffV = kOffK + kKBytes;
-  static constexpr int kOffS = kOffV + kKBytes;
-  static constexpr int kOffP = kOffS + kSBytes;
-  static constexpr int kOffMeta = kOffP + kPBytes;  // key sentence ids and classes: 2 × kBlockN ints
-  static constexpr int kOffFeat = kOffMeta + 2 * kBlockN * 4;
-  static_assert(kOffK % 32 == 0 && kOffV % 32 == 0 && kOffS % 32 == 0 && kOffP % 32 == 0, "alignment");
-  static constexpr int smem_bytes(int num_features) { return kOffFeat + 4 * num_features; }
-  // Output staging (tensor-core path): a warp's 16-row band of S holds up to this many fp32 columns.
-  static constexpr int kStageCols = kBlockN < kHeadDim ? kBlockN : kHeadDim;
-};
 
 // Keep key t of row s under the region intervention? (sentence ids are 0 everywhere when absent).
 __device__ __forceinline__ bool region_keeps(int region, bool same_sentence) {
@@ -155,8 +119,8 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   const int row0 = blockIdx.x * BM;
   const int L = p.L;
   const int H = p.H;
-  int n = int(p.lengths[b]);
-  n = n < 1 ? 1 : (n > L ? L : n);  // the host documents 1 <= n <= L; clamp rather than read out of range
+  const int64_t n_raw = p.lengths[b];
+  const int n = int(n_raw < 1 ? 1 : (n_raw > L ? L : n_raw));  // never read out of range
 
   const int mode = p.mode != nullptr ? p.mode[h] : kModeKeep;
   const int region = p.region != nullptr ? p.region[h] : kRegionAll;
@@ -165,6 +129,22 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   // out is contiguous B×L×H×D
   const int64_t out_row_stride = int64_t(H) * D;
   T* out_base = out + (int64_t(b) * L * H + h) * D;
+
+  // The host checks these codes; where it cannot (inputs on the device while a CUDA graph is captured)
+  // a bad length or code gives NaN output and NaN features for its (sample, head), never a plausible
+  // number.
+  if (n_raw < 1 || n_raw > L || mode < kModeKeep || mode > kModeUniform || region < kRegionAll ||
+      region > kRegionNoInter) {
+    for (int idx = tid; idx < BM * D; idx += NT) {
+      const int s = row0 + idx / D;
+      if (s < L) out_base[int64_t(s) * out_row_stride + idx % D] = from_float<T>(NAN);
+    }
+    if constexpr (kFeatures) {
+      float* gfeat = p.features + (int64_t(b) * H + h) * p.num_features;
+      for (int i = tid; i < p.num_features; i += NT) atomicAdd(&gfeat[i], NAN);
+    }
+    return;
+  }
 
   if (mode == kModeZero) {  // the head outputs 0; its weights, hence its features, are all 0
     for (int idx = tid; idx < BM * D; idx += NT) {
@@ -245,6 +225,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   // ---- pass 1: row max, row sum, kept sum / kept count --------------------------------------------
   float m_run = -INFINITY, l_run = 0.f, lk_run = 0.f;
   int ck_run = 0;
+  bool nan_score = false;  // fmaxf skips NaN: NaN scores are tracked apart (numerics policy)
   if (use_scores || need_kept) {
     for (int kt = 0; kt < n_tiles; ++kt) {
       const int key0 = kt * BN;
@@ -257,7 +238,11 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
         __syncwarp();
         float mloc = -INFINITY;
         for (int j = 0; j < KPT; ++j) {
-          if (key0 + j0 + j < n) mloc = fmaxf(mloc, Ss[r * LDS + j0 + j]);
+          if (key0 + j0 + j < n) {
+            const float sc = Ss[r * LDS + j0 + j];
+            mloc = fmaxf(mloc, sc);
+            nan_score |= isnan(sc);
+          }
         }
         if (mloc > -INFINITY) {
           const float m_new = fmaxf(m_run, mloc);
@@ -284,6 +269,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
     const float l_o = __shfl_xor_sync(0xffffffffu, l_run, 1);
     const float lk_o = __shfl_xor_sync(0xffffffffu, lk_run, 1);
     const int ck_o = __shfl_xor_sync(0xffffffffu, ck_run, 1);
+    nan_score |= __shfl_xor_sync(0xffffffffu, int(nan_score), 1) != 0;
     const float m_new = fmaxf(m_run, m_o);
     const float s1 = m_run == -INFINITY ? 0.f : __expf(m_run - m_new);
     const float s2 = m_o == -INFINITY ? 0.f : __expf(m_o - m_new);
@@ -293,6 +279,10 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
     m_run = m_new;
   }
 
+  // Numerics policy (attnkit/reference.py): a row whose softmax is undefined (a NaN or +inf score, or
+  // every score −inf) has NaN weights on all its valid keys, hence a NaN output row, and makes all
+  // features of its (sample, head) NaN.
+  const bool undefined_row = use_scores && (nan_score || !isfinite(m_run));
   // Row constants of the final weights: w = exp(s − m) · inv_z (keep) or inv_z (uniform), and log w.
   float inv_z, log_z;
   if (use_scores) {
@@ -323,6 +313,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   float f_prev = 0.f, f_next = 0.f, f_ent = 0.f, f_max = 0.f, f_intra = 0.f, f_inter = 0.f;
   int win_cur = -1;
   float win_acc = 0.f;
+  bool bad_class = false;  // a token class code outside 0..4 met on a valid key (see the host checks)
 
   for (int kt = 0; kt < n_tiles; ++kt) {
     const int key0 = kt * BN;
@@ -343,7 +334,10 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
         const bool same = key_sid[jj] == row_sid;
         const bool keep = region_keeps(region, same);
         float logw;
-        if (use_scores) {
+        if (undefined_row) {
+          w = NAN;
+          logw = NAN;
+        } else if (use_scores) {
           const float e = Ss[r * LDS + jj] - m_run;
           w = keep ? __expf(e) * inv_z : 0.f;
           logw = e - log_z;
@@ -361,6 +355,8 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
             f_comma += w;
           } else if (kc == kClassPeriod) {
             f_period += w;
+          } else if (kc != kClassOther) {
+            bad_class = true;
           } else if (t == s) {
             f_self += w;
           } else {
@@ -466,10 +462,11 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
 #pragma unroll
       for (int i = 5; i < kNumRow; ++i) atomicAdd(&feat_s[N + i], v[i]);  // prev .. cls_entropy after windows
     }
-    __syncthreads();
+    // an undefined row or a bad class code in the block: every feature of (b, h) becomes NaN
+    const bool poison = __syncthreads_or(feat_row && (undefined_row || bad_class)) != 0;
     float* gfeat = p.features + (int64_t(b) * H + h) * p.num_features;
     for (int i = tid; i < p.num_features; i += NT) {
-      const float x = feat_s[i];
+      const float x = poison ? NAN : feat_s[i];
       if (x != 0.f) atomicAdd(&gfeat[i], x);
     }
   }

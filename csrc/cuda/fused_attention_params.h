@@ -51,6 +51,28 @@ void run_fused_attention(const FusedParams& params, cudaStream_t stream);
 // Divides the per-(sample, head) sums by n (and cls_entropy by the number of CLS rows).
 void run_finalize_features(const FusedParams& params, cudaStream_t stream);
 
+// Device-side argument check (csrc/cuda/check_arguments.cu): the host cannot read device tensors without
+// a sync, so one small kernel finds a bad entry of each kind and the host reads this report once.
+// Every index is -1 (all bits set) when nothing is wrong; class_index is b * L + t.
+struct ArgReport {
+  long long len_index, len_value;
+  long long mode_index, mode_value;
+  long long region_index, region_value;
+  long long class_index, class_value;
+};
+
+struct ArgCheckParams {
+  const int64_t* lengths;      // [B] device; checked when check_lengths (else known to lie in [1, L])
+  const int32_t* mode;         // [H] or nullptr
+  const int32_t* region;       // [H] or nullptr
+  const int32_t* token_class;  // [B, L] or nullptr; checked at valid positions t < lengths[b]
+  bool check_lengths;
+  int B, H, L;
+  ArgReport* report;           // device memory, every byte 0xff before the launch
+};
+
+void run_check_arguments(const ArgCheckParams& params, cudaStream_t stream);
+
 struct JsParams {
   const float* attn;        // B×M×L×L contiguous
   const int64_t* lengths;   // [B]

@@ -1,0 +1,51 @@
+"""Ablation figures show changes from the baseline on an axis through zero (not scores on an axis that
+starts near the data, which makes small changes look large)."""
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from attnkit.ablation.experiments import ResultTable, bars_axes, importance_axes, save_figure  # noqa: E402
+
+
+def types_table():
+    base = 82.1
+    scores = {"prune dense": 81.9, "prune vertical": 81.6, "substitute dense & vertical": 81.75,
+              "remove intra of dense": float("nan")}
+    rows = [{"setting": "baseline", "spearman": base, "n": 50, "delta_spearman": 0.0}]
+    rows += [{"setting": k, "spearman": v, "n": 50, "delta_spearman": v - base} for k, v in scores.items()]
+    return ResultTable("types", "spearman", rows)
+
+
+def test_bars_are_deltas_on_an_axis_through_zero(tmp_path):
+    table = types_table()
+    fig, ax = bars_axes(table)
+    lo, hi = ax.get_xlim()
+    assert lo < 0 < hi  # every change here is negative: an axis near the data would not reach 0
+    widths = [p.get_width() for p in ax.patches]
+    np.testing.assert_allclose(widths, [-0.2, -0.5, -0.35, 0.0], atol=1e-9)  # NaN draws no bar
+    assert [t.get_text() for t in ax.get_yticklabels()] == [r["setting"] for r in table.rows[1:]]
+    assert any(t.get_text() == "nan" for t in ax.texts)
+    assert "Δ spearman" in ax.get_xlabel() and "82.10" in ax.get_xlabel()
+    # small changes stay small: the axis spans at least ±1 point around zero, not just the data
+    assert hi - lo >= 2.0
+    plt.close(fig)
+    path = save_figure(table, (2, 2), str(tmp_path))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pruning_curve_is_deltas_on_an_axis_through_zero(tmp_path):
+    base = 70.0
+    rows = [{"setting": "baseline" if k == 0 else f"prune {k} heads", "pruned": k, "share": k / 8,
+             "accuracy": base - 0.1 * k, "delta_accuracy": -0.1 * k} for k in (0, 2, 4, 6)]
+    table = ResultTable("importance", "accuracy", rows, {"importance": np.random.default_rng(0).random((2, 4)),
+                                                         "normalize_layers": True})
+    fig, (_, curve) = importance_axes(table)
+    lo, hi = curve.get_ylim()
+    assert lo < 0 < hi
+    line = curve.get_lines()[0]
+    np.testing.assert_allclose(line.get_ydata(), [0.0, -0.2, -0.4, -0.6])
+    np.testing.assert_allclose(line.get_xdata(), [0, 25, 50, 75])
+    plt.close(fig)
+    assert save_figure(table, (2, 4), str(tmp_path)).endswith("importance.png")
