@@ -4,7 +4,7 @@ between heads, 2-D maps (MDS, t-SNE), figures and a self-contained HTML report.
     feats = attnkit.HeadFeatures.load("run")
     c = attnkit.cluster(feats, k=4)          # HeadClusterer: labels_, type_names_, stability_, ...
 """
-from .clustering import HeadClusterer, cluster, match_labels, sweep
+from .clustering import HeadClusterer, cluster, match_labels, stability_over_seeds, sweep
 from .distances import DistanceCollector, HeadDistances, collect_distances, js_distances
 from .naming import name_clusters
 
@@ -23,8 +23,17 @@ def __getattr__(name):
         from . import results
 
         return getattr(results, name)
+    if name in ("classify", "class_counts", "run_patterns"):
+        from . import patterns
+
+        return getattr(patterns, name)
+    if name in ("layer_summaries", "threshold_heads", "paper_differences"):
+        from . import summaries
+
+        return getattr(summaries, name)
     raise AttributeError(f"module 'attnkit.analysis' has no attribute {name!r}")
 
 __all__ = ["HeadClusterer", "cluster", "sweep", "match_labels", "name_clusters", "DistanceCollector",
            "HeadDistances", "collect_distances", "js_distances", "build_report", "mds", "tsne", "compare",
-           "load_clusters", "save_clusters"]
+           "load_clusters", "save_clusters", "stability_over_seeds", "classify", "class_counts", "run_patterns",
+           "layer_summaries", "threshold_heads", "paper_differences"]

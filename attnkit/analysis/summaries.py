@@ -141,7 +141,8 @@ def layer_summary_figure(summary: dict):
     ax2.set_xlabel("layer")
     ax2.set_ylabel("entropy (nats)")
     ax2.set_xticks(range(L))
-    ax2.legend(fontsize=7)
+    ax2.set_ylim(0, 1.3 * max(summary["uniform_entropy"], float(np.nanmax(ent))))
+    ax2.legend(fontsize=7, ncol=2, loc="upper center")
     ax2.set_title("Attention entropy (cf. Clark et al. Fig. 4)", fontsize=9)
     fig.tight_layout()
     return fig
