@@ -163,6 +163,12 @@ class ModelComparison:
         return directory / COMPARE_JSON
 
 
+def _short(name) -> str:
+    """The last two components of a model path (enough to tell models apart in a title)."""
+    parts = Path(str(name)).parts
+    return "/".join(parts[-2:]) if len(parts) > 1 else str(name)
+
+
 def cosine_heatmap(cos: np.ndarray, meta: dict | None = None):
     """Layer × head heatmap of the mean row cosine (Kovaleva et al. Fig. 5 analogue)."""
     import matplotlib.pyplot as plt
@@ -181,8 +187,8 @@ def cosine_heatmap(cos: np.ndarray, meta: dict | None = None):
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     meta = meta or {}
-    ax.set_title(f"mean cosine of attention rows: {meta.get('model_b', 'B')} vs {meta.get('model_a', 'A')}",
-                 fontsize=9)
+    ax.set_title(f"mean cosine of attention rows: {_short(meta.get('model_b', 'B'))} vs "
+                 f"{_short(meta.get('model_a', 'A'))}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
     return fig

@@ -392,8 +392,10 @@ def importance_axes(table: ResultTable, title: str = ""):
     fig.colorbar(im, ax=a1)
     base, deltas = _deltas(table)
     share = [100 * r["share"] for r in table.rows]
+    a2.plot(share, deltas, marker="o")
     err = _error_bars(table, table.rows)
-    a2.errorbar(share, deltas, yerr=err, marker="o", capsize=2)
+    if err is not None:  # the paired bootstrap 95% interval of each change
+        a2.errorbar(share, deltas, yerr=err, fmt="none", ecolor="#333", capsize=2, lw=0.8)
     a2.axhline(0.0, color="black", linewidth=1.0)
     a2.set_ylim(*_zero_centred_limits(_with_interval_ends(deltas, err)))
     a2.set_xlabel("% heads pruned")
