@@ -210,3 +210,20 @@ def test_smoothing_matches_clark_formula():
         js_distances(attn, lengths, smoothing=0.001, use_op=True)
     with pytest.raises(AttnkitError, match="smoothing must lie"):
         smooth_attention(attn, lengths, 1.5)
+
+
+def test_bars_show_the_intervals_as_error_bars():
+    import matplotlib.pyplot as plt
+
+    from attnkit.ablation.experiments import ResultTable, bars_axes
+
+    rows = [{"setting": "baseline", "accuracy": 80.0, "delta_accuracy": 0.0, "delta_accuracy_lo": 0.0,
+             "delta_accuracy_hi": 0.0},
+            {"setting": "L0 uniform", "accuracy": 75.0, "delta_accuracy": -5.0, "delta_accuracy_lo": -8.0,
+             "delta_accuracy_hi": -2.5}]
+    fig, ax = bars_axes(ResultTable("layers", "accuracy", rows))
+    segs = [seg for c in ax.collections for seg in getattr(c, "get_segments", lambda: [])()]
+    assert any(np.allclose(np.sort(seg[:, 0]), [-8.0, -2.5]) for seg in segs)
+    lo, _ = ax.get_xlim()
+    assert lo < -8.0
+    plt.close(fig)
