@@ -16,8 +16,9 @@ RUN = click.Path(exists=True, file_okay=False, path_type=Path)
               help="Whether examples are text pairs (block needs two segments); auto: an example whose head "
                    "puts any mass on another sentence (inter > 0).")
 @click.option("--svg/--no-svg", default=True, show_default=True, help="Also save the figure as SVG.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the path written, not the table of shares.")
 @cli_errors
-def patterns_cmd(run, pairs, svg):
+def patterns_cmd(run, pairs, svg, quiet):
     """Classify every (example, head) of RUN into Kovaleva et al.'s five pattern types (vertical, diagonal,
     vertical+diagonal, block, heterogeneous) by the rules in docs/patterns.md; needs RUN/per_sample.npy
     (`attnkit extract --per-sample`). Writes RUN/patterns.json and RUN/figures/pattern_types.png."""
@@ -28,6 +29,9 @@ def patterns_cmd(run, pairs, svg):
     flag = {"auto": None, "yes": True, "no": False}[pairs]
     with run_lock(run, "attnkit patterns"), os_errors(f"write into {run}"):
         path, data = run_patterns(run, pairs=flag, svg=svg)
+    if quiet:
+        click.echo(f"wrote {path}")
+        return
     click.echo(f"{data['n_examples']} examples × {data['n_layers']} layers × {data['n_heads']} heads")
     click.echo("layer  " + " ".join(f"{c:>17}" for c in CLASSES))
     for l in range(data["n_layers"]):
