@@ -53,6 +53,7 @@ class ExtractOptions:
     overwrite: bool = False
     checkpoint_every: int = 20
     quiet: bool = False
+    per_sample: bool = False
 
 
 def _say(opts: ExtractOptions, text: str) -> None:
@@ -122,8 +123,11 @@ def run_extract_job(opts: ExtractOptions) -> None:
         "backend": backend_label(opts.backend, devices[0]),
         "device_type": devices[0].type,
         "engine": opts.engine,
+        "per_sample": opts.per_sample,
     }
     if opts.engine == "ray":
+        if opts.per_sample:
+            raise AttnkitError("--per-sample is written by the local engine only (drop --engine ray)")
         _run_ray(opts, run, corpus, settings, batch_size)
         return
     _run_local(opts, run, corpus, settings, devices, batch_size)
@@ -209,16 +213,24 @@ def _measure_local(opts, run, corpus, settings, models, tokenizer, workers, batc
 
     state = {"acc": acc, "next": start, "trunc": n_truncated, "batches": 0, "saved_at": time.monotonic()}
     hist = LengthHistogram(lengths)
+    writer = _per_sample_writer(opts, run, models[0], start) if opts.per_sample else None
+
+    def save_checkpoint(acc_, next_index, trunc):
+        if writer is not None:
+            writer.flush()  # a checkpoint never counts per-sample rows that are not on disk
+        run.save_checkpoint(acc_, next_index, trunc, settings, lengths=hist.counts)
+        state["saved_at"] = time.monotonic()
 
     def on_batch(acc_, next_index, trunc, full_lengths=None):
         state.update(acc=acc_, next=next_index, trunc=n_truncated + trunc)
         if full_lengths is not None:
             hist.add(full_lengths)
         state["batches"] += 1
-        due = state["batches"] % opts.checkpoint_every == 0 or time.monotonic() - state["saved_at"] > CHECKPOINT_SECONDS
-        if due:
-            run.save_checkpoint(acc_, next_index, state["trunc"], settings, lengths=hist.counts)
-            state["saved_at"] = time.monotonic()
+        if state["batches"] % opts.checkpoint_every == 0 or time.monotonic() - state["saved_at"] > CHECKPOINT_SECONDS:
+            save_checkpoint(acc_, next_index, state["trunc"])
+
+    def on_result(res):
+        writer.add(res.planned.positions, res.features)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -230,12 +242,14 @@ def _measure_local(opts, run, corpus, settings, models, tokenizer, workers, batc
             models[0], tokenizer, corpus, max_length=opts.max_length, batch_size=batch_size,
             num_windows=opts.num_windows, split_sentences=opts.sentences, backend=opts.backend, accumulator=acc,
             start=start, on_batch=on_batch, progress=not opts.quiet, window=opts.window, workers=workers,
-            replicas=models[1:],
+            replicas=models[1:], on_result=on_result if writer is not None else None,
         )
     except (KeyboardInterrupt, AttnkitError) as exc:
         saved = state["acc"] is not None and state["next"] > start
         if saved:
-            run.save_checkpoint(state["acc"], state["next"], state["trunc"], settings, lengths=hist.counts)
+            save_checkpoint(state["acc"], state["next"], state["trunc"])
+        if writer is not None:
+            writer.abandon()
         if isinstance(exc, AttnkitError):
             if saved:
                 raise AttnkitError(f"{exc} (checkpoint saved after {state['next']} segments)") from None
@@ -251,7 +265,16 @@ def _measure_local(opts, run, corpus, settings, models, tokenizer, workers, batc
     elapsed = time.perf_counter() - t0
     _finish(opts, run, corpus, settings, acc, n_truncated + trunc, elapsed, hist,
             {"engine": "local", "workers": workers,
-             "devices": [str(next(m.parameters()).device) for m in models]}, models[0])
+             "devices": [str(next(m.parameters()).device) for m in models]}, models[0], writer)
+
+
+def _per_sample_writer(opts, run, model, start: int):
+    """RUN/per_sample.npy's writer: a new file, or the partial file of the run being resumed."""
+    from .features import feature_names
+    from .per_sample import PerSampleWriter
+
+    return PerSampleWriter(run.path, len(model._attnkit_modules), model.config.num_attention_heads,
+                           feature_names(opts.num_windows), resume_after=start if opts.resume else None)
 
 
 def _run_ray(opts: ExtractOptions, run, corpus, settings: dict, batch_size: int) -> None:
@@ -272,7 +295,7 @@ def _run_ray(opts: ExtractOptions, run, corpus, settings: dict, batch_size: int)
         _finish(opts, run, corpus, settings, acc, n_truncated, elapsed, None, info, None)
 
 
-def _finish(opts, run, corpus, settings, acc, n_truncated, elapsed, hist, engine_info, model) -> None:
+def _finish(opts, run, corpus, settings, acc, n_truncated, elapsed, hist, engine_info, model, writer=None) -> None:
     from . import __version__
     from .models import max_positions
 
@@ -295,7 +318,9 @@ def _finish(opts, run, corpus, settings, acc, n_truncated, elapsed, hist, engine
         "elapsed_s": round(elapsed, 3),
     }
     features = acc.result(meta)
-    run.finish(features, fresh=not opts.resume)
+    run.finish(features, fresh=not opts.resume)  # (removes a stale per_sample.npy of a replaced run: close after)
+    if writer is not None:
+        writer.close()
     tok_s = acc.n_tokens / elapsed if elapsed > 0 and not opts.resume else None
     click.echo(f"measured {features.n_samples} samples, {features.n_tokens} tokens "
                f"({n_truncated} truncated to {opts.max_length} tokens) in {elapsed:.1f}s"

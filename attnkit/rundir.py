@@ -21,7 +21,8 @@ from .head_features import FEATURES_FILE, FeatureAccumulator, HeadFeatures, atom
 CHECKPOINT_FILE = "checkpoint.npz"
 # What later steps add to a run directory: a fresh run that replaces a finished one removes them, since they
 # describe the old features (written by attnkit cluster, distances, report).
-DERIVED_OUTPUTS = ("clusters.json", "distances.npz", "report.html", "figures")
+DERIVED_OUTPUTS = ("clusters.json", "distances.npz", "report.html", "figures", "patterns.json",
+                   "per_sample.npy", "per_sample.json")
 
 
 def corpus_fingerprint(segments) -> str:
