@@ -130,6 +130,14 @@ def test_complete_clusters_schema_requires_what_the_report_reads(tmp_path, clust
         load_clusters(tmp_path, complete=True)
 
 
+def test_clustered_features_must_be_the_runs(tmp_path, clusters_data, feats):
+    (tmp_path / "clusters.json").write_text(json.dumps(clusters_data))
+    assert load_clusters(tmp_path, feature_names=feats.names)
+    names = [n for n in feats.names if n != "win_3"]
+    with pytest.raises(AttnkitError, match="field settings.features: win_3 not among the run's features"):
+        load_clusters(tmp_path, feature_names=names)
+
+
 def test_validate_names_file_field_and_problem():
     with pytest.raises(AttnkitError) as e:
         validate({"run": {"n_layers": True}}, CLUSTERS_SCHEMA, "x/clusters.json")

@@ -208,7 +208,7 @@ def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, metho
         shape = (feats.n_layers, feats.n_heads)
         # check what the report reads before drawing anything
         if (run / CLUSTERS_FILE).is_file():
-            load_clusters(run, shape, complete=True)
+            load_clusters(run, shape, complete=True, feature_names=feats.names)
         if (run / DISTANCES_FILE).is_file():
             HeadDistances.load(run, shape)
         ensure_writable_dir(run / FIGURES_DIR, "figures directory")
