@@ -75,6 +75,7 @@ def test_meta_json_valid_fields_load(run, feats):
     (dict(std=np.zeros((1, 1, 1)), names=np.array(["a"])), "array 'mean' is missing"),
     (dict(mean=np.zeros((1, 1, 2)), std=np.zeros((1, 1, 2)), names=np.array([1.5, 2.5])), "'names' must hold strings"),
     (dict(mean=np.zeros((1, 1, 2)), std=np.zeros((1, 1, 2)), names=np.array(["a", "a"])), "names repeat"),
+    (dict(mean=np.zeros((1, 1, 1)), std=-np.ones((1, 1, 1)), names=np.array(["a"])), "negative standard dev"),
 ])
 def test_features_npz_is_validated(tmp_path, arrays, problem):
     np.savez(tmp_path / "features.npz", **arrays)

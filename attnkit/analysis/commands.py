@@ -196,6 +196,8 @@ def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, metho
     settings, head types and stability, t-SNE and MDS maps, per-layer heatmaps, box plots and tables.
     Figures are also saved as PNG and SVG in RUN/figures/. Uses RUN/clusters.json (or clusters now,
     with -k/--method/--seed) and RUN/distances.npz when present."""
+    import numpy as np
+
     from ..head_features import HeadFeatures
     from ..locking import run_lock
     from ..outputs import ensure_writable_dir, os_errors
@@ -207,6 +209,11 @@ def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, metho
         feats = HeadFeatures.load(run)
         shape = (feats.n_layers, feats.n_heads)
         # check what the report reads before drawing anything
+        bad = np.argwhere(~np.isfinite(feats.mean).all(axis=2))
+        if len(bad):
+            heads = ", ".join(f"L{l}H{h}" for l, h in bad[:5]) + (" ..." if len(bad) > 5 else "")
+            raise AttnkitError(f"{run}/features.npz holds NaN or infinite means for {len(bad)} head(s) ({heads}): "
+                               f"the report cannot place them on maps")
         if (run / CLUSTERS_FILE).is_file():
             load_clusters(run, shape, complete=True, feature_names=feats.names)
         if (run / DISTANCES_FILE).is_file():
