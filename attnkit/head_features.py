@@ -90,6 +90,8 @@ class HeadFeatures:
             raise AttnkitError(f"{fpath} is inconsistent: mean {mean.shape}, std {std.shape}, {len(names)} names")
         if len(set(names)) != len(names):
             raise AttnkitError(f"{fpath}: feature names repeat: {names}")
+        if np.any(std < 0):
+            raise AttnkitError(f"{fpath}: array 'std' holds negative standard deviations")
         meta = {}
         mpath = directory / META_FILE
         if mpath.is_file():

@@ -72,6 +72,9 @@ def test_constant_gold_in_the_evaluated_examples_is_refused(model_dir, tmp_path)
                                 "and Pearson correlations are undefined; use a file (or --limit/--sample) whose "
                                 "scores vary")
     assert not (tmp_path / "out" / "layers.csv").exists()
+    r = run_ablate(model_dir, data, tmp_path / "out", "--sample", "1")
+    assert r.exit_code == 1 and "1 example(s) evaluated, but the Spearman and Pearson correlations need at least two" \
+        in r.output
     r = run_ablate(model_dir, data, tmp_path / "out")
     assert r.exit_code == 0, r.output
     rows = json.loads((tmp_path / "out" / "layers.json").read_text())["rows"]

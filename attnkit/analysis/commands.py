@@ -15,6 +15,7 @@ from ..corpus import FORMATS
 from ..errors import AttnkitError, cli_errors
 
 RUN = click.Path(exists=True, file_okay=False, path_type=Path)
+SEED = click.IntRange(0, 2**32 - 1)  # what scikit-learn accepts as random_state
 
 quiet_option = click.option("-q", "--quiet", is_flag=True,
                             help="No progress bars or stage messages on stderr (results are still printed).")
@@ -98,7 +99,7 @@ def _with(options):
                    "comma, period, self, win_0..win_N-1 (Guan et al.'s 21-dim distance feature)].")
 @click.option("--standardize/--no-standardize", default=False, show_default=True,
               help="Scale every feature to unit variance first.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Random seed (fits and stability subsets).")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Random seed (fits and stability subsets).")
 @click.option("--stability", "n_stability", default=10, show_default=True, type=click.IntRange(min=0),
               help="Fits on random halves of the heads for the stability measure (0: skip).")
 @click.option("--sweep/--no-sweep", default=False, show_default=True,
@@ -148,7 +149,7 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
               help="Sample this many query tokens per sample (for big corpora) [default: all].")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Samples per batch.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the row sampling.")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the row sampling.")
 @quiet_option
 @cli_errors
 def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, device, seed, quiet):
@@ -198,7 +199,7 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
 @k_option
 @click.option("--method", type=click.Choice(["kmeans", "gmm"]), default="kmeans", show_default=True,
               help="Clustering method, when RUN/clusters.json does not exist yet.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of clustering and t-SNE/MDS.")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of clustering and t-SNE/MDS.")
 @click.option("--device", default=None, help="Device for the example maps.")
 @click.option("--svg/--no-svg", default=True, show_default=True, help="Also save every figure as SVG.")
 @quiet_option
@@ -208,6 +209,8 @@ def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, metho
     settings, head types and stability, t-SNE and MDS maps, per-layer heatmaps, box plots and tables.
     Figures are also saved as PNG and SVG in RUN/figures/. Uses RUN/clusters.json (or clusters now,
     with -k/--method/--seed) and RUN/distances.npz when present."""
+    import numpy as np
+
     from ..head_features import HeadFeatures
     from ..locking import run_lock
     from ..outputs import ensure_writable_dir, os_errors
@@ -219,8 +222,13 @@ def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, metho
         feats = HeadFeatures.load(run)
         shape = (feats.n_layers, feats.n_heads)
         # check what the report reads before drawing anything
+        bad = np.argwhere(~np.isfinite(feats.mean).all(axis=2))
+        if len(bad):
+            heads = ", ".join(f"L{l}H{h}" for l, h in bad[:5]) + (" ..." if len(bad) > 5 else "")
+            raise AttnkitError(f"{run}/features.npz holds NaN or infinite means for {len(bad)} head(s) ({heads}): "
+                               f"the report cannot place them on maps")
         if (run / CLUSTERS_FILE).is_file():
-            load_clusters(run, shape, complete=True)
+            load_clusters(run, shape, complete=True, feature_names=feats.names)
         if (run / DISTANCES_FILE).is_file():
             HeadDistances.load(run, shape)
         ensure_writable_dir(run / FIGURES_DIR, "figures directory")
