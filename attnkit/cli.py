@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from .corpus import FORMATS
-from .errors import AttnkitError, cli_errors
+from .errors import cli_errors
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

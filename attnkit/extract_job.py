@@ -61,25 +61,8 @@ def _say(opts: ExtractOptions, text: str) -> None:
         click.echo(text, err=True)
 
 
-def _check_output_path(out: Path) -> None:
-    """Refuse an output path that cannot become a directory, before any work (nothing is created yet)."""
-    if out.exists() and not out.is_dir():
-        raise AttnkitError(f"output path {str(out)!r} exists and is not a directory")
-    for parent in out.absolute().parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise AttnkitError(f"cannot create run directory {str(out)!r}: {str(parent)!r} is a file")
-            import os
-
-            if not os.access(parent, os.W_OK | os.X_OK) and not out.exists():
-                raise AttnkitError(f"cannot create run directory {str(out)!r}: {str(parent)!r} is not writable")
-            break
-
-
 def run_extract_job(opts: ExtractOptions) -> None:
-    from .corpus import open_corpus
-    from .devices import parse_devices
-    from .models import default_model_path
+    from .outputs import ensure_writable_dir
     from .rundir import RunDir
 
     if opts.resume and opts.overwrite:
@@ -90,10 +73,24 @@ def run_extract_job(opts: ExtractOptions) -> None:
         raise AttnkitError(f"unknown engine {opts.engine!r}: use local or ray")
     if opts.ray_address and opts.engine != "ray":
         raise AttnkitError("--ray-address needs --engine ray")
-    _check_output_path(opts.out)
     run = RunDir(opts.out)
     if not opts.resume:
         run.check_new(opts.overwrite)
+    created = not run.path.exists()
+    ensure_writable_dir(run.path, "run directory")  # before any work: not after an hour of extraction
+    try:
+        _run_extract_job(opts, run)
+    except BaseException:
+        if created:  # leave nothing behind for a run that never got anywhere
+            _remove_if_only_lock(run.path)
+        raise
+
+
+def _run_extract_job(opts: ExtractOptions, run) -> None:
+    from .corpus import open_corpus
+    from .devices import parse_devices
+    from .models import default_model_path
+
     corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
                          squad_pairs=opts.squad_pairs, limit=opts.limit)
     if opts.resume and any(s.path == "-" for s in corpus.sources):
@@ -144,36 +141,29 @@ def _load_models(opts: ExtractOptions, devices):
 
 
 def _run_local(opts: ExtractOptions, run, corpus, settings: dict, devices, batch_size: int) -> None:
-    from .extraction import run_extraction
     from .locking import run_lock
     from .pipeline import default_workers
 
     models, tokenizer = _load_models(opts, devices)
     model = models[0]
     workers = default_workers(devices[0].type) if opts.workers is None else opts.workers
-    created = not run.path.exists()
-    try:
-        with run_lock(run.path, "attnkit extract"):
-            acc, start, n_truncated, lengths = None, 0, 0, None
-            if opts.resume:
-                if not run.has_checkpoint() and run.is_finished():
-                    run.check_settings(run.finished_settings(), settings)
-                    click.echo(f"{opts.out} is already complete; nothing to resume.")
-                    return
-                acc, start, n_truncated, lengths = run.load_checkpoint(settings)
-            else:
-                run.check_new(opts.overwrite)  # again, under the lock: another run may have finished meanwhile
-            _say(opts, "attnkit extract: " + corpus.summary())
-            _say(opts, f"model {model.config.model_type} ({len(model._attnkit_modules)} layers × "
-                       f"{model.config.num_attention_heads} heads), backend {settings['backend']}, devices "
-                       f"{', '.join(str(next(m.parameters()).device) for m in models)}, {workers} tokenisation "
-                       f"worker(s), batch size {batch_size}" + (f"; resuming after segment {start}" if start else ""))
-            _measure_local(opts, run, corpus, settings, models, tokenizer, workers, batch_size, acc, start,
-                           n_truncated, lengths)
-    except BaseException:
-        if created:  # leave nothing behind for a run that never got anywhere
-            _remove_if_only_lock(run.path)
-        raise
+    with run_lock(run.path, "attnkit extract"):
+        acc, start, n_truncated, lengths = None, 0, 0, None
+        if opts.resume:
+            if not run.has_checkpoint() and run.is_finished():
+                run.check_settings(run.finished_settings(), settings)
+                click.echo(f"{opts.out} is already complete; nothing to resume.")
+                return
+            acc, start, n_truncated, lengths = run.load_checkpoint(settings)
+        else:
+            run.check_new(opts.overwrite)  # again, under the lock: another run may have finished meanwhile
+        _say(opts, "attnkit extract: " + corpus.summary())
+        _say(opts, f"model {model.config.model_type} ({len(model._attnkit_modules)} layers × "
+                   f"{model.config.num_attention_heads} heads), backend {settings['backend']}, devices "
+                   f"{', '.join(str(next(m.parameters()).device) for m in models)}, {workers} tokenisation "
+                   f"worker(s), batch size {batch_size}" + (f"; resuming after segment {start}" if start else ""))
+        _measure_local(opts, run, corpus, settings, models, tokenizer, workers, batch_size, acc, start,
+                       n_truncated, lengths)
 
 
 def _remove_if_only_lock(path: Path) -> None:
