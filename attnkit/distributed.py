@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import time
 from pathlib import Path
 from typing import Iterable
@@ -323,20 +324,58 @@ def _actor_plan(ray, num_actors: int | None, cpus_per_actor: int) -> tuple[int, 
     return n, {"num_cpus": cpus_per_actor}
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _one_line(exc: BaseException) -> str:
-    """The innermost meaningful message of an exception raised through Ray."""
-    seen = set()
-    cur = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, AttnkitError):
-            return str(cur)
-        nxt = getattr(cur, "cause", None) or cur.__cause__
-        if nxt is None:
-            break
-        cur = nxt
-    text = str(cur).strip().splitlines()
-    return f"{type(cur).__name__}: {text[-1] if text else ''}".strip(": ")
+    """The message of an exception raised through Ray: the AttnkitError inside it when there is one (Ray
+    carries a remote error as a traceback in its message), else the first line."""
+    chain, cur = [], exc
+    while cur is not None and all(cur is not c for c in chain):
+        chain.append(cur)
+        cur = getattr(cur, "cause", None) or cur.__cause__ or cur.__context__
+    for e in chain:
+        if isinstance(e, AttnkitError):
+            return str(e)
+    for e in chain:
+        found = re.findall(r"AttnkitError: (.+)", _ANSI.sub("", str(e)))
+        if found:
+            return found[-1].strip()
+    for e in chain:  # the remote exception's own last line, e.g. "ValueError: ..." under a traceback
+        found = [m for m in re.findall(r"^\s*([\w.]+(?:Error|Exception)): (.+)$", _ANSI.sub("", str(e)), re.M)
+                 if not m[0].startswith(("ray.", "Ray", "UserCodeException", "SystemException"))]
+        if found:
+            return f"{found[-1][0].rsplit('.', 1)[-1]}: {found[-1][1].strip()}"
+    lines = [l.strip() for l in _ANSI.sub("", str(exc)).splitlines() if l.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _check_model_here(model_path: str | None, max_length: int, local: bool) -> None:
+    """Fail before starting the cluster when the model is missing or too short for `max_length` (read from its
+    config alone). On a remote cluster the path may exist only on the workers: checked there."""
+    from .models import default_model_path, max_positions
+
+    try:
+        path = model_path or default_model_path()
+    except AttnkitError:
+        if local:
+            raise
+        return
+    if not os.path.isdir(path):
+        if local:
+            raise AttnkitError(f"model {path!r} not found: give a local directory holding a transformers model")
+        return
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:
+        raise AttnkitError(f"could not read the model config in {path!r}: {exc}") from None
+    limit = max_positions(SimpleNamespace(config=config))
+    if limit is not None and max_length > limit:
+        raise AttnkitError(f"max length {max_length} exceeds the model's {limit} positions ({config.model_type})")
 
 
 class _Reduction:
@@ -413,8 +452,7 @@ def _run(kind: str, segments: Iterable[Segment], *, model_path, dtype, max_lengt
     store = ShardStore(shard_dir(run_dir, kind), {"settings": settings, "engine": engine}, kind)
     finished = store.finished()  # refuses shards of other settings before any work starts
     ray = import_ray()
-    if address is None and model_path is not None and not ray.is_initialized() and not os.path.exists(model_path):
-        raise AttnkitError(f"model {model_path!r} not found: give a local directory holding a transformers model")
+    _check_model_here(model_path, max_length, local=address is None)
     pid_dir = os.environ.get(PID_DIR_ENV) or None
 
     with ray_session(address) as cluster:
@@ -452,18 +490,32 @@ def _run(kind: str, segments: Iterable[Segment], *, model_path, dtype, max_lengt
                 raise AttnkitError(f"the Ray pipeline failed: {_one_line(exc)}") from None
             red.check_complete()
 
-        order: list[int] = []  # every shard of the corpus, in order
-        n_skipped = n_segments = n_batches = 0
+        merged = {"total": None, "next": 0}  # shards are merged in shard order as soon as they are all in
+
+        def merge_ready() -> None:
+            while merged["next"] in red.done:
+                s = red.done.pop(merged["next"])
+                t = merged["total"]
+                merged["total"] = {k: np.array(v) for k, v in s.items()} if t is None else \
+                    {k: (t[k] + s[k]) if k in _SUM_KEYS[kind] else s[k] for k in t}
+                merged["next"] += 1
+
+        n_shards = n_skipped = n_segments = n_batches = 0
         rows: list[dict] = []
         pending = 0
         try:
             for k, chunk in enumerate(windows(segments, window)):
-                order.append(k)
+                n_shards += 1
                 if k in finished:
                     red.done[k] = store.load(k, len(chunk))
                     n_skipped += 1
+                    merge_ready()
                     if bar is not None:
                         bar.update(len(chunk))
+                    if rows and len(red.done) >= group_size:  # finished shards wait for the group before them
+                        run_group(rows)
+                        merge_ready()
+                        rows, pending = [], 0
                 else:
                     planned = plan_window(chunk, batch_size, window_index=k, first_batch=n_batches, start=n_segments)
                     red.expect(k, [pb.index for pb in planned], len(chunk))
@@ -473,23 +525,23 @@ def _run(kind: str, segments: Iterable[Segment], *, model_path, dtype, max_lengt
                     pending += 1
                     if pending >= group_size:
                         run_group(rows)
+                        merge_ready()
                         rows, pending = [], 0
                 n_segments += len(chunk)
                 n_batches += -(-len(chunk) // batch_size)
             if rows:
                 run_group(rows)
+                merge_ready()
         finally:
             if bar is not None:
                 bar.close()
             ctx.enable_progress_bars, ctx.print_on_execution_start = saved_ctx
-        if not order:
+        if n_shards == 0:
             raise AttnkitError("no segments to measure")
-        total = None
-        for k in order:  # shard order
-            s = red.done.pop(k)
-            total = {key: np.array(v) for key, v in s.items()} if total is None else \
-                {key: (total[key] + s[key]) if key in _SUM_KEYS[kind] else s[key] for key in total}
-        info = {"engine": "ray", "shards": len(order), "shards_skipped": n_skipped, "actors": n_actors,
+        if merged["next"] != n_shards:
+            raise AttnkitError(f"shard {merged['next']} of {n_shards} was never measured; run again to finish it")
+        total = merged["total"]
+        info = {"engine": "ray", "shards": n_shards, "shards_skipped": n_skipped, "actors": n_actors,
                 "ray_address": cluster, "window": window, "shards_per_group": group_size, "n_segments": n_segments, "n_batches": n_batches,
                 "duplicates_dropped": red.duplicates}
     return total, info
