@@ -18,6 +18,11 @@ in-process numbers to 1e-12. Ray Data's text/JSON/CSV/Parquet readers parse diff
 segments are read once on the driver by attnkit's readers (streamed, one window at a time) and handed to Ray
 Data in bounded groups of shards with `ray.data.from_items`. Driver memory is bounded by one group.
 
+On a cluster with GPUs the two map stages stay apart (tokenisation tasks on CPUs feed the GPU actors). On a
+CPU-only cluster their resources are equal and Ray Data fuses them, so each CPU actor tokenises its own batches
+(a small share next to a CPU forward); a few CPUs are still left out of the actor pool so that the stages can
+never starve each other if they are not fused.
+
 The price of groups: each group is one Ray Data execution, so the model actors are started (and the model
 loaded) once per group, and the last batches of a group leave some actors idle for a moment. Groups are
 therefore large (`shards_per_group`, by default 8 shards per actor).
@@ -287,7 +292,7 @@ def ray_session(address: str | None):
     if ray.is_initialized():
         yield address or "connected"
         return
-    kwargs = {"logging_level": logging.WARNING}
+    kwargs = {"logging_level": logging.ERROR}
     try:
         if address is None:
             ray.init(include_dashboard=False, **kwargs)
@@ -301,6 +306,18 @@ def ray_session(address: str | None):
         yield address or "local"
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def _quiet_ray_data_logs():
+    """Ray Data announces every execution and that its progress bars are off (the driver shows its own)."""
+    logger = logging.getLogger("ray.data")
+    saved = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(saved)
 
 
 def _actor_plan(ray, num_actors: int | None, cpus_per_actor: int) -> tuple[int, dict]:
@@ -438,25 +455,33 @@ class _Reduction:
 def _run(kind: str, segments: Iterable[Segment], *, model_path, dtype, max_length, batch_size, window, num_windows,
          split_sentences, backend, run_dir, settings, address, num_actors, cpus_per_actor, progress,
          shards_per_group, rows_per_sample=None, seed=0):
-    check_plan_settings(batch_size, window)
+    check_plan_settings(1 if batch_size is None else batch_size, window)
     check_num_windows(num_windows)
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise AttnkitError(f"max_length must be an integer of at least 2, got {max_length!r}")
     if shards_per_group is not None and (not isinstance(shards_per_group, int) or shards_per_group < 1):
         raise AttnkitError(f"shards_per_group must be a positive integer, got {shards_per_group!r}")
-    engine = {"kind": kind, "model": model_path, "dtype": dtype, "max_length": max_length,
-              "batch_size": batch_size, "window": window, "num_windows": num_windows,
-              "split_sentences": split_sentences, "backend": backend, "cpus_per_actor": cpus_per_actor}
-    if kind == "distances":
-        engine |= {"rows_per_sample": rows_per_sample, "seed": seed}
-    store = ShardStore(shard_dir(run_dir, kind), {"settings": settings, "engine": engine}, kind)
-    finished = store.finished()  # refuses shards of other settings before any work starts
+
+    def shard_store(batch_size: int) -> tuple[ShardStore, set[int]]:
+        engine = {"kind": kind, "model": model_path, "dtype": dtype, "max_length": max_length,
+                  "batch_size": batch_size, "window": window, "num_windows": num_windows,
+                  "split_sentences": split_sentences, "backend": backend, "cpus_per_actor": cpus_per_actor}
+        if kind == "distances":
+            engine |= {"rows_per_sample": rows_per_sample, "seed": seed}
+        store = ShardStore(shard_dir(run_dir, kind), {"settings": settings, "engine": engine}, kind)
+        return store, store.finished()  # refuses shards of other settings before any work starts
+
+    if batch_size is not None:
+        store, finished = shard_store(batch_size)
     ray = import_ray()
     _check_model_here(model_path, max_length, local=address is None)
     pid_dir = os.environ.get(PID_DIR_ENV) or None
 
-    with ray_session(address) as cluster:
+    with ray_session(address) as cluster, _quiet_ray_data_logs():
         n_actors, resources = _actor_plan(ray, num_actors, cpus_per_actor)
+        if batch_size is None:  # the in-process defaults: 64 on GPUs, 16 on CPUs
+            batch_size = 64 if "num_gpus" in resources else 16
+            store, finished = shard_store(batch_size)
         group_size = shards_per_group or max(4, 8 * n_actors)
         ctx = ray.data.DataContext.get_current()
         saved_ctx = (ctx.enable_progress_bars, ctx.print_on_execution_start)
@@ -542,13 +567,14 @@ def _run(kind: str, segments: Iterable[Segment], *, model_path, dtype, max_lengt
             raise AttnkitError(f"shard {merged['next']} of {n_shards} was never measured; run again to finish it")
         total = merged["total"]
         info = {"engine": "ray", "shards": n_shards, "shards_skipped": n_skipped, "actors": n_actors,
+                "cpus_per_actor": cpus_per_actor, "batch_size": batch_size,
                 "ray_address": cluster, "window": window, "shards_per_group": group_size, "n_segments": n_segments, "n_batches": n_batches,
                 "duplicates_dropped": red.duplicates}
     return total, info
 
 
 def run_ray_extraction(segments: Iterable[Segment], *, model_path: str | None, dtype: str = "float32",
-                       max_length: int = 128, batch_size: int = 16, window: int = DEFAULT_WINDOW,
+                       max_length: int = 128, batch_size: int | None = 16, window: int = DEFAULT_WINDOW,
                        num_windows: int = 16, split_sentences: bool = False, backend: str = "auto",
                        run_dir: Path, settings: dict, address: str | None = None, num_actors: int | None = None,
                        progress: bool = True, cpus_per_actor: int = 1, shards_per_group: int | None = None
@@ -556,7 +582,7 @@ def run_ray_extraction(segments: Iterable[Segment], *, model_path: str | None, d
     """Per-head feature sums of `segments` measured on a Ray cluster, shard by shard (see the module docstring).
 
     Returns (the accumulator over the whole corpus, the number of truncated segments, an info dict for
-    meta.json). `model_path` None is the embedded MiniLM (resolved on each worker); the model and attnkit must
+    meta.json). `batch_size` None: 64 when the cluster has GPUs, else 16 (as in-process). `model_path` None is the embedded MiniLM (resolved on each worker); the model and attnkit must
     be installed on every node. Finished shards are kept in RUN/shards and skipped by a rerun with the same
     `settings` (and engine settings); they are left in place (see `remove_shards`).
     """
@@ -575,7 +601,7 @@ def run_ray_extraction(segments: Iterable[Segment], *, model_path: str | None, d
 
 
 def run_ray_distances(segments: Iterable[Segment], *, model_path: str | None, dtype: str = "float32",
-                      max_length: int = 128, batch_size: int = 16, window: int = DEFAULT_WINDOW,
+                      max_length: int = 128, batch_size: int | None = 16, window: int = DEFAULT_WINDOW,
                       num_windows: int = 16, split_sentences: bool = False, backend: str = "auto",
                       rows_per_sample: int | None = None, seed: int = 0, run_dir: Path, settings: dict,
                       address: str | None = None, num_actors: int | None = None, progress: bool = True,
