@@ -36,10 +36,14 @@ these through `map_batches(**ray_remote_args)` is deprecated in Ray 2.60, so the
 test kills an actor to hold them to it. The driver still de-duplicates results by (shard, batch index) and
 refuses to finish a shard with a batch missing.
 
-Threads: on CPU, the per-sample numbers of a forward depend on the intra-op thread count for thin batches (MKL
-splits the reduction of a matmul of a few rows across threads), so a model actor runs torch with exactly the CPUs
-it holds (`cpus_per_actor`, default 1), and equals the in-process loop run with that many threads. On GPUs the
-thread count does not enter.
+Threads: on CPU, the per-sample numbers of a forward can depend on torch's intra-op thread count (seen here: a
+batch of one MiniLM sample differs by ~1e-7 between 1 and 2 threads, BLAS blocking thin matmuls differently), so
+a model actor runs torch with exactly the CPUs it holds (`cpus_per_actor`, default 1) and equals the in-process
+loop run with that many threads.
+
+Sums: a shard's batch sums are added in batch order, shards in shard order, so the totals equal the in-process
+loop's batch-by-batch sums to float64 rounding (~1e-16 relative), the means likewise; a std derived from them
+(sqrt(sumsq/n - mean^2)) magnifies that rounding where std << mean.
 
 Ray is an optional extra: nothing here imports it at module level.
 """
