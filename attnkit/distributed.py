@@ -6,7 +6,7 @@
         ─► map_batches(_tokenise)                              CPU tasks, attnkit Encoder built once per worker
         ─► map_batches(_ModelActor, ActorPoolStrategy(size=n))  the instrumented model, num_gpus=1 per actor
                                                                  when the cluster has GPUs, CPU actors otherwise
-        ─► per-batch sums (features: sum, sumsq, n_samples, n_tokens, n_truncated; distances: JS sums, rows)
+        ─► per-batch sums (features: sum, m2, n_samples, n_tokens, n_truncated; distances: JS sums, rows)
     driver: sums of a shard added in batch order ─► RUN/<shards dir>/shard-000042.npz (atomic) ─► shards merged
             in shard order into one FeatureAccumulator (or one distance matrix)
 
@@ -42,8 +42,9 @@ a model actor runs torch with exactly the CPUs it holds (`cpus_per_actor`, defau
 loop run with that many threads.
 
 Sums: a shard's batch sums are added in batch order, shards in shard order, so the totals equal the in-process
-loop's batch-by-batch sums to float64 rounding (~1e-16 relative), the means likewise; a std derived from them
-(sqrt(sumsq/n - mean^2)) magnifies that rounding where std << mean.
+loop's batch-by-batch sums to float64 rounding (~1e-16 relative), the means likewise. The spread is kept as sums
+of squared deviations merged pairwise (head_features.merge_moments), not as sums of squares, so the std too
+agrees to rounding, even where it is tiny next to the mean.
 
 Ray is an optional extra: nothing here imports it at module level.
 """
@@ -65,7 +66,7 @@ import numpy as np
 from .batching import DEFAULT_WINDOW, check_plan_settings, plan_window, windows
 from .errors import AttnkitError
 from .features import check_num_windows, feature_names
-from .head_features import FeatureAccumulator, atomic_write
+from .head_features import FeatureAccumulator, atomic_write, batch_moments, merge_moments
 from .tokens import Segment
 
 FEATURE_SHARDS_DIR = "shards"
@@ -77,7 +78,7 @@ INSTALL_HINT = "pip install 'attnkit[distributed]'"
 
 # What a batch contributes, per kind of run: summed in batch order within a shard, then over shards.
 _SUM_KEYS = {
-    "features": ("sum", "sumsq", "n_samples", "n_tokens", "n_truncated"),
+    "features": ("sum", "m2", "n_samples", "n_tokens", "n_truncated"),
     "distances": ("js", "n_rows", "n_samples", "n_tokens", "n_truncated"),
 }
 _SHARD_DIRS = {"features": FEATURE_SHARDS_DIR, "distances": DISTANCE_SHARDS_DIR}
@@ -158,6 +159,23 @@ class ShardStore:
                      fingerprint=np.array(self.fingerprint),
                      settings=np.array(json.dumps(self.settings, sort_keys=True, default=str)))
         atomic_write(self.path(shard), lambda f: np.savez(f, **state))
+
+
+def add_sums(total: dict | None, part: dict) -> dict:
+    """`total` plus one more batch's or shard's sums. Feature moments merge as counts, sums and sums of squared
+    deviations (head_features.merge_moments); other summable keys add; the rest (shape) are taken as they are."""
+    part = {k: np.array(v) for k, v in part.items()}
+    if total is None:
+        return part
+    out = {k: (total[k] + part[k]) if k in _ADDED else part[k] for k in part}
+    if "m2" in part:
+        n, out["sum"], out["m2"] = merge_moments(int(total["n_samples"]), total["sum"], total["m2"],
+                                                 int(part["n_samples"]), part["sum"], part["m2"])
+        out["n_samples"] = np.int64(n)
+    return out
+
+
+_ADDED = {"sum", "n_samples", "n_tokens", "n_truncated", "js", "n_rows"}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -282,8 +300,8 @@ class _ModelActor:
             res = collector.result()
             return {"js": res.total, "n_rows": np.int64(res.n_rows), "n_layers": np.int64(self.n_layers),
                     "n_heads": np.int64(self.n_heads), **common}
-        f = np.asarray(feats, dtype=np.float64)  # the same operations as FeatureAccumulator.update
-        return {"sum": f.sum(0), "sumsq": np.square(f).sum(0), **common}
+        _, total, m2 = batch_moments(feats)  # what FeatureAccumulator.update computes of a batch
+        return {"sum": total, "m2": m2, **common}
 
 
 # --- the driver ---------------------------------------------------------------------------------------------
@@ -442,8 +460,7 @@ class _Reduction:
         rows = self.partial.pop(shard)
         sums = None
         for b in exp["batches"]:  # batch order, as the in-process loop adds them
-            r = rows[b]
-            sums = {k: np.array(r[k]) for k in r} if sums is None else {k: sums[k] + r[k] for k in sums}
+            sums = add_sums(sums, rows[b])
         sums |= {k: np.int64(v) for k, v in self.shape.items()}
         self.store.save(shard, sums, exp["n_segments"], len(exp["batches"]))
         self.done[shard] = sums
@@ -524,9 +541,7 @@ def _run(kind: str, segments: Iterable[Segment], *, model_path, dtype, max_lengt
         def merge_ready() -> None:
             while merged["next"] in red.done:
                 s = red.done.pop(merged["next"])
-                t = merged["total"]
-                merged["total"] = {k: np.array(v) for k, v in s.items()} if t is None else \
-                    {k: (t[k] + s[k]) if k in _SUM_KEYS[kind] else s[k] for k in t}
+                merged["total"] = add_sums(merged["total"], s)
                 merged["next"] += 1
 
         n_shards = n_skipped = n_segments = n_batches = 0
@@ -599,8 +614,8 @@ def run_ray_extraction(segments: Iterable[Segment], *, model_path: str | None, d
     if F != len(names):
         raise AttnkitError(f"the actors returned {F} features per head, expected {len(names)}")
     acc = FeatureAccumulator(L, H, names)
-    acc.sum, acc.sumsq = np.asarray(total["sum"], np.float64), np.asarray(total["sumsq"], np.float64)
-    acc.n_samples, acc.n_tokens = int(total["n_samples"]), int(total["n_tokens"])
+    acc.add_moments(int(total["n_samples"]), np.asarray(total["sum"], np.float64),
+                    np.asarray(total["m2"], np.float64), int(total["n_tokens"]))
     return acc, int(total["n_truncated"]), info
 
 

@@ -125,7 +125,13 @@ def _run_extract_job(opts: ExtractOptions, run) -> None:
     if opts.engine == "ray":
         if opts.per_sample:
             raise AttnkitError("--per-sample is written by the local engine only (drop --engine ray)")
-        _run_ray(opts, run, corpus, settings, batch_size)
+        if opts.device or opts.devices:
+            raise AttnkitError("--device/--devices choose devices of this machine; with --engine ray every actor "
+                               "uses one GPU of the cluster (or CPUs where it has none)")
+        # the cluster, not this machine, decides the device and (by default) the batch size
+        settings.update(batch_size=opts.batch_size, device_type="ray cluster",
+                        backend=opts.backend)
+        _run_ray(opts, run, corpus, settings)
         return
     _run_local(opts, run, corpus, settings, devices, batch_size)
 
@@ -267,22 +273,38 @@ def _per_sample_writer(opts, run, model, start: int):
                            feature_names(opts.num_windows), resume_after=start if opts.resume else None)
 
 
-def _run_ray(opts: ExtractOptions, run, corpus, settings: dict, batch_size: int) -> None:
-    from .distributed import run_ray_extraction
+def _run_ray(opts: ExtractOptions, run, corpus, settings: dict) -> None:
+    """Measure on a Ray cluster. Resume is by shards (RUN/shards/): a rerun with the same settings, with or
+    without --resume, measures only the shards that are not finished."""
+    from transformers import AutoConfig
+
+    from .distributed import remove_shards, run_ray_extraction, shard_dir
     from .locking import run_lock
+    from .models import default_model_path
 
     with run_lock(run.path, "attnkit extract --engine ray"):
-        if not opts.resume:
-            run.check_new(opts.overwrite)
+        if opts.overwrite:
+            remove_shards(run.path)
+        elif not opts.resume:
+            run.check_new(False)
+            if shard_dir(run.path).is_dir() and any(shard_dir(run.path).iterdir()):
+                raise AttnkitError(f"{run.path} holds the shards of an unfinished Ray run: continue it with --resume, "
+                                   "or start over with --overwrite")
+        elif run.is_finished() and not shard_dir(run.path).is_dir():
+            run.check_settings(run.finished_settings(), settings)
+            click.echo(f"{opts.out} is already complete; nothing to resume.")
+            return
         _say(opts, "attnkit extract (ray): " + corpus.summary())
         t0 = time.perf_counter()
         acc, n_truncated, info = run_ray_extraction(
             corpus, model_path=opts.model_path, dtype=opts.dtype, max_length=opts.max_length,
-            batch_size=batch_size, window=opts.window, num_windows=opts.num_windows,
+            batch_size=opts.batch_size, window=opts.window, num_windows=opts.num_windows,
             split_sentences=opts.sentences, backend=opts.backend, run_dir=run.path, settings=settings,
             address=opts.ray_address, progress=not opts.quiet)
         elapsed = time.perf_counter() - t0
+        info = dict(info, model_type=AutoConfig.from_pretrained(opts.model_path or default_model_path()).model_type)
         _finish(opts, run, corpus, settings, acc, n_truncated, elapsed, None, info, None)
+        remove_shards(run.path)  # their sums are in features.npz now
 
 
 def _finish(opts, run, corpus, settings, acc, n_truncated, elapsed, hist, engine_info, model, writer=None) -> None:

@@ -150,9 +150,14 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Samples per batch.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N.")
 @click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the row sampling.")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local: this machine; ray: the Ray Data pipeline of `extract --engine ray` (shards in "
+                   "RUN/distance-shards, a rerun skips finished ones).")
+@click.option("--ray-address", default=None, metavar="ADDR", help="Ray cluster to join [default: a local one].")
 @quiet_option
 @cli_errors
-def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, device, seed, quiet):
+def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, device, seed, engine,
+                  ray_address, quiet):
     """Jensen-Shannon distances between all pairs of heads of RUN's model over a corpus (Clark et al.
     2019); writes RUN/distances.npz (sums, per-token means, rows counted).
 
@@ -161,13 +166,17 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
     and reduced to a heads × heads matrix per batch, never stored. Uses the compiled js_distances op
     when it is built for the device, a chunked PyTorch computation otherwise.
     """
-    import numpy as np
-
     from ..locking import run_lock
     from ..models import load_model
     from ..outputs import os_errors
     from .distances import collect_distances
 
+    if ray_address and engine != "ray":
+        raise AttnkitError("--ray-address needs --engine ray")
+    if engine == "ray":
+        _distances_on_ray(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, seed,
+                          ray_address, quiet)
+        return
     with run_lock(run, "attnkit distances"), os_errors(f"write into {run}"):
         texts, meta = _corpus_from_run(run, corpus, fmt, squad_pairs, columns, limit)
         _say(quiet, f"attnkit distances: loading the model of {run}")
@@ -185,10 +194,42 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
                                         max_length=int(meta.get("max_length", 128)), batch_size=batch_size,
                                         num_windows=int(meta.get("num_windows", 16)), progress=not quiet)
         path = dist.save(run)
+    _print_distances(dist, feats.n_samples, path)
+
+
+def _print_distances(dist, n_samples: int, path) -> None:
+    import numpy as np
+
     pt = dist.per_token
     off = pt[~np.eye(pt.shape[0], dtype=bool)]
-    click.echo(f"{feats.n_samples} segments, {dist.n_rows} query tokens: mean JS per token between heads "
+    click.echo(f"{n_samples} segments, {dist.n_rows} query tokens: mean JS per token between heads "
                f"{off.mean():.4f} (min {off.min():.4f}, max {off.max():.4f}); wrote {path}")
+
+
+def _distances_on_ray(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, seed, address,
+                      quiet) -> None:
+    """`attnkit distances --engine ray`: the same sums, measured by model actors on a Ray cluster."""
+    from ..distributed import remove_shards, run_ray_distances
+    from ..locking import run_lock
+    from ..outputs import os_errors
+
+    with run_lock(run, "attnkit distances --engine ray"), os_errors(f"write into {run}"):
+        texts, meta = _corpus_from_run(run, corpus, fmt, squad_pairs, columns, limit)
+        settings = {"corpus_sha256": texts.fingerprint(), "model": meta.get("model"),
+                    "max_length": int(meta.get("max_length", 128)), "batch_size": batch_size,
+                    "rows_per_sample": rows_per_sample, "seed": seed}
+        _say(quiet, f"attnkit distances (ray): {texts.summary()}")
+        dist, info = run_ray_distances(
+            texts, model_path=meta.get("model") or None, max_length=settings["max_length"], batch_size=batch_size,
+            num_windows=int(meta.get("num_windows", 16)), rows_per_sample=rows_per_sample, seed=seed, run_dir=run,
+            settings=settings, address=address, progress=not quiet)
+        want = (meta.get("n_layers", dist.n_layers), meta.get("n_heads", dist.n_heads))
+        if (dist.n_layers, dist.n_heads) != want:
+            raise AttnkitError(f"the model has {dist.n_layers} × {dist.n_heads} heads but {run} was measured "
+                               f"with {want[0]} × {want[1]}")
+        path = dist.save(run)
+        remove_shards(run, "distances")
+    _print_distances(dist, info["n_samples"], path)
 
 
 @click.command("report")
