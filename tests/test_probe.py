@@ -209,7 +209,7 @@ def test_unaligned_words_are_no_candidates_and_their_relations_are_skipped():
     attn = np.zeros((1, 1, 3, 3))
     attn[0, 0] = [[0, .2, .8], [.5, 0, .5], [.5, .5, 0]]  # word 0 prefers word 2, which is unaligned
     s = ProbeScores(1, 1)
-    s.add(attn, [1, 0, 1], ["det", "root", "x"], [True, True, False])
+    s.add(attn, [1, ROOT, 1], ["det", "root", "x"], [True, True, False])
     assert s.n_root == 1 and s.n_skipped == 1  # word 1 is the root; word 2's relation is skipped and s.rel["det"].n == 1
     assert s.accuracy("det", "dep->head").tolist() == [[1.0]]
 
