@@ -123,8 +123,9 @@ def _add_commands() -> None:
     from .ablation.commands import ablate
     from .analysis.commands import COMMANDS
     from .export import export_cmd
+    from .probe.commands import probe
 
-    for cmd in (*COMMANDS, ablate, export_cmd):
+    for cmd in (*COMMANDS, ablate, export_cmd, probe):
         main.add_command(cmd)
 
 
