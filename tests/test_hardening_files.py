@@ -231,15 +231,7 @@ def test_interrupted_atomic_write_keeps_the_old_file(tmp_path):
     assert os.listdir(tmp_path) == ["x"] and (tmp_path / "x").read_text() == "old"
 
 
-def test_features_save_on_full_disk_is_one_line(tmp_path, feats, monkeypatch):
-    real_open = open
-
-    def full_open(path, mode="r", *a, **k):
-        if "w" in mode and str(path).endswith(".tmp"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return real_open(path, mode, *a, **k)
-
-    monkeypatch.setattr("builtins.open", full_open)
+def test_features_save_on_full_disk_is_one_line(tmp_path, feats, full_disk):
     with pytest.raises(AttnkitError, match="could not write .*features.npz: No space left on device"):
         feats.save(tmp_path / "run")
     assert os.listdir(tmp_path / "run") == []
