@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from .corpus import FORMATS
-from .errors import AttnkitError, cli_errors
+from .errors import cli_errors
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -90,11 +90,14 @@ def _columns(value):
 @click.option("--overwrite", is_flag=True, help="Replace a finished run in --out (only once the new one finishes).")
 @click.option("--checkpoint-every", default=20, show_default=True, type=click.IntRange(min=1),
               help="Write a checkpoint every N batches (also every 2 minutes, and always on interruption).")
+@click.option("--per-sample", is_flag=True,
+              help="Also keep every sample's features: OUT/per_sample.npy (float16, samples × layers × heads × "
+                   "features, input order; memory-mapped) for `attnkit patterns`.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
 def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length, batch_size, window, device,
             devices, workers, dtype, num_windows, sentences, limit, backend, engine, ray_address, out, resume,
-            overwrite, checkpoint_every, quiet):
+            overwrite, checkpoint_every, per_sample, quiet):
     """Measure per-head attention features over CORPUS (default: a small built-in English corpus).
 
     CORPUS is any number of files, directories (searched recursively for corpus files), shell globs, or '-'
@@ -113,7 +116,7 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
         squad_pairs=squad_pairs, max_length=max_length, batch_size=batch_size, window=window, device=device,
         devices=devices, dtype=dtype, num_windows=num_windows, sentences=sentences, limit=limit, backend=backend,
         workers=workers, engine=engine, ray_address=ray_address, out=out, resume=resume, overwrite=overwrite,
-        checkpoint_every=checkpoint_every, quiet=quiet))
+        checkpoint_every=checkpoint_every, per_sample=per_sample, quiet=quiet))
 
 
 def _add_commands() -> None:
@@ -122,8 +125,9 @@ def _add_commands() -> None:
     from .analysis.compare_commands import COMMANDS as COMPARE_COMMANDS
     from .analysis.pattern_commands import COMMANDS as PATTERN_COMMANDS
     from .export import export_cmd
+    from .probe.commands import probe
 
-    for cmd in (*COMMANDS, *PATTERN_COMMANDS, *COMPARE_COMMANDS, ablate, export_cmd):
+    for cmd in (*COMMANDS, *PATTERN_COMMANDS, *COMPARE_COMMANDS, ablate, export_cmd, probe):
         main.add_command(cmd)
 
 

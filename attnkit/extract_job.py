@@ -53,6 +53,7 @@ class ExtractOptions:
     overwrite: bool = False
     checkpoint_every: int = 20
     quiet: bool = False
+    per_sample: bool = False
 
 
 def _say(opts: ExtractOptions, text: str) -> None:
@@ -60,25 +61,8 @@ def _say(opts: ExtractOptions, text: str) -> None:
         click.echo(text, err=True)
 
 
-def _check_output_path(out: Path) -> None:
-    """Refuse an output path that cannot become a directory, before any work (nothing is created yet)."""
-    if out.exists() and not out.is_dir():
-        raise AttnkitError(f"output path {str(out)!r} exists and is not a directory")
-    for parent in out.absolute().parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise AttnkitError(f"cannot create run directory {str(out)!r}: {str(parent)!r} is a file")
-            import os
-
-            if not os.access(parent, os.W_OK | os.X_OK) and not out.exists():
-                raise AttnkitError(f"cannot create run directory {str(out)!r}: {str(parent)!r} is not writable")
-            break
-
-
 def run_extract_job(opts: ExtractOptions) -> None:
-    from .corpus import open_corpus
-    from .devices import parse_devices
-    from .models import default_model_path
+    from .outputs import ensure_writable_dir
     from .rundir import RunDir
 
     if opts.resume and opts.overwrite:
@@ -89,10 +73,24 @@ def run_extract_job(opts: ExtractOptions) -> None:
         raise AttnkitError(f"unknown engine {opts.engine!r}: use local or ray")
     if opts.ray_address and opts.engine != "ray":
         raise AttnkitError("--ray-address needs --engine ray")
-    _check_output_path(opts.out)
     run = RunDir(opts.out)
     if not opts.resume:
         run.check_new(opts.overwrite)
+    created = not run.path.exists()
+    ensure_writable_dir(run.path, "run directory")  # before any work: not after an hour of extraction
+    try:
+        _run_extract_job(opts, run)
+    except BaseException:
+        if created:  # leave nothing behind for a run that never got anywhere
+            _remove_if_only_lock(run.path)
+        raise
+
+
+def _run_extract_job(opts: ExtractOptions, run) -> None:
+    from .corpus import open_corpus
+    from .devices import parse_devices
+    from .models import default_model_path
+
     corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
                          squad_pairs=opts.squad_pairs, limit=opts.limit)
     if opts.resume and any(s.path == "-" for s in corpus.sources):
@@ -122,9 +120,18 @@ def run_extract_job(opts: ExtractOptions) -> None:
         "backend": backend_label(opts.backend, devices[0]),
         "device_type": devices[0].type,
         "engine": opts.engine,
+        "per_sample": opts.per_sample,
     }
     if opts.engine == "ray":
-        _run_ray(opts, run, corpus, settings, batch_size)
+        if opts.per_sample:
+            raise AttnkitError("--per-sample is written by the local engine only (drop --engine ray)")
+        if opts.device or opts.devices:
+            raise AttnkitError("--device/--devices choose devices of this machine; with --engine ray every actor "
+                               "uses one GPU of the cluster (or CPUs where it has none)")
+        # the cluster, not this machine, decides the device and (by default) the batch size
+        settings.update(batch_size=opts.batch_size, device_type="ray cluster",
+                        backend=opts.backend)
+        _run_ray(opts, run, corpus, settings)
         return
     _run_local(opts, run, corpus, settings, devices, batch_size)
 
@@ -140,36 +147,29 @@ def _load_models(opts: ExtractOptions, devices):
 
 
 def _run_local(opts: ExtractOptions, run, corpus, settings: dict, devices, batch_size: int) -> None:
-    from .extraction import run_extraction
     from .locking import run_lock
     from .pipeline import default_workers
 
     models, tokenizer = _load_models(opts, devices)
     model = models[0]
     workers = default_workers(devices[0].type) if opts.workers is None else opts.workers
-    created = not run.path.exists()
-    try:
-        with run_lock(run.path, "attnkit extract"):
-            acc, start, n_truncated, lengths = None, 0, 0, None
-            if opts.resume:
-                if not run.has_checkpoint() and run.is_finished():
-                    run.check_settings(run.finished_settings(), settings)
-                    click.echo(f"{opts.out} is already complete; nothing to resume.")
-                    return
-                acc, start, n_truncated, lengths = run.load_checkpoint(settings)
-            else:
-                run.check_new(opts.overwrite)  # again, under the lock: another run may have finished meanwhile
-            _say(opts, "attnkit extract: " + corpus.summary())
-            _say(opts, f"model {model.config.model_type} ({len(model._attnkit_modules)} layers × "
-                       f"{model.config.num_attention_heads} heads), backend {settings['backend']}, devices "
-                       f"{', '.join(str(next(m.parameters()).device) for m in models)}, {workers} tokenisation "
-                       f"worker(s), batch size {batch_size}" + (f"; resuming after segment {start}" if start else ""))
-            _measure_local(opts, run, corpus, settings, models, tokenizer, workers, batch_size, acc, start,
-                           n_truncated, lengths)
-    except BaseException:
-        if created:  # leave nothing behind for a run that never got anywhere
-            _remove_if_only_lock(run.path)
-        raise
+    with run_lock(run.path, "attnkit extract"):
+        acc, start, n_truncated, lengths = None, 0, 0, None
+        if opts.resume:
+            if not run.has_checkpoint() and run.is_finished():
+                run.check_settings(run.finished_settings(), settings)
+                click.echo(f"{opts.out} is already complete; nothing to resume.")
+                return
+            acc, start, n_truncated, lengths = run.load_checkpoint(settings)
+        else:
+            run.check_new(opts.overwrite)  # again, under the lock: another run may have finished meanwhile
+        _say(opts, "attnkit extract: " + corpus.summary())
+        _say(opts, f"model {model.config.model_type} ({len(model._attnkit_modules)} layers × "
+                   f"{model.config.num_attention_heads} heads), backend {settings['backend']}, devices "
+                   f"{', '.join(str(next(m.parameters()).device) for m in models)}, {workers} tokenisation "
+                   f"worker(s), batch size {batch_size}" + (f"; resuming after segment {start}" if start else ""))
+        _measure_local(opts, run, corpus, settings, models, tokenizer, workers, batch_size, acc, start,
+                       n_truncated, lengths)
 
 
 def _remove_if_only_lock(path: Path) -> None:
@@ -209,16 +209,24 @@ def _measure_local(opts, run, corpus, settings, models, tokenizer, workers, batc
 
     state = {"acc": acc, "next": start, "trunc": n_truncated, "batches": 0, "saved_at": time.monotonic()}
     hist = LengthHistogram(lengths)
+    writer = _per_sample_writer(opts, run, models[0], start) if opts.per_sample else None
+
+    def save_checkpoint(acc_, next_index, trunc):
+        if writer is not None:
+            writer.flush()  # a checkpoint never counts per-sample rows that are not on disk
+        run.save_checkpoint(acc_, next_index, trunc, settings, lengths=hist.counts)
+        state["saved_at"] = time.monotonic()
 
     def on_batch(acc_, next_index, trunc, full_lengths=None):
         state.update(acc=acc_, next=next_index, trunc=n_truncated + trunc)
         if full_lengths is not None:
             hist.add(full_lengths)
         state["batches"] += 1
-        due = state["batches"] % opts.checkpoint_every == 0 or time.monotonic() - state["saved_at"] > CHECKPOINT_SECONDS
-        if due:
-            run.save_checkpoint(acc_, next_index, state["trunc"], settings, lengths=hist.counts)
-            state["saved_at"] = time.monotonic()
+        if state["batches"] % opts.checkpoint_every == 0 or time.monotonic() - state["saved_at"] > CHECKPOINT_SECONDS:
+            save_checkpoint(acc_, next_index, state["trunc"])
+
+    def on_result(res):
+        writer.add(res.planned.positions, res.features)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -230,12 +238,14 @@ def _measure_local(opts, run, corpus, settings, models, tokenizer, workers, batc
             models[0], tokenizer, corpus, max_length=opts.max_length, batch_size=batch_size,
             num_windows=opts.num_windows, split_sentences=opts.sentences, backend=opts.backend, accumulator=acc,
             start=start, on_batch=on_batch, progress=not opts.quiet, window=opts.window, workers=workers,
-            replicas=models[1:],
+            replicas=models[1:], on_result=on_result if writer is not None else None,
         )
     except (KeyboardInterrupt, AttnkitError) as exc:
         saved = state["acc"] is not None and state["next"] > start
         if saved:
-            run.save_checkpoint(state["acc"], state["next"], state["trunc"], settings, lengths=hist.counts)
+            save_checkpoint(state["acc"], state["next"], state["trunc"])
+        if writer is not None:
+            writer.abandon()
         if isinstance(exc, AttnkitError):
             if saved:
                 raise AttnkitError(f"{exc} (checkpoint saved after {state['next']} segments)") from None
@@ -251,28 +261,53 @@ def _measure_local(opts, run, corpus, settings, models, tokenizer, workers, batc
     elapsed = time.perf_counter() - t0
     _finish(opts, run, corpus, settings, acc, n_truncated + trunc, elapsed, hist,
             {"engine": "local", "workers": workers,
-             "devices": [str(next(m.parameters()).device) for m in models]}, models[0])
+             "devices": [str(next(m.parameters()).device) for m in models]}, models[0], writer)
 
 
-def _run_ray(opts: ExtractOptions, run, corpus, settings: dict, batch_size: int) -> None:
-    from .distributed import run_ray_extraction
+def _per_sample_writer(opts, run, model, start: int):
+    """RUN/per_sample.npy's writer: a new file, or the partial file of the run being resumed."""
+    from .features import feature_names
+    from .per_sample import PerSampleWriter
+
+    return PerSampleWriter(run.path, len(model._attnkit_modules), model.config.num_attention_heads,
+                           feature_names(opts.num_windows), resume_after=start if opts.resume else None)
+
+
+def _run_ray(opts: ExtractOptions, run, corpus, settings: dict) -> None:
+    """Measure on a Ray cluster. Resume is by shards (RUN/shards/): a rerun with the same settings, with or
+    without --resume, measures only the shards that are not finished."""
+    from transformers import AutoConfig
+
+    from .distributed import remove_shards, run_ray_extraction, shard_dir
     from .locking import run_lock
+    from .models import default_model_path
 
     with run_lock(run.path, "attnkit extract --engine ray"):
-        if not opts.resume:
-            run.check_new(opts.overwrite)
+        if opts.overwrite:
+            remove_shards(run.path)
+        elif not opts.resume:
+            run.check_new(False)
+            if shard_dir(run.path).is_dir() and any(shard_dir(run.path).iterdir()):
+                raise AttnkitError(f"{run.path} holds the shards of an unfinished Ray run: continue it with --resume, "
+                                   "or start over with --overwrite")
+        elif run.is_finished() and not shard_dir(run.path).is_dir():
+            run.check_settings(run.finished_settings(), settings)
+            click.echo(f"{opts.out} is already complete; nothing to resume.")
+            return
         _say(opts, "attnkit extract (ray): " + corpus.summary())
         t0 = time.perf_counter()
         acc, n_truncated, info = run_ray_extraction(
             corpus, model_path=opts.model_path, dtype=opts.dtype, max_length=opts.max_length,
-            batch_size=batch_size, window=opts.window, num_windows=opts.num_windows,
+            batch_size=opts.batch_size, window=opts.window, num_windows=opts.num_windows,
             split_sentences=opts.sentences, backend=opts.backend, run_dir=run.path, settings=settings,
             address=opts.ray_address, progress=not opts.quiet)
         elapsed = time.perf_counter() - t0
+        info = dict(info, model_type=AutoConfig.from_pretrained(opts.model_path or default_model_path()).model_type)
         _finish(opts, run, corpus, settings, acc, n_truncated, elapsed, None, info, None)
+        remove_shards(run.path)  # their sums are in features.npz now
 
 
-def _finish(opts, run, corpus, settings, acc, n_truncated, elapsed, hist, engine_info, model) -> None:
+def _finish(opts, run, corpus, settings, acc, n_truncated, elapsed, hist, engine_info, model, writer=None) -> None:
     from . import __version__
     from .models import max_positions
 
@@ -295,7 +330,9 @@ def _finish(opts, run, corpus, settings, acc, n_truncated, elapsed, hist, engine
         "elapsed_s": round(elapsed, 3),
     }
     features = acc.result(meta)
-    run.finish(features, fresh=not opts.resume)
+    run.finish(features, fresh=not opts.resume)  # (removes a stale per_sample.npy of a replaced run: close after)
+    if writer is not None:
+        writer.close()
     tok_s = acc.n_tokens / elapsed if elapsed > 0 and not opts.resume else None
     click.echo(f"measured {features.n_samples} samples, {features.n_tokens} tokens "
                f"({n_truncated} truncated to {opts.max_length} tokens) in {elapsed:.1f}s"

@@ -110,6 +110,7 @@ def run_extraction(
     replicas: Sequence = (),
     prefetch: int | None = None,
     total: int | None = None,
+    on_result: Callable | None = None,
 ) -> tuple[FeatureAccumulator, int]:
     """Measure `segments` (any iterable: it is streamed) after the first `start` segments of the plan.
 
@@ -149,7 +150,9 @@ def run_extraction(
         bar = tqdm(total=total, initial=start, unit="seg", desc="extract", dynamic_ncols=True)
     t0, tokens0 = time.perf_counter(), acc.n_tokens
 
-    def on_result(res) -> None:
+    def deliver(res) -> None:
+        if on_result is not None:
+            on_result(res)
         acc.update(res.features, res.n_tokens)
         state["truncated"] += res.n_truncated
         if on_batch is not None:
@@ -169,7 +172,7 @@ def run_extraction(
         stack.enter_context(_observing(runtime_of(model), observers))
         try:
             run_pipeline(models, encoder, planned, _device_forward, workers=workers, prefetch=prefetch,
-                         on_result=on_result, on_progress=on_progress)
+                         on_result=deliver, on_progress=on_progress)
         finally:
             if bar is not None:
                 bar.close()

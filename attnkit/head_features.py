@@ -90,6 +90,8 @@ class HeadFeatures:
             raise AttnkitError(f"{fpath} is inconsistent: mean {mean.shape}, std {std.shape}, {len(names)} names")
         if len(set(names)) != len(names):
             raise AttnkitError(f"{fpath}: feature names repeat: {names}")
+        if np.any(std < 0):
+            raise AttnkitError(f"{fpath}: array 'std' holds negative standard deviations")
         meta = {}
         mpath = directory / META_FILE
         if mpath.is_file():
@@ -103,38 +105,62 @@ class HeadFeatures:
         return cls(mean, std, names, int(meta.get("n_samples", 0)), int(meta.get("n_tokens", 0)), meta)
 
 
+def merge_moments(n_a: int, sum_a, m2_a, n_b: int, sum_b, m2_b):
+    """(n, sum, m2) of two parts given as counts, sums and sums of squared deviations from their own means
+    (Chan et al.'s pairwise update). Unlike sums of squares, m2 keeps its precision when the spread is tiny
+    next to the mean, so the std does not depend on how the samples were split into parts."""
+    if n_a == 0:
+        return n_b, np.array(sum_b, dtype=np.float64), np.array(m2_b, dtype=np.float64)
+    if n_b == 0:
+        return n_a, np.array(sum_a, dtype=np.float64), np.array(m2_a, dtype=np.float64)
+    n = n_a + n_b
+    delta = sum_b / n_b - sum_a / n_a
+    return n, sum_a + sum_b, m2_a + m2_b + delta * delta * (n_a * n_b / n)
+
+
+def batch_moments(feats: np.ndarray):
+    """(n, sum, m2) over the first axis of per-sample features, in float64."""
+    f = np.asarray(feats, dtype=np.float64)
+    total = f.sum(0)
+    return f.shape[0], total, np.square(f - total / max(f.shape[0], 1)).sum(0)
+
+
 class FeatureAccumulator:
-    """Sums per-sample feature vectors (float64) so corpus means and stds come out exactly, in any
-    number of pieces: `merge` adds another accumulator (distributed runs), `state`/`from_state`
-    round-trip through checkpoints."""
+    """Per-head corpus statistics built from per-sample feature vectors in any number of pieces: `update` adds a
+    batch, `merge` another accumulator (distributed runs), `state`/`from_state` round-trip through checkpoints.
+    Kept in float64 as sums (for the mean) and sums of squared deviations `m2` (for the std), merged with
+    `merge_moments`, so the std stays exact to rounding whatever the split."""
 
     def __init__(self, n_layers: int, n_heads: int, names: list[str]):
         self.names = list(names)
         shape = (n_layers, n_heads, len(self.names))
         self.sum = np.zeros(shape, dtype=np.float64)
-        self.sumsq = np.zeros(shape, dtype=np.float64)
+        self.m2 = np.zeros(shape, dtype=np.float64)
         self.n_samples = 0
         self.n_tokens = 0
 
+    @property
+    def sumsq(self) -> np.ndarray:
+        """Sums of squares (derived: m2 + sum²/n)."""
+        return self.m2 + np.square(self.sum) / max(self.n_samples, 1)
+
+    def add_moments(self, n: int, total, m2, n_tokens: int) -> None:
+        """Add a part given as (count, sums, sums of squared deviations from its own mean)."""
+        self.n_samples, self.sum, self.m2 = merge_moments(self.n_samples, self.sum, self.m2, int(n), total, m2)
+        self.n_tokens += int(n_tokens)
+
     def update(self, feats: np.ndarray, n_tokens: int) -> None:
         """feats: B × n_layers × n_heads × F per-sample feature vectors."""
-        feats = np.asarray(feats, dtype=np.float64)
-        self.sum += feats.sum(0)
-        self.sumsq += np.square(feats).sum(0)
-        self.n_samples += feats.shape[0]
-        self.n_tokens += int(n_tokens)
+        self.add_moments(*batch_moments(feats), n_tokens)
 
     def merge(self, other: "FeatureAccumulator") -> "FeatureAccumulator":
         if other.names != self.names or other.sum.shape != self.sum.shape:
             raise AttnkitError("cannot merge feature sums of different models or feature sets")
-        self.sum += other.sum
-        self.sumsq += other.sumsq
-        self.n_samples += other.n_samples
-        self.n_tokens += other.n_tokens
+        self.add_moments(other.n_samples, other.sum, other.m2, other.n_tokens)
         return self
 
     def state(self) -> dict:
-        return {"sum": self.sum, "sumsq": self.sumsq, "n_samples": np.int64(self.n_samples),
+        return {"sum": self.sum, "m2": self.m2, "n_samples": np.int64(self.n_samples),
                 "n_tokens": np.int64(self.n_tokens), "names": np.array(self.names)}
 
     @classmethod
@@ -142,14 +168,17 @@ class FeatureAccumulator:
         names = [str(n) for n in state["names"]]
         acc = cls(state["sum"].shape[0], state["sum"].shape[1], names)
         acc.sum = np.array(state["sum"], dtype=np.float64)
-        acc.sumsq = np.array(state["sumsq"], dtype=np.float64)
         acc.n_samples = int(state["n_samples"])
         acc.n_tokens = int(state["n_tokens"])
+        if "m2" in state:
+            acc.m2 = np.array(state["m2"], dtype=np.float64)
+        else:  # checkpoints of attnkit 0.1 kept sums of squares
+            acc.m2 = np.array(state["sumsq"], dtype=np.float64) - np.square(acc.sum) / max(acc.n_samples, 1)
         return acc
 
     def result(self, meta: dict | None = None) -> HeadFeatures:
         if self.n_samples == 0:
             raise AttnkitError("no samples were measured")
         mean = self.sum / self.n_samples
-        var = np.maximum(self.sumsq / self.n_samples - mean**2, 0.0)
+        var = np.maximum(self.m2 / self.n_samples, 0.0)
         return HeadFeatures(mean, np.sqrt(var), self.names, self.n_samples, self.n_tokens, dict(meta or {}))

@@ -210,7 +210,8 @@ def check_model_dir(path: str) -> None:
         if not present & set(group):
             missing.append(f"{what} ({' or '.join(group)})")
     if missing:
-        raise AttnkitError(f"model directory {path!r} is incomplete: missing " + "; ".join(missing)
+        raise AttnkitError(f"could not load a model from {path!r}: the directory is incomplete, missing "
+                           + "; ".join(missing)
                            + (f" (it holds: {', '.join(sorted(present))})" if present else " (it is empty)"))
 
 

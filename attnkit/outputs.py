@@ -40,7 +40,7 @@ def ensure_writable_dir(path, what: str = "output directory") -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise AttnkitError(f"cannot create {what} {str(path)!r}: {describe_os_error(exc)}") from None
+        raise AttnkitError(f"cannot create {what} {str(path)!r}: {exc.strerror or exc}") from None
     try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".attnkit-probe-"):
             pass

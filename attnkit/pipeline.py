@@ -49,8 +49,32 @@ def default_workers(device_type: str = "cuda") -> int:
 _worker_encoder: Encoder | None = None
 
 
-def _init_worker(tokenizer, max_length: int, split_sentences: bool) -> None:
+def _die_with_parent(parent: int) -> None:
+    """A worker must not outlive its run: a parent killed by SIGKILL cannot shut the pool down, and a forked
+    worker still holds the ends of its own task queue, so it would wait forever. Linux: ask the kernel to
+    kill us with the parent; elsewhere: a thread that watches the parent."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent:  # died before prctl took effect
+            os._exit(1)
+        return
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="attnkit-parent-watch", daemon=True).start()
+
+
+def _init_worker(tokenizer, max_length: int, split_sentences: bool, parent: int) -> None:
     global _worker_encoder
+    _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it saves a checkpoint)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_encoder = Encoder(tokenizer, max_length=max_length, split_sentences=split_sentences)
@@ -102,7 +126,7 @@ class TokenizerPool:
                 warnings.simplefilter("ignore", DeprecationWarning)
                 self._executor = ProcessPoolExecutor(
                     self.workers, mp_context=_mp_context(), initializer=_init_worker,
-                    initargs=(enc.tokenizer, enc.max_length, enc.split_sentences))
+                    initargs=(enc.tokenizer, enc.max_length, enc.split_sentences, os.getpid()))
             # start every worker now, before any device thread exists (fork copies only this thread)
             self._executor.submit(int).result()
         return self

@@ -21,7 +21,8 @@ from .head_features import FEATURES_FILE, FeatureAccumulator, HeadFeatures, atom
 CHECKPOINT_FILE = "checkpoint.npz"
 # What later steps add to a run directory: a fresh run that replaces a finished one removes them, since they
 # describe the old features (written by attnkit cluster, distances, report).
-DERIVED_OUTPUTS = ("clusters.json", "distances.npz", "report.html", "figures")
+DERIVED_OUTPUTS = ("clusters.json", "distances.npz", "report.html", "figures", "patterns.json",
+                   "per_sample.npy", "per_sample.json")
 
 
 def corpus_fingerprint(segments) -> str:
@@ -118,7 +119,7 @@ class RunDir:
 
 def checkpoint_problem(acc: FeatureAccumulator, next_index: int, n_truncated: int) -> str | None:
     """What makes a checkpoint's numbers impossible, or None. Every segment is one sample with at least one
-    token, and sums of squares cannot be negative."""
+    token, and sums of squared deviations cannot be negative."""
     if next_index < 1:
         return f"next segment {next_index} < 1"
     if acc.n_samples != next_index:
@@ -127,8 +128,8 @@ def checkpoint_problem(acc: FeatureAccumulator, next_index: int, n_truncated: in
         return f"{n_truncated} truncated of {next_index} segments"
     if acc.n_tokens < acc.n_samples:
         return f"{acc.n_tokens} tokens for {acc.n_samples} samples"
-    if not (np.isfinite(acc.sum).all() and np.isfinite(acc.sumsq).all()):
+    if not (np.isfinite(acc.sum).all() and np.isfinite(acc.m2).all()):
         return "sums that are not finite"
-    if (acc.sumsq < 0).any():
-        return "negative sums of squares"
+    if (acc.m2 < -1e-9 * (1.0 + np.square(acc.sum) / acc.n_samples)).any():
+        return "negative sums of squared deviations"
     return None

@@ -18,6 +18,10 @@ TORCH_LIBRARY(attnkit, m) {
   //   attn: fp32 B×M×L×L attention rows (padded keys 0); lengths: int64[B].
   // Returns fp64 M×M: Σ_b Σ_{s<n_b} JS(attn[b,i,s,:], attn[b,j,s,:]), natural logs.
   m.def("js_distances(Tensor attn, Tensor lengths) -> Tensor");
+  // Clark et al.'s word-level attention (csrc/cpu/word_attention.cpp, attnkit/words.py): word_id int32[B, L]
+  // (-1: no word). Returns fp32 B×H×W×W word-to-word attention, int64 B×H×L and fp32 B×H×L per-row arg-max.
+  m.def("word_attention(Tensor q, Tensor k, Tensor lengths, Tensor word_id, int num_words, float scaling) "
+        "-> (Tensor, Tensor, Tensor)");
 }
 
 // A Python module with no functions: importing attnkit._C loads this library and runs the

@@ -55,3 +55,19 @@ def write_clusters_json(run, type_grid):
             "clusters": [{"label": i, "type": t} for i, t in enumerate(names)], "stability": {}}
     (run / "clusters.json").write_text(json.dumps(data))
     return run
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """Writing any temporary file (attnkit writes through `.tmp` files) fails with ENOSPC."""
+    import builtins
+    import errno
+
+    real_open = builtins.open
+
+    def full_open(path, mode="r", *a, **k):
+        if "w" in mode and str(path).endswith(".tmp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", full_open)

@@ -1,6 +1,5 @@
 """ablate: gold scores that make the metric undefined are refused, --limit/--sample, -q, -o checked
 before the work and written atomically, SQuAD JSON validated, the output directory locked."""
-import errno
 import json
 import os
 
@@ -72,6 +71,9 @@ def test_constant_gold_in_the_evaluated_examples_is_refused(model_dir, tmp_path)
                                 "and Pearson correlations are undefined; use a file (or --limit/--sample) whose "
                                 "scores vary")
     assert not (tmp_path / "out" / "layers.csv").exists()
+    r = run_ablate(model_dir, data, tmp_path / "out", "--sample", "1")
+    assert r.exit_code == 1 and "1 example(s) evaluated, but the Spearman and Pearson correlations need at least two" \
+        in r.output
     r = run_ablate(model_dir, data, tmp_path / "out")
     assert r.exit_code == 0, r.output
     rows = json.loads((tmp_path / "out" / "layers.json").read_text())["rows"]
@@ -111,16 +113,8 @@ def test_output_under_a_file_fails_before_the_model_loads(tmp_path):
     assert r.exit_code == 1 and "is a file, not a directory" in r.output and "not found" not in r.output
 
 
-def test_tables_on_a_full_disk_are_one_line_and_leave_no_temp_files(tmp_path, monkeypatch):
+def test_tables_on_a_full_disk_are_one_line_and_leave_no_temp_files(tmp_path, full_disk):
     table = ResultTable("heads", "spearman", [{"setting": "baseline", "spearman": 50.0}])
-    real_open = open
-
-    def full_open(path, mode="r", *a, **k):
-        if "w" in mode and str(path).endswith(".tmp"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return real_open(path, mode, *a, **k)
-
-    monkeypatch.setattr("builtins.open", full_open)
     with pytest.raises(AttnkitError, match=r"could not write .*heads\.csv: No space left on device"):
         table.save(str(tmp_path / "out"))
     assert os.listdir(tmp_path / "out") == []

@@ -89,6 +89,18 @@ def test_report_refuses_distances_of_another_shape(run):
     assert not (run / "report.html").exists()
 
 
+def test_report_refuses_non_finite_features(tmp_path, feats):
+    from attnkit.head_features import HeadFeatures
+
+    bad = HeadFeatures(feats.mean.copy(), feats.std, feats.names, 10, 100)
+    bad.mean[1, 3, 2] = np.nan
+    bad.save(tmp_path / "run")
+    r = invoke(report_cmd, [tmp_path / "run", "-q"])
+    assert r.exit_code == 1
+    assert "features.npz holds NaN or infinite means for 1 head(s) (L1H3)" in r.output
+    assert not (tmp_path / "run" / "report.html").exists()
+
+
 def test_report_figures_path_that_is_a_file(run):
     (run / "figures").write_text("not a directory")
     r = invoke(report_cmd, [run, "-q"])

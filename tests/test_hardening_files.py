@@ -75,6 +75,7 @@ def test_meta_json_valid_fields_load(run, feats):
     (dict(std=np.zeros((1, 1, 1)), names=np.array(["a"])), "array 'mean' is missing"),
     (dict(mean=np.zeros((1, 1, 2)), std=np.zeros((1, 1, 2)), names=np.array([1.5, 2.5])), "'names' must hold strings"),
     (dict(mean=np.zeros((1, 1, 2)), std=np.zeros((1, 1, 2)), names=np.array(["a", "a"])), "names repeat"),
+    (dict(mean=np.zeros((1, 1, 1)), std=-np.ones((1, 1, 1)), names=np.array(["a"])), "negative standard dev"),
 ])
 def test_features_npz_is_validated(tmp_path, arrays, problem):
     np.savez(tmp_path / "features.npz", **arrays)
@@ -128,6 +129,14 @@ def test_complete_clusters_schema_requires_what_the_report_reads(tmp_path, clust
     load_clusters(tmp_path)  # enough for the head types
     with pytest.raises(AttnkitError, match=r"clusters\[1\]: missing 'centroid'"):
         load_clusters(tmp_path, complete=True)
+
+
+def test_clustered_features_must_be_the_runs(tmp_path, clusters_data, feats):
+    (tmp_path / "clusters.json").write_text(json.dumps(clusters_data))
+    assert load_clusters(tmp_path, feature_names=feats.names)
+    names = [n for n in feats.names if n != "win_3"]
+    with pytest.raises(AttnkitError, match="field settings.features: win_3 not among the run's features"):
+        load_clusters(tmp_path, feature_names=names)
 
 
 def test_validate_names_file_field_and_problem():
@@ -222,15 +231,7 @@ def test_interrupted_atomic_write_keeps_the_old_file(tmp_path):
     assert os.listdir(tmp_path) == ["x"] and (tmp_path / "x").read_text() == "old"
 
 
-def test_features_save_on_full_disk_is_one_line(tmp_path, feats, monkeypatch):
-    real_open = open
-
-    def full_open(path, mode="r", *a, **k):
-        if "w" in mode and str(path).endswith(".tmp"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return real_open(path, mode, *a, **k)
-
-    monkeypatch.setattr("builtins.open", full_open)
+def test_features_save_on_full_disk_is_one_line(tmp_path, feats, full_disk):
     with pytest.raises(AttnkitError, match="could not write .*features.npz: No space left on device"):
         feats.save(tmp_path / "run")
     assert os.listdir(tmp_path / "run") == []

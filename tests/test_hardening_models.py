@@ -33,7 +33,8 @@ def test_directory_without_tokenizer_files_is_refused(tmp_path):
     with pytest.raises(AttnkitError) as e:
         load_model(tmp_path, device="cpu")
     msg = str(e.value)
-    assert "is incomplete: missing the tokenizer files (tokenizer.json or vocab.txt" in msg
+    assert msg.startswith(f"could not load a model from {str(tmp_path)!r}: the directory is incomplete, missing "
+                          "the tokenizer files (tokenizer.json or vocab.txt")
     assert "config.json, model.safetensors" in msg and "weights" not in msg and "\n" not in msg
 
 
@@ -49,13 +50,13 @@ def test_missing_weights_and_config_are_named(tmp_path):
     with pytest.raises(AttnkitError) as e:
         load_model(tmp_path, device="cpu")
     msg = str(e.value)
-    assert "missing the config (config.json); the weights (model.safetensors or" in msg
+    assert "incomplete, missing the config (config.json); the weights (model.safetensors or" in msg
     assert not msg.rstrip().endswith(":")
 
 
 def test_empty_directory_file_and_missing_path(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(AttnkitError, match=r"incomplete: .*\(it is empty\)$"):
+    with pytest.raises(AttnkitError, match=r"incomplete, missing .*\(it is empty\)$"):
         load_model(tmp_path / "empty", device="cpu")
     (tmp_path / "f").write_text("x")
     with pytest.raises(AttnkitError, match="is a file: give the directory"):

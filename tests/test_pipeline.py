@@ -167,3 +167,38 @@ def test_max_length_too_short_for_pairs_is_refused(minilm):
     arrays = Encoder(tok, max_length=5).encode_arrays([("one two three", "four five six")])
     assert arrays.inputs["input_ids"].shape[1] == 5 and arrays.n_truncated == 1
     assert arrays.full_lengths.tolist() == [9]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs /proc to find child processes")
+def test_workers_die_with_a_killed_run(tmp_path):
+    """SIGKILL leaves no chance to shut the pool down: the workers must still not outlive the run."""
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"Line number {i} of a corpus, long enough to take a while.\n" for i in range(20000)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "attnkit.cli", "extract", str(corpus), "-o", str(tmp_path / "r"),
+                             "-q", "--workers", "2", "--backend", "reference", "--max-length", "16"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def children(pid):
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                return [int(x) for x in f.read().split()]
+        except OSError:
+            return []
+
+    deadline = time.time() + 120
+    while len(children(proc.pid)) < 2:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its workers started"
+        time.sleep(0.1)
+    workers = children(proc.pid)
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.time() + 20
+    alive = workers
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in workers if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
+    assert not alive, f"tokenisation workers {alive} outlived their run"

@@ -109,6 +109,20 @@ def tiny_roberta(tokenizer):
     return RobertaModel(cfg).eval()
 
 
+def region_matches_eager(model, reference, enc, region, renormalize, sentences):
+    """Run `enc` plainly and under the region intervention; the intervened hidden states must equal the eager
+    reference's to 1e-5. Returns (intervened, plain, attention mask)."""
+    mask = enc["attention_mask"]
+    iv = plan_intervention(model, region, renormalize)
+    with torch.no_grad():
+        plain = model(**enc).last_hidden_state
+        with attnkit.intervene(model, iv):
+            got = model(**enc).last_hidden_state
+    expect = eager_reference(reference, enc, region, sentences, renormalize).last_hidden_state
+    assert max_diff(got, expect, mask) <= 1e-5
+    return got, plain, mask
+
+
 # --- plain forwards against the eager reference --------------------------------------------------------
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("region", ["no_inter", "no_intra"])
@@ -120,14 +134,7 @@ def test_bert_pairs_match_eager(bert_tokenizer, region, renormalize, segments):
               return_token_type_ids=segments == "token_type_ids")
     sentences = segment_sentences(enc)
     assert sentences.any() and (enc["attention_mask"] == 0).any()  # pairs, and padding
-    mask = enc["attention_mask"]
-    iv = plan_intervention(model, region, renormalize)
-    with torch.no_grad():
-        plain = model(**enc).last_hidden_state
-        with attnkit.intervene(model, iv):
-            got = model(**enc).last_hidden_state
-    expect = eager_reference(reference, enc, region, sentences, renormalize).last_hidden_state
-    assert max_diff(got, expect, mask) <= 1e-5
+    got, plain, mask = region_matches_eager(model, reference, enc, region, renormalize, sentences)
     assert max_diff(got, plain, mask) > 1e-3  # the intervention did something (100× the tolerance)
 
 
@@ -141,14 +148,7 @@ def test_roberta_pairs_match_eager(roberta_tokenizer, region, renormalize):
     assert "token_type_ids" not in enc
     sentences = segment_sentences(enc)
     assert sentences[0].any() and not sentences[1].any()
-    mask = enc["attention_mask"]
-    iv = plan_intervention(model, region, renormalize)
-    with torch.no_grad():
-        plain = model(**enc).last_hidden_state
-        with attnkit.intervene(model, iv):
-            got = model(**enc).last_hidden_state
-    expect = eager_reference(reference, enc, region, sentences, renormalize).last_hidden_state
-    assert max_diff(got, expect, mask) <= 1e-5
+    got, plain, mask = region_matches_eager(model, reference, enc, region, renormalize, sentences)
     assert max_diff(got[:1], plain[:1], mask[:1]) > 1e-3
 
 

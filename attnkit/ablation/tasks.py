@@ -47,9 +47,15 @@ def forward(model, batch: Batch, **extra):
         return model(**batch.inputs, **extra)
 
 
-def _read_tsv(path: str) -> tuple[list[str], list[list[str]]]:
+def _data_file(path: str, kind: str) -> None:
+    if os.path.isdir(path):
+        raise AttnkitError(f"data path {path!r} is a directory: give the {kind} file")
     if not os.path.isfile(path):
         raise AttnkitError(f"data file {path!r} not found")
+
+
+def _read_tsv(path: str) -> tuple[list[str], list[list[str]]]:
+    _data_file(path, "TSV")
     header, rows = read_table(path)
     return header, [r for _, r in rows if r]
 
@@ -84,7 +90,9 @@ def parse_score(path: str, line: int, raw: str) -> float:
 def check_gold_varies(path: str, gold, metric: str = "Spearman and Pearson correlations") -> None:
     """Correlations with a constant gold are undefined (they would come out NaN): refuse, naming the file."""
     gold = np.asarray(gold, dtype=np.float64)
-    if gold.size and np.ptp(gold) == 0:
+    if gold.size < 2:
+        raise AttnkitError(f"{path}: {gold.size} example(s) evaluated, but the {metric} need at least two")
+    if np.ptp(gold) == 0:
         raise AttnkitError(f"{path}: every gold score of the {gold.size} examples evaluated is {gold[0]:g}, so the "
                            f"{metric} are undefined; use a file (or --limit/--sample) whose scores vary")
 
@@ -380,8 +388,7 @@ class SquadTask(Task):
 
     def __init__(self, path: str, max_length: int = 384, stride: int = 128, n_best: int = 20,
                  max_answer_length: int = 30):
-        if not os.path.isfile(path):
-            raise AttnkitError(f"data file {path!r} not found")
+        _data_file(path, "SQuAD JSON")
         self.path = path
         data = load_json(path, SQUAD_SCHEMA, "SQuAD JSON")  # structure checked: attnkit.schemas.SQUAD_SCHEMA
         articles = data["data"]

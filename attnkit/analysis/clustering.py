@@ -273,7 +273,7 @@ def stability_over_seeds(features, *, n_seeds: int = DEFAULT_SEEDS, seed: int = 
         raise AttnkitError(f"the number of seeds must be a positive integer, got {n_seeds!r}")
     if not kwargs.get("n_stability", 10):
         raise AttnkitError("stability over seeds needs stability fits (n_stability > 0)")
-    seeds = [int(seed) + i for i in range(int(n_seeds))]
+    seeds = [(int(seed) + i) % 2**32 for i in range(int(n_seeds))]  # random_state must fit 32 bits
     values = [float((first if (first is not None and s == seeds[0]) else cluster(features, seed=s, **kwargs)).stability_)
               for s in seeds]
     return seed_summary(seeds, values)
@@ -305,9 +305,9 @@ def sweep(features, ks=range(2, 9), progress: bool = False, n_seeds: int = 1, **
         if n_seeds > 1 and kwargs.get("n_stability", 10):
             base = int(kwargs.get("seed", 0))
             rest = {key: v for key, v in kwargs.items() if key != "seed"}
-            values = [c.stability_] + [cluster(features, k=k, seed=base + i, **rest).stability_
-                                       for i in range(1, n_seeds)]
-            summary = seed_summary(range(base, base + n_seeds), values)
+            seeds = [(base + i) % 2**32 for i in range(n_seeds)]
+            values = [c.stability_] + [cluster(features, k=k, seed=s, **rest).stability_ for s in seeds[1:]]
+            summary = seed_summary(seeds, values)
             row.update(stability_mean=summary["mean"], stability_min=summary["min"], stability_max=summary["max"],
                        n_seeds=int(n_seeds))
         out.append(row)

@@ -15,6 +15,7 @@ from ..corpus import FORMATS
 from ..errors import AttnkitError, cli_errors
 
 RUN = click.Path(exists=True, file_okay=False, path_type=Path)
+SEED = click.IntRange(0, 2**32 - 1)  # what scikit-learn accepts as random_state
 
 quiet_option = click.option("-q", "--quiet", is_flag=True,
                             help="No progress bars or stage messages on stderr (results are still printed).")
@@ -98,7 +99,7 @@ def _with(options):
                    "comma, period, self, win_0..win_N-1 (Guan et al.'s 21-dim distance feature)].")
 @click.option("--standardize/--no-standardize", default=False, show_default=True,
               help="Scale every feature to unit variance first.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Random seed (fits and stability subsets).")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Random seed (fits and stability subsets).")
 @click.option("--stability", "n_stability", default=10, show_default=True, type=click.IntRange(min=0),
               help="Fits on random halves of the heads for the stability measure (0: skip).")
 @click.option("--sweep/--no-sweep", default=False, show_default=True,
@@ -164,14 +165,18 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
               help="Sample this many query tokens per sample (for big corpora) [default: all].")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Samples per batch.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the row sampling.")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the row sampling.")
 @click.option("--smooth", "smooth", is_flag=False, flag_value=0.001, default=0.0, type=click.FloatRange(0, 1, max_open=True),
               metavar="[EPS]", help="Smooth every row to (1 − EPS)·A + EPS/n before the divergence, as Clark et al.'s "
-                                    "code (--smooth alone: EPS = 0.001) [default: no smoothing].")
+                                    "code (--smooth alone: EPS = 0.001) [default: no smoothing; local engine only].")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local: this machine; ray: the Ray Data pipeline of `extract --engine ray` (shards in "
+                   "RUN/distance-shards, a rerun skips finished ones).")
+@click.option("--ray-address", default=None, metavar="ADDR", help="Ray cluster to join [default: a local one].")
 @quiet_option
 @cli_errors
 def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, device, seed, smooth,
-                  quiet):
+                  engine, ray_address, quiet):
     """Jensen-Shannon divergences between all pairs of heads of RUN's model over a corpus (Clark et al.
     2019; natural logs, between 0 and ln 2 per token; not the metric sqrt(JS)); writes RUN/distances.npz
     (sums, per-token means, rows counted, smoothing).
@@ -181,13 +186,19 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
     and reduced to a heads × heads matrix per batch, never stored. Uses the compiled js_distances op
     when it is built for the device and no smoothing is asked for, a chunked PyTorch computation otherwise.
     """
-    import numpy as np
-
     from ..locking import run_lock
     from ..models import load_model
     from ..outputs import os_errors
     from .distances import collect_distances
 
+    if ray_address and engine != "ray":
+        raise AttnkitError("--ray-address needs --engine ray")
+    if smooth and engine == "ray":
+        raise AttnkitError("--smooth runs on the local engine only (the Ray pipeline sums unsmoothed divergences)")
+    if engine == "ray":
+        _distances_on_ray(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, seed,
+                          ray_address, quiet)
+        return
     with run_lock(run, "attnkit distances"), os_errors(f"write into {run}"):
         texts, meta = _corpus_from_run(run, corpus, fmt, squad_pairs, columns, limit)
         _say(quiet, f"attnkit distances: loading the model of {run}")
@@ -206,12 +217,44 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
                                         max_length=int(meta.get("max_length", 128)), batch_size=batch_size,
                                         num_windows=int(meta.get("num_windows", 16)), progress=not quiet)
         path = dist.save(run)
+    _print_distances(dist, feats.n_samples, path, smooth)
+
+
+def _print_distances(dist, n_samples: int, path, smooth: float = 0.0) -> None:
+    import numpy as np
+
     pt = dist.per_token
     off = pt[~np.eye(pt.shape[0], dtype=bool)]
     smoothed = f" (rows smoothed with ε = {smooth:g})" if smooth else ""
-    click.echo(f"{feats.n_samples} segments, {dist.n_rows} query tokens{smoothed}: mean JS divergence per token "
+    click.echo(f"{n_samples} segments, {dist.n_rows} query tokens{smoothed}: mean JS divergence per token "
                f"between heads "
                f"{off.mean():.4f} (min {off.min():.4f}, max {off.max():.4f}); wrote {path}")
+
+
+def _distances_on_ray(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, seed, address,
+                      quiet) -> None:
+    """`attnkit distances --engine ray`: the same sums, measured by model actors on a Ray cluster."""
+    from ..distributed import remove_shards, run_ray_distances
+    from ..locking import run_lock
+    from ..outputs import os_errors
+
+    with run_lock(run, "attnkit distances --engine ray"), os_errors(f"write into {run}"):
+        texts, meta = _corpus_from_run(run, corpus, fmt, squad_pairs, columns, limit)
+        settings = {"corpus_sha256": texts.fingerprint(), "model": meta.get("model"),
+                    "max_length": int(meta.get("max_length", 128)), "batch_size": batch_size,
+                    "rows_per_sample": rows_per_sample, "seed": seed}
+        _say(quiet, f"attnkit distances (ray): {texts.summary()}")
+        dist, info = run_ray_distances(
+            texts, model_path=meta.get("model") or None, max_length=settings["max_length"], batch_size=batch_size,
+            num_windows=int(meta.get("num_windows", 16)), rows_per_sample=rows_per_sample, seed=seed, run_dir=run,
+            settings=settings, address=address, progress=not quiet)
+        want = (meta.get("n_layers", dist.n_layers), meta.get("n_heads", dist.n_heads))
+        if (dist.n_layers, dist.n_heads) != want:
+            raise AttnkitError(f"the model has {dist.n_layers} × {dist.n_heads} heads but {run} was measured "
+                               f"with {want[0]} × {want[1]}")
+        path = dist.save(run)
+        remove_shards(run, "distances")
+    _print_distances(dist, info["n_samples"], path)
 
 
 @click.command("report")
@@ -222,7 +265,7 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
 @k_option
 @click.option("--method", type=click.Choice(["kmeans", "gmm"]), default="kmeans", show_default=True,
               help="Clustering method, when RUN/clusters.json does not exist yet.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of clustering and t-SNE/MDS.")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of clustering and t-SNE/MDS.")
 @click.option("--device", default=None, help="Device for the example maps.")
 @click.option("--svg/--no-svg", default=True, show_default=True, help="Also save every figure as SVG.")
 @quiet_option
@@ -232,6 +275,8 @@ def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, metho
     settings, head types and stability, t-SNE and MDS maps, per-layer heatmaps, box plots and tables.
     Figures are also saved as PNG and SVG in RUN/figures/. Uses RUN/clusters.json (or clusters now,
     with -k/--method/--seed) and RUN/distances.npz when present."""
+    import numpy as np
+
     from ..head_features import HeadFeatures
     from ..locking import run_lock
     from ..outputs import ensure_writable_dir, os_errors
@@ -243,8 +288,13 @@ def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, metho
         feats = HeadFeatures.load(run)
         shape = (feats.n_layers, feats.n_heads)
         # check what the report reads before drawing anything
+        bad = np.argwhere(~np.isfinite(feats.mean).all(axis=2))
+        if len(bad):
+            heads = ", ".join(f"L{l}H{h}" for l, h in bad[:5]) + (" ..." if len(bad) > 5 else "")
+            raise AttnkitError(f"{run}/features.npz holds NaN or infinite means for {len(bad)} head(s) ({heads}): "
+                               f"the report cannot place them on maps")
         if (run / CLUSTERS_FILE).is_file():
-            load_clusters(run, shape, complete=True)
+            load_clusters(run, shape, complete=True, feature_names=feats.names)
         if (run / DISTANCES_FILE).is_file():
             HeadDistances.load(run, shape)
         ensure_writable_dir(run / FIGURES_DIR, "figures directory")

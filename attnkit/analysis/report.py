@@ -214,7 +214,8 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
         return saved
 
     if (run_dir / CLUSTERS_FILE).is_file():
-        data = load_clusters(run_dir, (features.n_layers, features.n_heads), complete=True)
+        data = load_clusters(run_dir, (features.n_layers, features.n_heads), complete=True,
+                             feature_names=features.names)
         if data["run"]["n_layers"] != features.n_layers or data["run"]["n_heads"] != features.n_heads:
             raise AttnkitError(f"{run_dir / CLUSTERS_FILE} does not match the run's {features.n_layers} × "
                                f"{features.n_heads} heads: re-run `attnkit cluster {run_dir}`")

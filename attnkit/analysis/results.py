@@ -88,20 +88,26 @@ def clusters_path(run_dir) -> Path:
     return path / CLUSTERS_FILE if path.is_dir() or not path.suffix else path
 
 
-def load_clusters(run_dir, shape: tuple[int, int] | None = None, *, complete: bool = False) -> dict:
+def load_clusters(run_dir, shape: tuple[int, int] | None = None, *, complete: bool = False,
+                  feature_names=None) -> dict:
     """The content of a run's clusters.json (`run_dir` may also be the file itself), validated.
 
     The file must follow `attnkit.schemas.CLUSTERS_SCHEMA` (with `complete`: CLUSTERS_REPORT_SCHEMA,
     every field the report reads) and be consistent: every (layer, head) of the run's
     n_layers × n_heads exactly once, labels and types that name one of the clusters. With `shape`
-    (n_layers, n_heads), the run must have that shape. Problems end in an AttnkitError naming the
-    file and the field.
+    (n_layers, n_heads), the run must have that shape; with `feature_names` (the run's), the clustered
+    features must be among them. Problems end in an AttnkitError naming the file and the field.
     """
     path = clusters_path(run_dir)
     if not path.is_file():
         raise AttnkitError(f"{path} is missing: run `attnkit cluster {path.parent}` first")
     data = load_json(path, CLUSTERS_REPORT_SCHEMA if complete else CLUSTERS_SCHEMA)
     check_clusters(data, path, shape)
+    unknown = [f for f in data["settings"].get("features") or [] if feature_names is not None
+               and f not in feature_names]
+    if unknown:
+        raise AttnkitError(f"{path}: field settings.features: {', '.join(unknown)} not among the run's features: "
+                           f"re-run `attnkit cluster`")
     return data
 
 

@@ -1,0 +1,55 @@
+"""A small CoNLL-U reader (https://universaldependencies.org/format.html): the syntactic words of each
+sentence with HEAD and DEPREL. Multiword-token lines (`3-4`) and empty nodes (`8.1`) are skipped: the
+syntactic words are what dependencies relate. Relations keep their subtypes (`nmod:poss`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..corpus.streams import decoded_lines, decompressed, open_file, split_compression
+from ..errors import AttnkitError
+from .sentences import ROOT, ParsedSentence
+
+
+def _sentence(rows, where: str) -> ParsedSentence:
+    words, heads, rels = [], [], []
+    for lineno, cols in rows:
+        if cols[0] != str(len(words) + 1):
+            raise AttnkitError(f"{where}:{lineno}: word ID {cols[0]!r} out of order (expected {len(words) + 1})")
+        try:
+            head = int(cols[6])
+        except ValueError:
+            raise AttnkitError(f"{where}:{lineno}: HEAD {cols[6]!r} is not a number (unparsed sentence?)") from None
+        words.append(cols[1])
+        heads.append(ROOT if head == 0 else head - 1)
+        rels.append(cols[7])
+    return ParsedSentence(words, heads, rels, where=f"{where}:{rows[0][0]}")
+
+
+def read_conllu(path) -> list[ParsedSentence]:
+    """All sentences of one CoNLL-U file (may be .gz/.zst compressed)."""
+    path = str(path)
+    if not Path(path).is_file():
+        raise AttnkitError(f"CoNLL-U file {path!r} does not exist")
+    sentences, rows = [], []
+    with decompressed(open_file(path), split_compression(path)[0]) as stream:
+        for lineno, line in decoded_lines(stream, path):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                if rows:
+                    sentences.append(_sentence(rows, path))
+                    rows = []
+                continue
+            if line.startswith("#"):
+                continue
+            cols = line.split("\t")
+            if len(cols) != 10:
+                raise AttnkitError(f"{path}:{lineno}: a CoNLL-U word line has 10 tab-separated columns, got "
+                                   f"{len(cols)}")
+            if "-" in cols[0] or "." in cols[0]:
+                continue  # multiword token or empty node
+            rows.append((lineno, cols))
+    if rows:
+        sentences.append(_sentence(rows, path))
+    if not sentences:
+        raise AttnkitError(f"{path}: no sentences found (is it CoNLL-U?)")
+    return sentences

