@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import multiprocessing
 import os
 import queue
@@ -80,8 +81,8 @@ def _init_worker(tokenizer, max_length: int, split_sentences: bool, parent: int)
     _worker_encoder = Encoder(tokenizer, max_length=max_length, split_sentences=split_sentences)
 
 
-def _encode_in_worker(segments: list) -> EncodedArrays:
-    return _worker_encoder.encode_arrays(segments)
+def _encode_in_worker(batches: list) -> list:
+    return [_worker_encoder.encode_arrays(segments) for segments in batches]
 
 
 def _mp_context():
@@ -108,15 +109,18 @@ def _worker_errors(pb: PlannedBatch):
 
 
 class TokenizerPool:
-    """Tokenise planned batches in `workers` processes, in order, with at most `prefetch` batches in flight.
-    `workers=0` tokenises on the calling thread."""
+    """Tokenise planned batches in `workers` processes, in order, with at most `prefetch` tasks of `group`
+    batches in flight. `workers=0` tokenises on the calling thread. A task carries several batches because each
+    round trip to a worker costs the parent process CPU time (pickling, thread wake-ups) that a small batch
+    would pay alone."""
 
-    def __init__(self, encoder: Encoder, workers: int, prefetch: int | None = None):
+    def __init__(self, encoder: Encoder, workers: int, prefetch: int | None = None, group: int = 4):
         if workers < 0:
             raise AttnkitError(f"--workers must be 0 or more, got {workers}")
         self.encoder = encoder
         self.workers = workers
-        self.prefetch = prefetch or max(2, 2 * workers)
+        self.group = max(1, group)
+        self.prefetch = prefetch or max(2, 3 * workers)
         self._executor: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> "TokenizerPool":
@@ -150,23 +154,23 @@ class TokenizerPool:
             for pb in planned:
                 yield pb, self.encoder.encode_arrays(pb.segments)
             return
-        pending: collections.deque = collections.deque()
+        pending: collections.deque = collections.deque()  # (planned batches, future of their arrays)
         it = iter(planned)
         exhausted = False
         while True:
             while not exhausted and len(pending) < self.prefetch:
-                pb = next(it, None)
-                if pb is None:
+                task = list(itertools.islice(it, self.group))
+                if not task:
                     exhausted = True
                     break
-                with _worker_errors(pb):
-                    pending.append((pb, self._executor.submit(_encode_in_worker, pb.segments)))
+                with _worker_errors(task[0]):
+                    pending.append((task, self._executor.submit(_encode_in_worker, [pb.segments for pb in task])))
             if not pending:
                 return
-            pb, fut = pending.popleft()
-            with _worker_errors(pb):
+            task, fut = pending.popleft()
+            with _worker_errors(task[0]):
                 arrays = fut.result()
-            yield pb, arrays
+            yield from zip(task, arrays)
 
 
 # --- model replicas -----------------------------------------------------------------------------------------
@@ -251,16 +255,18 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
                 on_result(BatchResult(pb, feats.numpy(), arrays.n_tokens, arrays.n_truncated, labels[0],
                                       arrays.full_lengths))
             return
-        _run_threaded(models, labels, encoded, forward, pool.prefetch, on_result, on_progress)
+        # every batch the workers may hold can also wait for a device: the workers are never held back by a
+        # full device queue, and a device never waits while tokenised batches sit in a finished task
+        _run_threaded(models, labels, encoded, forward, pool.prefetch * pool.group + 2 * len(models), on_result,
+                      on_progress)
 
 
-def _run_threaded(models, labels, encoded, forward, prefetch, on_result, on_progress) -> None:
+def _run_threaded(models, labels, encoded, forward, max_in_flight, on_result, on_progress) -> None:
     inbox: queue.Queue = queue.Queue()
     outbox: queue.Queue = queue.Queue()
     runners = [DeviceRunner(lab, m, forward, inbox, outbox) for lab, m in zip(labels, models)]
     for r in runners:
         r.start()
-    max_in_flight = prefetch + len(runners)
     order: collections.deque = collections.deque()  # dispatched batch indices, in plan order
     done: dict = {}
     exhausted = False

@@ -7,9 +7,10 @@
     python bench/pipeline.py gpu      [--corpus FILE]                    (GPU) extraction vs plain sdpa forward
 
 overlap: the model is replaced by a stand-in that takes, per batch, the time a device would need at R tokens/s
-  and leaves the CPU idle (it sleeps). T, the one-process tokenisation rate, is measured in the same run and
+  and leaves the CPU idle (it sleeps). T, one worker's tokenisation rate (one process, the Rust tokenizer's
+  own threads off as in a worker), is measured in the same run and
   R = 1.5·T. Tokens/s end to end are reported for --workers 0 (tokenise, then run the device, in turn: at most
-  T·R/(T+R) = 0.6·R) and --workers 1, 2 (tokenisation ahead of the device in worker processes). Medians of
+  T·R/(T+R) = 0.6·T = 0.4·R) and --workers 1, 2 (tokenisation ahead of the device in worker processes). Medians of
   --repeats runs, interleaved.
 padding: padded tokens / real tokens when batches are cut from length-sorted windows of W segments, for several
   W, against one global sort (the old loop), with the embedded MiniLM's tokenizer at --max-length.
@@ -78,6 +79,7 @@ def overlap(args) -> dict:
     from attnkit.tokens import Encoder
     from transformers import AutoTokenizer
 
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # T is one worker's rate: one core, as in a worker process
     tok = AutoTokenizer.from_pretrained(default_model_path())
     segments = corpus_segments(args.corpus, args.segments)
     encoder = Encoder(tok, max_length=args.max_length)
@@ -273,7 +275,7 @@ def main() -> None:
     ap.add_argument("what", choices=["overlap", "padding", "memory", "ray", "gpu"])
     ap.add_argument("files", nargs="*", help="padding: corpus files")
     ap.add_argument("--corpus", default=None, help="a corpus file (default: generated English-like lines)")
-    ap.add_argument("--segments", type=int, default=3000)
+    ap.add_argument("--segments", type=int, default=40000)
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--workers", default="0,1,2", type=lambda s: [int(x) for x in s.split(",")])
