@@ -42,9 +42,11 @@ from ..errors import cli_errors
 @cli_errors
 def probe(corpus, out, model_path, parser, fmt, columns, limit, max_length, batch_size, device, dtype, backend,
           min_count, relation, train_fraction, seed, overwrite, quiet):
-    """Syntax probes (Clark et al. 2019, Sec. 4-5) over CORPUS: for every head and dependency relation, how
-    often the most-attended other word is the gold head (dependent->head) or the dependent (head->dep),
-    against the best fixed-offset baseline; and an attention-only logistic probe's UAS. See docs/probes.md."""
+    """Which heads track syntax: per head and dependency relation, accuracy against the parses of CORPUS.
+
+    Clark et al. 2019, Sec. 4-5: how often the most-attended other word is the gold head (dependent->head)
+    or the dependent (head->dep), against the best fixed-offset baseline; and an attention-only logistic
+    probe's UAS. See docs/probes.md."""
     from .run import ProbeOptions, run_probe
 
     cols = tuple(c.strip() for c in columns.split(",") if c.strip()) if columns else None
