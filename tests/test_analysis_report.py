@@ -181,7 +181,8 @@ def test_example_maps_have_colour_bars():
 
     toks = ["[CLS]", "a", "b", ",", "[SEP]"]
     w = np.full((5, 5), 0.2)
-    ex = [{"type": t, "layer": 0, "head": h, "tokens": toks, "weights": w} for t in ("dense", "vertical") for h in (0, 1)]
+    ex = [{"type": t, "layer": 0, "head": h, "tokens": toks, "weights": w}
+          for t in ("dense", "vertical") for h in (0, 1)]
     fig = figs.attention_examples(ex)
     maps = [ax for ax in fig.axes if ax.images]
     bars = [ax for ax in fig.axes if not ax.images]  # colour bars hold no image
