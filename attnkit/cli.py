@@ -37,7 +37,9 @@ def main():
 def _columns(value):
     if value is None:
         return None
-    cols = tuple(c.strip() for c in value.split(",") if c.strip())
+    cols = tuple(c.strip() for c in value.split(","))
+    if any(not c for c in cols):
+        raise click.BadParameter(f"an empty column name in {value!r}")
     if not 1 <= len(cols) <= 2:
         raise click.BadParameter("give one column, or two separated by a comma (e.g. sentence1,sentence2)")
     return cols

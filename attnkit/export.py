@@ -50,9 +50,10 @@ def _format_of(out: Path | None, fmt: str | None) -> str:
               help="csv or parquet [default: from the -o suffix (.parquet/.pq), else csv].")
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path), default=None,
               help="Output file; '-' writes CSV to stdout [default: RUN/features.csv or RUN/features.parquet].")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
 @click.option("-q", "--quiet", is_flag=True, help="Do not print where the table was written.")
 @cli_errors
-def export_cmd(run, fmt, out, quiet):
+def export_cmd(run, fmt, out, overwrite, quiet):
     """Write the features of RUN as a table: one row per head.
 
     \b
@@ -78,7 +79,10 @@ def export_cmd(run, fmt, out, quiet):
     if to_stdout:
         click.echo(df.to_csv(index=False), nl=False)
         return
+    default_out = out is None
     out = out if out is not None else run / f"features.{fmt}"
+    if out.exists() and not (overwrite or default_out):
+        raise AttnkitError(f"{out} exists: give --overwrite to replace it, or another -o")
     ensure_writable_dir(out.parent, "output directory")
     into_run = (out.parent / FEATURES_FILE).is_file()  # writing into a run directory: lock it
     with run_lock(out.parent, "attnkit export") if into_run else contextlib.nullcontext():

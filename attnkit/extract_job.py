@@ -125,6 +125,9 @@ def _run_extract_job(opts: ExtractOptions, run) -> None:
     if opts.engine == "ray":
         if opts.per_sample:
             raise AttnkitError("--per-sample is written by the local engine only (drop --engine ray)")
+        if opts.workers is not None:
+            raise AttnkitError("--workers sets this machine's tokenisation processes; with --engine ray the "
+                               "cluster tokenises in Ray Data tasks")
         if opts.device or opts.devices:
             raise AttnkitError("--device/--devices choose devices of this machine; with --engine ray every actor "
                                "uses one GPU of the cluster (or CPUs where it has none)")

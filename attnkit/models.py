@@ -47,6 +47,8 @@ def resolve_device(device=None) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise AttnkitError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise AttnkitError(f"device {device!r}: attnkit runs on cpu or cuda (cuda:N)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise AttnkitError(f"device {device!r} requested but CUDA is not available on this machine")
     return dev

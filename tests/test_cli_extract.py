@@ -232,3 +232,41 @@ def test_standard_input(corpus, tmp_path):
     assert result.exit_code == 0, result.output
     meta = json.loads((out / "meta.json").read_text())
     assert meta["n_samples"] == 2 and meta["inputs"][0]["path"] == "-"
+
+
+def test_analysis_refuses_a_corpus_changed_since_the_run(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("One line here.\nTwo lines there.\n")
+    out = tmp_path / "run"
+    assert run("extract", corpus, "-o", out, "-q", "--max-length", 16, "--backend", "reference")[0] == 0
+    corpus.write_text("One line here.\nTwo lines there.\nA third one.\n")
+    code, text = run("distances", out, "-q")
+    assert code == 1 and "changed since" in text and not (out / "distances.npz").exists()
+
+
+def test_run_directories_inside_a_corpus_directory_are_not_read(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "c.txt").write_text("One line here.\nTwo lines there.\n")
+    assert run("extract", data, "-o", data / "run1", "-q", "--max-length", 16, "--backend", "reference")[0] == 0
+    code, text = run("extract", data, "-o", data / "run2", "-q", "--max-length", 16, "--backend", "reference")
+    assert code == 0, text
+    assert HeadFeatures.load(data / "run2").n_samples == 2
+
+
+def test_export_does_not_replace_a_file_it_was_not_told_to(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert run("extract", corpus, "-o", out, "-q", "--limit", 3, "--max-length", 16, "--backend", "reference")[0] == 0
+    precious = tmp_path / "notes.csv"
+    precious.write_text("mine\n")
+    code, text = run("export", out, "-o", precious)
+    assert code == 1 and "--overwrite" in text and precious.read_text() == "mine\n"
+    assert run("export", out, "-o", precious, "--overwrite")[0] == 0 and precious.read_text().startswith("layer,head")
+
+
+def test_devices_and_columns_that_cannot_work_are_refused(corpus, tmp_path):
+    code, text = run("extract", corpus, "--device", "mps", "-o", tmp_path / "x", "-q")
+    assert code == 1 and "attnkit runs on cpu or cuda" in text
+    code, text = run("extract", corpus, "--columns", ",sentence2", "-o", tmp_path / "x", "-q")
+    assert code == 2 and "empty column name" in text
+    assert not (tmp_path / "x").exists()

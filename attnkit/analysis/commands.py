@@ -47,6 +47,7 @@ def _corpus_from_run(run: Path, corpus, fmt, squad_pairs, columns, limit):
 
     text_unit = "auto"
     meta = HeadFeatures.load(run).meta
+    corpus_given = corpus
     if corpus is None:
         reading = (meta.get("settings") or {}).get("reading")
         if isinstance(reading, dict) and reading.get("paths"):
@@ -66,7 +67,23 @@ def _corpus_from_run(run: Path, corpus, fmt, squad_pairs, columns, limit):
         limit = limit or meta.get("n_segments")
     if isinstance(columns, str):
         columns = tuple(c.strip() for c in columns.split(",") if c.strip())
-    return open_corpus(corpus, fmt, text_unit=text_unit, squad_pairs=squad_pairs, columns=columns, limit=limit), meta
+    texts = open_corpus(corpus, fmt, text_unit=text_unit, squad_pairs=squad_pairs, columns=columns, limit=limit)
+    if corpus_given is None:
+        _check_same_inputs(run, meta, texts)
+    return texts, meta
+
+
+def _check_same_inputs(run: Path, meta: dict, texts) -> None:
+    """The run's inputs, read again, must be the bytes it measured (meta.json keeps their SHA-256): numbers
+    from an edited corpus would be saved into the run as if they belonged to it."""
+    recorded = meta.get("inputs")
+    if not isinstance(recorded, list) or len(recorded) != len(texts.sources):
+        return  # runs written before inputs were recorded: nothing to compare with
+    for source, rec in zip(texts.sources, recorded):
+        want = rec.get("sha256") if isinstance(rec, dict) else None
+        if want and source.sha256() != want:
+            raise AttnkitError(f"{source.name} changed since {run} was measured (its SHA-256 differs from "
+                               f"meta.json's): extract again, or pass the corpus with --corpus")
 
 
 _corpus_options = [

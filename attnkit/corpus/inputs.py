@@ -39,14 +39,25 @@ def _sort_key(path: str):
     return Path(path).parts
 
 
+RUN_DIR_MARKERS = ("features.npz", "checkpoint.npz", ".attnkit.lock", "shards")
+
+
+def is_run_dir(path: str) -> bool:
+    """An attnkit run directory (it holds what `attnkit extract` writes)."""
+    return any(os.path.exists(os.path.join(path, m)) for m in RUN_DIR_MARKERS)
+
+
 def _directory_files(root: str) -> list[str]:
     """Corpus files under `root`, recursively, sorted by path; a datasets directory counts as one input.
-    Hidden files and folders (".name") are skipped."""
+    Hidden files and folders (".name") are skipped, and so are attnkit run directories below `root`."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         if dirpath != root and is_datasets_dir(dirpath):
             found.append(os.path.normpath(dirpath))
             dirnames[:] = []
+            continue
+        if dirpath != root and is_run_dir(dirpath):
+            dirnames[:] = []  # attnkit's own output (meta.json, clusters.json, tables) is not corpus text
             continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         found.extend(os.path.normpath(os.path.join(dirpath, f)) for f in filenames
