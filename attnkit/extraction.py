@@ -122,11 +122,16 @@ def run_extraction(
     Returns the accumulator and the number of truncated segments.
     """
     check_num_windows(num_windows)
+    if isinstance(max_length, bool) or not isinstance(max_length, int):
+        raise AttnkitError(f"max_length must be an integer, got {max_length!r}")
     check_max_length(model, max_length)
+    bad = [o for o in observers if not callable(o)]
+    if bad:
+        raise AttnkitError(f"observers must be callables (layer, query, key, lengths, scaling), got {bad[0]!r}")
     models = [model, *replicas]
     check_replicas(models)
     device = next(model.parameters()).device
-    batch_size = batch_size or default_batch_size(device)
+    batch_size = default_batch_size(device) if batch_size is None else batch_size
     check_plan_settings(batch_size, window)
     if observers and len(models) > 1:
         raise AttnkitError("observers (e.g. distance collectors) run on one device only")

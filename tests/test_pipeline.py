@@ -202,3 +202,11 @@ def test_workers_die_with_a_killed_run(tmp_path):
         time.sleep(0.2)
         alive = [p for p in workers if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
     assert not alive, f"tokenisation workers {alive} outlived their run"
+
+
+def test_api_arguments_of_the_wrong_kind_are_refused(minilm):
+    for kw, message in ((dict(max_length=32.5), "max_length must be an integer"),
+                        (dict(observers=[1]), "observers must be callables"),
+                        (dict(batch_size=0), "batch size must be a positive integer")):
+        with pytest.raises(AttnkitError, match=message):
+            attnkit.extract(["a b"], minilm, **kw)
