@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from .errors import AttnkitError
-from .models import instrument, resolve_device
+from .models import resolve_device
 
 
 def parse_devices(spec: str | None) -> list[torch.device]:
@@ -51,7 +51,7 @@ def replicate(model, devices: list[torch.device]) -> list:
         # a deep copy is instrumented already, with a Runtime of its own shared by its own modules
         clone = copy.deepcopy(model).to(dev).eval()
         assert clone._attnkit_runtime is not model._attnkit_runtime
-        out.append(instrument(clone))
+        out.append(clone)
     return out
 
 

@@ -8,7 +8,6 @@ uninterrupted run gives (the same batches, in the same order, summed in float64)
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -23,14 +22,6 @@ CHECKPOINT_FILE = "checkpoint.npz"
 # describe the old features (written by attnkit cluster, distances, report).
 DERIVED_OUTPUTS = ("clusters.json", "distances.npz", "report.html", "figures", "patterns.json",
                    "per_sample.npy", "per_sample.json")
-
-
-def corpus_fingerprint(segments) -> str:
-    h = hashlib.sha256()
-    for s in segments:
-        h.update(json.dumps(s if isinstance(s, str) else list(s), ensure_ascii=False).encode())
-        h.update(b"\n")
-    return h.hexdigest()
 
 
 class RunDir:
