@@ -33,7 +33,7 @@ except ImportError:  # run from a source checkout: python bench/extract.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CONFIGS = ("plain-eager", "plain-sdpa", "naive", "fused", "intervened")
-MODELS = ("minilm", "bert-base", "bert-large", "bert-base-2048")
+MODELS = ("minilm", "bert-base", "bert-large", "bert-base-2048", "bert-base-4096", "tiny")
 
 
 # --- models and inputs -------------------------------------------------------------------------------
@@ -49,6 +49,10 @@ def build_model(name: str, length: int, device, dtype):
         "bert-base": dict(),
         "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
         "bert-base-2048": dict(num_hidden_layers=4, max_position_embeddings=2048),
+        "bert-base-4096": dict(max_position_embeddings=4096),
+        # a seconds-long smoke test of the script itself (tools/gpu_check.sh --dry-run)
+        "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                     max_position_embeddings=512),
     }[name]
     config = BertConfig(**cfg)
     if length > config.max_position_embeddings:
@@ -246,12 +250,21 @@ def main(argv=None) -> int:
     batch = make_batch(model, args.batch, args.length, device)
     runners = {c: make_runner(c, model, batch) for c in cfgs}
     times = {c: [] for c in cfgs}
+    oom = set()
     for rnd in range(args.warmup + args.repeats):
         for c in cfgs:  # interleaved: every round runs every configuration, so load drifts hit all alike
+            if c in oom:
+                continue
             sync(device)
             t = time.perf_counter()
-            runners[c]()
-            sync(device)
+            try:
+                runners[c]()
+                sync(device)
+            except torch.OutOfMemoryError:  # naive extraction at long lengths: recorded, not fatal
+                oom.add(c)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             if rnd >= args.warmup:
                 times[c].append(time.perf_counter() - t)
     n_tokens = int(batch.lengths.sum())
@@ -269,6 +282,10 @@ def main(argv=None) -> int:
                 mem[c] = json.loads(res.stdout.strip().splitlines()[-1])
     rows = {}
     for c in cfgs:
+        if c in oom:
+            rows[c] = {"oom": True, "median_s": float("nan"), "times_s": [], "tokens_per_s": 0.0, "spread": 0.0,
+                       **({"memory": None} if mem else {})}
+            continue
         med = statistics.median(times[c])
         rows[c] = {"median_s": med, "times_s": times[c], "tokens_per_s": n_tokens / med,
                    "spread": (max(times[c]) - min(times[c])) / med, **({"memory": mem.get(c)} if mem else {})}
@@ -278,13 +295,16 @@ def main(argv=None) -> int:
 
     ratios = {
         "fused/plain-eager": ratio("fused", "plain-eager"),
-        "fused/naive": ratio("fused", "naive"),
+        "fused/plain-sdpa": ratio("fused", "plain-sdpa"),
+        "fused/naive": ratio("fused", "naive") if "naive" not in oom else "naive out of memory",
         "intervened/plain-eager": ratio("intervened", "plain-eager"),
     }
-    if mem and mem.get("fused") and mem.get("plain-eager"):
-        ratios["fused/plain-eager peak RSS"] = mem["fused"]["peak_mb"] / mem["plain-eager"]["peak_mb"]
-        ratios["fused/plain-eager forward RSS delta"] = (
-            mem["fused"]["delta_mb"] / max(mem["plain-eager"]["delta_mb"], 1e-9))
+    what = "GPU memory" if device.type == "cuda" else "RSS"
+    for plain in ("plain-eager", "plain-sdpa"):
+        if mem and mem.get("fused") and mem.get(plain):
+            ratios[f"fused/{plain} peak {what}"] = mem["fused"]["peak_mb"] / mem[plain]["peak_mb"]
+            ratios[f"fused/{plain} forward {what} delta"] = (
+                mem["fused"]["delta_mb"] / max(mem[plain]["delta_mb"], 1e-9))
     result = {
         "model": args.model, "length": args.length, "batch": args.batch, "dtype": args.dtype, "device": args.device,
         "threads": args.threads if device.type == "cpu" else None, "repeats": args.repeats, "tokens": n_tokens,
@@ -294,12 +314,17 @@ def main(argv=None) -> int:
           f"({n_tokens} non-padding tokens, median of {args.repeats} after {args.warmup} warm-up)")
     print(f"{'config':<13}{'ms':>10}{'tokens/s':>11}{'spread':>8}{'peak MB':>10}{'fwd Δ MB':>10}")
     for c, r in rows.items():
+        if r.get("oom"):
+            print(f"{c:<13}{'out of memory':>21}")
+            continue
         m = r.get("memory") or {}
         pk = f"{m['peak_mb']:.0f}" if m else "-"
         dl = f"{m['delta_mb']:.0f}" if m else "-"
         print(f"{c:<13}{r['median_s'] * 1e3:>10.1f}{r['tokens_per_s']:>11.0f}{r['spread']:>8.0%}{pk:>10}{dl:>10}")
     for k, v in ratios.items():
-        if v is not None:
+        if isinstance(v, str):
+            print(f"{k:<40}{v}")
+        elif v is not None:
             print(f"{k:<40}{v:.3f}")
     if args.json:
         text = json.dumps(result, indent=2)

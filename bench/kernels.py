@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -88,6 +89,24 @@ def sdpa_backends(device: str, dtype: torch.dtype):
     return {"sdpa-math": (sdpa_kernel, SDPBackend.MATH)}
 
 
+def with_kernel(variant, fn):
+    """fn run with the CUDA kernel variant `variant` (ATTNKIT_CUDA_KERNEL, read by the op at each call)."""
+    if variant is None:
+        return fn
+
+    def run():
+        old = os.environ.get("ATTNKIT_CUDA_KERNEL")
+        os.environ["ATTNKIT_CUDA_KERNEL"] = variant
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop("ATTNKIT_CUDA_KERNEL", None)
+            else:
+                os.environ["ATTNKIT_CUDA_KERNEL"] = old
+    return run
+
+
 def bench_attention(args, device, dtype, rows):
     fused_label = ops.backend_label("auto", device)
     for L in args.L:
@@ -97,11 +116,12 @@ def bench_attention(args, device, dtype, rows):
             q, k, v, lengths, tc, sid = attention_inputs(B, H, L, D, dtype, device)
             flops = 4.0 * B * H * L * L * D
             scaling = D**-0.5
-            cases = {
-                f"{fused_label}+features": lambda: ops.attention(
-                    q, k, v, lengths, tc, sid, scaling=scaling, want_features=True),
-                fused_label: lambda: ops.attention(q, k, v, lengths, tc, sid, scaling=scaling),
-            }
+            cases = {}
+            for variant in args.kernels or [None]:
+                label = fused_label + (f"-{variant}" if variant else "")
+                cases[f"{label}+features"] = with_kernel(variant, lambda: ops.attention(
+                    q, k, v, lengths, tc, sid, scaling=scaling, want_features=True))
+                cases[label] = with_kernel(variant, lambda: ops.attention(q, k, v, lengths, tc, sid, scaling=scaling))
             for name, (ctx, backend) in sdpa_backends(device, dtype).items():
                 def run(ctx=ctx, backend=backend):
                     with ctx(backend):
@@ -196,8 +216,11 @@ def main(argv=None):
     p.add_argument("--no-js", action="store_true")
     p.add_argument("--no-attention", action="store_true")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (smoke test)")
+    p.add_argument("--kernels", default="", help="CUDA kernel variants to time side by side, e.g. 'v1 v2' "
+                   "(ATTNKIT_CUDA_KERNEL); default: the one the op selects")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    args.kernels = args.kernels.split() if args.device == "cuda" else []
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available")

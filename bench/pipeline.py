@@ -59,8 +59,9 @@ def generated_lines(n_bytes: int, seed: int = 0):
 def corpus_segments(path: str | None, n: int) -> list:
     from attnkit.corpus import read_corpus
 
-    if path:
-        return read_corpus(path)[:n]
+    if path:  # real text, repeated to n segments where the file holds fewer
+        real = read_corpus(path)
+        return (real * -(-n // len(real)))[:n]
     return [line.strip() for _, line in zip(range(n), generated_lines(10**9))]
 
 
@@ -229,33 +230,44 @@ def gpu(args) -> dict:
     from attnkit.tokens import Encoder
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    if not torch.cuda.is_available():
+    # --dry-run: the same script on the CPU with a tiny model (tools/gpu_check.sh --dry-run)
+    dev = "cpu" if args.dry_run else "cuda"
+    if dev == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu: no CUDA device")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if dev == "cpu":
+        dtype = torch.float32
     tok = AutoTokenizer.from_pretrained(default_model_path())
     segments = corpus_segments(args.corpus, args.segments)
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=tok.vocab_size)
-    sdpa = BertModel(cfg, attn_implementation="sdpa").to("cuda", dtype).eval()
-    fused = BertModel(cfg).to("cuda", dtype).eval()
+    small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+    cfg = BertConfig(vocab_size=tok.vocab_size, **(small if args.dry_run else {}))
+    sdpa = BertModel(cfg).to(dev, dtype).eval()
+    sdpa.set_attn_implementation("sdpa")
+    fused = BertModel(cfg).to(dev, dtype).eval()
     fused.load_state_dict(sdpa.state_dict())
     attnkit.instrument(fused)
-    enc = Encoder(tok, max_length=128)
-    batches = [enc(pb.segments).to("cuda") for pb in plan_batches(segments, args.batch_size, 4096)]
+    enc = Encoder(tok, max_length=args.max_length)
+    batches = [enc(pb.segments).to(dev) for pb in plan_batches(segments, args.batch_size, 4096)]
     n_tokens = sum(b.n_tokens for b in batches)
 
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
     def plain() -> float:
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         with torch.inference_mode():
             for b in batches:
                 sdpa(**b.inputs)
-        torch.cuda.synchronize()
+        sync()
         return n_tokens / (time.perf_counter() - t0)
 
     def extraction() -> float:
         t0 = time.perf_counter()
-        acc, _ = run_extraction(fused, tok, segments, batch_size=args.batch_size, workers=args.workers[-1])
+        acc, _ = run_extraction(fused, tok, segments, batch_size=args.batch_size, max_length=args.max_length,
+                                workers=args.workers[-1])
         return acc.n_tokens / (time.perf_counter() - t0)
 
     plain(), extraction()  # warm-up
@@ -264,9 +276,10 @@ def gpu(args) -> dict:
         p.append(plain())
         e.append(extraction())
     mp, me = statistics.median(p), statistics.median(e)
-    print(f"{torch.cuda.get_device_name()}: plain sdpa forward {mp:,.0f} tok/s (pre-tokenised, on device); attnkit "
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)"
+    print(f"{name}: plain sdpa forward {mp:,.0f} tok/s (pre-tokenised, on device); attnkit "
           f"extraction end to end {me:,.0f} tok/s = {me / mp:.2f}x")
-    return {"device": torch.cuda.get_device_name(), "plain_sdpa_tok_s": mp, "extraction_tok_s": me, "ratio": me / mp}
+    return {"device": name, "segments": len(segments), "plain_sdpa_tok_s": mp, "extraction_tok_s": me, "ratio": me / mp}
 
 
 def main() -> None:
@@ -284,6 +297,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="50,500", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--json", default=None, help="write the figures to this file")
+    ap.add_argument("--dry-run", action="store_true", help="gpu: run on the CPU with a tiny model (checks the script)")
     args = ap.parse_args()
     if args.what == "memory":
         args.workers = args.workers[-1]
