@@ -6,9 +6,15 @@ Install with `pip install --no-build-isolation -e .` after torch is installed. E
                          CUDA build and nvcc is found (CUDA_HOME)
   TORCH_CUDA_ARCH_LIST   CUDA architectures (default: the visible GPU's)
   MAX_JOBS               parallel compile jobs (ninja)
+  CUTLASS_INCLUDE        CUTLASS/CuTe headers for the CUDA kernels (default: the `nvidia-cutlass` wheel's)
+  ATTNKIT_NVCC_CCBIN     host compiler for nvcc (default: the compiler setuptools uses for the C++ files;
+                         empty: nvcc's own default)
 """
 import glob
 import os
+import shlex
+import shutil
+import sysconfig
 
 from setuptools import setup
 
@@ -28,6 +34,31 @@ def _simd_flags():
     return ["-mavx2", "-mfma", "-mf16c"] if all(f" {x}" in flags for x in ("avx2", "fma", "f16c")) else []
 
 
+def cutlass_include() -> str:
+    """The CUTLASS/CuTe headers: $CUTLASS_INCLUDE, or those of the `nvidia-cutlass` wheel (pip extra `cuda`)."""
+    env = os.environ.get("CUTLASS_INCLUDE")
+    if env:
+        return env
+    try:
+        import cutlass_library
+    except ImportError:
+        raise SystemExit("attnkit's CUDA kernels need the CUTLASS/CuTe headers: pip install nvidia-cutlass==4.2.0.0 "
+                         "(or set CUTLASS_INCLUDE, or ATTNKIT_BUILD_CUDA=0 for a CPU-only build)") from None
+    return os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
+
+
+def _host_compiler_flags():
+    """nvcc compiles the host code of .cu files with the compiler that compiles the .cpp files. Two compilers
+    instantiate the same inline templates (torch's c10::str, behind every TORCH_CHECK message) differently, and
+    the linker keeps one copy for both: on a machine whose Python was built with another g++ than nvcc's
+    default, that crashed the first TORCH_CHECK thrown from a .cu file."""
+    ccbin = os.environ.get("ATTNKIT_NVCC_CCBIN")
+    if ccbin is None:
+        cxx = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or ""
+        ccbin = shutil.which(shlex.split(cxx)[0]) if cxx.strip() else None
+    return ["-ccbin", ccbin] if ccbin else []
+
+
 def _extensions():
     if os.environ.get("ATTNKIT_BUILD_EXT", "1") == "0":
         return [], {}
@@ -35,7 +66,7 @@ def _extensions():
     from torch.utils import cpp_extension
 
     cpu_sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
+    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/instantiations/*.cu"))
     want_cuda = os.environ.get("ATTNKIT_BUILD_CUDA")
     if want_cuda is None:
         build_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
@@ -53,11 +84,11 @@ def _extensions():
             "--expt-relaxed-constexpr",
             "-lineinfo",
             "-DATTNKIT_WITH_CUDA",
-        ]
+        ] + _host_compiler_flags()
         ext = cpp_extension.CUDAExtension(
             "attnkit._C",
             cpu_sources + cuda_sources,
-            include_dirs=include_dirs,
+            include_dirs=include_dirs + [cutlass_include()],
             extra_compile_args=extra,
             extra_link_args=["-fopenmp"],
         )

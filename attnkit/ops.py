@@ -130,10 +130,13 @@ def attention(
     renormalize: bool = False,
     gates: torch.Tensor | None = None,
     want_features: bool = False,
+    key_scale: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with optional interventions and features; see `attnkit.reference` for semantics.
 
+    `key_scale` (B×H×L, ≥ 0): the features describe the weights each scaled by its key's factor and
+    renormalised per row (norm weighting, docs/features.md); the output is unchanged.
     Returns (out B×L×H×D, features B×H×F fp32 — B×H×0 when `want_features` is false).
     """
     dev = q.device
@@ -147,15 +150,17 @@ def attention(
     mode = _as(mode, torch.int32, dev)
     region = _as(region, torch.int32, dev)
     gates = _as(gates, torch.float32, dev) if gates is None or not gates.requires_grad else gates.to(dev)
+    key_scale = _as(key_scale, torch.float32, dev)
     if resolve_backend(backend, dev) == "reference":
         return reference_attention(
             q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
             mode=mode, region=region, renormalize=renormalize, gates=gates, want_features=want_features,
+            key_scale=key_scale,
         )
     try:
         return torch.ops.attnkit.fused_attention(
             q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
-            bool(renormalize), gates, bool(want_features),
+            bool(renormalize), gates, bool(want_features), key_scale,
         )
     except RuntimeError as exc:  # the kernels' argument checks (TORCH_CHECK) name the bad argument
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -174,7 +179,7 @@ if extension_loaded():
 
     @torch.library.register_fake(_OP)
     def _fused_attention_fake(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode,
-                              region, renormalize, gates, want_features):
+                              region, renormalize, gates, want_features, key_scale=None):
         B, H, L, D = q.shape
         out = q.new_empty((B, L, H, D))
         nf = num_features(num_windows) if want_features else 0
@@ -188,7 +193,7 @@ if extension_loaded():
 
     def _setup_context(ctx, inputs, output):
         (q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region, renormalize,
-         gates, want_features) = inputs
+         gates, want_features, _key_scale) = inputs  # the key scale changes features only
         ctx.save_for_backward(q, k, v, lengths, token_class, sentence_id, mode, region, gates)
         ctx.scaling = scaling
         ctx.renormalize = renormalize
@@ -212,7 +217,7 @@ if extension_loaded():
                 if t is not None and needs[i]:
                     leaves[i] = t
             grads = torch.autograd.grad(out, list(leaves.values()), grad_out, allow_unused=True)
-        result = [None] * 13
+        result = [None] * 14
         for i, g in zip(leaves, grads):
             result[i] = g
         return tuple(result)

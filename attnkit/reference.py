@@ -15,10 +15,15 @@ Semantics (docs/features.md, docs/interventions.md):
   * Values at padding positions (q, k, v rows t >= n) never reach valid rows or features, whatever
     they hold (even NaN). A head in mode zero outputs exactly 0 (its features are 0).
 
+  * Norm weighting (docs/features.md, "Norm-weighted features"): with a key scale g (B×H×L, ≥ 0) the
+    features describe w'[s, t] = w[s, t]·g[t] / Σ_u w[s, u]·g[u] instead of the final weights w (a row
+    whose Σ is 0 stays 0); the output is unchanged.
+
 Arguments (checked by every backend, errors name the argument): q, k, v of one shape B×H×L×D with
 D >= 1; lengths B integers in [1, L]; token_class B×L codes OTHER..PERIOD (0..4) at valid positions
 when features are wanted; sentence_id B×L integers, compared as integers (any int32 value); mode H
 codes KEEP/ZERO/UNIFORM (0..2); region H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats;
+key_scale B×H×L floats, finite and >= 0 at valid keys (checked here; the compiled kernels trust it);
 num_windows >= 1; scaling a finite number (inf or NaN is refused).
 
 Numerics policy (NaN propagates, as in torch.softmax and scaled_dot_product_attention): a query row
@@ -191,18 +196,20 @@ def reference_attention(
     renormalize: bool = False,
     gates: torch.Tensor | None = None,
     want_features: bool = False,
+    key_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention + interventions + features, computed in fp32.
 
     q, k, v: B×H×L×D. lengths: B (int). token_class, sentence_id: B×L ints (None: all OTHER / one
-    sentence). mode, region: H ints (codes in `attnkit.features`). gates: H floats.
+    sentence). mode, region: H ints (codes in `attnkit.features`). gates: H floats. key_scale: B×H×L
+    floats (norm weighting of the features; None: plain weights).
     Returns (out B×L×H×D in q's dtype, features B×H×F fp32, or B×H×0 when not wanted).
     """
     B, H, L, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
     if scaling is None and q.dim() == 4 and D >= 1:
         scaling = D**-0.5
     check_arguments(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
-                    mode=mode, region=region, gates=gates, want_features=want_features)
+                    mode=mode, region=region, gates=gates, want_features=want_features, key_scale=key_scale)
     lengths = lengths.to(q.device).long()
     weights = attention_weights(q, k, lengths, scaling, sentence_id, mode, region, renormalize)
     # padded keys of v are dropped, not multiplied by 0 (0 · NaN would leak garbage into valid rows)
@@ -216,10 +223,23 @@ def reference_attention(
     if want_features:
         if token_class is None:
             token_class = torch.full((B, L), OTHER, dtype=torch.int32, device=q.device)
-        feats = row_features(weights.detach(), lengths, token_class, sentence_id, num_windows)
+        fw = weights.detach()
+        if key_scale is not None:
+            fw = norm_weighted(fw, lengths, key_scale)
+        feats = row_features(fw, lengths, token_class, sentence_id, num_windows)
     else:
         feats = q.new_zeros((B, H, 0), dtype=torch.float32)
     return out, feats
+
+
+def norm_weighted(weights: torch.Tensor, lengths: torch.Tensor, key_scale: torch.Tensor) -> torch.Tensor:
+    """w'[s, t] = w[s, t]·g[t] / Σ_u w[s, u]·g[u] for B×H×L×L weights and B×H×L key scales g (padded keys
+    count 0; a row whose Σ is 0 stays 0; a NaN row stays NaN)."""
+    B, H, L, _ = weights.shape
+    g = key_scale.to(weights.device, torch.float32).masked_fill(~_key_mask(lengths, L)[:, None, :], 0.0)
+    scaled = weights * g[:, :, None, :]
+    total = scaled.sum(-1, keepdim=True)
+    return torch.where(total > 0, scaled / total.clamp(min=torch.finfo(torch.float32).tiny), scaled)
 
 
 def _require(ok: torch.Tensor, message) -> None:
@@ -238,7 +258,7 @@ def _first_bad(bad: torch.Tensor) -> str:
 
 
 def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling=None, num_windows=16,
-                    mode=None, region=None, gates=None, want_features=False) -> None:
+                    mode=None, region=None, gates=None, want_features=False, key_scale=None) -> None:
     """The argument contract every backend enforces (module docstring); AttnkitError names the argument."""
     if q.dim() != 4:
         raise AttnkitError(f"q must be 4-D (B, H, L, D), got shape {tuple(q.shape)}")
@@ -281,10 +301,21 @@ def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, *, sca
                                              f"{token_class[bad_cls][0].item()} at {_first_bad(bad_cls)}")
     if gates is not None and tuple(gates.shape) != (H,):
         raise AttnkitError(f"gates must have shape [{H}], got {list(gates.shape)}")
+    if key_scale is not None:
+        if not key_scale.is_floating_point():
+            raise AttnkitError(f"key_scale must be a floating-point tensor, got {key_scale.dtype}")
+        if tuple(key_scale.shape) != (B, H, L):
+            raise AttnkitError(f"key_scale must have shape [{B}, {H}, {L}], got {list(key_scale.shape)}")
+        if want_features:
+            valid = _key_mask(lengths.to(key_scale.device).long(), L)[:, None, :]
+            bad = valid & ~(torch.isfinite(key_scale) & (key_scale >= 0))
+            _require(~bad.any(), lambda: f"key_scale must be finite and >= 0 at valid keys, got "
+                                         f"{key_scale[bad][0].item()} at {_first_bad(bad)}")
 
 
 __all__ = [
     "reference_attention",
+    "norm_weighted",
     "check_arguments",
     "reference_js_distances",
     "attention_weights",

@@ -269,6 +269,8 @@ def main(argv=None) -> int:
                 times[c].append(time.perf_counter() - t)
     n_tokens = int(batch.lengths.sum())
     mem = {}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the subprocesses below need the memory this process cached while timing
     if not args.no_memory:
         for c in cfgs:
             cmd = [sys.executable, os.path.abspath(__file__), "--_memory", c, "--model", args.model, "--length",

@@ -5,20 +5,23 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(attnkit, m) {
-  // Attention + interventions + per-(sample, head) features in one pass (SPEC.md).
+  // Attention + interventions + per-(sample, head) features in one pass (docs/features.md,
+  // docs/interventions.md; the executable definition is attnkit/reference.py).
   //   q, k, v: B×H×L×D (fp32/fp16/bf16, same dtype); lengths: int64[B], 1 <= n <= L;
-  //   token_class, sentence_id: int32[B, L] or None; mode, region: int32[H] or None; gates: fp32[H] or None.
-  // Returns out: B×L×H×D (q's dtype) and features: fp32 B×H×F (F = 5 + num_windows + 7), or B×H×0
-  // when want_features is false.
+  //   token_class, sentence_id: int32[B, L] or None; mode, region: int32[H] or None; gates: fp32[H] or None;
+  //   key_scale: fp32[B, H, L] or None — the features describe the weights scaled per key and
+  //   renormalised per row (norm weighting); the output is unchanged.
+  // Returns out: B×L×H×D (q's dtype) and features: fp32 B×H×F (F = kNumFeatures(num_windows),
+  // csrc/feature_slots.h), or B×H×0 when want_features is false.
   m.def(
       "fused_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
-      "bool renormalize, Tensor? gates, bool want_features) -> (Tensor, Tensor)");
+      "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None) -> (Tensor, Tensor)");
   // Clark et al.'s Jensen-Shannon distances between every pair of M heads of one batch:
   //   attn: fp32 B×M×L×L attention rows (padded keys 0); lengths: int64[B].
   // Returns fp64 M×M: Σ_b Σ_{s<n_b} JS(attn[b,i,s,:], attn[b,j,s,:]), natural logs.
   m.def("js_distances(Tensor attn, Tensor lengths) -> Tensor");
-  // Clark et al.'s word-level attention (csrc/cpu/word_attention.cpp, attnkit/words.py): word_id int32[B, L]
+  // Clark et al.'s word-level attention (docs/probes.md; csrc/cpu/word_attention.cpp): word_id int32[B, L]
   // (-1: no word). Returns fp32 B×H×W×W word-to-word attention, int64 B×H×L and fp32 B×H×L per-row arg-max.
   m.def("word_attention(Tensor q, Tensor k, Tensor lengths, Tensor word_id, int num_words, float scaling) "
         "-> (Tensor, Tensor, Tensor)");

@@ -89,21 +89,22 @@ def pytorch_same_dtype(q, k, v, lengths, sentence_id, mode, region, renormalize,
 
 
 def fused(q, k, v, lengths, token_class, sentence_id, *, num_windows=16, mode=None, region=None,
-          renormalize=False, gates=None, want_features=True, scaling=None):
+          renormalize=False, gates=None, want_features=True, scaling=None, key_scale=None):
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
     return torch.ops.attnkit.fused_attention(q, k, v, lengths, token_class, sentence_id, float(scaling),
-                                             num_windows, mode, region, renormalize, gates, want_features)
+                                             num_windows, mode, region, renormalize, gates, want_features,
+                                             key_scale)
 
 
 def check(q, k, v, lengths, token_class, sentence_id, *, num_windows=16, mode=None, region=None,
-          renormalize=False, gates=None, feature_rtol=None):
+          renormalize=False, gates=None, feature_rtol=None, key_scale=None):
     scaling = q.shape[-1] ** -0.5
     out, feats = fused(q, k, v, lengths, token_class, sentence_id, num_windows=num_windows, mode=mode,
-                       region=region, renormalize=renormalize, gates=gates)
+                       region=region, renormalize=renormalize, gates=gates, key_scale=key_scale)
     ref_out, ref_feats = reference_attention(
         q.float(), k.float(), v.float(), lengths, token_class, sentence_id, scaling=scaling,
         num_windows=num_windows, mode=mode, region=region, renormalize=renormalize, gates=gates,
-        want_features=True)
+        want_features=True, key_scale=key_scale)
     B, H, L, D = q.shape
     assert out.shape == (B, L, H, D) and out.dtype == q.dtype
     assert feats.shape == (B, H, num_features(num_windows)) and feats.dtype == torch.float32
@@ -131,6 +132,28 @@ def test_every_mode_and_region(dtype, renormalize):
     out, feats = check(q, k, v, lengths, tc, sid, mode=mode, region=region, renormalize=renormalize)
     zero_heads = [h for h, (m, _) in enumerate(MODE_REGION) if m == ZERO]
     assert (out[:, :, zero_heads] == 0).all() and (feats[:, zero_heads] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_key_scale_weighs_the_features_only(dtype, renormalize):
+    H = len(MODE_REGION)
+    q, k, v, lengths, tc, sid = make_inputs(3, H, 150, 64, dtype, [150, 70, 1], seed=31)
+    mode = torch.tensor([m for m, _ in MODE_REGION], dtype=torch.int32, device=DEV)
+    region = torch.tensor([r for _, r in MODE_REGION], dtype=torch.int32, device=DEV)
+    g = torch.rand(3, H, 150, generator=torch.Generator().manual_seed(3)).to(DEV) * 4
+    g[0, 0, :20] = 0.0
+    out, feats = check(q, k, v, lengths, tc, sid, mode=mode, region=region, renormalize=renormalize, key_scale=g)
+    plain_out, plain_feats = fused(q, k, v, lengths, tc, sid, mode=mode, region=region, renormalize=renormalize)
+    torch.testing.assert_close(out, plain_out, rtol=0, atol=0)  # the output does not see the key scale
+    assert not torch.allclose(feats, plain_feats)
+
+
+def test_kernel_choice_is_checked(monkeypatch):
+    q, k, v, lengths, tc, sid = make_inputs(1, 2, 16, 32, torch.float16, [16], seed=9)
+    monkeypatch.setenv("ATTNKIT_CUDA_KERNEL", "v9")
+    with pytest.raises(RuntimeError, match="ATTNKIT_CUDA_KERNEL must be 'v1' or 'v2', got 'v9'"):
+        fused(q, k, v, lengths, tc, sid)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -178,17 +201,20 @@ def test_padding_rows_attend_like_eager_and_give_no_features():
     torch.testing.assert_close(feats2, feats)
 
 
-@pytest.mark.parametrize("num_windows", [1, 5, 16, 64])
-def test_num_windows(num_windows):
-    q, k, v, lengths, tc, sid = make_inputs(2, 2, 96, 32, torch.float32, [96, 37], seed=5)
+@pytest.mark.parametrize("num_windows", [1, 5, 16, 64, 65, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_num_windows(num_windows, dtype):
+    # (more than 64 windows: v2 hands the call to v1)
+    q, k, v, lengths, tc, sid = make_inputs(2, 2, 96, 32, dtype, [96, 37], seed=5)
     _, feats = check(q, k, v, lengths, tc, sid, num_windows=num_windows)
     buckets = feats[..., : 5 + num_windows].sum(-1)
     torch.testing.assert_close(buckets, torch.ones_like(buckets), rtol=1e-5, atol=1e-5)
 
 
-def test_without_classes_or_sentences_and_sharp_scores():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_without_classes_or_sentences_and_sharp_scores(dtype):
     # large-magnitude inputs make near-one-hot rows (exp underflow paths, max close to 1)
-    q, k, v, lengths, tc, sid = make_inputs(2, 4, 90, 64, torch.float32, [90, 50], seed=6,
+    q, k, v, lengths, tc, sid = make_inputs(2, 4, 90, 64, dtype, [90, 50], seed=6,
                                             classes=False, sentences=False, scale=3.0)
     region = torch.tensor([ALL, NO_INTRA, NO_INTER, ALL], dtype=torch.int32, device=DEV)
     check(q, k, v, lengths, None, None, region=region, renormalize=True)
@@ -254,7 +280,8 @@ def test_misaligned_contiguous_operands_are_copied():
     # in a subprocess: before the fix the 16-byte loads fault, which kills the CUDA context for good
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", _MISALIGNED_SCRIPT], cwd=root, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": root})
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))})
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

@@ -24,11 +24,17 @@ fi
 
 mapfile -t INCLUDES < <("$PYTHON" -c "from torch.utils.cpp_extension import include_paths; print('\n'.join(include_paths()))")
 PY_INCLUDE="$("$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['include'])")"
+# CUTLASS/CuTe headers (the v2 kernel): $CUTLASS_INCLUDE or the nvidia-cutlass wheel's, as setup.py finds them
+CUTLASS_INC="${CUTLASS_INCLUDE:-$("$PYTHON" -c "import os, cutlass_library as c; print(os.path.join(os.path.dirname(c.__file__), 'source', 'include'))" 2>/dev/null || true)}"
+if [[ -z "$CUTLASS_INC" || ! -d "$CUTLASS_INC/cute" ]]; then
+  echo "check_cuda: CUTLASS/CuTe headers not found: pip install nvidia-cutlass==4.2.0.0 (or set CUTLASS_INCLUDE)" >&2
+  exit 2
+fi
 
 if [[ $# -gt 0 ]]; then
   FILES=("$@")
 else
-  mapfile -t FILES < <(ls "$ROOT"/csrc/cuda/*.cu)
+  mapfile -t FILES < <(ls "$ROOT"/csrc/cuda/*.cu "$ROOT"/csrc/cuda/instantiations/*.cu)
 fi
 
 GENCODE=()
@@ -42,7 +48,7 @@ FLAGS=(-std=c++20 -O3 --use_fast_math --expt-relaxed-constexpr -lineinfo
   -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
   -D__CUDA_NO_HALF2_OPERATORS__
   -Xcompiler -fPIC -Xptxas -warn-spills
-  "-I$ROOT/csrc" "-I$PY_INCLUDE")
+  "-I$ROOT/csrc" "-I$PY_INCLUDE" "-I$CUTLASS_INC")
 for inc in "${INCLUDES[@]}"; do FLAGS+=("-isystem" "$inc"); done
 
 TMP_OUT="${OUT_DIR:-$(mktemp -d)}"

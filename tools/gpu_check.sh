@@ -15,6 +15,7 @@
 #                         it exists, else the generated corpus)
 #   KERNELS               the CUDA kernel variants to test and time (default: "v1 v2"; a variant the build
 #                         does not have is skipped, see ATTNKIT_CUDA_KERNEL in docs/pipeline.md)
+#   BENCH_KERNEL          the kernel of the end-to-end benchmarks (default v2 where it exists)
 #   BUILD                 0: use the extension already built in place (default 1: build it)
 set -uo pipefail
 
@@ -36,6 +37,8 @@ PYTHON="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 STEPS="${STEPS:-env build backend tests sanitize kernels extract512 extract4096 pipeline}"
 KERNELS="${KERNELS:-v1 v2}"
+# the kernel the end-to-end benchmarks run (kernels.py times every variant side by side)
+BENCH_KERNEL="${BENCH_KERNEL:-$(ls csrc/cuda/instantiations/fused_attention_v2_*.cu >/dev/null 2>&1 && echo v2 || echo v1)}"
 CORPUS="${ATTNKIT_BENCH_CORPUS:-}"
 if [[ -z "$CORPUS" && -f "$ROOT/../shared/data/stsb/dev.tsv" ]]; then CORPUS="$ROOT/../shared/data/stsb/dev.tsv"; fi
 : >"$OUTDIR/steps.tsv"
@@ -57,7 +60,7 @@ step() {
 variants() {
   local out=""
   for k in $KERNELS; do
-    if [[ $k == v1 ]] || ls csrc/cuda/fused_attention_v2_*.cu >/dev/null 2>&1; then out="$out $k"; fi
+    if [[ $k == v1 ]] || ls csrc/cuda/instantiations/fused_attention_v2_*.cu >/dev/null 2>&1; then out="$out $k"; fi
   done
   echo $out
 }
@@ -87,14 +90,17 @@ torch.cuda.get_device_name(), torch.cuda.get_device_capability())\"; nvcc --vers
   step backend "$PYTHON" -c "import attnkit; b = attnkit.backend_info(); print(b); assert b == 'fused-cuda', b"
   for k in $(variants); do
     # every CUDA test (the sanitizer test runs as its own step below)
-    step "tests.$k" env ATTNKIT_CUDA_KERNEL="$k" timeout 300 "$PYTHON" -m pytest -q --no-header \
-      -p no:cacheprovider tests/test_fused_cuda.py tests/test_words.py -k "cuda and not sanitizer" \
-      --junitxml="$OUTDIR/tests_$k.xml"
+    # pytest-xdist when present: faster, and a test that crashes its process is reported, not fatal
+    XDIST=(); "$PYTHON" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+    step "tests.$k" env ATTNKIT_CUDA_KERNEL="$k" timeout 300 "$PYTHON" -m pytest -q --no-header "${XDIST[@]}" \
+      -p no:cacheprovider tests/test_fused_cuda.py tests/test_words.py tests/test_emulate_v2.py \
+      -k "(cuda or emulate) and not sanitizer" --junitxml="$OUTDIR/tests_$k.xml"
     step "sanitize.$k" env ATTNKIT_CUDA_KERNEL="$k" TOOLS="memcheck racecheck synccheck initcheck" \
       timeout 240 bash tools/sanitize_cuda.sh
   done
   step kernels timeout 150 "$PYTHON" bench/kernels.py --device cuda --dtype bf16 --L 128 512 2048 --D 32 64 \
     --kernels "$(variants)" --json "$OUTDIR/kernels.json"
+  export ATTNKIT_CUDA_KERNEL="$BENCH_KERNEL"
   step extract512 timeout 150 "$PYTHON" bench/extract.py --model bert-base --length 512 --batch 32 --dtype bfloat16 \
     --device cuda --repeats 5 --warmup 2 --configs plain-sdpa,plain-eager,naive,fused,intervened \
     --json "$OUTDIR/extract512.json"

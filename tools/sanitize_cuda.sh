@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs attnkit's CUDA kernels on small cases under compute-sanitizer (memcheck, racecheck, synccheck,
-# initcheck); fails on any reported error. Needs a GPU and attnkit._C built with CUDA
+# initcheck); fails on any reported error. ATTNKIT_CUDA_KERNEL (v1/v2) picks the kernel under test. Needs a GPU and attnkit._C built with CUDA
 # (python setup.py build_ext --inplace). Called by tests/test_fused_cuda.py when compute-sanitizer exists.
 #
 #   tools/sanitize_cuda.sh              # all four tools
@@ -29,13 +29,15 @@ sid = (torch.arange(L, device="cuda") > 30).int().expand(B, L).contiguous()
 mode = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
 region = torch.tensor([1, 0, 2], dtype=torch.int32, device="cuda")
 gates = torch.tensor([1.0, 0.5, 2.0], device="cuda")
+key_scale = torch.rand(B, H, L, device="cuda")
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     for D in (32, 64, 128):
         q, k, v = (torch.randn(B, L, H, D, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(3))
         for want in (True, False):
             for renorm in (False, True):
-                torch.ops.attnkit.fused_attention(q, k, v, lengths, tc, sid, D ** -0.5, 16, mode, region,
-                                                  renorm, gates, want)
+                for ks in ((None, key_scale) if want else (None,)):
+                    torch.ops.attnkit.fused_attention(q, k, v, lengths, tc, sid, D ** -0.5, 16, mode, region,
+                                                      renorm, gates, want, ks)
 attn = torch.softmax(torch.randn(2, 40, 70, 70, device="cuda"), -1)
 torch.ops.attnkit.js_distances(attn, lengths)
 torch.cuda.synchronize()

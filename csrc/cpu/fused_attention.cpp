@@ -11,6 +11,8 @@
 // beyond the per-thread tile.
 #include "vec_util.h"
 
+#include "../feature_slots.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -31,9 +33,9 @@ void sgemm_(const char* transa, const char* transb, const int* m, const int* n, 
 namespace attnkit::cpu {
 namespace {
 
-constexpr int kOther = 0, kCls = 1, kPeriod = 4;
-constexpr int kKeep = 0, kZero = 1, kUniform = 2;
-constexpr int kAll = 0, kNoIntra = 1, kNoInter = 2;
+constexpr int kOther = kClassOther, kCls = kClassCls, kPeriod = kClassPeriod;
+constexpr int kZero = kModeZero, kUniform = kModeUniform;
+constexpr int kAll = kRegionAll, kNoIntra = kRegionNoIntra, kNoInter = kRegionNoInter;
 
 // Column-major C(m×n) = alpha · op(A) · op(B), BLAS conventions.
 void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
@@ -93,7 +95,8 @@ RowStats row_pass(float* x, int64_t n, bool uniform, const float* sidf, float si
       if constexpr (REGION == kNoInter) e = e * same;
       if constexpr (REGION != kAll) Zkv = Zkv + e;
       if constexpr (FEAT) {
-        S2v = at::vec::fmadd(e, y, S2v);
+        // Σ e·y over the row; a −inf score (weight 0) must add 0, not 0·(−inf) = NaN
+        S2v = at::vec::fmadd(e, at::vec::maximum(y, Vec(-1e30f)), S2v);
         Iv = at::vec::fmadd(e, same, Iv);
         Mxv = at::vec::maximum(Mxv, e);
       }
@@ -119,7 +122,7 @@ RowStats row_pass(float* x, int64_t n, bool uniform, const float* sidf, float si
       if constexpr (REGION == kNoInter) e *= same;
       if constexpr (REGION != kAll) r.Zk += e;
       if constexpr (FEAT) {
-        r.S2 += e * y;
+        r.S2 += e * std::max(y, -1e30f);
         r.I += e * same;
         r.Mx = std::max(r.Mx, e);
       }
@@ -163,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
     const c10::optional<at::Tensor>& token_class_in, const c10::optional<at::Tensor>& sentence_id_in,
     double scaling, int64_t num_windows, const c10::optional<at::Tensor>& mode_in,
     const c10::optional<at::Tensor>& region_in, bool renormalize, const c10::optional<at::Tensor>& gates_in,
-    bool want_features) {
+    bool want_features, const c10::optional<at::Tensor>& key_scale_in) {
   TORCH_CHECK(q_in.dim() == 4, "fused_attention: q must be 4-D (B, H, L, D), got shape ", q_in.sizes());
   TORCH_CHECK(k_in.sizes() == q_in.sizes() && v_in.sizes() == q_in.sizes(),
               "fused_attention: k and v must have q's shape ", q_in.sizes(), ", got k ", k_in.sizes(), " and v ",
@@ -188,13 +191,14 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
   check_opt(mode_in, "mode", at::kInt, {H}, "[H]");
   check_opt(region_in, "region", at::kInt, {H}, "[H]");
   check_opt(gates_in, "gates", at::kFloat, {H}, "[H]");
+  check_opt(key_scale_in, "key_scale", at::kFloat, {B, H, L}, "[B, H, L]");
 
   const auto lengths = lengths_in.contiguous();
   const int64_t* len = lengths.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(len[b] >= 1 && len[b] <= L, "fused_attention: lengths must lie in [1, L] = [1, ", L,
                 "], got lengths[", b, "] = ", len[b]);
-  std::vector<int32_t> mode(H, kKeep), region(H, kAll);
+  std::vector<int32_t> mode(H, kModeKeep), region(H, kAll);
   std::vector<float> gate(H, 1.f);
   if (mode_in) {
     auto t = mode_in->contiguous();
@@ -216,7 +220,11 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
     for (int64_t h = 0; h < H; ++h) gate[h] = t.data_ptr<float>()[h];
   }
   const int64_t N = num_windows;
-  const int64_t F = 5 + N + 7;
+  const int64_t F = kNumFeatures(int(N));
+  const int64_t R = kNumBucketSlots(int(N));  // first per-row feature slot
+  at::Tensor key_scale;
+  if (want_features && key_scale_in) key_scale = key_scale_in->contiguous();
+  const float* gp = key_scale.defined() ? key_scale.data_ptr<float>() : nullptr;
   at::Tensor tc, sid;
   if (token_class_in) tc = token_class_in->contiguous();
   if (sentence_id_in) sid = sentence_id_in->contiguous();
@@ -281,6 +289,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
     std::vector<float> S(static_cast<size_t>(TQ * L));
     std::vector<float> row_c(TQ);
     std::vector<float> diag(want_features ? 2 * L : 0, 0.f);
+    std::vector<float> scaled_row(gp != nullptr ? L : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t tile = task % n_tiles, bh = task / n_tiles, h = bh % H, b = bh / H;
       const int64_t r0 = tile * TQ, tq = std::min(TQ, L - r0);
@@ -325,38 +334,62 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
           task_undefined = true;
           continue;
         }
-        // --- features of row s (weights w = c · e) ---
-        // Distance windows: accumulate the scaled row into diag[t − s + n − 1]; the windows are sums
+        // --- features of row s: weights w = fc · fe[t] ---
+        // fe are the numerators e (dropped keys 0) with their normaliser c; with a key scale g (norm
+        // weighting) they are e·g with c = 1 / Σ e·g, and the row's sums are recomputed for them.
+        const float* fe = e;
+        float fc = c, fZk = st.Zk, fS2 = st.S2, fI = st.I, fMx = st.Mx;
+        if (gp != nullptr) {
+          const float* g = gp + (b * H + h) * L;
+          double zg = 0.0, s2 = 0.0, in = 0.0;
+          float mx = 0.f;
+          for (int64_t t = 0; t < n; ++t) {
+            const float x = e[t] * g[t];
+            scaled_row[t] = x;
+            zg += x;
+            if (x > 0.f) s2 += static_cast<double>(x) * std::log(x);  // Σ x·ln x: the entropy term
+            if (sidf != nullptr && sidf[t] == sidf[s]) in += x;
+            mx = std::max(mx, x);
+          }
+          fe = scaled_row.data();
+          fZk = static_cast<float>(zg);
+          fc = zg > 0.0 ? static_cast<float>(1.0 / zg) : 0.f;
+          fS2 = static_cast<float>(s2);
+          fI = sidf != nullptr ? static_cast<float>(in) : fZk;
+          fMx = mx;
+        }
+        // Distance windows: accumulate the weighted row into diag[t − s + n − 1]; the windows are sums
         // of diag over |offset| ranges, folded once per tile. Special keys move from their window to
         // their class bucket below.
-        axpy(c, e, diag.data() + (n - 1 - s), n);
+        axpy(fc, fe, diag.data() + (n - 1 - s), n);
         double* a = acc;
         bool self_special = false;
         for (const auto& [t, cl] : si.special) {
-          const double wt = static_cast<double>(c) * e[t];
-          a[cl - 1] += wt;
+          const double wt = static_cast<double>(fc) * fe[t];
+          a[class_slot(cl)] += wt;
           if (t != s) {
             const int64_t d = t > s ? t - s : s - t;
-            a[5 + (d * N) / n] -= wt;
+            a[kSlotFirstWindow + (d * N) / n] -= wt;
           } else {
             self_special = true;
           }
         }
-        if (!self_special) a[4] += static_cast<double>(c) * e[s];
-        const float T = c * st.Zk;
-        const float H_ent = c > 0.f ? std::max(0.f, -c * st.S2 - c * std::log(c) * st.Zk) : 0.f;
-        const float intra = c * st.I;
-        a[5 + N + 0] += s > 0 ? c * e[s - 1] : 0.f;
-        a[5 + N + 1] += s + 1 < n ? c * e[s + 1] : 0.f;
-        a[5 + N + 2] += H_ent;
-        a[5 + N + 3] += c * st.Mx;
-        a[5 + N + 4] += intra;
-        a[5 + N + 5] += std::max(0.f, T - intra);
+        if (!self_special) a[kSlotSelf] += static_cast<double>(fc) * fe[s];
+        const float T = fc * fZk;
+        const float H_ent = fc > 0.f ? std::max(0.f, -fc * fS2 - fc * std::log(fc) * fZk) : 0.f;
+        const float intra = fc * fI;
+        a[R + kRowPrev] += s > 0 ? fc * fe[s - 1] : 0.f;
+        a[R + kRowNext] += s + 1 < n ? fc * fe[s + 1] : 0.f;
+        a[R + kRowEntropy] += H_ent;
+        a[R + kRowMax] += fc * fMx;
+        a[R + kRowIntra] += intra;
+        a[R + kRowInter] += std::max(0.f, T - intra);
         if (tc.defined() && tc.data_ptr<int32_t>()[b * L + s] == kCls) a[F] += H_ent;
       }
       if (want_features && r0 < n) {  // fold the diagonal sums into the distance windows
         double* a = acc;
-        for (int64_t d = 1; d < n; ++d) a[5 + (d * N) / n] += static_cast<double>(diag[n - 1 + d]) + diag[n - 1 - d];
+        for (int64_t d = 1; d < n; ++d)
+          a[kSlotFirstWindow + (d * N) / n] += static_cast<double>(diag[n - 1 + d]) + diag[n - 1 - d];
         std::fill(diag.begin(), diag.begin() + (2 * n - 1), 0.f);
       }
       if (task_undefined) std::fill(acc, acc + FA, std::numeric_limits<double>::quiet_NaN());

@@ -28,11 +28,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <type_traits>
 #include <optional>
 #include <tuple>
 
 #include "fused_attention_params.h"
 #include "fused_attention_traits.h"
+#include "fused_attention_v2_traits.h"
 
 namespace attnkit {
 namespace cuda {
@@ -181,11 +184,27 @@ void check_host_lengths(const at::Tensor& lengths, int64_t L) {
                 p[b]);
 }
 
+int compute_capability_major(int device) {
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major;
+}
+
+// The kernel that runs a call: ATTNKIT_CUDA_KERNEL=v1|v2 (read at every call, so benchmarks can switch),
+// default v1. v2 covers fp16/bf16 with at most kMaxWindowsV2 windows; other calls run on v1.
+enum class KernelChoice { kV1, kV2 };
+
+KernelChoice requested_kernel() {
+  const char* env = std::getenv("ATTNKIT_CUDA_KERNEL");
+  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "v1") == 0) return KernelChoice::kV1;
+  if (std::strcmp(env, "v2") == 0) return KernelChoice::kV2;
+  TORCH_CHECK(false, kOp, "ATTNKIT_CUDA_KERNEL must be 'v1' or 'v2', got '", env, "'");
+}
+
 // Shared memory of one launch above the default 48 KB needs the device's opt-in limit; refuse clearly
 // when the GPU has less. ATTNKIT_CUDA_SMEM_LIMIT (bytes) lowers the limit, to test this on large GPUs.
-template <typename T, int kHeadDim>
-void check_shared_memory(int device, int num_features, const char* dtype_name) {
-  const int need = FusedTraits<T, kHeadDim>::smem_bytes(num_features);
+void check_shared_memory(int need, int device, int head_dim, bool features, const char* dtype_name,
+                         const char* kernel) {
   if (need <= 48 * 1024) return;
   int optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
@@ -193,33 +212,40 @@ void check_shared_memory(int device, int num_features, const char* dtype_name) {
   if (need <= optin) return;
   cudaDeviceProp prop{};
   C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  TORCH_CHECK(false, kOp, "the ", dtype_name, " kernel for head dim ", kHeadDim,
-              num_features > 0 ? " with features" : "", " needs ", need, " bytes of shared memory per block, but ",
+  TORCH_CHECK(false, kOp, "the ", dtype_name, " kernel ", kernel, " for head dim ", head_dim,
+              features ? " with features" : "", " needs ", need, " bytes of shared memory per block, but ",
               prop.name, " (cuda:", device, ") allows at most ", optin,
-              " (opt-in limit); use float16 or bfloat16, or a smaller head dim");
+              " (opt-in limit); use float16 or bfloat16, fewer windows, or a smaller head dim");
 }
 
-int compute_capability_major(int device) {
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return major;
+template <typename T, int kHeadDim>
+void launch(const FusedParams& params, cudaStream_t stream, int device, const char* dtype_name, bool use_v2) {
+  const bool features = params.features != nullptr;
+  if constexpr (!std::is_same_v<T, float>) {
+    if (use_v2) {
+      check_shared_memory(v2::Traits<T, kHeadDim>::smem_bytes(features, params.num_windows), device, kHeadDim,
+                          features, dtype_name, "v2");
+      run_fused_attention_v2<T, kHeadDim>(params, stream);
+      return;
+    }
+  }
+  check_shared_memory(FusedTraits<T, kHeadDim>::smem_bytes(features ? params.num_features : 0), device, kHeadDim,
+                      features, dtype_name, "v1");
+  run_fused_attention_v1<T, kHeadDim>(params, stream);
 }
 
 template <typename T>
 void dispatch_head_dim(int head_dim, const FusedParams& params, cudaStream_t stream, int device,
-                       const char* dtype_name) {
+                       const char* dtype_name, bool use_v2) {
   switch (head_dim) {
     case 32:
-      check_shared_memory<T, 32>(device, params.num_features, dtype_name);
-      run_fused_attention<T, 32>(params, stream);
+      launch<T, 32>(params, stream, device, dtype_name, use_v2);
       break;
     case 64:
-      check_shared_memory<T, 64>(device, params.num_features, dtype_name);
-      run_fused_attention<T, 64>(params, stream);
+      launch<T, 64>(params, stream, device, dtype_name, use_v2);
       break;
     case 128:
-      check_shared_memory<T, 128>(device, params.num_features, dtype_name);
-      run_fused_attention<T, 128>(params, stream);
+      launch<T, 128>(params, stream, device, dtype_name, use_v2);
       break;
     default:
       TORCH_CHECK(false, kOp, "head dim ", head_dim, " is not supported (32, 64 or 128)");
@@ -230,7 +256,8 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
     const std::optional<at::Tensor>& token_class, const std::optional<at::Tensor>& sentence_id, double scaling,
     int64_t num_windows, const std::optional<at::Tensor>& mode, const std::optional<at::Tensor>& region,
-    bool renormalize, const std::optional<at::Tensor>& gates, bool want_features) {
+    bool renormalize, const std::optional<at::Tensor>& gates, bool want_features,
+    const std::optional<at::Tensor>& key_scale) {
   TORCH_CHECK(q.is_cuda(), kOp, "q must be a CUDA tensor, got ", q.device());
   TORCH_CHECK(q.dim() == 4, kOp, "q must be B×H×L×D, got shape ", q.sizes());
   TORCH_CHECK(k.sizes() == q.sizes(), kOp, "k must have q's shape ", q.sizes(), ", got ", k.sizes());
@@ -263,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
     TORCH_CHECK(compute_capability_major(device.index()) >= 8, kOp,
                 "float16/bfloat16 need a GPU of compute capability 8.0 or newer (tensor-core path)");
   }
-  const int64_t F = 5 + num_windows + 7;
+  const int64_t F = kNumFeatures(int(num_windows));
   at::Tensor out = at::empty({B, L, H, D}, q.options());
   at::Tensor features = want_features ? at::zeros({B, H, F}, q.options().dtype(at::kFloat))
                                       : at::empty({B, H, 0}, q.options().dtype(at::kFloat));
@@ -289,6 +316,9 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
   const auto md = side_input(mode, "mode", at::kInt, {H}, device);
   const auto rg = side_input(region, "region", at::kInt, {H}, device);
   const auto gt = side_input(gates, "gates", at::kFloat, {H}, device);
+  // the key scale only changes features: without them it is not read
+  const auto ks = want_features ? side_input(key_scale, "key_scale", at::kFloat, {B, H, L}, device)
+                                : std::optional<at::Tensor>();
   if (!capturing) {
     check_device_arguments(len, !host_lengths, want_features ? tc : std::optional<at::Tensor>(), md, rg, B, H, L,
                            stream);
@@ -308,6 +338,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
   p.mode = ptr_or_null<int32_t>(md);
   p.region = ptr_or_null<int32_t>(rg);
   p.gates = ptr_or_null<float>(gt);
+  p.key_scale = ptr_or_null<float>(ks);
   p.features = want_features ? features.data_ptr<float>() : nullptr;
   p.B = int(B), p.H = int(H), p.L = int(L);
   p.num_windows = int(num_windows);
@@ -315,15 +346,17 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
   p.scaling = float(scaling);
   p.renormalize = renormalize;
 
+  const bool use_v2 = requested_kernel() == KernelChoice::kV2 && dtype != at::kFloat &&
+                      (!want_features || num_windows <= kMaxWindowsV2);
   switch (dtype) {
     case at::kFloat:
-      dispatch_head_dim<float>(int(D), p, stream, device.index(), "float32");
+      dispatch_head_dim<float>(int(D), p, stream, device.index(), "float32", false);
       break;
     case at::kHalf:
-      dispatch_head_dim<__half>(int(D), p, stream, device.index(), "float16");
+      dispatch_head_dim<__half>(int(D), p, stream, device.index(), "float16", use_v2);
       break;
     default:
-      dispatch_head_dim<__nv_bfloat16>(int(D), p, stream, device.index(), "bfloat16");
+      dispatch_head_dim<__nv_bfloat16>(int(D), p, stream, device.index(), "bfloat16", use_v2);
       break;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

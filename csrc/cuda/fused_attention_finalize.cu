@@ -1,4 +1,4 @@
-// Turns the per-(sample, head) feature sums of fused_attention_kernel into means (SPEC.md "Features"):
+// Turns the per-(sample, head) feature sums of both fused kernels into means (docs/features.md, "Features"):
 // every feature is divided by the number n of valid rows, except cls_entropy (the last feature), which
 // is divided by the number of valid rows whose token class is CLS (at least 1, as in the reference).
 #include <cuda_runtime.h>

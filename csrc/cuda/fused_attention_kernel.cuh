@@ -1,11 +1,14 @@
-// The fused attention + interventions + features kernel (SPEC.md; semantics exactly attnkit/reference.py).
+// The fused attention + interventions + features kernel "v1" (docs/features.md, docs/interventions.md;
+// semantics exactly attnkit/reference.py). Two passes over the keys; the single-pass tensor-core kernel
+// is fused_attention_v2_kernel.cuh.
 //
 // One thread block owns kBlockM = 64 query rows of one (sample b, head h): grid (ceil(L/64), H, B).
 // Only the key tiles that cover the n = lengths[b] valid keys are visited.
 //
 //   pass 1  for each key tile: S = Q Kᵀ · scaling (tensor cores for fp16/bf16) into shared memory;
 //           each row keeps an online max m, sum l = Σ exp(s − m) and, when renormalising after a
-//           region intervention, the kept sum l_kept (or, for mode uniform, the kept key count).
+//           region intervention, the kept sum l_kept (or, for mode uniform, the kept key count);
+//           with a key scale g (norm weighting) also the weighted kept sum Σ exp(s − m)·keep·g.
 //   pass 2  for each key tile: recompute S, form the final weights
 //               keep:    w = keep(t) · exp(s − m) / Z,   Z = l (or l_kept when renormalising)
 //               uniform: w = keep(t) / c,                c = n (or the kept count when renormalising)
@@ -33,25 +36,12 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "fused_attention_common.cuh"
 #include "fused_attention_params.h"
 #include "fused_attention_traits.h"
 
 namespace attnkit {
 namespace cuda {
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-// Keep key t of row s under the region intervention? (sentence ids are 0 everywhere when absent).
-__device__ __forceinline__ bool region_keeps(int region, bool same_sentence) {
-  return region == kRegionAll || (region == kRegionNoIntra ? !same_sentence : same_sentence);
-}
 
 // Window of distance d >= 1 among N windows over n tokens: min(floor(d·N / n), N − 1), exact integer
 // result from a float estimate corrected by one step (d·N < 2^31 by the host's limits).
@@ -106,6 +96,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   T* Ps = reinterpret_cast<T*>(smem + (Traits::kUseMma ? Traits::kOffP : Traits::kOffS));
   int* key_sid = reinterpret_cast<int*>(smem + Traits::kOffMeta);
   int* key_cls = key_sid + BN;
+  float* key_g = reinterpret_cast<float*>(key_cls + BN);  // key scales (norm weighting), 1 without
   float* feat_s = reinterpret_cast<float*>(smem + Traits::kOffFeat);
 
   const int tid = threadIdx.x;
@@ -119,46 +110,21 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   const int row0 = blockIdx.x * BM;
   const int L = p.L;
   const int H = p.H;
-  const int64_t n_raw = p.lengths[b];
-  const int n = int(n_raw < 1 ? 1 : (n_raw > L ? L : n_raw));  // never read out of range
-
-  const int mode = p.mode != nullptr ? p.mode[h] : kModeKeep;
-  const int region = p.region != nullptr ? p.region[h] : kRegionAll;
-  const float gate = p.gates != nullptr ? p.gates[h] : 1.f;
+  const HeadSetup hs = head_setup(p, b, h);
+  const int n = hs.n, mode = hs.mode, region = hs.region;
+  const float gate = hs.gate;
   T* out = reinterpret_cast<T*>(p.out);
   // out is contiguous B×L×H×D
   const int64_t out_row_stride = int64_t(H) * D;
   T* out_base = out + (int64_t(b) * L * H + h) * D;
-
-  // The host checks these codes; where it cannot (inputs on the device while a CUDA graph is captured)
-  // a bad length or code gives NaN output and NaN features for its (sample, head), never a plausible
-  // number.
-  if (n_raw < 1 || n_raw > L || mode < kModeKeep || mode > kModeUniform || region < kRegionAll ||
-      region > kRegionNoInter) {
-    for (int idx = tid; idx < BM * D; idx += NT) {
-      const int s = row0 + idx / D;
-      if (s < L) out_base[int64_t(s) * out_row_stride + idx % D] = from_float<T>(NAN);
-    }
-    if constexpr (kFeatures) {
-      float* gfeat = p.features + (int64_t(b) * H + h) * p.num_features;
-      for (int i = tid; i < p.num_features; i += NT) atomicAdd(&gfeat[i], NAN);
-    }
-    return;
-  }
-
-  if (mode == kModeZero) {  // the head outputs 0; its weights, hence its features, are all 0
-    for (int idx = tid; idx < BM * D; idx += NT) {
-      const int s = row0 + idx / D;
-      if (s < L) out_base[int64_t(s) * out_row_stride + idx % D] = from_float<T>(0.f);
-    }
-    return;
-  }
+  if (early_exit<T>(p, hs, b, h, D, row0, BM, tid, NT)) return;
 
   const T* qb = reinterpret_cast<const T*>(p.q) + int64_t(b) * p.q_stride_b + int64_t(h) * p.q_stride_h;
   const T* kb = reinterpret_cast<const T*>(p.k) + int64_t(b) * p.k_stride_b + int64_t(h) * p.k_stride_h;
   const T* vb = reinterpret_cast<const T*>(p.v) + int64_t(b) * p.v_stride_b + int64_t(h) * p.v_stride_h;
   const int32_t* sid_b = p.sentence_id != nullptr ? p.sentence_id + int64_t(b) * L : nullptr;
   const int32_t* cls_b = p.token_class != nullptr ? p.token_class + int64_t(b) * L : nullptr;
+  const float* g_bh = p.key_scale != nullptr ? p.key_scale + (int64_t(b) * H + h) * L : nullptr;
 
   const int s = row0 + r;  // this thread's query row
   const int row_sid = (sid_b != nullptr && s < L) ? sid_b[s] : 0;
@@ -174,6 +140,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
 
   const bool use_scores = mode == kModeKeep;
   const bool need_kept = p.renormalize && region != kRegionAll;
+  const bool scaled = kFeatures && g_bh != nullptr;  // features weigh key t by g_t: w' = w·g / Σ w·g
   const int n_tiles = (n + BN - 1) / BN;
 
   // Scores of this warp's 16 rows against the current key tile, scaled, into Ss (row-major, LDS).
@@ -219,14 +186,15 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
       const int t = key0 + j;
       key_sid[j] = (sid_b != nullptr && t < L) ? sid_b[t] : 0;
       key_cls[j] = (cls_b != nullptr && t < L) ? cls_b[t] : kClassOther;
+      key_g[j] = (g_bh != nullptr && t < L) ? g_bh[t] : 1.f;
     }
   };
 
-  // ---- pass 1: row max, row sum, kept sum / kept count --------------------------------------------
-  float m_run = -INFINITY, l_run = 0.f, lk_run = 0.f;
+  // ---- pass 1: row max, row sum, kept sum / kept count, weighted kept sum ------------------------
+  float m_run = -INFINITY, l_run = 0.f, lk_run = 0.f, lg_run = 0.f;
   int ck_run = 0;
   bool nan_score = false;  // fmaxf skips NaN: NaN scores are tracked apart (numerics policy)
-  if (use_scores || need_kept) {
+  if (use_scores || need_kept || scaled) {
     for (int kt = 0; kt < n_tiles; ++kt) {
       const int key0 = kt * BN;
       __syncthreads();  // the previous tile's K and metadata are no longer read
@@ -249,18 +217,24 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
           const float scale = __expf(m_run - m_new);  // m_run = -inf gives 0
           l_run *= scale;
           lk_run *= scale;
+          lg_run *= scale;
           m_run = m_new;
           for (int j = 0; j < KPT; ++j) {
             if (key0 + j0 + j < n) {
               const float e = __expf(Ss[r * LDS + j0 + j] - m_run);
               l_run += e;
-              if (need_kept && region_keeps(region, key_sid[j0 + j] == row_sid)) lk_run += e;
+              const bool keep = region_keeps(region, key_sid[j0 + j] == row_sid);
+              if (need_kept && keep) lk_run += e;
+              if (scaled && keep) lg_run += e * key_g[j0 + j];
             }
           }
         }
       } else {
         for (int j = 0; j < KPT; ++j) {
-          if (key0 + j0 + j < n && region_keeps(region, key_sid[j0 + j] == row_sid)) ++ck_run;
+          if (key0 + j0 + j < n && region_keeps(region, key_sid[j0 + j] == row_sid)) {
+            ++ck_run;
+            if (scaled) lg_run += key_g[j0 + j];
+          }
         }
       }
     }
@@ -268,13 +242,16 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
     const float m_o = __shfl_xor_sync(0xffffffffu, m_run, 1);
     const float l_o = __shfl_xor_sync(0xffffffffu, l_run, 1);
     const float lk_o = __shfl_xor_sync(0xffffffffu, lk_run, 1);
+    const float lg_o = __shfl_xor_sync(0xffffffffu, lg_run, 1);
     const int ck_o = __shfl_xor_sync(0xffffffffu, ck_run, 1);
     nan_score |= __shfl_xor_sync(0xffffffffu, int(nan_score), 1) != 0;
     const float m_new = fmaxf(m_run, m_o);
-    const float s1 = m_run == -INFINITY ? 0.f : __expf(m_run - m_new);
-    const float s2 = m_o == -INFINITY ? 0.f : __expf(m_o - m_new);
+    // (uniform mode: m stays -inf on both halves and the sums are counts, combined unscaled)
+    const float s1 = m_run == -INFINITY ? (use_scores ? 0.f : 1.f) : __expf(m_run - m_new);
+    const float s2 = m_o == -INFINITY ? (use_scores ? 0.f : 1.f) : __expf(m_o - m_new);
     l_run = l_run * s1 + l_o * s2;
     lk_run = lk_run * s1 + lk_o * s2;
+    lg_run = lg_run * s1 + lg_o * s2;
     ck_run += ck_o;
     m_run = m_new;
   }
@@ -294,6 +271,10 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
     inv_z = c > 0 ? 1.f / float(c) : 0.f;
     log_z = c > 0 ? __logf(float(c)) : 0.f;  // log w = −log c
   }
+  // Feature weights with a key scale: w'_t = exp(s_t − m)·keep_t·g_t / Σ (keep: the normaliser is lg_run)
+  // or keep_t·g_t / Σ keep_u·g_u (uniform).
+  const float inv_zg = lg_run > 0.f ? 1.f / lg_run : 0.f;
+  const float log_zg = lg_run > 0.f ? __logf(lg_run) : 0.f;
 
   // ---- pass 2: weights, features, output ----------------------------------------------------------
   constexpr int kOFrags = Traits::kUseMma ? D / 16 : 1;
@@ -330,6 +311,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
       const int jj = j0 + j;
       const int t = key0 + jj;
       float w = 0.f;
+      float fw = 0.f;
       if (t < n) {
         const bool same = key_sid[jj] == row_sid;
         const bool keep = region_keeps(region, same);
@@ -345,7 +327,17 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
           w = keep ? inv_z : 0.f;
           logw = -log_z;
         }
-        if (kFeatures && feat_row && w > 0.f) {
+        if (scaled) {  // the features describe w' (norm weighting); the output keeps w
+          const float gk = key_g[jj];
+          const float base = undefined_row ? NAN : (use_scores ? __expf(Ss[r * LDS + jj] - m_run) : 1.f);
+          const float wf = keep ? base * gk * inv_zg : 0.f;
+          logw = (use_scores ? Ss[r * LDS + jj] - m_run : 0.f) + __logf(gk) - log_zg;
+          fw = wf;
+        } else {
+          fw = w;
+        }
+        if (kFeatures && feat_row && fw > 0.f) {
+          const float w = fw;  // the weight every feature below describes
           const int kc = key_cls[jj];
           if (kc == kClassCls) {
             f_cls += w;
@@ -362,7 +354,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
           } else {
             const int wi = window_of(t > s ? t - s : s - t, N, n, win_scale);
             if (wi != win_cur) {
-              if (win_cur >= 0) atomicAdd(&feat_s[5 + win_cur], win_acc);
+              if (win_cur >= 0) atomicAdd(&feat_s[kSlotFirstWindow + win_cur], win_acc);
               win_cur = wi;
               win_acc = w;
             } else {
@@ -439,15 +431,20 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
 
   // ---- features: reduce rows into the per-(sample, head) sums ---------------------------------------
   if constexpr (kFeatures) {
-    if (win_cur >= 0) atomicAdd(&feat_s[5 + win_cur], win_acc);
-    constexpr int kNumRow = 12;
+    if (win_cur >= 0) atomicAdd(&feat_s[kSlotFirstWindow + win_cur], win_acc);
+    // this thread's row partials and the feature slot each one goes to (csrc/feature_slots.h)
+    constexpr int kNumRow = 12, kMaxIdx = 8, kEntIdx = 7;
     float v[kNumRow] = {f_cls, f_sep, f_comma, f_period, f_self, f_prev, f_next, f_ent, f_max, f_intra, f_inter, 0.f};
+    const int rows0 = kNumBucketSlots(N);
+    const int slot[kNumRow] = {kSlotCls, kSlotSep, kSlotComma, kSlotPeriod, kSlotSelf, rows0 + kRowPrev,
+                               rows0 + kRowNext, rows0 + kRowEntropy, rows0 + kRowMax, rows0 + kRowIntra,
+                               rows0 + kRowInter, rows0 + kRowClsEntropy};
 #pragma unroll
     for (int i = 0; i < kNumRow - 1; ++i) {
       const float o = __shfl_xor_sync(0xffffffffu, v[i], 1);
-      v[i] = i == 8 ? fmaxf(v[i], o) : v[i] + o;  // the row max combines by max, the rest by sum
+      v[i] = i == kMaxIdx ? fmaxf(v[i], o) : v[i] + o;  // the row max combines by max, the rest by sum
     }
-    v[11] = row_cls == kClassCls ? v[7] : 0.f;  // cls_entropy: entropy of CLS rows
+    v[kNumRow - 1] = row_cls == kClassCls ? v[kEntIdx] : 0.f;  // cls_entropy: entropy of CLS rows
     const bool contributes = feat_row && half == 0;
 #pragma unroll
     for (int i = 0; i < kNumRow; ++i) {
@@ -458,9 +455,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
     }
     if (lane == 0) {
 #pragma unroll
-      for (int i = 0; i < 5; ++i) atomicAdd(&feat_s[i], v[i]);
-#pragma unroll
-      for (int i = 5; i < kNumRow; ++i) atomicAdd(&feat_s[N + i], v[i]);  // prev .. cls_entropy after windows
+      for (int i = 0; i < kNumRow; ++i) atomicAdd(&feat_s[slot[i]], v[i]);
     }
     // an undefined row or a bad class code in the block: every feature of (b, h) becomes NaN
     const bool poison = __syncthreads_or(feat_row && (undefined_row || bad_class)) != 0;

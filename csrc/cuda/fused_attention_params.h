@@ -7,13 +7,10 @@
 
 #include <cuda_runtime.h>
 
+#include "../feature_slots.h"
+
 namespace attnkit {
 namespace cuda {
-
-// Codes shared with attnkit/features.py (token classes, intervention modes and regions).
-constexpr int kClassOther = 0, kClassCls = 1, kClassSep = 2, kClassComma = 3, kClassPeriod = 4;
-constexpr int kModeKeep = 0, kModeZero = 1, kModeUniform = 2;
-constexpr int kRegionAll = 0, kRegionNoIntra = 1, kRegionNoInter = 2;
 
 // The most windows a launch supports: the per-block feature accumulator lives in shared memory and the
 // window index is computed with 32-bit products d * num_windows (d < 2^12 for L <= 4096).
@@ -35,18 +32,26 @@ struct FusedParams {
   const int32_t* mode;         // [H] or nullptr (keep)
   const int32_t* region;       // [H] or nullptr (all)
   const float* gates;          // [H] or nullptr (1)
+  const float* key_scale;      // [B, H, L] contiguous, or nullptr: features weigh key t by key_scale (norm
+                               // weighting, docs/features.md); the output is unchanged
   float* features;             // [B, H, F] fp32 zero-initialised sums, or nullptr when not wanted
   int B, H, L;
-  int num_windows;             // N; F = 5 + N + 7
+  int num_windows;             // N; F = kNumFeatures(N) (csrc/feature_slots.h)
   int num_features;            // F
   float scaling;
   bool renormalize;
 };
 
-// One explicit specialisation per (element type, head dim) lives in a generated file
-// csrc/cuda/fused_attention_<dtype>_hdim<D>.cu (tools/generate_kernels.py).
+// One explicit specialisation per (kernel, element type, head dim) lives in a generated file
+// csrc/cuda/instantiations/fused_attention_<kernel>_<dtype>_hdim<D>.cu (tools/generate_kernels.py).
+// v1 (fused_attention_kernel.cuh): two passes over the keys, fp32/fp16/bf16, any number of windows.
+// v2 (fused_attention_v2_kernel.cuh): one pass, tensor cores through CuTe, fp16/bf16, at most
+// kMaxWindowsV2 windows. ATTNKIT_CUDA_KERNEL picks one (docs/pipeline.md, "CUDA kernels").
 template <typename T, int kHeadDim>
-void run_fused_attention(const FusedParams& params, cudaStream_t stream);
+void run_fused_attention_v1(const FusedParams& params, cudaStream_t stream);
+template <typename T, int kHeadDim>
+void run_fused_attention_v2(const FusedParams& params, cudaStream_t stream);
+constexpr int kMaxWindowsV2 = 64;
 
 // Divides the per-(sample, head) sums by n (and cls_entropy by the number of CLS rows).
 void run_finalize_features(const FusedParams& params, cudaStream_t stream);

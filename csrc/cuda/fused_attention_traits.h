@@ -40,8 +40,8 @@ struct FusedTraits {
   static constexpr int kOffV = kOffK + kKBytes;
   static constexpr int kOffS = kOffV + kKBytes;
   static constexpr int kOffP = kOffS + kSBytes;
-  static constexpr int kOffMeta = kOffP + kPBytes;  // key sentence ids and classes: 2 × kBlockN ints
-  static constexpr int kOffFeat = kOffMeta + 2 * kBlockN * 4;
+  static constexpr int kOffMeta = kOffP + kPBytes;  // key sentence ids, classes and scales: 3 × kBlockN words
+  static constexpr int kOffFeat = kOffMeta + 3 * kBlockN * 4;
   static_assert(kOffK % 32 == 0 && kOffV % 32 == 0 && kOffS % 32 == 0 && kOffP % 32 == 0, "alignment");
   static constexpr int smem_bytes(int num_features) { return kOffFeat + 4 * num_features; }
   // Output staging (tensor-core path): a warp's 16-row band of S holds up to this many fp32 columns.
