@@ -66,7 +66,9 @@ def _extensions():
     from torch.utils import cpp_extension
 
     cpu_sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/instantiations/*.cu"))
+    # csrc/cuda/*.cpp: the CUDA host API (C++ compiler); *.cu: kernels (nvcc)
+    cuda_sources = (sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
+                    + sorted(glob.glob("csrc/cuda/instantiations/*.cu")))
     want_cuda = os.environ.get("ATTNKIT_BUILD_CUDA")
     if want_cuda is None:
         build_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Compile-check every csrc/cuda/*.cu to an object file with nvcc against the installed torch's headers.
+# Compile-check every csrc/cuda/*.cu (and the host API csrc/cuda/*.cpp, which nvcc hands to the host compiler
+# with the CUDA include paths) to an object file against the installed torch's headers.
 # Works with a CPU-only torch (no GPU, no libc10_cuda): nothing is linked, but CUDA syntax, template and
 # type errors fail the check. Used by .ci/run; documented in README ("CUDA compile check").
 #
@@ -34,7 +35,7 @@ fi
 if [[ $# -gt 0 ]]; then
   FILES=("$@")
 else
-  mapfile -t FILES < <(ls "$ROOT"/csrc/cuda/*.cu "$ROOT"/csrc/cuda/instantiations/*.cu)
+  mapfile -t FILES < <(ls "$ROOT"/csrc/cuda/*.cpp "$ROOT"/csrc/cuda/*.cu "$ROOT"/csrc/cuda/instantiations/*.cu)
 fi
 
 GENCODE=()
@@ -58,8 +59,9 @@ trap cleanup EXIT
 
 compile_one() {
   local f="$1"
-  local obj="$TMP_OUT/$(basename "${f%.cu}").o"
-  local log="$TMP_OUT/$(basename "${f%.cu}").log"
+  local name; name="$(basename "$f")"; name="${name%.*}"
+  local obj="$TMP_OUT/$name.o"
+  local log="$TMP_OUT/$name.log"
   local start=$SECONDS
   if "$NVCC" "${FLAGS[@]}" "${GENCODE[@]}" -c "$f" -o "$obj" >"$log" 2>&1; then
     echo "ok   $(basename "$f") ($((SECONDS - start)) s)"
@@ -76,14 +78,14 @@ echo "check_cuda: ${#FILES[@]} file(s), archs: $ARCHS, jobs: $JOBS, nvcc: $("$NV
 T0=$SECONDS
 for f in "${FILES[@]}"; do
   while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n || true; done
-  name="$(basename "${f%.cu}")"
+  name="$(basename "$f")"; name="${name%.*}"
   ( if compile_one "$f" >"$TMP_OUT/$name.result" 2>&1; then echo 0 >"$TMP_OUT/$name.status";
     else echo 1 >"$TMP_OUT/$name.status"; fi ) &
 done
 wait
 FAILED=0
 for f in "${FILES[@]}"; do
-  name="$(basename "${f%.cu}")"
+  name="$(basename "$f")"; name="${name%.*}"
   cat "$TMP_OUT/$name.result"
   [[ "$(cat "$TMP_OUT/$name.status" 2>/dev/null)" == 0 ]] || FAILED=$((FAILED + 1))
 done

@@ -24,9 +24,14 @@ CODES_HEADER = ROOT / "csrc" / "generated" / "feature_codes.h"
 DTYPES = {"fp32": "float", "fp16": "__half", "bf16": "__nv_bfloat16"}
 HEAD_DIMS = (32, 64, 128)
 KERNELS = {
-    # kernel: (header, launcher, dtypes)
-    "v1": ("fused_attention_kernel.cuh", "launch_fused_attention", ("fp32", "fp16", "bf16")),
-    "v2": ("fused_attention_v2_kernel.cuh", "v2::launch_fused_attention_v2", ("fp16", "bf16")),
+    # kernel: (header, launcher, dtypes, extra definitions)
+    "v1": ("fused_attention_kernel.cuh", "launch_fused_attention", ("fp32", "fp16", "bf16"), ""),
+    "v2": ("fused_attention_v2_kernel.cuh", "v2::launch_fused_attention_v2", ("fp16", "bf16"), """
+template <>
+int fused_attention_v2_smem_bytes<{ctype}, {hdim}>(bool features, int num_windows) {{
+  return v2::Traits<{ctype}, {hdim}>::smem_bytes(features, num_windows);
+}}
+"""),
 }
 
 KERNEL_TEMPLATE = """\
@@ -41,7 +46,7 @@ template <>
 void run_fused_attention_{kernel}<{ctype}, {hdim}>(const FusedParams& params, cudaStream_t stream) {{
   {launcher}<{ctype}, {hdim}>(params, stream);
 }}
-
+{extra}
 }}  // namespace cuda
 }}  // namespace attnkit
 """
@@ -78,12 +83,13 @@ def feature_codes_header() -> str:
 
 def wanted() -> dict[pathlib.Path, str]:
     files = {CODES_HEADER: feature_codes_header()}
-    for kernel, (header, launcher, dtypes) in KERNELS.items():
+    for kernel, (header, launcher, dtypes, extra) in KERNELS.items():
         for dtype in dtypes:
             for hdim in HEAD_DIMS:
                 path = INSTANTIATIONS / f"fused_attention_{kernel}_{dtype}_hdim{hdim}.cu"
                 files[path] = KERNEL_TEMPLATE.format(kernel=kernel, dtype=dtype, ctype=DTYPES[dtype], hdim=hdim,
-                                                     header=header, launcher=launcher)
+                                                     header=header, launcher=launcher,
+                                                     extra=extra.format(ctype=DTYPES[dtype], hdim=hdim))
     return files
 
 

@@ -1,6 +1,6 @@
-// Plain-data parameters shared by the host API (fused_attention_api.cu) and the per-configuration
-// kernel files. Deliberately free of ATen and of kernel code, so the API file compiles quickly and the
-// heavy template instantiations live in one generated .cu per (dtype, head dim), built in parallel.
+// Plain-data parameters and launchers shared by the host API (cuda_api.cpp, compiled by the C++ compiler)
+// and the kernel files (.cu, compiled by nvcc). Deliberately free of ATen and of kernel code: the heavy
+// template instantiations live in one generated .cu per (kernel, dtype, head dim), built in parallel.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +51,9 @@ template <typename T, int kHeadDim>
 void run_fused_attention_v1(const FusedParams& params, cudaStream_t stream);
 template <typename T, int kHeadDim>
 void run_fused_attention_v2(const FusedParams& params, cudaStream_t stream);
+// Dynamic shared memory of one v2 block (defined beside each v2 instantiation, where its CuTe traits are).
+template <typename T, int kHeadDim>
+int fused_attention_v2_smem_bytes(bool features, int num_windows);
 constexpr int kMaxWindowsV2 = 64;
 
 // Divides the per-(sample, head) sums by n (and cls_entropy by the number of CLS rows).
@@ -86,6 +89,26 @@ struct JsParams {
 };
 
 void run_js_distances(const JsParams& params, cudaStream_t stream);
+
+// attnkit::word_attention (csrc/cuda/word_attention.cu): one block per (row, head, sample).
+struct WordAttentionParams {
+  enum Dtype { kFloat32, kFloat16, kBFloat16 };
+  const void* q;             // B×H×L×D contiguous, dtype
+  const void* k;
+  const int64_t* lengths;    // [B]
+  const int32_t* word_id;    // [B, L]
+  float* words;              // B×H×W×W, zero-initialised
+  int64_t* row_word;         // B×H×L, -1-initialised
+  float* row_weight;         // B×H×L, zero-initialised
+  int B, H, L, D, W;
+  float scaling;
+  Dtype dtype;
+};
+constexpr int64_t kWordAttentionMaxShared = 48 * 1024;  // bytes of dynamic shared memory without an opt-in
+constexpr int64_t word_attention_shared_bytes(int64_t D, int64_t L, int64_t W) {
+  return (D + L + W) * int64_t(sizeof(float)) + W * int64_t(sizeof(int));
+}
+void run_word_attention(const WordAttentionParams& params, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace attnkit

@@ -5,21 +5,15 @@
 // (shared atomics), finds the arg-max word other than the row's own (lowest index on ties) and adds
 // to[·] / (pieces of its own word) into words[b, h, own, ·] with global atomics. Only one row of scores
 // exists per block; no L×L map is written. Memory per block: (D + L + W) floats + W ints of shared memory.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
-
+// The host side (argument checks, allocation, registration) is in cuda_api.cpp.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cfloat>
 #include <cstdint>
-#include <tuple>
+
+#include "fused_attention_params.h"
 
 namespace attnkit {
 namespace cuda {
@@ -27,7 +21,6 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int64_t kMaxShared = 48 * 1024;  // bytes of dynamic shared memory without an opt-in
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -150,67 +143,24 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-constexpr const char* kOp = "attnkit.word_attention (CUDA): ";
+}  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> word_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                                   const at::Tensor& lengths_in,
-                                                                   const at::Tensor& word_id_in, int64_t num_words,
-                                                                   double scaling) {
-  TORCH_CHECK(q_in.dim() == 4, kOp, "q must be 4-D (B, H, L, D), got shape ", q_in.sizes());
-  TORCH_CHECK(k_in.sizes() == q_in.sizes(), kOp, "k must have q's shape ", q_in.sizes(), ", got ", k_in.sizes());
-  const auto dt = q_in.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, kOp,
-              "q must be float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK(k_in.scalar_type() == dt, kOp, "k must have q's dtype ", dt, ", got ", k_in.scalar_type());
-  const auto device = q_in.device();
-  TORCH_CHECK(device.is_cuda() && k_in.device() == device && lengths_in.device() == device &&
-                  word_id_in.device() == device,
-              kOp, "q, k, lengths and word_id must be on the same CUDA device");
-  const int64_t B = q_in.size(0), H = q_in.size(1), L = q_in.size(2), D = q_in.size(3);
-  TORCH_CHECK(num_words >= 0, kOp, "num_words must be >= 0, got ", num_words);
-  TORCH_CHECK(lengths_in.scalar_type() == at::kLong && lengths_in.dim() == 1 && lengths_in.size(0) == B, kOp,
-              "lengths must be int64 of shape [B] = [", B, "], got ", lengths_in.scalar_type(), " of shape ",
-              lengths_in.sizes());
-  TORCH_CHECK(word_id_in.scalar_type() == at::kInt && word_id_in.dim() == 2 && word_id_in.size(0) == B &&
-                  word_id_in.size(1) == L,
-              kOp, "word_id must be int32 of shape [B, L], got ", word_id_in.scalar_type(), " of shape ",
-              word_id_in.sizes());
-  const int64_t W = num_words;
-  const int64_t shared = (D + L + W) * int64_t(sizeof(float)) + W * int64_t(sizeof(int));
-  TORCH_CHECK(shared <= kMaxShared, kOp, "D + L + 2·num_words = ", D + L + 2 * W,
-              " floats exceed the kernel's 48 KiB of shared memory per row");
-  c10::cuda::CUDAGuard guard(device);
-  const auto q = q_in.contiguous();
-  const auto k = k_in.contiguous();
-  const auto lengths = lengths_in.contiguous();
-  const auto word_id = word_id_in.contiguous();
-  auto words = at::zeros({B, H, W, W}, q.options().dtype(at::kFloat));
-  auto row_word = at::full({B, H, L}, -1, q.options().dtype(at::kLong));
-  auto row_weight = at::zeros({B, H, L}, q.options().dtype(at::kFloat));
-  if (B == 0 || H == 0 || L == 0) return {words, row_word, row_weight};
-  TORCH_CHECK(H <= 65535 && B <= 65535, kOp, "at most 65535 heads and samples per call, got H = ", H, ", B = ", B);
-  const dim3 grid(static_cast<unsigned>(L), static_cast<unsigned>(H), static_cast<unsigned>(B));
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  const float sc = float(scaling);
-#define ATTNKIT_LAUNCH(T, CT)                                                                                     \
-  word_attention_kernel<CT><<<grid, kThreads, size_t(shared), stream>>>(                                         \
-      reinterpret_cast<const CT*>(q.data_ptr<T>()), reinterpret_cast<const CT*>(k.data_ptr<T>()),                \
-      lengths.data_ptr<int64_t>(), word_id.data_ptr<int32_t>(), words.data_ptr<float>(),                         \
-      row_word.data_ptr<int64_t>(), row_weight.data_ptr<float>(), int(H), int(L), int(D), int(W), sc)
-  if (dt == at::kFloat) {
-    ATTNKIT_LAUNCH(float, float);
-  } else if (dt == at::kHalf) {
-    ATTNKIT_LAUNCH(at::Half, __half);
+void run_word_attention(const WordAttentionParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.L), static_cast<unsigned>(p.H), static_cast<unsigned>(p.B));
+  const size_t shared = size_t(word_attention_shared_bytes(p.D, p.L, p.W));
+#define ATTNKIT_LAUNCH(CT)                                                                                       \
+  word_attention_kernel<CT><<<grid, kThreads, shared, stream>>>(                                               \
+      reinterpret_cast<const CT*>(p.q), reinterpret_cast<const CT*>(p.k), p.lengths, p.word_id, p.words,          \
+      p.row_word, p.row_weight, p.H, p.L, p.D, p.W, p.scaling)
+  if (p.dtype == WordAttentionParams::kFloat32) {
+    ATTNKIT_LAUNCH(float);
+  } else if (p.dtype == WordAttentionParams::kFloat16) {
+    ATTNKIT_LAUNCH(__half);
   } else {
-    ATTNKIT_LAUNCH(at::BFloat16, __nv_bfloat16);
+    ATTNKIT_LAUNCH(__nv_bfloat16);
   }
 #undef ATTNKIT_LAUNCH
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {words, row_word, row_weight};
 }
 
-}  // namespace
 }  // namespace cuda
 }  // namespace attnkit
-
-TORCH_LIBRARY_IMPL(attnkit, CUDA, m) { m.impl("word_attention", TORCH_FN(attnkit::cuda::word_attention_cuda)); }

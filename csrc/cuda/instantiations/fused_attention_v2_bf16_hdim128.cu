@@ -10,5 +10,10 @@ void run_fused_attention_v2<__nv_bfloat16, 128>(const FusedParams& params, cudaS
   v2::launch_fused_attention_v2<__nv_bfloat16, 128>(params, stream);
 }
 
+template <>
+int fused_attention_v2_smem_bytes<__nv_bfloat16, 128>(bool features, int num_windows) {
+  return v2::Traits<__nv_bfloat16, 128>::smem_bytes(features, num_windows);
+}
+
 }  // namespace cuda
 }  // namespace attnkit

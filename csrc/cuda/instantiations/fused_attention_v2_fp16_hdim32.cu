@@ -10,5 +10,10 @@ void run_fused_attention_v2<__half, 32>(const FusedParams& params, cudaStream_t 
   v2::launch_fused_attention_v2<__half, 32>(params, stream);
 }
 
+template <>
+int fused_attention_v2_smem_bytes<__half, 32>(bool features, int num_windows) {
+  return v2::Traits<__half, 32>::smem_bytes(features, num_windows);
+}
+
 }  // namespace cuda
 }  // namespace attnkit

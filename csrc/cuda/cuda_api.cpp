@@ -1,6 +1,11 @@
-// Host API of the CUDA kernels: argument checks (each error names the argument), dispatch on dtype and
-// head dim to the generated per-configuration kernels, and the CUDA registrations of the attnkit ops
-// (schemas in csrc/ops.cpp; semantics in attnkit/reference.py).
+// Host API of the CUDA kernels: argument checks (each error names the argument), allocation, dispatch on
+// kernel, dtype and head dim to the generated per-configuration kernels, and the CUDA registrations of
+// the attnkit ops (schemas in csrc/ops.cpp; semantics in attnkit/reference.py).
+//
+// A .cpp file on purpose, like FlashAttention's flash_api.cpp: everything that formats an error message
+// or touches ATen is compiled by the C++ compiler, never by nvcc. (nvcc 13 compiled torch 2.11's c10::str
+// so that integers in TORCH_CHECK messages came out empty or crashed the process.) The .cu files hold
+// kernels and plain-data launchers only.
 //
 // Only c10/cuda headers are used (not ATen/cuda/CUDAContext.h), so this file also compiles against a
 // CPU build of torch for the CI compile check (tools/check_cuda.sh).
@@ -13,6 +18,7 @@
 // host could not check turn into NaN output and NaN features in the kernel instead of wrong numbers.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -35,7 +41,6 @@
 
 #include "fused_attention_params.h"
 #include "fused_attention_traits.h"
-#include "fused_attention_v2_traits.h"
 
 namespace attnkit {
 namespace cuda {
@@ -223,8 +228,8 @@ void launch(const FusedParams& params, cudaStream_t stream, int device, const ch
   const bool features = params.features != nullptr;
   if constexpr (!std::is_same_v<T, float>) {
     if (use_v2) {
-      check_shared_memory(v2::Traits<T, kHeadDim>::smem_bytes(features, params.num_windows), device, kHeadDim,
-                          features, dtype_name, "v2");
+      check_shared_memory(fused_attention_v2_smem_bytes<T, kHeadDim>(features, params.num_windows), device,
+                          kHeadDim, features, dtype_name, "v2");
       run_fused_attention_v2<T, kHeadDim>(params, stream);
       return;
     }
@@ -393,6 +398,62 @@ at::Tensor js_distances_cuda(const at::Tensor& attn, const at::Tensor& lengths) 
   return out;
 }
 
+constexpr const char* kWordOp = "attnkit.word_attention (CUDA): ";
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> word_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                                   const at::Tensor& lengths_in,
+                                                                   const at::Tensor& word_id_in, int64_t num_words,
+                                                                   double scaling) {
+  TORCH_CHECK(q_in.dim() == 4, kWordOp, "q must be 4-D (B, H, L, D), got shape ", q_in.sizes());
+  TORCH_CHECK(k_in.sizes() == q_in.sizes(), kWordOp, "k must have q's shape ", q_in.sizes(), ", got ", k_in.sizes());
+  const auto dt = q_in.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, kWordOp,
+              "q must be float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK(k_in.scalar_type() == dt, kWordOp, "k must have q's dtype ", dt, ", got ", k_in.scalar_type());
+  const auto device = q_in.device();
+  TORCH_CHECK(device.is_cuda() && k_in.device() == device && lengths_in.device() == device &&
+                  word_id_in.device() == device,
+              kWordOp, "q, k, lengths and word_id must be on the same CUDA device");
+  const int64_t B = q_in.size(0), H = q_in.size(1), L = q_in.size(2), D = q_in.size(3);
+  TORCH_CHECK(num_words >= 0, kWordOp, "num_words must be >= 0, got ", num_words);
+  TORCH_CHECK(lengths_in.scalar_type() == at::kLong && lengths_in.dim() == 1 && lengths_in.size(0) == B, kWordOp,
+              "lengths must be int64 of shape [B] = [", B, "], got ", lengths_in.scalar_type(), " of shape ",
+              lengths_in.sizes());
+  TORCH_CHECK(word_id_in.scalar_type() == at::kInt && word_id_in.dim() == 2 && word_id_in.size(0) == B &&
+                  word_id_in.size(1) == L,
+              kWordOp, "word_id must be int32 of shape [B, L], got ", word_id_in.scalar_type(), " of shape ",
+              word_id_in.sizes());
+  const int64_t W = num_words;
+  const int64_t shared = word_attention_shared_bytes(D, L, W);
+  TORCH_CHECK(shared <= kWordAttentionMaxShared, kWordOp, "D + L + 2·num_words = ", D + L + 2 * W,
+              " floats exceed the kernel's 48 KiB of shared memory per row");
+  c10::cuda::CUDAGuard guard(device);
+  const auto q = q_in.contiguous();
+  const auto k = k_in.contiguous();
+  const auto lengths = lengths_in.contiguous();
+  const auto word_id = word_id_in.contiguous();
+  auto words = at::zeros({B, H, W, W}, q.options().dtype(at::kFloat));
+  auto row_word = at::full({B, H, L}, -1, q.options().dtype(at::kLong));
+  auto row_weight = at::zeros({B, H, L}, q.options().dtype(at::kFloat));
+  if (B == 0 || H == 0 || L == 0) return {words, row_word, row_weight};
+  TORCH_CHECK(H <= 65535 && B <= 65535, kWordOp, "at most 65535 heads and samples per call, got H = ", H, ", B = ", B);
+  WordAttentionParams p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.lengths = lengths.data_ptr<int64_t>();
+  p.word_id = word_id.data_ptr<int32_t>();
+  p.words = words.data_ptr<float>();
+  p.row_word = row_word.data_ptr<int64_t>();
+  p.row_weight = row_weight.data_ptr<float>();
+  p.B = int(B), p.H = int(H), p.L = int(L), p.D = int(D), p.W = int(W);
+  p.scaling = float(scaling);
+  p.dtype = dt == at::kFloat ? WordAttentionParams::kFloat32
+            : dt == at::kHalf ? WordAttentionParams::kFloat16 : WordAttentionParams::kBFloat16;
+  run_word_attention(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {words, row_word, row_weight};
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace attnkit
@@ -400,4 +461,5 @@ at::Tensor js_distances_cuda(const at::Tensor& attn, const at::Tensor& lengths) 
 TORCH_LIBRARY_IMPL(attnkit, CUDA, m) {
   m.impl("fused_attention", TORCH_FN(attnkit::cuda::fused_attention_cuda));
   m.impl("js_distances", TORCH_FN(attnkit::cuda::js_distances_cuda));
+  m.impl("word_attention", TORCH_FN(attnkit::cuda::word_attention_cuda));
 }
