@@ -396,10 +396,12 @@ def test_cuda_graph_capture_of_the_op():
     want_out, want_feats = fused(q2, k2, v2, lengths, tc, sid)
     torch.testing.assert_close(out, want_out, rtol=0, atol=0)
     torch.testing.assert_close(feats, want_feats)
-    # host lengths cannot be copied inside a capture: refused by name
+    # host lengths cannot be copied inside a capture: refused by name (the CPU tensor exists before the
+    # capture: torch itself refuses a device-to-host copy inside one)
+    host_lengths = lengths.cpu()
     with pytest.raises(RuntimeError, match="lengths are on the CPU while a CUDA graph is being captured"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            fused(*static, lengths.cpu(), tc, sid)
+            fused(*static, host_lengths, tc, sid)
 
 
 def test_cuda_graph_capture_of_an_instrumented_forward():

@@ -12,9 +12,8 @@ tests/test_fused_cuda.py. What it reproduces, step for step, in fp32:
   softmax and kept sums, the feature mass, the entropy term A (A ← 2^−δ·(A − δ·zf)), intra, prev, next,
   the pending run-length sum and the row's bucket copies in shared memory;
 * the exponent base 0 while every score so far is -inf;
-* the run-length bucket sums (class, self, window) per thread: a run knows the first key at which its
-  window can change (run_end), keys before it are added without computing a bucket, the others compute
-  bucket and run_end and flush the run into the row's sums when the bucket changes;
+* the run-length bucket sums (class, self, window) per thread, flushed into the thread's own copy when the
+  bucket changes, and the final quad sums;
 * the output normaliser (kept sum when renormalising a region), the features' own normaliser (the weighted
   kept sum under a key scale), entropy = (zf/Zf)·ln Zf − ln 2·A/Zf, max = 2^(mf − m)/Zf;
 * the block's reduction over valid rows and the final division by n (cls_entropy: by the CLS rows).
@@ -96,8 +95,7 @@ def emulate(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling, nu
                 l_run, lk_run, zf, ent_a, intra, prev, nxt, run_acc = (torch.zeros(shape) for _ in range(8))
                 mf = torch.full(shape, -math.inf)
                 run_bucket = torch.full(shape, -1, dtype=torch.int64)
-                run_end = torch.full(shape, -1, dtype=torch.int64)
-                buckets = torch.zeros(BLOCK_M, FB)
+                buckets = torch.zeros(BLOCK_M, FB, QUAD)
                 o = torch.zeros(BLOCK_M, D)
                 qb = torch.zeros(BLOCK_M, D)
                 qb[: max(0, min(L - row0, BLOCK_M))] = q[b, h, row0:row0 + BLOCK_M]
@@ -126,7 +124,7 @@ def emulate(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling, nu
                         for t in (l_run, lk_run, zf, intra, prev, nxt, run_acc):
                             t.copy_(torch.where(r2, sc[:, None] * t, t))
                         o = torch.where(r1[:, None], sc[:, None] * o, o)
-                        buckets = torch.where(r1[:, None], sc[:, None] * buckets, buckets)
+                        buckets = torch.where(r1[:, None, None], sc[:, None, None] * buckets, buckets)
                         m_run = torch.where(grow, m_new, m_run)
                     m_use = torch.where(m_run == -math.inf, 0.0, m_run)
                     p = torch.zeros(BLOCK_M, BLOCK_N)
@@ -151,34 +149,25 @@ def emulate(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling, nu
                                 mf[:, ql] = torch.where(keep & valid, torch.maximum(mf[:, ql], xr + m_use + lg), mf[:, ql])
                             c = int(kc[col])
                             c = OTHER if c < OTHER or c > PERIOD else c
-                            prev[:, ql] += torch.where(rows - 1 == t, pf, 0.0)
-                            nxt[:, ql] += torch.where(rows + 1 == t, pf, 0.0)
-                            fast = (c == OTHER) & (t < run_end[:, ql]) & valid
-                            slow = ~fast & valid
                             if c != OTHER:
                                 bucket = torch.full((BLOCK_M,), c - 1)
-                                end = torch.full((BLOCK_M,), t + 1)
                             else:
                                 d = (t - rows).abs()
                                 w = torch.div(d * N, n, rounding_mode="floor").clamp(max=N - 1)
-                                right_end = torch.where(w == N - 1, 2**62,
-                                                        rows + torch.div((w + 1) * n + N - 1, N, rounding_mode="floor"))
-                                lo = torch.div(w * n + N - 1, N, rounding_mode="floor")
-                                left_end = torch.where(lo > 0, rows - lo + 1, rows)
                                 bucket = torch.where(d == 0, SLOT_SELF, SLOT_WIN0 + w)
-                                end = torch.where(d == 0, t + 1, torch.where(t > rows, right_end, left_end))
-                            change = slow & (bucket != run_bucket[:, ql])
+                            prev[:, ql] += torch.where(rows - 1 == t, pf, 0.0)
+                            nxt[:, ql] += torch.where(rows + 1 == t, pf, 0.0)
+                            change = (bucket != run_bucket[:, ql]) & valid
                             flush = change & (run_bucket[:, ql] >= 0)
                             idx = flush.nonzero().flatten()
-                            buckets[idx, run_bucket[idx, ql]] += run_acc[idx, ql]
+                            buckets[idx, run_bucket[idx, ql], ql] += run_acc[idx, ql]
                             run_acc[:, ql] = torch.where(change, pf, run_acc[:, ql] + pf)
                             run_bucket[:, ql] = torch.where(change, bucket, run_bucket[:, ql])
-                            run_end[:, ql] = torch.where(slow, end, run_end[:, ql])
                     o = o + p @ vt
                 # finish the rows
                 for ql in range(QUAD):
                     idx = (valid & (run_bucket[:, ql] >= 0)).nonzero().flatten()
-                    buckets[idx, run_bucket[idx, ql]] += run_acc[idx, ql]
+                    buckets[idx, run_bucket[idx, ql], ql] += run_acc[idx, ql]
                 l, lk = l_run.sum(1), lk_run.sum(1)
                 z_out = lk if renorm_kept else l
                 inv_out = torch.where(z_out > 0, 1.0 / z_out, torch.where(z_out.isnan(), z_out, 0.0))
@@ -194,7 +183,7 @@ def emulate(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling, nu
                 max_w = torch.where(peak > -math.inf, torch.exp2(peak - m_run) * inv, 0.0)
                 if (undefined & valid).any():
                     sums[:] = math.nan
-                bsum = buckets * inv[:, None]
+                bsum = buckets.sum(2) * inv[:, None]
                 row_feats = torch.stack([prev.sum(1) * inv, nxt.sum(1) * inv, entropy, max_w, intra.sum(1) * inv,
                                          (z - intra.sum(1)) * inv], 1)
                 is_cls = torch.zeros(BLOCK_M, dtype=torch.bool)

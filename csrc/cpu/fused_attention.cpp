@@ -11,6 +11,8 @@
 // beyond the per-thread tile.
 #include "vec_util.h"
 
+#include "../check.h"
+
 #include "../feature_slots.h"
 
 #include <ATen/ATen.h>
@@ -155,8 +157,8 @@ struct SampleInfo {
 void check_opt(const c10::optional<at::Tensor>& t, const char* name, at::ScalarType dt,
                at::IntArrayRef shape, const char* shape_txt) {
   if (!t.has_value()) return;
-  TORCH_CHECK(t->device().is_cpu(), "fused_attention: ", name, " must be on the CPU like q, got ", t->device());
-  TORCH_CHECK(t->scalar_type() == dt && t->sizes() == shape, "fused_attention: ", name, " must be ",
+  ATTNKIT_CHECK(t->device().is_cpu(), "fused_attention: ", name, " must be on the CPU like q, got ", t->device());
+  ATTNKIT_CHECK(t->scalar_type() == dt && t->sizes() == shape, "fused_attention: ", name, " must be ",
               c10::toString(dt), " of shape ", shape_txt, " ", shape, ", got ", t->scalar_type(), " of shape ",
               t->sizes());
 }
@@ -167,23 +169,23 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
     double scaling, int64_t num_windows, const c10::optional<at::Tensor>& mode_in,
     const c10::optional<at::Tensor>& region_in, bool renormalize, const c10::optional<at::Tensor>& gates_in,
     bool want_features, const c10::optional<at::Tensor>& key_scale_in) {
-  TORCH_CHECK(q_in.dim() == 4, "fused_attention: q must be 4-D (B, H, L, D), got shape ", q_in.sizes());
-  TORCH_CHECK(k_in.sizes() == q_in.sizes() && v_in.sizes() == q_in.sizes(),
+  ATTNKIT_CHECK(q_in.dim() == 4, "fused_attention: q must be 4-D (B, H, L, D), got shape ", q_in.sizes());
+  ATTNKIT_CHECK(k_in.sizes() == q_in.sizes() && v_in.sizes() == q_in.sizes(),
               "fused_attention: k and v must have q's shape ", q_in.sizes(), ", got k ", k_in.sizes(), " and v ",
               v_in.sizes());
   const auto dt = q_in.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+  ATTNKIT_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
               "fused_attention: q must be float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK(k_in.scalar_type() == dt && v_in.scalar_type() == dt, "fused_attention: k and v must have q's dtype ",
+  ATTNKIT_CHECK(k_in.scalar_type() == dt && v_in.scalar_type() == dt, "fused_attention: k and v must have q's dtype ",
               dt, ", got k ", k_in.scalar_type(), " and v ", v_in.scalar_type());
-  TORCH_CHECK(q_in.device().is_cpu() && k_in.device().is_cpu() && v_in.device().is_cpu(),
+  ATTNKIT_CHECK(q_in.device().is_cpu() && k_in.device().is_cpu() && v_in.device().is_cpu(),
               "fused_attention: q, k and v must be on the CPU for this kernel");
   const int64_t B = q_in.size(0), H = q_in.size(1), L = q_in.size(2), D = q_in.size(3);
-  TORCH_CHECK(num_windows >= 1, "fused_attention: num_windows must be >= 1, got ", num_windows);
-  TORCH_CHECK(D >= 1, "fused_attention: head dim (q.size(3)) must be >= 1, got ", D);
-  TORCH_CHECK(std::isfinite(scaling), "fused_attention: scaling must be a finite number, got ", scaling);
-  TORCH_CHECK(lengths_in.device().is_cpu(), "fused_attention: lengths must be on the CPU like q");
-  TORCH_CHECK(lengths_in.scalar_type() == at::kLong && lengths_in.dim() == 1 && lengths_in.size(0) == B,
+  ATTNKIT_CHECK(num_windows >= 1, "fused_attention: num_windows must be >= 1, got ", num_windows);
+  ATTNKIT_CHECK(D >= 1, "fused_attention: head dim (q.size(3)) must be >= 1, got ", D);
+  ATTNKIT_CHECK(std::isfinite(scaling), "fused_attention: scaling must be a finite number, got ", scaling);
+  ATTNKIT_CHECK(lengths_in.device().is_cpu(), "fused_attention: lengths must be on the CPU like q");
+  ATTNKIT_CHECK(lengths_in.scalar_type() == at::kLong && lengths_in.dim() == 1 && lengths_in.size(0) == B,
               "fused_attention: lengths must be int64 of shape [B] = [", B, "], got ", lengths_in.scalar_type(),
               " of shape ", lengths_in.sizes());
   check_opt(token_class_in, "token_class", at::kInt, {B, L}, "[B, L]");
@@ -196,7 +198,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
   const auto lengths = lengths_in.contiguous();
   const int64_t* len = lengths.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(len[b] >= 1 && len[b] <= L, "fused_attention: lengths must lie in [1, L] = [1, ", L,
+    ATTNKIT_CHECK(len[b] >= 1 && len[b] <= L, "fused_attention: lengths must lie in [1, L] = [1, ", L,
                 "], got lengths[", b, "] = ", len[b]);
   std::vector<int32_t> mode(H, kModeKeep), region(H, kAll);
   std::vector<float> gate(H, 1.f);
@@ -204,14 +206,14 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
     auto t = mode_in->contiguous();
     for (int64_t h = 0; h < H; ++h) {
       mode[h] = t.data_ptr<int32_t>()[h];
-      TORCH_CHECK(mode[h] >= 0 && mode[h] <= 2, "fused_attention: mode codes must be 0, 1 or 2, got ", mode[h]);
+      ATTNKIT_CHECK(mode[h] >= 0 && mode[h] <= 2, "fused_attention: mode codes must be 0, 1 or 2, got ", mode[h]);
     }
   }
   if (region_in) {
     auto t = region_in->contiguous();
     for (int64_t h = 0; h < H; ++h) {
       region[h] = t.data_ptr<int32_t>()[h];
-      TORCH_CHECK(region[h] >= 0 && region[h] <= 2, "fused_attention: region codes must be 0, 1 or 2, got ",
+      ATTNKIT_CHECK(region[h] >= 0 && region[h] <= 2, "fused_attention: region codes must be 0, 1 or 2, got ",
                   region[h]);
     }
   }
@@ -249,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
       if (tc.defined()) {
         const int32_t* cp = tc.data_ptr<int32_t>() + b * L;
         for (int64_t t = 0; t < si.n; ++t) {
-          TORCH_CHECK(cp[t] >= kOther && cp[t] <= kPeriod, "fused_attention: token_class codes must be 0..4, got ",
+          ATTNKIT_CHECK(cp[t] >= kOther && cp[t] <= kPeriod, "fused_attention: token_class codes must be 0..4, got ",
                       cp[t], " at [", b, ", ", t, "]");
           if (cp[t] != kOther) si.special.emplace_back(static_cast<int32_t>(t), cp[t]);
           if (cp[t] == kCls) si.n_cls_rows++;

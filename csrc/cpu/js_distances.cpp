@@ -8,6 +8,8 @@
 // reduced at the end. No M²×L×L intermediate exists.
 #include "vec_util.h"
 
+#include "../check.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -49,19 +51,19 @@ double sum_mix(const float* p, const float* q, int64_t n) {
 }
 
 at::Tensor js_distances_cpu(const at::Tensor& attn_in, const at::Tensor& lengths_in) {
-  TORCH_CHECK(attn_in.device().is_cpu(), "js_distances: attn must be on the CPU for this kernel");
-  TORCH_CHECK(attn_in.scalar_type() == at::kFloat && attn_in.dim() == 4 && attn_in.size(2) == attn_in.size(3),
+  ATTNKIT_CHECK(attn_in.device().is_cpu(), "js_distances: attn must be on the CPU for this kernel");
+  ATTNKIT_CHECK(attn_in.scalar_type() == at::kFloat && attn_in.dim() == 4 && attn_in.size(2) == attn_in.size(3),
               "js_distances: attn must be float32 of shape [B, M, L, L], got ", attn_in.scalar_type(), " of shape ",
               attn_in.sizes());
   const int64_t B = attn_in.size(0), M = attn_in.size(1), L = attn_in.size(2);
-  TORCH_CHECK(lengths_in.device().is_cpu() && lengths_in.scalar_type() == at::kLong && lengths_in.dim() == 1 &&
+  ATTNKIT_CHECK(lengths_in.device().is_cpu() && lengths_in.scalar_type() == at::kLong && lengths_in.dim() == 1 &&
                   lengths_in.size(0) == B,
               "js_distances: lengths must be int64 of shape [B] = [", B, "] on the CPU, got ",
               lengths_in.scalar_type(), " of shape ", lengths_in.sizes());
   const auto lengths = lengths_in.contiguous();
   const int64_t* len = lengths.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(len[b] >= 0 && len[b] <= L, "js_distances: lengths must lie in [0, L] = [0, ", L, "], got lengths[",
+    ATTNKIT_CHECK(len[b] >= 0 && len[b] <= L, "js_distances: lengths must lie in [0, L] = [0, ", L, "], got lengths[",
                 b, "] = ", len[b]);
   const at::Tensor attn = attn_in.contiguous();
   const float* ap = attn.data_ptr<float>();

@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "../check.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -27,23 +29,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> word_attention_cpu(const at::Tens
                                                                   const at::Tensor& lengths_in,
                                                                   const at::Tensor& word_id_in, int64_t num_words,
                                                                   double scaling) {
-  TORCH_CHECK(q_in.dim() == 4, "word_attention: q must be 4-D (B, H, L, D), got shape ", q_in.sizes());
-  TORCH_CHECK(k_in.sizes() == q_in.sizes(), "word_attention: k must have q's shape ", q_in.sizes(), ", got ",
+  ATTNKIT_CHECK(q_in.dim() == 4, "word_attention: q must be 4-D (B, H, L, D), got shape ", q_in.sizes());
+  ATTNKIT_CHECK(k_in.sizes() == q_in.sizes(), "word_attention: k must have q's shape ", q_in.sizes(), ", got ",
               k_in.sizes());
   const auto dt = q_in.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+  ATTNKIT_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
               "word_attention: q must be float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK(k_in.scalar_type() == dt, "word_attention: k must have q's dtype ", dt, ", got ", k_in.scalar_type());
-  TORCH_CHECK(q_in.device().is_cpu() && k_in.device().is_cpu() && lengths_in.device().is_cpu() &&
+  ATTNKIT_CHECK(k_in.scalar_type() == dt, "word_attention: k must have q's dtype ", dt, ", got ", k_in.scalar_type());
+  ATTNKIT_CHECK(q_in.device().is_cpu() && k_in.device().is_cpu() && lengths_in.device().is_cpu() &&
                   word_id_in.device().is_cpu(),
               "word_attention: q, k, lengths and word_id must be on the CPU for this kernel");
   const int64_t B = q_in.size(0), H = q_in.size(1), L = q_in.size(2);
   const int64_t W = num_words;
-  TORCH_CHECK(W >= 0, "word_attention: num_words must be >= 0, got ", W);
-  TORCH_CHECK(lengths_in.scalar_type() == at::kLong && lengths_in.dim() == 1 && lengths_in.size(0) == B,
+  ATTNKIT_CHECK(W >= 0, "word_attention: num_words must be >= 0, got ", W);
+  ATTNKIT_CHECK(lengths_in.scalar_type() == at::kLong && lengths_in.dim() == 1 && lengths_in.size(0) == B,
               "word_attention: lengths must be int64 of shape [B] = [", B, "], got ", lengths_in.scalar_type(),
               " of shape ", lengths_in.sizes());
-  TORCH_CHECK(word_id_in.scalar_type() == at::kInt && word_id_in.dim() == 2 && word_id_in.size(0) == B &&
+  ATTNKIT_CHECK(word_id_in.scalar_type() == at::kInt && word_id_in.dim() == 2 && word_id_in.size(0) == B &&
                   word_id_in.size(1) == L,
               "word_attention: word_id must be int32 of shape [B, L] = [", B, ", ", L, "], got ",
               word_id_in.scalar_type(), " of shape ", word_id_in.sizes());
@@ -55,11 +57,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> word_attention_cpu(const at::Tens
   // pieces per word and sample (valid tokens only); also validates the inputs before any work starts
   std::vector<int32_t> count(B * W, 0);
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(len[b] >= 1 && len[b] <= L, "word_attention: lengths must lie in [1, L] = [1, ", L,
+    ATTNKIT_CHECK(len[b] >= 1 && len[b] <= L, "word_attention: lengths must lie in [1, L] = [1, ", L,
                 "], got lengths[", b, "] = ", len[b]);
     for (int64_t t = 0; t < len[b]; ++t) {
       const int32_t w = wid[b * L + t];
-      TORCH_CHECK(w >= -1 && w < W, "word_attention: word_id must lie in [-1, num_words) = [-1, ", W, "), got ",
+      ATTNKIT_CHECK(w >= -1 && w < W, "word_attention: word_id must lie in [-1, num_words) = [-1, ", W, "), got ",
                   "word_id[", b, ", ", t, "] = ", w);
       if (w >= 0) ++count[b * W + w];
     }

@@ -39,6 +39,7 @@
 #include <optional>
 #include <tuple>
 
+#include "../check.h"
 #include "fused_attention_params.h"
 #include "fused_attention_traits.h"
 
@@ -67,9 +68,9 @@ std::optional<at::Tensor> side_input(const std::optional<at::Tensor>& t, const c
                                      at::IntArrayRef shape, const at::Device& device) {
   if (!t.has_value()) return std::nullopt;
   const at::Tensor& x = *t;
-  TORCH_CHECK(x.scalar_type() == dtype, kOp, name, " must be ", dtype, ", got ", x.scalar_type());
-  TORCH_CHECK(x.sizes() == shape, kOp, name, " must have shape ", shape, ", got ", x.sizes());
-  TORCH_CHECK(x.device() == device, kOp, name, " must be on ", device, " like q, got ", x.device());
+  ATTNKIT_CHECK(x.scalar_type() == dtype, kOp, name, " must be ", dtype, ", got ", x.scalar_type());
+  ATTNKIT_CHECK(x.sizes() == shape, kOp, name, " must have shape ", shape, ", got ", x.sizes());
+  ATTNKIT_CHECK(x.device() == device, kOp, name, " must be on ", device, " like q, got ", x.device());
   return x.contiguous();
 }
 
@@ -167,12 +168,12 @@ void check_device_arguments(const at::Tensor& len, bool check_lengths, const std
   ArgReport r{};
   C10_CUDA_CHECK(cudaMemcpyAsync(&r, report.data_ptr(), sizeof(ArgReport), cudaMemcpyDeviceToHost, stream));
   C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-  TORCH_CHECK(r.len_index < 0, kOp, "lengths must lie in [1, L] = [1, ", L, "], got lengths[", r.len_index, "] = ",
+  ATTNKIT_CHECK(r.len_index < 0, kOp, "lengths must lie in [1, L] = [1, ", L, "], got lengths[", r.len_index, "] = ",
               r.len_value);
-  TORCH_CHECK(r.mode_index < 0, kOp, "mode codes must be 0, 1 or 2, got ", r.mode_value, " at head ", r.mode_index);
-  TORCH_CHECK(r.region_index < 0, kOp, "region codes must be 0, 1 or 2, got ", r.region_value, " at head ",
+  ATTNKIT_CHECK(r.mode_index < 0, kOp, "mode codes must be 0, 1 or 2, got ", r.mode_value, " at head ", r.mode_index);
+  ATTNKIT_CHECK(r.region_index < 0, kOp, "region codes must be 0, 1 or 2, got ", r.region_value, " at head ",
               r.region_index);
-  TORCH_CHECK(r.class_index < 0, kOp, "token_class codes must be 0..4, got ", r.class_value, " at [",
+  ATTNKIT_CHECK(r.class_index < 0, kOp, "token_class codes must be 0..4, got ", r.class_value, " at [",
               r.class_index / L, ", ", r.class_index % L, "]");
   if (need_len) remember_checked(kLengths, len, std::nullopt, L);
   if (need_tc) remember_checked(kTokenClass, *tc, len, L);
@@ -185,7 +186,7 @@ void check_host_lengths(const at::Tensor& lengths, int64_t L) {
   const at::Tensor l = lengths.to(at::kLong).contiguous();
   const int64_t* p = l.data_ptr<int64_t>();
   for (int64_t b = 0; b < l.numel(); ++b)
-    TORCH_CHECK(p[b] >= 1 && p[b] <= L, kOp, "lengths must lie in [1, L] = [1, ", L, "], got lengths[", b, "] = ",
+    ATTNKIT_CHECK(p[b] >= 1 && p[b] <= L, kOp, "lengths must lie in [1, L] = [1, ", L, "], got lengths[", b, "] = ",
                 p[b]);
 }
 
@@ -195,15 +196,18 @@ int compute_capability_major(int device) {
   return major;
 }
 
-// The kernel that runs a call: ATTNKIT_CUDA_KERNEL=v1|v2 (read at every call, so benchmarks can switch),
-// default v1. v2 covers fp16/bf16 with at most kMaxWindowsV2 windows; other calls run on v1.
+// The kernel that runs a call: ATTNKIT_CUDA_KERNEL=v1|v2 (read at every call, so benchmarks can switch).
+// Default v2, the single-pass tensor-core kernel, which passed every numerical CUDA test and the
+// sanitizer on an H100 and is 2-2.5x faster than v1 with features. v2 covers fp16/bf16 with at most
+// kMaxWindowsV2 windows; other calls (fp32, more windows) run on v1 (docs/pipeline.md, "CUDA kernels").
 enum class KernelChoice { kV1, kV2 };
 
 KernelChoice requested_kernel() {
   const char* env = std::getenv("ATTNKIT_CUDA_KERNEL");
-  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "v1") == 0) return KernelChoice::kV1;
-  if (std::strcmp(env, "v2") == 0) return KernelChoice::kV2;
-  TORCH_CHECK(false, kOp, "ATTNKIT_CUDA_KERNEL must be 'v1' or 'v2', got '", env, "'");
+  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "v2") == 0) return KernelChoice::kV2;
+  if (std::strcmp(env, "v1") == 0) return KernelChoice::kV1;
+  ATTNKIT_CHECK(false, kOp, "ATTNKIT_CUDA_KERNEL must be 'v1' or 'v2', got '", env, "'");
+  return KernelChoice::kV1;
 }
 
 // Shared memory of one launch above the default 48 KB needs the device's opt-in limit; refuse clearly
@@ -217,7 +221,7 @@ void check_shared_memory(int need, int device, int head_dim, bool features, cons
   if (need <= optin) return;
   cudaDeviceProp prop{};
   C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  TORCH_CHECK(false, kOp, "the ", dtype_name, " kernel ", kernel, " for head dim ", head_dim,
+  ATTNKIT_CHECK(false, kOp, "the ", dtype_name, " kernel ", kernel, " for head dim ", head_dim,
               features ? " with features" : "", " needs ", need, " bytes of shared memory per block, but ",
               prop.name, " (cuda:", device, ") allows at most ", optin,
               " (opt-in limit); use float16 or bfloat16, fewer windows, or a smaller head dim");
@@ -253,7 +257,7 @@ void dispatch_head_dim(int head_dim, const FusedParams& params, cudaStream_t str
       launch<T, 128>(params, stream, device, dtype_name, use_v2);
       break;
     default:
-      TORCH_CHECK(false, kOp, "head dim ", head_dim, " is not supported (32, 64 or 128)");
+      ATTNKIT_CHECK(false, kOp, "head dim ", head_dim, " is not supported (32, 64 or 128)");
   }
 }
 
@@ -263,36 +267,36 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
     int64_t num_windows, const std::optional<at::Tensor>& mode, const std::optional<at::Tensor>& region,
     bool renormalize, const std::optional<at::Tensor>& gates, bool want_features,
     const std::optional<at::Tensor>& key_scale) {
-  TORCH_CHECK(q.is_cuda(), kOp, "q must be a CUDA tensor, got ", q.device());
-  TORCH_CHECK(q.dim() == 4, kOp, "q must be B×H×L×D, got shape ", q.sizes());
-  TORCH_CHECK(k.sizes() == q.sizes(), kOp, "k must have q's shape ", q.sizes(), ", got ", k.sizes());
-  TORCH_CHECK(v.sizes() == q.sizes(), kOp, "v must have q's shape ", q.sizes(), ", got ", v.sizes());
+  ATTNKIT_CHECK(q.is_cuda(), kOp, "q must be a CUDA tensor, got ", q.device());
+  ATTNKIT_CHECK(q.dim() == 4, kOp, "q must be B×H×L×D, got shape ", q.sizes());
+  ATTNKIT_CHECK(k.sizes() == q.sizes(), kOp, "k must have q's shape ", q.sizes(), ", got ", k.sizes());
+  ATTNKIT_CHECK(v.sizes() == q.sizes(), kOp, "v must have q's shape ", q.sizes(), ", got ", v.sizes());
   const at::Device device = q.device();
-  TORCH_CHECK(k.device() == device, kOp, "k must be on ", device, " like q, got ", k.device());
-  TORCH_CHECK(v.device() == device, kOp, "v must be on ", device, " like q, got ", v.device());
+  ATTNKIT_CHECK(k.device() == device, kOp, "k must be on ", device, " like q, got ", k.device());
+  ATTNKIT_CHECK(v.device() == device, kOp, "v must be on ", device, " like q, got ", v.device());
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, kOp,
+  ATTNKIT_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, kOp,
               "q must be float32, float16 or bfloat16, got ", dtype);
-  TORCH_CHECK(k.scalar_type() == dtype, kOp, "k must have q's dtype ", dtype, ", got ", k.scalar_type());
-  TORCH_CHECK(v.scalar_type() == dtype, kOp, "v must have q's dtype ", dtype, ", got ", v.scalar_type());
+  ATTNKIT_CHECK(k.scalar_type() == dtype, kOp, "k must have q's dtype ", dtype, ", got ", k.scalar_type());
+  ATTNKIT_CHECK(v.scalar_type() == dtype, kOp, "v must have q's dtype ", dtype, ", got ", v.scalar_type());
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
-  TORCH_CHECK(D == 32 || D == 64 || D == 128, kOp, "head dim (q.size(3)) must be 32, 64 or 128, got ", D);
-  TORCH_CHECK(L <= (int64_t(1) << 20), kOp, "sequence length ", L, " is too long");
-  TORCH_CHECK(B <= 65535 && H <= 65535, kOp, "batch (", B, ") and heads (", H, ") must be at most 65535");
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B, kOp, "lengths must have shape [", B, "], got ",
+  ATTNKIT_CHECK(D == 32 || D == 64 || D == 128, kOp, "head dim (q.size(3)) must be 32, 64 or 128, got ", D);
+  ATTNKIT_CHECK(L <= (int64_t(1) << 20), kOp, "sequence length ", L, " is too long");
+  ATTNKIT_CHECK(B <= 65535 && H <= 65535, kOp, "batch (", B, ") and heads (", H, ") must be at most 65535");
+  ATTNKIT_CHECK(lengths.dim() == 1 && lengths.size(0) == B, kOp, "lengths must have shape [", B, "], got ",
               lengths.sizes());
-  TORCH_CHECK(!at::isFloatingType(lengths.scalar_type()) && lengths.scalar_type() != at::kBool, kOp,
+  ATTNKIT_CHECK(!at::isFloatingType(lengths.scalar_type()) && lengths.scalar_type() != at::kBool, kOp,
               "lengths must be an integer tensor, got ", lengths.scalar_type());
-  TORCH_CHECK(num_windows >= 1, kOp, "num_windows must be >= 1, got ", num_windows);
-  TORCH_CHECK(std::isfinite(scaling), kOp, "scaling must be a finite number, got ", scaling);
-  TORCH_CHECK(!want_features || num_windows <= kMaxNumWindows, kOp, "num_windows must be at most ",
+  ATTNKIT_CHECK(num_windows >= 1, kOp, "num_windows must be >= 1, got ", num_windows);
+  ATTNKIT_CHECK(std::isfinite(scaling), kOp, "scaling must be a finite number, got ", scaling);
+  ATTNKIT_CHECK(!want_features || num_windows <= kMaxNumWindows, kOp, "num_windows must be at most ",
               kMaxNumWindows, " on CUDA, got ", num_windows);
-  TORCH_CHECK(!want_features || (L - 1) * num_windows < (int64_t(1) << 31), kOp,
+  ATTNKIT_CHECK(!want_features || (L - 1) * num_windows < (int64_t(1) << 31), kOp,
               "num_windows × L is too large for the window arithmetic");
 
   c10::cuda::CUDAGuard guard(device);
   if (dtype != at::kFloat) {
-    TORCH_CHECK(compute_capability_major(device.index()) >= 8, kOp,
+    ATTNKIT_CHECK(compute_capability_major(device.index()) >= 8, kOp,
                 "float16/bfloat16 need a GPU of compute capability 8.0 or newer (tensor-core path)");
   }
   const int64_t F = kNumFeatures(int(num_windows));
@@ -308,11 +312,11 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
   // cannot capture. The kernel reads them on the device.
   const bool host_lengths = lengths.is_cpu();
   if (host_lengths) {
-    TORCH_CHECK(!capturing, kOp, "lengths are on the CPU while a CUDA graph is being captured; pass them on ",
+    ATTNKIT_CHECK(!capturing, kOp, "lengths are on the CPU while a CUDA graph is being captured; pass them on ",
                 device, " (a host-to-device copy cannot be captured)");
     check_host_lengths(lengths, L);
   } else {
-    TORCH_CHECK(lengths.device() == device, kOp, "lengths must be on ", device, " like q (or on the CPU), got ",
+    ATTNKIT_CHECK(lengths.device() == device, kOp, "lengths must be on ", device, " like q (or on the CPU), got ",
                 lengths.device());
   }
   const at::Tensor len = lengths.to(device, at::kLong).contiguous();
@@ -373,16 +377,16 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
 }
 
 at::Tensor js_distances_cuda(const at::Tensor& attn, const at::Tensor& lengths) {
-  TORCH_CHECK(attn.is_cuda(), kJsOp, "attn must be a CUDA tensor, got ", attn.device());
-  TORCH_CHECK(attn.dim() == 4 && attn.size(2) == attn.size(3), kJsOp, "attn must be B×M×L×L, got shape ",
+  ATTNKIT_CHECK(attn.is_cuda(), kJsOp, "attn must be a CUDA tensor, got ", attn.device());
+  ATTNKIT_CHECK(attn.dim() == 4 && attn.size(2) == attn.size(3), kJsOp, "attn must be B×M×L×L, got shape ",
               attn.sizes());
-  TORCH_CHECK(attn.scalar_type() == at::kFloat, kJsOp, "attn must be float32, got ", attn.scalar_type());
+  ATTNKIT_CHECK(attn.scalar_type() == at::kFloat, kJsOp, "attn must be float32, got ", attn.scalar_type());
   const int64_t B = attn.size(0), M = attn.size(1), L = attn.size(2);
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B, kJsOp, "lengths must have shape [", B, "], got ",
+  ATTNKIT_CHECK(lengths.dim() == 1 && lengths.size(0) == B, kJsOp, "lengths must have shape [", B, "], got ",
               lengths.sizes());
-  TORCH_CHECK(!at::isFloatingType(lengths.scalar_type()) && lengths.scalar_type() != at::kBool, kJsOp,
+  ATTNKIT_CHECK(!at::isFloatingType(lengths.scalar_type()) && lengths.scalar_type() != at::kBool, kJsOp,
               "lengths must be an integer tensor, got ", lengths.scalar_type());
-  TORCH_CHECK(B <= 65535, kJsOp, "batch (", B, ") must be at most 65535");
+  ATTNKIT_CHECK(B <= 65535, kJsOp, "batch (", B, ") must be at most 65535");
   c10::cuda::CUDAGuard guard(attn.device());
   at::Tensor out = at::zeros({M, M}, attn.options().dtype(at::kDouble));
   if (B == 0 || M == 0 || L == 0) return out;
@@ -404,28 +408,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> word_attention_cuda(const at::Ten
                                                                    const at::Tensor& lengths_in,
                                                                    const at::Tensor& word_id_in, int64_t num_words,
                                                                    double scaling) {
-  TORCH_CHECK(q_in.dim() == 4, kWordOp, "q must be 4-D (B, H, L, D), got shape ", q_in.sizes());
-  TORCH_CHECK(k_in.sizes() == q_in.sizes(), kWordOp, "k must have q's shape ", q_in.sizes(), ", got ", k_in.sizes());
+  ATTNKIT_CHECK(q_in.dim() == 4, kWordOp, "q must be 4-D (B, H, L, D), got shape ", q_in.sizes());
+  ATTNKIT_CHECK(k_in.sizes() == q_in.sizes(), kWordOp, "k must have q's shape ", q_in.sizes(), ", got ", k_in.sizes());
   const auto dt = q_in.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, kWordOp,
+  ATTNKIT_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, kWordOp,
               "q must be float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK(k_in.scalar_type() == dt, kWordOp, "k must have q's dtype ", dt, ", got ", k_in.scalar_type());
+  ATTNKIT_CHECK(k_in.scalar_type() == dt, kWordOp, "k must have q's dtype ", dt, ", got ", k_in.scalar_type());
   const auto device = q_in.device();
-  TORCH_CHECK(device.is_cuda() && k_in.device() == device && lengths_in.device() == device &&
+  ATTNKIT_CHECK(device.is_cuda() && k_in.device() == device && lengths_in.device() == device &&
                   word_id_in.device() == device,
               kWordOp, "q, k, lengths and word_id must be on the same CUDA device");
   const int64_t B = q_in.size(0), H = q_in.size(1), L = q_in.size(2), D = q_in.size(3);
-  TORCH_CHECK(num_words >= 0, kWordOp, "num_words must be >= 0, got ", num_words);
-  TORCH_CHECK(lengths_in.scalar_type() == at::kLong && lengths_in.dim() == 1 && lengths_in.size(0) == B, kWordOp,
+  ATTNKIT_CHECK(num_words >= 0, kWordOp, "num_words must be >= 0, got ", num_words);
+  ATTNKIT_CHECK(lengths_in.scalar_type() == at::kLong && lengths_in.dim() == 1 && lengths_in.size(0) == B, kWordOp,
               "lengths must be int64 of shape [B] = [", B, "], got ", lengths_in.scalar_type(), " of shape ",
               lengths_in.sizes());
-  TORCH_CHECK(word_id_in.scalar_type() == at::kInt && word_id_in.dim() == 2 && word_id_in.size(0) == B &&
+  ATTNKIT_CHECK(word_id_in.scalar_type() == at::kInt && word_id_in.dim() == 2 && word_id_in.size(0) == B &&
                   word_id_in.size(1) == L,
               kWordOp, "word_id must be int32 of shape [B, L], got ", word_id_in.scalar_type(), " of shape ",
               word_id_in.sizes());
   const int64_t W = num_words;
   const int64_t shared = word_attention_shared_bytes(D, L, W);
-  TORCH_CHECK(shared <= kWordAttentionMaxShared, kWordOp, "D + L + 2·num_words = ", D + L + 2 * W,
+  ATTNKIT_CHECK(shared <= kWordAttentionMaxShared, kWordOp, "D + L + 2·num_words = ", D + L + 2 * W,
               " floats exceed the kernel's 48 KiB of shared memory per row");
   c10::cuda::CUDAGuard guard(device);
   const auto q = q_in.contiguous();
@@ -436,7 +440,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> word_attention_cuda(const at::Ten
   auto row_word = at::full({B, H, L}, -1, q.options().dtype(at::kLong));
   auto row_weight = at::zeros({B, H, L}, q.options().dtype(at::kFloat));
   if (B == 0 || H == 0 || L == 0) return {words, row_word, row_weight};
-  TORCH_CHECK(H <= 65535 && B <= 65535, kWordOp, "at most 65535 heads and samples per call, got H = ", H, ", B = ", B);
+  ATTNKIT_CHECK(H <= 65535 && B <= 65535, kWordOp, "at most 65535 heads and samples per call, got H = ", H, ", B = ", B);
   WordAttentionParams p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();

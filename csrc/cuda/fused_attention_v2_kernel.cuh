@@ -12,14 +12,11 @@
 // the max grows, exactly like the output:
 //   l   = Σ e                       softmax denominator (e = 2^(x − m); uniform mode: e = 1, m = 0)
 //   lk  = Σ e·keep                  kept mass (the denominator when renormalising after a region)
-//   zf  = Σ pf,  pf = e·keep·g      mass the features describe (g: the key scale; without one, zf = lk)
+//   zf  = Σ pf,  pf = e·keep·g      mass the features describe (g: the key scale, 1 without)
 //   A   = Σ pf·(x − m + log2 g)     entropy term: H = (zf/Zf)·ln Zf − ln 2 · A / Zf
 //   intra, prev, next               pf on same-sentence keys, on key s − 1, on key s + 1
-//   buckets (class, self, windows)  run-length sums of pf over the thread's keys (ascending), added to the
-//                                   row's shared-memory sums when the bucket changes. A run knows the key
-//                                   at which its window can next change, so a key of the run costs one
-//                                   compare and one add; only class keys, window edges and the diagonal
-//                                   take the slow path that computes a bucket.
+//   buckets (class, self, windows)  run-length sums of pf over the thread's contiguous keys, flushed to
+//                                   the row's own shared-memory copy when the bucket changes
 //   mf  = max over kept keys of x + log2 g   (max feature = 2^(mf − m) / Zf; no rescaling needed)
 // A's update when m grows by δ: A ← 2^(−δ)·(A − δ·zf). The entropy never subtracts two large numbers:
 // every term x − m + log2 g is computed per key. No intervention needs a second pass: the region only
@@ -39,9 +36,7 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
-#include <climits>
 #include <cstdint>
-#include <type_traits>
 
 #include "fused_attention_common.cuh"
 #include "fused_attention_params.h"
@@ -249,42 +244,25 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
   // ---- per-row running state ----
   float m_run[kRows], l_run[kRows], lk_run[kRows];
   float zf[kRows], ent_a[kRows], intra[kRows], prev[kRows], next[kRows], mf[kRows], run_acc[kRows];
-  int run_bucket[kRows], run_end[kRows];  // the current run's bucket, and the first key it may not cover
+  int run_bucket[kRows];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     m_run[i] = use_scores ? -INFINITY : 0.f;
     l_run[i] = lk_run[i] = zf[i] = ent_a[i] = intra[i] = prev[i] = next[i] = run_acc[i] = 0.f;
     mf[i] = -INFINITY;
     run_bucket[i] = -1;
-    run_end[i] = -1;
   }
   bool bad_class = false;
   clear(acc_o);
   const float scale_log2 = p.scaling * kLog2e;
-  const bool track_peak = kScaled || region != kRegionAll;  // else the largest weight is the row max's
   const cutlass::FastDivmod div_n(n);
-  // the row's bucket sums in shared memory: [row][bucket]
-  auto bucket_ref = [&](int i, int bucket) -> float& { return bucket_smem[row_local[i] * FB + bucket]; };
-  if constexpr (kFeatures) {
-    for (int idx = tid; idx < BM * FB; idx += NT) bucket_smem[idx] = 0.f;
-  }
-  const cutlass::FastDivmod div_windows(N);
-  // Start a new run at key t of row i (an OTHER key, not the diagonal): its window and the first key
-  // beyond which the window can change. Keys right of s: window w ends where (t' − s)·N/n reaches w + 1;
-  // keys left of s: it ends where s − t' drops below ceil(w·n/N), and at s itself (the self bucket).
-  auto window_run = [&](int i, int t, int& bucket, int& end) {
-    const int s = row_s[i];
-    const int d = t > s ? t - s : s - t;
-    int w = div_n.div(d * N);
-    w = w < N - 1 ? w : N - 1;  // keys beyond n (weight 0) stay in range
-    bucket = kSlotFirstWindow + w;
-    if (t > s) {
-      end = w == N - 1 ? INT_MAX : s + div_windows.div((w + 1) * n + N - 1);
-    } else {
-      const int lo = div_windows.div(w * n + N - 1);  // smallest distance of window w
-      end = lo > 0 ? s - lo + 1 : s;
-    }
+  // the row's own copy of its bucket sums: [row][bucket][quad lane]
+  auto bucket_ref = [&](int i, int bucket) -> float& {
+    return bucket_smem[(row_local[i] * FB + bucket) * kQuad + quad_lane];
   };
+  if constexpr (kFeatures) {
+    for (int idx = tid; idx < BM * FB * kQuad; idx += NT) bucket_smem[idx] = 0.f;
+  }
 
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int stage = tile & 1;
@@ -335,18 +313,18 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
           const bool first = m_run[i] == -INFINITY;
           const float sc = first ? 0.f : exp2f(m_run[i] - m_new);
           if (!first) {
-            ent_a[i] = sc * (ent_a[i] - (m_new - m_run[i]) * (kScaled ? zf[i] : lk_run[i]));
+            ent_a[i] = sc * (ent_a[i] - (m_new - m_run[i]) * zf[i]);
             l_run[i] *= sc;
             lk_run[i] *= sc;
-            if constexpr (kScaled) zf[i] *= sc;
+            zf[i] *= sc;
             intra[i] *= sc;
             prev[i] *= sc;
             next[i] *= sc;
             run_acc[i] *= sc;
 #pragma unroll
             for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= sc;
-            if constexpr (kFeatures) {  // the quad shares the row's sums: each lane rescales a quarter
-              for (int bk = quad_lane; bk < FB; bk += kQuad) bucket_ref(i, bk) *= sc;
+            if constexpr (kFeatures) {
+              for (int bk = 0; bk < FB; ++bk) bucket_ref(i, bk) *= sc;
             }
           }
           m_run[i] = m_new;
@@ -356,81 +334,66 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
       // whose scores are all -inf ends with l = 0 and is undefined)
       m_use[i] = m_run[i] == -INFINITY ? 0.f : m_run[i];
     }
-    if constexpr (kFeatures) __syncwarp();  // the rescaled bucket sums are seen by the quad's other lanes
 
-    // weights, features, run-length buckets; column-outer so a key's metadata is read once. Tiles that
-    // may hold keys s - 1 .. s + 1 of some row take the diagonal variant (self, prev, next).
+    // weights, features, run-length buckets; column-outer so a key's metadata is read once
     const int* meta = meta_smem + stage * Tr::kMetaStageWords;
-    auto weigh_tile = [&](auto diag_tag) {
-      constexpr bool kDiag = decltype(diag_tag)::value;
+    const bool diag = key0 <= row0 + BM && key0 + BN >= row0 - 1;  // keys s - 1 .. s + 1 may be here
 #pragma unroll
-      for (int j = 0; j < kCols; ++j) {
-        const int col = get<1>(tScS_rc(0, j));
-        const int t = key0 + col;
-        int kc = kFeatures && cls_b != nullptr ? meta[col] : kClassOther;
-        const int ks = sid_b != nullptr ? meta[BN + col] : 0;
-        float g = 1.f, lg = 0.f;
-        if constexpr (kScaled) {
-          g = __int_as_float(meta[2 * BN + col]);
-          lg = __log2f(g);
-        }
-        if (kFeatures && static_cast<unsigned>(kc) > static_cast<unsigned>(kClassPeriod)) {
-          bad_class |= t < n;  // a code the host could not check (graph capture): the head's features are NaN
-          kc = kClassOther;
-        }
+    for (int j = 0; j < kCols; ++j) {
+      const int col = get<1>(tScS_rc(0, j));
+      const int t = key0 + col;
+      int kc = kFeatures && cls_b != nullptr ? meta[col] : kClassOther;
+      const int ks = sid_b != nullptr ? meta[BN + col] : 0;
+      float g = 1.f, lg = 0.f;
+      if constexpr (kScaled) {
+        g = __int_as_float(meta[2 * BN + col]);
+        lg = __log2f(g);
+      }
+      if (kFeatures && static_cast<unsigned>(kc) > static_cast<unsigned>(kClassPeriod)) {
+        bad_class |= t < n;  // a code the host could not check (graph capture): the head's features are NaN
+        kc = kClassOther;
+      }
 #pragma unroll
-        for (int i = 0; i < kRows; ++i) {
-          const float x = s_rc(i, j) - m_use[i];  // ≤ 0; -inf for masked keys
-          const float e = exp2f(x);
-          const bool same = ks == row_sid[i];
-          const bool keep = region_keeps(region, same);
-          const float po = keep ? e : 0.f;
-          l_run[i] += e;
-          lk_run[i] += po;
-          s_rc(i, j) = po;  // P, unnormalised
-          if constexpr (kFeatures) {
-            if (row_valid[i]) {
-              const float pf = kScaled ? po * g : po;
-              if constexpr (kScaled) zf[i] += pf;
-              ent_a[i] = fmaf(pf, fmaxf(x + lg, -1e30f), ent_a[i]);  // 0·(−inf) would be NaN: clamp
-              if (same) intra[i] += pf;
-              if (track_peak && keep) mf[i] = fmaxf(mf[i], x + m_use[i] + lg);
-              const int s = row_s[i];
-              if constexpr (kDiag) {
-                if (t == s - 1) prev[i] += pf;
-                if (t == s + 1) next[i] += pf;
-              }
-              if (kc == kClassOther && t < run_end[i]) {
-                run_acc[i] += pf;  // the run goes on: same window
-              } else {
-                int bucket, end;
-                if (kc != kClassOther) {
-                  bucket = class_slot(kc);
-                  end = t + 1;
-                } else if (kDiag && t == s) {
-                  bucket = kSlotSelf;
-                  end = t + 1;
-                } else {
-                  window_run(i, t, bucket, end);
-                }
-                if (bucket == run_bucket[i]) {
-                  run_acc[i] += pf;
-                } else {
-                  if (run_bucket[i] >= 0) atomicAdd(&bucket_ref(i, run_bucket[i]), run_acc[i]);
-                  run_bucket[i] = bucket;
-                  run_acc[i] = pf;
-                }
-                run_end[i] = end;
-              }
+      for (int i = 0; i < kRows; ++i) {
+        const float x = s_rc(i, j) - m_use[i];  // ≤ 0; -inf for masked keys
+        const float e = exp2f(x);
+        const bool same = ks == row_sid[i];
+        const bool keep = region_keeps(region, same);
+        const float po = keep ? e : 0.f;
+        l_run[i] += e;
+        lk_run[i] += po;
+        s_rc(i, j) = po;  // P, unnormalised
+        if constexpr (kFeatures) {
+          if (row_valid[i]) {
+            const float pf = kScaled ? po * g : po;
+            zf[i] += pf;
+            ent_a[i] = fmaf(pf, fmaxf(x + lg, -1e30f), ent_a[i]);  // 0·(−inf) would be NaN: clamp
+            if (same) intra[i] += pf;
+            if (keep && (kScaled || region != kRegionAll)) mf[i] = fmaxf(mf[i], x + m_use[i] + lg);
+            const int s = row_s[i];
+            int bucket;
+            if (kc != kClassOther) {
+              bucket = class_slot(kc);
+            } else if (diag && t == s) {
+              bucket = kSlotSelf;
+            } else {
+              const int w = div_n.div((t > s ? t - s : s - t) * N);
+              bucket = kSlotFirstWindow + (w < N - 1 ? w : N - 1);  // keys beyond n (weight 0) stay in range
+            }
+            if (diag) {
+              if (t == s - 1) prev[i] += pf;
+              if (t == s + 1) next[i] += pf;
+            }
+            if (bucket == run_bucket[i]) {
+              run_acc[i] += pf;
+            } else {
+              if (run_bucket[i] >= 0) bucket_ref(i, run_bucket[i]) += run_acc[i];
+              run_bucket[i] = bucket;
+              run_acc[i] = pf;
             }
           }
         }
       }
-    };
-    if (key0 <= row0 + BM && key0 + BN >= row0 - 1) {
-      weigh_tile(std::true_type{});
-    } else {
-      weigh_tile(std::false_type{});
     }
 
     // O += P V
@@ -456,7 +419,7 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     if constexpr (kFeatures) {
-      if (row_valid[i] && run_bucket[i] >= 0) atomicAdd(&bucket_ref(i, run_bucket[i]), run_acc[i]);
+      if (row_valid[i] && run_bucket[i] >= 0) bucket_ref(i, run_bucket[i]) += run_acc[i];
     }
     const float l = quad_sum(l_run[i]);
     const float lk = quad_sum(lk_run[i]);
@@ -466,7 +429,7 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
 #pragma unroll
     for (int c = 0; c < size<1>(o_rc); ++c) o_rc(i, c) *= inv_out * hs.gate;
     if constexpr (kFeatures) {
-      const float z = kScaled ? quad_sum(zf[i]) : lk;
+      const float z = quad_sum(zf[i]);
       const float a = quad_sum(ent_a[i]);
       const float in = quad_sum(intra[i]);
       const float pv = quad_sum(prev[i]);
@@ -477,7 +440,7 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
       undefined_row |= undefined && row_valid[i];
       const float inv = undefined ? NAN : (zfeat > 0.f ? 1.f / zfeat : 0.f);
       const float entropy = zfeat > 0.f ? (z * inv) * __logf(zfeat) - kLn2 * a * inv : 0.f;
-      const float peak = track_peak ? mx : m_run[i];
+      const float peak = kScaled || region != kRegionAll ? mx : m_run[i];
       const float max_w = peak > -INFINITY ? exp2f(peak - m_run[i]) * inv : 0.f;
       const int s = row_s[i];
       const bool is_cls = cls_b != nullptr && s < L && cls_b[s] == kClassCls;
@@ -537,7 +500,8 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
         const float* rr = rows + r * Tr::kRowScratch;
         if (rr[kRowValid] == 0.f) continue;
         if (f < rows_base) {
-          acc += bucket_smem[r * FB + f] * rr[kRowInvZ];
+          const float4 q4 = *reinterpret_cast<const float4*>(bucket_smem + (r * FB + f) * kQuad);
+          acc += (q4.x + q4.y + q4.z + q4.w) * rr[kRowInvZ];
         } else {
           acc += rr[kRowFirst + (f - rows_base)];
         }

@@ -7,8 +7,8 @@
 //   K, V tiles  kBlockN × D   kStages = 2 buffers each, filled with cp.async one tile ahead
 //   key meta    per stage: kBlockN token classes, sentence ids and key scales (4 bytes each)
 //   row scratch kBlockM × kRowScratch floats: per-row results for the block's feature reduction
-//   buckets     kBlockM × (5 + N) floats: every row's bucket sums (class, self, windows); the four threads
-//               of a row's quad add their run-length sums with shared-memory atomics
+//   buckets     kBlockM × (5 + N) × 4 floats: every row's bucket sums (class, self, windows), one copy per
+//               thread of the row's quad, so no two threads ever write the same word
 // The Q region is reused to stage the output tile for coalesced stores.
 #pragma once
 
@@ -43,8 +43,7 @@ struct Traits {
   using Element = typename ElementOf<T>::type;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 32 || kHeadDim == 64 || kHeadDim == 128, "head dims 32, 64, 128");
-  // 8 warps (128 rows) share each K/V tile for head dims up to 64; 4 for 128, whose tiles are twice as big
-  static constexpr int kNWarps = kHeadDim == 128 ? 4 : 8;
+  static constexpr int kNWarps = 4;
   static constexpr int kThreads = 32 * kNWarps;
   static constexpr int kBlockM = 16 * kNWarps;  // each warp owns 16 consecutive rows
   static constexpr int kBlockN = 64;
@@ -101,7 +100,7 @@ struct Traits {
   static constexpr int kOffBuckets = align(kOffRows + kBlockM * kRowScratch * 4);
   static constexpr int kQuad = 4;  // threads that share a row in the accumulator layout
   static constexpr int smem_bytes(bool features, int num_windows) {
-    return kOffBuckets + (features ? kBlockM * kNumBucketSlots(num_windows) * 4 : 0);
+    return kOffBuckets + (features ? kBlockM * kNumBucketSlots(num_windows) * kQuad * 4 : 0);
   }
 
   static_assert(cute::size(SmemLayoutQ{}) == kBlockM * kHeadDim, "Q tile layout");
