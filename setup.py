@@ -7,14 +7,9 @@ Install with `pip install --no-build-isolation -e .` after torch is installed. E
   TORCH_CUDA_ARCH_LIST   CUDA architectures (default: the visible GPU's)
   MAX_JOBS               parallel compile jobs (ninja)
   CUTLASS_INCLUDE        CUTLASS/CuTe headers for the CUDA kernels (default: the `nvidia-cutlass` wheel's)
-  ATTNKIT_NVCC_CCBIN     host compiler for nvcc (default: the compiler setuptools uses for the C++ files;
-                         empty: nvcc's own default)
 """
 import glob
 import os
-import shlex
-import shutil
-import sysconfig
 
 from setuptools import setup
 
@@ -47,18 +42,6 @@ def cutlass_include() -> str:
     return os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
 
 
-def _host_compiler_flags():
-    """nvcc compiles the host code of .cu files with the compiler that compiles the .cpp files. Two compilers
-    instantiate the same inline templates (torch's c10::str, behind every TORCH_CHECK message) differently, and
-    the linker keeps one copy for both: on a machine whose Python was built with another g++ than nvcc's
-    default, that crashed the first TORCH_CHECK thrown from a .cu file."""
-    ccbin = os.environ.get("ATTNKIT_NVCC_CCBIN")
-    if ccbin is None:
-        cxx = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or ""
-        ccbin = shutil.which(shlex.split(cxx)[0]) if cxx.strip() else None
-    return ["-ccbin", ccbin] if ccbin else []
-
-
 def _extensions():
     if os.environ.get("ATTNKIT_BUILD_EXT", "1") == "0":
         return [], {}
@@ -86,7 +69,7 @@ def _extensions():
             "--expt-relaxed-constexpr",
             "-lineinfo",
             "-DATTNKIT_WITH_CUDA",
-        ] + _host_compiler_flags()
+        ]
         ext = cpp_extension.CUDAExtension(
             "attnkit._C",
             cpu_sources + cuda_sources,

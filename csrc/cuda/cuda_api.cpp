@@ -2,10 +2,10 @@
 // kernel, dtype and head dim to the generated per-configuration kernels, and the CUDA registrations of
 // the attnkit ops (schemas in csrc/ops.cpp; semantics in attnkit/reference.py).
 //
-// A .cpp file on purpose, like FlashAttention's flash_api.cpp: everything that formats an error message
-// or touches ATen is compiled by the C++ compiler, never by nvcc. (nvcc 13 compiled torch 2.11's c10::str
-// so that integers in TORCH_CHECK messages came out empty or crashed the process.) The .cu files hold
-// kernels and plain-data launchers only.
+// A .cpp file on purpose, like FlashAttention's flash_api.cpp: everything that touches ATen is compiled by
+// the C++ compiler, and the .cu files hold kernels and plain-data launchers only, so nvcc never parses
+// ATen and a change of the checks recompiles nothing heavy. Error messages go through ATTNKIT_CHECK
+// (csrc/check.h).
 //
 // Only c10/cuda headers are used (not ATen/cuda/CUDAContext.h), so this file also compiles against a
 // CPU build of torch for the CI compile check (tools/check_cuda.sh).
