@@ -6,12 +6,12 @@
 """
 from .errors import AttnkitError
 from .features import feature_names
-from .head_features import HeadFeatures
+from .run.head_features import HeadFeatures
 from .hf_attention import register as _register_attention
 from .interventions import Intervention, intervene, sentences
 from .models import instrument, load_model
 from .ops import backend_info
-from .extraction import extract
+from .engine.extract import extract
 
 __version__ = "0.1.0"
 _register_attention()

@@ -8,7 +8,7 @@ Configurations, timed side by side in one process (interleaved rounds, median af
   plain-sdpa    transformers sdpa attention
   naive         eager with output_attentions=True + a vectorised PyTorch computation of attnkit's
                 features from the returned B×H×L×L maps (written here, independent of attnkit.reference)
-  fused         attnkit: the instrumented model + attnkit.extraction.forward_features (fused op)
+  fused         attnkit: the instrumented model + attnkit.engine.forward_features (fused op)
   intervened    a forward through the fused op with a mix of modes/regions on some heads, no features
 Peak memory of each configuration is measured in a fresh subprocess (CPU: peak RSS over the forward,
 VmHWM reset just before it, minus the RSS before it; CUDA: torch.cuda.max_memory_allocated).
@@ -124,7 +124,7 @@ def naive_features(attentions, lengths, token_class, sentence_id, num_windows: i
 # --- the configurations ----------------------------------------------------------------------------------
 def make_runner(cfg: str, model, batch):
     import attnkit
-    from attnkit.extraction import forward_features, measuring
+    from attnkit.engine.extract import forward_features, measuring
     from attnkit.hf_attention import BatchInfo
     from attnkit.models import runtime_of
 

@@ -73,9 +73,9 @@ class _Stub(torch.nn.Module):
 
 
 def overlap(args) -> dict:
-    from attnkit.batching import plan_batches
+    from attnkit.engine.plan import plan_batches
     from attnkit.models import default_model_path
-    from attnkit.pipeline import run_pipeline
+    from attnkit.engine.local import run_pipeline
     from attnkit.tokens import Encoder
     from transformers import AutoTokenizer
 
@@ -125,7 +125,7 @@ def overlap(args) -> dict:
 
 # --- padding ---------------------------------------------------------------------------------------------
 def padding(args) -> dict:
-    from attnkit.batching import batches_of_window, windows
+    from attnkit.engine.plan import batches_of_window, windows
     from attnkit.corpus import read_corpus
     from attnkit.models import default_model_path
     from transformers import AutoTokenizer
@@ -224,8 +224,8 @@ def ray_vs_local(args) -> dict:
 # --- gpu -------------------------------------------------------------------------------------------------
 def gpu(args) -> dict:
     import attnkit
-    from attnkit.batching import plan_batches
-    from attnkit.extraction import run_extraction
+    from attnkit.engine.plan import plan_batches
+    from attnkit.engine.extract import run_extraction
     from attnkit.models import default_model_path
     from attnkit.tokens import Encoder
     from transformers import AutoTokenizer, BertConfig, BertModel

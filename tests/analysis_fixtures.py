@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnkit.features import feature_names
-from attnkit.head_features import HeadFeatures
+from attnkit.run.head_features import HeadFeatures
 
 N_WIN = 16
 

@@ -1,11 +1,11 @@
-"""A forked process that holds a run directory's lock (attnkit.locking.run_lock) until it is killed:
+"""A forked process that holds a run directory's lock (attnkit.run.locking.run_lock) until it is killed:
 another process, as the lock must exclude, started in milliseconds (fork inherits the loaded modules)."""
 import contextlib
 import multiprocessing
 
 
 def _hold(directory, command, ready):
-    from attnkit.locking import run_lock
+    from attnkit.run.locking import run_lock
 
     with run_lock(directory, command):
         ready.set()

@@ -67,7 +67,7 @@ def _prev_scores(model, x):
     """Mean attention to the previous token per head, measured by attnkit."""
     n = len(feature_names())
     prev = feature_names().index("prev")
-    with attnkit.extraction.measuring(model, backend="reference") as rt:
+    with attnkit.engine.measuring(model, backend="reference") as rt:
         rt.batch = BatchInfo(torch.full((x.shape[0],), L), torch.zeros_like(x, dtype=torch.int32), None)
         with torch.no_grad():
             model(input_ids=x)

@@ -11,7 +11,7 @@ from transformers import (BertConfig, BertForMaskedLM, BertForQuestionAnswering,
 import attnkit
 from attnkit import AttnkitError
 from attnkit.ablation import get_task, metrics
-from attnkit.ablation.commands import ablate
+from attnkit.cli.ablate import ablate
 from attnkit.ablation.tasks import GlueTask, detect_glue, subset
 
 from .conftest import write_clusters_json

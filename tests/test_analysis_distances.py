@@ -10,7 +10,7 @@ from scipy.spatial.distance import jensenshannon
 import attnkit
 from attnkit import AttnkitError
 from attnkit.analysis import DistanceCollector, HeadDistances, collect_distances, js_distances
-from attnkit.analysis.distances import js_from_rows
+from attnkit.engine.distances import js_from_rows
 from attnkit.ops import has_kernel
 
 try:

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from attnkit import AttnkitError
 from attnkit.analysis import HeadDistances, cluster, sweep
-from attnkit.analysis.commands import cluster_cmd, compare_cmd, distances_cmd, report_cmd
+from attnkit.cli.analysis import cluster_cmd, compare_cmd, distances_cmd, report_cmd
 from attnkit.analysis.report import build_report, example_maps
 from attnkit.analysis.results import compare, load_clusters, save_clusters, type_distribution
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from attnkit.compare import compare_models, similarity_sums
+from attnkit.engine.compare import compare_models, similarity_sums
 from attnkit.errors import AttnkitError
 
 WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "a", "big", "red", "house", "is", "here", "and", "then"]
@@ -98,7 +98,7 @@ def test_perturbed_layer_two(tmp_path):
 
 
 def test_command_and_bad_pairs(tmp_path):
-    from attnkit.cli import main
+    from attnkit.cli.main import main
 
     model, tok = tiny_model_and_tokenizer(n_layers=2, n_heads=2)
     for name, m in (("a", model), ("b", copy.deepcopy(model))):

@@ -1,4 +1,4 @@
-"""The Ray engine (attnkit.distributed) against the in-process loop, on one local cluster for the module.
+"""The Ray engine (attnkit.engine.ray) against the in-process loop, on one local cluster for the module.
 
 Every run here measures the same few hundred real English segments with the embedded MiniLM on CPU; the Ray
 numbers must equal `run_extraction`'s (and the in-process distance collector's) to 1e-12 relative, also after
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from attnkit.corpus import default_corpus_path
-from attnkit.distributed import PID_DIR_ENV, run_ray_distances, run_ray_extraction, shard_dir
+from attnkit.engine.ray.driver import PID_DIR_ENV, run_ray_distances, run_ray_extraction, shard_dir
 from attnkit.errors import AttnkitError
 
 try:
@@ -71,7 +71,7 @@ def corpus():
 @contextlib.contextmanager
 def one_thread():
     """The in-process loop with the thread count of a CPU model actor (1): on CPU the per-sample numbers of
-    thin batches depend on how many threads BLAS splits a matmul over (see attnkit.distributed)."""
+    thin batches depend on how many threads BLAS splits a matmul over (see attnkit.engine.ray)."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -82,7 +82,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def in_process(minilm, corpus):
-    from attnkit.extraction import run_extraction
+    from attnkit.engine.extract import run_extraction
 
     model, tokenizer = minilm
     with one_thread():
@@ -142,7 +142,7 @@ def test_ray_features_equal_in_process_and_resume_skips_finished_shards(cluster,
 
 
 def test_importing_attnkit_does_not_import_ray():
-    code = "import sys, attnkit, attnkit.distributed; print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))"
+    code = "import sys, attnkit, attnkit.engine.ray; print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "[]"
@@ -156,7 +156,7 @@ def test_without_ray_the_engine_says_how_to_install_it(tmp_path, monkeypatch):
 
 
 def test_a_corrupt_shard_file_is_refused_by_name(tmp_path):
-    from attnkit.distributed import ShardStore
+    from attnkit.engine.ray.driver import ShardStore
 
     d = shard_dir(tmp_path)
     d.mkdir()
@@ -212,8 +212,8 @@ def test_killing_a_model_actor_mid_run_changes_nothing(cluster, corpus, in_proce
 @needs_ray
 @pytest.mark.slow
 def test_ray_distances_equal_the_in_process_collector(cluster, corpus, minilm, tmp_path):
-    from attnkit.analysis.distances import DistanceCollector
-    from attnkit.extraction import run_extraction
+    from attnkit.engine.distances import DistanceCollector
+    from attnkit.engine.extract import run_extraction
     from attnkit.models import attention_modules
 
     model, tokenizer = minilm

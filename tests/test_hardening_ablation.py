@@ -11,7 +11,7 @@ from transformers import BertConfig, BertModel, BertTokenizerFast
 
 from attnkit import AttnkitError
 from attnkit.ablation import ResultTable, get_task, run_settings
-from attnkit.ablation.commands import ablate
+from attnkit.cli.ablate import ablate
 from attnkit.ablation.experiments import Setting
 from attnkit.ablation.tasks import SquadTask, subset
 from attnkit.interventions import Intervention

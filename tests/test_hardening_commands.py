@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from attnkit.analysis import HeadDistances
-from attnkit.analysis.commands import cluster_cmd, compare_cmd, distances_cmd, report_cmd
-from attnkit.cli import main
-from attnkit.export import export_cmd
+from attnkit.cli.analysis import cluster_cmd, compare_cmd, distances_cmd, report_cmd
+from attnkit.cli.main import main
+from attnkit.cli.export import export_cmd
 
 try:
     from tests.analysis_fixtures import layered_truth, make_features
@@ -90,7 +90,7 @@ def test_report_refuses_distances_of_another_shape(run):
 
 
 def test_report_refuses_non_finite_features(tmp_path, feats):
-    from attnkit.head_features import HeadFeatures
+    from attnkit.run.head_features import HeadFeatures
 
     bad = HeadFeatures(feats.mean.copy(), feats.std, feats.names, 10, 100)
     bad.mean[1, 3, 2] = np.nan

@@ -11,10 +11,10 @@ import pytest
 from attnkit import AttnkitError
 from attnkit.analysis import HeadDistances, cluster
 from attnkit.analysis.results import load_clusters, save_clusters
-from attnkit.head_features import HeadFeatures, atomic_write
-from attnkit.locking import OWNER_FILE, lock_owner, run_lock
-from attnkit.outputs import ensure_writable_dir
-from attnkit.schemas import CLUSTERS_SCHEMA, validate
+from attnkit.run.head_features import HeadFeatures, atomic_write
+from attnkit.run.locking import OWNER_FILE, lock_owner, run_lock
+from attnkit.run.outputs import ensure_writable_dir
+from attnkit.run.schemas import CLUSTERS_SCHEMA, validate
 
 try:
     from tests.analysis_fixtures import layered_truth, make_features
@@ -256,7 +256,7 @@ def test_second_command_is_refused_naming_the_holder(tmp_path):
 def test_second_cli_command_exits_with_one_line(tmp_path, feats):
     from click.testing import CliRunner
 
-    from attnkit.cli import main
+    from attnkit.cli.main import main
 
     run = tmp_path / "run"
     feats.save(run)

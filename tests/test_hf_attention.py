@@ -147,7 +147,7 @@ def test_extract_matches_independent_features_from_output_attentions(minilm):
 
 def test_model_outputs_do_not_change_while_measuring(minilm):
     model, tok = minilm
-    from attnkit.extraction import forward_features, measuring
+    from attnkit.engine.extract import forward_features, measuring
     from attnkit.tokens import Encoder
 
     batch = Encoder(tok)(SENTENCES)

@@ -7,10 +7,10 @@ import pytest
 from click.testing import CliRunner
 
 from attnkit.analysis.patterns import BLOCK, CLASSES, DIAGONAL, HETEROGENEOUS, MIXED, VERTICAL, class_counts, classify
-from attnkit.cli import main
+from attnkit.cli.main import main
 from attnkit.errors import AttnkitError
 from attnkit.features import feature_names
-from attnkit.per_sample import PerSampleWriter
+from attnkit.run.per_sample import PerSampleWriter
 
 NAMES = feature_names(16)
 

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from attnkit.batching import plan_batches
+from attnkit.engine.plan import plan_batches
 from attnkit.errors import AttnkitError
-from attnkit.per_sample import HEADER_BYTES, PER_SAMPLE_META, PerSampleWriter, load_per_sample, npy_header
+from attnkit.run.per_sample import HEADER_BYTES, PER_SAMPLE_META, PerSampleWriter, load_per_sample, npy_header
 
 L, H, NAMES = 2, 3, ["a", "b", "c", "d"]
 

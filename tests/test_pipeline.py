@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import attnkit
-from attnkit.batching import batches_of_window, plan_batches, windows
+from attnkit.engine.plan import batches_of_window, plan_batches, windows
 from attnkit.corpus import default_corpus_path
 from attnkit.errors import AttnkitError
-from attnkit.extraction import run_extraction
+from attnkit.engine.extract import run_extraction
 
 
 def real_segments(n_pairs: int = 100) -> list:
@@ -130,7 +130,7 @@ def test_killed_worker_ends_the_run_instead_of_hanging(minilm, segments):
 
 
 def test_replica_failure_is_reported(minilm, segments):
-    from attnkit.pipeline import run_pipeline
+    from attnkit.engine.local import run_pipeline
     from attnkit.tokens import Encoder
 
     model, tok = minilm
@@ -146,7 +146,7 @@ def test_replica_failure_is_reported(minilm, segments):
 def test_devices_are_parsed_and_checked():
     import torch
 
-    from attnkit.devices import device_labels, parse_devices
+    from attnkit.engine.devices import device_labels, parse_devices
 
     assert [str(d) for d in parse_devices("cpu,cpu")] == ["cpu", "cpu"]
     assert device_labels(parse_devices("cpu,cpu")) == ["cpu#0", "cpu#1"]

@@ -11,11 +11,11 @@ from click.testing import CliRunner
 from attnkit.ablation.experiments import Setting, run_settings
 from attnkit.ablation.metrics import ExampleScores, bootstrap_delta, percentile_interval, spearman
 from attnkit.analysis.clustering import cluster, stability_over_seeds, sweep
-from attnkit.analysis.distances import js_distances, smooth_attention
+from attnkit.engine.distances import js_distances, smooth_attention
 from attnkit.analysis.results import clusters_dict, compare, save_clusters
 from attnkit.analysis.summaries import layer_summaries, paper_differences, threshold_heads
 from attnkit.errors import AttnkitError
-from attnkit.head_features import HeadFeatures
+from attnkit.run.head_features import HeadFeatures
 from attnkit.interventions import Intervention
 
 try:
@@ -61,7 +61,7 @@ def test_compare_marks_changes_unreliable_when_a_run_is_unstable():
 
 
 def test_cluster_and_compare_commands_warn(tmp_path):
-    from attnkit.cli import main
+    from attnkit.cli.main import main
 
     truth = layered_truth(4, 12)
     for name, f in (("good", make_features(truth, noise=0.005)),

@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import AttnkitError
-from ..outputs import atomic_write, ensure_writable_dir, os_errors
+from ..run.outputs import atomic_write, ensure_writable_dir, os_errors
 from ..interventions import HeadTypes, Intervention, format_heads, intervene
 from .importance import iterative_pruning
 

@@ -29,7 +29,7 @@ import torch
 from ..corpus import read_corpus, read_table
 from ..errors import AttnkitError
 from ..models import instrument, runtime_of
-from ..schemas import SQUAD_SCHEMA, load_json
+from ..run.schemas import SQUAD_SCHEMA, load_json
 from ..tokens import Batch, Encoder
 from . import metrics
 

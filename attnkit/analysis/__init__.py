@@ -5,7 +5,7 @@ between heads, 2-D maps (MDS, t-SNE), figures and a self-contained HTML report.
     c = attnkit.cluster(feats, k=4)          # HeadClusterer: labels_, type_names_, stability_, ...
 """
 from .clustering import HeadClusterer, cluster, match_labels, stability_over_seeds, sweep
-from .distances import DistanceCollector, HeadDistances, collect_distances, js_distances
+from ..engine.distances import DistanceCollector, HeadDistances, collect_distances, js_distances
 from .naming import name_clusters
 
 

@@ -23,7 +23,7 @@ from sklearn.mixture import GaussianMixture
 from sklearn.preprocessing import StandardScaler
 
 from ..errors import AttnkitError
-from ..head_features import HeadFeatures
+from ..run.head_features import HeadFeatures
 
 METHODS = ("kmeans", "gmm")
 STABILITY_WARN = 0.8  # below this mean stability over seeds, head types are called unreliable

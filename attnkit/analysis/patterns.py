@@ -144,8 +144,8 @@ def proportions_figure(data: dict):
 
 def run_patterns(run_dir, *, pairs=None, svg: bool = True) -> tuple[Path, dict]:
     """Classify RUN/per_sample.npy, write RUN/patterns.json and RUN/figures/pattern_types.png (+ .svg)."""
-    from ..head_features import write_json
-    from ..per_sample import load_per_sample
+    from ..run.head_features import write_json
+    from ..run.per_sample import load_per_sample
     from .figures import save_figure
 
     run_dir = Path(run_dir)

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError
-from ..head_features import HeadFeatures, atomic_write
+from ..run.head_features import HeadFeatures, atomic_write
 from . import figures as figs
 from .clustering import cluster, distance_feature_names, head_matrix, sweep
-from .distances import DISTANCES_FILE, HeadDistances
+from ..engine.distances import DISTANCES_FILE, HeadDistances
 from .clustering import STABILITY_WARN, stability_over_seeds
 from .results import CLUSTERS_FILE, label_grid, load_clusters, run_stability, save_clusters
 

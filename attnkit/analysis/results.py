@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError
-from ..head_features import write_json
-from ..outputs import ensure_writable_dir
-from ..schemas import CLUSTERS_REPORT_SCHEMA, CLUSTERS_SCHEMA, load_json
+from ..run.head_features import write_json
+from ..run.outputs import ensure_writable_dir
+from ..run.schemas import CLUSTERS_REPORT_SCHEMA, CLUSTERS_SCHEMA, load_json
 from .naming import profile_groups
 
 CLUSTERS_FILE = "clusters.json"

@@ -16,8 +16,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-from .errors import AttnkitError
-from .tokens import Segment
+from ..errors import AttnkitError
+from ..tokens import Segment
 
 DEFAULT_WINDOW = 4096
 

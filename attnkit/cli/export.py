@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .errors import AttnkitError, cli_errors
+from ..errors import AttnkitError, cli_errors
 
 FORMATS = ("csv", "parquet")
 
@@ -21,7 +21,7 @@ def features_table(features):
 
 def write_table(df, path: Path, fmt: str) -> None:
     """Write `df` to `path` as CSV or Parquet (pyarrow), atomically."""
-    from .head_features import atomic_write
+    from ..run.head_features import atomic_write
 
     if fmt == "csv":
         data = df.to_csv(index=False).encode("utf-8")
@@ -66,9 +66,9 @@ def export_cmd(run, fmt, out, overwrite, quiet):
       <feature>_std        then the standard deviation over samples of each feature,
                            in the same order
     """
-    from .head_features import FEATURES_FILE, HeadFeatures
-    from .locking import run_lock
-    from .outputs import ensure_writable_dir
+    from ..run.head_features import FEATURES_FILE, HeadFeatures
+    from ..run.locking import run_lock
+    from ..run.outputs import ensure_writable_dir
 
     fmt = _format_of(out if out is not None and str(out) != "-" else None, fmt)
     to_stdout = out is not None and str(out) == "-"

@@ -18,7 +18,7 @@ import numpy as np
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
-from .errors import AttnkitError
+from ..errors import AttnkitError
 
 _INT0 = {"type": "integer", "minimum": 0}
 _INT1 = {"type": "integer", "minimum": 1}

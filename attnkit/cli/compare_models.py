@@ -37,7 +37,7 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
     head by head over CORPUS (default: the built-in corpus), tokenised once with A's tokenizer: the mean
     cosine of each head's attention rows, the flattened-map cosine of Kovaleva et al. (2019, Sec. 5), and each
     head's feature shift (B − A). The maps are computed from q and k one row block at a time, never stored."""
-    from ..compare import compare_models
+    from ..engine.compare import compare_models
     from ..corpus import open_corpus
 
     texts = open_corpus(list(corpus), fmt, columns=columns, squad_pairs=squad_pairs, limit=limit)

@@ -30,10 +30,10 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .batching import PlannedBatch
+from .plan import PlannedBatch
 from .devices import device_labels
-from .errors import AttnkitError
-from .tokens import Batch, EncodedArrays, Encoder
+from ..errors import AttnkitError
+from ..tokens import Batch, EncodedArrays, Encoder
 
 
 def default_workers(device_type: str = "cuda") -> int:

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from ..errors import AttnkitError
-from ..head_features import atomic_write
-from ..outputs import ensure_writable_dir
-from ..schemas import DISTANCES_ARRAYS, validate_arrays
+from ..run.head_features import atomic_write
+from ..run.outputs import ensure_writable_dir
+from ..run.schemas import DISTANCES_ARRAYS, validate_arrays
 
 DISTANCES_FILE = "distances.npz"
 JS_OP = "attnkit::js_distances"
@@ -274,7 +274,7 @@ def collect_distances(texts, model=None, *, rows_per_sample: int | None = None, 
                       use_op: bool | None = None, smoothing: float = 0.0, **extract_kwargs):
     """Extract features and JS divergences in one pass over `texts`: returns (HeadFeatures, HeadDistances).
     `smoothing`: ε of Clark et al.'s (1 − ε)·A + ε/n before the divergence (CLARK_SMOOTHING = 0.001)."""
-    from ..extraction import _as_model, extract
+    from .extract import _as_model, extract
     from ..models import attention_modules
 
     model, tokenizer = _as_model(model, extract_kwargs.pop("tokenizer", None), extract_kwargs.pop("device", None),

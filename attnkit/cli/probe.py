@@ -47,7 +47,7 @@ def probe(corpus, out, model_path, parser, fmt, columns, limit, max_length, batc
     Clark et al. 2019, Sec. 4-5: how often the most-attended other word is the gold head (dependent->head)
     or the dependent (head->dep), against the best fixed-offset baseline; and an attention-only logistic
     probe's UAS. See docs/probes.md."""
-    from .run import ProbeOptions, run_probe
+    from ..probe.run import ProbeOptions, run_probe
 
     cols = tuple(c.strip() for c in columns.split(",") if c.strip()) if columns else None
     run_probe(ProbeOptions(paths=list(corpus), out=out, model_path=model_path, parser=parser, fmt=fmt,

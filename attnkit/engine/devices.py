@@ -12,8 +12,8 @@ from typing import Sequence
 
 import torch
 
-from .errors import AttnkitError
-from .models import resolve_device
+from ..errors import AttnkitError
+from ..models import resolve_device
 
 
 def parse_devices(spec: str | None) -> list[torch.device]:

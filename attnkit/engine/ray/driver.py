@@ -63,11 +63,11 @@ from typing import Iterable
 
 import numpy as np
 
-from .batching import DEFAULT_WINDOW, check_plan_settings, plan_window, windows
-from .errors import AttnkitError
-from .features import check_num_windows, feature_names
-from .head_features import FeatureAccumulator, atomic_write, batch_moments, merge_moments
-from .tokens import Segment
+from ..plan import DEFAULT_WINDOW, check_plan_settings, plan_window, windows
+from ...errors import AttnkitError
+from ...features import check_num_windows, feature_names
+from ...run.head_features import FeatureAccumulator, atomic_write, batch_moments, merge_moments
+from ...tokens import Segment
 
 FEATURE_SHARDS_DIR = "shards"
 DISTANCE_SHARDS_DIR = "distance-shards"
@@ -215,8 +215,8 @@ def _encoder(model_path: str | None, max_length: int, split_sentences: bool):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         from transformers import AutoTokenizer
 
-        from .models import default_model_path
-        from .tokens import Encoder
+        from ...models import default_model_path
+        from ...tokens import Encoder
 
         path = model_path or default_model_path()
         try:
@@ -245,9 +245,9 @@ class _ModelActor:
         torch.set_num_threads(threads)  # the CPUs the actor holds (see the module docstring)
 
         import attnkit  # noqa: F401  (registers the attention implementation)
-        from .extraction import check_max_length
-        from .models import attention_modules, load_model
-        from .ops import resolve_backend
+        from ..extract import check_max_length
+        from ...models import attention_modules, load_model
+        from ...ops import resolve_backend
 
         with contextlib.suppress(Exception):
             from transformers.utils import logging as hf_logging
@@ -277,14 +277,14 @@ class _ModelActor:
     def _measure(self, arrays, batch_index: int) -> dict:
         import torch
 
-        from .extraction import _observing, forward_features, measuring
-        from .models import runtime_of
-        from .tokens import Batch
+        from ..extract import _observing, forward_features, measuring
+        from ...models import runtime_of
+        from ...tokens import Batch
 
         batch = Batch.from_arrays(arrays).to(self.device)
         observers = []
         if self.kind == "distances":
-            from .analysis.distances import DistanceCollector
+            from ..distances import DistanceCollector
 
             collector = DistanceCollector(self.n_layers, rows_per_sample=self.rows_per_sample)
             if self.rows_per_sample is not None:  # a sample of rows that depends on nothing but (seed, batch)
@@ -392,7 +392,7 @@ def _one_line(exc: BaseException) -> str:
 def _check_model_here(model_path: str | None, max_length: int, local: bool) -> None:
     """Fail before starting the cluster when the model is missing or too short for `max_length` (read from its
     config alone). On a remote cluster the path may exist only on the workers: checked there."""
-    from .models import default_model_path, max_positions
+    from ...models import default_model_path, max_positions
 
     try:
         path = model_path or default_model_path()
@@ -634,7 +634,7 @@ def run_ray_distances(segments: Iterable[Segment], *, model_path: str | None, dt
     in-process collector (whose one generator runs through the batches in order). Without it the numbers equal
     the in-process collector's.
     """
-    from .analysis.distances import HeadDistances
+    from ..distances import HeadDistances
 
     if rows_per_sample is not None and (not isinstance(rows_per_sample, int) or rows_per_sample < 1):
         raise AttnkitError(f"rows_per_sample must be a positive integer, got {rows_per_sample!r}")

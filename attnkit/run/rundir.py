@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import AttnkitError
+from ..errors import AttnkitError
 from .head_features import FEATURES_FILE, FeatureAccumulator, HeadFeatures, atomic_write
 
 CHECKPOINT_FILE = "checkpoint.npz"

@@ -11,14 +11,14 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from .batching import DEFAULT_WINDOW, check_plan_settings, plan_batches
-from .errors import AttnkitError
-from .features import check_num_windows, feature_names
-from .head_features import FeatureAccumulator, HeadFeatures
-from .models import attention_modules, instrument, load_model, max_positions, runtime_of
-from .ops import backend_label, resolve_backend
-from .pipeline import run_pipeline
-from .tokens import Encoder, Segment
+from .plan import DEFAULT_WINDOW, check_plan_settings, plan_batches
+from ..errors import AttnkitError
+from ..features import check_num_windows, feature_names
+from ..run.head_features import FeatureAccumulator, HeadFeatures
+from ..models import attention_modules, instrument, load_model, max_positions, runtime_of
+from ..ops import backend_label, resolve_backend
+from .local import run_pipeline
+from ..tokens import Encoder, Segment
 
 
 def default_batch_size(device: torch.device) -> int:
@@ -203,7 +203,7 @@ def _as_model(model, tokenizer, device, dtype):
     if device is not None:
         model.to(device)
     if dtype is not None:
-        from .models import resolve_dtype
+        from ..models import resolve_dtype
 
         model.to(resolve_dtype(dtype))
     instrument(model.eval())
@@ -239,7 +239,7 @@ def extract(
     `window`: segments sorted by length together (see attnkit.batching); the numbers do not depend on it
     beyond float64 rounding, only padding does.
     """
-    from .corpus import Corpus
+    from ..corpus import Corpus
 
     if isinstance(texts, (str, bytes)):
         raise AttnkitError("texts must be a list of strings or (str, str) pairs, not a single string")

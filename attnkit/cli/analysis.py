@@ -31,7 +31,7 @@ def _say(quiet: bool, message: str) -> None:
 
 def _run_shape(run: Path) -> tuple[int, int] | None:
     """(n_layers, n_heads) of the run in `run`, or None when it holds no features.npz."""
-    from ..head_features import FEATURES_FILE, HeadFeatures
+    from ..run.head_features import FEATURES_FILE, HeadFeatures
 
     if not (run / FEATURES_FILE).is_file():
         return None
@@ -43,7 +43,7 @@ def _corpus_from_run(run: Path, corpus, fmt, squad_pairs, columns, limit):
     """The corpus of a run: --corpus, else the inputs recorded in meta.json (read as the run read them).
     Returns (a streamed attnkit.corpus.Corpus, the run's meta)."""
     from ..corpus import open_corpus
-    from ..head_features import HeadFeatures
+    from ..run.head_features import HeadFeatures
 
     text_unit = "auto"
     meta = HeadFeatures.load(run).meta
@@ -133,11 +133,11 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
     attnkit.analysis.naming). Stability follows Guan et al. 2020: the share of heads that get the same
     label in all fits on random 50% subsets of the heads, labels matched by the Hungarian method.
     """
-    from ..head_features import HeadFeatures
-    from ..locking import run_lock
-    from ..outputs import os_errors
-    from .clustering import STABILITY_WARN, cluster, stability_over_seeds, sweep as do_sweep
-    from .results import save_clusters
+    from ..run.head_features import HeadFeatures
+    from ..run.locking import run_lock
+    from ..run.outputs import os_errors
+    from ..analysis.clustering import STABILITY_WARN, cluster, stability_over_seeds, sweep as do_sweep
+    from ..analysis.results import save_clusters
 
     with run_lock(run, "attnkit cluster"), os_errors(f"write into {run}"):
         feats = HeadFeatures.load(run)
@@ -203,10 +203,10 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
     and reduced to a heads × heads matrix per batch, never stored. Uses the compiled js_distances op
     when it is built for the device and no smoothing is asked for, a chunked PyTorch computation otherwise.
     """
-    from ..locking import run_lock
+    from ..run.locking import run_lock
     from ..models import load_model
-    from ..outputs import os_errors
-    from .distances import collect_distances
+    from ..run.outputs import os_errors
+    from ..engine.distances import collect_distances
 
     if ray_address and engine != "ray":
         raise AttnkitError("--ray-address needs --engine ray")
@@ -226,7 +226,7 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
             raise AttnkitError(f"the model has {shape[0]} × {shape[1]} heads but {run} was measured "
                                f"with {want[0]} × {want[1]}")
         _say(quiet, f"attnkit distances: {texts.summary()}; {shape[0] * shape[1]} heads")
-        from ..pipeline import default_workers
+        from ..engine.local import default_workers
 
         workers = default_workers(next(model[0].parameters()).device.type)
         feats, dist = collect_distances(texts, model, workers=workers, rows_per_sample=rows_per_sample, seed=seed,
@@ -251,9 +251,9 @@ def _print_distances(dist, n_samples: int, path, smooth: float = 0.0) -> None:
 def _distances_on_ray(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, seed, address,
                       quiet) -> None:
     """`attnkit distances --engine ray`: the same sums, measured by model actors on a Ray cluster."""
-    from ..distributed import remove_shards, run_ray_distances
-    from ..locking import run_lock
-    from ..outputs import os_errors
+    from ..engine.ray.driver import remove_shards, run_ray_distances
+    from ..run.locking import run_lock
+    from ..run.outputs import os_errors
 
     with run_lock(run, "attnkit distances --engine ray"), os_errors(f"write into {run}"):
         texts, meta = _corpus_from_run(run, corpus, fmt, squad_pairs, columns, limit)
@@ -294,12 +294,12 @@ def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, metho
     with -k/--method/--seed) and RUN/distances.npz when present."""
     import numpy as np
 
-    from ..head_features import HeadFeatures
-    from ..locking import run_lock
-    from ..outputs import ensure_writable_dir, os_errors
-    from .distances import DISTANCES_FILE, HeadDistances
-    from .report import FIGURES_DIR, build_report
-    from .results import CLUSTERS_FILE, load_clusters
+    from ..run.head_features import HeadFeatures
+    from ..run.locking import run_lock
+    from ..run.outputs import ensure_writable_dir, os_errors
+    from ..engine.distances import DISTANCES_FILE, HeadDistances
+    from ..analysis.report import FIGURES_DIR, build_report
+    from ..analysis.results import CLUSTERS_FILE, load_clusters
 
     with run_lock(run, "attnkit report"), os_errors(f"write the report into {run}"):
         feats = HeadFeatures.load(run)
@@ -341,10 +341,10 @@ def compare_cmd(run_a, run_b, json_out, quiet):
     which heads changed type, and the type distribution per layer of each."""
     import contextlib
 
-    from ..head_features import FEATURES_FILE, atomic_write
-    from ..locking import run_lock
-    from ..outputs import ensure_writable_dir
-    from .results import compare, load_clusters
+    from ..run.head_features import FEATURES_FILE, atomic_write
+    from ..run.locking import run_lock
+    from ..run.outputs import ensure_writable_dir
+    from ..analysis.results import compare, load_clusters
 
     if json_out is not None:
         ensure_writable_dir(json_out.parent, "output directory")

@@ -7,8 +7,8 @@ import time
 import click
 
 from ..errors import AttnkitError, cli_errors
-from .experiments import EXPERIMENTS, TaskEvaluator, run_experiment, save_figure
-from .tasks import TASKS, get_task
+from ..ablation.experiments import EXPERIMENTS, TaskEvaluator, run_experiment, save_figure
+from ..ablation.tasks import TASKS, get_task
 
 
 @click.command("ablate")
@@ -41,11 +41,11 @@ def ablate(model, task_name, data, experiment, clusters, mode, limit, sample, ba
            no_layer_norm, renormalize, device, out, quiet):
     """Disable heads, layers or head types of MODEL (a local model directory, or `default` for the embedded
     MiniLM) and measure the task metric; writes CSV/JSON/Markdown tables and a PNG figure."""
-    from ..head_features import write_json
+    from ..run.head_features import write_json
     from ..interventions import load_clusters
-    from ..locking import run_lock
+    from ..run.locking import run_lock
     from ..models import load_model
-    from ..outputs import ensure_writable_dir
+    from ..run.outputs import ensure_writable_dir
 
     if model == "default" and task_name != "stsb":
         raise AttnkitError(f"the embedded MiniLM is a sentence-embedding model without a {task_name} head; "

@@ -22,9 +22,9 @@ def patterns_cmd(run, pairs, svg, quiet):
     """Classify every (example, head) of RUN into Kovaleva et al.'s five pattern types (vertical, diagonal,
     vertical+diagonal, block, heterogeneous) by the rules in docs/patterns.md; needs RUN/per_sample.npy
     (`attnkit extract --per-sample`). Writes RUN/patterns.json and RUN/figures/pattern_types.png."""
-    from ..locking import run_lock
-    from ..outputs import os_errors
-    from .patterns import CLASSES, run_patterns
+    from ..run.locking import run_lock
+    from ..run.outputs import os_errors
+    from ..analysis.patterns import CLASSES, run_patterns
 
     flag = {"auto": None, "yes": True, "no": False}[pairs]
     with run_lock(run, "attnkit patterns"), os_errors(f"write into {run}"):

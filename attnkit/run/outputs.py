@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import AttnkitError
+from ..errors import AttnkitError
 
 
 def describe_os_error(exc: OSError) -> str:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from .corpus import FORMATS
-from .errors import cli_errors
+from ..corpus import FORMATS
+from ..errors import cli_errors
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -111,7 +111,7 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
     runs (Ctrl-C, kill) keep a checkpoint; `--resume` continues them to the same numbers as an
     uninterrupted run.
     """
-    from .extract_job import ExtractOptions, run_extract_job
+    from ..engine.extract_job import ExtractOptions, run_extract_job
 
     run_extract_job(ExtractOptions(
         paths=list(corpus), model_path=model_path, fmt=fmt, text_unit=text_unit, columns=_columns(columns),
@@ -122,12 +122,12 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
 
 
 def _add_commands() -> None:
-    from .ablation.commands import ablate
-    from .analysis.commands import COMMANDS
-    from .analysis.compare_commands import COMMANDS as COMPARE_COMMANDS
-    from .analysis.pattern_commands import COMMANDS as PATTERN_COMMANDS
+    from .ablate import ablate
+    from .analysis import COMMANDS
+    from .compare_models import COMMANDS as COMPARE_COMMANDS
+    from .patterns import COMMANDS as PATTERN_COMMANDS
     from .export import export_cmd
-    from .probe.commands import probe
+    from .probe import probe
 
     for cmd in (*COMMANDS, *PATTERN_COMMANDS, *COMPARE_COMMANDS, ablate, export_cmd, probe):
         main.add_command(cmd)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import AttnkitError
+from ..errors import AttnkitError
 from .outputs import atomic_write, ensure_writable_dir  # atomic_write is also imported from here
 from .schemas import FEATURES_ARRAYS, META_SCHEMA, load_json, validate_arrays
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from .errors import AttnkitError
+from ..errors import AttnkitError
 
 CHECKPOINT_SECONDS = 120.0  # also checkpoint at least this often, whatever --checkpoint-every says
 TRUNCATION_WARN_SHARE = 0.10
@@ -62,8 +62,8 @@ def _say(opts: ExtractOptions, text: str) -> None:
 
 
 def run_extract_job(opts: ExtractOptions) -> None:
-    from .outputs import ensure_writable_dir
-    from .rundir import RunDir
+    from ..run.outputs import ensure_writable_dir
+    from ..run.rundir import RunDir
 
     if opts.resume and opts.overwrite:
         raise AttnkitError("--resume and --overwrite contradict each other: choose one")
@@ -87,9 +87,9 @@ def run_extract_job(opts: ExtractOptions) -> None:
 
 
 def _run_extract_job(opts: ExtractOptions, run) -> None:
-    from .corpus import open_corpus
+    from ..corpus import open_corpus
     from .devices import parse_devices
-    from .models import default_model_path
+    from ..models import default_model_path
 
     corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
                          squad_pairs=opts.squad_pairs, limit=opts.limit)
@@ -97,8 +97,8 @@ def _run_extract_job(opts: ExtractOptions, run) -> None:
         raise AttnkitError("cannot resume a run that reads standard input (it cannot be read again to check "
                            "it is the same): save the input to a file and extract from the file")
     devices = parse_devices(opts.devices or opts.device)
-    from .extraction import default_batch_size
-    from .ops import backend_label
+    from .extract import default_batch_size
+    from ..ops import backend_label
 
     batch_size = opts.batch_size or default_batch_size(devices[0])
     model_name = str(opts.model_path) if opts.model_path else default_model_path()
@@ -141,8 +141,8 @@ def _run_extract_job(opts: ExtractOptions, run) -> None:
 
 def _load_models(opts: ExtractOptions, devices):
     from .devices import replicate
-    from .extraction import check_max_length
-    from .models import load_model
+    from .extract import check_max_length
+    from ..models import load_model
 
     model, tokenizer = load_model(opts.model_path, device=devices[0], dtype=opts.dtype)
     check_max_length(model, opts.max_length)
@@ -150,8 +150,8 @@ def _load_models(opts: ExtractOptions, devices):
 
 
 def _run_local(opts: ExtractOptions, run, corpus, settings: dict, devices, batch_size: int) -> None:
-    from .locking import run_lock
-    from .pipeline import default_workers
+    from ..run.locking import run_lock
+    from .local import default_workers
 
     models, tokenizer = _load_models(opts, devices)
     model = models[0]
@@ -176,7 +176,7 @@ def _run_local(opts: ExtractOptions, run, corpus, settings: dict, devices, batch
 
 
 def _remove_if_only_lock(path: Path) -> None:
-    from .locking import LOCK_FILE, OWNER_FILE
+    from ..run.locking import LOCK_FILE, OWNER_FILE
 
     if not path.is_dir():
         return
@@ -208,7 +208,7 @@ class LengthHistogram:
 
 def _measure_local(opts, run, corpus, settings, models, tokenizer, workers, batch_size, acc, start, n_truncated,
                    lengths) -> None:
-    from .extraction import run_extraction
+    from .extract import run_extraction
 
     state = {"acc": acc, "next": start, "trunc": n_truncated, "batches": 0, "saved_at": time.monotonic()}
     hist = LengthHistogram(lengths)
@@ -269,8 +269,8 @@ def _measure_local(opts, run, corpus, settings, models, tokenizer, workers, batc
 
 def _per_sample_writer(opts, run, model, start: int):
     """RUN/per_sample.npy's writer: a new file, or the partial file of the run being resumed."""
-    from .features import feature_names
-    from .per_sample import PerSampleWriter
+    from ..features import feature_names
+    from ..run.per_sample import PerSampleWriter
 
     return PerSampleWriter(run.path, len(model._attnkit_modules), model.config.num_attention_heads,
                            feature_names(opts.num_windows), resume_after=start if opts.resume else None)
@@ -281,9 +281,9 @@ def _run_ray(opts: ExtractOptions, run, corpus, settings: dict) -> None:
     without --resume, measures only the shards that are not finished."""
     from transformers import AutoConfig
 
-    from .distributed import remove_shards, run_ray_extraction, shard_dir
-    from .locking import run_lock
-    from .models import default_model_path
+    from .ray.driver import remove_shards, run_ray_extraction, shard_dir
+    from ..run.locking import run_lock
+    from ..models import default_model_path
 
     with run_lock(run.path, "attnkit extract --engine ray"):
         if opts.overwrite:
@@ -311,8 +311,8 @@ def _run_ray(opts: ExtractOptions, run, corpus, settings: dict) -> None:
 
 
 def _finish(opts, run, corpus, settings, acc, n_truncated, elapsed, hist, engine_info, model, writer=None) -> None:
-    from . import __version__
-    from .models import max_positions
+    from .. import __version__
+    from ..models import max_positions
 
     inputs = corpus.describe()
     meta = {

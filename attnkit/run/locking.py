@@ -16,7 +16,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from .errors import AttnkitError
+from ..errors import AttnkitError
 from .outputs import ensure_writable_dir
 
 LOCK_FILE = ".attnkit.lock"

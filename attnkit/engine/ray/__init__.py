@@ -1,0 +1,2 @@
+"""The Ray Data engine."""
+from .driver import *  # noqa: F401,F403

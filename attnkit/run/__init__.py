@@ -1,0 +1,1 @@
+"""The run directory and every file attnkit reads back."""
