@@ -43,7 +43,7 @@ def trained():
 
 
 def _train(model, opt, gen):
-    for step in range(1000):
+    for _ in range(1000):
         x, y = _data(64, gen)
         loss = model(input_ids=x, labels=y).loss
         opt.zero_grad()

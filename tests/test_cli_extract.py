@@ -1,7 +1,7 @@
 """`attnkit extract` end to end: outputs, interruption and resume, and one-line errors for bad input."""
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys

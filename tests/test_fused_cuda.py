@@ -379,7 +379,7 @@ def test_cuda_graph_capture_of_an_instrumented_forward():
     """A whole instrumented forward (padding mask → lengths on the device, features via the runtime
     batch) captured in a CUDA graph and replayed on new inputs equals eager."""
     import attnkit
-    from attnkit.engine.extract import measuring
+    from attnkit.engine import measuring
     from attnkit.tokens import Batch
     from transformers import BertConfig, BertModel
 

@@ -1,30 +1,26 @@
-"""Click command `attnkit patterns RUN`: Kovaleva et al.'s pattern types of every (example, head)."""
+"""`attnkit patterns RUN`: Kovaleva et al.'s pattern types of every (example, head) (docs/patterns.md)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import click
 
-from ..errors import cli_errors
-
-RUN = click.Path(exists=True, file_okay=False, path_type=Path)
+from .options import cli_errors, run_argument, shared
 
 
 @click.command("patterns")
-@click.argument("run", type=RUN)
+@run_argument()
 @click.option("--pairs", type=click.Choice(["auto", "yes", "no"]), default="auto", show_default=True,
               help="Whether examples are text pairs (block needs two segments); auto: an example whose head "
                    "puts any mass on another sentence (inter > 0).")
-@click.option("--svg/--no-svg", default=True, show_default=True, help="Also save the figure as SVG.")
+@shared("svg")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the path written, not the table of shares.")
 @cli_errors
 def patterns_cmd(run, pairs, svg, quiet):
     """Classify every (example, head) of RUN into Kovaleva et al.'s five pattern types (vertical, diagonal,
     vertical+diagonal, block, heterogeneous) by the rules in docs/patterns.md; needs RUN/per_sample.npy
     (`attnkit extract --per-sample`). Writes RUN/patterns.json and RUN/figures/pattern_types.png."""
+    from ..analysis.patterns import CLASSES, run_patterns
     from ..run.locking import run_lock
     from ..run.outputs import os_errors
-    from ..analysis.patterns import CLASSES, run_patterns
 
     flag = {"auto": None, "yes": True, "no": False}[pairs]
     with run_lock(run, "attnkit patterns"), os_errors(f"write into {run}"):
@@ -40,4 +36,4 @@ def patterns_cmd(run, pairs, svg, quiet):
     click.echo(f"wrote {path}")
 
 
-COMMANDS = (patterns_cmd,)
+__all__ = ["patterns_cmd"]

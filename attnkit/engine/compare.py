@@ -1,5 +1,4 @@
-"""Comparing the attention of two models head by head (Kovaleva et al. 2019, Sec. 5; SPEC.md "Comparing
-attention").
+"""Comparing the attention of two models head by head (Kovaleva et al. 2019, Sec. 5; defined in docs/compare.md).
 
 For each layer ℓ and head h, over the same tokenised corpus, with A and B the two models' softmax weights:
 
@@ -22,9 +21,15 @@ import numpy as np
 import torch
 
 from ..errors import AttnkitError
+from ..features import DEFAULT_NUM_WINDOWS, check_num_windows, feature_names
+from ..models import attention_modules, check_max_length, observing, resolve_model
+from ..run.files import COMPARE_JSON, COMPARE_NPZ, FIGURES_DIR
+from ..run.head_features import FeatureAccumulator
+from ..run.outputs import atomic_write, ensure_writable_dir, write_json
+from ..tokens import Batch, Encoder
+from .forward import default_batch_size, forward_features, measuring
+from .plan import DEFAULT_WINDOW, plan_batches
 
-COMPARE_JSON = "compare_models.json"
-COMPARE_NPZ = "compare_models.npz"
 SUM_NAMES = ("row_cos", "ab", "aa", "bb")
 
 
@@ -149,9 +154,8 @@ class ModelComparison:
         }
 
     def save(self, directory, *, svg: bool = True) -> Path:
-        from ..analysis.figures import save_figure
-        from ..run.head_features import atomic_write, write_json
-        from ..run.outputs import ensure_writable_dir
+        """Write COMPARE_JSON, COMPARE_NPZ and figures/compare_models.png (and .svg) into `directory`."""
+        from ..plotting import save_figure
 
         directory = ensure_writable_dir(directory, "output directory")
         write_json(directory / COMPARE_JSON, self.to_dict())
@@ -159,7 +163,7 @@ class ModelComparison:
             f, row_cosine=self.row_cosine, map_cosine=self.map_cosine, mean_a=self.features_a.mean,
             mean_b=self.features_b.mean, shift=self.shift, names=np.array(self.features_a.names),
             n_rows=np.int64(self.n_rows), n_samples=np.int64(self.n_samples)))
-        save_figure(cosine_heatmap(self.row_cosine, self.meta), directory / "figures", "compare_models", svg=svg)
+        save_figure(cosine_heatmap(self.row_cosine, self.meta), directory / FIGURES_DIR, "compare_models", svg=svg)
         return directory / COMPARE_JSON
 
 
@@ -171,32 +175,20 @@ def _short(name) -> str:
 
 def cosine_heatmap(cos: np.ndarray, meta: dict | None = None):
     """Layer × head heatmap of the mean row cosine (Kovaleva et al. Fig. 5 analogue)."""
-    import matplotlib.pyplot as plt
-
-    from ..analysis import figures  # noqa: F401  (Agg backend)
+    from ..plotting import head_grid, plt
 
     L, H = cos.shape
     fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * H + 2), max(2.5, 0.4 * L + 1.2)))
-    im = ax.imshow(cos, cmap="viridis", vmin=min(0.0, float(np.nanmin(cos))), vmax=1.0, aspect="auto")
-    for l in range(L):
-        for h in range(H):
-            ax.text(h, l, f"{cos[l, h]:.2f}", ha="center", va="center", fontsize=6,
-                    color="white" if cos[l, h] < 0.6 else "black")
-    ax.set_xticks(range(H))
-    ax.set_yticks(range(L))
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
+    head_grid(ax, cos, labels=[[f"{v:.2f}" for v in row] for row in cos], vmin=min(0.0, float(np.nanmin(cos))),
+              vmax=1.0, fontsize=6, dark_below=0.6, colorbar={"fraction": 0.046, "pad": 0.04})
     meta = meta or {}
     ax.set_title(f"mean cosine of attention rows: {_short(meta.get('model_b', 'B'))} vs "
                  f"{_short(meta.get('model_a', 'A'))}", fontsize=9)
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
     return fig
 
 
 def _check_pair(model_a, tok_a, model_b, tok_b):
-    from ..models import attention_modules
-
     if model_a is model_b:
         raise AttnkitError("model A and model B are the same object: load or copy the second model")
     la, lb = len(attention_modules(model_a)), len(attention_modules(model_b))
@@ -211,20 +203,14 @@ def _check_pair(model_a, tok_a, model_b, tok_b):
 
 
 def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=None, max_length: int = 128,
-                   batch_size: int | None = None, num_windows: int = 16, split_sentences: bool = False,
-                   backend: str = "auto", device=None, window: int = 4096, max_elems: int = 1 << 22,
+                   batch_size: int | None = None, num_windows: int = DEFAULT_NUM_WINDOWS, split_sentences: bool = False,
+                   backend: str = "auto", device=None, window: int = DEFAULT_WINDOW, max_elems: int = 1 << 22,
                    progress: bool = False) -> ModelComparison:
     """Compare `model_a` and `model_b` (None/path/(model, tokenizer) as in `attnkit.extract`) on `texts`
     (an iterable of str or (str, str)), tokenised once with model A's tokenizer."""
-    from .plan import plan_batches
-    from .extract import _as_model, _observing, check_max_length, default_batch_size, forward_features, measuring
-    from ..features import check_num_windows, feature_names
-    from ..run.head_features import FeatureAccumulator
-    from ..tokens import Batch, Encoder
-
     check_num_windows(num_windows)
-    model_a, tok_a = _as_model(model_a, tokenizer_a, device, None)
-    model_b, tok_b = _as_model(model_b, tokenizer_b, device, None)
+    model_a, tok_a = resolve_model(model_a, tokenizer_a, device)
+    model_b, tok_b = resolve_model(model_b, tokenizer_b, device)
     L, H = _check_pair(model_a, tok_a, model_b, tok_b)
     for m in (model_a, model_b):
         check_max_length(m, max_length)
@@ -241,7 +227,7 @@ def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=Non
         bar = tqdm(unit="seg", desc="compare-models", dynamic_ncols=True)
     with measuring(model_a, backend=backend, num_windows=num_windows) as rt_a, \
             measuring(model_b, backend=backend, num_windows=num_windows) as rt_b, \
-            _observing(rt_a, [coll.observe_a]), _observing(rt_b, [coll.observe_b]):
+            observing(rt_a, [coll.observe_a]), observing(rt_b, [coll.observe_b]):
         for pb in plan_batches(texts, batch_size, window):
             batch = Batch.from_arrays(encoder.encode_arrays(pb.segments))
             fa = forward_features(model_a, batch.to(dev_a), rt_a)

@@ -1,6 +1,7 @@
 """Which devices a run uses, and one model replica per device.
 
-`--devices` takes "all" (every visible GPU, else the CPU), or a comma-separated list such as "cuda:0,cuda:1".
+`devices` (`--devices`) takes "all" (every visible GPU, else the CPU), or a comma-separated list such as
+"cuda:0,cuda:1".
 The CPU can be named more than once ("cpu,cpu"): each entry is a replica with its own thread, which is how the
 multi-device path is tested on machines without GPUs.
 """
@@ -8,12 +9,12 @@ from __future__ import annotations
 
 import collections
 import copy
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from ..errors import AttnkitError
-from ..models import resolve_device
+from ..errors import AttnkitError, arg
+from ..models import resolve_device, runtime_of
 
 
 def parse_devices(spec: str | None) -> list[torch.device]:
@@ -27,15 +28,16 @@ def parse_devices(spec: str | None) -> list[torch.device]:
     out = []
     for part in (p.strip() for p in spec.split(",")):
         if not part:
-            raise AttnkitError(f"empty entry in --devices {spec!r}; write e.g. cuda:0,cuda:1")
+            raise AttnkitError(f"empty entry in {arg('devices')} {spec!r}; write e.g. cuda:0,cuda:1")
         dev = resolve_device(part)
         if dev.type == "cuda":
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
             if dev.index >= torch.cuda.device_count():
-                raise AttnkitError(f"device {part!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+                raise AttnkitError(f"device {part!r} does not exist: this machine has {torch.cuda.device_count()} "
+                                   "GPU(s)")
             if dev in out:
-                raise AttnkitError(f"device {part!r} is listed twice in --devices")
+                raise AttnkitError(f"device {part!r} is listed twice in {arg('devices')}")
         out.append(dev)
     return out
 
@@ -50,7 +52,7 @@ def replicate(model, devices: list[torch.device]) -> list:
     for dev in devices[1:]:
         # a deep copy is instrumented already, with a Runtime of its own shared by its own modules
         clone = copy.deepcopy(model).to(dev).eval()
-        assert clone._attnkit_runtime is not model._attnkit_runtime
+        assert runtime_of(clone) is not runtime_of(model)
         out.append(clone)
     return out
 

@@ -1,4 +1,5 @@
-"""Jensen-Shannon distances between every pair of heads (Clark et al. 2019, Sec. 6; docs/analysis.md).
+"""Jensen-Shannon distances between every pair of heads (Clark et al. 2019, Sec. 6; docs/analysis.md), collected
+while the model runs (the file they are saved in: attnkit/run/distances.py).
 
     D[i, j] = Σ_samples Σ_{valid query rows s} JS(A_i[s, :], A_j[s, :])
 
@@ -24,30 +25,36 @@ logs), not the metric sqrt(JS).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..errors import AttnkitError
-from ..run.head_features import atomic_write
-from ..run.outputs import ensure_writable_dir
-from ..run.schemas import DISTANCES_ARRAYS, validate_arrays
+from ..errors import AttnkitError, arg, check_int
+from ..models import attention_modules, resolve_model
+from ..ops import has_kernel
+from ..ops import js_distances as js_distances_op
+from ..reference import attention_weights
+from ..run.distances import HeadDistances
+from .extract import extract
 
-DISTANCES_FILE = "distances.npz"
 JS_OP = "attnkit::js_distances"
 CLARK_SMOOTHING = 0.001  # ε in 0.999·A + 0.001/n (Clark et al.'s code)
 
 
 def smooth_attention(attn: torch.Tensor, lengths: torch.Tensor, smoothing: float) -> torch.Tensor:
     """(1 − ε)·A + ε/n on the n valid keys of each sample (padded keys stay 0); a new fp32 tensor."""
-    if not 0.0 <= float(smoothing) < 1.0:
-        raise AttnkitError(f"smoothing must lie in [0, 1), got {smoothing}")
+    check_smoothing(smoothing)
     B, M, L = _check_attn(attn, lengths)
     lengths = lengths.to(attn.device).long()
     valid = (torch.arange(L, device=attn.device)[None, :] < lengths[:, None]).float()  # B×L
     add = (float(smoothing) / lengths.float())[:, None] * valid  # B×L
     return attn.float() * (1.0 - float(smoothing)) + add[:, None, None, :]
+
+
+def check_smoothing(smoothing: float) -> float:
+    if not 0.0 <= float(smoothing) < 1.0:
+        raise AttnkitError(f"{arg('smoothing')} must lie in [0, 1), got {smoothing}")
+    return float(smoothing)
 
 
 def _check_attn(attn: torch.Tensor, lengths: torch.Tensor) -> tuple[int, int, int]:
@@ -69,8 +76,7 @@ def valid_rows(attn: torch.Tensor, lengths: torch.Tensor, rows_per_sample: int |
     lengths = lengths.to(attn.device).long()
     keep = torch.arange(L, device=attn.device)[None, :] < lengths[:, None]  # B×L
     if rows_per_sample is not None:
-        if rows_per_sample < 1:
-            raise AttnkitError(f"rows_per_sample must be positive, got {rows_per_sample}")
+        check_int(rows_per_sample, "rows_per_sample")
         noise = torch.rand(B, L, generator=generator).to(attn.device)
         noise = noise.masked_fill(~keep, 2.0)
         rank = noise.argsort(dim=1).argsort(dim=1)
@@ -126,19 +132,16 @@ def js_distances(attn: torch.Tensor, lengths: torch.Tensor, *, rows_per_sample: 
     B, M, L = _check_attn(attn, lengths)
     lengths = lengths.to(attn.device).long()
     if use_op is None:
-        from .. import ops
-
-        use_op = rows_per_sample is None and not smoothing and ops.has_kernel(attn.device.type, JS_OP)
+        use_op = rows_per_sample is None and not smoothing and has_kernel(attn.device.type, JS_OP)
     if smoothing:
         attn = smooth_attention(attn, lengths, smoothing)
     if use_op:
         if rows_per_sample is not None:
-            raise AttnkitError("the js_distances op uses every valid row; row sampling needs use_op=False")
+            raise AttnkitError(f"the js_distances op uses every valid row; row sampling needs {arg('use_op', False)}")
         if smoothing:
-            raise AttnkitError("the js_distances op computes unsmoothed divergences; smoothing needs use_op=False")
-        from .. import ops
-
-        return ops.js_distances(attn, lengths).double().cpu(), int(lengths.sum())
+            raise AttnkitError(f"the js_distances op computes unsmoothed divergences; smoothing needs "
+                               f"{arg('use_op', False)}")
+        return js_distances_op(attn, lengths).double().cpu(), int(lengths.sum())
     rows = valid_rows(attn, lengths, rows_per_sample, generator)
     return js_from_rows(rows, max_elems=max_elems), int(rows.shape[0])
 
@@ -155,13 +158,9 @@ class DistanceCollector:
 
     def __init__(self, n_layers: int, *, rows_per_sample: int | None = None, seed: int = 0,
                  use_op: bool | None = None, max_elems: int = 1 << 24, smoothing: float = 0.0):
-        if n_layers < 1:
-            raise AttnkitError(f"n_layers must be positive, got {n_layers}")
-        self.n_layers = int(n_layers)
-        self.rows_per_sample = rows_per_sample
-        if not 0.0 <= float(smoothing) < 1.0:
-            raise AttnkitError(f"smoothing must lie in [0, 1), got {smoothing}")
-        self.smoothing = float(smoothing)
+        self.n_layers = check_int(n_layers, "n_layers")
+        self.rows_per_sample = None if rows_per_sample is None else check_int(rows_per_sample, "rows_per_sample")
+        self.smoothing = check_smoothing(smoothing)
         self.use_op = use_op
         self.max_elems = max_elems
         self.generator = torch.Generator().manual_seed(seed)
@@ -173,8 +172,6 @@ class DistanceCollector:
         self._lengths: torch.Tensor | None = None
 
     def __call__(self, layer, query, key, lengths, scaling) -> None:
-        from ..reference import attention_weights
-
         if layer in self._pending:
             raise AttnkitError(f"layer {layer} was seen twice before all {self.n_layers} layers arrived")
         if scaling is None:
@@ -201,7 +198,7 @@ class DistanceCollector:
         self.n_rows += n
         self.n_batches += 1
 
-    def result(self) -> "HeadDistances":
+    def result(self) -> HeadDistances:
         if self._pending:
             raise AttnkitError(f"a forward stopped after layers {sorted(self._pending)} of {self.n_layers}")
         if self.sum is None:
@@ -211,79 +208,17 @@ class DistanceCollector:
                               "smoothing": self.smoothing})
 
 
-class HeadDistances:
-    """Jensen-Shannon divergence sums between heads (M×M, M = n_layers·n_heads), rows counted, and settings
-    (`meta["smoothing"]`: ε of the smoothing applied before the divergence, 0 for none)."""
-
-    def __init__(self, total: np.ndarray, n_rows: int, n_layers: int, n_heads: int, meta: dict | None = None):
-        total = np.asarray(total, dtype=np.float64)
-        if total.shape != (n_layers * n_heads,) * 2:
-            raise AttnkitError(f"distance matrix {total.shape} does not fit {n_layers} layers × {n_heads} heads")
-        self.total, self.n_rows, self.n_layers, self.n_heads = total, int(n_rows), int(n_layers), int(n_heads)
-        self.meta = dict(meta or {})
-
-    @property
-    def per_token(self) -> np.ndarray:
-        """Mean JS divergence per query token (between 0 and ln 2)."""
-        return self.total / max(self.n_rows, 1)
-
-    def labels(self) -> list[str]:
-        return [f"L{l}H{h}" for l in range(self.n_layers) for h in range(self.n_heads)]
-
-    def save(self, directory) -> Path:
-        directory = ensure_writable_dir(directory, "run directory")
-        atomic_write(directory / DISTANCES_FILE, lambda f: np.savez(
-            f, total=self.total, per_token=self.per_token, n_rows=np.int64(self.n_rows),
-            n_layers=np.int64(self.n_layers), n_heads=np.int64(self.n_heads),
-            rows_per_sample=np.int64(-1 if self.meta.get("rows_per_sample") is None else self.meta["rows_per_sample"]),
-            smoothing=np.float64(self.meta.get("smoothing", 0.0)), measure=np.array("jensen-shannon divergence")))
-        return directory / DISTANCES_FILE
-
-    @classmethod
-    def load(cls, directory, shape: tuple[int, int] | None = None) -> "HeadDistances":
-        """Read RUN/distances.npz, checked against `attnkit.schemas.DISTANCES_ARRAYS` (and against the
-        run's (n_layers, n_heads) when `shape` is given)."""
-        path = Path(directory) / DISTANCES_FILE
-        if not path.is_file():
-            raise AttnkitError(f"{path} is missing: collect distances first (attnkit distances RUN --corpus ...)")
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
-        except Exception as exc:
-            raise AttnkitError(f"{path} is unreadable or corrupt: {exc}") from None
-        validate_arrays(arrays, DISTANCES_ARRAYS, path)
-        L, H, n_rows = int(arrays["n_layers"]), int(arrays["n_heads"]), int(arrays["n_rows"])
-        total = arrays["total"].astype(np.float64)
-        if L < 1 or H < 1 or n_rows < 0:
-            raise AttnkitError(f"{path}: n_layers {L}, n_heads {H}, n_rows {n_rows} are impossible")
-        if total.shape != (L * H, L * H):
-            raise AttnkitError(f"{path}: array 'total' has shape {total.shape}, but {L} layers × {H} heads "
-                               f"need {L * H} × {L * H}")
-        if shape is not None and (L, H) != tuple(shape):
-            raise AttnkitError(f"{path} covers {L} layers × {H} heads, but the run has {shape[0]} × {shape[1]}: "
-                               f"re-run `attnkit distances`")
-        if np.any(total < 0) or not np.allclose(total, total.T):
-            raise AttnkitError(f"{path}: array 'total' is not a distance matrix (negative or not symmetric)")
-        rps = int(arrays["rows_per_sample"]) if "rows_per_sample" in arrays and arrays["rows_per_sample"].ndim == 0 \
-            else -1
-        smoothing = float(arrays["smoothing"]) if "smoothing" in arrays and arrays["smoothing"].ndim == 0 else 0.0
-        return cls(total, n_rows, L, H, {"rows_per_sample": None if rps < 0 else rps, "smoothing": smoothing})
-
-
 def collect_distances(texts, model=None, *, rows_per_sample: int | None = None, seed: int = 0,
                       use_op: bool | None = None, smoothing: float = 0.0, **extract_kwargs):
     """Extract features and JS divergences in one pass over `texts`: returns (HeadFeatures, HeadDistances).
     `smoothing`: ε of Clark et al.'s (1 − ε)·A + ε/n before the divergence (CLARK_SMOOTHING = 0.001)."""
-    from .extract import _as_model, extract
-    from ..models import attention_modules
-
-    model, tokenizer = _as_model(model, extract_kwargs.pop("tokenizer", None), extract_kwargs.pop("device", None),
-                                 extract_kwargs.pop("dtype", None))
+    model, tokenizer = resolve_model(model, extract_kwargs.pop("tokenizer", None), extract_kwargs.pop("device", None),
+                                     extract_kwargs.pop("dtype", None))
     collector = DistanceCollector(len(attention_modules(model)), rows_per_sample=rows_per_sample, seed=seed,
                                   use_op=use_op, smoothing=smoothing)
     feats = extract(texts, (model, tokenizer), observers=[collector], **extract_kwargs)
     return feats, collector.result()
 
 
-__all__ = ["js_distances", "js_from_rows", "smooth_attention", "CLARK_SMOOTHING", "valid_rows", "DistanceCollector", "HeadDistances",
-           "collect_distances", "DISTANCES_FILE"]
+__all__ = ["CLARK_SMOOTHING", "DistanceCollector", "check_smoothing", "collect_distances",
+           "js_distances", "js_from_rows", "smooth_attention", "valid_rows"]

@@ -22,18 +22,18 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from .plan import PlannedBatch
-from .devices import device_labels
-from ..errors import AttnkitError
+from ..errors import AttnkitError, check_int
 from ..tokens import Batch, EncodedArrays, Encoder
+from .devices import device_labels
+from .plan import PlannedBatch
 
 
 def default_workers(device_type: str = "cuda") -> int:
@@ -115,15 +115,14 @@ class TokenizerPool:
     would pay alone."""
 
     def __init__(self, encoder: Encoder, workers: int, prefetch: int | None = None, group: int = 4):
-        if workers < 0:
-            raise AttnkitError(f"--workers must be 0 or more, got {workers}")
+        check_int(workers, "workers", minimum=0)
         self.encoder = encoder
         self.workers = workers
         self.group = max(1, group)
         self.prefetch = prefetch or max(2, 3 * workers)
         self._executor: ProcessPoolExecutor | None = None
 
-    def __enter__(self) -> "TokenizerPool":
+    def __enter__(self) -> TokenizerPool:
         if self.workers:
             enc = self.encoder
             with warnings.catch_warnings():  # Python >= 3.12 warns about fork in a threaded process

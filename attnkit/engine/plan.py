@@ -8,15 +8,15 @@ holds a few thousand segments (bench/pipeline.py measures it).
 The plan is a pure function of the segment stream, `batch_size` and `window`: every engine (the in-process
 loop, tokenisation workers, several devices, Ray) measures exactly the same batches, so per-sample features —
 and therefore the sums — agree, and a resumed run continues at a batch boundary of the same plan. A window is
-also the unit of work and of resume for the distributed engine (a "shard").
+also the unit of work and of resume for the Ray engine (a "shard", attnkit/engine/ray/).
 """
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
-from ..errors import AttnkitError
+from ..errors import AttnkitError, arg, check_int
 from ..tokens import Segment
 
 DEFAULT_WINDOW = 4096
@@ -43,10 +43,9 @@ def segment_chars(segment: Segment) -> int:
 
 
 def check_plan_settings(batch_size: int, window: int) -> None:
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise AttnkitError(f"batch size must be a positive integer, got {batch_size!r}")
-    if not isinstance(window, int) or window < 1:
-        raise AttnkitError(f"the sorting window must be a positive number of segments, got {window!r}")
+    """Refuse a batch size or window that is not a positive integer."""
+    check_int(batch_size, "batch_size")
+    check_int(window, "window")
 
 
 def windows(segments: Iterable[Segment], window: int) -> Iterator[list]:
@@ -70,7 +69,8 @@ def batches_of_window(segments: list, batch_size: int) -> list[list]:
     return [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 
-def plan_window(segments: list, batch_size: int, *, window_index: int, first_batch: int, start: int) -> list[PlannedBatch]:
+def plan_window(segments: list, batch_size: int, *, window_index: int, first_batch: int,
+                start: int) -> list[PlannedBatch]:
     """The planned batches of one window whose first batch is number `first_batch` and whose first segment is
     number `start` of the plan (and of the input stream: windows are consecutive cuts of it)."""
     order = window_order(segments)
@@ -97,7 +97,7 @@ def plan_batches(segments: Iterable[Segment], batch_size: int, window: int = DEF
             if pb.start < skip_segments:
                 if pb.end > skip_segments:
                     raise AttnkitError(f"resume point {skip_segments} is not a batch boundary of this plan "
-                                       "(was the batch size or window changed?)")
+                                       f"(was {arg('batch_size')} or {arg('window')} changed?)")
                 continue
             yield pb
         n_batches += -(-len(chunk) // batch_size)

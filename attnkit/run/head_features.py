@@ -1,22 +1,15 @@
 """Per-head corpus features: the accumulator that extraction feeds, and the result it produces."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import AttnkitError
-from .outputs import atomic_write, ensure_writable_dir  # atomic_write is also imported from here
-from .schemas import FEATURES_ARRAYS, META_SCHEMA, load_json, validate_arrays
-
-FEATURES_FILE = "features.npz"
-META_FILE = "meta.json"
-
-
-def write_json(path: Path, obj) -> None:
-    atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()))
+from .files import FEATURES_FILE, META_FILE
+from .outputs import atomic_write, ensure_writable_dir, write_json
+from .schemas import FEATURES_ARRAYS, META_SCHEMA, load_json, load_npz
 
 
 @dataclass
@@ -71,19 +64,14 @@ class HeadFeatures:
         return directory
 
     @classmethod
-    def load(cls, directory) -> "HeadFeatures":
+    def load(cls, directory) -> HeadFeatures:
         """Read a run directory; features.npz and meta.json are checked against their schemas
-        (attnkit.schemas) and against each other, so a malformed file ends in an AttnkitError naming it."""
+        (attnkit.run.schemas) and against each other, so a malformed file ends in an AttnkitError naming it."""
         directory = Path(directory)
         fpath = directory / FEATURES_FILE
         if not fpath.is_file():
             raise AttnkitError(f"{directory} is not a run directory: {FEATURES_FILE} is missing")
-        try:
-            with np.load(fpath, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
-        except Exception as exc:
-            raise AttnkitError(f"{fpath} is unreadable or corrupt: {exc}") from None
-        validate_arrays(arrays, FEATURES_ARRAYS, fpath)
+        arrays = load_npz(fpath, FEATURES_ARRAYS)
         mean, std, names = arrays["mean"].astype(np.float64), arrays["std"].astype(np.float64), \
             [str(n) for n in arrays["names"]]
         if mean.shape != std.shape or mean.shape[2] != len(names) or 0 in mean.shape:
@@ -153,7 +141,7 @@ class FeatureAccumulator:
         """feats: B × n_layers × n_heads × F per-sample feature vectors."""
         self.add_moments(*batch_moments(feats), n_tokens)
 
-    def merge(self, other: "FeatureAccumulator") -> "FeatureAccumulator":
+    def merge(self, other: FeatureAccumulator) -> FeatureAccumulator:
         if other.names != self.names or other.sum.shape != self.sum.shape:
             raise AttnkitError("cannot merge feature sums of different models or feature sets")
         self.add_moments(other.n_samples, other.sum, other.m2, other.n_tokens)
@@ -164,7 +152,7 @@ class FeatureAccumulator:
                 "n_tokens": np.int64(self.n_tokens), "names": np.array(self.names)}
 
     @classmethod
-    def from_state(cls, state) -> "FeatureAccumulator":
+    def from_state(cls, state) -> FeatureAccumulator:
         names = [str(n) for n in state["names"]]
         acc = cls(state["sum"].shape[0], state["sum"].shape[1], names)
         acc.sum = np.array(state["sum"], dtype=np.float64)
@@ -182,3 +170,10 @@ class FeatureAccumulator:
         mean = self.sum / self.n_samples
         var = np.maximum(self.m2 / self.n_samples, 0.0)
         return HeadFeatures(mean, np.sqrt(var), self.names, self.n_samples, self.n_tokens, dict(meta or {}))
+
+
+def features_table(features: HeadFeatures):
+    """pandas DataFrame with one row per head: `layer`, `head`, then one column per feature mean (named
+    as the feature) and one `<name>_std` per feature standard deviation (over samples), in the order
+    of `features.names` (what `attnkit export` writes)."""
+    return features.to_pandas().reset_index()

@@ -12,15 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 from filelock import FileLock, Timeout
 
 from ..errors import AttnkitError
+from .files import FEATURES_FILE, LOCK_FILE, OWNER_FILE
 from .outputs import ensure_writable_dir
-
-LOCK_FILE = ".attnkit.lock"
-OWNER_FILE = ".attnkit.lock.owner"
 
 
 def lock_owner(directory) -> dict | None:
@@ -64,4 +63,25 @@ def run_lock(directory, command: str):
         lock.release()
 
 
-__all__ = ["run_lock", "lock_owner", "LOCK_FILE", "OWNER_FILE"]
+@contextlib.contextmanager
+def lock_if_run(directory, command: str):
+    """`run_lock` when `directory` is a run directory (it holds features.npz), else nothing: for commands
+    that write a file wherever they are told to (export, compare --json)."""
+    if (Path(directory) / FEATURES_FILE).is_file():
+        with run_lock(directory, command):
+            yield
+    else:
+        yield
+
+
+def remove_if_only_lock(path) -> None:
+    """Remove directory `path` when nothing but the lock files is in it (a command that created it and then
+    failed leaves nothing behind)."""
+    path = Path(path)
+    if not path.is_dir():
+        return
+    if not {p.name for p in path.iterdir()} - {LOCK_FILE, OWNER_FILE}:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+__all__ = ["LOCK_FILE", "OWNER_FILE", "lock_if_run", "lock_owner", "remove_if_only_lock", "run_lock"]

@@ -1,6 +1,6 @@
 """Where attnkit writes: check an output directory before the work, and turn OS errors into one line.
 
-Every writer (extract, cluster, distances, report, compare --json, export, ablate -o) calls
+Every writer (extract, cluster, distances, report, compare --json, export, ablate -o, probe) calls
 `ensure_writable_dir` before it starts computing, so a bad `-o` (under a file, on a read-only file
 system, on a full disk) fails at once instead of after minutes of work, and wraps its writing in
 `os_errors` so an OSError while writing (ENOSPC, EROFS, ...) ends as an `AttnkitError`.
@@ -8,11 +8,13 @@ system, on a full disk) fails at once instead of after minutes of work, and wrap
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import os
 import tempfile
 from pathlib import Path
 
-from ..errors import AttnkitError
+from ..errors import AttnkitError, arg
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -79,4 +81,28 @@ def atomic_write(path, write) -> None:
         raise
 
 
-__all__ = ["ensure_writable_dir", "os_errors", "atomic_write", "describe_os_error"]
+def write_json(path, obj) -> None:
+    """`obj` as indented JSON (one trailing newline), written atomically."""
+    atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()))
+
+
+TABLE_FORMATS = ("csv", "parquet")
+
+
+def write_table(df, path, fmt: str) -> None:
+    """Write DataFrame `df` to `path` as CSV or Parquet (pyarrow), atomically."""
+    if fmt == "csv":
+        data = df.to_csv(index=False).encode("utf-8")
+    else:
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise AttnkitError(f"Parquet needs pyarrow (pip install pyarrow); or use {arg('fmt', 'csv')}") from None
+        buf = io.BytesIO()
+        df.to_parquet(buf, index=False, engine="pyarrow")
+        data = buf.getvalue()
+    atomic_write(path, lambda f: f.write(data))
+
+
+__all__ = ["TABLE_FORMATS", "atomic_write", "describe_os_error", "ensure_writable_dir", "os_errors", "write_json",
+           "write_table"]

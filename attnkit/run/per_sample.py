@@ -25,10 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import AttnkitError
+from ..errors import AttnkitError, arg
+from ..features import feature_names, windows_of
+from .files import PER_SAMPLE_FILE, PER_SAMPLE_META
+from .outputs import write_json
 
-PER_SAMPLE_FILE = "per_sample.npy"
-PER_SAMPLE_META = "per_sample.json"
 PARTIAL_SUFFIX = ".partial"
 HEADER_BYTES = 4096  # reserved .npy header (a multiple of 64, as the format recommends)
 DTYPE = np.dtype("<f2")
@@ -71,7 +72,7 @@ class PerSampleWriter:
         self.row_bytes = int(np.prod(self.row_shape)) * DTYPE.itemsize
         self.done = 0 if resume_after is None else int(resume_after)
         if self.done < 0:
-            raise AttnkitError(f"resume_after must be >= 0, got {resume_after}")
+            raise AttnkitError(f"{arg('resume_after')} must be >= 0, got {resume_after}")
         self.added = 0
         self._seen = bytearray()  # positions written in this session (duplicate check)
         try:
@@ -145,8 +146,6 @@ class PerSampleWriter:
         os.replace(self.partial, self.path)
         meta = {"file": self.path.name, "n_samples": int(n), "n_layers": self.row_shape[0],
                 "n_heads": self.row_shape[1], "names": self.names, "dtype": "float16", "order": "input"}
-        from .head_features import write_json
-
         write_json(self.path.with_name(PER_SAMPLE_META), meta)
         return self.path
 
@@ -181,9 +180,7 @@ def load_per_sample(run_dir) -> tuple[np.ndarray, list[str]]:
     if arr.ndim != 4:
         raise AttnkitError(f"{path} has shape {arr.shape}, expected samples × layers × heads × features")
     if names is None:
-        from ..features import feature_names
-
-        names = feature_names(arr.shape[3] - 12)
+        names = feature_names(windows_of(arr.shape[3]))
     if len(names) != arr.shape[3]:
         raise AttnkitError(f"{meta_path} names {len(names)} features but {path} holds {arr.shape[3]}")
     return arr, list(names)

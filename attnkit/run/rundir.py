@@ -14,14 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import AttnkitError
-from .head_features import FEATURES_FILE, FeatureAccumulator, HeadFeatures, atomic_write
-
-CHECKPOINT_FILE = "checkpoint.npz"
-# What later steps add to a run directory: a fresh run that replaces a finished one removes them, since they
-# describe the old features (written by attnkit cluster, distances, report).
-DERIVED_OUTPUTS = ("clusters.json", "distances.npz", "report.html", "figures", "patterns.json",
-                   "per_sample.npy", "per_sample.json")
+from ..errors import AttnkitError, arg
+from .files import CHECKPOINT_FILE, DERIVED_OUTPUTS, FEATURES_FILE
+from .head_features import FeatureAccumulator, HeadFeatures
+from .outputs import atomic_write
+from .schemas import load_npz
+from .settings import setting_differences
 
 
 class RunDir:
@@ -45,40 +43,42 @@ class RunDir:
         if overwrite:
             return
         if self.has_checkpoint():
-            raise AttnkitError(
-                f"{self.path} holds an interrupted run: continue it with --resume, or start over with --overwrite"
-            )
+            raise AttnkitError(f"{self.path} holds an interrupted run: continue it with {arg('resume', True)}, or "
+                               f"start over with {arg('overwrite', True)}")
         if self.is_finished():
-            raise AttnkitError(f"{self.path} already holds a finished run: use --overwrite or another -o/--out")
+            raise AttnkitError(f"{self.path} already holds a finished run: use {arg('overwrite', True)} or another "
+                               f"{arg('out')}")
 
     def load_checkpoint(self, settings: dict) -> tuple[FeatureAccumulator, int, int, np.ndarray | None]:
         """(accumulator, next segment index, truncated so far, histogram of full token lengths) after checking
         that the settings match and that the checkpoint's numbers are possible."""
         if not self.has_checkpoint():
             raise AttnkitError(f"nothing to resume in {self.path}: no {CHECKPOINT_FILE}")
+        state = load_npz(self.checkpoint_path, what="checkpoint",
+                         corrupt=f"start over with {arg('overwrite', True)}")
         try:
-            with np.load(self.checkpoint_path, allow_pickle=False) as z:
-                state = {k: z[k] for k in z.files}
             saved = json.loads(str(state["settings"]))
             acc = FeatureAccumulator.from_state(state)
             next_index, n_truncated = int(state["next_index"]), int(state["n_truncated"])
             lengths = np.asarray(state["lengths"], dtype=np.int64) if "lengths" in state else None
         except Exception as exc:
-            raise AttnkitError(f"checkpoint {self.checkpoint_path} is corrupt or unreadable: {exc}") from None
+            raise AttnkitError(f"checkpoint {self.checkpoint_path} is corrupt: {type(exc).__name__}: {exc}") from None
         if not isinstance(saved, dict):
             raise AttnkitError(f"checkpoint {self.checkpoint_path} is corrupt: its settings are not a mapping")
         self.check_settings(saved, settings)
         problem = checkpoint_problem(acc, next_index, n_truncated)
         if problem:
-            raise AttnkitError(f"checkpoint {self.checkpoint_path} is impossible ({problem}); start over with --overwrite")
+            raise AttnkitError(f"checkpoint {self.checkpoint_path} is impossible ({problem}); start over with "
+                               f"{arg('overwrite', True)}")
         return acc, next_index, n_truncated, lengths
 
     @staticmethod
     def check_settings(saved: dict, settings: dict) -> None:
-        diffs = [f"{k}: run has {saved.get(k)!r}, now {settings.get(k)!r}"
-                 for k in sorted(set(saved) | set(settings)) if saved.get(k) != settings.get(k)]
+        """Refuse to add to a run made with other settings, naming each that differs."""
+        diffs = setting_differences(saved, settings)
         if diffs:
-            raise AttnkitError("cannot resume: the run directory was made with other settings (" + "; ".join(diffs) + ")")
+            raise AttnkitError("cannot resume: the run directory was made with other settings ("
+                               + "; ".join(diffs) + ")")
 
     def finished_settings(self) -> dict:
         meta = HeadFeatures.load(self.path).meta

@@ -1,4 +1,4 @@
-"""Schemas of the files attnkit reads back (besides corpora), checked at the boundary.
+"""Schemas of the files attnkit reads back (run files, and SQuAD JSON), checked at the boundary.
 
 JSON files are described with JSON Schema (validated by `jsonschema`); `.npz` files by the arrays
 they must hold (`ArraySpec`). `validate` and `validate_arrays` raise an AttnkitError that names the
@@ -7,7 +7,7 @@ file, the field and the problem, e.g.
     run/meta.json: field n_samples: expected an integer, got a string ("abc")
 
 Checks that need more than one field (a head's layer against the run's number of layers, ...) are
-done by the reader after the schema (see attnkit.analysis.results.load_clusters).
+done by the reader after the schema (see attnkit.run.clusters.load_clusters).
 """
 from __future__ import annotations
 
@@ -71,8 +71,9 @@ META_SCHEMA = {
     },
 }
 
-# RUN/clusters.json, written by `attnkit cluster` (attnkit/analysis/results.py). CLUSTERS_SCHEMA is what
-# every reader needs (the type of every head); CLUSTERS_REPORT_SCHEMA adds what the report draws.
+# RUN/clusters.json, written by `attnkit cluster` (attnkit/analysis/results.py) and read by attnkit/run/clusters.py.
+# CLUSTERS_SCHEMA is what every reader needs (the type of every head); CLUSTERS_REPORT_SCHEMA adds what the report
+# draws.
 CLUSTERS_SCHEMA = {
     "type": "object",
     "required": ["version", "settings", "run", "heads", "clusters", "stability"],
@@ -115,19 +116,21 @@ CLUSTERS_REPORT_SCHEMA = {
     }],
 }
 
-# SQuAD v1.1 / v2.0 JSON as the ablation's squad task reads it (attnkit/ablation/tasks.py).
+# SQuAD v1.1 / v2.0 JSON as attnkit reads it: the corpus reader (contexts, or question + context pairs) and the
+# ablation's squad task (which also reads ids and answers). Every field but data, context and question may be
+# absent; a field that is there must have its type.
 SQUAD_SCHEMA = {
     "type": "object",
     "required": ["data"],
     "properties": {
         "version": {"type": ["string", "number"]},
         "data": {"type": "array", "items": {
-            "type": "object", "required": ["paragraphs"], "properties": {
+            "type": "object", "properties": {
                 "paragraphs": {"type": "array", "items": {
-                    "type": "object", "required": ["context", "qas"], "properties": {
+                    "type": "object", "required": ["context"], "properties": {
                         "context": {"type": "string"},
                         "qas": {"type": "array", "items": {
-                            "type": "object", "required": ["id", "question"], "properties": {
+                            "type": "object", "required": ["question"], "properties": {
                                 "id": {"type": ["string", "integer"]},
                                 "question": {"type": "string"},
                                 "is_impossible": {"type": "boolean"},
@@ -180,7 +183,8 @@ def _problem(err) -> str:
 
 
 def validate(obj, schema: dict, path) -> None:
-    """Raise AttnkitError "<path>: field <a.b[3].c>: <problem>" when `obj` does not follow `schema`."""
+    """Raise AttnkitError "<path>: field <a.b[3].c>: <problem>" when `obj` does not follow `schema` (the one
+    formatter of JSON Schema errors: every JSON file attnkit reads is checked through it)."""
     errors = list(Draft202012Validator(schema).iter_errors(obj))
     if not errors:
         return
@@ -215,11 +219,34 @@ class ArraySpec:
 
 
 FEATURES_ARRAYS = {"mean": ArraySpec("float", 3), "std": ArraySpec("float", 3), "names": ArraySpec("str", 1)}
-DISTANCES_ARRAYS = {"total": ArraySpec("float", 2, finite=True), "n_rows": ArraySpec("int", 0), "n_layers": ArraySpec("int", 0),
+DISTANCES_ARRAYS = {"total": ArraySpec("float", 2, finite=True), "n_rows": ArraySpec("int", 0),
+                    "n_layers": ArraySpec("int", 0),
                     "n_heads": ArraySpec("int", 0)}
 
 _KINDS = {"float": "fiu", "int": "iu", "str": "U"}
 _KIND_NAMES = {"float": "numbers", "int": "integers", "str": "strings"}
+
+
+def load_npz(path, spec: dict[str, ArraySpec] | None = None, *, what: str = "", missing: str = "",
+             corrupt: str = "") -> dict:
+    """Every array of the .npz file `path` (name → numpy array; no pickled objects), checked against `spec`
+    (`validate_arrays`). The one reader of attnkit's .npz files: a missing file, an unreadable or corrupt one
+    and one that does not follow `spec` end in an AttnkitError naming it (`what` it is; `missing` and
+    `corrupt`: what to do about it)."""
+    from pathlib import Path
+
+    name = f"{what} {path}" if what else str(path)
+    if not Path(path).is_file():
+        raise AttnkitError(f"{name} is missing" + (f": {missing}" if missing else ""))
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as exc:
+        raise AttnkitError(f"{name} is unreadable or corrupt ({type(exc).__name__}: {exc})"
+                           + (f"; {corrupt}" if corrupt else "")) from None
+    if spec:
+        validate_arrays(arrays, spec, path)
+    return arrays
 
 
 def validate_arrays(arrays: dict, spec: dict[str, ArraySpec], path) -> None:
@@ -237,5 +264,5 @@ def validate_arrays(arrays: dict, spec: dict[str, ArraySpec], path) -> None:
             raise AttnkitError(f"{path}: array {name!r} holds NaN or infinite values")
 
 
-__all__ = ["validate", "load_json", "validate_arrays", "ArraySpec", "META_SCHEMA", "CLUSTERS_SCHEMA",
+__all__ = ["validate", "load_json", "load_npz", "validate_arrays", "ArraySpec", "META_SCHEMA", "CLUSTERS_SCHEMA",
            "CLUSTERS_REPORT_SCHEMA", "SQUAD_SCHEMA", "FEATURES_ARRAYS", "DISTANCES_ARRAYS"]

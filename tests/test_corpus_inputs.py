@@ -118,7 +118,7 @@ def test_jsonl_fields_named_or_guessed(tmp_path):
         read_corpus(p, columns=("question", "label"))
     write(p, '{"a": "x"}\n')
     with pytest.raises(AttnkitError, match=r"qa.jsonl:1: cannot tell which field holds the text; name it with "
-                                           r"--columns \(fields are: a\)"):
+                                           r"columns \(fields are: a\)"):
         read_corpus(p)
     write(p, '["not", "an object"]\n')
     with pytest.raises(AttnkitError, match=r"qa.jsonl:1: each line must be a JSON object, got list"):
@@ -129,22 +129,23 @@ SQUAD_OK = {"data": [{"title": "T", "paragraphs": [{"context": "C.", "qas": [{"q
 
 
 @pytest.mark.parametrize("doc, where", [
-    ({"data": "abc"}, "at data: must be a list, not a string"),
-    ([SQUAD_OK], "at the top level: must be an object, not a list"),
-    ({"version": "1.1"}, "at the top level: missing field 'data'"),
-    ({"data": ["abc"]}, r"at data\[0\]: must be an object, not a string"),
-    ({"data": [{"paragraphs": 7}]}, r"at data\[0\].paragraphs: must be a list, not int"),
-    ({"data": [{"paragraphs": ["text"]}]}, r"at data\[0\].paragraphs\[0\]: must be an object, not a string"),
-    ({"data": [{"paragraphs": [{"qas": []}]}]}, r"at data\[0\].paragraphs\[0\]: missing field 'context'"),
-    ({"data": [{"paragraphs": [{"context": 3}]}]}, r"at data\[0\].paragraphs\[0\].context: must be a string, not int"),
+    ({"data": "abc"}, r'field data: expected an array, got a string \("abc"\)'),
+    ([SQUAD_OK], r"expected an object, got an array \(.*\)"),
+    ({"version": "1.1"}, "missing 'data'"),
+    ({"data": ["abc"]}, r'field data\[0\]: expected an object, got a string \("abc"\)'),
+    ({"data": [{"paragraphs": 7}]}, r"field data\[0\].paragraphs: expected an array, got an integer \(7\)"),
+    ({"data": [{"paragraphs": ["text"]}]}, r'field data\[0\].paragraphs\[0\]: expected an object, got a string \("text"\)'),
+    ({"data": [{"paragraphs": [{"qas": []}]}]}, r"field data\[0\].paragraphs\[0\]: missing 'context'"),
+    ({"data": [{"paragraphs": [{"context": 3}]}]},
+     r"field data\[0\].paragraphs\[0\].context: expected a string, got an integer \(3\)"),
     ({"data": [{"paragraphs": [{"context": "C.", "qas": "Q?"}]}]},
-     r"at data\[0\].paragraphs\[0\].qas: must be a list, not a string"),
+     r'field data\[0\].paragraphs\[0\].qas: expected an array, got a string \("Q\?"\)'),
     ({"data": [{"paragraphs": [{"context": "C.", "qas": [1]}]}]},
-     r"at data\[0\].paragraphs\[0\].qas\[0\]: must be an object, not int"),
+     r"field data\[0\].paragraphs\[0\].qas\[0\]: expected an object, got an integer \(1\)"),
     ({"data": [{"paragraphs": [{"context": "C.", "qas": [{"id": "1"}]}]}]},
-     r"at data\[0\].paragraphs\[0\].qas\[0\]: missing field 'question'"),
+     r"field data\[0\].paragraphs\[0\].qas\[0\]: missing 'question'"),
     ({"data": [{"paragraphs": [{"context": "C.", "qas": [{"question": None}]}]}]},
-     r"at data\[0\].paragraphs\[0\].qas\[0\].question: must be a string, not null"),
+     r"field data\[0\].paragraphs\[0\].qas\[0\].question: expected a string, got null \(null\)"),
 ])
 @pytest.mark.parametrize("pairs", [False, True])
 def test_malformed_squad_structure_names_file_and_field(tmp_path, doc, where, pairs):
@@ -221,8 +222,9 @@ def test_bad_inputs_are_one_line_errors_naming_the_path(tree, tmp_path):
         (lambda: open_corpus([tree, tree / "b.txt"]), r"corpus file '.*b.txt' is given twice"),
         (lambda: open_corpus([tree], fmt="xml"), r"unknown corpus format 'xml'"),
         (lambda: open_corpus([tree], text_unit="word"), r"unknown text unit 'word'"),
-        (lambda: open_corpus([tree], limit=0), r"--limit must be at least 1"),
-        (lambda: open_corpus([tree], columns=("a", "b", "c")), r"--columns takes one or two column names"),
+        (lambda: open_corpus([tree], limit=0), r"limit must be a positive integer, got 0"),
+        (lambda: open_corpus([tree], columns=("a", "b", "c")), r"columns takes one or two column names"),
+        (lambda: open_corpus([tree], columns="a,"), r"columns holds an empty column name"),
     ]
     for make, message in cases:
         with pytest.raises(AttnkitError, match=message) as info:
@@ -348,7 +350,7 @@ def test_parquet_columns_named_or_guessed(tmp_path):
     with pytest.raises(AttnkitError, match=r"qa.parquet: column 'id' holds int64, not text"):
         read_corpus(path, columns=("id",))
     pq.write_table(pa.table({"x": [1.5], "y": ["a"]}), tmp_path / "odd.parquet")
-    with pytest.raises(AttnkitError, match=r"odd.parquet: no usable text column; name one with --columns "
+    with pytest.raises(AttnkitError, match=r"odd.parquet: no usable text column; name one with columns "
                                            r"\(columns are: x \(double\), y \(string\)\)"):
         read_corpus(tmp_path / "odd.parquet")
     assert read_corpus(tmp_path / "odd.parquet", columns="y") == ["a"]
@@ -397,7 +399,7 @@ def test_datasets_directory_errors(tmp_path):
     import datasets
 
     nums = _save_dataset(tmp_path / "nums", {"a": [1, 2], "b": [0.5, 1.5]})
-    with pytest.raises(AttnkitError, match=r"nums: no usable text column; name one with --columns "
+    with pytest.raises(AttnkitError, match=r"nums: no usable text column; name one with columns "
                                            r"\(columns are: a \(.*int64.*\), b \(.*float64.*\)\)"):
         read_corpus(nums)
     with pytest.raises(AttnkitError, match=r"nums: column 'a' holds .*, not text"):

@@ -1,9 +1,6 @@
-"""Files attnkit reads back (meta.json, features.npz, clusters.json, distances.npz) are validated at the
-boundary; output directories are checked before the work; OS errors while writing end in one line and
-leave no temporary files; one command at a time per run directory."""
-import errno
+"""attnkit/run/schemas.py and its readers: the files attnkit reads back (meta.json, features.npz, clusters.json,
+distances.npz) are validated at the boundary, and every problem is one line naming the file and the field."""
 import json
-import os
 
 import numpy as np
 import pytest
@@ -11,29 +8,8 @@ import pytest
 from attnkit import AttnkitError
 from attnkit.analysis import HeadDistances, cluster
 from attnkit.analysis.results import load_clusters, save_clusters
-from attnkit.run.head_features import HeadFeatures, atomic_write
-from attnkit.run.locking import OWNER_FILE, lock_owner, run_lock
-from attnkit.run.outputs import ensure_writable_dir
+from attnkit.run import HeadFeatures
 from attnkit.run.schemas import CLUSTERS_SCHEMA, validate
-
-try:
-    from tests.analysis_fixtures import layered_truth, make_features
-    from tests.lock_holder import lock_held
-except ImportError:
-    from analysis_fixtures import layered_truth, make_features
-    from lock_holder import lock_held
-
-
-
-@pytest.fixture(scope="module")
-def feats():
-    return make_features(layered_truth(L=3, H=4, seed=1))
-
-
-@pytest.fixture
-def run(tmp_path, feats):
-    feats.save(tmp_path / "run")
-    return tmp_path / "run"
 
 
 @pytest.fixture(scope="module")
@@ -176,93 +152,3 @@ def test_distances_checked_against_the_run_shape(tmp_path):
         HeadDistances.load(tmp_path, (3, 4))
 
 
-# --- output paths -----------------------------------------------------------------------------------------
-def test_output_under_a_file_is_refused_before_the_work(tmp_path):
-    (tmp_path / "f").write_text("x")
-    with pytest.raises(AttnkitError, match="is a file, not a directory"):
-        ensure_writable_dir(tmp_path / "f" / "sub" / "run")
-    with pytest.raises(AttnkitError, match="exists and is not a directory"):
-        ensure_writable_dir(tmp_path / "f")
-    assert ensure_writable_dir(tmp_path / "a" / "b").is_dir()
-    assert os.listdir(tmp_path / "a" / "b") == []  # the probe file is gone
-
-
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
-def test_unwritable_directory_is_refused(tmp_path, monkeypatch, code):
-    import tempfile
-
-    def refuse(*a, **k):
-        raise OSError(code, os.strerror(code))
-
-    monkeypatch.setattr(tempfile, "NamedTemporaryFile", refuse)
-    with pytest.raises(AttnkitError, match=os.strerror(code)):
-        ensure_writable_dir(tmp_path / "out")
-
-
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
-def test_failed_atomic_write_is_one_line_and_leaves_no_temp_file(tmp_path, monkeypatch, code):
-    def full(f):
-        f.write(b"partial")
-        raise OSError(code, os.strerror(code))
-
-    with pytest.raises(AttnkitError) as e:
-        atomic_write(tmp_path / "x.json", full)
-    assert str(e.value) == f"could not write {tmp_path / 'x.json'}: {os.strerror(code)}"
-    assert os.listdir(tmp_path) == []
-
-    def no_replace(src, dst):
-        raise OSError(code, os.strerror(code))
-
-    monkeypatch.setattr(os, "replace", no_replace)
-    with pytest.raises(AttnkitError, match=os.strerror(code)):
-        atomic_write(tmp_path / "y.json", lambda f: f.write(b"{}"))
-    assert os.listdir(tmp_path) == []
-
-
-def test_interrupted_atomic_write_keeps_the_old_file(tmp_path):
-    (tmp_path / "x").write_text("old")
-
-    def interrupted(f):
-        f.write(b"new")
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        atomic_write(tmp_path / "x", interrupted)
-    assert os.listdir(tmp_path) == ["x"] and (tmp_path / "x").read_text() == "old"
-
-
-def test_features_save_on_full_disk_is_one_line(tmp_path, feats, full_disk):
-    with pytest.raises(AttnkitError, match="could not write .*features.npz: No space left on device"):
-        feats.save(tmp_path / "run")
-    assert os.listdir(tmp_path / "run") == []
-
-
-# --- one command per run directory ------------------------------------------------------------------------
-def test_second_command_is_refused_naming_the_holder(tmp_path):
-    run = tmp_path / "run"
-    with lock_held(run, "attnkit extract") as pid:
-        assert lock_owner(run) == {"pid": pid, "command": "attnkit extract"}
-        with pytest.raises(AttnkitError) as e:
-            with run_lock(run, "attnkit cluster"):
-                pass
-        assert str(e.value) == (f"{run} is in use by `attnkit extract` (pid {pid}); "
-                                "wait for it to finish or choose another directory")
-    # a killed holder leaves its lock to the OS: the next command gets the directory
-    with run_lock(run, "attnkit cluster"):
-        assert lock_owner(run)["pid"] == os.getpid()
-    assert not (run / OWNER_FILE).exists()
-
-
-def test_second_cli_command_exits_with_one_line(tmp_path, feats):
-    from click.testing import CliRunner
-
-    from attnkit.cli.main import main
-
-    run = tmp_path / "run"
-    feats.save(run)
-    with lock_held(run, "attnkit extract") as pid:
-        r = CliRunner().invoke(main, ["cluster", str(run), "-q"])
-    assert r.exit_code == 1
-    assert r.stderr.strip() == (f"Error: {run} is in use by `attnkit extract` (pid {pid}); "
-                                "wait for it to finish or choose another directory")
-    assert not (run / "clusters.json").exists()

@@ -8,27 +8,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from attnkit.engine.compare import compare_models, similarity_sums
+from attnkit.compare import compare_models, similarity_sums  # the path docs/compare.md names
 from attnkit.errors import AttnkitError
 
-WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "a", "big", "red", "house", "is", "here", "and", "then"]
-
-
-def tiny_model_and_tokenizer(n_layers=2, n_heads=2, seed=0):
-    """A random-weight BERT (hidden 16) with sharp attention and a WordPiece tokenizer over WORDS."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ",", ".", "!", "?"] + WORDS
-    tok = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=n_layers, num_attention_heads=n_heads,
-                     intermediate_size=32, max_position_embeddings=64, attn_implementation="eager")
-    model = BertModel(cfg).eval()
-    with torch.no_grad():
-        for layer in model.encoder.layer:
-            layer.attention.self.query.weight.mul_(8.0)
-            layer.attention.self.key.weight.mul_(8.0)
-    return model, tok
+from .synthetic import WORDS, tiny_bert
 
 
 def full_maps(q, k, lengths, scaling):
@@ -70,7 +53,7 @@ TEXTS = [" ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(4 + i % 6)) for
 
 
 def test_perturbed_layer_two(tmp_path):
-    model, tok = tiny_model_and_tokenizer(n_layers=4, n_heads=2)
+    model, tok = tiny_bert(n_layers=4, n_heads=2)
     other = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # every weight of layer 2
@@ -100,7 +83,7 @@ def test_perturbed_layer_two(tmp_path):
 def test_command_and_bad_pairs(tmp_path):
     from attnkit.cli.main import main
 
-    model, tok = tiny_model_and_tokenizer(n_layers=2, n_heads=2)
+    model, tok = tiny_bert(n_layers=2, n_heads=2)
     for name, m in (("a", model), ("b", copy.deepcopy(model))):
         m.save_pretrained(tmp_path / name)
         tok.save_pretrained(tmp_path / name)
@@ -113,6 +96,6 @@ def test_command_and_bad_pairs(tmp_path):
     assert data["n_samples"] == 6 and np.allclose(data["row_cosine"], 1.0, atol=1e-5)
     with pytest.raises(AttnkitError, match="same object"):
         compare_models(TEXTS, (model, tok), (model, tok))
-    small, _ = tiny_model_and_tokenizer(n_layers=1, n_heads=2)
+    small, _ = tiny_bert(n_layers=1, n_heads=2)
     with pytest.raises(AttnkitError, match="differ in shape"):
         compare_models(TEXTS, (model, tok), (small, tok))

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import attnkit
-from attnkit.engine.plan import batches_of_window, plan_batches, windows
 from attnkit.corpus import default_corpus_path
+from attnkit.engine import ExtractionState, ExtractSettings, run_extraction
+from attnkit.engine.plan import batches_of_window, plan_batches, windows
 from attnkit.errors import AttnkitError
-from attnkit.engine.extract import run_extraction
 
 
 def real_segments(n_pairs: int = 100) -> list:
@@ -67,10 +67,10 @@ def test_workers_and_replicas_give_the_numbers_of_the_plain_loop(minilm, segment
 def test_resume_point_continues_the_same_plan(minilm, segments):
     model, tok = minilm
     segs = segments[:60]
-    kw = dict(max_length=24, batch_size=8, window=25, backend="reference")
-    full, _ = run_extraction(model, tok, segs, **kw)
-    first, _ = run_extraction(model, tok, segs[:25], **kw)  # window 0 alone: 25 segments, 4 batches
-    rest, _ = run_extraction(model, tok, segs, **kw, accumulator=first, start=25, workers=1)
+    settings = ExtractSettings(max_length=24, batch_size=8, window=25, backend="reference")
+    full = run_extraction(model, tok, segs, settings).accumulator
+    first = run_extraction(model, tok, segs[:25], settings).accumulator  # window 0 alone: 25 segments, 4 batches
+    rest = run_extraction(model, tok, segs, settings, resume=ExtractionState(first, 25), workers=1).accumulator
     np.testing.assert_allclose(rest.sum, full.sum, rtol=1e-12)
     assert rest.n_samples == full.n_samples == 60
 
@@ -93,7 +93,8 @@ def test_failing_worker_ends_the_run_with_a_message(minilm, segments, monkeypatc
     monkeypatch.setattr(Encoder, "encode_arrays", failing)  # workers fork after this, so they fail too
     t0 = time.time()
     with pytest.raises(AttnkitError, match="tokenising batch .* failed in a worker: _Boom: tokenizer exploded"):
-        run_extraction(model, tok, segments, max_length=24, batch_size=8, workers=2, backend="reference")
+        run_extraction(model, tok, segments, ExtractSettings(max_length=24, batch_size=8, backend="reference"),
+                       workers=2)
     assert time.time() - t0 < 60
 
 
@@ -116,8 +117,8 @@ def test_killed_worker_ends_the_run_instead_of_hanging(minilm, segments):
 
     def target():
         try:
-            run_extraction(model, tok, segments * 3, max_length=24, batch_size=4, workers=2, backend="reference",
-                           on_batch=on_batch)
+            run_extraction(model, tok, segments * 3, ExtractSettings(max_length=24, batch_size=4, backend="reference"),
+                           workers=2, on_batch=on_batch)
             done["result"] = "finished"
         except AttnkitError as exc:
             done["result"] = str(exc)
@@ -207,6 +208,6 @@ def test_workers_die_with_a_killed_run(tmp_path):
 def test_api_arguments_of_the_wrong_kind_are_refused(minilm):
     for kw, message in ((dict(max_length=32.5), "max_length must be an integer"),
                         (dict(observers=[1]), "observers must be callables"),
-                        (dict(batch_size=0), "batch size must be a positive integer")):
+                        (dict(batch_size=0), "batch_size must be a positive integer")):
         with pytest.raises(AttnkitError, match=message):
             attnkit.extract(["a b"], minilm, **kw)

@@ -1,39 +1,20 @@
-"""CLI conventions and output handling of cluster, report, compare, export: -k, -q, progress on stderr,
-outputs checked before the work, one-line errors, the run lock."""
+"""attnkit/cli/analysis.py: the conventions and output handling of cluster, report, compare and distances: -k,
+-q, progress on stderr, outputs checked before the work, one-line errors, the run lock, warnings on stability."""
 import errno
 import json
 import os
 
 import numpy as np
-import pandas as pd
-import pytest
 from click.testing import CliRunner
 
 from attnkit.analysis import HeadDistances
 from attnkit.cli.analysis import cluster_cmd, compare_cmd, distances_cmd, report_cmd
+from attnkit.cli.export import export_cmd  # a writer into a locked run, too
 from attnkit.cli.main import main
-from attnkit.cli.export import export_cmd
 
-try:
-    from tests.analysis_fixtures import layered_truth, make_features
-except ImportError:
-    from analysis_fixtures import layered_truth, make_features
+from .synthetic import layered_truth, make_features
 
-try:
-    from tests.lock_holder import lock_held
-except ImportError:
-    from lock_holder import lock_held
-
-
-@pytest.fixture(scope="module")
-def feats():
-    return make_features(layered_truth(L=2, H=4, seed=3))
-
-
-@pytest.fixture
-def run(tmp_path, feats):
-    feats.save(tmp_path / "run")
-    return tmp_path / "run"
+FEATS = dict(L=2, H=4, seed=3)  # the synthetic run of the `feats` and `run` fixtures (conftest.py)
 
 
 def invoke(cmd, args):
@@ -146,7 +127,7 @@ def test_distances_without_a_corpus_is_one_line(run):
     assert r.exit_code == 1 and "names no readable corpus" in r.output
 
 
-def test_writers_into_a_locked_run_are_refused(run, tmp_path):
+def test_writers_into_a_locked_run_are_refused(run, tmp_path, lock_held):
     assert invoke(cluster_cmd, [run, "-k", "3", "--stability", "1", "-q"]).exit_code == 0
     before = (run / "clusters.json").read_text()
     with lock_held(run, "attnkit extract") as pid:
@@ -163,37 +144,19 @@ def test_writers_into_a_locked_run_are_refused(run, tmp_path):
     assert r.exit_code == 0, r.output
 
 
-# --- export ------------------------------------------------------------------------------------------------
-def test_export_csv_and_parquet_columns_and_values(run, feats, tmp_path):
-    r = invoke(export_cmd, [run])
-    assert r.exit_code == 0, r.output
-    df = pd.read_csv(run / "features.csv")
-    names = feats.names
-    assert list(df.columns) == ["layer", "head"] + names + [f"{n}_std" for n in names]
-    assert len(df) == 2 * 4
-    row = df[(df["layer"] == 1) & (df["head"] == 2)].iloc[0]
-    np.testing.assert_allclose(row[names].to_numpy(float), feats.mean[1, 2], rtol=1e-12)
-    np.testing.assert_allclose(row[[f"{n}_std" for n in names]].to_numpy(float), feats.std[1, 2], rtol=1e-12)
-    r = invoke(export_cmd, [run, "-o", tmp_path / "f.parquet"])
-    assert r.exit_code == 0, r.output
-    pq = pd.read_parquet(tmp_path / "f.parquet")
-    assert list(pq.columns) == list(df.columns)
-    np.testing.assert_array_equal(pq.to_numpy(), pd.read_csv(run / "features.csv").to_numpy())
-    r = invoke(export_cmd, [run, "--format", "parquet", "-q"])
-    assert r.exit_code == 0 and r.output == "" and (run / "features.parquet").is_file()
+def test_cluster_and_compare_commands_warn(tmp_path):
+    from attnkit.cli.main import main
 
-
-def test_export_to_stdout_and_bad_outputs(run, tmp_path):
-    r = invoke(export_cmd, [run, "-o", "-"])
-    assert r.exit_code == 0 and r.output.splitlines()[0].startswith("layer,head,cls,")
-    assert len(r.output.splitlines()) == 1 + 8
-    r = invoke(export_cmd, [run, "-o", "-", "--format", "parquet"])
-    assert r.exit_code == 1 and "only CSV" in r.output
-    (tmp_path / "f").write_text("x")
-    r = invoke(export_cmd, [run, "-o", tmp_path / "f" / "x.csv"])
-    assert r.exit_code == 1 and "exists and is not a directory" in r.output
-    r = invoke(export_cmd, [run, "-o", tmp_path / "f" / "sub" / "x.csv"])
-    assert r.exit_code == 1 and "is a file, not a directory" in r.output
-    (run / "meta.json").write_text('{"n_samples": "abc"}')
-    r = invoke(export_cmd, [run, "-o", "-"])
-    assert r.exit_code == 1 and "meta.json: field n_samples: expected an integer" in r.output
+    truth = layered_truth(4, 12)
+    for name, f in (("good", make_features(truth, noise=0.005)),
+                    ("mush", make_features(truth, noise=0.02, structureless=True))):
+        f.save(tmp_path / name)
+    r = CliRunner().invoke(main, ["cluster", str(tmp_path / "mush"), "--stability", "4", "--seeds", "10", "-q"])
+    assert r.exit_code == 0, r.output
+    assert "stability over 10 seeds" in r.output and "warning: stability" in r.output
+    data = json.loads((tmp_path / "mush" / "clusters.json").read_text())
+    assert data["stability"]["over_seeds"]["n_seeds"] == 10
+    r = CliRunner().invoke(main, ["cluster", str(tmp_path / "good"), "--stability", "4", "-q"])
+    assert r.exit_code == 0 and "warning" not in r.output
+    r = CliRunner().invoke(main, ["compare", str(tmp_path / "good"), str(tmp_path / "mush")])
+    assert r.exit_code == 0 and "unreliable" in r.output

@@ -1,6 +1,7 @@
 """Jensen-Shannon distances between heads (Clark et al.): chunked PyTorch vs scipy, the collector
 observer inside extraction, sampling of query rows, and the run-dir file."""
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -10,13 +11,10 @@ from scipy.spatial.distance import jensenshannon
 import attnkit
 from attnkit import AttnkitError
 from attnkit.analysis import DistanceCollector, HeadDistances, collect_distances, js_distances
-from attnkit.engine.distances import js_from_rows
+from attnkit.engine.distances import js_from_rows, smooth_attention
 from attnkit.ops import has_kernel
 
-try:
-    from tests.analysis_fixtures import WORDS, tiny_model_and_tokenizer
-except ImportError:
-    from analysis_fixtures import WORDS, tiny_model_and_tokenizer
+from .synthetic import tiny_bert
 
 
 def random_attn(B, M, L, lengths, seed=0, sharp=2.0):
@@ -99,7 +97,7 @@ def test_op_matches_pytorch():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return tiny_model_and_tokenizer(tmp_path_factory.mktemp("tiny"))
+    return tiny_bert()
 
 
 TEXTS = ["the cat sat on the mat.", ("a big red house", "the dog ran, and then the cat ran!"), "the dog is here",
@@ -152,3 +150,23 @@ def test_collector_checks_layers_and_roundtrip(tmp_path):
 
 def test_js_from_rows_empty():
     assert js_from_rows(torch.zeros(0, 3, 4)).shape == (3, 3)
+
+
+def test_smoothing_matches_clark_formula():
+    attn = torch.zeros(1, 2, 3, 3)
+    attn[0, 0, :, 0] = 1.0  # head 0: all on token 0; head 1: all on token 1 (rows of a 2-token sample)
+    attn[0, 1, :, 1] = 1.0
+    lengths = torch.tensor([2])
+    sm = smooth_attention(attn, lengths, 0.001)
+    assert torch.allclose(sm[0, 0, 0, :2], torch.tensor([0.999 + 0.0005, 0.0005])) and sm[0, 0, 0, 2] == 0
+    raw, n = js_distances(attn, lengths, use_op=False)
+    smooth, _ = js_distances(attn, lengths, smoothing=0.001)
+    assert raw[0, 1] == pytest.approx(2 * math.log(2))
+    p, q = np.array([0.9995, 0.0005]), np.array([0.0005, 0.9995])
+    m = (p + q) / 2
+    js = 0.5 * np.sum(p * np.log(p / m)) + 0.5 * np.sum(q * np.log(q / m))
+    assert float(smooth[0, 1]) == pytest.approx(2 * js, rel=1e-5) and float(smooth[0, 1]) < float(raw[0, 1])
+    with pytest.raises(AttnkitError, match="smoothing"):
+        js_distances(attn, lengths, smoothing=0.001, use_op=True)
+    with pytest.raises(AttnkitError, match="smoothing must lie"):
+        smooth_attention(attn, lengths, 1.5)

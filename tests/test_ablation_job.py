@@ -11,15 +11,10 @@ from transformers import BertConfig, BertModel, BertTokenizerFast
 
 from attnkit import AttnkitError
 from attnkit.ablation import ResultTable, get_task, run_settings
-from attnkit.cli.ablate import ablate
 from attnkit.ablation.experiments import Setting
 from attnkit.ablation.tasks import SquadTask, subset
+from attnkit.cli.ablate import ablate
 from attnkit.interventions import Intervention
-
-try:
-    from tests.lock_holder import lock_held
-except ImportError:
-    from lock_holder import lock_held
 
 WORDS = "a man woman is playing riding guitar horse dog cat the on big small".split()
 
@@ -146,7 +141,7 @@ def test_squad_structure_is_validated(tmp_path, content, problem):
     assert str(e.value).startswith(str(tmp_path / "squad.json")) and problem in str(e.value)
 
 
-def test_second_ablate_into_the_same_directory_is_refused(tmp_path):
+def test_second_ablate_into_the_same_directory_is_refused(tmp_path, lock_held):
     data = stsb(tmp_path / "dev.tsv", ["1", "2", "3"])
     out = tmp_path / "out"
     with lock_held(out, "attnkit ablate") as pid:

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from attnkit.corpus import default_corpus_path
-from attnkit.engine.ray.driver import PID_DIR_ENV, run_ray_distances, run_ray_extraction, shard_dir
+from attnkit.engine import ExtractSettings
+from attnkit.engine.ray import PID_DIR_ENV, run_ray_distances, run_ray_extraction, shard_dir
 from attnkit.errors import AttnkitError
 
 try:
@@ -35,6 +36,7 @@ MAX_LENGTH = 40
 BATCH = 8
 WINDOW = 32
 SETTINGS = {"corpus": "default_corpus sentences, pairs, paragraphs", "max_length": MAX_LENGTH}
+SETTINGS_OF_PLAN = ExtractSettings(max_length=MAX_LENGTH, batch_size=BATCH, window=WINDOW)
 
 
 def _corpus():
@@ -82,17 +84,18 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def in_process(minilm, corpus):
-    from attnkit.engine.extract import run_extraction
+    from attnkit.engine import run_extraction
 
     model, tokenizer = minilm
     with one_thread():
-        return run_extraction(model, tokenizer, corpus, max_length=MAX_LENGTH, batch_size=BATCH, window=WINDOW)
+        state = run_extraction(model, tokenizer, corpus, SETTINGS_OF_PLAN)
+    return state.accumulator, state.n_truncated
 
 
-def _run(corpus, run_dir, **kw):
-    kw = {"model_path": None, "max_length": MAX_LENGTH, "batch_size": BATCH, "window": WINDOW,
-          "run_dir": run_dir, "settings": SETTINGS, "progress": False, **kw}
-    return run_ray_extraction(corpus, **kw)
+def _run(corpus, run_dir, batch_size=BATCH, **kw):
+    kw = {"model_path": None, "run_dir": run_dir, "run_settings": SETTINGS, "progress": False, **kw}
+    settings = ExtractSettings(max_length=MAX_LENGTH, batch_size=batch_size, window=WINDOW)
+    return run_ray_extraction(corpus, settings, **kw)
 
 
 def _assert_same_features(acc, ref):
@@ -135,7 +138,7 @@ def test_ray_features_equal_in_process_and_resume_skips_finished_shards(cluster,
     # shards measured under other settings are refused, with one line naming what differs
     with pytest.raises(AttnkitError, match=r"shard-000000\.npz was written under other settings "
                                            r"\(settings\.max_length: 40 then, 41 now\)") as e:
-        _run(corpus, tmp_path, settings={**SETTINGS, "max_length": 41})
+        _run(corpus, tmp_path, run_settings={**SETTINGS, "max_length": 41})
     assert "\n" not in str(e.value)
     with pytest.raises(AttnkitError, match=r"engine\.batch_size: 8 then, 4 now"):
         _run(corpus, tmp_path, batch_size=4)
@@ -152,11 +155,11 @@ def test_without_ray_the_engine_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if it were not installed
     with pytest.raises(AttnkitError, match=r"^the ray engine needs Ray Data, which is not installed: "
                                            r"pip install 'attnkit\[distributed\]'$"):
-        run_ray_extraction(["A text."], model_path=None, run_dir=tmp_path, settings={}, progress=False)
+        run_ray_extraction(["A text."], model_path=None, run_dir=tmp_path, run_settings={}, progress=False)
 
 
 def test_a_corrupt_shard_file_is_refused_by_name(tmp_path):
-    from attnkit.engine.ray.driver import ShardStore
+    from attnkit.run.shards import ShardStore
 
     d = shard_dir(tmp_path)
     d.mkdir()
@@ -212,19 +215,17 @@ def test_killing_a_model_actor_mid_run_changes_nothing(cluster, corpus, in_proce
 @needs_ray
 @pytest.mark.slow
 def test_ray_distances_equal_the_in_process_collector(cluster, corpus, minilm, tmp_path):
-    from attnkit.engine.distances import DistanceCollector
-    from attnkit.engine.extract import run_extraction
+    from attnkit.engine import DistanceCollector, run_extraction
     from attnkit.models import attention_modules
 
     model, tokenizer = minilm
     segs = corpus[:120]
     collector = DistanceCollector(len(attention_modules(model)))
     with one_thread():
-        run_extraction(model, tokenizer, segs, max_length=MAX_LENGTH, batch_size=BATCH, window=WINDOW,
-                       observers=[collector])
+        run_extraction(model, tokenizer, segs, SETTINGS_OF_PLAN, observers=[collector])
     ref = collector.result()
-    dist, info = run_ray_distances(segs, model_path=None, max_length=MAX_LENGTH, batch_size=BATCH, window=WINDOW,
-                                   run_dir=tmp_path, settings=SETTINGS, progress=False)
+    dist, info = run_ray_distances(segs, SETTINGS_OF_PLAN, model_path=None, run_dir=tmp_path, run_settings=SETTINGS,
+                                   progress=False)
     assert (dist.n_layers, dist.n_heads, dist.n_rows) == (ref.n_layers, ref.n_heads, ref.n_rows)
     assert info["shards"] == -(-len(segs) // WINDOW)
     assert np.all(ref.total[~np.eye(len(ref.total), dtype=bool)] > 0)

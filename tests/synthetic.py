@@ -1,10 +1,11 @@
-"""Synthetic HeadFeatures with known head types, for the analysis tests (no model, no corpus)."""
+"""Synthetic data for the tests: HeadFeatures with known head types (no model, no corpus), and a tiny
+random-weight BERT with a WordPiece tokenizer built in code."""
 from __future__ import annotations
 
 import numpy as np
 
 from attnkit.features import feature_names
-from attnkit.run.head_features import HeadFeatures
+from attnkit.run import HeadFeatures
 
 N_WIN = 16
 
@@ -70,16 +71,14 @@ def layered_truth(L: int = 6, H: int = 12, seed: int = 0) -> np.ndarray:
 WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "a", "big", "red", "house", "is", "here", "and", "then"]
 
 
-def tiny_model_and_tokenizer(tmp_dir, n_layers: int = 2, n_heads: int = 2, seed: int = 0):
-    """A random-weight BERT (2 layers × 2 heads, hidden 16) and a fast WordPiece tokenizer built in code."""
+def tiny_bert(n_layers: int = 2, n_heads: int = 2, seed: int = 0):
+    """A random-weight BERT (n_layers × n_heads, hidden 16) with sharp attention, and a fast WordPiece tokenizer
+    over WORDS, built in code."""
     import torch
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ",", ".", "!", "?"] + WORDS
-    path = f"{tmp_dir}/vocab.txt"
-    with open(path, "w") as f:
-        f.write("\n".join(vocab) + "\n")
-    tok = BertTokenizerFast(vocab_file=path, do_lower_case=True)
+    tok = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=n_layers, num_attention_heads=n_heads,
                      intermediate_size=32, max_position_embeddings=64, attn_implementation="eager")
@@ -89,3 +88,10 @@ def tiny_model_and_tokenizer(tmp_dir, n_layers: int = 2, n_heads: int = 2, seed:
             layer.attention.self.query.weight.mul_(8.0)
             layer.attention.self.key.weight.mul_(8.0)
     return model, tok
+
+
+def mean_scores(values):
+    """Per-example scores whose metric is 100 × their mean (attnkit.ablation.metrics.ExampleScores)."""
+    from attnkit.ablation.metrics import ExampleScores
+
+    return ExampleScores({"v": np.asarray(values, dtype=float)}, lambda a: 100.0 * a["v"].mean())
