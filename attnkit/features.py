@@ -17,6 +17,7 @@ KEEP, ZERO, UNIFORM = 0, 1, 2
 ALL, NO_INTRA, NO_INTER = 0, 1, 2
 
 DEFAULT_NUM_WINDOWS = 16
+DEFAULT_MAX_LENGTH = 128  # tokens per sample, special tokens included, when none is given
 ROW_FEATURES = ("prev", "next", "entropy", "max", "intra", "inter")
 
 

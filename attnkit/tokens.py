@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .errors import AttnkitError, check_int
-from .features import CLS, COMMA, OTHER, PERIOD, SEP
+from .features import CLS, COMMA, DEFAULT_MAX_LENGTH, OTHER, PERIOD, SEP
 
 Segment = str | tuple
 SENTENCE_END = (".", "!", "?")
@@ -108,7 +108,7 @@ def sentence_ids(ids: list[int], sequence_ids: list, end_ids=()) -> list[int]:
 class Encoder:
     """Turns lists of segments (str or (str, str)) into `Batch`es for one tokenizer."""
 
-    def __init__(self, tokenizer, max_length: int = 128, split_sentences: bool = False):
+    def __init__(self, tokenizer, max_length: int = DEFAULT_MAX_LENGTH, split_sentences: bool = False):
         if not getattr(tokenizer, "is_fast", False):
             raise AttnkitError("attnkit needs a fast (Rust) tokenizer to locate segments")
         check_int(max_length, "max_length", minimum=2)

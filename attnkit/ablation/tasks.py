@@ -28,6 +28,7 @@ import torch
 
 from ..corpus import read_corpus, read_table
 from ..errors import AttnkitError, arg, check_int
+from ..features import DEFAULT_MAX_LENGTH
 from ..models import instrument, runtime_of
 from ..run.schemas import SQUAD_SCHEMA, load_json
 from ..tokens import Batch, Encoder
@@ -97,7 +98,7 @@ class Task:
     name = ""
     main_metric = ""
     model_task: str | None = None  # the `task` argument of attnkit.load_model
-    max_length = 128
+    max_length = DEFAULT_MAX_LENGTH
     last_examples = None  # metrics.ExampleScores of the last evaluate(), for bootstrap intervals
 
     path = ""

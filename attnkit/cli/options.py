@@ -14,7 +14,7 @@ import click
 
 from ..corpus import FORMATS, check_columns
 from ..errors import AttnkitError, spell
-from ..features import DEFAULT_NUM_WINDOWS
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS
 
 RUN = click.Path(exists=True, file_okay=False, path_type=Path)  # an existing run directory
 SEED = click.IntRange(0, 2**32 - 1)  # what scikit-learn accepts as random_state
@@ -116,7 +116,7 @@ def model_option(fn):
 
 
 def max_length_option(fn):
-    return click.option("--max-length", default=128, show_default=True, type=click.IntRange(min=2),
+    return click.option("--max-length", default=DEFAULT_MAX_LENGTH, show_default=True, type=click.IntRange(min=2),
                         help="Tokens per sample, special tokens included; longer segments are truncated (and "
                              "counted).")(fn)
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import AttnkitError
-from ..features import DEFAULT_NUM_WINDOWS, check_num_windows, feature_names
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows, feature_names
 from ..models import attention_modules, check_max_length, observing, resolve_model
 from ..run.files import COMPARE_JSON, COMPARE_NPZ, FIGURES_DIR
 from ..run.head_features import FeatureAccumulator
@@ -202,7 +202,7 @@ def _check_pair(model_a, tok_a, model_b, tok_b):
     return la, ha
 
 
-def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=None, max_length: int = 128,
+def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=None, max_length: int = DEFAULT_MAX_LENGTH,
                    batch_size: int | None = None, num_windows: int = DEFAULT_NUM_WINDOWS, split_sentences: bool = False,
                    backend: str = "auto", device=None, window: int = DEFAULT_WINDOW, max_elems: int = 1 << 22,
                    progress: bool = False) -> ModelComparison:

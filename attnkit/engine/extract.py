@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from ..errors import AttnkitError, arg, check_int
-from ..features import DEFAULT_NUM_WINDOWS, check_num_windows, feature_names
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows, feature_names
 from ..models import attention_modules, check_max_length, observing, resolve_model
 from ..ops import BACKENDS, backend_label, resolve_backend
 from ..run.head_features import FeatureAccumulator, HeadFeatures
@@ -30,7 +30,7 @@ class ExtractSettings:
     batches (`batch_size`, `window`: docs/pipeline.md) and the features (`num_windows`, `backend`).
     `batch_size` None: `default_batch_size` of the device."""
 
-    max_length: int = 128
+    max_length: int = DEFAULT_MAX_LENGTH
     batch_size: int | None = None
     window: int = DEFAULT_WINDOW
     num_windows: int = DEFAULT_NUM_WINDOWS
@@ -185,7 +185,7 @@ def extract(
     texts: Sequence[Segment],
     model=None,
     *,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     batch_size: int | None = None,
     device=None,
     dtype=None,

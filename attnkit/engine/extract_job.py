@@ -13,6 +13,7 @@ from defaults (docs/files.md, "meta.json").
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError, arg, print_message
-from ..features import DEFAULT_NUM_WINDOWS, feature_names
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, feature_names
 from ..models import attention_modules, check_max_length, default_model_path, load_model, max_positions
 from ..ops import backend_label
 from ..run.locking import remove_if_only_lock, run_lock
@@ -52,7 +53,7 @@ class ExtractOptions:
     text_unit: str = "auto"
     columns: tuple | None = None
     squad_pairs: bool = False
-    max_length: int = 128
+    max_length: int = DEFAULT_MAX_LENGTH
     batch_size: int | None = None
     window: int = DEFAULT_WINDOW
     device: str | None = None
@@ -347,37 +348,32 @@ class Checkpoints:
         if self.batches % self.every == 0 or time.monotonic() - self.saved_at > CHECKPOINT_SECONDS:
             self.save(state)
 
+    @contextlib.contextmanager
     def on_interrupt(self, start: ExtractionState | None):
-        """A context for the run: SIGTERM acts as Ctrl-C; an interruption or an AttnkitError saves a checkpoint
-        of what was measured since `start` and ends in `Interrupted`, or the error naming the checkpoint."""
-        import contextlib
-
+        """Around the run: SIGTERM acts as Ctrl-C; an interruption or an AttnkitError saves a checkpoint of what
+        was measured since `start` and ends in `Interrupted`, or in the error naming the checkpoint."""
         first = start.next_index if start else 0
 
-        @contextlib.contextmanager
-        def guard():
-            def on_term(signum, frame):
-                raise KeyboardInterrupt
+        def on_term(signum, frame):
+            raise KeyboardInterrupt
 
-            old_term = signal.signal(signal.SIGTERM, on_term)
-            try:
-                yield
-            except (KeyboardInterrupt, AttnkitError) as exc:
-                saved = self.state is not None and self.state.next_index > first
+        old_term = signal.signal(signal.SIGTERM, on_term)
+        try:
+            yield
+        except (KeyboardInterrupt, AttnkitError) as exc:
+            saved = self.state is not None and self.state.next_index > first
+            if saved:
+                self.save(self.state)
+            if self.writer is not None:
+                self.writer.abandon()
+            if isinstance(exc, AttnkitError):
                 if saved:
-                    self.save(self.state)
-                if self.writer is not None:
-                    self.writer.abandon()
-                if isinstance(exc, AttnkitError):
-                    if saved:
-                        raise AttnkitError(f"{exc.template} (checkpoint saved after {self.state.next_index} "
-                                           "segments)") from None
-                    raise
-                raise Interrupted(self.state.next_index if saved else None) from None
-            finally:
-                signal.signal(signal.SIGTERM, old_term)
-
-        return guard()
+                    raise AttnkitError(f"{exc.template} (checkpoint saved after {self.state.next_index} "
+                                       "segments)") from None
+                raise
+            raise Interrupted(self.state.next_index if saved else None) from None
+        finally:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 __all__ = ["ENGINES", "ExtractOptions", "Interrupted", "run_extract_job"]

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..errors import AttnkitError, arg, check_int, print_message
+from ..features import DEFAULT_MAX_LENGTH
 from ..models import attention_modules, load_model, observing
 from ..run.files import PROBE_CSV, PROBE_HEATMAP, PROBE_JSON, PROBE_TABLE
 from ..run.outputs import atomic_write, ensure_writable_dir, os_errors, write_json
@@ -38,7 +39,7 @@ class ProbeOptions:
     fmt: str = "auto"
     columns: tuple | None = None
     limit: int | None = None
-    max_length: int = 128
+    max_length: int = DEFAULT_MAX_LENGTH
     batch_size: int = 16
     device: str | None = None
     dtype: str = "float32"
@@ -170,7 +171,7 @@ def word_attention_batch(model, inputs: dict, aligns: list[Alignment], num_words
     return torch.stack([got[i] for i in range(n_layers)])
 
 
-def score_sentences(model, tokenizer, sentences, *, max_length=128, batch_size=16, backend="auto",
+def score_sentences(model, tokenizer, sentences, *, max_length=DEFAULT_MAX_LENGTH, batch_size=16, backend="auto",
                     keep_pairs=True, quiet=True) -> tuple[ProbeScores, dict]:
     """Run the model over parsed sentences and score every head; returns (scores, alignment counts)."""
     from tqdm import tqdm

@@ -18,7 +18,6 @@ that K + the rows added since equals the number of rows in the file, and that no
 from __future__ import annotations
 
 import io
-import json
 import os
 import struct
 from pathlib import Path
@@ -29,6 +28,7 @@ from ..errors import AttnkitError, arg
 from ..features import feature_names, windows_of
 from .files import PER_SAMPLE_FILE, PER_SAMPLE_META
 from .outputs import write_json
+from .schemas import PER_SAMPLE_SCHEMA, load_json
 
 PARTIAL_SUFFIX = ".partial"
 HEADER_BYTES = 4096  # reserved .npy header (a multiple of 64, as the format recommends)
@@ -174,9 +174,9 @@ def load_per_sample(run_dir) -> tuple[np.ndarray, list[str]]:
         raise AttnkitError(f"{path} is missing: run `attnkit extract --per-sample` first")
     try:
         arr = np.load(path, mmap_mode="r")
-        names = json.loads(meta_path.read_text())["names"] if meta_path.is_file() else None
-    except (ValueError, OSError, KeyError) as exc:
+    except (ValueError, OSError) as exc:
         raise AttnkitError(f"{path} is unreadable: {exc}") from None
+    names = load_json(meta_path, PER_SAMPLE_SCHEMA)["names"] if meta_path.is_file() else None
     if arr.ndim != 4:
         raise AttnkitError(f"{path} has shape {arr.shape}, expected samples × layers × heads × features")
     if names is None:

@@ -116,6 +116,14 @@ CLUSTERS_REPORT_SCHEMA = {
     }],
 }
 
+# RUN/per_sample.json, written with RUN/per_sample.npy by `attnkit extract --per-sample` (attnkit/run/per_sample.py)
+PER_SAMPLE_SCHEMA = {
+    "type": "object",
+    "required": ["names"],
+    "properties": {"names": {"type": "array", "items": {"type": "string"}}, "n_samples": _INT0, "n_layers": _INT1,
+                   "n_heads": _INT1},
+}
+
 # SQuAD v1.1 / v2.0 JSON as attnkit reads it: the corpus reader (contexts, or question + context pairs) and the
 # ablation's squad task (which also reads ids and answers). Every field but data, context and question may be
 # absent; a field that is there must have its type.
@@ -265,4 +273,4 @@ def validate_arrays(arrays: dict, spec: dict[str, ArraySpec], path) -> None:
 
 
 __all__ = ["validate", "load_json", "load_npz", "validate_arrays", "ArraySpec", "META_SCHEMA", "CLUSTERS_SCHEMA",
-           "CLUSTERS_REPORT_SCHEMA", "SQUAD_SCHEMA", "FEATURES_ARRAYS", "DISTANCES_ARRAYS"]
+           "CLUSTERS_REPORT_SCHEMA", "PER_SAMPLE_SCHEMA", "SQUAD_SCHEMA", "FEATURES_ARRAYS", "DISTANCES_ARRAYS"]
