@@ -158,17 +158,6 @@ def test_without_ray_the_engine_says_how_to_install_it(tmp_path, monkeypatch):
         run_ray_extraction(["A text."], model_path=None, run_dir=tmp_path, run_settings={}, progress=False)
 
 
-def test_a_corrupt_shard_file_is_refused_by_name(tmp_path):
-    from attnkit.run.shards import ShardStore
-
-    d = shard_dir(tmp_path)
-    d.mkdir()
-    (d / "shard-000003.npz").write_bytes(b"not an npz file")
-    with pytest.raises(AttnkitError, match=r"shard file .*shard-000003\.npz is unreadable or corrupt") as e:
-        ShardStore(d, SETTINGS, "features").finished()
-    assert "\n" not in str(e.value)
-
-
 @needs_ray
 @pytest.mark.slow
 def test_killing_a_model_actor_mid_run_changes_nothing(cluster, corpus, in_process, tmp_path, monkeypatch):

@@ -144,25 +144,26 @@ class ShardedRun:
         ray = import_ray()
         check_model_here(self.model_path, self.settings.max_length, local=self.address is None)
         with ray_session(self.address) as cluster, quiet_ray_data(ray):
-            n_actors, resources = plan_actors(ray, self.num_actors, self.cpus_per_actor)
-            batch_size = self.settings.batch_size or DEFAULT_BATCH_SIZE["cuda" if "num_gpus" in resources else "cpu"]
-            store, finished = self.store(batch_size)
-            group_size = self.shards_per_group or max(4, 8 * n_actors)
-            bar = self._bar()
-            red = Reduction(self.kind, store, bar)
+            self.ray = ray
+            self.n_actors, self.resources = plan_actors(ray, self.num_actors, self.cpus_per_actor)
+            gpus = "num_gpus" in self.resources
+            self.batch_size = self.settings.batch_size or DEFAULT_BATCH_SIZE["cuda" if gpus else "cpu"]
+            self.shards, self.finished = self.store(self.batch_size)
+            self.group_size = self.shards_per_group or max(4, 8 * self.n_actors)
+            self.red = Reduction(self.kind, self.shards, self._bar())
             try:
-                self._stream(ray, red, store, finished, batch_size, group_size, n_actors, resources)
+                self._stream()
             finally:
-                if bar is not None:
-                    bar.close()
+                if self.red.bar is not None:
+                    self.red.bar.close()
         if self.n_shards == 0:
             raise AttnkitError("no segments to measure")
         if self.merged != self.n_shards:
             raise AttnkitError(f"shard {self.merged} of {self.n_shards} was never measured; run again to finish it")
-        info = {"engine": "ray", "shards": self.n_shards, "shards_skipped": self.n_skipped, "actors": n_actors,
-                "cpus_per_actor": self.cpus_per_actor, "batch_size": batch_size, "ray_address": cluster,
-                "window": self.settings.window, "shards_per_group": group_size, "n_segments": self.n_segments,
-                "n_batches": self.n_batches, "duplicates_dropped": red.duplicates}
+        info = {"engine": "ray", "shards": self.n_shards, "shards_skipped": self.n_skipped, "actors": self.n_actors,
+                "cpus_per_actor": self.cpus_per_actor, "batch_size": self.batch_size, "ray_address": cluster,
+                "window": self.settings.window, "shards_per_group": self.group_size, "n_segments": self.n_segments,
+                "n_batches": self.n_batches, "duplicates_dropped": self.red.duplicates}
         return self.total, info
 
     def _bar(self):
@@ -174,45 +175,46 @@ class ShardedRun:
         return tqdm(total=total, unit="seg", desc=f"{'extract' if self.kind == 'features' else 'distances'} (ray)",
                     dynamic_ncols=True)
 
-    def _merge_ready(self, red: Reduction) -> None:
+    def _merge_ready(self) -> None:
         """Merge, in shard order, the shards that are all in."""
-        while self.merged in red.done:
-            self.total = add_sums(self.total, red.done.pop(self.merged))
+        while self.merged in self.red.done:
+            self.total = add_sums(self.total, self.red.done.pop(self.merged))
             self.merged += 1
 
-    def _stream(self, ray, red, store, finished, batch_size, group_size, n_actors, resources) -> None:
+    def _stream(self) -> None:
         """Read the corpus window by window: finished shards are loaded, the others planned and sent to the
         cluster in groups of `group_size` shards."""
+        red = self.red
         rows: list[dict] = []
         pending = 0
         for k, chunk in enumerate(windows(self.segments, self.settings.window)):
             self.n_shards += 1
-            if k in finished:
-                red.done[k] = store.load(k, len(chunk))
+            if k in self.finished:
+                red.done[k] = self.shards.load(k, len(chunk))
                 self.n_skipped += 1
-                self._merge_ready(red)
+                self._merge_ready()
                 if red.bar is not None:
                     red.bar.update(len(chunk))
-                if rows and len(red.done) >= group_size:  # finished shards wait for the group before them
-                    self._run_group(ray, red, rows, n_actors, resources)
+                if rows and len(red.done) >= self.group_size:  # finished shards wait for the group before them
+                    self._run_group(rows)
                     rows, pending = [], 0
             else:
-                planned = plan_window(chunk, batch_size, window_index=k, first_batch=self.n_batches,
+                planned = plan_window(chunk, self.batch_size, window_index=k, first_batch=self.n_batches,
                                       start=self.n_segments)
                 red.expect(k, [pb.index for pb in planned], len(chunk))
                 rows.extend({"shard": k, "batch": pb.index, "n_segments": len(pb.segments),
                              "segments": json.dumps([s if isinstance(s, str) else list(s) for s in pb.segments],
                                                     ensure_ascii=False)} for pb in planned)
                 pending += 1
-                if pending >= group_size:
-                    self._run_group(ray, red, rows, n_actors, resources)
+                if pending >= self.group_size:
+                    self._run_group(rows)
                     rows, pending = [], 0
             self.n_segments += len(chunk)
-            self.n_batches += -(-len(chunk) // batch_size)
+            self.n_batches += -(-len(chunk) // self.batch_size)
         if rows:
-            self._run_group(ray, red, rows, n_actors, resources)
+            self._run_group(rows)
 
-    def _run_group(self, ray, red: Reduction, rows: list[dict], n_actors: int, resources: dict) -> None:
+    def _run_group(self, rows: list[dict]) -> None:
         """One Ray Data execution over the planned batches of a group of shards."""
         s = self.settings
         tokenise_args = {"model_path": self.model_path, "max_length": s.max_length,
@@ -221,21 +223,22 @@ class ShardedRun:
                       "max_length": s.max_length, "backend": s.backend, "num_windows": s.num_windows,
                       "rows_per_sample": self.rows_per_sample, "seed": self.seed, "threads": self.cpus_per_actor,
                       "pid_dir": os.environ.get(PID_DIR_ENV) or None}
+        ray = self.ray
         ds = ray.data.from_items(rows, override_num_blocks=len(rows))  # one planned batch per block
         ds = ds.map_batches(tokenise, fn_kwargs=tokenise_args, batch_size=1, batch_format="numpy", num_cpus=1)
         # the actors of a pool restart and their tasks are retried: Ray Data's defaults (see the package docstring)
         ds = ds.map_batches(ModelActor, fn_constructor_kwargs=actor_args, batch_size=1, batch_format="numpy",
-                            compute=ray.data.ActorPoolStrategy(size=n_actors), **resources)
+                            compute=ray.data.ActorPoolStrategy(size=self.n_actors), **self.resources)
         try:
             for block in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0):
                 for i in range(len(block["shard"])):
-                    red.add_row({k: v[i] for k, v in block.items()})
+                    self.red.add_row({k: v[i] for k, v in block.items()})
         except AttnkitError:
             raise
         except Exception as exc:
             raise AttnkitError("the Ray pipeline failed: " + ray_failure(exc).template) from None
-        red.check_complete()
-        self._merge_ready(red)
+        self.red.check_complete()
+        self._merge_ready()
 
 
 def run_ray_extraction(segments: Iterable[Segment], settings: ExtractSettings | None = None, *,
