@@ -163,3 +163,16 @@ def test_the_check_finds_an_upward_import_a_cycle_and_a_private_name(tmp_path, b
     files.write_text(files.read_text() + "\n" + bad)
     problems = layering_problems(copy)
     assert any(problem in p for p in problems), problems
+
+
+def test_only_the_command_line_imports_click():
+    """The library and the jobs behind the command line report through callbacks; click is the cli's."""
+    users = []
+    for m, path in all_modules().items():
+        if m == "attnkit.cli" or m.startswith("attnkit.cli."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            users += [f"{m} (line {node.lineno})" for n in names if n.split(".")[0] == "click"]
+    assert not users, users
