@@ -3,18 +3,21 @@
     model, tokenizer = attnkit.load_model()          # the embedded MiniLM
     feats = attnkit.extract(["A text.", ("A pair", "of texts.")], (model, tokenizer))
     feats.to_pandas()
+
+The layers of the package and what each may import: docs/architecture.md.
 """
+from .engine.extract import extract
 from .errors import AttnkitError
 from .features import feature_names
-from .head_features import HeadFeatures
-from .hf_attention import register as _register_attention
+from .hf_attention import register as register_attention
 from .interventions import Intervention, intervene, sentences
 from .models import instrument, load_model
 from .ops import backend_info
-from .extraction import extract
+from .run.head_features import HeadFeatures
+from .run.versions import attnkit_version
 
-__version__ = "0.1.0"
-_register_attention()
+__version__ = attnkit_version()
+register_attention()  # attn_implementation="attnkit" works after `import attnkit`
 
 
 def __getattr__(name):

@@ -4,6 +4,8 @@ Token classes, intervention modes and regions are small integers so the C++/CUDA
 """
 from __future__ import annotations
 
+from .errors import check_int
+
 # Token classes (docs/features.md, "Token classes" and "Sentence ids").
 OTHER, CLS, SEP, COMMA, PERIOD = 0, 1, 2, 3, 4
 TOKEN_CLASS_NAMES = ("other", "cls", "sep", "comma", "period")
@@ -15,6 +17,7 @@ KEEP, ZERO, UNIFORM = 0, 1, 2
 ALL, NO_INTRA, NO_INTER = 0, 1, 2
 
 DEFAULT_NUM_WINDOWS = 16
+DEFAULT_MAX_LENGTH = 128  # tokens per sample, special tokens included, when none is given
 ROW_FEATURES = ("prev", "next", "entropy", "max", "intra", "inter")
 
 
@@ -32,9 +35,10 @@ def num_features(num_windows: int = DEFAULT_NUM_WINDOWS) -> int:
     return 5 + num_windows + len(ROW_FEATURES) + 1
 
 
-def check_num_windows(num_windows: int) -> int:
-    from .errors import AttnkitError
+def windows_of(n_features: int) -> int:
+    """The number of distance windows behind `n_features` features (the inverse of `num_features`)."""
+    return n_features - num_features(0)
 
-    if not isinstance(num_windows, int) or num_windows < 1:
-        raise AttnkitError(f"num_windows must be a positive integer, got {num_windows!r}")
-    return num_windows
+
+def check_num_windows(num_windows: int) -> int:
+    return check_int(num_windows, "num_windows")

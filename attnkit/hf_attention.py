@@ -4,7 +4,8 @@ transformers calls `attnkit_attention(module, q, k, v, mask, scaling=..., dropou
 self-attention layer. With nothing active it is plain attention (equal to eager). What extraction and
 interventions need per forward — the batch's token classes and sentence ids, the intervention, where
 to put features — lives in a `Runtime` that `attnkit.models.instrument` attaches to each attention
-module; context managers in `extraction` and `interventions` fill it and always clear it again.
+module; context managers in `attnkit.engine.forward` and `attnkit.interventions` fill it and always clear it
+again.
 
 The mask function registered beside it hands over the 2-D padding mask (or None when a batch has no
 padding) instead of an L×L bias: the op takes per-sample lengths, never an L×L tensor.
@@ -28,18 +29,22 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from . import ops
 from .errors import AttnkitError
+from .features import DEFAULT_NUM_WINDOWS
+from .ops import attention
 from .tokens import sentence_ids as segment_sentence_ids
 
 NAME = "attnkit"
+# The attribute of an instrumented model, its base model and its attention modules that holds their Runtime
+# (attached by attnkit.models.instrument; a deep copy of the model carries its own).
+RUNTIME_ATTR = "_attnkit_runtime"
 
 
 @dataclass
@@ -65,7 +70,7 @@ class Runtime:
     """Per-model state read by the attention function during a forward pass."""
 
     backend: str = "auto"
-    num_windows: int = 16
+    num_windows: int = DEFAULT_NUM_WINDOWS
     want_features: bool = False
     batch: BatchInfo | None = None
     intervention: object | None = None  # attnkit.interventions.Intervention
@@ -102,8 +107,20 @@ class Runtime:
             self.batch = None
 
 
-_probe: list | None = None  # set by models.instrument to learn which modules call us
+_callers: list | None = None  # while `recording_callers` runs: the modules that called attnkit attention
 _last_mask: tuple = (lambda: None, None)
+
+
+@contextlib.contextmanager
+def recording_callers():
+    """Yield a list that collects, in call order, the modules that call attnkit attention inside the block
+    (`attnkit.models.instrument` runs its probe forward under it)."""
+    global _callers
+    _callers = seen = []
+    try:
+        yield seen
+    finally:
+        _callers = None
 
 
 def lengths_from_mask(mask: torch.Tensor | None, B: int, L: int, device) -> torch.Tensor:
@@ -219,14 +236,14 @@ def check_sentences_shape(rt: Runtime, B: int, L: int) -> None:
 
 
 def attnkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    if _probe is not None:
-        _probe.append(module)
+    if _callers is not None:
+        _callers.append(module)
     B, H, L, D = query.shape
     if key.shape[2] != L:
         raise AttnkitError(
             "attnkit attention supports self-attention over one sequence (no cross-attention or KV cache)"
         )
-    rt: Runtime | None = getattr(module, "_attnkit_runtime", None)
+    rt: Runtime | None = getattr(module, RUNTIME_ATTR, None)
     if dropout and module.training:
         if rt is not None and rt.active:
             raise AttnkitError("attnkit cannot measure or intervene while attention dropout is on: call model.eval()")
@@ -250,7 +267,7 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     renormalize = False
     want = False
     backend = "auto"
-    num_windows = 16
+    num_windows = DEFAULT_NUM_WINDOWS
     sentence_id = info.sentence_id if info is not None else None
     if rt is not None:
         rt.calls += 1
@@ -266,7 +283,7 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         for obs in rt.observers:
             obs(module.layer_idx, query, key, lengths, scaling)
 
-    out, feats = ops.attention(
+    out, feats = attention(
         query, key, value, lengths,
         info.token_class if info is not None else None,
         sentence_id,
@@ -291,9 +308,7 @@ def padding_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **
 
 
 def register() -> None:
-    """Make "attnkit" a valid `attn_implementation` (idempotent; done on `import attnkit`)."""
+    """Make "attnkit" a valid `attn_implementation` (idempotent): `import attnkit` calls it, and so does
+    `attnkit.models.instrument` before it switches a model to it."""
     AttentionInterface.register(NAME, attnkit_attention)
     AttentionMaskInterface.register(NAME, padding_mask)
-
-
-register()

@@ -15,23 +15,26 @@ Regions (no_intra / no_inter) need each token's sentence: in a plain forward the
 a text pair (token_type_ids or separator tokens), or ids given with `sentences(model, ids)` /
 `intervene(..., sentences=ids)`; attnkit/hf_attention.py has the exact rule and when it refuses.
 
-Head types come from a run's clusters.json, written by `attnkit cluster` (format in
-attnkit/analysis/results.py), through `load_clusters`.
+Head types come from a run's clusters.json, written by `attnkit cluster` (format: docs/files.md; reader:
+attnkit/run/clusters.py), through `load_clusters`.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
 from .errors import AttnkitError
 from .features import ALL, KEEP, MODES, REGIONS
+from .models import attention_modules, runtime_of
+from .run.clusters import CLUSTERS_FILE, type_grid
+from .run.clusters import load_clusters as read_clusters
 
 _HEAD_RE = re.compile(r"^L(\d+)(?:H(\d+))?$", re.IGNORECASE)
 
@@ -87,7 +90,8 @@ def parse_heads(spec, shape: tuple[int, int] | None = None) -> list[tuple[int, i
             heads = [(layer, head)]
         for lh in heads:
             if shape is not None and not (0 <= lh[0] < shape[0] and 0 <= lh[1] < shape[1]):
-                raise AttnkitError(f"head L{lh[0]}H{lh[1]} is outside this model's {shape[0]} layers × {shape[1]} heads")
+                raise AttnkitError(f"head L{lh[0]}H{lh[1]} is outside this model's {shape[0]} layers × "
+                                   f"{shape[1]} heads")
             if lh not in out:
                 out.append(lh)
     return out
@@ -143,8 +147,6 @@ class HeadTypes:
 
 def load_clusters(run_or_file, shape: tuple[int, int] | None = None) -> HeadTypes:
     """Head types from a run's clusters.json (written by `attnkit cluster`), checked against `shape`."""
-    from .analysis.results import CLUSTERS_FILE, load_clusters as read_clusters, type_grid
-
     path = Path(run_or_file)
     data = read_clusters(path)
     grid = type_grid(data)
@@ -178,19 +180,19 @@ class Intervention:
         self._cache: dict = {}
 
     @classmethod
-    def identity(cls, n_layers: int, n_heads: int) -> "Intervention":
+    def identity(cls, n_layers: int, n_heads: int) -> Intervention:
         return cls(np.full((n_layers, n_heads), KEEP, dtype=np.int32))
 
     @classmethod
-    def for_model(cls, model) -> "Intervention":
+    def for_model(cls, model) -> Intervention:
         cfg = model.config
-        n_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layers")
-        n_heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads")
+        n_layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layers
+        n_heads = getattr(cfg, "num_attention_heads", None) or cfg.n_heads
         return cls.identity(n_layers, n_heads)
 
     @classmethod
     def from_heads(cls, model_or_shape, heads, *, mode: str = "zero", region: str = "all",
-                   renormalize: bool = False) -> "Intervention":
+                   renormalize: bool = False) -> Intervention:
         """Apply `mode`/`region` to the listed heads ("L2H5,L3H0", "L4", or (layer, head) pairs)."""
         shape = _shape_of(model_or_shape)
         iv = cls.identity(*shape)
@@ -199,7 +201,7 @@ class Intervention:
 
     @classmethod
     def from_layers(cls, model_or_shape, layers: Iterable[int] | int, *, mode: str = "uniform",
-                    region: str = "all", renormalize: bool = False) -> "Intervention":
+                    region: str = "all", renormalize: bool = False) -> Intervention:
         """Apply `mode`/`region` to every head of the given layers."""
         shape = _shape_of(model_or_shape)
         layers = [layers] if isinstance(layers, (int, np.integer)) else list(layers)
@@ -207,8 +209,8 @@ class Intervention:
                               renormalize=renormalize)
 
     @classmethod
-    def from_types(cls, model_or_shape, head_types: "HeadTypes", types: Sequence[str] | str, *,
-                   mode: str = "zero", region: str = "all", renormalize: bool = False) -> "Intervention":
+    def from_types(cls, model_or_shape, head_types: HeadTypes, types: Sequence[str] | str, *,
+                   mode: str = "zero", region: str = "all", renormalize: bool = False) -> Intervention:
         """Apply `mode`/`region` to every head whose cluster type is in `types`."""
         shape = _shape_of(model_or_shape)
         if head_types.shape != shape:
@@ -220,11 +222,11 @@ class Intervention:
         iv.renormalize = bool(renormalize)
         return iv.set_heads(heads, mode=mode, region=region)
 
-    def copy(self) -> "Intervention":
+    def copy(self) -> Intervention:
         gates = None if self.gates is None else self.gates.detach().clone()
         return Intervention(self.mode.copy(), self.region.copy(), self.renormalize, gates)
 
-    def with_gates(self, gates: torch.Tensor | None = None, requires_grad: bool = True) -> "Intervention":
+    def with_gates(self, gates: torch.Tensor | None = None, requires_grad: bool = True) -> Intervention:
         """A copy with per-head gates (ones by default) that autograd tracks: Michel et al.'s ξ."""
         iv = self.copy()
         if gates is None:
@@ -235,7 +237,7 @@ class Intervention:
         iv.gates = gates
         return iv
 
-    def set_heads(self, heads: Iterable[tuple[int, int]], *, mode: str = "keep", region: str = "all") -> "Intervention":
+    def set_heads(self, heads: Iterable[tuple[int, int]], *, mode: str = "keep", region: str = "all") -> Intervention:
         for layer, head in heads:
             self.set(layer, head, mode=mode, region=region)
         return self
@@ -271,7 +273,7 @@ class Intervention:
         L, H = self.shape
         return f"Intervention({L}×{H}: {text}, renormalize={self.renormalize})"
 
-    def set(self, layer: int, head: int | None = None, *, mode: str = "keep", region: str = "all") -> "Intervention":
+    def set(self, layer: int, head: int | None = None, *, mode: str = "keep", region: str = "all") -> Intervention:
         """Set one head (or the whole layer when head is None); returns self for chaining."""
         if mode not in MODES:
             raise AttnkitError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
@@ -321,8 +323,6 @@ def _as_sentence_ids(sentence_ids) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _given_sentences(model, sentence_ids):
-    from .models import runtime_of
-
     rt = runtime_of(model)
     ids = _as_sentence_ids(sentence_ids)
     previous = rt.sentences
@@ -347,8 +347,6 @@ def intervene(model, intervention: Intervention, sentences=None):
 
     Region interventions (no_intra / no_inter) take each forward's sentences from its token_type_ids
     or separator tokens (attnkit/hf_attention.py says how), or from `sentences` (batch × length ids)."""
-    from .models import attention_modules, runtime_of
-
     if not isinstance(intervention, Intervention):
         raise AttnkitError(f"intervene() needs an attnkit.Intervention, got {type(intervention).__name__}")
     rt = runtime_of(model)

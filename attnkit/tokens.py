@@ -1,4 +1,5 @@
-"""From text to batches: tokenisation, token classes and sentence ids (docs/features.md, "Token classes" and "Sentence ids").
+"""From text to batches: tokenisation, token classes and sentence ids (docs/features.md, "Token classes" and
+"Sentence ids").
 
 Class of a token: CLS (the tokenizer's cls/bos token), SEP (sep/eos), COMMA (token string exactly
 ","), PERIOD (exactly "."), else OTHER. Sentence ids: the segments of a text pair are different
@@ -7,16 +8,16 @@ belongs to the sentence before it, so [CLS] is in the first sentence and a [SEP]
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 import numpy as np
 import torch
 
-from .errors import AttnkitError
-from .features import CLS, COMMA, OTHER, PERIOD, SEP
+from .errors import AttnkitError, check_int
+from .features import CLS, COMMA, DEFAULT_MAX_LENGTH, OTHER, PERIOD, SEP
 
-Segment = Union[str, tuple]
+Segment = str | tuple
 SENTENCE_END = (".", "!", "?")
 
 
@@ -34,20 +35,20 @@ class Batch:
     def n_tokens(self) -> int:
         return int(self.lengths.sum())
 
-    def to(self, device, non_blocking: bool = False) -> "Batch":
+    def to(self, device, non_blocking: bool = False) -> Batch:
         def move(t):
             return t.to(device, non_blocking=non_blocking)
 
         return Batch({k: move(v) for k, v in self.inputs.items()}, move(self.lengths), move(self.token_class),
                      move(self.sentence_id), self.n_truncated)
 
-    def pin_memory(self) -> "Batch":
+    def pin_memory(self) -> Batch:
         """Page-locked copies, so that `.to(cuda, non_blocking=True)` overlaps with the device's work."""
         return Batch({k: v.pin_memory() for k, v in self.inputs.items()}, self.lengths.pin_memory(),
                      self.token_class.pin_memory(), self.sentence_id.pin_memory(), self.n_truncated)
 
     @classmethod
-    def from_arrays(cls, arrays: "EncodedArrays") -> "Batch":
+    def from_arrays(cls, arrays: EncodedArrays) -> Batch:
         """Wrap the numpy arrays of `Encoder.encode_arrays` without copying them."""
         return cls({k: torch.from_numpy(v) for k, v in arrays.inputs.items()}, torch.from_numpy(arrays.lengths),
                    torch.from_numpy(arrays.token_class), torch.from_numpy(arrays.sentence_id), arrays.n_truncated)
@@ -107,11 +108,10 @@ def sentence_ids(ids: list[int], sequence_ids: list, end_ids=()) -> list[int]:
 class Encoder:
     """Turns lists of segments (str or (str, str)) into `Batch`es for one tokenizer."""
 
-    def __init__(self, tokenizer, max_length: int = 128, split_sentences: bool = False):
+    def __init__(self, tokenizer, max_length: int = DEFAULT_MAX_LENGTH, split_sentences: bool = False):
         if not getattr(tokenizer, "is_fast", False):
             raise AttnkitError("attnkit needs a fast (Rust) tokenizer to locate segments")
-        if max_length < 2:
-            raise AttnkitError(f"max_length must be at least 2, got {max_length}")
+        check_int(max_length, "max_length", minimum=2)
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.split_sentences = split_sentences

@@ -1,7 +1,7 @@
 """Word-level attention (Clark et al. 2019, Sec. 4.2): the `attnkit::word_attention` op, its reference twin
 and the wrapper that picks between them.
 
-Definitions (SPEC.md "Word-level attention and syntax probes"). For sample b with n valid tokens, head h,
+Definitions (docs/probes.md, "Word-level attention"). For sample b with n valid tokens, head h,
 token-level weights A[s, t] = softmax over t < n of scaling · q_s · k_t (every valid token, special tokens
 included, takes part in the softmax), and `word_id[b, t]` the word of token t (-1: special token or a token
 of no candidate word):
@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import ops
-from .errors import AttnkitError
+from .errors import AttnkitError, arg
+from .ops import BACKENDS, extension_loaded, has_kernel
 
 OP = "attnkit::word_attention"
 
@@ -37,7 +37,7 @@ class WordAttention(NamedTuple):
 def op_available(device_type: str) -> bool:
     """True when the compiled extension has a word_attention kernel for this device type."""
     try:
-        return ops.has_kernel(device_type, OP)
+        return has_kernel(device_type, OP)
     except RuntimeError:  # an older extension: the operator is not even defined
         return False
 
@@ -99,8 +99,8 @@ def word_attention(q, k, lengths, word_id, num_words: int, *, scaling: float | N
     lengths = lengths.to(device=dev, dtype=torch.int64)
     word_id = word_id.to(device=dev, dtype=torch.int32)
     _check(q, k, lengths, word_id, int(num_words))
-    if backend not in ("auto", "fused", "reference"):
-        raise AttnkitError(f"unknown backend {backend!r}: use 'auto', 'fused' or 'reference'")
+    if backend not in BACKENDS:
+        raise AttnkitError(f"unknown {arg('backend')} {backend!r}: use 'auto', 'fused' or 'reference'")
     use_op = backend != "reference" and op_available(dev.type)
     if backend == "fused" and not use_op:
         raise AttnkitError(f"backend 'fused' requested but the extension has no {dev.type} word_attention kernel "
@@ -112,7 +112,7 @@ def word_attention(q, k, lengths, word_id, num_words: int, *, scaling: float | N
 
 
 def _register_fake() -> None:
-    if not ops.extension_loaded() or not hasattr(torch.ops.attnkit, "word_attention"):
+    if not extension_loaded() or not hasattr(torch.ops.attnkit, "word_attention"):
         return
 
     @torch.library.register_fake(OP)

@@ -8,7 +8,7 @@ Configurations, timed side by side in one process (interleaved rounds, median af
   plain-sdpa    transformers sdpa attention
   naive         eager with output_attentions=True + a vectorised PyTorch computation of attnkit's
                 features from the returned B×H×L×L maps (written here, independent of attnkit.reference)
-  fused         attnkit: the instrumented model + attnkit.extraction.forward_features (fused op)
+  fused         attnkit: the instrumented model + attnkit.engine.forward_features (fused op)
   intervened    a forward through the fused op with a mix of modes/regions on some heads, no features
 Peak memory of each configuration is measured in a fresh subprocess (CPU: peak RSS over the forward,
 VmHWM reset just before it, minus the RSS before it; CUDA: torch.cuda.max_memory_allocated).
@@ -38,8 +38,9 @@ MODELS = ("minilm", "bert-base", "bert-large", "bert-base-2048", "bert-base-4096
 
 # --- models and inputs -------------------------------------------------------------------------------
 def build_model(name: str, length: int, device, dtype):
-    import attnkit
     from transformers import BertConfig, BertModel
+
+    import attnkit
 
     torch.manual_seed(0)
     if name == "minilm":
@@ -124,7 +125,7 @@ def naive_features(attentions, lengths, token_class, sentence_id, num_windows: i
 # --- the configurations ----------------------------------------------------------------------------------
 def make_runner(cfg: str, model, batch):
     import attnkit
-    from attnkit.extraction import forward_features, measuring
+    from attnkit.engine import forward_features, measuring
     from attnkit.hf_attention import BatchInfo
     from attnkit.models import runtime_of
 
@@ -196,7 +197,8 @@ def measure_memory(args) -> dict:
         base = torch.cuda.memory_allocated()
         run()
         sync(device)
-        return {"peak_mb": torch.cuda.max_memory_allocated() / 2**20, "delta_mb": (torch.cuda.max_memory_allocated() - base) / 2**20}
+        peak = torch.cuda.max_memory_allocated()
+        return {"peak_mb": peak / 2**20, "delta_mb": (peak - base) / 2**20}
     import gc
 
     gc.collect()
@@ -276,7 +278,8 @@ def main(argv=None) -> int:
             cmd = [sys.executable, os.path.abspath(__file__), "--_memory", c, "--model", args.model, "--length",
                    str(args.length), "--batch", str(args.batch), "--dtype", args.dtype, "--device", args.device,
                    "--threads", str(args.threads)]
-            res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+            res = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if res.returncode != 0:
                 print(res.stderr[-2000:], file=sys.stderr)
                 mem[c] = None

@@ -73,11 +73,12 @@ class _Stub(torch.nn.Module):
 
 
 def overlap(args) -> dict:
-    from attnkit.batching import plan_batches
-    from attnkit.models import default_model_path
-    from attnkit.pipeline import run_pipeline
-    from attnkit.tokens import Encoder
     from transformers import AutoTokenizer
+
+    from attnkit.engine.local import run_pipeline
+    from attnkit.engine.plan import plan_batches
+    from attnkit.models import default_model_path
+    from attnkit.tokens import Encoder
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # T is one worker's rate: one core, as in a worker process
     tok = AutoTokenizer.from_pretrained(default_model_path())
@@ -125,10 +126,11 @@ def overlap(args) -> dict:
 
 # --- padding ---------------------------------------------------------------------------------------------
 def padding(args) -> dict:
-    from attnkit.batching import batches_of_window, windows
-    from attnkit.corpus import read_corpus
-    from attnkit.models import default_model_path
     from transformers import AutoTokenizer
+
+    from attnkit.corpus import read_corpus
+    from attnkit.engine.plan import batches_of_window, windows
+    from attnkit.models import default_model_path
 
     tok = AutoTokenizer.from_pretrained(default_model_path())
     out = {}
@@ -162,8 +164,9 @@ def padding(args) -> dict:
 
 # --- memory ----------------------------------------------------------------------------------------------
 def tiny_model(path: Path) -> Path:
-    from attnkit.models import default_model_path
     from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from attnkit.models import default_model_path
 
     tok = AutoTokenizer.from_pretrained(default_model_path())
     torch.manual_seed(0)
@@ -223,12 +226,13 @@ def ray_vs_local(args) -> dict:
 
 # --- gpu -------------------------------------------------------------------------------------------------
 def gpu(args) -> dict:
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
     import attnkit
-    from attnkit.batching import plan_batches
-    from attnkit.extraction import run_extraction
+    from attnkit.engine import ExtractSettings, run_extraction
+    from attnkit.engine.plan import plan_batches
     from attnkit.models import default_model_path
     from attnkit.tokens import Encoder
-    from transformers import AutoTokenizer, BertConfig, BertModel
 
     # --dry-run: the same script on the CPU with a tiny model (tools/gpu_check.sh --dry-run)
     dev = "cpu" if args.dry_run else "cuda"
@@ -266,8 +270,9 @@ def gpu(args) -> dict:
 
     def extraction() -> float:
         t0 = time.perf_counter()
-        acc, _ = run_extraction(fused, tok, segments, batch_size=args.batch_size, max_length=args.max_length,
-                                workers=args.workers[-1])
+        acc = run_extraction(fused, tok, segments, ExtractSettings(batch_size=args.batch_size,
+                                                                   max_length=args.max_length),
+                             workers=args.workers[-1]).accumulator
         return acc.n_tokens / (time.perf_counter() - t0)
 
     plain(), extraction()  # warm-up
@@ -301,7 +306,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.what == "memory":
         args.workers = args.workers[-1]
-    result = {"overlap": overlap, "padding": padding, "memory": memory, "ray": ray_vs_local, "gpu": gpu}[args.what](args)
+    what = {"overlap": overlap, "padding": padding, "memory": memory, "ray": ray_vs_local, "gpu": gpu}
+    result = what[args.what](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
 

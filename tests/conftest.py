@@ -1,7 +1,12 @@
-"""Shared fixtures: the embedded MiniLM (loaded once) and tiny tokenizers built in code."""
+"""Shared fixtures: the embedded MiniLM (loaded once), tiny tokenizers built in code, a full disk, another process
+holding a run directory's lock. (Synthetic features and a tiny BERT: tests/synthetic.py.)"""
+import contextlib
+import multiprocessing
 import os
 
 import pytest
+
+from .synthetic import layered_truth, make_features
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -40,7 +45,7 @@ def roberta_tokenizer():
 
 
 def write_clusters_json(run, type_grid):
-    """A clusters.json in the format `attnkit cluster` writes (attnkit/analysis/results.py), for the
+    """A clusters.json in the format `attnkit cluster` writes (docs/files.md, "clusters.json"), for the
     given layers × heads grid of type names."""
     import json
     from pathlib import Path
@@ -57,6 +62,20 @@ def write_clusters_json(run, type_grid):
     return run
 
 
+@pytest.fixture(scope="module")
+def feats(request):
+    """Synthetic features of a small run (tests/synthetic.py): 3 layers × 4 heads, or the layers, heads and seed
+    that the test module sets in FEATS (a dict of layered_truth's arguments)."""
+    return make_features(layered_truth(**getattr(request.module, "FEATS", {"L": 3, "H": 4, "seed": 1})))
+
+
+@pytest.fixture
+def run(tmp_path, feats):
+    """A run directory holding `feats`."""
+    feats.save(tmp_path / "run")
+    return tmp_path / "run"
+
+
 @pytest.fixture
 def full_disk(monkeypatch):
     """Writing any temporary file (attnkit writes through `.tmp` files) fails with ENOSPC."""
@@ -71,3 +90,32 @@ def full_disk(monkeypatch):
         return real_open(path, mode, *a, **k)
 
     monkeypatch.setattr("builtins.open", full_open)
+
+
+def _hold_lock(directory, command, ready):
+    from attnkit.run.locking import run_lock
+
+    with run_lock(directory, command):
+        ready.set()
+        multiprocessing.Event().wait(120)
+
+
+@contextlib.contextmanager
+def _lock_held(directory, command="attnkit extract"):
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_hold_lock, args=(str(directory), command, ready), daemon=True)
+    proc.start()
+    try:
+        assert ready.wait(30), "the lock holder did not start"
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.join()
+
+
+@pytest.fixture
+def lock_held():
+    """`with lock_held(directory, command) as pid`: a forked process (started in milliseconds: fork inherits the
+    loaded modules) holds `directory`'s lock (attnkit.run.locking.run_lock) as `command` until the block ends."""
+    return _lock_held

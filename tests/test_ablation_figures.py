@@ -6,7 +6,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from attnkit.ablation.experiments import ResultTable, bars_axes, importance_axes, save_figure  # noqa: E402
+from attnkit.ablation.experiments import ResultTable  # noqa: E402
+from attnkit.ablation.figures import bars_axes, importance_axes, save_figure  # noqa: E402
 
 
 def types_table():
@@ -49,3 +50,21 @@ def test_pruning_curve_is_deltas_on_an_axis_through_zero(tmp_path):
     np.testing.assert_allclose(line.get_xdata(), [0, 25, 50, 75])
     plt.close(fig)
     assert save_figure(table, (2, 4), str(tmp_path)).endswith("importance.png")
+
+
+def test_bars_show_the_intervals_as_error_bars():
+    import matplotlib.pyplot as plt
+
+    from attnkit.ablation.experiments import ResultTable
+    from attnkit.ablation.figures import bars_axes
+
+    rows = [{"setting": "baseline", "accuracy": 80.0, "delta_accuracy": 0.0, "delta_accuracy_lo": 0.0,
+             "delta_accuracy_hi": 0.0},
+            {"setting": "L0 uniform", "accuracy": 75.0, "delta_accuracy": -5.0, "delta_accuracy_lo": -8.0,
+             "delta_accuracy_hi": -2.5}]
+    fig, ax = bars_axes(ResultTable("layers", "accuracy", rows))
+    segs = [seg for c in ax.collections for seg in getattr(c, "get_segments", lambda: [])()]
+    assert any(np.allclose(np.sort(seg[:, 0]), [-8.0, -2.5]) for seg in segs)
+    lo, _ = ax.get_xlim()
+    assert lo < -8.0
+    plt.close(fig)

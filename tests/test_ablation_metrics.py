@@ -6,6 +6,9 @@ import pytest
 
 from attnkit import AttnkitError
 from attnkit.ablation import metrics
+from attnkit.ablation.metrics import ExampleScores, bootstrap_delta, percentile_interval, spearman
+
+from .synthetic import mean_scores
 
 
 def test_spearman_by_hand():
@@ -65,3 +68,30 @@ def test_squad_scores_v2_no_answer():
     assert s["total"] == 4
     with pytest.raises(AttnkitError):
         metrics.squad_scores({}, {"q": ["a"]})
+
+
+def test_paired_bootstrap_of_a_constant_shift_is_exact():
+    rng = np.random.default_rng(0)
+    base = rng.random(200)
+    lo, hi = bootstrap_delta(mean_scores(base), mean_scores(base + 0.05), n_boot=200)
+    assert lo == pytest.approx(5.0) and hi == pytest.approx(5.0)  # paired: the noise cancels
+
+
+def test_bootstrap_interval_covers_the_true_change_and_shrinks_with_n():
+    rng = np.random.default_rng(1)
+    widths = []
+    for n in (50, 800):
+        base = rng.integers(0, 2, n)
+        flip = rng.random(n) < 0.1
+        other = np.where(flip, 1 - base, base)
+        true = 100.0 * (other.mean() - base.mean())
+        lo, hi = bootstrap_delta(mean_scores(base), mean_scores(other), n_boot=500, seed=2)
+        assert lo <= true <= hi
+        widths.append(hi - lo)
+    assert widths[1] < widths[0] / 2
+
+
+def test_undefined_resamples_give_nan():
+    const = ExampleScores({"p": np.ones(5), "g": np.arange(5.0)}, lambda a: spearman(a["p"], a["g"]))
+    assert all(math.isnan(x) for x in bootstrap_delta(const, const, n_boot=50))
+    assert percentile_interval(np.array([1.0, 2.0, 3.0]), 0.5) == (1.5, 2.5)

@@ -43,7 +43,7 @@ def trained():
 
 
 def _train(model, opt, gen):
-    for step in range(1000):
+    for _ in range(1000):
         x, y = _data(64, gen)
         loss = model(input_ids=x, labels=y).loss
         opt.zero_grad()
@@ -67,7 +67,7 @@ def _prev_scores(model, x):
     """Mean attention to the previous token per head, measured by attnkit."""
     n = len(feature_names())
     prev = feature_names().index("prev")
-    with attnkit.extraction.measuring(model, backend="reference") as rt:
+    with attnkit.engine.measuring(model, backend="reference") as rt:
         rt.batch = BatchInfo(torch.full((x.shape[0],), L), torch.zeros_like(x, dtype=torch.int32), None)
         with torch.no_grad():
             model(input_ids=x)

@@ -5,14 +5,20 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import (BertConfig, BertForMaskedLM, BertForQuestionAnswering, BertForSequenceClassification,
-                          BertModel, BertTokenizerFast)
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertModel,
+    BertTokenizerFast,
+)
 
 import attnkit
 from attnkit import AttnkitError
 from attnkit.ablation import get_task, metrics
-from attnkit.ablation.commands import ablate
 from attnkit.ablation.tasks import GlueTask, detect_glue, subset
+from attnkit.cli.ablate import ablate
 
 from .conftest import write_clusters_json
 
@@ -161,7 +167,7 @@ def test_mlm_masks_do_not_depend_on_batching(tokenizer, tmp_path):
 
     def masked_positions(limit, bs):
         out = {}
-        for orig, batch, labels in task._masked(tokenizer, limit, bs):
+        for orig, _, labels in task._masked(tokenizer, limit, bs):
             for b, j in enumerate(orig):
                 out[j] = torch.nonzero(labels[b] != -100).flatten().tolist()
         return out

@@ -5,15 +5,12 @@ from sklearn.base import clone
 from sklearn.metrics import adjusted_rand_score
 
 from attnkit import AttnkitError
-from attnkit.analysis import HeadClusterer, cluster, match_labels, name_clusters, sweep
+from attnkit.analysis import HeadClusterer, cluster, match_labels, name_clusters, stability_over_seeds, sweep
 from attnkit.analysis.clustering import resolve_subset
 from attnkit.analysis.naming import profile_groups
 from attnkit.features import bucket_names, feature_names
 
-try:
-    from tests.analysis_fixtures import KINDS, layered_truth, make_features, prototype
-except ImportError:  # tests/ not a package and the root not on sys.path
-    from analysis_fixtures import KINDS, layered_truth, make_features, prototype
+from .synthetic import KINDS, layered_truth, make_features, prototype
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +174,20 @@ def test_top_level_export(structured):
 
     c = attnkit.cluster(structured, k=4, n_stability=0)
     assert isinstance(c, HeadClusterer) and np.isnan(c.stability_)
+
+
+def test_stability_over_seeds_separates_clear_from_structureless():
+    truth = layered_truth(4, 12)
+    clear = stability_over_seeds(make_features(truth, noise=0.005), n_seeds=10, k=4, n_stability=4)
+    assert clear["n_seeds"] == 10 and clear["seeds"] == list(range(10)) and len(clear["values"]) == 10
+    assert clear["min"] <= clear["mean"] <= clear["max"] and clear["mean"] > 0.9
+    mush = stability_over_seeds(make_features(truth, noise=0.02, structureless=True), n_seeds=10, k=4, n_stability=4)
+    assert mush["mean"] < 0.8 and mush["max"] - mush["min"] >= 0
+    with pytest.raises(AttnkitError, match="seeds"):
+        stability_over_seeds(make_features(truth), n_seeds=0)
+
+
+def test_sweep_rows_carry_seed_range():
+    rows = sweep(make_features(layered_truth(4, 12)), ks=[2, 4], n_seeds=3, n_stability=3)
+    for r in rows:
+        assert r["n_seeds"] == 3 and r["stability_min"] <= r["stability_mean"] <= r["stability_max"]

@@ -8,15 +8,12 @@ import pytest
 from click.testing import CliRunner
 
 from attnkit import AttnkitError
-from attnkit.analysis import HeadDistances, cluster, sweep
-from attnkit.analysis.commands import cluster_cmd, compare_cmd, distances_cmd, report_cmd
+from attnkit.analysis import HeadDistances, cluster, stability_over_seeds, sweep
 from attnkit.analysis.report import build_report, example_maps
 from attnkit.analysis.results import compare, load_clusters, save_clusters, type_distribution
+from attnkit.cli.analysis import cluster_cmd, compare_cmd, distances_cmd, report_cmd
 
-try:
-    from tests.analysis_fixtures import KINDS, layered_truth, make_features, tiny_model_and_tokenizer
-except ImportError:
-    from analysis_fixtures import KINDS, layered_truth, make_features, tiny_model_and_tokenizer
+from .synthetic import KINDS, layered_truth, make_features, tiny_bert
 
 VOID = {"meta", "img", "br", "hr", "input", "link"}
 
@@ -200,7 +197,7 @@ def test_example_maps_are_attention_rows(tmp_path):
 
     import attnkit
 
-    model, tok = tiny_model_and_tokenizer(tmp_path)
+    model, tok = tiny_bert()
     eager = copy.deepcopy(model)
     attnkit.instrument(model)
     texts = ["the cat sat on the mat.", ("a big red house", "the dog ran")]
@@ -243,3 +240,16 @@ def test_commands(tmp_path):
     assert r.exit_code == 1 and "--corpus" in r.output
     for cmd in (cluster_cmd, distances_cmd, report_cmd, compare_cmd):
         assert runner.invoke(cmd, ["--help"]).exit_code == 0
+
+
+def test_report_shows_summaries_and_stability_warning(tmp_path):
+    from attnkit.analysis.report import build_report
+
+    f = make_features(layered_truth(4, 12), noise=0.02, structureless=True)
+    f.save(tmp_path)
+    c = cluster(f, k=4, n_stability=4)
+    save_clusters(tmp_path, c, f, None, stability_over_seeds(f, n_seeds=10, first=c, k=4, n_stability=4))
+    page = build_report(tmp_path, svg=False).read_text()
+    assert "Over 10 seeds" in page and "Warning:</b> stability" in page
+    assert "Per-layer summaries (Clark et al.)" in page and "Differs from the paper" in page
+    assert (tmp_path / "figures" / "layer_summaries.png").is_file()

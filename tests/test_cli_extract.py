@@ -1,7 +1,7 @@
 """`attnkit extract` end to end: outputs, interruption and resume, and one-line errors for bad input."""
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from attnkit import HeadFeatures
-from attnkit.cli import main
+from attnkit.cli.main import main
 
 WORDS = "river bridge bread harbour library glacier orchestra market lighthouse forest".split()
 
@@ -98,8 +98,8 @@ def test_resume_errors(corpus, tmp_path):
     assert code == 1 and "interrupted run" in text
     # a checkpoint made with other settings is refused, naming the setting
     good = tmp_path / "g"
-    from attnkit.head_features import FeatureAccumulator
-    from attnkit.rundir import RunDir
+    from attnkit.run.head_features import FeatureAccumulator
+    from attnkit.run.rundir import RunDir
 
     acc = FeatureAccumulator(6, 12, [f"f{i}" for i in range(28)])
     RunDir(good).save_checkpoint(acc, 1, 0, {"max_length": 64})
@@ -177,8 +177,8 @@ def test_resume_refuses_impossible_checkpoints_and_other_backends(corpus, tmp_pa
     proc_args = ("extract", corpus, "-o", out, "--max-length", 16, "-q", "--batch-size", 8)
     assert run(*proc_args, "--backend", "reference")[0] == 0
     settings = json.loads((out / "meta.json").read_text())["settings"]
-    from attnkit.head_features import FeatureAccumulator
-    from attnkit.rundir import RunDir
+    from attnkit.run.head_features import FeatureAccumulator
+    from attnkit.run.rundir import RunDir
 
     acc = FeatureAccumulator(6, 12, json.loads((out / "meta.json").read_text())["feature_names"])
     acc.update(np.full((8, 6, 12, 28), 0.5), 80)
@@ -205,7 +205,7 @@ def test_output_problems_are_found_before_the_work(corpus, tmp_path):
     blocker.write_text("x")
     code, text = run("extract", corpus, "-o", blocker / "run", "-q")
     assert code == 1 and "is a file" in text and "Traceback" not in text
-    from attnkit.locking import run_lock
+    from attnkit.run.locking import run_lock
 
     busy = tmp_path / "busy"
     with run_lock(busy, "attnkit cluster"):

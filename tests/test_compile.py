@@ -47,7 +47,7 @@ def test_fullgraph_inductor_plain_forward(model_and_batch):
 
 
 def test_fullgraph_inductor_forward_with_features(model_and_batch):
-    from attnkit.extraction import measuring
+    from attnkit.engine import measuring
 
     model, batch = model_and_batch
     n_layers = len(model._attnkit_modules)

@@ -51,7 +51,7 @@ def test_tsv_glue_style_and_named_columns(tmp_path):
     assert read_corpus(mrpc) == [("First one.", "Second one.")]
     q = tmp_path / "odd.tsv"
     q.write_text("a\tb\n1\t2\n")
-    with pytest.raises(AttnkitError, match="--columns"):
+    with pytest.raises(AttnkitError, match="name it with columns"):
         read_corpus(q)
 
 

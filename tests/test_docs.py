@@ -67,10 +67,7 @@ def test_clusters_json_fields_are_documented():
     from attnkit.analysis import cluster
     from attnkit.analysis.results import clusters_dict
 
-    try:
-        from tests.analysis_fixtures import layered_truth, make_features
-    except ImportError:
-        from analysis_fixtures import layered_truth, make_features
+    from .synthetic import layered_truth, make_features
 
     feats = make_features(layered_truth(L=3, H=6, seed=1))
     data = clusters_dict(cluster(feats, k=3, n_stability=2), feats)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from attnkit import ops
-from attnkit.features import CLS, OTHER, PERIOD, SEP, num_features
+from attnkit.features import CLS, OTHER, SEP, num_features
 from attnkit.reference import reference_attention, reference_js_distances
 
 if not ops.has_kernel("cpu"):

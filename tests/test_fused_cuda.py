@@ -407,10 +407,11 @@ def test_cuda_graph_capture_of_the_op():
 def test_cuda_graph_capture_of_an_instrumented_forward():
     """A whole instrumented forward (padding mask → lengths on the device, features via the runtime
     batch) captured in a CUDA graph and replayed on new inputs equals eager."""
-    import attnkit
-    from attnkit.extraction import measuring
-    from attnkit.tokens import Batch
     from transformers import BertConfig, BertModel
+
+    import attnkit
+    from attnkit.engine import measuring
+    from attnkit.tokens import Batch
 
     torch.manual_seed(0)
     model = BertModel(BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,

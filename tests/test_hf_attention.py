@@ -3,8 +3,17 @@ independent computation from `output_attentions` maps."""
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoModel, BertConfig, BertModel, DistilBertConfig, DistilBertModel, ElectraConfig,
-                          ElectraModel, RobertaConfig, RobertaModel)
+from transformers import (
+    AutoModel,
+    BertConfig,
+    BertModel,
+    DistilBertConfig,
+    DistilBertModel,
+    ElectraConfig,
+    ElectraModel,
+    RobertaConfig,
+    RobertaModel,
+)
 
 import attnkit
 from attnkit.errors import AttnkitError
@@ -147,7 +156,7 @@ def test_extract_matches_independent_features_from_output_attentions(minilm):
 
 def test_model_outputs_do_not_change_while_measuring(minilm):
     model, tok = minilm
-    from attnkit.extraction import forward_features, measuring
+    from attnkit.engine import forward_features, measuring
     from attnkit.tokens import Encoder
 
     batch = Encoder(tok)(SENTENCES)

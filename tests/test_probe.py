@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from attnkit.cli import main
+from attnkit.cli.main import main
 from attnkit.errors import AttnkitError
 from attnkit.probe import align_offsets, align_word_ids, read_conllu
 from attnkit.probe.scoring import ALL, ProbeScores, attention_only_probe

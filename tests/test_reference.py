@@ -4,8 +4,7 @@ import math
 import pytest
 import torch
 
-from attnkit.features import (ALL, CLS, COMMA, KEEP, NO_INTER, NO_INTRA, OTHER, SEP, UNIFORM, ZERO,
-                              feature_names)
+from attnkit.features import ALL, CLS, COMMA, KEEP, NO_INTER, NO_INTRA, OTHER, SEP, UNIFORM, ZERO, feature_names
 from attnkit.reference import bucket_index, intervene_weights, reference_attention, row_features
 
 N = 4  # windows in most hand-built cases

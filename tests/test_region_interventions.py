@@ -6,8 +6,15 @@ import copy
 
 import pytest
 import torch
-from transformers import (AttentionInterface, AutoTokenizer, BertConfig, BertForSequenceClassification, BertModel,
-                          RobertaConfig, RobertaModel)
+from transformers import (
+    AttentionInterface,
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+    BertModel,
+    RobertaConfig,
+    RobertaModel,
+)
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 import attnkit

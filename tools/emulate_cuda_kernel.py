@@ -8,9 +8,15 @@ division. Keep it in step with the kernel when the kernel's math changes.
 
     python tools/emulate_cuda_kernel.py     # prints max differences against reference_attention
 """
-import math, numpy as np, torch, sys
+import math
+import sys
+
+import numpy as np
+import torch
+
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 from attnkit.reference import reference_attention
+
 BM, BN = 64, 64
 def window_of(d, N, n):
     w = int(np.float32(d) * np.float32(N) / np.float32(n))

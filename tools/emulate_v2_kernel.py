@@ -146,7 +146,8 @@ def emulate(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling, nu
                             ent_a[:, ql] += pf * torch.clamp(xr + lg, min=-1e30)
                             intra[:, ql] += torch.where(same, pf, 0.0)
                             if key_scale is not None or rg != ALL:
-                                mf[:, ql] = torch.where(keep & valid, torch.maximum(mf[:, ql], xr + m_use + lg), mf[:, ql])
+                                peak = torch.maximum(mf[:, ql], xr + m_use + lg)
+                                mf[:, ql] = torch.where(keep & valid, peak, mf[:, ql])
                             c = int(kc[col])
                             c = OTHER if c < OTHER or c > PERIOD else c
                             if c != OTHER:
@@ -175,7 +176,9 @@ def emulate(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling, nu
                 out[b, row0:row0 + stop, h] = (o * (inv_out * gate)[:, None])[:stop]
                 z, a = zf.sum(1), ent_a.sum(1)
                 zfeat = z if key_scale is not None else z_out
-                undefined = (~((l > 0) & (l < math.inf)) | a.isnan()) if use_scores else torch.zeros(BLOCK_M, dtype=torch.bool)
+                undefined = ~((l > 0) & (l < math.inf)) | a.isnan()
+                if not use_scores:
+                    undefined = torch.zeros(BLOCK_M, dtype=torch.bool)
                 inv = torch.where(zfeat > 0, 1.0 / zfeat, 0.0)
                 inv = torch.where(undefined, math.nan, inv)
                 entropy = torch.where(zfeat > 0, (z * inv) * torch.log(zfeat) - LN2 * a * inv, 0.0)

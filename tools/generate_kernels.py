@@ -14,8 +14,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import pathlib
-import runpy
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -53,9 +53,9 @@ void run_fused_attention_{kernel}<{ctype}, {hdim}>(const FusedParams& params, cu
 
 
 def feature_codes_header() -> str:
-    """The codes and slots of attnkit/features.py as C++ constants (the module is read without importing
-    the package, so no torch is needed at build time)."""
-    f = runpy.run_path(str(ROOT / "attnkit" / "features.py"))
+    """The codes and slots of attnkit/features.py as C++ constants."""
+    sys.path.insert(0, str(ROOT))
+    f = vars(importlib.import_module("attnkit.features"))
     n = f["DEFAULT_NUM_WINDOWS"]
     names = f["feature_names"](n)
     buckets = len(f["bucket_names"](n))

@@ -7,8 +7,8 @@
 * `layers` — Kovaleva et al. Fig. 9: one whole layer at a time.
 * `importance` — Michel et al.: gradient importance + iterative pruning (see `importance.py`).
 
-Each experiment returns a `ResultTable` (baseline row first) that saves CSV, JSON and Markdown, and
-draws its figure with matplotlib. When the evaluation leaves per-example outputs (`evaluate.last_examples`,
+Each experiment returns a `ResultTable` (baseline row first) that saves CSV, JSON and Markdown; its figure
+is drawn by attnkit/ablation/figures.py. When the evaluation leaves per-example outputs (`evaluate.last_examples`,
 an `attnkit.ablation.metrics.ExampleScores`), every row's change of the main metric gets a paired bootstrap
 95% interval (columns delta_<metric>_lo / _hi; the same resamples of the examples for every setting), shown
 in the tables and as error bars in the figures.
@@ -20,14 +20,14 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
-from ..errors import AttnkitError
-from ..outputs import atomic_write, ensure_writable_dir, os_errors
+from ..errors import AttnkitError, arg
 from ..interventions import HeadTypes, Intervention, format_heads, intervene
+from ..run.outputs import atomic_write, ensure_writable_dir
 from .importance import iterative_pruning
 
 log = logging.getLogger("attnkit")
@@ -234,187 +234,6 @@ def types_settings(shape, head_types: HeadTypes, renormalize: bool = False) -> l
     return out
 
 
-# --- figures ------------------------------------------------------------------------------------------
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def heads_figure(table: ResultTable, shape, path: str, title: str = "") -> str:
-    plt = _plt()
-    key = f"delta_{table.main_metric}"
-    grid = np.full(shape, np.nan)
-    for r in table.rows[1:]:
-        grid[r["layer"], r["head"]] = r[key]
-    lim = np.nanmax(np.abs(grid)) if np.isfinite(grid).any() else 1.0
-    lim = lim or 1.0
-    fig, ax = plt.subplots(figsize=(1.0 + 0.55 * shape[1], 1.0 + 0.5 * shape[0]))
-    im = ax.imshow(grid, cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto")
-    sure = np.zeros(shape, dtype=bool)  # the bootstrap interval excludes 0
-    for r in table.rows[1:]:
-        lo, hi = r.get(f"{key}_lo"), r.get(f"{key}_hi")
-        sure[r["layer"], r["head"]] = lo is not None and hi is not None and (lo > 0 or hi < 0)
-    for (l, h), v in np.ndenumerate(grid):
-        if np.isfinite(v):
-            ax.text(h, l, f"{v:.1f}" + ("*" if sure[l, h] else ""), ha="center", va="center", fontsize=7)
-    ax.set_xticks(range(shape[1]))
-    ax.set_yticks(range(shape[0]))
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
-    base = table.rows[0][table.main_metric]
-    has_ci = any(f"{key}_lo" in r for r in table.rows)
-    ax.set_title(title or f"Δ {table.main_metric} when one head is disabled (baseline {base:.2f})"
-                 + ("\n* the 95% bootstrap interval excludes 0" if has_ci else ""), fontsize=9)
-    fig.colorbar(im, ax=ax, label=f"Δ {table.main_metric}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
-
-
-def _error_bars(table: ResultTable, rows) -> np.ndarray | None:
-    """2 × len(rows) distances from each row's change of the main metric to the ends of its bootstrap
-    interval (for `xerr`/`yerr`); None when the table has no intervals."""
-    key = f"delta_{table.main_metric}"
-    if not any(f"{key}_lo" in r for r in rows):
-        return None
-    lo = [r[key] - r.get(f"{key}_lo", np.nan) for r in rows]
-    hi = [r.get(f"{key}_hi", np.nan) - r[key] for r in rows]
-    return np.clip(np.array([lo, hi], dtype=np.float64), 0.0, None)
-
-
-def _with_interval_ends(values, err) -> list:
-    """`values` and, with error bars, the ends of their intervals (for axis limits)."""
-    values = list(values)
-    if err is None:
-        return values
-    return values + [v - e for v, e in zip(values, err[0])] + [v + e for v, e in zip(values, err[1])]
-
-
-def _deltas(table: ResultTable) -> tuple[float, np.ndarray]:
-    """(baseline value, Δ of the main metric from the baseline for every row); NaN where unknown."""
-    metric = table.main_metric
-    base = table.rows[0].get(metric)
-    base = float("nan") if base is None else float(base)
-    out = []
-    for r in table.rows:
-        v = r.get(f"delta_{metric}")
-        if v is None and r.get(metric) is not None:
-            v = float(r[metric]) - base
-        out.append(float("nan") if v is None else float(v))
-    return base, np.asarray(out, dtype=np.float64)
-
-
-def _zero_centred_limits(values, min_half_span: float = 1.0) -> tuple[float, float]:
-    """Axis limits that contain 0 and every finite value, with a margin; at least ±`min_half_span`
-    wide so that noise of a few hundredths of a point does not fill the axis."""
-    finite = [float(v) for v in values if np.isfinite(v)]
-    lo, hi = min(finite + [0.0]), max(finite + [0.0])
-    if hi - lo < 2 * min_half_span:
-        mid_pad = (2 * min_half_span - (hi - lo)) / 2
-        lo, hi = lo - mid_pad, hi + mid_pad
-    pad = 0.1 * (hi - lo)  # room for the value printed beside a short bar
-    return min(lo - pad, -pad), max(hi + pad, pad)
-
-
-def _absolute_axis(ax, base: float, metric: str, which: str) -> None:
-    """A second axis (top or right) in absolute values of the metric, when the baseline is known."""
-    if not np.isfinite(base):
-        return
-    fns = (lambda d: d + base, lambda m: m - base)
-    sec = ax.secondary_xaxis("top", functions=fns) if which == "x" else ax.secondary_yaxis("right", functions=fns)
-    (sec.set_xlabel if which == "x" else sec.set_ylabel)(metric, fontsize=8)
-    sec.tick_params(labelsize=7)
-
-
-def bars_axes(table: ResultTable, title: str = ""):
-    """One bar per setting: Δ of the main metric from the baseline, on an axis through 0 (a bar's
-    length is the change, not the score). Returns (figure, axes); the top axis reads absolute scores."""
-    plt = _plt()
-    base, deltas = _deltas(table)
-    rows, d = table.rows[1:], deltas[1:]
-    metric = table.main_metric
-    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.3 * max(len(rows), 1)))
-    colors = ["#c44e52" if v < 0 else "#4c72b0" for v in np.nan_to_num(d)]
-    ax.barh(range(len(rows)), np.nan_to_num(d), color=colors, height=0.7)
-    err = _error_bars(table, rows)
-    if err is not None:  # the paired bootstrap 95% interval of each change
-        ax.errorbar(d, range(len(rows)), xerr=err, fmt="none", ecolor="#333", capsize=2, lw=0.8)
-    lo, hi = _zero_centred_limits(_with_interval_ends(d, err))
-    ax.set_xlim(lo, hi)
-    ax.axvline(0.0, color="black", linewidth=1.0)
-    span = hi - lo
-    for i, v in enumerate(d):
-        if not np.isfinite(v):
-            ax.text(0.01 * span, i, "nan", va="center", ha="left", fontsize=7)
-            continue
-        inside = abs(v) > 0.25 * span  # long bars carry their value inside, so it never leaves the axes
-        sign = 1.0 if v >= 0 else -1.0
-        x = v - sign * 0.01 * span if inside else v + sign * 0.01 * span
-        ha = ("right" if v >= 0 else "left") if inside else ("left" if v >= 0 else "right")
-        ax.text(x, i, f"{v:+.2f}", va="center", ha=ha, fontsize=7, color="white" if inside else "black")
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([r["setting"] for r in rows], fontsize=8)
-    ax.set_ylim(len(rows) - 0.5, -0.5)  # first setting on top
-    ax.set_xlabel(f"Δ {metric} from the baseline ({base:.2f})")
-    ax.grid(axis="x", alpha=0.3)
-    _absolute_axis(ax, base, metric, "x")
-    ax.set_title(title or table.experiment, fontsize=10)
-    fig.tight_layout()
-    return fig, ax
-
-
-def bars_figure(table: ResultTable, path: str, title: str = "") -> str:
-    plt = _plt()
-    fig, _ = bars_axes(table, title)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
-
-
-def importance_axes(table: ResultTable, title: str = ""):
-    """Head importance (left) and the pruning curve as Δ of the main metric from the unpruned model on an
-    axis through 0 (right; its right-hand axis reads absolute scores). Returns (figure, (left, right))."""
-    plt = _plt()
-    imp = np.asarray(table.extra["importance"])
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.45 * imp.shape[0]))
-    im = a1.imshow(imp, cmap="viridis", aspect="auto")
-    a1.set_xlabel("head")
-    a1.set_ylabel("layer")
-    a1.set_xticks(range(imp.shape[1]))
-    a1.set_yticks(range(imp.shape[0]))
-    a1.set_title("head importance |∂L/∂ξ| (layer-normalised)" if table.extra.get("normalize_layers") else
-                 "head importance |∂L/∂ξ|")
-    fig.colorbar(im, ax=a1)
-    base, deltas = _deltas(table)
-    share = [100 * r["share"] for r in table.rows]
-    a2.plot(share, deltas, marker="o")
-    err = _error_bars(table, table.rows)
-    if err is not None:  # the paired bootstrap 95% interval of each change
-        a2.errorbar(share, deltas, yerr=err, fmt="none", ecolor="#333", capsize=2, lw=0.8)
-    a2.axhline(0.0, color="black", linewidth=1.0)
-    a2.set_ylim(*_zero_centred_limits(_with_interval_ends(deltas, err)))
-    a2.set_xlabel("% heads pruned")
-    a2.set_ylabel(f"Δ {table.main_metric} from the unpruned model ({base:.2f})")
-    _absolute_axis(a2, base, table.main_metric, "y")
-    a2.set_title(title or "iterative pruning by importance")
-    a2.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig, (a1, a2)
-
-
-def importance_figure(table: ResultTable, path: str, title: str = "") -> str:
-    plt = _plt()
-    fig, _ = importance_axes(table, title)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
-
-
 # --- experiment drivers -------------------------------------------------------------------------------
 def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], dict], main_metric: str, *,
                    mode: str = "zero", head_types: HeadTypes | None = None, losses=None, step: float = 0.1,
@@ -427,12 +246,13 @@ def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], di
         return run_settings("layers", layers_settings(shape, mode), evaluate, main_metric, progress, n_boot)
     if experiment == "types":
         if head_types is None:
-            raise AttnkitError("the types experiment needs head types: pass --clusters RUN (a run with clusters.json)")
+            raise AttnkitError(f"the types experiment needs {arg('head_types')}: the head types of a clustered run "
+                               "(attnkit.interventions.load_clusters)")
         return run_settings("types", types_settings(shape, head_types, renormalize), evaluate, main_metric, progress,
                             n_boot)
     if experiment == "importance":
         if losses is None:
-            raise AttnkitError("the importance experiment needs the task's differentiable loss")
+            raise AttnkitError(f"the importance experiment needs {arg('losses')}: the task's differentiable loss")
         examples = []
 
         def evaluate_and_keep(iv):
@@ -461,25 +281,4 @@ def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], di
                  "ranking": format_heads(tuple(int(x) for x in np.unravel_index(f, shape))
                                          for f in np.argsort(-imp["importance"], axis=None, kind="stable"))}
         return ResultTable("importance", main_metric, rows, extra)
-    raise AttnkitError(f"unknown experiment {experiment!r}; use one of {', '.join(EXPERIMENTS)}")
-
-
-def save_figure(table: ResultTable, shape, out_dir: str, title: str = "") -> str:
-    """Draw the experiment's figure into `out_dir`/<experiment>.png, through a temporary file so a failed
-    write (full disk, ...) leaves neither a partial figure nor a temporary file, only a one-line error."""
-    path = os.path.join(out_dir, f"{table.experiment}.png")
-    tmp = os.path.join(out_dir, f".{table.experiment}.{os.getpid()}.tmp.png")
-    try:
-        with os_errors("write the figure"):
-            if table.experiment == "heads":
-                heads_figure(table, shape, tmp, title)
-            elif table.experiment == "importance":
-                importance_figure(table, tmp, title)
-            else:
-                bars_figure(table, tmp, title)
-            os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
+    raise AttnkitError(f"unknown {arg('experiment')} {experiment!r}; use one of {', '.join(EXPERIMENTS)}")

@@ -14,7 +14,7 @@ evaluating the task metric at each step.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch

@@ -14,8 +14,8 @@ from __future__ import annotations
 import collections
 import re
 import string
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 

@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
 
 from ..corpus import read_corpus, read_table
-from ..errors import AttnkitError
+from ..errors import AttnkitError, arg, check_int
+from ..features import DEFAULT_MAX_LENGTH
 from ..models import instrument, runtime_of
-from ..schemas import SQUAD_SCHEMA, load_json
+from ..run.schemas import SQUAD_SCHEMA, load_json
 from ..tokens import Batch, Encoder
 from . import metrics
 
@@ -60,17 +61,11 @@ def _read_tsv(path: str) -> tuple[list[str], list[list[str]]]:
     return header, [r for _, r in rows if r]
 
 
-def _limit(n: int, limit: int | None) -> int:
-    if limit is not None and limit < 1:
-        raise AttnkitError(f"--limit must be positive, got {limit}")
-    return n if limit is None else min(n, limit)
-
-
 def subset(n: int, limit: int | None) -> list[int]:
     """Indices of the examples used under `limit`: all of them, or `limit` evenly spaced over the file.
     Data files are often sorted by source (STS-B dev starts with 500+ MSRvid captions; SQuAD by
     article), so the first N would be a biased sample; evenly spaced indices are deterministic."""
-    k = _limit(n, limit)
+    k = n if limit is None else min(n, check_int(limit, "limit"))
     if k == n:
         return list(range(n))
     return sorted(set(int(i) for i in np.linspace(0, n - 1, k).round()))
@@ -94,7 +89,7 @@ def check_gold_varies(path: str, gold, metric: str = "Spearman and Pearson corre
         raise AttnkitError(f"{path}: {gold.size} example(s) evaluated, but the {metric} need at least two")
     if np.ptp(gold) == 0:
         raise AttnkitError(f"{path}: every gold score of the {gold.size} examples evaluated is {gold[0]:g}, so the "
-                           f"{metric} are undefined; use a file (or --limit/--sample) whose scores vary")
+                           f"{metric} are undefined; use a file (or {arg('limit')}/{arg('sample')}) whose scores vary")
 
 
 class Task:
@@ -103,7 +98,7 @@ class Task:
     name = ""
     main_metric = ""
     model_task: str | None = None  # the `task` argument of attnkit.load_model
-    max_length = 128
+    max_length = DEFAULT_MAX_LENGTH
     last_examples = None  # metrics.ExampleScores of the last evaluate(), for bootstrap intervals
 
     path = ""
@@ -111,10 +106,9 @@ class Task:
     def __len__(self) -> int:
         return len(self.examples)
 
-    def head(self, n: int) -> "Task":
+    def head(self, n: int) -> Task:
         """Keep only the first `n` examples of the file (`attnkit ablate --limit`)."""
-        if n < 1:
-            raise AttnkitError(f"--limit must be positive, got {n}")
+        check_int(n, "limit")
         self.examples = self.examples[:n]
         self.__dict__.pop("_cache", None)
         return self
@@ -169,7 +163,8 @@ class StsbTask(Task):
             try:
                 s1, s2, raw = r[cols["sentence1"]], r[cols["sentence2"]], r[cols["score"]]
             except IndexError:
-                raise AttnkitError(f"{path}:{n}: malformed row (need sentence1, sentence2 and a numeric score)") from None
+                raise AttnkitError(f"{path}:{n}: malformed row (need sentence1, sentence2 and a numeric "
+                                   "score)") from None
             self.examples.append((s1, s2, parse_score(path, n, raw)))
         if len(self.examples) < 2:
             raise AttnkitError(f"{path}: need at least two scored pairs")
@@ -180,7 +175,8 @@ class StsbTask(Task):
         out = torch.empty(len(sentences), model.config.hidden_size)
         for idx, batch in self._encode(tokenizer, sentences, len(sentences), batch_size):
             hidden = self._base_forward(model, base, batch)
-            out[torch.as_tensor(idx)] = mean_pool(hidden, batch.inputs["attention_mask"].to(hidden.device)).float().cpu()
+            mask = batch.inputs["attention_mask"].to(hidden.device)
+            out[torch.as_tensor(idx)] = mean_pool(hidden, mask).float().cpu()
         return out
 
     @staticmethod
@@ -266,7 +262,7 @@ def detect_glue(header: list[str], rows: list[list[str]], path: str) -> str:
         return "wnli" if labels <= {"0", "1"} else "rte"
     if len(header) == 4 and header[1].strip() in ("0", "1"):
         return "cola"
-    raise AttnkitError(f"{path}: cannot tell which GLUE task this TSV is (header: {header}); pass --glue-task")
+    raise AttnkitError(f"{path}: cannot tell which GLUE task this TSV is (header: {header}); pass {arg('glue_task')}")
 
 
 class GlueTask(Task):
@@ -390,9 +386,10 @@ class SquadTask(Task):
                  max_answer_length: int = 30):
         _data_file(path, "SQuAD JSON")
         self.path = path
-        data = load_json(path, SQUAD_SCHEMA, "SQuAD JSON")  # structure checked: attnkit.schemas.SQUAD_SCHEMA
+        data = load_json(path, SQUAD_SCHEMA, "SQuAD JSON")  # structure checked: attnkit.run.schemas.SQUAD_SCHEMA
         articles = data["data"]
-        self.max_length, self.stride, self.n_best, self.max_answer_length = max_length, stride, n_best, max_answer_length
+        self.max_length, self.stride = max_length, stride
+        self.n_best, self.max_answer_length = n_best, max_answer_length
         self.examples = []  # (qid, question, context, [answer texts], [answer starts])
         v2 = str(data.get("version", "")).startswith("v2")
         for art in articles:
@@ -401,7 +398,8 @@ class SquadTask(Task):
                 for qa in para.get("qas", []):
                     answers = [] if qa.get("is_impossible") else qa.get("answers", [])
                     v2 = v2 or "is_impossible" in qa
-                    self.examples.append((str(qa["id"]), qa["question"].lstrip(), ctx,
+                    qid = str(qa["id"]) if "id" in qa else f"#{len(self.examples)}"  # the schema leaves ids optional
+                    self.examples.append((qid, qa["question"].lstrip(), ctx,
                                           [a["text"] for a in answers], [int(a["answer_start"]) for a in answers]))
         if not self.examples:
             raise AttnkitError(f"{path}: no questions")
@@ -531,7 +529,8 @@ class SquadTask(Task):
             starts, ends = zip(*(self.answer_positions(f) for f in chunk))
             dev = _device(model)
             out = forward(model, self._collate(chunk, encoder, pad),
-                          start_positions=torch.tensor(starts, device=dev), end_positions=torch.tensor(ends, device=dev))
+                          start_positions=torch.tensor(starts, device=dev),
+                          end_positions=torch.tensor(ends, device=dev))
             yield out.loss
 
 
@@ -617,7 +616,8 @@ class MlmTask(Task):
             raise AttnkitError("no token could be masked in the corpus")
         keys = sorted(per_example)
         self.last_examples = metrics.ExampleScores(
-            {"correct": np.array([per_example[k][0] for k in keys]), "masked": np.array([per_example[k][1] for k in keys])},
+            {"correct": np.array([per_example[k][0] for k in keys]),
+             "masked": np.array([per_example[k][1] for k in keys])},
             lambda a: 100.0 * a["correct"].sum() / max(int(a["masked"].sum()), 1))
         return {"accuracy": 100.0 * correct / total, "loss": nll / total, "n": n, "masked": total}
 
@@ -626,7 +626,8 @@ class MlmTask(Task):
         for _, batch, labels in self._masked(tokenizer, limit, batch_size):
             if (labels != -100).any():
                 logits = forward(model, batch).logits.float()
-                yield torch.nn.functional.cross_entropy(logits[labels != -100], labels[labels != -100].to(logits.device))
+                keep = labels != -100
+                yield torch.nn.functional.cross_entropy(logits[keep], labels[keep].to(logits.device))
 
 
 def get_task(name: str, path, **options) -> Task:

@@ -23,7 +23,7 @@ from sklearn.mixture import GaussianMixture
 from sklearn.preprocessing import StandardScaler
 
 from ..errors import AttnkitError
-from ..head_features import HeadFeatures
+from ..run.head_features import HeadFeatures
 
 METHODS = ("kmeans", "gmm")
 STABILITY_WARN = 0.8  # below this mean stability over seeds, head types are called unreliable
@@ -274,7 +274,8 @@ def stability_over_seeds(features, *, n_seeds: int = DEFAULT_SEEDS, seed: int = 
     if not kwargs.get("n_stability", 10):
         raise AttnkitError("stability over seeds needs stability fits (n_stability > 0)")
     seeds = [(int(seed) + i) % 2**32 for i in range(int(n_seeds))]  # random_state must fit 32 bits
-    values = [float((first if (first is not None and s == seeds[0]) else cluster(features, seed=s, **kwargs)).stability_)
+    values = [float((first if (first is not None and s == seeds[0])
+                     else cluster(features, seed=s, **kwargs)).stability_)
               for s in seeds]
     return seed_summary(seeds, values)
 
@@ -314,5 +315,5 @@ def sweep(features, ks=range(2, 9), progress: bool = False, n_seeds: int = 1, **
     return out
 
 
-__all__ = ["HeadClusterer", "cluster", "sweep", "stability_over_seeds", "seed_summary", "STABILITY_WARN", "match_labels", "resolve_subset", "distance_feature_names",
-           "head_matrix", "clone"]
+__all__ = ["HeadClusterer", "cluster", "sweep", "stability_over_seeds", "seed_summary", "STABILITY_WARN",
+           "match_labels", "resolve_subset", "distance_feature_names", "head_matrix", "clone"]

@@ -1,19 +1,15 @@
-"""Matplotlib figures (Agg backend) that readers of Guan et al. 2020 and Clark et al. 2019 recognise.
+"""Matplotlib figures that readers of Guan et al. 2020 and Clark et al. 2019 recognise.
 
-Every function returns a `matplotlib.figure.Figure`; `save_figure` writes it as PNG and SVG.
+Every function returns a `matplotlib.figure.Figure`; `attnkit.plotting.save_figure` writes it as PNG and SVG
+(re-exported here, where the report and older code found it).
 """
 from __future__ import annotations
 
-import io
-from pathlib import Path
+import numpy as np
 
-import matplotlib
-
-matplotlib.use("Agg", force=False)
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from ..errors import AttnkitError  # noqa: E402
+from ..errors import AttnkitError
+from ..plotting import plt, save_figure
+from .clustering import distance_feature_names, head_matrix
 
 TYPE_COLORS = {"dense": "#2ca02c", "diagonal": "#1f77b4", "dense+vertical": "#ff7f0e", "vertical": "#d62728"}
 _EXTRA = ["#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939"]
@@ -40,24 +36,6 @@ def type_colors(type_names) -> dict:
             out[name] = _EXTRA[j % len(_EXTRA)]
             j += 1
     return out
-
-
-def save_figure(fig, directory, stem: str, *, close: bool = True, svg: bool = True) -> dict:
-    """Write `directory/stem.png` and (with `svg`) `.svg`; returns {"png": path, "svg": path or None,
-    "png_bytes": bytes}."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    png = directory / f"{stem}.png"
-    png.write_bytes(buf.getvalue())
-    svg_path = None
-    if svg:
-        svg_path = directory / f"{stem}.svg"
-        fig.savefig(svg_path, format="svg", bbox_inches="tight")
-    if close:
-        plt.close(fig)
-    return {"png": png, "svg": svg_path, "png_bytes": buf.getvalue()}
 
 
 def feature_heatmaps(features, panels=HEATMAP_FEATURES):
@@ -246,8 +224,6 @@ def type_share_per_layer(labels_grid, type_names):
 
 def distance_boxplots(features, labels, type_names):
     """Guan et al. Fig. 1 (bottom): box plots of the distance buckets of the heads of each type."""
-    from .clustering import distance_feature_names, head_matrix
-
     buckets = distance_feature_names(features.names)
     X = head_matrix(features, buckets)
     labels = np.asarray(labels)

@@ -2,7 +2,8 @@
 
 Kovaleva et al. label attention maps by eye (then with a CNN) as one of five classes. attnkit labels each
 (example, head) by written rules on that example's features (RUN/per_sample.npy, `attnkit extract
---per-sample`; every feature is a mean over the example's query rows, see SPEC.md "Features"):
+--per-sample`; every feature is a mean over the example's query rows, see docs/features.md; the rules are
+docs/patterns.md's):
 
     vertical mass  v = cls + sep                    attention to the special tokens (vertical stripes)
     diagonal mass  d = prev + next + self           attention next to the main diagonal (incl. itself)
@@ -27,6 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError
+from ..run.files import FIGURES_DIR, PATTERNS_FILE
+from ..run.outputs import write_json
+from ..run.per_sample import load_per_sample
 
 CLASSES = ("vertical", "diagonal", "vertical+diagonal", "block", "heterogeneous")
 VERTICAL, DIAGONAL, MIXED, BLOCK, HETEROGENEOUS = range(5)
@@ -36,7 +40,6 @@ STRUCTURED_MIN = 0.5   # v + d at least this: the map is dominated by stripes an
 MIX_PART_MIN = 0.2     # each of v and d at least this: vertical+diagonal
 BLOCK_INTRA_MIN = 0.8  # share of a row's mass inside its own sentence for block (pairs only)
 
-PATTERNS_FILE = "patterns.json"
 PATTERN_COLORS = {"vertical": "#d62728", "diagonal": "#1f77b4", "vertical+diagonal": "#ff7f0e",
                   "block": "#9467bd", "heterogeneous": "#2ca02c"}
 
@@ -121,9 +124,7 @@ def patterns_dict(counts: np.ndarray, *, pairs_rule: str) -> dict:
 
 def proportions_figure(data: dict):
     """Stacked bars of the class shares per layer and over the corpus (Kovaleva et al. Fig. 2/3 analogue)."""
-    import matplotlib.pyplot as plt
-
-    from . import figures  # noqa: F401  (sets the Agg backend)
+    from ..plotting import plt
 
     per_layer = data["per_layer"]
     L = len(next(iter(per_layer.values())))
@@ -144,18 +145,17 @@ def proportions_figure(data: dict):
 
 def run_patterns(run_dir, *, pairs=None, svg: bool = True) -> tuple[Path, dict]:
     """Classify RUN/per_sample.npy, write RUN/patterns.json and RUN/figures/pattern_types.png (+ .svg)."""
-    from ..head_features import write_json
-    from ..per_sample import load_per_sample
-    from .figures import save_figure
+    from ..plotting import save_figure
 
     run_dir = Path(run_dir)
     arr, names = load_per_sample(run_dir)
     counts = class_counts(arr, names, pairs=pairs)
-    rule = "inter > 0 per example and head" if pairs is None else f"given: {bool(pairs) if np.ndim(pairs) == 0 else 'per example'}"
+    rule = ("inter > 0 per example and head" if pairs is None
+            else f"given: {bool(pairs) if np.ndim(pairs) == 0 else 'per example'}")
     data = patterns_dict(counts, pairs_rule=rule)
     path = run_dir / PATTERNS_FILE
     write_json(path, data)
-    save_figure(proportions_figure(data), run_dir / "figures", "pattern_types", svg=svg)
+    save_figure(proportions_figure(data), run_dir / FIGURES_DIR, "pattern_types", svg=svg)
     return path, data
 
 

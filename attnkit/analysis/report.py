@@ -12,15 +12,15 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError
-from ..head_features import HeadFeatures, atomic_write
+from ..plotting import save_figure
+from ..run.clusters import label_grid, load_clusters, run_stability
+from ..run.distances import HeadDistances
+from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, REPORT_FILE
+from ..run.head_features import HeadFeatures
+from ..run.outputs import atomic_write
 from . import figures as figs
-from .clustering import cluster, distance_feature_names, head_matrix, sweep
-from .distances import DISTANCES_FILE, HeadDistances
-from .clustering import STABILITY_WARN, stability_over_seeds
-from .results import CLUSTERS_FILE, label_grid, load_clusters, run_stability, save_clusters
-
-REPORT_FILE = "report.html"
-FIGURES_DIR = "figures"
+from .clustering import STABILITY_WARN, cluster, distance_feature_names, head_matrix, stability_over_seeds, sweep
+from .results import save_clusters
 
 _CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1200px;
@@ -99,12 +99,11 @@ def example_maps(model, tokenizer, texts, picks, *, max_length: int = 64) -> lis
     """
     import torch
 
-    from ..models import instrument, runtime_of
+    from ..models import instrument, observing
     from ..reference import attention_weights
     from ..tokens import Encoder
 
     instrument(model)
-    rt = runtime_of(model)
     enc = Encoder(tokenizer, max_length=max_length)
     out = []
     by_text: dict[int, list] = {}
@@ -119,12 +118,8 @@ def example_maps(model, tokenizer, texts, picks, *, max_length: int = 64) -> lis
             scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
             _captured[int(layer)] = attention_weights(q.detach(), k.detach(), lengths.long(), float(scaling))[0].cpu()
 
-        rt.observers.append(obs)
-        try:
-            with torch.inference_mode():
-                model(**batch.inputs)
-        finally:
-            rt.observers.remove(obs)
+        with observing(model, [obs]), torch.inference_mode():
+            model(**batch.inputs)
         n = int(batch.lengths[0])
         tokens = tokenizer.convert_ids_to_tokens(batch.inputs["input_ids"][0, :n].tolist())
         for t, layer, head, _ in ps:
@@ -191,6 +186,178 @@ def _clark_section(features, save) -> str:
     return html_
 
 
+class _FigureSaver:
+    """Saves the report's figures into RUN/figures (PNG, and SVG unless told not to), one progress step each."""
+
+    def __init__(self, directory, svg: bool, progress: bool):
+        from tqdm.auto import tqdm
+
+        self.directory, self.svg = directory, svg
+        self.bar = tqdm(desc="report", unit="figure", disable=not progress, dynamic_ncols=True)
+
+    def __call__(self, fig, stem: str) -> dict:
+        saved = save_figure(fig, self.directory, stem, svg=self.svg)
+        self.bar.set_postfix_str(stem, refresh=False)
+        self.bar.update(1)
+        return saved
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _clusters(run_dir: Path, features: HeadFeatures, k: int, method: str, seed: int, do_sweep: bool,
+              progress: bool) -> tuple[dict, list[str]]:
+    """RUN/clusters.json's content, clustering now (and saving it) when the run has none; and notes on it."""
+    if (run_dir / CLUSTERS_FILE).is_file():
+        data = load_clusters(run_dir, (features.n_layers, features.n_heads), complete=True,
+                             feature_names=features.names)
+        return data, []
+    c = cluster(features, k=k, method=method, seed=seed)
+    rows = sweep(features, method=method, seed=seed, progress=progress) if do_sweep else None
+    over = stability_over_seeds(features, seed=seed, first=c, k=k, method=method)
+    save_clusters(run_dir, c, features, rows, over)
+    return load_clusters(run_dir), [f"{CLUSTERS_FILE} was missing; clustered now with k = {k}, method {method}, "
+                                    f"seed {seed}."]
+
+
+class _Report:
+    """What every section of the report reads: the features, the clusters, their colours and labels."""
+
+    def __init__(self, run_dir: Path, features: HeadFeatures, data: dict, save: _FigureSaver):
+        self.run_dir, self.features, self.data, self.save = run_dir, features, data, save
+        self.type_names = [c["type"] for c in data["clusters"]]
+        self.colors = figs.type_colors(self.type_names)
+        self.grid = label_grid(data)
+        self.labels = self.grid.ravel()
+        L, H = features.n_layers, features.n_heads
+        self.head_ids = [f"L{m // H}H{m % H}" for m in range(L * H)]
+
+    def swatch(self, type_name: str) -> str:
+        return f'<span class="swatch" style="background:{self.colors[type_name]}"></span>'
+
+    def settings(self) -> str:
+        rows = [(_e(key), _value_html(v)) for key, v in self.features.meta.items()]
+        rows.append(("clustering", _value_html(self.data["settings"])))
+        return "<h2>Run and settings</h2>" + _table(["setting", "value"], rows, left=(0, 1))
+
+    def types(self) -> str:
+        st = self.data["stability"]
+        crow = []
+        for c in self.data["clusters"]:
+            p = c["profile"] or {}
+            crow.append((self.swatch(c["type"]) + _e(c["type"]), c["n_heads"], _fmt(c["share"]),
+                         _fmt(p.get("special")), _fmt(p.get("cls")), _fmt(p.get("sep")), _fmt(p.get("punct")),
+                         _fmt(p.get("near_r")), _fmt(p.get("far_r"))))
+        text = (f"<p>k = {st['k']}: stability <b>{_fmt(st['stability'])}</b> (share of heads given the same "
+                f"label by all {st['n_stability']} fits on random halves of the heads, labels matched by the "
+                f"Hungarian method), silhouette {_fmt(st['silhouette'])}.</p>")
+        over = st.get("over_seeds")
+        if over:
+            text += (f"<p>Over {over['n_seeds']} seeds ({over['seeds'][0]}–{over['seeds'][-1]}): stability mean "
+                     f"<b>{_fmt(over['mean'])}</b>, range {_fmt(over['min'])}–{_fmt(over['max'])}.</p>")
+        judged = run_stability(self.data)
+        if judged is not None and judged < STABILITY_WARN:
+            text += (f'<p class="warn"><b>Warning:</b> stability {_fmt(judged)} is below {STABILITY_WARN}: the '
+                     "head types below are not reliable (another k or other features may group the heads "
+                     "differently).</p>")
+        html_ = "<h2>Head types</h2>" + text + _table(
+            ["type", "heads", "share", "special", "cls", "sep", "punct", "near_r", "far_r"], crow) + (
+            '<p class="note">special = weight on [CLS]+[SEP]+comma+period; near_r, far_r = shares of the '
+            "remaining weight on self + keys closer than n/8, and on keys at least n/4 away (naming rules in "
+            "attnkit.analysis.naming).</p>")
+        saved = self.save(figs.type_share_per_layer(self.grid, self.type_names), "type_share_per_layer")
+        html_ += _img(saved, "Head types per layer (cf. Guan et al. Fig. 3).")
+        saved = self.save(figs.distance_boxplots(self.features, self.labels, self.type_names), "distance_boxplots")
+        return html_ + _img(saved, "Distance features of the heads of each type (cf. Guan et al. Fig. 1, bottom).")
+
+    def stability(self) -> str:
+        rows = self.data["stability"].get("sweep")
+        if not rows:
+            return ""
+        seeded = all("stability_mean" in r for r in rows)
+        srows = [(r["k"], _fmt(r["stability"])
+                  + (f" (mean {_fmt(r['stability_mean'])}, {_fmt(r['stability_min'])}–{_fmt(r['stability_max'])} "
+                     f"over {r.get('n_seeds', '?')} seeds)" if seeded else ""),
+                  _fmt(r["silhouette"]), _e(", ".join(r["type_names"])))
+                 for r in rows]
+        saved = self.save(figs.stability_sweep(rows), "stability_sweep")
+        return ("<h2>Stability over k</h2>" + _table(["k", "stability", "silhouette", "types"], srows, left=(3,))
+                + _img(saved, "Stability and silhouette against k."))
+
+    def maps(self, seed: int) -> str:
+        from .embedding import mds, tsne
+
+        features, L, H = self.features, self.features.n_layers, self.features.n_heads
+        X = head_matrix(features, self.data["settings"]["features"])
+        saved = self.save(figs.tsne_scatter(tsne(X, seed=seed), self.labels, self.type_names, self.head_ids),
+                          "tsne_types")
+        html_ = "<h2>Maps of heads</h2>" + _img(
+            saved, "t-SNE of the clustered features, coloured by type (cf. Guan et al. Fig. 2).")
+        if not (self.run_dir / DISTANCES_FILE).is_file():
+            return html_ + (f'<p class="note">No {DISTANCES_FILE} in this run: the MDS map of Jensen-Shannon '
+                            f"distances needs `attnkit distances {_e(self.run_dir)} --corpus ...`.</p>")
+        dist = HeadDistances.load(self.run_dir)
+        if dist.total.shape[0] != L * H:
+            raise AttnkitError(f"{self.run_dir / DISTANCES_FILE} has {dist.total.shape[0]} heads, the run {L * H}")
+        layers = np.repeat(np.arange(L), H)
+        saved = self.save(figs.mds_maps(mds(dist.per_token, seed=seed), self.labels, self.type_names, layers,
+                                        self.head_ids), "mds_js")
+        smoothed = f", rows smoothed with ε = {dist.meta['smoothing']:g}" if dist.meta.get("smoothing") else ""
+        html_ += _img(saved, f"Metric MDS of the Jensen-Shannon divergences between heads (mean per token over "
+                             f"{dist.n_rows} query tokens{smoothed}), coloured by type and by layer "
+                             f"(cf. Clark et al. Fig. 6).")
+        pt = dist.per_token
+        within = pt[(layers[:, None] == layers[None, :]) & ~np.eye(L * H, dtype=bool)].mean()
+        across = pt[layers[:, None] != layers[None, :]].mean()
+        return html_ + (f'<p class="note">Mean JS divergence per token: between heads of the same layer '
+                        f"{within:.4f}, between heads of different layers {across:.4f}.</p>")
+
+    def heatmaps(self) -> str:
+        saved = self.save(figs.feature_heatmaps(self.features), "feature_heatmaps")
+        return "<h2>Features per layer and head</h2>" + _img(
+            saved, "Per layer × head means over the corpus (cf. Clark et al. Figs. 2 and 6).")
+
+    def examples(self, examples: int, texts, model) -> str:
+        if texts is None or model is None:
+            raise AttnkitError("example attention maps need the corpus texts and the model")
+        mdl, tok = model
+        idx = _example_texts(texts, examples, tok)
+        picks = pick_example_heads(self.features, self.data, per_type=examples, n_texts=len(idx))
+        picks = [(t, l, h, idx[j]) for t, l, h, j in picks]
+        saved = self.save(figs.attention_examples(example_maps(mdl, tok, texts, picks)), "attention_examples")
+        return "<h2>Example attention maps</h2>" + _img(
+            saved, "The heads nearest to each type's centroid on corpus samples (rows: types; rows of a map: "
+                   "queries, columns: keys).")
+
+    def tables(self) -> str:
+        features, names = self.features, self.features.names
+        L, H = features.n_layers, features.n_heads
+        show = [n for n in ("cls", "sep", "comma", "period", "self", "prev", "next", "entropy", "max", "intra",
+                            "inter", "cls_entropy") if n in names]
+        trows = []
+        for l in range(L):
+            for h in range(H):
+                t = self.type_names[self.grid[l, h]]
+                trows.append([l, h, self.swatch(t) + _e(t)]
+                             + [_fmt(float(features.mean[l, h, names.index(n)])) for n in show])
+        wins = distance_feature_names(names)
+        drows = [[l, h] + [_fmt(float(features.mean[l, h, names.index(n)])) for n in wins]
+                 for l in range(L) for h in range(H)]
+        return ("<h2>Features per head</h2><details><summary>Table of the corpus means per head "
+                f"({L * H} rows)</summary><div class=\"scroll\">"
+                + _table(["layer", "head", "type"] + show, trows, left=(2,)) + "</div></details>"
+                + "<details><summary>Distance buckets per head</summary><div class=\"scroll\">"
+                + _table(["layer", "head"] + wins, drows, left=()) + "</div></details>")
+
+
+def _page(title: str, subtitle: str, notes: list[str], sections: list[str]) -> str:
+    note_html = "".join(f'<p class="note">{_e(n)}</p>' for n in notes)
+    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{_e(title)}</title>"
+            f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1><p class=\"note\">{subtitle}</p>{note_html}"
+            + "\n".join(s for s in sections if s) + "</body></html>\n")
+
+
 def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, examples: int = 0,
                  texts=None, model=None, do_sweep: bool = True, title: str | None = None, svg: bool = True,
                  progress: bool = False) -> Path:
@@ -199,170 +366,27 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
     the MDS map needs RUN/distances.npz. `examples` > 0 draws that many example maps per type from
     `texts` with `model` (a (model, tokenizer) pair). `svg=False` skips the SVG copies of the figures.
     `progress` shows a bar on stderr, one step per figure written."""
-    from tqdm.auto import tqdm
-
     run_dir = Path(run_dir)
     features = HeadFeatures.load(run_dir)
-    fig_dir = run_dir / FIGURES_DIR
-    notes = []
-    bar = tqdm(desc="report", unit="figure", disable=not progress, dynamic_ncols=True)
-
-    def save(fig, stem):
-        saved = figs.save_figure(fig, fig_dir, stem, svg=svg)
-        bar.set_postfix_str(stem, refresh=False)
-        bar.update(1)
-        return saved
-
-    if (run_dir / CLUSTERS_FILE).is_file():
-        data = load_clusters(run_dir, (features.n_layers, features.n_heads), complete=True,
-                             feature_names=features.names)
-        if data["run"]["n_layers"] != features.n_layers or data["run"]["n_heads"] != features.n_heads:
-            raise AttnkitError(f"{run_dir / CLUSTERS_FILE} does not match the run's {features.n_layers} × "
-                               f"{features.n_heads} heads: re-run `attnkit cluster {run_dir}`")
-    else:
-        c = cluster(features, k=k, method=method, seed=seed)
-        rows = sweep(features, method=method, seed=seed, progress=progress) if do_sweep else None
-        over = stability_over_seeds(features, seed=seed, first=c, k=k, method=method)
-        save_clusters(run_dir, c, features, rows, over)
-        data = load_clusters(run_dir)
-        notes.append(f"{CLUSTERS_FILE} was missing; clustered now with k = {k}, method {method}, seed {seed}.")
-    labels = label_grid(data).ravel()
-    type_names = [c["type"] for c in data["clusters"]]
-    L, H = features.n_layers, features.n_heads
-    head_ids = [f"L{m // H}H{m % H}" for m in range(L * H)]
-    colors = figs.type_colors(type_names)
-    sections = []
-
-    # settings
-    meta = dict(features.meta)
-    rows = [(_e(key), _value_html(v)) for key, v in meta.items()]
-    rows.append(("clustering", _value_html(data["settings"])))
-    sections.append("<h2>Run and settings</h2>" + _table(["setting", "value"], rows, left=(0, 1)))
-
-    # clusters + stability
-    st = data["stability"]
-    crow = []
-    for c in data["clusters"]:
-        p = c["profile"] or {}
-        sw = f'<span class="swatch" style="background:{colors[c["type"]]}"></span>'
-        crow.append((sw + _e(c["type"]), c["n_heads"], _fmt(c["share"]), _fmt(p.get("special")),
-                     _fmt(p.get("cls")), _fmt(p.get("sep")), _fmt(p.get("punct")), _fmt(p.get("near_r")),
-                     _fmt(p.get("far_r"))))
-    text = (f"<p>k = {st['k']}: stability <b>{_fmt(st['stability'])}</b> (share of heads given the same "
-            f"label by all {st['n_stability']} fits on random halves of the heads, labels matched by the "
-            f"Hungarian method), silhouette {_fmt(st['silhouette'])}.</p>")
-    over = st.get("over_seeds")
-    if over:
-        text += (f"<p>Over {over['n_seeds']} seeds ({over['seeds'][0]}–{over['seeds'][-1]}): stability mean "
-                 f"<b>{_fmt(over['mean'])}</b>, range {_fmt(over['min'])}–{_fmt(over['max'])}.</p>")
-    judged = run_stability(data)
-    if judged is not None and judged < STABILITY_WARN:
-        text += (f'<p class="warn"><b>Warning:</b> stability {_fmt(judged)} is below {STABILITY_WARN}: the head '
-                 "types below are not reliable (another k or other features may group the heads differently).</p>")
-    sections.append("<h2>Head types</h2>" + text + _table(
-        ["type", "heads", "share", "special", "cls", "sep", "punct", "near_r", "far_r"], crow) +
-        '<p class="note">special = weight on [CLS]+[SEP]+comma+period; near_r, far_r = shares of the '
-        "remaining weight on self + keys closer than n/8, and on keys at least n/4 away (naming rules in "
-        "attnkit.analysis.naming).</p>")
-    saved = save(figs.type_share_per_layer(label_grid(data), type_names), "type_share_per_layer")
-    sections.append(_img(saved, "Head types per layer (cf. Guan et al. Fig. 3)."))
-    saved = save(figs.distance_boxplots(features, labels, type_names), "distance_boxplots")
-    sections.append(_img(saved, "Distance features of the heads of each type (cf. Guan et al. Fig. 1, bottom)."))
-
-    if st.get("sweep"):
-        seeded = all("stability_mean" in r for r in st["sweep"])
-        srows = [(r["k"], _fmt(r["stability"])
-                  + (f" (mean {_fmt(r['stability_mean'])}, {_fmt(r['stability_min'])}–{_fmt(r['stability_max'])} "
-                     f"over {r.get('n_seeds', '?')} seeds)" if seeded else ""),
-                  _fmt(r["silhouette"]), _e(", ".join(r["type_names"])))
-                 for r in st["sweep"]]
-        saved = save(figs.stability_sweep(st["sweep"]), "stability_sweep")
-        sections.append("<h2>Stability over k</h2>" + _table(["k", "stability", "silhouette", "types"], srows,
-                                                              left=(3,)) + _img(saved, "Stability and silhouette against k."))
-
-    # maps
-    sections.append("<h2>Maps of heads</h2>")
-    X = head_matrix(features, data["settings"]["features"])
-    from .embedding import mds, tsne
-
-    xy = tsne(X, seed=seed)
-    saved = save(figs.tsne_scatter(xy, labels, type_names, head_ids), "tsne_types")
-    sections.append(_img(saved, "t-SNE of the clustered features, coloured by type (cf. Guan et al. Fig. 2)."))
-    if (run_dir / DISTANCES_FILE).is_file():
-        dist = HeadDistances.load(run_dir)
-        if dist.total.shape[0] != L * H:
-            raise AttnkitError(f"{run_dir / DISTANCES_FILE} has {dist.total.shape[0]} heads, the run {L * H}")
-        xy = mds(dist.per_token, seed=seed)
-        layers = np.repeat(np.arange(L), H)
-        saved = save(figs.mds_maps(xy, labels, type_names, layers, head_ids), "mds_js")
-        sections.append(_img(saved, f"Metric MDS of the Jensen-Shannon divergences between heads (mean per "
-                                    f"token over {dist.n_rows} query tokens"
-                                    + (f", rows smoothed with ε = {dist.meta['smoothing']:g}" if dist.meta.get("smoothing") else "")
-                                    + "), coloured by type and by layer "
-                                    f"(cf. Clark et al. Fig. 6)."))
-        pt = dist.per_token
-        same = np.repeat(np.arange(L), H)
-        within = pt[(same[:, None] == same[None, :]) & ~np.eye(L * H, dtype=bool)].mean()
-        across = pt[same[:, None] != same[None, :]].mean()
-        sections.append(f'<p class="note">Mean JS divergence per token: between heads of the same layer '
-                        f"{within:.4f}, between heads of different layers {across:.4f}.</p>")
-    else:
-        sections.append(f'<p class="note">No {DISTANCES_FILE} in this run: the MDS map of Jensen-Shannon '
-                        f"distances needs `attnkit distances {_e(run_dir)} --corpus ...`.</p>")
-
-    # heatmaps
-    saved = save(figs.feature_heatmaps(features), "feature_heatmaps")
-    sections.append("<h2>Features per layer and head</h2>" +
-                    _img(saved, "Per layer × head means over the corpus (cf. Clark et al. Figs. 2 and 6)."))
-
-    sections.append(_clark_section(features, save))
-
-    # examples
-    if examples > 0:
-        if texts is None or model is None:
-            raise AttnkitError("example attention maps need the corpus texts and the model")
-        mdl, tok = model
-        idx = _example_texts(texts, examples, tok)
-        picks = pick_example_heads(features, data, per_type=examples, n_texts=len(idx))
-        picks = [(t, l, h, idx[j]) for t, l, h, j in picks]
-        ex = example_maps(mdl, tok, texts, picks)
-        saved = save(figs.attention_examples(ex), "attention_examples")
-        sections.append("<h2>Example attention maps</h2>" + _img(
-            saved, "The heads nearest to each type's centroid on corpus samples (rows: types; rows of a map: "
-                   "queries, columns: keys)."))
-
-    # feature table
-    names = features.names
-    show = [n for n in ("cls", "sep", "comma", "period", "self", "prev", "next", "entropy", "max", "intra",
-                        "inter", "cls_entropy") if n in names]
-    fgrid = label_grid(data)
-    trows = []
-    for l in range(L):
-        for h in range(H):
-            t = type_names[fgrid[l, h]]
-            sw = f'<span class="swatch" style="background:{colors[t]}"></span>'
-            trows.append([l, h, sw + _e(t)] + [_fmt(float(features.mean[l, h, names.index(n)])) for n in show])
-    sections.append("<h2>Features per head</h2><details><summary>Table of the corpus means per head "
-                    f"({L * H} rows)</summary><div class=\"scroll\">" +
-                    _table(["layer", "head", "type"] + show, trows, left=(2,)) + "</div></details>")
-    wins = distance_feature_names(names)
-    drows = [[l, h] + [_fmt(float(features.mean[l, h, names.index(n)])) for n in wins]
-             for l in range(L) for h in range(H)]
-    sections.append("<details><summary>Distance buckets per head</summary><div class=\"scroll\">" +
-                    _table(["layer", "head"] + wins, drows, left=()) + "</div></details>")
-
+    save = _FigureSaver(run_dir / FIGURES_DIR, svg, progress)
+    try:
+        data, notes = _clusters(run_dir, features, k, method, seed, do_sweep, progress)
+        report = _Report(run_dir, features, data, save)
+        sections = [report.settings(), report.types(), report.stability(), report.maps(seed), report.heatmaps(),
+                    _clark_section(features, save)]
+        if examples > 0:
+            sections.append(report.examples(examples, texts, model))
+        sections.append(report.tables())
+    finally:
+        save.close()
     title = title or f"attnkit report: {run_dir.name}"
-    subtitle = (f"{_e(meta.get('model', ''))} — {features.n_samples} samples, {features.n_tokens} tokens, "
-                f"{L} layers × {H} heads; generated {_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}")
-    note_html = "".join(f'<p class="note">{_e(n)}</p>' for n in notes)
-    page = (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{_e(title)}</title>"
-            f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1><p class=\"note\">{subtitle}</p>{note_html}"
-            + "\n".join(sections) + "</body></html>\n")
+    subtitle = (f"{_e(features.meta.get('model', ''))} — {features.n_samples} samples, {features.n_tokens} tokens, "
+                f"{features.n_layers} layers × {features.n_heads} heads; generated "
+                f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}")
     out = run_dir / REPORT_FILE
+    page = _page(title, subtitle, notes, sections)
     atomic_write(out, lambda f: f.write(page.encode("utf-8")))
-    bar.close()
     return out
 
 
-__all__ = ["build_report", "example_maps", "pick_example_heads", "REPORT_FILE"]
+__all__ = ["FIGURES_DIR", "REPORT_FILE", "build_report", "example_maps", "pick_example_heads"]

@@ -113,9 +113,7 @@ def paper_differences(features) -> list[str]:
 def layer_summary_figure(summary: dict):
     """Clark et al. Fig. 2 analogue: per layer, attention to [CLS], [SEP] and punctuation (lines: layer
     means, dots: heads), and entropy per layer with the uniform ln n baseline."""
-    import matplotlib.pyplot as plt
-
-    from . import figures  # noqa: F401  (Agg backend)
+    from ..plotting import plt
 
     colors = {"[CLS]": "#d62728", "[SEP]": "#1f77b4", "punctuation": "#2ca02c"}
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))

@@ -10,8 +10,18 @@ Formats, chosen by extension (under an optional .gz / .zst / .zstd) or `fmt`:
 Inputs are files, directories (recursive), shell globs and "-" (standard input). Every reader streams
 (SQuAD JSON, one document, excepted) and names the file and line of what it cannot read.
 """
-from .inputs import FORMATS, TEXT_UNITS, Corpus, default_corpus_path, open_corpus, read_corpus
-from .sources import _TSV_GUESSES, Source, read_table
+from .inputs import (
+                     FORMATS,
+                     TEXT_UNITS,
+                     Corpus,
+                     check_columns,
+                     corpus_of_run,
+                     default_corpus_path,
+                     open_corpus,
+                     read_corpus,
+)
+from .sources import TEXT_COLUMN_GUESSES, Source, read_table
 
-__all__ = ["FORMATS", "TEXT_UNITS", "Corpus", "Source", "default_corpus_path", "open_corpus", "read_corpus",
-           "read_table"]
+__all__ = ["FORMATS", "TEXT_COLUMN_GUESSES", "TEXT_UNITS", "Corpus", "Source", "check_columns", "corpus_of_run",
+           "default_corpus_path",
+           "open_corpus", "read_corpus", "read_table"]

@@ -10,8 +10,9 @@ import os
 import sys
 from pathlib import Path
 
-from ..errors import AttnkitError
-from .sources import SOURCES, STDIN_NAME, DatasetSource, Source, is_datasets_dir
+from ..errors import AttnkitError, arg, check_int
+from ..run.files import RUN_DIR_MARKERS
+from .sources import SOURCES, DatasetSource, Source, is_datasets_dir
 from .streams import split_compression
 
 FORMATS = ("auto", "text", "jsonl", "squad", "tsv", "parquet", "datasets")
@@ -37,9 +38,6 @@ def _format_of(path: str) -> tuple[str | None, str | None]:
 
 def _sort_key(path: str):
     return Path(path).parts
-
-
-RUN_DIR_MARKERS = ("features.npz", "checkpoint.npz", ".attnkit.lock", "shards")
 
 
 def is_run_dir(path: str) -> bool:
@@ -132,16 +130,20 @@ def _glob_inputs(pattern: str) -> list[tuple[str, str]]:
     return sorted(items, key=lambda item: _sort_key(item[1]))
 
 
-def _columns_tuple(columns):
+def check_columns(columns) -> tuple | None:
+    """The text column and the optional pair column, as a tuple: `columns` is None, one or two names, or
+    "COL" / "COL,COL2". An empty name is refused (the one check of `columns`: the command line's
+    --columns comes here too)."""
     if columns is None:
         return None
     if isinstance(columns, str):
-        columns = [c.strip() for c in columns.split(",") if c.strip()]
+        columns = [c.strip() for c in columns.split(",")]
     columns = tuple(columns)
-    if not columns:
-        return None
-    if len(columns) > 2 or not all(isinstance(c, str) and c for c in columns):
-        raise AttnkitError(f"--columns takes one or two column names, got {', '.join(map(str, columns))}")
+    if not 1 <= len(columns) <= 2:
+        raise AttnkitError(f"{arg('columns')} takes one or two column names (e.g. sentence1,sentence2), got "
+                           f"{', '.join(map(str, columns)) or 'none'}")
+    if not all(isinstance(c, str) and c.strip() for c in columns):
+        raise AttnkitError(f"{arg('columns')} holds an empty column name: {', '.join(map(repr, columns))}")
     return columns
 
 
@@ -229,15 +231,15 @@ def open_corpus(paths=None, fmt: str = "auto", *, text_unit: str = "auto", colum
     `datasets` directories written by save_to_disk. `fmt` other than auto applies to every file. Everything
     is resolved and checked here; nothing is read until the corpus is iterated."""
     if fmt not in FORMATS:
-        raise AttnkitError(f"unknown corpus format {fmt!r}; use one of {', '.join(FORMATS)}")
+        raise AttnkitError(f"unknown corpus format {fmt!r} ({arg('fmt')}); use one of {', '.join(FORMATS)}")
     if text_unit not in TEXT_UNITS:
         raise AttnkitError(f"unknown text unit {text_unit!r}; use line, paragraph or auto")
-    if limit is not None and limit < 1:
-        raise AttnkitError(f"--limit must be at least 1, got {limit}")
+    if limit is not None:
+        check_int(limit, "limit")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     paths = list(paths or []) or [default_corpus_path()]
-    columns = _columns_tuple(columns)
+    columns = check_columns(columns)
     options = dict(text_unit=text_unit, columns=columns, squad_pairs=squad_pairs)
     sources = []
     for kind, p in resolve_paths(paths):
@@ -252,7 +254,7 @@ def open_corpus(paths=None, fmt: str = "auto", *, text_unit: str = "auto", colum
             continue
         if kind == "datasets":
             if fmt not in ("auto", "datasets"):
-                raise AttnkitError(f"{p!r} is a datasets directory, not {fmt}: drop --format or use datasets")
+                raise AttnkitError(f"{p!r} is a datasets directory, not {fmt}: drop {arg('fmt')} or use datasets")
             sources.append(DatasetSource(p, None, **options))
             continue
         detected, compression = _format_of(p)
@@ -271,3 +273,46 @@ def read_corpus(path, fmt: str = "auto", *, text_unit: str = "auto", squad_pairs
     """All segments of one input (a file, directory, glob or datasets directory) as a list."""
     return list(open_corpus([path], fmt, text_unit=text_unit, columns=columns, squad_pairs=squad_pairs,
                             limit=limit))
+
+
+def corpus_of_run(run, meta: dict, corpus=None, fmt: str = "auto", *, squad_pairs: bool = False, columns=None,
+                  limit: int | None = None) -> Corpus:
+    """The corpus a run measured, to read it again (JS distances, example maps): `corpus` when given, else the
+    inputs recorded in the run's `meta` (meta.json), read as the run read them and checked to be the same
+    bytes (their SHA-256)."""
+    text_unit = "auto"
+    given = corpus
+    if corpus is None:
+        reading = (meta.get("settings") or {}).get("reading")
+        if isinstance(reading, dict) and reading.get("paths"):
+            paths = reading["paths"]
+            fmt, text_unit = reading.get("format") or "auto", reading.get("text_unit") or "auto"
+            columns, squad_pairs = columns or reading.get("columns"), bool(reading.get("squad_pairs"))
+        else:  # runs written before several inputs were possible
+            paths = [meta.get("corpus")]
+            fmt = meta.get("format", fmt) or fmt
+            squad_pairs = bool(meta.get("squad_pairs", squad_pairs))
+            columns = columns or meta.get("columns")
+            text_unit = meta.get("text_unit", "auto")
+        missing = [p for p in paths if not p or p == "-" or not Path(p).exists()]
+        if missing:
+            raise AttnkitError(f"{run}/meta.json names no readable corpus ({missing[0]!r}): pass {arg('corpus')} PATH")
+        corpus = paths
+        limit = limit or meta.get("n_segments")
+    texts = open_corpus(corpus, fmt, text_unit=text_unit, squad_pairs=squad_pairs, columns=columns, limit=limit)
+    if given is None:
+        _check_same_inputs(run, meta, texts)
+    return texts
+
+
+def _check_same_inputs(run, meta: dict, texts: Corpus) -> None:
+    """The run's inputs, read again, must be the bytes it measured (meta.json keeps their SHA-256): numbers
+    from an edited corpus would be saved into the run as if they belonged to it."""
+    recorded = meta.get("inputs")
+    if not isinstance(recorded, list) or len(recorded) != len(texts.sources):
+        return  # runs written before inputs were recorded: nothing to compare with
+    for source, rec in zip(texts.sources, recorded):
+        want = rec.get("sha256") if isinstance(rec, dict) else None
+        if want and source.sha256() != want:
+            raise AttnkitError(f"{source.name} changed since {run} was measured (its SHA-256 differs from "
+                               f"meta.json's): extract again, or pass the corpus with {arg('corpus')}")

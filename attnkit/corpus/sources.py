@@ -2,7 +2,8 @@
 (str, str) pair), what was decided while reading it (text unit, columns), and its content hash.
 
 Every reader streams, except SQuAD JSON: a .json file is one document, parsed whole (json.loads) and then
-checked against a schema. Blank segments are skipped here, so counts per source are counts of real text.
+checked against attnkit.run.schemas.SQUAD_SCHEMA. Blank segments are skipped here, so counts per source are
+counts of real text.
 """
 from __future__ import annotations
 
@@ -11,12 +12,22 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import AttnkitError
-from .streams import (PEEK_LINES, HashingReader, Lines, decompressed, hash_file, hash_files, open_file,
-                      sniffed, split_compression)
+from ..errors import AttnkitError, arg
+from ..run.schemas import SQUAD_SCHEMA, validate
+from .streams import (
+    PEEK_LINES,
+    HashingReader,
+    Lines,
+    decompressed,
+    hash_file,
+    hash_files,
+    open_file,
+    sniffed,
+    split_compression,
+)
 
 # Text columns (or JSONL fields) tried, in order, when none are named: (first, second or None)
-_TSV_GUESSES = (("sentence1", "sentence2"), ("#1 String", "#2 String"), ("question1", "question2"),
+TEXT_COLUMN_GUESSES = (("sentence1", "sentence2"), ("#1 String", "#2 String"), ("question1", "question2"),
                 ("question", "sentence"), ("premise", "hypothesis"), ("sentence", None), ("text", None))
 # A quoted CSV field may hold newlines, but one that runs this many lines is an unclosed quote.
 CSV_MAX_ROW_LINES = 200
@@ -53,7 +64,7 @@ def _names(names) -> str:
     return ", ".join(n if isinstance(n, str) and n.isprintable() else repr(n) for n in names) or "none"
 
 
-def choose_columns(available, columns, name: str, kind: str = "column", guesses=_TSV_GUESSES):
+def choose_columns(available, columns, name: str, kind: str = "column", guesses=TEXT_COLUMN_GUESSES):
     """(first, second or None): the named `columns`, else the first of `guesses` present in `available`."""
     available = list(available)
     if columns:
@@ -65,7 +76,7 @@ def choose_columns(available, columns, name: str, kind: str = "column", guesses=
     for first, second in guesses:
         if first in available and (second is None or second in available):
             return first, second
-    raise AttnkitError(f"{name}: cannot tell which {kind} holds the text; name it with --columns "
+    raise AttnkitError(f"{name}: cannot tell which {kind} holds the text; name it with {arg('columns')} "
                        f"({kind}s are: {_names(available)})")
 
 
@@ -276,46 +287,6 @@ class JsonlSource(Source):
         return _describe_columns("field", *(plan["columns"] + [None])[:2])
 
 
-# SQuAD 1.1/2.0, as far as attnkit reads it
-SQUAD_SCHEMA = {
-    "type": "object",
-    "required": ["data"],
-    "properties": {"data": {"type": "array", "items": {
-        "type": "object",
-        "properties": {"paragraphs": {"type": "array", "items": {
-            "type": "object",
-            "required": ["context"],
-            "properties": {
-                "context": {"type": "string"},
-                "qas": {"type": "array", "items": {
-                    "type": "object", "required": ["question"], "properties": {"question": {"type": "string"}}}},
-            },
-        }}},
-    }}},
-}
-
-
-def schema_problem(doc, schema) -> str | None:
-    """The most relevant schema violation of `doc` as "at FIELD PATH: PROBLEM", or None when it is valid."""
-    import jsonschema
-
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
-    if error is None:
-        return None
-    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
-    names = {"object": "an object", "array": "a list", "string": "a string"}
-    if error.validator == "type":
-        got = type(error.instance).__name__
-        got = {"dict": "an object", "list": "a list", "str": "a string", "NoneType": "null"}.get(got, got)
-        problem = f"must be {names.get(error.validator_value, error.validator_value)}, not {got}"
-    elif error.validator == "required":
-        missing = [k for k in error.validator_value if k not in error.instance]
-        problem = f"missing field {missing[0]!r}" if missing else error.message
-    else:
-        problem = error.message.splitlines()[0][:200]
-    return f"at {where or 'the top level'}: {problem}"
-
-
 class SquadSource(Source):
     """SQuAD JSON: the paragraph contexts (each once, in file order), or (question, context) pairs.
     The file is one JSON document, so it is read whole (unlike every other format)."""
@@ -329,9 +300,7 @@ class SquadSource(Source):
         with self._lines() as lines:
             text = "\n".join(line for _, line in lines)
         doc = parse_json(text, self.name)
-        problem = schema_problem(doc, SQUAD_SCHEMA)
-        if problem:
-            raise AttnkitError(f"{self.name} is not SQuAD-format JSON: {problem}")
+        validate(doc, SQUAD_SCHEMA, f"{self.name} is not SQuAD-format JSON")
         seen = set()
         for i, article in enumerate(doc["data"]):
             for j, para in enumerate(article.get("paragraphs", [])):
@@ -457,7 +426,7 @@ def _plan_columns(names_types: dict, columns, name: str, is_text) -> dict:
     except AttnkitError:
         if columns:
             raise
-        raise AttnkitError(f"{name}: no usable text column; name one with --columns "
+        raise AttnkitError(f"{name}: no usable text column; name one with {arg('columns')} "
                            f"(columns are: {', '.join(listing) or 'none'})") from None
     for c in (first, second):
         if c is not None and not is_text(names_types[c]):

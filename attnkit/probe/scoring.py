@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import AttnkitError
+from ..errors import AttnkitError, arg
 from .sentences import ROOT
 
 ALL = "(all)"  # the pseudo-relation of every scored dependency
@@ -152,7 +152,7 @@ def attention_only_probe(scores: ProbeScores, train_fraction: float = 0.5, seed:
     from sklearn.linear_model import LogisticRegression
 
     if not 0 < train_fraction < 1:
-        raise AttnkitError(f"--train-fraction must lie strictly between 0 and 1, got {train_fraction}")
+        raise AttnkitError(f"{arg('train_fraction')} must lie strictly between 0 and 1, got {train_fraction}")
     n = len(scores.pairs)
     if n < 2:
         return {"skipped": f"needs at least 2 sentences with scored dependencies, got {n}"}

@@ -1,0 +1,102 @@
+"""`attnkit ablate` as a job: disable heads, layers or head types of a model and measure a task's metric;
+write the tables (CSV, JSON, Markdown), the figure and <experiment>.meta.json into an output directory
+(formats: docs/files.md, "The ablation tables"; the experiments: docs/interventions.md).
+
+The command line (attnkit/cli/ablate.py) parses options into `AblateOptions`; `run_ablation` does the rest and
+returns what the command line prints. It never imports click.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from ..errors import AttnkitError, arg
+from ..interventions import load_clusters
+from ..models import load_model
+from ..run.locking import run_lock
+from ..run.outputs import ensure_writable_dir, write_json
+from .experiments import EXPERIMENTS, ResultTable, TaskEvaluator, run_experiment
+from .figures import save_figure
+from .tasks import get_task
+
+DEFAULT_MODES = {"layers": "uniform"}  # how heads are disabled when no mode is given: zero, but layers uniform
+
+
+@dataclass
+class AblateOptions:
+    """Everything `attnkit ablate` takes (its options, by their Python names)."""
+
+    model: str
+    task_name: str
+    data: str
+    experiment: str
+    clusters: str | None = None
+    mode: str | None = None
+    limit: int | None = None
+    sample: int | None = None
+    batch_size: int = 32
+    glue_task: str | None = None
+    step: float = 0.1
+    no_layer_norm: bool = False
+    renormalize: bool = False
+    device: str | None = None
+    out: str | None = None
+    quiet: bool = False
+
+
+@dataclass
+class Ablation:
+    """What `run_ablation` wrote: the table, the paths of its files and figure, the model's name, and the number
+    of heads of each type (types experiment)."""
+
+    table: ResultTable
+    paths: dict
+    figure: str
+    model_name: str
+    mode: str
+    type_counts: dict | None = None
+
+
+def run_ablation(opts: AblateOptions) -> Ablation:
+    if opts.model == "default" and opts.task_name != "stsb":
+        raise AttnkitError(f"the embedded MiniLM is a sentence-embedding model without a {opts.task_name} head; "
+                           f"give a local model fine-tuned for {opts.task_name} (or use {arg('task_name', 'stsb')})")
+    if opts.experiment not in EXPERIMENTS:
+        raise AttnkitError(f"unknown {arg('experiment')} {opts.experiment!r}; use one of {', '.join(EXPERIMENTS)}")
+    if opts.experiment == "types" and opts.clusters is None:
+        raise AttnkitError(f"{arg('experiment', 'types')} needs {arg('clusters')} RUN (a run directory with "
+                           "clusters.json)")
+    out = opts.out or f"ablation-{opts.task_name}-{opts.experiment}"
+    ensure_writable_dir(out)  # before the work: a bad output directory fails now, not after the experiment
+    task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task)
+    if opts.limit is not None:
+        task.head(opts.limit)
+    with run_lock(out, "attnkit ablate"):
+        m, tok = load_model(None if opts.model == "default" else opts.model, device=opts.device,
+                            task=task.model_task)
+        evaluate = TaskEvaluator(task, m, tok, limit=opts.sample, batch_size=opts.batch_size)
+        shape = (m.config.num_hidden_layers, m.config.num_attention_heads)
+        head_types = load_clusters(opts.clusters, shape) if opts.clusters else None
+        mode = opts.mode or DEFAULT_MODES.get(opts.experiment, "zero")
+        t0 = time.perf_counter()
+        table = run_experiment(
+            opts.experiment, m, evaluate, task.main_metric, mode=mode, head_types=head_types,
+            losses=lambda: task.losses(m, tok, limit=opts.sample, batch_size=1), step=opts.step,
+            normalize_layers=not opts.no_layer_norm, renormalize=opts.renormalize, progress=not opts.quiet,
+        )
+        paths = table.save(out)
+        name = "default (embedded MiniLM)" if opts.model == "default" else opts.model
+        fig = save_figure(table, shape, out, title=f"{name}: {opts.task_name} {opts.experiment}")
+        meta = {"model": name, "task": opts.task_name, "data": os.path.abspath(opts.data),
+                "experiment": opts.experiment, "mode": mode, "renormalize": opts.renormalize, "limit": opts.limit,
+                "sample": opts.sample, "n_examples": table.rows[0].get("n"),
+                "clusters": os.path.abspath(opts.clusters) if opts.clusters else None,
+                "seconds": round(time.perf_counter() - t0, 1)}
+        if head_types is not None:
+            meta["type_counts"] = head_types.counts()
+        write_json(os.path.join(out, f"{opts.experiment}.meta.json"), meta)
+    return Ablation(table, paths, fig, name, mode, head_types.counts() if head_types is not None else None)
+
+
+__all__ = ["AblateOptions", "Ablation", "run_ablation"]

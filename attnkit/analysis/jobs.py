@@ -1,0 +1,102 @@
+"""`attnkit cluster` and `attnkit report` as jobs on a run directory: hold its lock, read and check what they
+need, write RUN/clusters.json or RUN/report.html (docs/analysis.md; the files: docs/files.md).
+
+They report stage messages through `echo(text, err=False)` and return what the command line prints; they
+never import click.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import AttnkitError, print_message
+from ..run.clusters import load_clusters
+from ..run.distances import HeadDistances
+from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR
+from ..run.head_features import HeadFeatures
+from ..run.locking import run_lock
+from ..run.outputs import ensure_writable_dir, os_errors
+from .clustering import HeadClusterer, cluster, stability_over_seeds, sweep
+from .report import build_report
+from .results import save_clusters
+
+
+@dataclass
+class Clustering:
+    """What `cluster_run` found and wrote: the fitted clusterer, the stability over seeds (None: one seed),
+    the k sweep (None: not asked for), the run's features and the path of clusters.json."""
+
+    clusterer: HeadClusterer
+    over_seeds: dict | None
+    sweep: list | None
+    features: HeadFeatures
+    path: Path
+
+
+def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None = None,
+                standardize: bool = False, seed: int = 0, n_stability: int = 10, do_sweep: bool = False,
+                n_seeds: int = 10, quiet: bool = False, echo: Callable[..., None] = print_message) -> Clustering:
+    """Group the heads of `run` into types and write RUN/clusters.json (the arguments as `attnkit.cluster`'s;
+    `n_seeds` > 1 repeats the stability measure with that many seeds, `do_sweep` adds k = 2..8)."""
+    run = Path(run)
+    with run_lock(run, "attnkit cluster"), os_errors(f"write into {run}"):
+        feats = HeadFeatures.load(run)
+        if not quiet:
+            echo(f"attnkit cluster: {feats.n_layers} × {feats.n_heads} heads of {run}, {method}, k = {k}, "
+                 f"{n_stability} stability fits", err=True)
+        c = cluster(feats, k=k, method=method, features_subset=features, standardize=standardize, seed=seed,
+                    n_stability=n_stability)
+        over = None
+        if n_stability and n_seeds > 1:
+            over = stability_over_seeds(feats, n_seeds=n_seeds, seed=seed, first=c, k=k, method=method,
+                                        features_subset=features, standardize=standardize, n_stability=n_stability)
+        rows = sweep(feats, method=method, features_subset=features, standardize=standardize, seed=seed,
+                     n_stability=n_stability, progress=not quiet, n_seeds=n_seeds) if do_sweep else None
+        path = save_clusters(run, c, feats, rows, over)
+    return Clustering(c, over, rows, feats, path)
+
+
+def report_run(run, *, examples: int = 0, corpus=None, fmt: str = "auto", squad_pairs: bool = False, columns=None,
+               limit: int | None = None, k: int = 4, method: str = "kmeans", seed: int = 0, device=None,
+               svg: bool = True, quiet: bool = False, echo: Callable[..., None] = print_message) -> Path:
+    """Write RUN/report.html (`build_report`) after checking, before drawing anything, every file it reads;
+    `examples` > 0 draws example maps from the run's corpus (or `corpus`) with the run's model."""
+    run = Path(run)
+
+    def say(text: str) -> None:
+        if not quiet:
+            echo(text, err=True)
+
+    with run_lock(run, "attnkit report"), os_errors(f"write the report into {run}"):
+        feats = HeadFeatures.load(run)
+        shape = (feats.n_layers, feats.n_heads)
+        bad = np.argwhere(~np.isfinite(feats.mean).all(axis=2))
+        if len(bad):
+            heads = ", ".join(f"L{l}H{h}" for l, h in bad[:5]) + (" ..." if len(bad) > 5 else "")
+            raise AttnkitError(f"{run}/features.npz holds NaN or infinite means for {len(bad)} head(s) ({heads}): "
+                               f"the report cannot place them on maps")
+        if (run / CLUSTERS_FILE).is_file():
+            load_clusters(run, shape, complete=True, feature_names=feats.names)
+        if (run / DISTANCES_FILE).is_file():
+            HeadDistances.load(run, shape)
+        ensure_writable_dir(run / FIGURES_DIR, "figures directory")
+        texts = model = None
+        if examples:
+            from ..corpus import corpus_of_run
+            from ..models import load_model
+
+            texts = corpus_of_run(run, feats.meta, corpus, fmt, squad_pairs=squad_pairs, columns=columns,
+                                  limit=limit)
+            texts = list(itertools.islice(texts, 500))  # example maps come from the first segments
+            say(f"attnkit report: loading the model of {run} for the example maps")
+            model = load_model(feats.meta.get("model") or None, device=device)
+        say(f"attnkit report: {shape[0]} × {shape[1]} heads of {run}")
+        return build_report(run, k=k, method=method, seed=seed, examples=examples, texts=texts, model=model,
+                            svg=svg, progress=not quiet)
+
+
+__all__ = ["Clustering", "cluster_run", "report_run"]

@@ -1,0 +1,4 @@
+"""`python -m attnkit.cli ...`: the `attnkit` command."""
+from .main import main
+
+main()

@@ -1,0 +1,56 @@
+"""`attnkit ablate`: intervention experiments on a model and a local task dataset (docs/interventions.md; the
+job: attnkit/ablation/job.py)."""
+from __future__ import annotations
+
+import click
+
+from ..ablation.experiments import EXPERIMENTS
+from ..ablation.tasks import TASKS
+from .options import cli_errors, shared
+
+
+@click.command("ablate")
+@click.argument("model")
+@click.option("--task", "task_name", type=click.Choice(TASKS), required=True, help="Evaluation task.")
+@click.option("--data", type=click.Path(exists=True, dir_okay=True), required=True,
+              help="Local data: STS-B/GLUE TSV, SQuAD JSON, or a text corpus for mlm.")
+@click.option("--experiment", type=click.Choice(EXPERIMENTS), required=True)
+@click.option("--clusters", "clusters", type=click.Path(exists=True), default=None,
+              help="Run directory (or clusters.json) with head types; needed by --experiment types.")
+@click.option("--mode", type=click.Choice(["zero", "uniform"]), default=None,
+              help="How heads are disabled (heads: zero, layers: uniform, importance pruning: zero by default).")
+@shared("limit")
+@click.option("--sample", type=click.IntRange(min=1), default=None,
+              help="Use N examples spread evenly over the file (data files are often sorted by genre, so the "
+                   "first N can be a biased sample). Applied after --limit.")
+@shared("batch-size", batch_size=32)
+@click.option("--glue-task", default=None, help="GLUE task of --data when it cannot be told from the header.")
+@click.option("--step", type=float, default=0.1, show_default=True, help="importance: share pruned per step.")
+@click.option("--no-layer-norm", is_flag=True, help="importance: do not normalise scores per layer.")
+@click.option("--renormalize", is_flag=True,
+              help="types: rescale what is left of each attention row after removing intra/inter attention.")
+@shared("device")
+@click.option("-o", "--out", "out", type=click.Path(file_okay=False), default=None,
+              help="Output directory (default: ablation-<task>-<experiment>).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@cli_errors
+def ablate(model, task_name, data, experiment, clusters, mode, limit, sample, batch_size, glue_task, step,
+           no_layer_norm, renormalize, device, out, quiet):
+    """Disable heads, layers or head types of MODEL (a local model directory, or `default` for the embedded
+    MiniLM) and measure the task metric; writes CSV/JSON/Markdown tables and a PNG figure."""
+    from ..ablation.job import AblateOptions, run_ablation
+
+    res = run_ablation(AblateOptions(
+        model=model, task_name=task_name, data=data, experiment=experiment, clusters=clusters, mode=mode,
+        limit=limit, sample=sample, batch_size=batch_size, glue_task=glue_task, step=step,
+        no_layer_norm=no_layer_norm, renormalize=renormalize, device=device, out=out, quiet=quiet))
+    table = res.table
+    click.echo(f"{res.model_name} · {task_name} · {experiment} (mode {res.mode}) · {table.rows[0].get('n')} examples"
+               + (f" · types {res.type_counts}" if res.type_counts is not None else ""))
+    click.echo(table.to_markdown())
+    if experiment == "importance":
+        click.echo(f"\nheads by importance (most first): {table.extra['ranking']}")
+    click.echo(f"\nwrote {res.paths['csv']}, {res.paths['json']}, {res.paths['md']}, {res.figure}")
+
+
+__all__ = ["ablate"]

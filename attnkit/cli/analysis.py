@@ -1,0 +1,199 @@
+"""`attnkit cluster`, `distances`, `report` and `compare`: the analysis of a run directory (docs/analysis.md).
+
+Click only: each command parses its options, calls the library (attnkit/analysis/, and the distances job in
+attnkit/engine/distances_job.py) and prints what it found.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .options import SEED, cli_errors, echo_for, run_argument, shared
+
+k_option = click.option("-k", "--k", "k", default=4, show_default=True, type=click.IntRange(min=2),
+                        help="Number of head types (clusters).")
+
+
+def corpus_options(fn):
+    """--corpus (default: the run's) and how to read it, as `attnkit extract` does."""
+    fn = shared("format", "squad-pairs", "columns", "limit")(fn)
+    return click.option("--corpus", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+                        help="Corpus file [default: the one recorded in RUN/meta.json].")(fn)
+
+
+def _run_shape(run: Path) -> tuple[int, int] | None:
+    """(n_layers, n_heads) of the run in `run`, or None when it holds no features.npz."""
+    from ..run.files import FEATURES_FILE
+    from ..run.head_features import HeadFeatures
+
+    if not (run / FEATURES_FILE).is_file():
+        return None
+    f = HeadFeatures.load(run)
+    return f.n_layers, f.n_heads
+
+
+@click.command("cluster")
+@run_argument()
+@k_option
+@click.option("--method", type=click.Choice(["kmeans", "gmm"]), default="kmeans", show_default=True,
+              help="scikit-learn KMeans or GaussianMixture.")
+@click.option("--features", default=None, metavar="NAMES",
+              help="Comma-separated features to cluster on, or 'all' [default: the distance buckets cls, sep, "
+                   "comma, period, self, win_0..win_N-1 (Guan et al.'s 21-dim distance feature)].")
+@click.option("--standardize/--no-standardize", default=False, show_default=True,
+              help="Scale every feature to unit variance first.")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Random seed (fits and stability subsets).")
+@click.option("--stability", "n_stability", default=10, show_default=True, type=click.IntRange(min=0),
+              help="Fits on random halves of the heads for the stability measure (0: skip).")
+@click.option("--sweep/--no-sweep", default=False, show_default=True,
+              help="Also report stability and silhouette for k = 2..8.")
+@click.option("--seeds", "n_seeds", default=10, show_default=True, type=click.IntRange(min=1),
+              help="Repeat the stability measure with this many seeds (seed, seed+1, ...) for its mean and range "
+                   "(1: only --seed).")
+@shared("quiet")
+@cli_errors
+def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep, n_seeds, quiet):
+    """Group the heads of RUN into types; writes RUN/clusters.json.
+
+    Types are named from their centroids (dense, diagonal, dense+vertical, vertical; see
+    attnkit.analysis.naming). Stability follows Guan et al. 2020: the share of heads that get the same
+    label in all fits on random 50% subsets of the heads, labels matched by the Hungarian method.
+    """
+    from ..analysis.clustering import STABILITY_WARN
+    from ..analysis.jobs import cluster_run
+
+    res = cluster_run(run, k=k, method=method, features=features, standardize=standardize, seed=seed,
+                      n_stability=n_stability, do_sweep=sweep, n_seeds=n_seeds, quiet=quiet, echo=echo_for())
+    c, over, rows, feats, path = res.clusterer, res.over_seeds, res.sweep, res.features, res.path
+    click.echo(f"{feats.n_layers} layers × {feats.n_heads} heads, {len(c.feature_names_in_)} features, "
+               f"{method}, k = {k}: stability {c.stability_:.3f}, silhouette {c.silhouette_:.3f}")
+    if over is not None:
+        click.echo(f"stability over {over['n_seeds']} seeds: mean {over['mean']:.3f}, range "
+                   f"{over['min']:.3f}–{over['max']:.3f}")
+    judged = over["mean"] if over is not None else c.stability_
+    if judged == judged and judged < STABILITY_WARN:
+        click.echo(f"warning: stability {judged:.3f} is below {STABILITY_WARN}: these head types are not "
+                   "reliable (try another k, or more features)", err=True)
+    for j, name in enumerate(c.type_names_):
+        click.echo(f"  {j}: {name:<16} {int((c.labels_ == j).sum()):>4} heads ({c.shares_[j]:.1%})")
+    click.echo("type ids per layer (rows: layers, columns: heads):")
+    for l in range(feats.n_layers):
+        click.echo(f"  L{l:<3} " + " ".join(str(int(x)) for x in c.labels_grid_[l]))
+    if rows:
+        click.echo("k  stability  silhouette" + ("  stability over seeds (mean, min–max)" if n_seeds > 1 else ""))
+        for r in rows:
+            extra = (f"  {r['stability_mean']:.3f} ({r['stability_min']:.3f}–{r['stability_max']:.3f})"
+                     if "stability_mean" in r else "")
+            click.echo(f"{r['k']:<2} {r['stability']:>9.3f} {r['silhouette']:>11.3f}{extra}")
+    click.echo(f"wrote {path}")
+
+
+@click.command("distances")
+@run_argument()
+@corpus_options
+@click.option("--rows-per-sample", type=click.IntRange(min=1), default=None,
+              help="Sample this many query tokens per sample (for big corpora) [default: all].")
+@shared("batch-size", "device")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the row sampling.")
+@click.option("--smooth", "smooth", is_flag=False, flag_value=0.001, default=0.0,
+              type=click.FloatRange(0, 1, max_open=True),
+              metavar="[EPS]", help="Smooth every row to (1 − EPS)·A + EPS/n before the divergence, as Clark et al.'s "
+                                    "code (--smooth alone: EPS = 0.001) [default: no smoothing; local engine only].")
+@shared("engine", "ray-address", "quiet")
+@cli_errors
+def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, device, seed, smooth,
+                  engine, ray_address, quiet):
+    """Jensen-Shannon divergences between all pairs of heads of RUN's model over a corpus (Clark et al.
+    2019; natural logs, between 0 and ln 2 per token; not the metric sqrt(JS)); writes RUN/distances.npz
+    (sums, per-token means, rows counted, smoothing).
+
+    Runs the model over the corpus (by default the one in RUN/meta.json, with the run's model and
+    max length); the attention maps are recomputed per layer inside the forward (Runtime observers)
+    and reduced to a heads × heads matrix per batch, never stored. Uses the compiled js_distances op
+    when it is built for the device and no smoothing is asked for, a chunked PyTorch computation otherwise.
+    With --engine ray the same sums come from the Ray Data pipeline of `extract --engine ray` (shards in
+    RUN/distance-shards, a rerun skips finished ones).
+    """
+    import numpy as np
+
+    from ..engine.distances_job import DistancesOptions, run_distances_job
+
+    dist, n_samples, path = run_distances_job(DistancesOptions(
+        run=run, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs, columns=columns, limit=limit,
+        rows_per_sample=rows_per_sample, batch_size=batch_size, device=device, seed=seed, smooth=smooth,
+        engine=engine, ray_address=ray_address, quiet=quiet), echo=echo_for())
+    pt = dist.per_token
+    off = pt[~np.eye(pt.shape[0], dtype=bool)]
+    smoothed = f" (rows smoothed with ε = {smooth:g})" if smooth else ""
+    click.echo(f"{n_samples} segments, {dist.n_rows} query tokens{smoothed}: mean JS divergence per token "
+               f"between heads {off.mean():.4f} (min {off.min():.4f}, max {off.max():.4f}); wrote {path}")
+
+
+@click.command("report")
+@run_argument()
+@click.option("--examples", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Example attention maps per type, drawn from the corpus (needs the model and corpus).")
+@corpus_options
+@k_option
+@click.option("--method", type=click.Choice(["kmeans", "gmm"]), default="kmeans", show_default=True,
+              help="Clustering method, when RUN/clusters.json does not exist yet.")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of clustering and t-SNE/MDS.")
+@shared("device", "svg", "quiet")
+@cli_errors
+def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, method, seed, device, svg, quiet):
+    """Write RUN/report.html: one self-contained page (figures embedded, opens offline) with the
+    settings, head types and stability, t-SNE and MDS maps, per-layer heatmaps, box plots and tables.
+    Figures are also saved as PNG and SVG in RUN/figures/. Uses RUN/clusters.json (or clusters now,
+    with -k/--method/--seed) and RUN/distances.npz when present."""
+    from ..analysis.jobs import report_run
+
+    path = report_run(run, examples=examples, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs, columns=columns,
+                      limit=limit, k=k, method=method, seed=seed, device=device, svg=svg, quiet=quiet,
+                      echo=echo_for())
+    click.echo(f"wrote {path}")
+
+
+@click.command("compare")
+@run_argument("run_a")
+@run_argument("run_b")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the comparison as JSON.")
+@shared("quiet")
+@cli_errors
+def compare_cmd(run_a, run_b, json_out, quiet):
+    """Compare the head types of two clustered runs (e.g. pretrained vs fine-tuned, or two corpora):
+    which heads changed type, and the type distribution per layer of each."""
+    from ..analysis.results import compare
+    from ..run.clusters import load_clusters
+    from ..run.locking import lock_if_run
+    from ..run.outputs import ensure_writable_dir, write_json
+
+    if json_out is not None:
+        ensure_writable_dir(json_out.parent, "output directory")
+    res = compare(load_clusters(run_a, _run_shape(run_a)), load_clusters(run_b, _run_shape(run_b)))
+    click.echo(f"{res['n_changed']} of {res['n_heads']} heads changed type")
+    if not res["reliable"]:
+        st = res["stability"]
+        click.echo("warning: type changes are unreliable: clustering stability "
+                   + ", ".join(f"{run} {'unknown' if st[s] is None else format(st[s], '.3f')}"
+                               for s, run in (("a", run_a), ("b", run_b)))
+                   + f" (below {res['stability_threshold']} in at least one run)", err=True)
+    for key, n in res["transitions"].items():
+        click.echo(f"  {key}: {n}")
+    for side, run in (("a", run_a), ("b", run_b)):
+        dist = res["per_layer"][side]
+        click.echo(f"types per layer in {run} (counts for layers 0..):")
+        for t, counts in dist.items():
+            click.echo(f"  {t:<16} " + " ".join(f"{c:>3}" for c in counts))
+    if res["changed"]:
+        mark = "" if res["reliable"] else " (unreliable)"
+        click.echo(f"changed heads{mark}: " + ", ".join(f"L{c['layer']}H{c['head']} {c['a']}→{c['b']}"
+                                                          for c in res["changed"]))
+    if json_out:
+        with lock_if_run(json_out.parent, "attnkit compare"):  # writing into a run directory: lock it
+            write_json(json_out, res)
+        click.echo(f"wrote {json_out}")
+
+
+__all__ = ["cluster_cmd", "compare_cmd", "distances_cmd", "report_cmd"]

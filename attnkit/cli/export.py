@@ -1,0 +1,66 @@
+"""`attnkit export RUN`: a run's per-head features as one table, CSV or Parquet."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..errors import AttnkitError
+from ..run.outputs import TABLE_FORMATS
+from .options import cli_errors, run_argument
+
+
+def _format_of(out: Path | None, fmt: str | None) -> str:
+    if fmt:
+        return fmt
+    if out is not None and out.suffix.lower() in (".parquet", ".pq"):
+        return "parquet"
+    return "csv"
+
+
+@click.command("export")
+@run_argument()
+@click.option("--format", "fmt", type=click.Choice(TABLE_FORMATS), default=None,
+              help="csv or parquet [default: from the -o suffix (.parquet/.pq), else csv].")
+@click.option("-o", "--out", "out", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path), default=None,
+              help="Output file; '-' writes CSV to stdout [default: RUN/features.csv or RUN/features.parquet].")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
+@click.option("-q", "--quiet", is_flag=True, help="Do not print where the table was written.")
+@cli_errors
+def export_cmd(run, fmt, out, overwrite, quiet):
+    """Write the features of RUN as a table: one row per head.
+
+    \b
+    Columns, in order:
+      layer, head          0-based layer and head of the row
+      <feature>            corpus mean of each feature, one column per feature in
+                           the order of RUN/features.npz `names` (cls, sep, comma,
+                           period, self, win_0..win_N-1, prev, next, entropy, max,
+                           intra, inter, cls_entropy)
+      <feature>_std        then the standard deviation over samples of each feature,
+                           in the same order
+    """
+    from ..run.head_features import HeadFeatures, features_table
+    from ..run.locking import lock_if_run
+    from ..run.outputs import ensure_writable_dir, write_table
+
+    fmt = _format_of(out if out is not None and str(out) != "-" else None, fmt)
+    to_stdout = out is not None and str(out) == "-"
+    if to_stdout and fmt != "csv":
+        raise AttnkitError("only CSV can be written to stdout (-o -); give a file for Parquet")
+    df = features_table(HeadFeatures.load(run))
+    if to_stdout:
+        click.echo(df.to_csv(index=False), nl=False)
+        return
+    default_out = out is None
+    out = out if out is not None else run / f"features.{fmt}"
+    if out.exists() and not (overwrite or default_out):
+        raise AttnkitError(f"{out} exists: give --overwrite to replace it, or another -o")
+    ensure_writable_dir(out.parent, "output directory")
+    with lock_if_run(out.parent, "attnkit export"):  # writing into a run directory: lock it
+        write_table(df, out, fmt)
+    if not quiet:
+        click.echo(f"wrote {out} ({len(df)} heads × {df.shape[1] - 2} columns, {fmt})")
+
+
+__all__ = ["export_cmd"]

@@ -1,0 +1,72 @@
+"""`attnkit extract`: per-head features of a corpus into a run directory (the job: attnkit/engine/extract_job.py)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..engine.plan import DEFAULT_WINDOW
+from .options import cli_errors, echo_for, shared
+
+
+@click.command()
+@click.argument("corpus", nargs=-1, metavar="[CORPUS]...")
+@shared("model", "format")
+@click.option("--text-unit", type=click.Choice(["auto", "line", "paragraph"]), default="auto", show_default=True,
+              help="Plain text: one segment per line, or per blank-line-separated paragraph (auto: paragraphs if the "
+                   "start of the file has blank lines between text).")
+@shared("columns", "squad-pairs", "max-length", "batch-size")
+@click.option("--window", default=DEFAULT_WINDOW, show_default=True, type=click.IntRange(min=1),
+              help="Segments read ahead and sorted by length together: memory stays bounded by one window, padding "
+                   "stays low. Part of the plan: resume with the same value.")
+@shared("device")
+@click.option("--devices", default=None, metavar="LIST",
+              help="One model replica per device: 'all' (every GPU), or a list such as cuda:0,cuda:1 (cpu,cpu runs "
+                   "two CPU replicas).")
+@click.option("--workers", default=None, type=click.IntRange(min=0),
+              help="Tokenisation processes running ahead of the model (0: tokenise between forwards) "
+                   "[default: with GPUs the CPU cores − 1, at most 8; on the CPU one per 4 cores].")
+@shared("dtype", "num-windows", "sentences", "limit", "backend", "engine", "ray-address")
+@click.option("-o", "--out", "out", default="attnkit-run", show_default=True, type=click.Path(path_type=Path),
+              help="Run directory to write.")
+@click.option("--resume", is_flag=True, help="Continue the interrupted run in --out from its last checkpoint.")
+@click.option("--overwrite", is_flag=True, help="Replace a finished run in --out (only once the new one finishes).")
+@click.option("--checkpoint-every", default=20, show_default=True, type=click.IntRange(min=1),
+              help="Write a checkpoint every N batches (also every 2 minutes, and always on interruption).")
+@click.option("--per-sample", is_flag=True,
+              help="Also keep every sample's features: OUT/per_sample.npy (float16, samples × layers × heads × "
+                   "features, input order; memory-mapped) for `attnkit patterns`.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@cli_errors
+def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length, batch_size, window, device,
+            devices, workers, dtype, num_windows, sentences, limit, backend, engine, ray_address, out, resume,
+            overwrite, checkpoint_every, per_sample, quiet):
+    """Measure per-head attention features over CORPUS (default: a small built-in English corpus).
+
+    CORPUS is any number of files, directories (searched recursively for corpus files), shell globs, or '-'
+    for standard input; files may be gzip or zstd compressed. Segments are streamed: memory stays bounded
+    whatever the corpus size.
+
+    Writes OUT/features.npz (arrays mean, std: layers × heads × features; names) and OUT/meta.json
+    (model, inputs with their formats and content hashes, counts, settings, versions, backend). Interrupted
+    runs (Ctrl-C, kill) keep a checkpoint; `--resume` continues them to the same numbers as an
+    uninterrupted run.
+    """
+    from ..engine.extract_job import ExtractOptions, Interrupted, run_extract_job
+
+    opts = ExtractOptions(
+        paths=list(corpus), model_path=model_path, fmt=fmt, text_unit=text_unit, columns=columns,
+        squad_pairs=squad_pairs, max_length=max_length, batch_size=batch_size, window=window, device=device,
+        devices=devices, dtype=dtype, num_windows=num_windows, sentences=sentences, limit=limit, backend=backend,
+        workers=workers, engine=engine, ray_address=ray_address, out=out, resume=resume, overwrite=overwrite,
+        checkpoint_every=checkpoint_every, per_sample=per_sample, quiet=quiet)
+    try:
+        run_extract_job(opts, echo=echo_for())
+    except Interrupted as exc:
+        if exc.saved_after is None:
+            click.echo("\ninterrupted before the first batch finished; nothing saved.", err=True)
+        else:
+            click.echo(f"\ninterrupted after {exc.saved_after} segments; checkpoint saved. "
+                       f"Continue with: attnkit extract ... -o {out} --resume", err=True)
+        sys.exit(130)

@@ -1,0 +1,49 @@
+"""The `attnkit` command group. Every command lives in a module of this package and is click only: it parses
+its options, calls the library (the jobs in attnkit/engine/, attnkit/analysis/, attnkit/ablation/,
+attnkit/probe/) inside the function, and prints results, so `attnkit --help` loads no command's library."""
+from __future__ import annotations
+
+import logging
+
+import click
+
+from .ablate import ablate
+from .analysis import cluster_cmd, compare_cmd, distances_cmd, report_cmd
+from .compare_models import compare_models_cmd
+from .export import export_cmd
+from .extract import extract
+from .patterns import patterns_cmd
+from .probe import probe
+
+COMMANDS = (extract, cluster_cmd, distances_cmd, report_cmd, compare_cmd, patterns_cmd, compare_models_cmd, ablate,
+            export_cmd, probe)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="attnkit")
+def main():
+    """Measure what the attention heads of transformer encoders do, over whole corpora.
+
+    \b
+    Typical session:
+      attnkit extract corpus.txt -o run      per-head features (features.npz, meta.json)
+      attnkit cluster run                    head types (clusters.json)
+      attnkit report run                     figures and report.html
+      attnkit ablate default --task stsb --data dev.tsv --experiment heads
+
+    Models are local directories (no hub downloads); the default is the embedded MiniLM.
+    """
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except Exception:  # pragma: no cover - cosmetic only
+        pass
+
+
+for _command in COMMANDS:
+    main.add_command(_command)
+
+__all__ = ["COMMANDS", "main"]

@@ -1,0 +1,193 @@
+"""What every `attnkit` command shares: the options that more than one command takes (one help text each), the
+one --columns parser, the one RUN path type, and how library errors and messages reach the user.
+
+The library names the arguments it refuses by their Python names (attnkit.errors.arg); `cli_errors` and
+`echo_for` spell them as the running command's options (`max_length` → `--max-length`), so a user of the
+command line reads about flags and a user of Python about arguments.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import click
+
+from ..corpus import FORMATS, check_columns
+from ..errors import AttnkitError, spell
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS
+
+RUN = click.Path(exists=True, file_okay=False, path_type=Path)  # an existing run directory
+SEED = click.IntRange(0, 2**32 - 1)  # what scikit-learn accepts as random_state
+DTYPES = ("float32", "float16", "bfloat16")
+BACKEND_CHOICES = ("auto", "fused", "reference")
+ENGINE_CHOICES = ("local", "ray")
+
+
+# --- how library messages name arguments on the command line ---------------------------------------------
+def option_names(command: click.Command | None = None) -> dict[str, str]:
+    """Python argument → how `command` (default: the running one) spells it: its long option, else its
+    short one; an argument in capitals."""
+    if command is None:
+        ctx = click.get_current_context(silent=True)
+        command = ctx.command if ctx is not None else None
+    names: dict[str, str] = {}
+    for p in command.params if command is not None else ():
+        if isinstance(p, click.Option):
+            longs = [o for o in p.opts if o.startswith("--")]
+            names[p.name] = longs[0] if longs else p.opts[0]
+        elif isinstance(p, click.Argument):
+            names[p.name] = p.name.upper()
+    return names
+
+
+def echo_for(command: click.Command | None = None):
+    """An `echo(text, err=False)` for the jobs behind the command line: their messages with the arguments they
+    name spelled as the command's options."""
+    names = option_names(command)
+
+    def echo(text: str, err: bool = False) -> None:
+        click.echo(spell(text, names), err=err)
+
+    return echo
+
+
+def cli_errors(command):
+    """Decorate a click command so an AttnkitError ends it with a one-line message (arguments spelled as the
+    command's options) and exit status 1."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except AttnkitError as exc:
+            raise click.ClickException(exc.message(option_names())) from None
+
+    return wrapper
+
+
+# --- the one --columns parser --------------------------------------------------------------------------------
+def parse_columns(ctx, param, value):
+    """click callback of --columns: "COL" or "COL,COL2" → a tuple, refusing an empty name (usage error)."""
+    if value is None:
+        return None
+    try:
+        return check_columns(value)
+    except AttnkitError as exc:
+        raise click.BadParameter(exc.message({"columns": "--columns"}), ctx=ctx, param=param) from None
+
+
+# --- options that several commands take ----------------------------------------------------------------------
+def run_argument(name: str = "run"):
+    return click.argument(name, type=RUN)
+
+
+def quiet_option(fn):
+    return click.option("-q", "--quiet", is_flag=True,
+                        help="No progress bars or stage messages on stderr (results are still printed).")(fn)
+
+
+def corpus_format_option(fn):
+    return click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="auto", show_default=True,
+                        help="Corpus format; auto goes by extension (.txt .jsonl .json .tsv .csv .parquet, also "
+                             ".gz/.zst) and recognises datasets saved with save_to_disk. Needed for '-' (standard "
+                             "input) unless it is text.")(fn)
+
+
+def columns_option(fn):
+    return click.option("--columns", default=None, metavar="COL[,COL2]", callback=parse_columns,
+                        help="TSV/CSV/Parquet/datasets/JSONL: the text column, and optionally the pair column "
+                             "(default: guessed, e.g. sentence1,sentence2).")(fn)
+
+
+def squad_pairs_option(fn):
+    return click.option("--squad-pairs", is_flag=True,
+                        help="SQuAD JSON: measure (question, context) pairs instead of contexts.")(fn)
+
+
+def limit_option(fn):
+    return click.option("--limit", default=None, type=click.IntRange(min=1),
+                        help="Use only the first N segments (texts, sentences or examples) of the input.")(fn)
+
+
+def model_option(fn):
+    return click.option("--model", "model_path", default=None, metavar="PATH",
+                        help="Local model directory (transformers format). Default: the embedded MiniLM "
+                             "(6 layers × 12 heads).")(fn)
+
+
+def max_length_option(fn):
+    return click.option("--max-length", default=DEFAULT_MAX_LENGTH, show_default=True, type=click.IntRange(min=2),
+                        help="Tokens per sample, special tokens included; longer segments are truncated (and "
+                             "counted).")(fn)
+
+
+def batch_size_option(default: int | None = None):
+    help_ = "Samples per batch" + (" [default: 16 CPU, 64 GPU]." if default is None else ".")
+    return click.option("--batch-size", default=default, show_default=default is not None,
+                        type=click.IntRange(min=1), help=help_)
+
+
+def device_option(fn):
+    return click.option("--device", default=None, help="cpu, cuda or cuda:N [default: cuda if available].")(fn)
+
+
+def dtype_option(fn):
+    return click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
+                        help="Dtype of the model's weights.")(fn)
+
+
+def backend_option(fn):
+    return click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True,
+                        help="fused: the compiled op; reference: pure PyTorch; auto: fused when built.")(fn)
+
+
+def num_windows_option(fn):
+    return click.option("--num-windows", default=DEFAULT_NUM_WINDOWS, show_default=True, type=click.IntRange(min=1),
+                        help="Distance windows of the distance feature (Guan et al.).")(fn)
+
+
+def sentences_option(fn):
+    return click.option("--sentences", is_flag=True,
+                        help="Also split segments into sentences after . ! ? (for intra/inter).")(fn)
+
+
+def engine_option(fn):
+    return click.option("--engine", type=click.Choice(ENGINE_CHOICES), default="local", show_default=True,
+                        help="local: this machine's devices; ray: a Ray Data pipeline over a Ray cluster (pip "
+                             "install 'attnkit[distributed]'), resumable by shards.")(fn)
+
+
+def ray_address_option(fn):
+    return click.option("--ray-address", default=None, metavar="ADDR",
+                        help="Ray cluster to join (e.g. auto, or ray://head:10001) [default: start a local "
+                             "one].")(fn)
+
+
+def svg_option(fn):
+    return click.option("--svg/--no-svg", default=True, show_default=True, help="Also save every figure as SVG.")(fn)
+
+
+# the shared options by name, for `shared`
+SHARED = {"model": model_option, "format": corpus_format_option, "columns": columns_option,
+          "squad-pairs": squad_pairs_option, "limit": limit_option, "max-length": max_length_option,
+          "batch-size": batch_size_option(), "device": device_option, "dtype": dtype_option, "backend": backend_option,
+          "num-windows": num_windows_option, "sentences": sentences_option, "engine": engine_option,
+          "ray-address": ray_address_option, "svg": svg_option, "quiet": quiet_option}
+
+
+def shared(*names, **defaults):
+    """Add the shared options `names` (keys of SHARED, in --help order) to a command; `defaults` gives another
+    default where a command has one (`batch_size=16`)."""
+    decorators = [batch_size_option(defaults["batch_size"]) if name == "batch-size" and "batch_size" in defaults
+                  else SHARED[name] for name in names]
+
+    def deco(fn):
+        for d in reversed(decorators):
+            fn = d(fn)
+        return fn
+
+    return deco
+
+
+__all__ = ["RUN", "SEED", "SHARED", "cli_errors", "echo_for", "option_names", "parse_columns", "run_argument",
+           "shared"]

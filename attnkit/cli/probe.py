@@ -1,0 +1,47 @@
+"""`attnkit probe`: Clark et al. 2019's syntax probes (docs/probes.md; the job: attnkit/probe/run.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .options import cli_errors, echo_for, shared
+
+
+@click.command("probe")
+@click.argument("corpus", nargs=-1, metavar="CORPUS...")
+@click.option("-o", "--out", "out", default="attnkit-probe", show_default=True, type=click.Path(path_type=Path),
+              help="Run directory to write (probe.csv, probe.json, best_heads.txt, probe_heatmap.png).")
+@shared("model")
+@click.option("--parser", type=click.Choice(["auto", "spacy", "conllu"]), default="auto", show_default=True,
+              help="conllu: read gold parses from CoNLL-U files; spacy: parse the corpus with spaCy "
+                   "(pip install 'attnkit[syntax]'); auto: conllu when every input ends in .conllu/.conll.")
+@shared("format", "columns", "limit", "max-length", "batch-size", "device", "dtype", "backend", batch_size=16)
+@click.option("--min-count", default=10, show_default=True, type=click.IntRange(min=1),
+              help="Relations with fewer scored dependencies are left out of the table and heatmap (not the CSV).")
+@click.option("--relation", default=None, help="Heatmap of this relation [default: each head's best relation].")
+@click.option("--train-fraction", default=0.5, show_default=True, type=click.FloatRange(0, 1, min_open=True,
+                                                                                         max_open=True),
+              help="Share of sentences the attention-only probe is trained on (UAS on the rest).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the train/test split.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing probe run in --out.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@cli_errors
+def probe(corpus, out, model_path, parser, fmt, columns, limit, max_length, batch_size, device, dtype, backend,
+          min_count, relation, train_fraction, seed, overwrite, quiet):
+    """Which heads track syntax: per head and dependency relation, accuracy against the parses of CORPUS.
+
+    Clark et al. 2019, Sec. 4-5: how often the most-attended other word is the gold head (dependent->head)
+    or the dependent (head->dep), against the best fixed-offset baseline; and an attention-only logistic
+    probe's UAS. With --parser spacy, the corpus is read as `attnkit extract` reads it; each line or text
+    column value is one text, both sides of a pair are parsed separately. See docs/probes.md."""
+    from ..probe.run import ProbeOptions, run_probe
+
+    run_probe(ProbeOptions(paths=list(corpus), out=out, model_path=model_path, parser=parser, fmt=fmt,
+                           columns=columns, limit=limit, max_length=max_length, batch_size=batch_size, device=device,
+                           dtype=dtype, backend=backend, min_count=min_count, relation=relation,
+                           train_fraction=train_fraction, seed=seed, overwrite=overwrite, quiet=quiet),
+              echo=echo_for())
+
+
+__all__ = ["probe"]

@@ -1,0 +1,253 @@
+"""Comparing the attention of two models head by head (Kovaleva et al. 2019, Sec. 5; defined in docs/compare.md).
+
+For each layer ℓ and head h, over the same tokenised corpus, with A and B the two models' softmax weights:
+
+    row cosine  = mean over valid query rows s of  cos(A[s, :], B[s, :])
+    map cosine  = mean over samples of  Σ A·B / sqrt(Σ A² · Σ B²)   (the whole n × n map flattened, as
+                  Kovaleva et al. compare "flattened arrays of attention weights")
+
+Both come from per-(sample, head) sums that `similarity_sums` computes from each layer's q and k, one block
+of query rows at a time (one row block × L per head, never an L × L map of the whole batch): Σ_s cos, Σ A·B,
+Σ A², Σ B². Models A and B run one after the other on the same batch; `PairedCollector` keeps model A's q
+and k per layer (the Runtime observer hook) until model B's forward reaches that layer. Each head's feature
+shift is B's corpus-mean features minus A's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import AttnkitError
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows, feature_names
+from ..models import attention_modules, check_max_length, observing, resolve_model
+from ..run.files import COMPARE_JSON, COMPARE_NPZ, FIGURES_DIR
+from ..run.head_features import FeatureAccumulator
+from ..run.outputs import atomic_write, ensure_writable_dir, write_json
+from ..tokens import Batch, Encoder
+from .forward import default_batch_size, forward_features, measuring
+from .plan import DEFAULT_WINDOW, plan_batches
+
+SUM_NAMES = ("row_cos", "ab", "aa", "bb")
+
+
+def _weights_block(q_blk, k, lengths, scaling):
+    scores = torch.matmul(q_blk.float(), k.float().transpose(-1, -2)) * float(scaling)
+    valid_key = torch.arange(k.shape[2], device=k.device)[None, :] < lengths[:, None]  # B×L
+    return torch.softmax(scores.masked_fill(~valid_key[:, None, None, :], float("-inf")), dim=-1)
+
+
+def similarity_sums(q_a, k_a, q_b, k_b, lengths, scaling_a: float, scaling_b: float, *,
+                    max_elems: int = 1 << 22) -> dict[str, torch.Tensor]:
+    """Per (sample, head) sums over the valid query rows s < n_b of one layer of two models:
+    "row_cos" Σ_s cos(A[s,:], B[s,:]), "ab" Σ_s Σ_t A·B, "aa" Σ A², "bb" Σ B² (each B × H, float64, CPU).
+
+    q_*, k_*: B × H × L × D (D may differ between the models); lengths: B valid tokens per sample. Rows are
+    processed in blocks so at most about `max_elems` weights per model exist at once (the pure-PyTorch
+    reference of this computation)."""
+    for name, t in (("q_a", q_a), ("k_a", k_a), ("q_b", q_b), ("k_b", k_b)):
+        if t.dim() != 4:
+            raise AttnkitError(f"{name} must be B×H×L×D, got shape {tuple(t.shape)}")
+    if q_a.shape[:3] != q_b.shape[:3] or k_a.shape[:3] != q_a.shape[:3] or k_b.shape[:3] != q_b.shape[:3]:
+        raise AttnkitError(f"the two models' q/k disagree in batch, heads or length: {tuple(q_a.shape)}, "
+                           f"{tuple(k_a.shape)}, {tuple(q_b.shape)}, {tuple(k_b.shape)}")
+    B, H, L, _ = q_a.shape
+    lengths = torch.as_tensor(lengths, device=q_a.device).long()
+    if lengths.shape != (B,) or (B and (int(lengths.min()) < 1 or int(lengths.max()) > L)):
+        raise AttnkitError(f"lengths must be {B} values in [1, {L}]")
+    q_b, k_b = q_b.to(q_a.device), k_b.to(q_a.device)
+    out = {n: torch.zeros(B, H, dtype=torch.float64, device=q_a.device) for n in SUM_NAMES}
+    rows = max(1, min(L, max_elems // max(1, B * H * L)))
+    for s0 in range(0, L, rows):
+        s1 = min(L, s0 + rows)
+        a = _weights_block(q_a[:, :, s0:s1], k_a, lengths, scaling_a)  # B×H×r×L
+        b = _weights_block(q_b[:, :, s0:s1], k_b, lengths, scaling_b)
+        valid_row = (torch.arange(s0, s1, device=q_a.device)[None, :] < lengths[:, None])[:, None, :]  # B×1×r
+        ab, aa, bb = (a * b).sum(-1), (a * a).sum(-1), (b * b).sum(-1)  # B×H×r
+        cos = ab / torch.sqrt(aa * bb).clamp_min(1e-30)
+        for name, v in (("row_cos", cos), ("ab", ab), ("aa", aa), ("bb", bb)):
+            out[name] += torch.where(valid_row, v, torch.zeros_like(v)).sum(-1, dtype=torch.float64)
+    return {n: v.cpu() for n, v in out.items()}
+
+
+class PairedCollector:
+    """Runtime observers for two models run one after the other on the same batch.
+
+    Attach `observe_a` to model A's runtime and `observe_b` to model B's; per batch, call model A's forward,
+    then model B's. A's q and k are kept per layer until B reaches the same layer (memory: one batch's q and
+    k of every layer of model A). Sums accumulate per layer × head (float64)."""
+
+    def __init__(self, n_layers: int, n_heads: int, *, max_elems: int = 1 << 22):
+        self.n_layers, self.n_heads, self.max_elems = int(n_layers), int(n_heads), max_elems
+        self.row_cos = np.zeros((n_layers, n_heads))
+        self.map_cos = np.zeros((n_layers, n_heads))
+        self.n_rows = 0
+        self.n_samples = 0
+        self._a: dict = {}
+        self._done_b: set = set()
+
+    def observe_a(self, layer, query, key, lengths, scaling) -> None:
+        self._a[int(layer)] = (query.detach(), key.detach(), lengths.detach().long(),
+                               query.shape[-1] ** -0.5 if scaling is None else float(scaling))
+
+    def observe_b(self, layer, query, key, lengths, scaling) -> None:
+        layer = int(layer)
+        if layer not in self._a:
+            raise AttnkitError(f"model B reached layer {layer} before model A did on this batch")
+        qa, ka, la, sa = self._a.pop(layer)
+        if not torch.equal(la.cpu(), lengths.long().cpu()):
+            raise AttnkitError("the two models saw different token counts for the same batch")
+        sb = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        with torch.no_grad():
+            s = similarity_sums(qa, ka, query.detach(), key.detach(), la, sa, sb, max_elems=self.max_elems)
+        self.row_cos[layer] += s["row_cos"].sum(0).numpy()
+        self.map_cos[layer] += (s["ab"] / torch.sqrt(s["aa"] * s["bb"]).clamp_min(1e-300)).sum(0).numpy()
+        self._done_b.add(layer)
+        if len(self._done_b) == self.n_layers:
+            self.n_rows += int(la.sum())
+            self.n_samples += int(la.shape[0])
+            self._done_b = set()
+
+    def check_complete(self) -> None:
+        if self._a or self._done_b:
+            raise AttnkitError(f"a batch stopped part way: layers {sorted(self._a)} of model A were never "
+                               f"compared with model B")
+
+
+@dataclass
+class ModelComparison:
+    """Per-head similarity of two models' attention over one corpus, and each head's feature shift."""
+
+    row_cosine: np.ndarray  # layers × heads: mean over query rows of cos(A[s,:], B[s,:])
+    map_cosine: np.ndarray  # layers × heads: mean over samples of the flattened-map cosine
+    features_a: object  # HeadFeatures of model A
+    features_b: object
+    n_rows: int
+    n_samples: int
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def shift(self) -> np.ndarray:
+        """layers × heads × F: model B's mean features minus model A's."""
+        return self.features_b.mean - self.features_a.mean
+
+    def to_dict(self, top: int = 10) -> dict:
+        names = list(self.features_a.names)
+        L, H = self.row_cosine.shape
+        order = np.argsort(self.row_cosine, axis=None)[:top]
+        shift = self.shift
+        return {
+            "version": 1, **self.meta, "n_samples": int(self.n_samples), "n_rows": int(self.n_rows),
+            "n_layers": int(L), "n_heads": int(H),
+            "row_cosine": np.round(self.row_cosine, 6).tolist(),
+            "map_cosine": np.round(self.map_cosine, 6).tolist(),
+            "per_layer": {"row_cosine": [float(x) for x in self.row_cosine.mean(1)],
+                          "map_cosine": [float(x) for x in self.map_cosine.mean(1)]},
+            "most_changed": [{"layer": int(i // H), "head": int(i % H),
+                              "row_cosine": float(self.row_cosine.flat[i]),
+                              "shift": {n: round(float(shift[i // H, i % H, j]), 6) for j, n in enumerate(names)
+                                        if n in ("cls", "sep", "prev", "next", "self", "entropy", "intra")}}
+                             for i in order],
+            "feature_shift": {n: np.round(shift[..., j], 6).tolist() for j, n in enumerate(names)},
+        }
+
+    def save(self, directory, *, svg: bool = True) -> Path:
+        """Write COMPARE_JSON, COMPARE_NPZ and figures/compare_models.png (and .svg) into `directory`."""
+        from ..plotting import save_figure
+
+        directory = ensure_writable_dir(directory, "output directory")
+        write_json(directory / COMPARE_JSON, self.to_dict())
+        atomic_write(directory / COMPARE_NPZ, lambda f: np.savez(
+            f, row_cosine=self.row_cosine, map_cosine=self.map_cosine, mean_a=self.features_a.mean,
+            mean_b=self.features_b.mean, shift=self.shift, names=np.array(self.features_a.names),
+            n_rows=np.int64(self.n_rows), n_samples=np.int64(self.n_samples)))
+        save_figure(cosine_heatmap(self.row_cosine, self.meta), directory / FIGURES_DIR, "compare_models", svg=svg)
+        return directory / COMPARE_JSON
+
+
+def _short(name) -> str:
+    """The last two components of a model path (enough to tell models apart in a title)."""
+    parts = Path(str(name)).parts
+    return "/".join(parts[-2:]) if len(parts) > 1 else str(name)
+
+
+def cosine_heatmap(cos: np.ndarray, meta: dict | None = None):
+    """Layer × head heatmap of the mean row cosine (Kovaleva et al. Fig. 5 analogue)."""
+    from ..plotting import head_grid, plt
+
+    L, H = cos.shape
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * H + 2), max(2.5, 0.4 * L + 1.2)))
+    head_grid(ax, cos, labels=[[f"{v:.2f}" for v in row] for row in cos], vmin=min(0.0, float(np.nanmin(cos))),
+              vmax=1.0, fontsize=6, dark_below=0.6, colorbar={"fraction": 0.046, "pad": 0.04})
+    meta = meta or {}
+    ax.set_title(f"mean cosine of attention rows: {_short(meta.get('model_b', 'B'))} vs "
+                 f"{_short(meta.get('model_a', 'A'))}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _check_pair(model_a, tok_a, model_b, tok_b):
+    if model_a is model_b:
+        raise AttnkitError("model A and model B are the same object: load or copy the second model")
+    la, lb = len(attention_modules(model_a)), len(attention_modules(model_b))
+    ha, hb = model_a.config.num_attention_heads, model_b.config.num_attention_heads
+    if (la, ha) != (lb, hb):
+        raise AttnkitError(f"the models differ in shape: {la} × {ha} heads vs {lb} × {hb}; heads can only be "
+                           f"compared between models of the same architecture")
+    if tok_a.get_vocab() != tok_b.get_vocab():
+        raise AttnkitError("the two models' tokenizers have different vocabularies: they would not see the same "
+                           "tokens")
+    return la, ha
+
+
+def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=None, max_length: int = DEFAULT_MAX_LENGTH,
+                   batch_size: int | None = None, num_windows: int = DEFAULT_NUM_WINDOWS, split_sentences: bool = False,
+                   backend: str = "auto", device=None, window: int = DEFAULT_WINDOW, max_elems: int = 1 << 22,
+                   progress: bool = False) -> ModelComparison:
+    """Compare `model_a` and `model_b` (None/path/(model, tokenizer) as in `attnkit.extract`) on `texts`
+    (an iterable of str or (str, str)), tokenised once with model A's tokenizer."""
+    check_num_windows(num_windows)
+    model_a, tok_a = resolve_model(model_a, tokenizer_a, device)
+    model_b, tok_b = resolve_model(model_b, tokenizer_b, device)
+    L, H = _check_pair(model_a, tok_a, model_b, tok_b)
+    for m in (model_a, model_b):
+        check_max_length(m, max_length)
+    dev_a, dev_b = next(model_a.parameters()).device, next(model_b.parameters()).device
+    batch_size = batch_size or default_batch_size(dev_a)
+    names = feature_names(num_windows)
+    acc_a, acc_b = FeatureAccumulator(L, H, names), FeatureAccumulator(L, H, names)
+    coll = PairedCollector(L, H, max_elems=max_elems)
+    encoder = Encoder(tok_a, max_length=max_length, split_sentences=split_sentences)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(unit="seg", desc="compare-models", dynamic_ncols=True)
+    with measuring(model_a, backend=backend, num_windows=num_windows) as rt_a, \
+            measuring(model_b, backend=backend, num_windows=num_windows) as rt_b, \
+            observing(rt_a, [coll.observe_a]), observing(rt_b, [coll.observe_b]):
+        for pb in plan_batches(texts, batch_size, window):
+            batch = Batch.from_arrays(encoder.encode_arrays(pb.segments))
+            fa = forward_features(model_a, batch.to(dev_a), rt_a)
+            fb = forward_features(model_b, batch.to(dev_b), rt_b)
+            coll.check_complete()
+            acc_a.update(fa.numpy(), batch.n_tokens)
+            acc_b.update(fb.numpy(), batch.n_tokens)
+            if bar is not None:
+                bar.update(len(pb.segments))
+    if bar is not None:
+        bar.close()
+    if coll.n_samples == 0:
+        raise AttnkitError("no texts to compare")
+    meta = {"model_a": getattr(model_a.config, "_name_or_path", "") or "A",
+            "model_b": getattr(model_b.config, "_name_or_path", "") or "B", "max_length": max_length,
+            "num_windows": num_windows}
+    fa_, fb_ = acc_a.result(meta), acc_b.result(meta)
+    return ModelComparison(coll.row_cos / coll.n_rows, coll.map_cos / coll.n_samples, fa_, fb_, coll.n_rows,
+                           coll.n_samples, meta)
+
+
+__all__ = ["similarity_sums", "PairedCollector", "ModelComparison", "compare_models", "cosine_heatmap",
+           "COMPARE_JSON", "COMPARE_NPZ"]

@@ -1,0 +1,117 @@
+"""`attnkit distances RUN` as a job: the Jensen-Shannon divergences between all heads of a run's model, over the
+run's corpus (read again, checked to be the same bytes), on this machine or on a Ray cluster, saved to
+RUN/distances.npz (docs/analysis.md; the file: docs/files.md, "distances.npz").
+
+The job reports stage messages through `echo(text, err=False)` and returns what the command line prints.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..corpus import corpus_of_run
+from ..errors import AttnkitError, arg, print_message
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS
+from ..models import attention_modules, load_model
+from ..run.distances import HeadDistances
+from ..run.head_features import HeadFeatures
+from ..run.locking import run_lock
+from ..run.outputs import os_errors
+from .distances import check_smoothing, collect_distances
+from .extract import ExtractSettings
+from .extract_job import ENGINES
+from .local import default_workers
+
+
+@dataclass
+class DistancesOptions:
+    """Everything `attnkit distances` takes (its options, by their Python names)."""
+
+    run: Path
+    corpus: Path | None = None
+    fmt: str = "auto"
+    squad_pairs: bool = False
+    columns: tuple | None = None
+    limit: int | None = None
+    rows_per_sample: int | None = None
+    batch_size: int | None = None
+    device: str | None = None
+    seed: int = 0
+    smooth: float = 0.0
+    engine: str = "local"
+    ray_address: str | None = None
+    quiet: bool = False
+
+
+def _check_shape(run, meta: dict, n_layers: int, n_heads: int) -> None:
+    want = (meta.get("n_layers", n_layers), meta.get("n_heads", n_heads))
+    if (n_layers, n_heads) != want:
+        raise AttnkitError(f"the model has {n_layers} × {n_heads} heads but {run} was measured "
+                           f"with {want[0]} × {want[1]}")
+
+
+def run_distances_job(opts: DistancesOptions,
+                      echo: Callable[..., None] = print_message) -> tuple[HeadDistances, int, Path]:
+    """Measure and save the distances of `opts.run`; returns (the distances, the segments measured, the path
+    written)."""
+    from .ray import check_ray_address
+
+    if opts.engine not in ENGINES:
+        raise AttnkitError(f"unknown {arg('engine')} {opts.engine!r}: use local or ray")
+    check_ray_address(opts.engine, opts.ray_address)
+    check_smoothing(opts.smooth)
+    if opts.smooth and opts.engine == "ray":
+        raise AttnkitError(f"{arg('smooth')} runs on the local engine only (the Ray pipeline sums unsmoothed "
+                           "divergences)")
+
+    def say(text: str) -> None:
+        if not opts.quiet:
+            echo(text, err=True)
+
+    run = Path(opts.run)
+    command = "attnkit distances" + (" --engine ray" if opts.engine == "ray" else "")
+    with run_lock(run, command), os_errors(f"write into {run}"):
+        meta = HeadFeatures.load(run).meta
+        texts = corpus_of_run(run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs, columns=opts.columns,
+                              limit=opts.limit)
+        max_length = int(meta.get("max_length", DEFAULT_MAX_LENGTH))
+        num_windows = int(meta.get("num_windows", DEFAULT_NUM_WINDOWS))
+        if opts.engine == "ray":
+            dist, n_samples = _on_ray(run, meta, texts, opts, max_length, num_windows, say)
+        else:
+            say(f"attnkit distances: loading the model of {run}")
+            model = load_model(meta.get("model") or None, device=opts.device)
+            _check_shape(run, meta, len(attention_modules(model[0])), int(model[0].config.num_attention_heads))
+            say(f"attnkit distances: {texts.summary()}; "
+                f"{len(attention_modules(model[0])) * model[0].config.num_attention_heads} heads")
+            workers = default_workers(next(model[0].parameters()).device.type)
+            feats, dist = collect_distances(texts, model, workers=workers, rows_per_sample=opts.rows_per_sample,
+                                            seed=opts.seed, smoothing=opts.smooth, max_length=max_length,
+                                            batch_size=opts.batch_size, num_windows=num_windows,
+                                            progress=not opts.quiet)
+            n_samples = feats.n_samples
+        path = dist.save(run)
+        if opts.engine == "ray":
+            from ..run.shards import remove_shards
+
+            remove_shards(run, "distances")
+    return dist, n_samples, path
+
+
+def _on_ray(run, meta, texts, opts: DistancesOptions, max_length: int, num_windows: int, say):
+    """The same sums, measured by model actors on a Ray cluster; resumable by shards (RUN/distance-shards)."""
+    from .ray import run_ray_distances
+
+    settings = {"corpus_sha256": texts.fingerprint(), "model": meta.get("model"), "max_length": max_length,
+                "batch_size": opts.batch_size, "rows_per_sample": opts.rows_per_sample, "seed": opts.seed}
+    say(f"attnkit distances (ray): {texts.summary()}")
+    dist, info = run_ray_distances(
+        texts, ExtractSettings(max_length=max_length, batch_size=opts.batch_size, num_windows=num_windows),
+        run_dir=run, run_settings=settings, rows_per_sample=opts.rows_per_sample, seed=opts.seed,
+        model_path=meta.get("model") or None, address=opts.ray_address, progress=not opts.quiet)
+    _check_shape(run, meta, dist.n_layers, dist.n_heads)
+    return dist, info["n_samples"]
+
+
+__all__ = ["DistancesOptions", "run_distances_job"]

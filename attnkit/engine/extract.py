@@ -1,0 +1,243 @@
+"""Corpus → batches → instrumented forward passes → feature sums → `HeadFeatures`.
+
+`extract()` is the Python entry point (a stable interface: see README.md). `run_extraction()` is the loop
+it shares with the `attnkit extract` job (attnkit/engine/extract_job.py), which adds checkpoints so an
+interrupted run resumes where it stopped. What decides the numbers is one `ExtractSettings`; the plan of
+batches is attnkit/engine/plan.py, the engine that runs them attnkit/engine/local.py (docs/pipeline.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from ..errors import AttnkitError, arg, check_int
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows, feature_names
+from ..models import attention_modules, check_max_length, observing, resolve_model
+from ..ops import BACKENDS, backend_label, resolve_backend
+from ..run.head_features import FeatureAccumulator, HeadFeatures
+from ..tokens import Encoder, Segment
+from .devices import parse_devices, replicate
+from .forward import default_batch_size, device_forward, measuring
+from .local import BatchResult, run_pipeline
+from .plan import DEFAULT_WINDOW, check_plan_settings, plan_batches
+
+
+@dataclass(frozen=True)
+class ExtractSettings:
+    """What decides the numbers of an extraction: the samples (`max_length`, `split_sentences`), the plan of
+    batches (`batch_size`, `window`: docs/pipeline.md) and the features (`num_windows`, `backend`).
+    `batch_size` None: `default_batch_size` of the device."""
+
+    max_length: int = DEFAULT_MAX_LENGTH
+    batch_size: int | None = None
+    window: int = DEFAULT_WINDOW
+    num_windows: int = DEFAULT_NUM_WINDOWS
+    split_sentences: bool = False
+    backend: str = "auto"
+
+    def check(self) -> ExtractSettings:
+        """Refuse settings no model could run, naming the argument (the model's own limits are checked by
+        `check_max_length`)."""
+        check_int(self.max_length, "max_length", minimum=2)
+        check_plan_settings(1 if self.batch_size is None else self.batch_size, self.window)
+        check_num_windows(self.num_windows)
+        if self.backend not in BACKENDS:
+            raise AttnkitError(f"unknown {arg('backend')} {self.backend!r}: use 'auto', 'fused' or 'reference'")
+        return self
+
+    def for_device(self, device) -> ExtractSettings:
+        """These settings with the batch size resolved for `device`."""
+        if self.batch_size is not None:
+            return self
+        return ExtractSettings(**{**asdict(self), "batch_size": default_batch_size(device)})
+
+
+@dataclass
+class ExtractionState:
+    """Where an extraction stands: the sums so far, the number of planned segments measured (the next one to
+    measure), and how many of them were truncated. A resumed extraction starts from a saved one."""
+
+    accumulator: FeatureAccumulator
+    next_index: int = 0
+    n_truncated: int = 0
+    runners: list = field(default_factory=list, repr=False)  # the local engine's device threads, for rates
+
+    def add(self, res: BatchResult) -> None:
+        self.accumulator.update(res.features, res.n_tokens)
+        self.n_truncated += res.n_truncated
+        self.next_index = res.planned.end
+
+
+class _ProgressBar:
+    """The tqdm bar of an extraction: segments, tokens/s (per replica when there are several), truncations."""
+
+    def __init__(self, total: int | None, initial: int, tokens0: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="seg", desc="extract", dynamic_ncols=True)
+        self.t0, self.tokens0 = time.perf_counter(), tokens0
+
+    def update(self, state: ExtractionState, res: BatchResult) -> None:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        text = f"tok/s={(state.accumulator.n_tokens - self.tokens0) / dt:,.0f}"
+        if len(state.runners) > 1:  # each replica's share: "cuda:0 6,100 | cuda:1 6,245"
+            text += " (" + " | ".join(f"{r.label} {r.tokens / dt:,.0f}" for r in state.runners) + ")"
+        self.bar.set_postfix_str(text + f", truncated={state.n_truncated}", refresh=False)
+        self.bar.update(len(res.planned.segments))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def check_replicas(models: Sequence) -> None:
+    """Replicas must be the same model (same config and weights shape) on their own devices."""
+    first = models[0]
+    for m in models[1:]:
+        if type(m) is not type(first) or m.config.to_dict() != first.config.to_dict():
+            raise AttnkitError("all model replicas must be the same model")
+        attention_modules(m)
+
+
+def run_extraction(
+    model,
+    tokenizer,
+    segments: Iterable[Segment],
+    settings: ExtractSettings | None = None,
+    *,
+    replicas: Sequence = (),
+    workers: int = 0,
+    prefetch: int | None = None,
+    observers: Sequence[Callable] = (),
+    resume: ExtractionState | None = None,
+    on_batch: Callable[[ExtractionState, BatchResult], None] | None = None,
+    progress: bool = False,
+    total: int | None = None,
+) -> ExtractionState:
+    """Measure `segments` (any iterable: it is streamed) under `settings`; returns the final state.
+
+    The plan (attnkit/engine/plan.py) sorts by length within windows of `settings.window` segments.
+    `replicas` are more instrumented copies of `model` on other devices; `workers` tokenisation processes run
+    ahead of the model (at most `prefetch` tasks in flight). `resume` continues a saved state: its sums, after
+    its first `next_index` segments of the plan. `on_batch(state, result)` runs after every batch, in plan
+    order (checkpoints hook in here; `result` holds the batch's per-sample features, input positions and
+    token counts before truncation). `observers` are attached to the runtime for the run (each gets (layer,
+    query, key, lengths, scaling) per layer and forward, e.g. attnkit.engine.distances.DistanceCollector;
+    one device only). `settings` None: the defaults.
+    """
+    settings = (settings or ExtractSettings()).check()
+    check_int(workers, "workers", minimum=0)
+    check_max_length(model, settings.max_length)
+    models = [model, *replicas]
+    check_replicas(models)
+    if observers and len(models) > 1:
+        raise AttnkitError("observers (e.g. distance collectors) run on one device only")
+    settings = settings.for_device(next(model.parameters()).device)
+    for m in models:
+        resolve_backend(settings.backend, next(m.parameters()).device)  # fail early on an unavailable backend
+    names = feature_names(settings.num_windows)
+    shape = (len(attention_modules(model)), model.config.num_attention_heads)
+    state = resume or ExtractionState(FeatureAccumulator(*shape, names))
+    if state.accumulator.names != names or state.accumulator.sum.shape[:2] != shape:
+        raise AttnkitError("the accumulated features belong to another model or feature set")
+    encoder = Encoder(tokenizer, max_length=settings.max_length, split_sentences=settings.split_sentences)
+    if total is None and hasattr(segments, "__len__"):
+        total = len(segments)
+    planned = plan_batches(segments, settings.batch_size, settings.window, skip_segments=state.next_index)
+    bar = _ProgressBar(total, state.next_index, state.accumulator.n_tokens) if progress else None
+
+    def deliver(res: BatchResult) -> None:
+        state.add(res)
+        if on_batch is not None:
+            on_batch(state, res)
+        if bar is not None:
+            bar.update(state, res)
+
+    def running(runners) -> None:
+        state.runners = runners
+
+    with contextlib.ExitStack() as stack:
+        for m in models:
+            stack.enter_context(measuring(m, backend=settings.backend, num_windows=settings.num_windows))
+        stack.enter_context(observing(model, observers))
+        if bar is not None:
+            stack.callback(bar.close)
+        run_pipeline(models, encoder, planned, device_forward, workers=workers, prefetch=prefetch,
+                     on_result=deliver, on_progress=running)
+    return state
+
+
+def _check_texts(texts) -> list:
+    if isinstance(texts, (str, bytes)):
+        raise AttnkitError(f"{arg('texts')} must be a list of strings or (str, str) pairs, not a single string")
+    texts = list(texts)
+    if not texts:
+        raise AttnkitError("no texts to measure")
+    for j, t in enumerate(texts):
+        if not (isinstance(t, str) or (isinstance(t, (tuple, list)) and len(t) == 2
+                                       and all(isinstance(x, str) for x in t))):
+            raise AttnkitError(f"{arg('texts')}[{j}] is neither a string nor a pair of strings: {t!r:.80}")
+    return texts
+
+
+def extract(
+    texts: Sequence[Segment],
+    model=None,
+    *,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    batch_size: int | None = None,
+    device=None,
+    dtype=None,
+    num_windows: int = DEFAULT_NUM_WINDOWS,
+    backend: str = "auto",
+    split_sentences: bool = False,
+    tokenizer=None,
+    progress: bool = False,
+    observers: Sequence[Callable] = (),
+    workers: int = 0,
+    devices=None,
+    window: int = DEFAULT_WINDOW,
+) -> HeadFeatures:
+    """Per-head features of `texts` (a list of str or of (str, str) pairs, or an attnkit.corpus.Corpus, which
+    is streamed) under `model`.
+
+    `model`: None for the embedded MiniLM, a local path, or a (model, tokenizer) pair.
+    `backend`: "reference" (pure PyTorch), "fused" (the compiled op), "auto" (fused when loaded).
+    `observers`: callables (layer, query, key, lengths, scaling) attached for the run (see `Runtime`).
+    `workers`: tokenisation processes running ahead of the model (0: tokenise on this thread).
+    `devices`: "all", "cuda:0,cuda:1", "cpu,cpu" or a list: one model replica per entry (default: `device`).
+    `window`: segments sorted by length together (attnkit/engine/plan.py); the numbers do not depend on it
+    beyond float64 rounding, only padding does.
+    """
+    from ..corpus import Corpus
+
+    if not isinstance(texts, Corpus):  # a Corpus streams (and checks) its own segments
+        texts = _check_texts(texts)
+    settings = ExtractSettings(max_length=max_length, batch_size=batch_size, window=window, num_windows=num_windows,
+                               split_sentences=split_sentences, backend=backend).check()
+    devs = None
+    if devices is not None:
+        devs = parse_devices(",".join(map(str, devices)) if isinstance(devices, (list, tuple)) else devices)
+        device = device if device is not None else devs[0]
+    model, tokenizer = resolve_model(model, tokenizer, device, dtype)
+    replicas = replicate(model, devs)[1:] if devs is not None else []
+    state = run_extraction(model, tokenizer, texts, settings, replicas=replicas, workers=workers,
+                           observers=observers, progress=progress)
+    dev = next(model.parameters()).device
+    meta = {
+        "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        "model_type": model.config.model_type,
+        "max_length": max_length,
+        "num_windows": num_windows,
+        "split_sentences": split_sentences,
+        "n_truncated": state.n_truncated,
+        "backend": backend_label(backend, dev),
+        "device": str(dev),
+        "devices": [str(dev)] + [str(next(r.parameters()).device) for r in replicas],
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+    }
+    return state.accumulator.result(meta)
+
+
+__all__ = ["ExtractSettings", "ExtractionState", "check_replicas", "extract", "run_extraction"]

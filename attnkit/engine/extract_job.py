@@ -1,0 +1,379 @@
+"""`attnkit extract` as a job on a run directory: settings, lock, checkpoints, resume, the finished run.
+
+The command line (attnkit/cli/extract.py) parses options into an `ExtractOptions`; `run_extract_job` does the
+rest: refuse bad input before any work, hold the run directory's lock, measure on the chosen engine (one
+machine: attnkit/engine/local.py; many machines: attnkit/engine/ray/), checkpoint as it goes, and write the
+finished run. It reports through `echo(text, err=False)` (messages name arguments with `attnkit.errors.arg`,
+which the command line spells as its options) and never exits the process: an interruption ends in
+`Interrupted`, after the checkpoint is saved.
+
+Settings that change the numbers (model, inputs and their content hashes, plan, dtype, backend, device type,
+engine) are stored in every checkpoint; a resume continues only under the same settings, explicit or resolved
+from defaults (docs/files.md, "meta.json").
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import AttnkitError, arg, print_message
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, feature_names
+from ..models import attention_modules, check_max_length, default_model_path, load_model, max_positions
+from ..ops import backend_label
+from ..run.locking import remove_if_only_lock, run_lock
+from ..run.outputs import ensure_writable_dir
+from ..run.per_sample import PerSampleWriter
+from ..run.rundir import RunDir
+from ..run.versions import versions
+from .devices import parse_devices, replicate
+from .extract import ExtractionState, ExtractSettings, run_extraction
+from .forward import default_batch_size
+from .local import BatchResult, default_workers
+from .plan import DEFAULT_WINDOW
+
+CHECKPOINT_SECONDS = 120.0  # also checkpoint at least this often, whatever checkpoint_every says
+TRUNCATION_WARN_SHARE = 0.10
+ENGINES = ("local", "ray")
+
+
+@dataclass
+class ExtractOptions:
+    """Everything `attnkit extract` takes (its options, by their Python names)."""
+
+    paths: list = field(default_factory=list)
+    model_path: str | None = None
+    fmt: str = "auto"
+    text_unit: str = "auto"
+    columns: tuple | None = None
+    squad_pairs: bool = False
+    max_length: int = DEFAULT_MAX_LENGTH
+    batch_size: int | None = None
+    window: int = DEFAULT_WINDOW
+    device: str | None = None
+    devices: str | None = None
+    dtype: str = "float32"
+    num_windows: int = DEFAULT_NUM_WINDOWS
+    sentences: bool = False
+    limit: int | None = None
+    backend: str = "auto"
+    workers: int | None = None
+    engine: str = "local"
+    ray_address: str | None = None
+    out: Path = Path("attnkit-run")
+    resume: bool = False
+    overwrite: bool = False
+    checkpoint_every: int = 20
+    quiet: bool = False
+    per_sample: bool = False
+
+    def extract_settings(self, batch_size: int | None) -> ExtractSettings:
+        return ExtractSettings(max_length=self.max_length, batch_size=batch_size, window=self.window,
+                               num_windows=self.num_windows, split_sentences=self.sentences, backend=self.backend)
+
+
+class Interrupted(KeyboardInterrupt):
+    """The job was interrupted (Ctrl-C, SIGTERM). `saved_after`: the segments the checkpoint it saved holds
+    (None: it stopped before the first batch finished, and saved nothing)."""
+
+    def __init__(self, saved_after: int | None):
+        super().__init__(saved_after)
+        self.saved_after = saved_after
+
+
+def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_message) -> None:
+    """Run `attnkit extract` with `opts` (see the module docstring)."""
+    from ..corpus import open_corpus
+    from .ray import check_ray_address
+
+    if opts.resume and opts.overwrite:
+        raise AttnkitError(f"{arg('resume')} and {arg('overwrite')} contradict each other: choose one")
+    if opts.device and opts.devices:
+        raise AttnkitError(f"give {arg('device')} or {arg('devices')}, not both")
+    if opts.engine not in ENGINES:
+        raise AttnkitError(f"unknown {arg('engine')} {opts.engine!r}: use local or ray")
+    check_ray_address(opts.engine, opts.ray_address)
+    run = RunDir(opts.out)
+    if not opts.resume:
+        run.check_new(opts.overwrite)
+    created = not run.path.exists()
+    ensure_writable_dir(run.path, "run directory")  # before any work: not after an hour of extraction
+    try:
+        corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
+                             squad_pairs=opts.squad_pairs, limit=opts.limit)
+        if opts.resume and any(s.path == "-" for s in corpus.sources):
+            raise AttnkitError("cannot resume a run that reads standard input (it cannot be read again to check "
+                               "it is the same): save the input to a file and extract from the file")
+        job = _RayJob(opts, run, corpus, echo) if opts.engine == "ray" else _LocalJob(opts, run, corpus, echo)
+        job.run()
+    except BaseException:
+        if created:  # leave nothing behind for a run that never got anywhere
+            remove_if_only_lock(run.path)
+        raise
+
+
+class _Job:
+    """What both engines share: the settings a run is resumed under, and writing the finished run."""
+
+    engine = "?"
+
+    def __init__(self, opts: ExtractOptions, run: RunDir, corpus, echo):
+        self.opts, self.run_dir, self.corpus, self.echo = opts, run, corpus, echo
+        self.devices = parse_devices(opts.devices or opts.device) if opts.engine == "local" else None
+        model_name = str(opts.model_path) if opts.model_path else default_model_path()
+        self.settings = {
+            "model": str(Path(model_name).resolve()) if Path(model_name).exists() else model_name,
+            "inputs": [{k: v for k, v in d.items() if k not in ("n_segments", "sha256")} for d in corpus.describe()],
+            "corpus_sha256": corpus.fingerprint(),
+            # how to read the same corpus again (attnkit distances / report use it)
+            "reading": {"paths": [s.path if s.path == "-" else str(Path(s.path).resolve()) for s in corpus.sources],
+                        "format": opts.fmt, "text_unit": opts.text_unit,
+                        "columns": list(opts.columns) if opts.columns else None, "squad_pairs": opts.squad_pairs},
+            "limit": opts.limit,
+            "max_length": opts.max_length,
+            "batch_size": None,
+            "window": opts.window,
+            "dtype": opts.dtype,
+            "num_windows": opts.num_windows,
+            "split_sentences": opts.sentences,
+            "backend": None,
+            "device_type": None,
+            "engine": opts.engine,
+            "per_sample": opts.per_sample,
+        }
+
+    def say(self, text: str) -> None:
+        """A stage message on stderr (unless quiet)."""
+        if not self.opts.quiet:
+            self.echo(text, err=True)
+
+    def resume_finished(self) -> None:
+        """A resume of a finished run has nothing to do (when its settings are these)."""
+        self.run_dir.check_settings(self.run_dir.finished_settings(), self.settings)
+        self.echo(f"{self.opts.out} is already complete; nothing to resume.")
+
+    def finish(self, acc, n_truncated: int, elapsed: float, engine_info: dict, model_type: str, *,
+               lengths: LengthHistogram | None = None, limit: int | None = None,
+               writer: PerSampleWriter | None = None) -> None:
+        """Write features.npz and meta.json (and close the per-sample file), and say what was measured."""
+        opts, inputs = self.opts, self.corpus.describe()
+        meta = {
+            "status": "complete",
+            "model": self.settings["model"],
+            "model_type": model_type,
+            "inputs": inputs,
+            "corpus": ", ".join(d["path"] for d in inputs),
+            "n_segments": acc.n_samples,
+            "max_length": opts.max_length,
+            "num_windows": opts.num_windows,
+            "n_truncated": n_truncated,
+            "backend": self.settings["backend"],
+            **engine_info,
+            "settings": self.settings,
+            "feature_names": acc.names,
+            "versions": versions(),
+            "elapsed_s": round(elapsed, 3),
+        }
+        features = acc.result(meta)
+        self.run_dir.finish(features, fresh=not opts.resume)  # removes a replaced run's per_sample.npy: close after
+        if writer is not None:
+            writer.close()
+        tok_s = acc.n_tokens / elapsed if elapsed > 0 and not opts.resume else None
+        self.echo(f"measured {features.n_samples} samples, {features.n_tokens} tokens "
+                  f"({n_truncated} truncated to {opts.max_length} tokens) in {elapsed:.1f}s"
+                  + (f" ({tok_s:,.0f} tokens/s)" if tok_s else "") + f"; wrote {opts.out}/features.npz, meta.json")
+        share = n_truncated / max(features.n_samples, 1)
+        if share > TRUNCATION_WARN_SHARE:
+            hint = ""
+            q95 = lengths.quantile(0.95) if lengths is not None else None
+            if q95:
+                hint = (f"; {arg('max_length')} {q95} would cover 95% of segments" if limit is None or q95 <= limit
+                        else f"; 95% of segments fit in {q95} tokens, beyond the model's {limit} positions")
+            self.echo(f"warning: {share:.0%} of segments were longer than {arg('max_length')} {opts.max_length} "
+                      f"and were truncated{hint}", err=True)
+
+
+class _LocalJob(_Job):
+    """This machine's devices, with checkpoints in RUN/checkpoint.npz."""
+
+    def __init__(self, opts, run, corpus, echo):
+        super().__init__(opts, run, corpus, echo)
+        self.batch_size = opts.batch_size or default_batch_size(self.devices[0])
+        self.settings.update(batch_size=self.batch_size, backend=backend_label(opts.backend, self.devices[0]),
+                             device_type=self.devices[0].type)
+
+    def run(self) -> None:
+        opts = self.opts
+        model, tokenizer = load_model(opts.model_path, device=self.devices[0], dtype=opts.dtype)
+        check_max_length(model, opts.max_length)
+        models = replicate(model, self.devices)
+        workers = default_workers(self.devices[0].type) if opts.workers is None else opts.workers
+        with run_lock(self.run_dir.path, "attnkit extract"):
+            state, lengths = None, None
+            if opts.resume:
+                if not self.run_dir.has_checkpoint() and self.run_dir.is_finished():
+                    self.resume_finished()
+                    return
+                acc, start, n_truncated, lengths = self.run_dir.load_checkpoint(self.settings)
+                state = ExtractionState(acc, start, n_truncated)
+            else:
+                self.run_dir.check_new(opts.overwrite)  # again, under the lock: another run may have finished
+            start = state.next_index if state else 0
+            self.say("attnkit extract: " + self.corpus.summary())
+            self.say(f"model {model.config.model_type} ({len(attention_modules(model))} layers × "
+                     f"{model.config.num_attention_heads} heads), backend {self.settings['backend']}, devices "
+                     f"{', '.join(str(next(m.parameters()).device) for m in models)}, {workers} tokenisation "
+                     f"worker(s), batch size {self.batch_size}"
+                     + (f"; resuming after segment {start}" if start else ""))
+            writer = None
+            if opts.per_sample:
+                writer = PerSampleWriter(self.run_dir.path, len(attention_modules(model)),
+                                         model.config.num_attention_heads, feature_names(opts.num_windows),
+                                         resume_after=start if opts.resume else None)
+            checkpoints = Checkpoints(self.run_dir, self.settings, opts.checkpoint_every, LengthHistogram(lengths),
+                                      writer)
+            t0 = time.perf_counter()
+            with checkpoints.on_interrupt(state):
+                state = run_extraction(models[0], tokenizer, self.corpus, opts.extract_settings(self.batch_size),
+                                       replicas=models[1:], workers=workers, resume=state,
+                                       on_batch=checkpoints.after_batch, progress=not opts.quiet)
+            self.finish(state.accumulator, state.n_truncated, time.perf_counter() - t0,
+                        {"engine": "local", "workers": workers,
+                         "devices": [str(next(m.parameters()).device) for m in models]},
+                        model.config.model_type, lengths=checkpoints.lengths, limit=max_positions(model),
+                        writer=writer)
+
+
+class _RayJob(_Job):
+    """A Ray cluster; resume is by shards (RUN/shards/): a rerun with the same settings, with or without resume,
+    measures only the shards that are not finished."""
+
+    def __init__(self, opts, run, corpus, echo):
+        if opts.per_sample:
+            raise AttnkitError(f"{arg('per_sample')} is written by the local engine only (drop {arg('engine')} ray)")
+        if opts.workers is not None:
+            raise AttnkitError(f"{arg('workers')} sets this machine's tokenisation processes; with "
+                               f"{arg('engine', 'ray')} the cluster tokenises in Ray Data tasks")
+        if opts.device or opts.devices:
+            raise AttnkitError(f"{arg('device')}/{arg('devices')} choose devices of this machine; with "
+                               f"{arg('engine', 'ray')} every actor uses one GPU of the cluster (or CPUs where it "
+                               "has none)")
+        super().__init__(opts, run, corpus, echo)
+        # the cluster, not this machine, decides the device and (by default) the batch size
+        self.settings.update(batch_size=opts.batch_size, backend=opts.backend, device_type="ray cluster")
+
+    def run(self) -> None:
+        from transformers import AutoConfig
+
+        from ..run.shards import remove_shards, shard_dir
+        from .ray import run_ray_extraction
+
+        opts, run = self.opts, self.run_dir
+        with run_lock(run.path, "attnkit extract --engine ray"):
+            if opts.overwrite:
+                remove_shards(run.path)
+            elif not opts.resume:
+                run.check_new(False)
+                if shard_dir(run.path).is_dir() and any(shard_dir(run.path).iterdir()):
+                    raise AttnkitError(f"{run.path} holds the shards of an unfinished Ray run: continue it with "
+                                       f"{arg('resume', True)}, or start over with {arg('overwrite', True)}")
+            elif run.is_finished() and not shard_dir(run.path).is_dir():
+                self.resume_finished()
+                return
+            self.say("attnkit extract (ray): " + self.corpus.summary())
+            t0 = time.perf_counter()
+            acc, n_truncated, info = run_ray_extraction(
+                self.corpus, opts.extract_settings(opts.batch_size), run_dir=run.path, run_settings=self.settings,
+                model_path=opts.model_path, dtype=opts.dtype, address=opts.ray_address, progress=not opts.quiet)
+            elapsed = time.perf_counter() - t0
+            model_type = AutoConfig.from_pretrained(opts.model_path or default_model_path()).model_type
+            self.finish(acc, n_truncated, elapsed, dict(info, model_type=model_type), model_type)
+            remove_shards(run.path)  # their sums are in features.npz now
+
+
+class LengthHistogram:
+    """Token counts of segments before truncation, to suggest a max_length that covers most of them."""
+
+    def __init__(self, counts: np.ndarray | None = None):
+        self.counts = np.zeros(0, dtype=np.int64) if counts is None else np.asarray(counts, dtype=np.int64)
+
+    def add(self, full_lengths: np.ndarray) -> None:
+        c = np.bincount(np.asarray(full_lengths, dtype=np.int64))
+        if c.size > self.counts.size:
+            c[:self.counts.size] += self.counts
+            self.counts = c
+        else:
+            self.counts[:c.size] += c
+
+    def quantile(self, q: float) -> int | None:
+        total = int(self.counts.sum())
+        if total == 0:
+            return None
+        return int(np.searchsorted(np.cumsum(self.counts), math.ceil(q * total)))
+
+
+class Checkpoints:
+    """The local job's checkpoints: after every `every` batches (and at least every CHECKPOINT_SECONDS) the
+    state is saved to RUN/checkpoint.npz, with the token-length histogram; per-sample rows are flushed to disk
+    first, so a checkpoint never counts rows that are not written. On an interruption or an error the last
+    state is saved too."""
+
+    def __init__(self, run: RunDir, settings: dict, every: int, lengths: LengthHistogram,
+                 writer: PerSampleWriter | None):
+        self.run, self.settings, self.every, self.lengths, self.writer = run, settings, every, lengths, writer
+        self.state: ExtractionState | None = None
+        self.batches = 0
+        self.saved_at = time.monotonic()
+
+    def save(self, state: ExtractionState) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+        self.run.save_checkpoint(state.accumulator, state.next_index, state.n_truncated, self.settings,
+                                 lengths=self.lengths.counts)
+        self.saved_at = time.monotonic()
+
+    def after_batch(self, state: ExtractionState, res: BatchResult) -> None:
+        self.state = state
+        if self.writer is not None:
+            self.writer.add(res.planned.positions, res.features)
+        if res.full_lengths is not None:
+            self.lengths.add(res.full_lengths)
+        self.batches += 1
+        if self.batches % self.every == 0 or time.monotonic() - self.saved_at > CHECKPOINT_SECONDS:
+            self.save(state)
+
+    @contextlib.contextmanager
+    def on_interrupt(self, start: ExtractionState | None):
+        """Around the run: SIGTERM acts as Ctrl-C; an interruption or an AttnkitError saves a checkpoint of what
+        was measured since `start` and ends in `Interrupted`, or in the error naming the checkpoint."""
+        first = start.next_index if start else 0
+
+        def on_term(signum, frame):
+            raise KeyboardInterrupt
+
+        old_term = signal.signal(signal.SIGTERM, on_term)
+        try:
+            yield
+        except (KeyboardInterrupt, AttnkitError) as exc:
+            saved = self.state is not None and self.state.next_index > first
+            if saved:
+                self.save(self.state)
+            if self.writer is not None:
+                self.writer.abandon()
+            if isinstance(exc, AttnkitError):
+                if saved:
+                    raise AttnkitError(f"{exc.template} (checkpoint saved after {self.state.next_index} "
+                                       "segments)") from None
+                raise
+            raise Interrupted(self.state.next_index if saved else None) from None
+        finally:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+__all__ = ["ENGINES", "ExtractOptions", "Interrupted", "run_extract_job"]

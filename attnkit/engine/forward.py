@@ -1,0 +1,62 @@
+"""One forward of an instrumented model that measures: the runtime switched to recording features, and the
+per-layer features stacked into B × layers × heads × F (`observing`, from attnkit.models, attaches observers).
+
+Every engine measures through `forward_features` inside `measuring` (the local loop, its device threads, the
+Ray model actors, the comparison of two models), so a batch gives the same numbers whichever engine ran it.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..errors import AttnkitError
+from ..features import DEFAULT_NUM_WINDOWS
+from ..models import attention_modules, runtime_of
+
+DEFAULT_BATCH_SIZE = {"cpu": 16, "cuda": 64}
+
+
+def default_batch_size(device) -> int:
+    """Samples per batch when none is given: 64 on a GPU, 16 on the CPU."""
+    return DEFAULT_BATCH_SIZE["cuda" if torch.device(device).type == "cuda" else "cpu"]
+
+
+@contextlib.contextmanager
+def measuring(model, *, backend: str = "auto", num_windows: int = DEFAULT_NUM_WINDOWS):
+    """Inside the block, forwards of `model` record per-layer features into its runtime."""
+    rt = runtime_of(model)
+    saved = (rt.backend, rt.num_windows, rt.want_features)
+    rt.backend, rt.num_windows, rt.want_features = backend, num_windows, True
+    try:
+        yield rt
+    finally:
+        rt.backend, rt.num_windows, rt.want_features = saved
+        rt.batch = None
+        rt.features = {}
+
+
+def forward_features(model, batch, rt=None, *, to_cpu: bool = True) -> torch.Tensor:
+    """One forward of `batch` (already on the model's device); returns B × layers × heads × F (on the CPU
+    unless `to_cpu` is false)."""
+    rt = rt or runtime_of(model)
+    rt.features = {}
+    try:
+        with rt.batch_of(batch), torch.inference_mode():
+            model(**batch.inputs)
+        n_layers = len(attention_modules(model))
+        missing = [i for i in range(n_layers) if i not in rt.features]
+        if missing:
+            raise AttnkitError(f"layers {missing} produced no features: their attention bypassed attnkit")
+        feats = torch.stack([rt.features[i] for i in range(n_layers)], dim=1)
+        return feats.cpu() if to_cpu else feats
+    finally:
+        rt.features = {}
+
+
+def device_forward(model, batch) -> torch.Tensor:
+    """`forward_features` left on the device (what the device threads of the local engine run)."""
+    return forward_features(model, batch, to_cpu=False)
+
+
+__all__ = ["DEFAULT_BATCH_SIZE", "default_batch_size", "device_forward", "forward_features", "measuring"]

@@ -1,0 +1,300 @@
+"""One machine's extraction pipeline: planned batches → tokenisation workers → model replicas → results in order.
+
+    planned batches ──► TokenizerPool (worker processes, at most `prefetch` batches in flight)
+                    ──► one DeviceRunner thread per model replica (pinned memory, non-blocking copies)
+                    ──► results put back in plan order on the calling thread
+
+Tokenisation runs ahead of the model in worker processes, so a fast device is not left waiting for the
+tokenizer. Each replica runs in its own thread (the heavy work releases the GIL). Results reach the caller in
+plan order whatever device finished first, so sums and checkpoints are exactly those of the plain loop.
+With `workers=0` and one replica this is the plain loop: tokenise, forward, repeat, on the calling thread.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import AttnkitError, check_int
+from ..tokens import Batch, EncodedArrays, Encoder
+from .devices import device_labels
+from .plan import PlannedBatch
+
+
+def default_workers(device_type: str = "cuda") -> int:
+    """Tokenisation workers when none are asked for. GPUs outrun one tokenizer by far: the cores not needed to
+    drive them, at most 8. A CPU model needs the cores itself, and tokenising costs a few percent of its
+    time: one worker per four cores (at least one)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if device_type == "cpu":
+        return max(1, n // 4)
+    return max(0, min(8, n - 1))
+
+
+# --- tokenisation in worker processes ---------------------------------------------------------------------
+_worker_encoder: Encoder | None = None
+
+
+def _die_with_parent(parent: int) -> None:
+    """A worker must not outlive its run: a parent killed by SIGKILL cannot shut the pool down, and a forked
+    worker still holds the ends of its own task queue, so it would wait forever. Linux: ask the kernel to
+    kill us with the parent; elsewhere: a thread that watches the parent."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent:  # died before prctl took effect
+            os._exit(1)
+        return
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="attnkit-parent-watch", daemon=True).start()
+
+
+def _init_worker(tokenizer, max_length: int, split_sentences: bool, parent: int) -> None:
+    global _worker_encoder
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it saves a checkpoint)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker_encoder = Encoder(tokenizer, max_length=max_length, split_sentences=split_sentences)
+
+
+def _encode_in_worker(batches: list) -> list:
+    return [_worker_encoder.encode_arrays(segments) for segments in batches]
+
+
+def _mp_context():
+    """fork on Linux, as PyTorch's DataLoader does: workers start at once and need no `if __name__ ==
+    "__main__"` guard in the user's script. The pool is made before any device thread starts, and a worker
+    runs only the tokenizer (no torch operation, so no thread pool inherited in a forked state is touched).
+    Elsewhere spawn (macOS, Windows: scripts need the guard there, as with DataLoader)."""
+    if sys.platform.startswith("linux"):
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
+
+@contextlib.contextmanager
+def _worker_errors(pb: PlannedBatch):
+    """A dead worker or a failure inside one becomes a one-line AttnkitError naming the batch."""
+    try:
+        yield
+    except BrokenProcessPool:
+        raise AttnkitError("a tokenisation worker process died (killed, or out of memory)") from None
+    except AttnkitError:
+        raise
+    except Exception as exc:
+        raise AttnkitError(f"tokenising batch {pb.index} failed in a worker: {type(exc).__name__}: {exc}") from None
+
+
+class TokenizerPool:
+    """Tokenise planned batches in `workers` processes, in order, with at most `prefetch` tasks of `group`
+    batches in flight. `workers=0` tokenises on the calling thread. A task carries several batches because each
+    round trip to a worker costs the parent process CPU time (pickling, thread wake-ups) that a small batch
+    would pay alone."""
+
+    def __init__(self, encoder: Encoder, workers: int, prefetch: int | None = None, group: int = 4):
+        check_int(workers, "workers", minimum=0)
+        self.encoder = encoder
+        self.workers = workers
+        self.group = max(1, group)
+        self.prefetch = prefetch or max(2, 3 * workers)
+        self._executor: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> TokenizerPool:
+        if self.workers:
+            enc = self.encoder
+            with warnings.catch_warnings():  # Python >= 3.12 warns about fork in a threaded process
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self._executor = ProcessPoolExecutor(
+                    self.workers, mp_context=_mp_context(), initializer=_init_worker,
+                    initargs=(enc.tokenizer, enc.max_length, enc.split_sentences, os.getpid()))
+            # start every worker now, before any device thread exists (fork copies only this thread)
+            self._executor.submit(int).result()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        ex, self._executor = self._executor, None
+        if ex is None:
+            return
+        procs = list(getattr(ex, "_processes", {}).values())
+        ex.shutdown(wait=False, cancel_futures=True)
+        for p in procs:  # a worker stuck in a long batch must not keep the run from ending
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+
+    def map(self, planned: Iterable[PlannedBatch]) -> Iterator[tuple[PlannedBatch, EncodedArrays]]:
+        if self._executor is None:
+            for pb in planned:
+                yield pb, self.encoder.encode_arrays(pb.segments)
+            return
+        pending: collections.deque = collections.deque()  # (planned batches, future of their arrays)
+        it = iter(planned)
+        exhausted = False
+        while True:
+            while not exhausted and len(pending) < self.prefetch:
+                task = list(itertools.islice(it, self.group))
+                if not task:
+                    exhausted = True
+                    break
+                with _worker_errors(task[0]):
+                    pending.append((task, self._executor.submit(_encode_in_worker, [pb.segments for pb in task])))
+            if not pending:
+                return
+            task, fut = pending.popleft()
+            with _worker_errors(task[0]):
+                arrays = fut.result()
+            yield from zip(task, arrays)
+
+
+# --- model replicas -----------------------------------------------------------------------------------------
+@dataclass
+class BatchResult:
+    planned: PlannedBatch
+    features: np.ndarray  # B × layers × heads × F, float32
+    n_tokens: int
+    n_truncated: int
+    device: str
+    full_lengths: np.ndarray | None = None
+
+
+class DeviceRunner(threading.Thread):
+    """Runs one model replica: takes (planned, arrays) from `inbox`, puts `BatchResult`s (or an exception) in
+    `outbox`. On CUDA, a batch's features are copied back while the next forward is already queued."""
+
+    def __init__(self, name: str, model, forward: Callable, inbox: queue.Queue, outbox: queue.Queue):
+        super().__init__(name=f"attnkit-{name}", daemon=True)
+        self.label = name
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.forward = forward  # (model, batch on device) -> B×layers×heads×F tensor on the device
+        self.inbox, self.outbox = inbox, outbox
+        self.tokens = 0
+        self.busy_s = 0.0
+
+    def run(self) -> None:
+        cuda = self.device.type == "cuda"
+        pending = None  # (planned, features on host, event, arrays)
+        try:
+            if cuda:
+                torch.cuda.set_device(self.device)
+            while True:
+                item = self.inbox.get()
+                if item is None:
+                    break
+                planned, arrays = item
+                t0 = time.perf_counter()
+                batch = Batch.from_arrays(arrays)
+                if cuda:
+                    batch = batch.pin_memory().to(self.device, non_blocking=True)
+                    feats = self.forward(self.model, batch)
+                    host = torch.empty(feats.shape, dtype=feats.dtype, pin_memory=True)
+                    host.copy_(feats, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                    if pending is not None:
+                        self._deliver(*pending)
+                    pending = (planned, host, event, arrays)
+                else:
+                    feats = self.forward(self.model, batch.to(self.device))
+                    self._deliver(planned, feats, None, arrays)
+                self.busy_s += time.perf_counter() - t0
+            if pending is not None:
+                self._deliver(*pending)
+        except BaseException as exc:  # reported to the caller, which stops the run with a checkpoint
+            self.outbox.put(exc)
+
+    def _deliver(self, planned, feats, event, arrays: EncodedArrays) -> None:
+        if event is not None:
+            event.synchronize()
+        self.tokens += arrays.n_tokens
+        self.outbox.put(BatchResult(planned, feats.numpy(), arrays.n_tokens, arrays.n_truncated, self.label,
+                                    arrays.full_lengths))
+
+
+def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBatch], forward: Callable, *,
+                 workers: int = 0, prefetch: int | None = None,
+                 on_result: Callable[[BatchResult], None], on_progress: Callable[[list], None] | None = None) -> None:
+    """Measure every planned batch on the replicas in `models`; `on_result` sees the results in plan order."""
+    if not models:
+        raise AttnkitError("no model replica to run")
+    labels = device_labels([next(m.parameters()).device for m in models])
+    with TokenizerPool(encoder, workers, prefetch) as pool:
+        encoded = pool.map(planned)
+        if len(models) == 1 and workers == 0:  # the plain loop, on this thread
+            dev = next(models[0].parameters()).device
+            for pb, arrays in encoded:
+                batch = Batch.from_arrays(arrays).to(dev)
+                feats = forward(models[0], batch).cpu()
+                on_result(BatchResult(pb, feats.numpy(), arrays.n_tokens, arrays.n_truncated, labels[0],
+                                      arrays.full_lengths))
+            return
+        # every batch the workers may hold can also wait for a device: the workers are never held back by a
+        # full device queue, and a device never waits while tokenised batches sit in a finished task
+        _run_threaded(models, labels, encoded, forward, pool.prefetch * pool.group + 2 * len(models), on_result,
+                      on_progress)
+
+
+def _run_threaded(models, labels, encoded, forward, max_in_flight, on_result, on_progress) -> None:
+    inbox: queue.Queue = queue.Queue()
+    outbox: queue.Queue = queue.Queue()
+    runners = [DeviceRunner(lab, m, forward, inbox, outbox) for lab, m in zip(labels, models)]
+    for r in runners:
+        r.start()
+    order: collections.deque = collections.deque()  # dispatched batch indices, in plan order
+    done: dict = {}
+    exhausted = False
+    try:
+        while True:
+            while not exhausted and len(order) < max_in_flight:
+                item = next(encoded, None)
+                if item is None:
+                    exhausted = True
+                    break
+                order.append(item[0].index)
+                inbox.put(item)
+            if not order:
+                break
+            res = outbox.get()
+            if isinstance(res, BaseException):
+                if isinstance(res, AttnkitError):
+                    raise res
+                raise AttnkitError(f"the model on one device failed: {type(res).__name__}: {res}") from res
+            done[res.planned.index] = res
+            while order and order[0] in done:
+                on_result(done.pop(order.popleft()))
+            if on_progress is not None:
+                on_progress(runners)
+    finally:
+        with contextlib.suppress(queue.Empty):
+            while True:
+                inbox.get_nowait()
+        for _ in runners:
+            inbox.put(None)
+        for r in runners:
+            r.join(timeout=60)

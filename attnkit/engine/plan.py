@@ -1,0 +1,106 @@
+"""Segments → planned batches: length-sorted inside bounded windows of the input stream.
+
+A global sort by length wastes the least padding but needs the whole corpus in memory. Instead the stream is
+cut into consecutive windows of `window` segments; each window is sorted longest first (by characters, stable)
+and cut into batches. Memory is bounded by one window, and padding stays close to a global sort once a window
+holds a few thousand segments (bench/pipeline.py measures it).
+
+The plan is a pure function of the segment stream, `batch_size` and `window`: every engine (the in-process
+loop, tokenisation workers, several devices, Ray) measures exactly the same batches, so per-sample features —
+and therefore the sums — agree, and a resumed run continues at a batch boundary of the same plan. A window is
+also the unit of work and of resume for the Ray engine (a "shard", attnkit/engine/ray/).
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from ..errors import AttnkitError, arg, check_int
+from ..tokens import Segment
+
+DEFAULT_WINDOW = 4096
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    """One batch of the plan. `index` counts batches from the start of the run, `start` counts the segments
+    planned before it, `window` is the window (shard) it was cut from."""
+
+    index: int
+    start: int
+    window: int
+    segments: list
+    positions: tuple = ()  # where each segment stands in the input stream (0-based)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.segments)
+
+
+def segment_chars(segment: Segment) -> int:
+    return len(segment) if isinstance(segment, str) else sum(len(x) for x in segment)
+
+
+def check_plan_settings(batch_size: int, window: int) -> None:
+    """Refuse a batch size or window that is not a positive integer."""
+    check_int(batch_size, "batch_size")
+    check_int(window, "window")
+
+
+def windows(segments: Iterable[Segment], window: int) -> Iterator[list]:
+    """Consecutive cuts of `window` segments (the last one may be shorter)."""
+    it = iter(segments)
+    while True:
+        chunk = list(itertools.islice(it, window))
+        if not chunk:
+            return
+        yield chunk
+
+
+def window_order(segments: list) -> list[int]:
+    """Positions of a window's segments, longest first (stable)."""
+    return sorted(range(len(segments)), key=lambda i: -segment_chars(segments[i]))
+
+
+def batches_of_window(segments: list, batch_size: int) -> list[list]:
+    """A window's segments longest first (stable), cut into batches of `batch_size`."""
+    ordered = [segments[i] for i in window_order(segments)]
+    return [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+def plan_window(segments: list, batch_size: int, *, window_index: int, first_batch: int,
+                start: int) -> list[PlannedBatch]:
+    """The planned batches of one window whose first batch is number `first_batch` and whose first segment is
+    number `start` of the plan (and of the input stream: windows are consecutive cuts of it)."""
+    order = window_order(segments)
+    out = []
+    for i in range(0, len(order), batch_size):
+        idx = order[i:i + batch_size]
+        out.append(PlannedBatch(first_batch + len(out), start + i, window_index, [segments[j] for j in idx],
+                                tuple(start + j for j in idx)))
+    return out
+
+
+def plan_batches(segments: Iterable[Segment], batch_size: int, window: int = DEFAULT_WINDOW, *,
+                 skip_segments: int = 0) -> Iterator[PlannedBatch]:
+    """Yield the plan's batches in order, leaving out the first `skip_segments` segments of the plan (a resume
+    point, which must fall on a batch boundary of this plan)."""
+    check_plan_settings(batch_size, window)
+    n_batches = n_segments = 0
+    for w, chunk in enumerate(windows(segments, window)):
+        if n_segments + len(chunk) <= skip_segments:  # a window that was finished before: skip it unsorted
+            n_batches += -(-len(chunk) // batch_size)
+            n_segments += len(chunk)
+            continue
+        for pb in plan_window(chunk, batch_size, window_index=w, first_batch=n_batches, start=n_segments):
+            if pb.start < skip_segments:
+                if pb.end > skip_segments:
+                    raise AttnkitError(f"resume point {skip_segments} is not a batch boundary of this plan "
+                                       f"(was {arg('batch_size')} or {arg('window')} changed?)")
+                continue
+            yield pb
+        n_batches += -(-len(chunk) // batch_size)
+        n_segments += len(chunk)
+    if skip_segments > n_segments:
+        raise AttnkitError(f"resume point {skip_segments} lies past the end of the corpus ({n_segments} segments)")

@@ -1,0 +1,90 @@
+"""The Ray session of a run: importing Ray (an optional extra), joining or starting a cluster, the resources
+of the model actors, and the one check that a Ray address goes with the Ray engine."""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from ...errors import AttnkitError, arg, check_int
+
+INSTALL_HINT = "pip install 'attnkit[distributed]'"
+
+
+def import_ray():
+    """`ray` with Ray Data, or an AttnkitError saying how to install it."""
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise AttnkitError(f"the ray engine needs Ray Data, which is not installed: {INSTALL_HINT}") from None
+    return ray
+
+
+def check_ray_address(engine: str, address: str | None) -> None:
+    """A Ray address is for the Ray engine only."""
+    if address and engine != "ray":
+        raise AttnkitError(f"{arg('ray_address')} needs {arg('engine', 'ray')}")
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None):
+    """Yield a label of the cluster in use. An already initialised Ray is used as it is (and left running);
+    otherwise `address=None` starts a local cluster and anything else connects to one ("auto",
+    "host:6379", "ray://host:10001"); both are shut down at the end."""
+    ray = import_ray()
+    if ray.is_initialized():
+        yield address or "connected"
+        return
+    kwargs = {"logging_level": logging.ERROR}
+    try:
+        if address is None:
+            ray.init(include_dashboard=False, **kwargs)
+        else:
+            ray.init(address=address, **kwargs)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        where = f"the Ray cluster at {address!r}" if address else "a local Ray cluster"
+        raise AttnkitError(f"could not start or reach {where}: {first}") from None
+    try:
+        yield address or "local"
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def quiet_ray_data(ray):
+    """Ray Data announces every execution, and draws progress bars of its own: the driver shows its own."""
+    logger = logging.getLogger("ray.data")
+    ctx = ray.data.DataContext.get_current()
+    saved = (logger.level, ctx.enable_progress_bars, ctx.print_on_execution_start)
+    logger.setLevel(logging.ERROR)
+    ctx.enable_progress_bars, ctx.print_on_execution_start = False, False
+    try:
+        yield
+    finally:
+        logger.setLevel(saved[0])
+        ctx.enable_progress_bars, ctx.print_on_execution_start = saved[1:]
+
+
+def plan_actors(ray, num_actors: int | None, cpus_per_actor: int) -> tuple[int, dict]:
+    """How many model actors, and the resources of each: one GPU (and `cpus_per_actor` CPUs) each when the
+    cluster has GPUs, else `cpus_per_actor` CPUs each, leaving CPUs for the tokenisation tasks."""
+    res = ray.cluster_resources()
+    gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 0))
+    if num_actors is not None:
+        check_int(num_actors, "num_actors")
+    check_int(cpus_per_actor, "cpus_per_actor")
+    if gpus:
+        return (num_actors or gpus), {"num_gpus": 1, "num_cpus": cpus_per_actor}
+    spare = cpus - cpus_per_actor
+    if spare < 1:
+        raise AttnkitError(f"the Ray cluster has {cpus} CPU(s) and no GPU: a model actor of {cpus_per_actor} "
+                           "CPU(s) would leave none for tokenisation")
+    n = num_actors or max(1, (cpus - max(1, cpus // 8)) // cpus_per_actor)
+    if n * cpus_per_actor > cpus - 1:
+        raise AttnkitError(f"{n} CPU model actors of {cpus_per_actor} CPU(s) would take every CPU of the cluster "
+                           f"({cpus}), leaving none for tokenisation: use at most {spare // cpus_per_actor}")
+    return n, {"num_cpus": cpus_per_actor}
+
+
+__all__ = ["INSTALL_HINT", "check_ray_address", "import_ray", "plan_actors", "quiet_ray_data", "ray_session"]

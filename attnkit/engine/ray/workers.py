@@ -1,0 +1,125 @@
+"""What runs on the Ray cluster: the tokenisation stage (one attnkit Encoder per worker process, built on first
+use) and the model actor (the instrumented model; per planned batch, its feature or distance sums).
+
+Threads: on CPU, the per-sample numbers of a forward can depend on torch's intra-op thread count (a batch of
+one MiniLM sample differs by ~1e-7 between 1 and 2 threads, BLAS blocking thin matmuls differently), so a model
+actor runs torch with exactly the CPUs it holds and equals the in-process loop run with that many threads.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import AttnkitError
+
+# Each model actor writes its pid to a file in this directory when it starts (for tests and operators that
+# want to find the processes, e.g. to check fault tolerance by killing one).
+PID_DIR_ENV = "ATTNKIT_RAY_PID_DIR"
+
+_encoders: dict = {}  # (model path, max_length, split_sentences) -> the Encoder of this worker process
+
+
+def worker_encoder(model_path: str | None, max_length: int, split_sentences: bool):
+    """The attnkit Encoder of this worker process (built on first use, then reused by every batch)."""
+    key = (model_path, max_length, split_sentences)
+    if key not in _encoders:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        from transformers import AutoTokenizer
+
+        from ...models import default_model_path
+        from ...tokens import Encoder
+
+        path = model_path or default_model_path()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as exc:
+            raise AttnkitError(f"could not load the tokenizer of {path!r} on a Ray worker: {exc}") from None
+        _encoders[key] = Encoder(tokenizer, max_length=max_length, split_sentences=split_sentences)
+    return _encoders[key]
+
+
+def tokenise(rows: dict, *, model_path, max_length, split_sentences) -> dict:
+    """Ray Data stage: planned batches (segments as JSON) → pickled `EncodedArrays`."""
+    enc = worker_encoder(model_path, max_length, split_sentences)
+    encoded = [pickle.dumps(enc.encode_arrays(json.loads(str(s))), protocol=5) for s in rows["segments"]]
+    return {"shard": rows["shard"], "batch": rows["batch"], "n_segments": rows["n_segments"],
+            "encoded": np.array(encoded, dtype=object)}
+
+
+class ModelActor:
+    """Ray Data stage held by each actor of the pool: the instrumented model; per batch, its sums."""
+
+    def __init__(self, *, kind, model_path, dtype, max_length, backend, num_windows, rows_per_sample, seed,
+                 threads, pid_dir=None):
+        import torch
+
+        torch.set_num_threads(threads)  # the CPUs the actor holds (see the module docstring)
+
+        from ...models import attention_modules, check_max_length, load_model
+        from ...ops import resolve_backend
+
+        with contextlib.suppress(Exception):
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+            hf_logging.set_verbosity_error()
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+        self.model, _ = load_model(model_path, device=device, dtype=dtype)
+        check_max_length(self.model, max_length)
+        resolve_backend(backend, device)
+        self.device = next(self.model.parameters()).device
+        self.kind, self.backend, self.num_windows = kind, backend, num_windows
+        self.rows_per_sample, self.seed = rows_per_sample, seed
+        self.n_layers = len(attention_modules(self.model))
+        self.n_heads = self.model.config.num_attention_heads
+        if pid_dir:
+            Path(pid_dir).mkdir(parents=True, exist_ok=True)
+            (Path(pid_dir) / f"{os.getpid()}.pid").write_text(str(os.getpid()))
+
+    def __call__(self, rows: dict) -> dict:
+        out: dict = {"shard": rows["shard"], "batch": rows["batch"], "n_segments": rows["n_segments"]}
+        per_row = [self._measure(pickle.loads(e), int(b)) for e, b in zip(rows["encoded"], rows["batch"])]
+        for key in per_row[0]:
+            out[key] = np.stack([r[key] for r in per_row])
+        return out
+
+    def _collector(self, batch_index: int):
+        """A distance collector whose row sample depends on nothing but (seed, batch index)."""
+        import torch
+
+        from ..distances import DistanceCollector
+
+        collector = DistanceCollector(self.n_layers, rows_per_sample=self.rows_per_sample)
+        if self.rows_per_sample is not None:
+            seed = int(np.random.SeedSequence([self.seed, batch_index]).generate_state(1)[0])
+            collector.generator = torch.Generator().manual_seed(seed)
+        return collector
+
+    def _measure(self, arrays, batch_index: int) -> dict:
+        from ...models import observing
+        from ...run.head_features import batch_moments
+        from ...tokens import Batch
+        from ..forward import forward_features, measuring
+
+        batch = Batch.from_arrays(arrays).to(self.device)
+        collector = self._collector(batch_index) if self.kind == "distances" else None
+        with measuring(self.model, backend=self.backend, num_windows=self.num_windows) as rt, \
+                observing(rt, [collector] if collector is not None else []):
+            feats = forward_features(self.model, batch, rt).numpy()
+        common = {"n_samples": np.int64(feats.shape[0]), "n_tokens": np.int64(arrays.n_tokens),
+                  "n_truncated": np.int64(arrays.n_truncated)}
+        if collector is not None:
+            res = collector.result()
+            return {"js": res.total, "n_rows": np.int64(res.n_rows), "n_layers": np.int64(self.n_layers),
+                    "n_heads": np.int64(self.n_heads), **common}
+        _, total, m2 = batch_moments(feats)  # what FeatureAccumulator.update computes of a batch
+        return {"sum": total, "m2": m2, **common}
+
+
+__all__ = ["PID_DIR_ENV", "ModelActor", "tokenise", "worker_encoder"]

@@ -1,0 +1,68 @@
+"""RUN/distances.npz: Jensen-Shannon divergence sums between every pair of heads (docs/files.md, "distances.npz";
+the measure: docs/analysis.md). Written by `attnkit distances` (attnkit/engine/distances.py collects them)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import AttnkitError
+from .files import DISTANCES_FILE
+from .outputs import atomic_write, ensure_writable_dir
+from .schemas import DISTANCES_ARRAYS, load_npz
+
+
+class HeadDistances:
+    """Jensen-Shannon divergence sums between heads (M×M, M = n_layers·n_heads), rows counted, and settings
+    (`meta["smoothing"]`: ε of the smoothing applied before the divergence, 0 for none)."""
+
+    def __init__(self, total: np.ndarray, n_rows: int, n_layers: int, n_heads: int, meta: dict | None = None):
+        total = np.asarray(total, dtype=np.float64)
+        if total.shape != (n_layers * n_heads,) * 2:
+            raise AttnkitError(f"distance matrix {total.shape} does not fit {n_layers} layers × {n_heads} heads")
+        self.total, self.n_rows, self.n_layers, self.n_heads = total, int(n_rows), int(n_layers), int(n_heads)
+        self.meta = dict(meta or {})
+
+    @property
+    def per_token(self) -> np.ndarray:
+        """Mean JS divergence per query token (between 0 and ln 2)."""
+        return self.total / max(self.n_rows, 1)
+
+    def labels(self) -> list[str]:
+        return [f"L{l}H{h}" for l in range(self.n_layers) for h in range(self.n_heads)]
+
+    def save(self, directory) -> Path:
+        directory = ensure_writable_dir(directory, "run directory")
+        atomic_write(directory / DISTANCES_FILE, lambda f: np.savez(
+            f, total=self.total, per_token=self.per_token, n_rows=np.int64(self.n_rows),
+            n_layers=np.int64(self.n_layers), n_heads=np.int64(self.n_heads),
+            rows_per_sample=np.int64(-1 if self.meta.get("rows_per_sample") is None else self.meta["rows_per_sample"]),
+            smoothing=np.float64(self.meta.get("smoothing", 0.0)), measure=np.array("jensen-shannon divergence")))
+        return directory / DISTANCES_FILE
+
+    @classmethod
+    def load(cls, directory, shape: tuple[int, int] | None = None) -> HeadDistances:
+        """Read RUN/distances.npz, checked against `attnkit.run.schemas.DISTANCES_ARRAYS` (and against the
+        run's (n_layers, n_heads) when `shape` is given)."""
+        path = Path(directory) / DISTANCES_FILE
+        arrays = load_npz(path, DISTANCES_ARRAYS,
+                          missing="collect distances first (attnkit distances RUN --corpus ...)")
+        L, H, n_rows = int(arrays["n_layers"]), int(arrays["n_heads"]), int(arrays["n_rows"])
+        total = arrays["total"].astype(np.float64)
+        if L < 1 or H < 1 or n_rows < 0:
+            raise AttnkitError(f"{path}: n_layers {L}, n_heads {H}, n_rows {n_rows} are impossible")
+        if total.shape != (L * H, L * H):
+            raise AttnkitError(f"{path}: array 'total' has shape {total.shape}, but {L} layers × {H} heads "
+                               f"need {L * H} × {L * H}")
+        if shape is not None and (L, H) != tuple(shape):
+            raise AttnkitError(f"{path} covers {L} layers × {H} heads, but the run has {shape[0]} × {shape[1]}: "
+                               f"re-run `attnkit distances`")
+        if np.any(total < 0) or not np.allclose(total, total.T):
+            raise AttnkitError(f"{path}: array 'total' is not a distance matrix (negative or not symmetric)")
+        rps = int(arrays["rows_per_sample"]) if "rows_per_sample" in arrays and arrays["rows_per_sample"].ndim == 0 \
+            else -1
+        smoothing = float(arrays["smoothing"]) if "smoothing" in arrays and arrays["smoothing"].ndim == 0 else 0.0
+        return cls(total, n_rows, L, H, {"rows_per_sample": None if rps < 0 else rps, "smoothing": smoothing})
+
+
+__all__ = ["DISTANCES_FILE", "HeadDistances"]

@@ -1,0 +1,44 @@
+"""The names of the files attnkit writes, in one place (their formats: docs/files.md).
+
+A run directory (`attnkit extract -o RUN`) holds FEATURES_FILE and META_FILE, later what the analysis adds;
+`attnkit probe -o OUT` and `attnkit compare-models -o OUT` write directories of their own.
+"""
+from __future__ import annotations
+
+# written by `attnkit extract`
+FEATURES_FILE = "features.npz"
+META_FILE = "meta.json"
+CHECKPOINT_FILE = "checkpoint.npz"
+PER_SAMPLE_FILE = "per_sample.npy"
+PER_SAMPLE_META = "per_sample.json"
+FEATURE_SHARDS_DIR = "shards"  # --engine ray, while unfinished
+# written by the analysis commands
+CLUSTERS_FILE = "clusters.json"
+DISTANCES_FILE = "distances.npz"
+DISTANCE_SHARDS_DIR = "distance-shards"  # `attnkit distances --engine ray`, while unfinished
+PATTERNS_FILE = "patterns.json"
+REPORT_FILE = "report.html"
+FIGURES_DIR = "figures"
+# one command at a time per directory (attnkit.run.locking)
+LOCK_FILE = ".attnkit.lock"
+OWNER_FILE = ".attnkit.lock.owner"
+# `attnkit compare-models -o OUT`
+COMPARE_JSON = "compare_models.json"
+COMPARE_NPZ = "compare_models.npz"
+# `attnkit probe -o OUT`
+PROBE_JSON = "probe.json"
+PROBE_CSV = "probe.csv"
+PROBE_TABLE = "best_heads.txt"
+PROBE_HEATMAP = "probe_heatmap"  # .png
+
+# What later steps add to a run directory: a fresh run that replaces a finished one removes them, since they
+# describe the old features.
+DERIVED_OUTPUTS = (CLUSTERS_FILE, DISTANCES_FILE, REPORT_FILE, FIGURES_DIR, PATTERNS_FILE, PER_SAMPLE_FILE,
+                   PER_SAMPLE_META)
+# What marks a directory as a run directory (a corpus search skips them: their files are not corpus text).
+RUN_DIR_MARKERS = (FEATURES_FILE, CHECKPOINT_FILE, LOCK_FILE, FEATURE_SHARDS_DIR)
+
+__all__ = ["CHECKPOINT_FILE", "CLUSTERS_FILE", "COMPARE_JSON", "COMPARE_NPZ", "DERIVED_OUTPUTS", "DISTANCES_FILE",
+           "DISTANCE_SHARDS_DIR", "FEATURES_FILE", "FEATURE_SHARDS_DIR", "FIGURES_DIR", "LOCK_FILE", "META_FILE",
+           "OWNER_FILE", "PATTERNS_FILE", "PER_SAMPLE_FILE", "PER_SAMPLE_META", "PROBE_CSV", "PROBE_HEATMAP",
+           "PROBE_JSON", "PROBE_TABLE", "REPORT_FILE", "RUN_DIR_MARKERS"]

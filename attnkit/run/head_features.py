@@ -1,0 +1,179 @@
+"""Per-head corpus features: the accumulator that extraction feeds, and the result it produces."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import AttnkitError
+from .files import FEATURES_FILE, META_FILE
+from .outputs import atomic_write, ensure_writable_dir, write_json
+from .schemas import FEATURES_ARRAYS, META_SCHEMA, load_json, load_npz
+
+
+@dataclass
+class HeadFeatures:
+    """Corpus-level features per head.
+
+    mean, std: numpy arrays n_layers × n_heads × n_features (std over samples, every sample weighs
+    the same); names: the feature names; n_samples, n_tokens: what was measured; meta: settings.
+    """
+
+    mean: np.ndarray
+    std: np.ndarray
+    names: list[str]
+    n_samples: int
+    n_tokens: int
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        return self.mean.shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.mean.shape[1]
+
+    def feature(self, name: str, stat: str = "mean") -> np.ndarray:
+        """n_layers × n_heads array of one feature."""
+        if name not in self.names:
+            raise AttnkitError(f"unknown feature {name!r}; known: {', '.join(self.names)}")
+        return getattr(self, stat)[:, :, self.names.index(name)]
+
+    def to_pandas(self):
+        """One row per (layer, head), one column per feature mean and `<name>_std` per std."""
+        import pandas as pd
+
+        L, H, F = self.mean.shape
+        index = pd.MultiIndex.from_product([range(L), range(H)], names=["layer", "head"])
+        df = pd.DataFrame(self.mean.reshape(L * H, F), index=index, columns=self.names)
+        std = pd.DataFrame(self.std.reshape(L * H, F), index=index, columns=[f"{n}_std" for n in self.names])
+        return pd.concat([df, std], axis=1)
+
+    def save(self, directory) -> Path:
+        directory = ensure_writable_dir(directory, "run directory")
+        atomic_write(
+            directory / FEATURES_FILE,
+            lambda f: np.savez(f, mean=self.mean, std=self.std, names=np.array(self.names)),
+        )
+        meta = dict(self.meta)
+        meta.update(n_samples=int(self.n_samples), n_tokens=int(self.n_tokens),
+                    n_layers=self.n_layers, n_heads=self.n_heads)
+        write_json(directory / META_FILE, meta)
+        return directory
+
+    @classmethod
+    def load(cls, directory) -> HeadFeatures:
+        """Read a run directory; features.npz and meta.json are checked against their schemas
+        (attnkit.run.schemas) and against each other, so a malformed file ends in an AttnkitError naming it."""
+        directory = Path(directory)
+        fpath = directory / FEATURES_FILE
+        if not fpath.is_file():
+            raise AttnkitError(f"{directory} is not a run directory: {FEATURES_FILE} is missing")
+        arrays = load_npz(fpath, FEATURES_ARRAYS)
+        mean, std, names = arrays["mean"].astype(np.float64), arrays["std"].astype(np.float64), \
+            [str(n) for n in arrays["names"]]
+        if mean.shape != std.shape or mean.shape[2] != len(names) or 0 in mean.shape:
+            raise AttnkitError(f"{fpath} is inconsistent: mean {mean.shape}, std {std.shape}, {len(names)} names")
+        if len(set(names)) != len(names):
+            raise AttnkitError(f"{fpath}: feature names repeat: {names}")
+        if np.any(std < 0):
+            raise AttnkitError(f"{fpath}: array 'std' holds negative standard deviations")
+        meta = {}
+        mpath = directory / META_FILE
+        if mpath.is_file():
+            meta = load_json(mpath, META_SCHEMA)
+            L, H, _ = mean.shape
+            for key, want in (("n_layers", L), ("n_heads", H)):
+                if key in meta and meta[key] != want:
+                    raise AttnkitError(f"{mpath}: field {key} is {meta[key]} but {fpath} holds {want}")
+            if "feature_names" in meta and meta["feature_names"] != names:
+                raise AttnkitError(f"{mpath}: field feature_names does not match the names in {fpath}")
+        return cls(mean, std, names, int(meta.get("n_samples", 0)), int(meta.get("n_tokens", 0)), meta)
+
+
+def merge_moments(n_a: int, sum_a, m2_a, n_b: int, sum_b, m2_b):
+    """(n, sum, m2) of two parts given as counts, sums and sums of squared deviations from their own means
+    (Chan et al.'s pairwise update). Unlike sums of squares, m2 keeps its precision when the spread is tiny
+    next to the mean, so the std does not depend on how the samples were split into parts."""
+    if n_a == 0:
+        return n_b, np.array(sum_b, dtype=np.float64), np.array(m2_b, dtype=np.float64)
+    if n_b == 0:
+        return n_a, np.array(sum_a, dtype=np.float64), np.array(m2_a, dtype=np.float64)
+    n = n_a + n_b
+    delta = sum_b / n_b - sum_a / n_a
+    return n, sum_a + sum_b, m2_a + m2_b + delta * delta * (n_a * n_b / n)
+
+
+def batch_moments(feats: np.ndarray):
+    """(n, sum, m2) over the first axis of per-sample features, in float64."""
+    f = np.asarray(feats, dtype=np.float64)
+    total = f.sum(0)
+    return f.shape[0], total, np.square(f - total / max(f.shape[0], 1)).sum(0)
+
+
+class FeatureAccumulator:
+    """Per-head corpus statistics built from per-sample feature vectors in any number of pieces: `update` adds a
+    batch, `merge` another accumulator (distributed runs), `state`/`from_state` round-trip through checkpoints.
+    Kept in float64 as sums (for the mean) and sums of squared deviations `m2` (for the std), merged with
+    `merge_moments`, so the std stays exact to rounding whatever the split."""
+
+    def __init__(self, n_layers: int, n_heads: int, names: list[str]):
+        self.names = list(names)
+        shape = (n_layers, n_heads, len(self.names))
+        self.sum = np.zeros(shape, dtype=np.float64)
+        self.m2 = np.zeros(shape, dtype=np.float64)
+        self.n_samples = 0
+        self.n_tokens = 0
+
+    @property
+    def sumsq(self) -> np.ndarray:
+        """Sums of squares (derived: m2 + sum²/n)."""
+        return self.m2 + np.square(self.sum) / max(self.n_samples, 1)
+
+    def add_moments(self, n: int, total, m2, n_tokens: int) -> None:
+        """Add a part given as (count, sums, sums of squared deviations from its own mean)."""
+        self.n_samples, self.sum, self.m2 = merge_moments(self.n_samples, self.sum, self.m2, int(n), total, m2)
+        self.n_tokens += int(n_tokens)
+
+    def update(self, feats: np.ndarray, n_tokens: int) -> None:
+        """feats: B × n_layers × n_heads × F per-sample feature vectors."""
+        self.add_moments(*batch_moments(feats), n_tokens)
+
+    def merge(self, other: FeatureAccumulator) -> FeatureAccumulator:
+        if other.names != self.names or other.sum.shape != self.sum.shape:
+            raise AttnkitError("cannot merge feature sums of different models or feature sets")
+        self.add_moments(other.n_samples, other.sum, other.m2, other.n_tokens)
+        return self
+
+    def state(self) -> dict:
+        return {"sum": self.sum, "m2": self.m2, "n_samples": np.int64(self.n_samples),
+                "n_tokens": np.int64(self.n_tokens), "names": np.array(self.names)}
+
+    @classmethod
+    def from_state(cls, state) -> FeatureAccumulator:
+        names = [str(n) for n in state["names"]]
+        acc = cls(state["sum"].shape[0], state["sum"].shape[1], names)
+        acc.sum = np.array(state["sum"], dtype=np.float64)
+        acc.n_samples = int(state["n_samples"])
+        acc.n_tokens = int(state["n_tokens"])
+        if "m2" in state:
+            acc.m2 = np.array(state["m2"], dtype=np.float64)
+        else:  # checkpoints of attnkit 0.1 kept sums of squares
+            acc.m2 = np.array(state["sumsq"], dtype=np.float64) - np.square(acc.sum) / max(acc.n_samples, 1)
+        return acc
+
+    def result(self, meta: dict | None = None) -> HeadFeatures:
+        if self.n_samples == 0:
+            raise AttnkitError("no samples were measured")
+        mean = self.sum / self.n_samples
+        var = np.maximum(self.m2 / self.n_samples, 0.0)
+        return HeadFeatures(mean, np.sqrt(var), self.names, self.n_samples, self.n_tokens, dict(meta or {}))
+
+
+def features_table(features: HeadFeatures):
+    """pandas DataFrame with one row per head: `layer`, `head`, then one column per feature mean (named
+    as the feature) and one `<name>_std` per feature standard deviation (over samples), in the order
+    of `features.names` (what `attnkit export` writes)."""
+    return features.to_pandas().reset_index()

@@ -1,0 +1,276 @@
+"""Schemas of the files attnkit reads back (run files, and SQuAD JSON), checked at the boundary.
+
+JSON files are described with JSON Schema (validated by `jsonschema`); `.npz` files by the arrays
+they must hold (`ArraySpec`). `validate` and `validate_arrays` raise an AttnkitError that names the
+file, the field and the problem, e.g.
+
+    run/meta.json: field n_samples: expected an integer, got a string ("abc")
+
+Checks that need more than one field (a head's layer against the run's number of layers, ...) are
+done by the reader after the schema (see attnkit.run.clusters.load_clusters).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import best_match
+
+from ..errors import AttnkitError
+
+_INT0 = {"type": "integer", "minimum": 0}
+_INT1 = {"type": "integer", "minimum": 1}
+_STR_OR_NULL = {"type": ["string", "null"]}
+_NUM_OR_NULL = {"type": ["number", "null"]}
+
+# RUN/meta.json, written by `attnkit extract` (HeadFeatures.save). Every field is optional (a run saved
+# from Python may carry only the counts), but a field that is there must have its type.
+META_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "status": {"type": "string"},
+        "n_samples": _INT0,
+        "n_tokens": _INT0,
+        "n_layers": _INT1,
+        "n_heads": _INT1,
+        "n_segments": _INT0,
+        "n_truncated": _INT0,
+        "max_length": _INT1,
+        "num_windows": _INT1,
+        "model": _STR_OR_NULL,
+        "model_type": _STR_OR_NULL,
+        "corpus": _STR_OR_NULL,
+        "format": _STR_OR_NULL,
+        "text_unit": _STR_OR_NULL,
+        "columns": _STR_OR_NULL,
+        "squad_pairs": {"type": "boolean"},
+        "backend": _STR_OR_NULL,
+        "device": _STR_OR_NULL,
+        "feature_names": {"type": "array", "items": {"type": "string"}},
+        "settings": {
+            "type": "object",
+            "properties": {
+                # how `attnkit extract` read its inputs; analysis commands read the corpus again with it
+                "reading": {
+                    "type": "object",
+                    "properties": {
+                        "paths": {"type": "array", "items": {"type": "string"}},
+                        "format": _STR_OR_NULL,
+                        "text_unit": _STR_OR_NULL,
+                        "columns": {"type": ["array", "null"], "items": {"type": "string"}, "maxItems": 2},
+                        "squad_pairs": {"type": "boolean"},
+                    },
+                },
+            },
+        },
+        "inputs": {"type": "array", "items": {"type": "object"}},
+        "versions": {"type": "object"},
+        "elapsed_s": {"type": "number"},
+    },
+}
+
+# RUN/clusters.json, written by `attnkit cluster` (attnkit/analysis/results.py) and read by attnkit/run/clusters.py.
+# CLUSTERS_SCHEMA is what every reader needs (the type of every head); CLUSTERS_REPORT_SCHEMA adds what the report
+# draws.
+CLUSTERS_SCHEMA = {
+    "type": "object",
+    "required": ["version", "settings", "run", "heads", "clusters", "stability"],
+    "properties": {
+        "version": {"const": 1},
+        "settings": {"type": "object", "properties": {
+            "k": _INT1, "method": {"type": "string"}, "seed": {"type": "integer"},
+            "features": {"type": "array", "items": {"type": "string"}}}},
+        "run": {"type": "object", "required": ["n_layers", "n_heads"], "properties": {
+            "n_layers": _INT1, "n_heads": _INT1, "n_samples": _INT0, "n_tokens": _INT0,
+            "model": _STR_OR_NULL, "corpus": _STR_OR_NULL}},
+        "heads": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["layer", "head", "label", "type"], "properties": {
+                "layer": _INT0, "head": _INT0, "label": _INT0, "type": {"type": "string", "minLength": 1},
+                "agreement": {"type": ["number", "null"], "minimum": 0, "maximum": 1}}}},
+        "clusters": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["label", "type"], "properties": {
+                "label": _INT0, "type": {"type": "string", "minLength": 1}, "n_heads": _INT0,
+                "share": {"type": "number", "minimum": 0, "maximum": 1},
+                "centroid": {"type": "object", "additionalProperties": {"type": "number"}},
+                "profile": {"type": ["object", "null"], "additionalProperties": {"type": "number"}}}}},
+        "stability": {"type": "object", "properties": {
+            "k": _INT1, "stability": _NUM_OR_NULL, "silhouette": _NUM_OR_NULL, "n_stability": _INT0,
+            "sweep": {"type": ["array", "null"], "items": {
+                "type": "object", "required": ["k", "stability", "silhouette"], "properties": {
+                    "k": _INT1, "stability": _NUM_OR_NULL, "silhouette": _NUM_OR_NULL,
+                    "type_names": {"type": "array", "items": {"type": "string"}}}}}}},
+    },
+}
+
+CLUSTERS_REPORT_SCHEMA = {
+    "allOf": [CLUSTERS_SCHEMA, {
+        "type": "object",
+        "properties": {
+            "settings": {"required": ["features"],
+                         "properties": {"features": {"minItems": 1}}},
+            "clusters": {"items": {"required": ["n_heads", "share", "centroid", "profile"]}},
+            "stability": {"required": ["k", "stability", "silhouette", "n_stability"]},
+        },
+    }],
+}
+
+# RUN/per_sample.json, written with RUN/per_sample.npy by `attnkit extract --per-sample` (attnkit/run/per_sample.py)
+PER_SAMPLE_SCHEMA = {
+    "type": "object",
+    "required": ["names"],
+    "properties": {"names": {"type": "array", "items": {"type": "string"}}, "n_samples": _INT0, "n_layers": _INT1,
+                   "n_heads": _INT1},
+}
+
+# SQuAD v1.1 / v2.0 JSON as attnkit reads it: the corpus reader (contexts, or question + context pairs) and the
+# ablation's squad task (which also reads ids and answers). Every field but data, context and question may be
+# absent; a field that is there must have its type.
+SQUAD_SCHEMA = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "version": {"type": ["string", "number"]},
+        "data": {"type": "array", "items": {
+            "type": "object", "properties": {
+                "paragraphs": {"type": "array", "items": {
+                    "type": "object", "required": ["context"], "properties": {
+                        "context": {"type": "string"},
+                        "qas": {"type": "array", "items": {
+                            "type": "object", "required": ["question"], "properties": {
+                                "id": {"type": ["string", "integer"]},
+                                "question": {"type": "string"},
+                                "is_impossible": {"type": "boolean"},
+                                "answers": {"type": "array", "items": {
+                                    "type": "object", "required": ["text", "answer_start"], "properties": {
+                                        "text": {"type": "string"}, "answer_start": _INT0}}}}}}}}}}}},
+    },
+}
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+               float: "a number", type(None): "null"}
+_SCHEMA_TYPES = {"object": "an object", "array": "an array", "string": "a string", "boolean": "a boolean",
+                 "integer": "an integer", "number": "a number", "null": "null"}
+
+
+def _field(path) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _short(value, limit: int = 60) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _problem(err) -> str:
+    if err.validator == "type":
+        want = err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
+        got = _JSON_TYPES.get(type(err.instance), type(err.instance).__name__)
+        return f"expected {' or '.join(_SCHEMA_TYPES.get(w, w) for w in want)}, got {got} ({_short(err.instance)})"
+    if err.validator == "required":
+        missing = [k for k in err.validator_value if k not in err.instance]
+        return "missing " + ", ".join(repr(k) for k in missing)
+    if err.validator in ("minimum", "maximum"):
+        side = "at least" if err.validator == "minimum" else "at most"
+        return f"must be {side} {err.validator_value}, got {_short(err.instance)}"
+    if err.validator == "const":
+        return f"must be {_short(err.validator_value)}, got {_short(err.instance)}"
+    if err.validator == "minItems":
+        return f"needs at least {err.validator_value} item(s), got {len(err.instance)}"
+    if err.validator == "minLength":
+        return "must not be empty"
+    msg = err.message
+    return msg if len(msg) <= 160 else msg[:157] + "..."
+
+
+def validate(obj, schema: dict, path) -> None:
+    """Raise AttnkitError "<path>: field <a.b[3].c>: <problem>" when `obj` does not follow `schema` (the one
+    formatter of JSON Schema errors: every JSON file attnkit reads is checked through it)."""
+    errors = list(Draft202012Validator(schema).iter_errors(obj))
+    if not errors:
+        return
+    err = best_match(errors)
+    where = _field(err.absolute_path)
+    raise AttnkitError(f"{path}: " + (f"field {where}: " if where else "") + _problem(err))
+
+
+def load_json(path, schema: dict, what: str = ""):
+    """Read JSON file `path` and validate it against `schema` (errors name the file)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except UnicodeDecodeError:
+        raise AttnkitError(f"{path} is not UTF-8 text" + (f" ({what})" if what else "")) from None
+    except ValueError as exc:
+        raise AttnkitError(f"{path} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise AttnkitError(f"cannot read {path}: {exc.strerror or exc}") from None
+    validate(obj, schema, path)
+    return obj
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """An array an .npz file must hold: `kind` "float", "int" or "str"; `ndim` its number of dimensions;
+    `finite`: no NaN or infinity allowed."""
+
+    kind: str
+    ndim: int
+    finite: bool = False
+
+
+FEATURES_ARRAYS = {"mean": ArraySpec("float", 3), "std": ArraySpec("float", 3), "names": ArraySpec("str", 1)}
+DISTANCES_ARRAYS = {"total": ArraySpec("float", 2, finite=True), "n_rows": ArraySpec("int", 0),
+                    "n_layers": ArraySpec("int", 0),
+                    "n_heads": ArraySpec("int", 0)}
+
+_KINDS = {"float": "fiu", "int": "iu", "str": "U"}
+_KIND_NAMES = {"float": "numbers", "int": "integers", "str": "strings"}
+
+
+def load_npz(path, spec: dict[str, ArraySpec] | None = None, *, what: str = "", missing: str = "",
+             corrupt: str = "") -> dict:
+    """Every array of the .npz file `path` (name → numpy array; no pickled objects), checked against `spec`
+    (`validate_arrays`). The one reader of attnkit's .npz files: a missing file, an unreadable or corrupt one
+    and one that does not follow `spec` end in an AttnkitError naming it (`what` it is; `missing` and
+    `corrupt`: what to do about it)."""
+    from pathlib import Path
+
+    name = f"{what} {path}" if what else str(path)
+    if not Path(path).is_file():
+        raise AttnkitError(f"{name} is missing" + (f": {missing}" if missing else ""))
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as exc:
+        raise AttnkitError(f"{name} is unreadable or corrupt ({type(exc).__name__}: {exc})"
+                           + (f"; {corrupt}" if corrupt else "")) from None
+    if spec:
+        validate_arrays(arrays, spec, path)
+    return arrays
+
+
+def validate_arrays(arrays: dict, spec: dict[str, ArraySpec], path) -> None:
+    """Check that `arrays` (name → numpy array, e.g. an opened .npz) holds every array of `spec` with
+    the right kind and number of dimensions (and finite values where the spec says so)."""
+    for name, s in spec.items():
+        if name not in arrays:
+            raise AttnkitError(f"{path}: array {name!r} is missing (has: {', '.join(sorted(arrays)) or 'none'})")
+        a = np.asarray(arrays[name])
+        if a.dtype.kind not in _KINDS[s.kind]:
+            raise AttnkitError(f"{path}: array {name!r} must hold {_KIND_NAMES[s.kind]}, got dtype {a.dtype}")
+        if a.ndim != s.ndim:
+            raise AttnkitError(f"{path}: array {name!r} must have {s.ndim} dimension(s), got shape {a.shape}")
+        if s.finite and not np.all(np.isfinite(a)):
+            raise AttnkitError(f"{path}: array {name!r} holds NaN or infinite values")
+
+
+__all__ = ["validate", "load_json", "load_npz", "validate_arrays", "ArraySpec", "META_SCHEMA", "CLUSTERS_SCHEMA",
+           "CLUSTERS_REPORT_SCHEMA", "PER_SAMPLE_SCHEMA", "SQUAD_SCHEMA", "FEATURES_ARRAYS", "DISTANCES_ARRAYS"]

@@ -1,0 +1,97 @@
+"""Synthetic data for the tests: HeadFeatures with known head types (no model, no corpus), and a tiny
+random-weight BERT with a WordPiece tokenizer built in code."""
+from __future__ import annotations
+
+import numpy as np
+
+from attnkit.features import feature_names
+from attnkit.run import HeadFeatures
+
+N_WIN = 16
+
+
+def prototype(kind: str) -> np.ndarray:
+    """A 21-bucket distance profile (cls, sep, comma, period, self, win_0..win_15) summing to 1."""
+    win_uniform = np.array([2.0 * (N_WIN - w) - 1 for w in range(N_WIN)])  # pairs per window, uniform attention
+    win_uniform /= win_uniform.sum()
+    near = np.zeros(N_WIN)
+    near[0], near[1] = 0.8, 0.2
+    if kind == "vertical":
+        special, self_, win = np.array([0.15, 0.65, 0.03, 0.05]), 0.01, win_uniform
+    elif kind == "diagonal":
+        special, self_, win = np.array([0.05, 0.10, 0.02, 0.03]), 0.15, near
+    elif kind == "dense+vertical":
+        special, self_, win = np.array([0.10, 0.30, 0.02, 0.03]), 0.02, win_uniform
+    elif kind == "dense":
+        special, self_, win = np.array([0.03, 0.05, 0.02, 0.02]), 0.03, win_uniform
+    else:
+        raise ValueError(kind)
+    rest = 1.0 - special.sum() - self_
+    return np.concatenate([special, [self_], rest * win])
+
+
+KINDS = ("vertical", "diagonal", "dense+vertical", "dense")
+
+
+def make_features(truth: np.ndarray, *, noise: float = 0.01, seed: int = 0, structureless: bool = False) -> HeadFeatures:
+    """HeadFeatures whose buckets follow the prototypes given by `truth` (layers × heads of kind ids),
+    plus small noise; the remaining 7 features are filled consistently (prev/next/entropy...).
+    `structureless`: every head is the mean profile plus isotropic noise (no clusters)."""
+    rng = np.random.default_rng(seed)
+    L, H = truth.shape
+    names = feature_names(N_WIN)
+    F = len(names)
+    mean = np.zeros((L, H, F))
+    protos = np.stack([prototype(k) for k in KINDS])
+    for l in range(L):
+        for h in range(H):
+            base = protos.mean(0) if structureless else protos[truth[l, h]]
+            v = np.abs(base + rng.normal(0.0, noise, size=base.shape))
+            v /= v.sum()
+            mean[l, h, :21] = v
+            mean[l, h, 21] = mean[l, h, 22] = v[5] / 2  # prev, next
+            mean[l, h, 23] = -np.sum(v * np.log(v))  # entropy of the bucket profile (a stand-in)
+            mean[l, h, 24] = v.max()
+            mean[l, h, 25], mean[l, h, 26] = 0.7, 0.3  # intra, inter
+            mean[l, h, 27] = mean[l, h, 23]
+    return HeadFeatures(mean, np.full_like(mean, 0.01), names, n_samples=100, n_tokens=3000,
+                        meta={"model": "synthetic", "num_windows": N_WIN})
+
+
+def layered_truth(L: int = 6, H: int = 12, seed: int = 0) -> np.ndarray:
+    """Kind ids per head: dense early, dense+vertical in the middle, vertical late, diagonal everywhere."""
+    rng = np.random.default_rng(seed)
+    t = np.zeros((L, H), dtype=int)
+    for l in range(L):
+        p = np.array([l / L, 0.25, 1 - abs(l - L / 2) / L, 1 - l / L]) + 0.05
+        t[l] = rng.choice(4, size=H, p=p / p.sum())
+    return t
+
+
+WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "a", "big", "red", "house", "is", "here", "and", "then"]
+
+
+def tiny_bert(n_layers: int = 2, n_heads: int = 2, seed: int = 0):
+    """A random-weight BERT (n_layers × n_heads, hidden 16) with sharp attention, and a fast WordPiece tokenizer
+    over WORDS, built in code."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ",", ".", "!", "?"] + WORDS
+    tok = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                     intermediate_size=32, max_position_embeddings=64, attn_implementation="eager")
+    model = BertModel(cfg).eval()
+    with torch.no_grad():  # sharper attention than the default init, so heads differ
+        for layer in model.encoder.layer:
+            layer.attention.self.query.weight.mul_(8.0)
+            layer.attention.self.key.weight.mul_(8.0)
+    return model, tok
+
+
+def mean_scores(values):
+    """Per-example scores whose metric is 100 × their mean (attnkit.ablation.metrics.ExampleScores)."""
+    from attnkit.ablation.metrics import ExampleScores
+
+    return ExampleScores({"v": np.asarray(values, dtype=float)}, lambda a: 100.0 * a["v"].mean())

@@ -1,0 +1,99 @@
+"""Kovaleva pattern rules on synthetic per-sample feature vectors with known classes, the proportions,
+and `attnkit patterns RUN` end to end on a written per_sample.npy."""
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from attnkit.analysis.patterns import BLOCK, CLASSES, DIAGONAL, HETEROGENEOUS, MIXED, VERTICAL, class_counts, classify
+from attnkit.cli.main import main
+from attnkit.errors import AttnkitError
+from attnkit.features import feature_names
+from attnkit.run.per_sample import PerSampleWriter
+
+NAMES = feature_names(16)
+
+
+def vec(**mass):
+    """A feature vector: bucket masses as given, the rest spread over win_* so the buckets sum to 1."""
+    x = np.zeros(len(NAMES), dtype=np.float32)
+    for k in ("cls", "sep", "comma", "period", "self"):
+        x[NAMES.index(k)] = mass.get(k, 0.0)
+    rest = 1.0 - x[:5].sum()
+    for i in range(16):
+        x[NAMES.index(f"win_{i}")] = rest / 16
+    x[NAMES.index("prev")] = mass.get("prev", 0.0)
+    x[NAMES.index("next")] = mass.get("next", 0.0)
+    intra = mass.get("intra", 1.0)
+    x[NAMES.index("intra")], x[NAMES.index("inter")] = intra, 1.0 - intra
+    x[NAMES.index("entropy")] = 2.0
+    return x
+
+
+CASES = [
+    (vec(cls=0.7, intra=0.6), VERTICAL),                      # [CLS] sink
+    (vec(sep=0.4, cls=0.2, prev=0.05, intra=0.5), VERTICAL),  # [SEP] stripes
+    (vec(prev=0.8, intra=0.97), DIAGONAL),                    # previous token
+    (vec(next=0.3, self=0.3, intra=0.97), DIAGONAL),          # around the diagonal
+    (vec(cls=0.3, prev=0.4, intra=0.8), MIXED),
+    (vec(sep=0.25, next=0.3, intra=0.8), MIXED),
+    (vec(cls=0.05, prev=0.1, intra=0.95), BLOCK),             # a pair, kept inside its sentence
+    (vec(cls=0.05, prev=0.1, intra=0.5), HETEROGENEOUS),      # a pair, spread over both sentences
+    (vec(cls=0.1, next=0.1, intra=1.0), HETEROGENEOUS),       # a single text: intra is 1, never block
+]
+
+
+@pytest.mark.parametrize("x, want", CASES)
+def test_rules_on_known_vectors(x, want):
+    assert classify(x, NAMES) == want
+
+
+def test_pairs_given_explicitly():
+    x = vec(cls=0.05, prev=0.1, intra=0.95)
+    assert classify(x, NAMES, pairs=False) == HETEROGENEOUS
+    single = vec(cls=0.05, intra=1.0)
+    assert classify(single, NAMES, pairs=True) == BLOCK  # intra 1 ≥ threshold once the caller says "pair"
+
+
+def test_counts_and_proportions_stream_over_chunks():
+    xs = np.stack([c[0] for c in CASES])  # 9 examples
+    per_sample = np.broadcast_to(xs[:, None, None, :], (9, 2, 3, len(NAMES))).copy()
+    per_sample[:, 1, 2] = vec(prev=0.9, intra=0.97)  # one head always diagonal
+    counts = class_counts(per_sample.astype(np.float16), NAMES, chunk=4)
+    assert counts.shape == (2, 3, 5) and np.all(counts.sum(-1) == 9)
+    want = np.bincount([c[1] for c in CASES], minlength=5)
+    np.testing.assert_array_equal(counts[0, 0], want)
+    np.testing.assert_array_equal(counts[1, 2], [0, 9, 0, 0, 0])
+
+
+def test_missing_feature_is_an_error():
+    with pytest.raises(AttnkitError, match="lack next, self"):
+        classify(np.zeros((2, 3)), ["cls", "sep", "prev"])
+
+
+def test_patterns_command(tmp_path):
+    rng = np.random.default_rng(0)
+    n, L, H = 10, 2, 2
+    rows = np.empty((n, L, H, len(NAMES)), dtype=np.float32)
+    for i in range(n):
+        rows[i, 0, 0] = vec(cls=0.8, intra=0.6)          # vertical everywhere
+        rows[i, 0, 1] = vec(prev=0.9, intra=0.97)        # diagonal everywhere
+        rows[i, 1, 0] = vec(cls=0.3, prev=0.3, intra=0.8) if i < 5 else vec(cls=0.05, intra=0.95)
+        rows[i, 1, 1] = vec(cls=0.05, intra=0.5 + 0.01 * rng.random())
+    w = PerSampleWriter(tmp_path, L, H, NAMES)
+    w.add(np.arange(n)[::-1], rows[::-1])
+    w.close()
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg"])
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "patterns.json").read_text())
+    assert data["classes"] == list(CLASSES) and data["n_examples"] == n
+    assert data["per_layer"]["vertical"] == [0.5, 0.0]
+    assert data["per_layer"]["diagonal"] == [0.5, 0.0]
+    assert data["per_layer"]["vertical+diagonal"][1] == 0.25 and data["per_layer"]["block"][1] == 0.25
+    assert data["per_layer"]["heterogeneous"][1] == 0.5
+    assert data["overall"]["heterogeneous"] == 0.25
+    assert data["per_head"]["block"][1][0] == 0.5
+    assert (tmp_path / "figures" / "pattern_types.png").is_file()
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path / "figures")])
+    assert res.exit_code == 1 and "per_sample.npy is missing" in res.output

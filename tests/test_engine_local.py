@@ -1,0 +1,213 @@
+"""The corpus-scale pipeline: the batch plan, tokenisation workers, several replicas, failures, and the CLI
+job around them. Every path must give the numbers of the plain in-process loop."""
+import os
+import re
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit.corpus import default_corpus_path
+from attnkit.engine import ExtractionState, ExtractSettings, run_extraction
+from attnkit.engine.plan import batches_of_window, plan_batches, windows
+from attnkit.errors import AttnkitError
+
+
+def real_segments(n_pairs: int = 100) -> list:
+    """A few hundred real English segments: the sentences of the built-in corpus, then pairs of them."""
+    text = default_corpus_path().read_text()
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if s.strip()]
+    pairs = [(sentences[i], sentences[-1 - i]) for i in range(n_pairs)]
+    return sentences + pairs
+
+
+@pytest.fixture(scope="module")
+def segments():
+    segs = real_segments()
+    assert len(segs) >= 200
+    return segs
+
+
+def test_plan_is_windowed_length_sort():
+    segs = [f"{'x' * n}" for n in (3, 9, 1, 7, 5, 2, 8)]
+    assert [len(w) for w in windows(segs, 3)] == [3, 3, 1]
+    assert batches_of_window(["bb", "a", "ccc", "dd"], 2) == [["ccc", "bb"], ["dd", "a"]]  # stable, longest first
+    plan = list(plan_batches(segs, 2, 3))
+    assert [[len(s) for s in pb.segments] for pb in plan] == [[9, 3], [1], [7, 5], [2], [8]]
+    assert [(pb.index, pb.start, pb.window) for pb in plan] == [(0, 0, 0), (1, 2, 0), (2, 3, 1), (3, 5, 1), (4, 6, 2)]
+    # resuming at a batch boundary gives the rest of the same plan
+    assert [pb.index for pb in plan_batches(segs, 2, 3, skip_segments=5)] == [3, 4]
+    with pytest.raises(AttnkitError, match="not a batch boundary"):
+        list(plan_batches(segs, 2, 3, skip_segments=4))
+    with pytest.raises(AttnkitError, match="past the end"):
+        list(plan_batches(segs, 2, 3, skip_segments=9))
+    with pytest.raises(AttnkitError, match="window"):
+        list(plan_batches(segs, 2, 0))
+
+
+@pytest.mark.slow
+def test_workers_and_replicas_give_the_numbers_of_the_plain_loop(minilm, segments):
+    model, tok = minilm
+    kw = dict(max_length=40, batch_size=16, backend="auto")
+    base = attnkit.extract(segments, (model, tok), **kw)
+    assert base.n_samples == len(segments)
+    for extra in (dict(workers=2), dict(devices="cpu,cpu"), dict(workers=2, devices="cpu,cpu")):
+        other = attnkit.extract(segments, (model, tok), **kw, **extra)
+        assert other.n_samples == base.n_samples and other.n_tokens == base.n_tokens
+        np.testing.assert_allclose(other.mean, base.mean, rtol=1e-12, atol=0, err_msg=str(extra))
+        np.testing.assert_allclose(other.std, base.std, rtol=1e-12, atol=1e-15, err_msg=str(extra))
+    # another window changes the batches (so float rounding), never the per-sample features
+    small = attnkit.extract(segments, (model, tok), **kw, window=37)
+    np.testing.assert_allclose(small.mean, base.mean, rtol=1e-6, atol=1e-7)
+
+
+def test_resume_point_continues_the_same_plan(minilm, segments):
+    model, tok = minilm
+    segs = segments[:60]
+    settings = ExtractSettings(max_length=24, batch_size=8, window=25, backend="reference")
+    full = run_extraction(model, tok, segs, settings).accumulator
+    first = run_extraction(model, tok, segs[:25], settings).accumulator  # window 0 alone: 25 segments, 4 batches
+    rest = run_extraction(model, tok, segs, settings, resume=ExtractionState(first, 25), workers=1).accumulator
+    np.testing.assert_allclose(rest.sum, full.sum, rtol=1e-12)
+    assert rest.n_samples == full.n_samples == 60
+
+
+class _Boom(Exception):
+    pass
+
+
+def test_failing_worker_ends_the_run_with_a_message(minilm, segments, monkeypatch):
+    from attnkit.tokens import Encoder
+
+    model, tok = minilm
+    original = Encoder.encode_arrays
+
+    def failing(self, segs):
+        if any("grandmother" in (s if isinstance(s, str) else s[0]) for s in segs):
+            raise _Boom("tokenizer exploded")
+        return original(self, segs)
+
+    monkeypatch.setattr(Encoder, "encode_arrays", failing)  # workers fork after this, so they fail too
+    t0 = time.time()
+    with pytest.raises(AttnkitError, match="tokenising batch .* failed in a worker: _Boom: tokenizer exploded"):
+        run_extraction(model, tok, segments, ExtractSettings(max_length=24, batch_size=8, backend="reference"),
+                       workers=2)
+    assert time.time() - t0 < 60
+
+
+def test_killed_worker_ends_the_run_instead_of_hanging(minilm, segments):
+    model, tok = minilm
+    victims = []
+    seen = {"n": 0}
+
+    def on_batch(*_):
+        seen["n"] += 1
+        if seen["n"] == 2:  # kill one tokenisation worker in the middle of the run
+            import multiprocessing
+
+            kids = multiprocessing.active_children()
+            assert kids
+            victims.append(kids[0].pid)
+            os.kill(kids[0].pid, signal.SIGKILL)
+
+    done = {}
+
+    def target():
+        try:
+            run_extraction(model, tok, segments * 3, ExtractSettings(max_length=24, batch_size=4, backend="reference"),
+                           workers=2, on_batch=on_batch)
+            done["result"] = "finished"
+        except AttnkitError as exc:
+            done["result"] = str(exc)
+
+    th = threading.Thread(target=target)
+    th.start()
+    th.join(timeout=120)
+    assert not th.is_alive(), "the run hung after a worker died"
+    assert victims and "worker process died" in done["result"]
+
+
+def test_replica_failure_is_reported(minilm, segments):
+    from attnkit.engine.local import run_pipeline
+    from attnkit.tokens import Encoder
+
+    model, tok = minilm
+
+    def broken(m, batch):
+        raise RuntimeError("device lost")
+
+    with pytest.raises(AttnkitError, match="device lost"):
+        run_pipeline([model, model], Encoder(tok, max_length=16), plan_batches(segments, 8, 64), broken,
+                     on_result=lambda r: None)
+
+
+def test_devices_are_parsed_and_checked():
+    import torch
+
+    from attnkit.engine.devices import device_labels, parse_devices
+
+    assert [str(d) for d in parse_devices("cpu,cpu")] == ["cpu", "cpu"]
+    assert device_labels(parse_devices("cpu,cpu")) == ["cpu#0", "cpu#1"]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert [str(d) for d in parse_devices("all")] == ([f"cuda:{i}" for i in range(gpus)] or ["cpu"])
+    with pytest.raises(AttnkitError, match="unknown device"):
+        parse_devices("tpu:0")
+    with pytest.raises(AttnkitError, match="empty entry"):
+        parse_devices("cpu,,cpu")
+
+
+def test_max_length_too_short_for_pairs_is_refused(minilm):
+    from attnkit.tokens import Encoder
+
+    _, tok = minilm
+    with pytest.raises(AttnkitError, match="too short for text pairs"):
+        Encoder(tok, max_length=4).encode_arrays([("a question", "a context")])
+    arrays = Encoder(tok, max_length=5).encode_arrays([("one two three", "four five six")])
+    assert arrays.inputs["input_ids"].shape[1] == 5 and arrays.n_truncated == 1
+    assert arrays.full_lengths.tolist() == [9]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs /proc to find child processes")
+def test_workers_die_with_a_killed_run(tmp_path):
+    """SIGKILL leaves no chance to shut the pool down: the workers must still not outlive the run."""
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"Line number {i} of a corpus, long enough to take a while.\n" for i in range(20000)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "attnkit.cli", "extract", str(corpus), "-o", str(tmp_path / "r"),
+                             "-q", "--workers", "2", "--backend", "reference", "--max-length", "16"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def children(pid):
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                return [int(x) for x in f.read().split()]
+        except OSError:
+            return []
+
+    deadline = time.time() + 120
+    while len(children(proc.pid)) < 2:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its workers started"
+        time.sleep(0.1)
+    workers = children(proc.pid)
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.time() + 20
+    alive = workers
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in workers if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
+    assert not alive, f"tokenisation workers {alive} outlived their run"
+
+
+def test_api_arguments_of_the_wrong_kind_are_refused(minilm):
+    for kw, message in ((dict(max_length=32.5), "max_length must be an integer"),
+                        (dict(observers=[1]), "observers must be callables"),
+                        (dict(batch_size=0), "batch_size must be a positive integer")):
+        with pytest.raises(AttnkitError, match=message):
+            attnkit.extract(["a b"], minilm, **kw)
