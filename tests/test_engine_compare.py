@@ -99,3 +99,35 @@ def test_command_and_bad_pairs(tmp_path):
     small, _ = tiny_bert(n_layers=1, n_heads=2)
     with pytest.raises(AttnkitError, match="differ in shape"):
         compare_models(TEXTS, (model, tok), (small, tok))
+
+
+def test_figure_plots_what_its_titles_say():
+    from attnkit.engine.compare import cosine_heatmaps
+    from attnkit.plotting import plt
+
+    rng = np.random.default_rng(0)
+    map_cos, row_cos = rng.uniform(0.2, 1.0, (3, 4)), rng.uniform(0.2, 1.0, (3, 4))
+    fig = cosine_heatmaps(map_cosine=map_cos, row_cosine=row_cos, meta={"model_a": "x/pre", "model_b": "x/tuned"})
+    try:
+        panels = [ax for ax in fig.axes if ax.images]  # the two heatmaps (colour bars hold no image)
+        assert len(panels) == 2
+        (left, right) = panels
+        assert "flattened-map cosine" in left.get_title() and "Fig. 5" in left.get_title()
+        assert "row cosine" in right.get_title() and "map" not in right.get_title()
+        np.testing.assert_array_equal(left.images[0].get_array(), map_cos)
+        np.testing.assert_array_equal(right.images[0].get_array(), row_cos)
+        assert left.images[0].get_clim() == right.images[0].get_clim() == (0.0, 1.0)  # one colour scale
+        # every cell carries its own value
+        assert sorted(t.get_text() for t in left.texts) == sorted(f"{v:.2f}" for v in map_cos.ravel())
+        assert "x/tuned vs x/pre" in fig._suptitle.get_text()
+    finally:
+        plt.close(fig)
+
+
+def test_help_cites_kovaleva_section_4_3():
+    from attnkit.cli.main import main
+
+    res = CliRunner().invoke(main, ["compare-models", "--help"])
+    assert res.exit_code == 0
+    text = " ".join(res.output.split())
+    assert "Kovaleva et al. 2019, Sec. 4.3, Fig. 5" in text and "Sec. 5" not in text

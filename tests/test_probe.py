@@ -1,6 +1,8 @@
-"""Syntax probes: the CoNLL-U reader, word alignment, scoring, and a tiny BERT trained so that one head
-attends from every dependent to its gold head on a toy grammar (that head must score ~100%, the others not),
-through the API and the CLI end to end."""
+"""Syntax probes: the CoNLL-U reader, word alignment, scoring (hand-built attention with the answers worked
+out here, and random attention against an independent transcription of Clark et al.'s evaluation), and a
+tiny BERT trained so that one head attends from every dependent to its gold head and another from every head
+word to its dependents, on a toy grammar (each must score ~100% in its direction), through the API and the
+CLI end to end."""
 from __future__ import annotations
 
 import csv
@@ -76,11 +78,14 @@ def _tokenizer():
 
 
 TRAINED = (1, 0)  # layer, head trained to attend from each dependent to its head
+TRAINED_T = (1, 1)  # layer, head trained to attend from each head word to its dependents
 
 
 def _train_toy_model(tokenizer, steps=40):
-    """A 2-layer BERT whose head TRAINED learns (by gradient descent on that head's attention alone) to put
-    its weight, from every piece of a dependent, on the pieces of the dependent's head word."""
+    """A 2-layer BERT whose head TRAINED learns (by gradient descent on the heads' attention alone) to put
+    its weight, from every piece of a dependent, on the pieces of the dependent's head word, and whose head
+    TRAINED_T learns to spread its weight, from every piece of a head word, over the pieces of its
+    dependents."""
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
@@ -92,34 +97,37 @@ def _train_toy_model(tokenizer, steps=40):
     enc = tokenizer([s.words for s in sents], is_split_into_words=True, padding=True, return_tensors="pt")
     B, L = enc["input_ids"].shape
     target = torch.zeros(B, L, L)  # target[b, p, t] = 1 where token t is a piece of the head of p's word
+    target_t = torch.zeros(B, L, L)  # target_t[b, p, t] = 1 where token t is a piece of a dependent of p's word
     for b, s in enumerate(sents):
         wids = enc.word_ids(b)
         for p, w in enumerate(wids):
-            if w is None or s.heads[w] == ROOT:
-                continue
             for t, w2 in enumerate(wids):
-                if w2 == s.heads[w]:
-                    target[b, p, t] = 1.0
-    rows = target.sum(-1) > 0
+                if w is None or w2 is None:
+                    continue
+                target[b, p, t] = float(s.heads[w] == w2)
+                target_t[b, p, t] = float(s.heads[w2] == w)
+            if w is not None and not target_t[b, p].any():  # a word without dependents: to [CLS] (a no-op)
+                target_t[b, p, 0] = 1.0
+    rows, rows_t = target.sum(-1) > 0, target_t.sum(-1) > 0
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model.train()
     for _ in range(steps):
         out = model(**enc, output_attentions=True)
-        A = out.attentions[TRAINED[0]][:, TRAINED[1]]  # B×L×L
-        mass = (A * target).sum(-1)[rows]
-        loss = -torch.log(mass + 1e-9).mean()
+        mass = (out.attentions[TRAINED[0]][:, TRAINED[1]] * target).sum(-1)[rows]  # B×L×L → rows
+        mass_t = (out.attentions[TRAINED_T[0]][:, TRAINED_T[1]] * target_t).sum(-1)[rows_t]
+        loss = -torch.log(mass + 1e-9).mean() - torch.log(mass_t + 1e-9).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
     model.eval()
-    return model, float(mass.detach().mean())
+    return model, min(float(mass.detach().mean()), float(mass_t.detach().mean()))
 
 
 @pytest.fixture(scope="module")
 def toy_model_dir(tmp_path_factory):
     tok = _tokenizer()
     model, mass = _train_toy_model(tok)
-    assert mass > 0.9, f"the toy head did not learn its target (mean mass {mass:.2f})"
+    assert mass > 0.9, f"the toy heads did not learn their targets (mean mass {mass:.2f})"
     d = tmp_path_factory.mktemp("toy_bert")
     model.save_pretrained(d)
     tok.save_pretrained(d)
@@ -188,21 +196,130 @@ def test_align_word_ids_from_tokenizer():
 
 
 # --- scoring ------------------------------------------------------------------------------------------------
-def test_scores_both_directions_and_offset_baseline():
-    # 3 words: 0 -> 1 (det), 1 -> 2 (nsubj), 2 root; one layer, two heads
-    attn = np.zeros((1, 2, 3, 3))
-    attn[0, 0] = [[0, .9, .1], [.2, 0, .8], [.1, .7, 0]]  # head 0: every dependent to its head; 2 -> 1
-    attn[0, 1] = [[0, .1, .9], [.8, 0, .2], [.6, .3, 0]]
-    s = ProbeScores(1, 2)
-    s.add(attn, [1, 2, ROOT], ["det", "nsubj", "root"], [True, True, True])
-    assert s.accuracy("det", "dep->head").tolist() == [[1.0, 0.0]]
-    assert s.accuracy("nsubj", "dep->head").tolist() == [[1.0, 0.0]]
-    assert s.accuracy("nsubj", "head->dep").tolist() == [[1.0, 0.0]]  # word 2 attends most to word 1
-    assert s.accuracy("det", "head->dep").tolist() == [[0.0, 1.0]]  # word 1: head 1 prefers word 0
-    assert s.baseline("det") == (1, 1.0)
-    assert s.rel[ALL].n == 2 and s.n_root == 1
-    best = s.best("det")
-    assert best["best"] == {"layer": 0, "head": 0, "accuracy": 1.0, "direction": "dep->head"}
+# "the big dog barked": the -det-> dog, big -amod-> dog, dog -nsubj-> barked, barked is the root
+DOG_HEADS, DOG_RELS = [2, 2, 3, ROOT], ["det", "amod", "nsubj", "root"]
+DOG_ATTN = np.array([[0, .3, .6, .1],     # the:    attends most to dog
+                     [.1, 0, .3, .6],     # big:    to barked
+                     [.45, .45, 0, .1],   # dog:    to the and big alike (lowest index wins: the)
+                     [.1, .1, .8, 0]])    # barked: to dog
+
+
+def _dog_scores(**kwargs):
+    s = ProbeScores(1, 1, **kwargs)
+    s.add(DOG_ATTN[None, None], DOG_HEADS, DOG_RELS, [True] * 4)
+    return s
+
+
+def test_dep_to_head_and_clarks_transposed_direction_on_a_worked_example():
+    s = _dog_scores()
+    # dep->head: the word each dependent attends to most. the -> dog (right), big -> barked (wrong),
+    # dog -> the (wrong)
+    assert [float(s.accuracy(r, "dep->head")[0, 0]) for r in ("det", "amod", "nsubj")] == [1.0, 0.0, 0.0]
+    # dep<-head: the word that attends most to each dependent. Column "the": big .1, dog .45, barked .1 ->
+    # dog; column "big": the .3, dog .45, barked .1 -> dog; column "dog": the .6, big .3, barked .8 ->
+    # barked. All right: both dependents of "dog" are found, though "dog" attends most to only one of them
+    assert [float(s.accuracy(r, "dep<-head")[0, 0]) for r in ("det", "amod", "nsubj")] == [1.0, 1.0, 1.0]
+    assert s.accuracy(ALL, "dep->head")[0, 0] == pytest.approx(1 / 3) and s.accuracy(ALL, "dep<-head")[0, 0] == 1
+    assert s.rel[ALL].n == 3 and s.n_root == 1 and "root" not in s.rel
+    assert s.best("amod")["best"] == {"layer": 0, "head": 0, "accuracy": 1.0, "direction": "dep<-head"}
+    # baseline over every offset g - d: det +2, amod +1, nsubj +1
+    assert s.baseline("det") == (2, 1.0) and s.baseline("amod") == (1, 1.0)
+    assert s.baseline(ALL) == (1, pytest.approx(2 / 3))
+    with pytest.raises(AttnkitError, match="unknown direction 'head->dep'"):
+        s.accuracy("det", "head->dep")
+
+
+def test_count_root_scores_root_words_as_always_wrong():
+    s = _dog_scores(count_root=True)
+    assert s.rel["root"].n == 1 and s.rel[ALL].n == 4
+    for d in ("dep->head", "dep<-head"):
+        assert s.accuracy("root", d)[0, 0] == 0.0
+    assert s.accuracy(ALL, "dep->head")[0, 0] == 0.25 and s.accuracy(ALL, "dep<-head")[0, 0] == 0.75
+    assert s.baseline("root") == (None, 0.0)  # no offset reaches ROOT
+    assert s.baseline(ALL) == (1, 0.5)
+    rows = [r for r in s.rows() if r["relation"] == "root"]
+    assert len(rows) == 2 and all(r["baseline_offset"] == "" and r["correct"] == 0 for r in rows)
+
+
+def test_clark_baseline_offsets_are_minus_three_to_two_clamped_to_the_sentence():
+    s = _dog_scores(count_root=True, baseline="clark")
+    # "go home": go is the root, home -advmod-> go
+    s.add(np.array([[[[0, 1.0], [1.0, 0]]]]), [ROOT, 0], ["root", "advmod"], [True, True])
+    # nsubj (dog, d = 2 -> barked, g = 3): offset +1, and +2 clamped to the last word
+    assert s.rel["nsubj"].offset_hits == {-3: 0, -2: 0, -1: 0, 0: 0, 1: 1, 2: 1}
+    # det: d = 0, g = 2: only +2 (offsets -3..-1 give ROOT, 0 the word itself)
+    assert s.rel["det"].offset_hits[2] == 1 and sum(s.rel["det"].offset_hits.values()) == 1
+    # root words: "go" (d = 0) is reached by -3, -2 and -1 (clamped to ROOT); "barked" (d = 3) by none
+    assert s.rel["root"].offset_hits == {-3: 1, -2: 1, -1: 1, 0: 0, 1: 0, 2: 0}
+    assert s.baseline("root") == (-1, 0.5)  # ties: the smaller |offset|
+    assert s.baseline("nsubj") == (1, 1.0)
+    # (all): 6 words; +1 is right for amod, nsubj; -1 for home -> go and the root "go"
+    assert s.baseline(ALL) == (-1, pytest.approx(2 / 6))
+    with pytest.raises(AttnkitError, match="unknown baseline 'best'"):
+        ProbeScores(1, 1, baseline="best")
+
+
+def _clark_evaluation(examples, count_root):
+    """Independent of attnkit: Clark et al.'s evaluation as their notebook describes it, on word-level maps
+    with 1-based heads (0 = ROOT). Returns {(mode, layer, head): Counter(relation -> correct)}, the counts
+    per relation, and {offset: Counter(relation -> correct)} for the offsets -3..2."""
+    from collections import Counter
+
+    correct, count, offsets = {}, Counter(), {o: Counter() for o in range(-3, 3)}
+    for attn, heads, rels in examples:
+        n = len(heads)
+        gold = [h + 1 for h in heads]  # ROOT (-1) becomes 0
+        keep = [count_root or h != 0 for h in gold]
+        for i, r in enumerate(rels):
+            if keep[i]:
+                count[r] += 1
+                count["all"] += 1
+        for o in offsets:
+            for i, r in enumerate(rels):
+                if keep[i] and max(0, min(i + o + 1, n)) == gold[i]:
+                    offsets[o][r] += 1
+                    offsets[o]["all"] += 1
+        for layer in range(attn.shape[0]):
+            for head in range(attn.shape[1]):
+                for mode in ("normal", "transpose"):
+                    a = np.array(attn[layer, head], dtype=np.float64)
+                    a = a.T if mode == "transpose" else a
+                    a[range(n), range(n)] = 0
+                    pred = np.argmax(a, axis=-1) + 1
+                    c = correct.setdefault((mode, layer, head), Counter())
+                    for i, r in enumerate(rels):
+                        if keep[i] and pred[i] == gold[i]:
+                            c[r] += 1
+                            c["all"] += 1
+    return correct, count, offsets
+
+
+@pytest.mark.parametrize("count_root", [False, True])
+def test_scores_equal_an_independent_transcription_of_clarks_evaluation(count_root):
+    rng = np.random.default_rng(3)
+    examples = []
+    for _ in range(30):
+        n = int(rng.integers(2, 12))
+        heads = [ROOT if i == 0 else int(rng.choice([j for j in range(n) if j != i])) for i in range(n)]
+        order = rng.permutation(n)  # the root anywhere
+        inv = np.argsort(order)
+        heads = [ROOT if heads[order[i]] == ROOT else int(inv[heads[order[i]]]) for i in range(n)]
+        rels = [str(rng.choice(["a", "b", "c"])) if h != ROOT else "root" for h in heads]
+        attn = rng.dirichlet(np.ones(n), size=(2, 3, n))  # 2 layers × 3 heads, rows sum to 1
+        examples.append((attn, heads, rels))
+    s = ProbeScores(2, 3, count_root=count_root, baseline="clark")
+    for attn, heads, rels in examples:
+        s.add(attn, heads, rels, [True] * len(heads))
+    correct, count, offsets = _clark_evaluation(examples, count_root)
+    assert set(s.rel) == {ALL if r == "all" else r for r in count}
+    for r, n in count.items():
+        name = ALL if r == "all" else r
+        assert s.rel[name].n == n
+        for direction, mode in (("dep->head", "normal"), ("dep<-head", "transpose")):
+            want = np.array([[correct[(mode, layer, head)][r] / n for head in range(3)] for layer in range(2)])
+            np.testing.assert_array_equal(s.accuracy(name, direction), want)
+        assert dict(s.rel[name].offset_hits) == {o: offsets[o][r] for o in range(-3, 3)}
+        assert s.baseline(name)[1] == max(offsets[o][r] for o in range(-3, 3)) / n
 
 
 def test_unaligned_words_are_no_candidates_and_their_relations_are_skipped():
@@ -224,13 +341,16 @@ def test_trained_head_finds_gold_heads(toy_model_dir):
     scores, counts = score_sentences(model, tok, sents, batch_size=16)
     assert counts["unaligned"] == 0
     assert any(len(tok.tokenize(w)) > 1 for s in sents for w in s.words)  # "elephant": words of two pieces
-    layer, head = TRAINED
-    for rel in ("det", "amod", "nsubj", "obj"):
-        acc = scores.accuracy(rel, "dep->head")
-        assert acc[layer, head] >= 0.95, (rel, acc)
-    overall = scores.accuracy(ALL, "dep->head")
-    others = np.delete(overall.ravel(), layer * scores.n_heads + head)
-    assert overall[layer, head] >= 0.95 and others.max() < 0.8, overall
+    for (layer, head), direction in ((TRAINED, "dep->head"), (TRAINED_T, "dep<-head")):
+        for rel in ("det", "amod", "nsubj", "obj"):
+            acc = scores.accuracy(rel, direction)
+            assert acc[layer, head] >= 0.95, (direction, rel, acc)
+        overall = scores.accuracy(ALL, direction)
+        others = np.delete(overall.ravel(), layer * scores.n_heads + head)
+        assert overall[layer, head] >= 0.95 and others.max() < 0.8, (direction, overall)
+    # nouns with both a det and an amod occur: TRAINED_T spreads its weight over the two, and dep<-head finds
+    # both (det and amod >= 0.95 above), though the word the noun attends to most is only one of them
+    assert any(s.relations[:3] == ["det", "amod", "nsubj"] for s in sents)
     probe = attention_only_probe(scores, 0.5, seed=0)
     assert probe["uas"] >= 0.95
 
@@ -244,18 +364,45 @@ def test_cli_end_to_end_on_conllu(toy_model_dir, toy_conllu, tmp_path):
     summary = json.loads((out / "probe.json").read_text())
     assert summary["parser"] == "conllu" and summary["sentences"] == 60 and summary["unaligned_words"] == 0
     det = summary["relations"]["det"]
-    assert (det["best"]["layer"], det["best"]["head"]) == TRAINED and det["best"]["accuracy"] >= 0.95
+    assert (det["dep->head"]["layer"], det["dep->head"]["head"]) == TRAINED
+    assert (det["dep<-head"]["layer"], det["dep<-head"]["head"]) == TRAINED_T
+    assert det["best"]["accuracy"] >= 0.95 and det["best"]["direction"] in ("dep->head", "dep<-head")
     assert det["baseline_offset"] in (1, 2) and 0 < det["baseline_accuracy"] < 1
+    assert summary["settings"]["count_root"] is False and summary["settings"]["baseline"] == "any"
+    assert set(summary["directions"]) == {"dep->head", "dep<-head"} and "root" not in summary["relations"]
     with open(out / "probe.csv") as f:
         rows = list(csv.DictReader(f))
     assert set(rows[0]) == {"relation", "layer", "head", "direction", "correct", "count", "accuracy",
                             "baseline_offset", "baseline_accuracy"}
+    assert {r["direction"] for r in rows} == {"dep->head", "dep<-head"}
     # 2 layers × 2 heads × 2 directions per relation (4 relations and (all))
     assert len(rows) == 5 * 8
     assert (out / "probe_heatmap.png").stat().st_size > 1000
     assert "det" in (out / "best_heads.txt").read_text()
     again = CliRunner().invoke(main, ["probe", str(toy_conllu), "-o", str(out), "--model", str(toy_model_dir)])
     assert again.exit_code == 1 and "--overwrite" in again.output
+
+
+def test_cli_counts_roots_and_uses_clarks_offsets(toy_model_dir, toy_conllu, tmp_path):
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["probe", str(toy_conllu), "-o", str(out), "--model", str(toy_model_dir),
+                                    "--min-count", "5", "--count-root", "--baseline", "clark", "-q"])
+    assert res.exit_code == 0, res.output
+    assert "root words counted" in res.output and "-3..2" in res.output
+    summary = json.loads((out / "probe.json").read_text())
+    assert summary["settings"]["count_root"] is True and summary["settings"]["baseline"] == "clark"
+    sents = read_conllu(toy_conllu)
+    root = summary["relations"]["root"]
+    assert root["count"] == len(sents) and root["best"]["accuracy"] == 0.0  # no head predicts ROOT
+    assert summary["relations"]["(all)"]["count"] == sum(len(s.words) for s in sents)
+    # the toy verb (the root) is word 2 or 3 (0-based): only offset -3 from word 2 falls before the first word,
+    # which Clark's code clamps to ROOT
+    at_two = sum(s.heads.index(ROOT) == 2 for s in sents)
+    assert 0 < at_two < len(sents)
+    assert root["baseline_offset"] == -3 and root["baseline_accuracy"] == pytest.approx(at_two / len(sents))
+    assert all(summary["relations"][r]["baseline_offset"] in range(-3, 3) for r in summary["relations"])
+    bad = CliRunner().invoke(main, ["probe", str(toy_conllu), "-o", str(tmp_path / "b"), "--baseline", "best"])
+    assert bad.exit_code == 2 and "'best' is not one of 'any', 'clark'" in bad.output
 
 
 def test_cli_refuses_unknown_relation(toy_model_dir, toy_conllu, tmp_path):

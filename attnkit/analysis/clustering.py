@@ -10,7 +10,10 @@ scikit-learn's `KMeans` or `GaussianMixture` (no hand-written clustering) and ad
 * stability: `n_stability` times, fit a fresh estimator on a random half of the heads, predict every
   head, map that fit's labels onto the reference labels by Hungarian matching of the confusion matrix
   (`scipy.optimize.linear_sum_assignment`); a head is stable when it gets the same (matched) label in
-  every one of the fits; `stability_` is the share of stable heads.
+  every one of the fits; `stability_` is the share of stable heads. Several renamings often agree with
+  the reference on equally many heads; `match_labels` then takes the one whose clusters lie nearest the
+  reference clusters they are renamed to, and works on canonically numbered clusters, so the result
+  never depends on how the estimators happen to number their clusters.
 """
 from __future__ import annotations
 
@@ -66,11 +69,38 @@ def head_matrix(features: HeadFeatures, subset: list[str]) -> np.ndarray:
     return np.asarray(features.mean[:, :, idx], dtype=np.float64).reshape(L * H, len(idx))
 
 
-def match_labels(reference: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
+def canonical_numbering(labels: np.ndarray, k: int) -> np.ndarray:
+    """The renumbering `remap` (old label → new label) that orders clusters by decreasing size, ties by the
+    position of their first member, empty clusters last (by old label). It depends only on which items
+    share a cluster, so `remap[labels]` is the same partition numbered the same way, whatever the input
+    numbering (for clusters that have members)."""
+    labels = np.asarray(labels)
+    counts = np.bincount(labels, minlength=k)
+    first = np.array([np.argmax(labels == c) if counts[c] else len(labels) for c in range(k)])
+    order = sorted(range(k), key=lambda c: (-counts[c], first[c], c))
+    remap = np.empty(k, dtype=np.int64)
+    remap[order] = np.arange(k)
+    return remap
+
+
+def _member_means(data: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
+    """k × d mean of each cluster's rows of `data` (NaN rows for empty clusters)."""
+    return np.stack([data[labels == c].mean(0) if np.any(labels == c) else np.full(data.shape[1], np.nan)
+                     for c in range(k)])
+
+
+def match_labels(reference: np.ndarray, labels: np.ndarray, k: int, data: np.ndarray | None = None) -> np.ndarray:
     """Relabel `labels` so they agree with `reference` as much as possible (Hungarian matching).
 
-    Builds the k×k confusion matrix C[r, l] = #{heads with reference r and label l} and finds the
+    Builds the k×k confusion matrix C[r, l] = #{items with reference r and label l} and finds the
     one-to-one map l → r that maximises the matched count. Labels must be integers in [0, k).
+
+    Ties (several maps with the same count) are broken without regard to how either labelling is
+    numbered: with `data` (items × d, the clustered points), by the smallest total Euclidean distance
+    between the mean of each cluster of `labels` and the mean of the reference cluster it is mapped to;
+    remaining exact ties by the canonical numbering of both labellings (`canonical_numbering`). So
+    permuting the numbers of `labels` never changes the result, and permuting those of `reference`
+    permutes the result the same way.
     """
     reference = np.asarray(reference)
     labels = np.asarray(labels)
@@ -79,12 +109,25 @@ def match_labels(reference: np.ndarray, labels: np.ndarray, k: int) -> np.ndarra
     for arr in (reference, labels):
         if arr.size and (arr.min() < 0 or arr.max() >= k):
             raise AttnkitError(f"labels must lie in [0, {k}), got {arr.min()}..{arr.max()}")
+    ref_map, lab_map = canonical_numbering(reference, k), canonical_numbering(labels, k)
+    ref_c, lab_c = ref_map[reference], lab_map[labels]
     conf = np.zeros((k, k), dtype=np.int64)
-    np.add.at(conf, (reference, labels), 1)
-    rows, cols = linear_sum_assignment(-conf)
+    np.add.at(conf, (ref_c, lab_c), 1)
+    cost = -conf.astype(np.float64)
+    if data is not None:
+        data = np.asarray(data, dtype=np.float64)
+        if data.ndim != 2 or data.shape[0] != reference.shape[0]:
+            raise AttnkitError(f"data must have one row per labelled item ({reference.shape[0]}), got shape "
+                               f"{data.shape}")
+        a, b = _member_means(data, ref_c, k), _member_means(data, lab_c, k)
+        dist = np.nan_to_num(np.linalg.norm(a[:, None, :] - b[None, :, :], axis=-1), nan=0.0)
+        if dist.max() > 0:  # k distances sum to < 0.5: they can only decide between maps of equal count
+            cost += dist / (2.0 * k * dist.max())
+    rows, cols = linear_sum_assignment(cost)
     mapping = np.empty(k, dtype=np.int64)
-    mapping[cols] = rows
-    return mapping[labels]
+    mapping[cols] = rows  # canonical label of `labels` → canonical reference label
+    back = np.argsort(ref_map)  # canonical reference label → reference label
+    return back[mapping[lab_c]]
 
 
 class HeadClusterer(ClusterMixin, BaseEstimator):
@@ -197,10 +240,8 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
         self.estimator_ = est
         self.labels_ = labels
         k = int(self.k)
-        self.centroids_ = np.stack([data[labels == c].mean(0) if np.any(labels == c) else np.full(data.shape[1], np.nan)
-                                    for c in range(k)])
-        self.profiles_ = np.stack([self._all[labels == c].mean(0) if np.any(labels == c)
-                                   else np.full(self._all.shape[1], np.nan) for c in range(k)])
+        self.centroids_ = _member_means(data, labels, k)
+        self.profiles_ = _member_means(self._all, labels, k)
         self.profile_names_ = list(self._all_names)
         self.shares_ = np.bincount(labels, minlength=k) / n
         self.type_names_ = name_clusters(self.profiles_, self.profile_names_)
@@ -213,14 +254,8 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
 
     def _order_labels(self, labels: np.ndarray, data: np.ndarray) -> np.ndarray:
         """Renumber clusters by decreasing size (ties: by first head) so label ids are reproducible."""
-        k = int(self.k)
-        counts = np.bincount(labels, minlength=k)
-        first = np.array([np.argmax(labels == c) if counts[c] else len(labels) for c in range(k)])
-        order = sorted(range(k), key=lambda c: (-counts[c], first[c]))
-        remap = np.empty(k, dtype=np.int64)
-        remap[order] = np.arange(k)
-        self._label_remap = remap
-        return remap[labels]
+        self._label_remap = canonical_numbering(labels, int(self.k))
+        return self._label_remap[labels]
 
     def _stability(self, Z: np.ndarray) -> None:
         n, k = Z.shape[0], int(self.k)
@@ -236,7 +271,7 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
         for r in range(reps):
             idx = rng.choice(n, size=m, replace=False)
             est = self._make_estimator(int(self.seed) + 1 + r).fit(Z[idx])
-            runs[r] = match_labels(self.labels_, np.asarray(est.predict(Z), dtype=np.int64), k)
+            runs[r] = match_labels(self.labels_, np.asarray(est.predict(Z), dtype=np.int64), k, data=Z)
         self.stability_runs_ = runs
         self.stability_ = float(np.mean(np.all(runs == runs[0], axis=0)))
         self.head_stability_ = np.mean(runs == self.labels_[None, :], axis=0)
@@ -316,4 +351,4 @@ def sweep(features, ks=range(2, 9), progress: bool = False, n_seeds: int = 1, **
 
 
 __all__ = ["HeadClusterer", "cluster", "sweep", "stability_over_seeds", "seed_summary", "STABILITY_WARN",
-           "match_labels", "resolve_subset", "distance_feature_names", "head_matrix", "clone"]
+           "match_labels", "canonical_numbering", "resolve_subset", "distance_feature_names", "head_matrix", "clone"]

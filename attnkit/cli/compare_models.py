@@ -26,9 +26,10 @@ def _model_arg(value: str):
 def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limit, max_length, batch_size,
                        num_windows, sentences, backend, device, out, svg, quiet):
     """Compare the attention of models A and B (local directories, or 'default' for the embedded MiniLM)
-    head by head over CORPUS (default: the built-in corpus), tokenised once with A's tokenizer: the mean
-    cosine of each head's attention rows, the flattened-map cosine of Kovaleva et al. (2019, Sec. 5), and each
-    head's feature shift (B − A). The maps are computed from q and k one row block at a time, never stored."""
+    head by head over CORPUS (default: the built-in corpus), tokenised once with A's tokenizer: the cosine of
+    the flattened attention maps, averaged over samples (Kovaleva et al. 2019, Sec. 4.3, Fig. 5), the mean
+    cosine of each head's attention rows, and each head's feature shift (B − A); the figure shows both
+    cosines. The maps are computed from q and k one row block at a time, never stored."""
     from ..corpus import open_corpus
     from ..engine.compare import compare_models
 
@@ -37,7 +38,8 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
                          batch_size=batch_size, num_windows=num_windows, split_sentences=sentences,
                          backend=backend, device=device, progress=not quiet)
     path = res.save(out, svg=svg)
-    click.echo(f"{res.n_samples} samples, {res.n_rows} query rows; mean row cosine per layer (B vs A):")
+    click.echo(f"{res.n_samples} samples, {res.n_rows} query rows; per layer, mean over heads (B vs A) of the row "
+               f"cosine and the flattened-map cosine (Kovaleva et al.):")
     for l, (rc, mc) in enumerate(zip(res.row_cosine.mean(1), res.map_cosine.mean(1))):
         click.echo(f"  L{l:<3} rows {rc:.4f}  maps {mc:.4f}  least similar head H{int(res.row_cosine[l].argmin())} "
                    f"({res.row_cosine[l].min():.4f})")

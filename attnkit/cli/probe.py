@@ -24,23 +24,31 @@ from .options import cli_errors, echo_for, shared
                                                                                          max_open=True),
               help="Share of sentences the attention-only probe is trained on (UAS on the rest).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the train/test split.")
+@click.option("--count-root", is_flag=True,
+              help="Score root words too, as Clark et al.'s code does: their head is ROOT, which no attention "
+                   "head predicts, so they count as wrong (in their relation and in '(all)').")
+@click.option("--baseline", type=click.Choice(["any", "clark"]), default="any", show_default=True,
+              help="Offset baseline: any = the best of every offset that occurs; clark = the best of the offsets "
+                   "-3..2, clamped to the sentence as in Clark et al.'s code.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing probe run in --out.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
 def probe(corpus, out, model_path, parser, fmt, columns, limit, max_length, batch_size, device, dtype, backend,
-          min_count, relation, train_fraction, seed, overwrite, quiet):
+          min_count, relation, train_fraction, seed, count_root, baseline, overwrite, quiet):
     """Which heads track syntax: per head and dependency relation, accuracy against the parses of CORPUS.
 
-    Clark et al. 2019, Sec. 4-5: how often the most-attended other word is the gold head (dependent->head)
-    or the dependent (head->dep), against the best fixed-offset baseline; and an attention-only logistic
-    probe's UAS. With --parser spacy, the corpus is read as `attnkit extract` reads it; each line or text
-    column value is one text, both sides of a pair are parsed separately. See docs/probes.md."""
+    Clark et al. 2019, Sec. 4-5: per dependent, how often its gold head is the word it attends to most
+    (dep->head) or the word that attends most to it (dep<-head, the transposed mode of Clark's code), against
+    the best fixed-offset baseline; and an attention-only logistic probe's UAS. With --parser spacy, the corpus
+    is read as `attnkit extract` reads it; each line or text column value is one text, both sides of a pair are
+    parsed separately. See docs/probes.md."""
     from ..probe.run import ProbeOptions, run_probe
 
     run_probe(ProbeOptions(paths=list(corpus), out=out, model_path=model_path, parser=parser, fmt=fmt,
                            columns=columns, limit=limit, max_length=max_length, batch_size=batch_size, device=device,
                            dtype=dtype, backend=backend, min_count=min_count, relation=relation,
-                           train_fraction=train_fraction, seed=seed, overwrite=overwrite, quiet=quiet),
+                           train_fraction=train_fraction, seed=seed, count_root=count_root, baseline=baseline,
+                           overwrite=overwrite, quiet=quiet),
               echo=echo_for())
 
 

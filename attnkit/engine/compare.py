@@ -1,4 +1,5 @@
-"""Comparing the attention of two models head by head (Kovaleva et al. 2019, Sec. 5; defined in docs/compare.md).
+"""Comparing the attention of two models head by head (Kovaleva et al. 2019, Sec. 4.3 and Fig. 5; defined in
+docs/compare.md).
 
 For each layer ℓ and head h, over the same tokenised corpus, with A and B the two models' softmax weights:
 
@@ -163,7 +164,8 @@ class ModelComparison:
             f, row_cosine=self.row_cosine, map_cosine=self.map_cosine, mean_a=self.features_a.mean,
             mean_b=self.features_b.mean, shift=self.shift, names=np.array(self.features_a.names),
             n_rows=np.int64(self.n_rows), n_samples=np.int64(self.n_samples)))
-        save_figure(cosine_heatmap(self.row_cosine, self.meta), directory / FIGURES_DIR, "compare_models", svg=svg)
+        save_figure(cosine_heatmaps(map_cosine=self.map_cosine, row_cosine=self.row_cosine, meta=self.meta),
+                    directory / FIGURES_DIR, "compare_models", svg=svg)
         return directory / COMPARE_JSON
 
 
@@ -173,17 +175,25 @@ def _short(name) -> str:
     return "/".join(parts[-2:]) if len(parts) > 1 else str(name)
 
 
-def cosine_heatmap(cos: np.ndarray, meta: dict | None = None):
-    """Layer × head heatmap of the mean row cosine (Kovaleva et al. Fig. 5 analogue)."""
+MAP_COSINE_TITLE = "flattened-map cosine (Kovaleva et al. 2019, Fig. 5)\nmean over samples"
+ROW_COSINE_TITLE = "row cosine\nmean over query rows"
+
+
+def cosine_heatmaps(*, map_cosine: np.ndarray, row_cosine: np.ndarray, meta: dict | None = None):
+    """Two layer × head heatmaps side by side, each titled with what it shows: left the flattened-map cosine
+    (the measure of Kovaleva et al.'s Fig. 5), right the row cosine; one colour scale for both."""
     from ..plotting import head_grid, plt
 
-    L, H = cos.shape
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * H + 2), max(2.5, 0.4 * L + 1.2)))
-    head_grid(ax, cos, labels=[[f"{v:.2f}" for v in row] for row in cos], vmin=min(0.0, float(np.nanmin(cos))),
-              vmax=1.0, fontsize=6, dark_below=0.6, colorbar={"fraction": 0.046, "pad": 0.04})
+    L, H = map_cosine.shape
+    vmin = min(0.0, float(np.nanmin(map_cosine)), float(np.nanmin(row_cosine)))
+    fig, axes = plt.subplots(1, 2, figsize=(2 * max(4.0, 0.45 * H + 2), max(2.8, 0.4 * L + 1.6)))
+    for ax, grid, title in ((axes[0], map_cosine, MAP_COSINE_TITLE), (axes[1], row_cosine, ROW_COSINE_TITLE)):
+        head_grid(ax, grid, labels="{:.2f}", vmin=vmin, vmax=1.0, fontsize=6, dark_below=0.6,
+                  colorbar={"fraction": 0.046, "pad": 0.04})
+        ax.set_title(title, fontsize=9)
     meta = meta or {}
-    ax.set_title(f"mean cosine of attention rows: {_short(meta.get('model_b', 'B'))} vs "
-                 f"{_short(meta.get('model_a', 'A'))}", fontsize=9)
+    fig.suptitle(f"attention of {_short(meta.get('model_b', 'B'))} vs {_short(meta.get('model_a', 'A'))}, "
+                 "per head (1 = identical)", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -249,5 +259,5 @@ def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=Non
                            coll.n_samples, meta)
 
 
-__all__ = ["similarity_sums", "PairedCollector", "ModelComparison", "compare_models", "cosine_heatmap",
+__all__ = ["similarity_sums", "PairedCollector", "ModelComparison", "compare_models", "cosine_heatmaps",
            "COMPARE_JSON", "COMPARE_NPZ"]

@@ -20,7 +20,7 @@ from ..run.versions import attnkit_version
 from ..words import op_available, word_attention
 from .alignment import Alignment, align_offsets, align_word_ids
 from .conllu import read_conllu
-from .scoring import ALL, DIRECTIONS, ProbeScores, attention_only_probe
+from .scoring import ALL, DIRECTION_QUESTIONS, DIRECTIONS, ProbeScores, attention_only_probe, check_baseline
 from .sentences import ROOT, ParsedSentence
 
 log = logging.getLogger("attnkit")
@@ -48,6 +48,8 @@ class ProbeOptions:
     relation: str | None = None
     train_fraction: float = 0.5
     seed: int = 0
+    count_root: bool = False
+    baseline: str = "any"
     overwrite: bool = False
     quiet: bool = False
 
@@ -172,13 +174,14 @@ def word_attention_batch(model, inputs: dict, aligns: list[Alignment], num_words
 
 
 def score_sentences(model, tokenizer, sentences, *, max_length=DEFAULT_MAX_LENGTH, batch_size=16, backend="auto",
-                    keep_pairs=True, quiet=True) -> tuple[ProbeScores, dict]:
-    """Run the model over parsed sentences and score every head; returns (scores, alignment counts)."""
+                    keep_pairs=True, quiet=True, count_root=False, baseline="any") -> tuple[ProbeScores, dict]:
+    """Run the model over parsed sentences and score every head; returns (scores, alignment counts).
+    `count_root` and `baseline` as in `ProbeScores`."""
     from tqdm import tqdm
 
     mods = attention_modules(model)
     n_heads = int(model.config.num_attention_heads)
-    scores = ProbeScores(len(mods), n_heads, keep_pairs=keep_pairs)
+    scores = ProbeScores(len(mods), n_heads, keep_pairs=keep_pairs, count_root=count_root, baseline=baseline)
     counts = {"words": 0, "unaligned": 0, "truncated": 0, "split": 0, "no_piece": 0}
     order = sorted(range(len(sentences)), key=lambda i: len(sentences[i].words))  # less padding
     with tqdm(total=len(sentences), disable=quiet, desc="probe", unit="sent") as bar:
@@ -207,34 +210,36 @@ def head_name(layer: int, head: int) -> str:
 def best_head_table(scores: ProbeScores, min_count: int) -> str:
     """Clark et al.'s Table 2 layout: per relation the best head, its accuracy and the offset baseline."""
     lines = [f"{'Relation':<14} {'Count':>6}  {'Head':<6} {'Direction':<10} {'Accuracy':>8}  {'Baseline':>14}  "
-             f"{'dep->head':>14}  {'head->dep':>14}"]
+             + "  ".join(f"{d:>14}" for d in DIRECTIONS)]
     for r in scores.relations(min_count):
         b = scores.best(r)
         best = b["best"]
-        base = f"{100 * b['baseline_accuracy']:.1f} ({b['baseline_offset']:+d})"
+        off = "none" if b["baseline_offset"] is None else f"{b['baseline_offset']:+d}"
+        base = f"{100 * b['baseline_accuracy']:.1f} ({off})"
         dirs = [f"{100 * b[d]['accuracy']:5.1f} {head_name(b[d]['layer'], b[d]['head']):<7}" for d in DIRECTIONS]
         lines.append(f"{r:<14} {b['count']:>6}  {head_name(best['layer'], best['head']):<6} {best['direction']:<10} "
-                     f"{100 * best['accuracy']:>8.1f}  {base:>14}  {dirs[0]:>14}  {dirs[1]:>14}")
+                     f"{100 * best['accuracy']:>8.1f}  {base:>14}  " + "  ".join(f"{x:>14}" for x in dirs))
     return "\n".join(lines)
 
 
 def heatmap(scores: ProbeScores, relation: str | None, min_count: int):
-    """Layers × heads accuracy (better direction) for `relation`, or each head's best relation."""
+    """Layers × heads accuracy (the better of dep->head and dep<-head) for `relation`, or each head's best
+    relation."""
     from ..plotting import head_grid, plt
 
     if relation is not None:
         if relation not in scores.rel:
             raise AttnkitError(f"{arg('relation')} {relation!r} does not occur; relations: "
                                f"{', '.join(scores.relations())}")
-        grid = np.maximum(*(scores.accuracy(relation, d) for d in DIRECTIONS))
-        title = f"{relation}: accuracy of the most-attended word (better direction)"
+        grid = scores.best_accuracy(relation)
+        title = f"{relation}: accuracy, better of {' and '.join(DIRECTIONS)}"
         labels = None
     else:
         rels = [r for r in scores.relations(min_count) if r != ALL] or [ALL]
-        stack = np.stack([np.maximum(*(scores.accuracy(r, d) for d in DIRECTIONS)) for r in rels])
+        stack = np.stack([scores.best_accuracy(r) for r in rels])
         grid = stack.max(0)
         labels = np.asarray(rels)[stack.argmax(0)]
-        title = "best relation per head: accuracy (better direction)"
+        title = f"best relation per head: accuracy, better of {' and '.join(DIRECTIONS)}"
     fig, ax = plt.subplots(figsize=(1.0 + 0.55 * scores.n_heads, 1.0 + 0.45 * scores.n_layers))
     shown = labels is not None and scores.n_heads * scores.n_layers <= 400
     head_grid(ax, grid, labels=labels.tolist() if shown else None, vmin=0, vmax=1, fontsize=5, dark_below=0.6,
@@ -265,11 +270,13 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
     if (out / PROBE_JSON).exists() and not opts.overwrite:
         raise AttnkitError(f"{out}/{PROBE_JSON} exists: use {arg('overwrite', True)} to replace it")
     check_int(opts.min_count, "min_count")
+    check_baseline(opts.baseline)
     ensure_writable_dir(out)
     sentences, parser = load_sentences(opts)
     model, tokenizer = load_model(opts.model_path, device=opts.device, dtype=opts.dtype)
     scores, counts = score_sentences(model, tokenizer, sentences, max_length=opts.max_length,
-                                     batch_size=opts.batch_size, backend=opts.backend, quiet=opts.quiet)
+                                     batch_size=opts.batch_size, backend=opts.backend, quiet=opts.quiet,
+                                     count_root=opts.count_root, baseline=opts.baseline)
     if ALL not in scores.rel:
         raise AttnkitError("no dependency could be scored (every dependent or head unaligned, or only roots)")
     if opts.relation is not None and opts.relation not in scores.rel:
@@ -288,11 +295,13 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
         "unaligned_words": counts["unaligned"],
         "unaligned_detail": {k: counts[k] for k in ("truncated", "split", "no_piece")},
         "root_words": scores.n_root, "scored_dependencies": scores.rel[ALL].n,
+        "directions": dict(DIRECTION_QUESTIONS),
         "skipped_dependencies": scores.n_skipped,
         "relations": {r: scores.best(r) for r in scores.relations()},
         "attention_only_probe": probe,
         "settings": {"max_length": opts.max_length, "batch_size": opts.batch_size, "dtype": opts.dtype,
                      "min_count": opts.min_count, "relation": opts.relation, "backend": opts.backend,
+                     "count_root": opts.count_root, "baseline": opts.baseline,
                      "word_attention_backend": wa_backend},
         "attnkit_version": attnkit_version(),
         "files": {"csv": PROBE_CSV, "table": PROBE_TABLE, "heatmap": f"{PROBE_HEATMAP}.png"},
@@ -303,7 +312,10 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
          f"{counts['truncated']} truncated, {counts['split']} sharing a piece, {counts['no_piece']} without a piece), "
          f"{scores.rel[ALL].n} dependencies scored, {scores.n_skipped} skipped")
     echo("Best head per relation (heads 0-based; Clark et al. write layer-head 1-based: L7H9 = 8-10); "
-         "accuracy and baseline in %:")
+         "accuracy and baseline in %; dep->head: the word the dependent attends to most is its head; dep<-head: "
+         "the word that attends most to the dependent is its head (Clark's transposed mode)"
+         + ("; root words counted (always wrong)" if opts.count_root else "")
+         + ("; baseline offsets -3..2 as Clark's code" if opts.baseline == "clark" else "") + ":")
     echo(table)
     if "uas" in probe:
         echo(f"attention-only probe (logistic, {probe['features']} features): UAS {100 * probe['uas']:.1f} on "

@@ -1,14 +1,17 @@
 """Per-head dependency accuracies (Clark et al. Sec. 4.2), the fixed-offset baseline and the attention-only
-probe (Sec. 5), accumulated sentence by sentence from word-level attention.
+probe (Sec. 5), accumulated sentence by sentence from word-level attention (definitions: docs/probes.md).
 
-For a sentence with word-level attention M (heads × W × W, rows attend), a head's prediction for word i is
-the other aligned word j with the largest M[i, j] (lowest j on ties). For every scored dependency
-(dependent d, gold head g, relation r; both words aligned, g not the root):
-  * dependent → head is correct when the prediction for d is g;
-  * head → dependent is correct when the prediction for g is d (a head with several dependents of r can be
-    right for at most one of them, as in Clark's evaluation).
-Baseline: for each relation, the relative offset g − d that is most often right (the accuracy is the same in
-both directions).
+For a sentence with word-level attention M (heads × W × W, M[i, j] = attention from word i to word j) and
+the aligned words as candidates, every scored dependency (dependent d, gold head g, relation r) gets one
+predicted head per direction, lowest index on ties:
+  * dep->head: the word d attends to most, argmax_{j != d} M[d, j] (Clark's `mode="normal"`);
+  * dep<-head: the word that attends most to d, argmax_{j != d} M[j, d] (Clark's `mode="transpose"`,
+    called "head<-dep" in his notebook). Several dependents of one head can all be right.
+The prediction is right when it is g. Root words are not scored, or (`count_root`, as Clark's code does)
+scored as dependencies of ROOT that no head predicts, so always wrong.
+Baseline, per relation: the fixed offset o whose prediction d + o is most often the gold head; `"any"`
+tries every offset that occurs, `"clark"` only −3…2 with Clark's clamping (before the first word: ROOT,
+after the last: the last word).
 """
 from __future__ import annotations
 
@@ -21,22 +24,44 @@ from ..errors import AttnkitError, arg
 from .sentences import ROOT
 
 ALL = "(all)"  # the pseudo-relation of every scored dependency
-DIRECTIONS = ("dep->head", "head->dep")
+DIRECTIONS = ("dep->head", "dep<-head")
+DIRECTION_QUESTIONS = {
+    "dep->head": "is the word the dependent attends to most its head?",
+    "dep<-head": "is the word that attends most to the dependent its head? (Clark's transposed mode)",
+}
+BASELINES = ("any", "clark")
+CLARK_OFFSETS = tuple(range(-3, 3))  # the offsets of Clark et al.'s offset_predictor (range(-3, 3))
 
 
 @dataclass
 class RelationCounts:
     n: int = 0
-    dep_to_head: np.ndarray | None = None  # correct per head (flattened layers × heads)
-    head_to_dep: np.ndarray | None = None
-    offsets: Counter = field(default_factory=Counter)
+    correct: dict = field(default_factory=dict)  # direction → correct per head (flattened layers × heads)
+    offset_hits: Counter = field(default_factory=Counter)  # baseline offset → dependencies it gets right
+
+
+def check_baseline(baseline: str) -> None:
+    if baseline not in BASELINES:
+        raise AttnkitError(f"unknown {arg('baseline')} {baseline!r}; use {' or '.join(BASELINES)}")
+
+
+def offset_prediction(d: int, offset: int, n_words: int) -> int:
+    """Clark's offset baseline: the word `offset` after word `d`, clamped to the sentence as his code does
+    (before the first word: ROOT; after the last word: the last word)."""
+    p = d + offset
+    return ROOT if p < 0 else min(p, n_words - 1)
 
 
 class ProbeScores:
-    """Accumulates correct counts per (relation, head, direction), and the attention-only probe's pairs."""
+    """Accumulates correct counts per (relation, head, direction), the baseline's hits per offset, and the
+    attention-only probe's pairs. `count_root`: score root words (always wrong, as in Clark's code);
+    `baseline`: "any" (every offset) or "clark" (−3…2, clamped)."""
 
-    def __init__(self, n_layers: int, n_heads: int, keep_pairs: bool = True):
+    def __init__(self, n_layers: int, n_heads: int, keep_pairs: bool = True, *, count_root: bool = False,
+                 baseline: str = "any"):
+        check_baseline(baseline)
         self.n_layers, self.n_heads = n_layers, n_heads
+        self.count_root, self.baseline_kind = bool(count_root), baseline
         self.rel: dict[str, RelationCounts] = defaultdict(RelationCounts)
         self.keep_pairs = keep_pairs
         self.pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per sentence: X, is_head, dependent
@@ -53,32 +78,43 @@ class ProbeScores:
             raise AttnkitError(f"word attention of shape {attn.shape} does not fit a sentence of {W} words")
         M = attn.reshape(LH, W, W).astype(np.float64)
         ok = np.asarray(aligned, dtype=bool)
-        cand = ok[None, :] & ~np.eye(W, dtype=bool)  # W×W: row i may predict column j
-        pred = np.where(cand[None], M, -np.inf).argmax(-1)  # LH × W (argmax: lowest index on ties)
-        pred = np.where(cand.any(1)[None], pred, -1)
+        cand = ok[None, :] & ~np.eye(W, dtype=bool)  # W×W: for word i, column j may be predicted
+        none = ~cand.any(1)[None]  # a word with no candidate gets no prediction (-1)
+        pred = {direction: np.where(none, -1, np.where(cand[None], A, -np.inf).argmax(-1))  # LH × W, lowest j on ties
+                for direction, A in zip(DIRECTIONS, (M, M.transpose(0, 2, 1)))}
         self.n_sentences += 1
         self.n_words += W
         deps, govs = [], []
         for d, (g, r) in enumerate(zip(heads, relations)):
             if g == ROOT:
                 self.n_root += 1
-                continue
-            if not (ok[d] and ok[g]):
+                if not self.count_root:
+                    continue
+            if not ok[d] or (g != ROOT and not ok[g]):
                 self.n_skipped += 1
                 continue
-            deps.append(d)
-            govs.append(g)
+            if g != ROOT:
+                deps.append(d)
+                govs.append(g)
             for name in (r, ALL):
                 c = self.rel[name]
-                if c.dep_to_head is None:
-                    c.dep_to_head = np.zeros(LH, np.int64)
-                    c.head_to_dep = np.zeros(LH, np.int64)
+                if not c.correct:
+                    c.correct = {direction: np.zeros(LH, np.int64) for direction in DIRECTIONS}
                 c.n += 1
-                c.dep_to_head += pred[:, d] == g
-                c.head_to_dep += pred[:, g] == d
-                c.offsets[g - d] += 1
+                if g != ROOT:  # no head predicts ROOT
+                    for direction in DIRECTIONS:
+                        c.correct[direction] += pred[direction][:, d] == g
+                self._add_baseline(c, d, g, W)
         if self.keep_pairs and deps:
             self._add_pairs(M, ok, deps, govs)
+
+    def _add_baseline(self, c: RelationCounts, d: int, g: int, n_words: int) -> None:
+        if self.baseline_kind == "any":
+            if g != ROOT:
+                c.offset_hits[g - d] += 1
+        else:
+            for off in CLARK_OFFSETS:
+                c.offset_hits[off] += offset_prediction(d, off, n_words) == g
 
     def _add_pairs(self, M, ok, deps, govs) -> None:
         """Candidate (dependent, word) pairs: features = every head's attention in both directions."""
@@ -97,17 +133,29 @@ class ProbeScores:
         names.sort(key=lambda r: (-self.rel[r].n, r))
         return names + ([ALL] if ALL in self.rel else [])
 
-    def baseline(self, relation: str) -> tuple[int, float]:
-        """(best fixed offset g − d, its accuracy) for a relation; ties: the smaller |offset|, then offset."""
+    def baseline(self, relation: str) -> tuple[int | None, float]:
+        """(best fixed offset, its accuracy) for a relation; ties: the smaller |offset|, then the smaller
+        offset. (None, 0.0) when no offset is ever right (e.g. only root words with baseline "any")."""
         c = self.rel[relation]
-        off, hits = min(c.offsets.items(), key=lambda kv: (-kv[1], abs(kv[0]), kv[0]))
-        return off, hits / c.n
+        hits = {off: k for off, k in c.offset_hits.items() if k > 0}
+        if not hits:
+            return None, 0.0
+        off, k = min(hits.items(), key=lambda kv: (-kv[1], abs(kv[0]), kv[0]))
+        return off, k / c.n
+
+    def _check_direction(self, direction: str) -> None:
+        if direction not in DIRECTIONS:
+            raise AttnkitError(f"unknown {arg('direction')} {direction!r}; use {' or '.join(DIRECTIONS)}")
 
     def accuracy(self, relation: str, direction: str) -> np.ndarray:
         """Accuracy per head, shape (layers, heads)."""
+        self._check_direction(direction)
         c = self.rel[relation]
-        arr = c.dep_to_head if direction == DIRECTIONS[0] else c.head_to_dep
-        return (arr / c.n).reshape(self.n_layers, self.n_heads)
+        return (c.correct[direction] / c.n).reshape(self.n_layers, self.n_heads)
+
+    def best_accuracy(self, relation: str) -> np.ndarray:
+        """Per head, the better of the two directions' accuracies (layers, heads)."""
+        return np.maximum(*(self.accuracy(relation, d) for d in DIRECTIONS))
 
     def rows(self) -> list[dict]:
         """One row per (relation, layer, head, direction): the probe.csv table."""
@@ -116,14 +164,13 @@ class ProbeScores:
             c = self.rel[r]
             off, base = self.baseline(r)
             for direction in DIRECTIONS:
-                correct = (c.dep_to_head if direction == DIRECTIONS[0] else c.head_to_dep).reshape(
-                    self.n_layers, self.n_heads)
+                correct = c.correct[direction].reshape(self.n_layers, self.n_heads)
                 for layer in range(self.n_layers):
                     for head in range(self.n_heads):
                         k = int(correct[layer, head])
                         out.append({"relation": r, "layer": layer, "head": head, "direction": direction,
                                     "correct": k, "count": c.n, "accuracy": k / c.n,
-                                    "baseline_offset": off, "baseline_accuracy": base})
+                                    "baseline_offset": "" if off is None else off, "baseline_accuracy": base})
         return out
 
     def best(self, relation: str) -> dict:
@@ -146,7 +193,8 @@ class ProbeScores:
 def attention_only_probe(scores: ProbeScores, train_fraction: float = 0.5, seed: int = 0) -> dict:
     """Clark's attention-only probe: a logistic model over every head's word-level attention in both
     directions (w·α(d→j) + u·α(j→d)), trained on `train_fraction` of the sentences, scored on the rest:
-    UAS = share of test dependents (non-root, aligned) whose highest-scoring candidate word is the gold head.
+    UAS = share of test dependents (non-root, aligned) whose highest-scoring candidate word is the gold head
+    (root words are never in it, whatever `count_root`: ROOT is no candidate here).
     Trained as a binary classifier of (dependent, candidate) pairs; the prediction takes the arg-max over
     the candidates, which is the same log-linear form as Clark's softmax over candidates."""
     from sklearn.linear_model import LogisticRegression
