@@ -18,6 +18,7 @@ ALL, NO_INTRA, NO_INTER = 0, 1, 2
 
 DEFAULT_NUM_WINDOWS = 16
 DEFAULT_MAX_LENGTH = 128  # tokens per sample, special tokens included, when none is given
+DEFAULT_WINDOW = 4096  # segments read ahead and sorted by length together (docs/pipeline.md)
 ROW_FEATURES = ("prev", "next", "entropy", "max", "intra", "inter")
 
 

@@ -29,10 +29,10 @@ from ..errors import AttnkitError, arg
 from ..interventions import HeadTypes, Intervention, format_heads, intervene
 from ..run.outputs import atomic_write, ensure_writable_dir
 from .importance import iterative_pruning
+from .names import EXPERIMENTS
 
 log = logging.getLogger("attnkit")
 
-EXPERIMENTS = ("types", "heads", "layers", "importance")
 MODE_LABEL = {"zero": "prune (0)", "uniform": "substitute (1/n)"}
 
 

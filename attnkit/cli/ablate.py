@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..ablation.experiments import EXPERIMENTS
-from ..ablation.tasks import TASKS
+from ..ablation.names import EXPERIMENTS, TASKS
 from .options import cli_errors, shared
 
 
