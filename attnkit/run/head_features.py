@@ -1,6 +1,7 @@
 """Per-head corpus features: the accumulator that extraction feeds, and the result it produces."""
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,42 @@ from .schemas import FEATURES_ARRAYS, META_SCHEMA, load_json, load_npz
 
 
 @dataclass
+class HeadGrid:
+    """A layer × head grid of one feature (`HeadFeatures.grid`): `values` (n_layers × n_heads), shown in a
+    notebook as a table whose cells are shaded from the smallest value (white) to the largest (blue)."""
+
+    values: np.ndarray
+    feature: str
+    stat: str = "mean"
+
+    def __repr__(self) -> str:
+        L, H = self.values.shape
+        lines = [f"{self.feature} ({self.stat}), {L} layers × {H} heads",
+                 "      " + " ".join(f"{'H' + str(h):>6}" for h in range(H))]
+        lines += [f"L{l:<4} " + " ".join(f"{v:6.3f}" for v in self.values[l]) for l in range(L)]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        v = np.asarray(self.values, dtype=float)
+        finite = v[np.isfinite(v)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        span = hi - lo or 1.0
+        head = "".join(f"<th>H{h}</th>" for h in range(v.shape[1]))
+        rows = []
+        for l in range(v.shape[0]):
+            cells = []
+            for x in v[l]:
+                t = (x - lo) / span if np.isfinite(x) else 0.0
+                bg = f"rgb({int(255 - 222 * t)},{int(255 - 160 * t)},{int(255 - 75 * t)})"
+                fg = "#000" if t < 0.55 else "#fff"
+                cells.append(f'<td style="background:{bg};color:{fg};text-align:right">{x:.3f}</td>')
+            rows.append(f"<tr><th>L{l}</th>{''.join(cells)}</tr>")
+        caption = f"{html.escape(self.feature)} ({self.stat}); shading from {lo:.3f} to {hi:.3f}"
+        return (f'<table style="border-collapse:collapse;font-size:11px"><caption style="text-align:left">'
+                f"{caption}</caption><thead><tr><th></th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+
+
+@dataclass(repr=False)
 class HeadFeatures:
     """Corpus-level features per head.
 
@@ -42,14 +79,36 @@ class HeadFeatures:
         return getattr(self, stat)[:, :, self.names.index(name)]
 
     def to_pandas(self):
-        """One row per (layer, head), one column per feature mean and `<name>_std` per std."""
+        """One row per (layer, head): columns `layer`, `head`, then one column per feature mean (named as the
+        feature) and `<name>_std` per standard deviation, in the order of `names` (what `attnkit export`
+        writes)."""
         import pandas as pd
 
         L, H, F = self.mean.shape
-        index = pd.MultiIndex.from_product([range(L), range(H)], names=["layer", "head"])
-        df = pd.DataFrame(self.mean.reshape(L * H, F), index=index, columns=self.names)
-        std = pd.DataFrame(self.std.reshape(L * H, F), index=index, columns=[f"{n}_std" for n in self.names])
-        return pd.concat([df, std], axis=1)
+        heads = pd.DataFrame({"layer": np.repeat(np.arange(L), H), "head": np.tile(np.arange(H), L)})
+        df = pd.DataFrame(self.mean.reshape(L * H, F), columns=self.names)
+        std = pd.DataFrame(self.std.reshape(L * H, F), columns=[f"{n}_std" for n in self.names])
+        return pd.concat([heads, df, std], axis=1)
+
+    def grid(self, feature: str = "cls", stat: str = "mean") -> HeadGrid:
+        """One feature as a layer × head grid that a notebook shows as a coloured table (`_repr_html_`)."""
+        if stat not in ("mean", "std"):
+            raise AttnkitError(f"unknown stat {stat!r}; use mean or std")
+        return HeadGrid(self.feature(feature, stat), feature, stat)
+
+    def __repr__(self) -> str:
+        model = self.meta.get("model")
+        where = f", model={str(model)!r}" if model else ""
+        return (f"HeadFeatures({self.n_layers} layers × {self.n_heads} heads × {len(self.names)} features, "
+                f"{self.n_samples} samples, {self.n_tokens} tokens{where})")
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: the summary line and the grid of `cls` (or of the first feature); `.grid(name)`
+        shows another."""
+        shown = "cls" if "cls" in self.names else self.names[0]
+        return (f"<div><p><code>{html.escape(repr(self))}</code></p>{self.grid(shown)._repr_html_()}"
+                f"<p style=\"font-size:smaller\">features: {html.escape(', '.join(self.names))}; "
+                f"<code>.grid(name)</code> shows another, <code>.to_pandas()</code> gives the table.</p></div>")
 
     def save(self, directory) -> Path:
         directory = ensure_writable_dir(directory, "run directory")
@@ -176,4 +235,4 @@ def features_table(features: HeadFeatures):
     """pandas DataFrame with one row per head: `layer`, `head`, then one column per feature mean (named
     as the feature) and one `<name>_std` per feature standard deviation (over samples), in the order
     of `features.names` (what `attnkit export` writes)."""
-    return features.to_pandas().reset_index()
+    return features.to_pandas()  # the same table: kept for the callers that name it so
