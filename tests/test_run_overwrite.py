@@ -17,10 +17,12 @@ def test_an_existing_output_is_refused_naming_it_and_what_overwrite_removes(tmp_
     (tmp_path / "report.html").write_text("r")
     with pytest.raises(AttnkitError) as e:
         claim_outputs([tmp_path / "distances.npz", tmp_path / "other.npz"], False,
-                      stale=[tmp_path / "report.html", tmp_path / "figures"], what="distances")
+                      stale=[tmp_path / "report.html", tmp_path / "figures"])
     msg = e.value.message({"overwrite": "--overwrite"})
-    assert msg == (f"{tmp_path}/distances.npz already exist (distances): give --overwrite to replace them; it also "
-                   f"removes {tmp_path}/report.html, drawn from them, or write elsewhere")
+    assert msg == (f"{tmp_path}/distances.npz already exists: give --overwrite to replace it (it removes "
+                   f"{tmp_path}/{{distances.npz, report.html}}), or write elsewhere")
+    with pytest.raises(AttnkitError, match="^RUN holds distances: give overwrite=True to replace it"):
+        claim_outputs([tmp_path / "distances.npz"], False, what="RUN holds distances")
     assert str(e.value).count("overwrite=True") == 1  # Python callers read the argument
     assert (tmp_path / "distances.npz").read_bytes() == b"x"
 

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from ..errors import AttnkitError, arg, check_int
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows, feature_names
 from ..models import attention_modules, check_max_length, observing, resolve_model
@@ -198,6 +200,7 @@ def extract(
     workers: int = 0,
     devices=None,
     window: int = DEFAULT_WINDOW,
+    per_sample: bool = False,
 ) -> HeadFeatures:
     """Per-head features of `texts` (a list of str or of (str, str) pairs, or an attnkit.corpus.Corpus, which
     is streamed) under `model`.
@@ -209,6 +212,8 @@ def extract(
     `devices`: "all", "cuda:0,cuda:1", "cpu,cpu" or a list: one model replica per entry (default: `device`).
     `window`: segments sorted by length together (attnkit/engine/plan.py); the numbers do not depend on it
     beyond float64 rounding, only padding does.
+    `per_sample`: also keep every sample's features (`HeadFeatures.per_sample`, n_samples × layers × heads ×
+    features float32 in the order of `texts`; `.save(dir)` writes them as per_sample.npy, docs/patterns.md).
     """
     from ..corpus import Corpus
 
@@ -222,8 +227,13 @@ def extract(
         device = device if device is not None else devs[0]
     model, tokenizer = resolve_model(model, tokenizer, device, dtype)
     replicas = replicate(model, devs)[1:] if devs is not None else []
+    rows: dict[int, object] = {}
+
+    def keep_rows(_state, res: BatchResult) -> None:
+        rows.update(zip(res.planned.positions, res.features.astype(np.float32, copy=False)))
+
     state = run_extraction(model, tokenizer, texts, settings, replicas=replicas, workers=workers,
-                           observers=observers, progress=progress)
+                           observers=observers, progress=progress, on_batch=keep_rows if per_sample else None)
     dev = next(model.parameters()).device
     meta = {
         "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
@@ -237,7 +247,10 @@ def extract(
         "devices": [str(dev)] + [str(next(r.parameters()).device) for r in replicas],
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
     }
-    return state.accumulator.result(meta)
+    features = state.accumulator.result(meta)
+    if per_sample:
+        features.per_sample = np.stack([rows[i] for i in range(len(rows))])
+    return features
 
 
 __all__ = ["ExtractSettings", "ExtractionState", "check_replicas", "extract", "run_extraction"]

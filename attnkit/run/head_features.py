@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError
-from .files import FEATURES_FILE, META_FILE
+from .files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE
 from .outputs import atomic_write, ensure_writable_dir, write_json
+from .per_sample import PerSampleWriter, load_per_sample
 from .schemas import FEATURES_ARRAYS, META_SCHEMA, load_json, load_npz
 
 
@@ -54,7 +55,9 @@ class HeadFeatures:
     """Corpus-level features per head.
 
     mean, std: numpy arrays n_layers × n_heads × n_features (std over samples, every sample weighs
-    the same); names: the feature names; n_samples, n_tokens: what was measured; meta: settings.
+    the same); names: the feature names; n_samples, n_tokens: what was measured; meta: settings;
+    per_sample: every sample's features, n_samples × n_layers × n_heads × n_features float32 in input order
+    (`extract(..., per_sample=True)`; memory-mapped from a run directory that holds per_sample.npy), or None.
     """
 
     mean: np.ndarray
@@ -63,6 +66,7 @@ class HeadFeatures:
     n_samples: int
     n_tokens: int
     meta: dict = field(default_factory=dict)
+    per_sample: np.ndarray | None = None
 
     @property
     def n_layers(self) -> int:
@@ -120,6 +124,12 @@ class HeadFeatures:
         meta.update(n_samples=int(self.n_samples), n_tokens=int(self.n_tokens),
                     n_layers=self.n_layers, n_heads=self.n_heads)
         write_json(directory / META_FILE, meta)
+        if self.per_sample is not None and not _is_file_of(self.per_sample, directory / PER_SAMPLE_FILE):
+            writer = PerSampleWriter(directory, self.n_layers, self.n_heads, self.names)
+            for i in range(0, len(self.per_sample), 4096):
+                rows = np.asarray(self.per_sample[i:i + 4096])
+                writer.add(np.arange(i, i + len(rows)), rows)
+            writer.close()
         return directory
 
     @classmethod
@@ -149,7 +159,21 @@ class HeadFeatures:
                     raise AttnkitError(f"{mpath}: field {key} is {meta[key]} but {fpath} holds {want}")
             if "feature_names" in meta and meta["feature_names"] != names:
                 raise AttnkitError(f"{mpath}: field feature_names does not match the names in {fpath}")
-        return cls(mean, std, names, int(meta.get("n_samples", 0)), int(meta.get("n_tokens", 0)), meta)
+        per_sample = None
+        if (directory / PER_SAMPLE_FILE).is_file():  # attnkit patterns reads it with every check; here only a
+            try:                                    # file that fits the features is attached
+                per_sample, ps_names = load_per_sample(directory)
+                if per_sample.shape[1:3] != mean.shape[:2] or ps_names != names:
+                    per_sample = None
+            except AttnkitError:
+                per_sample = None
+        return cls(mean, std, names, int(meta.get("n_samples", 0)), int(meta.get("n_tokens", 0)), meta, per_sample)
+
+
+def _is_file_of(array, path: Path) -> bool:
+    """Whether `array` is the memory map of `path` (saving a loaded run into its own directory)."""
+    filename = getattr(array, "filename", None)
+    return filename is not None and path.exists() and Path(filename).resolve() == path.resolve()
 
 
 def merge_moments(n_a: int, sum_a, m2_a, n_b: int, sum_b, m2_b):

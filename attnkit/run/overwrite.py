@@ -66,22 +66,23 @@ class Claim:
         return f"{arg('overwrite', True)} removed {_names(gone)}"
 
 
-def claim_outputs(outputs: Iterable, overwrite: bool, *, stale: Iterable = (), what: str = "results") -> Claim:
+def claim_outputs(outputs: Iterable, overwrite: bool, *, stale: Iterable = (), what: str | None = None) -> Claim:
     """The overwrite check of a command about to write `outputs` (paths of files or directories).
 
     `stale`: files that describe the results being replaced and are removed with them (e.g. a report drawn
     from an old clusters.json). Without `overwrite`, an existing output is refused at once with an AttnkitError
-    that names what exists and what `overwrite` would remove; a stale file alone neither stops a command nor is removed
-    (nothing is replaced then).
-    `what` names the results in that message ("a finished run", "distances").
+    that names what exists and everything `overwrite` would remove; a stale file alone neither stops a command
+    nor is removed (nothing is replaced then). `what` names the results in that message ("RUN already holds a
+    finished run"; default: the outputs that exist).
     """
     outputs = [Path(p) for p in outputs]
     replaced = [p for p in outputs if _exists(p)]
     old = [Path(p) for p in stale if _exists(Path(p)) and Path(p) not in outputs]
     if replaced and not overwrite:
-        also = f"; it also removes {_names(old)}, drawn from them" if old else ""
-        raise AttnkitError(f"{_names(replaced)} already exist ({what}): give {arg('overwrite', True)} to replace "
-                           f"them{also}, or write elsewhere")
+        one = what is not None or len(replaced) == 1  # `what` names one thing ("a finished run")
+        head = what or f"{_names(replaced)} already exist{'s' if one else ''}"
+        raise AttnkitError(f"{head}: give {arg('overwrite', True)} to replace {'it' if one else 'them'} (it removes "
+                           f"{_names(replaced + old)}), or write elsewhere")
     return Claim(replaced, old) if replaced else Claim()
 
 
