@@ -38,8 +38,7 @@ def _head_class(ctx, param, value):
                    "with their texts; writes nothing.")
 @click.option("--list-max", default=10, show_default=True, type=click.IntRange(min=1),
               help="How many examples --list shows.")
-@click.option("--overwrite", is_flag=True, help="Replace earlier pattern results of RUN (and its report).")
-@shared("svg")
+@shared("overwrite", "svg")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the paths written, not the table of shares.")
 @cli_errors
 def patterns_cmd(run, pairs, structured_min, mix_part_min, block_intra_min, listing, list_max, overwrite, svg, quiet):

@@ -24,7 +24,7 @@ from .options import cli_errors, echo_for, shared
                                                                                          max_open=True),
               help="Share of sentences the attention-only probe is trained on (UAS on the rest).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the train/test split.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing probe run in --out.")
+@shared("overwrite")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
 def probe(corpus, out, model_path, parser, fmt, columns, limit, max_length, batch_size, device, dtype, backend,

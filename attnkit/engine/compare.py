@@ -153,6 +153,14 @@ class ModelComparison:
             "feature_shift": {n: np.round(shift[..., j], 6).tolist() for j, n in enumerate(names)},
         }
 
+    @staticmethod
+    def outputs(directory, *, svg: bool = True) -> list[Path]:
+        """The files `save` writes into `directory`."""
+        directory = Path(directory)
+        figure = directory / FIGURES_DIR / "compare_models"
+        return [directory / COMPARE_JSON, directory / COMPARE_NPZ, figure.with_suffix(".png")] + \
+            ([figure.with_suffix(".svg")] if svg else [])
+
     def save(self, directory, *, svg: bool = True) -> Path:
         """Write COMPARE_JSON, COMPARE_NPZ and figures/compare_models.png (and .svg) into `directory`."""
         from ..plotting import save_figure

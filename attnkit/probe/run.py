@@ -14,8 +14,9 @@ import torch
 from ..errors import AttnkitError, arg, check_int, print_message
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import attention_modules, load_model, observing
-from ..run.files import PROBE_CSV, PROBE_HEATMAP, PROBE_JSON, PROBE_TABLE
+from ..run.files import PROBE_CSV, PROBE_HEATMAP, PROBE_JSON, PROBE_TABLE, REPORT_FILE
 from ..run.outputs import atomic_write, ensure_writable_dir, os_errors, write_json
+from ..run.overwrite import claim_outputs
 from ..run.versions import attnkit_version
 from ..words import op_available, word_attention
 from .alignment import Alignment, align_offsets, align_word_ids
@@ -262,8 +263,8 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
     """Run `attnkit probe` with `opts`: write the probe run directory (probe.csv, probe.json, best_heads.txt,
     probe_heatmap.png; docs/probes.md) and report through `echo`; returns the summary (probe.json)."""
     out = Path(opts.out)
-    if (out / PROBE_JSON).exists() and not opts.overwrite:
-        raise AttnkitError(f"{out}/{PROBE_JSON} exists: use {arg('overwrite', True)} to replace it")
+    claim = claim_outputs([out / PROBE_JSON, out / PROBE_CSV, out / PROBE_TABLE, out / f"{PROBE_HEATMAP}.png"],
+                          opts.overwrite, stale=[out / REPORT_FILE])
     check_int(opts.min_count, "min_count")
     ensure_writable_dir(out)
     sentences, parser = load_sentences(opts)
@@ -299,6 +300,7 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
     }
     with os_errors(f"write into {out}"):
         _write(out, scores, table, summary, opts.relation, opts.min_count)
+        claim.remove_stale()
     echo(f"{scores.n_sentences} sentences, {counts['words']} words ({counts['unaligned']} unaligned: "
          f"{counts['truncated']} truncated, {counts['split']} sharing a piece, {counts['no_piece']} without a piece), "
          f"{scores.rel[ALL].n} dependencies scored, {scores.n_skipped} skipped")
@@ -311,4 +313,6 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
     else:
         echo(f"attention-only probe skipped: {probe['skipped']}")
     echo(f"wrote {out}/{PROBE_CSV}, {PROBE_JSON}, {PROBE_TABLE}, {PROBE_HEATMAP}.png")
+    if claim.removed_message():
+        echo(claim.removed_message(), err=True)
     return summary
