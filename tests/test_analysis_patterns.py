@@ -123,7 +123,8 @@ def test_patterns_command(tmp_path):
     res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg", "--structured-min", "0.95", "--overwrite",
                                     "-q"])
     assert res.exit_code == 0, res.output
-    assert f"--overwrite removed {tmp_path}/patterns.json, {tmp_path}/pattern_labels.npy" in res.output
+    assert f"--overwrite removed {tmp_path}/{{patterns.json, pattern_labels.npy, figures/pattern_types.png, " \
+           "report.html}" in res.output
     assert "report.html" in res.output and not (tmp_path / "report.html").exists()
     again = json.loads((tmp_path / "patterns.json").read_text())
     assert again["rules"]["structured_min"] == 0.95 and again["per_layer"]["vertical"] == [0.0, 0.0]

@@ -182,16 +182,20 @@ def _short(name) -> str:
 
 
 def cosine_heatmap(cos: np.ndarray, meta: dict | None = None):
-    """Layer × head heatmap of the mean row cosine (Kovaleva et al. Fig. 5 analogue)."""
-    from ..plotting import head_grid, plt
+    """Layer × head heatmap of the mean row cosine (Kovaleva et al. Fig. 5 analogue), on a colour scale fitted to
+    the values (a layer at 0.92–0.99 would look like identical layers on a fixed 0–1 scale); the cells print as
+    many decimals as tell their values apart, and the title states the scale."""
+    from ..plotting import fitted_scale, head_grid, plt
 
     L, H = cos.shape
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * H + 2), max(2.5, 0.4 * L + 1.2)))
-    head_grid(ax, cos, labels=[[f"{v:.2f}" for v in row] for row in cos], vmin=min(0.0, float(np.nanmin(cos))),
-              vmax=1.0, fontsize=6, dark_below=0.6, colorbar={"fraction": 0.046, "pad": 0.04})
+    lo, hi, digits = fitted_scale(cos)
+    fig, ax = plt.subplots(figsize=(max(4.0, (0.45 + 0.06 * (digits - 2)) * H + 2), max(2.5, 0.4 * L + 1.2)))
+    head_grid(ax, cos, labels=[[f"{v:.{digits}f}" for v in row] for row in cos], vmin=lo, vmax=hi, fontsize=6,
+              dark_below=lo + 0.45 * (hi - lo), colorbar={"fraction": 0.046, "pad": 0.04})
     meta = meta or {}
     ax.set_title(f"mean cosine of attention rows: {_short(meta.get('model_b', 'B'))} vs "
-                 f"{_short(meta.get('model_a', 'A'))}", fontsize=9)
+                 f"{_short(meta.get('model_a', 'A'))}\n(colour scale {lo:.{digits}f}–{hi:.{digits}f}, fitted to "
+                 "the values)", fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -219,28 +219,45 @@ def best_head_table(scores: ProbeScores, min_count: int) -> str:
     return "\n".join(lines)
 
 
+LABEL_CHARS = 9  # a relation name in a cell is cut to this many characters
+
+
 def heatmap(scores: ProbeScores, relation: str | None, min_count: int):
-    """Layers × heads accuracy (better direction) for `relation`, or each head's best relation."""
+    """Layers × heads accuracy over the baseline (the better direction minus the relation's best fixed offset) for
+    `relation`, or, per head, the relation it beats its baseline by most, named in the cell. Accuracy over the
+    baseline is the finding: a relation that a fixed offset already gets right is not one a head has learnt."""
     from ..plotting import head_grid, plt
+
+    def gain(r):
+        return np.maximum(*(scores.accuracy(r, d) for d in DIRECTIONS)) - scores.baseline(r)[1]
 
     if relation is not None:
         if relation not in scores.rel:
             raise AttnkitError(f"{arg('relation')} {relation!r} does not occur; relations: "
                                f"{', '.join(scores.relations())}")
-        grid = np.maximum(*(scores.accuracy(relation, d) for d in DIRECTIONS))
-        title = f"{relation}: accuracy of the most-attended word (better direction)"
-        labels = None
+        grid = gain(relation)
+        off, base = scores.baseline(relation)
+        title = f"{relation}: accuracy over the baseline (offset {off:+d}: {base:.2f})"
+        labels = [[f"{v:+.2f}" for v in row] for row in grid]
     else:
         rels = [r for r in scores.relations(min_count) if r != ALL] or [ALL]
-        stack = np.stack([np.maximum(*(scores.accuracy(r, d) for d in DIRECTIONS)) for r in rels])
+        stack = np.stack([gain(r) for r in rels])
         grid = stack.max(0)
-        labels = np.asarray(rels)[stack.argmax(0)]
-        title = "best relation per head: accuracy (better direction)"
-    fig, ax = plt.subplots(figsize=(1.0 + 0.55 * scores.n_heads, 1.0 + 0.45 * scores.n_layers))
-    shown = labels is not None and scores.n_heads * scores.n_layers <= 400
-    head_grid(ax, grid, labels=labels.tolist() if shown else None, vmin=0, vmax=1, fontsize=5, dark_below=0.6,
-              colorbar={"fraction": 0.04})
+        names = np.asarray(rels)[stack.argmax(0)]
+        title = "per head, the relation it beats its baseline by most: accuracy over the baseline"
+        labels = [[f"{n[:LABEL_CHARS]}\n{v:+.2f}" for n, v in zip(nrow, vrow)] for nrow, vrow in zip(names, grid)]
+    lim = max(float(np.nanmax(np.abs(grid))), 0.05) if np.isfinite(grid).any() else 1.0
+    width = 0.75 if relation is None else 0.5
+    fig, ax = plt.subplots(figsize=(1.6 + width * scores.n_heads, 1.2 + (0.5 if relation is None else 0.4)
+                                    * scores.n_layers))
+    shown = scores.n_heads * scores.n_layers <= 400
+    head_grid(ax, grid, labels=labels if shown else None, cmap="RdBu", vmin=-lim, vmax=lim, fontsize=6.5,
+              colorbar={"fraction": 0.04, "label": "accuracy − baseline"})
+    for t in ax.texts:  # dark text on pale cells, white on saturated ones
+        x, y = t.get_position()
+        t.set_color("white" if abs(grid[int(round(y)), int(round(x))]) > 0.6 * lim else "black")
     ax.set_title(title, fontsize=9)
+    fig.tight_layout()
     return fig
 
 

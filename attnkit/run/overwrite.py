@@ -13,6 +13,7 @@ with `overwrite`, the command goes ahead and, once its new results are written, 
 """
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,13 +27,18 @@ def _exists(p: Path) -> bool:
 
 
 def _names(paths: list[Path]) -> str:
-    """Paths as a message lists them: those in one directory as `DIR/{a, b}`, else each in full."""
+    """Paths as a message lists them: those under one directory as `DIR/{a, b, sub/c}`, else each in full."""
     if not paths:
         return ""
-    parents = {p.parent for p in paths}
-    if len(paths) > 1 and len(parents) == 1:
-        return f"{paths[0].parent}/{{{', '.join(p.name for p in paths)}}}"
-    return ", ".join(str(p) for p in paths)
+    if len(paths) == 1:
+        return str(paths[0])
+    try:
+        common = Path(os.path.commonpath([str(p) for p in paths]))
+    except ValueError:  # relative and absolute paths mixed
+        return ", ".join(str(p) for p in paths)
+    if common in paths:
+        common = common.parent
+    return f"{common}/{{{', '.join(str(p.relative_to(common)) for p in paths)}}}"
 
 
 @dataclass
