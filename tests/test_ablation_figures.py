@@ -85,7 +85,7 @@ def test_value_labels_do_not_sit_on_the_error_bars():
     frame = ax.get_window_extent(renderer)
     segs = [seg for c in ax.collections for seg in getattr(c, "get_segments", lambda: [])()]
     bar_boxes = [ax.transData.transform(seg) for seg in segs]  # error bars and caps, in pixels
-    for t, (d, lo, hi) in zip(labels, cases):
+    for t in labels:
         box = t.get_window_extent(renderer)
         assert frame.x0 <= box.x0 and box.x1 <= frame.x1  # inside the axes
         for pts in bar_boxes:
