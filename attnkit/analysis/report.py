@@ -103,8 +103,12 @@ class _FigureSaver:
         from tqdm.auto import tqdm
 
         self.directory, self.svg = directory, svg
-        self.bar = tqdm(desc="report", unit=" figures", disable=not progress, dynamic_ncols=True,
-                        bar_format="{desc}: {n_fmt} figures [{elapsed}] {postfix}")
+        self.bar = tqdm(desc="report", unit=" figures", disable=not progress, dynamic_ncols=True)
+
+    def expect(self, n: int) -> None:
+        """The number of figures the report will draw (the bar's total)."""
+        self.bar.total = n
+        self.bar.refresh()
 
     def __call__(self, fig, stem: str) -> dict:
         saved = save_figure(fig, self.directory, stem, svg=self.svg)
@@ -538,6 +542,8 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
         attached = find_attached(run_dir, (features.n_layers, features.n_heads), include)
         report = Report(run_dir, features, data, save, seed=seed, attached=attached, examples=examples, texts=texts,
                         model=model)
+        # types, box plots, t-SNE, heatmaps, per-layer summaries; the sweep, MDS and examples when they are drawn
+        save.expect(5 + bool(data["stability"].get("sweep")) + (report.distances is not None) + (examples > 0))
         sections = [s for s in (build(report) for build in SECTIONS) if s is not None]
         panel = _panel(report)
     finally:

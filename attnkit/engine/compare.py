@@ -234,9 +234,9 @@ def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=Non
     encoder = Encoder(tok_a, max_length=max_length, split_sentences=split_sentences)
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from .progress import segment_bar
 
-        bar = tqdm(unit="seg", desc="compare-models", dynamic_ncols=True)
+        bar = segment_bar("compare-models", texts)
     with measuring(model_a, backend=backend, num_windows=num_windows) as rt_a, \
             measuring(model_b, backend=backend, num_windows=num_windows) as rt_b, \
             observing(rt_a, [coll.observe_a]), observing(rt_b, [coll.observe_b]):

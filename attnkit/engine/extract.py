@@ -24,6 +24,7 @@ from .devices import parse_devices, replicate
 from .forward import default_batch_size, device_forward, measuring
 from .local import BatchResult, run_pipeline
 from .plan import DEFAULT_WINDOW, check_plan_settings, plan_batches
+from .progress import segment_bar
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,11 @@ class ExtractionState:
 
 
 class _ProgressBar:
-    """The tqdm bar of an extraction: segments, tokens/s (per replica when there are several), truncations."""
+    """The bar of an extraction (`label`: what the command does): segments with a total where it can be known
+    (attnkit/engine/progress.py), tokens/s (per replica when there are several), truncations."""
 
-    def __init__(self, total: int | None, initial: int, tokens0: int):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, initial=initial, unit="seg", desc="extract", dynamic_ncols=True)
+    def __init__(self, label: str, segments, total: int | None, initial: int, tokens0: int):
+        self.bar = segment_bar(label, segments, total=total, initial=initial)
         self.t0, self.tokens0 = time.perf_counter(), tokens0
 
     def update(self, state: ExtractionState, res: BatchResult) -> None:
@@ -116,6 +116,7 @@ def run_extraction(
     on_batch: Callable[[ExtractionState, BatchResult], None] | None = None,
     progress: bool = False,
     total: int | None = None,
+    label: str = "extract",
 ) -> ExtractionState:
     """Measure `segments` (any iterable: it is streamed) under `settings`; returns the final state.
 
@@ -126,7 +127,8 @@ def run_extraction(
     order (checkpoints hook in here; `result` holds the batch's per-sample features, input positions and
     token counts before truncation). `observers` are attached to the runtime for the run (each gets (layer,
     query, key, lengths, scaling) per layer and forward, e.g. attnkit.engine.distances.DistanceCollector;
-    one device only). `settings` None: the defaults.
+    one device only). `settings` None: the defaults. `progress`: a bar named `label` on stderr, with a total
+    (`total`, the input's length, or counted in the background) and so an ETA.
     """
     settings = (settings or ExtractSettings()).check()
     check_int(workers, "workers", minimum=0)
@@ -144,10 +146,8 @@ def run_extraction(
     if state.accumulator.names != names or state.accumulator.sum.shape[:2] != shape:
         raise AttnkitError("the accumulated features belong to another model or feature set")
     encoder = Encoder(tokenizer, max_length=settings.max_length, split_sentences=settings.split_sentences)
-    if total is None and hasattr(segments, "__len__"):
-        total = len(segments)
     planned = plan_batches(segments, settings.batch_size, settings.window, skip_segments=state.next_index)
-    bar = _ProgressBar(total, state.next_index, state.accumulator.n_tokens) if progress else None
+    bar = _ProgressBar(label, segments, total, state.next_index, state.accumulator.n_tokens) if progress else None
 
     def deliver(res: BatchResult) -> None:
         state.add(res)
@@ -201,6 +201,7 @@ def extract(
     devices=None,
     window: int = DEFAULT_WINDOW,
     per_sample: bool = False,
+    label: str = "extract",
 ) -> HeadFeatures:
     """Per-head features of `texts` (a list of str or of (str, str) pairs, or an attnkit.corpus.Corpus, which
     is streamed) under `model`.
@@ -233,7 +234,8 @@ def extract(
         rows.update(zip(res.planned.positions, res.features.astype(np.float32, copy=False)))
 
     state = run_extraction(model, tokenizer, texts, settings, replicas=replicas, workers=workers,
-                           observers=observers, progress=progress, on_batch=keep_rows if per_sample else None)
+                           observers=observers, progress=progress, on_batch=keep_rows if per_sample else None,
+                           label=label)
     dev = next(model.parameters()).device
     meta = {
         "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
