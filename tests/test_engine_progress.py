@@ -63,3 +63,34 @@ def test_the_report_bar_knows_how_many_figures_it_draws(tmp_path, capsys):
     build_report(tmp_path, svg=False, do_sweep=False, progress=True)
     err = capsys.readouterr().err.replace("\r", "\n")
     assert "report: 100%" in err and "5/5" in err
+
+
+def test_ray_log_lines_are_kept_off_the_terminal(tmp_path):
+    """What Ray's C++ core writes to file descriptor 2 goes to a temporary file; attnkit's own messages (sys.stderr)
+    stay on the terminal; the file goes when the run ends well and is named when it fails."""
+    import subprocess
+    import sys
+
+    code = r'''
+import os, sys
+from attnkit.errors import AttnkitError
+from attnkit.engine.ray.session import ray_logs_aside
+with ray_logs_aside() as log:
+    os.write(2, b"[E core_worker.cc] Actor ... max_restarts > 0\n")
+    print("extract (ray): 60seg", file=sys.stderr)
+print("kept" if os.path.exists(log) else "removed", file=sys.stderr)
+try:
+    with ray_logs_aside() as log:
+        os.write(2, b"[E raylet] a real problem\n")
+        raise AttnkitError("the Ray pipeline failed: a node died")
+except AttnkitError as exc:
+    print(exc, file=sys.stderr)
+    print(open(log).read(), file=sys.stderr)
+    os.unlink(log)
+'''
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = out.stderr.splitlines()
+    assert lines[0] == "extract (ray): 60seg" and lines[1] == "removed"
+    assert "max_restarts" not in out.stderr
+    assert lines[2].startswith("the Ray pipeline failed: a node died (Ray's own messages: ") and lines[2].endswith(".log)")
+    assert lines[3] == "[E raylet] a real problem"

@@ -156,11 +156,13 @@ def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit,
     (or clusters now, with -k/--method/--seed), RUN/distances.npz, RUN/per_sample.npy and RUN/patterns.json when
     present."""
     from ..analysis.jobs import report_run
+    from ..analysis.report import report_figures
 
     path = report_run(run, examples=examples, include=include, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs,
                       columns=columns, limit=limit, k=k, method=method, seed=seed, device=device, svg=svg, quiet=quiet,
                       overwrite=overwrite, echo=echo_for())
-    click.echo(f"wrote {path}")
+    figures = report_figures(run)
+    click.echo(f"wrote {path}" + (f" and {len(figures)} figure files in {figures[0].parent}" if figures else ""))
 
 
 @click.command("compare")
