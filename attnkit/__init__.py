@@ -3,33 +3,95 @@
     model, tokenizer = attnkit.load_model()          # the embedded MiniLM
     feats = attnkit.extract(["A text.", ("A pair", "of texts.")], (model, tokenizer))
     feats.to_pandas()
+    maps = attnkit.attention_maps("A text.", (model, tokenizer))   # every head's map of one text
 
 The layers of the package and what each may import: docs/architecture.md.
+
+`import attnkit` is cheap: the public names below are imported when first used (torch, transformers and
+scikit-learn load only then), so the command line answers `--help` at once. `attn_implementation="attnkit"`
+works after `import attnkit` all the same: the attention function is registered with transformers as soon as
+transformers is imported (at once when it already is).
 """
-from .engine.extract import extract
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+
 from .errors import AttnkitError
 from .features import feature_names
-from .hf_attention import register as register_attention
-from .interventions import Intervention, intervene, sentences
-from .models import instrument, load_model
-from .ops import backend_info
-from .run.head_features import HeadFeatures
 from .run.versions import attnkit_version
 
 __version__ = attnkit_version()
-register_attention()  # attn_implementation="attnkit" works after `import attnkit`
+
+# public name -> the module that defines it (imported on first use)
+_LAZY = {
+    "HeadFeatures": "run.head_features",
+    "Intervention": "interventions",
+    "attention_maps": "engine.maps",
+    "backend_info": "ops",
+    "cluster": "analysis",
+    "extract": "engine.extract",
+    "instrument": "models",
+    "intervene": "interventions",
+    "load_model": "models",
+    "register_attention": ("hf_attention", "register"),
+    "sentences": "interventions",
+}
 
 
 def __getattr__(name):
-    # `attnkit.cluster` without paying for scikit-learn's import on every `import attnkit`
-    if name == "cluster":
-        from .analysis import cluster
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
+    module, attr = where if isinstance(where, tuple) else (where, name)
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    globals()[name] = value
+    return value
 
-        return cluster
-    raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
 
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def _register_attention() -> None:
+    """Import attnkit.hf_attention, which registers "attnkit" with transformers when it has loaded (a module
+    that is loading it already, e.g. the import of transformers inside it, leaves the registration to it)."""
+    try:
+        importlib.import_module(f"{__name__}.hf_attention")
+    except Exception as exc:  # never break the user's `import transformers`; instrument() registers again
+        import logging
+
+        logging.getLogger("attnkit").warning("attnkit could not register its attention with transformers: %s", exc)
+
+
+class _RegisterWhenTransformersLoads(importlib.abc.MetaPathFinder):
+    """Registers attnkit attention right after `transformers` is imported (a post-import hook that removes
+    itself): `AutoModel.from_pretrained(path, attn_implementation="attnkit")` then works after `import attnkit`,
+    in whichever order the two are imported, without `import attnkit` paying for transformers itself."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "transformers":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_register(module):
+            exec_module(module)
+            _register_attention()
+
+        spec.loader.exec_module = exec_and_register
+        return spec
+
+
+if "transformers" in sys.modules:
+    _register_attention()
+elif not any(isinstance(f, _RegisterWhenTransformersLoads) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenTransformersLoads())
 
 __all__ = [
-    "AttnkitError", "HeadFeatures", "Intervention", "backend_info", "cluster", "extract", "feature_names",
-    "instrument", "intervene", "load_model", "sentences",
+    "AttnkitError", "HeadFeatures", "Intervention", "attention_maps", "backend_info", "cluster", "extract",
+    "feature_names", "instrument", "intervene", "load_model", "sentences",
 ]

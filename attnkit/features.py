@@ -18,6 +18,7 @@ ALL, NO_INTRA, NO_INTER = 0, 1, 2
 
 DEFAULT_NUM_WINDOWS = 16
 DEFAULT_MAX_LENGTH = 128  # tokens per sample, special tokens included, when none is given
+DEFAULT_WINDOW = 4096  # segments read ahead and sorted by length together (docs/pipeline.md)
 ROW_FEATURES = ("prev", "next", "entropy", "max", "intra", "inter")
 
 
@@ -38,6 +39,42 @@ def num_features(num_windows: int = DEFAULT_NUM_WINDOWS) -> int:
 def windows_of(n_features: int) -> int:
     """The number of distance windows behind `n_features` features (the inverse of `num_features`)."""
     return n_features - num_features(0)
+
+
+# One line per feature, for tooltips and the report's glossary (the definitions: docs/features.md).
+_DEFINITIONS = {
+    "cls": "weight on the [CLS] token (the tokenizer's cls/bos token)",
+    "sep": "weight on [SEP] tokens (sep/eos)",
+    "comma": "weight on tokens that are exactly ','",
+    "period": "weight on tokens that are exactly '.'",
+    "self": "weight on the query token itself, when it is none of the four classes above",
+    "prev": "weight on the previous token",
+    "next": "weight on the next token",
+    "entropy": "entropy of the row in nats (0: one key; ln n: uniform over n tokens)",
+    "max": "the largest single weight of the row",
+    "intra": "weight on keys in the query's own sentence",
+    "inter": "weight on keys in other sentences",
+    "cls_entropy": "entropy of the [CLS] row alone",
+}
+# The section of docs/features.md that defines each feature (GitHub's heading anchors).
+_SECTIONS = {"bucket": "the-21-exclusive-distance-buckets-5--n-in-general", "row": "the-row-features",
+             "cls_entropy": "3-from-rows-to-a-sample-from-samples-to-the-corpus"}
+
+
+def describe_feature(name: str) -> str:
+    """A one-line definition of feature `name` (docs/features.md has the full ones)."""
+    if name.startswith("win_") and name[4:].isdigit():
+        w = int(name[4:])
+        return (f"weight on the other keys at distance d = |s − t| in window {w}: floor(d·N/n) = {w} of the N windows "
+                "(fractions of the sample's length n)")
+    return _DEFINITIONS.get(name, name)
+
+
+def feature_section(name: str) -> str:
+    """The anchor of the section of docs/features.md that defines feature `name`."""
+    if name == "cls_entropy":
+        return _SECTIONS["cls_entropy"]
+    return _SECTIONS["row"] if name in ROW_FEATURES else _SECTIONS["bucket"]
 
 
 def check_num_windows(num_windows: int) -> int:

@@ -7,6 +7,12 @@ to put features — lives in a `Runtime` that `attnkit.models.instrument` attach
 module; context managers in `attnkit.engine.forward` and `attnkit.interventions` fill it and always clear it
 again.
 
+Asked for maps (`model(**inputs, output_attentions=True)`, which transformers passes on to the attention
+function), it also returns each layer's B×H×L×L weights, equal to eager attention's, and under an intervention
+the weights the layer really used (after mode, region and renormalisation: `attnkit.reference.attention_weights`;
+gates scale the head's output, not its weights). They are computed only then: a forward without
+`output_attentions` materialises no map.
+
 The mask function registered beside it hands over the 2-D padding mask (or None when a batch has no
 padding) instead of an L×L bias: the op takes per-sample lengths, never an L×L tensor.
 
@@ -39,6 +45,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from .errors import AttnkitError
 from .features import DEFAULT_NUM_WINDOWS
 from .ops import attention
+from .reference import attention_weights
 from .tokens import sentence_ids as segment_sentence_ids
 
 NAME = "attnkit"
@@ -244,9 +251,16 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             "attnkit attention supports self-attention over one sequence (no cross-attention or KV cache)"
         )
     rt: Runtime | None = getattr(module, RUNTIME_ATTR, None)
+    want_maps = bool(kwargs.get("output_attentions"))  # model(..., output_attentions=True): return the maps
     if dropout and module.training:
         if rt is not None and rt.active:
             raise AttnkitError("attnkit cannot measure or intervene while attention dropout is on: call model.eval()")
+        if want_maps:  # as eager attention does: the maps after dropout, and the output from them
+            lengths = lengths_from_mask(attention_mask, B, L, query.device)
+            scale = D**-0.5 if scaling is None else scaling
+            weights = torch.nn.functional.dropout(attention_weights(query, key, lengths, scale).to(query.dtype),
+                                                  p=dropout, training=True)
+            return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
         # training: plain attention with dropout, exactly what sdpa computes
         bias = None if attention_mask is None else attention_mask[:, None, None, :].bool()
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -292,7 +306,12 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     )
     if want:
         rt.features[module.layer_idx] = feats
-    return out, None
+    if not want_maps:
+        return out, None
+    # the weights this forward used, interventions included (their definition: attnkit.reference)
+    scale = D**-0.5 if scaling is None else scaling
+    weights = attention_weights(query, key, lengths, scale, sentence_id, mode, region, renormalize)
+    return out, weights.to(query.dtype)
 
 
 def padding_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
@@ -312,3 +331,7 @@ def register() -> None:
     `attnkit.models.instrument` before it switches a model to it."""
     AttentionInterface.register(NAME, attnkit_attention)
     AttentionMaskInterface.register(NAME, padding_mask)
+
+
+register()  # importing this module makes attn_implementation="attnkit" valid (attnkit/__init__.py imports it
+#             as soon as transformers is imported)

@@ -93,9 +93,16 @@ def check_max_length(model, max_length) -> int:
 def attention_modules(model) -> list:
     """The modules of an instrumented `model` that call attnkit attention, in layer order."""
     mods = getattr(model, "_attnkit_modules", None)
-    if mods is None:
-        raise AttnkitError("the model is not instrumented: call attnkit.instrument(model) or attnkit.load_model()")
-    return mods
+    if mods is not None:
+        return mods
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl == NAME:  # loaded with attn_implementation="attnkit": attach the runtime now
+        return instrument(model)._attnkit_modules
+    if impl is None:
+        raise AttnkitError(f"attnkit needs a transformers model, got {type(model).__name__}")
+    raise AttnkitError(f"the model runs {impl!r} attention, which attnkit cannot measure or change: load it with "
+                       "attn_implementation=\"attnkit\", or call attnkit.instrument(model), which switches it to "
+                       "attnkit attention (equal to eager)")
 
 
 def runtime_of(model) -> Runtime:
@@ -229,9 +236,23 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", 
                    "tokenizer.model")
 
 
+def looks_like_hub_id(path: str) -> bool:
+    """Whether `path` (which does not exist here) reads like a Hub model id: `name` or `org/name`, no other
+    separators, no file suffix of a weights file."""
+    parts = str(path).split("/")
+    return (0 < len(parts) <= 2 and all(p and p not in (".", "..") for p in parts)
+            and all(all(c.isalnum() or c in "-_." for c in p) for p in parts)
+            and not str(path).endswith((".json", ".bin", ".safetensors", ".txt")))
+
+
 def check_model_dir(path: str) -> None:
     """Refuse a model path that cannot hold a complete model, naming the files that are missing."""
     if not os.path.exists(path):
+        if looks_like_hub_id(path):
+            raise AttnkitError(
+                f"model {path!r} is not a local directory; it looks like a Hugging Face Hub id, and attnkit does not "
+                f"download models: download it first, e.g. `hf download {path} --local-dir DIR` (or in Python "
+                f"huggingface_hub.snapshot_download({path!r}, local_dir=DIR)), then pass DIR")
         raise AttnkitError(f"model {path!r} not found: give a local directory holding a transformers model")
     if not os.path.isdir(path):
         raise AttnkitError(f"model {path!r} is a file: give the directory that holds config.json, the weights "

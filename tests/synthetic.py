@@ -95,3 +95,59 @@ def mean_scores(values):
     from attnkit.ablation.metrics import ExampleScores
 
     return ExampleScores({"v": np.asarray(values, dtype=float)}, lambda a: 100.0 * a["v"].mean())
+
+
+def rich_run(path, *, L: int = 3, H: int = 4, n_samples: int = 30, seed: int = 3):
+    """A run directory with everything the report can show, made without a model: features, per-sample features
+    with their rows table, distances, clusters, pattern classes, a syntax probe (probe.csv/json) and a `heads`
+    ablation table. Returns (features, per-sample array, texts, distances matrix)."""
+    import csv
+    import json
+    from pathlib import Path
+
+    from attnkit.analysis.clustering import cluster
+    from attnkit.analysis.patterns import run_patterns
+    from attnkit.analysis.results import save_clusters
+    from attnkit.run.distances import HeadDistances
+    from attnkit.run.per_sample import PerSampleWriter
+
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    truth = np.arange(L * H).reshape(L, H) % len(KINDS)
+    f = make_features(truth, seed=seed)
+    f.save(path)
+    F = len(f.names)
+    per = np.clip(f.mean[None] + rng.normal(0, 0.05, (n_samples, L, H, F)), 0, None).astype(np.float32)
+    texts = [f"Sample {i}: the {WORDS[i % len(WORDS)]} and the {WORDS[(3 * i) % len(WORDS)]}." for i in range(n_samples)]
+    w = PerSampleWriter(path, L, H, f.names)
+    order = rng.permutation(n_samples)
+    w.add(order, per[order], [texts[i] for i in order])
+    w.close()
+    X = f.mean[:, :, :21].reshape(-1, 21)
+    dist = np.abs(X[:, None] - X[None]).sum(-1) * 100
+    HeadDistances(dist, 1000, L, H).save(path)
+    save_clusters(path, cluster(f, k=4, n_stability=3), f)
+    run_patterns(path, svg=False)
+    rows = []
+    for rel, base in (("nsubj", 0.4), ("det", 0.6), ("(all)", 0.3)):
+        for l in range(L):
+            for h in range(H):
+                for d in ("dep->head", "dep<-head"):
+                    acc = float(rng.random())
+                    rows.append({"relation": rel, "layer": l, "head": h, "direction": d, "correct": int(acc * 50),
+                                 "count": 50, "accuracy": acc, "baseline_offset": -1, "baseline_accuracy": base})
+    with open(path / "probe.csv", "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    (path / "probe.json").write_text(json.dumps({"model": "synthetic", "layers": L, "heads": H,
+                                                 "settings": {"min_count": 10}, "relations": {}}))
+    arows = [{"setting": "baseline", "layer": None, "head": None, "spearman": 80.0}]
+    for l in range(L):
+        for h in range(H):
+            d = float(rng.normal(-0.5, 0.5))
+            arows.append({"setting": f"L{l}H{h} zero", "layer": l, "head": h, "spearman": 80 + d,
+                          "delta_spearman": d, "delta_spearman_lo": d - 0.3, "delta_spearman_hi": d + 0.3})
+    (path / "heads.json").write_text(json.dumps({"experiment": "heads", "main_metric": "spearman", "rows": arows}))
+    (path / "heads.meta.json").write_text(json.dumps({"experiment": "heads", "model": "synthetic", "task": "stsb"}))
+    return f, per, texts, dist

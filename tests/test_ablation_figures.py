@@ -68,3 +68,38 @@ def test_bars_show_the_intervals_as_error_bars():
     lo, _ = ax.get_xlim()
     assert lo < -8.0
     plt.close(fig)
+
+
+def test_value_labels_do_not_sit_on_the_error_bars():
+    """Every printed change lies beyond its bar and interval, inside the axes, and overlaps no error bar."""
+    rows = [{"setting": "baseline", "accuracy": 80.0, "delta_accuracy": 0.0}]
+    cases = [(-5.0, -8.0, -2.5), (-0.3, -1.2, 0.4), (2.0, 0.5, 3.1), (-12.0, -14.0, -11.0), (0.1, -0.2, 0.3)]
+    for i, (d, lo, hi) in enumerate(cases):
+        rows.append({"setting": f"L{i} uniform", "accuracy": 80 + d, "delta_accuracy": d, "delta_accuracy_lo": lo,
+                     "delta_accuracy_hi": hi})
+    fig, ax = bars_axes(ResultTable("layers", "accuracy", rows))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    labels = [t for t in ax.texts if t.get_text().startswith(("+", "-"))]
+    assert [t.get_text() for t in labels] == [f"{d:+.2f}" for d, _, _ in cases]
+    frame = ax.get_window_extent(renderer)
+    segs = [seg for c in ax.collections for seg in getattr(c, "get_segments", lambda: [])()]
+    bar_boxes = [ax.transData.transform(seg) for seg in segs]  # error bars and caps, in pixels
+    for t in labels:
+        box = t.get_window_extent(renderer)
+        assert frame.x0 <= box.x0 and box.x1 <= frame.x1  # inside the axes
+        for pts in bar_boxes:
+            x0, x1 = sorted(pts[:, 0])
+            y0, y1 = sorted(pts[:, 1])
+            overlaps = box.x0 < x1 + 1 and x0 - 1 < box.x1 and box.y0 < y1 + 1 and y0 - 1 < box.y1
+            assert not overlaps, (t.get_text(), pts)
+    plt.close(fig)
+
+
+def test_csv_layers_and_heads_are_integers(tmp_path):
+    rows = [{"setting": "baseline", "layer": None, "head": None, "spearman": 80.0, "n": 50},
+            {"setting": "L3H5 zero", "layer": 3, "head": 5, "spearman": 79.5, "n": 50, "delta_spearman": -0.5}]
+    paths = ResultTable("heads", "spearman", rows).save(str(tmp_path))
+    lines = open(paths["csv"]).read().splitlines()
+    assert lines[0] == "setting,layer,head,spearman,n,delta_spearman"
+    assert lines[1] == "baseline,,,80.0,50," and lines[2] == "L3H5 zero,3,5,79.5,50,-0.5"

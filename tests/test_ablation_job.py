@@ -101,6 +101,25 @@ def test_quiet_short_option_and_no_bars(model_dir, tmp_path):
     assert r.stderr == ""
 
 
+def test_earlier_tables_are_not_replaced_without_overwrite(model_dir, tmp_path):
+    data = stsb(tmp_path / "dev.tsv", ["1", "2", "3", "4"])
+    out = tmp_path / "out"
+    r = run_ablate(model_dir, data, out)
+    assert r.exit_code == 0, r.output
+    assert r.output.strip().splitlines()[-1] == (f"wrote {out}/layers.csv, {out}/layers.json, {out}/layers.md, "
+                                                 f"{out}/layers.png, {out}/layers.meta.json")
+    before = (out / "layers.json").read_text()
+    r = run_ablate(model_dir, data, out, "--limit", "3")
+    assert r.exit_code == 1 and r.output.strip() == (
+        f"Error: {out}/{{layers.csv, layers.json, layers.md, layers.png, layers.meta.json}} already exist: give "
+        f"--overwrite to replace them (it removes {out}/{{layers.csv, layers.json, layers.md, layers.png, "
+        "layers.meta.json}), or write elsewhere")
+    assert (out / "layers.json").read_text() == before
+    r = run_ablate(model_dir, data, out, "--limit", "3", "--overwrite")
+    assert r.exit_code == 0 and f"--overwrite removed {out}/{{layers.csv, layers.json" in r.output
+    assert json.loads((out / "layers.meta.json").read_text())["limit"] == 3
+
+
 def test_output_under_a_file_fails_before_the_model_loads(tmp_path):
     data = stsb(tmp_path / "dev.tsv", ["1", "2", "3"])
     (tmp_path / "f").write_text("x")

@@ -6,7 +6,18 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from attnkit.analysis.patterns import BLOCK, CLASSES, DIAGONAL, HETEROGENEOUS, MIXED, VERTICAL, class_counts, classify
+from attnkit.analysis.patterns import (
+    BLOCK,
+    CLASSES,
+    DIAGONAL,
+    HETEROGENEOUS,
+    MIXED,
+    VERTICAL,
+    Rules,
+    class_counts,
+    classify,
+    examples_of,
+)
 from attnkit.cli.main import main
 from attnkit.errors import AttnkitError
 from attnkit.features import feature_names
@@ -95,5 +106,75 @@ def test_patterns_command(tmp_path):
     assert data["overall"]["heterogeneous"] == 0.25
     assert data["per_head"]["block"][1][0] == 0.5
     assert (tmp_path / "figures" / "pattern_types.png").is_file()
+    assert res.output.strip().splitlines()[-1] == (f"wrote {tmp_path}/patterns.json, {tmp_path}/pattern_labels.npy, "
+                                                   f"{tmp_path}/figures/pattern_types.png")
+    labels = np.load(tmp_path / "pattern_labels.npy")
+    assert labels.shape == (n, L, H) and labels.dtype == np.int8
+    np.testing.assert_array_equal(labels, classify(rows, NAMES))  # every (example, head), in input order
+    assert data["labels"] == "pattern_labels.npy"
     res = CliRunner().invoke(main, ["patterns", str(tmp_path / "figures")])
     assert res.exit_code == 1 and "per_sample.npy is missing" in res.output
+
+    # earlier results are not replaced without --overwrite; with it, the command says what it removed
+    (tmp_path / "report.html").write_text("old report")
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg", "--structured-min", "0.95"])
+    assert res.exit_code == 1 and "give --overwrite to replace them" in res.output
+    assert json.loads((tmp_path / "patterns.json").read_text()) == data
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg", "--structured-min", "0.95", "--overwrite",
+                                    "-q"])
+    assert res.exit_code == 0, res.output
+    assert f"--overwrite removed {tmp_path}/{{patterns.json, pattern_labels.npy, figures/pattern_types.png, " \
+           "report.html}" in res.output
+    assert "report.html" in res.output and not (tmp_path / "report.html").exists()
+    again = json.loads((tmp_path / "patterns.json").read_text())
+    assert again["rules"]["structured_min"] == 0.95 and again["per_layer"]["vertical"] == [0.0, 0.0]
+    np.testing.assert_array_equal(np.load(tmp_path / "pattern_labels.npy"),
+                                  classify(rows, NAMES, rules=Rules(structured_min=0.95)))
+
+
+def test_thresholds_are_options_and_are_checked():
+    x = vec(cls=0.3, prev=0.15, intra=1.0)  # v + d = 0.45
+    assert classify(x, NAMES) == HETEROGENEOUS
+    assert classify(x, NAMES, rules=Rules(structured_min=0.4)) == VERTICAL
+    assert classify(x, NAMES, rules=Rules(structured_min=0.4, mix_part_min=0.1)) == MIXED
+    with pytest.raises(AttnkitError, match="^mix_part_min must be a share between 0 and 1, got 1.5"):
+        classify(x, NAMES, rules=Rules(mix_part_min=1.5))
+    res = CliRunner().invoke(main, ["patterns", ".", "--block-intra-min", "2"])
+    assert res.exit_code == 2 and "--block-intra-min" in res.output
+
+
+def test_values_within_3e_5_of_a_threshold_do_not_flip(tmp_path):
+    """float16 storage (attnkit 0.1) rounded v + d = 0.49999 up to 0.5; float32 keeps it below."""
+    x = vec(cls=0.2, prev=0.29999, intra=1.0)
+    assert float(np.float32(x[NAMES.index("cls")]) + np.float32(x[NAMES.index("prev")])) < 0.5
+    assert classify(x, NAMES) == HETEROGENEOUS
+    assert classify(x.astype(np.float16), NAMES) == DIAGONAL  # the flip float16 caused (v + d rounds to 0.5)
+    w = PerSampleWriter(tmp_path, 1, 1, NAMES)
+    w.add([0], x[None, None, None])
+    w.close()
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg", "-q"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "patterns.json").read_text())["overall"]["heterogeneous"] == 1.0
+
+
+def test_list_the_examples_that_put_a_head_in_a_class(tmp_path):
+    n = 6
+    rows = np.stack([vec(cls=c, intra=0.6) for c in (0.9, 0.1, 0.7, 0.8, 0.05, 0.6)])[:, None, None]
+    w = PerSampleWriter(tmp_path, 1, 1, NAMES)
+    w.add(np.arange(n), rows, [f"text {i}" for i in range(n)])
+    w.close()
+    df, total = examples_of(tmp_path, 0, 0, "vertical", n=3)
+    assert total == 4 and list(df.index) == [0, 3, 2]  # the clearest first (highest cls + sep)
+    assert list(df["text"]) == ["text 0", "text 3", "text 2"] and np.allclose(df["v"], [0.9, 0.8, 0.7])
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--list", "L0H0:heterogeneous", "--list-max", "5"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.strip().splitlines()
+    assert lines[0] == "L0H0 is heterogeneous on 2 examples; the 2 clearest:"
+    assert lines[1].startswith("  row 4 (input 0, segment 4): v 0.050") and lines[1].endswith("text 4")
+    assert not (tmp_path / "patterns.json").exists()  # listing writes nothing
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--list", "L3H0:vertical"])
+    assert res.exit_code == 1 and "outside the run's 1 layers × 1 heads" in res.output
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--list", "L0H0:sideways"])
+    assert res.exit_code == 1 and "unknown pattern class 'sideways'" in res.output
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--list", "layer 0"])
+    assert res.exit_code == 2 and "e.g. L2H5:vertical" in res.output

@@ -102,12 +102,18 @@ def test_report_is_self_contained_html(tmp_path, truth):
     for src in checker.imgs:
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "http://" not in page and "https://" not in page and "<script" not in page
+    assert "http://" not in page and "https://" not in page
+    # scripts are inline (the data and report.js), never loaded from a file or a CDN
+    assert page.count("<script") == 2 and "<script src" not in page and "@import" not in page
     for stem in ("type_share_per_layer", "distance_boxplots", "tsne_types", "mds_js", "feature_heatmaps",
                  "stability_sweep"):
         assert (run / "figures" / f"{stem}.png").stat().st_size > 1000
         assert (run / "figures" / f"{stem}.svg").read_text().lstrip().startswith("<?xml")
-    assert "Stability over k" in page and "L5H11" not in page.split("<figure>")[0]
+    assert "Stability over k" in page
+    # findings first, the settings last and folded away
+    h2 = [x.split("</h2>")[0] for x in page.split("<h2>")[1:]]
+    assert h2[0] == "Findings" and h2[-1] == "Settings and versions"
+    assert page.split('<section id="settings">')[1].split("</h2>", 1)[1].startswith("<details>")
     data = json.loads((run / "clusters.json").read_text())
     assert [r["k"] for r in data["stability"]["sweep"]] == list(range(2, 9))
     # a second report reuses clusters.json (and tolerates a run without distances)
@@ -123,7 +129,7 @@ def test_report_without_clusters_or_distances_nests_settings(tmp_path):
     assert "No distances.npz" in page and "clusters.json was missing" in page
     assert load_clusters(run)["stability"]["sweep"] is None
     assert not list((run / "figures").glob("*.svg"))
-    settings = page.split("<h2>Run and settings</h2>", 1)[1].split("<h2>", 1)[0]
+    settings = page.split('<section id="settings">', 1)[1].split("</section>", 1)[0]
     # neither raw nor HTML-escaped Python dict text
     assert "{'" not in settings and "{&#x27;" not in settings and "}" not in settings
     assert settings.count('<table class="nested">') == 3  # settings, versions, clustering
@@ -229,6 +235,18 @@ def test_commands(tmp_path):
     r = runner.invoke(report_cmd, [str(run), "--no-svg"])
     assert r.exit_code == 0, r.output
     assert (run / "report.html").is_file()
+    # results are not replaced without --overwrite; with it, the command says what went
+    r = runner.invoke(cluster_cmd, [str(run), "--k", "2", "--stability", "2"])
+    assert r.exit_code == 1 and "clusters.json already exists: give --overwrite" in r.output
+    assert json.loads((run / "clusters.json").read_text())["settings"]["k"] == 3
+    r = runner.invoke(report_cmd, [str(run), "--no-svg"])
+    assert r.exit_code == 1 and "report.html" in r.output and "--overwrite" in r.output
+    r = runner.invoke(compare_cmd, [str(run), str(run), "--json", str(tmp_path / "cmp.json")])
+    assert r.exit_code == 1 and "cmp.json already exists" in r.output
+    r = runner.invoke(cluster_cmd, [str(run), "--k", "2", "--stability", "2", "--overwrite"])
+    assert r.exit_code == 0 and json.loads((run / "clusters.json").read_text())["settings"]["k"] == 2
+    assert f"--overwrite removed {run}/{{clusters.json, report.html}}" in r.output
+    assert not (run / "report.html").exists()  # drawn from the old clusters: gone with them
     # errors are one line, not a traceback
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -251,5 +269,5 @@ def test_report_shows_summaries_and_stability_warning(tmp_path):
     save_clusters(tmp_path, c, f, None, stability_over_seeds(f, n_seeds=10, first=c, k=4, n_stability=4))
     page = build_report(tmp_path, svg=False).read_text()
     assert "Over 10 seeds" in page and "Warning:</b> stability" in page
-    assert "Per-layer summaries (Clark et al.)" in page and "Differs from the paper" in page
+    assert "Per-layer summaries (Clark et al.)" in page and "What differs from the papers" in page
     assert (tmp_path / "figures" / "layer_summaries.png").is_file()

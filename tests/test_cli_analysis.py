@@ -22,10 +22,10 @@ def invoke(cmd, args):
 
 
 def test_k_short_and_long_option(run):
-    for opt in ("-k", "--k"):
-        r = invoke(cluster_cmd, [run, opt, "3", "--stability", "2", "-q"])
+    for opt, k in (("-k", "3"), ("--k", "2")):  # the second replaces the first's clusters.json: --overwrite
+        r = invoke(cluster_cmd, [run, opt, k, "--stability", "2", "-q"] + (["--overwrite"] if k == "2" else []))
         assert r.exit_code == 0, r.output
-        assert json.loads((run / "clusters.json").read_text())["settings"]["k"] == 3
+        assert json.loads((run / "clusters.json").read_text())["settings"]["k"] == int(k)
 
 
 def test_every_command_takes_quiet():
@@ -37,10 +37,12 @@ def test_every_command_takes_quiet():
 def test_cluster_sweep_shows_progress_on_stderr_unless_quiet(run):
     r = invoke(cluster_cmd, [run, "--sweep", "--stability", "1"])
     assert r.exit_code == 0, r.output
-    assert "sweep over k" in r.stderr and "attnkit cluster:" in r.stderr
-    assert "sweep over k" not in r.stdout and "stability" in r.stdout
-    r = invoke(cluster_cmd, [run, "--sweep", "--stability", "1", "-q"])
-    assert r.exit_code == 0 and r.stderr == ""
+    assert "cluster sweep, k = 2..4" in r.stderr and "attnkit cluster:" in r.stderr
+    assert "cluster sweep" not in r.stdout and "stability" in r.stdout
+    # quiet: no progress; what --overwrite removed is still said (one line), as data is gone
+    r = invoke(cluster_cmd, [run, "--sweep", "--stability", "1", "-q", "--overwrite"])
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines() == [f"--overwrite removed {run / 'clusters.json'}"]
 
 
 def test_report_shows_progress_per_figure(run):
@@ -48,8 +50,9 @@ def test_report_shows_progress_per_figure(run):
     assert r.exit_code == 0, r.output
     assert "report:" in r.stderr and "figure" in r.stderr
     assert (run / "report.html").is_file()
-    r = invoke(report_cmd, [run, "--no-svg", "-q"])
-    assert r.exit_code == 0 and r.stderr == ""
+    r = invoke(report_cmd, [run, "--no-svg", "-q", "--overwrite"])
+    assert r.exit_code == 0, r.output
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("--overwrite removed ")
 
 
 def test_report_refuses_incomplete_clusters_before_drawing(run):

@@ -219,10 +219,44 @@ def test_overwrite_removes_outputs_of_the_old_run(corpus, tmp_path):
     assert run("extract", corpus, "-o", out, "-q", "--limit", 6, "--max-length", 16, "--backend", "reference")[0] == 0
     (out / "clusters.json").write_text("{}")
     (out / "figures").mkdir()
-    assert run("extract", corpus, "-o", out, "-q", "--limit", 8, "--max-length", 16, "--backend", "reference",
-               "--overwrite")[0] == 0
+    code, text = run("extract", corpus, "-o", out, "-q", "--limit", 8, "--max-length", 16, "--backend", "reference",
+                     "--per-sample")
+    assert code == 1 and text.strip().splitlines()[-1] == (
+        f"Error: {out} already holds a finished run without per_sample.npy (only a new measurement of its corpus "
+        f"adds it): give --overwrite to replace it (it removes {out}/{{features.npz, meta.json, clusters.json, "
+        f"figures}}), or write elsewhere")
+    code, text = run("extract", corpus, "-o", out, "-q", "--limit", 8, "--max-length", 16, "--backend", "reference",
+                     "--overwrite")
+    assert code == 0 and f"--overwrite removed {out}/{{features.npz, meta.json, clusters.json, figures}}" in text
     assert HeadFeatures.load(out).n_samples == 8
     assert not (out / "clusters.json").exists() and not (out / "figures").exists()
+
+
+def test_per_sample_rows_are_traceable_to_their_inputs(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.tsv"
+    lines = [f"Line {i} of a, {'short' if i % 2 else 'a somewhat longer line here'}." for i in range(5)]
+    a.write_text("\n".join(lines) + "\n")
+    pairs = [(f"Left {i}.", f"Right side {'x ' * i}end.") for i in range(6)]
+    b.write_text("sentence1\tsentence2\n" + "".join(f"{x}\t{y}\n" for x, y in pairs))
+    out = tmp_path / "run"
+    code, text = run("extract", a, b, "-o", out, "-q", "--per-sample", "--max-length", 24, "--backend", "reference",
+                     "--window", 4, "--batch-size", 3)
+    assert code == 0, text
+    assert text.strip().endswith(f"wrote {out}/features.npz, meta.json, per_sample.npy, per_sample.json, "
+                                 "per_sample_rows.csv")
+    feats = HeadFeatures.load(out)
+    per = np.load(out / "per_sample.npy")
+    assert per.dtype == np.float32 and per.shape == (11, 6, 12, 28)
+    np.testing.assert_allclose(per.astype(np.float64).mean(0), feats.mean, atol=1e-6)
+    import csv
+
+    rows = list(csv.DictReader(open(out / "per_sample_rows.csv")))
+    assert [(r["input"], r["position"]) for r in rows] == [("0", str(i)) for i in range(5)] + \
+        [("1", str(i)) for i in range(6)]
+    assert [r["text"] for r in rows] == lines + [x for x, _ in pairs]
+    assert [r["text_pair"] for r in rows] == [""] * 5 + [y for _, y in pairs]
+    meta = json.loads((out / "meta.json").read_text())
+    assert [d["path"] for d in meta["inputs"]] == [str(a), str(b)]
 
 
 def test_standard_input(corpus, tmp_path):

@@ -80,6 +80,25 @@ def test_perturbed_layer_two(tmp_path):
         np.testing.assert_allclose(z["shift"], res.shift)
 
 
+def test_the_heatmap_scale_is_fitted_to_the_values():
+    """A perturbed layer at 0.92–0.99 must not look like identical layers: the colours span the values."""
+    import matplotlib.pyplot as plt
+
+    from attnkit.engine.compare import cosine_heatmaps
+
+    cos = np.array([[1.0, 1.0, 1.0], [0.92, 0.97, 0.99], [0.995, 0.996, 0.999]])
+    fig = cosine_heatmaps(map_cosine=cos, row_cosine=np.clip(cos + 0.001, 0, 1))
+    ax = fig.axes[0]
+    lo, hi = ax.images[0].get_clim()
+    assert (lo, hi) == (0.92, 1.0)
+    rgba = ax.images[0].to_rgba(cos)
+    assert np.abs(rgba[0, 0, :3] - rgba[1, 0, :3]).max() > 0.5  # 1.00 and 0.92 look far apart
+    labels = [t.get_text() for t in ax.texts]
+    assert "0.995" in labels and "0.996" in labels  # neighbouring values read differently
+    assert "0.920–1.000" in fig._suptitle.get_text()
+    plt.close(fig)
+
+
 def test_command_and_bad_pairs(tmp_path):
     from attnkit.cli.main import main
 
@@ -94,6 +113,16 @@ def test_command_and_bad_pairs(tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "out" / "compare_models.json").read_text())
     assert data["n_samples"] == 6 and np.allclose(data["row_cosine"], 1.0, atol=1e-5)
+    out = tmp_path / "out"
+    assert res.output.strip().splitlines()[-1] == (f"wrote {out}/compare_models.json, {out}/compare_models.npz, "
+                                                   f"{out}/figures/compare_models.png")
+    args = ["compare-models", str(tmp_path / "a"), str(tmp_path / "b"), str(corpus), "-o", str(out), "--max-length",
+            "16", "-q", "--no-svg"]
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 1 and "compare_models.json, compare_models.npz, figures/compare_models.png} already " \
+                                     "exist: give --overwrite" in again.output
+    again = CliRunner().invoke(main, args + ["--overwrite"])
+    assert again.exit_code == 0 and f"--overwrite removed {out}/{{compare_models.json, compare_models.npz, " in again.output
     with pytest.raises(AttnkitError, match="same object"):
         compare_models(TEXTS, (model, tok), (model, tok))
     small, _ = tiny_bert(n_layers=1, n_heads=2)
@@ -116,7 +145,8 @@ def test_figure_plots_what_its_titles_say():
         assert "row cosine" in right.get_title() and "map" not in right.get_title()
         np.testing.assert_array_equal(left.images[0].get_array(), map_cos)
         np.testing.assert_array_equal(right.images[0].get_array(), row_cos)
-        assert left.images[0].get_clim() == right.images[0].get_clim() == (0.0, 1.0)  # one colour scale
+        both = np.concatenate([map_cos.ravel(), row_cos.ravel()])
+        assert left.images[0].get_clim() == right.images[0].get_clim() == (both.min(), both.max())  # one scale
         # every cell carries its own value
         assert sorted(t.get_text() for t in left.texts) == sorted(f"{v:.2f}" for v in map_cos.ravel())
         assert "x/tuned vs x/pre" in fig._suptitle.get_text()

@@ -142,8 +142,10 @@ def test_collector_checks_layers_and_roundtrip(tmp_path):
     np.testing.assert_array_equal(back.total, d.total)
     assert (back.n_rows, back.n_layers, back.n_heads) == (3, 2, 2)
     assert back.labels()[:3] == ["L0H0", "L0H1", "L1H0"]
-    with pytest.raises(AttnkitError, match="missing"):
+    with pytest.raises(AttnkitError, match="missing") as err:
         HeadDistances.load(tmp_path / "nope")
+    # the hint names the command for this run (the run's own corpus is the default: no --corpus needed)
+    assert f"attnkit distances {tmp_path / 'nope'})" in str(err.value) and "--corpus" not in str(err.value)
     with pytest.raises(AttnkitError, match="no forward"):
         DistanceCollector(2).result()
 

@@ -430,3 +430,45 @@ def test_spacy_parses_align_with_minilm_pieces():
     assert all(aligns[0].aligned)
     # spaCy splits "cannot" into "can" + "not"; MiniLM keeps one piece "cannot": both words unaligned
     assert aligns[1].n_split == 2 and aligns[1].aligned[1:3] == [False, False]
+
+
+def test_heatmap_shows_accuracy_over_the_baseline_with_readable_labels():
+    """A relation a fixed offset already gets right (det: always the next word) is no finding, however accurate
+    the head: the heatmap plots accuracy minus the relation's baseline and names each head's best relation."""
+    import matplotlib.pyplot as plt
+
+    from attnkit.probe.run import heatmap
+
+    rng = np.random.default_rng(0)
+    L, H, W = 3, 4, 6
+    s = ProbeScores(L, H, keep_pairs=False)
+    for _ in range(40):
+        heads = [1] + [int(rng.choice([j for j in range(W) if j != d])) for d in range(1, W - 1)] + [ROOT]
+        rels = ["det"] + ["nsubj"] * (W - 2) + ["root"]  # det: always the next word; nsubj: anywhere
+        attn = rng.random((L, H, W, W))
+        for d, g in enumerate(heads):
+            if g != ROOT:
+                attn[0, 0, d, g] = 5.0  # head L0H0 always finds the gold head
+        s.add(attn, heads, rels, [True] * W)
+    gain = {r: np.maximum(s.accuracy(r, "dep->head"), s.accuracy(r, "dep<-head")) - s.baseline(r)[1]
+            for r in ("det", "nsubj")}
+    assert s.baseline("det")[1] > 0.8 and gain["det"][0, 0] < 0.2 < gain["nsubj"][0, 0]
+    fig = heatmap(s, None, 1)
+    ax = fig.axes[0]
+    np.testing.assert_allclose(ax.images[0].get_array(), np.maximum(gain["det"], gain["nsubj"]), atol=1e-12)
+    lo, hi = ax.images[0].get_clim()
+    assert lo == -hi  # centred on "no better than the baseline"
+    texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t for t in ax.texts}
+    assert texts[(0, 0)].get_text() == f"nsubj\n{gain['nsubj'][0, 0]:+.2f}"
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in ax.texts]
+    assert all(t.get_fontsize() >= 6 for t in ax.texts)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b)
+    plt.close(fig)
+    fig = heatmap(s, "det", 1)
+    np.testing.assert_allclose(fig.axes[0].images[0].get_array(), gain["det"], atol=1e-12)
+    assert "over the baseline" in fig.axes[0].get_title()
+    plt.close(fig)

@@ -29,10 +29,10 @@ from ..errors import AttnkitError, arg
 from ..interventions import HeadTypes, Intervention, format_heads, intervene
 from ..run.outputs import atomic_write, ensure_writable_dir
 from .importance import iterative_pruning
+from .names import EXPERIMENTS
 
 log = logging.getLogger("attnkit")
 
-EXPERIMENTS = ("types", "heads", "layers", "importance")
 MODE_LABEL = {"zero": "prune (0)", "uniform": "substitute (1/n)"}
 
 
@@ -79,9 +79,16 @@ class ResultTable:
         return cols
 
     def to_pandas(self):
+        """The rows as a DataFrame; columns of whole numbers stay integers where a row has none (the baseline's
+        layer and head), so the CSV says 3, not 3.0."""
         import pandas as pd
 
-        return pd.DataFrame(self.rows, columns=self.columns)
+        df = pd.DataFrame(self.rows, columns=self.columns)
+        for col in df.columns:
+            values = [r.get(col) for r in self.rows if r.get(col) is not None]
+            if values and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+                df[col] = df[col].astype("Int64")
+        return df
 
     def to_markdown(self, digits: int = 2) -> str:
         cols = self.columns

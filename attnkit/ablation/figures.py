@@ -96,6 +96,9 @@ def _absolute_axis(ax, base: float, metric: str, which: str) -> None:
     sec.tick_params(labelsize=7)
 
 
+LABEL_ROOM = 0.12  # share of the axis added on each side for the printed values
+
+
 def bars_axes(table: ResultTable, title: str = ""):
     """One bar per setting: Δ of the main metric from the baseline, on an axis through 0 (a bar's
     length is the change, not the score). Returns (figure, axes); the top axis reads absolute scores."""
@@ -108,7 +111,10 @@ def bars_axes(table: ResultTable, title: str = ""):
     err = _error_bars(table, rows)
     if err is not None:  # the paired bootstrap 95% interval of each change
         ax.errorbar(d, range(len(rows)), xerr=err, fmt="none", ecolor="#333", capsize=2, lw=0.8)
-    lo, hi = _zero_centred_limits(_with_interval_ends(d, err))
+    ends = _with_interval_ends(d, err)
+    lo, hi = _zero_centred_limits(ends)
+    span = hi - lo
+    lo, hi = lo - LABEL_ROOM * span, hi + LABEL_ROOM * span  # room for the values beyond the intervals
     ax.set_xlim(lo, hi)
     ax.axvline(0.0, color="black", linewidth=1.0)
     span = hi - lo
@@ -116,11 +122,12 @@ def bars_axes(table: ResultTable, title: str = ""):
         if not np.isfinite(v):
             ax.text(0.01 * span, i, "nan", va="center", ha="left", fontsize=7)
             continue
-        inside = abs(v) > 0.25 * span  # long bars carry their value inside, so it never leaves the axes
+        # the value sits beyond the far end of the bar and of its interval, so no error bar crosses it
         sign = 1.0 if v >= 0 else -1.0
-        x = v - sign * 0.01 * span if inside else v + sign * 0.01 * span
-        ha = ("right" if v >= 0 else "left") if inside else ("left" if v >= 0 else "right")
-        ax.text(x, i, f"{v:+.2f}", va="center", ha=ha, fontsize=7, color="white" if inside else "black")
+        far = v + sign * (0.0 if err is None or not np.isfinite(err[(1 if v >= 0 else 0), i])
+                          else err[(1 if v >= 0 else 0), i])
+        x = (max(far, 0.0) if v >= 0 else min(far, 0.0)) + sign * 0.01 * span
+        ax.text(x, i, f"{v:+.2f}", va="center", ha="left" if v >= 0 else "right", fontsize=7, color="black")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([r["setting"] for r in rows], fontsize=8)
     ax.set_ylim(len(rows) - 0.5, -0.5)  # first setting on top

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from ..errors import AttnkitError, arg
 from ..interventions import load_clusters
 from ..models import load_model
+from ..run.files import REPORT_FILE
 from ..run.locking import run_lock
 from ..run.outputs import ensure_writable_dir, write_json
+from ..run.overwrite import claim_outputs
 from .experiments import EXPERIMENTS, ResultTable, TaskEvaluator, run_experiment
 from .figures import save_figure
 from .tasks import get_task
@@ -43,6 +45,7 @@ class AblateOptions:
     device: str | None = None
     out: str | None = None
     quiet: bool = False
+    overwrite: bool = False
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Ablation:
     model_name: str
     mode: str
     type_counts: dict | None = None
+    removed: str | None = None  # what --overwrite removed
 
 
 def run_ablation(opts: AblateOptions) -> Ablation:
@@ -69,6 +73,7 @@ def run_ablation(opts: AblateOptions) -> Ablation:
                            "clusters.json)")
     out = opts.out or f"ablation-{opts.task_name}-{opts.experiment}"
     ensure_writable_dir(out)  # before the work: a bad output directory fails now, not after the experiment
+    claim = claim_outputs(output_paths(out, opts.experiment), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
     task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task)
     if opts.limit is not None:
         task.head(opts.limit)
@@ -95,8 +100,16 @@ def run_ablation(opts: AblateOptions) -> Ablation:
                 "seconds": round(time.perf_counter() - t0, 1)}
         if head_types is not None:
             meta["type_counts"] = head_types.counts()
-        write_json(os.path.join(out, f"{opts.experiment}.meta.json"), meta)
-    return Ablation(table, paths, fig, name, mode, head_types.counts() if head_types is not None else None)
+        paths["meta"] = os.path.join(out, f"{opts.experiment}.meta.json")
+        write_json(paths["meta"], meta)
+        claim.remove_stale()
+    return Ablation(table, paths, fig, name, mode, head_types.counts() if head_types is not None else None,
+                    claim.removed_message())
 
 
-__all__ = ["AblateOptions", "Ablation", "run_ablation"]
+def output_paths(out, experiment: str) -> list[str]:
+    """The files `attnkit ablate --experiment E -o OUT` writes (docs/files.md, "The ablation tables")."""
+    return [os.path.join(out, f"{experiment}.{ext}") for ext in ("csv", "json", "md", "png", "meta.json")]
+
+
+__all__ = ["AblateOptions", "Ablation", "output_paths", "run_ablation"]

@@ -33,8 +33,7 @@ from ..models import instrument, runtime_of
 from ..run.schemas import SQUAD_SCHEMA, load_json
 from ..tokens import Batch, Encoder
 from . import metrics
-
-TASKS = ("stsb", "glue", "squad", "mlm")
+from .names import TASKS
 
 
 def _device(model) -> torch.device:

@@ -10,25 +10,24 @@ maps are collected by the engine (attnkit/engine/distances.py) and saved in RUN/
 """
 import importlib
 
-from ..engine.distances import DistanceCollector, collect_distances, js_distances
-from ..run.distances import HeadDistances
-from .clustering import HeadClusterer, cluster, match_labels, stability_over_seeds, sweep
-from .naming import name_clusters
-
-# figures, the report, maps and patterns pull in matplotlib: their names are imported when first asked for
-_LAZY = {"build_report": "report", "mds": "embedding", "tsne": "embedding", "compare": "results",
-         "load_clusters": "results", "save_clusters": "results", "classify": "patterns", "class_counts": "patterns",
-         "run_patterns": "patterns", "layer_summaries": "summaries", "threshold_heads": "summaries",
-         "paper_differences": "summaries"}
+# every name is imported when first asked for: scikit-learn, torch (the distances) and matplotlib (figures, the
+# report) load only then, and the command line reads the constants of a module here without them
+_LAZY = {"DistanceCollector": "..engine.distances", "collect_distances": "..engine.distances",
+         "js_distances": "..engine.distances", "HeadDistances": "..run.distances", "HeadClusterer": "clustering",
+         "cluster": "clustering", "match_labels": "clustering", "stability_over_seeds": "clustering",
+         "sweep": "clustering", "name_clusters": "naming", "build_report": "report", "mds": "embedding",
+         "tsne": "embedding", "compare": "results", "load_clusters": "results", "save_clusters": "results",
+         "classify": "patterns", "class_counts": "patterns", "run_patterns": "patterns", "examples_of": "patterns",
+         "layer_summaries": "summaries", "threshold_heads": "summaries", "paper_differences": "summaries"}
 
 
 def __getattr__(name):
     if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        where = _LAZY[name]
+        module = importlib.import_module(where, __name__) if where.startswith(".") else \
+            importlib.import_module(f"{__name__}.{where}")
+        return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["HeadClusterer", "cluster", "sweep", "match_labels", "name_clusters", "DistanceCollector",
-           "HeadDistances", "collect_distances", "js_distances", "build_report", "mds", "tsne", "compare",
-           "load_clusters", "save_clusters", "stability_over_seeds", "classify", "class_counts", "run_patterns",
-           "layer_summaries", "threshold_heads", "paper_differences"]
+__all__ = sorted(_LAZY)

@@ -334,7 +334,9 @@ def sweep(features, ks=range(2, 9), progress: bool = False, n_seeds: int = 1, **
     if not feasible:
         raise AttnkitError(f"{n} heads are too few for a sweep over k = {', '.join(str(k) for k in ks)}")
     out = []
-    for k in tqdm(feasible, desc="sweep over k", unit="k", disable=not progress, dynamic_ncols=True):
+    # one step per k: the unit is spelt out, as "k" after a rate reads as thousands ("1.34k/s")
+    for k in tqdm(feasible, desc=f"cluster sweep, k = {feasible[0]}..{feasible[-1]}", unit=" clusterings",
+                  disable=not progress, dynamic_ncols=True):
         c = cluster(features, k=k, **kwargs)
         row = {"k": int(k), "stability": c.stability_, "silhouette": c.silhouette_,
                "type_names": list(c.type_names_), "shares": [float(s) for s in c.shares_]}

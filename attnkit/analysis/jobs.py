@@ -16,12 +16,13 @@ import numpy as np
 from ..errors import AttnkitError, print_message
 from ..run.clusters import load_clusters
 from ..run.distances import HeadDistances
-from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR
+from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.locking import run_lock
 from ..run.outputs import ensure_writable_dir, os_errors
-from .clustering import HeadClusterer, cluster, stability_over_seeds, sweep
-from .report import build_report
+from ..run.overwrite import claim_outputs
+from .clustering import HeadClusterer, cluster, resolve_subset, stability_over_seeds, sweep
+from .report import build_report, report_figures
 from .results import save_clusters
 
 
@@ -39,12 +40,16 @@ class Clustering:
 
 def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None = None,
                 standardize: bool = False, seed: int = 0, n_stability: int = 10, do_sweep: bool = False,
-                n_seeds: int = 10, quiet: bool = False, echo: Callable[..., None] = print_message) -> Clustering:
+                n_seeds: int = 10, quiet: bool = False, overwrite: bool = False,
+                echo: Callable[..., None] = print_message) -> Clustering:
     """Group the heads of `run` into types and write RUN/clusters.json (the arguments as `attnkit.cluster`'s;
-    `n_seeds` > 1 repeats the stability measure with that many seeds, `do_sweep` adds k = 2..8)."""
+    `n_seeds` > 1 repeats the stability measure with that many seeds, `do_sweep` adds k = 2..8). An earlier
+    clusters.json is replaced only with `overwrite` (the report drawn from it goes with it)."""
     run = Path(run)
     with run_lock(run, "attnkit cluster"), os_errors(f"write into {run}"):
         feats = HeadFeatures.load(run)
+        resolve_subset(feats.names, features)  # a bad feature name is the first thing to hear about
+        claim = claim_outputs([run / CLUSTERS_FILE], overwrite, stale=[run / REPORT_FILE])
         if not quiet:
             echo(f"attnkit cluster: {feats.n_layers} × {feats.n_heads} heads of {run}, {method}, k = {k}, "
                  f"{n_stability} stability fits", err=True)
@@ -57,14 +62,20 @@ def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None
         rows = sweep(feats, method=method, features_subset=features, standardize=standardize, seed=seed,
                      n_stability=n_stability, progress=not quiet, n_seeds=n_seeds) if do_sweep else None
         path = save_clusters(run, c, feats, rows, over)
+        claim.remove_stale()
+    if claim.removed_message():
+        echo(claim.removed_message(), err=True)
     return Clustering(c, over, rows, feats, path)
 
 
-def report_run(run, *, examples: int = 0, corpus=None, fmt: str = "auto", squad_pairs: bool = False, columns=None,
-               limit: int | None = None, k: int = 4, method: str = "kmeans", seed: int = 0, device=None,
-               svg: bool = True, quiet: bool = False, echo: Callable[..., None] = print_message) -> Path:
+def report_run(run, *, examples: int = 0, include=(), corpus=None, fmt: str = "auto", squad_pairs: bool = False,
+               columns=None, limit: int | None = None, k: int = 4, method: str = "kmeans", seed: int = 0, device=None,
+               svg: bool = True, quiet: bool = False, overwrite: bool = False,
+               echo: Callable[..., None] = print_message) -> Path:
     """Write RUN/report.html (`build_report`) after checking, before drawing anything, every file it reads;
-    `examples` > 0 draws example maps from the run's corpus (or `corpus`) with the run's model."""
+    `examples` > 0 draws example maps from the run's corpus (or `corpus`) with the run's model; `include` names
+    directories of probe or ablation results to show. An earlier report (and its figures) is replaced only with
+    `overwrite`."""
     run = Path(run)
 
     def say(text: str) -> None:
@@ -73,6 +84,7 @@ def report_run(run, *, examples: int = 0, corpus=None, fmt: str = "auto", squad_
 
     with run_lock(run, "attnkit report"), os_errors(f"write the report into {run}"):
         feats = HeadFeatures.load(run)
+        claim = claim_outputs([run / REPORT_FILE] + report_figures(run), overwrite)
         shape = (feats.n_layers, feats.n_heads)
         bad = np.argwhere(~np.isfinite(feats.mean).all(axis=2))
         if len(bad):
@@ -95,8 +107,11 @@ def report_run(run, *, examples: int = 0, corpus=None, fmt: str = "auto", squad_
             say(f"attnkit report: loading the model of {run} for the example maps")
             model = load_model(feats.meta.get("model") or None, device=device)
         say(f"attnkit report: {shape[0]} × {shape[1]} heads of {run}")
-        return build_report(run, k=k, method=method, seed=seed, examples=examples, texts=texts, model=model,
-                            svg=svg, progress=not quiet)
+        path = build_report(run, k=k, method=method, seed=seed, examples=examples, texts=texts, model=model,
+                            svg=svg, progress=not quiet, include=include)
+    if claim.removed_message():
+        echo(claim.removed_message(), err=True)
+    return path
 
 
 __all__ = ["Clustering", "cluster_run", "report_run"]

@@ -18,19 +18,27 @@ docs/patterns.md's):
 
 Whether an example is a pair is given by the caller (`pairs`); by default it is read from the features:
 an example has a second sentence when its `inter` mass is above zero (softmax never gives exactly 0 to a
-key it can see, so a single-sentence example is the only way to get inter = 0; float16 storage rounds
-masses below ~6e-8 to 0, which only matters for heads that are block by any measure).
+key it can see, so a single-sentence example is the only way to get inter = 0).
+
+The thresholds are a `Rules` (the defaults: the constants below; `attnkit patterns --structured-min ...` sets
+them). Values are compared in float32, the precision per_sample.npy stores (files of attnkit 0.1 hold float16,
+whose rounding flipped examples within ~3e-5 of a threshold; they are converted to float32 and classified as
+stored). `run_patterns` writes the label of every (example, head) to RUN/pattern_labels.npy, and `examples_of`
+lists the examples that put one head in one class, with their texts (RUN/per_sample_rows.csv).
 """
 from __future__ import annotations
 
+import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import AttnkitError
-from ..run.files import FIGURES_DIR, PATTERNS_FILE
+from ..errors import AttnkitError, arg
+from ..run.files import FIGURES_DIR, PATTERN_LABELS, PATTERNS_FILE, PER_SAMPLE_ROWS, REPORT_FILE
 from ..run.outputs import write_json
-from ..run.per_sample import load_per_sample
+from ..run.overwrite import claim_outputs
+from ..run.per_sample import load_per_sample, read_rows
 
 CLASSES = ("vertical", "diagonal", "vertical+diagonal", "block", "heterogeneous")
 VERTICAL, DIAGONAL, MIXED, BLOCK, HETEROGENEOUS = range(5)
@@ -44,9 +52,28 @@ PATTERN_COLORS = {"vertical": "#d62728", "diagonal": "#1f77b4", "vertical+diagon
                   "block": "#9467bd", "heterogeneous": "#2ca02c"}
 
 
-def rules() -> dict:
-    return {"vertical_mass": "+".join(VERTICAL_FEATURES), "diagonal_mass": "+".join(DIAGONAL_FEATURES),
-            "structured_min": STRUCTURED_MIN, "mix_part_min": MIX_PART_MIN, "block_intra_min": BLOCK_INTRA_MIN}
+@dataclass(frozen=True)
+class Rules:
+    """The thresholds of the rules (see the module docstring); each a share between 0 and 1."""
+
+    structured_min: float = STRUCTURED_MIN
+    mix_part_min: float = MIX_PART_MIN
+    block_intra_min: float = BLOCK_INTRA_MIN
+
+    def check(self) -> Rules:
+        for name, value in asdict(self).items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise AttnkitError(f"{arg(name)} must be a share between 0 and 1, got {value!r}")
+        return self
+
+    def as_dict(self) -> dict:
+        return {"vertical_mass": "+".join(VERTICAL_FEATURES), "diagonal_mass": "+".join(DIAGONAL_FEATURES),
+                **asdict(self)}
+
+
+def rules(r: Rules | None = None) -> dict:
+    """The rules as patterns.json records them (`rules`)."""
+    return (r or Rules()).as_dict()
 
 
 def _index(names, wanted) -> list[int]:
@@ -57,35 +84,52 @@ def _index(names, wanted) -> list[int]:
     return [names.index(n) for n in wanted]
 
 
-def classify(features, names, pairs=None) -> np.ndarray:
-    """Class ids (see CLASSES) of every (example, …, head) for features `... × F` (e.g. N × layers × heads × F).
-
-    `pairs`: None (infer from `inter` > 0 per example and head), a bool, or a bool array broadcastable to
-    the leading dims (e.g. shape (N, 1, 1) for one flag per example).
-    """
+def masses(features, names) -> dict:
+    """The masses the rules read, per (example, …, head): `v` (cls + sep), `d` (prev + next + self), `intra`
+    and `inter`, in float32."""
     x = np.asarray(features, dtype=np.float32)
     if x.ndim < 1 or x.shape[-1] != len(list(names)):
         raise AttnkitError(f"features of shape {x.shape} do not end in the {len(list(names))} named features")
-    v = x[..., _index(names, VERTICAL_FEATURES)].sum(-1)
-    d = x[..., _index(names, DIAGONAL_FEATURES)].sum(-1)
-    intra = x[..., _index(names, ("intra",))[0]]
+    return {"v": x[..., _index(names, VERTICAL_FEATURES)].sum(-1, dtype=np.float32),
+            "d": x[..., _index(names, DIAGONAL_FEATURES)].sum(-1, dtype=np.float32),
+            "intra": x[..., _index(names, ("intra",))[0]], "inter": x[..., _index(names, ("inter",))[0]]}
+
+
+def classify(features, names, pairs=None, rules: Rules | None = None) -> np.ndarray:
+    """Class ids (see CLASSES) of every (example, …, head) for features `... × F` (e.g. N × layers × heads × F).
+
+    `pairs`: None (infer from `inter` > 0 per example and head), a bool, or a bool array broadcastable to
+    the leading dims (e.g. shape (N, 1, 1) for one flag per example). `rules`: the thresholds (default:
+    `Rules()`).
+    """
+    r = (rules or Rules()).check()
+    m = masses(features, names)
+    v, d, intra = m["v"], m["d"], m["intra"]
     if pairs is None:
-        pairs = x[..., _index(names, ("inter",))[0]] > 0
+        pairs = m["inter"] > 0
     pairs = np.broadcast_to(np.asarray(pairs, dtype=bool), v.shape)
     out = np.full(v.shape, HETEROGENEOUS, dtype=np.int8)
-    block = pairs & (intra >= BLOCK_INTRA_MIN)
+    block = pairs & (intra >= np.float32(r.block_intra_min))
     out[block] = BLOCK
-    structured = (v + d) >= STRUCTURED_MIN
+    structured = (v + d) >= np.float32(r.structured_min)
     out[structured & (v >= d)] = VERTICAL
     out[structured & (d > v)] = DIAGONAL
-    out[structured & (v >= MIX_PART_MIN) & (d >= MIX_PART_MIN)] = MIXED
+    mix = np.float32(r.mix_part_min)
+    out[structured & (v >= mix) & (d >= mix)] = MIXED
     return out
 
 
-def class_counts(per_sample, names, *, pairs=None, chunk: int = 4096) -> np.ndarray:
+def _pairs_for(pairs, i: int, chunk: int):
+    if pairs is not None and np.ndim(pairs) == 1:
+        return np.asarray(pairs[i:i + chunk], dtype=bool)[:, None, None]
+    return pairs
+
+
+def class_counts(per_sample, names, *, pairs=None, chunk: int = 4096, rules: Rules | None = None,
+                 labels: np.ndarray | None = None) -> np.ndarray:
     """layers × heads × 5 counts of examples per class, streaming over `per_sample` (N × layers × heads × F,
     e.g. the memory-mapped per_sample.npy) `chunk` examples at a time. `pairs`: None, a bool, or one bool
-    per example."""
+    per example. `labels`: an N × layers × heads int8 array (e.g. a memory map) that receives every class id."""
     if per_sample.ndim != 4:
         raise AttnkitError(f"per-sample features must be N × layers × heads × F, got shape {per_sample.shape}")
     N, L, H, _ = per_sample.shape
@@ -93,10 +137,9 @@ def class_counts(per_sample, names, *, pairs=None, chunk: int = 4096) -> np.ndar
     if pairs is not None and np.ndim(pairs) == 1 and len(pairs) != N:
         raise AttnkitError(f"{len(pairs)} pair flags for {N} examples")
     for i in range(0, N, chunk):
-        p = pairs
-        if p is not None and np.ndim(p) == 1:
-            p = np.asarray(p[i:i + chunk], dtype=bool)[:, None, None]
-        cls = classify(per_sample[i:i + chunk], names, p)
+        cls = classify(per_sample[i:i + chunk], names, _pairs_for(pairs, i, chunk), rules)
+        if labels is not None:
+            labels[i:i + chunk] = cls
         for c in range(len(CLASSES)):
             counts[..., c] += (cls == c).sum(0)
     return counts
@@ -115,11 +158,11 @@ def proportions(counts: np.ndarray) -> dict:
             "per_head": {c: np.round(per_head[..., j], 6).tolist() for j, c in enumerate(CLASSES)}}
 
 
-def patterns_dict(counts: np.ndarray, *, pairs_rule: str) -> dict:
+def patterns_dict(counts: np.ndarray, *, pairs_rule: str, rules: Rules | None = None) -> dict:
     L, H, _ = counts.shape
-    return {"version": 1, "classes": list(CLASSES), "rules": rules(), "pairs": pairs_rule,
+    return {"version": 1, "classes": list(CLASSES), "rules": (rules or Rules()).as_dict(), "pairs": pairs_rule,
             "n_examples": int(counts[0, 0].sum()), "n_layers": int(L), "n_heads": int(H),
-            **proportions(counts)}
+            "labels": PATTERN_LABELS, **proportions(counts)}
 
 
 def proportions_figure(data: dict):
@@ -143,21 +186,76 @@ def proportions_figure(data: dict):
     return fig
 
 
-def run_patterns(run_dir, *, pairs=None, svg: bool = True) -> tuple[Path, dict]:
-    """Classify RUN/per_sample.npy, write RUN/patterns.json and RUN/figures/pattern_types.png (+ .svg)."""
+def _pairs_rule(pairs) -> str:
+    return ("inter > 0 per example and head" if pairs is None
+            else f"given: {bool(pairs) if np.ndim(pairs) == 0 else 'per example'}")
+
+
+def run_patterns(run_dir, *, pairs=None, svg: bool = True, rules: Rules | None = None,
+                 overwrite: bool = False) -> tuple[list[Path], dict, str | None]:
+    """Classify RUN/per_sample.npy and write RUN/patterns.json, RUN/pattern_labels.npy (the class id of every
+    (example, head), int8 N × layers × heads) and RUN/figures/pattern_types.png (+ .svg). Earlier results are
+    replaced only with `overwrite` (the report drawn from them goes with them). Returns (the paths written,
+    patterns.json's content, the message naming what `overwrite` removed or None)."""
     from ..plotting import save_figure
 
     run_dir = Path(run_dir)
+    rules = (rules or Rules()).check()
     arr, names = load_per_sample(run_dir)
-    counts = class_counts(arr, names, pairs=pairs)
-    rule = ("inter > 0 per example and head" if pairs is None
-            else f"given: {bool(pairs) if np.ndim(pairs) == 0 else 'per example'}")
-    data = patterns_dict(counts, pairs_rule=rule)
-    path = run_dir / PATTERNS_FILE
-    write_json(path, data)
-    save_figure(proportions_figure(data), run_dir / FIGURES_DIR, "pattern_types", svg=svg)
-    return path, data
+    figure = run_dir / FIGURES_DIR / "pattern_types"
+    outputs = [run_dir / PATTERNS_FILE, run_dir / PATTERN_LABELS, figure.with_suffix(".png")]
+    claim = claim_outputs(outputs + ([figure.with_suffix(".svg")] if svg else []), overwrite,
+                          stale=[run_dir / REPORT_FILE])
+    labels_path = run_dir / PATTERN_LABELS
+    tmp = labels_path.with_name(f".{labels_path.name}.partial")
+    labels = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int8, shape=arr.shape[:3])
+    try:
+        counts = class_counts(arr, names, pairs=pairs, rules=rules, labels=labels)
+        labels.flush()
+        del labels
+        os.replace(tmp, labels_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    data = patterns_dict(counts, pairs_rule=_pairs_rule(pairs), rules=rules)
+    write_json(run_dir / PATTERNS_FILE, data)
+    saved = save_figure(proportions_figure(data), run_dir / FIGURES_DIR, "pattern_types", svg=svg)
+    claim.remove_stale()
+    written = [run_dir / PATTERNS_FILE, labels_path, Path(saved["png"])] + ([Path(saved["svg"])] if saved.get("svg")
+                                                                            else [])
+    return written, data, claim.removed_message()
 
 
-__all__ = ["CLASSES", "classify", "class_counts", "proportions", "patterns_dict", "proportions_figure",
-           "run_patterns", "rules", "STRUCTURED_MIN", "MIX_PART_MIN", "BLOCK_INTRA_MIN", "PATTERNS_FILE"]
+STRENGTH = {"vertical": lambda m: m["v"], "diagonal": lambda m: m["d"],
+            "vertical+diagonal": lambda m: np.minimum(m["v"], m["d"]), "block": lambda m: m["intra"],
+            "heterogeneous": lambda m: -(m["v"] + m["d"])}
+
+
+def examples_of(run_dir, layer: int, head: int, pattern: str, *, n: int = 10, pairs=None,
+                rules: Rules | None = None):
+    """The examples that put head (`layer`, `head`) of a run in class `pattern`, most clearly first (vertical:
+    highest v; diagonal: highest d; vertical+diagonal: highest min(v, d); block: highest intra; heterogeneous:
+    lowest v + d), at most `n`: a DataFrame indexed by row of per_sample.npy with v, d, intra and the texts
+    (when the run has per_sample_rows.csv), and the number of examples in the class."""
+    import pandas as pd
+
+    if pattern not in CLASSES:
+        raise AttnkitError(f"unknown pattern class {pattern!r}; use one of {', '.join(CLASSES)}")
+    arr, names = load_per_sample(run_dir)
+    N, L, H, _ = arr.shape
+    if not (0 <= layer < L and 0 <= head < H):
+        raise AttnkitError(f"head L{layer}H{head} is outside the run's {L} layers × {H} heads")
+    x = np.asarray(arr[:, layer, head], dtype=np.float32)
+    cls = classify(x, names, pairs, rules)
+    m = masses(x, names)
+    rows = np.flatnonzero(cls == CLASSES.index(pattern))
+    order = rows[np.argsort(-STRENGTH[pattern](m)[rows], kind="stable")][:max(int(n), 0)]
+    df = pd.DataFrame({"v": m["v"][order], "d": m["d"][order], "intra": m["intra"][order]},
+                      index=pd.Index(order, name="row"))
+    if (Path(run_dir) / PER_SAMPLE_ROWS).is_file():
+        df = df.join(read_rows(run_dir, order.tolist())[["input", "position", "text", "text_pair"]])
+    return df, int(len(rows))
+
+
+__all__ = ["CLASSES", "Rules", "classify", "class_counts", "examples_of", "masses", "proportions", "patterns_dict",
+           "proportions_figure", "run_patterns", "rules", "STRUCTURED_MIN", "MIX_PART_MIN", "BLOCK_INTRA_MIN",
+           "PATTERNS_FILE"]

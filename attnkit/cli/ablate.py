@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import click
 
-from ..ablation.experiments import EXPERIMENTS
-from ..ablation.tasks import TASKS
-from .options import cli_errors, shared
+from ..ablation.names import EXPERIMENTS, TASKS
+from .options import cli_errors, echo_for, shared
 
 
 @click.command("ablate")
@@ -32,10 +31,11 @@ from .options import cli_errors, shared
 @shared("device")
 @click.option("-o", "--out", "out", type=click.Path(file_okay=False), default=None,
               help="Output directory (default: ablation-<task>-<experiment>).")
+@shared("overwrite")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @cli_errors
 def ablate(model, task_name, data, experiment, clusters, mode, limit, sample, batch_size, glue_task, step,
-           no_layer_norm, renormalize, device, out, quiet):
+           no_layer_norm, renormalize, device, out, overwrite, quiet):
     """Disable heads, layers or head types of MODEL (a local model directory, or `default` for the embedded
     MiniLM) and measure the task metric; writes CSV/JSON/Markdown tables and a PNG figure."""
     from ..ablation.job import AblateOptions, run_ablation
@@ -43,14 +43,18 @@ def ablate(model, task_name, data, experiment, clusters, mode, limit, sample, ba
     res = run_ablation(AblateOptions(
         model=model, task_name=task_name, data=data, experiment=experiment, clusters=clusters, mode=mode,
         limit=limit, sample=sample, batch_size=batch_size, glue_task=glue_task, step=step,
-        no_layer_norm=no_layer_norm, renormalize=renormalize, device=device, out=out, quiet=quiet))
+        no_layer_norm=no_layer_norm, renormalize=renormalize, device=device, out=out, quiet=quiet,
+        overwrite=overwrite))
     table = res.table
     click.echo(f"{res.model_name} · {task_name} · {experiment} (mode {res.mode}) · {table.rows[0].get('n')} examples"
                + (f" · types {res.type_counts}" if res.type_counts is not None else ""))
     click.echo(table.to_markdown())
     if experiment == "importance":
         click.echo(f"\nheads by importance (most first): {table.extra['ranking']}")
-    click.echo(f"\nwrote {res.paths['csv']}, {res.paths['json']}, {res.paths['md']}, {res.figure}")
+    click.echo(f"\nwrote {res.paths['csv']}, {res.paths['json']}, {res.paths['md']}, {res.figure}, "
+               f"{res.paths['meta']}")
+    if res.removed:
+        echo_for()(res.removed, err=True)
 
 
 __all__ = ["ablate"]

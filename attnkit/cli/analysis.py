@@ -51,9 +51,9 @@ def _run_shape(run: Path) -> tuple[int, int] | None:
 @click.option("--seeds", "n_seeds", default=10, show_default=True, type=click.IntRange(min=1),
               help="Repeat the stability measure with this many seeds (seed, seed+1, ...) for its mean and range "
                    "(1: only --seed).")
-@shared("quiet")
+@shared("overwrite", "quiet")
 @cli_errors
-def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep, n_seeds, quiet):
+def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep, n_seeds, overwrite, quiet):
     """Group the heads of RUN into types; writes RUN/clusters.json.
 
     Types are named from their centroids (dense, diagonal, dense+vertical, vertical; see
@@ -64,7 +64,8 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
     from ..analysis.jobs import cluster_run
 
     res = cluster_run(run, k=k, method=method, features=features, standardize=standardize, seed=seed,
-                      n_stability=n_stability, do_sweep=sweep, n_seeds=n_seeds, quiet=quiet, echo=echo_for())
+                      n_stability=n_stability, do_sweep=sweep, n_seeds=n_seeds, quiet=quiet, overwrite=overwrite,
+                      echo=echo_for())
     c, over, rows, feats, path = res.clusterer, res.over_seeds, res.sweep, res.features, res.path
     click.echo(f"{feats.n_layers} layers × {feats.n_heads} heads, {len(c.feature_names_in_)} features, "
                f"{method}, k = {k}: stability {c.stability_:.3f}, silhouette {c.silhouette_:.3f}")
@@ -100,10 +101,10 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
               type=click.FloatRange(0, 1, max_open=True),
               metavar="[EPS]", help="Smooth every row to (1 − EPS)·A + EPS/n before the divergence, as Clark et al.'s "
                                     "code (--smooth alone: EPS = 0.001) [default: no smoothing; local engine only].")
-@shared("engine", "ray-address", "quiet")
+@shared("engine", "ray-address", "overwrite", "quiet")
 @cli_errors
 def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample, batch_size, device, seed, smooth,
-                  engine, ray_address, quiet):
+                  engine, ray_address, overwrite, quiet):
     """Jensen-Shannon divergences between all pairs of heads of RUN's model over a corpus (Clark et al.
     2019; natural logs, between 0 and ln 2 per token; not the metric sqrt(JS)); writes RUN/distances.npz
     (sums, per-token means, rows counted, smoothing).
@@ -122,7 +123,7 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
     dist, n_samples, path = run_distances_job(DistancesOptions(
         run=run, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs, columns=columns, limit=limit,
         rows_per_sample=rows_per_sample, batch_size=batch_size, device=device, seed=seed, smooth=smooth,
-        engine=engine, ray_address=ray_address, quiet=quiet), echo=echo_for())
+        engine=engine, ray_address=ray_address, quiet=quiet, overwrite=overwrite), echo=echo_for())
     pt = dist.per_token
     off = pt[~np.eye(pt.shape[0], dtype=bool)]
     smoothed = f" (rows smoothed with ε = {smooth:g})" if smooth else ""
@@ -133,25 +134,35 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
 @click.command("report")
 @run_argument()
 @click.option("--examples", default=0, show_default=True, type=click.IntRange(min=0),
-              help="Example attention maps per type, drawn from the corpus (needs the model and corpus).")
+              help="Example attention maps per type, drawn from the corpus, and every head's maps of up to 3 of "
+                   "those texts in its panel (needs the run's model and corpus).")
+@click.option("--include", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="DIR",
+              help="A directory of `attnkit probe` or `attnkit ablate` results to show beside the run's heads "
+                   "(repeatable; results written into RUN itself are found without it).")
 @corpus_options
 @k_option
 @click.option("--method", type=click.Choice(["kmeans", "gmm"]), default="kmeans", show_default=True,
               help="Clustering method, when RUN/clusters.json does not exist yet.")
 @click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of clustering and t-SNE/MDS.")
-@shared("device", "svg", "quiet")
+@shared("device", "svg", "overwrite", "quiet")
 @cli_errors
-def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, method, seed, device, svg, quiet):
-    """Write RUN/report.html: one self-contained page (figures embedded, opens offline) with the
-    settings, head types and stability, t-SNE and MDS maps, per-layer heatmaps, box plots and tables.
-    Figures are also saved as PNG and SVG in RUN/figures/. Uses RUN/clusters.json (or clusters now,
-    with -k/--method/--seed) and RUN/distances.npz when present."""
+def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit, k, method, seed, device, svg,
+               overwrite, quiet):
+    """Write RUN/report.html: one self-contained page that opens offline. It starts with the findings (head
+    types and their stability, the attention sink, departures from the papers, heads above their thresholds),
+    then a head explorer (click a head: its features, type, nearest heads, top and bottom examples, maps, probe,
+    pattern and ablation results), the figures, the results of patterns/probe/ablate, sortable tables, a
+    glossary, and the settings. Figures are also saved as PNG and SVG in RUN/figures/. Uses RUN/clusters.json
+    (or clusters now, with -k/--method/--seed), RUN/distances.npz, RUN/per_sample.npy and RUN/patterns.json when
+    present."""
     from ..analysis.jobs import report_run
+    from ..analysis.report import report_figures
 
-    path = report_run(run, examples=examples, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs, columns=columns,
-                      limit=limit, k=k, method=method, seed=seed, device=device, svg=svg, quiet=quiet,
-                      echo=echo_for())
-    click.echo(f"wrote {path}")
+    path = report_run(run, examples=examples, include=include, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs,
+                      columns=columns, limit=limit, k=k, method=method, seed=seed, device=device, svg=svg, quiet=quiet,
+                      overwrite=overwrite, echo=echo_for())
+    figures = report_figures(run)
+    click.echo(f"wrote {path}" + (f" and {len(figures)} figure files in {figures[0].parent}" if figures else ""))
 
 
 @click.command("compare")
@@ -159,18 +170,21 @@ def report_cmd(run, examples, corpus, fmt, squad_pairs, columns, limit, k, metho
 @run_argument("run_b")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the comparison as JSON.")
-@shared("quiet")
+@shared("overwrite", "quiet")
 @cli_errors
-def compare_cmd(run_a, run_b, json_out, quiet):
+def compare_cmd(run_a, run_b, json_out, overwrite, quiet):
     """Compare the head types of two clustered runs (e.g. pretrained vs fine-tuned, or two corpora):
     which heads changed type, and the type distribution per layer of each."""
     from ..analysis.results import compare
     from ..run.clusters import load_clusters
     from ..run.locking import lock_if_run
     from ..run.outputs import ensure_writable_dir, write_json
+    from ..run.overwrite import claim_outputs
 
+    claim = None
     if json_out is not None:
         ensure_writable_dir(json_out.parent, "output directory")
+        claim = claim_outputs([json_out], overwrite)
     res = compare(load_clusters(run_a, _run_shape(run_a)), load_clusters(run_b, _run_shape(run_b)))
     click.echo(f"{res['n_changed']} of {res['n_heads']} heads changed type")
     if not res["reliable"]:
@@ -194,6 +208,8 @@ def compare_cmd(run_a, run_b, json_out, quiet):
         with lock_if_run(json_out.parent, "attnkit compare"):  # writing into a run directory: lock it
             write_json(json_out, res)
         click.echo(f"wrote {json_out}")
+        if claim.removed_message():
+            echo_for()(claim.removed_message(), err=True)
 
 
 __all__ = ["cluster_cmd", "compare_cmd", "distances_cmd", "report_cmd"]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from .options import cli_errors, shared
+from .options import cli_errors, echo_for, shared
 
 
 def _model_arg(value: str):
@@ -20,30 +20,36 @@ def _model_arg(value: str):
         "backend", "device")
 @click.option("-o", "--out", default="attnkit-compare", show_default=True, type=click.Path(path_type=Path),
               help="Directory for compare_models.json, compare_models.npz and figures/compare_models.png.")
-@shared("svg")
+@shared("svg", "overwrite")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
 def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limit, max_length, batch_size,
-                       num_windows, sentences, backend, device, out, svg, quiet):
+                       num_windows, sentences, backend, device, out, svg, overwrite, quiet):
     """Compare the attention of models A and B (local directories, or 'default' for the embedded MiniLM)
     head by head over CORPUS (default: the built-in corpus), tokenised once with A's tokenizer: the cosine of
     the flattened attention maps, averaged over samples (Kovaleva et al. 2019, Sec. 4.3, Fig. 5), the mean
     cosine of each head's attention rows, and each head's feature shift (B − A); the figure shows both
     cosines. The maps are computed from q and k one row block at a time, never stored."""
     from ..corpus import open_corpus
-    from ..engine.compare import compare_models
+    from ..engine.compare import ModelComparison, compare_models
+    from ..run.outputs import ensure_writable_dir
+    from ..run.overwrite import claim_outputs
 
+    ensure_writable_dir(out, "output directory")  # before the work, as every check of where results go
+    claim = claim_outputs(ModelComparison.outputs(out, svg=svg), overwrite)
     texts = open_corpus(list(corpus), fmt, columns=columns, squad_pairs=squad_pairs, limit=limit)
     res = compare_models(texts, _model_arg(model_a), _model_arg(model_b), max_length=max_length,
                          batch_size=batch_size, num_windows=num_windows, split_sentences=sentences,
                          backend=backend, device=device, progress=not quiet)
-    path = res.save(out, svg=svg)
+    res.save(out, svg=svg)
     click.echo(f"{res.n_samples} samples, {res.n_rows} query rows; per layer, mean over heads (B vs A) of the row "
                f"cosine and the flattened-map cosine (Kovaleva et al.):")
     for l, (rc, mc) in enumerate(zip(res.row_cosine.mean(1), res.map_cosine.mean(1))):
         click.echo(f"  L{l:<3} rows {rc:.4f}  maps {mc:.4f}  least similar head H{int(res.row_cosine[l].argmin())} "
                    f"({res.row_cosine[l].min():.4f})")
-    click.echo(f"wrote {path}")
+    click.echo("wrote " + ", ".join(str(p) for p in ModelComparison.outputs(out, svg=svg)))
+    if claim.removed_message():
+        echo_for()(claim.removed_message(), err=True)
 
 
 __all__ = ["compare_models_cmd"]

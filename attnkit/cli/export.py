@@ -7,7 +7,7 @@ import click
 
 from ..errors import AttnkitError
 from ..run.outputs import TABLE_FORMATS
-from .options import cli_errors, run_argument
+from .options import cli_errors, echo_for, run_argument
 
 
 def _format_of(out: Path | None, fmt: str | None) -> str:
@@ -43,6 +43,7 @@ def export_cmd(run, fmt, out, overwrite, quiet):
     from ..run.head_features import HeadFeatures, features_table
     from ..run.locking import lock_if_run
     from ..run.outputs import ensure_writable_dir, write_table
+    from ..run.overwrite import claim_outputs
 
     fmt = _format_of(out if out is not None and str(out) != "-" else None, fmt)
     to_stdout = out is not None and str(out) == "-"
@@ -52,15 +53,15 @@ def export_cmd(run, fmt, out, overwrite, quiet):
     if to_stdout:
         click.echo(df.to_csv(index=False), nl=False)
         return
-    default_out = out is None
     out = out if out is not None else run / f"features.{fmt}"
-    if out.exists() and not (overwrite or default_out):
-        raise AttnkitError(f"{out} exists: give --overwrite to replace it, or another -o")
+    claim = claim_outputs([out], overwrite)
     ensure_writable_dir(out.parent, "output directory")
     with lock_if_run(out.parent, "attnkit export"):  # writing into a run directory: lock it
         write_table(df, out, fmt)
     if not quiet:
         click.echo(f"wrote {out} ({len(df)} heads × {df.shape[1] - 2} columns, {fmt})")
+        if claim.removed_message():
+            echo_for()(claim.removed_message(), err=True)
 
 
 __all__ = ["export_cmd"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ..engine.plan import DEFAULT_WINDOW
+from ..features import DEFAULT_WINDOW
 from .options import cli_errors, echo_for, shared
 
 

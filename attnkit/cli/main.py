@@ -4,6 +4,8 @@ attnkit/probe/) inside the function, and prints results, so `attnkit --help` loa
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import click
 
@@ -34,13 +36,15 @@ def main():
     Models are local directories (no hub downloads); the default is the embedded MiniLM.
     """
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    try:
+    # transformers and huggingface_hub read these when they are imported, which happens only once a command's
+    # work starts (never for --help or a usage error): attnkit shows its own progress, and only its warnings
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:  # already imported (the command line called from Python): tell it directly
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
-    except Exception:  # pragma: no cover - cosmetic only
-        pass
 
 
 for _command in COMMANDS:

@@ -163,6 +163,12 @@ def ray_address_option(fn):
                              "one].")(fn)
 
 
+def overwrite_option(fn):
+    return click.option("--overwrite", is_flag=True,
+                        help="Replace earlier results of this command where it writes (refused without it; the "
+                             "report drawn from them goes too, and the command says what it removed).")(fn)
+
+
 def svg_option(fn):
     return click.option("--svg/--no-svg", default=True, show_default=True, help="Also save every figure as SVG.")(fn)
 
@@ -172,7 +178,8 @@ SHARED = {"model": model_option, "format": corpus_format_option, "columns": colu
           "squad-pairs": squad_pairs_option, "limit": limit_option, "max-length": max_length_option,
           "batch-size": batch_size_option(), "device": device_option, "dtype": dtype_option, "backend": backend_option,
           "num-windows": num_windows_option, "sentences": sentences_option, "engine": engine_option,
-          "ray-address": ray_address_option, "svg": svg_option, "quiet": quiet_option}
+          "ray-address": ray_address_option, "svg": svg_option, "quiet": quiet_option,
+          "overwrite": overwrite_option}
 
 
 def shared(*names, **defaults):

@@ -30,7 +30,7 @@ from .options import cli_errors, echo_for, shared
 @click.option("--baseline", type=click.Choice(["any", "clark"]), default="any", show_default=True,
               help="Offset baseline: any = the best of every offset that occurs; clark = the best of the offsets "
                    "-3..2, clamped to the sentence as in Clark et al.'s code.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing probe run in --out.")
+@shared("overwrite")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
 def probe(corpus, out, model_path, parser, fmt, columns, limit, max_length, batch_size, device, dtype, backend,

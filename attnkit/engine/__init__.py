@@ -12,15 +12,23 @@
                   the jobs behind `attnkit extract` and `attnkit distances`: they report through a callback and
                   never import click
 
-Ray is optional: `attnkit.engine.ray` is imported only when it is used.
+Ray is optional: `attnkit.engine.ray` is imported only when it is used. The names below are imported on first
+use too (they pull in torch), so the command line can read `attnkit.engine.plan`'s constants cheaply.
 """
-from .compare import ModelComparison, PairedCollector, compare_models, similarity_sums
-from .distances import DistanceCollector, collect_distances, js_distances
-from .extract import ExtractionState, ExtractSettings, extract, run_extraction
-from .forward import default_batch_size, forward_features, measuring
-from .plan import DEFAULT_WINDOW, PlannedBatch, plan_batches
+import importlib
 
-__all__ = ["DEFAULT_WINDOW", "DistanceCollector", "ExtractSettings", "ExtractionState", "ModelComparison",
-           "PairedCollector", "PlannedBatch", "collect_distances", "compare_models", "default_batch_size", "extract",
-           "forward_features", "js_distances", "measuring", "plan_batches", "run_extraction",
-           "similarity_sums"]
+_LAZY = {"ModelComparison": "compare", "PairedCollector": "compare", "compare_models": "compare",
+         "similarity_sums": "compare", "DistanceCollector": "distances", "collect_distances": "distances",
+         "js_distances": "distances", "ExtractionState": "extract", "ExtractSettings": "extract", "extract": "extract",
+         "run_extraction": "extract", "default_batch_size": "forward", "forward_features": "forward",
+         "measuring": "forward", "DEFAULT_WINDOW": "plan", "PlannedBatch": "plan", "plan_batches": "plan",
+         "AttentionMaps": "maps", "attention_maps": "maps"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

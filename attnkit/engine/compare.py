@@ -154,6 +154,14 @@ class ModelComparison:
             "feature_shift": {n: np.round(shift[..., j], 6).tolist() for j, n in enumerate(names)},
         }
 
+    @staticmethod
+    def outputs(directory, *, svg: bool = True) -> list[Path]:
+        """The files `save` writes into `directory`."""
+        directory = Path(directory)
+        figure = directory / FIGURES_DIR / "compare_models"
+        return [directory / COMPARE_JSON, directory / COMPARE_NPZ, figure.with_suffix(".png")] + \
+            ([figure.with_suffix(".svg")] if svg else [])
+
     def save(self, directory, *, svg: bool = True) -> Path:
         """Write COMPARE_JSON, COMPARE_NPZ and figures/compare_models.png (and .svg) into `directory`."""
         from ..plotting import save_figure
@@ -181,19 +189,23 @@ ROW_COSINE_TITLE = "row cosine\nmean over query rows"
 
 def cosine_heatmaps(*, map_cosine: np.ndarray, row_cosine: np.ndarray, meta: dict | None = None):
     """Two layer × head heatmaps side by side, each titled with what it shows: left the flattened-map cosine
-    (the measure of Kovaleva et al.'s Fig. 5), right the row cosine; one colour scale for both."""
-    from ..plotting import head_grid, plt
+    (the measure of Kovaleva et al.'s Fig. 5), right the row cosine. One colour scale for both, fitted to their
+    values (a layer at 0.92–0.99 would look like identical layers on a fixed 0–1 scale); the cells print as many
+    decimals as tell their values apart, and the title states the scale."""
+    from ..plotting import fitted_scale, head_grid, plt
 
     L, H = map_cosine.shape
-    vmin = min(0.0, float(np.nanmin(map_cosine)), float(np.nanmin(row_cosine)))
-    fig, axes = plt.subplots(1, 2, figsize=(2 * max(4.0, 0.45 * H + 2), max(2.8, 0.4 * L + 1.6)))
+    lo, hi, digits = fitted_scale(np.concatenate([np.ravel(map_cosine), np.ravel(row_cosine)]))
+    width = max(4.0, (0.45 + 0.06 * (digits - 2)) * H + 2)
+    fig, axes = plt.subplots(1, 2, figsize=(2 * width, max(2.8, 0.4 * L + 1.6)))
     for ax, grid, title in ((axes[0], map_cosine, MAP_COSINE_TITLE), (axes[1], row_cosine, ROW_COSINE_TITLE)):
-        head_grid(ax, grid, labels="{:.2f}", vmin=vmin, vmax=1.0, fontsize=6, dark_below=0.6,
-                  colorbar={"fraction": 0.046, "pad": 0.04})
+        head_grid(ax, grid, labels=[[f"{v:.{digits}f}" for v in row] for row in grid], vmin=lo, vmax=hi,
+                  fontsize=6, dark_below=lo + 0.45 * (hi - lo), colorbar={"fraction": 0.046, "pad": 0.04})
         ax.set_title(title, fontsize=9)
     meta = meta or {}
     fig.suptitle(f"attention of {_short(meta.get('model_b', 'B'))} vs {_short(meta.get('model_a', 'A'))}, "
-                 "per head (1 = identical)", fontsize=10)
+                 f"per head (1 = identical; colour scale {lo:.{digits}f}–{hi:.{digits}f}, fitted to the values)",
+                 fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -232,9 +244,9 @@ def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=Non
     encoder = Encoder(tok_a, max_length=max_length, split_sentences=split_sentences)
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from .progress import segment_bar
 
-        bar = tqdm(unit="seg", desc="compare-models", dynamic_ncols=True)
+        bar = segment_bar("compare-models", texts)
     with measuring(model_a, backend=backend, num_windows=num_windows) as rt_a, \
             measuring(model_b, backend=backend, num_windows=num_windows) as rt_b, \
             observing(rt_a, [coll.observe_a]), observing(rt_b, [coll.observe_b]):

@@ -216,6 +216,7 @@ def collect_distances(texts, model=None, *, rows_per_sample: int | None = None, 
                                      extract_kwargs.pop("dtype", None))
     collector = DistanceCollector(len(attention_modules(model)), rows_per_sample=rows_per_sample, seed=seed,
                                   use_op=use_op, smoothing=smoothing)
+    extract_kwargs.setdefault("label", "distances")
     feats = extract(texts, (model, tokenizer), observers=[collector], **extract_kwargs)
     return feats, collector.result()
 

@@ -15,9 +15,11 @@ from ..errors import AttnkitError, arg, print_message
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS
 from ..models import attention_modules, load_model
 from ..run.distances import HeadDistances
+from ..run.files import DISTANCES_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.locking import run_lock
 from ..run.outputs import os_errors
+from ..run.overwrite import claim_outputs
 from .distances import check_smoothing, collect_distances
 from .extract import ExtractSettings
 from .extract_job import ENGINES
@@ -42,6 +44,7 @@ class DistancesOptions:
     engine: str = "local"
     ray_address: str | None = None
     quiet: bool = False
+    overwrite: bool = False
 
 
 def _check_shape(run, meta: dict, n_layers: int, n_heads: int) -> None:
@@ -54,7 +57,8 @@ def _check_shape(run, meta: dict, n_layers: int, n_heads: int) -> None:
 def run_distances_job(opts: DistancesOptions,
                       echo: Callable[..., None] = print_message) -> tuple[HeadDistances, int, Path]:
     """Measure and save the distances of `opts.run`; returns (the distances, the segments measured, the path
-    written)."""
+    written). Earlier distances are replaced only with `opts.overwrite` (the report drawn from them goes with
+    them; what was removed is said through `echo`)."""
     from .ray import check_ray_address
 
     if opts.engine not in ENGINES:
@@ -75,6 +79,7 @@ def run_distances_job(opts: DistancesOptions,
         meta = HeadFeatures.load(run).meta
         texts = corpus_of_run(run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs, columns=opts.columns,
                               limit=opts.limit)
+        claim = claim_outputs([run / DISTANCES_FILE], opts.overwrite, stale=[run / REPORT_FILE])
         max_length = int(meta.get("max_length", DEFAULT_MAX_LENGTH))
         num_windows = int(meta.get("num_windows", DEFAULT_NUM_WINDOWS))
         if opts.engine == "ray":
@@ -96,6 +101,9 @@ def run_distances_job(opts: DistancesOptions,
             from ..run.shards import remove_shards
 
             remove_shards(run, "distances")
+        claim.remove_stale()
+    if claim.removed_message():
+        echo(claim.removed_message(), err=True)
     return dist, n_samples, path
 
 

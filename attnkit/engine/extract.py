@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from ..errors import AttnkitError, arg, check_int
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows, feature_names
 from ..models import attention_modules, check_max_length, observing, resolve_model
@@ -22,6 +24,7 @@ from .devices import parse_devices, replicate
 from .forward import default_batch_size, device_forward, measuring
 from .local import BatchResult, run_pipeline
 from .plan import DEFAULT_WINDOW, check_plan_settings, plan_batches
+from .progress import segment_bar
 
 
 @dataclass(frozen=True)
@@ -71,12 +74,11 @@ class ExtractionState:
 
 
 class _ProgressBar:
-    """The tqdm bar of an extraction: segments, tokens/s (per replica when there are several), truncations."""
+    """The bar of an extraction (`label`: what the command does): segments with a total where it can be known
+    (attnkit/engine/progress.py), tokens/s (per replica when there are several), truncations."""
 
-    def __init__(self, total: int | None, initial: int, tokens0: int):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, initial=initial, unit="seg", desc="extract", dynamic_ncols=True)
+    def __init__(self, label: str, segments, total: int | None, initial: int, tokens0: int):
+        self.bar = segment_bar(label, segments, total=total, initial=initial)
         self.t0, self.tokens0 = time.perf_counter(), tokens0
 
     def update(self, state: ExtractionState, res: BatchResult) -> None:
@@ -114,6 +116,7 @@ def run_extraction(
     on_batch: Callable[[ExtractionState, BatchResult], None] | None = None,
     progress: bool = False,
     total: int | None = None,
+    label: str = "extract",
 ) -> ExtractionState:
     """Measure `segments` (any iterable: it is streamed) under `settings`; returns the final state.
 
@@ -124,7 +127,8 @@ def run_extraction(
     order (checkpoints hook in here; `result` holds the batch's per-sample features, input positions and
     token counts before truncation). `observers` are attached to the runtime for the run (each gets (layer,
     query, key, lengths, scaling) per layer and forward, e.g. attnkit.engine.distances.DistanceCollector;
-    one device only). `settings` None: the defaults.
+    one device only). `settings` None: the defaults. `progress`: a bar named `label` on stderr, with a total
+    (`total`, the input's length, or counted in the background) and so an ETA.
     """
     settings = (settings or ExtractSettings()).check()
     check_int(workers, "workers", minimum=0)
@@ -142,10 +146,8 @@ def run_extraction(
     if state.accumulator.names != names or state.accumulator.sum.shape[:2] != shape:
         raise AttnkitError("the accumulated features belong to another model or feature set")
     encoder = Encoder(tokenizer, max_length=settings.max_length, split_sentences=settings.split_sentences)
-    if total is None and hasattr(segments, "__len__"):
-        total = len(segments)
     planned = plan_batches(segments, settings.batch_size, settings.window, skip_segments=state.next_index)
-    bar = _ProgressBar(total, state.next_index, state.accumulator.n_tokens) if progress else None
+    bar = _ProgressBar(label, segments, total, state.next_index, state.accumulator.n_tokens) if progress else None
 
     def deliver(res: BatchResult) -> None:
         state.add(res)
@@ -198,6 +200,8 @@ def extract(
     workers: int = 0,
     devices=None,
     window: int = DEFAULT_WINDOW,
+    per_sample: bool = False,
+    label: str = "extract",
 ) -> HeadFeatures:
     """Per-head features of `texts` (a list of str or of (str, str) pairs, or an attnkit.corpus.Corpus, which
     is streamed) under `model`.
@@ -209,6 +213,8 @@ def extract(
     `devices`: "all", "cuda:0,cuda:1", "cpu,cpu" or a list: one model replica per entry (default: `device`).
     `window`: segments sorted by length together (attnkit/engine/plan.py); the numbers do not depend on it
     beyond float64 rounding, only padding does.
+    `per_sample`: also keep every sample's features (`HeadFeatures.per_sample`, n_samples × layers × heads ×
+    features float32 in the order of `texts`; `.save(dir)` writes them as per_sample.npy, docs/patterns.md).
     """
     from ..corpus import Corpus
 
@@ -222,8 +228,14 @@ def extract(
         device = device if device is not None else devs[0]
     model, tokenizer = resolve_model(model, tokenizer, device, dtype)
     replicas = replicate(model, devs)[1:] if devs is not None else []
+    rows: dict[int, object] = {}
+
+    def keep_rows(_state, res: BatchResult) -> None:
+        rows.update(zip(res.planned.positions, res.features.astype(np.float32, copy=False)))
+
     state = run_extraction(model, tokenizer, texts, settings, replicas=replicas, workers=workers,
-                           observers=observers, progress=progress)
+                           observers=observers, progress=progress, on_batch=keep_rows if per_sample else None,
+                           label=label)
     dev = next(model.parameters()).device
     meta = {
         "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
@@ -237,7 +249,10 @@ def extract(
         "devices": [str(dev)] + [str(next(r.parameters()).device) for r in replicas],
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
     }
-    return state.accumulator.result(meta)
+    features = state.accumulator.result(meta)
+    if per_sample:
+        features.per_sample = np.stack([rows[i] for i in range(len(rows))])
+    return features
 
 
 __all__ = ["ExtractSettings", "ExtractionState", "check_replicas", "extract", "run_extraction"]

@@ -27,6 +27,7 @@ from ..errors import AttnkitError, arg, print_message
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, feature_names
 from ..models import attention_modules, check_max_length, default_model_path, load_model, max_positions
 from ..ops import backend_label
+from ..run.files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
 from ..run.locking import remove_if_only_lock, run_lock
 from ..run.outputs import ensure_writable_dir
 from ..run.per_sample import PerSampleWriter
@@ -101,7 +102,7 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
     check_ray_address(opts.engine, opts.ray_address)
     run = RunDir(opts.out)
     if not opts.resume:
-        run.check_new(opts.overwrite)
+        run.check_new(opts.overwrite, opts.per_sample)
     created = not run.path.exists()
     ensure_writable_dir(run.path, "run directory")  # before any work: not after an hour of extraction
     try:
@@ -181,13 +182,17 @@ class _Job:
             "elapsed_s": round(elapsed, 3),
         }
         features = acc.result(meta)
-        self.run_dir.finish(features, fresh=not opts.resume)  # removes a replaced run's per_sample.npy: close after
+        removed = self.run_dir.finish(features, fresh=not opts.resume)  # a replaced run's per_sample.npy too:
+        written = [FEATURES_FILE, META_FILE]                             # close the writer after
         if writer is not None:
-            writer.close()
+            writer.close([d["n_segments"] for d in inputs])
+            written += [PER_SAMPLE_FILE, PER_SAMPLE_META] + ([PER_SAMPLE_ROWS] if writer.rows_written else [])
         tok_s = acc.n_tokens / elapsed if elapsed > 0 and not opts.resume else None
         self.echo(f"measured {features.n_samples} samples, {features.n_tokens} tokens "
                   f"({n_truncated} truncated to {opts.max_length} tokens) in {elapsed:.1f}s"
-                  + (f" ({tok_s:,.0f} tokens/s)" if tok_s else "") + f"; wrote {opts.out}/features.npz, meta.json")
+                  + (f" ({tok_s:,.0f} tokens/s)" if tok_s else "") + f"; wrote {opts.out}/{', '.join(written)}")
+        if removed:
+            self.echo(removed, err=True)
         share = n_truncated / max(features.n_samples, 1)
         if share > TRUNCATION_WARN_SHARE:
             hint = ""
@@ -223,7 +228,8 @@ class _LocalJob(_Job):
                 acc, start, n_truncated, lengths = self.run_dir.load_checkpoint(self.settings)
                 state = ExtractionState(acc, start, n_truncated)
             else:
-                self.run_dir.check_new(opts.overwrite)  # again, under the lock: another run may have finished
+                # again, under the lock: another run may have finished
+                self.run_dir.check_new(opts.overwrite, opts.per_sample)
             start = state.next_index if state else 0
             self.say("attnkit extract: " + self.corpus.summary())
             self.say(f"model {model.config.model_type} ({len(attention_modules(model))} layers × "
@@ -341,7 +347,7 @@ class Checkpoints:
     def after_batch(self, state: ExtractionState, res: BatchResult) -> None:
         self.state = state
         if self.writer is not None:
-            self.writer.add(res.planned.positions, res.features)
+            self.writer.add(res.planned.positions, res.features, res.planned.segments)
         if res.full_lengths is not None:
             self.lengths.add(res.full_lengths)
         self.batches += 1

@@ -17,9 +17,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from ..errors import AttnkitError, arg, check_int
+from ..features import DEFAULT_WINDOW
 from ..tokens import Segment
-
-DEFAULT_WINDOW = 4096
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,21 @@ def save_figure_file(fig, path, *, dpi: int = 130) -> Path:
     return path
 
 
+def fitted_scale(grid, min_span: float = 1e-3) -> tuple[float, float, int]:
+    """(vmin, vmax, digits) of a colour scale fitted to the finite values of `grid` (at least `min_span` wide), and
+    the decimals a cell label needs for neighbouring values on it to read differently (2 to 4)."""
+    finite = np.asarray(grid, dtype=np.float64)
+    finite = finite[np.isfinite(finite)]
+    if finite.size == 0:
+        return 0.0, 1.0, 2
+    lo, hi = float(finite.min()), float(finite.max())
+    if hi - lo < min_span:
+        mid = (hi + lo) / 2
+        lo, hi = mid - min_span / 2, mid + min_span / 2
+    digits = int(min(4, max(2, np.ceil(-np.log10(hi - lo)) + 1)))
+    return lo, hi, digits
+
+
 def head_grid(ax, grid, *, labels=None, cmap: str = "viridis", vmin=None, vmax=None, fontsize: float = 6,
               dark_below: float | None = None, colorbar: dict | None = None):
     """Draw a layers × heads `grid` on `ax` (layers down, heads across, ticks on every one), with `labels`
@@ -82,4 +97,4 @@ def head_grid(ax, grid, *, labels=None, cmap: str = "viridis", vmin=None, vmax=N
     return im
 
 
-__all__ = ["figure_bytes", "head_grid", "plt", "save_figure", "save_figure_file"]
+__all__ = ["figure_bytes", "fitted_scale", "head_grid", "plt", "save_figure", "save_figure_file"]

@@ -14,8 +14,9 @@ import torch
 from ..errors import AttnkitError, arg, check_int, print_message
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import attention_modules, load_model, observing
-from ..run.files import PROBE_CSV, PROBE_HEATMAP, PROBE_JSON, PROBE_TABLE
+from ..run.files import PROBE_CSV, PROBE_HEATMAP, PROBE_JSON, PROBE_TABLE, REPORT_FILE
 from ..run.outputs import atomic_write, ensure_writable_dir, os_errors, write_json
+from ..run.overwrite import claim_outputs
 from ..run.versions import attnkit_version
 from ..words import op_available, word_attention
 from .alignment import Alignment, align_offsets, align_word_ids
@@ -222,29 +223,46 @@ def best_head_table(scores: ProbeScores, min_count: int) -> str:
     return "\n".join(lines)
 
 
+LABEL_CHARS = 9  # a relation name in a cell is cut to this many characters
+
+
 def heatmap(scores: ProbeScores, relation: str | None, min_count: int):
-    """Layers × heads accuracy (the better of dep->head and dep<-head) for `relation`, or each head's best
-    relation."""
+    """Layers × heads accuracy over the baseline (the better direction minus the relation's best fixed offset) for
+    `relation`, or, per head, the relation it beats its baseline by most, named in the cell. Accuracy over the
+    baseline is the finding: a relation that a fixed offset already gets right is not one a head has learnt."""
     from ..plotting import head_grid, plt
+
+    def gain(r):
+        return scores.best_accuracy(r) - scores.baseline(r)[1]
 
     if relation is not None:
         if relation not in scores.rel:
             raise AttnkitError(f"{arg('relation')} {relation!r} does not occur; relations: "
                                f"{', '.join(scores.relations())}")
-        grid = scores.best_accuracy(relation)
-        title = f"{relation}: accuracy, better of {' and '.join(DIRECTIONS)}"
-        labels = None
+        grid = gain(relation)
+        off, base = scores.baseline(relation)
+        where = f"offset {off:+d}" if off is not None else "no offset ever right"
+        title = f"{relation}: accuracy over the baseline ({where}: {base:.2f})"
+        labels = [[f"{v:+.2f}" for v in row] for row in grid]
     else:
         rels = [r for r in scores.relations(min_count) if r != ALL] or [ALL]
-        stack = np.stack([scores.best_accuracy(r) for r in rels])
+        stack = np.stack([gain(r) for r in rels])
         grid = stack.max(0)
-        labels = np.asarray(rels)[stack.argmax(0)]
-        title = f"best relation per head: accuracy, better of {' and '.join(DIRECTIONS)}"
-    fig, ax = plt.subplots(figsize=(1.0 + 0.55 * scores.n_heads, 1.0 + 0.45 * scores.n_layers))
-    shown = labels is not None and scores.n_heads * scores.n_layers <= 400
-    head_grid(ax, grid, labels=labels.tolist() if shown else None, vmin=0, vmax=1, fontsize=5, dark_below=0.6,
-              colorbar={"fraction": 0.04})
+        names = np.asarray(rels)[stack.argmax(0)]
+        title = "per head, the relation it beats its baseline by most: accuracy over the baseline"
+        labels = [[f"{n[:LABEL_CHARS]}\n{v:+.2f}" for n, v in zip(nrow, vrow)] for nrow, vrow in zip(names, grid)]
+    lim = max(float(np.nanmax(np.abs(grid))), 0.05) if np.isfinite(grid).any() else 1.0
+    width = 0.75 if relation is None else 0.5
+    fig, ax = plt.subplots(figsize=(1.6 + width * scores.n_heads, 1.2 + (0.5 if relation is None else 0.4)
+                                    * scores.n_layers))
+    shown = scores.n_heads * scores.n_layers <= 400
+    head_grid(ax, grid, labels=labels if shown else None, cmap="RdBu", vmin=-lim, vmax=lim, fontsize=6.5,
+              colorbar={"fraction": 0.04, "label": "accuracy − baseline"})
+    for t in ax.texts:  # dark text on pale cells, white on saturated ones
+        x, y = t.get_position()
+        t.set_color("white" if abs(grid[int(round(y)), int(round(x))]) > 0.6 * lim else "black")
     ax.set_title(title, fontsize=9)
+    fig.tight_layout()
     return fig
 
 
@@ -267,8 +285,8 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
     """Run `attnkit probe` with `opts`: write the probe run directory (probe.csv, probe.json, best_heads.txt,
     probe_heatmap.png; docs/probes.md) and report through `echo`; returns the summary (probe.json)."""
     out = Path(opts.out)
-    if (out / PROBE_JSON).exists() and not opts.overwrite:
-        raise AttnkitError(f"{out}/{PROBE_JSON} exists: use {arg('overwrite', True)} to replace it")
+    claim = claim_outputs([out / PROBE_JSON, out / PROBE_CSV, out / PROBE_TABLE, out / f"{PROBE_HEATMAP}.png"],
+                          opts.overwrite, stale=[out / REPORT_FILE])
     check_int(opts.min_count, "min_count")
     check_baseline(opts.baseline)
     ensure_writable_dir(out)
@@ -308,6 +326,7 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
     }
     with os_errors(f"write into {out}"):
         _write(out, scores, table, summary, opts.relation, opts.min_count)
+        claim.remove_stale()
     echo(f"{scores.n_sentences} sentences, {counts['words']} words ({counts['unaligned']} unaligned: "
          f"{counts['truncated']} truncated, {counts['split']} sharing a piece, {counts['no_piece']} without a piece), "
          f"{scores.rel[ALL].n} dependencies scored, {scores.n_skipped} skipped")
@@ -323,4 +342,6 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
     else:
         echo(f"attention-only probe skipped: {probe['skipped']}")
     echo(f"wrote {out}/{PROBE_CSV}, {PROBE_JSON}, {PROBE_TABLE}, {PROBE_HEATMAP}.png")
+    if claim.removed_message():
+        echo(claim.removed_message(), err=True)
     return summary

@@ -46,7 +46,7 @@ class HeadDistances:
         run's (n_layers, n_heads) when `shape` is given)."""
         path = Path(directory) / DISTANCES_FILE
         arrays = load_npz(path, DISTANCES_ARRAYS,
-                          missing="collect distances first (attnkit distances RUN --corpus ...)")
+                          missing=f"collect distances first (attnkit distances {directory})")
         L, H, n_rows = int(arrays["n_layers"]), int(arrays["n_heads"]), int(arrays["n_rows"])
         total = arrays["total"].astype(np.float64)
         if L < 1 or H < 1 or n_rows < 0:

@@ -11,12 +11,14 @@ META_FILE = "meta.json"
 CHECKPOINT_FILE = "checkpoint.npz"
 PER_SAMPLE_FILE = "per_sample.npy"
 PER_SAMPLE_META = "per_sample.json"
+PER_SAMPLE_ROWS = "per_sample_rows.csv"  # where each per-sample row came from
 FEATURE_SHARDS_DIR = "shards"  # --engine ray, while unfinished
 # written by the analysis commands
 CLUSTERS_FILE = "clusters.json"
 DISTANCES_FILE = "distances.npz"
 DISTANCE_SHARDS_DIR = "distance-shards"  # `attnkit distances --engine ray`, while unfinished
 PATTERNS_FILE = "patterns.json"
+PATTERN_LABELS = "pattern_labels.npy"  # the class of every (example, head)
 REPORT_FILE = "report.html"
 FIGURES_DIR = "figures"
 # one command at a time per directory (attnkit.run.locking)
@@ -33,12 +35,12 @@ PROBE_HEATMAP = "probe_heatmap"  # .png
 
 # What later steps add to a run directory: a fresh run that replaces a finished one removes them, since they
 # describe the old features.
-DERIVED_OUTPUTS = (CLUSTERS_FILE, DISTANCES_FILE, REPORT_FILE, FIGURES_DIR, PATTERNS_FILE, PER_SAMPLE_FILE,
-                   PER_SAMPLE_META)
+DERIVED_OUTPUTS = (CLUSTERS_FILE, DISTANCES_FILE, REPORT_FILE, FIGURES_DIR, PATTERNS_FILE, PATTERN_LABELS,
+                   PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS)
 # What marks a directory as a run directory (a corpus search skips them: their files are not corpus text).
 RUN_DIR_MARKERS = (FEATURES_FILE, CHECKPOINT_FILE, LOCK_FILE, FEATURE_SHARDS_DIR)
 
 __all__ = ["CHECKPOINT_FILE", "CLUSTERS_FILE", "COMPARE_JSON", "COMPARE_NPZ", "DERIVED_OUTPUTS", "DISTANCES_FILE",
            "DISTANCE_SHARDS_DIR", "FEATURES_FILE", "FEATURE_SHARDS_DIR", "FIGURES_DIR", "LOCK_FILE", "META_FILE",
-           "OWNER_FILE", "PATTERNS_FILE", "PER_SAMPLE_FILE", "PER_SAMPLE_META", "PROBE_CSV", "PROBE_HEATMAP",
-           "PROBE_JSON", "PROBE_TABLE", "REPORT_FILE", "RUN_DIR_MARKERS"]
+           "OWNER_FILE", "PATTERN_LABELS", "PATTERNS_FILE", "PER_SAMPLE_FILE", "PER_SAMPLE_META", "PER_SAMPLE_ROWS",
+           "PROBE_CSV", "PROBE_HEATMAP", "PROBE_JSON", "PROBE_TABLE", "REPORT_FILE", "RUN_DIR_MARKERS"]

@@ -1,23 +1,63 @@
 """Per-head corpus features: the accumulator that extraction feeds, and the result it produces."""
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import AttnkitError
-from .files import FEATURES_FILE, META_FILE
+from .files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE
 from .outputs import atomic_write, ensure_writable_dir, write_json
+from .per_sample import PerSampleWriter, load_per_sample
 from .schemas import FEATURES_ARRAYS, META_SCHEMA, load_json, load_npz
 
 
 @dataclass
+class HeadGrid:
+    """A layer × head grid of one feature (`HeadFeatures.grid`): `values` (n_layers × n_heads), shown in a
+    notebook as a table whose cells are shaded from the smallest value (white) to the largest (blue)."""
+
+    values: np.ndarray
+    feature: str
+    stat: str = "mean"
+
+    def __repr__(self) -> str:
+        L, H = self.values.shape
+        lines = [f"{self.feature} ({self.stat}), {L} layers × {H} heads",
+                 "      " + " ".join(f"{'H' + str(h):>6}" for h in range(H))]
+        lines += [f"L{l:<4} " + " ".join(f"{v:6.3f}" for v in self.values[l]) for l in range(L)]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        v = np.asarray(self.values, dtype=float)
+        finite = v[np.isfinite(v)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        span = hi - lo or 1.0
+        head = "".join(f"<th>H{h}</th>" for h in range(v.shape[1]))
+        rows = []
+        for l in range(v.shape[0]):
+            cells = []
+            for x in v[l]:
+                t = (x - lo) / span if np.isfinite(x) else 0.0
+                bg = f"rgb({int(255 - 222 * t)},{int(255 - 160 * t)},{int(255 - 75 * t)})"
+                fg = "#000" if t < 0.55 else "#fff"
+                cells.append(f'<td style="background:{bg};color:{fg};text-align:right">{x:.3f}</td>')
+            rows.append(f"<tr><th>L{l}</th>{''.join(cells)}</tr>")
+        caption = f"{html.escape(self.feature)} ({self.stat}); shading from {lo:.3f} to {hi:.3f}"
+        return (f'<table style="border-collapse:collapse;font-size:11px"><caption style="text-align:left">'
+                f"{caption}</caption><thead><tr><th></th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+
+
+@dataclass(repr=False)
 class HeadFeatures:
     """Corpus-level features per head.
 
     mean, std: numpy arrays n_layers × n_heads × n_features (std over samples, every sample weighs
-    the same); names: the feature names; n_samples, n_tokens: what was measured; meta: settings.
+    the same); names: the feature names; n_samples, n_tokens: what was measured; meta: settings;
+    per_sample: every sample's features, n_samples × n_layers × n_heads × n_features float32 in input order
+    (`extract(..., per_sample=True)`; memory-mapped from a run directory that holds per_sample.npy), or None.
     """
 
     mean: np.ndarray
@@ -26,6 +66,7 @@ class HeadFeatures:
     n_samples: int
     n_tokens: int
     meta: dict = field(default_factory=dict)
+    per_sample: np.ndarray | None = None
 
     @property
     def n_layers(self) -> int:
@@ -42,14 +83,36 @@ class HeadFeatures:
         return getattr(self, stat)[:, :, self.names.index(name)]
 
     def to_pandas(self):
-        """One row per (layer, head), one column per feature mean and `<name>_std` per std."""
+        """One row per (layer, head): columns `layer`, `head`, then one column per feature mean (named as the
+        feature) and `<name>_std` per standard deviation, in the order of `names` (what `attnkit export`
+        writes)."""
         import pandas as pd
 
         L, H, F = self.mean.shape
-        index = pd.MultiIndex.from_product([range(L), range(H)], names=["layer", "head"])
-        df = pd.DataFrame(self.mean.reshape(L * H, F), index=index, columns=self.names)
-        std = pd.DataFrame(self.std.reshape(L * H, F), index=index, columns=[f"{n}_std" for n in self.names])
-        return pd.concat([df, std], axis=1)
+        heads = pd.DataFrame({"layer": np.repeat(np.arange(L), H), "head": np.tile(np.arange(H), L)})
+        df = pd.DataFrame(self.mean.reshape(L * H, F), columns=self.names)
+        std = pd.DataFrame(self.std.reshape(L * H, F), columns=[f"{n}_std" for n in self.names])
+        return pd.concat([heads, df, std], axis=1)
+
+    def grid(self, feature: str = "cls", stat: str = "mean") -> HeadGrid:
+        """One feature as a layer × head grid that a notebook shows as a coloured table (`_repr_html_`)."""
+        if stat not in ("mean", "std"):
+            raise AttnkitError(f"unknown stat {stat!r}; use mean or std")
+        return HeadGrid(self.feature(feature, stat), feature, stat)
+
+    def __repr__(self) -> str:
+        model = self.meta.get("model")
+        where = f", model={str(model)!r}" if model else ""
+        return (f"HeadFeatures({self.n_layers} layers × {self.n_heads} heads × {len(self.names)} features, "
+                f"{self.n_samples} samples, {self.n_tokens} tokens{where})")
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: the summary line and the grid of `cls` (or of the first feature); `.grid(name)`
+        shows another."""
+        shown = "cls" if "cls" in self.names else self.names[0]
+        return (f"<div><p><code>{html.escape(repr(self))}</code></p>{self.grid(shown)._repr_html_()}"
+                f"<p style=\"font-size:smaller\">features: {html.escape(', '.join(self.names))}; "
+                f"<code>.grid(name)</code> shows another, <code>.to_pandas()</code> gives the table.</p></div>")
 
     def save(self, directory) -> Path:
         directory = ensure_writable_dir(directory, "run directory")
@@ -61,6 +124,12 @@ class HeadFeatures:
         meta.update(n_samples=int(self.n_samples), n_tokens=int(self.n_tokens),
                     n_layers=self.n_layers, n_heads=self.n_heads)
         write_json(directory / META_FILE, meta)
+        if self.per_sample is not None and not _is_file_of(self.per_sample, directory / PER_SAMPLE_FILE):
+            writer = PerSampleWriter(directory, self.n_layers, self.n_heads, self.names)
+            for i in range(0, len(self.per_sample), 4096):
+                rows = np.asarray(self.per_sample[i:i + 4096])
+                writer.add(np.arange(i, i + len(rows)), rows)
+            writer.close()
         return directory
 
     @classmethod
@@ -90,7 +159,21 @@ class HeadFeatures:
                     raise AttnkitError(f"{mpath}: field {key} is {meta[key]} but {fpath} holds {want}")
             if "feature_names" in meta and meta["feature_names"] != names:
                 raise AttnkitError(f"{mpath}: field feature_names does not match the names in {fpath}")
-        return cls(mean, std, names, int(meta.get("n_samples", 0)), int(meta.get("n_tokens", 0)), meta)
+        per_sample = None
+        if (directory / PER_SAMPLE_FILE).is_file():  # attnkit patterns reads it with every check; here only a
+            try:                                    # file that fits the features is attached
+                per_sample, ps_names = load_per_sample(directory)
+                if per_sample.shape[1:3] != mean.shape[:2] or ps_names != names:
+                    per_sample = None
+            except AttnkitError:
+                per_sample = None
+        return cls(mean, std, names, int(meta.get("n_samples", 0)), int(meta.get("n_tokens", 0)), meta, per_sample)
+
+
+def _is_file_of(array, path: Path) -> bool:
+    """Whether `array` is the memory map of `path` (saving a loaded run into its own directory)."""
+    filename = getattr(array, "filename", None)
+    return filename is not None and path.exists() and Path(filename).resolve() == path.resolve()
 
 
 def merge_moments(n_a: int, sum_a, m2_a, n_b: int, sum_b, m2_b):
@@ -176,4 +259,4 @@ def features_table(features: HeadFeatures):
     """pandas DataFrame with one row per head: `layer`, `head`, then one column per feature mean (named
     as the feature) and one `<name>_std` per feature standard deviation (over samples), in the order
     of `features.names` (what `attnkit export` writes)."""
-    return features.to_pandas().reset_index()
+    return features.to_pandas()  # the same table: kept for the callers that name it so

@@ -1,4 +1,5 @@
-"""RUN/per_sample.npy: every sample's features (float16, N × layers × heads × F) in input order.
+"""RUN/per_sample.npy: every sample's features (float32, N × layers × heads × F) in input order, and
+RUN/per_sample_rows.csv, which says where each row came from.
 
 `attnkit extract --per-sample` keeps what the corpus means sum away (Kovaleva et al. Sec. 4 classify each
 (example, head)). The corpus is streamed, so N is unknown until the end and the batches arrive in plan order
@@ -9,15 +10,29 @@ that header with the final shape and renames the file to `per_sample.npy`, so no
 in memory beyond one batch, and the result opens with `np.load(path, mmap_mode="r")`. Feature names and
 counts go to `per_sample.json`.
 
-Resume rule: an extraction that resumes after the first K segments of its plan reopens the partial file with
+Values are stored as float32, the precision the kernels compute them in: classes decided by thresholds on these
+values (attnkit/analysis/patterns.py) must not flip by storage rounding (float16, which attnkit 0.1 wrote and
+`load_per_sample` still reads, moved values by up to 3e-5 near 0.5). `per_sample.json` names the dtype.
+
+The rows table: when the writer is given the batches' segments, it keeps them in `per_sample_rows.csv.partial`
+as one JSON line per sample in plan order, and `close()` writes `per_sample_rows.csv` in input order: `row`,
+`input` (index into meta.json `inputs`), `position` (the segment's 0-based place in that input) and the
+segment's `text` and `text_pair`. Plan order differs from input order only inside a window, so a heap of at most
+one window's rows puts them in order.
+
+Resume rule: an extraction that resumes after the first K segments of its plan reopens the partial files with
 `PerSampleWriter(..., resume_after=K)`. The rows of those K segments are taken as written — the extractor
 must call `flush()` before every checkpoint it saves, so a checkpoint never counts rows that are not on disk.
-Rows written after the last checkpoint are simply written again (same place, same values). `close()` checks
-that K + the rows added since equals the number of rows in the file, and that no position came twice.
+Rows written after the last checkpoint are simply written again (same place, same values); the rows table
+keeps its first K lines and drops the rest. `close()` checks that K + the rows added since equals the number
+of rows in the file, and that no position came twice.
 """
 from __future__ import annotations
 
+import csv
+import heapq
 import io
+import json
 import os
 import struct
 from pathlib import Path
@@ -26,17 +41,18 @@ import numpy as np
 
 from ..errors import AttnkitError, arg
 from ..features import feature_names, windows_of
-from .files import PER_SAMPLE_FILE, PER_SAMPLE_META
+from .files import PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
 from .outputs import write_json
 from .schemas import PER_SAMPLE_SCHEMA, load_json
 
 PARTIAL_SUFFIX = ".partial"
 HEADER_BYTES = 4096  # reserved .npy header (a multiple of 64, as the format recommends)
-DTYPE = np.dtype("<f2")
+DTYPE = np.dtype("<f4")  # what new files hold
+READABLE_DTYPES = (np.dtype("<f4"), np.dtype("<f2"))  # float16: files of attnkit 0.1
 
 
 def npy_header(shape: tuple[int, ...], size: int = HEADER_BYTES) -> bytes:
-    """A version 1.0 .npy header for a C-order float16 array of `shape`, padded to exactly `size` bytes
+    """A version 1.0 .npy header for a C-order float32 array of `shape`, padded to exactly `size` bytes
     (numpy writes the dict; only the padding spaces differ from `np.lib.format`'s own)."""
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(
@@ -75,6 +91,8 @@ class PerSampleWriter:
             raise AttnkitError(f"{arg('resume_after')} must be >= 0, got {resume_after}")
         self.added = 0
         self._seen = bytearray()  # positions written in this session (duplicate check)
+        self.rows = _RowsTable(self.path.with_name(PER_SAMPLE_ROWS), resume_after)
+        self.rows_written = False  # whether close() wrote the rows table
         try:
             if resume_after is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,13 +117,15 @@ class PerSampleWriter:
             raise AttnkitError(f"{self.partial} is not a per-sample file: {exc}") from None
         if offset != HEADER_BYTES or dtype != DTYPE or fortran or tuple(shape[1:]) != self.row_shape:
             raise AttnkitError(f"{self.partial} holds rows of shape {tuple(shape[1:])} ({dtype}), not "
-                               f"{self.row_shape}: it belongs to another model or feature set")
+                               f"{self.row_shape} ({DTYPE}): it belongs to another model, feature set or attnkit "
+                               f"version; start over with {arg('overwrite', True)}")
         size = self.partial.stat().st_size - HEADER_BYTES
         if self.done * self.row_bytes > size:
             raise AttnkitError(f"{self.partial} holds fewer than the {self.done} rows the checkpoint counts")
 
-    def add(self, positions, features) -> None:
-        """Write one batch: `features` B × layers × heads × F, `positions` the B samples' input positions."""
+    def add(self, positions, features, segments=None) -> None:
+        """Write one batch: `features` B × layers × heads × F, `positions` the B samples' input positions,
+        `segments` their texts (str or (str, str)) for the rows table (None: no table)."""
         if self._fd is None:
             raise AttnkitError("this PerSampleWriter is closed")
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
@@ -124,14 +144,19 @@ class PerSampleWriter:
             self._seen[pos] = 1
             os.pwrite(self._fd, row.tobytes(), HEADER_BYTES + pos * self.row_bytes)
         self.added += len(positions)
+        if segments is not None:
+            self.rows.add(positions.tolist(), segments)
 
     def flush(self) -> None:
         """Make every row added so far durable (call before saving an extraction checkpoint)."""
         if self._fd is not None:
             os.fsync(self._fd)
+        self.rows.flush()
 
-    def close(self) -> Path:
-        """Finish the file: final header, rename to per_sample.npy, write per_sample.json. Returns the path."""
+    def close(self, input_counts=None) -> Path:
+        """Finish the file: final header, rename to per_sample.npy, write per_sample.json, and the rows table
+        when segments were given (`input_counts`: the segments each input gave, in reading order; None: one
+        input). Returns the path."""
         if self._fd is None:
             return self.path
         size = os.fstat(self._fd).st_size - HEADER_BYTES
@@ -145,7 +170,10 @@ class PerSampleWriter:
         self._fd = None
         os.replace(self.partial, self.path)
         meta = {"file": self.path.name, "n_samples": int(n), "n_layers": self.row_shape[0],
-                "n_heads": self.row_shape[1], "names": self.names, "dtype": "float16", "order": "input"}
+                "n_heads": self.row_shape[1], "names": self.names, "dtype": DTYPE.name, "order": "input"}
+        self.rows_written = self.rows.close(int(n), input_counts)
+        if self.rows_written:
+            meta["rows"] = PER_SAMPLE_ROWS
         write_json(self.path.with_name(PER_SAMPLE_META), meta)
         return self.path
 
@@ -155,6 +183,7 @@ class PerSampleWriter:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
+        self.rows.abandon()
 
     def __enter__(self):
         return self
@@ -166,8 +195,112 @@ class PerSampleWriter:
             self.abandon()
 
 
+class _RowsTable:
+    """per_sample_rows.csv, built from JSON lines in plan order (see the module docstring)."""
+
+    COLUMNS = ("row", "input", "position", "text", "text_pair")
+
+    def __init__(self, path: Path, resume_after: int | None):
+        self.path = path
+        self.partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        self._f = None
+        self.lines = 0
+        self.given_up = False  # a resumed run whose partial table is missing or short goes on without one
+        if not resume_after:
+            self.partial.unlink(missing_ok=True)
+            return
+        kept = []
+        if self.partial.is_file():  # keep the lines of the K segments the checkpoint counts
+            with open(self.partial, "rb") as f:
+                kept = [line for _, line in zip(range(resume_after), f)]
+        if len(kept) != resume_after:
+            self.partial.unlink(missing_ok=True)
+            self.given_up = True
+            return
+        with open(self.partial, "wb") as f:
+            f.writelines(kept)
+        self.lines = resume_after
+        self._f = open(self.partial, "a", encoding="utf-8")  # noqa: SIM115 (closed by close/abandon)
+
+    def add(self, positions: list[int], segments) -> None:
+        if self.given_up:
+            return
+        if self._f is None:
+            self._f = open(self.partial, "w", encoding="utf-8")  # noqa: SIM115
+        for pos, seg in zip(positions, segments):
+            text, pair = (seg, None) if isinstance(seg, str) else (seg[0], seg[1])
+            self._f.write(json.dumps([pos, text, pair], ensure_ascii=False) + "\n")
+        self.lines += len(positions)
+
+    def flush(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+
+    def abandon(self) -> None:
+        if self._f is not None:
+            self.flush()
+            self._f.close()
+            self._f = None
+
+    def close(self, n_rows: int, input_counts) -> bool:
+        """Write the table in input order (True), or leave none when segments were not given (False)."""
+        if self._f is None:
+            self.partial.unlink(missing_ok=True)
+            return False
+        self._f.close()
+        self._f = None
+        if self.lines != n_rows:
+            self.partial.unlink(missing_ok=True)
+            raise AttnkitError(f"{self.partial}: {self.lines} rows described for {n_rows} samples")
+        counts = [int(c) for c in (input_counts if input_counts is not None else [n_rows])]
+        if sum(counts) != n_rows:
+            raise AttnkitError(f"the inputs gave {sum(counts)} segments but {n_rows} samples were written")
+        starts = np.cumsum([0] + counts[:-1])
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        with open(self.partial, encoding="utf-8") as src, open(tmp, "w", encoding="utf-8", newline="") as out:
+            w = csv.writer(out)
+            w.writerow(self.COLUMNS)
+            heap: list = []
+            expect = 0
+            for line in src:
+                pos, text, pair = json.loads(line)
+                heapq.heappush(heap, (pos, text, pair))
+                while heap and heap[0][0] == expect:
+                    pos, text, pair = heapq.heappop(heap)
+                    i = int(np.searchsorted(starts, pos, side="right")) - 1
+                    w.writerow((pos, i, pos - int(starts[i]), text, "" if pair is None else pair))
+                    expect += 1
+            if heap or expect != n_rows:
+                raise AttnkitError(f"{self.partial}: rows missing or repeated (row {expect} never came)")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.path)
+        self.partial.unlink()
+        return True
+
+
+def read_rows(run_dir, rows=None):
+    """The rows table of a run (per_sample_rows.csv) as a DataFrame indexed by `row`; `rows` picks some."""
+    import pandas as pd
+
+    path = _npy_path(run_dir).with_name(PER_SAMPLE_ROWS)
+    if not path.is_file():
+        raise AttnkitError(f"{path} is missing: runs extracted with --per-sample by attnkit 0.1 have no rows table; "
+                           f"extract again with --per-sample")
+    try:
+        df = pd.read_csv(path, keep_default_na=False, dtype={"text": str, "text_pair": str})
+    except (ValueError, OSError) as exc:
+        raise AttnkitError(f"{path} is unreadable: {exc}") from None
+    if list(df.columns) != list(_RowsTable.COLUMNS):
+        raise AttnkitError(f"{path} has columns {', '.join(df.columns)}, not {', '.join(_RowsTable.COLUMNS)}")
+    df = df.set_index("row")
+    return df if rows is None else df.loc[list(rows)]
+
+
 def load_per_sample(run_dir) -> tuple[np.ndarray, list[str]]:
-    """(memory-mapped N × layers × heads × F float16 array, feature names) of a run."""
+    """(memory-mapped N × layers × heads × F array, feature names) of a run: float32, or float16 in files of
+    attnkit 0.1 (read as they are; callers that compare with thresholds convert rows to float32 first)."""
     path = _npy_path(run_dir)
     meta_path = path.with_name(PER_SAMPLE_META)
     if not path.is_file():
@@ -179,6 +312,8 @@ def load_per_sample(run_dir) -> tuple[np.ndarray, list[str]]:
     names = load_json(meta_path, PER_SAMPLE_SCHEMA)["names"] if meta_path.is_file() else None
     if arr.ndim != 4:
         raise AttnkitError(f"{path} has shape {arr.shape}, expected samples × layers × heads × features")
+    if arr.dtype not in READABLE_DTYPES:
+        raise AttnkitError(f"{path} holds {arr.dtype} values; per-sample files hold float32 (or float16)")
     if names is None:
         names = feature_names(windows_of(arr.shape[3]))
     if len(names) != arr.shape[3]:
@@ -186,4 +321,5 @@ def load_per_sample(run_dir) -> tuple[np.ndarray, list[str]]:
     return arr, list(names)
 
 
-__all__ = ["PerSampleWriter", "load_per_sample", "npy_header", "PER_SAMPLE_FILE", "PER_SAMPLE_META", "HEADER_BYTES"]
+__all__ = ["PerSampleWriter", "load_per_sample", "npy_header", "read_rows", "PER_SAMPLE_FILE", "PER_SAMPLE_META",
+           "PER_SAMPLE_ROWS", "HEADER_BYTES"]

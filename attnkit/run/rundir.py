@@ -9,15 +9,15 @@ uninterrupted run gives (the same batches, in the same order, summed in float64)
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import AttnkitError, arg
-from .files import CHECKPOINT_FILE, DERIVED_OUTPUTS, FEATURES_FILE
+from .files import CHECKPOINT_FILE, DERIVED_OUTPUTS, FEATURES_FILE, META_FILE, PER_SAMPLE_FILE
 from .head_features import FeatureAccumulator, HeadFeatures
 from .outputs import atomic_write
+from .overwrite import Claim, claim_outputs
 from .schemas import load_npz
 from .settings import setting_differences
 
@@ -38,16 +38,24 @@ class RunDir:
     def has_checkpoint(self) -> bool:
         return self.checkpoint_path.is_file()
 
-    def check_new(self, overwrite: bool) -> None:
-        """Refuse to start a fresh run over an existing one unless told to."""
-        if overwrite:
-            return
-        if self.has_checkpoint():
+    def check_new(self, overwrite: bool, per_sample: bool = False) -> Claim:
+        """Refuse to start a fresh run over an existing one unless told to (naming what `overwrite` removes: the
+        run and everything derived from it); returns what the new run will replace. `per_sample`: the new run
+        is asked for per-sample features, which a finished run without them can only get by measuring again."""
+        if not overwrite and self.has_checkpoint():
             raise AttnkitError(f"{self.path} holds an interrupted run: continue it with {arg('resume', True)}, or "
                                f"start over with {arg('overwrite', True)}")
-        if self.is_finished():
-            raise AttnkitError(f"{self.path} already holds a finished run: use {arg('overwrite', True)} or another "
-                               f"{arg('out')}")
+        lacks = per_sample and self.is_finished() and not (self.path / PER_SAMPLE_FILE).is_file()
+        return self.claim(overwrite, what=f"{self.path} already holds a finished run"
+                          + (f" without {PER_SAMPLE_FILE} (only a new measurement of its corpus adds it)"
+                             if lacks else ""))
+
+    def claim(self, overwrite: bool, what: str | None = None) -> Claim:
+        """The overwrite check of a fresh run here: features.npz and meta.json are replaced, the checkpoint and
+        what later steps derived from the old features (DERIVED_OUTPUTS) go with them."""
+        return claim_outputs([self.path / FEATURES_FILE, self.path / META_FILE], overwrite,
+                             stale=[self.path / CHECKPOINT_FILE] + [self.path / n for n in DERIVED_OUTPUTS],
+                             what=what)
 
     def load_checkpoint(self, settings: dict) -> tuple[FeatureAccumulator, int, int, np.ndarray | None]:
         """(accumulator, next segment index, truncated so far, histogram of full token lengths) after checking
@@ -94,18 +102,17 @@ class RunDir:
             state["lengths"] = np.asarray(lengths, dtype=np.int64)
         atomic_write(self.checkpoint_path, lambda f: np.savez(f, **state))
 
-    def finish(self, features: HeadFeatures, fresh: bool = True) -> None:
+    def finish(self, features: HeadFeatures, fresh: bool = True) -> str | None:
         """Write the finished run; a `fresh` run (not a resumed one) also removes what later steps derived
-        from the features it replaces."""
+        from the features it replaces. Returns the message naming what a replaced run lost (None: nothing)."""
+        claim = self.claim(True) if fresh else None
         features.save(self.path)
         self.checkpoint_path.unlink(missing_ok=True)
-        if fresh:
-            for name in DERIVED_OUTPUTS:
-                p = self.path / name
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
+        if claim is None:
+            return None
+        claim.stale = [p for p in claim.stale if p != self.checkpoint_path]
+        claim.remove_stale()
+        return claim.removed_message()
 
 
 def checkpoint_problem(acc: FeatureAccumulator, next_index: int, n_truncated: int) -> str | None:

@@ -21,7 +21,7 @@ from ..extract import ExtractSettings
 from ..forward import DEFAULT_BATCH_SIZE
 from ..plan import plan_window, windows
 from .errors import ray_failure
-from .session import import_ray, plan_actors, quiet_ray_data, ray_session
+from .session import import_ray, plan_actors, quiet_ray_data, ray_logs_aside, ray_session
 from .workers import PID_DIR_ENV, ModelActor, tokenise
 
 
@@ -143,7 +143,7 @@ class ShardedRun:
             self.store(self.settings.batch_size)  # settings of other shard files are refused before Ray starts
         ray = import_ray()
         check_model_here(self.model_path, self.settings.max_length, local=self.address is None)
-        with ray_session(self.address) as cluster, quiet_ray_data(ray):
+        with ray_logs_aside(), ray_session(self.address) as cluster, quiet_ray_data(ray):
             self.ray = ray
             self.n_actors, self.resources = plan_actors(ray, self.num_actors, self.cpus_per_actor)
             gpus = "num_gpus" in self.resources
@@ -169,11 +169,9 @@ class ShardedRun:
     def _bar(self):
         if not self.progress:
             return None
-        from tqdm.auto import tqdm
+        from ..progress import segment_bar
 
-        total = len(self.segments) if hasattr(self.segments, "__len__") else None
-        return tqdm(total=total, unit="seg", desc=f"{'extract' if self.kind == 'features' else 'distances'} (ray)",
-                    dynamic_ncols=True)
+        return segment_bar(f"{'extract' if self.kind == 'features' else 'distances'} (ray)", self.segments)
 
     def _merge_ready(self) -> None:
         """Merge, in shard order, the shards that are all in."""

@@ -1,9 +1,13 @@
 """The Ray session of a run: importing Ray (an optional extra), joining or starting a cluster, the resources
-of the model actors, and the one check that a Ray address goes with the Ray engine."""
+of the model actors, Ray's own log lines kept off the terminal, and the one check that a Ray address goes with
+the Ray engine."""
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
+import tempfile
 
 from ...errors import AttnkitError, arg, check_int
 
@@ -66,6 +70,49 @@ def quiet_ray_data(ray):
         ctx.enable_progress_bars, ctx.print_on_execution_start = saved[1:]
 
 
+@contextlib.contextmanager
+def ray_logs_aside():
+    """Ray's C++ core writes log lines straight to file descriptor 2, errors among them that are not (in a normal
+    run, Ray Data's actor pools print "Actor ... has constructor arguments in the object store and max_restarts
+    > 0 ..."). Inside the block, descriptor 2 goes to a temporary file (the local cluster Ray starts inherits it)
+    while `sys.stderr`, and so attnkit's messages and progress bar, keeps the terminal. The file is removed when
+    the block ends well; when it ends in an error, the error names the file (AttnkitError) or a line on stderr
+    does."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no file behind sys.stderr: nothing to set aside
+        yield None
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    log = tempfile.NamedTemporaryFile(prefix="attnkit-ray-", suffix=".log", delete=False)  # noqa: SIM115
+    os.dup2(log.fileno(), fd)
+    terminal = os.fdopen(os.dup(saved), "w", buffering=1, encoding=getattr(sys.stderr, "encoding", None) or "utf-8",
+                         errors="replace")
+    previous, sys.stderr = sys.stderr, terminal
+    failed = None
+    try:
+        yield log.name
+    except AttnkitError as exc:
+        failed = AttnkitError(f"{exc.template} (Ray's own messages: {log.name})")
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        terminal.flush()
+        sys.stderr = previous
+        os.dup2(saved, fd)
+        os.close(saved)
+        terminal.close()
+        log.close()
+        if failed is None:
+            os.unlink(log.name)
+        elif failed is True:
+            print(f"Ray's own messages of this run: {log.name}", file=sys.stderr)
+    if isinstance(failed, AttnkitError):
+        raise failed from None
+
+
 def plan_actors(ray, num_actors: int | None, cpus_per_actor: int) -> tuple[int, dict]:
     """How many model actors, and the resources of each: one GPU (and `cpus_per_actor` CPUs) each when the
     cluster has GPUs, else `cpus_per_actor` CPUs each, leaving CPUs for the tokenisation tasks."""
@@ -87,4 +134,5 @@ def plan_actors(ray, num_actors: int | None, cpus_per_actor: int) -> tuple[int, 
     return n, {"num_cpus": cpus_per_actor}
 
 
-__all__ = ["INSTALL_HINT", "check_ray_address", "import_ray", "plan_actors", "quiet_ray_data", "ray_session"]
+__all__ = ["INSTALL_HINT", "check_ray_address", "import_ray", "plan_actors", "quiet_ray_data", "ray_logs_aside",
+           "ray_session"]

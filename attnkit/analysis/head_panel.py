@@ -1,0 +1,170 @@
+"""The data behind the report's per-head panel (report.js reads it): every head's features with their spread,
+its type, its nearest heads, its top and bottom examples from per_sample.npy with their texts, its example maps,
+and what the probe, the pattern classes and the ablations say about it (attnkit/analysis/attached.py).
+"""
+from __future__ import annotations
+
+import base64
+import csv
+import itertools
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import AttnkitError
+from ..run.files import PER_SAMPLE_ROWS
+from .attached import Attached
+from .clustering import head_matrix
+
+EXAMPLE_FEATURES = ("cls", "sep", "prev", "next", "self", "entropy", "intra")
+N_EXAMPLES = 3  # top and bottom examples per head and feature
+N_NEAR = 5
+TEXT_CHARS = 300
+
+
+def _rounded(a, digits: int = 5) -> list:
+    a = np.round(np.asarray(a, dtype=np.float64), digits)
+    return np.where(np.isfinite(a), a, None).tolist()
+
+
+def nearest(D: np.ndarray, n: int = N_NEAR) -> list:
+    """For each head, the `n` others nearest by the M × M dissimilarities `D`: [[head, value], ...]."""
+    D = np.array(D, dtype=np.float64)
+    np.fill_diagonal(D, np.inf)
+    order = np.argsort(D, axis=1, kind="stable")[:, :n]
+    return [[[int(j), round(float(D[i, j]), 6)] for j in row] for i, row in enumerate(order)]
+
+
+def extremes(per_sample, names, features=EXAMPLE_FEATURES, k: int = N_EXAMPLES, chunk: int = 4096) -> dict:
+    """Per feature, per head: the rows of the `k` samples with the highest and with the lowest value, streamed
+    over `per_sample` (N × L × H × F, e.g. memory-mapped) `chunk` samples at a time. {feature: {"top": M × k rows,
+    "top_values", "bottom", "bottom_values"}} (float32 comparisons; ties: the earlier row)."""
+    feats = [f for f in features if f in names]
+    idx = [list(names).index(f) for f in feats]
+    N, L, H, _ = per_sample.shape
+    M = L * H
+    k = min(k, N)
+    best = {s: (np.full((len(feats), M, 0), np.nan, dtype=np.float32), np.zeros((len(feats), M, 0), dtype=np.int64))
+            for s in ("top", "bottom")}
+    for i in range(0, N, chunk):
+        x = np.asarray(per_sample[i:i + chunk][..., idx], dtype=np.float32)  # c × L × H × f
+        c = x.shape[0]
+        vals = x.reshape(c, M, len(feats)).transpose(2, 1, 0)  # f × M × c
+        rows = np.broadcast_to(np.arange(i, i + c), vals.shape)
+        for side, sign in (("top", -1.0), ("bottom", 1.0)):
+            v = np.concatenate([best[side][0], vals], axis=-1)
+            r = np.concatenate([best[side][1], rows], axis=-1)
+            key = np.where(np.isnan(v), np.inf, sign * v)
+            order = np.lexsort((r, key), axis=-1)[..., :k]  # by value, then by row
+            best[side] = (np.take_along_axis(v, order, -1), np.take_along_axis(r, order, -1))
+    return {f: {"top": best["top"][1][j], "top_values": best["top"][0][j], "bottom": best["bottom"][1][j],
+                "bottom_values": best["bottom"][0][j]} for j, f in enumerate(feats)}
+
+
+def _text_of(text: str, pair: str | None) -> str:
+    t = text if not pair else f"{text} ||| {pair}"
+    return t if len(t) <= TEXT_CHARS else t[:TEXT_CHARS - 1] + "…"
+
+
+def texts_of_rows(run_dir, meta: dict, rows) -> tuple[dict, str | None]:
+    """{row: text} of some per-sample rows, from RUN/per_sample_rows.csv, else from the run's recorded inputs
+    read again (checked to be the same bytes); and a note when the texts could not be found (None: found)."""
+    wanted = sorted({int(r) for r in rows})
+    if not wanted:
+        return {}, None
+    table = Path(run_dir) / PER_SAMPLE_ROWS
+    out: dict[int, str] = {}
+    if table.is_file():
+        want = set(wanted)
+        with open(table, newline="", encoding="utf-8") as f:
+            for r in csv.DictReader(f):
+                row = int(r["row"])
+                if row in want:
+                    out[row] = _text_of(r["text"], r.get("text_pair"))
+        return out, None
+    from ..corpus import corpus_of_run
+
+    try:
+        corpus = corpus_of_run(run_dir, meta)
+        want = set(wanted)
+        for i, seg in enumerate(itertools.islice(corpus, wanted[-1] + 1)):
+            if i in want:
+                out[i] = _text_of(*((seg, None) if isinstance(seg, str) else seg))
+    except AttnkitError as exc:
+        return out, f"the examples' texts could not be read again ({exc})"
+    return out, None
+
+
+def encode_maps(weights: np.ndarray) -> tuple[list[str], list[float]]:
+    """Per head of a layers × heads × n × n map array: the map scaled to its own maximum as base64 uint8, and that
+    maximum."""
+    L, H, n, _ = weights.shape
+    flat = weights.reshape(L * H, n * n).astype(np.float64)
+    mx = flat.max(1)
+    q = np.round(255.0 * flat / np.where(mx > 0, mx, 1.0)[:, None]).clip(0, 255).astype(np.uint8)
+    return [base64.b64encode(row.tobytes()).decode("ascii") for row in q], [round(float(v), 5) for v in mx]
+
+
+def panel_data(features, clusters: dict, colors: dict, *, distances=None, extremes: dict | None = None,
+               row_texts=None, maps=None, attached: Attached | None = None, docs: dict, notes: dict) -> dict:
+    """Everything report.js shows about each head (the format: docs/files.md, "report.html"). `extremes`: the
+    top and bottom examples (`extremes(per_sample, names)`), `row_texts` their texts, `maps` AttentionMaps of the
+    example texts."""
+    L, H, F = features.mean.shape
+    M = L * H
+    type_names = [c["type"] for c in clusters["clusters"]]
+    label = {(h["layer"], h["head"]): h["label"] for h in clusters["heads"]}
+    agreement = [h.get("agreement") for h in sorted(clusters["heads"], key=lambda h: (h["layer"], h["head"]))]
+    X = head_matrix(features, clusters["settings"]["features"])
+    feat_d = np.sqrt(np.square(X[:, None, :] - X[None, :, :]).sum(-1))
+    data = {
+        "L": L, "H": H, "heads": [f"L{m // H}H{m % H}" for m in range(M)],
+        "features": {"names": list(features.names), "mean": _rounded(features.mean.reshape(M, F)),
+                     "std": _rounded(features.std.reshape(M, F)), "docs": docs["links"], "defs": docs["defs"]},
+        "types": {"names": type_names, "colors": [colors[t] for t in type_names],
+                  "short": [t[:3] for t in type_names], "label": [int(label[(m // H, m % H)]) for m in range(M)],
+                  "agreement": None if all(a is None for a in agreement) else agreement},
+        "near": {"js": nearest(distances.per_token) if distances is not None else None, "feat": nearest(feat_d)},
+        "examples": None, "maps": None, "probe": None, "patterns": None, "ablation": [], "notes": notes,
+    }
+    if extremes is not None:
+        ext = extremes
+        data["examples"] = {
+            "features": list(ext),
+            "top": {f: [[[int(r), round(float(v), 5)] for r, v in zip(e["top"][m], e["top_values"][m])]
+                        for m in range(M)] for f, e in ext.items()},
+            "bottom": {f: [[[int(r), round(float(v), 5)] for r, v in zip(e["bottom"][m], e["bottom_values"][m])]
+                           for m in range(M)] for f, e in ext.items()},
+            "texts": {str(k): v for k, v in (row_texts or {}).items()}}
+    if maps:
+        encoded = [encode_maps(m.weights) for m in maps]
+        data["maps"] = {"texts": [{"tokens": m.tokens} for m in maps], "data": [e[0] for e in encoded],
+                        "max": [e[1] for e in encoded]}
+    if attached is not None:
+        if attached.probe is not None:
+            p = attached.probe
+            data["probe"] = {"relations": p["relations"], "baseline": _rounded(p["baseline"]),
+                             "acc": _rounded(p["acc"].reshape(M, -1)), "source": str(p["path"])}
+        if attached.patterns is not None:
+            from .patterns import PATTERN_COLORS
+
+            sh = attached.patterns["shares"]
+            data["patterns"] = {"classes": attached.patterns["classes"],
+                                "colors": [PATTERN_COLORS.get(c, "#999") for c in attached.patterns["classes"]],
+                                "shares": _rounded(sh.reshape(len(sh), M).T)}
+        for a in attached.ablations:
+            src = a["path"].name
+            if "delta" in a:
+                data["ablation"].append({"experiment": a["experiment"], "metric": a["metric"], "source": src,
+                                         "delta": _rounded(a["delta"].ravel()), "lo": _rounded(a["lo"].ravel()),
+                                         "hi": _rounded(a["hi"].ravel())})
+            elif "importance" in a:
+                imp = a["importance"].ravel()
+                rank = np.empty(M, dtype=int)
+                rank[np.argsort(-imp, kind="stable")] = np.arange(1, M + 1)
+                data["ablation"].append({"experiment": "importance", "source": src, "score": _rounded(imp),
+                                         "rank": rank.tolist()})
+    return data
+
+
+__all__ = ["EXAMPLE_FEATURES", "encode_maps", "extremes", "nearest", "panel_data", "texts_of_rows"]

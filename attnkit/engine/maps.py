@@ -1,0 +1,98 @@
+"""The attention maps of one text: `attnkit.attention_maps(text, model)` (docs/analysis.md, "Maps of one text").
+
+It is a plain forward of the instrumented model with `output_attentions=True` (attnkit/hf_attention.py returns
+every layer's maps then, equal to eager attention's), under an intervention when one is given: the maps are
+the weights the model really used.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import AttnkitError, arg
+from ..features import DEFAULT_MAX_LENGTH
+from ..interventions import Intervention, intervene
+from ..models import check_max_length, resolve_model
+
+
+@dataclass
+class AttentionMaps:
+    """Every head's attention map of one text.
+
+    `weights`: float32 array layers × heads × n × n (`weights[l, h, s, t]`: the weight query token `s` gives key
+    token `t` in head `h` of layer `l`; rows sum to 1 unless an intervention changed them); `tokens`: the n
+    tokens, special tokens included; `text`: the text (a str or a (str, str) pair).
+    """
+
+    text: object
+    tokens: list[str]
+    weights: np.ndarray
+
+    @property
+    def n_layers(self) -> int:
+        return self.weights.shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.weights.shape[1]
+
+    def head(self, layer: int, head: int) -> np.ndarray:
+        """The n × n map of one head."""
+        if not (0 <= layer < self.n_layers and 0 <= head < self.n_heads):
+            raise AttnkitError(f"head L{layer}H{head} is outside this model's {self.n_layers} layers × "
+                               f"{self.n_heads} heads")
+        return self.weights[layer, head]
+
+    def to_pandas(self, layer: int, head: int):
+        """One head's map as a DataFrame: rows are query tokens, columns key tokens (positions are prefixed, as
+        tokens repeat)."""
+        import pandas as pd
+
+        labels = [f"{i}:{t}" for i, t in enumerate(self.tokens)]
+        return pd.DataFrame(self.head(layer, head), index=labels, columns=labels)
+
+    def __repr__(self) -> str:
+        shown = " ".join(self.tokens[:12]) + (" …" if len(self.tokens) > 12 else "")
+        return f"AttentionMaps({self.n_layers} layers × {self.n_heads} heads, {len(self.tokens)} tokens: {shown})"
+
+
+def _check_text(text):
+    if isinstance(text, str):
+        return (text,)
+    if isinstance(text, (tuple, list)) and len(text) == 2 and all(isinstance(x, str) for x in text):
+        return tuple(text)
+    raise AttnkitError(f"{arg('text')} must be a string or a pair of strings (one text; call attention_maps once "
+                       f"per text), got {type(text).__name__}")
+
+
+def attention_maps(text, model=None, *, tokenizer=None, max_length: int = DEFAULT_MAX_LENGTH, device=None,
+                   intervention: Intervention | None = None) -> AttentionMaps:
+    """The attention maps of every head of `model` on one `text` (a str, or a (str, str) pair).
+
+    `model`: None for the embedded MiniLM, a local path, or a (model, tokenizer) pair (as in `attnkit.extract`).
+    The text is tokenised as `attnkit extract` does (special tokens added, cut to `max_length` tokens).
+    `intervention`: the maps under that `attnkit.Intervention` (what the model used, e.g. uniform rows for a
+    head in mode uniform).
+    """
+    parts = _check_text(text)
+    model, tokenizer = resolve_model(model, tokenizer, device)
+    check_max_length(model, max_length)
+    dev = next(model.parameters()).device
+    enc = tokenizer(*parts, truncation=True, max_length=max_length, return_tensors="pt").to(dev)
+    with torch.inference_mode():
+        if intervention is not None:
+            with intervene(model, intervention):
+                out = model(**enc, output_attentions=True)
+        else:
+            out = model(**enc, output_attentions=True)
+    maps = getattr(out, "attentions", None)
+    if not maps:
+        raise AttnkitError(f"{type(model).__name__} returned no attention maps for output_attentions=True")
+    weights = torch.stack([m[0] for m in maps]).float().cpu().numpy()
+    tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
+    return AttentionMaps(text if isinstance(text, str) else tuple(text), tokens, weights)
+
+
+__all__ = ["AttentionMaps", "attention_maps"]

@@ -1,0 +1,52 @@
+"""Progress bars over segments: with a total, and so an ETA, wherever the amount of work can be known.
+
+A list knows its length and `--limit` bounds the work; a corpus of files does not say how many segments it holds
+until it is read, so `segment_bar` counts them in a background thread (reading only: no tokenisation, a small
+fraction of the work) and gives the bar its total once the count is done. Standard input is read once, so a run
+from it shows a count without a total.
+"""
+from __future__ import annotations
+
+import threading
+
+from ..corpus import Corpus
+
+
+def known_total(segments) -> int | None:
+    """The number of segments, when it is known without reading them."""
+    return len(segments) if hasattr(segments, "__len__") else None
+
+
+def count_in_background(segments, bar) -> threading.Thread | None:
+    """Count the segments of a re-readable `Corpus` in a daemon thread and set `bar.total` to the count (None and
+    nothing done for other inputs, or one that reads standard input)."""
+    if not isinstance(segments, Corpus) or any(s.path == "-" for s in segments.sources):
+        return None
+
+    def count():
+        n = 0
+        try:
+            for _ in segments:
+                n += 1
+        except Exception:  # the run itself reports a bad input; the bar just keeps counting without a total
+            return
+        bar.total = n
+        bar.refresh()
+
+    thread = threading.Thread(target=count, name="attnkit-count-segments", daemon=True)
+    thread.start()
+    return thread
+
+
+def segment_bar(label: str, segments, *, total: int | None = None, initial: int = 0, postfix: bool = True):
+    """A tqdm bar named `label` counting segments (`seg`), with a total from `total`, the input's length, or a count
+    in the background."""
+    from tqdm.auto import tqdm
+
+    total = total if total is not None else known_total(segments)
+    bar = tqdm(total=total, initial=initial, unit="seg", desc=label, dynamic_ncols=True)
+    bar.counter = count_in_background(segments, bar) if total is None else None  # the thread, for tests to join
+    return bar
+
+
+__all__ = ["count_in_background", "known_total", "segment_bar"]
