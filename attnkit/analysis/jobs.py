@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import AttnkitError, print_message
+from ..errors import AttnkitError, check_int, print_message
 from ..run.clusters import load_clusters
 from ..run.distances import HeadDistances
 from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR
@@ -43,6 +43,8 @@ def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None
     """Group the heads of `run` into types and write RUN/clusters.json (the arguments as `attnkit.cluster`'s;
     `n_seeds` > 1 repeats the stability measure with that many seeds, `do_sweep` adds k = 2..8)."""
     run = Path(run)
+    for value, name in ((k, "k"), (seed, "seed"), (n_stability, "n_stability"), (n_seeds, "n_seeds")):
+        check_int(value, name)  # before the lock and the first fit
     with run_lock(run, "attnkit cluster"), os_errors(f"write into {run}"):
         feats = HeadFeatures.load(run)
         if not quiet:
@@ -66,6 +68,8 @@ def report_run(run, *, examples: int = 0, corpus=None, fmt: str = "auto", squad_
     """Write RUN/report.html (`build_report`) after checking, before drawing anything, every file it reads;
     `examples` > 0 draws example maps from the run's corpus (or `corpus`) with the run's model."""
     run = Path(run)
+    check_int(examples, "examples")
+    check_int(seed, "seed")
 
     def say(text: str) -> None:
         if not quiet:
