@@ -10,6 +10,7 @@ from attnkit.analysis.patterns import BLOCK, CLASSES, DIAGONAL, HETEROGENEOUS, M
 from attnkit.cli.main import main
 from attnkit.errors import AttnkitError
 from attnkit.features import feature_names
+from attnkit.run.head_features import HeadFeatures
 from attnkit.run.per_sample import PerSampleWriter
 
 NAMES = feature_names(16)
@@ -84,6 +85,7 @@ def test_patterns_command(tmp_path):
     w = PerSampleWriter(tmp_path, L, H, NAMES)
     w.add(np.arange(n)[::-1], rows[::-1])
     w.close()
+    HeadFeatures(rows.mean(0), rows.std(0), NAMES, n, 10 * n).save(tmp_path)  # the run the rows belong to
     res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg"])
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "patterns.json").read_text())
@@ -97,3 +99,19 @@ def test_patterns_command(tmp_path):
     assert (tmp_path / "figures" / "pattern_types.png").is_file()
     res = CliRunner().invoke(main, ["patterns", str(tmp_path / "figures")])
     assert res.exit_code == 1 and "per_sample.npy is missing" in res.output
+
+
+def test_a_per_sample_file_that_is_not_its_runs_is_refused(tmp_path):
+    """patterns once classified the 5 rows of a per_sample.npy whose run measured 40 samples."""
+    n, L, H = 5, 2, 2
+    rows = np.full((n, L, H, len(NAMES)), 0.01, dtype=np.float32)
+    w = PerSampleWriter(tmp_path, L, H, NAMES)
+    w.add(np.arange(n), rows)
+    w.close()
+    HeadFeatures(rows.mean(0), rows.std(0), NAMES, 40, 400).save(tmp_path)
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg"])
+    assert res.exit_code == 1 and not (tmp_path / "patterns.json").exists()
+    assert res.stderr.strip() == (f"Error: {tmp_path}/per_sample.npy holds 5 samples × 2 layers × 2 heads × "
+                                  f"{len(NAMES)} features, but its run measured 40 samples × 2 layers × 2 heads × "
+                                  f"{len(NAMES)} features: it is not this run's per-sample file; run `attnkit "
+                                  "extract --per-sample` again")

@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import AttnkitError
 from ..run.files import FIGURES_DIR, PATTERNS_FILE
 from ..run.outputs import write_json
-from ..run.per_sample import load_per_sample
+from ..run.per_sample import check_matches_run, load_per_sample
 
 CLASSES = ("vertical", "diagonal", "vertical+diagonal", "block", "heterogeneous")
 VERTICAL, DIAGONAL, MIXED, BLOCK, HETEROGENEOUS = range(5)
@@ -149,6 +149,7 @@ def run_patterns(run_dir, *, pairs=None, svg: bool = True) -> tuple[Path, dict]:
 
     run_dir = Path(run_dir)
     arr, names = load_per_sample(run_dir)
+    check_matches_run(run_dir, arr, names)
     counts = class_counts(arr, names, pairs=pairs)
     rule = ("inter > 0 per example and head" if pairs is None
             else f"given: {bool(pairs) if np.ndim(pairs) == 0 else 'per example'}")
