@@ -221,3 +221,20 @@ def test_ray_distances_equal_the_in_process_collector(cluster, corpus, minilm, t
     np.testing.assert_allclose(dist.total, ref.total, rtol=1e-12, atol=0)
     assert sorted(p.name for p in shard_dir(tmp_path, "distances").glob("*.npz"))[0] == "shard-000000.npz"
     assert not shard_dir(tmp_path).exists()  # feature shards live elsewhere: a run dir can hold both
+
+
+def test_an_address_where_nothing_listens_is_refused_at_once():
+    """Ray retries an address where nothing listens for minutes; attnkit asks it once, with a time limit."""
+    import socket
+
+    from attnkit.engine.ray import check_ray_address
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound but not listening: connections are refused
+        port = s.getsockname()[1]
+        for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+            with pytest.raises(AttnkitError, match=rf"^could not reach the Ray cluster at '{address}' \(Connection "
+                                                   r"refused\): is its head node running \(ray start --head\), and "
+                                                   r"is ray_address right\?$"):
+                check_ray_address("ray", address)
+    check_ray_address("ray", "auto")  # left to Ray

@@ -6,7 +6,7 @@ import click
 
 from ..ablation.experiments import EXPERIMENTS
 from ..ablation.tasks import TASKS
-from .options import cli_errors, shared
+from .options import OutputPath, cli_errors, int_range, shared
 
 
 @click.command("ablate")
@@ -20,7 +20,7 @@ from .options import cli_errors, shared
 @click.option("--mode", type=click.Choice(["zero", "uniform"]), default=None,
               help="How heads are disabled (heads: zero, layers: uniform, importance pruning: zero by default).")
 @shared("limit")
-@click.option("--sample", type=click.IntRange(min=1), default=None,
+@click.option("--sample", type=int_range("sample"), default=None,
               help="Use N examples spread evenly over the file (data files are often sorted by genre, so the "
                    "first N can be a biased sample). Applied after --limit.")
 @shared("batch-size", batch_size=32)
@@ -30,7 +30,7 @@ from .options import cli_errors, shared
 @click.option("--renormalize", is_flag=True,
               help="types: rescale what is left of each attention row after removing intra/inter attention.")
 @shared("device")
-@click.option("-o", "--out", "out", type=click.Path(file_okay=False), default=None,
+@click.option("-o", "--out", "out", type=OutputPath(file_okay=False), default=None,
               help="Output directory (default: ablation-<task>-<experiment>).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @cli_errors
