@@ -283,9 +283,9 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
     workers, planned = workers_for_plan(planned, check_workers(workers))
     with TokenizerPool(encoder, workers, prefetch) as pool:
         encoded = pool.map(planned)
-        # The model runs on a device thread even with workers=0 (this thread then tokenises meanwhile): torch's
-        # OpenMP thread pool driven from the main thread was measured up to 10x slower per parallel op on a busy
-        # machine (docs/pipeline.md, "Tokenisation workers"). Every batch the workers may hold can also wait for
+        # The model runs on a device thread even with workers=0 (this thread then tokenises meanwhile): forwards
+        # on the main thread of a process that tokenises there were measured 12x slower than on a thread of their
+        # own (docs/pipeline.md, section 4). Every batch the workers may hold can also wait for
         # a device: the workers are never held back by a full device queue, and a device never waits while
         # tokenised batches sit in a finished task.
         _run_threaded(models, labels, encoded, forward, pool.prefetch * pool.group + 2 * len(models), on_result,
