@@ -311,9 +311,11 @@ class HashingReader:
 def is_stream_path(path: str) -> bool:
     """A path that names no regular file (a pipe, a FIFO, `<(...)` process substitution, a character device):
     its bytes can be read once only, as a stream."""
+    if not path:
+        return False
     try:
         return not stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path)
-    except OSError:
+    except (OSError, TypeError, ValueError):
         return False
 
 
