@@ -24,7 +24,7 @@ D >= 1; lengths B integers in [1, L]; token_class B×L codes OTHER..PERIOD (0..4
 when features are wanted; sentence_id B×L integers, compared as integers (any int32 value); mode H
 codes KEEP/ZERO/UNIFORM (0..2); region H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats;
 key_scale B×H×L floats, finite and >= 0 at valid keys (checked here; the compiled kernels trust it);
-num_windows >= 1; scaling a finite number (inf or NaN is refused).
+num_windows from 1 to 1024 (MAX_NUM_WINDOWS); scaling a finite number (inf or NaN is refused).
 
 Numerics policy (NaN propagates, as in torch.softmax and scaled_dot_product_attention): a query row
 whose softmax is undefined — a NaN score among its valid keys, a +inf score, or every score −inf —
@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from .errors import AttnkitError
+from .errors import MAX_NUM_WINDOWS, AttnkitError
 from .features import (
     CLS,
     COMMA,
@@ -284,6 +284,8 @@ def check_layout(q, k, v, lengths, token_class=None, sentence_id=None, *, scalin
         raise AttnkitError(f"scaling must be a finite number, got {scaling}")
     if isinstance(num_windows, bool) or not isinstance(num_windows, int) or num_windows < 1:
         raise AttnkitError(f"num_windows must be an integer >= 1, got {num_windows!r}")
+    if num_windows > MAX_NUM_WINDOWS:  # the limit of every backend (attnkit.errors.INT_RANGES)
+        raise AttnkitError(f"num_windows must be at most {MAX_NUM_WINDOWS}, got {num_windows!r}")
     _int_tensor(lengths, "lengths", (B,))
     for t, name in ((mode, "mode"), (region, "region")):
         if t is not None:

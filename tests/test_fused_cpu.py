@@ -476,7 +476,10 @@ def test_the_wrapper_refuses_what_the_reference_refuses_on_every_backend():
              ((q, k, v, lengths, tc.float()), {}, r"^token_class must be an integer tensor, got torch.float32$"),
              ((q, k, v, lengths), dict(mode=torch.zeros(2)), r"^mode must be an integer tensor, got torch.float32$"),
              ((q, k, v, lengths), dict(key_scale=torch.ones(2, 2, 8, dtype=torch.int64)),
-              r"^key_scale must be a floating-point tensor, got torch.int64$")]
+              r"^key_scale must be a floating-point tensor, got torch.int64$"),
+             # once a TypeError-like message from the compiled op, and an OverflowError from the reference
+             ((q, k, v, lengths), dict(num_windows=10**20), r"^num_windows must be at most 1024, got 10{20}$"),
+             ((q, k, v, lengths), dict(num_windows=1025), r"^num_windows must be at most 1024, got 1025$")]
     for args, kw, message in cases:
         for backend in ("fused", "reference"):
             with pytest.raises(AttnkitError, match=message):
