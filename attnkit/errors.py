@@ -62,12 +62,47 @@ class AttnkitError(Exception):
         return type(self), (self.template,)
 
 
-def check_int(value, name: str, minimum: int = 1):
-    """`value` when it is an integer (not a bool) of at least `minimum`; else an AttnkitError naming `name`.
-    The one check of counts and sizes (batch size, window, limit, max_length, workers, ...)."""
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**32 - 1  # what scikit-learn and numpy accept as a seed
+MAX_NUM_WINDOWS = 1024  # the CUDA kernels' limit (csrc/cuda/fused_attention_params.h), for every backend
+
+# The range (minimum, maximum) of every integer argument of the library, by its Python name. The command
+# line's options take these limits (attnkit/cli/options.py, `int_range`), so a bad value is refused the same
+# way from Python and from a shell, before anything is read, allocated or started. Maxima bound what a value
+# sizes up front (num_windows: feature arrays; seeds and stability fits: lists and fits, one per value);
+# INT32_MAX bounds the rest (a window or batch larger than that could not be held anyway). `workers` is
+# bounded by the cores at run time (attnkit.engine.local.max_workers).
+INT_RANGES = {
+    "batch_size": (1, INT32_MAX),
+    "window": (1, INT32_MAX),
+    "limit": (1, 2**63 - 1),
+    "max_length": (2, INT32_MAX),
+    "num_windows": (1, MAX_NUM_WINDOWS),
+    "checkpoint_every": (1, INT32_MAX),
+    "workers": (0, None),
+    "k": (2, INT32_MAX),
+    "n_stability": (0, 1000),
+    "n_seeds": (1, 1000),
+    "seed": (0, SEED_MAX),
+    "rows_per_sample": (1, INT32_MAX),
+    "examples": (0, 1000),
+    "sample": (1, INT32_MAX),
+    "min_count": (1, INT32_MAX),
+}
+
+
+def check_int(value, name: str, minimum: int | None = None, maximum: int | None = None):
+    """`value` when it is an integer (not a bool) within [`minimum`, `maximum`]; else an AttnkitError naming
+    `name`. Limits not given come from INT_RANGES[name] (else: at least 1, no maximum). The one check of
+    counts and sizes (batch size, window, limit, max_length, workers, ...)."""
+    lo, hi = INT_RANGES.get(name, (1, None))
+    minimum = lo if minimum is None else minimum
+    maximum = hi if maximum is None else maximum
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
         raise AttnkitError(f"{arg(name)} must be {what}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise AttnkitError(f"{arg(name)} must be at most {maximum}, got {value!r}")
     return value
 
 
@@ -85,4 +120,5 @@ def print_message(text: str, err: bool = False) -> None:
     print(spell(text), file=sys.stderr if err else sys.stdout)
 
 
-__all__ = ["AttnkitError", "arg", "check_int", "one_line", "print_message", "spell"]
+__all__ = ["INT32_MAX", "INT_RANGES", "MAX_NUM_WINDOWS", "SEED_MAX", "AttnkitError", "arg", "check_int", "one_line",
+           "print_message", "spell"]

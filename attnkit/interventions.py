@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import numbers
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import AttnkitError
+from .errors import AttnkitError, check_int
 from .features import ALL, KEEP, MODES, REGIONS
 from .models import attention_modules, runtime_of
 from .run.clusters import CLUSTERS_FILE, type_grid
@@ -79,6 +80,9 @@ def parse_heads(spec, shape: tuple[int, int] | None = None) -> list[tuple[int, i
                 layer, head = item
             except (TypeError, ValueError):
                 raise AttnkitError(f"a head must be a (layer, head) pair, got {item!r}") from None
+            if not _is_index(layer) or not (head is None or _is_index(head)):
+                raise AttnkitError(f"a head must be a (layer, head) pair of integers >= 0 (head None: the whole "
+                                   f"layer), got {item!r}")
             items.append((int(layer), None if head is None else int(head)))
     out: list[tuple[int, int]] = []
     for layer, head in items:
@@ -95,6 +99,11 @@ def parse_heads(spec, shape: tuple[int, int] | None = None) -> list[tuple[int, i
             if lh not in out:
                 out.append(lh)
     return out
+
+
+def _is_index(x) -> bool:
+    """An integer >= 0 (a numpy integer too; not a bool, a float or a string): a layer or head number."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
 
 
 def format_heads(heads: Iterable[tuple[int, int]]) -> str:
@@ -181,6 +190,8 @@ class Intervention:
 
     @classmethod
     def identity(cls, n_layers: int, n_heads: int) -> Intervention:
+        check_int(n_layers, "n_layers")
+        check_int(n_heads, "n_heads")
         return cls(np.full((n_layers, n_heads), KEEP, dtype=np.int32))
 
     @classmethod
@@ -280,6 +291,9 @@ class Intervention:
         if region not in REGIONS:
             raise AttnkitError(f"unknown region {region!r}; use one of {', '.join(REGIONS)}")
         L, H = self.shape
+        if not _is_index(layer) or not (head is None or _is_index(head)):
+            raise AttnkitError(f"layer and head must be integers >= 0 (head None: the whole layer), got layer "
+                               f"{layer!r}, head {head!r}")
         if not 0 <= layer < L or (head is not None and not 0 <= head < H):
             raise AttnkitError(f"head L{layer}H{head} is outside this model's {L} layers × {H} heads")
         sel = slice(None) if head is None else head

@@ -50,8 +50,12 @@ def resolve_device(device=None) -> torch.device:
         raise AttnkitError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
     if dev.type not in ("cpu", "cuda"):
         raise AttnkitError(f"device {device!r}: attnkit runs on cpu or cuda (cuda:N)")
+    if dev.type == "cpu" and dev.index not in (None, 0):
+        raise AttnkitError(f"device {device!r} does not exist: the CPU is one device, cpu (or cpu:0)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise AttnkitError(f"device {device!r} requested but CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise AttnkitError(f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
     return dev
 
 
@@ -247,6 +251,9 @@ def looks_like_hub_id(path: str) -> bool:
 
 def check_model_dir(path: str) -> None:
     """Refuse a model path that cannot hold a complete model, naming the files that are missing."""
+    if not str(path).strip():
+        raise AttnkitError("the model path is empty: give a local model directory (or no model for the embedded "
+                           "MiniLM)")
     if not os.path.exists(path):
         if looks_like_hub_id(path):
             raise AttnkitError(

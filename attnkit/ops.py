@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import math
 import os
 import threading
 
@@ -24,7 +23,7 @@ import torch
 
 from .errors import AttnkitError, arg
 from .features import DEFAULT_NUM_WINDOWS, num_features
-from .reference import reference_attention
+from .reference import check_layout, reference_attention
 
 log = logging.getLogger("attnkit")
 
@@ -140,11 +139,13 @@ def attention(
     renormalised per row (norm weighting, docs/features.md); the output is unchanged.
     Returns (out B×L×H×D, features B×H×F fp32 — B×H×0 when `want_features` is false).
     """
+    # shapes and dtypes as the reference checks them, before anything is converted: the backends agree on
+    # every input the reference accepts, and refuse (not round) what it refuses, e.g. float lengths or D = 0
+    check_layout(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows, mode=mode,
+                 region=region, gates=gates, key_scale=key_scale)
     dev = q.device
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
-    if not math.isfinite(float(scaling)):
-        raise AttnkitError(f"attention scaling must be a finite number, got {scaling}")
     lengths = lengths.to(device=dev, dtype=torch.int64)
     token_class = _as(token_class, torch.int32, dev)
     sentence_id = _as(sentence_id, torch.int32, dev)

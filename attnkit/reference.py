@@ -24,7 +24,7 @@ D >= 1; lengths B integers in [1, L]; token_class B×L codes OTHER..PERIOD (0..4
 when features are wanted; sentence_id B×L integers, compared as integers (any int32 value); mode H
 codes KEEP/ZERO/UNIFORM (0..2); region H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats;
 key_scale B×H×L floats, finite and >= 0 at valid keys (checked here; the compiled kernels trust it);
-num_windows >= 1; scaling a finite number (inf or NaN is refused).
+num_windows from 1 to 1024 (MAX_NUM_WINDOWS); scaling a finite number (inf or NaN is refused).
 
 Numerics policy (NaN propagates, as in torch.softmax and scaled_dot_product_attention): a query row
 whose softmax is undefined — a NaN score among its valid keys, a +inf score, or every score −inf —
@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from .errors import AttnkitError
+from .errors import MAX_NUM_WINDOWS, AttnkitError
 from .features import (
     CLS,
     COMMA,
@@ -258,12 +258,22 @@ def _first_bad(bad: torch.Tensor) -> str:
     return "[" + ", ".join(map(str, idx)) + "]"
 
 
-def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling=None,
-                    num_windows=DEFAULT_NUM_WINDOWS, mode=None, region=None, gates=None,
-                    want_features=False, key_scale=None) -> None:
-    """The argument contract every backend enforces (module docstring); AttnkitError names the argument."""
-    if q.dim() != 4:
-        raise AttnkitError(f"q must be 4-D (B, H, L, D), got shape {tuple(q.shape)}")
+def _int_tensor(t, name, shape) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise AttnkitError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise AttnkitError(f"{name} must be an integer tensor, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise AttnkitError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+
+
+def check_layout(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling=None,
+                 num_windows=DEFAULT_NUM_WINDOWS, mode=None, region=None, gates=None, key_scale=None) -> None:
+    """The part of the contract that reads no tensor values (shapes, dtypes, head dim, scaling, num_windows):
+    cheap, and run by every backend before it converts anything (so lengths of a float dtype are refused by
+    the fused op as by the reference, not rounded)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise AttnkitError(f"q must be 4-D (B, H, L, D), got shape {tuple(getattr(q, 'shape', ()))}")
     B, H, L, D = q.shape
     if k.shape != q.shape or v.shape != q.shape:
         raise AttnkitError(f"k and v must have q's shape {tuple(q.shape)}, got k {tuple(k.shape)} and "
@@ -274,34 +284,16 @@ def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, *, sca
         raise AttnkitError(f"scaling must be a finite number, got {scaling}")
     if isinstance(num_windows, bool) or not isinstance(num_windows, int) or num_windows < 1:
         raise AttnkitError(f"num_windows must be an integer >= 1, got {num_windows!r}")
-
-    def int_tensor(t, name, shape):
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            raise AttnkitError(f"{name} must be an integer tensor, got {t.dtype}")
-        if tuple(t.shape) != shape:
-            raise AttnkitError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-
-    int_tensor(lengths, "lengths", (B,))
-    _require(((lengths >= 1) & (lengths <= L)).all(),
-             lambda: f"lengths must lie in [1, L] = [1, {L}], got lengths{_first_bad((lengths < 1) | (lengths > L))}"
-                     f" = {lengths[(lengths < 1) | (lengths > L)][0].item()}")
-    for t, name, names in ((mode, "mode", "0 (keep), 1 (zero) or 2 (uniform)"),
-                           (region, "region", "0 (all), 1 (no_intra) or 2 (no_inter)")):
-        if t is None:
-            continue
-        int_tensor(t, name, (H,))
-        bad_code = (t < 0) | (t > 2)
-        _require(~bad_code.any(), lambda: f"{name} codes must be {names}, got {t[bad_code][0].item()} at head "  # noqa: B023
-                                          f"{bad_code.nonzero()[0].item()}")  # noqa: B023 (called at once)
+    if num_windows > MAX_NUM_WINDOWS:  # the limit of every backend (attnkit.errors.INT_RANGES)
+        raise AttnkitError(f"num_windows must be at most {MAX_NUM_WINDOWS}, got {num_windows!r}")
+    _int_tensor(lengths, "lengths", (B,))
+    for t, name in ((mode, "mode"), (region, "region")):
+        if t is not None:
+            _int_tensor(t, name, (H,))
     if sentence_id is not None:
-        int_tensor(sentence_id, "sentence_id", (B, L))
+        _int_tensor(sentence_id, "sentence_id", (B, L))
     if token_class is not None:
-        int_tensor(token_class, "token_class", (B, L))
-        if want_features:
-            valid = _key_mask(lengths.to(token_class.device).long(), L)
-            bad_cls = valid & ((token_class < OTHER) | (token_class > PERIOD))
-            _require(~bad_cls.any(), lambda: f"token_class codes must be 0..4 at valid positions, got "
-                                             f"{token_class[bad_cls][0].item()} at {_first_bad(bad_cls)}")
+        _int_tensor(token_class, "token_class", (B, L))
     if gates is not None and tuple(gates.shape) != (H,):
         raise AttnkitError(f"gates must have shape [{H}], got {list(gates.shape)}")
     if key_scale is not None:
@@ -309,6 +301,32 @@ def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, *, sca
             raise AttnkitError(f"key_scale must be a floating-point tensor, got {key_scale.dtype}")
         if tuple(key_scale.shape) != (B, H, L):
             raise AttnkitError(f"key_scale must have shape [{B}, {H}, {L}], got {list(key_scale.shape)}")
+
+
+def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling=None,
+                    num_windows=DEFAULT_NUM_WINDOWS, mode=None, region=None, gates=None,
+                    want_features=False, key_scale=None) -> None:
+    """The argument contract every backend enforces (module docstring); AttnkitError names the argument."""
+    check_layout(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows, mode=mode,
+                 region=region, gates=gates, key_scale=key_scale)
+    B, H, L, D = q.shape
+    _require(((lengths >= 1) & (lengths <= L)).all(),
+             lambda: f"lengths must lie in [1, L] = [1, {L}], got lengths{_first_bad((lengths < 1) | (lengths > L))}"
+                     f" = {lengths[(lengths < 1) | (lengths > L)][0].item()}")
+    for t, name, names in ((mode, "mode", "0 (keep), 1 (zero) or 2 (uniform)"),
+                           (region, "region", "0 (all), 1 (no_intra) or 2 (no_inter)")):
+        if t is None:
+            continue
+        bad_code = (t < 0) | (t > 2)
+        _require(~bad_code.any(), lambda: f"{name} codes must be {names}, got {t[bad_code][0].item()} at head "  # noqa: B023
+                                          f"{bad_code.nonzero()[0].item()}")  # noqa: B023 (called at once)
+    if token_class is not None:
+        if want_features:
+            valid = _key_mask(lengths.to(token_class.device).long(), L)
+            bad_cls = valid & ((token_class < OTHER) | (token_class > PERIOD))
+            _require(~bad_cls.any(), lambda: f"token_class codes must be 0..4 at valid positions, got "
+                                             f"{token_class[bad_cls][0].item()} at {_first_bad(bad_cls)}")
+    if key_scale is not None:
         if want_features:
             valid = _key_mask(lengths.to(key_scale.device).long(), L)[:, None, :]
             bad = valid & ~(torch.isfinite(key_scale) & (key_scale >= 0))
@@ -320,6 +338,7 @@ __all__ = [
     "reference_attention",
     "norm_weighted",
     "check_arguments",
+    "check_layout",
     "reference_js_distances",
     "attention_weights",
     "intervene_weights",

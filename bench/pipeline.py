@@ -5,6 +5,7 @@
     python bench/pipeline.py memory   [--sizes 50,500]                   peak RSS over generated corpora
     python bench/pipeline.py ray      [--corpus FILE]                    Ray local cluster vs the in-process loop
     python bench/pipeline.py gpu      [--corpus FILE]                    (GPU) extraction vs plain sdpa forward
+    python bench/pipeline.py workers  [--trees OLD,NEW]                  --workers 0 vs N, main thread vs a thread
 
 overlap: the model is replaced by a stand-in that takes, per batch, the time a device would need at R tokens/s
   and leaves the CPU idle (it sleeps). T, one worker's tokenisation rate (one process, the Rust tokenizer's
@@ -19,12 +20,15 @@ memory: `attnkit extract` with a tiny random BERT over generated corpora of the 
 ray: the same corpus through `--engine ray` on a local cluster and through the in-process loop (tokens/s).
 gpu: BERT-base (random weights) at --dtype bf16, L=128: attnkit extraction end to end (tokenisation workers,
   pinned copies) vs a plain sdpa forward over the same pre-tokenised batches on the device.
+workers: --workers 0 against --workers N (the tiny model of `memory`): the same pre-tokenised forwards on the main
+  thread and on a thread of their own, then `attnkit extract` end to end from each of --trees.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -202,6 +206,87 @@ def memory(args) -> dict:
     return out
 
 
+# --- workers ---------------------------------------------------------------------------------------------
+def _forward_seconds(model, batches, on_thread: bool) -> float:
+    """Seconds for the forwards of `batches` on the calling (main) thread, or on a thread of their own."""
+    import threading
+
+    from attnkit.engine.forward import device_forward
+    from attnkit.tokens import Batch
+
+    out = {}
+
+    def run():
+        t0 = time.perf_counter()
+        for arrays in batches:
+            device_forward(model, Batch.from_arrays(arrays))
+        out["s"] = time.perf_counter() - t0
+
+    if on_thread:
+        th = threading.Thread(target=run)
+        th.start()
+        th.join()
+    else:
+        run()
+    return out["s"]
+
+
+def workers(args) -> dict:
+    """--workers 0 against --workers N with the tiny model of `memory`, and why: the same pre-tokenised forwards
+    on the main thread and on a thread of their own, interleaved in one process; then `attnkit extract` end to
+    end (a fresh process per run) with each source tree of --trees (e.g. the code before and after a change)."""
+    import attnkit
+    from attnkit.engine.forward import measuring
+    from attnkit.engine.plan import plan_batches
+    from attnkit.tokens import Encoder
+
+    tmp = Path(tempfile.mkdtemp(prefix="attnkit-bench-"))
+    model_dir = tiny_model(tmp / "tiny")
+    corpus = tmp / "corpus.txt"
+    with open(corpus, "w") as f:
+        f.writelines(generated_lines(int(args.size_mb * 10**6), seed=3))
+    model, tok = attnkit.load_model(str(model_dir), device="cpu")
+    segs = [line.strip() for line in corpus.read_text().splitlines()[:args.segments]]
+    encoder = Encoder(tok, max_length=args.max_length)
+    batches = [encoder.encode_arrays(pb.segments) for pb in plan_batches(segs, args.batch_size, 4096)]
+    times = {"main thread": [], "own thread": []}
+    with measuring(model, backend="auto", num_windows=16):
+        _forward_seconds(model, batches[:2], False)  # warm-up
+        for _ in range(args.repeats):
+            times["main thread"].append(_forward_seconds(model, batches, False))
+            times["own thread"].append(_forward_seconds(model, batches, True))
+    out = {"forward_s": {k: statistics.median(v) for k, v in times.items()}, "torch_threads": torch.get_num_threads(),
+           "segments": len(segs)}
+    print(f"forwards of {len(segs)} pre-tokenised segments ({len(batches)} batches, torch threads "
+          f"{torch.get_num_threads()}), medians of {args.repeats}: "
+          + "; ".join(f"{k} {statistics.median(v):.2f} s (runs {', '.join(f'{x:.2f}' for x in v)})"
+                      for k, v in times.items()))
+    trees = args.trees or [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    wall = {(t, w): [] for t in trees for w in args.workers}
+    for _ in range(args.repeats):
+        for t in trees:
+            for w in args.workers:
+                run = tmp / "run"
+                subprocess.run(["rm", "-rf", str(run)], check=True)
+                env = dict(os.environ, PYTHONPATH=t)
+                res = subprocess.run([sys.executable, "-m", "attnkit.cli", "extract", str(corpus), "--model",
+                                      str(model_dir), "-o", str(run), "-q", "--batch-size", str(args.batch_size),
+                                      "--max-length", str(args.max_length), "--workers", str(w)], env=env,
+                                     check=True, capture_output=True, text=True)
+                # the run's own time, from its last line ("measured N samples, ... in 12.3s ..."): start-up excluded
+                wall[(t, w)].append(float(re.search(r" in ([0-9.]+)s", res.stdout).group(1)))
+    out["extract_s"] = {f"{t} --workers {w}": statistics.median(v) for (t, w), v in wall.items()}
+    print(f"attnkit extract, {args.size_mb} MB generated corpus ({sum(1 for _ in open(corpus))} lines), tiny model, "
+          f"seconds the run reports (start-up excluded), medians of {args.repeats} (runs):")
+    for t in trees:
+        base = statistics.median(wall[(t, args.workers[-1])])
+        for w in args.workers:
+            med = statistics.median(wall[(t, w)])
+            print(f"  {t}  --workers {w}: {med:6.1f} s  ({med / base:.2f}x --workers {args.workers[-1]})  ("
+                  + ", ".join(f"{x:.1f}" for x in wall[(t, w)]) + ")")
+    return out
+
+
 # --- ray -------------------------------------------------------------------------------------------------
 def ray_vs_local(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-bench-"))
@@ -289,7 +374,7 @@ def gpu(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["overlap", "padding", "memory", "ray", "gpu"])
+    ap.add_argument("what", choices=["overlap", "padding", "memory", "ray", "gpu", "workers"])
     ap.add_argument("files", nargs="*", help="padding: corpus files")
     ap.add_argument("--corpus", default=None, help="a corpus file (default: generated English-like lines)")
     ap.add_argument("--segments", type=int, default=40000)
@@ -303,10 +388,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--json", default=None, help="write the figures to this file")
     ap.add_argument("--dry-run", action="store_true", help="gpu: run on the CPU with a tiny model (checks the script)")
+    ap.add_argument("--size-mb", type=float, default=1.0, help="workers: size of the generated corpus")
+    ap.add_argument("--trees", default=None, type=lambda s: s.split(","),
+                    help="workers: source trees to run `attnkit extract` from (PYTHONPATH), e.g. before,after")
     args = ap.parse_args()
     if args.what == "memory":
         args.workers = args.workers[-1]
-    what = {"overlap": overlap, "padding": padding, "memory": memory, "ray": ray_vs_local, "gpu": gpu}
+    what = {"overlap": overlap, "padding": padding, "memory": memory, "ray": ray_vs_local, "gpu": gpu,
+            "workers": workers}
     result = what[args.what](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))

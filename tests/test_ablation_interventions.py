@@ -176,3 +176,21 @@ def test_gate_gradients_through_the_model(tiny):
 
     fd = (f(eps) - f(-eps)) / (2 * eps)
     assert float(grad[1, 1]) == pytest.approx(float(fd), rel=2e-2, abs=1e-4)
+
+
+def test_heads_layers_and_shapes_must_be_whole_numbers():
+    from attnkit.interventions import Intervention, parse_heads
+
+    for spec in ([("a", "b")], [(1.7, 2.2)], [(True, 1)], [(-1, 0)]):
+        with pytest.raises(AttnkitError, match=r"^a head must be a \(layer, head\) pair of integers >= 0"):
+            parse_heads(spec)
+    assert parse_heads([(np.int64(1), None)], (2, 3)) == [(1, 0), (1, 1), (1, 2)]
+    with pytest.raises(AttnkitError, match=r"^n_layers must be a positive integer, got 0$"):
+        Intervention.identity(0, 12)
+    with pytest.raises(AttnkitError, match=r"^n_heads must be a positive integer, got 2.5$"):
+        Intervention.identity(2, 2.5)
+    iv = Intervention.identity(2, 3)
+    for layer, head in ((1.5, 0), (1, 0.5), ("1", 0)):
+        with pytest.raises(AttnkitError, match=r"^layer and head must be integers >= 0"):
+            iv.set(layer, head, mode="zero")
+    assert iv.is_identity

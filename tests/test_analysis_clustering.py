@@ -291,3 +291,23 @@ def test_stability_is_the_same_however_the_fits_number_their_clusters():
         assert other.stability_ == base.stability_
         assert np.array_equal(other.head_stability_, base.head_stability_)
         assert np.array_equal(other.stability_runs_, base.stability_runs_)
+
+
+def test_seeds_derived_from_the_largest_seed_stay_valid():
+    """--seed 4294967295 --seeds 3: the stability fits and the later seeds pass 2^32 - 1 unless they wrap."""
+    feats = make_features(layered_truth(3, 4), noise=0.01, seed=1)
+    top = 2**32 - 1
+    over = stability_over_seeds(feats, n_seeds=3, seed=top, k=2, n_stability=2)
+    assert over["seeds"] == [top, 0, 1]
+    c = cluster(feats, k=2, seed=top, n_stability=2)
+    assert 0 <= c.stability_ <= 1
+
+
+def test_seed_counts_are_bounded_before_any_work():
+    feats = make_features(layered_truth(3, 4), noise=0.01, seed=1)
+    with pytest.raises(AttnkitError, match=r"^n_seeds must be at most 1000, got 1000000000000$"):
+        stability_over_seeds(feats, n_seeds=10**12, k=2)
+    with pytest.raises(AttnkitError, match=r"^seed must be at most 4294967295, got 4294967296$"):
+        cluster(feats, k=2, seed=2**32)
+    with pytest.raises(AttnkitError, match=r"^n_stability must be at most 1000, got 10000000000$"):
+        cluster(feats, k=2, n_stability=10**10)

@@ -21,6 +21,7 @@ from attnkit.analysis.patterns import (
 from attnkit.cli.main import main
 from attnkit.errors import AttnkitError
 from attnkit.features import feature_names
+from attnkit.run.head_features import HeadFeatures
 from attnkit.run.per_sample import PerSampleWriter
 
 NAMES = feature_names(16)
@@ -95,6 +96,7 @@ def test_patterns_command(tmp_path):
     w = PerSampleWriter(tmp_path, L, H, NAMES)
     w.add(np.arange(n)[::-1], rows[::-1])
     w.close()
+    HeadFeatures(rows.mean(0), rows.std(0), NAMES, n, 10 * n).save(tmp_path)  # the run the rows belong to
     res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg"])
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "patterns.json").read_text())
@@ -152,6 +154,7 @@ def test_values_within_3e_5_of_a_threshold_do_not_flip(tmp_path):
     w = PerSampleWriter(tmp_path, 1, 1, NAMES)
     w.add([0], x[None, None, None])
     w.close()
+    HeadFeatures(x[None, None].astype(np.float64), np.zeros((1, 1, len(NAMES))), NAMES, 1, 10).save(tmp_path)
     res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg", "-q"])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "patterns.json").read_text())["overall"]["heterogeneous"] == 1.0
@@ -163,6 +166,7 @@ def test_list_the_examples_that_put_a_head_in_a_class(tmp_path):
     w = PerSampleWriter(tmp_path, 1, 1, NAMES)
     w.add(np.arange(n), rows, [f"text {i}" for i in range(n)])
     w.close()
+    HeadFeatures(rows.mean(0), rows.std(0), NAMES, n, 10 * n).save(tmp_path)
     df, total = examples_of(tmp_path, 0, 0, "vertical", n=3)
     assert total == 4 and list(df.index) == [0, 3, 2]  # the clearest first (highest cls + sep)
     assert list(df["text"]) == ["text 0", "text 3", "text 2"] and np.allclose(df["v"], [0.9, 0.8, 0.7])
@@ -178,3 +182,20 @@ def test_list_the_examples_that_put_a_head_in_a_class(tmp_path):
     assert res.exit_code == 1 and "unknown pattern class 'sideways'" in res.output
     res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--list", "layer 0"])
     assert res.exit_code == 2 and "e.g. L2H5:vertical" in res.output
+
+
+
+def test_a_per_sample_file_that_is_not_its_runs_is_refused(tmp_path):
+    """patterns once classified the 5 rows of a per_sample.npy whose run measured 40 samples."""
+    n, L, H = 5, 2, 2
+    rows = np.full((n, L, H, len(NAMES)), 0.01, dtype=np.float32)
+    w = PerSampleWriter(tmp_path, L, H, NAMES)
+    w.add(np.arange(n), rows)
+    w.close()
+    HeadFeatures(rows.mean(0), rows.std(0), NAMES, 40, 400).save(tmp_path)
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg"])
+    assert res.exit_code == 1 and not (tmp_path / "patterns.json").exists()
+    assert res.stderr.strip() == (f"Error: {tmp_path}/per_sample.npy holds 5 samples × 2 layers × 2 heads × "
+                                  f"{len(NAMES)} features, but its run measured 40 samples × 2 layers × 2 heads × "
+                                  f"{len(NAMES)} features: it is not this run's per-sample file; run `attnkit "
+                                  "extract --per-sample` again")

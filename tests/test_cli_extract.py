@@ -3,9 +3,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -13,6 +10,8 @@ from click.testing import CliRunner
 
 from attnkit import HeadFeatures
 from attnkit.cli.main import main
+
+from .paused_extract import start_paused
 
 WORDS = "river bridge bread harbour library glacier orchestra market lighthouse forest".split()
 
@@ -50,28 +49,24 @@ def test_extract_writes_run_directory(corpus, tmp_path):
     assert HeadFeatures.load(out).n_samples == 10
 
 
-def _extract_cmd(corpus, out, *extra):
-    return [sys.executable, "-m", "attnkit.cli", "extract", str(corpus), "-o", str(out), "--batch-size", "1",
-            "--checkpoint-every", "1", "-q", "--backend", "reference", "--max-length", "24", *extra]
+def _extract_args(corpus, out, *extra):
+    return ["extract", corpus, "-o", out, "--batch-size", 1, "--checkpoint-every", 1, "-q", "--backend", "reference",
+            "--max-length", 24, *extra]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_interrupted_run_resumes_to_identical_numbers(corpus, tmp_path, sig):
     full = tmp_path / "full"
     assert run("extract", corpus, "-o", full, "--batch-size", 1, "-q", "--backend", "reference",
                "--max-length", 24)[0] == 0
     part = tmp_path / "part"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen(_extract_cmd(corpus, part), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while not (part / "checkpoint.npz").exists():
-        assert proc.poll() is None, proc.stderr.read().decode()
-        assert time.time() < deadline
-        time.sleep(0.01)
+    # the run stands still after its first checkpoint until the signal comes (tests/paused_extract.py): it cannot
+    # finish first, however fast the machine
+    proc = start_paused(_extract_args(corpus, part))
     proc.send_signal(sig)
     proc.wait(timeout=60)
     assert proc.returncode != 0
-    if sig == signal.SIGINT:
+    if sig != signal.SIGKILL:
         assert proc.returncode == 130 and b"--resume" in proc.stderr.read()
     assert (part / "checkpoint.npz").exists() and not (part / "features.npz").exists()
     with np.load(part / "checkpoint.npz") as z:
@@ -304,3 +299,93 @@ def test_devices_and_columns_that_cannot_work_are_refused(corpus, tmp_path):
     code, text = run("extract", corpus, "--columns", ",sentence2", "-o", tmp_path / "x", "-q")
     assert code == 2 and "empty column name" in text
     assert not (tmp_path / "x").exists()
+
+
+# --- issue 21 -------------------------------------------------------------------------------------------------
+def _finished(corpus, out, *extra):
+    code, text = run("extract", corpus, "-o", out, "-q", "--max-length", 16, "--batch-size", 8, "--backend",
+                     "reference", *extra)
+    assert code == 0, text
+    return json.loads((out / "meta.json").read_text())
+
+
+def test_a_checkpoint_of_another_head_count_is_refused_before_use(corpus, tmp_path):
+    meta = _finished(corpus, tmp_path / "ok")
+    from attnkit.run.head_features import FeatureAccumulator
+    from attnkit.run.rundir import RunDir
+
+    acc = FeatureAccumulator(6, 3, meta["feature_names"])  # 3 heads; the model has 12
+    acc.update(np.full((8, 6, 3, 28), 0.5), 80)
+    ck = tmp_path / "ck"
+    RunDir(ck).save_checkpoint(acc, 8, 0, meta["settings"])
+    code, text = run("extract", corpus, "-o", ck, "--max-length", 16, "-q", "--batch-size", 8, "--backend",
+                     "reference", "--resume")
+    assert code == 1 and "Traceback" not in text
+    assert text.strip() == (f"Error: checkpoint {ck}/checkpoint.npz holds sums of shape (6, 3, 28) (sum), but the "
+                            "model measures 6 layers × 12 heads × 28 features: it belongs to another model or "
+                            "feature set; start over with --overwrite")
+
+
+def test_a_resume_names_the_input_that_changed(corpus, tmp_path):
+    meta = _finished(corpus, tmp_path / "ok")
+    from attnkit.run.head_features import FeatureAccumulator
+    from attnkit.run.rundir import RunDir
+
+    acc = FeatureAccumulator(6, 12, meta["feature_names"])
+    acc.update(np.full((8, 6, 12, 28), 0.5), 80)
+    ck = tmp_path / "ck"
+    RunDir(ck).save_checkpoint(acc, 8, 0, meta["settings"], inputs=meta["inputs"])
+    before = corpus.stat().st_size
+    corpus.write_text(corpus.read_text() + "One more line at the end.\n")
+    code, text = run("extract", corpus, "-o", ck, "--max-length", 16, "-q", "--batch-size", 8, "--backend",
+                     "reference", "--resume")
+    assert code == 1
+    assert re.fullmatch(rf"Error: cannot resume: the run directory was made with other settings \(input {corpus} "
+                        rf"changed \(size {before} then, {corpus.stat().st_size} now(, mtime \S+ then, \S+ now)?\)\)",
+                        text.strip()), text
+    assert meta["inputs"][0]["sha256"] not in text
+
+
+def test_an_interrupted_overwrite_resumed_ends_like_an_uninterrupted_one(corpus, tmp_path):
+    """The old run's clusters.json and per_sample.npy described features the resumed overwrite replaced."""
+    out = tmp_path / "run"
+    _finished(corpus, out, "--limit", 6, "--per-sample")
+    (out / "clusters.json").write_text("{}")
+    (out / "figures").mkdir()
+    proc = start_paused(_extract_args(corpus, out, "--overwrite"))  # stands still after its first checkpoint
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    assert proc.returncode == 130 and (out / "clusters.json").exists()  # the old run stays until the new finishes
+    code, text = run("extract", corpus, "-o", out, "--batch-size", 1, "-q", "--backend", "reference",
+                     "--max-length", 24, "--resume")
+    assert code == 0, text
+    assert HeadFeatures.load(out).n_samples == 48
+    assert not (out / "clusters.json").exists() and not (out / "figures").exists()
+    assert not (out / "per_sample.npy").exists() and not (out / "per_sample.json").exists()
+
+
+def test_standard_input_past_the_look_ahead_streams(tmp_path):
+    import hashlib
+
+    data = "sentence\tlabel\n" + "".join(f"Row number {i} here.\t1\n" for i in range(300))  # > 200 peeked lines
+    out = tmp_path / "s"
+    result = CliRunner().invoke(main, ["extract", "-", "--format", "tsv", "-o", str(out), "-q", "--max-length", "16",
+                                       "--backend", "reference", "--batch-size", "64"], input=data)
+    assert result.exit_code == 0, result.output
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["n_samples"] == 300
+    assert meta["inputs"][0]["sha256"] == hashlib.sha256(data.encode()).hexdigest()
+    assert len(meta["settings"]["corpus_sha256"]) == 64
+
+
+def test_empty_and_impossible_devices_and_models_are_refused(corpus, tmp_path):
+    out = tmp_path / "x"
+    for args, message in ((["--devices", ""], "--devices is empty"), (["--device", ""], "--device is empty"),
+                          (["--model", ""], "--model is empty"),
+                          (["--devices", "cpu:7"], "device 'cpu:7' does not exist: the CPU is one device"),
+                          (["--device", "cpu:1"], "device 'cpu:1' does not exist: the CPU is one device")):
+        code, text = run("extract", corpus, "-o", out, "-q", *args)
+        assert code == 1 and text.strip().startswith(f"Error: {message}") and len(text.strip().splitlines()) == 1, text
+    code, text = run("compare-models", "", "default", corpus, "-o", out, "-q")
+    assert code == 1 and text.strip().startswith("Error: the model path is empty"), text
+    assert not out.exists()

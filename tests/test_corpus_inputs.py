@@ -1,11 +1,14 @@
 """Many corpus inputs (files, directories, globs, stdin, compressed, Parquet, datasets) as one stream:
 open_corpus / Corpus, on tiny files written by the tests."""
+import datetime
 import hashlib
 import io
+import itertools
 import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from attnkit.corpus import open_corpus, read_corpus
@@ -61,9 +64,12 @@ def test_describe_says_how_each_input_was_read(tree):
     corpus = open_corpus([tree / "b.txt", tree / "sub" / "dev.tsv", tree / "a.jsonl"])
     list(corpus)
     txt, tsv, jsonl = corpus.describe()
+    st = (tree / "b.txt").stat()
+    mtime = datetime.datetime.fromtimestamp(st.st_mtime, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     assert txt == {"path": str(tree / "b.txt"), "format": "text", "compression": None, "text_unit": "line",
                    "columns": None, "squad_pairs": None,
-                   "sha256": hashlib.sha256((tree / "b.txt").read_bytes()).hexdigest(), "n_segments": 2}
+                   "sha256": hashlib.sha256((tree / "b.txt").read_bytes()).hexdigest(), "n_segments": 2,
+                   "size": st.st_size, "mtime": mtime}
     assert tsv["format"] == "tsv" and tsv["columns"] == ["sentence1", "sentence2"] and tsv["n_segments"] == 1
     assert jsonl["columns"] == ["text", "text_pair"] and jsonl["n_segments"] == 2
     summary = corpus.summary().splitlines()
@@ -341,8 +347,10 @@ def test_parquet_columns_named_or_guessed(tmp_path):
     path = tmp_path / "qa.parquet"
     pq.write_table(table, path, row_group_size=1000)
     corpus = open_corpus([path])
-    segs = list(corpus)
-    assert len(segs) == n and segs[0] == ("q0", "s0") and segs[7] == ("q7", "") and segs[-1] == (f"q{n-1}", f"s{n-1}")
+    assert list(itertools.islice(corpus, 7)) == [(f"q{i}", f"s{i}") for i in range(7)]
+    # a pair with a null side is not measured as (text, ""): the row is named
+    with pytest.raises(AttnkitError, match=r"qa.parquet: row 8: the pair column 'sentence' is null"):
+        list(open_corpus([path]))
     assert corpus.describe()[0]["columns"] == ["question", "sentence"]
     assert corpus.summary() == f"{path}: parquet, pairs from columns question + sentence"
     only = read_corpus(path, columns=("sentence",))
@@ -522,3 +530,121 @@ def test_column_names_with_newlines_keep_errors_on_one_line(tmp_path):
         read_corpus(p)
     assert "\n" not in str(info.value)
     assert read_corpus(p, columns=("multi\nline",)) == ["x"]
+
+
+# --- issue 21: streams, cut compressed files, link loops, unreadable folders, ambiguous tables ---------------------
+def test_standard_input_streams_past_the_look_ahead_and_is_hashed_at_its_end():
+    from attnkit.corpus.streams import PEEK_LINES
+
+    tsv = "sentence\tlabel\n" + "".join(f"row number {i}\t1\n" for i in range(500))  # past the 200-line table peek
+    text = "".join(f"line {i}\n" for i in range(PEEK_LINES + 50))  # past the text look-ahead
+    for fmt, data, n in (("tsv", tsv, 500), ("text", text, PEEK_LINES + 50)):
+        corpus = open_corpus(["-"], fmt, stdin=io.BytesIO(data.encode()))
+        assert corpus.describe()[0]["sha256"] is None  # not at its end yet
+        assert sum(1 for _ in corpus) == n
+        assert corpus.describe()[0]["sha256"] == hashlib.sha256(data.encode()).hexdigest()
+        assert len(corpus.fingerprint()) == 64
+
+
+def test_a_pipe_is_read_once_as_a_stream(tmp_path):
+    """Process substitution (`<(cat good.txt)`) names a pipe: reading it for the look-ahead, for its hash and then
+    for the segments would give the segments an empty pipe."""
+    import threading
+
+    good = write(tmp_path / "good.txt", "one line\nanother line\nthird line\n")
+    data = good.read_bytes()
+    r, w = os.pipe()
+    writer = threading.Thread(target=lambda: (os.write(w, data), os.close(w)))
+    writer.start()
+    try:
+        corpus = open_corpus([good, f"/dev/fd/{r}"])
+        assert list(corpus) == ["one line", "another line", "third line"] * 2
+        writer.join()
+        first, second = corpus.describe()
+        assert second["sha256"] == first["sha256"] == hashlib.sha256(data).hexdigest()
+        assert second["n_segments"] == 3 and second["size"] is None
+        with pytest.raises(AttnkitError, match=r"/dev/fd/\d+ \(a pipe\) can be read only once"):
+            list(corpus)
+    finally:
+        os.close(r)
+
+
+@pytest.mark.parametrize("cut", ["half", "last bytes"])
+def test_a_cut_zstd_file_is_an_error_naming_it(tmp_path, cut):
+    data = _zstd(b"".join(b"Line %d of the file.\n" % i for i in range(20000)))
+    data = data[: len(data) // 2] if cut == "half" else data[:-3]
+    path = write(tmp_path / "cut.txt.zst", data)
+    with pytest.raises(AttnkitError, match=r"^.*cut.txt.zst: cannot decompress \(the zstd data ends inside a frame: "
+                                           r"the file is truncated\)$"):
+        read_corpus(path)
+    whole = write(tmp_path / "two.txt.zst", _zstd(b"a\nb\n") + _zstd(b"c\n"))  # frames end cleanly: fine
+    assert read_corpus(whole) == ["a", "b", "c"]
+
+
+def test_a_glob_through_a_link_loop_ends_and_reads_each_file_once(tmp_path):
+    root = tmp_path / "data"
+    write(root / "a.txt", "alpha\n")
+    write(root / "sub" / "b.txt", "beta\n")
+    (root / "sub" / "loop").symlink_to(root, target_is_directory=True)
+    (root / "sub" / "loop2").symlink_to(root / "sub", target_is_directory=True)
+    corpus = open_corpus([f"{root}/**"])
+    assert [s.path for s in corpus.sources] == [str(root / "a.txt"), str(root / "sub" / "b.txt")]
+    assert list(corpus) == ["alpha", "beta"]
+    assert [s.path for s in open_corpus([f"{root}/**/b.txt"]).sources] == [str(root / "sub" / "b.txt")]
+
+
+def test_an_unreadable_folder_of_the_corpus_is_named(tmp_path, monkeypatch):
+    """A folder that cannot be listed (as root, permissions cannot make one: os.scandir is made to refuse it)
+    would leave its files out of the measurement without a word."""
+    root = tmp_path / "data"
+    write(root / "a.txt", "alpha\n")
+    write(root / "locked" / "b.txt", "beta\n")
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if os.path.basename(os.fspath(path)) == "locked":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    for given in ([root], [f"{root}/**/*.txt"]):
+        with pytest.raises(AttnkitError, match=r"^cannot read corpus folder '.*locked': Permission denied"):
+            open_corpus(given)
+
+
+def test_a_tsv_field_holding_a_bare_cr_stays_one_row(tmp_path):
+    path = write(tmp_path / "cr.tsv", b"sentence\tlabel\nfirst\rhalf of one field\t1\nsecond row\t0\n")
+    assert read_corpus(path) == ["first\rhalf of one field", "second row"]
+    crlf = write(tmp_path / "crlf.tsv", b"sentence\tlabel\r\nfirst\r\nsecond\r\n")
+    assert read_corpus(crlf) == ["first", "second"]
+
+
+def test_a_column_named_twice_is_ambiguous(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tsv = write(tmp_path / "dup.tsv", "sentence\tsentence\nleft\tright\n")
+    with pytest.raises(AttnkitError, match=r"dup.tsv: the column name 'sentence' occurs 2 times"):
+        read_corpus(tsv)
+    assert read_corpus(write(tmp_path / "ok.tsv", "sentence\tsentence\tlabel\nx\ty\t1\n"), columns=("label",)) == ["1"]
+    table = pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"])], names=["text", "text"])
+    pq.write_table(table, tmp_path / "dup.parquet")
+    with pytest.raises(AttnkitError, match=r"dup.parquet: the column name 'text' occurs 2 times"):
+        read_corpus(tmp_path / "dup.parquet")
+    jsonl = write(tmp_path / "dup.jsonl", '{"text": "first", "text": "second"}\n')
+    with pytest.raises(AttnkitError, match=r"dup.jsonl:1: an object names the field 'text' twice"):
+        read_corpus(jsonl)
+
+
+def test_a_folder_is_a_run_directory_by_its_files_not_by_a_name(tmp_path):
+    from attnkit.run.head_features import HeadFeatures
+
+    root = tmp_path / "data"
+    write(root / "a.txt", "alpha\n")
+    write(root / "shards" / "b.txt", "beta\n")  # a corpus folder named like the Ray engine's
+    write(root / "other" / "features.npz", b"not attnkit's")
+    write(root / "other" / "c.txt", "gamma\n")
+    run = root / "run"
+    HeadFeatures(np.zeros((1, 2, 3)), np.zeros((1, 2, 3)), ["a", "b", "c"], 1, 2).save(run)
+    write(run / "notes.txt", "a run's file, not corpus text\n")
+    assert sorted(read_corpus(root)) == ["alpha", "beta", "gamma"]

@@ -173,15 +173,15 @@ def test_max_length_too_short_for_pairs_is_refused(minilm):
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs /proc to find child processes")
 def test_workers_die_with_a_killed_run(tmp_path):
     """SIGKILL leaves no chance to shut the pool down: the workers must still not outlive the run."""
-    import subprocess
-    import sys
+    import select
+
+    from .paused_extract import start_paused
 
     corpus = tmp_path / "c.txt"
-    corpus.write_text("".join(f"Line number {i} of a corpus, long enough to take a while.\n" for i in range(20000)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen([sys.executable, "-m", "attnkit.cli", "extract", str(corpus), "-o", str(tmp_path / "r"),
-                             "-q", "--workers", "2", "--backend", "reference", "--max-length", "16"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    corpus.write_text("".join(f"Line number {i} of a corpus, long enough to take a while.\n" for i in range(2000)))
+    # the run stands still after its first checkpoint, its workers running (tests/paused_extract.py)
+    proc = start_paused(["extract", corpus, "-o", tmp_path / "r", "-q", "--workers", 2, "--backend", "reference",
+                         "--max-length", 16, "--checkpoint-every", 1])
 
     def children(pid):
         try:
@@ -190,19 +190,22 @@ def test_workers_die_with_a_killed_run(tmp_path):
         except OSError:
             return []
 
-    deadline = time.time() + 120
-    while len(children(proc.pid)) < 2:
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its workers started"
-        time.sleep(0.1)
+    def running(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
     workers = children(proc.pid)
+    assert len(workers) == 2, workers
+    pidfds = {p: os.pidfd_open(p) for p in workers}  # readable once the process has exited
     proc.kill()
     proc.wait(timeout=30)
-    deadline = time.time() + 20
-    alive = workers
-    while alive and time.time() < deadline:
-        time.sleep(0.2)
-        alive = [p for p in workers if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
-    assert not alive, f"tokenisation workers {alive} outlived their run"
+    for pid, fd in pidfds.items():
+        ready, _, _ = select.select([fd], [], [], 30)  # the kernel kills them with their parent (PR_SET_PDEATHSIG)
+        os.close(fd)
+        assert ready or not running(pid), f"tokenisation worker {pid} outlived its run"
 
 
 def test_api_arguments_of_the_wrong_kind_are_refused(minilm):
@@ -211,3 +214,60 @@ def test_api_arguments_of_the_wrong_kind_are_refused(minilm):
                         (dict(batch_size=0), "batch_size must be a positive integer")):
         with pytest.raises(AttnkitError, match=message):
             attnkit.extract(["a b"], minilm, **kw)
+
+
+# --- issue 21 -------------------------------------------------------------------------------------------------
+def test_workers_do_not_inherit_the_parents_sigterm_handler(minilm, monkeypatch):
+    """The extract job turns SIGTERM into KeyboardInterrupt in its process (to save a checkpoint); a worker that
+    inherited that handler printed a traceback when the pool terminated it."""
+    from attnkit.engine.local import TokenizerPool
+    from attnkit.tokens import Encoder
+
+    _, tok = minilm
+    monkeypatch.setattr(Encoder, "encode_arrays", lambda self, segs: signal.getsignal(signal.SIGTERM))
+
+    def parents_handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, parents_handler)
+    try:
+        with TokenizerPool(Encoder(tok, max_length=16), workers=1) as pool:
+            seen = [handler for _, handler in pool.map(plan_batches(["a b", "c d"], 1, 8))]
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert seen == [signal.SIG_DFL, signal.SIG_DFL]
+
+
+def test_workers_are_bounded_by_the_cores_and_by_the_plan():
+    from attnkit.engine.local import TASK_BATCHES, check_workers, max_workers, workers_for_plan
+
+    assert check_workers(max_workers()) == max_workers()
+    with pytest.raises(AttnkitError, match=rf"^workers must be at most {max_workers()}, got {max_workers() + 1}$"):
+        check_workers(max_workers() + 1)
+    with pytest.raises(AttnkitError, match=r"^workers must be at most \d+, got 100000000000$"):
+        check_workers(10**11)
+    plan = list(plan_batches([f"s{i}" for i in range(10)], 1, 4))  # 10 batches: 3 tasks of TASK_BATCHES
+    assert TASK_BATCHES == 4
+    for asked, used in ((8, 3), (2, 2), (0, 0)):
+        n, again = workers_for_plan(iter(plan), asked)
+        assert n == used and list(again) == plan  # read ahead, then given back whole
+
+
+def test_with_workers_0_the_model_never_runs_on_the_calling_thread(minilm, segments, monkeypatch):
+    """torch's OpenMP pool driven from the main thread spins beside it: measured up to 15x slower forwards on
+    a busy 2-core machine (docs/pipeline.md). The model runs on a device thread whatever --workers says."""
+    from attnkit.engine.forward import device_forward
+
+    model, tok = minilm
+    threads = set()
+
+    def forward(m, batch):
+        threads.add(threading.current_thread() is threading.main_thread())
+        return device_forward(m, batch)
+
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("attnkit.engine.extract"), "device_forward", forward)
+    run_extraction(model, tok, segments[:20], ExtractSettings(max_length=16, batch_size=8, backend="reference"),
+                   workers=0)
+    assert threads == {False}

@@ -161,37 +161,45 @@ def test_without_ray_the_engine_says_how_to_install_it(tmp_path, monkeypatch):
 @needs_ray
 @pytest.mark.slow
 def test_killing_a_model_actor_mid_run_changes_nothing(cluster, corpus, in_process, tmp_path, monkeypatch):
+    """The one model actor stands still before its last batch (HOLD_FILE), so it is killed mid-run whatever the
+    machine's pace: then at least one shard is written and one is not."""
+    from attnkit.engine.plan import plan_batches
+    from attnkit.engine.ray.workers import HOLD_FILE
+
     ref, ref_truncated = in_process
     pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
     monkeypatch.setenv(PID_DIR_ENV, str(pid_dir))
     run_dir = tmp_path / "run"
     shards = shard_dir(run_dir)
     n_shards = -(-len(corpus) // WINDOW)
+    n_batches = sum(1 for _ in plan_batches(corpus, BATCH, WINDOW))
+    (pid_dir / HOLD_FILE).write_text(str(n_batches - 1))
     out: dict = {}
 
     def target():
-        try:
-            out["result"] = _run(corpus, run_dir)
+        try:  # one actor and one group of shards: the actor's count of batches is the run's
+            out["result"] = _run(corpus, run_dir, num_actors=1, shards_per_group=n_shards)
         except BaseException as exc:  # reported by the assertion below
             out["error"] = exc
 
     runner = threading.Thread(target=target, daemon=True)
     runner.start()
-    killed = None
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and runner.is_alive():
-        pids = sorted(pid_dir.glob("*.pid")) if pid_dir.is_dir() else []
+    killed = done_at_kill = None
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and runner.is_alive():  # waits for a state the run must reach; no race
+        held = sorted(pid_dir.glob("*.held"))
         done = len(list(shards.glob("shard-*.npz"))) if shards.is_dir() else 0
-        if pids and done >= 1:  # the actor has measured a shard: the run is under way
-            killed = int(pids[0].stem)
-            done_at_kill = done
+        if held and done >= 1:  # the actor stands still, and the driver has written a shard
+            killed, done_at_kill = int(held[0].stem), done
             os.kill(killed, signal.SIGKILL)
+            (pid_dir / HOLD_FILE).unlink()  # its successor measures the last batch
             break
-        time.sleep(0.01)
+        time.sleep(0.05)
     runner.join(timeout=240)
     assert not runner.is_alive(), "the run did not finish after its actor was killed"
-    assert killed is not None, "the run ended before an actor could be killed"
-    assert done_at_kill < n_shards, "the actor was killed after the last shard"
+    assert killed is not None, f"the actor never stood still before its last batch: {out.get('error')}"
+    assert 1 <= done_at_kill < n_shards
     assert "error" not in out, out.get("error")
     acc, n_truncated, info = out["result"]
     restarted = {int(p.stem) for p in pid_dir.glob("*.pid")} - {killed}
@@ -221,3 +229,20 @@ def test_ray_distances_equal_the_in_process_collector(cluster, corpus, minilm, t
     np.testing.assert_allclose(dist.total, ref.total, rtol=1e-12, atol=0)
     assert sorted(p.name for p in shard_dir(tmp_path, "distances").glob("*.npz"))[0] == "shard-000000.npz"
     assert not shard_dir(tmp_path).exists()  # feature shards live elsewhere: a run dir can hold both
+
+
+def test_an_address_where_nothing_listens_is_refused_at_once():
+    """Ray retries an address where nothing listens for minutes; attnkit asks it once, with a time limit."""
+    import socket
+
+    from attnkit.engine.ray import check_ray_address
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound but not listening: connections are refused
+        port = s.getsockname()[1]
+        for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+            with pytest.raises(AttnkitError, match=rf"^could not reach the Ray cluster at '{address}' \(Connection "
+                                                   r"refused\): is its head node running \(ray start --head\), and "
+                                                   r"is ray_address right\?$"):
+                check_ray_address("ray", address)
+    check_ray_address("ray", "auto")  # left to Ray

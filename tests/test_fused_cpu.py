@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from attnkit import ops
+from attnkit.errors import AttnkitError
 from attnkit.features import CLS, OTHER, SEP, num_features
 from attnkit.reference import reference_attention, reference_js_distances
 
@@ -447,3 +448,39 @@ def test_sentence_ids_compare_as_integers():
     names = __import__("attnkit.features", fromlist=["feature_names"]).feature_names(16)
     inter = base[1][..., names.index("inter")]
     assert (inter[:, 0] > 0.1).all()  # two sentences really are seen
+
+
+def test_a_row_with_one_minus_inf_score_matches_the_reference():
+    """A masked key (score −inf) in a valid row: weight 0 on it, and entropies over the other keys (the fused
+    kernel once gave entropy 0 and cls_entropy 0 here)."""
+    names = __import__("attnkit.features", fromlist=["feature_names"]).feature_names(16)
+    q, k, v, lengths, tc, sid = make_inputs(2, 3, 12, 32, seed=21, lengths=[12, 9], transposed=False)
+    q[..., 0] = 1.0
+    k[:, :, 4, 0] = float("-inf")  # every row of every head scores −inf on key 4, finite elsewhere
+    out, feats = fused(q, k, v, lengths, tc, sid)
+    ref_out, ref_feats = ref(q, k, v, lengths, tc, sid, want_features=True)
+    assert torch.isfinite(out).all() and torch.isfinite(feats).all()
+    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=0)
+    torch.testing.assert_close(feats, ref_feats, atol=1e-5, rtol=0)
+    for name in ("entropy", "cls_entropy"):
+        assert (feats[..., names.index(name)] > 0.5).all()
+
+
+def test_the_wrapper_refuses_what_the_reference_refuses_on_every_backend():
+    """Head dim 0 (was a ZeroDivisionError before the fused op), float lengths (rounded by the fused op, refused by
+    the reference), float codes: one message, whichever backend."""
+    q, k, v, lengths, tc, sid = make_inputs(2, 2, 8, 32)
+    q0 = torch.zeros(2, 2, 8, 0)
+    cases = [((q0, q0, q0, lengths), {}, r"^head dim \(q.size\(3\)\) must be >= 1, got 0$"),
+             ((q, k, v, lengths.float()), {}, r"^lengths must be an integer tensor, got torch.float32$"),
+             ((q, k, v, lengths, tc.float()), {}, r"^token_class must be an integer tensor, got torch.float32$"),
+             ((q, k, v, lengths), dict(mode=torch.zeros(2)), r"^mode must be an integer tensor, got torch.float32$"),
+             ((q, k, v, lengths), dict(key_scale=torch.ones(2, 2, 8, dtype=torch.int64)),
+              r"^key_scale must be a floating-point tensor, got torch.int64$"),
+             # once a TypeError-like message from the compiled op, and an OverflowError from the reference
+             ((q, k, v, lengths), dict(num_windows=10**20), r"^num_windows must be at most 1024, got 10{20}$"),
+             ((q, k, v, lengths), dict(num_windows=1025), r"^num_windows must be at most 1024, got 1025$")]
+    for args, kw, message in cases:
+        for backend in ("fused", "reference"):
+            with pytest.raises(AttnkitError, match=message):
+                ops.attention(*args, want_features=True, backend=backend, **kw)

@@ -175,6 +175,57 @@ def test_conllu_reader_names_bad_lines(tmp_path, body, message):
         read_conllu(p)
 
 
+@pytest.mark.parametrize("body, message", [
+    ("1\tA\ta\t_\t_\t_\t2\tdet\t_\t_\n2\tB\tb\t_\t_\t_\t3\tdep\t_\t_\n3\tC\tc\t_\t_\t_\t2\tdep\t_\t_\n"
+     "4\tD\td\t_\t_\t_\t0\troot\t_\t_\n", r"bad.conllu:1: the heads form a cycle through words 2, 3: not a "
+                                                 r"dependency tree"),
+    ("1\tA\ta\t_\t_\t_\t0\troot\t_\t_\n2\tB\tb\t_\t_\t_\t0\troot\t_\t_\n",
+     r"bad.conllu:1: a sentence has one root word \(HEAD 0\), this one has 2: words 1, 2: not a dependency tree"),
+    ("1\tA\ta\t_\t_\t_\t2\tdet\t_\t_\n2\tB\tb\t_\t_\t_\t1\tdep\t_\t_\n",
+     r"bad.conllu:1: the heads form a cycle through words 1, 2"),
+])
+def test_conllu_sentences_that_are_not_trees_are_refused(tmp_path, body, message):
+    p = tmp_path / "bad.conllu"
+    p.write_text(body)
+    with pytest.raises(AttnkitError, match=f"^.*{message}"):
+        read_conllu(p)
+
+
+def test_compressed_conllu_is_read_like_every_corpus_file(tmp_path):
+    import gzip
+
+    import zstandard
+
+    text = to_conllu(toy_sentences(5, seed=1)).encode()
+    gz = tmp_path / "t.conllu.gz"
+    gz.write_bytes(gzip.compress(text))
+    zst = tmp_path / "t.conllu.zst"
+    zst.write_bytes(zstandard.ZstdCompressor().compress(text))
+    plain = tmp_path / "t.conllu"
+    plain.write_bytes(text)
+    want = [(s.words, s.heads, s.relations) for s in read_conllu(plain)]
+    for path in (gz, zst):
+        assert [(s.words, s.heads, s.relations) for s in read_conllu(path)] == want
+    cut = tmp_path / "cut.conllu.gz"
+    cut.write_bytes(gzip.compress(text)[:-12])
+    with pytest.raises(AttnkitError, match=r"cut.conllu.gz: cannot decompress"):
+        read_conllu(cut)
+
+
+def test_conllu_and_plain_text_are_not_mixed(tmp_path):
+    from attnkit.probe.run import ProbeOptions, load_sentences
+
+    conllu = tmp_path / "gold.conllu"
+    conllu.write_text(to_conllu(toy_sentences(2, seed=1)))
+    text = tmp_path / "plain.txt"
+    text.write_text("The cat sat.\n")
+    for parser in ("auto", "spacy"):
+        with pytest.raises(AttnkitError, match=r"gold.conllu is CoNLL-U \(gold parses\) but .*plain.txt is not"):
+            load_sentences(ProbeOptions(paths=[conllu, text], parser=parser))
+    with pytest.raises(AttnkitError, match=r"gold.conllu is CoNLL-U, which holds its own parses: use parser='conllu'"):
+        load_sentences(ProbeOptions(paths=[conllu], parser="spacy"))
+
+
 # --- alignment ----------------------------------------------------------------------------------------------
 def test_align_offsets_counts_split_missing_and_truncated_words():
     text = "cannot stop  now"

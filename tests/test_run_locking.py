@@ -1,10 +1,13 @@
 """attnkit/run/locking.py: one command at a time per run directory; a second one is refused naming the holder."""
+import contextlib
+import json
+import multiprocessing
 import os
 
 import pytest
 
 from attnkit import AttnkitError
-from attnkit.run.locking import OWNER_FILE, lock_owner, run_lock
+from attnkit.run.locking import LOCK_FILE, OWNER_FILE, lock_owner, run_lock
 
 
 def test_second_command_is_refused_naming_the_holder(tmp_path, lock_held):
@@ -35,3 +38,121 @@ def test_second_cli_command_exits_with_one_line(tmp_path, feats, lock_held):
     assert r.stderr.strip() == (f"Error: {run} is in use by `attnkit extract` (pid {pid}); "
                                 "wait for it to finish or choose another directory")
     assert not (run / "clusters.json").exists()
+
+
+# --- a lock stays valid as long as it is held (issue 21) ------------------------------------------------------
+def _small_corpus(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("One line here.\nTwo lines there.\n")
+    return corpus
+
+
+def test_a_refused_extract_never_removes_the_directory_another_command_holds(tmp_path, lock_held, monkeypatch):
+    """Two extracts start into a new directory: the refused one saw it absent (it may even have created it), and
+    another command takes the lock just before it tries. Its cleanup must leave the holder's directory and lock
+    alone, so a third command is still refused."""
+    import filelock
+    from click.testing import CliRunner
+
+    from attnkit.cli.main import main
+
+    run = tmp_path / "new-run"
+    corpus = _small_corpus(tmp_path)
+    real_acquire = filelock.FileLock.acquire
+    me, holder = os.getpid(), {}
+    stack = contextlib.ExitStack()
+
+    def acquire(self, *args, **kwargs):
+        # the holder stands still holding the lock from the moment before this process's first attempt
+        if os.getpid() == me and "pid" not in holder:
+            holder["pid"] = stack.enter_context(lock_held(run, "attnkit extract"))
+        return real_acquire(self, *args, **kwargs)
+
+    monkeypatch.setattr(filelock.FileLock, "acquire", acquire)
+    with stack:
+        r = CliRunner().invoke(main, ["extract", str(corpus), "-o", str(run), "-q", "--backend", "reference"])
+        assert r.exit_code == 1, r.output
+        assert r.stderr.strip() == (f"Error: {run} is in use by `attnkit extract` (pid {holder['pid']}); wait for it "
+                                    "to finish or choose another directory")
+        assert (run / LOCK_FILE).is_file() and lock_owner(run)["pid"] == holder["pid"]
+        monkeypatch.setattr(filelock.FileLock, "acquire", real_acquire)
+        with pytest.raises(AttnkitError, match=f"in use by `attnkit extract` \\(pid {holder['pid']}\\)"):
+            with run_lock(run, "attnkit extract --overwrite"):
+                pass
+    assert not (run / "features.npz").exists()
+
+
+def test_an_extract_into_a_running_run_is_told_it_is_in_use(tmp_path, lock_held):
+    """While a run holds its directory (with its checkpoint), a second extract hears that the directory is in use,
+    not that it holds an interrupted run to resume."""
+    from click.testing import CliRunner
+
+    from attnkit.cli.main import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint.npz").write_bytes(b"a checkpoint of the running run")
+    with lock_held(run, "attnkit extract") as pid:
+        r = CliRunner().invoke(main, ["extract", str(_small_corpus(tmp_path)), "-o", str(run), "-q"])
+    assert r.exit_code == 1
+    assert r.stderr.strip() == (f"Error: {run} is in use by `attnkit extract` (pid {pid}); wait for it to finish or "
+                                "choose another directory")
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _hold_with_flock(path, ready):
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    ready.set()
+    multiprocessing.Event().wait(120)
+
+
+def test_a_lock_held_by_another_tool_does_not_name_a_stale_owner(tmp_path):
+    """A killed holder leaves its owner record behind; a lock taken since by another tool (`flock`) must not be
+    put on that dead pid."""
+    run = tmp_path / "run"
+    run.mkdir()
+    dead = _dead_pid()
+    (run / OWNER_FILE).write_text(json.dumps({"pid": dead, "command": "attnkit extract"}) + "\n")
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_hold_with_flock, args=(str(run / LOCK_FILE), ready), daemon=True)
+    proc.start()
+    try:
+        assert ready.wait(30)
+        assert lock_owner(run) is None
+        with pytest.raises(AttnkitError) as e:
+            with run_lock(run, "attnkit cluster"):
+                pass
+        assert str(e.value) == (f"{run} is in use by another process; wait for it to finish or choose another "
+                                "directory")
+    finally:
+        proc.kill()
+        proc.join()
+
+
+def test_temporary_files_of_killed_writers_are_removed_by_the_next_holder(tmp_path, lock_held):
+    run = tmp_path / "run"
+    run.mkdir()
+    dead = _dead_pid()
+    stale = [run / f".checkpoint.npz.{dead}.tmp", run / "shards" / f".shard-000001.npz.{dead}.tmp"]
+    stale[1].parent.mkdir()
+    kept = [run / f".checkpoint.npz.{os.getpid()}.tmp", run / "notes.tmp", run / "checkpoint.npz"]
+    for p in stale + kept:
+        p.write_bytes(b"x")
+    with lock_held(tmp_path / "elsewhere") as live:  # a live writer's file stays
+        kept.append(run / f".meta.json.{live}.tmp")
+        kept[-1].write_bytes(b"x")
+        with run_lock(run, "attnkit extract"):
+            assert not any(p.exists() for p in stale)
+            assert all(p.exists() for p in kept)

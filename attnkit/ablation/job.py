@@ -11,12 +11,12 @@ import os
 import time
 from dataclasses import dataclass
 
-from ..errors import AttnkitError, arg
+from ..errors import AttnkitError, arg, check_int
 from ..interventions import load_clusters
 from ..models import load_model
 from ..run.files import REPORT_FILE
 from ..run.locking import run_lock
-from ..run.outputs import ensure_writable_dir, write_json
+from ..run.outputs import check_output_path, ensure_writable_dir, write_json
 from ..run.overwrite import claim_outputs
 from .experiments import EXPERIMENTS, ResultTable, TaskEvaluator, run_experiment
 from .figures import save_figure
@@ -71,7 +71,9 @@ def run_ablation(opts: AblateOptions) -> Ablation:
     if opts.experiment == "types" and opts.clusters is None:
         raise AttnkitError(f"{arg('experiment', 'types')} needs {arg('clusters')} RUN (a run directory with "
                            "clusters.json)")
-    out = opts.out or f"ablation-{opts.task_name}-{opts.experiment}"
+    if opts.sample is not None:
+        check_int(opts.sample, "sample")
+    out = check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
     ensure_writable_dir(out)  # before the work: a bad output directory fails now, not after the experiment
     claim = claim_outputs(output_paths(out, opts.experiment), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
     task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task)

@@ -25,7 +25,7 @@ from sklearn.metrics import silhouette_score
 from sklearn.mixture import GaussianMixture
 from sklearn.preprocessing import StandardScaler
 
-from ..errors import AttnkitError
+from ..errors import SEED_MAX, AttnkitError, check_int
 from ..run.head_features import HeadFeatures
 
 METHODS = ("kmeans", "gmm")
@@ -185,6 +185,8 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
             raise AttnkitError(f"k = {self.k} clusters need more than {n} heads")
         if not isinstance(self.n_stability, (int, np.integer)) or self.n_stability < 0:
             raise AttnkitError(f"n_stability must be a non-negative integer, got {self.n_stability!r}")
+        check_int(self.n_stability, "n_stability")
+        check_int(self.seed, "seed")
         if not 0.0 < float(self.subsample) <= 1.0:
             raise AttnkitError(f"subsample must lie in (0, 1], got {self.subsample!r}")
         if self.n_stability and int(round(self.subsample * n)) < self.k:
@@ -270,7 +272,7 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
         runs = np.empty((reps, n), dtype=np.int64)
         for r in range(reps):
             idx = rng.choice(n, size=m, replace=False)
-            est = self._make_estimator(int(self.seed) + 1 + r).fit(Z[idx])
+            est = self._make_estimator(derived_seed(self.seed, 1 + r)).fit(Z[idx])
             runs[r] = match_labels(self.labels_, np.asarray(est.predict(Z), dtype=np.int64), k, data=Z)
         self.stability_runs_ = runs
         self.stability_ = float(np.mean(np.all(runs == runs[0], axis=0)))
@@ -306,13 +308,21 @@ def stability_over_seeds(features, *, n_seeds: int = DEFAULT_SEEDS, seed: int = 
     `first`: an already fitted clusterer for `seed` (its stability is reused)."""
     if not isinstance(n_seeds, (int, np.integer)) or n_seeds < 1:
         raise AttnkitError(f"the number of seeds must be a positive integer, got {n_seeds!r}")
+    check_int(n_seeds, "n_seeds")
+    check_int(seed, "seed")
     if not kwargs.get("n_stability", 10):
         raise AttnkitError("stability over seeds needs stability fits (n_stability > 0)")
-    seeds = [(int(seed) + i) % 2**32 for i in range(int(n_seeds))]  # random_state must fit 32 bits
+    seeds = [derived_seed(seed, i) for i in range(int(n_seeds))]
     values = [float((first if (first is not None and s == seeds[0])
                      else cluster(features, seed=s, **kwargs)).stability_)
               for s in seeds]
     return seed_summary(seeds, values)
+
+
+def derived_seed(seed: int, offset: int) -> int:
+    """Seed number `offset` after `seed` (seed + offset), wrapped into the 32 bits scikit-learn accepts as a
+    random_state: every seed derived from a valid one is valid too."""
+    return (int(seed) + int(offset)) % (SEED_MAX + 1)
 
 
 def seed_summary(seeds, values) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import AttnkitError, print_message
+from ..errors import AttnkitError, check_int, print_message
 from ..run.clusters import load_clusters
 from ..run.distances import HeadDistances
 from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, REPORT_FILE
@@ -46,6 +46,8 @@ def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None
     `n_seeds` > 1 repeats the stability measure with that many seeds, `do_sweep` adds k = 2..8). An earlier
     clusters.json is replaced only with `overwrite` (the report drawn from it goes with it)."""
     run = Path(run)
+    for value, name in ((k, "k"), (seed, "seed"), (n_stability, "n_stability"), (n_seeds, "n_seeds")):
+        check_int(value, name)  # before the lock and the first fit
     with run_lock(run, "attnkit cluster"), os_errors(f"write into {run}"):
         feats = HeadFeatures.load(run)
         resolve_subset(feats.names, features)  # a bad feature name is the first thing to hear about
@@ -77,6 +79,8 @@ def report_run(run, *, examples: int = 0, include=(), corpus=None, fmt: str = "a
     directories of probe or ablation results to show. An earlier report (and its figures) is replaced only with
     `overwrite`."""
     run = Path(run)
+    check_int(examples, "examples")
+    check_int(seed, "seed")
 
     def say(text: str) -> None:
         if not quiet:

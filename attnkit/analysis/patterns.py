@@ -36,9 +36,10 @@ import numpy as np
 
 from ..errors import AttnkitError, arg
 from ..run.files import FIGURES_DIR, PATTERN_LABELS, PATTERNS_FILE, PER_SAMPLE_ROWS, REPORT_FILE
+from ..run.head_features import HeadFeatures
 from ..run.outputs import write_json
 from ..run.overwrite import claim_outputs
-from ..run.per_sample import load_per_sample, read_rows
+from ..run.per_sample import check_matches_run, load_per_sample, read_rows
 
 CLASSES = ("vertical", "diagonal", "vertical+diagonal", "block", "heterogeneous")
 VERTICAL, DIAGONAL, MIXED, BLOCK, HETEROGENEOUS = range(5)
@@ -202,6 +203,7 @@ def run_patterns(run_dir, *, pairs=None, svg: bool = True, rules: Rules | None =
     run_dir = Path(run_dir)
     rules = (rules or Rules()).check()
     arr, names = load_per_sample(run_dir)
+    check_matches_run(run_dir, arr, names, HeadFeatures.load(run_dir if run_dir.is_dir() else run_dir.parent))
     figure = run_dir / FIGURES_DIR / "pattern_types"
     outputs = [run_dir / PATTERNS_FILE, run_dir / PATTERN_LABELS, figure.with_suffix(".png")]
     claim = claim_outputs(outputs + ([figure.with_suffix(".svg")] if svg else []), overwrite,

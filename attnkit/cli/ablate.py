@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..ablation.names import EXPERIMENTS, TASKS
-from .options import cli_errors, echo_for, shared
+from .options import OutputPath, cli_errors, echo_for, int_range, shared
 
 
 @click.command("ablate")
@@ -19,7 +19,7 @@ from .options import cli_errors, echo_for, shared
 @click.option("--mode", type=click.Choice(["zero", "uniform"]), default=None,
               help="How heads are disabled (heads: zero, layers: uniform, importance pruning: zero by default).")
 @shared("limit")
-@click.option("--sample", type=click.IntRange(min=1), default=None,
+@click.option("--sample", type=int_range("sample"), default=None,
               help="Use N examples spread evenly over the file (data files are often sorted by genre, so the "
                    "first N can be a biased sample). Applied after --limit.")
 @shared("batch-size", batch_size=32)
@@ -29,7 +29,7 @@ from .options import cli_errors, echo_for, shared
 @click.option("--renormalize", is_flag=True,
               help="types: rescale what is left of each attention row after removing intra/inter attention.")
 @shared("device")
-@click.option("-o", "--out", "out", type=click.Path(file_okay=False), default=None,
+@click.option("-o", "--out", "out", type=OutputPath(file_okay=False), default=None,
               help="Output directory (default: ablation-<task>-<experiment>).")
 @shared("overwrite")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import click
 
-from .options import SEED, cli_errors, echo_for, run_argument, shared
+from .options import SEED, OutputPath, cli_errors, echo_for, int_range, run_argument, shared
 
-k_option = click.option("-k", "--k", "k", default=4, show_default=True, type=click.IntRange(min=2),
+k_option = click.option("-k", "--k", "k", default=4, show_default=True, type=int_range("k"),
                         help="Number of head types (clusters).")
 
 
@@ -44,11 +44,11 @@ def _run_shape(run: Path) -> tuple[int, int] | None:
 @click.option("--standardize/--no-standardize", default=False, show_default=True,
               help="Scale every feature to unit variance first.")
 @click.option("--seed", default=0, show_default=True, type=SEED, help="Random seed (fits and stability subsets).")
-@click.option("--stability", "n_stability", default=10, show_default=True, type=click.IntRange(min=0),
+@click.option("--stability", "n_stability", default=10, show_default=True, type=int_range("n_stability"),
               help="Fits on random halves of the heads for the stability measure (0: skip).")
 @click.option("--sweep/--no-sweep", default=False, show_default=True,
               help="Also report stability and silhouette for k = 2..8.")
-@click.option("--seeds", "n_seeds", default=10, show_default=True, type=click.IntRange(min=1),
+@click.option("--seeds", "n_seeds", default=10, show_default=True, type=int_range("n_seeds"),
               help="Repeat the stability measure with this many seeds (seed, seed+1, ...) for its mean and range "
                    "(1: only --seed).")
 @shared("overwrite", "quiet")
@@ -93,7 +93,7 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
 @click.command("distances")
 @run_argument()
 @corpus_options
-@click.option("--rows-per-sample", type=click.IntRange(min=1), default=None,
+@click.option("--rows-per-sample", type=int_range("rows_per_sample"), default=None,
               help="Sample this many query tokens per sample (for big corpora) [default: all].")
 @shared("batch-size", "device")
 @click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the row sampling.")
@@ -133,7 +133,7 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
 
 @click.command("report")
 @run_argument()
-@click.option("--examples", default=0, show_default=True, type=click.IntRange(min=0),
+@click.option("--examples", default=0, show_default=True, type=int_range("examples"),
               help="Example attention maps per type, drawn from the corpus, and every head's maps of up to 3 of "
                    "those texts in its panel (needs the run's model and corpus).")
 @click.option("--include", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="DIR",
@@ -168,7 +168,7 @@ def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit,
 @click.command("compare")
 @run_argument("run_a")
 @run_argument("run_b")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--json", "json_out", type=OutputPath(dir_okay=False, path_type=Path), default=None,
               help="Also write the comparison as JSON.")
 @shared("overwrite", "quiet")
 @cli_errors

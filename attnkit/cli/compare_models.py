@@ -5,11 +5,11 @@ from pathlib import Path
 
 import click
 
-from .options import cli_errors, echo_for, shared
+from .options import OutputPath, cli_errors, echo_for, shared
 
 
 def _model_arg(value: str):
-    return None if value in ("default", "") else value
+    return None if value == "default" else value  # an empty path is refused by the loader, not taken as default
 
 
 @click.command("compare-models")
@@ -18,7 +18,7 @@ def _model_arg(value: str):
 @click.argument("corpus", nargs=-1, metavar="[CORPUS]...")
 @shared("format", "columns", "squad-pairs", "limit", "max-length", "batch-size", "num-windows", "sentences",
         "backend", "device")
-@click.option("-o", "--out", default="attnkit-compare", show_default=True, type=click.Path(path_type=Path),
+@click.option("-o", "--out", default="attnkit-compare", show_default=True, type=OutputPath(path_type=Path),
               help="Directory for compare_models.json, compare_models.npz and figures/compare_models.png.")
 @shared("svg", "overwrite")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
@@ -32,16 +32,16 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
     cosines. The maps are computed from q and k one row block at a time, never stored."""
     from ..corpus import open_corpus
     from ..engine.compare import ModelComparison, compare_models
-    from ..run.outputs import ensure_writable_dir
+    from ..run.outputs import output_dir
     from ..run.overwrite import claim_outputs
 
-    ensure_writable_dir(out, "output directory")  # before the work, as every check of where results go
-    claim = claim_outputs(ModelComparison.outputs(out, svg=svg), overwrite)
-    texts = open_corpus(list(corpus), fmt, columns=columns, squad_pairs=squad_pairs, limit=limit)
-    res = compare_models(texts, _model_arg(model_a), _model_arg(model_b), max_length=max_length,
-                         batch_size=batch_size, num_windows=num_windows, split_sentences=sentences,
-                         backend=backend, device=device, progress=not quiet)
-    res.save(out, svg=svg)
+    with output_dir(out):  # checked before the work, not after it
+        claim = claim_outputs(ModelComparison.outputs(out, svg=svg), overwrite)
+        texts = open_corpus(list(corpus), fmt, columns=columns, squad_pairs=squad_pairs, limit=limit)
+        res = compare_models(texts, _model_arg(model_a), _model_arg(model_b), max_length=max_length,
+                             batch_size=batch_size, num_windows=num_windows, split_sentences=sentences,
+                             backend=backend, device=device, progress=not quiet)
+        res.save(out, svg=svg)
     click.echo(f"{res.n_samples} samples, {res.n_rows} query rows; per layer, mean over heads (B vs A) of the row "
                f"cosine and the flattened-map cosine (Kovaleva et al.):")
     for l, (rc, mc) in enumerate(zip(res.row_cosine.mean(1), res.map_cosine.mean(1))):

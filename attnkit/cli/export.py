@@ -7,7 +7,7 @@ import click
 
 from ..errors import AttnkitError
 from ..run.outputs import TABLE_FORMATS
-from .options import cli_errors, echo_for, run_argument
+from .options import OutputPath, cli_errors, echo_for, run_argument
 
 
 def _format_of(out: Path | None, fmt: str | None) -> str:
@@ -22,7 +22,7 @@ def _format_of(out: Path | None, fmt: str | None) -> str:
 @run_argument()
 @click.option("--format", "fmt", type=click.Choice(TABLE_FORMATS), default=None,
               help="csv or parquet [default: from the -o suffix (.parquet/.pq), else csv].")
-@click.option("-o", "--out", "out", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path), default=None,
+@click.option("-o", "--out", "out", type=OutputPath(dir_okay=False, allow_dash=True, path_type=Path), default=None,
               help="Output file; '-' writes CSV to stdout [default: RUN/features.csv or RUN/features.parquet].")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
 @click.option("-q", "--quiet", is_flag=True, help="Do not print where the table was written.")

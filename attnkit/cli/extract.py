@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..features import DEFAULT_WINDOW
-from .options import cli_errors, echo_for, shared
+from .options import OutputPath, cli_errors, echo_for, int_range, shared
 
 
 @click.command()
@@ -17,22 +17,22 @@ from .options import cli_errors, echo_for, shared
               help="Plain text: one segment per line, or per blank-line-separated paragraph (auto: paragraphs if the "
                    "start of the file has blank lines between text).")
 @shared("columns", "squad-pairs", "max-length", "batch-size")
-@click.option("--window", default=DEFAULT_WINDOW, show_default=True, type=click.IntRange(min=1),
+@click.option("--window", default=DEFAULT_WINDOW, show_default=True, type=int_range("window"),
               help="Segments read ahead and sorted by length together: memory stays bounded by one window, padding "
                    "stays low. Part of the plan: resume with the same value.")
 @shared("device")
 @click.option("--devices", default=None, metavar="LIST",
               help="One model replica per device: 'all' (every GPU), or a list such as cuda:0,cuda:1 (cpu,cpu runs "
                    "two CPU replicas).")
-@click.option("--workers", default=None, type=click.IntRange(min=0),
+@click.option("--workers", default=None, type=int_range("workers"),
               help="Tokenisation processes running ahead of the model (0: tokenise between forwards) "
                    "[default: with GPUs the CPU cores − 1, at most 8; on the CPU one per 4 cores].")
 @shared("dtype", "num-windows", "sentences", "limit", "backend", "engine", "ray-address")
-@click.option("-o", "--out", "out", default="attnkit-run", show_default=True, type=click.Path(path_type=Path),
+@click.option("-o", "--out", "out", default="attnkit-run", show_default=True, type=OutputPath(path_type=Path),
               help="Run directory to write.")
 @click.option("--resume", is_flag=True, help="Continue the interrupted run in --out from its last checkpoint.")
 @click.option("--overwrite", is_flag=True, help="Replace a finished run in --out (only once the new one finishes).")
-@click.option("--checkpoint-every", default=20, show_default=True, type=click.IntRange(min=1),
+@click.option("--checkpoint-every", default=20, show_default=True, type=int_range("checkpoint_every"),
               help="Write a checkpoint every N batches (also every 2 minutes, and always on interruption).")
 @click.option("--per-sample", is_flag=True,
               help="Also keep every sample's features: OUT/per_sample.npy (float16, samples × layers × heads × "

@@ -14,6 +14,7 @@ from .analysis import cluster_cmd, compare_cmd, distances_cmd, report_cmd
 from .compare_models import compare_models_cmd
 from .export import export_cmd
 from .extract import extract
+from .options import CommandLine
 from .patterns import patterns_cmd
 from .probe import probe
 
@@ -21,7 +22,7 @@ COMMANDS = (extract, cluster_cmd, distances_cmd, report_cmd, compare_cmd, patter
             export_cmd, probe)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=CommandLine, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="attnkit")
 def main():
     """Measure what the attention heads of transformer encoders do, over whole corpora.

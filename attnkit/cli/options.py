@@ -7,17 +7,36 @@ command line reads about flags and a user of Python about arguments.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
 import click
 
 from ..corpus import FORMATS, check_columns
-from ..errors import AttnkitError, spell
+from ..errors import INT_RANGES, AttnkitError, spell
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS
 
+
+def int_range(name: str) -> click.IntRange:
+    """The click type of integer option `name` (its Python name): the library's range for it
+    (attnkit.errors.INT_RANGES), so the command line and Python refuse the same values."""
+    lo, hi = INT_RANGES[name]
+    return click.IntRange(lo, hi)
+
+
+class OutputPath(click.Path):
+    """A path to write to (-o, --json): like click.Path, but an empty one is refused (it would silently mean
+    the current directory)."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("the path is empty", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 RUN = click.Path(exists=True, file_okay=False, path_type=Path)  # an existing run directory
-SEED = click.IntRange(0, 2**32 - 1)  # what scikit-learn accepts as random_state
+SEED = int_range("seed")  # what scikit-learn accepts as random_state
 DTYPES = ("float32", "float16", "bfloat16")
 BACKEND_CHOICES = ("auto", "fused", "reference")
 ENGINE_CHOICES = ("local", "ray")
@@ -65,6 +84,37 @@ def cli_errors(command):
     return wrapper
 
 
+class OneLineUsageError(click.UsageError):
+    """A usage error shown as one line, "Error: <problem> (see 'attnkit extract --help')", instead of click's
+    usage block: every refusal of the command line is one line on stderr, with exit status 2."""
+
+    def show(self, file=None) -> None:
+        where = f" (see '{self.ctx.command_path} --help')" if self.ctx is not None else ""
+        click.echo(f"Error: {self.format_message()}{where}", file=file, err=file is None)
+
+
+@contextlib.contextmanager
+def _one_line_usage():
+    try:
+        yield
+    except OneLineUsageError:
+        raise
+    except click.UsageError as exc:  # BadParameter, NoSuchOption, MissingParameter, ...
+        raise OneLineUsageError(" ".join(exc.format_message().split()), exc.ctx) from None
+
+
+class CommandLine(click.Group):
+    """The `attnkit` group: its own and its commands' usage errors are one line (OneLineUsageError)."""
+
+    def make_context(self, *args, **kwargs):
+        with _one_line_usage():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _one_line_usage():
+            return super().invoke(ctx)
+
+
 # --- the one --columns parser --------------------------------------------------------------------------------
 def parse_columns(ctx, param, value):
     """click callback of --columns: "COL" or "COL,COL2" → a tuple, refusing an empty name (usage error)."""
@@ -105,7 +155,7 @@ def squad_pairs_option(fn):
 
 
 def limit_option(fn):
-    return click.option("--limit", default=None, type=click.IntRange(min=1),
+    return click.option("--limit", default=None, type=int_range("limit"),
                         help="Use only the first N segments (texts, sentences or examples) of the input.")(fn)
 
 
@@ -116,7 +166,8 @@ def model_option(fn):
 
 
 def max_length_option(fn):
-    return click.option("--max-length", default=DEFAULT_MAX_LENGTH, show_default=True, type=click.IntRange(min=2),
+    return click.option("--max-length", default=DEFAULT_MAX_LENGTH, show_default=True,
+                        type=int_range("max_length"),
                         help="Tokens per sample, special tokens included; longer segments are truncated (and "
                              "counted).")(fn)
 
@@ -124,7 +175,7 @@ def max_length_option(fn):
 def batch_size_option(default: int | None = None):
     help_ = "Samples per batch" + (" [default: 16 CPU, 64 GPU]." if default is None else ".")
     return click.option("--batch-size", default=default, show_default=default is not None,
-                        type=click.IntRange(min=1), help=help_)
+                        type=int_range("batch_size"), help=help_)
 
 
 def device_option(fn):
@@ -142,7 +193,8 @@ def backend_option(fn):
 
 
 def num_windows_option(fn):
-    return click.option("--num-windows", default=DEFAULT_NUM_WINDOWS, show_default=True, type=click.IntRange(min=1),
+    return click.option("--num-windows", default=DEFAULT_NUM_WINDOWS, show_default=True,
+                        type=int_range("num_windows"),
                         help="Distance windows of the distance feature (Guan et al.).")(fn)
 
 
@@ -196,5 +248,5 @@ def shared(*names, **defaults):
     return deco
 
 
-__all__ = ["RUN", "SEED", "SHARED", "cli_errors", "echo_for", "option_names", "parse_columns", "run_argument",
-           "shared"]
+__all__ = ["RUN", "SEED", "SHARED", "CommandLine", "OneLineUsageError", "OutputPath", "cli_errors", "echo_for",
+           "int_range", "option_names", "parse_columns", "run_argument", "shared"]

@@ -5,25 +5,25 @@ from pathlib import Path
 
 import click
 
-from .options import cli_errors, echo_for, shared
+from .options import SEED, OutputPath, cli_errors, echo_for, int_range, shared
 
 
 @click.command("probe")
 @click.argument("corpus", nargs=-1, metavar="CORPUS...")
-@click.option("-o", "--out", "out", default="attnkit-probe", show_default=True, type=click.Path(path_type=Path),
+@click.option("-o", "--out", "out", default="attnkit-probe", show_default=True, type=OutputPath(path_type=Path),
               help="Run directory to write (probe.csv, probe.json, best_heads.txt, probe_heatmap.png).")
 @shared("model")
 @click.option("--parser", type=click.Choice(["auto", "spacy", "conllu"]), default="auto", show_default=True,
               help="conllu: read gold parses from CoNLL-U files; spacy: parse the corpus with spaCy "
                    "(pip install 'attnkit[syntax]'); auto: conllu when every input ends in .conllu/.conll.")
 @shared("format", "columns", "limit", "max-length", "batch-size", "device", "dtype", "backend", batch_size=16)
-@click.option("--min-count", default=10, show_default=True, type=click.IntRange(min=1),
+@click.option("--min-count", default=10, show_default=True, type=int_range("min_count"),
               help="Relations with fewer scored dependencies are left out of the table and heatmap (not the CSV).")
 @click.option("--relation", default=None, help="Heatmap of this relation [default: each head's best relation].")
 @click.option("--train-fraction", default=0.5, show_default=True, type=click.FloatRange(0, 1, min_open=True,
                                                                                          max_open=True),
               help="Share of sentences the attention-only probe is trained on (UAS on the rest).")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the train/test split.")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the train/test split.")
 @click.option("--count-root", is_flag=True,
               help="Score root words too, as Clark et al.'s code does: their head is ROOT, which no attention "
                    "head predicts, so they count as wrong (in their relation and in '(all)').")

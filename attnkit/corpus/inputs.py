@@ -2,6 +2,7 @@
 reading nothing), then streaming their segments in order."""
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import io
@@ -11,9 +12,9 @@ import sys
 from pathlib import Path
 
 from ..errors import AttnkitError, arg, check_int
-from ..run.files import RUN_DIR_MARKERS
+from ..run.rundir import is_run_dir
 from .sources import SOURCES, DatasetSource, Source, is_datasets_dir
-from .streams import split_compression
+from .streams import is_stream_path, split_compression
 
 FORMATS = ("auto", "text", "jsonl", "squad", "tsv", "parquet", "datasets")
 TEXT_UNITS = ("auto", "line", "paragraph")
@@ -40,16 +41,15 @@ def _sort_key(path: str):
     return Path(path).parts
 
 
-def is_run_dir(path: str) -> bool:
-    """An attnkit run directory (it holds what `attnkit extract` writes)."""
-    return any(os.path.exists(os.path.join(path, m)) for m in RUN_DIR_MARKERS)
-
-
 def _directory_files(root: str) -> list[str]:
     """Corpus files under `root`, recursively, sorted by path; a datasets directory counts as one input.
     Hidden files and folders (".name") are skipped, and so are attnkit run directories below `root`."""
     found = []
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def stop(exc: OSError):  # a folder that cannot be listed: its files would be left out without a word
+        raise unreadable(exc.filename or root, exc)
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=stop):
         if dirpath != root and is_datasets_dir(dirpath):
             found.append(os.path.normpath(dirpath))
             dirnames[:] = []
@@ -107,11 +107,87 @@ def resolve_paths(paths) -> list[tuple[str, str]]:
     return out
 
 
+def unreadable(path: str, exc: OSError) -> AttnkitError:
+    """The error for a folder of the corpus that cannot be listed: a corpus read without some of its files
+    would be measured silently short."""
+    return AttnkitError(f"cannot read corpus folder {path!r}: {exc.strerror or exc} (make it readable, or give "
+                        "the inputs without it)")
+
+
+def expand_glob(pattern: str) -> list[str]:
+    """The paths a shell pattern matches, as glob.glob(pattern, recursive=True) finds them (hidden names only
+    by a pattern that starts with "."), except that `**` does not descend into symbolic links to folders, as a
+    folder given by name is not searched through them: a link loop ("data/**" with data/x -> ..) cannot make
+    the search endless. A folder on the way that cannot be listed is an error naming it."""
+    if "**" not in pattern:
+        return glob.glob(pattern)
+    parts = pattern.split(os.sep)
+    base = ""
+    if parts[0] == "":  # absolute
+        base, parts = os.sep, parts[1:]
+    while parts and not glob.has_magic(parts[0]) and len(parts) > 1:
+        base, parts = os.path.join(base, parts[0]) if base else parts[0], parts[1:]
+    found: dict[str, None] = {}
+
+    def entries(folder: str):
+        try:
+            with os.scandir(folder or os.curdir) as it:
+                return sorted(it, key=lambda e: e.name)
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            return []
+        except OSError as exc:
+            raise unreadable(folder or os.curdir, exc) from None
+
+    def join(folder: str, name: str) -> str:
+        return os.path.join(folder, name) if folder else name
+
+    def walk(folder: str, rest: list[str]) -> None:
+        if not rest:
+            found[folder] = None
+            return
+        head, tail = rest[0], rest[1:]
+        if head == "**":
+            if tail:
+                walk(folder, tail)
+            else:  # "x/**" matches x/ itself, then everything below it
+                found[join(folder, "") if folder == base else folder] = None
+            for e in entries(folder):
+                if e.name.startswith("."):
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    walk(e.path if folder else e.name, rest)
+                elif not tail:
+                    found[join(folder, e.name)] = None
+            return
+        if not glob.has_magic(head):
+            path = join(folder, head)
+            if tail:
+                if os.path.isdir(path):
+                    walk(path, tail)
+            elif os.path.lexists(path):
+                found[path] = None
+            return
+        for e in entries(folder):
+            if e.name.startswith(".") and not head.startswith("."):
+                continue
+            if fnmatch.fnmatchcase(e.name, head):
+                path = join(folder, e.name)
+                if not tail:
+                    found[path] = None
+                elif e.is_dir():
+                    walk(path, tail)
+
+    walk(base, parts)
+    return list(found)
+
+
 def _glob_inputs(pattern: str) -> list[tuple[str, str]]:
     """Inputs matched by a shell pattern, sorted: files as if named, directories searched; a file reached
     twice by one pattern ("data/**") is read once, and a matched directory without corpus files is skipped."""
     items, seen, datasets_dirs = [], set(), []
-    for match in sorted(glob.glob(pattern, recursive=True), key=_sort_key):
+    for match in sorted(expand_glob(pattern), key=_sort_key):
         if os.path.isdir(match) and not is_datasets_dir(match):
             found = [("datasets" if os.path.isdir(f) else "dir-file", f) for f in _directory_files(match)]
         else:
@@ -159,14 +235,16 @@ class Corpus:
     def __init__(self, sources: list[Source], limit: int | None = None):
         self.sources = sources
         self.limit = limit
-        self._stdin_read = False
+        self._stream_read = False
+        self._passed = False  # a pass over the segments was completed (or stopped at the limit)
 
     def __iter__(self):
-        has_stdin = any(s.path == "-" for s in self.sources)
-        if has_stdin:
-            if self._stdin_read:
-                raise AttnkitError("standard input can be read only once: this corpus was already read")
-            self._stdin_read = True
+        streams = [s for s in self.sources if s.is_stream]
+        if streams:
+            if self._stream_read:
+                what = "standard input" if streams[0].path == "-" else f"{streams[0].name} (a pipe)"
+                raise AttnkitError(f"{what} can be read only once: this corpus was already read")
+            self._stream_read = True
         return self._segments()
 
     def _segments(self):
@@ -192,20 +270,34 @@ class Corpus:
             raise AttnkitError(f"the corpus has no text in any of its {len(self.sources)} inputs")
         for source, n in zip(self.sources, counts):
             source.n_segments = n
+        self._passed = True
 
     def describe(self) -> list[dict]:
         """Per input: path, format, compression, text_unit, columns, squad_pairs, sha256, n_segments (the
         segments taken from it by the last complete pass, `limit` included; None before one)."""
         return [s.describe() for s in self.sources]
 
+    @property
+    def has_streams(self) -> bool:
+        """Some input is read once, as a stream (standard input, a pipe): the corpus can be read once, and its
+        fingerprint is known after that pass."""
+        return any(s.is_stream for s in self.sources)
+
     def fingerprint(self) -> str:
         """sha256 over the inputs' content hashes (in order) and reading settings; file paths do not enter, so
-        a moved corpus keeps its fingerprint. Files are hashed by streaming their bytes."""
+        a moved corpus keeps its fingerprint. Files are hashed by streaming their bytes; a stream is hashed as
+        the pass reads it, so its fingerprint is known after the pass (of the bytes the pass read, when a limit
+        stopped it early: a stream cannot be read on to its end, it may have none)."""
         items = []
         for s in self.sources:
             digest = s.sha256()
+            if digest is None and s.is_stream and self._passed:
+                # a stream the pass stopped reading early (limit): what identifies it is the bytes it gave
+                items.append({"sha256_of_bytes_read": s.bytes_read_sha256(), **s.settings()})
+                continue
             if digest is None:
-                raise AttnkitError(f"the content hash of {s.name} is known only after reading it to the end")
+                raise AttnkitError(f"the content hash of {s.name} is known only after reading it (a stream is "
+                                   "hashed while it is read)")
             items.append({"sha256": digest, **s.settings()})
         doc = {"reader": _READER_VERSION, "limit": self.limit, "sources": items}
         return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
@@ -264,7 +356,10 @@ def open_corpus(paths=None, fmt: str = "auto", *, text_unit: str = "auto", colum
         if file_fmt == "parquet" and compression:
             raise AttnkitError(f"{p!r}: Parquet cannot be read through {compression} (it compresses its own "
                                f"columns): decompress the file")
-        sources.append(SOURCES[file_fmt](p, compression, **options))
+        stream = is_stream_path(p)
+        if stream and file_fmt == "parquet":
+            raise AttnkitError(f"{p!r} is a pipe, not a file: Parquet cannot be read as a stream (save it to a file)")
+        sources.append(SOURCES[file_fmt](p, compression, stream=stream, **options))
     return Corpus(sources, limit)
 
 
@@ -294,9 +389,11 @@ def corpus_of_run(run, meta: dict, corpus=None, fmt: str = "auto", *, squad_pair
             squad_pairs = bool(meta.get("squad_pairs", squad_pairs))
             columns = columns or meta.get("columns")
             text_unit = meta.get("text_unit", "auto")
-        missing = [p for p in paths if not p or p == "-" or not Path(p).exists()]
+        missing = [p for p in paths if not p or p == "-" or not Path(p).exists() or is_stream_path(p)]
         if missing:
-            raise AttnkitError(f"{run}/meta.json names no readable corpus ({missing[0]!r}): pass {arg('corpus')} PATH")
+            why = " (it was read as a stream)" if missing[0] == "-" or is_stream_path(missing[0]) else ""
+            raise AttnkitError(f"{run}/meta.json names no readable corpus ({missing[0]!r}{why}): pass "
+                               f"{arg('corpus')} PATH")
         corpus = paths
         limit = limit or meta.get("n_segments")
     texts = open_corpus(corpus, fmt, text_unit=text_unit, squad_pairs=squad_pairs, columns=columns, limit=limit)

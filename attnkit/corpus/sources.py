@@ -8,6 +8,7 @@ counts of real text.
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -48,10 +49,27 @@ def check_text(text: str, where: str) -> str:
     return text
 
 
-def parse_json(text: str, where: str):
-    """json.loads with one-line errors (syntax with its line, or nesting too deep)."""
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs):
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def parse_json(text: str, where: str, unique_keys: bool = False):
+    """json.loads with one-line errors (syntax with its line, or nesting too deep). `unique_keys`: an object
+    that names a key twice is refused (json.loads would keep the last value without a word)."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys) if unique_keys else json.loads(text)
+    except _DuplicateKey as exc:
+        raise AttnkitError(f"{where}: an object names the field {str(exc)!r} twice; which value holds the text "
+                           "is ambiguous") from None
     except json.JSONDecodeError as exc:
         line = f":{exc.lineno}" if ":" not in where else ""
         raise AttnkitError(f"{where}{line}: invalid JSON ({exc.msg})") from None
@@ -64,6 +82,10 @@ def _names(names) -> str:
     return ", ".join(n if isinstance(n, str) and n.isprintable() else repr(n) for n in names) or "none"
 
 
+class NoTextColumn(AttnkitError):
+    """No column was named and none of the usual text columns is there."""
+
+
 def choose_columns(available, columns, name: str, kind: str = "column", guesses=TEXT_COLUMN_GUESSES):
     """(first, second or None): the named `columns`, else the first of `guesses` present in `available`."""
     available = list(available)
@@ -72,12 +94,22 @@ def choose_columns(available, columns, name: str, kind: str = "column", guesses=
         for c in (first, second):
             if c is not None and c not in available:
                 raise AttnkitError(f"{name}: no {kind} {c!r}; {kind}s are: {_names(available)}")
-        return first, second
+        return _unique(available, (first, second), name, kind)
     for first, second in guesses:
         if first in available and (second is None or second in available):
-            return first, second
-    raise AttnkitError(f"{name}: cannot tell which {kind} holds the text; name it with {arg('columns')} "
+            return _unique(available, (first, second), name, kind)
+    raise NoTextColumn(f"{name}: cannot tell which {kind} holds the text; name it with {arg('columns')} "
                        f"({kind}s are: {_names(available)})")
+
+
+def _unique(available: list, chosen: tuple, name: str, kind: str) -> tuple:
+    """`chosen` when each of its names occurs once in `available`: a header that names a column twice leaves
+    open which one holds the text."""
+    for c in chosen:
+        if c is not None and available.count(c) > 1:
+            raise AttnkitError(f"{name}: the {kind} name {c!r} occurs {available.count(c)} times, so which one "
+                               f"holds the text is ambiguous; rename one ({kind}s are: {_names(available)})")
+    return chosen
 
 
 def _describe_columns(kind: str, first: str, second: str | None) -> str:
@@ -89,14 +121,20 @@ class Source:
     non-blank segments; `.describe()` says how it was read."""
 
     format = "?"
+    lone_cr: bool | None = True  # a lone "\r" ends a line (old Mac text); see streams.raw_lines
 
     def __init__(self, path: str, compression: str | None = None, *, text_unit: str = "auto",
-                 columns=None, squad_pairs: bool = False, stdin=None):
+                 columns=None, squad_pairs: bool = False, stdin=None, stream: bool = False):
         self.path = str(path)
         self.compression = compression
         self.text_unit, self.columns, self.squad_pairs = text_unit, columns, squad_pairs
-        self._stdin = HashingReader(stdin) if stdin is not None else None
-        self._stdin_lines = None
+        # Standard input (`stdin`, a binary stream) and files that are no regular files (`stream`: pipes, FIFOs,
+        # process substitution) are read once, as streams: one shared line stream whose look-ahead (the plan)
+        # is kept for the pass, hashed while it is read (the hash is known at its end).
+        self._is_stdin = stdin is not None
+        self._reader = HashingReader(stdin) if stdin is not None else None  # a stream's bytes, hashed as read
+        self._pipe = bool(stream) and stdin is None
+        self._stream_lines = None
         self._plan = None
         self._hash = None  # (stat key, sha256) of the last hash of a file
         self.n_segments = None  # segments taken from this source by the last complete pass over the corpus
@@ -104,7 +142,12 @@ class Source:
     @property
     def name(self) -> str:
         """How messages name this input."""
-        return STDIN_NAME if self._stdin is not None else self.path
+        return STDIN_NAME if self._is_stdin else self.path
+
+    @property
+    def is_stream(self) -> bool:
+        """Read once, as a stream (standard input, a pipe): it cannot be read again."""
+        return self._is_stdin or self._pipe
 
     # --- what the reader decided -------------------------------------------------------------------
     def plan(self) -> dict:
@@ -131,21 +174,29 @@ class Source:
 
     # --- line-based formats ---------------------------------------------------------------------------
     def _lines(self) -> Lines:
-        """A fresh line stream of a file; for standard input the one shared stream (its look-ahead is kept
+        """A fresh line stream of a file; for a stream the one shared line stream (its look-ahead is kept
         for the pass that follows the plan)."""
-        if self._stdin is not None:
-            if self._stdin_lines is None:
-                self.compression, stream = sniffed(self._stdin)  # no file name: gzip/zstd by magic bytes
-                self._stdin_lines = Lines(decompressed(stream, self.compression), STDIN_NAME)
-            return self._stdin_lines
-        return Lines(decompressed(open_file(self.path), self.compression), self.path)
+        if self.is_stream:
+            if self._stream_lines is None:
+                if self._reader is None:  # a pipe: opened when first read (opening a FIFO waits for its writer)
+                    self._reader = HashingReader(open_file(self.path), owns=True)
+                compression, stream = sniffed(self._reader)  # gzip/zstd by magic bytes, whatever the name says
+                self.compression = compression or self.compression
+                self._stream_lines = Lines(decompressed(stream, self.compression), self.name, lone_cr=self.lone_cr)
+            return self._stream_lines
+        return Lines(decompressed(open_file(self.path), self.compression), self.path, lone_cr=self.lone_cr)
+
+    def _close_lines(self, lines: Lines) -> None:
+        """Close a line stream used for the plan (a stream's shared one stays open for the pass)."""
+        if not self.is_stream:
+            lines.close()
 
     # --- identity ---------------------------------------------------------------------------------------
     def sha256(self) -> str | None:
-        """sha256 of the raw file bytes; for standard input the hash of what was read, once read to its
-        end (None before)."""
-        if self._stdin is not None:
-            return self._stdin.sha256.hexdigest() if self._stdin.at_end else None
+        """sha256 of the raw file bytes; for a stream the hash of what was read, once read to its end (None
+        before)."""
+        if self.is_stream:
+            return self._reader.sha256.hexdigest() if self._reader is not None and self._reader.at_end else None
         try:
             st = Path(self.path).stat()
         except OSError:
@@ -155,11 +206,29 @@ class Source:
             self._hash = (key, hash_file(self.path))
         return self._hash[1]
 
+    def bytes_read_sha256(self) -> str | None:
+        """For a stream: sha256 of the bytes read from it so far (None for a file, or before any read)."""
+        return self._reader.sha256.hexdigest() if self._reader is not None else None
+
     def describe(self) -> dict:
         plan = self.plan()
         return {"path": self.path, "format": self.format, "compression": self.compression,
                 "text_unit": plan.get("text_unit"), "columns": plan.get("columns"),
-                "squad_pairs": plan.get("squad_pairs"), "sha256": self.sha256(), "n_segments": self.n_segments}
+                "squad_pairs": plan.get("squad_pairs"), "sha256": self.sha256(), "n_segments": self.n_segments,
+                **self.file_state()}
+
+    def file_state(self) -> dict:
+        """{"size", "mtime"}: the input's size in bytes and modification time (ISO 8601, UTC) as it is now,
+        to say how an input changed (None for a stream)."""
+        if self.is_stream:
+            return {"size": None, "mtime": None}
+        try:
+            st = Path(self.path).stat()
+        except OSError:
+            return {"size": None, "mtime": None}
+        when = datetime.datetime.fromtimestamp(st.st_mtime, datetime.timezone.utc)
+        return {"size": st.st_size if Path(self.path).is_file() else None,
+                "mtime": when.isoformat(timespec="seconds").replace("+00:00", "Z")}
 
     def settings(self) -> dict:
         """What decides the segments besides the bytes (for the corpus fingerprint)."""
@@ -195,8 +264,7 @@ class TextSource(Source):
         try:
             ahead = lines.peek()
         finally:
-            if self._stdin is None:
-                lines.close()
+            self._close_lines(lines)
         texts = [i for i, (_, line) in enumerate(ahead) if line.strip()]
         gap = any(b - a > 1 for a, b in zip(texts, texts[1:]))
         return {"text_unit": "paragraph" if gap else "line", "text_unit_auto": True}
@@ -235,7 +303,7 @@ class JsonlSource(Source):
     format = "jsonl"
 
     def _parse(self, lineno, line):
-        obj = parse_json(line, f"{self.name}:{lineno}")
+        obj = parse_json(line, f"{self.name}:{lineno}", unique_keys=True)
         if not isinstance(obj, dict):
             raise AttnkitError(f"{self.name}:{lineno}: each line must be a JSON object, got {type(obj).__name__}")
         return obj
@@ -248,8 +316,7 @@ class JsonlSource(Source):
         try:
             first_obj = lines.first(str.strip)
         finally:
-            if self._stdin is None:
-                lines.close()
+            self._close_lines(lines)
         if first_obj is None or "text" in self._parse(*first_obj):
             return {"columns": ["text", "text_pair"], "pair_optional": True}
         obj = self._parse(*first_obj)
@@ -327,9 +394,14 @@ def _delimiter(path: str) -> str:
 
 
 def table_rows(lines: Lines, delimiter: str, name: str):
-    """(line number where the row starts, fields) of a delimited stream. Tabs are read literally (GLUE
-    files hold unbalanced quotes); commas follow CSV quoting, strictly: a quoted field left open to the end
-    of the file, or running past CSV_MAX_ROW_LINES lines, is refused naming the line where it started."""
+    """(line number where the row starts, fields) of a delimited stream. Tabs are read literally, one row per
+    line split at every tab (GLUE files hold unbalanced quotes; a lone carriage return is field content);
+    commas follow CSV quoting, strictly: a quoted field left open to the end of the file, or running past
+    CSV_MAX_ROW_LINES lines, is refused naming the line where it started."""
+    if delimiter == "\t":
+        for lineno, line in lines:
+            yield lineno, line.split("\t")
+        return
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     state = {"start": 1, "last": 0}
 
@@ -341,10 +413,7 @@ def table_rows(lines: Lines, delimiter: str, name: str):
             state["last"] = lineno
             yield line + "\n"
 
-    if delimiter == "\t":
-        reader = csv.reader(feed(), delimiter="\t", quoting=csv.QUOTE_NONE)
-    else:
-        reader = csv.reader(feed(), delimiter=delimiter, strict=True)
+    reader = csv.reader(feed(), delimiter=delimiter, strict=True)
     while True:
         try:
             row = next(reader)
@@ -364,33 +433,43 @@ def read_table(path) -> tuple[list[str], list[tuple[int, list[str]]]]:
     """Header and (line number, fields) rows of a delimited file (optionally .gz/.zst): tabs, read
     literally, or commas for .csv. Bad bytes and unclosed quotes are named by file and line."""
     path = str(path)
-    with Lines(decompressed(open_file(path), split_compression(path)[0]), path) as lines:
+    with Lines(decompressed(open_file(path), split_compression(path)[0]), path, lone_cr=None) as lines:
         rows = table_rows(lines, _delimiter(path), path)
         header = next(rows, None)
         if header is None:
             raise AttnkitError(f"{path} is empty")
+        check_header(header[1], path)
         return header[1], list(rows)
+
+
+def check_header(header: list[str], name: str) -> None:
+    """Refuse a table header that holds a bare carriage return: its lines end with a lone CR (old Mac line
+    ends), which tables do not take as line ends (a lone CR inside a field is field content)."""
+    if any("\r" in h for h in header):
+        raise AttnkitError(f"{name}:1: the header holds a carriage return: are its lines ended by a lone CR (old "
+                           "Mac line ends)? Convert them to \\n")
 
 
 class TableSource(Source):
     """TSV/CSV with a header row; the text column(s) named by `columns` or guessed (GLUE files work)."""
 
     format = "tsv"
+    lone_cr = None  # the file's first line end decides: a lone "\r" inside a field is content, not a line end
 
     @property
     def delimiter(self) -> str:
-        return _delimiter(self.path) if self._stdin is None else "\t"
+        return "\t" if self.path == "-" else _delimiter(self.path)
 
     def _make_plan(self):
         lines = self._lines()
         try:
             ahead = lines.peek(max_lines=CSV_MAX_ROW_LINES)
         finally:
-            if self._stdin is None:
-                lines.close()
+            self._close_lines(lines)
         if not ahead:
             raise AttnkitError(f"{self.name} is empty")
         header = next(table_rows(iter(ahead), self.delimiter, self.name))[1]
+        check_header(header, self.name)
         first, second = choose_columns(header, self.columns, self.name)
         return {"columns": [c for c in (first, second) if c], "header": header}
 
@@ -418,20 +497,34 @@ class TableSource(Source):
         return _describe_columns("column", *(self.plan()["columns"] + [None])[:2])
 
 
-def _plan_columns(names_types: dict, columns, name: str, is_text) -> dict:
-    """Choose text columns among {name: type}; the chosen ones must hold text."""
-    listing = [f"{_names([n])} ({t})" for n, t in names_types.items()]
+def _plan_columns(fields: list, columns, name: str, is_text) -> dict:
+    """Choose text columns among the (name, type) `fields`; the chosen ones must hold text."""
+    names_types = dict(fields)
+    listing = [f"{_names([n])} ({t})" for n, t in fields]
     try:
-        first, second = choose_columns(names_types, columns, name)
-    except AttnkitError:
-        if columns:
-            raise
+        first, second = choose_columns([n for n, _ in fields], columns, name)
+    except NoTextColumn:
         raise AttnkitError(f"{name}: no usable text column; name one with {arg('columns')} "
                            f"(columns are: {', '.join(listing) or 'none'})") from None
     for c in (first, second):
         if c is not None and not is_text(names_types[c]):
             raise AttnkitError(f"{name}: column {c!r} holds {names_types[c]}, not text")
     return {"columns": [c for c in (first, second) if c]}
+
+
+def columns_to_segments(values: list[list], cols: list[str], name: str, first_row: int):
+    """Segments of a batch of column values (one list per chosen column; rows from `first_row`, 0-based). A
+    null text is an empty text (a blank segment, skipped), but a null in a pair is refused: a pair with a
+    missing side is not the pair the data meant, and measuring it as (text, "") would be a silent answer."""
+    if len(cols) == 1:
+        yield from ("" if v is None else v for v in values[0])
+        return
+    for i, (a, b) in enumerate(zip(*values)):
+        if a is None or b is None:
+            col = cols[0] if a is None else cols[1]
+            raise AttnkitError(f"{name}: row {first_row + i + 1}: the pair column {col!r} is null; drop or fill such "
+                               f"rows (or name one text column with {arg('columns')})")
+        yield a, b
 
 
 class ParquetSource(Source):
@@ -454,7 +547,7 @@ class ParquetSource(Source):
         import pyarrow as pa
 
         schema = self._file().schema_arrow
-        types = {f.name: f.type for f in schema}
+        fields = [(f.name, f.type) for f in schema]
 
         def is_text(t):
             if pa.types.is_dictionary(t):
@@ -462,7 +555,7 @@ class ParquetSource(Source):
             return pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view",
                                                                                      lambda _: False)(t)
 
-        return _plan_columns(types, self.columns, self.path, is_text)
+        return _plan_columns(fields, self.columns, self.path, is_text)
 
     def _read(self, plan):
         import pyarrow as pa
@@ -470,9 +563,10 @@ class ParquetSource(Source):
         pf = self._file()
         cols = plan["columns"]
         try:
+            row = 0
             for batch in pf.iter_batches(batch_size=self.batch_size, columns=cols):
-                values = [["" if v is None else v for v in batch.column(c).to_pylist()] for c in cols]
-                yield from (values[0] if len(cols) == 1 else zip(*values))
+                yield from columns_to_segments([batch.column(c).to_pylist() for c in cols], cols, self.path, row)
+                row += batch.num_rows
         except (pa.ArrowException, OSError) as exc:
             raise AttnkitError(f"{self.path}: cannot read Parquet data ({str(exc).splitlines()[0]})") from None
         finally:
@@ -521,9 +615,7 @@ class DatasetSource(Source):
         def is_text(feature):
             return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "string_view")
 
-        types = dict(features.items())
-        plan = _plan_columns({k: v for k, v in types.items()}, self.columns, self.path, is_text)
-        return plan
+        return _plan_columns(list(features.items()), self.columns, self.path, is_text)
 
     def _read(self, plan):
         import pyarrow as pa
@@ -531,9 +623,10 @@ class DatasetSource(Source):
         cols = plan["columns"]
         ds = self._dataset().select_columns(cols)
         try:
+            row = 0
             for batch in ds.iter(batch_size=self.batch_size):
-                values = [["" if v is None else v for v in batch[c]] for c in cols]
-                yield from (values[0] if len(cols) == 1 else zip(*values))
+                yield from columns_to_segments([batch[c] for c in cols], cols, self.path, row)
+                row += len(batch[cols[0]])
         except (pa.ArrowException, OSError) as exc:
             raise AttnkitError(f"{self.path}: cannot read the datasets directory ({str(exc).splitlines()[0]})") \
                 from None

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import os
 import re
+import stat
 from collections import deque
 from pathlib import Path
 
@@ -17,6 +19,7 @@ CHUNK = 1 << 16
 PEEK_LINES = 10_000
 PEEK_CHARS = 1 << 20
 _NEWLINE = re.compile(rb"\r\n|\r|\n")
+_LINE_FEED = re.compile(rb"\r?\n")  # line ends of delimited tables: a lone "\r" there is field content
 
 
 def split_compression(path: str) -> tuple[str | None, str]:
@@ -47,9 +50,7 @@ def decompressed(raw, compression: str | None):
     if compression == "gzip":
         return _Owning(gzip.GzipFile(fileobj=raw, mode="rb"), raw)
     if compression == "zstd":
-        import zstandard
-
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+        return _Zstd(raw)
     raise AttnkitError(f"unknown compression {compression!r}")
 
 
@@ -88,8 +89,19 @@ class _Prefixed:
         self._stream.close()
 
 
-class _Owning:
-    """A stream that also closes the stream under it (GzipFile leaves its fileobj open)."""
+class _Closing:
+    """`with stream:` for the streams of this module."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _Owning(_Closing):
+    """A stream that also closes the stream under it (GzipFile leaves its fileobj open). GzipFile raises
+    EOFError when the data ends before the end-of-stream marker (a truncated file)."""
 
     def __init__(self, stream, under):
         self._stream, self._under = stream, under
@@ -104,6 +116,49 @@ class _Owning:
             self._under.close()
 
 
+class _Zstd(_Closing):
+    """The decompressed bytes of the zstd frames in `raw` (which it owns and closes). Unlike zstandard's
+    stream_reader, which stops quietly where a cut file stops, the data must end where a frame ends: a file cut
+    inside a frame raises EOFError when its end is reached."""
+
+    IN_CHUNK = 1 << 14  # compressed bytes decompressed at a time (bounds the output held at once)
+
+    def __init__(self, raw):
+        import zstandard
+
+        self._raw = raw
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame = None  # the frame being decompressed (None between frames)
+        self._out = bytearray()
+        self._done = False
+
+    def _feed(self, data: bytes) -> None:
+        while data:
+            if self._frame is None:
+                self._frame = self._decompressor.decompressobj()
+            self._out += self._frame.decompress(data)
+            if not self._frame.eof:
+                return
+            data, self._frame = self._frame.unused_data, None  # the next frame may start right after
+
+    def read(self, n=-1):
+        while not self._done and (n is None or n < 0 or len(self._out) < n):
+            data = self._raw.read(self.IN_CHUNK)
+            if not data:
+                self._done = True
+                if self._frame is not None:
+                    raise EOFError("the zstd data ends inside a frame: the file is truncated")
+                break
+            self._feed(data)
+        k = len(self._out) if n is None or n < 0 else min(n, len(self._out))
+        chunk = bytes(self._out[:k])
+        del self._out[:k]
+        return chunk
+
+    def close(self):
+        self._raw.close()
+
+
 def read_chunk(stream, name: str, size: int = CHUNK) -> bytes:
     """One chunk of a (possibly compressed) stream; corrupt or truncated compressed data is named."""
     import zstandard
@@ -114,37 +169,57 @@ def read_chunk(stream, name: str, size: int = CHUNK) -> bytes:
         raise AttnkitError(f"{name}: cannot decompress ({exc})") from None
 
 
-def raw_lines(stream, name: str, chunk_size: int = CHUNK):
+def first_line_end(data: bytes) -> bool | None:
+    """Whether the first line end in `data` is a lone "\\r" (True), "\\n" or "\\r\\n" (False), or None when
+    `data` does not tell yet (no line end, or a "\\r" as its last byte)."""
+    m = re.search(rb"[\r\n]", data)
+    if m is None:
+        return None
+    i = m.start()
+    if data[i:i + 1] == b"\n":
+        return False
+    return None if i + 1 == len(data) else data[i + 1:i + 2] != b"\n"
+
+
+def raw_lines(stream, name: str, chunk_size: int = CHUNK, lone_cr: bool | None = True):
     """Lines of a binary stream without their ends; "\\n", "\\r\\n" and a lone "\\r" (old Mac files) each
-    end a line. Reads fixed-size chunks, so a file is never held whole (a line is)."""
+    end a line. With `lone_cr` False only "\\n" and "\\r\\n" do (a lone "\\r" stays in the line); with None
+    the stream's first line end decides (a file whose lines end with a lone "\\r" splits there, any other
+    keeps a lone "\\r" inside its lines: delimited tables, whose fields may hold one). Reads fixed-size chunks,
+    so a file is never held whole (a line is)."""
     pieces: list[bytes] = []  # the unfinished line, in chunks (joined once, so long lines stay linear)
     while True:
         chunk = read_chunk(stream, name, chunk_size)
         if not chunk:
             break
-        if b"\n" not in chunk and b"\r" not in chunk:
+        if lone_cr is None:
+            lone_cr = first_line_end(b"".join(pieces) + chunk)
+            if lone_cr is None:
+                pieces.append(chunk)
+                continue
+        if b"\n" not in chunk and (b"\r" not in chunk or not lone_cr):
             pieces.append(chunk)
             continue
         data = b"".join(pieces) + chunk if pieces else chunk
-        held = data.endswith(b"\r")  # may be the first half of "\r\n": decide with the next chunk
+        held = lone_cr and data.endswith(b"\r")  # may be the first half of "\r\n": decide with the next chunk
         if held:
             data = data[:-1]
-        parts = _NEWLINE.split(data)
+        parts = (_NEWLINE if lone_cr else _LINE_FEED).split(data)
         last = parts.pop()
         yield from parts
         pieces = [last, b"\r"] if held else [last]
     rest = b"".join(pieces)
     if rest:
-        parts = _NEWLINE.split(rest)
+        parts = (_NEWLINE if lone_cr or lone_cr is None else _LINE_FEED).split(rest)
         if not parts[-1]:
             parts.pop()
         yield from parts
 
 
-def decoded_lines(stream, name: str):
+def decoded_lines(stream, name: str, lone_cr: bool | None = True):
     """(line number, text) of a binary stream, UTF-8 decoded; a bad byte is named by file, line and column.
-    A byte-order mark at the start is dropped."""
-    for lineno, raw in enumerate(raw_lines(stream, name), 1):
+    A byte-order mark at the start is dropped. `lone_cr`: whether a lone "\\r" ends a line (raw_lines)."""
+    for lineno, raw in enumerate(raw_lines(stream, name, lone_cr=lone_cr), 1):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -159,10 +234,10 @@ def decoded_lines(stream, name: str):
 class Lines:
     """(line number, text) pairs of a stream with a bounded look-ahead (`peek`) that iteration replays."""
 
-    def __init__(self, stream, name: str):
+    def __init__(self, stream, name: str, lone_cr: bool | None = True):
         self.name = name
         self._stream = stream
-        self._it = decoded_lines(stream, name)
+        self._it = decoded_lines(stream, name, lone_cr=lone_cr)
         self._ahead: deque = deque()
 
     def peek(self, max_lines: int = PEEK_LINES, max_chars: int = PEEK_CHARS) -> list:
@@ -210,10 +285,13 @@ class Lines:
 
 
 class HashingReader:
-    """A binary stream that hashes what is read through it (standard input's content hash)."""
+    """A binary stream that hashes what is read through it: the content hash of an input read once, as a
+    stream (standard input, a pipe), known when it has been read to its end (`at_end`). It closes the stream
+    under it only when it `owns` it (standard input is not ours to close)."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, owns: bool = False):
         self._stream = stream
+        self._owns = owns
         self.sha256 = hashlib.sha256()
         self.at_end = False
 
@@ -226,7 +304,19 @@ class HashingReader:
         return data
 
     def close(self):
-        pass  # standard input is not ours to close
+        if self._owns:
+            self._stream.close()
+
+
+def is_stream_path(path: str) -> bool:
+    """A path that names no regular file (a pipe, a FIFO, `<(...)` process substitution, a character device):
+    its bytes can be read once only, as a stream."""
+    if not path:
+        return False
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path)
+    except (OSError, TypeError, ValueError):
+        return False
 
 
 def hash_file(path: str) -> str:

@@ -18,9 +18,12 @@ from ..models import resolve_device, runtime_of
 
 
 def parse_devices(spec: str | None) -> list[torch.device]:
-    """Devices from "all", "cuda:0,cuda:1", "cpu,cpu", … (None: the default device alone)."""
-    if spec is None or not str(spec).strip():
+    """Devices from "all", "cuda:0,cuda:1", "cpu,cpu", … (None: the default device alone; an empty string is
+    refused, not taken for the default)."""
+    if spec is None:
         return [resolve_device(None)]
+    if not str(spec).strip():
+        raise AttnkitError(f"{arg('devices')} is empty: name the devices (e.g. cuda:0,cuda:1, or all)")
     spec = str(spec).strip()
     if spec == "all":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0

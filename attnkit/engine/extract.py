@@ -22,7 +22,7 @@ from ..run.head_features import FeatureAccumulator, HeadFeatures
 from ..tokens import Encoder, Segment
 from .devices import parse_devices, replicate
 from .forward import default_batch_size, device_forward, measuring
-from .local import BatchResult, run_pipeline
+from .local import BatchResult, check_workers, run_pipeline
 from .plan import DEFAULT_WINDOW, check_plan_settings, plan_batches
 from .progress import segment_bar
 
@@ -131,7 +131,7 @@ def run_extraction(
     (`total`, the input's length, or counted in the background) and so an ETA.
     """
     settings = (settings or ExtractSettings()).check()
-    check_int(workers, "workers", minimum=0)
+    check_workers(workers)
     check_max_length(model, settings.max_length)
     models = [model, *replicas]
     check_replicas(models)

@@ -23,22 +23,24 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import AttnkitError, arg, print_message
-from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, feature_names
+from ..errors import AttnkitError, arg, check_int, print_message
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, feature_names, num_features
 from ..models import attention_modules, check_max_length, default_model_path, load_model, max_positions
 from ..ops import backend_label
 from ..run.files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
-from ..run.locking import remove_if_only_lock, run_lock
-from ..run.outputs import ensure_writable_dir
+from ..run.locking import make_run_dir, remove_if_only_lock, run_lock
+from ..run.outputs import check_output_path
 from ..run.per_sample import PerSampleWriter
 from ..run.rundir import RunDir
 from ..run.versions import versions
 from .devices import parse_devices, replicate
 from .extract import ExtractionState, ExtractSettings, run_extraction
 from .forward import default_batch_size
-from .local import BatchResult, default_workers
+from .local import BatchResult, check_workers, default_workers
 from .plan import DEFAULT_WINDOW
 
+# what describes an input's bytes (compared through corpus_sha256 and named when it differs), not how it is read
+INPUT_STATE = ("n_segments", "sha256", "size", "mtime")
 CHECKPOINT_SECONDS = 120.0  # also checkpoint at least this often, whatever checkpoint_every says
 TRUNCATION_WARN_SHARE = 0.10
 ENGINES = ("local", "ray")
@@ -95,26 +97,39 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
 
     if opts.resume and opts.overwrite:
         raise AttnkitError(f"{arg('resume')} and {arg('overwrite')} contradict each other: choose one")
+    for name in ("device", "devices", "model_path"):
+        if getattr(opts, name) is not None and not str(getattr(opts, name)).strip():
+            raise AttnkitError(f"{arg(name)} is empty: leave it out for the default, or name one")
     if opts.device and opts.devices:
         raise AttnkitError(f"give {arg('device')} or {arg('devices')}, not both")
     if opts.engine not in ENGINES:
         raise AttnkitError(f"unknown {arg('engine')} {opts.engine!r}: use local or ray")
+    for name in ("window", "num_windows", "max_length", "checkpoint_every"):
+        check_int(getattr(opts, name), name)
+    for name in ("batch_size", "limit"):
+        if getattr(opts, name) is not None:
+            check_int(getattr(opts, name), name)
+    if opts.workers is not None:
+        check_workers(opts.workers)
     check_ray_address(opts.engine, opts.ray_address)
+    check_output_path(opts.out)
     run = RunDir(opts.out)
-    if not opts.resume:
-        run.check_new(opts.overwrite, opts.per_sample)
-    created = not run.path.exists()
-    ensure_writable_dir(run.path, "run directory")  # before any work: not after an hour of extraction
+    created = make_run_dir(run.path)  # before any work: not after an hour of extraction
     try:
-        corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
-                             squad_pairs=opts.squad_pairs, limit=opts.limit)
-        if opts.resume and any(s.path == "-" for s in corpus.sources):
-            raise AttnkitError("cannot resume a run that reads standard input (it cannot be read again to check "
-                               "it is the same): save the input to a file and extract from the file")
-        job = _RayJob(opts, run, corpus, echo) if opts.engine == "ray" else _LocalJob(opts, run, corpus, echo)
-        job.run()
+        # the lock first: a second command is told that the directory is in use, whatever it holds
+        with run_lock(run.path, "attnkit extract" + (" --engine ray" if opts.engine == "ray" else "")):
+            if not opts.resume:
+                run.check_new(opts.overwrite, opts.per_sample)
+            corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
+                                 squad_pairs=opts.squad_pairs, limit=opts.limit)
+            streams = [s.name for s in corpus.sources if s.is_stream]
+            if opts.resume and streams:
+                raise AttnkitError(f"cannot resume a run that reads {streams[0]} (a stream cannot be read again to "
+                                   "check it is the same): save the input to a file and extract from the file")
+            job = _RayJob(opts, run, corpus, echo) if opts.engine == "ray" else _LocalJob(opts, run, corpus, echo)
+            job.run()
     except BaseException:
-        if created:  # leave nothing behind for a run that never got anywhere
+        if created:  # leave nothing behind for a run that never got anywhere (never a directory in use)
             remove_if_only_lock(run.path)
         raise
 
@@ -130,10 +145,11 @@ class _Job:
         model_name = str(opts.model_path) if opts.model_path else default_model_path()
         self.settings = {
             "model": str(Path(model_name).resolve()) if Path(model_name).exists() else model_name,
-            "inputs": [{k: v for k, v in d.items() if k not in ("n_segments", "sha256")} for d in corpus.describe()],
-            "corpus_sha256": corpus.fingerprint(),
+            "inputs": [{k: v for k, v in d.items() if k not in INPUT_STATE} for d in corpus.describe()],
+            # a stream is hashed as it is read: its fingerprint is recorded when the run finishes
+            "corpus_sha256": None if corpus.has_streams else corpus.fingerprint(),
             # how to read the same corpus again (attnkit distances / report use it)
-            "reading": {"paths": [s.path if s.path == "-" else str(Path(s.path).resolve()) for s in corpus.sources],
+            "reading": {"paths": [s.path if s.is_stream else str(Path(s.path).resolve()) for s in corpus.sources],
                         "format": opts.fmt, "text_unit": opts.text_unit,
                         "columns": list(opts.columns) if opts.columns else None, "squad_pairs": opts.squad_pairs},
             "limit": opts.limit,
@@ -156,7 +172,9 @@ class _Job:
 
     def resume_finished(self) -> None:
         """A resume of a finished run has nothing to do (when its settings are these)."""
-        self.run_dir.check_settings(self.run_dir.finished_settings(), self.settings)
+        meta = self.run_dir.finished_meta()
+        self.run_dir.check_settings(meta.get("settings", {}), self.settings, meta.get("inputs"),
+                                    self.corpus.describe())
         self.echo(f"{self.opts.out} is already complete; nothing to resume.")
 
     def finish(self, acc, n_truncated: int, elapsed: float, engine_info: dict, model_type: str, *,
@@ -164,6 +182,8 @@ class _Job:
                writer: PerSampleWriter | None = None) -> None:
         """Write features.npz and meta.json (and close the per-sample file), and say what was measured."""
         opts, inputs = self.opts, self.corpus.describe()
+        if self.settings["corpus_sha256"] is None:  # streams, read to their end now
+            self.settings["corpus_sha256"] = self.corpus.fingerprint()
         meta = {
             "status": "complete",
             "model": self.settings["model"],
@@ -182,8 +202,11 @@ class _Job:
             "elapsed_s": round(elapsed, 3),
         }
         features = acc.result(meta)
-        removed = self.run_dir.finish(features, fresh=not opts.resume)  # a replaced run's per_sample.npy too:
-        written = [FEATURES_FILE, META_FILE]                             # close the writer after
+        # Whatever later steps derived (clusters.json, per_sample.npy, ...) describes older features, also when this
+        # run was resumed: an interrupted --overwrite resumed ends like an uninterrupted one. Close the per-sample
+        # file after, so the replaced run's per_sample.npy goes and this run's stays.
+        removed = self.run_dir.finish(features)
+        written = [FEATURES_FILE, META_FILE]
         if writer is not None:
             writer.close([d["n_segments"] for d in inputs])
             written += [PER_SAMPLE_FILE, PER_SAMPLE_META] + ([PER_SAMPLE_ROWS] if writer.rows_written else [])
@@ -219,41 +242,39 @@ class _LocalJob(_Job):
         check_max_length(model, opts.max_length)
         models = replicate(model, self.devices)
         workers = default_workers(self.devices[0].type) if opts.workers is None else opts.workers
-        with run_lock(self.run_dir.path, "attnkit extract"):
-            state, lengths = None, None
-            if opts.resume:
-                if not self.run_dir.has_checkpoint() and self.run_dir.is_finished():
-                    self.resume_finished()
-                    return
-                acc, start, n_truncated, lengths = self.run_dir.load_checkpoint(self.settings)
-                state = ExtractionState(acc, start, n_truncated)
-            else:
-                # again, under the lock: another run may have finished
-                self.run_dir.check_new(opts.overwrite, opts.per_sample)
-            start = state.next_index if state else 0
-            self.say("attnkit extract: " + self.corpus.summary())
-            self.say(f"model {model.config.model_type} ({len(attention_modules(model))} layers × "
-                     f"{model.config.num_attention_heads} heads), backend {self.settings['backend']}, devices "
-                     f"{', '.join(str(next(m.parameters()).device) for m in models)}, {workers} tokenisation "
-                     f"worker(s), batch size {self.batch_size}"
-                     + (f"; resuming after segment {start}" if start else ""))
-            writer = None
-            if opts.per_sample:
-                writer = PerSampleWriter(self.run_dir.path, len(attention_modules(model)),
-                                         model.config.num_attention_heads, feature_names(opts.num_windows),
-                                         resume_after=start if opts.resume else None)
-            checkpoints = Checkpoints(self.run_dir, self.settings, opts.checkpoint_every, LengthHistogram(lengths),
-                                      writer)
-            t0 = time.perf_counter()
-            with checkpoints.on_interrupt(state):
-                state = run_extraction(models[0], tokenizer, self.corpus, opts.extract_settings(self.batch_size),
-                                       replicas=models[1:], workers=workers, resume=state,
-                                       on_batch=checkpoints.after_batch, progress=not opts.quiet)
-            self.finish(state.accumulator, state.n_truncated, time.perf_counter() - t0,
-                        {"engine": "local", "workers": workers,
-                         "devices": [str(next(m.parameters()).device) for m in models]},
-                        model.config.model_type, lengths=checkpoints.lengths, limit=max_positions(model),
-                        writer=writer)
+        shape = (len(attention_modules(model)), model.config.num_attention_heads, num_features(opts.num_windows))
+        state, lengths = None, None
+        if opts.resume:
+            if not self.run_dir.has_checkpoint() and self.run_dir.is_finished():
+                self.resume_finished()
+                return
+            acc, start, n_truncated, lengths = self.run_dir.load_checkpoint(self.settings, shape,
+                                                                            self.corpus.describe())
+            state = ExtractionState(acc, start, n_truncated)
+        start = state.next_index if state else 0
+        self.say("attnkit extract: " + self.corpus.summary())
+        self.say(f"model {model.config.model_type} ({len(attention_modules(model))} layers × "
+                 f"{model.config.num_attention_heads} heads), backend {self.settings['backend']}, devices "
+                 f"{', '.join(str(next(m.parameters()).device) for m in models)}, {workers} tokenisation "
+                 f"worker(s), batch size {self.batch_size}"
+                 + (f"; resuming after segment {start}" if start else ""))
+        writer = None
+        if opts.per_sample:
+            writer = PerSampleWriter(self.run_dir.path, len(attention_modules(model)),
+                                     model.config.num_attention_heads, feature_names(opts.num_windows),
+                                     resume_after=start if opts.resume else None)
+        checkpoints = Checkpoints(self.run_dir, self.settings, opts.checkpoint_every, LengthHistogram(lengths),
+                                  writer, inputs=self.corpus.describe())
+        t0 = time.perf_counter()
+        with checkpoints.on_interrupt(state):
+            state = run_extraction(models[0], tokenizer, self.corpus, opts.extract_settings(self.batch_size),
+                                   replicas=models[1:], workers=workers, resume=state,
+                                   on_batch=checkpoints.after_batch, progress=not opts.quiet)
+        self.finish(state.accumulator, state.n_truncated, time.perf_counter() - t0,
+                    {"engine": "local", "workers": workers,
+                     "devices": [str(next(m.parameters()).device) for m in models]},
+                    model.config.model_type, lengths=checkpoints.lengths, limit=max_positions(model),
+                    writer=writer)
 
 
 class _RayJob(_Job):
@@ -281,26 +302,25 @@ class _RayJob(_Job):
         from .ray import run_ray_extraction
 
         opts, run = self.opts, self.run_dir
-        with run_lock(run.path, "attnkit extract --engine ray"):
-            if opts.overwrite:
-                remove_shards(run.path)
-            elif not opts.resume:
-                run.check_new(False)
-                if shard_dir(run.path).is_dir() and any(shard_dir(run.path).iterdir()):
-                    raise AttnkitError(f"{run.path} holds the shards of an unfinished Ray run: continue it with "
-                                       f"{arg('resume', True)}, or start over with {arg('overwrite', True)}")
-            elif run.is_finished() and not shard_dir(run.path).is_dir():
-                self.resume_finished()
-                return
-            self.say("attnkit extract (ray): " + self.corpus.summary())
-            t0 = time.perf_counter()
-            acc, n_truncated, info = run_ray_extraction(
-                self.corpus, opts.extract_settings(opts.batch_size), run_dir=run.path, run_settings=self.settings,
-                model_path=opts.model_path, dtype=opts.dtype, address=opts.ray_address, progress=not opts.quiet)
-            elapsed = time.perf_counter() - t0
-            model_type = AutoConfig.from_pretrained(opts.model_path or default_model_path()).model_type
-            self.finish(acc, n_truncated, elapsed, dict(info, model_type=model_type), model_type)
-            remove_shards(run.path)  # their sums are in features.npz now
+        if opts.overwrite:
+            remove_shards(run.path)
+        elif not opts.resume:
+            run.check_new(False)
+            if shard_dir(run.path).is_dir() and any(shard_dir(run.path).iterdir()):
+                raise AttnkitError(f"{run.path} holds the shards of an unfinished Ray run: continue it with "
+                                   f"{arg('resume', True)}, or start over with {arg('overwrite', True)}")
+        elif run.is_finished() and not shard_dir(run.path).is_dir():
+            self.resume_finished()
+            return
+        self.say("attnkit extract (ray): " + self.corpus.summary())
+        t0 = time.perf_counter()
+        acc, n_truncated, info = run_ray_extraction(
+            self.corpus, opts.extract_settings(opts.batch_size), run_dir=run.path, run_settings=self.settings,
+            model_path=opts.model_path, dtype=opts.dtype, address=opts.ray_address, progress=not opts.quiet)
+        elapsed = time.perf_counter() - t0
+        model_type = AutoConfig.from_pretrained(opts.model_path or default_model_path()).model_type
+        self.finish(acc, n_truncated, elapsed, dict(info, model_type=model_type), model_type)
+        remove_shards(run.path)  # their sums are in features.npz now
 
 
 class LengthHistogram:
@@ -331,8 +351,9 @@ class Checkpoints:
     state is saved too."""
 
     def __init__(self, run: RunDir, settings: dict, every: int, lengths: LengthHistogram,
-                 writer: PerSampleWriter | None):
+                 writer: PerSampleWriter | None, inputs: list | None = None):
         self.run, self.settings, self.every, self.lengths, self.writer = run, settings, every, lengths, writer
+        self.inputs = inputs  # each input's path, sha256, size and mtime: a resume names the one that changed
         self.state: ExtractionState | None = None
         self.batches = 0
         self.saved_at = time.monotonic()
@@ -341,7 +362,7 @@ class Checkpoints:
         if self.writer is not None:
             self.writer.flush()
         self.run.save_checkpoint(state.accumulator, state.next_index, state.n_truncated, self.settings,
-                                 lengths=self.lengths.counts)
+                                 lengths=self.lengths.counts, inputs=self.inputs)
         self.saved_at = time.monotonic()
 
     def after_batch(self, state: ExtractionState, res: BatchResult) -> None:

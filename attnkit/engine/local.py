@@ -7,7 +7,8 @@
 Tokenisation runs ahead of the model in worker processes, so a fast device is not left waiting for the
 tokenizer. Each replica runs in its own thread (the heavy work releases the GIL). Results reach the caller in
 plan order whatever device finished first, so sums and checkpoints are exactly those of the plain loop.
-With `workers=0` and one replica this is the plain loop: tokenise, forward, repeat, on the calling thread.
+With `workers=0` the calling thread tokenises, and the model still runs on a device thread: never on the
+calling thread (see `run_pipeline`).
 """
 from __future__ import annotations
 
@@ -36,14 +37,30 @@ from .devices import device_labels
 from .plan import PlannedBatch
 
 
+def available_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_workers(device_type: str = "cuda") -> int:
     """Tokenisation workers when none are asked for. GPUs outrun one tokenizer by far: the cores not needed to
     drive them, at most 8. A CPU model needs the cores itself, and tokenising costs a few percent of its
     time: one worker per four cores (at least one)."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = available_cores()
     if device_type == "cpu":
         return max(1, n // 4)
     return max(0, min(8, n - 1))
+
+
+def max_workers() -> int:
+    """The most tokenisation workers a run may ask for: one per core this process may use (more only queue
+    for the same cores, and each is a process with its own copy of the tokenizer)."""
+    return available_cores()
+
+
+def check_workers(workers) -> int:
+    """`workers` when it is an integer from 0 to `max_workers()`; else an AttnkitError naming `workers`."""
+    return check_int(workers, "workers", minimum=0, maximum=max_workers())
 
 
 # --- tokenisation in worker processes ---------------------------------------------------------------------
@@ -77,6 +94,10 @@ def _init_worker(tokenizer, max_length: int, split_sentences: bool, parent: int)
     global _worker_encoder
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it saves a checkpoint)
+    # A forked worker inherits the parent's Python handlers: the parent's SIGTERM handler (which turns SIGTERM
+    # into KeyboardInterrupt to save a checkpoint) would make a worker that the pool terminates print a
+    # traceback. A worker just ends on SIGTERM.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_encoder = Encoder(tokenizer, max_length=max_length, split_sentences=split_sentences)
 
@@ -108,14 +129,29 @@ def _worker_errors(pb: PlannedBatch):
         raise AttnkitError(f"tokenising batch {pb.index} failed in a worker: {type(exc).__name__}: {exc}") from None
 
 
+TASK_BATCHES = 4  # planned batches per task sent to a tokenisation worker
+
+
+def workers_for_plan(planned: Iterable[PlannedBatch], workers: int,
+                     group: int = TASK_BATCHES) -> tuple[int, Iterator[PlannedBatch]]:
+    """(workers the plan can use, the same planned batches): no more workers than the plan has tasks for (a
+    plan of 3 batches is one task: one worker), found by reading ahead at most `workers` tasks of the plan,
+    which the returned iterator yields again."""
+    it = iter(planned)
+    if workers <= 0:
+        return 0, it
+    head = list(itertools.islice(it, workers * group))
+    return min(workers, max(1, -(-len(head) // group))), itertools.chain(head, it)
+
+
 class TokenizerPool:
     """Tokenise planned batches in `workers` processes, in order, with at most `prefetch` tasks of `group`
     batches in flight. `workers=0` tokenises on the calling thread. A task carries several batches because each
     round trip to a worker costs the parent process CPU time (pickling, thread wake-ups) that a small batch
     would pay alone."""
 
-    def __init__(self, encoder: Encoder, workers: int, prefetch: int | None = None, group: int = 4):
-        check_int(workers, "workers", minimum=0)
+    def __init__(self, encoder: Encoder, workers: int, prefetch: int | None = None, group: int = TASK_BATCHES):
+        check_workers(workers)
         self.encoder = encoder
         self.workers = workers
         self.group = max(1, group)
@@ -244,18 +280,14 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
     if not models:
         raise AttnkitError("no model replica to run")
     labels = device_labels([next(m.parameters()).device for m in models])
+    workers, planned = workers_for_plan(planned, check_workers(workers))
     with TokenizerPool(encoder, workers, prefetch) as pool:
         encoded = pool.map(planned)
-        if len(models) == 1 and workers == 0:  # the plain loop, on this thread
-            dev = next(models[0].parameters()).device
-            for pb, arrays in encoded:
-                batch = Batch.from_arrays(arrays).to(dev)
-                feats = forward(models[0], batch).cpu()
-                on_result(BatchResult(pb, feats.numpy(), arrays.n_tokens, arrays.n_truncated, labels[0],
-                                      arrays.full_lengths))
-            return
-        # every batch the workers may hold can also wait for a device: the workers are never held back by a
-        # full device queue, and a device never waits while tokenised batches sit in a finished task
+        # The model runs on a device thread even with workers=0 (this thread then tokenises meanwhile): forwards
+        # on the main thread of a process that tokenises there were measured 12x slower than on a thread of their
+        # own (docs/pipeline.md, section 4). Every batch the workers may hold can also wait for
+        # a device: the workers are never held back by a full device queue, and a device never waits while
+        # tokenised batches sit in a finished task.
         _run_threaded(models, labels, encoded, forward, pool.prefetch * pool.group + 2 * len(models), on_result,
                       on_progress)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..corpus.streams import decoded_lines, decompressed, open_file, split_compression
+from ..corpus.streams import Lines, decompressed, open_file, split_compression
 from ..errors import AttnkitError
 from .sentences import ROOT, ParsedSentence
 
@@ -22,17 +22,21 @@ def _sentence(rows, where: str) -> ParsedSentence:
         words.append(cols[1])
         heads.append(ROOT if head == 0 else head - 1)
         rels.append(cols[7])
-    return ParsedSentence(words, heads, rels, where=f"{where}:{rows[0][0]}")
+    sentence = ParsedSentence(words, heads, rels, where=f"{where}:{rows[0][0]}")
+    sentence.check_one_root()
+    return sentence
 
 
 def read_conllu(path) -> list[ParsedSentence]:
-    """All sentences of one CoNLL-U file (may be .gz/.zst compressed)."""
+    """All sentences of one CoNLL-U file (may be .gz/.zst compressed), read through the corpus readers'
+    streams (attnkit/corpus/streams.py): bad bytes, corrupt or truncated compressed data end in the same
+    one-line errors as in `attnkit extract`. A sentence whose heads do not form one tree is refused, named."""
     path = str(path)
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise AttnkitError(f"CoNLL-U file {path!r} does not exist")
     sentences, rows = [], []
-    with decompressed(open_file(path), split_compression(path)[0]) as stream:
-        for lineno, line in decoded_lines(stream, path):
+    with Lines(decompressed(open_file(path), split_compression(path)[0]), path) as lines:
+        for lineno, line in lines:
             line = line.rstrip("\r\n")
             if not line.strip():
                 if rows:

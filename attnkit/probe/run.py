@@ -15,7 +15,7 @@ from ..errors import AttnkitError, arg, check_int, print_message
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import attention_modules, load_model, observing
 from ..run.files import PROBE_CSV, PROBE_HEATMAP, PROBE_JSON, PROBE_TABLE, REPORT_FILE
-from ..run.outputs import atomic_write, ensure_writable_dir, os_errors, write_json
+from ..run.outputs import atomic_write, check_output_path, ensure_writable_dir, os_errors, write_json
 from ..run.overwrite import claim_outputs
 from ..run.versions import attnkit_version
 from ..words import op_available, word_attention
@@ -59,11 +59,18 @@ class ProbeOptions:
 def _parser_of(paths, parser: str) -> str:
     if parser not in PARSERS:
         raise AttnkitError(f"unknown {arg('parser')} {parser!r}; use {', '.join(PARSERS)}")
+    conllu = [str(p) for p in paths if str(p).lower().endswith(CONLLU_SUFFIXES)]
+    other = [str(p) for p in paths if not str(p).lower().endswith(CONLLU_SUFFIXES)]
+    if conllu and other and parser != "conllu":
+        # CoNLL-U read as text (or text as CoNLL-U) would be scored against the wrong words
+        raise AttnkitError(f"{conllu[0]} is CoNLL-U (gold parses) but {other[0]} is not: probe one kind of input "
+                           f"at a time")
+    if parser == "spacy" and conllu:
+        raise AttnkitError(f"{conllu[0]} is CoNLL-U, which holds its own parses: use {arg('parser', 'conllu')} "
+                           f"(or auto)")
     if parser != "auto":
         return parser
-    if paths and all(str(p).lower().endswith(CONLLU_SUFFIXES) for p in paths):
-        return "conllu"
-    return "spacy"
+    return "conllu" if conllu else "spacy"
 
 
 def load_spacy():
@@ -284,11 +291,13 @@ def _write(out: Path, scores: ProbeScores, table: str, summary: dict, relation: 
 def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
     """Run `attnkit probe` with `opts`: write the probe run directory (probe.csv, probe.json, best_heads.txt,
     probe_heatmap.png; docs/probes.md) and report through `echo`; returns the summary (probe.json)."""
-    out = Path(opts.out)
+    out = Path(check_output_path(opts.out))
+    for value, name in ((opts.min_count, "min_count"), (opts.seed, "seed"), (opts.batch_size, "batch_size"),
+                        (opts.max_length, "max_length")):
+        check_int(value, name)
+    check_baseline(opts.baseline)
     claim = claim_outputs([out / PROBE_JSON, out / PROBE_CSV, out / PROBE_TABLE, out / f"{PROBE_HEATMAP}.png"],
                           opts.overwrite, stale=[out / REPORT_FILE])
-    check_int(opts.min_count, "min_count")
-    check_baseline(opts.baseline)
     ensure_writable_dir(out)
     sentences, parser = load_sentences(opts)
     model, tokenizer = load_model(opts.model_path, device=opts.device, dtype=opts.dtype)

@@ -6,29 +6,87 @@ command that writes into the directory. The holder writes its pid and command li
 RUN/.attnkit.lock.owner, so a second command is refused with one line that names them:
 
     RUN is in use by `attnkit extract` (pid 1234); wait for it to finish or choose another directory
+
+A lock stays valid as long as it is held: nothing removes the lock file of a holder. The only code that
+removes a lock file is `remove_if_only_lock`, which a command calls for a directory it created itself
+(`make_run_dir`) and which first takes the lock itself, so it never removes a directory another command
+holds. Whoever takes the lock also removes what writers killed by SIGKILL left behind: the pid-named
+temporary files of `atomic_write` (`.NAME.PID.tmp`) whose process no longer runs.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import shutil
+import re
 from pathlib import Path
 
 from filelock import FileLock, Timeout
 
 from ..errors import AttnkitError
-from .files import FEATURES_FILE, LOCK_FILE, OWNER_FILE
-from .outputs import ensure_writable_dir
+from .files import DISTANCE_SHARDS_DIR, FEATURE_SHARDS_DIR, FEATURES_FILE, LOCK_FILE, OWNER_FILE
+from .outputs import check_no_file_in_the_way, ensure_writable_dir
+
+_TEMPORARY = re.compile(r"^\..+\.(\d+)\.tmp$")  # atomic_write's temporary files: .NAME.PID.tmp
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid runs (on this machine)."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # it exists but is not ours (or cannot be asked): do not call it dead
+    return True
 
 
 def lock_owner(directory) -> dict | None:
-    """{"pid", "command"} of the command holding `directory`'s lock as it recorded itself, or None."""
+    """{"pid", "command"} of the command holding `directory`'s lock as it recorded itself, or None (also when
+    the recorded process no longer runs: a stale record left by a killed holder does not name the holder of a
+    lock taken since, e.g. by another tool)."""
     try:
         data = json.loads((Path(directory) / OWNER_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(data.get("pid"), int) or not process_alive(data["pid"]):
+        return None
+    return data
+
+
+def _acquire(directory: Path) -> FileLock:
+    """The held lock of `directory`, or AttnkitError naming its holder."""
+    lock = FileLock(str(directory / LOCK_FILE), timeout=0, thread_local=False)
+    try:
+        lock.acquire()
+    except Timeout:
+        owner = lock_owner(directory) or {}
+        who = f"`{owner['command']}` (pid {owner['pid']})" if "pid" in owner and "command" in owner \
+            else "another process"
+        raise AttnkitError(f"{directory} is in use by {who}; wait for it to finish or choose another directory") \
+            from None
+    except OSError as exc:
+        raise AttnkitError(f"cannot lock run directory {directory}: {exc.strerror or exc}") from None
+    return lock
+
+
+def remove_stale_temporaries(directory) -> list[Path]:
+    """Remove the temporary files (`.NAME.PID.tmp`) that writers killed before they renamed them left in
+    `directory` and its shard folders, when their process no longer runs; returns what was removed. Call it
+    holding the directory's lock."""
+    removed = []
+    for folder in (Path(directory), Path(directory) / FEATURE_SHARDS_DIR, Path(directory) / DISTANCE_SHARDS_DIR):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            m = _TEMPORARY.match(name)
+            if m and int(m.group(1)) != os.getpid() and not process_alive(int(m.group(1))):
+                with contextlib.suppress(OSError):
+                    (folder / name).unlink()
+                    removed.append(folder / name)
+    return removed
 
 
 @contextlib.contextmanager
@@ -39,28 +97,36 @@ def run_lock(directory, command: str):
     Raises AttnkitError at once, without waiting, when another process holds the lock.
     """
     directory = ensure_writable_dir(directory, "run directory")
-    lock = FileLock(str(directory / LOCK_FILE), timeout=0, thread_local=False)
-    try:
-        lock.acquire()
-    except Timeout:
-        owner = lock_owner(directory) or {}
-        who = f"`{owner['command']}` (pid {owner['pid']})" if "pid" in owner and "command" in owner \
-            else "another attnkit command"
-        raise AttnkitError(f"{directory} is in use by {who}; wait for it to finish or choose another directory") \
-            from None
-    except OSError as exc:
-        raise AttnkitError(f"cannot lock run directory {directory}: {exc.strerror or exc}") from None
+    lock = _acquire(directory)
     owner_path = directory / OWNER_FILE
     try:
         try:
             owner_path.write_text(json.dumps({"pid": os.getpid(), "command": command}) + "\n")
         except OSError:
             pass  # the lock holds without it; only the refusal message is less specific
+        remove_stale_temporaries(directory)
         yield directory
     finally:
         with contextlib.suppress(OSError):
             owner_path.unlink()
         lock.release()
+
+
+def make_run_dir(path) -> bool:
+    """Create run directory `path` (and its parents) if needed, checking that it can be written; True when
+    this call created `path` itself (then, and only then, may a failed command remove it again:
+    `remove_if_only_lock`)."""
+    path = check_no_file_in_the_way(path, "run directory")
+    ensure_writable_dir(path.parent, "parent directory")
+    try:
+        os.mkdir(path)
+        created = True
+    except FileExistsError:
+        created = False
+    except OSError as exc:
+        raise AttnkitError(f"cannot create run directory {str(path)!r}: {exc.strerror or exc}") from None
+    ensure_writable_dir(path, "run directory")
+    return created
 
 
 @contextlib.contextmanager
@@ -74,14 +140,31 @@ def lock_if_run(directory, command: str):
         yield
 
 
-def remove_if_only_lock(path) -> None:
-    """Remove directory `path` when nothing but the lock files is in it (a command that created it and then
-    failed leaves nothing behind)."""
+def remove_if_only_lock(path) -> bool:
+    """Remove directory `path` when nothing but the lock files is in it and no other process holds its lock
+    (a command that created it and then failed leaves nothing behind). The lock is taken first and the lock
+    file removed while held, so a lock another command holds, or takes meanwhile, is never removed. True when
+    the directory was removed."""
     path = Path(path)
     if not path.is_dir():
-        return
-    if not {p.name for p in path.iterdir()} - {LOCK_FILE, OWNER_FILE}:
-        shutil.rmtree(path, ignore_errors=True)
+        return False
+    try:
+        lock = _acquire(path)
+    except AttnkitError:
+        return False  # in use: not ours to remove
+    try:
+        if {p.name for p in path.iterdir()} - {LOCK_FILE, OWNER_FILE}:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            (path / OWNER_FILE).unlink()
+        (path / LOCK_FILE).unlink()
+        path.rmdir()
+        return True
+    except OSError:
+        return False
+    finally:
+        lock.release()
 
 
-__all__ = ["LOCK_FILE", "OWNER_FILE", "lock_if_run", "lock_owner", "remove_if_only_lock", "run_lock"]
+__all__ = ["LOCK_FILE", "OWNER_FILE", "lock_if_run", "lock_owner", "make_run_dir", "process_alive",
+           "remove_if_only_lock", "remove_stale_temporaries", "run_lock"]

@@ -24,13 +24,16 @@ def describe_os_error(exc: OSError) -> str:
     return f"{where}: {reason}" if where else reason
 
 
-def ensure_writable_dir(path, what: str = "output directory") -> Path:
-    """Create directory `path` if needed and prove that a file can be written in it; return it.
+def check_output_path(path, name: str = "out"):
+    """`path` unless it is empty: an empty path would silently mean the current directory (Path("") is ".").
+    `name` is the argument that gave it."""
+    if path is not None and not str(path).strip():
+        raise AttnkitError(f"{arg(name)} is empty: name the directory or file to write")
+    return path
 
-    Refuses with an AttnkitError naming the problem: `path` (or one of its parents) is a file, the
-    directory cannot be created, or a probe file cannot be written there (read-only file system, no
-    space, no permission — the probe is the only test that also holds for root).
-    """
+
+def check_no_file_in_the_way(path, what: str = "output directory") -> Path:
+    """Path(`path`) unless it, or the nearest of its parents that exists, is not a directory (AttnkitError)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise AttnkitError(f"{what} {str(path)!r} exists and is not a directory")
@@ -39,6 +42,19 @@ def ensure_writable_dir(path, what: str = "output directory") -> Path:
             if not parent.is_dir():
                 raise AttnkitError(f"cannot create {what} {str(path)!r}: {str(parent)!r} is a file, not a directory")
             break
+    return path
+
+
+def ensure_writable_dir(path, what: str = "output directory") -> Path:
+    """Create directory `path` if needed and prove that a file can be written in it; return it.
+
+    Refuses with an AttnkitError naming the problem: `path` (or one of its parents) is a file, the
+    directory cannot be created, or a probe file cannot be written there (read-only file system, no
+    space, no permission — the probe is the only test that also holds for root).
+    """
+    if not str(path).strip():
+        raise AttnkitError(f"the {what} path is empty: name the directory to write")
+    path = check_no_file_in_the_way(path, what)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -49,6 +65,21 @@ def ensure_writable_dir(path, what: str = "output directory") -> Path:
     except OSError as exc:
         raise AttnkitError(f"cannot write into {what} {str(path)!r}: {exc.strerror or exc}") from None
     return path
+
+
+@contextlib.contextmanager
+def output_dir(path, what: str = "output directory"):
+    """`ensure_writable_dir(path)` for the block (checked before the work), and removed again if the block fails
+    while the directory it created is still empty: a command that failed leaves nothing behind."""
+    existed = Path(path).exists() if str(path).strip() else True
+    directory = ensure_writable_dir(path, what)
+    try:
+        yield directory
+    except BaseException:
+        if not existed:
+            with contextlib.suppress(OSError):
+                directory.rmdir()  # only while empty
+        raise
 
 
 @contextlib.contextmanager
@@ -104,5 +135,5 @@ def write_table(df, path, fmt: str) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
-__all__ = ["TABLE_FORMATS", "atomic_write", "describe_os_error", "ensure_writable_dir", "os_errors", "write_json",
-           "write_table"]
+__all__ = ["TABLE_FORMATS", "atomic_write", "check_no_file_in_the_way", "check_output_path", "describe_os_error",
+           "ensure_writable_dir", "os_errors", "output_dir", "write_json", "write_table"]

@@ -321,5 +321,20 @@ def load_per_sample(run_dir) -> tuple[np.ndarray, list[str]]:
     return arr, list(names)
 
 
-__all__ = ["PerSampleWriter", "load_per_sample", "npy_header", "read_rows", "PER_SAMPLE_FILE", "PER_SAMPLE_META",
-           "PER_SAMPLE_ROWS", "HEADER_BYTES"]
+def check_matches_run(run_dir, arr: np.ndarray, names: list[str], run) -> None:
+    """Refuse per-sample rows that are not those of `run` (the HeadFeatures of `run_dir`): as many rows as the
+    run measured samples (meta.json n_samples), of its layers × heads, with its feature names (features.npz). A
+    file from another run, or cut short, would be classified as if it were this run's."""
+    path = _npy_path(run_dir)
+    want = (run.n_samples, run.n_layers, run.n_heads, len(run.names))
+    if tuple(arr.shape) != want or list(names) != list(run.names):
+        what = (f"names other features ({', '.join(names[:3])}, ...)" if tuple(arr.shape) == want
+                else f"holds {arr.shape[0]} samples × {arr.shape[1]} layers × {arr.shape[2]} heads × {arr.shape[3]} "
+                     f"features")
+        raise AttnkitError(f"{path} {what}, but its run measured {want[0]} samples × {want[1]} layers × "
+                           f"{want[2]} heads × {want[3]} features: it is not this run's per-sample file; run "
+                           "`attnkit extract --per-sample` again")
+
+
+__all__ = ["PerSampleWriter", "check_matches_run", "load_per_sample", "npy_header", "read_rows", "PER_SAMPLE_FILE",
+           "PER_SAMPLE_META", "PER_SAMPLE_ROWS", "HEADER_BYTES"]

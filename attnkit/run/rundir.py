@@ -9,17 +9,30 @@ uninterrupted run gives (the same batches, in the same order, summed in float64)
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import AttnkitError, arg
-from .files import CHECKPOINT_FILE, DERIVED_OUTPUTS, FEATURES_FILE, META_FILE, PER_SAMPLE_FILE
+from .files import (
+    CHECKPOINT_FILE,
+    DERIVED_OUTPUTS,
+    DISTANCE_SHARDS_DIR,
+    FEATURE_SHARDS_DIR,
+    FEATURES_FILE,
+    META_FILE,
+    PER_SAMPLE_FILE,
+)
 from .head_features import FeatureAccumulator, HeadFeatures
 from .outputs import atomic_write
 from .overwrite import Claim, claim_outputs
-from .schemas import load_npz
-from .settings import setting_differences
+from .schemas import META_SCHEMA, load_npz, validate
+from .settings import changed_inputs, setting_differences
+
+RUN_COUNTS = ("n_samples", "n_tokens", "n_layers", "n_heads")  # what every meta.json of a run records
+CHECKPOINT_ARRAYS = ("next_index", "settings", "sum")  # what every extraction checkpoint holds
+SHARD_ARRAYS = ("fingerprint", "settings", "n_segments")  # what every shard file of the Ray engine holds
 
 
 class RunDir:
@@ -57,15 +70,19 @@ class RunDir:
                              stale=[self.path / CHECKPOINT_FILE] + [self.path / n for n in DERIVED_OUTPUTS],
                              what=what)
 
-    def load_checkpoint(self, settings: dict) -> tuple[FeatureAccumulator, int, int, np.ndarray | None]:
+    def load_checkpoint(self, settings: dict, shape: tuple[int, int, int] | None = None,
+                        inputs: list | None = None) -> tuple[FeatureAccumulator, int, int, np.ndarray | None]:
         """(accumulator, next segment index, truncated so far, histogram of full token lengths) after checking
-        that the settings match and that the checkpoint's numbers are possible."""
+        that the settings match, that its arrays have `shape` (the model's layers × heads × features, when
+        given) and that the checkpoint's numbers are possible. `inputs` (Corpus.describe()) name the input
+        that changed when the corpus differs."""
         if not self.has_checkpoint():
             raise AttnkitError(f"nothing to resume in {self.path}: no {CHECKPOINT_FILE}")
         state = load_npz(self.checkpoint_path, what="checkpoint",
                          corrupt=f"start over with {arg('overwrite', True)}")
         try:
             saved = json.loads(str(state["settings"]))
+            saved_inputs = json.loads(str(state["inputs"])) if "inputs" in state else None
             acc = FeatureAccumulator.from_state(state)
             next_index, n_truncated = int(state["next_index"]), int(state["n_truncated"])
             lengths = np.asarray(state["lengths"], dtype=np.int64) if "lengths" in state else None
@@ -73,7 +90,14 @@ class RunDir:
             raise AttnkitError(f"checkpoint {self.checkpoint_path} is corrupt: {type(exc).__name__}: {exc}") from None
         if not isinstance(saved, dict):
             raise AttnkitError(f"checkpoint {self.checkpoint_path} is corrupt: its settings are not a mapping")
-        self.check_settings(saved, settings)
+        self.check_settings(saved, settings, saved_inputs, inputs)
+        arrays = {"sum": acc.sum.shape, "m2": acc.m2.shape}
+        wrong = {k: v for k, v in arrays.items() if shape is not None and tuple(v) != tuple(shape)}
+        if wrong:
+            name, got = next(iter(wrong.items()))
+            raise AttnkitError(f"checkpoint {self.checkpoint_path} holds sums of shape {tuple(got)} ({name}), but "
+                               f"the model measures {shape[0]} layers × {shape[1]} heads × {shape[2]} features: it "
+                               f"belongs to another model or feature set; start over with {arg('overwrite', True)}")
         problem = checkpoint_problem(acc, next_index, n_truncated)
         if problem:
             raise AttnkitError(f"checkpoint {self.checkpoint_path} is impossible ({problem}); start over with "
@@ -81,23 +105,33 @@ class RunDir:
         return acc, next_index, n_truncated, lengths
 
     @staticmethod
-    def check_settings(saved: dict, settings: dict) -> None:
-        """Refuse to add to a run made with other settings, naming each that differs."""
+    def check_settings(saved: dict, settings: dict, saved_inputs: list | None = None,
+                       inputs: list | None = None) -> None:
+        """Refuse to add to a run made with other settings, naming each that differs; a changed corpus is
+        named by its input (path, and size or modification time) when both input lists are given."""
         diffs = setting_differences(saved, settings)
+        if any(d.startswith("corpus_sha256:") for d in diffs):
+            changed = changed_inputs(saved_inputs, inputs)
+            if changed:
+                diffs = [d for d in diffs if not d.startswith("corpus_sha256:")] + changed
         if diffs:
             raise AttnkitError("cannot resume: the run directory was made with other settings ("
                                + "; ".join(diffs) + ")")
 
+    def finished_meta(self) -> dict:
+        return HeadFeatures.load(self.path).meta
+
     def finished_settings(self) -> dict:
-        meta = HeadFeatures.load(self.path).meta
-        return meta.get("settings", {})
+        return self.finished_meta().get("settings", {})
 
     def save_checkpoint(self, acc: FeatureAccumulator, next_index: int, n_truncated: int, settings: dict,
-                        lengths: np.ndarray | None = None) -> None:
+                        lengths: np.ndarray | None = None, inputs: list | None = None) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         state = acc.state()
         state.update(next_index=np.int64(next_index), n_truncated=np.int64(n_truncated),
                      settings=np.array(json.dumps(settings, sort_keys=True)))
+        if inputs is not None:  # each input's path, sha256, size and mtime (named when a resume finds it changed)
+            state["inputs"] = np.array(json.dumps(inputs, sort_keys=True, default=str))
         if lengths is not None:
             state["lengths"] = np.asarray(lengths, dtype=np.int64)
         atomic_write(self.checkpoint_path, lambda f: np.savez(f, **state))
@@ -113,6 +147,39 @@ class RunDir:
         claim.stale = [p for p in claim.stale if p != self.checkpoint_path]
         claim.remove_stale()
         return claim.removed_message()
+
+
+def _npz_holds(path: Path, names: tuple[str, ...]) -> bool:
+    """Whether `path` is a .npz archive holding arrays `names` (read from its zip directory, not loaded)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            held = {n[:-4] for n in z.namelist() if n.endswith(".npy")}
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+    return set(names) <= held
+
+
+def is_run_dir(path) -> bool:
+    """Whether `path` is a directory attnkit wrote as a run, told by its own files rather than by a name (a
+    corpus folder may hold a file or folder called `shards` or `features.npz`): a meta.json that follows
+    attnkit's schema with the counts every run records, an extraction checkpoint, or a shard file of the Ray
+    engine, each holding what attnkit writes into it."""
+    p = Path(path)
+    meta = p / META_FILE
+    if meta.is_file():
+        try:
+            data = json.loads(meta.read_text(encoding="utf-8"))
+            validate(data, META_SCHEMA, str(meta))
+        except (OSError, ValueError, AttnkitError):
+            data = None
+        if isinstance(data, dict) and all(isinstance(data.get(k), int) for k in RUN_COUNTS):
+            return True
+    if _npz_holds(p / CHECKPOINT_FILE, CHECKPOINT_ARRAYS):
+        return True
+    for folder in (p / FEATURE_SHARDS_DIR, p / DISTANCE_SHARDS_DIR):
+        if folder.is_dir() and any(_npz_holds(f, SHARD_ARRAYS) for f in sorted(folder.glob("shard-*.npz"))[:1]):
+            return True
+    return False
 
 
 def checkpoint_problem(acc: FeatureAccumulator, next_index: int, n_truncated: int) -> str | None:

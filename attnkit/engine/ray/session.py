@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 import tempfile
 
@@ -25,9 +26,32 @@ def import_ray():
 
 
 def check_ray_address(engine: str, address: str | None) -> None:
-    """A Ray address is for the Ray engine only."""
+    """A Ray address is for the Ray engine only, and something must answer there (before any work)."""
     if address and engine != "ray":
         raise AttnkitError(f"{arg('ray_address')} needs {arg('engine', 'ray')}")
+    if address and engine == "ray":
+        check_reachable(address)
+
+
+CONNECT_TIMEOUT_S = 10.0  # how long a cluster address may take to accept a connection
+
+
+def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Refuse, in at most `timeout` seconds, a cluster address ("host:port", "ray://host:port") where nothing
+    accepts connections: Ray itself retries such an address for minutes. Other forms ("auto") are left to
+    Ray."""
+    target = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except (OSError, OverflowError, ValueError) as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else (getattr(exc, "strerror", None) or str(exc))
+        raise AttnkitError(f"could not reach the Ray cluster at {address!r} ({reason}): is its head node running "
+                           f"(ray start --head), and is {arg('ray_address')} right?") from None
 
 
 @contextlib.contextmanager
@@ -40,6 +64,8 @@ def ray_session(address: str | None):
         yield address or "connected"
         return
     kwargs = {"logging_level": logging.ERROR}
+    if address is not None:
+        check_reachable(address)
     try:
         if address is None:
             ray.init(include_dashboard=False, **kwargs)
@@ -134,5 +160,5 @@ def plan_actors(ray, num_actors: int | None, cpus_per_actor: int) -> tuple[int, 
     return n, {"num_cpus": cpus_per_actor}
 
 
-__all__ = ["INSTALL_HINT", "check_ray_address", "import_ray", "plan_actors", "quiet_ray_data", "ray_logs_aside",
-           "ray_session"]
+__all__ = ["CONNECT_TIMEOUT_S", "INSTALL_HINT", "check_ray_address", "check_reachable", "import_ray", "plan_actors",
+           "quiet_ray_data", "ray_logs_aside", "ray_session"]

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import pickle
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,10 @@ from ...errors import AttnkitError
 # Each model actor writes its pid to a file in this directory when it starts (for tests and operators that
 # want to find the processes, e.g. to check fault tolerance by killing one).
 PID_DIR_ENV = "ATTNKIT_RAY_PID_DIR"
+# While PID_DIR/hold holds a number N, an actor that has measured N batches stands still before the next one,
+# after writing PID_DIR/<pid>.held, until the file is removed: a test can kill it mid-run at a known point,
+# however fast the run would otherwise finish.
+HOLD_FILE = "hold"
 
 _encoders: dict = {}  # (model path, max_length, split_sentences) -> the Encoder of this worker process
 
@@ -78,11 +83,27 @@ class ModelActor:
         self.rows_per_sample, self.seed = rows_per_sample, seed
         self.n_layers = len(attention_modules(self.model))
         self.n_heads = self.model.config.num_attention_heads
+        self.pid_dir, self.n_calls = (Path(pid_dir) if pid_dir else None), 0
         if pid_dir:
             Path(pid_dir).mkdir(parents=True, exist_ok=True)
             (Path(pid_dir) / f"{os.getpid()}.pid").write_text(str(os.getpid()))
 
+    def _hold(self) -> None:
+        """Stand still while PID_DIR/hold asks it (HOLD_FILE)."""
+        hold = self.pid_dir / HOLD_FILE
+        try:
+            after = int(hold.read_text())
+        except (OSError, ValueError):
+            return
+        if self.n_calls >= after:
+            (self.pid_dir / f"{os.getpid()}.held").write_text(str(self.n_calls))
+            while hold.exists():
+                time.sleep(0.05)
+
     def __call__(self, rows: dict) -> dict:
+        if self.pid_dir is not None:
+            self._hold()
+        self.n_calls += 1
         out: dict = {"shard": rows["shard"], "batch": rows["batch"], "n_segments": rows["n_segments"]}
         per_row = [self._measure(pickle.loads(e), int(b)) for e, b in zip(rows["encoded"], rows["batch"])]
         for key in per_row[0]:
@@ -122,4 +143,4 @@ class ModelActor:
         return {"sum": total, "m2": m2, **common}
 
 
-__all__ = ["PID_DIR_ENV", "ModelActor", "tokenise", "worker_encoder"]
+__all__ = ["HOLD_FILE", "PID_DIR_ENV", "ModelActor", "tokenise", "worker_encoder"]
