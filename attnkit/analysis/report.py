@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError
+from ..features import weighting_of
 from ..plotting import save_figure
 from ..run.clusters import label_grid, load_clusters, run_stability
 from ..run.distances import HeadDistances
@@ -37,6 +38,12 @@ details{margin:.6em 0}summary{cursor:pointer;font-weight:600}
 table.nested{margin:0;font-size:11px}table.nested td{border-color:#e3e3e3;padding:1px 5px;vertical-align:top}
 td{vertical-align:top}
 """
+
+
+NORM_NOTE = ("Norm-weighted run (attnkit extract --weighting norm; Kobayashi et al. 2020): every feature describes "
+             "the attention weights scaled per key by the norm of the transformed key vector ‖f_h(x_t)‖ and "
+             "renormalised per row (docs/features.md), not the attention weights themselves. Jensen-Shannon "
+             "distances and example maps show attention weights.")
 
 
 def _e(x) -> str:
@@ -379,7 +386,10 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
         sections.append(report.tables())
     finally:
         save.close()
-    title = title or f"attnkit report: {run_dir.name}"
+    if weighting_of(features.meta) == "norm":
+        notes.insert(0, NORM_NOTE)
+    title = title or f"attnkit report: {run_dir.name}" + (" (norm-weighted)" if weighting_of(features.meta) == "norm"
+                                                          else "")
     subtitle = (f"{_e(features.meta.get('model', ''))} — {features.n_samples} samples, {features.n_tokens} tokens, "
                 f"{features.n_layers} layers × {features.n_heads} heads; generated "
                 f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}")
