@@ -14,9 +14,10 @@ from .export import export_cmd
 from .extract import extract
 from .patterns import patterns_cmd
 from .probe import probe
+from .prune import prune_cmd
 
 COMMANDS = (extract, cluster_cmd, distances_cmd, report_cmd, compare_cmd, patterns_cmd, compare_models_cmd, ablate,
-            export_cmd, probe)
+            export_cmd, probe, prune_cmd)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
