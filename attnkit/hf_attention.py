@@ -305,6 +305,9 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         for obs in rt.observers:
             obs(module.layer_idx, obs_q, obs_k, lengths, scaling)
         if want and rt.weighting == "norm" and H > 0:
+            if module.layer_idx not in rt.out_proj:
+                raise AttnkitError("norm weighting needs each layer's output projection: measure inside "
+                                   "attnkit.engine.forward.measuring(model, weighting='norm')")
             key_scale = key_norms(value, rt.out_proj[module.layer_idx].weight)
 
     if H == 0:  # a layer whose heads were all pruned: nothing to attend with

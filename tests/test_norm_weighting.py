@@ -352,3 +352,18 @@ def test_report_and_cluster_label_a_norm_weighted_run(two_runs):
     import json
 
     assert json.loads((d / "norm" / "clusters.json").read_text())["run"]["weighting"] == "norm"
+
+
+def test_norm_weighting_outside_measuring_is_refused_in_one_line():
+    """A runtime switched to norm weighting by hand, without the output projections that `measuring` finds."""
+    from attnkit.engine import forward_features, measuring
+    from attnkit.tokens import Encoder
+
+    model, tok, _ = tiny("bert")
+    attnkit.instrument(model, tok)
+    batch = Encoder(tok)(["a b c"])
+    with measuring(model, backend="reference") as rt:
+        rt.weighting = "norm"  # out_proj left empty
+        with pytest.raises(AttnkitError, match=r"norm weighting needs each layer's output projection: measure inside "
+                                               r"attnkit\.engine\.forward\.measuring\(model, weighting='norm'\)"):
+            forward_features(model, batch, rt)
