@@ -223,6 +223,41 @@ def test_sizes_count_what_was_removed():
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
+def test_the_importance_curve_gives_each_step_the_size_of_its_pruned_model():
+    """ablate --experiment importance: each step's params and FLOPs are those of prune_heads on that step's heads,
+    counted here from the model itself; mode uniform (nothing removable) adds no size columns."""
+    from attnkit.ablation import run_experiment
+
+    model, tok = tiny_bert(3, 4)
+    model = attnkit.instrument(model, tok)
+    enc = tok(["the cat sat on the mat", "a big red house"], padding=True, return_tensors="pt")
+
+    def evaluate(iv):
+        with torch.no_grad(), attnkit.intervene(model, iv):
+            return {"score": float(model(**enc).last_hidden_state.pow(2).mean())}
+
+    def losses():
+        for i in range(2):
+            yield model(**{k: v[i:i + 1] for k, v in enc.items()}).last_hidden_state.pow(2).mean()
+
+    table = run_experiment("importance", model, evaluate, "score", mode="zero", losses=losses, step=0.25,
+                           max_share=0.5, progress=False, n_boot=10)
+    assert [r["pruned"] for r in table.rows] == [0, 3, 6]
+    inputs = reference_inputs(model)
+    T = inputs["input_ids"].numel()
+    gone: list = []
+    for r in table.rows:
+        gone += attnkit.interventions.parse_heads(r["newly_pruned"], (3, 4)) if r["newly_pruned"] else []
+        pruned = prune_heads(copy.deepcopy(model), gone)
+        assert r["params"] == count_parameters(pruned), r
+        assert r["flops_per_token"] == forward_flops(pruned, inputs) / T, r
+        assert r["tokens_per_s"] > 0
+    assert table.rows[2]["params"] < table.rows[1]["params"] < table.rows[0]["params"]
+    uniform = run_experiment("importance", model, evaluate, "score", mode="uniform", losses=losses, step=0.25,
+                             max_share=0.25, progress=False, n_boot=10)
+    assert all("params" not in r for r in uniform.rows)
+
+
 # --- the command line -------------------------------------------------------------------------------------------
 def run(*args):
     res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
