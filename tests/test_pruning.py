@@ -275,8 +275,11 @@ def model_dir(tmp_path_factory):
 
 def test_prune_command_and_its_refusals(model_dir, tmp_path):
     out = tmp_path / "pruned"
-    code, text = run("prune", model_dir, "--heads", "L1,L0H1,L0H3,L2H2", "-o", out)
-    assert code == 0, text
+    res = CliRunner().invoke(main, ["prune", str(model_dir), "--heads", "L1,L0H1,L0H3,L2H2", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert res.stderr.splitlines() == [f"attnkit prune: loading {model_dir}",
+                                       f"attnkit prune: removing 7 head(s) and writing {out}"]
+    code, text = res.exit_code, res.stdout
     assert "heads per layer now: 2 0 3 (5 in all)" in text
     model, _ = attnkit.load_model(out, device="cpu")
     assert pruned_head_grid(model).sum(1).tolist() == [2, 0, 3]
@@ -290,7 +293,7 @@ def test_prune_command_and_its_refusals(model_dir, tmp_path):
         (("--heads", "L0H1", "--fraction", "0.5", "-o", tmp_path / "x"), "Error: --fraction goes with --importance"),
         (("--heads", "L0H1", "-o", model_dir), "is the model being pruned"),
     ]:
-        code, text = run("prune", model_dir, *args)
+        code, text = run("prune", model_dir, *args, "-q")
         assert code == 1 and message in text and len(text.strip().splitlines()) == 1, (args, text)
     code, text = run("prune", out, "--heads", "L1H2", "-o", tmp_path / "x")
     assert code == 1 and "head L1H2 was already pruned from this model" in text
@@ -298,8 +301,9 @@ def test_prune_command_and_its_refusals(model_dir, tmp_path):
     code, text = run("prune", model_dir, "--heads", "L0H1", "-o", tmp_path / "file")
     assert code != 0 and not (tmp_path / "file").is_dir()
     # --overwrite replaces the directory
-    code, text = run("prune", model_dir, "--heads", "L2H0", "-o", out, "--overwrite")
-    assert code == 0 and pruned_head_grid(attnkit.load_model(out, device="cpu")[0]).sum() == 11
+    res = CliRunner().invoke(main, ["prune", str(model_dir), "--heads", "L2H0", "-o", str(out), "--overwrite", "-q"])
+    assert res.exit_code == 0 and res.stderr == "", res.output
+    assert pruned_head_grid(attnkit.load_model(out, device="cpu")[0]).sum() == 11
 
 
 def test_prune_by_importance_follows_the_iterative_order(model_dir, tmp_path):

@@ -137,11 +137,14 @@ def check_out(out: Path, model_path: str, overwrite: bool) -> None:
                            f"or another {arg('out')}")
 
 
-def run_prune(opts: PruneOptions) -> Pruned:
+def run_prune(opts: PruneOptions, echo=None) -> Pruned:
+    """Prune as `opts` says; `echo(text, err=True)`, when given, receives the stage messages."""
     path = default_model_path() if opts.model == "default" else str(opts.model)
     out = Path(opts.out)
     check_out(out, path, opts.overwrite)
     ensure_writable_dir(out.parent if str(out.parent) else Path("."), "output directory")
+    if echo:
+        echo(f"attnkit prune: loading {path}", err=True)
     model, tokenizer = load_model(path, device="cpu", task=_task_of(path))
     shape = (len(attention_layers(model, "attnkit prune")), int(model.config.num_attention_heads))
     heads = heads_to_remove(opts, shape)
@@ -149,6 +152,8 @@ def run_prune(opts: PruneOptions) -> Pruned:
         have = {(l, h) for l, hs in enumerate(current_heads(attention_layers(model), shape[1])) for h in hs}
         heads = [lh for lh in heads if lh in have]
     before = count_parameters(model)
+    if echo:
+        echo(f"attnkit prune: removing {len(heads)} head(s) and writing {out}", err=True)
     prune_heads(model, heads)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     with os_errors(f"write the pruned model to {out}"):

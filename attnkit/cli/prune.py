@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .options import cli_errors
+from .options import cli_errors, echo_for, quiet_option
 
 
 @click.command("prune")
@@ -19,8 +19,9 @@ from .options import cli_errors
 @click.option("-o", "--out", "out", required=True, type=click.Path(file_okay=False),
               help="Directory to write the pruned model (with its tokenizer) into.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists (once the new model is written).")
+@quiet_option
 @cli_errors
-def prune_cmd(model, heads, importance, fraction, out, overwrite):
+def prune_cmd(model, heads, importance, fraction, out, overwrite, quiet):
     """Remove attention heads of MODEL (a local model directory, or `default` for the embedded MiniLM) from its
     query, key, value and output projections, and write the smaller model to OUT.
 
@@ -30,7 +31,7 @@ def prune_cmd(model, heads, importance, fraction, out, overwrite):
     from ..ablation.prune import PruneOptions, describe, run_prune
 
     res = run_prune(PruneOptions(model=model, out=out, heads=heads, importance=importance, fraction=fraction,
-                                 overwrite=overwrite))
+                                 overwrite=overwrite), echo=None if quiet else echo_for())
     for line in describe(res):
         click.echo(line)
 
