@@ -4,7 +4,7 @@ Token classes, intervention modes and regions are small integers so the C++/CUDA
 """
 from __future__ import annotations
 
-from .errors import check_int
+from .errors import AttnkitError, arg, check_int
 
 # Token classes (docs/features.md, "Token classes" and "Sentence ids").
 OTHER, CLS, SEP, COMMA, PERIOD = 0, 1, 2, 3, 4
@@ -15,6 +15,12 @@ MODES = ("keep", "zero", "uniform")
 REGIONS = ("all", "no_intra", "no_inter")
 KEEP, ZERO, UNIFORM = 0, 1, 2
 ALL, NO_INTRA, NO_INTER = 0, 1, 2
+
+# What the features describe (docs/features.md, "Norm-weighted features"): the attention weights, or the weights
+# scaled per key by the norm of the transformed key vector (Kobayashi et al. 2020). Runs without a weighting
+# recorded are "attention" runs.
+WEIGHTINGS = ("attention", "norm")
+DEFAULT_WEIGHTING = "attention"
 
 DEFAULT_NUM_WINDOWS = 16
 DEFAULT_MAX_LENGTH = 128  # tokens per sample, special tokens included, when none is given
@@ -79,3 +85,15 @@ def feature_section(name: str) -> str:
 
 def check_num_windows(num_windows: int) -> int:
     return check_int(num_windows, "num_windows")
+
+
+def check_weighting(weighting) -> str:
+    """`weighting` when it is one of WEIGHTINGS; else an AttnkitError naming the argument."""
+    if weighting not in WEIGHTINGS:
+        raise AttnkitError(f"unknown {arg('weighting')} {weighting!r}: use 'attention' or 'norm'")
+    return weighting
+
+
+def weighting_of(meta: dict) -> str:
+    """The weighting a run's meta.json records ("attention" when it records none: runs before norm weighting)."""
+    return (meta or {}).get("weighting") or DEFAULT_WEIGHTING

@@ -16,6 +16,15 @@ gates scale the head's output, not its weights). They are computed only then: a 
 The mask function registered beside it hands over the 2-D padding mask (or None when a batch has no
 padding) instead of an L×L bias: the op takes per-sample lengths, never an L×L tensor.
 
+Norm weighting (docs/features.md, "Norm-weighted features"): when the Runtime's `weighting` is "norm", each
+layer's features describe its weights scaled per key by ‖f_h(x_t)‖ (attnkit/arch/norms.py), computed here from
+the values this function receives and the layer's output projection; the output does not change.
+
+A pruned layer (attnkit/arch/pruning.py) has fewer heads than the config names: its intervention codes and gates
+are those of the heads it kept, and what attnkit measures is spread over the unpruned heads, so a removed head's
+features are 0 (those of a zeroed head) and observers see it with q = k = 0. A layer with no head left calls this
+function with empty q, k, v and gets an empty output.
+
 Sentence ids (docs/features.md, "Token classes" and "Sentence ids") matter only to region interventions
 (`no_intra`/`no_inter`). For each forward they come from, in this order:
 1. attnkit's own batches (`extract`, `ablate`: `Runtime.batch_of`), computed by `attnkit.tokens.Encoder`;
@@ -42,8 +51,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from .arch.norms import key_norms
+from .arch.pruning import kept_heads, to_kept, to_unpruned
 from .errors import AttnkitError
-from .features import DEFAULT_NUM_WINDOWS
+from .features import DEFAULT_NUM_WINDOWS, num_features
 from .ops import attention
 from .reference import attention_weights
 from .tokens import sentence_ids as segment_sentence_ids
@@ -79,6 +90,10 @@ class Runtime:
     backend: str = "auto"
     num_windows: int = DEFAULT_NUM_WINDOWS
     want_features: bool = False
+    # "attention", or "norm": features from the weights scaled by ‖f_h(x_t)‖ (docs/features.md), which needs the
+    # output projection of every layer (`out_proj`: layer → nn.Linear, set by attnkit.engine.forward.measuring)
+    weighting: str = "attention"
+    out_proj: dict = field(default_factory=dict)
     batch: BatchInfo | None = None
     intervention: object | None = None  # attnkit.interventions.Intervention
     features: dict = field(default_factory=dict)  # layer -> B×H×F tensor, filled during forward
@@ -277,12 +292,13 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         info = None
         lengths = lengths_from_mask(attention_mask, B, L, query.device)
 
-    mode = region = gates = None
+    mode = region = gates = key_scale = None
     renormalize = False
     want = False
     backend = "auto"
     num_windows = DEFAULT_NUM_WINDOWS
     sentence_id = info.sentence_id if info is not None else None
+    kept = kept_heads(module)  # a pruned layer: its heads in the unpruned numbering (attnkit/arch/pruning.py)
     if rt is not None:
         rt.calls += 1
         backend, num_windows = rt.backend, rt.num_windows
@@ -291,23 +307,40 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             check_sentences_shape(rt, B, L)
         if rt.intervention is not None:
             mode, region, gates = rt.intervention.for_layer(module.layer_idx, query.device)
+            if kept is not None:
+                mode, region, gates = (to_kept(t, kept) for t in (mode, region, gates))
             renormalize = rt.intervention.renormalize
             if region is not None and sentence_id is None:
                 sentence_id = forward_sentence_ids(rt, B, L, lengths, query.device)
+        if rt.observers and kept is not None:  # observers see the unpruned heads, removed ones with q = k = 0
+            obs_q, obs_k = to_unpruned(query, kept), to_unpruned(key, kept)
+        else:
+            obs_q, obs_k = query, key
         for obs in rt.observers:
-            obs(module.layer_idx, query, key, lengths, scaling)
+            obs(module.layer_idx, obs_q, obs_k, lengths, scaling)
+        if want and rt.weighting == "norm" and H > 0:
+            if module.layer_idx not in rt.out_proj:
+                raise AttnkitError("norm weighting needs each layer's output projection: measure inside "
+                                   "attnkit.engine.forward.measuring(model, weighting='norm')")
+            key_scale = key_norms(value, rt.out_proj[module.layer_idx].weight)
 
-    out, feats = attention(
-        query, key, value, lengths,
-        info.token_class if info is not None else None,
-        sentence_id,
-        scaling=scaling, num_windows=num_windows, mode=mode, region=region,
-        renormalize=renormalize, gates=gates, want_features=want, backend=backend,
-    )
-    if want:
-        rt.features[module.layer_idx] = feats
+    if H == 0:  # a layer whose heads were all pruned: nothing to attend with
+        out = query.new_zeros(B, L, 0, D)
+        feats = query.new_zeros((B, 0, num_features(num_windows)), dtype=torch.float32)
+    else:
+        out, feats = attention(
+            query, key, value, lengths,
+            info.token_class if info is not None else None,
+            sentence_id,
+            scaling=scaling, num_windows=num_windows, mode=mode, region=region,
+            renormalize=renormalize, gates=gates, want_features=want, key_scale=key_scale, backend=backend,
+        )
+    if want:  # a pruned layer's removed heads read as zeroed heads: every feature 0
+        rt.features[module.layer_idx] = feats if kept is None else to_unpruned(feats, kept)
     if not want_maps:
         return out, None
+    if H == 0:
+        return out, query.new_zeros(B, 0, L, L)
     # the weights this forward used, interventions included (their definition: attnkit.reference)
     scale = D**-0.5 if scaling is None else scaling
     weights = attention_weights(query, key, lengths, scale, sentence_id, mode, region, renormalize)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .arch.pruning import CONFIG_HEADS, load_pruned_model
 from .errors import AttnkitError, arg, check_int, one_line
 from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
 
@@ -249,6 +250,18 @@ def looks_like_hub_id(path: str) -> bool:
             and not str(path).endswith((".json", ".bin", ".safetensors", ".txt")))
 
 
+def is_pruned_dir(path: str) -> bool:
+    """Whether the model directory `path` holds a model whose heads `attnkit prune` removed (its config.json
+    names the heads each layer kept)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return CONFIG_HEADS in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
 def check_model_dir(path: str) -> None:
     """Refuse a model path that cannot hold a complete model, naming the files that are missing."""
     if not str(path).strip():
@@ -293,7 +306,8 @@ def _no_transformers_bars():
 def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None = None):
     """Load a model and its tokenizer from a local path (no hub downloads) with attnkit attention.
 
-    `name_or_path=None` loads the embedded MiniLM. `task` picks the head: None (bare encoder),
+    `name_or_path=None` loads the embedded MiniLM; a directory written by `attnkit prune` is loaded with
+    `attnkit.arch.pruning.load_pruned_model` (docs/pruning.md). `task` picks the head: None (bare encoder),
     "sequence-classification", "question-answering", "masked-lm". Returns (model, tokenizer),
     the model in eval mode on `device` ("cpu", "cuda"; default: cuda when available).
     A directory without config, weights or tokenizer files, or whose tokenizer knows far fewer tokens
@@ -319,7 +333,12 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     try:
         with _no_transformers_bars():
             tokenizer = AutoTokenizer.from_pretrained(path)
-            model = classes[task].from_pretrained(path, dtype=dt)
+            if is_pruned_dir(path):  # heads removed by `attnkit prune`: transformers alone cannot load it
+                model = load_pruned_model(path, classes[task], dtype=dt)
+            else:
+                model = classes[task].from_pretrained(path, dtype=dt)
+    except AttnkitError:
+        raise
     except Exception as exc:
         raise AttnkitError(f"could not load a model from {path!r}: {one_line(exc)}") from None
     if not getattr(tokenizer, "is_fast", False):

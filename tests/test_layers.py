@@ -15,7 +15,7 @@ LAYERS = [
     ("core", ["attnkit.errors", "attnkit.features"]),
     ("ops", ["attnkit.reference", "attnkit.ops", "attnkit.words"]),
     ("files", ["attnkit.run", "attnkit.corpus"]),
-    ("model", ["attnkit.tokens", "attnkit.hf_attention", "attnkit.models", "attnkit.interventions"]),
+    ("model", ["attnkit.tokens", "attnkit.hf_attention", "attnkit.models", "attnkit.interventions", "attnkit.arch"]),
     ("plotting", ["attnkit.plotting"]),
     ("engine", ["attnkit.engine"]),
     ("analyses", ["attnkit.analysis", "attnkit.ablation", "attnkit.probe"]),

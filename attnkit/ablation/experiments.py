@@ -5,7 +5,8 @@
   intra/inter attention only, i.e. remove it from every other type).
 * `heads`  — Kovaleva et al. Fig. 8 / Michel et al. Table 3: one head at a time (zero or uniform).
 * `layers` — Kovaleva et al. Fig. 9: one whole layer at a time.
-* `importance` — Michel et al.: gradient importance + iterative pruning (see `importance.py`).
+* `importance` — Michel et al.: gradient importance + iterative pruning (see `importance.py`); with mode zero every
+  step also gets the parameters, FLOPs per token and tokens/s of the model with its heads removed (`sizes.py`).
 
 Each experiment returns a `ResultTable` (baseline row first) that saves CSV, JSON and Markdown; its figure
 is drawn by attnkit/ablation/figures.py. When the evaluation leaves per-example outputs (`evaluate.last_examples`,
@@ -30,6 +31,7 @@ from ..interventions import HeadTypes, Intervention, format_heads, intervene
 from ..run.outputs import atomic_write, ensure_writable_dir
 from .importance import iterative_pruning
 from .names import EXPERIMENTS
+from .sizes import pruned_sizes, pruning_supported
 
 log = logging.getLogger("attnkit")
 
@@ -282,6 +284,9 @@ def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], di
                    "newly_pruned": format_heads(new)}
             intervals.add(row, f"delta_{main_metric}", examples[i] if i < len(examples) else None)
             rows.append(row)
+        if mode == "zero" and pruning_supported(model):  # Michel et al.'s curve with the real sizes of each step
+            for row, size in zip(rows, pruned_sizes(model, [s["heads"] for s in res["steps"]], progress=progress)):
+                row.update(size)
         imp = res["importance"]
         extra = {"importance": imp["importance"], "importance_raw": imp["raw"], "importance_n": imp["n"],
                  "normalize_layers": normalize_layers, "mode": mode,

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError
-from ..features import describe_feature
+from ..features import describe_feature, weighting_of
 from ..plotting import save_figure
 from ..run.clusters import label_grid, load_clusters, run_stability
 from ..run.distances import HeadDistances
@@ -47,6 +47,12 @@ def report_figures(run_dir) -> list[Path]:
     """The report's figure files that exist in RUN/figures."""
     d = Path(run_dir) / FIGURES_DIR
     return [d / f"{stem}.{ext}" for stem in REPORT_FIGURES for ext in ("png", "svg") if (d / f"{stem}.{ext}").exists()]
+
+
+NORM_NOTE = ("Norm-weighted run (attnkit extract --weighting norm; Kobayashi et al. 2020): every feature describes "
+             "the attention weights scaled per key by the norm of the transformed key vector ‖f_h(x_t)‖ and "
+             "renormalised per row (docs/features.md), not the attention weights themselves. Jensen-Shannon "
+             "distances and example maps show attention weights.")
 
 
 def example_maps(model, tokenizer, texts, picks, *, max_length: int = 64) -> list[dict]:
@@ -548,7 +554,10 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
         panel = _panel(report)
     finally:
         save.close()
-    title = title or f"attnkit report: {run_dir.name}"
+    if weighting_of(features.meta) == "norm":
+        notes.insert(0, NORM_NOTE)
+    title = title or f"attnkit report: {run_dir.name}" + (" (norm-weighted)" if weighting_of(features.meta) == "norm"
+                                                          else "")
     subtitle = (f"{esc(features.meta.get('model', ''))} — {features.n_samples} samples, {features.n_tokens} tokens, "
                 f"{features.n_layers} layers × {features.n_heads} heads; generated "
                 f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}")

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError
+from ..features import weighting_of
 from ..run.clusters import (
     CLUSTERS_FILE,
     VERSION,
@@ -54,7 +55,8 @@ def clusters_dict(clusterer, features=None, sweep_rows=None, seeds=None) -> dict
     run = {"n_layers": int(L), "n_heads": int(H)}
     if features is not None:
         run.update(n_samples=int(features.n_samples), n_tokens=int(features.n_tokens),
-                   model=features.meta.get("model"), corpus=features.meta.get("corpus"))
+                   model=features.meta.get("model"), corpus=features.meta.get("corpus"),
+                   weighting=weighting_of(features.meta))
     return {
         "version": VERSION,
         "settings": {"k": int(clusterer.k), "method": clusterer.method,

@@ -67,7 +67,8 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
                       n_stability=n_stability, do_sweep=sweep, n_seeds=n_seeds, quiet=quiet, overwrite=overwrite,
                       echo=echo_for())
     c, over, rows, feats, path = res.clusterer, res.over_seeds, res.sweep, res.features, res.path
-    click.echo(f"{feats.n_layers} layers × {feats.n_heads} heads, {len(c.feature_names_in_)} features, "
+    norm = " (norm-weighted)" if feats.meta.get("weighting") == "norm" else ""
+    click.echo(f"{feats.n_layers} layers × {feats.n_heads} heads, {len(c.feature_names_in_)} features{norm}, "
                f"{method}, k = {k}: stability {c.stability_:.3f}, silhouette {c.silhouette_:.3f}")
     if over is not None:
         click.echo(f"stability over {over['n_seeds']} seeds: mean {over['mean']:.3f}, range "
@@ -174,9 +175,14 @@ def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit,
 @cli_errors
 def compare_cmd(run_a, run_b, json_out, overwrite, quiet):
     """Compare the head types of two clustered runs (e.g. pretrained vs fine-tuned, or two corpora):
-    which heads changed type, and the type distribution per layer of each."""
+    which heads changed type, and the type distribution per layer of each.
+
+    When one run was extracted with --weighting attention and the other with --weighting norm (one corpus, two
+    weightings), it first shows how much of each head's [CLS], [SEP] and punctuation mass survives norm weighting
+    (Kobayashi et al. 2020); head types are then compared only when both runs are clustered."""
     from ..analysis.results import compare
-    from ..run.clusters import load_clusters
+    from ..analysis.weighting import compare_run_weightings, weighting_lines
+    from ..run.clusters import clusters_path, load_clusters
     from ..run.locking import lock_if_run
     from ..run.outputs import ensure_writable_dir, write_json
     from ..run.overwrite import claim_outputs
@@ -185,7 +191,22 @@ def compare_cmd(run_a, run_b, json_out, overwrite, quiet):
     if json_out is not None:
         ensure_writable_dir(json_out.parent, "output directory")
         claim = claim_outputs([json_out], overwrite)
+    weighting = compare_run_weightings(run_a, run_b) if _run_shape(run_a) and _run_shape(run_b) else None
+    if weighting is not None:
+        for line in weighting_lines(weighting):
+            click.echo(line)
+        if not all(clusters_path(r).is_file() for r in (run_a, run_b)):
+            click.echo("head types not compared: cluster both runs first (attnkit cluster RUN)")
+            if json_out:
+                with lock_if_run(json_out.parent, "attnkit compare"):
+                    write_json(json_out, {"weighting": weighting})
+                click.echo(f"wrote {json_out}")
+                if claim.removed_message():
+                    echo_for()(claim.removed_message(), err=True)
+            return
     res = compare(load_clusters(run_a, _run_shape(run_a)), load_clusters(run_b, _run_shape(run_b)))
+    if weighting is not None:
+        res["weighting"] = weighting
     click.echo(f"{res['n_changed']} of {res['n_heads']} heads changed type")
     if not res["reliable"]:
         st = res["stability"]

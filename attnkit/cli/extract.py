@@ -37,11 +37,15 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.option("--per-sample", is_flag=True,
               help="Also keep every sample's features: OUT/per_sample.npy (float16, samples × layers × heads × "
                    "features, input order; memory-mapped) for `attnkit patterns`.")
+@click.option("--weighting", type=click.Choice(["attention", "norm"]), default="attention", show_default=True,
+              help="What the features describe: the attention weights, or the weights scaled per key by the norm of "
+                   "the key's transformed vector ‖f_h(x_t)‖ (Kobayashi et al. 2020; docs/features.md). Part of the "
+                   "run: resume with the same value.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
 def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length, batch_size, window, device,
             devices, workers, dtype, num_windows, sentences, limit, backend, engine, ray_address, out, resume,
-            overwrite, checkpoint_every, per_sample, quiet):
+            overwrite, checkpoint_every, per_sample, weighting, quiet):
     """Measure per-head attention features over CORPUS (default: a small built-in English corpus).
 
     CORPUS is any number of files, directories (searched recursively for corpus files), shell globs, or '-'
@@ -60,7 +64,7 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
         squad_pairs=squad_pairs, max_length=max_length, batch_size=batch_size, window=window, device=device,
         devices=devices, dtype=dtype, num_windows=num_windows, sentences=sentences, limit=limit, backend=backend,
         workers=workers, engine=engine, ray_address=ray_address, out=out, resume=resume, overwrite=overwrite,
-        checkpoint_every=checkpoint_every, per_sample=per_sample, quiet=quiet)
+        checkpoint_every=checkpoint_every, per_sample=per_sample, quiet=quiet, weighting=weighting)
     try:
         run_extract_job(opts, echo=echo_for())
     except Interrupted as exc:

@@ -17,9 +17,10 @@ from .extract import extract
 from .options import CommandLine
 from .patterns import patterns_cmd
 from .probe import probe
+from .prune import prune_cmd
 
 COMMANDS = (extract, cluster_cmd, distances_cmd, report_cmd, compare_cmd, patterns_cmd, compare_models_cmd, ablate,
-            export_cmd, probe)
+            export_cmd, probe, prune_cmd)
 
 
 @click.group(cls=CommandLine, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..corpus import corpus_of_run
 from ..errors import AttnkitError, arg, print_message
-from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, weighting_of
 from ..models import attention_modules, load_model
 from ..run.distances import HeadDistances
 from ..run.files import DISTANCES_FILE, REPORT_FILE
@@ -80,6 +80,8 @@ def run_distances_job(opts: DistancesOptions,
         texts = corpus_of_run(run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs, columns=opts.columns,
                               limit=opts.limit)
         claim = claim_outputs([run / DISTANCES_FILE], opts.overwrite, stale=[run / REPORT_FILE])
+        if weighting_of(meta) == "norm":
+            say(f"attnkit distances: {run} holds norm-weighted features; the distances compare attention weights")
         max_length = int(meta.get("max_length", DEFAULT_MAX_LENGTH))
         num_windows = int(meta.get("num_windows", DEFAULT_NUM_WINDOWS))
         if opts.engine == "ray":

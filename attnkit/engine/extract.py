@@ -15,7 +15,14 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..errors import AttnkitError, arg, check_int
-from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows, feature_names
+from ..features import (
+    DEFAULT_MAX_LENGTH,
+    DEFAULT_NUM_WINDOWS,
+    DEFAULT_WEIGHTING,
+    check_num_windows,
+    check_weighting,
+    feature_names,
+)
 from ..models import attention_modules, check_max_length, observing, resolve_model
 from ..ops import BACKENDS, backend_label, resolve_backend
 from ..run.head_features import FeatureAccumulator, HeadFeatures
@@ -30,7 +37,8 @@ from .progress import segment_bar
 @dataclass(frozen=True)
 class ExtractSettings:
     """What decides the numbers of an extraction: the samples (`max_length`, `split_sentences`), the plan of
-    batches (`batch_size`, `window`: docs/pipeline.md) and the features (`num_windows`, `backend`).
+    batches (`batch_size`, `window`: docs/pipeline.md) and the features (`num_windows`, `backend`, `weighting`:
+    "attention" or "norm", docs/features.md).
     `batch_size` None: `default_batch_size` of the device."""
 
     max_length: int = DEFAULT_MAX_LENGTH
@@ -39,6 +47,7 @@ class ExtractSettings:
     num_windows: int = DEFAULT_NUM_WINDOWS
     split_sentences: bool = False
     backend: str = "auto"
+    weighting: str = DEFAULT_WEIGHTING
 
     def check(self) -> ExtractSettings:
         """Refuse settings no model could run, naming the argument (the model's own limits are checked by
@@ -46,6 +55,7 @@ class ExtractSettings:
         check_int(self.max_length, "max_length", minimum=2)
         check_plan_settings(1 if self.batch_size is None else self.batch_size, self.window)
         check_num_windows(self.num_windows)
+        check_weighting(self.weighting)
         if self.backend not in BACKENDS:
             raise AttnkitError(f"unknown {arg('backend')} {self.backend!r}: use 'auto', 'fused' or 'reference'")
         return self
@@ -161,7 +171,8 @@ def run_extraction(
 
     with contextlib.ExitStack() as stack:
         for m in models:
-            stack.enter_context(measuring(m, backend=settings.backend, num_windows=settings.num_windows))
+            stack.enter_context(measuring(m, backend=settings.backend, num_windows=settings.num_windows,
+                                          weighting=settings.weighting))
         stack.enter_context(observing(model, observers))
         if bar is not None:
             stack.callback(bar.close)
@@ -202,6 +213,7 @@ def extract(
     window: int = DEFAULT_WINDOW,
     per_sample: bool = False,
     label: str = "extract",
+    weighting: str = DEFAULT_WEIGHTING,
 ) -> HeadFeatures:
     """Per-head features of `texts` (a list of str or of (str, str) pairs, or an attnkit.corpus.Corpus, which
     is streamed) under `model`.
@@ -215,13 +227,15 @@ def extract(
     beyond float64 rounding, only padding does.
     `per_sample`: also keep every sample's features (`HeadFeatures.per_sample`, n_samples × layers × heads ×
     features float32 in the order of `texts`; `.save(dir)` writes them as per_sample.npy, docs/patterns.md).
+    `weighting`: "attention" (the features describe the attention weights) or "norm" (the weights scaled per key
+    by the norm of the transformed key vector, Kobayashi et al. 2020: docs/features.md).
     """
     from ..corpus import Corpus
 
     if not isinstance(texts, Corpus):  # a Corpus streams (and checks) its own segments
         texts = _check_texts(texts)
     settings = ExtractSettings(max_length=max_length, batch_size=batch_size, window=window, num_windows=num_windows,
-                               split_sentences=split_sentences, backend=backend).check()
+                               split_sentences=split_sentences, backend=backend, weighting=weighting).check()
     devs = None
     if devices is not None:
         devs = parse_devices(",".join(map(str, devices)) if isinstance(devices, (list, tuple)) else devices)
@@ -243,6 +257,7 @@ def extract(
         "max_length": max_length,
         "num_windows": num_windows,
         "split_sentences": split_sentences,
+        "weighting": weighting,
         "n_truncated": state.n_truncated,
         "backend": backend_label(backend, dev),
         "device": str(dev),

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError, arg, check_int, print_message
-from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, feature_names, num_features
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING, feature_names, num_features
 from ..models import attention_modules, check_max_length, default_model_path, load_model, max_positions
 from ..ops import backend_label
 from ..run.files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
@@ -75,10 +75,12 @@ class ExtractOptions:
     checkpoint_every: int = 20
     quiet: bool = False
     per_sample: bool = False
+    weighting: str = DEFAULT_WEIGHTING
 
     def extract_settings(self, batch_size: int | None) -> ExtractSettings:
         return ExtractSettings(max_length=self.max_length, batch_size=batch_size, window=self.window,
-                               num_windows=self.num_windows, split_sentences=self.sentences, backend=self.backend)
+                               num_windows=self.num_windows, split_sentences=self.sentences, backend=self.backend,
+                               weighting=self.weighting)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -164,6 +166,8 @@ class _Job:
             "engine": opts.engine,
             "per_sample": opts.per_sample,
         }
+        if opts.weighting != DEFAULT_WEIGHTING:  # absent for attention runs, as in runs made before norm weighting
+            self.settings["weighting"] = opts.weighting
 
     def say(self, text: str) -> None:
         """A stage message on stderr (unless quiet)."""
@@ -193,6 +197,7 @@ class _Job:
             "n_segments": acc.n_samples,
             "max_length": opts.max_length,
             "num_windows": opts.num_windows,
+            "weighting": opts.weighting,
             "n_truncated": n_truncated,
             "backend": self.settings["backend"],
             **engine_info,

@@ -10,8 +10,9 @@ import contextlib
 
 import torch
 
+from ..arch.architectures import attention_layers
 from ..errors import AttnkitError
-from ..features import DEFAULT_NUM_WINDOWS
+from ..features import DEFAULT_NUM_WINDOWS, check_weighting
 from ..models import attention_modules, runtime_of
 
 DEFAULT_BATCH_SIZE = {"cpu": 16, "cuda": 64}
@@ -22,16 +23,33 @@ def default_batch_size(device) -> int:
     return DEFAULT_BATCH_SIZE["cuda" if torch.device(device).type == "cuda" else "cpu"]
 
 
+def output_projections(model) -> dict:
+    """layer → the output projection (nn.Linear) of each attention module of an instrumented `model`, found by the
+    layout of its architecture (attnkit/arch/architectures.py); an AttnkitError for an architecture attnkit does
+    not know."""
+    layers = {id(a.module): a for a in attention_layers(model, "norm weighting")}
+    out = {}
+    for mod in attention_modules(model):
+        if id(mod) not in layers:
+            raise AttnkitError(f"norm weighting: the attention module {type(mod).__name__} of layer {mod.layer_idx} "
+                               f"is not where the {model.config.model_type} layout expects it")
+        out[mod.layer_idx] = layers[id(mod)].output
+    return out
+
+
 @contextlib.contextmanager
-def measuring(model, *, backend: str = "auto", num_windows: int = DEFAULT_NUM_WINDOWS):
-    """Inside the block, forwards of `model` record per-layer features into its runtime."""
+def measuring(model, *, backend: str = "auto", num_windows: int = DEFAULT_NUM_WINDOWS, weighting: str = "attention"):
+    """Inside the block, forwards of `model` record per-layer features into its runtime, weighted as `weighting`
+    says ("norm": by the norms of the transformed keys, which needs an architecture attnkit knows)."""
     rt = runtime_of(model)
-    saved = (rt.backend, rt.num_windows, rt.want_features)
-    rt.backend, rt.num_windows, rt.want_features = backend, num_windows, True
+    out_proj = output_projections(model) if check_weighting(weighting) == "norm" else {}
+    saved = (rt.backend, rt.num_windows, rt.want_features, rt.weighting, rt.out_proj)
+    rt.backend, rt.num_windows, rt.want_features, rt.weighting, rt.out_proj = (backend, num_windows, True, weighting,
+                                                                               out_proj)
     try:
         yield rt
     finally:
-        rt.backend, rt.num_windows, rt.want_features = saved
+        rt.backend, rt.num_windows, rt.want_features, rt.weighting, rt.out_proj = saved
         rt.batch = None
         rt.features = {}
 
@@ -59,4 +77,5 @@ def device_forward(model, batch) -> torch.Tensor:
     return forward_features(model, batch, to_cpu=False)
 
 
-__all__ = ["DEFAULT_BATCH_SIZE", "default_batch_size", "device_forward", "forward_features", "measuring"]
+__all__ = ["DEFAULT_BATCH_SIZE", "default_batch_size", "device_forward", "forward_features", "measuring",
+           "output_projections"]

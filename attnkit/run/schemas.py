@@ -39,6 +39,8 @@ META_SCHEMA = {
         "n_truncated": _INT0,
         "max_length": _INT1,
         "num_windows": _INT1,
+        # "norm": features of norm-weighted attention (docs/features.md); absent in runs made before it existed
+        "weighting": {"enum": ["attention", "norm"]},
         "model": _STR_OR_NULL,
         "model_type": _STR_OR_NULL,
         "corpus": _STR_OR_NULL,
@@ -124,6 +126,20 @@ PER_SAMPLE_SCHEMA = {
                    "n_heads": _INT1},
 }
 
+# DIR/importance.json, written by `attnkit ablate --experiment importance` (attnkit/ablation/experiments.py) and read
+# by `attnkit prune --importance` (attnkit/ablation/prune.py): what the pruning order needs.
+IMPORTANCE_SCHEMA = {
+    "type": "object",
+    "required": ["experiment", "rows", "importance"],
+    "properties": {
+        "experiment": {"const": "importance"},
+        "importance": {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1,
+                                                                 "items": {"type": "number"}}},
+        "rows": {"type": "array", "items": {"type": "object", "properties": {
+            "newly_pruned": {"type": ["string", "null"]}}}},
+    },
+}
+
 # SQuAD v1.1 / v2.0 JSON as attnkit reads it: the corpus reader (contexts, or question + context pairs) and the
 # ablation's squad task (which also reads ids and answers). Every field but data, context and question may be
 # absent; a field that is there must have its type.
@@ -184,6 +200,8 @@ def _problem(err) -> str:
         return f"must be {_short(err.validator_value)}, got {_short(err.instance)}"
     if err.validator == "minItems":
         return f"needs at least {err.validator_value} item(s), got {len(err.instance)}"
+    if err.validator == "enum":
+        return f"must be one of {', '.join(_short(v) for v in err.validator_value)}, got {_short(err.instance)}"
     if err.validator == "minLength":
         return "must not be empty"
     msg = err.message
@@ -273,4 +291,5 @@ def validate_arrays(arrays: dict, spec: dict[str, ArraySpec], path) -> None:
 
 
 __all__ = ["validate", "load_json", "load_npz", "validate_arrays", "ArraySpec", "META_SCHEMA", "CLUSTERS_SCHEMA",
-           "CLUSTERS_REPORT_SCHEMA", "PER_SAMPLE_SCHEMA", "SQUAD_SCHEMA", "FEATURES_ARRAYS", "DISTANCES_ARRAYS"]
+           "CLUSTERS_REPORT_SCHEMA", "PER_SAMPLE_SCHEMA", "SQUAD_SCHEMA", "IMPORTANCE_SCHEMA", "FEATURES_ARRAYS",
+           "DISTANCES_ARRAYS"]

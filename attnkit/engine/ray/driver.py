@@ -220,7 +220,7 @@ class ShardedRun:
         actor_args = {"kind": self.kind, "model_path": self.model_path, "dtype": self.dtype,
                       "max_length": s.max_length, "backend": s.backend, "num_windows": s.num_windows,
                       "rows_per_sample": self.rows_per_sample, "seed": self.seed, "threads": self.cpus_per_actor,
-                      "pid_dir": os.environ.get(PID_DIR_ENV) or None}
+                      "pid_dir": os.environ.get(PID_DIR_ENV) or None, "weighting": s.weighting}
         ray = self.ray
         ds = ray.data.from_items(rows, override_num_blocks=len(rows))  # one planned batch per block
         ds = ds.map_batches(tokenise, fn_kwargs=tokenise_args, batch_size=1, batch_format="numpy", num_cpus=1)

@@ -61,7 +61,7 @@ class ModelActor:
     """Ray Data stage held by each actor of the pool: the instrumented model; per batch, its sums."""
 
     def __init__(self, *, kind, model_path, dtype, max_length, backend, num_windows, rows_per_sample, seed,
-                 threads, pid_dir=None):
+                 threads, pid_dir=None, weighting="attention"):
         import torch
 
         torch.set_num_threads(threads)  # the CPUs the actor holds (see the module docstring)
@@ -79,7 +79,7 @@ class ModelActor:
         check_max_length(self.model, max_length)
         resolve_backend(backend, device)
         self.device = next(self.model.parameters()).device
-        self.kind, self.backend, self.num_windows = kind, backend, num_windows
+        self.kind, self.backend, self.num_windows, self.weighting = kind, backend, num_windows, weighting
         self.rows_per_sample, self.seed = rows_per_sample, seed
         self.n_layers = len(attention_modules(self.model))
         self.n_heads = self.model.config.num_attention_heads
@@ -130,7 +130,8 @@ class ModelActor:
 
         batch = Batch.from_arrays(arrays).to(self.device)
         collector = self._collector(batch_index) if self.kind == "distances" else None
-        with measuring(self.model, backend=self.backend, num_windows=self.num_windows) as rt, \
+        with measuring(self.model, backend=self.backend, num_windows=self.num_windows,
+                       weighting=self.weighting if self.kind == "features" else "attention") as rt, \
                 observing(rt, [collector] if collector is not None else []):
             feats = forward_features(self.model, batch, rt).numpy()
         common = {"n_samples": np.int64(feats.shape[0]), "n_tokens": np.int64(arrays.n_tokens),

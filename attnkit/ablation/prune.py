@@ -1,0 +1,187 @@
+"""`attnkit prune` as a job: remove heads physically and write the smaller model (docs/pruning.md).
+
+The heads come from a list ("L2H5,L3H1", "L4" for a whole layer) or from the file `attnkit ablate --experiment
+importance` writes: `--fraction F` removes the first round(F · N) heads (N: all heads of the unpruned model) in
+the order that experiment pruned them (Michel et al.'s iterative pruning: its `newly_pruned` column, step by step,
+least important first within a step). The model is loaded with its task head (classifier, QA, masked LM) where
+its config names one, its heads removed (attnkit/arch/pruning.py), and saved with its tokenizer into a new
+directory, which replaces an existing one only with `overwrite` (and only once the new one is written).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..arch.architectures import attention_layers
+from ..arch.pruning import current_heads, prune_heads, pruned_head_grid
+from ..errors import AttnkitError, arg
+from ..interventions import format_heads, parse_heads
+from ..models import default_model_path, load_model
+from ..run.outputs import ensure_writable_dir, os_errors
+from ..run.schemas import IMPORTANCE_SCHEMA, load_json
+from .sizes import count_parameters
+
+IMPORTANCE_FILE = "importance.json"  # what `attnkit ablate --experiment importance -o DIR` writes into DIR
+_TASKS = {"ForSequenceClassification": "sequence-classification", "ForQuestionAnswering": "question-answering",
+          "ForMaskedLM": "masked-lm"}
+
+
+@dataclass
+class PruneOptions:
+    """Everything `attnkit prune` takes (its options, by their Python names)."""
+
+    model: str
+    out: str
+    heads: str | None = None
+    importance: str | None = None
+    fraction: float | None = None
+    overwrite: bool = False
+
+
+@dataclass
+class Pruned:
+    """What `run_prune` wrote: the heads removed now, the heads each layer kept, parameters before and after."""
+
+    path: Path
+    removed: list
+    kept: list = field(default_factory=list)
+    params_before: int = 0
+    params_after: int = 0
+
+
+def check_fraction(fraction) -> float:
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise AttnkitError(f"{arg('fraction')} must be a number in (0, 1], got {fraction!r}")
+    return float(fraction)
+
+
+def importance_order(path, shape: tuple[int, int]) -> list[tuple[int, int]]:
+    """The heads in the order the importance experiment in `path` (its JSON file, or the directory holding it)
+    pruned them; checked against the model's (layers, heads)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / IMPORTANCE_FILE
+    data = load_json(path, IMPORTANCE_SCHEMA, "the table of attnkit ablate --experiment importance")
+    grid = data["importance"]
+    if (len(grid), len(grid[0]) if grid else 0) != tuple(shape):
+        raise AttnkitError(f"{path} ranks {len(grid)} layers × {len(grid[0]) if grid else 0} heads, but the model has "
+                           f"{shape[0]} × {shape[1]}")
+    order: list[tuple[int, int]] = []
+    for i, row in enumerate(data["rows"]):
+        try:
+            heads = parse_heads(row.get("newly_pruned") or "", shape)
+        except AttnkitError as exc:
+            raise AttnkitError(f"{path}: rows[{i}].newly_pruned: {exc.template}") from None
+        order += [h for h in heads if h not in order]
+    return order
+
+
+def heads_to_remove(opts: PruneOptions, shape: tuple[int, int]) -> list[tuple[int, int]]:
+    """The heads `opts` names, in the unpruned numbering."""
+    if opts.heads is None and opts.importance is None and opts.fraction is not None:
+        raise AttnkitError(f"{arg('fraction')} needs {arg('importance')} FILE: the order in which to remove heads")
+    if (opts.heads is None) == (opts.importance is None):
+        raise AttnkitError(f"give the heads to remove with {arg('heads')} or {arg('importance')} (with "
+                           f"{arg('fraction')}), one of the two")
+    if opts.heads is not None:
+        if opts.fraction is not None:
+            raise AttnkitError(f"{arg('fraction')} goes with {arg('importance')}, not with {arg('heads')}")
+        heads = parse_heads(opts.heads, shape)
+        if not heads:
+            raise AttnkitError(f"{arg('heads')} names no head: write heads as L2H5,L3H1 (or L4 for a whole layer)")
+        return heads
+    if opts.fraction is None:
+        raise AttnkitError(f"{arg('importance')} needs {arg('fraction')}: the share of all heads to remove")
+    fraction = check_fraction(opts.fraction)
+    n = shape[0] * shape[1]
+    k = round(fraction * n)
+    if k == 0:
+        raise AttnkitError(f"{arg('fraction')} {fraction:g} of {n} heads rounds to no head")
+    order = importance_order(opts.importance, shape)
+    if k > len(order):
+        raise AttnkitError(f"{opts.importance} orders {len(order)} of the {n} heads, fewer than the {k} that "
+                           f"{arg('fraction')} {fraction:g} asks for")
+    return order[:k]
+
+
+def _task_of(path: str) -> str | None:
+    """The `task` of attnkit.load_model that keeps the head the config's architecture names."""
+    from transformers import AutoConfig
+
+    try:
+        archs = AutoConfig.from_pretrained(path).architectures or []
+    except Exception:
+        return None  # load_model says what is wrong with the directory
+    for arch in archs:
+        for suffix, task in _TASKS.items():
+            if arch.endswith(suffix):
+                return task
+        if "For" in arch:
+            raise AttnkitError(f"{path} holds a {arch}: attnkit prune keeps the heads of encoders, sequence "
+                               "classifiers, question answering and masked-LM models")
+    return None
+
+
+def check_out(out: Path, model_path: str, overwrite: bool) -> None:
+    """Refuse an output path that is a file, the model itself, or a directory that is there and not empty
+    (without `overwrite`)."""
+    if out.exists() and not out.is_dir():
+        raise AttnkitError(f"{arg('out')} {str(out)!r} exists and is not a directory")
+    if out.exists() and out.resolve() == Path(model_path).resolve():
+        raise AttnkitError(f"{arg('out')} {str(out)!r} is the model being pruned: write the pruned model elsewhere")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise AttnkitError(f"{arg('out')} {str(out)!r} already exists: use {arg('overwrite', True)} to replace it, "
+                           f"or another {arg('out')}")
+
+
+def run_prune(opts: PruneOptions, echo=None) -> Pruned:
+    """Prune as `opts` says; `echo(text, err=True)`, when given, receives the stage messages."""
+    path = default_model_path() if opts.model == "default" else str(opts.model)
+    out = Path(opts.out)
+    check_out(out, path, opts.overwrite)
+    ensure_writable_dir(out.parent if str(out.parent) else Path("."), "output directory")
+    if echo:
+        echo(f"attnkit prune: loading {path}", err=True)
+    model, tokenizer = load_model(path, device="cpu", task=_task_of(path))
+    shape = (len(attention_layers(model, "attnkit prune")), int(model.config.num_attention_heads))
+    heads = heads_to_remove(opts, shape)
+    if opts.importance is not None:  # heads of the order that an earlier pruning removed are gone already
+        have = {(l, h) for l, hs in enumerate(current_heads(attention_layers(model), shape[1])) for h in hs}
+        heads = [lh for lh in heads if lh in have]
+    before = count_parameters(model)
+    if echo:
+        echo(f"attnkit prune: removing {len(heads)} head(s) and writing {out}", err=True)
+    prune_heads(model, heads)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    with os_errors(f"write the pruned model to {out}"):
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        finally:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(tmp)
+    grid = pruned_head_grid(model)
+    kept = [[int(h) for h in row.nonzero()[0]] for row in grid]
+    return Pruned(out, heads, kept, before, count_parameters(model))
+
+
+def describe(res: Pruned) -> list[str]:
+    """What `attnkit prune` prints."""
+    n = sum(len(k) for k in res.kept)
+    lines = [f"removed {len(res.removed)} head(s): {format_heads(res.removed) or 'none'}",
+             "heads per layer now: " + " ".join(str(len(k)) for k in res.kept) + f" ({n} in all)",
+             f"parameters: {res.params_before:,} → {res.params_after:,} "
+             f"({1 - res.params_after / max(res.params_before, 1):.1%} fewer)",
+             f"wrote {res.path} (load it with attnkit.load_model({str(res.path)!r}), or with transformers through "
+             f"attnkit.arch.load_pruned_model)"]
+    return lines
+
+
+__all__ = ["IMPORTANCE_FILE", "PruneOptions", "Pruned", "check_fraction", "describe", "heads_to_remove",
+           "importance_order", "run_prune"]

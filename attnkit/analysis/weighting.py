@@ -1,0 +1,115 @@
+"""Two weightings of one corpus side by side: how much of each head's special-token mass survives norm weighting
+(Kobayashi et al. 2020; docs/analysis.md, "Attention against norm-weighted attention").
+
+A head's mass on a token class is its corpus-mean feature (`cls`, `sep`, `comma` + `period`; docs/features.md).
+Under attention weighting it is the weight the head gives those tokens; under norm weighting, the share of its
+norm-weighted rows ‖α_{s,t} f_h(x_t)‖ / Σ_u ‖α_{s,u} f_h(x_u)‖ that they take. The surviving share of a head is
+norm mass / attention mass (it can exceed 1: a head whose special tokens carry large vectors). Kobayashi et al.'s
+finding is that it is mostly small: [CLS], [SEP] and punctuation get large weights but small transformed vectors.
+
+`attnkit compare RUN_ATTENTION RUN_NORM` prints it when the two runs differ in weighting only.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import AttnkitError
+from ..features import weighting_of
+from ..run.head_features import HeadFeatures
+from .summaries import SPECIAL_GROUPS
+
+GROUPS = SPECIAL_GROUPS + (("all special", ("cls", "sep", "comma", "period")),)
+# settings that must agree for the two runs to measure the same heads on the same samples
+SAME = ("model", "corpus_sha256", "max_length", "num_windows", "split_sentences", "limit")
+
+
+def _mass(features: HeadFeatures, names) -> np.ndarray:
+    missing = [n for n in names if n not in features.names]
+    if missing:
+        raise AttnkitError(f"the run's features lack {', '.join(missing)}")
+    return sum(features.mean[:, :, features.names.index(n)] for n in names)
+
+
+def _num(x):
+    x = float(x)
+    return None if math.isnan(x) else x
+
+
+def _grid(a: np.ndarray) -> list:
+    return [[_num(x) for x in row] for row in a]
+
+
+def check_same_measurement(attention: HeadFeatures, norm: HeadFeatures) -> None:
+    """Refuse two runs that do not measure the same heads on the same samples (naming what differs)."""
+    if attention.mean.shape != norm.mean.shape or attention.names != norm.names:
+        raise AttnkitError(f"the two runs have different heads or features: {attention.mean.shape} and "
+                           f"{norm.mean.shape} (layers × heads × features)")
+    sa, sb = attention.meta.get("settings", {}), norm.meta.get("settings", {})
+    differ = [k for k in SAME if k in sa and k in sb and sa[k] != sb[k]]
+    if attention.n_samples != norm.n_samples:
+        differ.append("n_samples")
+    if differ:
+        raise AttnkitError("the two runs measure different things, not one corpus under two weightings: "
+                           + ", ".join(differ) + " differ")
+
+
+def compare_weightings(attention: HeadFeatures, norm: HeadFeatures) -> dict:
+    """Special-token mass of every head under attention and norm weighting, and the surviving share.
+
+    Returns {"groups": {group: {"attention", "norm", "survival": L × H lists (survival null where the
+    attention mass is 0), "mean_attention", "mean_norm", "survival_of_means"}}, "per_layer": {group:
+    {"attention": [...], "norm": [...]}}, "heads": the heads with the most special-token mass under attention,
+    with both masses}. Means are over all heads."""
+    check_same_measurement(attention, norm)
+    groups, per_layer = {}, {}
+    for label, names in GROUPS:
+        a, n = _mass(attention, names), _mass(norm, names)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            survival = np.where(a > 0, n / a, np.nan)
+        groups[label] = {"attention": _grid(a), "norm": _grid(n), "survival": _grid(survival),
+                         "mean_attention": float(a.mean()), "mean_norm": float(n.mean()),
+                         "survival_of_means": _num(n.mean() / a.mean()) if a.mean() > 0 else None}
+        per_layer[label] = {"attention": [float(x) for x in a.mean(1)], "norm": [float(x) for x in n.mean(1)]}
+    special = _mass(attention, GROUPS[-1][1])
+    top = np.argsort(-special, axis=None, kind="stable")[:10]
+    heads = []
+    for flat in top:
+        l, h = (int(x) for x in np.unravel_index(flat, special.shape))
+        heads.append({"layer": l, "head": h, "attention": float(special[l, h]),
+                      "norm": float(_mass(norm, GROUPS[-1][1])[l, h])})
+    return {"groups": groups, "per_layer": per_layer, "heads": heads}
+
+
+def compare_run_weightings(run_a, run_b) -> dict | None:
+    """The comparison of two run directories that differ in weighting (one attention, one norm), with the runs
+    named; None when they have the same weighting."""
+    fa, fb = HeadFeatures.load(run_a), HeadFeatures.load(run_b)
+    wa, wb = weighting_of(fa.meta), weighting_of(fb.meta)
+    if wa == wb:
+        return None
+    (ra, attention), (rn, norm) = ((run_a, fa), (run_b, fb)) if wa == "attention" else ((run_b, fb), (run_a, fa))
+    return {"attention_run": str(Path(ra)), "norm_run": str(Path(rn)), **compare_weightings(attention, norm)}
+
+
+def weighting_lines(res: dict) -> list[str]:
+    """What `attnkit compare` prints of a weighting comparison."""
+    lines = [f"weightings: {res['attention_run']} attention, {res['norm_run']} norm (Kobayashi et al. 2020); "
+             "special-token mass, mean over heads:",
+             f"  {'':<13} {'attention':>9} {'norm':>7} {'surviving':>10}"]
+    for label, g in res["groups"].items():
+        surv = "–" if g["survival_of_means"] is None else f"{g['survival_of_means']:.0%}"
+        lines.append(f"  {label:<13} {g['mean_attention']:>9.3f} {g['mean_norm']:>7.3f} {surv:>10}")
+    lines.append("surviving share of each head's [CLS]+[SEP]+punctuation mass (norm / attention; rows: layers, "
+                 "columns: heads):")
+    for l, row in enumerate(res["groups"]["all special"]["survival"]):
+        lines.append(f"  L{l:<3} " + " ".join("   –" if x is None else f"{x:>4.0%}" if x < 10 else ">999"
+                                              for x in row))
+    lines.append("heads with the most special-token mass by attention (attention → norm): "
+                 + ", ".join(f"L{h['layer']}H{h['head']} {h['attention']:.2f}→{h['norm']:.2f}" for h in res["heads"]))
+    return lines
+
+
+__all__ = ["GROUPS", "check_same_measurement", "compare_run_weightings", "compare_weightings", "weighting_lines"]

@@ -1,0 +1,281 @@
+"""Physical head pruning (Michel et al. 2019; docs/pruning.md): heads removed from W_Q, W_K, W_V and W_O.
+
+`prune_heads(model, [(layer, head), ...])` removes the named heads in place: their rows of the query, key and
+value projections (weights and biases) and their columns of the output projection. A layer may keep any number
+of heads. A layer with none left keeps its residual path only: its attention module returns a zero-width output,
+so the output projection adds just its bias (what a layer whose every head is zeroed gives), and it still calls
+the attention interface with empty q, k, v, so attnkit sees every layer.
+
+Heads keep the numbering of the unpruned model: each attention module carries the heads it kept (original
+indices, `kept_heads`), and the config records them per layer (`attnkit_heads`, with `attnkit_head_counts`);
+`config.num_attention_heads` stays the unpruned count. attnkit's measurements of a pruned model therefore use the
+unpruned layers × heads grid (attnkit/hf_attention.py).
+
+transformers cannot load such a model by itself (each layer of its classes has `num_attention_heads` heads):
+`load_pruned_model(path)` builds the unpruned structure from the config, removes the heads the config names and
+loads the weights; `attnkit.load_model(path)` uses it for a pruned directory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import types
+import warnings
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import AttnkitError
+from .architectures import AttentionLayer, attention_layers
+
+log = logging.getLogger("attnkit")
+
+KEPT_ATTR = "_attnkit_kept_heads"  # on an attention module: (kept heads in the unpruned numbering, unpruned count)
+OWN_OUTPUT_ATTR = "_attnkit_own_output"  # on a headless attention module that holds its output projection
+CONFIG_HEADS = "attnkit_heads"  # config: per layer, the heads kept (unpruned numbering)
+CONFIG_COUNTS = "attnkit_head_counts"  # config: per layer, how many
+
+
+def kept_heads(module) -> tuple[tuple[int, ...], int] | None:
+    """(heads kept, in the unpruned numbering; the unpruned head count) of an attention module that
+    `prune_heads` changed; None for one it did not."""
+    return getattr(module, KEPT_ATTR, None)
+
+
+def to_kept(t: torch.Tensor | None, kept: tuple[tuple[int, ...], int]) -> torch.Tensor | None:
+    """The entries of the kept heads of a per-head tensor of the unpruned layer (heads on its first axis: the
+    modes, regions and gates of an intervention); None stays None."""
+    if t is None:
+        return None
+    return t[torch.tensor(kept[0], dtype=torch.long, device=t.device)]
+
+
+def to_unpruned(t: torch.Tensor, kept: tuple[tuple[int, ...], int]) -> torch.Tensor:
+    """A B × h × … tensor of the kept heads (features, q, k) spread over the unpruned heads (B × H × …): zeros in
+    the places of the removed heads."""
+    heads, H = kept
+    out = t.new_zeros((t.shape[0], H, *t.shape[2:]))
+    out[:, list(heads)] = t
+    return out
+
+
+def _n_heads(model) -> int:
+    return int(model.config.num_attention_heads)
+
+
+def _skip_init_linear(in_features: int, out_features: int, like: nn.Linear) -> nn.Linear:
+    """An nn.Linear of the given size on `like`'s device and dtype, its parameters left uninitialised."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Initializing zero-element tensors is a no-op"
+        lin = torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=like.bias is not None,
+                                       device=like.weight.device, dtype=like.weight.dtype)
+    lin.weight.requires_grad_(like.weight.requires_grad)
+    return lin
+
+
+def _rows(lin: nn.Linear, idx: torch.Tensor) -> nn.Linear:
+    new = _skip_init_linear(lin.in_features, len(idx), lin)
+    with torch.no_grad():
+        new.weight.copy_(lin.weight[idx.to(lin.weight.device)])
+        if lin.bias is not None:
+            new.bias.copy_(lin.bias[idx.to(lin.bias.device)])
+    return new
+
+
+def _columns(lin: nn.Linear, idx: torch.Tensor) -> nn.Linear:
+    new = _skip_init_linear(len(idx), lin.out_features, lin)
+    with torch.no_grad():
+        new.weight.copy_(lin.weight[:, idx.to(lin.weight.device)])
+        if lin.bias is not None:
+            new.bias.copy_(lin.bias)
+    return new
+
+
+def _no_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention of zero heads (what eager attention gives for them): an empty B × L × 0 × D output."""
+    B, _, L, D = query.shape
+    return query.new_zeros(B, L, 0, D), None
+
+
+def _forward_without_heads(self, hidden_states, attention_mask=None, *args, **kwargs):
+    """The forward of an attention module with no head left: a B × L × 0 output (through the module's own output
+    projection where it holds one: its bias). The attention interface is still called, with empty q, k, v."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    B, L = hidden_states.shape[:2]
+    empty = hidden_states.new_zeros(B, 0, L, self.attention_head_size)
+    kwargs.pop("past_key_values", None)
+    fn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _no_attention)
+    out, weights = fn(self, empty, empty, empty, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+    out = out.reshape(B, L, 0)
+    own = getattr(self, OWN_OUTPUT_ATTR, None)
+    if own is not None:
+        out = getattr(self, own)(out)
+    return out, weights
+
+
+def _keep_positions(layer: AttentionLayer, positions: list[int]) -> None:
+    """Keep only the heads at `positions` (of the layer's current heads) in the projections of `layer`."""
+    D = layer.head_size
+    idx = torch.tensor([p * D + d for p in positions for d in range(D)], dtype=torch.long)
+    for name in ("query", "key", "value"):
+        layer.replace(name, _rows(layer.linear(name), idx))
+    layer.replace("output", _columns(layer.output, idx))
+    setattr(layer.module, layer.layout.heads_attr, len(positions))
+    if layer.layout.size_attr is not None:
+        setattr(layer.module, layer.layout.size_attr, len(positions) * D)
+
+
+def current_heads(layers: list[AttentionLayer], n_heads: int) -> list[list[int]]:
+    """The heads each layer has now, in the unpruned numbering."""
+    out = []
+    for layer in layers:
+        kept = kept_heads(layer.module)
+        out.append(list(kept[0]) if kept is not None else list(range(n_heads)))
+    return out
+
+
+def prune_heads(model, heads: Iterable[tuple[int, int]]):
+    """Remove `heads` ((layer, head) pairs in the unpruned numbering) from `model`, in place; returns the model.
+
+    A head outside the model's layers × heads, or one it no longer has, is refused (AttnkitError) before anything
+    changes. The config records what each layer kept (module docstring)."""
+    layers = attention_layers(model, "pruning heads")
+    L, H = len(layers), _n_heads(model)
+    current = current_heads(layers, H)
+    remove: dict[int, set[int]] = {}
+    for item in heads:
+        try:
+            layer, head = (int(x) for x in item)
+        except (TypeError, ValueError):
+            raise AttnkitError(f"a head to prune must be a (layer, head) pair, got {item!r}") from None
+        if not (0 <= layer < L and 0 <= head < H):
+            raise AttnkitError(f"head L{layer}H{head} is outside this model's {L} layers × {H} heads")
+        if head not in current[layer]:
+            raise AttnkitError(f"head L{layer}H{head} was already pruned from this model")
+        remove.setdefault(layer, set()).add(head)
+    for layer, gone in sorted(remove.items()):
+        kept = [h for h in current[layer] if h not in gone]
+        _keep_positions(layers[layer], [current[layer].index(h) for h in kept])
+        mod = layers[layer].module
+        setattr(mod, KEPT_ATTR, (tuple(kept), H))
+        if not kept:
+            if not layers[layer].layout.output_beside:
+                setattr(mod, OWN_OUTPUT_ATTR, layers[layer].layout.output)
+            mod.forward = types.MethodType(_forward_without_heads, mod)
+        current[layer] = kept
+    setattr(model.config, CONFIG_HEADS, [list(k) for k in current])
+    setattr(model.config, CONFIG_COUNTS, [len(k) for k in current])
+    return model
+
+
+def heads_in_config(config, where: str = "the config") -> list[list[int]] | None:
+    """The heads each layer kept, from a config that `prune_heads` wrote (None: not a pruned model); an
+    AttnkitError names a malformed entry."""
+    kept = getattr(config, CONFIG_HEADS, None)
+    if kept is None:
+        return None
+    H = int(config.num_attention_heads)
+    L = int(config.num_hidden_layers)
+    if not isinstance(kept, list) or len(kept) != L:
+        raise AttnkitError(f"{where}: {CONFIG_HEADS} must list the heads kept by each of the {L} layers")
+    for l, heads in enumerate(kept):
+        ok = isinstance(heads, list) and all(isinstance(h, int) and not isinstance(h, bool) for h in heads)
+        if not ok or any(not 0 <= h < H for h in heads) or heads != sorted(set(heads)):
+            raise AttnkitError(f"{where}: {CONFIG_HEADS}[{l}] must be increasing head numbers in [0, {H}), "
+                               f"got {heads!r}")
+    counts = getattr(config, CONFIG_COUNTS, None)
+    if counts is not None and counts != [len(h) for h in kept]:
+        raise AttnkitError(f"{where}: {CONFIG_COUNTS} {counts} does not count the heads of {CONFIG_HEADS}")
+    return kept
+
+
+def pruned_head_grid(model_or_config) -> np.ndarray:
+    """n_layers × n_heads booleans, True where the head is kept (all True for a model that was not pruned)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    L, H = int(config.num_hidden_layers), int(config.num_attention_heads)
+    grid = np.ones((L, H), dtype=bool)
+    kept = heads_in_config(config)
+    if kept is not None:
+        grid[:] = False
+        for l, heads in enumerate(kept):
+            grid[l, heads] = True
+    return grid
+
+
+def _read_weights(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return load_file(single)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        state = {}
+        for name in files:
+            state.update(load_file(os.path.join(path, name)))
+        return state
+    binary = os.path.join(path, "pytorch_model.bin")
+    if os.path.isfile(binary):
+        return torch.load(binary, map_location="cpu", weights_only=True)
+    raise AttnkitError(f"{path}: no weights (model.safetensors, its index, or pytorch_model.bin)")
+
+
+def _load_state(model, state: dict, path: str) -> None:
+    """Load a checkpoint into `model` as transformers would: the base model's prefix added or removed as needed,
+    tied weights tied again; a missing or unexpected weight of the encoder is refused."""
+    own = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and not own.keys() & state.keys():
+        if any(k.startswith(prefix + ".") for k in state):  # a task model's checkpoint into its bare encoder
+            state = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+        else:  # a bare encoder's checkpoint into a task model
+            state = {f"{prefix}.{k}": v for k, v in state.items()}
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:
+        lines = [s.strip() for s in str(exc).splitlines() if "size mismatch" in s]
+        raise AttnkitError(f"{path}: the weights do not fit the heads its config keeps"
+                           + (f" ({lines[0]})" if lines else "")) from None
+    model.tie_weights()
+    loaded = {t.data_ptr() for k, t in model.state_dict().items() if k in state}
+    base = f"{prefix}." if prefix and model.base_model is not model else ""
+    untied = [k for k in missing if model.state_dict()[k].data_ptr() not in loaded]
+    lost = [k for k in untied if k.startswith(base) or not base]
+    if lost or unexpected:
+        what = (f"missing {', '.join(lost[:3])}" if lost else f"unexpected {', '.join(unexpected[:3])}")
+        raise AttnkitError(f"{path}: the checkpoint does not match a pruned {model.config.model_type} model ({what})")
+    if untied:
+        log.warning("attnkit: %s has no weights for %s; they are newly initialised", path, ", ".join(untied[:4]))
+
+
+def load_pruned_model(path, model_class=None, *, dtype=None):
+    """A model that `prune_heads` changed and `save_pretrained` wrote to `path`, loaded with transformers only.
+
+    `model_class`: a transformers class with `from_config` (default `AutoModel`; e.g.
+    `AutoModelForSequenceClassification` for the classifier a fine-tuned model was saved with). The config names
+    the heads each layer kept; the unpruned structure is built from it, those heads removed, and the weights
+    loaded. Returns the model in eval mode on the CPU (in `dtype` when given)."""
+    from transformers import AutoConfig, AutoModel
+
+    path = str(path)
+    config = AutoConfig.from_pretrained(path)
+    kept = heads_in_config(config, os.path.join(path, "config.json"))
+    if kept is None:
+        raise AttnkitError(f"{path} is not a pruned model: its config.json has no {CONFIG_HEADS}")
+    model = (model_class or AutoModel).from_config(config)
+    H = int(config.num_attention_heads)
+    prune_heads(model, [(l, h) for l, heads in enumerate(kept) for h in range(H) if h not in heads])
+    _load_state(model, _read_weights(path), path)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+__all__ = ["CONFIG_COUNTS", "CONFIG_HEADS", "current_heads", "heads_in_config", "kept_heads", "load_pruned_model",
+           "prune_heads", "pruned_head_grid", "to_kept", "to_unpruned"]
