@@ -15,7 +15,7 @@
 #                         it exists, else the generated corpus)
 #   KERNELS               the CUDA kernel variants to test and time (default: "v1 v2"; a variant the build
 #                         does not have is skipped, see ATTNKIT_CUDA_KERNEL in docs/pipeline.md)
-#   BENCH_KERNEL          the kernel of the end-to-end benchmarks (default v2 where it exists)
+#   BENCH_KERNEL          the kernel of the end-to-end benchmarks (default v2 where it exists, the kernel under tuning)
 #   BUILD                 0: use the extension already built in place (default 1: build it)
 set -uo pipefail
 
