@@ -6,6 +6,7 @@
 
 The layers of the package and what each may import: docs/architecture.md.
 """
+from .caching import cache_heads
 from .engine.extract import extract
 from .errors import AttnkitError
 from .features import feature_names
@@ -30,6 +31,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "AttnkitError", "HeadFeatures", "Intervention", "backend_info", "cluster", "extract", "feature_names",
+    "AttnkitError", "HeadFeatures", "Intervention", "backend_info", "cache_heads", "cluster", "extract",
+    "feature_names",
     "instrument", "intervene", "load_model", "sentences",
 ]

@@ -39,6 +39,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from .errors import AttnkitError
 from .features import DEFAULT_NUM_WINDOWS
 from .ops import attention
+from .reference import replace_head_outputs
 from .tokens import sentence_ids as segment_sentence_ids
 
 NAME = "attnkit"
@@ -54,6 +55,22 @@ class BatchInfo:
     lengths: torch.Tensor  # int64 B
     token_class: torch.Tensor | None = None  # int32 B×L
     sentence_id: torch.Tensor | None = None  # int32 B×L
+
+
+@dataclass
+class LayerPart:
+    """What the attention of one layer does to samples `start` … `stop` − 1 of a forward: the op's per-head mode,
+    region and gates codes (None: unchanged), renormalize, and `outputs`, head → the tensor that replaces the
+    head's output after the op (patch and mean; broadcast to the samples × tokens × head size). An intervention's
+    `layer_plan` gives one part for the whole batch, stacked interventions one per block of samples."""
+
+    start: int
+    stop: int
+    mode: torch.Tensor | None = None
+    region: torch.Tensor | None = None
+    gates: torch.Tensor | None = None
+    renormalize: bool = False
+    outputs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -73,7 +90,7 @@ class Runtime:
     num_windows: int = DEFAULT_NUM_WINDOWS
     want_features: bool = False
     batch: BatchInfo | None = None
-    intervention: object | None = None  # attnkit.interventions.Intervention
+    intervention: object | None = None  # attnkit.interventions.Intervention (or StackedInterventions)
     features: dict = field(default_factory=dict)  # layer -> B×H×F tensor, filled during forward
     # Callables (layer, query, key, lengths, scaling) for statistics that need q and k themselves,
     # e.g. the Jensen-Shannon distances between heads.
@@ -84,6 +101,8 @@ class Runtime:
     separator_ids: tuple[int, ...] = ()  # sep/eos token ids, to find segments in input_ids
     segment_types: bool = True  # whether token_type_ids mark segments (the model has > 1 type)
     _outer_inputs: list = field(default_factory=list)  # inputs of enclosing forwards (nested calls)
+    # attnkit.caching.HeadCache objects that keep each layer's per-head outputs (attnkit.cache_heads)
+    head_caches: list = field(default_factory=list)
 
     def enter_forward(self, inputs: ModelInputs) -> None:
         self._outer_inputs.append(self.inputs)
@@ -94,7 +113,7 @@ class Runtime:
 
     @property
     def active(self) -> bool:
-        return self.want_features or self.intervention is not None or bool(self.observers)
+        return self.want_features or self.intervention is not None or bool(self.observers) or bool(self.head_caches)
 
     @contextlib.contextmanager
     def batch_of(self, batch):
@@ -263,8 +282,7 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         info = None
         lengths = lengths_from_mask(attention_mask, B, L, query.device)
 
-    mode = region = gates = None
-    renormalize = False
+    parts = None
     want = False
     backend = "auto"
     num_windows = DEFAULT_NUM_WINDOWS
@@ -276,22 +294,34 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         if info is None:
             check_sentences_shape(rt, B, L)
         if rt.intervention is not None:
-            mode, region, gates = rt.intervention.for_layer(module.layer_idx, query.device)
-            renormalize = rt.intervention.renormalize
-            if region is not None and sentence_id is None:
+            parts = rt.intervention.layer_plan(module.layer_idx, B, L, D, query.device, query.dtype)
+            if sentence_id is None and any(p.region is not None for p in parts):
                 sentence_id = forward_sentence_ids(rt, B, L, lengths, query.device)
         for obs in rt.observers:
             obs(module.layer_idx, query, key, lengths, scaling)
+    token_class = info.token_class if info is not None else None
+    parts = parts or [LayerPart(0, B)]
 
-    out, feats = attention(
-        query, key, value, lengths,
-        info.token_class if info is not None else None,
-        sentence_id,
-        scaling=scaling, num_windows=num_windows, mode=mode, region=region,
-        renormalize=renormalize, gates=gates, want_features=want, backend=backend,
-    )
+    def call(p: LayerPart, rows: slice):
+        return attention(
+            query[rows], key[rows], value[rows], lengths[rows],
+            None if token_class is None else token_class[rows], None if sentence_id is None else sentence_id[rows],
+            scaling=scaling, num_windows=num_windows, mode=p.mode, region=p.region,
+            renormalize=p.renormalize, gates=p.gates, want_features=want, backend=backend,
+        )
+
+    if len(parts) == 1:  # one call of the op for the whole batch
+        out, feats = call(parts[0], slice(None))
+    else:  # stacked interventions: one call per block of samples
+        outs, feats = zip(*(call(p, slice(p.start, p.stop)) for p in parts))
+        out, feats = torch.cat(outs), torch.cat(feats)
+    for p in parts:
+        out = replace_head_outputs(out, p.outputs, slice(p.start, p.stop))
     if want:
         rt.features[module.layer_idx] = feats
+    if rt is not None:
+        for cache in rt.head_caches:
+            cache.record(module.layer_idx, out)
     return out, None
 
 
