@@ -94,4 +94,6 @@ def mean_scores(values):
     """Per-example scores whose metric is 100 × their mean (attnkit.ablation.metrics.ExampleScores)."""
     from attnkit.ablation.metrics import ExampleScores
 
-    return ExampleScores({"v": np.asarray(values, dtype=float)}, lambda a: 100.0 * a["v"].mean())
+    from attnkit.ablation.metrics import weighted_mean
+
+    return ExampleScores({"v": np.asarray(values, dtype=float)}, lambda a, w: 100.0 * weighted_mean(a["v"], w))

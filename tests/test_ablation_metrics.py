@@ -6,7 +6,7 @@ import pytest
 
 from attnkit import AttnkitError
 from attnkit.ablation import metrics
-from attnkit.ablation.metrics import ExampleScores, bootstrap_delta, percentile_interval, spearman
+from attnkit.ablation.metrics import ExampleScores, bootstrap_delta, percentile_interval
 
 from .synthetic import mean_scores
 
@@ -92,6 +92,7 @@ def test_bootstrap_interval_covers_the_true_change_and_shrinks_with_n():
 
 
 def test_undefined_resamples_give_nan():
-    const = ExampleScores({"p": np.ones(5), "g": np.arange(5.0)}, lambda a: spearman(a["p"], a["g"]))
+    const = ExampleScores({"p": np.ones(5), "g": np.arange(5.0)},
+                          lambda a, w: metrics.weighted_spearman(a["p"], a["g"], w))
     assert all(math.isnan(x) for x in bootstrap_delta(const, const, n_boot=50))
     assert percentile_interval(np.array([1.0, 2.0, 3.0]), 0.5) == (1.5, 2.5)

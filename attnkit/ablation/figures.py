@@ -17,17 +17,17 @@ from .experiments import ResultTable
 
 def heads_axes(table: ResultTable, shape, title: str = ""):
     """Kovaleva et al. Fig. 8: Δ of the main metric when each head alone is disabled, as a layer × head grid
-    ("*": the bootstrap interval excludes 0). Returns (figure, axes)."""
+    ("*": the bootstrap interval excludes 0 by more than the Monte-Carlo noise of its ends, the row's
+    `delta_<metric>_excludes_0`). Returns (figure, axes)."""
     key = f"delta_{table.main_metric}"
     grid = np.full(shape, np.nan)
     for r in table.rows[1:]:
         grid[r["layer"], r["head"]] = r[key]
     lim = np.nanmax(np.abs(grid)) if np.isfinite(grid).any() else 1.0
     lim = lim or 1.0
-    sure = np.zeros(shape, dtype=bool)  # the bootstrap interval excludes 0
+    sure = np.zeros(shape, dtype=bool)  # the bootstrap interval excludes 0, beyond the Monte-Carlo noise of its ends
     for r in table.rows[1:]:
-        lo, hi = r.get(f"{key}_lo"), r.get(f"{key}_hi")
-        sure[r["layer"], r["head"]] = lo is not None and hi is not None and (lo > 0 or hi < 0)
+        sure[r["layer"], r["head"]] = bool(r.get(f"{key}_excludes_0", False))
     labels = [[f"{v:.1f}" + ("*" if sure[l, h] else "") if np.isfinite(v) else "" for h, v in enumerate(row)]
               for l, row in enumerate(grid)]
     fig, ax = plt.subplots(figsize=(1.0 + 0.55 * shape[1], 1.0 + 0.5 * shape[0]))
