@@ -8,6 +8,7 @@ The layers of the package and what each may import: docs/architecture.md.
 """
 from .caching import cache_heads
 from .engine.extract import extract
+from .engine.head_means import head_means
 from .errors import AttnkitError
 from .features import feature_names
 from .hf_attention import register as register_attention
@@ -32,6 +33,6 @@ def __getattr__(name):
 
 __all__ = [
     "AttnkitError", "HeadFeatures", "Intervention", "backend_info", "cache_heads", "cluster", "extract",
-    "feature_names",
+    "feature_names", "head_means",
     "instrument", "intervene", "load_model", "sentences",
 ]

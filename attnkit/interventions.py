@@ -210,26 +210,27 @@ class Intervention:
 
     @classmethod
     def from_heads(cls, model_or_shape, heads, *, mode: str = "zero", region: str = "all",
-                   renormalize: bool = False) -> Intervention:
-        """Apply `mode`/`region` to the listed heads ("L2H5,L3H0", "L4", or (layer, head) pairs)."""
+                   renormalize: bool = False, means=None) -> Intervention:
+        """Apply `mode`/`region` to the listed heads ("L2H5,L3H0", "L4", or (layer, head) pairs). Mode mean takes
+        each head's value from `means` (an `attnkit.head_means` result, or an n_layers × n_heads × D array)."""
         shape = _shape_of(model_or_shape)
         iv = cls.identity(*shape)
         iv.renormalize = bool(renormalize)
-        return iv.set_heads(parse_heads(heads, shape), mode=mode, region=region)
+        return iv.set_heads(parse_heads(heads, shape), mode=mode, region=region, means=means)
 
     @classmethod
     def from_layers(cls, model_or_shape, layers: Iterable[int] | int, *, mode: str = "uniform",
-                    region: str = "all", renormalize: bool = False) -> Intervention:
-        """Apply `mode`/`region` to every head of the given layers."""
+                    region: str = "all", renormalize: bool = False, means=None) -> Intervention:
+        """Apply `mode`/`region` to every head of the given layers (mode mean: values from `means`)."""
         shape = _shape_of(model_or_shape)
         layers = [layers] if isinstance(layers, (int, np.integer)) else list(layers)
         return cls.from_heads(shape, [(int(l), None) for l in layers], mode=mode, region=region,
-                              renormalize=renormalize)
+                              renormalize=renormalize, means=means)
 
     @classmethod
     def from_types(cls, model_or_shape, head_types: HeadTypes, types: Sequence[str] | str, *,
-                   mode: str = "zero", region: str = "all", renormalize: bool = False) -> Intervention:
-        """Apply `mode`/`region` to every head whose cluster type is in `types`."""
+                   mode: str = "zero", region: str = "all", renormalize: bool = False, means=None) -> Intervention:
+        """Apply `mode`/`region` to every head whose cluster type is in `types` (mode mean: values from `means`)."""
         shape = _shape_of(model_or_shape)
         if head_types.shape != shape:
             raise AttnkitError(f"clusters cover {head_types.shape[0]} layers × {head_types.shape[1]} heads "
@@ -238,7 +239,7 @@ class Intervention:
         heads = list(itertools.chain.from_iterable(head_types.heads(t) for t in types))
         iv = cls.identity(*shape)
         iv.renormalize = bool(renormalize)
-        return iv.set_heads(heads, mode=mode, region=region)
+        return iv.set_heads(heads, mode=mode, region=region, means=means)
 
     def copy(self) -> Intervention:
         gates = None if self.gates is None else self.gates.detach().clone()
@@ -255,9 +256,20 @@ class Intervention:
         iv.gates = gates
         return iv
 
-    def set_heads(self, heads: Iterable[tuple[int, int]], *, mode: str = "keep", region: str = "all") -> Intervention:
+    def set_heads(self, heads: Iterable[tuple[int, int]], *, mode: str = "keep", region: str = "all",
+                  means=None) -> Intervention:
+        """`set` each of `heads`; mode mean takes each head's value from `means` (`attnkit.head_means`' result or
+        an n_layers × n_heads × D array)."""
+        if mode == "mean":
+            if means is None:
+                raise AttnkitError(f"mode mean needs {arg('means')}: the heads' mean outputs (attnkit.head_means)")
+            table = np.asarray(getattr(means, "mean", means))
+            if table.ndim != 3 or table.shape[:2] != self.shape:
+                raise AttnkitError(f"{arg('means')} must be n_layers × n_heads × head size = {self.shape[0]} × "
+                                   f"{self.shape[1]} × D, got shape {table.shape}")
         for layer, head in heads:
-            self.set(layer, head, mode=mode, region=region)
+            value = table[layer, head] if mode == "mean" else None
+            self.set(layer, head, mode=mode, region=region, value=value)
         return self
 
     def changed_heads(self) -> list[tuple[int, int]]:

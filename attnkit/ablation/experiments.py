@@ -6,6 +6,7 @@
 * `heads`  — Kovaleva et al. Fig. 8 / Michel et al. Table 3: one head at a time (zero or uniform).
 * `layers` — Kovaleva et al. Fig. 9: one whole layer at a time.
 * `importance` — Michel et al.: gradient importance + iterative pruning (see `importance.py`).
+* `patching` — activation patching: the share of the clean-vs-corrupted gap each head restores (`patching.py`).
 
 Each experiment returns a `ResultTable` (baseline row first) that saves CSV, JSON and Markdown; its figure
 is drawn by attnkit/ablation/figures.py. When the evaluation leaves per-example outputs (`evaluate.last_examples`,
@@ -34,8 +35,8 @@ from .sweep import Sweep
 
 log = logging.getLogger("attnkit")
 
-EXPERIMENTS = ("types", "heads", "layers", "importance")
-MODE_LABEL = {"zero": "prune (0)", "uniform": "substitute (1/n)"}
+EXPERIMENTS = ("types", "heads", "layers", "importance", "patching")
+MODE_LABEL = {"zero": "prune (0)", "uniform": "substitute (1/n)", "mean": "mean-ablate (corpus mean)"}
 
 
 @dataclass
@@ -240,29 +241,34 @@ def run_settings(experiment: str, settings: list[Setting], evaluate: Callable[[I
 
 
 # --- settings -----------------------------------------------------------------------------------------
-def heads_settings(shape, mode: str = "zero") -> list[Setting]:
+def heads_settings(shape, mode: str = "zero", means=None) -> list[Setting]:
+    """The baseline, then every head alone in `mode` (mean: the head's corpus mean from `means`)."""
     L, H = shape
     out = [Setting("baseline", Intervention.identity(L, H), {"layer": None, "head": None})]
     for layer in range(L):
         for head in range(H):
-            out.append(Setting(f"L{layer}H{head} {mode}", Intervention.from_heads(shape, [(layer, head)], mode=mode),
-                               {"layer": layer, "head": head}))
+            iv = Intervention.from_heads(shape, [(layer, head)], mode=mode, means=means)
+            out.append(Setting(f"L{layer}H{head} {mode}", iv, {"layer": layer, "head": head}))
     return out
 
 
-def layers_settings(shape, mode: str = "uniform") -> list[Setting]:
+def layers_settings(shape, mode: str = "uniform", means=None) -> list[Setting]:
+    """The baseline, then every layer alone with all its heads in `mode`."""
     L, H = shape
     out = [Setting("baseline", Intervention.identity(L, H), {"layer": None})]
     for layer in range(L):
-        out.append(Setting(f"L{layer} {mode}", Intervention.from_layers(shape, [layer], mode=mode), {"layer": layer}))
+        iv = Intervention.from_layers(shape, [layer], mode=mode, means=means)
+        out.append(Setting(f"L{layer} {mode}", iv, {"layer": layer}))
     return out
 
 
-def types_settings(shape, head_types: HeadTypes, renormalize: bool = False) -> list[Setting]:
+def types_settings(shape, head_types: HeadTypes, renormalize: bool = False, means=None) -> list[Setting]:
     """Guan et al. Tables 2 and 3 for whatever types the clustering found. `renormalize` rescales what is
-    left of a row after removing intra/inter attention (Guan et al. do not; default off).
+    left of a row after removing intra/inter attention (Guan et al. do not; default off). With `means` (the
+    heads' corpus means), Table 2 mean-ablates where it prunes.
 
-    Columns per type say what happens to it: keep, 0 (pruned), 1/n (substituted), -intra, -inter.
+    Columns per type say what happens to it: keep, 0 (pruned), mean (mean-ablated), 1/n (substituted), -intra,
+    -inter.
     """
     types = head_types.types
     if not types:
@@ -273,11 +279,11 @@ def types_settings(shape, head_types: HeadTypes, renormalize: bool = False) -> l
         return Setting(name, iv, info)
 
     out = [row("-", "baseline", Intervention.identity(*shape), {})]
-    for mode, sym in (("zero", "0"), ("uniform", "1/n")):
-        verb = "prune" if mode == "zero" else "substitute"
+    first = ("mean", "mean", "mean-ablate") if means is not None else ("zero", "0", "prune")
+    for mode, sym, verb in (first, ("uniform", "1/n", "substitute")):
         groups = [(t,) for t in types] + list(itertools.combinations(types, 2))
         for g in groups:
-            iv = Intervention.from_types(shape, head_types, list(g), mode=mode)
+            iv = Intervention.from_types(shape, head_types, list(g), mode=mode, means=means)
             out.append(row("2", f"{verb} {' & '.join(g)}", iv, {t: sym for t in g}))
     for region, part in (("no_intra", "intra"), ("no_inter", "inter")):
         for t in types:
@@ -298,18 +304,31 @@ def types_settings(shape, head_types: HeadTypes, renormalize: bool = False) -> l
 def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], dict], main_metric: str, *,
                    mode: str = "zero", head_types: HeadTypes | None = None, losses=None, step: float = 0.1,
                    max_share: float = 1.0, normalize_layers: bool = True, renormalize: bool = False,
-                   progress: bool = True, n_boot: int = N_BOOT) -> ResultTable:
+                   progress: bool = True, n_boot: int = N_BOOT, means=None, patching=None) -> ResultTable:
+    """Run `experiment` (types, heads, layers, importance, patching) and return its table. Mode mean (heads, layers,
+    types) replaces each head's output by its corpus mean from `means` (`attnkit.head_means`); patching needs the
+    `PatchingTask` that `evaluate` evaluates, as `patching`."""
     shape = Intervention.for_model(model).shape
+    if experiment == "patching":
+        if patching is None:
+            raise AttnkitError(f"the patching experiment needs {arg('patching')}: the PatchingTask with the clean and "
+                               "corrupted inputs (attnkit.ablation.patching)")
+        settings = [Setting(name, iv, info) for name, iv, info in patching.settings_for(model)]
+        return run_settings("patching", settings, evaluate, main_metric, progress, n_boot)
+    if mode == "mean" and experiment == "importance":
+        raise AttnkitError("the importance experiment prunes with mode zero or uniform, not mean")
+    if mode == "mean" and means is None:
+        raise AttnkitError(f"mode mean needs {arg('means')}: the heads' mean outputs (attnkit.head_means)")
     if experiment == "heads":
-        return run_settings("heads", heads_settings(shape, mode), evaluate, main_metric, progress, n_boot)
+        return run_settings("heads", heads_settings(shape, mode, means), evaluate, main_metric, progress, n_boot)
     if experiment == "layers":
-        return run_settings("layers", layers_settings(shape, mode), evaluate, main_metric, progress, n_boot)
+        return run_settings("layers", layers_settings(shape, mode, means), evaluate, main_metric, progress, n_boot)
     if experiment == "types":
         if head_types is None:
             raise AttnkitError(f"the types experiment needs {arg('head_types')}: the head types of a clustered run "
                                "(attnkit.interventions.load_clusters)")
-        return run_settings("types", types_settings(shape, head_types, renormalize), evaluate, main_metric, progress,
-                            n_boot)
+        settings = types_settings(shape, head_types, renormalize, means if mode == "mean" else None)
+        return run_settings("types", settings, evaluate, main_metric, progress, n_boot)
     if experiment == "importance":
         if losses is None:
             raise AttnkitError(f"the importance experiment needs {arg('losses')}: the task's differentiable loss")

@@ -54,6 +54,13 @@ def forward(model, batch: Batch, **extra):
         return model(**batch.inputs, **extra)
 
 
+def base_hidden(model, batch: Batch) -> torch.Tensor:
+    """The last hidden states (B × L × hidden) of the base model of an instrumented `model` on `batch`."""
+    batch = batch.to(_device(model))
+    with runtime_of(model).batch_of(batch):
+        return getattr(model, "base_model", model)(**batch.inputs)[0]
+
+
 def _data_file(path: str, kind: str) -> None:
     if os.path.isdir(path):
         raise AttnkitError(f"data path {path!r} is a directory: give the {kind} file")
@@ -224,12 +231,6 @@ class StsbTask(Task):
             raise AttnkitError(f"{path}: need at least two scored pairs")
         check_gold_varies(path, [e[2] for e in self.examples])
 
-    @staticmethod
-    def _base_forward(model, base, batch):
-        batch = batch.to(_device(model))
-        with runtime_of(model).batch_of(batch):
-            return base(**batch.inputs)[0]
-
     def segments(self, limit=None) -> list:
         ex = [self.examples[i] for i in subset(len(self.examples), limit)]
         return list(dict.fromkeys([s for a, b, _ in ex for s in (a, b)]))
@@ -241,7 +242,7 @@ class StsbTask(Task):
         return Plan(steps, (idx, {s: i for i, s in enumerate(sentences)}))
 
     def outputs(self, model, batch):
-        return self._base_forward(model, getattr(model, "base_model", model), batch)
+        return base_hidden(model, batch)
 
     def reduce(self, step, hidden):
         mask = step.batch.inputs["attention_mask"].to(hidden.device)
@@ -267,11 +268,10 @@ class StsbTask(Task):
         instrument(model)
         examples = [self.examples[i] for i in subset(len(self.examples), limit)]
         enc = Encoder(tokenizer, max_length=self.max_length, split_sentences=True)
-        base = getattr(model, "base_model", model)
         for i in range(0, len(examples), batch_size):
             ex = examples[i:i + batch_size]
             batch = enc([s for a, b, _ in ex for s in (a, b)]).to(_device(model))
-            hidden = self._base_forward(model, base, batch)
+            hidden = base_hidden(model, batch)
             emb = mean_pool(hidden, batch.inputs["attention_mask"]).float()
             cos = torch.nn.functional.cosine_similarity(emb[0::2], emb[1::2], dim=-1)
             gold = torch.tensor([e[2] / 5.0 for e in ex], device=cos.device)

@@ -74,17 +74,23 @@ class HeadCache:
 
 
 @contextlib.contextmanager
-def cache_heads(model, layers: Iterable[int] | int | None = None, *, keep_grad: bool = False):
+def cache_heads(model, layers: Iterable[int] | int | None = None, *, keep_grad: bool = False,
+                cache: HeadCache | None = None):
     """Inside the block, forwards of the instrumented `model` fill the yielded `HeadCache` with each layer's
     per-head outputs (B × L × H × D, before the output projection); `layers` limits it to some layers. The
-    outputs are detached, unless `keep_grad` (then gradients flow through them)."""
+    outputs are detached, unless `keep_grad` (then gradients flow through them). `cache`: fill this HeadCache
+    (its own layers and keep_grad) instead of a new one, e.g. one that patch interventions already read."""
     n_layers = len(attention_modules(model))
+    if cache is not None:
+        if not isinstance(cache, HeadCache) or cache.n_layers != n_layers:
+            raise AttnkitError(f"{arg('cache')} must be a HeadCache of this model's {n_layers} layers")
+        layers = cache.layers
     if layers is not None:
         layers = [layers] if isinstance(layers, int) else list(layers)
         bad = [x for x in layers if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < n_layers]
         if bad:
             raise AttnkitError(f"{arg('layers')} must be layer numbers 0 … {n_layers - 1}, got {bad[0]!r}")
-    cache = HeadCache(n_layers, layers, keep_grad)
+    cache = cache if cache is not None else HeadCache(n_layers, layers, keep_grad)
     rt = runtime_of(model)
     rt.head_caches.append(cache)
     try:
