@@ -43,6 +43,7 @@ from .hf_attention import LayerPart
 from .models import attention_modules, runtime_of
 from .run.clusters import CLUSTERS_FILE, type_grid
 from .run.clusters import load_clusters as read_clusters
+from .run.head_means import HeadMeans
 
 _HEAD_RE = re.compile(r"^L(\d+)(?:H(\d+))?$", re.IGNORECASE)
 
@@ -263,7 +264,7 @@ class Intervention:
         if mode == "mean":
             if means is None:
                 raise AttnkitError(f"mode mean needs {arg('means')}: the heads' mean outputs (attnkit.head_means)")
-            table = np.asarray(getattr(means, "mean", means))
+            table = np.asarray(means.mean if isinstance(means, HeadMeans) else means)
             if table.ndim != 3 or table.shape[:2] != self.shape:
                 raise AttnkitError(f"{arg('means')} must be n_layers × n_heads × head size = {self.shape[0]} × "
                                    f"{self.shape[1]} × D, got shape {table.shape}")

@@ -92,8 +92,6 @@ def tiny_bert(n_layers: int = 2, n_heads: int = 2, seed: int = 0):
 
 def mean_scores(values):
     """Per-example scores whose metric is 100 × their mean (attnkit.ablation.metrics.ExampleScores)."""
-    from attnkit.ablation.metrics import ExampleScores
-
-    from attnkit.ablation.metrics import weighted_mean
+    from attnkit.ablation.metrics import ExampleScores, weighted_mean
 
     return ExampleScores({"v": np.asarray(values, dtype=float)}, lambda a, w: 100.0 * weighted_mean(a["v"], w))
