@@ -7,6 +7,10 @@ to put features — lives in a `Runtime` that `attnkit.models.instrument` attach
 module; context managers in `attnkit.engine.forward` and `attnkit.interventions` fill it and always clear it
 again.
 
+An intervention says per layer what the op does (`layer_plan` → `LayerPart`s): one call of the op for the batch,
+or one per block of samples for stacked interventions; after the op, the outputs of patched and mean-ablated heads
+are replaced (attnkit.reference.replace_head_outputs), and the per-head outputs go to the caches of `cache_heads`.
+
 The mask function registered beside it hands over the 2-D padding mask (or None when a batch has no
 padding) instead of an L×L bias: the op takes per-sample lengths, never an L×L tensor.
 
