@@ -29,8 +29,10 @@ _LAZY = {
     "Intervention": "interventions",
     "attention_maps": "engine.maps",
     "backend_info": "ops",
+    "cache_heads": "caching",
     "cluster": "analysis",
     "extract": "engine.extract",
+    "head_means": "engine.head_means",
     "instrument": "models",
     "intervene": "interventions",
     "load_model": "models",
@@ -92,6 +94,6 @@ elif not any(isinstance(f, _RegisterWhenTransformersLoads) for f in sys.meta_pat
     sys.meta_path.insert(0, _RegisterWhenTransformersLoads())
 
 __all__ = [
-    "AttnkitError", "HeadFeatures", "Intervention", "attention_maps", "backend_info", "cluster", "extract",
-    "feature_names", "instrument", "intervene", "load_model", "sentences",
+    "AttnkitError", "HeadFeatures", "Intervention", "attention_maps", "backend_info", "cache_heads", "cluster",
+    "extract", "feature_names", "head_means", "instrument", "intervene", "load_model", "sentences",
 ]

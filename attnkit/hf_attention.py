@@ -13,6 +13,10 @@ the weights the layer really used (after mode, region and renormalisation: `attn
 gates scale the head's output, not its weights). They are computed only then: a forward without
 `output_attentions` materialises no map.
 
+An intervention says per layer what the op does (`layer_plan` → `LayerPart`s): one call of the op for the batch,
+or one per block of samples for stacked interventions; after the op, the outputs of patched and mean-ablated heads
+are replaced (attnkit.reference.replace_head_outputs), and the per-head outputs go to the caches of `cache_heads`.
+
 The mask function registered beside it hands over the 2-D padding mask (or None when a batch has no
 padding) instead of an L×L bias: the op takes per-sample lengths, never an L×L tensor.
 
@@ -56,7 +60,7 @@ from .arch.pruning import kept_heads, to_kept, to_unpruned
 from .errors import AttnkitError
 from .features import DEFAULT_NUM_WINDOWS, num_features
 from .ops import attention
-from .reference import attention_weights
+from .reference import attention_weights, replace_head_outputs
 from .tokens import sentence_ids as segment_sentence_ids
 
 NAME = "attnkit"
@@ -72,6 +76,30 @@ class BatchInfo:
     lengths: torch.Tensor  # int64 B
     token_class: torch.Tensor | None = None  # int32 B×L
     sentence_id: torch.Tensor | None = None  # int32 B×L
+
+
+@dataclass
+class LayerPart:
+    """What the attention of one layer does to samples `start` … `stop` − 1 of a forward: the op's per-head mode,
+    region and gates codes (None: unchanged), renormalize, and `outputs`, head → the tensor that replaces the
+    head's output after the op (patch and mean; broadcast to the samples × tokens × head size). An intervention's
+    `layer_plan` gives one part for the whole batch, stacked interventions one per block of samples."""
+
+    start: int
+    stop: int
+    mode: torch.Tensor | None = None
+    region: torch.Tensor | None = None
+    gates: torch.Tensor | None = None
+    renormalize: bool = False
+    outputs: dict = field(default_factory=dict)
+
+
+def kept_part(p: LayerPart, kept) -> LayerPart:
+    """`p` for a pruned layer that kept the heads `kept` (attnkit/arch/pruning.py): the per-head codes and the
+    replaced outputs of those heads, renumbered as the layer numbers them; removed heads drop out."""
+    index = {h: i for i, h in enumerate(kept[0])}
+    return LayerPart(p.start, p.stop, to_kept(p.mode, kept), to_kept(p.region, kept), to_kept(p.gates, kept),
+                     p.renormalize, {index[h]: v for h, v in p.outputs.items() if h in index})
 
 
 @dataclass
@@ -95,7 +123,7 @@ class Runtime:
     weighting: str = "attention"
     out_proj: dict = field(default_factory=dict)
     batch: BatchInfo | None = None
-    intervention: object | None = None  # attnkit.interventions.Intervention
+    intervention: object | None = None  # attnkit.interventions.Intervention (or StackedInterventions)
     features: dict = field(default_factory=dict)  # layer -> B×H×F tensor, filled during forward
     # Callables (layer, query, key, lengths, scaling) for statistics that need q and k themselves,
     # e.g. the Jensen-Shannon distances between heads.
@@ -106,6 +134,8 @@ class Runtime:
     separator_ids: tuple[int, ...] = ()  # sep/eos token ids, to find segments in input_ids
     segment_types: bool = True  # whether token_type_ids mark segments (the model has > 1 type)
     _outer_inputs: list = field(default_factory=list)  # inputs of enclosing forwards (nested calls)
+    # attnkit.caching.HeadCache objects that keep each layer's per-head outputs (attnkit.cache_heads)
+    head_caches: list = field(default_factory=list)
 
     def enter_forward(self, inputs: ModelInputs) -> None:
         self._outer_inputs.append(self.inputs)
@@ -116,7 +146,7 @@ class Runtime:
 
     @property
     def active(self) -> bool:
-        return self.want_features or self.intervention is not None or bool(self.observers)
+        return self.want_features or self.intervention is not None or bool(self.observers) or bool(self.head_caches)
 
     @contextlib.contextmanager
     def batch_of(self, batch):
@@ -292,8 +322,7 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         info = None
         lengths = lengths_from_mask(attention_mask, B, L, query.device)
 
-    mode = region = gates = key_scale = None
-    renormalize = False
+    parts = key_scale = None
     want = False
     backend = "auto"
     num_windows = DEFAULT_NUM_WINDOWS
@@ -306,11 +335,8 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         if info is None:
             check_sentences_shape(rt, B, L)
         if rt.intervention is not None:
-            mode, region, gates = rt.intervention.for_layer(module.layer_idx, query.device)
-            if kept is not None:
-                mode, region, gates = (to_kept(t, kept) for t in (mode, region, gates))
-            renormalize = rt.intervention.renormalize
-            if region is not None and sentence_id is None:
+            parts = rt.intervention.layer_plan(module.layer_idx, B, L, D, query.device, query.dtype)
+            if sentence_id is None and any(p.region is not None for p in parts):
                 sentence_id = forward_sentence_ids(rt, B, L, lengths, query.device)
         if rt.observers and kept is not None:  # observers see the unpruned heads, removed ones with q = k = 0
             obs_q, obs_k = to_unpruned(query, kept), to_unpruned(key, kept)
@@ -323,27 +349,47 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
                 raise AttnkitError("norm weighting needs each layer's output projection: measure inside "
                                    "attnkit.engine.forward.measuring(model, weighting='norm')")
             key_scale = key_norms(value, rt.out_proj[module.layer_idx].weight)
+    token_class = info.token_class if info is not None else None
+    parts = parts or [LayerPart(0, B)]
+    if kept is not None:  # a pruned layer: the intervention's settings of the heads it kept
+        parts = [kept_part(p, kept) for p in parts]
 
-    if H == 0:  # a layer whose heads were all pruned: nothing to attend with
-        out = query.new_zeros(B, L, 0, D)
-        feats = query.new_zeros((B, 0, num_features(num_windows)), dtype=torch.float32)
-    else:
-        out, feats = attention(
-            query, key, value, lengths,
-            info.token_class if info is not None else None,
-            sentence_id,
-            scaling=scaling, num_windows=num_windows, mode=mode, region=region,
-            renormalize=renormalize, gates=gates, want_features=want, key_scale=key_scale, backend=backend,
+    def call(p: LayerPart, rows: slice):
+        if H == 0:  # a layer whose heads were all pruned: nothing to attend with
+            n = query[rows].shape[0]
+            return query.new_zeros(n, L, 0, D), query.new_zeros((n, 0, num_features(num_windows)), dtype=torch.float32)
+        return attention(
+            query[rows], key[rows], value[rows], lengths[rows],
+            None if token_class is None else token_class[rows], None if sentence_id is None else sentence_id[rows],
+            scaling=scaling, num_windows=num_windows, mode=p.mode, region=p.region,
+            renormalize=p.renormalize, gates=p.gates, want_features=want,
+            key_scale=None if key_scale is None else key_scale[rows], backend=backend,
         )
+
+    if len(parts) == 1:  # one call of the op for the whole batch
+        out, feats = call(parts[0], slice(None))
+    else:  # stacked interventions: one call per block of samples
+        outs, feats = zip(*(call(p, slice(p.start, p.stop)) for p in parts))
+        out, feats = torch.cat(outs), torch.cat(feats)
+    for p in parts:
+        out = replace_head_outputs(out, p.outputs, slice(p.start, p.stop))
     if want:  # a pruned layer's removed heads read as zeroed heads: every feature 0
         rt.features[module.layer_idx] = feats if kept is None else to_unpruned(feats, kept)
+    if rt is not None and rt.head_caches:  # caches hold the unpruned heads (removed ones output 0)
+        heads_out = out if kept is None else to_unpruned(out.transpose(1, 2), kept).transpose(1, 2)
+        for cache in rt.head_caches:
+            cache.record(module.layer_idx, heads_out)
     if not want_maps:
         return out, None
     if H == 0:
         return out, query.new_zeros(B, 0, L, L)
     # the weights this forward used, interventions included (their definition: attnkit.reference)
     scale = D**-0.5 if scaling is None else scaling
-    weights = attention_weights(query, key, lengths, scale, sentence_id, mode, region, renormalize)
+    weights = torch.cat([
+        attention_weights(query[p.start:p.stop], key[p.start:p.stop], lengths[p.start:p.stop], scale,
+                          None if sentence_id is None else sentence_id[p.start:p.stop], p.mode, p.region,
+                          p.renormalize)
+        for p in parts])
     return out, weights.to(query.dtype)
 
 

@@ -1,5 +1,6 @@
 """Interventions on attention heads (docs/interventions.md): per (layer, head) a mode and a region,
-optional renormalisation, and differentiable per-head gates.
+optional renormalisation, differentiable per-head gates, and values that replace a head's output (modes patch
+and mean).
 
     iv = Intervention.identity(n_layers, n_heads)
     iv.set(2, 5, mode="zero")
@@ -10,6 +11,12 @@ Builders: `Intervention.from_heads(model_or_shape, "L2H5,L3H0", mode="zero")`, `
 `.from_types(shape, load_clusters(run), ["diagonal"], ...)`; `with_gates()` adds differentiable gates.
 
 transformers 5 removed `head_mask`; this replaces it, through the same fused op that extracts features.
+
+Modes keep, zero and uniform change the head's weights inside the op. Modes patch and mean leave the weights
+alone (the op computes them, and features describe them) and replace the head's output after the op, before
+the output projection: `set(l, h, mode="patch", value=T)` with T of L × D or B × L × D (or a `HeadCache`, read
+at forward time), `set(l, h, mode="mean", value=v)` with v of D. `StackedInterventions` runs several
+interventions in one forward, one per block of samples (the ablation sweeps batch settings this way).
 
 Regions (no_intra / no_inter) need each token's sentence: in a plain forward they are the segments of
 a text pair (token_type_ids or separator tokens), or ids given with `sentences(model, ids)` /
@@ -31,13 +38,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import AttnkitError, check_int
+from .errors import AttnkitError, arg, check_int
 from .features import ALL, KEEP, MODES, REGIONS
+from .hf_attention import LayerPart
 from .models import attention_modules, runtime_of
 from .run.clusters import CLUSTERS_FILE, type_grid
 from .run.clusters import load_clusters as read_clusters
+from .run.head_means import HeadMeans
 
 _HEAD_RE = re.compile(r"^L(\d+)(?:H(\d+))?$", re.IGNORECASE)
+
+# Modes that replace a head's output after the op (their codes follow the op's; the op sees them as keep).
+HEAD_MODES = MODES + ("patch", "mean")
+PATCH, MEAN = len(MODES), len(MODES) + 1
 
 
 def _shape_of(model_or_shape) -> tuple[int, int]:
@@ -168,22 +181,28 @@ def load_clusters(run_or_file, shape: tuple[int, int] | None = None) -> HeadType
 
 
 class Intervention:
-    """Per-(layer, head) modes and regions (codes of `attnkit.features`), renormalize, and gates."""
+    """Per-(layer, head) modes and regions (codes of `attnkit.features`, then PATCH and MEAN), renormalize, gates,
+    and the values of patched and mean-ablated heads (`values`: (layer, head) → `HeadValue`)."""
 
     def __init__(self, mode: np.ndarray, region: np.ndarray | None = None, renormalize: bool = False,
-                 gates: torch.Tensor | None = None):
+                 gates: torch.Tensor | None = None, values: dict | None = None):
         self.mode = np.asarray(mode, dtype=np.int32)
         if self.mode.ndim != 2:
             raise AttnkitError(f"intervention mode must be n_layers × n_heads, got shape {self.mode.shape}")
         self.region = (np.zeros_like(self.mode) if region is None else np.asarray(region, dtype=np.int32))
         if self.region.shape != self.mode.shape:
             raise AttnkitError(f"region shape {self.region.shape} differs from mode shape {self.mode.shape}")
-        if self.mode.min(initial=0) < 0 or self.mode.max(initial=0) >= len(MODES):
-            raise AttnkitError("intervention mode codes must be 0 (keep), 1 (zero) or 2 (uniform)")
+        if self.mode.min(initial=0) < 0 or self.mode.max(initial=0) >= len(HEAD_MODES):
+            raise AttnkitError("intervention mode codes must be 0 (keep), 1 (zero), 2 (uniform), 3 (patch) or 4 (mean)")
         if self.region.min(initial=0) < 0 or self.region.max(initial=0) >= len(REGIONS):
             raise AttnkitError("intervention region codes must be 0 (all), 1 (no_intra) or 2 (no_inter)")
         if gates is not None and tuple(gates.shape) != self.mode.shape:
             raise AttnkitError(f"gates shape {tuple(gates.shape)} differs from {self.mode.shape}")
+        self.values = dict(values or {})
+        valued = {(int(l), int(h)) for l, h in zip(*np.nonzero(self.mode >= PATCH))}
+        if valued != set(self.values):
+            odd = sorted(valued ^ set(self.values))[0]
+            raise AttnkitError(f"head L{odd[0]}H{odd[1]}: modes patch and mean need a value, and only they take one")
         self.renormalize = bool(renormalize)
         self.gates = gates
         self._cache: dict = {}
@@ -203,26 +222,27 @@ class Intervention:
 
     @classmethod
     def from_heads(cls, model_or_shape, heads, *, mode: str = "zero", region: str = "all",
-                   renormalize: bool = False) -> Intervention:
-        """Apply `mode`/`region` to the listed heads ("L2H5,L3H0", "L4", or (layer, head) pairs)."""
+                   renormalize: bool = False, means=None) -> Intervention:
+        """Apply `mode`/`region` to the listed heads ("L2H5,L3H0", "L4", or (layer, head) pairs). Mode mean takes
+        each head's value from `means` (an `attnkit.head_means` result, or an n_layers × n_heads × D array)."""
         shape = _shape_of(model_or_shape)
         iv = cls.identity(*shape)
         iv.renormalize = bool(renormalize)
-        return iv.set_heads(parse_heads(heads, shape), mode=mode, region=region)
+        return iv.set_heads(parse_heads(heads, shape), mode=mode, region=region, means=means)
 
     @classmethod
     def from_layers(cls, model_or_shape, layers: Iterable[int] | int, *, mode: str = "uniform",
-                    region: str = "all", renormalize: bool = False) -> Intervention:
-        """Apply `mode`/`region` to every head of the given layers."""
+                    region: str = "all", renormalize: bool = False, means=None) -> Intervention:
+        """Apply `mode`/`region` to every head of the given layers (mode mean: values from `means`)."""
         shape = _shape_of(model_or_shape)
         layers = [layers] if isinstance(layers, (int, np.integer)) else list(layers)
         return cls.from_heads(shape, [(int(l), None) for l in layers], mode=mode, region=region,
-                              renormalize=renormalize)
+                              renormalize=renormalize, means=means)
 
     @classmethod
     def from_types(cls, model_or_shape, head_types: HeadTypes, types: Sequence[str] | str, *,
-                   mode: str = "zero", region: str = "all", renormalize: bool = False) -> Intervention:
-        """Apply `mode`/`region` to every head whose cluster type is in `types`."""
+                   mode: str = "zero", region: str = "all", renormalize: bool = False, means=None) -> Intervention:
+        """Apply `mode`/`region` to every head whose cluster type is in `types` (mode mean: values from `means`)."""
         shape = _shape_of(model_or_shape)
         if head_types.shape != shape:
             raise AttnkitError(f"clusters cover {head_types.shape[0]} layers × {head_types.shape[1]} heads "
@@ -231,11 +251,11 @@ class Intervention:
         heads = list(itertools.chain.from_iterable(head_types.heads(t) for t in types))
         iv = cls.identity(*shape)
         iv.renormalize = bool(renormalize)
-        return iv.set_heads(heads, mode=mode, region=region)
+        return iv.set_heads(heads, mode=mode, region=region, means=means)
 
     def copy(self) -> Intervention:
         gates = None if self.gates is None else self.gates.detach().clone()
-        return Intervention(self.mode.copy(), self.region.copy(), self.renormalize, gates)
+        return Intervention(self.mode.copy(), self.region.copy(), self.renormalize, gates, self.values)
 
     def with_gates(self, gates: torch.Tensor | None = None, requires_grad: bool = True) -> Intervention:
         """A copy with per-head gates (ones by default) that autograd tracks: Michel et al.'s ξ."""
@@ -248,9 +268,20 @@ class Intervention:
         iv.gates = gates
         return iv
 
-    def set_heads(self, heads: Iterable[tuple[int, int]], *, mode: str = "keep", region: str = "all") -> Intervention:
+    def set_heads(self, heads: Iterable[tuple[int, int]], *, mode: str = "keep", region: str = "all",
+                  means=None) -> Intervention:
+        """`set` each of `heads`; mode mean takes each head's value from `means` (`attnkit.head_means`' result or
+        an n_layers × n_heads × D array)."""
+        if mode == "mean":
+            if means is None:
+                raise AttnkitError(f"mode mean needs {arg('means')}: the heads' mean outputs (attnkit.head_means)")
+            table = np.asarray(means.mean if isinstance(means, HeadMeans) else means)
+            if table.ndim != 3 or table.shape[:2] != self.shape:
+                raise AttnkitError(f"{arg('means')} must be n_layers × n_heads × head size = {self.shape[0]} × "
+                                   f"{self.shape[1]} × D, got shape {table.shape}")
         for layer, head in heads:
-            self.set(layer, head, mode=mode, region=region)
+            value = table[layer, head] if mode == "mean" else None
+            self.set(layer, head, mode=mode, region=region, value=value)
         return self
 
     def changed_heads(self) -> list[tuple[int, int]]:
@@ -259,7 +290,7 @@ class Intervention:
 
     def describe(self) -> str:
         parts = []
-        for code, name in enumerate(MODES[1:], start=1):
+        for code, name in enumerate(HEAD_MODES[1:], start=1):
             heads = [(int(l), int(h)) for l, h in zip(*np.nonzero(self.mode == code))]
             if heads:
                 parts.append(f"{name}: {format_heads(heads)}")
@@ -275,7 +306,7 @@ class Intervention:
 
     def __repr__(self) -> str:
         parts = [f"{name} {_compact_heads(self.mode == code)}"
-                 for code, name in enumerate(MODES) if code != KEEP and (self.mode == code).any()]
+                 for code, name in enumerate(HEAD_MODES) if code != KEEP and (self.mode == code).any()]
         parts += [f"region {name} {_compact_heads(self.region == code)}"
                   for code, name in enumerate(REGIONS) if code != ALL and (self.region == code).any()]
         text = "; ".join(parts) or "keep all"
@@ -284,10 +315,15 @@ class Intervention:
         L, H = self.shape
         return f"Intervention({L}×{H}: {text}, renormalize={self.renormalize})"
 
-    def set(self, layer: int, head: int | None = None, *, mode: str = "keep", region: str = "all") -> Intervention:
-        """Set one head (or the whole layer when head is None); returns self for chaining."""
-        if mode not in MODES:
-            raise AttnkitError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    def set(self, layer: int, head: int | None = None, *, mode: str = "keep", region: str = "all",
+            value=None) -> Intervention:
+        """Set one head (or the whole layer when head is None); returns self for chaining.
+
+        Modes patch and mean take a `value` (docs/interventions.md): patch a tensor of L × D or B × L × D
+        (tokens × head size; with head None, L × H × D or B × L × H × D, e.g. a layer of `cache_heads`) or a
+        `HeadCache` whose output of this layer is read at forward time; mean a vector of D (head None: H × D)."""
+        if mode not in HEAD_MODES:
+            raise AttnkitError(f"unknown mode {mode!r}; use one of {', '.join(HEAD_MODES)}")
         if region not in REGIONS:
             raise AttnkitError(f"unknown region {region!r}; use one of {', '.join(REGIONS)}")
         L, H = self.shape
@@ -296,27 +332,167 @@ class Intervention:
                                f"{layer!r}, head {head!r}")
         if not 0 <= layer < L or (head is not None and not 0 <= head < H):
             raise AttnkitError(f"head L{layer}H{head} is outside this model's {L} layers × {H} heads")
+        heads = range(H) if head is None else [head]
+        if mode in ("patch", "mean"):
+            values = head_values(mode, value, layer, head, H)
+        elif value is not None:
+            raise AttnkitError(f"{arg('value')} is for modes patch and mean, not {mode!r}")
+        else:
+            values = [None] * len(heads)
         sel = slice(None) if head is None else head
-        self.mode[layer, sel] = MODES.index(mode)
+        self.mode[layer, sel] = HEAD_MODES.index(mode)
         self.region[layer, sel] = REGIONS.index(region)
+        for h, v in zip(heads, values):
+            self.values.pop((layer, h), None)
+            if v is not None:
+                self.values[(layer, h)] = v
         self._cache.clear()
         return self
+
+    def first_changed_layer(self) -> int:
+        """The first layer whose heads this intervention changes (0 with gates; the number of layers when it
+        changes none): the layers before it compute what they compute without it."""
+        if self.gates is not None:
+            return 0
+        changed = np.flatnonzero(((self.mode != KEEP) | (self.region != ALL)).any(1))
+        return int(changed[0]) if changed.size else self.shape[0]
 
     @property
     def is_identity(self) -> bool:
         return (not self.mode.any() and not self.region.any() and self.gates is None)
 
     def for_layer(self, layer: int, device) -> tuple:
-        """(mode, region, gates) tensors for one layer's heads; None where nothing changes."""
+        """(mode, region, gates) tensors of the op for one layer's heads; None where nothing changes (patched and
+        mean-ablated heads are keep for the op: it computes their weights, and their outputs are replaced after)."""
         key = (layer, str(device))
         if key not in self._cache:
-            m, r = self.mode[layer], self.region[layer]
+            m, r = np.where(self.mode[layer] >= PATCH, KEEP, self.mode[layer]), self.region[layer]
             mode = torch.as_tensor(m, device=device) if m.any() else None
             region = torch.as_tensor(r, device=device) if (r != ALL).any() else None
             self._cache[key] = (mode, region)
         mode, region = self._cache[key]
         gates = None if self.gates is None else self.gates[layer]
         return mode, region, gates
+
+    def outputs_for_layer(self, layer: int, B: int, L: int, D: int, device, dtype) -> dict:
+        """head → the tensor that replaces its output in a forward of B samples × L tokens with head size D
+        (broadcastable to B × L × D), for the patched and mean-ablated heads of `layer`."""
+        out = {}
+        for (l, h), v in self.values.items():
+            if l == layer:
+                out[h] = v.resolve(layer, h, B, L, D, device, dtype)
+        return out
+
+    def layer_plan(self, layer: int, B: int, L: int, D: int, device, dtype) -> list:
+        """What the attention of `layer` does to a forward of B samples (`attnkit.hf_attention.LayerPart`s)."""
+        mode, region, gates = self.for_layer(layer, device)
+        return [LayerPart(0, B, mode, region, gates, self.renormalize,
+                          self.outputs_for_layer(layer, B, L, D, device, dtype))]
+
+
+@dataclass(frozen=True)
+class HeadValue:
+    """What replaces one head's output: `tensor` (patch: L × D or B × L × D; mean: D) or `cache`, a `HeadCache`
+    whose output of the head is read at forward time."""
+
+    mode: str
+    tensor: torch.Tensor | None = None
+    cache: object | None = None
+
+    def resolve(self, layer: int, head: int, B: int, L: int, D: int, device, dtype) -> torch.Tensor:
+        """The value for a forward of B × L tokens with head size D, checked, as a (1 or B) × L × D or 1 × 1 × D
+        tensor on `device` in `dtype`."""
+        name = f"L{layer}H{head}"
+        t = self.tensor if self.cache is None else self.cache.head_output(layer, head)
+        if t.shape[-1] != D:
+            raise AttnkitError(f"the {self.mode} value of {name} has {t.shape[-1]} numbers per token but the head "
+                               f"outputs {D} (the model's head size)")
+        if self.mode == "mean":
+            return t.to(device, dtype).view(1, 1, D)
+        if t.shape[-2] != L:
+            raise AttnkitError(f"the patch value of {name} covers {t.shape[-2]} tokens but the forward has {L}: "
+                               "patch between inputs of equal token length")
+        if t.dim() == 3 and t.shape[0] != B:
+            raise AttnkitError(f"the patch value of {name} holds {t.shape[0]} samples but the forward has {B}")
+        return t.to(device, dtype).reshape(-1, L, D)
+
+
+def head_values(mode: str, value, layer: int, head: int | None, n_heads: int) -> list[HeadValue]:
+    """The `HeadValue` of each head that `Intervention.set(layer, head, mode=mode, value=value)` sets, checked."""
+    name = f"L{layer}" + ("" if head is None else f"H{head}")
+    if value is None:
+        raise AttnkitError(f"mode {mode!r} needs a {arg('value')} for {name}")
+    heads = range(n_heads) if head is None else [head]
+    if hasattr(value, "head_output"):  # a HeadCache: read at forward time
+        if mode != "patch":
+            raise AttnkitError(f"mode mean takes a vector of the head's size as {arg('value')}, not a cache")
+        if not value.covers(layer):
+            raise AttnkitError(f"the cache given as {arg('value')} for {name} does not keep layer {layer}")
+        return [HeadValue(mode, cache=value) for _ in heads]
+    try:
+        t = value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise AttnkitError(f"the {mode} value of {name} is not an array of numbers ({exc})") from None
+    if not t.dtype.is_floating_point:
+        raise AttnkitError(f"the {mode} value of {name} must hold floats, got {t.dtype}")
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        what = "NaN" if bool(torch.isnan(t).any()) else "an infinite number"
+        raise AttnkitError(f"the {mode} value of {name} holds {what}")
+    extra = 0 if head is not None else 1  # a whole layer has a heads axis before the head size
+    shapes = {"patch": "L × D or B × L × D", "mean": "D"}[mode]
+    ndims = {"patch": (2 + extra, 3 + extra), "mean": (1 + extra,)}[mode]
+    if t.dim() not in ndims or (extra and t.shape[-2] != n_heads) or t.numel() == 0:
+        want = shapes if not extra else shapes.replace("D", f"H × D (H = {n_heads})")
+        raise AttnkitError(f"the {mode} value of {name} must have shape {want}"
+                           f"{' (tokens × head size)' if mode == 'patch' else ' (the head size)'}, "
+                           f"got {tuple(t.shape)}")
+    return [HeadValue(mode, t if not extra else t.select(-2, h)) for h in heads]
+
+
+class StackedInterventions:
+    """Several interventions in one forward: intervention i covers samples i·group … (i + 1)·group − 1 (a batch
+    repeated once per intervention). Each block of samples gets its own call of the op where the interventions
+    differ in a layer, one call where they agree (how `attnkit ablate` evaluates several settings at once)."""
+
+    def __init__(self, interventions: Sequence[Intervention], group: int):
+        self.interventions = list(interventions)
+        if not self.interventions or any(not isinstance(iv, Intervention) for iv in self.interventions):
+            raise AttnkitError("stacked interventions need one or more attnkit.Intervention")
+        shapes = {iv.shape for iv in self.interventions}
+        if len(shapes) > 1:
+            raise AttnkitError(f"stacked interventions differ in shape: {sorted(shapes)}")
+        if int(group) < 1:
+            raise AttnkitError(f"each stacked intervention needs at least one sample, got {group}")
+        self.group = int(group)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.interventions[0].shape
+
+    def layer_plan(self, layer: int, B: int, L: int, D: int, device, dtype) -> list:
+        n = len(self.interventions)
+        if B != n * self.group:
+            raise AttnkitError(f"{n} stacked interventions of {self.group} samples each need a batch of "
+                               f"{n * self.group}, but the forward has {B}")
+        parts: list = []
+        for i, iv in enumerate(self.interventions):
+            (p,) = iv.layer_plan(layer, self.group, L, D, device, dtype)
+            start = i * self.group
+            if parts and _same_op_call(parts[-1], p):
+                parts[-1] = LayerPart(parts[-1].start, start + self.group, p.mode, p.region, p.gates, p.renormalize)
+            else:
+                parts.append(LayerPart(start, start + self.group, p.mode, p.region, p.gates, p.renormalize,
+                                       p.outputs))
+        return parts
+
+
+def _same_op_call(a: LayerPart, b: LayerPart) -> bool:
+    """Whether two blocks of samples can share one call of the op (same codes, no gates, no replaced outputs)."""
+    def same(x, y):
+        return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+
+    return (not a.outputs and not b.outputs and a.gates is None and b.gates is None
+            and a.renormalize == b.renormalize and same(a.mode, b.mode) and same(a.region, b.region))
 
 
 def _as_sentence_ids(sentence_ids) -> torch.Tensor:
@@ -361,7 +537,7 @@ def intervene(model, intervention: Intervention, sentences=None):
 
     Region interventions (no_intra / no_inter) take each forward's sentences from its token_type_ids
     or separator tokens (attnkit/hf_attention.py says how), or from `sentences` (batch × length ids)."""
-    if not isinstance(intervention, Intervention):
+    if not isinstance(intervention, (Intervention, StackedInterventions)):
         raise AttnkitError(f"intervene() needs an attnkit.Intervention, got {type(intervention).__name__}")
     rt = runtime_of(model)
     n_layers = len(attention_modules(model))

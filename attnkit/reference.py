@@ -371,3 +371,17 @@ def reference_js_distances(attn: torch.Tensor, lengths: torch.Tensor, chunk: int
             kl_q = torch.special.xlogy(q, q) - torch.special.xlogy(q, m)
             out[i0:i0 + chunk] += (0.5 * (kl_p + kl_q)).sum((-1, -2))
     return out
+
+
+def replace_head_outputs(out: torch.Tensor, outputs: dict, rows: slice = slice(None)) -> torch.Tensor:
+    """Patch and mean (docs/interventions.md): `out` (B×L×H×D, the op's per-head outputs) with the output of each
+    head h in `outputs` replaced, for the samples `rows`, by outputs[h] (broadcast to those samples × L × D) at
+    every position. Applied after the op, so the weights (and the features) of those heads are the ones they
+    computed; a gate on such a head has no effect. In place, unless autograd tracks `out`."""
+    if not outputs:
+        return out
+    if out.requires_grad:
+        out = out.clone()
+    for h, v in outputs.items():
+        out[rows, :, h, :] = v
+    return out

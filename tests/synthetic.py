@@ -92,9 +92,9 @@ def tiny_bert(n_layers: int = 2, n_heads: int = 2, seed: int = 0):
 
 def mean_scores(values):
     """Per-example scores whose metric is 100 × their mean (attnkit.ablation.metrics.ExampleScores)."""
-    from attnkit.ablation.metrics import ExampleScores
+    from attnkit.ablation.metrics import ExampleScores, weighted_mean
 
-    return ExampleScores({"v": np.asarray(values, dtype=float)}, lambda a: 100.0 * a["v"].mean())
+    return ExampleScores({"v": np.asarray(values, dtype=float)}, lambda a, w: 100.0 * weighted_mean(a["v"], w))
 
 
 def rich_run(path, *, L: int = 3, H: int = 4, n_samples: int = 30, seed: int = 3):

@@ -103,3 +103,33 @@ def test_csv_layers_and_heads_are_integers(tmp_path):
     lines = open(paths["csv"]).read().splitlines()
     assert lines[0] == "setting,layer,head,spearman,n,delta_spearman"
     assert lines[1] == "baseline,,,80.0,50," and lines[2] == "L3H5 zero,3,5,79.5,50,-0.5"
+
+
+def test_heads_grid_stars_only_intervals_clear_of_zero_beyond_monte_carlo_noise():
+    """The star follows the row's delta_<metric>_excludes_0 (decided with the Monte-Carlo noise of the interval's
+    ends), not the interval's ends alone: an end at +0.0001 that other resamples could put below 0 gets none."""
+    from attnkit.ablation.figures import heads_axes
+
+    rows = [{"setting": "baseline", "layer": None, "head": None, "accuracy": 80.0, "delta_accuracy": 0.0},
+            {"setting": "L0H0 zero", "layer": 0, "head": 0, "accuracy": 79.0, "delta_accuracy": 1.0,
+             "delta_accuracy_lo": 0.0001, "delta_accuracy_hi": 2.0, "delta_accuracy_excludes_0": False},
+            {"setting": "L0H1 zero", "layer": 0, "head": 1, "accuracy": 78.0, "delta_accuracy": -2.0,
+             "delta_accuracy_lo": -3.0, "delta_accuracy_hi": -1.0, "delta_accuracy_excludes_0": True}]
+    fig, ax = heads_axes(ResultTable("heads", "accuracy", rows), (1, 2))
+    labels = sorted(t.get_text() for t in ax.texts)
+    assert labels == ["-2.0*", "1.0"]
+    plt.close(fig)
+
+
+def test_tables_write_every_settings_per_example_outputs(tmp_path):
+    import pandas as pd
+
+    from .synthetic import mean_scores
+
+    ex = [mean_scores([1.0, 0.0, 1.0]), mean_scores([0.0, 0.0, 1.0])]
+    rows = [{"setting": "baseline", "accuracy": 66.7}, {"setting": "L0 uniform", "accuracy": 33.3}]
+    paths = ResultTable("layers", "accuracy", rows, examples=ex).save(str(tmp_path))
+    frame = pd.read_csv(paths["examples"])
+    assert list(frame.columns) == ["setting", "example", "v"]
+    assert frame["setting"].tolist() == ["baseline"] * 3 + ["L0 uniform"] * 3
+    assert frame["v"].tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0] and frame["example"].tolist() == [0, 1, 2] * 2

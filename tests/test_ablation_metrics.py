@@ -6,7 +6,7 @@ import pytest
 
 from attnkit import AttnkitError
 from attnkit.ablation import metrics
-from attnkit.ablation.metrics import ExampleScores, bootstrap_delta, percentile_interval, spearman
+from attnkit.ablation.metrics import ExampleScores, bootstrap_delta, percentile_interval
 
 from .synthetic import mean_scores
 
@@ -92,6 +92,56 @@ def test_bootstrap_interval_covers_the_true_change_and_shrinks_with_n():
 
 
 def test_undefined_resamples_give_nan():
-    const = ExampleScores({"p": np.ones(5), "g": np.arange(5.0)}, lambda a: spearman(a["p"], a["g"]))
+    const = ExampleScores({"p": np.ones(5), "g": np.arange(5.0)},
+                          lambda a, w: metrics.weighted_spearman(a["p"], a["g"], w))
     assert all(math.isnan(x) for x in bootstrap_delta(const, const, n_boot=50))
     assert percentile_interval(np.array([1.0, 2.0, 3.0]), 0.5) == (1.5, 2.5)
+
+
+def test_resampled_metrics_equal_the_metrics_of_the_resamples():
+    """Each weighted_* metric of a row of counts equals the plain metric of that resample written out (np.repeat),
+    computed by scipy and scikit-learn."""
+    from scipy.stats import pearsonr, spearmanr
+    from sklearn.metrics import f1_score, matthews_corrcoef
+
+    rng = np.random.default_rng(3)
+    x, y = np.round(rng.random(40), 1), rng.random(40)  # rounding makes ties
+    p, g = rng.integers(0, 2, 40), rng.integers(0, 2, 40)
+    counts = np.concatenate(list(metrics.resample_counts(40, 30, seed=5, chunk=7)))
+    assert counts.shape == (30, 40) and (counts.sum(1) == 40).all()
+    got = {"spearman": metrics.weighted_spearman(x, y, counts), "pearson": metrics.weighted_pearson(x, y, counts),
+           "accuracy": metrics.weighted_accuracy(p, g, counts), "f1": metrics.weighted_f1(p, g, counts),
+           "mcc": metrics.weighted_matthews(p, g, counts), "mean": metrics.weighted_mean(x, counts)}
+    for i, c in enumerate(counts.astype(int)):
+        idx = np.repeat(np.arange(40), c)
+        want = {"spearman": 100 * spearmanr(x[idx], y[idx]).statistic, "pearson": 100 * pearsonr(x[idx], y[idx]).statistic,
+                "accuracy": 100 * (p[idx] == g[idx]).mean(), "f1": 100 * f1_score(g[idx], p[idx], zero_division=0),
+                "mcc": 100 * matthews_corrcoef(g[idx], p[idx]), "mean": x[idx].mean()}
+        for k, v in want.items():
+            assert got[k][i] == pytest.approx(v, abs=1e-9), k
+    assert math.isnan(metrics.weighted_pearson(np.ones(4), np.arange(4.0), np.ones((1, 4)))[0])
+
+
+def test_ten_thousand_resamples_by_default_and_the_same_draws_for_every_setting():
+    assert metrics.N_BOOT == 10_000
+    a = np.concatenate(list(metrics.resample_counts(50, seed=1)))
+    b = np.concatenate(list(metrics.resample_counts(50, seed=1, chunk=333)))
+    assert a.shape == (10_000, 50) and np.array_equal(a, b)  # chunking does not change the draws
+
+
+def test_an_end_within_monte_carlo_noise_of_zero_does_not_exclude_zero():
+    """The 2.5th percentile of 10,000 resamples lies a little above 0, but other resamples would put it below: its
+    99% Monte-Carlo band (order statistics at ranks m·q ± 2.576·√(m·q·(1 − q))) reaches below 0."""
+    rng = np.random.default_rng(0)
+    m, q = 10_000, 0.025
+    values = np.sort(rng.normal(1.0, 0.5, m))
+    values -= values[int(m * q)] - 1e-4  # the lower percentile lands just above 0
+    lo, hi = percentile_interval(values)
+    assert 0 < lo < 1e-3 and hi > 0
+    (lo_min, lo_max), _ = metrics.percentile_bands(values)
+    spread = 2.576 * math.sqrt(m * q * (1 - q))
+    assert lo_min == values[math.floor(m * q - spread)] < 0 < lo_max == values[math.ceil(m * q + spread)]
+    assert not metrics.excludes_zero(values)
+    assert metrics.excludes_zero(values + 0.1)  # clear of 0 by more than the noise
+    assert metrics.excludes_zero(-(values + 0.1))
+    assert not metrics.excludes_zero(np.full(100, np.nan))

@@ -7,6 +7,7 @@
 * `layers` — Kovaleva et al. Fig. 9: one whole layer at a time.
 * `importance` — Michel et al.: gradient importance + iterative pruning (see `importance.py`); with mode zero every
   step also gets the parameters, FLOPs per token and tokens/s of the model with its heads removed (`sizes.py`).
+* `patching` — activation patching: the share of the clean-vs-corrupted gap each head restores (`patching.py`).
 
 Each experiment returns a `ResultTable` (baseline row first) that saves CSV, JSON and Markdown; its figure
 is drawn by attnkit/ablation/figures.py. When the evaluation leaves per-example outputs (`evaluate.last_examples`,
@@ -30,12 +31,14 @@ from ..errors import AttnkitError, arg
 from ..interventions import HeadTypes, Intervention, format_heads, intervene
 from ..run.outputs import atomic_write, ensure_writable_dir
 from .importance import iterative_pruning
+from .metrics import MC_Z, N_BOOT, bootstrap_values, excludes_zero, percentile_interval
 from .names import EXPERIMENTS
 from .sizes import pruned_sizes, pruning_supported
+from .sweep import Sweep
 
 log = logging.getLogger("attnkit")
 
-MODE_LABEL = {"zero": "prune (0)", "uniform": "substitute (1/n)"}
+MODE_LABEL = {"zero": "prune (0)", "uniform": "substitute (1/n)", "mean": "mean-ablate (corpus mean)"}
 
 
 @dataclass
@@ -46,17 +49,34 @@ class Setting:
 
 
 class TaskEvaluator:
-    """Callable(intervention) → metrics of `task` on `model` under that intervention."""
+    """Callable(intervention) → metrics of `task` on `model` under that intervention; `evaluate_many` evaluates a
+    list of them together (attnkit/ablation/sweep.py: once per batch for the layers they leave unchanged, several
+    settings per forward), or one after the other with `sweep=False`. `stack`: settings per forward (None: as
+    memory allows; 1: one)."""
 
-    def __init__(self, task, model, tokenizer, limit=None, batch_size=32):
+    def __init__(self, task, model, tokenizer, limit=None, batch_size=32, *, sweep: bool = True, stack=None):
         self.task, self.model, self.tokenizer = task, model, tokenizer
         self.limit, self.batch_size = limit, batch_size
         self.main_metric = task.main_metric
+        self.sweep, self.stack = sweep, stack
 
     def __call__(self, iv: Intervention) -> dict:
         self.task.last_examples = None
         with intervene(self.model, iv):
             return self.task.evaluate(self.model, self.tokenizer, limit=self.limit, batch_size=self.batch_size)
+
+    def evaluate_many(self, interventions: list, progress: bool = False, desc: str = "settings") -> list[tuple]:
+        """(metrics, per-example outputs) under each intervention, in order."""
+        if self.sweep:
+            sweep = Sweep(self.task, self.model, self.tokenizer, limit=self.limit, batch_size=self.batch_size,
+                          stack=self.stack)
+            return sweep.run(interventions, progress=progress, desc=desc)
+        it = interventions
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(interventions, desc=desc, unit="setting", dynamic_ncols=True)
+        return [(self(iv), self.last_examples) for iv in it]
 
     @property
     def last_examples(self):
@@ -69,7 +89,8 @@ class ResultTable:
     experiment: str
     main_metric: str
     rows: list  # dicts; rows[0] is the baseline
-    extra: dict = field(default_factory=dict)  # e.g. importance matrices
+    extra: dict = field(default_factory=dict)  # e.g. importance matrices, the bootstrap settings
+    examples: list = field(default_factory=list)  # per row: its per-example outputs (ExampleScores) or None
 
     @property
     def columns(self) -> list[str]:
@@ -105,8 +126,22 @@ class ResultTable:
             lines.append("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
         return "\n".join(lines)
 
+    def examples_frame(self):
+        """Every setting's per-example outputs, one row per (setting, example): `setting`, `example` (the
+        example's position in the task's data) and the task's per-example columns; None without any."""
+        import pandas as pd
+
+        frames = []
+        for row, ex in zip(self.rows, self.examples):
+            if ex is None:
+                continue
+            cols = {"setting": row["setting"], "example": ex.index if ex.index is not None else np.arange(ex.n)}
+            frames.append(pd.DataFrame({**cols, **{k: np.asarray(v) for k, v in ex.arrays.items()}}))
+        return pd.concat(frames, ignore_index=True) if frames else None
+
     def save(self, out_dir: str, stem: str | None = None) -> dict:
-        """Write <stem>.csv, .json and .md into `out_dir` (each atomically; an OS error is one line)."""
+        """Write <stem>.csv, .json and .md into `out_dir`, and <stem>.examples.csv when the rows have per-example
+        outputs (each atomically; an OS error is one line)."""
         ensure_writable_dir(out_dir)
         stem = stem or self.experiment
         paths = {k: os.path.join(out_dir, f"{stem}.{k}") for k in ("csv", "json", "md")}
@@ -115,6 +150,10 @@ class ResultTable:
         texts = {"csv": self.to_pandas().to_csv(index=False),
                  "json": json.dumps(payload, indent=1, default=_json_default),
                  "md": self.to_markdown() + "\n"}
+        frame = self.examples_frame()
+        if frame is not None:
+            paths["examples"] = os.path.join(out_dir, f"{stem}.examples.csv")
+            texts["examples"] = frame.to_csv(index=False)
         for k, text in texts.items():
             atomic_write(paths[k], lambda f, text=text: f.write(text.encode("utf-8")))
         return paths
@@ -130,8 +169,13 @@ def _json_default(o):
     raise TypeError(type(o).__name__)
 
 
-N_BOOT = 1000
 LEVEL = 0.95
+
+
+def bootstrap_settings(n_boot: int = N_BOOT, seed: int = 0, level: float = LEVEL) -> dict:
+    """How the intervals of a table were resampled (written into its JSON and meta.json; docs/files.md)."""
+    return {"method": "paired percentile bootstrap", "resamples": int(n_boot), "seed": int(seed), "level": level,
+            "monte_carlo_z": MC_Z}
 
 
 class DeltaIntervals:
@@ -139,37 +183,53 @@ class DeltaIntervals:
 
     def __init__(self, n_boot: int = N_BOOT, seed: int = 0, level: float = LEVEL):
         self.n_boot, self.seed, self.level = n_boot, seed, level
-        self.draws = self.base = None
+        self.base = None  # the baseline's metric on every resample
+        self.n = None
 
     def add(self, row: dict, key: str, examples) -> None:
-        """Put the interval of row[key] into row[key + "_lo"], row[key + "_hi"] (nan without examples)."""
-        from .metrics import bootstrap_values, percentile_interval, resample_indices
-
+        """Put the interval of row[key] into row[key + "_lo"], row[key + "_hi"], and whether it excludes 0 beyond
+        Monte-Carlo noise into row[key + "_excludes_0"] (nothing without per-example outputs)."""
         if examples is None or self.n_boot == 0:
             return
-        if self.draws is None:
-            self.draws = resample_indices(examples.n, self.n_boot, self.seed)
-            self.base = bootstrap_values(examples, self.draws)
-        lo, hi = percentile_interval(bootstrap_values(examples, self.draws) - self.base, self.level)
-        row[f"{key}_lo"], row[f"{key}_hi"] = lo, hi
+        if self.n is not None and examples.n != self.n:
+            raise AttnkitError(f"paired resampling needs the same examples in every setting: {examples.n} vs {self.n}")
+        values = bootstrap_values(examples, self.n_boot, self.seed)
+        if self.base is None:
+            self.base, self.n = values, examples.n
+        diff = values - self.base
+        row[f"{key}_lo"], row[f"{key}_hi"] = percentile_interval(diff, self.level)
+        row[f"{key}_excludes_0"] = excludes_zero(diff, self.level)
+
+
+def evaluate_settings(experiment: str, settings: list[Setting], evaluate, progress: bool = True) -> list[tuple]:
+    """(metrics, per-example outputs or None) of every setting: in one sweep when the evaluator can run several
+    settings together (`evaluate.evaluate_many`, e.g. `TaskEvaluator`), else one evaluation after the other."""
+    ivs = [s.intervention for s in settings]
+    if hasattr(evaluate, "evaluate_many"):
+        return evaluate.evaluate_many(ivs, progress=progress, desc=experiment)
+    it = ivs
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(ivs, desc=experiment, unit="setting", dynamic_ncols=True)
+    out = []
+    for iv in it:
+        m = evaluate(iv)
+        out.append((m, getattr(evaluate, "last_examples", None)))
+    return out
 
 
 def run_settings(experiment: str, settings: list[Setting], evaluate: Callable[[Intervention], dict], main_metric: str,
                  progress: bool = True, n_boot: int = N_BOOT, seed: int = 0) -> ResultTable:
     """Evaluate every setting (the first must be the baseline) → table with Δ of the main metric (and its
-    paired bootstrap 95% interval from `n_boot` resamples when `evaluate.last_examples` is available)."""
+    paired bootstrap 95% interval from `n_boot` resamples when the evaluation leaves per-example outputs)."""
     if not settings:
         raise AttnkitError("no settings to evaluate")
-    rows = []
-    it = settings
-    if progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(settings, desc=experiment, unit="setting", dynamic_ncols=True)
+    results = evaluate_settings(experiment, settings, evaluate, progress)
+    rows, examples = [], []
     base = None
     intervals = DeltaIntervals(n_boot, seed)
-    for s in it:
-        m = evaluate(s.intervention)
+    for s, (m, ex) in zip(settings, results):
         if main_metric not in m:
             raise AttnkitError(f"the evaluation returned no {main_metric!r} (got {sorted(m)})")
         if base is None:
@@ -179,39 +239,45 @@ def run_settings(experiment: str, settings: list[Setting], evaluate: Callable[[I
                                f"hold only NaN; check the data file's gold labels or scores")
         row = {"setting": s.name, **s.info, **{k: v for k, v in m.items()}}
         row[f"delta_{main_metric}"] = m[main_metric] - base
-        intervals.add(row, f"delta_{main_metric}", getattr(evaluate, "last_examples", None))
+        intervals.add(row, f"delta_{main_metric}", ex)
         rows.append(row)
+        examples.append(ex)
     undefined = [r["setting"] for r in rows if isinstance(r[main_metric], float) and math.isnan(r[main_metric])]
     if undefined:
         log.warning("warning: %s is NaN (undefined: the model's outputs were constant) for %d setting(s): %s",
                     main_metric, len(undefined), ", ".join(undefined[:5]) + (" ..." if len(undefined) > 5 else ""))
-    return ResultTable(experiment, main_metric, rows)
+    return ResultTable(experiment, main_metric, rows, {"bootstrap": bootstrap_settings(n_boot, seed)}, examples)
 
 
 # --- settings -----------------------------------------------------------------------------------------
-def heads_settings(shape, mode: str = "zero") -> list[Setting]:
+def heads_settings(shape, mode: str = "zero", means=None) -> list[Setting]:
+    """The baseline, then every head alone in `mode` (mean: the head's corpus mean from `means`)."""
     L, H = shape
     out = [Setting("baseline", Intervention.identity(L, H), {"layer": None, "head": None})]
     for layer in range(L):
         for head in range(H):
-            out.append(Setting(f"L{layer}H{head} {mode}", Intervention.from_heads(shape, [(layer, head)], mode=mode),
-                               {"layer": layer, "head": head}))
+            iv = Intervention.from_heads(shape, [(layer, head)], mode=mode, means=means)
+            out.append(Setting(f"L{layer}H{head} {mode}", iv, {"layer": layer, "head": head}))
     return out
 
 
-def layers_settings(shape, mode: str = "uniform") -> list[Setting]:
+def layers_settings(shape, mode: str = "uniform", means=None) -> list[Setting]:
+    """The baseline, then every layer alone with all its heads in `mode`."""
     L, H = shape
     out = [Setting("baseline", Intervention.identity(L, H), {"layer": None})]
     for layer in range(L):
-        out.append(Setting(f"L{layer} {mode}", Intervention.from_layers(shape, [layer], mode=mode), {"layer": layer}))
+        iv = Intervention.from_layers(shape, [layer], mode=mode, means=means)
+        out.append(Setting(f"L{layer} {mode}", iv, {"layer": layer}))
     return out
 
 
-def types_settings(shape, head_types: HeadTypes, renormalize: bool = False) -> list[Setting]:
+def types_settings(shape, head_types: HeadTypes, renormalize: bool = False, means=None) -> list[Setting]:
     """Guan et al. Tables 2 and 3 for whatever types the clustering found. `renormalize` rescales what is
-    left of a row after removing intra/inter attention (Guan et al. do not; default off).
+    left of a row after removing intra/inter attention (Guan et al. do not; default off). With `means` (the
+    heads' corpus means), Table 2 mean-ablates where it prunes.
 
-    Columns per type say what happens to it: keep, 0 (pruned), 1/n (substituted), -intra, -inter.
+    Columns per type say what happens to it: keep, 0 (pruned), mean (mean-ablated), 1/n (substituted), -intra,
+    -inter.
     """
     types = head_types.types
     if not types:
@@ -222,11 +288,11 @@ def types_settings(shape, head_types: HeadTypes, renormalize: bool = False) -> l
         return Setting(name, iv, info)
 
     out = [row("-", "baseline", Intervention.identity(*shape), {})]
-    for mode, sym in (("zero", "0"), ("uniform", "1/n")):
-        verb = "prune" if mode == "zero" else "substitute"
+    first = ("mean", "mean", "mean-ablate") if means is not None else ("zero", "0", "prune")
+    for mode, sym, verb in (first, ("uniform", "1/n", "substitute")):
         groups = [(t,) for t in types] + list(itertools.combinations(types, 2))
         for g in groups:
-            iv = Intervention.from_types(shape, head_types, list(g), mode=mode)
+            iv = Intervention.from_types(shape, head_types, list(g), mode=mode, means=means)
             out.append(row("2", f"{verb} {' & '.join(g)}", iv, {t: sym for t in g}))
     for region, part in (("no_intra", "intra"), ("no_inter", "inter")):
         for t in types:
@@ -247,18 +313,31 @@ def types_settings(shape, head_types: HeadTypes, renormalize: bool = False) -> l
 def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], dict], main_metric: str, *,
                    mode: str = "zero", head_types: HeadTypes | None = None, losses=None, step: float = 0.1,
                    max_share: float = 1.0, normalize_layers: bool = True, renormalize: bool = False,
-                   progress: bool = True, n_boot: int = N_BOOT) -> ResultTable:
+                   progress: bool = True, n_boot: int = N_BOOT, means=None, patching=None) -> ResultTable:
+    """Run `experiment` (types, heads, layers, importance, patching) and return its table. Mode mean (heads, layers,
+    types) replaces each head's output by its corpus mean from `means` (`attnkit.head_means`); patching needs the
+    `PatchingTask` that `evaluate` evaluates, as `patching`."""
     shape = Intervention.for_model(model).shape
+    if experiment == "patching":
+        if patching is None:
+            raise AttnkitError(f"the patching experiment needs {arg('patching')}: the PatchingTask with the clean and "
+                               "corrupted inputs (attnkit.ablation.patching)")
+        settings = [Setting(name, iv, info) for name, iv, info in patching.settings_for(model)]
+        return run_settings("patching", settings, evaluate, main_metric, progress, n_boot)
+    if mode == "mean" and experiment == "importance":
+        raise AttnkitError("the importance experiment prunes with mode zero or uniform, not mean")
+    if mode == "mean" and means is None:
+        raise AttnkitError(f"mode mean needs {arg('means')}: the heads' mean outputs (attnkit.head_means)")
     if experiment == "heads":
-        return run_settings("heads", heads_settings(shape, mode), evaluate, main_metric, progress, n_boot)
+        return run_settings("heads", heads_settings(shape, mode, means), evaluate, main_metric, progress, n_boot)
     if experiment == "layers":
-        return run_settings("layers", layers_settings(shape, mode), evaluate, main_metric, progress, n_boot)
+        return run_settings("layers", layers_settings(shape, mode, means), evaluate, main_metric, progress, n_boot)
     if experiment == "types":
         if head_types is None:
             raise AttnkitError(f"the types experiment needs {arg('head_types')}: the head types of a clustered run "
                                "(attnkit.interventions.load_clusters)")
-        return run_settings("types", types_settings(shape, head_types, renormalize), evaluate, main_metric, progress,
-                            n_boot)
+        settings = types_settings(shape, head_types, renormalize, means if mode == "mean" else None)
+        return run_settings("types", settings, evaluate, main_metric, progress, n_boot)
     if experiment == "importance":
         if losses is None:
             raise AttnkitError(f"the importance experiment needs {arg('losses')}: the task's differentiable loss")
@@ -292,5 +371,6 @@ def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], di
                  "normalize_layers": normalize_layers, "mode": mode,
                  "ranking": format_heads(tuple(int(x) for x in np.unravel_index(f, shape))
                                          for f in np.argsort(-imp["importance"], axis=None, kind="stable"))}
-        return ResultTable("importance", main_metric, rows, extra)
+        extra["bootstrap"] = bootstrap_settings(n_boot)
+        return ResultTable("importance", main_metric, rows, extra, examples)
     raise AttnkitError(f"unknown {arg('experiment')} {experiment!r}; use one of {', '.join(EXPERIMENTS)}")

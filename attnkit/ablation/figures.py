@@ -2,6 +2,7 @@
 length is the change, not the score), with the paired bootstrap intervals as error bars.
 
 * `heads`: a layer × head grid of the change when each head alone is disabled (Kovaleva et al. Fig. 8);
+* `patching`: the same grid of the share of the clean − corrupted gap that patching each head restores;
 * `types`, `layers`: one bar per setting;
 * `importance`: head importance and the pruning curve (Michel et al.).
 """
@@ -17,26 +18,28 @@ from .experiments import ResultTable
 
 def heads_axes(table: ResultTable, shape, title: str = ""):
     """Kovaleva et al. Fig. 8: Δ of the main metric when each head alone is disabled, as a layer × head grid
-    ("*": the bootstrap interval excludes 0). Returns (figure, axes)."""
+    ("*": the bootstrap interval excludes 0 by more than the Monte-Carlo noise of its ends, the row's
+    `delta_<metric>_excludes_0`). Returns (figure, axes)."""
     key = f"delta_{table.main_metric}"
     grid = np.full(shape, np.nan)
     for r in table.rows[1:]:
         grid[r["layer"], r["head"]] = r[key]
     lim = np.nanmax(np.abs(grid)) if np.isfinite(grid).any() else 1.0
     lim = lim or 1.0
-    sure = np.zeros(shape, dtype=bool)  # the bootstrap interval excludes 0
+    sure = np.zeros(shape, dtype=bool)  # the bootstrap interval excludes 0, beyond the Monte-Carlo noise of its ends
     for r in table.rows[1:]:
-        lo, hi = r.get(f"{key}_lo"), r.get(f"{key}_hi")
-        sure[r["layer"], r["head"]] = lo is not None and hi is not None and (lo > 0 or hi < 0)
+        sure[r["layer"], r["head"]] = bool(r.get(f"{key}_excludes_0", False))
     labels = [[f"{v:.1f}" + ("*" if sure[l, h] else "") if np.isfinite(v) else "" for h, v in enumerate(row)]
               for l, row in enumerate(grid)]
     fig, ax = plt.subplots(figsize=(1.0 + 0.55 * shape[1], 1.0 + 0.5 * shape[0]))
+    patching = table.experiment == "patching"
     head_grid(ax, grid, labels=labels, cmap="RdBu", vmin=-lim, vmax=lim, fontsize=7,
-              colorbar={"label": f"Δ {table.main_metric}"})
+              colorbar={"label": "% of the clean − corrupted gap restored" if patching else f"Δ {table.main_metric}"})
     base = table.rows[0][table.main_metric]
     has_ci = any(f"{key}_lo" in r for r in table.rows)
-    ax.set_title(title or f"Δ {table.main_metric} when one head is disabled (baseline {base:.2f})"
-                 + ("\n* the 95% bootstrap interval excludes 0" if has_ci else ""), fontsize=9)
+    default = ("share of the clean − corrupted gap that patching one head restores (%)" if patching
+               else f"Δ {table.main_metric} when one head is disabled (baseline {base:.2f})")
+    ax.set_title((title or default) + ("\n* the 95% bootstrap interval excludes 0" if has_ci else ""), fontsize=9)
     fig.tight_layout()
     return fig, ax
 
@@ -172,7 +175,7 @@ def importance_axes(table: ResultTable, title: str = ""):
 def save_figure(table: ResultTable, shape, out_dir: str, title: str = "") -> str:
     """Draw the experiment's figure into `out_dir`/<experiment>.png, atomically (a failed write leaves neither a
     partial figure nor a temporary file, only a one-line error)."""
-    if table.experiment == "heads":
+    if table.experiment in ("heads", "patching"):
         fig, _ = heads_axes(table, shape, title)
     elif table.experiment == "importance":
         fig, _ = importance_axes(table, title)

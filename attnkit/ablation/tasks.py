@@ -12,6 +12,12 @@ Each task also yields differentiable losses (`losses`) for gradient head importa
 * squad: the model's start/end cross-entropy on the first answer (position 0 = no answer / not in window).
 * mlm: cross-entropy on the masked tokens.
 
+Every task evaluates in four steps that the ablation sweeps (attnkit/ablation/sweep.py) also drive one by one:
+`plan` (the batches, and what reading their outputs needs), `outputs` (one forward of a batch: tensors whose
+first axis is the batch), `reduce` (a batch's outputs → small per-example results on the CPU) and `summarize`
+(the metrics of all batches, and `last_examples`: the per-example outputs, for bootstrap intervals and the
+per-example file). `prepare` runs what a batch needs before its forwards (nothing, except for patching).
+
 Forwards set the attnkit runtime's batch info (lengths, token classes, sentence ids), so
 region interventions (no_intra / no_inter) know the sentences: the two segments of a pair are different
 sentences, and segments are also split after "." "!" "?" (Guan et al. constrain attention by sentences).
@@ -45,6 +51,13 @@ def forward(model, batch: Batch, **extra):
     batch = batch.to(_device(model))
     with runtime_of(model).batch_of(batch):
         return model(**batch.inputs, **extra)
+
+
+def base_hidden(model, batch: Batch) -> torch.Tensor:
+    """The last hidden states (B × L × hidden) of the base model of an instrumented `model` on `batch`."""
+    batch = batch.to(_device(model))
+    with runtime_of(model).batch_of(batch):
+        return getattr(model, "base_model", model)(**batch.inputs)[0]
 
 
 def _data_file(path: str, kind: str) -> None:
@@ -91,6 +104,22 @@ def check_gold_varies(path: str, gold, metric: str = "Spearman and Pearson corre
                            f"{metric} are undefined; use a file (or {arg('limit')}/{arg('sample')}) whose scores vary")
 
 
+@dataclass
+class Step:
+    """One batch of a task's evaluation and what `Task.reduce` needs to read its outputs."""
+
+    batch: Batch
+    info: object = None
+
+
+@dataclass
+class Plan:
+    """The batches of one evaluation, and what `Task.summarize` needs to score them."""
+
+    steps: list
+    info: object = None
+
+
 class Task:
     """A dataset plus how to score a model on it."""
 
@@ -128,8 +157,40 @@ class Task:
             cache[key] = batches
         return cache[key]
 
-    def evaluate(self, model, tokenizer, limit: int | None = None, batch_size: int = 32) -> dict:
+    def segments(self, limit: int | None = None) -> list:
+        """The inputs the model sees in an evaluation under `limit` (texts or text pairs), e.g. for the mean
+        outputs of every head over them (`attnkit ablate --mode mean`)."""
         raise NotImplementedError
+
+    def plan(self, model, tokenizer, limit: int | None = None, batch_size: int = 32) -> Plan:
+        raise NotImplementedError
+
+    def prepare(self, model, step: Step) -> None:
+        """What `step` needs before its forwards (run once per step, however many settings are evaluated)."""
+
+    def outputs(self, model, batch: Batch):
+        """One forward of `batch`: a tensor, or a tuple of tensors, whose first axis is the batch's samples."""
+        raise NotImplementedError
+
+    def reduce(self, step: Step, outputs):
+        """The outputs of `step`'s forward → what `summarize` needs of them (small, on the CPU)."""
+        raise NotImplementedError
+
+    def summarize(self, plan: Plan, parts: list) -> dict:
+        """The metrics of one evaluation from every step's reduced outputs; sets `last_examples`."""
+        raise NotImplementedError
+
+    def evaluate(self, model, tokenizer, limit: int | None = None, batch_size: int = 32) -> dict:
+        """The task's metrics of `model` on the examples under `limit` (as `subset` picks them)."""
+        instrument(model)
+        self.last_examples = None
+        plan = self.plan(model, tokenizer, limit, batch_size)
+        parts = []
+        with torch.inference_mode():
+            for step in plan.steps:
+                self.prepare(model, step)
+                parts.append(self.reduce(step, self.outputs(model, step.batch)))
+        return self.summarize(plan, parts)
 
     def losses(self, model, tokenizer, limit: int | None = None, batch_size: int = 1) -> Iterator[torch.Tensor]:
         """Differentiable losses, one per group of `batch_size` examples."""
@@ -169,47 +230,47 @@ class StsbTask(Task):
             raise AttnkitError(f"{path}: need at least two scored pairs")
         check_gold_varies(path, [e[2] for e in self.examples])
 
-    def _embed(self, model, tokenizer, sentences, batch_size) -> torch.Tensor:
-        base = getattr(model, "base_model", model)
-        out = torch.empty(len(sentences), model.config.hidden_size)
-        for idx, batch in self._encode(tokenizer, sentences, len(sentences), batch_size):
-            hidden = self._base_forward(model, base, batch)
-            mask = batch.inputs["attention_mask"].to(hidden.device)
-            out[torch.as_tensor(idx)] = mean_pool(hidden, mask).float().cpu()
-        return out
-
-    @staticmethod
-    def _base_forward(model, base, batch):
-        batch = batch.to(_device(model))
-        with runtime_of(model).batch_of(batch):
-            return base(**batch.inputs)[0]
-
-    def evaluate(self, model, tokenizer, limit=None, batch_size=32) -> dict:
-        instrument(model)
+    def segments(self, limit=None) -> list:
         ex = [self.examples[i] for i in subset(len(self.examples), limit)]
-        n = len(ex)
-        sentences = list(dict.fromkeys([s for a, b, _ in ex for s in (a, b)]))
-        where = {s: i for i, s in enumerate(sentences)}
-        with torch.inference_mode():
-            emb = self._embed(model, tokenizer, sentences, batch_size)
+        return list(dict.fromkeys([s for a, b, _ in ex for s in (a, b)]))
+
+    def plan(self, model, tokenizer, limit=None, batch_size=32) -> Plan:
+        idx = subset(len(self.examples), limit)
+        sentences = self.segments(limit)
+        steps = [Step(batch, order) for order, batch in self._encode(tokenizer, sentences, len(sentences), batch_size)]
+        return Plan(steps, (idx, {s: i for i, s in enumerate(sentences)}))
+
+    def outputs(self, model, batch):
+        return base_hidden(model, batch)
+
+    def reduce(self, step, hidden):
+        mask = step.batch.inputs["attention_mask"].to(hidden.device)
+        return mean_pool(hidden, mask).float().cpu()
+
+    def summarize(self, plan, parts) -> dict:
+        idx, where = plan.info
+        emb = torch.empty(len(where), parts[0].shape[1])
+        for step, part in zip(plan.steps, parts):
+            emb[torch.as_tensor(step.info)] = part
+        ex = [self.examples[i] for i in idx]
         a = emb[[where[e[0]] for e in ex]]
         b = emb[[where[e[1]] for e in ex]]
-        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).numpy()
+        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).numpy().astype(np.float64)
         gold = np.array([e[2] for e in ex])
         check_gold_varies(self.path, gold)
-        self.last_examples = metrics.ExampleScores({"pred": cos, "gold": gold},
-                                                   lambda a: metrics.spearman(a["pred"], a["gold"]))
-        return {"spearman": metrics.spearman(cos, gold), "pearson": metrics.pearson(cos, gold), "n": n}
+        self.last_examples = metrics.ExampleScores(
+            {"pred": cos, "gold": gold}, lambda a, w: metrics.weighted_spearman(a["pred"], a["gold"], w),
+            np.asarray(idx))
+        return {"spearman": metrics.spearman(cos, gold), "pearson": metrics.pearson(cos, gold), "n": len(ex)}
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
         instrument(model)
         examples = [self.examples[i] for i in subset(len(self.examples), limit)]
         enc = Encoder(tokenizer, max_length=self.max_length, split_sentences=True)
-        base = getattr(model, "base_model", model)
         for i in range(0, len(examples), batch_size):
             ex = examples[i:i + batch_size]
             batch = enc([s for a, b, _ in ex for s in (a, b)]).to(_device(model))
-            hidden = self._base_forward(model, base, batch)
+            hidden = base_hidden(model, batch)
             emb = mean_pool(hidden, batch.inputs["attention_mask"]).float()
             cos = torch.nn.functional.cosine_similarity(emb[0::2], emb[1::2], dim=-1)
             gold = torch.tensor([e[2] / 5.0 for e in ex], device=cos.device)
@@ -341,24 +402,49 @@ class GlueTask(Task):
             out["mcc"] = metrics.matthews(pred, gold)
         return out
 
-    def evaluate(self, model, tokenizer, limit=None, batch_size=32) -> dict:
-        instrument(model)
-        ex = [self.examples[i] for i in subset(len(self.examples), limit)]
-        n = len(ex)
-        gold = self._targets(model, ex)
+    def resampled_main(self, pred: np.ndarray, gold: np.ndarray, weights: np.ndarray, positive: int = 1) -> np.ndarray:
+        """The main metric of each resample (rows of counts), as `score` computes it on the examples."""
+        main = self.main_metric
+        if main == "pearson_and_spearman":
+            return (metrics.weighted_pearson(pred, gold, weights) + metrics.weighted_spearman(pred, gold, weights)) / 2
+        if main == "mcc":
+            return metrics.weighted_matthews(pred, gold, weights)
+        acc = metrics.weighted_accuracy(pred, gold, weights)
+        if main == "acc_and_f1":
+            return (acc + metrics.weighted_f1(pred, gold, weights, positive)) / 2
+        return acc
+
+    def segments(self, limit=None) -> list:
+        return [self.examples[i][0] for i in subset(len(self.examples), limit)]
+
+    def plan(self, model, tokenizer, limit=None, batch_size=32) -> Plan:
+        idx = subset(len(self.examples), limit)
+        ex = [self.examples[i] for i in idx]
+        encoded = self._encode(tokenizer, [e[0] for e in ex], len(ex), batch_size)
+        steps = [Step(batch, order) for order, batch in encoded]
+        positive = self._label_ids(model).get("1", 1) if self.spec.labels is not None else 1
+        return Plan(steps, (idx, self._targets(model, ex), positive))
+
+    def outputs(self, model, batch):
+        return forward(model, batch).logits
+
+    def reduce(self, step, logits):
+        logits = logits.float().cpu()
+        return logits[:, 0].numpy().astype(np.float64) if self.spec.labels is None else logits.argmax(-1).numpy()
+
+    def summarize(self, plan, parts) -> dict:
+        idx, gold, positive = plan.info
         regression = self.spec.labels is None
-        pred = np.zeros(n, dtype=np.float64 if regression else np.int64)
-        with torch.inference_mode():
-            for idx, batch in self._encode(tokenizer, [e[0] for e in ex], n, batch_size):
-                logits = forward(model, batch).logits.float().cpu()
-                pred[idx] = logits[:, 0].numpy() if regression else logits.argmax(-1).numpy()
+        pred = np.zeros(len(idx), dtype=np.float64 if regression else np.int64)
+        for step, part in zip(plan.steps, parts):
+            pred[step.info] = part
         if regression:
             check_gold_varies(self.path, gold)
-        positive = self._label_ids(model).get("1", 1) if not regression else 1
         out = self.score(pred, gold, positive)
-        out["n"] = n
+        out["n"] = len(idx)
         self.last_examples = metrics.ExampleScores(
-            {"pred": pred, "gold": gold}, lambda a: self.score(a["pred"], a["gold"], positive)[self.main_metric])
+            {"pred": pred, "gold": gold}, lambda a, w: self.resampled_main(a["pred"], a["gold"], w, positive),
+            np.asarray(idx))
         return out
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
@@ -466,26 +552,41 @@ class SquadTask(Task):
                     best, text = score, ctx[offsets[s][0]:offsets[e][1]]
         return best, text, null
 
-    def evaluate(self, model, tokenizer, limit=None, batch_size=32) -> dict:
-        instrument(model)
+    def segments(self, limit=None) -> list:
+        return [(self.examples[i][1], self.examples[i][2]) for i in subset(len(self.examples), limit)]
+
+    def plan(self, model, tokenizer, limit=None, batch_size=32) -> Plan:
         idx = subset(len(self.examples), limit)
-        n = len(idx)
         feats, encoder = self._features(tokenizer, idx)
         order = np.argsort([len(f["input_ids"]) for f in feats], kind="stable")
-        best = {}  # example -> (score, text, min null)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        with torch.inference_mode():
-            for i in range(0, len(order), batch_size):
-                chunk = [feats[j] for j in order[i:i + batch_size]]
-                out = forward(model, self._collate(chunk, encoder, pad))
-                s_all, e_all = out.start_logits.float().cpu().numpy(), out.end_logits.float().cpu().numpy()
-                for b, f in enumerate(chunk):
-                    L = len(f["input_ids"])
-                    score, text, null = self._best(f, s_all[b, :L], e_all[b, :L])
-                    prev = best.get(f["example"], (-float("inf"), None, float("inf")))
-                    if score > prev[0]:
-                        prev = (score, text, prev[2])
-                    best[f["example"]] = (prev[0], prev[1], min(prev[2], null))
+        steps = []
+        for i in range(0, len(order), batch_size):
+            chunk = [feats[j] for j in order[i:i + batch_size]]
+            steps.append(Step(self._collate(chunk, encoder, pad), chunk))
+        return Plan(steps, idx)
+
+    def outputs(self, model, batch):
+        out = forward(model, batch)
+        return out.start_logits, out.end_logits
+
+    def reduce(self, step, outputs):
+        """(example, best span score, its text, null score) of every window of the step."""
+        s_all, e_all = (t.float().cpu().numpy() for t in outputs)
+        found = []
+        for b, f in enumerate(step.info):
+            L = len(f["input_ids"])
+            found.append((f["example"], *self._best(f, s_all[b, :L], e_all[b, :L])))
+        return found
+
+    def summarize(self, plan, parts) -> dict:
+        idx = plan.info
+        best = {}  # example -> (score, text, min null)
+        for example, score, text, null in (w for part in parts for w in part):
+            prev = best.get(example, (-float("inf"), None, float("inf")))
+            if score > prev[0]:
+                prev = (score, text, prev[2])
+            best[example] = (prev[0], prev[1], min(prev[2], null))
         preds, golds = {}, {}
         for k in idx:
             qid, _, _, answers, _ = self.examples[k]
@@ -495,10 +596,12 @@ class SquadTask(Task):
             preds[qid] = text
             golds[qid] = answers
         out = metrics.squad_scores(preds, golds)
-        out["n"] = n
-        _, em, f1s = metrics.squad_per_question(preds, golds)
+        out["n"] = len(idx)
+        qids, em, f1s = metrics.squad_per_question(preds, golds)
         self.last_examples = metrics.ExampleScores(
-            {"exact": em, "f1": f1s}, lambda a: 100.0 * float(np.mean(a[self.main_metric])))
+            {"exact": em, "f1": f1s, "prediction": np.array([preds[q] for q in qids], dtype=object),
+             "id": np.array(qids, dtype=object)},
+            lambda a, w: 100.0 * metrics.weighted_mean(a[self.main_metric], w), np.asarray(idx))
         return out
 
     def answer_positions(self, f) -> tuple[int, int]:
@@ -595,30 +698,39 @@ class MlmTask(Task):
         cache[key] = out
         return out
 
-    def evaluate(self, model, tokenizer, limit=None, batch_size=32) -> dict:
-        instrument(model)
-        n = len(subset(len(self.examples), limit))
-        correct = total = 0
-        nll = 0.0
-        per_example = {}  # example -> (correct, masked)
-        with torch.inference_mode():
-            for orig, batch, labels in self._masked(tokenizer, limit, batch_size):
-                logits = forward(model, batch).logits.float().cpu()
-                sel = labels != -100
-                hit = (logits.argmax(-1) == labels) & sel
-                for b, j in enumerate(orig):
-                    per_example[j] = (int(hit[b].sum()), int(sel[b].sum()))
-                correct += int((logits.argmax(-1)[sel] == labels[sel]).sum())
-                nll += float(torch.nn.functional.cross_entropy(logits[sel], labels[sel], reduction="sum"))
-                total += int(sel.sum())
+    def segments(self, limit=None) -> list:
+        return [self.examples[i] for i in subset(len(self.examples), limit)]
+
+    def plan(self, model, tokenizer, limit=None, batch_size=32) -> Plan:
+        steps = [Step(batch, (orig, labels)) for orig, batch, labels in self._masked(tokenizer, limit, batch_size)]
+        return Plan(steps, len(subset(len(self.examples), limit)))
+
+    def outputs(self, model, batch):
+        return forward(model, batch).logits
+
+    def reduce(self, step, logits):
+        """(per-example (text, correct, masked), summed cross-entropy) of the step's masked tokens."""
+        orig, labels = step.info
+        logits = logits.float().cpu()
+        sel = labels != -100
+        hit = (logits.argmax(-1) == labels) & sel
+        per_example = [(j, int(hit[b].sum()), int(sel[b].sum())) for b, j in enumerate(orig)]
+        nll = float(torch.nn.functional.cross_entropy(logits[sel], labels[sel], reduction="sum"))
+        return per_example, nll
+
+    def summarize(self, plan, parts) -> dict:
+        per_example = {j: (c, m) for part, _ in parts for j, c, m in part}
+        correct = sum(c for c, _ in per_example.values())
+        total = sum(m for _, m in per_example.values())
         if total == 0:
             raise AttnkitError("no token could be masked in the corpus")
         keys = sorted(per_example)
         self.last_examples = metrics.ExampleScores(
             {"correct": np.array([per_example[k][0] for k in keys]),
              "masked": np.array([per_example[k][1] for k in keys])},
-            lambda a: 100.0 * a["correct"].sum() / max(int(a["masked"].sum()), 1))
-        return {"accuracy": 100.0 * correct / total, "loss": nll / total, "n": n, "masked": total}
+            lambda a, w: 100.0 * (w @ a["correct"]) / np.maximum(w @ a["masked"], 1), np.asarray(keys))
+        return {"accuracy": 100.0 * correct / total, "loss": sum(nll for _, nll in parts) / total, "n": plan.info,
+                "masked": total}
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
         instrument(model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..ablation.names import EXPERIMENTS, TASKS
+from ..ablation.names import EXPERIMENTS, N_BOOT, TASKS
 from .options import OutputPath, cli_errors, echo_for, int_range, shared
 
 
@@ -12,12 +12,24 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.argument("model")
 @click.option("--task", "task_name", type=click.Choice(TASKS), required=True, help="Evaluation task.")
 @click.option("--data", type=click.Path(exists=True, dir_okay=True), required=True,
-              help="Local data: STS-B/GLUE TSV, SQuAD JSON, or a text corpus for mlm.")
+              help="Local data: STS-B/GLUE TSV, SQuAD JSON, or a text corpus for mlm; for --experiment patching a "
+                   "TSV/CSV of clean and corrupted inputs (docs/interventions.md).")
 @click.option("--experiment", type=click.Choice(EXPERIMENTS), required=True)
 @click.option("--clusters", "clusters", type=click.Path(exists=True), default=None,
               help="Run directory (or clusters.json) with head types; needed by --experiment types.")
-@click.option("--mode", type=click.Choice(["zero", "uniform"]), default=None,
-              help="How heads are disabled (heads: zero, layers: uniform, importance pruning: zero by default).")
+@click.option("--mode", type=click.Choice(["zero", "uniform", "mean"]), default=None,
+              help="How heads are disabled (heads: zero, layers: uniform, importance pruning: zero by default); "
+                   "mean (heads, layers, types) puts each head's mean output over a corpus in its place.")
+@click.option("--mean-corpus", "mean_corpus", multiple=True, type=click.Path(exists=True),
+              help="--mode mean: the corpus (any format attnkit extract reads; repeatable) that the heads' means come "
+                   "from (default: the evaluated inputs). Kept in OUT/head_means.npz, which a rerun continues.")
+@click.option("--metric", type=click.Choice(["cosine", "logit_diff"]), default=None,
+              help="--experiment patching: cosine (task stsb, to each example's reference) or logit_diff (tasks mlm, "
+                   "glue: target minus foil).")
+@click.option("--resamples", type=click.IntRange(min=0), default=N_BOOT, show_default=True,
+              help="Bootstrap resamples of the examples for the intervals of each change (0: no intervals).")
+@click.option("--stack", type=click.IntRange(min=1), default=None,
+              help="Settings evaluated per forward (default: as many as about 1 GiB allows; 1: one at a time).")
 @shared("limit")
 @click.option("--sample", type=int_range("sample"), default=None,
               help="Use N examples spread evenly over the file (data files are often sorted by genre, so the "
@@ -34,25 +46,25 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @shared("overwrite")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @cli_errors
-def ablate(model, task_name, data, experiment, clusters, mode, limit, sample, batch_size, glue_task, step,
-           no_layer_norm, renormalize, device, out, overwrite, quiet):
+def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metric, resamples, stack, limit, sample,
+           batch_size, glue_task, step, no_layer_norm, renormalize, device, out, overwrite, quiet):
     """Disable heads, layers or head types of MODEL (a local model directory, or `default` for the embedded
-    MiniLM) and measure the task metric; writes CSV/JSON/Markdown tables and a PNG figure."""
+    MiniLM), or patch its heads from clean into corrupted inputs, and measure the task metric; writes
+    CSV/JSON/Markdown tables, every setting's per-example outputs and a PNG figure."""
     from ..ablation.job import AblateOptions, run_ablation
 
     res = run_ablation(AblateOptions(
         model=model, task_name=task_name, data=data, experiment=experiment, clusters=clusters, mode=mode,
         limit=limit, sample=sample, batch_size=batch_size, glue_task=glue_task, step=step,
-        no_layer_norm=no_layer_norm, renormalize=renormalize, device=device, out=out, quiet=quiet,
-        overwrite=overwrite))
+        no_layer_norm=no_layer_norm, renormalize=renormalize, device=device, out=out, quiet=quiet, metric=metric,
+        mean_corpus=tuple(mean_corpus), resamples=resamples, stack=stack, overwrite=overwrite))
     table = res.table
     click.echo(f"{res.model_name} · {task_name} · {experiment} (mode {res.mode}) · {table.rows[0].get('n')} examples"
                + (f" · types {res.type_counts}" if res.type_counts is not None else ""))
     click.echo(table.to_markdown())
     if experiment == "importance":
         click.echo(f"\nheads by importance (most first): {table.extra['ranking']}")
-    click.echo(f"\nwrote {res.paths['csv']}, {res.paths['json']}, {res.paths['md']}, {res.figure}, "
-               f"{res.paths['meta']}")
+    click.echo(f"\nwrote {', '.join(res.paths.values())}, {res.figure}")
     if res.removed:
         echo_for()(res.removed, err=True)
 

@@ -4,6 +4,7 @@
     forward       one measuring forward: features of every layer, observers attached
     local         this machine's engine: tokenisation workers, one thread per device replica
     devices       which devices, and one model replica per device
+    head_means    the mean output of every head over a corpus (mean ablation)
     extract       `extract()` and the loop it shares with the extract job (`run_extraction`)
     distances     the Jensen-Shannon distance collector
     compare       two models compared head by head, batch by batch
@@ -22,7 +23,7 @@ _LAZY = {"ModelComparison": "compare", "PairedCollector": "compare", "compare_mo
          "js_distances": "distances", "ExtractionState": "extract", "ExtractSettings": "extract", "extract": "extract",
          "run_extraction": "extract", "default_batch_size": "forward", "forward_features": "forward",
          "measuring": "forward", "DEFAULT_WINDOW": "plan", "PlannedBatch": "plan", "plan_batches": "plan",
-         "AttentionMaps": "maps", "attention_maps": "maps"}
+         "AttentionMaps": "maps", "attention_maps": "maps", "head_means": "head_means"}
 
 
 def __getattr__(name):

@@ -181,7 +181,7 @@ def run_extraction(
     return state
 
 
-def _check_texts(texts) -> list:
+def check_texts(texts) -> list:
     if isinstance(texts, (str, bytes)):
         raise AttnkitError(f"{arg('texts')} must be a list of strings or (str, str) pairs, not a single string")
     texts = list(texts)
@@ -233,7 +233,7 @@ def extract(
     from ..corpus import Corpus
 
     if not isinstance(texts, Corpus):  # a Corpus streams (and checks) its own segments
-        texts = _check_texts(texts)
+        texts = check_texts(texts)
     settings = ExtractSettings(max_length=max_length, batch_size=batch_size, window=window, num_windows=num_windows,
                                split_sentences=split_sentences, backend=backend, weighting=weighting).check()
     devs = None
@@ -270,4 +270,4 @@ def extract(
     return features
 
 
-__all__ = ["ExtractSettings", "ExtractionState", "check_replicas", "extract", "run_extraction"]
+__all__ = ["ExtractSettings", "ExtractionState", "check_replicas", "check_texts", "extract", "run_extraction"]

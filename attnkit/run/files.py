@@ -32,6 +32,8 @@ PROBE_JSON = "probe.json"
 PROBE_CSV = "probe.csv"
 PROBE_TABLE = "best_heads.txt"
 PROBE_HEATMAP = "probe_heatmap"  # .png
+# `attnkit ablate --mode mean -o OUT`: the heads' mean outputs (also the checkpoint while they are computed)
+HEAD_MEANS_FILE = "head_means.npz"
 
 # What later steps add to a run directory: a fresh run that replaces a finished one removes them, since they
 # describe the old features.
@@ -42,3 +44,4 @@ __all__ = ["CHECKPOINT_FILE", "CLUSTERS_FILE", "COMPARE_JSON", "COMPARE_NPZ", "D
            "DISTANCE_SHARDS_DIR", "FEATURES_FILE", "FEATURE_SHARDS_DIR", "FIGURES_DIR", "LOCK_FILE", "META_FILE",
            "OWNER_FILE", "PATTERN_LABELS", "PATTERNS_FILE", "PER_SAMPLE_FILE", "PER_SAMPLE_META", "PER_SAMPLE_ROWS",
            "PROBE_CSV", "PROBE_HEATMAP", "PROBE_JSON", "PROBE_TABLE", "REPORT_FILE"]
+__all__ += ["HEAD_MEANS_FILE"]
