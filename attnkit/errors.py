@@ -88,6 +88,9 @@ INT_RANGES = {
     "examples": (0, 1000),
     "sample": (1, INT32_MAX),
     "min_count": (1, INT32_MAX),
+    "list_max": (1, INT32_MAX),
+    "resamples": (0, 1_000_000),
+    "stack": (1, INT32_MAX),
 }
 
 

@@ -381,15 +381,16 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             cache.record(module.layer_idx, heads_out)
     if not want_maps:
         return out, None
-    if H == 0:
-        return out, query.new_zeros(B, 0, L, L)
-    # the weights this forward used, interventions included (their definition: attnkit.reference)
+    # the weights this forward used, interventions included (their definition: attnkit.reference); a pruned
+    # layer's maps cover the unpruned heads, a removed head's map all zeros (as its features)
     scale = D**-0.5 if scaling is None else scaling
-    weights = torch.cat([
+    weights = query.new_zeros(B, 0, L, L, dtype=torch.float32) if H == 0 else torch.cat([
         attention_weights(query[p.start:p.stop], key[p.start:p.stop], lengths[p.start:p.stop], scale,
                           None if sentence_id is None else sentence_id[p.start:p.stop], p.mode, p.region,
                           p.renormalize)
         for p in parts])
+    if kept is not None:
+        weights = to_unpruned(weights, kept)
     return out, weights.to(query.dtype)
 
 

@@ -89,6 +89,9 @@ def _check(opts: AblateOptions) -> None:
         raise AttnkitError(f"{arg('mode', 'mean')} applies to the experiments {', '.join(MEAN_EXPERIMENTS)}")
     if opts.mean_corpus and opts.mode != "mean":
         raise AttnkitError(f"{arg('mean_corpus')} is for {arg('mode', 'mean')}")
+    check_int(opts.resamples, "resamples")
+    if opts.stack is not None:
+        check_int(opts.stack, "stack")
     if opts.resamples != 0 and opts.resamples < 10:
         raise AttnkitError(f"{arg('resamples')} must be 0 (no intervals) or at least 10, got {opts.resamples}")
 

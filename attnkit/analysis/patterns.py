@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import AttnkitError, arg
+from ..errors import INT_RANGES, AttnkitError, arg, check_int
 from ..run.files import FIGURES_DIR, PATTERN_LABELS, PATTERNS_FILE, PER_SAMPLE_ROWS, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.outputs import write_json
@@ -242,6 +242,7 @@ def examples_of(run_dir, layer: int, head: int, pattern: str, *, n: int = 10, pa
 
     if pattern not in CLASSES:
         raise AttnkitError(f"unknown pattern class {pattern!r}; use one of {', '.join(CLASSES)}")
+    check_int(n, "n", maximum=INT_RANGES["list_max"][1])
     arr, names = load_per_sample(run_dir)
     N, L, H, _ = arr.shape
     if not (0 <= layer < L and 0 <= head < H):

@@ -26,9 +26,9 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.option("--metric", type=click.Choice(["cosine", "logit_diff"]), default=None,
               help="--experiment patching: cosine (task stsb, to each example's reference) or logit_diff (tasks mlm, "
                    "glue: target minus foil).")
-@click.option("--resamples", type=click.IntRange(min=0), default=N_BOOT, show_default=True,
+@click.option("--resamples", type=int_range("resamples"), default=N_BOOT, show_default=True,
               help="Bootstrap resamples of the examples for the intervals of each change (0: no intervals).")
-@click.option("--stack", type=click.IntRange(min=1), default=None,
+@click.option("--stack", type=int_range("stack"), default=None,
               help="Settings evaluated per forward (default: as many as about 1 GiB allows; 1: one at a time).")
 @shared("limit")
 @click.option("--sample", type=int_range("sample"), default=None,

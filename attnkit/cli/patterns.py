@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from ..analysis.patterns import BLOCK_INTRA_MIN, MIX_PART_MIN, STRUCTURED_MIN
-from .options import cli_errors, echo_for, run_argument, shared
+from .options import cli_errors, echo_for, int_range, run_argument, shared
 
 SHARE = click.FloatRange(0.0, 1.0)
 
@@ -36,7 +36,7 @@ def _head_class(ctx, param, value):
 @click.option("--list", "listing", default=None, metavar="LxHy:CLASS", callback=_head_class,
               help="Only list the examples that put one head in one class (e.g. L2H5:vertical), most clearly first, "
                    "with their texts; writes nothing.")
-@click.option("--list-max", default=10, show_default=True, type=click.IntRange(min=1),
+@click.option("--list-max", default=10, show_default=True, type=int_range("list_max"),
               help="How many examples --list shows.")
 @shared("overwrite", "svg")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the paths written, not the table of shares.")
