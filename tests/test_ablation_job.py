@@ -107,13 +107,14 @@ def test_earlier_tables_are_not_replaced_without_overwrite(model_dir, tmp_path):
     r = run_ablate(model_dir, data, out)
     assert r.exit_code == 0, r.output
     assert r.output.strip().splitlines()[-1] == (f"wrote {out}/layers.csv, {out}/layers.json, {out}/layers.md, "
-                                                 f"{out}/layers.png, {out}/layers.meta.json")
+                                                 f"{out}/layers.examples.csv, {out}/layers.png, "
+                                                 f"{out}/layers.meta.json")
     before = (out / "layers.json").read_text()
     r = run_ablate(model_dir, data, out, "--limit", "3")
     assert r.exit_code == 1 and r.output.strip() == (
-        f"Error: {out}/{{layers.csv, layers.json, layers.md, layers.png, layers.meta.json}} already exist: give "
-        f"--overwrite to replace them (it removes {out}/{{layers.csv, layers.json, layers.md, layers.png, "
-        "layers.meta.json}), or write elsewhere")
+        f"Error: {out}/{{layers.csv, layers.json, layers.md, layers.examples.csv, layers.png, layers.meta.json}} "
+        f"already exist: give --overwrite to replace them (it removes {out}/{{layers.csv, layers.json, layers.md, "
+        "layers.examples.csv, layers.png, layers.meta.json}), or write elsewhere")
     assert (out / "layers.json").read_text() == before
     r = run_ablate(model_dir, data, out, "--limit", "3", "--overwrite")
     assert r.exit_code == 0 and f"--overwrite removed {out}/{{layers.csv, layers.json" in r.output

@@ -2,6 +2,8 @@
 job: attnkit/ablation/job.py)."""
 from __future__ import annotations
 
+import os
+
 import click
 
 from ..ablation.names import EXPERIMENTS, N_BOOT, TASKS
@@ -64,7 +66,11 @@ def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metr
     click.echo(table.to_markdown())
     if experiment == "importance":
         click.echo(f"\nheads by importance (most first): {table.extra['ranking']}")
-    click.echo(f"\nwrote {', '.join(res.paths.values())}, {res.figure}")
+    from ..ablation.job import output_paths
+
+    written = set(res.paths.values()) | {res.figure}
+    click.echo("\nwrote " + ", ".join(p for p in output_paths(os.path.dirname(res.paths["csv"]), experiment)
+                                      if p in written))
     if res.removed:
         echo_for()(res.removed, err=True)
 
