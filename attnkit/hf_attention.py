@@ -94,10 +94,15 @@ class LayerPart:
     outputs: dict = field(default_factory=dict)
 
 
-def kept_part(p: LayerPart, kept) -> LayerPart:
+def kept_part(p: LayerPart, kept, layer: int) -> LayerPart:
     """`p` for a pruned layer that kept the heads `kept` (attnkit/arch/pruning.py): the per-head codes and the
-    replaced outputs of those heads, renumbered as the layer numbers them; removed heads drop out."""
+    replaced outputs of those heads, renumbered as the layer numbers them. Codes of removed heads drop out (a
+    removed head is a zeroed head); a patch or mean value for one is refused, as it would silently do nothing."""
     index = {h: i for i, h in enumerate(kept[0])}
+    gone = sorted(h for h in p.outputs if h not in index)
+    if gone:
+        raise AttnkitError(f"head L{layer}H{gone[0]} was pruned from this model: it has no output to patch or "
+                           "replace by its mean")
     return LayerPart(p.start, p.stop, to_kept(p.mode, kept), to_kept(p.region, kept), to_kept(p.gates, kept),
                      p.renormalize, {index[h]: v for h, v in p.outputs.items() if h in index})
 
@@ -305,7 +310,9 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             scale = D**-0.5 if scaling is None else scaling
             weights = torch.nn.functional.dropout(attention_weights(query, key, lengths, scale).to(query.dtype),
                                                   p=dropout, training=True)
-            return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+            kept = kept_heads(module)  # a pruned layer's maps cover the unpruned heads, as in eval mode
+            maps = weights if kept is None else to_unpruned(weights, kept)
+            return torch.matmul(weights, value).transpose(1, 2).contiguous(), maps
         # training: plain attention with dropout, exactly what sdpa computes
         bias = None if attention_mask is None else attention_mask[:, None, None, :].bool()
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -352,7 +359,7 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     token_class = info.token_class if info is not None else None
     parts = parts or [LayerPart(0, B)]
     if kept is not None:  # a pruned layer: the intervention's settings of the heads it kept
-        parts = [kept_part(p, kept) for p in parts]
+        parts = [kept_part(p, kept, module.layer_idx) for p in parts]
 
     def call(p: LayerPart, rows: slice):
         if H == 0:  # a layer whose heads were all pruned: nothing to attend with

@@ -361,6 +361,13 @@ def test_every_command_runs_on_a_model_with_an_empty_layer(model_dir, tmp_path):
     code, text = run("ablate", out, "--task", "stsb", "--data", stsb, "--experiment", "heads", "-o", tmp_path / "ab",
                      "--quiet")
     assert code == 0, text
+    # Michel's curve on a model pruned before: the sizes of every step are those of the heads it still has
+    code, text = run("ablate", out, "--task", "stsb", "--data", stsb, "--experiment", "importance", "--step", 0.5,
+                     "-o", tmp_path / "imp", "--quiet")
+    assert code == 0, text
+    sizes = [r["params"] for r in json.loads((tmp_path / "imp" / "importance.json").read_text())["rows"]
+             if r.get("params") is not None]
+    assert len(sizes) >= 2 and sizes == sorted(sizes, reverse=True)
     conllu = tmp_path / "t.conllu"
     sent = [("the", 2, "det"), ("cat", 3, "nsubj"), ("sat", 0, "root"), ("on", 6, "case"), ("the", 6, "det"),
             ("mat", 3, "obl")]
@@ -379,3 +386,28 @@ def test_unknown_architectures_are_refused():
     with pytest.raises(AttnkitError, match="pruning heads needs to know where a 'albert' model keeps its attention "
                                            "projections; supported model types: bert, camembert, distilbert, electra"):
         prune_heads(model, [(0, 0)])
+
+
+def test_maps_in_training_and_head_values_of_removed_heads(model_dir, tmp_path):
+    """Maps of a pruned layer cover the unpruned heads in training mode as in eval mode; a patch or mean value for
+    a removed head is refused (it would silently do nothing, unlike on the full model with the head zeroed)."""
+    out = tmp_path / "pruned"
+    assert run("prune", model_dir, "--heads", "L0H1", "-o", out)[0] == 0
+    model, tok = attnkit.load_model(str(out))
+    H = model.config.num_attention_heads
+    for m in model.modules():  # attention dropout on: the training branch of the attention function
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.5
+    enc = tok(["the cat sat", "a dog ran on the mat"], padding=True, return_tensors="pt")
+    L = enc["input_ids"].shape[1]
+    for train in (True, False):
+        model.train(train)
+        maps = model(**enc, output_attentions=True).attentions
+        assert [tuple(m.shape) for m in maps] == [(2, H, L, L)] * model.config.num_hidden_layers, train
+        assert float(maps[0][:, 1].abs().sum()) == 0.0  # the removed head's map
+    model.eval()
+    D = model.config.hidden_size // H
+    iv = attnkit.Intervention.for_model(model).set(0, 1, mode="mean", value=torch.ones(D))
+    with pytest.raises(AttnkitError, match="^head L0H1 was pruned from this model: it has no output to patch"):
+        with attnkit.intervene(model, iv):
+            model(**enc)

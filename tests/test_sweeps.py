@@ -270,6 +270,14 @@ def test_head_means_equal_hooks_and_resume_after_an_interruption(tokenizer, tmp_
     assert seen == [3, 4, 5] and again.complete  # a finished checkpoint is read back
     with pytest.raises(AttnkitError, match="made with other settings \\(batch_size differ\\)"):
         attnkit.head_means(TEXTS, (model, tokenizer), batch_size=5, window=8, checkpoint=ckpt)
+    first = next(model.parameters())
+    kept = first.detach().clone()
+    with torch.no_grad():  # other weights under the same name: not continued
+        first.add_(0.01)
+    with pytest.raises(AttnkitError, match="made with other settings \\(weights_sha256 differ\\)"):
+        attnkit.head_means(TEXTS, (model, tokenizer), batch_size=4, window=8, checkpoint=ckpt)
+    with torch.no_grad():
+        first.copy_(kept)
     workers = attnkit.head_means(TEXTS, (model, tokenizer), batch_size=4, window=8, workers=2)
     np.testing.assert_array_equal(workers.sums, full.sums)
 
@@ -299,6 +307,16 @@ def test_ablate_patching_and_mean_from_the_command_line(tokenizer, stsb_file, tm
     np.testing.assert_allclose(means.mean, want, rtol=1e-5, atol=1e-6)
     rows = json.loads((out / "heads.json").read_text())["rows"]
     assert rows[1]["setting"] == "L0H0 mean" and "delta_spearman_lo" not in rows[1]
+    # the model changes under the same path: --overwrite measures the means again
+    torch.manual_seed(1)
+    _save(BertModel(_cfg(tokenizer)), tokenizer, tmp_path / "model")
+    res = runner.invoke(ablate, [path, "--task", "stsb", "--data", stsb_file, "--experiment", "heads", "--mode",
+                                 "mean", "--limit", "8", "-o", str(out), "-q", "--resamples", "0", "--overwrite"])
+    assert res.exit_code == 0 and "head_means.npz" in res.output, res.output
+    model, tok = attnkit.load_model(path)
+    want, _ = eager_means(model, tok, task.segments())
+    np.testing.assert_allclose(attnkit.run.head_means.HeadMeans.load(out / "head_means.npz").mean, want, rtol=1e-5,
+                               atol=1e-6)
     for bad, message in ((["--experiment", "importance", "--mode", "mean"], "--mode mean applies to the experiments"),
                          (["--experiment", "heads", "--metric", "cosine"], "--metric is for --experiment patching"),
                          (["--experiment", "patching", "--mode", "zero"], "--mode does not apply"),

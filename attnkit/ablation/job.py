@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import AttnkitError, arg, check_int
 from ..interventions import load_clusters
@@ -112,6 +113,10 @@ def run_ablation(opts: AblateOptions) -> Ablation:
     out = check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
     ensure_writable_dir(out)  # before the work: a bad output directory fails now, not after the experiment
     claim = claim_outputs(output_paths(out, opts.experiment), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
+    means_file = Path(out) / HEAD_MEANS_FILE  # without --overwrite, a rerun continues it (same settings only)
+    if opts.overwrite and opts.mode == "mean" and means_file.exists():
+        means_file.unlink()  # measured again: the model or its corpus may have changed under the same names
+        claim.replaced.append(means_file)
     if opts.experiment == "patching":
         task = PatchingTask(opts.data, opts.task_name, opts.metric)
     else:

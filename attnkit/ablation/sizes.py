@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from ..arch.architectures import LAYOUTS
-from ..arch.pruning import prune_heads
+from ..arch.pruning import prune_heads, pruned_head_grid
 from ..models import max_positions
 
 REFERENCE_BATCH = (16, 128)  # samples × tokens
@@ -81,6 +81,8 @@ def pruned_sizes(model, head_sets: Sequence[Sequence[tuple[int, int]]], *, repea
     (module docstring); `model` itself is not changed."""
     inputs = reference_inputs(model, batch_size, length)
     n_tokens = int(inputs["input_ids"].numel())
+    has = pruned_head_grid(model)  # a model pruned before: the heads it no longer has are already gone
+    head_sets = [[(l, h) for l, h in heads if has[l, h]] for heads in head_sets]
     rows = [{} for _ in head_sets]
     times: list[list[float]] = [[] for _ in head_sets]
     bar = None

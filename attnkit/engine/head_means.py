@@ -53,6 +53,16 @@ def _fingerprint(texts) -> str:
     return hashlib.sha256(json.dumps(texts, ensure_ascii=False).encode()).hexdigest()
 
 
+def weights_fingerprint(model) -> str:
+    """SHA-256 of every parameter and buffer of `model` (names and bytes): head means made by other weights under
+    the same model path are not continued."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def head_means(texts, model=None, *, tokenizer=None, max_length: int = DEFAULT_MAX_LENGTH,
                batch_size: int | None = None, window: int = DEFAULT_WINDOW, device=None, dtype=None, workers: int = 0,
                checkpoint=None, progress: bool = False,
@@ -76,7 +86,7 @@ def head_means(texts, model=None, *, tokenizer=None, max_length: int = DEFAULT_M
     head_size = getattr(model.config, "hidden_size", 0) // n_heads
     settings = {"model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
                 "shape": [n_layers, n_heads, head_size], "max_length": max_length, "batch_size": batch_size,
-                "window": window, "texts_sha256": _fingerprint(texts),
+                "window": window, "texts_sha256": _fingerprint(texts), "weights_sha256": weights_fingerprint(model),
                 "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
     state = HeadMeans(np.zeros((n_layers, n_heads, head_size)), settings=settings)
     if checkpoint is not None and Path(checkpoint).exists():
