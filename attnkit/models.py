@@ -286,7 +286,12 @@ def check_model_dir(path: str) -> None:
     if missing:
         raise AttnkitError(f"could not load a model from {path!r}: the directory is incomplete, missing "
                            + "; ".join(missing)
-                           + (f" (it holds: {', '.join(sorted(present))})" if present else " (it is empty)"))
+                           + (f" (it holds: {_some(sorted(present))})" if present else " (it is empty)"))
+
+
+def _some(names: list[str], n: int = 10) -> str:
+    """At most `n` names, then how many more."""
+    return ", ".join(names[:n]) + (f", … and {len(names) - n} more" if len(names) > n else "")
 
 
 @contextlib.contextmanager

@@ -115,10 +115,11 @@ def rich_run(path, *, L: int = 3, H: int = 4, n_samples: int = 30, seed: int = 3
     rng = np.random.default_rng(seed)
     truth = np.arange(L * H).reshape(L, H) % len(KINDS)
     f = make_features(truth, seed=seed)
-    f.n_samples = n_samples  # the run measured the samples its per-sample file holds
-    f.save(path)
     F = len(f.names)
     per = np.clip(f.mean[None] + rng.normal(0, 0.05, (n_samples, L, H, F)), 0, None).astype(np.float32)
+    f.n_samples = n_samples  # the run measured the samples its per-sample file holds: their mean is its mean
+    f.mean = per.astype(np.float64).mean(0)
+    f.save(path)
     texts = [f"Sample {i}: the {WORDS[i % len(WORDS)]} and the {WORDS[(3 * i) % len(WORDS)]}." for i in range(n_samples)]
     w = PerSampleWriter(path, L, H, f.names)
     order = rng.permutation(n_samples)

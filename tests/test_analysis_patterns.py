@@ -199,3 +199,22 @@ def test_a_per_sample_file_that_is_not_its_runs_is_refused(tmp_path):
                                   f"{len(NAMES)} features, but its run measured 40 samples × 2 layers × 2 heads × "
                                   f"{len(NAMES)} features: it is not this run's per-sample file; run `attnkit "
                                   "extract --per-sample` again")
+
+
+def test_a_per_sample_file_of_the_right_shape_but_other_samples_is_refused(tmp_path):
+    """Same shape, other contents (a file left from a replaced run of as many samples): its mean is not the run's."""
+    n, L, H = 6, 1, 2
+    rng = np.random.default_rng(0)
+    rows = rng.uniform(0, 0.5, (n, L, H, len(NAMES))).astype(np.float32)
+    HeadFeatures(rows.astype(np.float64).mean(0), rows.std(0), NAMES, n, 60).save(tmp_path)
+    w = PerSampleWriter(tmp_path, L, H, NAMES)
+    w.add(np.arange(n), rows)
+    w.close()
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg", "-q"])
+    assert res.exit_code == 0, res.output  # the run's own samples
+    w = PerSampleWriter(tmp_path, L, H, NAMES)
+    w.add(np.arange(n), np.full_like(rows, 0.5))
+    w.close()
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg", "-q", "--overwrite"])
+    assert res.exit_code == 1 and "per_sample.npy does not hold the samples of its run: their mean of" in res.stderr
+    assert "run `attnkit extract --per-sample` again" in res.stderr

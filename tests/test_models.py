@@ -38,6 +38,15 @@ def test_directory_without_tokenizer_files_is_refused(tmp_path):
     assert "config.json, model.safetensors" in msg and "weights" not in msg and "\n" not in msg
 
 
+def test_a_crowded_directory_that_is_no_model_is_named_in_a_few_files(tmp_path):
+    for i in range(300):
+        (tmp_path / f"f{i:03d}.txt").write_text("x")
+    with pytest.raises(AttnkitError) as e:
+        load_model(tmp_path, device="cpu")
+    msg = str(e.value)
+    assert "(it holds: f000.txt, f001.txt" in msg and "f009.txt, … and 290 more)" in msg and "f010" not in msg
+
+
 def test_tokenizer_much_smaller_than_the_embeddings_is_refused(tmp_path):
     _tokenizer(tmp_path, [])  # 5 special tokens only
     _model(tmp_path, 100)

@@ -8,7 +8,7 @@ from attnkit.run.overwrite import claim_outputs
 def test_nothing_in_the_way_is_a_fresh_start(tmp_path):
     (tmp_path / "report.html").write_text("old report of nothing")
     claim = claim_outputs([tmp_path / "distances.npz"], False, stale=[tmp_path / "report.html"])
-    assert claim.existing == [] and claim.removed_message() is None
+    assert claim.existing == [] and claim.removed_message().startswith("note: ")  # kept, and named
     assert claim.remove_stale() == [] and (tmp_path / "report.html").exists()  # nothing replaced: kept
 
 
@@ -44,3 +44,16 @@ def test_overwrite_removes_stale_files_and_names_everything_it_removed(tmp_path)
 
     assert spell(claim.removed_message(), {"overwrite": "--overwrite"}) == \
         f"--overwrite removed {tmp_path}/{{a.csv, report.html, figures}}"
+
+
+def test_a_stale_file_kept_because_nothing_was_replaced_is_named(tmp_path):
+    """A first probe written into a run with a report: nothing is replaced, the report stays, and the message says
+    it does not show the new results and how to redraw it."""
+    report = tmp_path / "report.html"
+    report.write_text("old")
+    claim = claim_outputs([tmp_path / "probe.json"], False, stale=[report])
+    claim.remove_stale()
+    assert report.exists()
+    assert claim.removed_message() == (f"note: {report} was made before these results and does not show them; "
+                                       f"`attnkit report {tmp_path} --overwrite` redraws the report")
+    assert claim_outputs([tmp_path / "probe.json"], False).removed_message() is None

@@ -48,6 +48,7 @@ class Claim:
 
     replaced: list[Path] = field(default_factory=list)
     stale: list[Path] = field(default_factory=list)
+    outdated: list[Path] = field(default_factory=list)  # stale files kept because nothing was replaced
     _removed: list[Path] = field(default_factory=list)
 
     @property
@@ -65,11 +66,19 @@ class Claim:
         return list(self._removed)
 
     def removed_message(self) -> str | None:
-        """`--overwrite removed ...`: the old files the command replaced or removed; None when there were none."""
+        """`--overwrite removed ...`: the old files the command replaced or removed; or, when nothing was
+        replaced, a note naming the files that were made before these results and do not show them (a report
+        drawn before a probe was added to its run); None when there is nothing to say."""
         gone = self.replaced + [p for p in self.stale if p in self._removed]
-        if not gone:
-            return None
-        return f"{arg('overwrite', True)} removed {_names(gone)}"
+        if gone:
+            return f"{arg('overwrite', True)} removed {_names(gone)}"
+        if self.outdated:
+            one = len(self.outdated) == 1
+            redraw = [p for p in self.outdated if p.name == "report.html"]
+            return (f"note: {_names(self.outdated)} {'was' if one else 'were'} made before these results and "
+                    f"{'does' if one else 'do'} not show them"
+                    + (f"; `attnkit report {redraw[0].parent} --overwrite` redraws the report" if redraw else ""))
+        return None
 
 
 def claim_outputs(outputs: Iterable, overwrite: bool, *, stale: Iterable = (), what: str | None = None) -> Claim:
@@ -89,7 +98,7 @@ def claim_outputs(outputs: Iterable, overwrite: bool, *, stale: Iterable = (), w
         head = what or f"{_names(replaced)} already exist{'s' if one else ''}"
         raise AttnkitError(f"{head}: give {arg('overwrite', True)} to replace {'it' if one else 'them'} (it removes "
                            f"{_names(replaced + old)}), or write elsewhere")
-    return Claim(replaced, old) if replaced else Claim()
+    return Claim(replaced, old) if replaced else Claim(outdated=old)
 
 
 __all__ = ["Claim", "claim_outputs"]

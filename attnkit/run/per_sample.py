@@ -323,8 +323,9 @@ def load_per_sample(run_dir) -> tuple[np.ndarray, list[str]]:
 
 def check_matches_run(run_dir, arr: np.ndarray, names: list[str], run) -> None:
     """Refuse per-sample rows that are not those of `run` (the HeadFeatures of `run_dir`): as many rows as the
-    run measured samples (meta.json n_samples), of its layers × heads, with its feature names (features.npz). A
-    file from another run, or cut short, would be classified as if it were this run's."""
+    run measured samples (meta.json n_samples), of its layers × heads, with its feature names (features.npz), and
+    whose mean over samples is the run's mean of every feature. A file from another run, cut short or left over
+    from a replaced run would be classified as if it were this run's."""
     path = _npy_path(run_dir)
     want = (run.n_samples, run.n_layers, run.n_heads, len(run.names))
     if tuple(arr.shape) != want or list(names) != list(run.names):
@@ -334,6 +335,18 @@ def check_matches_run(run_dir, arr: np.ndarray, names: list[str], run) -> None:
         raise AttnkitError(f"{path} {what}, but its run measured {want[0]} samples × {want[1]} layers × "
                            f"{want[2]} heads × {want[3]} features: it is not this run's per-sample file; run "
                            "`attnkit extract --per-sample` again")
+    # the same shape is not enough: the run's means are the means of its samples (docs/features.md)
+    total = np.zeros(want[1:], dtype=np.float64)
+    for i in range(0, want[0], 4096):
+        total += np.asarray(arr[i:i + 4096], dtype=np.float64).sum(0)
+    mean, theirs = total / max(want[0], 1), np.asarray(run.mean, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        off = ~np.isclose(mean, theirs, rtol=1e-4, atol=1e-5, equal_nan=True)
+    if off.any():
+        l, h, f = (int(x) for x in np.argwhere(off)[0])
+        raise AttnkitError(f"{path} does not hold the samples of its run: their mean of {run.names[f]} for L{l}H{h} "
+                           f"is {mean[l, h, f]:.6g}, features.npz says {theirs[l, h, f]:.6g} ({int(off.sum())} "
+                           "values differ); run `attnkit extract --per-sample` again")
 
 
 __all__ = ["PerSampleWriter", "check_matches_run", "load_per_sample", "npy_header", "read_rows", "PER_SAMPLE_FILE",
