@@ -359,7 +359,8 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     token_class = info.token_class if info is not None else None
     parts = parts or [LayerPart(0, B)]
     if kept is not None:  # a pruned layer: the intervention's settings of the heads it kept
-        parts = [kept_part(p, kept, module.layer_idx) for p in parts]
+        # the probe forward of attnkit.models.instrument runs before DistilBERT's layers are numbered
+        parts = [kept_part(p, kept, getattr(module, "layer_idx", None)) for p in parts]
 
     def call(p: LayerPart, rows: slice):
         if H == 0:  # a layer whose heads were all pruned: nothing to attend with
