@@ -73,3 +73,12 @@ def test_arguments_in_messages():
     assert AttnkitError(e).template == e.template  # wrapping keeps them too
     assert spell(f"use {arg('limit')}") == "use limit" and spell(f"use {arg('limit')}", {"limit": "--limit"}) == \
         "use --limit"
+
+
+@pytest.mark.parametrize("given", [["--smooth", "-0.1"], ["--smooth=-0.1"], ["--smooth", "-.5"], ["--smooth", "1"]])
+def test_an_option_whose_value_may_be_left_out_refuses_a_bad_number_by_name(tmp_path, given):
+    # click alone reads "--smooth -0.1" as --smooth followed by an unknown option "-0"
+    r = invoke("distances", tmp_path, *given)
+    value = given[-1].split("=")[-1]
+    assert r.exit_code == 2 and f"Invalid value for '--smooth': {float(value):g}" in r.output, r.output
+    assert "No such option" not in r.output

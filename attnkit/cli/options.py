@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from pathlib import Path
 
 import click
@@ -103,12 +104,38 @@ def _one_line_usage():
         raise OneLineUsageError(" ".join(exc.format_message().split()), exc.ctx) from None
 
 
+NEGATIVE_NUMBER = re.compile(r"-\.?\d")
+
+
+def _shield_negative_values(command: click.Command | None, args: list[str]) -> list[str]:
+    """`args` with a negative number given to an option whose value may be left out (`--smooth -0.1`,
+    `--smooth=-0.1`) prefixed by a space: click would read it as an unknown option `-0` instead of refusing
+    the value; with the space the number still converts and its range check names the problem."""
+    if command is None:
+        return args
+    optional = {o for p in command.params if isinstance(p, click.Option) and getattr(p, "_flag_needs_value", False)
+                for o in p.opts}
+    out: list[str] = []
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if eq and name in optional and NEGATIVE_NUMBER.match(value):
+            arg = f"{name}= {value}"
+        elif out and out[-1] in optional and NEGATIVE_NUMBER.match(arg):
+            arg = f" {arg}"
+        out.append(arg)
+    return out
+
+
 class CommandLine(click.Group):
     """The `attnkit` group: its own and its commands' usage errors are one line (OneLineUsageError)."""
 
     def make_context(self, *args, **kwargs):
         with _one_line_usage():
             return super().make_context(*args, **kwargs)
+
+    def resolve_command(self, ctx, args):
+        name, command, rest = super().resolve_command(ctx, args)
+        return name, command, _shield_negative_values(command, rest)
 
     def invoke(self, ctx):
         with _one_line_usage():
