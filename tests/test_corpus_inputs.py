@@ -246,6 +246,18 @@ def test_no_text_in_any_input_is_refused_at_the_end(tmp_path):
     assert list(open_corpus([a, write(tmp_path / "c.txt", "words\n")])) == ["words"]
 
 
+
+def test_an_empty_corpus_of_files_is_named_before_a_pass(tmp_path):
+    a = write(tmp_path / "a.txt", "\n \n")
+    b = write(tmp_path / "b.tsv", "text\n \n")
+    with pytest.raises(AttnkitError, match="has no text in any of its 2 inputs"):
+        open_corpus([a, b]).check_has_text()
+    corpus = open_corpus([a, write(tmp_path / "c.txt", "one\ntwo\n")])
+    corpus.check_has_text()  # reads up to the first segment: the corpus still gives every segment after it
+    assert list(corpus) == ["one", "two"] and corpus.describe()[1]["n_segments"] == 2
+    open_corpus(["-"], stdin=io.BytesIO(b"")).check_has_text()  # a stream is not read before its pass
+
+
 # --- compression --------------------------------------------------------------------------------------------
 def _gzip(data):
     import gzip

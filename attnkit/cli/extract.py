@@ -73,4 +73,4 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
         else:
             click.echo(f"\ninterrupted after {exc.saved_after} segments; checkpoint saved. "
                        f"Continue with: attnkit extract ... -o {out} --resume", err=True)
-        sys.exit(130)
+        sys.exit(128 + exc.signum)  # the shell's status for the signal: 130 after Ctrl-C, 143 after SIGTERM

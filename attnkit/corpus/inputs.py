@@ -272,6 +272,18 @@ class Corpus:
             source.n_segments = n
         self._passed = True
 
+    def check_has_text(self) -> None:
+        """Raise the AttnkitError of an empty pass now, reading up to the first segment, so a command refuses an
+        empty corpus before it loads a model and starts its progress bar. A corpus with a stream is not read
+        (a stream can be read once): an empty stream is named at the end of its pass."""
+        if self.has_streams:
+            return
+        segments = self._segments()
+        try:
+            next(segments, None)
+        finally:
+            segments.close()
+
     def describe(self) -> list[dict]:
         """Per input: path, format, compression, text_unit, columns, squad_pairs, sha256, n_segments (the
         segments taken from it by the last complete pass, `limit` included; None before one)."""

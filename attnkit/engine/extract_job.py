@@ -85,11 +85,13 @@ class ExtractOptions:
 
 class Interrupted(KeyboardInterrupt):
     """The job was interrupted (Ctrl-C, SIGTERM). `saved_after`: the segments the checkpoint it saved holds
-    (None: it stopped before the first batch finished, and saved nothing)."""
+    (None: it stopped before the first batch finished, and saved nothing); `signum`: the signal that stopped it
+    (SIGINT for Ctrl-C), so a command line can end with the shell's status for it, 128 + signum."""
 
-    def __init__(self, saved_after: int | None):
+    def __init__(self, saved_after: int | None, signum: int = signal.SIGINT):
         super().__init__(saved_after)
         self.saved_after = saved_after
+        self.signum = int(signum)
 
 
 def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_message) -> None:
@@ -124,6 +126,7 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
                 run.check_new(opts.overwrite, opts.per_sample)
             corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
                                  squad_pairs=opts.squad_pairs, limit=opts.limit)
+            corpus.check_has_text()
             streams = [s.name for s in corpus.sources if s.is_stream]
             if opts.resume and streams:
                 raise AttnkitError(f"cannot resume a run that reads {streams[0]} (a stream cannot be read again to "
@@ -385,8 +388,10 @@ class Checkpoints:
         """Around the run: SIGTERM acts as Ctrl-C; an interruption or an AttnkitError saves a checkpoint of what
         was measured since `start` and ends in `Interrupted`, or in the error naming the checkpoint."""
         first = start.next_index if start else 0
+        stopped_by = [signal.SIGINT]
 
         def on_term(signum, frame):
+            stopped_by[0] = signum
             raise KeyboardInterrupt
 
         old_term = signal.signal(signal.SIGTERM, on_term)
@@ -403,7 +408,7 @@ class Checkpoints:
                     raise AttnkitError(f"{exc.template} (checkpoint saved after {self.state.next_index} "
                                        "segments)") from None
                 raise
-            raise Interrupted(self.state.next_index if saved else None) from None
+            raise Interrupted(self.state.next_index if saved else None, stopped_by[0]) from None
         finally:
             signal.signal(signal.SIGTERM, old_term)
 
