@@ -258,6 +258,36 @@ def test_the_importance_curve_gives_each_step_the_size_of_its_pruned_model():
     assert all("params" not in r for r in uniform.rows)
 
 
+
+def test_the_importance_curve_of_an_already_pruned_model_steps_through_the_heads_it_has():
+    """Removed heads have importance 0; they must not be the curve's first 'pruned' heads, nor in its ranking."""
+    from attnkit.ablation import run_experiment
+
+    model, tok = tiny_bert(3, 4)
+    model = attnkit.instrument(prune_heads(model, HEADS), tok)
+    has = pruned_head_grid(model)
+    enc = tok(["the cat sat on the mat", "a big red house"], padding=True, return_tensors="pt")
+
+    def evaluate(iv):
+        with torch.no_grad(), attnkit.intervene(model, iv):
+            return {"score": float(model(**enc).last_hidden_state.pow(2).mean())}
+
+    def losses():
+        for i in range(2):
+            yield model(**{k: v[i:i + 1] for k, v in enc.items()}).last_hidden_state.pow(2).mean()
+
+    table = run_experiment("importance", model, evaluate, "score", mode="zero", losses=losses, step=0.5,
+                           progress=False, n_boot=10)
+    n = int(has.sum())
+    assert [r["pruned"] for r in table.rows] == [0, n // 2, n] and table.rows[-1]["share"] == 1.0
+    newly = [h for r in table.rows if r["newly_pruned"]
+             for h in attnkit.interventions.parse_heads(r["newly_pruned"], (3, 4))]
+    assert sorted(newly) == sorted(map(tuple, np.argwhere(has).tolist()))  # each head it has, once; no removed one
+    ranked = attnkit.interventions.parse_heads(table.extra["ranking"], (3, 4))
+    assert sorted(ranked) == sorted(newly)
+    assert table.rows[-1]["params"] < table.rows[0]["params"] == count_parameters(model)
+
+
 # --- the command line -------------------------------------------------------------------------------------------
 def run(*args):
     res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..arch.pruning import pruned_head_grid
 from ..errors import AttnkitError, arg
 from ..interventions import HeadTypes, Intervention, format_heads, intervene
 from ..run.outputs import atomic_write, ensure_writable_dir
@@ -367,10 +368,12 @@ def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], di
             for row, size in zip(rows, pruned_sizes(model, [s["heads"] for s in res["steps"]], progress=progress)):
                 row.update(size)
         imp = res["importance"]
+        has = pruned_head_grid(model)
         extra = {"importance": imp["importance"], "importance_raw": imp["raw"], "importance_n": imp["n"],
                  "normalize_layers": normalize_layers, "mode": mode,
                  "ranking": format_heads(tuple(int(x) for x in np.unravel_index(f, shape))
-                                         for f in np.argsort(-imp["importance"], axis=None, kind="stable"))}
+                                         for f in np.argsort(-imp["importance"], axis=None, kind="stable")
+                                         if has.flat[f])}  # heads removed before have no rank
         extra["bootstrap"] = bootstrap_settings(n_boot)
         return ResultTable("importance", main_metric, rows, extra, examples)
     raise AttnkitError(f"unknown {arg('experiment')} {experiment!r}; use one of {', '.join(EXPERIMENTS)}")

@@ -10,7 +10,8 @@ flows to them through the reference attention (the fused op's backward re-runs t
 
 Iterative pruning: starting from the unpruned model, repeatedly recompute importance under the current
 mask and zero the least important still-active heads until 10%, 20%, ... of all heads are pruned,
-evaluating the task metric at each step.
+evaluating the task metric at each step. On a model already pruned physically (attnkit/arch/pruning.py) "all
+heads" are the heads it still has: a removed head is never a step of the curve.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
+from ..arch.pruning import pruned_head_grid
 from ..errors import AttnkitError
 from ..features import KEEP, MODES
 from ..interventions import Intervention, intervene
@@ -81,7 +83,8 @@ def iterative_pruning(model, evaluate: Callable[[Intervention], dict], losses: C
     if mode not in MODES or mode == "keep":
         raise AttnkitError(f"pruning mode must be zero or uniform, got {mode!r}")
     iv = Intervention.for_model(model)
-    n_total = iv.mode.size
+    has = pruned_head_grid(model)  # False: a head an earlier pruning removed from the model
+    n_total = int(has.sum())
     schedule = pruning_schedule(n_total, step, max_share)
     bar = None
     if progress:
@@ -96,7 +99,7 @@ def iterative_pruning(model, evaluate: Callable[[Intervention], dict], losses: C
             current = head_importance(model, losses, iv, normalize_layers=normalize_layers)
             first = first or current
         if k > len(pruned):
-            scores = np.where(iv.mode == KEEP, current["importance"], np.inf)
+            scores = np.where((iv.mode == KEEP) & has, current["importance"], np.inf)
             order = np.argsort(scores, axis=None, kind="stable")
             for flat in order[: k - len(pruned)]:
                 lh = tuple(int(x) for x in np.unravel_index(flat, iv.shape))
