@@ -223,12 +223,10 @@ def test_sizes_count_what_was_removed():
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
-def test_the_importance_curve_gives_each_step_the_size_of_its_pruned_model():
-    """ablate --experiment importance: each step's params and FLOPs are those of prune_heads on that step's heads,
-    counted here from the model itself; mode uniform (nothing removable) adds no size columns."""
+def importance_curve(model, tok, **kwargs):
+    """run_experiment("importance") on `model` (instrumented here) with a tiny differentiable task."""
     from attnkit.ablation import run_experiment
 
-    model, tok = tiny_bert(3, 4)
     model = attnkit.instrument(model, tok)
     enc = tok(["the cat sat on the mat", "a big red house"], padding=True, return_tensors="pt")
 
@@ -240,8 +238,14 @@ def test_the_importance_curve_gives_each_step_the_size_of_its_pruned_model():
         for i in range(2):
             yield model(**{k: v[i:i + 1] for k, v in enc.items()}).last_hidden_state.pow(2).mean()
 
-    table = run_experiment("importance", model, evaluate, "score", mode="zero", losses=losses, step=0.25,
-                           max_share=0.5, progress=False, n_boot=10)
+    return run_experiment("importance", model, evaluate, "score", losses=losses, progress=False, n_boot=10, **kwargs)
+
+
+def test_the_importance_curve_gives_each_step_the_size_of_its_pruned_model():
+    """ablate --experiment importance: each step's params and FLOPs are those of prune_heads on that step's heads,
+    counted here from the model itself; mode uniform (nothing removable) adds no size columns."""
+    model, tok = tiny_bert(3, 4)
+    table = importance_curve(model, tok, mode="zero", step=0.25, max_share=0.5)
     assert [r["pruned"] for r in table.rows] == [0, 3, 6]
     inputs = reference_inputs(model)
     T = inputs["input_ids"].numel()
@@ -253,31 +257,16 @@ def test_the_importance_curve_gives_each_step_the_size_of_its_pruned_model():
         assert r["flops_per_token"] == forward_flops(pruned, inputs) / T, r
         assert r["tokens_per_s"] > 0
     assert table.rows[2]["params"] < table.rows[1]["params"] < table.rows[0]["params"]
-    uniform = run_experiment("importance", model, evaluate, "score", mode="uniform", losses=losses, step=0.25,
-                             max_share=0.25, progress=False, n_boot=10)
+    uniform = importance_curve(model, tok, mode="uniform", step=0.25, max_share=0.25)
     assert all("params" not in r for r in uniform.rows)
-
 
 
 def test_the_importance_curve_of_an_already_pruned_model_steps_through_the_heads_it_has():
     """Removed heads have importance 0; they must not be the curve's first 'pruned' heads, nor in its ranking."""
-    from attnkit.ablation import run_experiment
-
     model, tok = tiny_bert(3, 4)
-    model = attnkit.instrument(prune_heads(model, HEADS), tok)
+    model = prune_heads(model, HEADS)
     has = pruned_head_grid(model)
-    enc = tok(["the cat sat on the mat", "a big red house"], padding=True, return_tensors="pt")
-
-    def evaluate(iv):
-        with torch.no_grad(), attnkit.intervene(model, iv):
-            return {"score": float(model(**enc).last_hidden_state.pow(2).mean())}
-
-    def losses():
-        for i in range(2):
-            yield model(**{k: v[i:i + 1] for k, v in enc.items()}).last_hidden_state.pow(2).mean()
-
-    table = run_experiment("importance", model, evaluate, "score", mode="zero", losses=losses, step=0.5,
-                           progress=False, n_boot=10)
+    table = importance_curve(model, tok, mode="zero", step=0.5)
     n = int(has.sum())
     assert [r["pruned"] for r in table.rows] == [0, n // 2, n] and table.rows[-1]["share"] == 1.0
     newly = [h for r in table.rows if r["newly_pruned"]
