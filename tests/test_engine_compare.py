@@ -161,3 +161,13 @@ def test_help_cites_kovaleva_section_4_3():
     assert res.exit_code == 0
     text = " ".join(res.output.split())
     assert "Kovaleva et al. 2019, Sec. 4.3, Fig. 5" in text and "Sec. 5" not in text
+
+
+def test_an_empty_corpus_is_named_before_the_models_load(tmp_path):
+    from attnkit.corpus import open_corpus
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    # the models do not exist: the corpus error comes first, so neither was loaded
+    with pytest.raises(AttnkitError, match="has no text"):
+        compare_models(open_corpus([empty]), tmp_path / "no-model-a", tmp_path / "no-model-b")

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..corpus import Corpus
 from ..errors import AttnkitError
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows, feature_names
 from ..models import attention_modules, check_max_length, observing, resolve_model
@@ -231,6 +232,8 @@ def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=Non
     """Compare `model_a` and `model_b` (None/path/(model, tokenizer) as in `attnkit.extract`) on `texts`
     (an iterable of str or (str, str)), tokenised once with model A's tokenizer."""
     check_num_windows(num_windows)
+    if isinstance(texts, Corpus):
+        texts.check_has_text()  # an empty corpus is named before two models load
     model_a, tok_a = resolve_model(model_a, tokenizer_a, device)
     model_b, tok_b = resolve_model(model_b, tokenizer_b, device)
     L, H = _check_pair(model_a, tok_a, model_b, tok_b)
