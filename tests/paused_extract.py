@@ -51,5 +51,8 @@ def _pause_after_first_checkpoint(fd: int) -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C as in a terminal, even when the tests run where SIGINT is ignored (a background job of a
+    # non-interactive shell, nohup): Python then leaves it ignored, and the run would never see the test's SIGINT
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _pause_after_first_checkpoint(int(sys.argv[1]))
     sys.exit(main(sys.argv[2:], prog_name="attnkit"))
