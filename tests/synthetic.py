@@ -1,5 +1,6 @@
-"""Synthetic data for the tests: HeadFeatures with known head types (no model, no corpus), and a tiny
-random-weight BERT with a WordPiece tokenizer built in code."""
+"""Synthetic data for the tests: HeadFeatures with known head types (no model, no corpus), a tiny
+random-weight BERT with a WordPiece tokenizer built in code, and tiny random encoders of each supported
+architecture with padded inputs."""
 from __future__ import annotations
 
 import numpy as np
@@ -88,6 +89,60 @@ def tiny_bert(n_layers: int = 2, n_heads: int = 2, seed: int = 0):
             layer.attention.self.query.weight.mul_(8.0)
             layer.attention.self.key.weight.mul_(8.0)
     return model, tok
+
+
+ENCODER_KINDS = ("bert", "roberta", "electra", "distilbert")
+
+
+def tiny_config(n_layers: int = 2, vocab: int = 120) -> dict:
+    """BertConfig-style sizes of the tiny random encoders: hidden 32, 4 heads, `n_layers` layers."""
+    return dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=n_layers, num_attention_heads=4,
+                intermediate_size=64, max_position_embeddings=64)
+
+
+def tiny_encoder(kind: str, n_layers: int = 2, vocab: int = 120):
+    """A random-weight encoder of `kind` (one of ENCODER_KINDS, seed 0) with tiny_config's sizes, in eval mode."""
+    import torch
+    from transformers import (
+        BertConfig,
+        BertModel,
+        DistilBertConfig,
+        DistilBertModel,
+        ElectraConfig,
+        ElectraModel,
+        RobertaConfig,
+        RobertaModel,
+    )
+
+    torch.manual_seed(0)
+    cfg = tiny_config(n_layers, vocab)
+    if kind == "bert":
+        model = BertModel(BertConfig(**cfg))
+    elif kind == "roberta":
+        model = RobertaModel(RobertaConfig(**cfg, pad_token_id=1))
+    elif kind == "electra":
+        model = ElectraModel(ElectraConfig(**cfg, embedding_size=16))
+    elif kind == "distilbert":
+        model = DistilBertModel(DistilBertConfig(vocab_size=vocab, dim=32, n_layers=n_layers, n_heads=4, hidden_dim=64,
+                                                 max_position_embeddings=64))
+    else:
+        raise ValueError(kind)
+    return model.eval()
+
+
+def padded_inputs(vocab: int, lengths, pair: bool = False) -> dict:
+    """Random ids (seed 1, ids ≥ 5) for samples of `lengths` tokens padded with 0 to the longest, their attention
+    mask, and with `pair` token_type_ids of a text pair whose segment B starts at position 4."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    L = max(lengths)
+    ids = torch.randint(5, vocab, (len(lengths), L), generator=g)
+    mask = (torch.arange(L)[None] < torch.tensor(lengths)[:, None]).long()
+    out = {"input_ids": ids * mask, "attention_mask": mask}
+    if pair:
+        out["token_type_ids"] = (torch.arange(L)[None] >= 4).long() * mask
+    return out
 
 
 def mean_scores(values):

@@ -7,12 +7,6 @@ from transformers import (
     AutoModel,
     BertConfig,
     BertModel,
-    DistilBertConfig,
-    DistilBertModel,
-    ElectraConfig,
-    ElectraModel,
-    RobertaConfig,
-    RobertaModel,
 )
 
 import attnkit
@@ -20,37 +14,13 @@ from attnkit.errors import AttnkitError
 from attnkit.models import default_model_path
 
 from .conftest import SENTENCES
-
-TINY = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=64)
-
-
-def _tiny(kind):
-    torch.manual_seed(0)
-    if kind == "bert":
-        return BertModel(BertConfig(**TINY))
-    if kind == "roberta":
-        return RobertaModel(RobertaConfig(**TINY, pad_token_id=1))
-    if kind == "electra":
-        return ElectraModel(ElectraConfig(**TINY, embedding_size=16))
-    if kind == "distilbert":
-        return DistilBertModel(DistilBertConfig(vocab_size=120, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
-                                                max_position_embeddings=64))
-    raise ValueError(kind)
-
-
-def _padded_inputs(vocab=120, lengths=(9, 5, 1)):
-    g = torch.Generator().manual_seed(1)
-    L = max(lengths)
-    ids = torch.randint(5, vocab, (len(lengths), L), generator=g)
-    mask = (torch.arange(L)[None] < torch.tensor(lengths)[:, None]).long()
-    return {"input_ids": ids * mask, "attention_mask": mask}
+from .synthetic import padded_inputs, tiny_config, tiny_encoder
 
 
 @pytest.mark.parametrize("kind", ["bert", "roberta", "electra", "distilbert"])
 def test_tiny_models_equal_eager(kind):
-    model = _tiny(kind).eval()
-    inputs = _padded_inputs()
+    model = tiny_encoder(kind)
+    inputs = padded_inputs(120, (9, 5, 1))
     model.set_attn_implementation("eager")
     with torch.no_grad():
         expect = model(**inputs).last_hidden_state
@@ -91,7 +61,7 @@ def test_unsupported_model_is_refused_by_name():
 
 
 def test_decoder_is_refused():
-    model = BertModel(BertConfig(**TINY, is_decoder=True)).eval()
+    model = BertModel(BertConfig(**tiny_config(), is_decoder=True)).eval()
     with pytest.raises(AttnkitError, match="decoder"):
         attnkit.instrument(model)
 

@@ -15,13 +15,6 @@ from transformers import (
     AutoModelForSequenceClassification,
     BertConfig,
     BertForSequenceClassification,
-    BertModel,
-    DistilBertConfig,
-    DistilBertModel,
-    ElectraConfig,
-    ElectraModel,
-    RobertaConfig,
-    RobertaModel,
 )
 
 import attnkit
@@ -30,36 +23,17 @@ from attnkit.arch import load_pruned_model, prune_heads, pruned_head_grid
 from attnkit.cli.main import main
 from attnkit.errors import AttnkitError
 
-from .synthetic import WORDS, tiny_bert
+from .synthetic import WORDS, padded_inputs, tiny_bert, tiny_config, tiny_encoder
 
-TINY = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=64)
 HEADS = [(0, 1), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3), (2, 2)]  # layer 1 loses every head
 
 
-def tiny(kind, vocab=40):
-    torch.manual_seed(0)
-    if kind == "bert":
-        model = BertModel(BertConfig(vocab_size=vocab, **TINY))
-    elif kind == "roberta":
-        model = RobertaModel(RobertaConfig(vocab_size=vocab, **TINY, pad_token_id=1))
-    elif kind == "electra":
-        model = ElectraModel(ElectraConfig(vocab_size=vocab, **TINY, embedding_size=16))
-    else:
-        model = DistilBertModel(DistilBertConfig(vocab_size=vocab, dim=32, n_layers=3, n_heads=4, hidden_dim=64,
-                                                 max_position_embeddings=64))
-    return model.eval()
+def tiny(kind):
+    return tiny_encoder(kind, n_layers=3, vocab=40)
 
 
-def padded_inputs(vocab=40, lengths=(11, 6, 1), pair=True):
-    g = torch.Generator().manual_seed(1)
-    L = max(lengths)
-    ids = torch.randint(5, vocab, (len(lengths), L), generator=g)
-    mask = (torch.arange(L)[None] < torch.tensor(lengths)[:, None]).long()
-    out = {"input_ids": ids * mask, "attention_mask": mask}
-    if pair:  # a text pair: segment B from the middle on
-        out["token_type_ids"] = (torch.arange(L)[None] >= 4).long() * mask
-    return out
+def inputs_of_three(pair=True):
+    return padded_inputs(40, (11, 6, 1), pair)
 
 
 def zeroed_reference(model, heads, inputs):
@@ -77,7 +51,7 @@ def valid(x, inputs):
 @pytest.mark.parametrize("kind", ["bert", "roberta", "electra", "distilbert"])
 def test_pruned_hidden_states_equal_the_zeroed_full_model(kind, impl):
     model = tiny(kind)
-    inputs = padded_inputs(pair=kind != "distilbert")
+    inputs = inputs_of_three(pair=kind != "distilbert")
     expect = zeroed_reference(model, HEADS, inputs)
     pruned = prune_heads(copy.deepcopy(model), HEADS)
     if impl == "attnkit":
@@ -113,7 +87,7 @@ def test_the_real_minilm_pruned_equals_it_zeroed(minilm):
 
 def test_pruning_twice_keeps_the_original_numbering():
     model = tiny("bert")
-    inputs = padded_inputs()
+    inputs = inputs_of_three()
     once = prune_heads(prune_heads(copy.deepcopy(model), [(0, 1), (2, 0)]), [(0, 3), (2, 2)])
     expect = zeroed_reference(model, [(0, 1), (2, 0), (0, 3), (2, 2)], inputs)
     with torch.no_grad():
@@ -154,8 +128,8 @@ def test_save_and_load_with_attnkit_and_plain_transformers(tmp_path):
 
 def test_a_classifier_keeps_its_head_and_loads_bare_or_with_it(tmp_path):
     torch.manual_seed(0)
-    clf = BertForSequenceClassification(BertConfig(vocab_size=40, num_labels=3, **TINY)).eval()
-    inputs = padded_inputs()
+    clf = BertForSequenceClassification(BertConfig(num_labels=3, **tiny_config(3, 40))).eval()
+    inputs = inputs_of_three()
     pruned = prune_heads(copy.deepcopy(clf), HEADS)
     pruned.save_pretrained(tmp_path / "clf")
     with torch.no_grad():
