@@ -5,7 +5,6 @@ are re-exported here, where `attnkit cluster` and `attnkit compare` found them b
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -23,14 +22,9 @@ from ..run.clusters import (
     type_distribution,
     type_grid,
 )
-from ..run.outputs import ensure_writable_dir, write_json
+from ..run.outputs import ensure_writable_dir, json_float, write_json
 from .clustering import STABILITY_WARN
 from .naming import profile_groups
-
-
-def _num(x):
-    x = float(x)
-    return None if math.isnan(x) else x
 
 
 def clusters_dict(clusterer, features=None, sweep_rows=None, seeds=None) -> dict:
@@ -42,7 +36,7 @@ def clusters_dict(clusterer, features=None, sweep_rows=None, seeds=None) -> dict
     heads = []
     for m, lab in enumerate(clusterer.labels_):
         heads.append({"layer": m // H, "head": m % H, "label": int(lab), "type": names[int(lab)],
-                      "agreement": _num(clusterer.head_stability_[m])})
+                      "agreement": json_float(clusterer.head_stability_[m])})
     clusters = []
     for c, name in enumerate(names):
         g = profile_groups(clusterer.profiles_[c], clusterer.profile_names_)
@@ -66,9 +60,9 @@ def clusters_dict(clusterer, features=None, sweep_rows=None, seeds=None) -> dict
         "run": run,
         "heads": heads,
         "clusters": clusters,
-        "stability": {"k": int(clusterer.k), "stability": _num(clusterer.stability_),
-                      "silhouette": _num(clusterer.silhouette_), "n_stability": int(clusterer.n_stability),
-                      "sweep": [{key: (_num(v) if isinstance(v, float) else v) for key, v in r.items()}
+        "stability": {"k": int(clusterer.k), "stability": json_float(clusterer.stability_),
+                      "silhouette": json_float(clusterer.silhouette_), "n_stability": int(clusterer.n_stability),
+                      "sweep": [{key: (json_float(v) if isinstance(v, float) else v) for key, v in r.items()}
                                 for r in sweep_rows] if sweep_rows is not None else None,
                       **({"over_seeds": seeds} if seeds is not None else {})},
     }

@@ -25,7 +25,8 @@ BROAD_FRACTION = 0.8
 SPECIAL_GROUPS = (("[CLS]", ("cls",)), ("[SEP]", ("sep",)), ("punctuation", ("comma", "period")))
 
 
-def _get(features, names) -> np.ndarray:
+def class_mass(features, names) -> np.ndarray:
+    """L × H: each head's corpus-mean mass on the token classes `names` (their features summed)."""
     missing = [n for n in names if n not in features.names]
     if missing:
         raise AttnkitError(f"the run's features lack {', '.join(missing)}")
@@ -46,7 +47,7 @@ def layer_summaries(features) -> dict:
     n, ln_n = uniform_entropy(features)
     out = {"n_mean_tokens": n, "uniform_entropy": ln_n, "per_layer": {}, "per_head": {}}
     for label, names in SPECIAL_GROUPS + (("entropy", ("entropy",)), ("[CLS] entropy", ("cls_entropy",))):
-        v = _get(features, names)
+        v = class_mass(features, names)
         out["per_layer"][label] = [float(x) for x in v.mean(1)]
         out["per_head"][label] = v.tolist()
     return out
@@ -63,11 +64,11 @@ def threshold_heads(features) -> dict:
     """Heads above the papers' thresholds: {"previous token", "next token", "[CLS]", "[SEP]", "punctuation",
     "broad"} → [{"layer", "head", "value"}], largest first."""
     _, ln_n = uniform_entropy(features)
-    out = {"previous token": _heads(_get(features, ("prev",)), PREV_NEXT_MIN),
-           "next token": _heads(_get(features, ("next",)), PREV_NEXT_MIN)}
+    out = {"previous token": _heads(class_mass(features, ("prev",)), PREV_NEXT_MIN),
+           "next token": _heads(class_mass(features, ("next",)), PREV_NEXT_MIN)}
     for label, names in SPECIAL_GROUPS:
-        out[label] = _heads(_get(features, names), SPECIAL_MIN)
-    out["broad"] = _heads(_get(features, ("entropy",)), BROAD_FRACTION * ln_n)
+        out[label] = _heads(class_mass(features, names), SPECIAL_MIN)
+    out["broad"] = _heads(class_mass(features, ("entropy",)), BROAD_FRACTION * ln_n)
     return out
 
 
@@ -75,8 +76,8 @@ def paper_differences(features) -> list[str]:
     """Short notes where the run departs from Clark et al.'s findings for BERT-base (empty: none found)."""
     L = features.n_layers
     notes = []
-    cls, sep = _get(features, ("cls",)), _get(features, ("sep",))
-    punct = _get(features, ("comma", "period"))
+    cls, sep = class_mass(features, ("cls",)), class_mass(features, ("sep",))
+    punct = class_mass(features, ("comma", "period"))
     mid = slice(L // 3, max(L // 3 + 1, (2 * L) // 3))
     m_cls, m_sep, m_punct = float(cls[mid].mean()), float(sep[mid].mean()), float(punct[mid].mean())
     where = f"layers {mid.start}–{mid.stop - 1}"
@@ -96,14 +97,14 @@ def paper_differences(features) -> list[str]:
     elif L >= 3 and np.mean([r["layer"] for r in pn]) >= (L - 1) / 2:
         notes.append("Previous/next-token heads sit mostly in the upper half of the model (Clark et al.: "
                      "especially in earlier layers).")
-    ent = _get(features, ("entropy",)).mean(1)
+    ent = class_mass(features, ("entropy",)).mean(1)
     third = max(1, L // 3)
     if L >= 3 and ent[:third].mean() < ent[-third:].mean():
         notes.append(f"Attention is not broadest in the lowest layers: mean entropy {ent[:third].mean():.2f} nats in "
                      f"the first {third} layer(s) vs {ent[-third:].mean():.2f} in the last (Clark et al.: low layers "
                      "attend broadly).")
     _, ln_n = uniform_entropy(features)
-    cls_ent = float(_get(features, ("cls_entropy",))[-1].mean())
+    cls_ent = float(class_mass(features, ("cls_entropy",))[-1].mean())
     if cls_ent < 0.5 * ln_n:
         notes.append(f"The [CLS] rows of the last layer are focused (entropy {cls_ent:.2f} nats, uniform {ln_n:.2f}); "
                      "Clark et al. find them broad.")
@@ -147,4 +148,4 @@ def layer_summary_figure(summary: dict):
 
 
 __all__ = ["layer_summaries", "threshold_heads", "paper_differences", "layer_summary_figure", "uniform_entropy",
-           "PREV_NEXT_MIN", "SPECIAL_MIN", "BROAD_FRACTION"]
+           "PREV_NEXT_MIN", "SPECIAL_MIN", "BROAD_FRACTION", "class_mass"]

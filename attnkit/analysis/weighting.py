@@ -11,7 +11,6 @@ finding is that it is mostly small: [CLS], [SEP] and punctuation get large weigh
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -19,27 +18,16 @@ import numpy as np
 from ..errors import AttnkitError
 from ..features import weighting_of
 from ..run.head_features import HeadFeatures
-from .summaries import SPECIAL_GROUPS
+from ..run.outputs import json_float
+from .summaries import SPECIAL_GROUPS, class_mass
 
 GROUPS = SPECIAL_GROUPS + (("all special", ("cls", "sep", "comma", "period")),)
 # settings that must agree for the two runs to measure the same heads on the same samples
 SAME = ("model", "corpus_sha256", "max_length", "num_windows", "split_sentences", "limit")
 
 
-def _mass(features: HeadFeatures, names) -> np.ndarray:
-    missing = [n for n in names if n not in features.names]
-    if missing:
-        raise AttnkitError(f"the run's features lack {', '.join(missing)}")
-    return sum(features.mean[:, :, features.names.index(n)] for n in names)
-
-
-def _num(x):
-    x = float(x)
-    return None if math.isnan(x) else x
-
-
 def _grid(a: np.ndarray) -> list:
-    return [[_num(x) for x in row] for row in a]
+    return [[json_float(x) for x in row] for row in a]
 
 
 def check_same_measurement(attention: HeadFeatures, norm: HeadFeatures) -> None:
@@ -66,20 +54,19 @@ def compare_weightings(attention: HeadFeatures, norm: HeadFeatures) -> dict:
     check_same_measurement(attention, norm)
     groups, per_layer = {}, {}
     for label, names in GROUPS:
-        a, n = _mass(attention, names), _mass(norm, names)
+        a, n = class_mass(attention, names), class_mass(norm, names)
         with np.errstate(divide="ignore", invalid="ignore"):
             survival = np.where(a > 0, n / a, np.nan)
         groups[label] = {"attention": _grid(a), "norm": _grid(n), "survival": _grid(survival),
                          "mean_attention": float(a.mean()), "mean_norm": float(n.mean()),
-                         "survival_of_means": _num(n.mean() / a.mean()) if a.mean() > 0 else None}
+                         "survival_of_means": json_float(n.mean() / a.mean()) if a.mean() > 0 else None}
         per_layer[label] = {"attention": [float(x) for x in a.mean(1)], "norm": [float(x) for x in n.mean(1)]}
-    special = _mass(attention, GROUPS[-1][1])
+    special, special_norm = class_mass(attention, GROUPS[-1][1]), class_mass(norm, GROUPS[-1][1])
     top = np.argsort(-special, axis=None, kind="stable")[:10]
     heads = []
     for flat in top:
         l, h = (int(x) for x in np.unravel_index(flat, special.shape))
-        heads.append({"layer": l, "head": h, "attention": float(special[l, h]),
-                      "norm": float(_mass(norm, GROUPS[-1][1])[l, h])})
+        heads.append({"layer": l, "head": h, "attention": float(special[l, h]), "norm": float(special_norm[l, h])})
     return {"groups": groups, "per_layer": per_layer, "heads": heads}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -112,6 +113,12 @@ def atomic_write(path, write) -> None:
         raise
 
 
+def json_float(x) -> float | None:
+    """`x` as a JSON number: a float, or None (null) for NaN, which JSON cannot hold."""
+    x = float(x)
+    return None if math.isnan(x) else x
+
+
 def write_json(path, obj) -> None:
     """`obj` as indented JSON (one trailing newline), written atomically."""
     atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()))
@@ -136,4 +143,4 @@ def write_table(df, path, fmt: str) -> None:
 
 
 __all__ = ["TABLE_FORMATS", "atomic_write", "check_no_file_in_the_way", "check_output_path", "describe_os_error",
-           "ensure_writable_dir", "os_errors", "output_dir", "write_json", "write_table"]
+           "ensure_writable_dir", "json_float", "os_errors", "output_dir", "write_json", "write_table"]
