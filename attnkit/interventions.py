@@ -284,9 +284,13 @@ class Intervention:
             self.set(layer, head, mode=mode, region=region, value=value)
         return self
 
+    def _changed(self) -> np.ndarray:
+        """L × H: True where a head's mode or region differs from keep/all."""
+        return (self.mode != KEEP) | (self.region != ALL)
+
     def changed_heads(self) -> list[tuple[int, int]]:
         """Heads whose mode or region differs from keep/all."""
-        return [(int(l), int(h)) for l, h in zip(*np.nonzero((self.mode != KEEP) | (self.region != ALL)))]
+        return [(int(l), int(h)) for l, h in zip(*np.nonzero(self._changed()))]
 
     def describe(self) -> str:
         parts = []
@@ -354,7 +358,7 @@ class Intervention:
         changes none): the layers before it compute what they compute without it."""
         if self.gates is not None:
             return 0
-        changed = np.flatnonzero(((self.mode != KEEP) | (self.region != ALL)).any(1))
+        changed = np.flatnonzero(self._changed().any(1))
         return int(changed[0]) if changed.size else self.shape[0]
 
     @property
