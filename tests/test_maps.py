@@ -12,16 +12,16 @@ import attnkit.hf_attention as hf_attention
 from attnkit.errors import AttnkitError
 from attnkit.models import default_model_path
 
-from .test_hf_attention import _padded_inputs, _tiny
+from .synthetic import padded_inputs, tiny_encoder
 
 
 @pytest.mark.parametrize("kind", ["bert", "roberta", "electra", "distilbert"])
 def test_output_attentions_equal_eager_with_padding(kind):
-    model = _tiny(kind).eval()
+    model = tiny_encoder(kind)
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     attnkit.instrument(model)
-    inputs = _padded_inputs()
+    inputs = padded_inputs(120, (9, 5, 1))
     with torch.no_grad():
         want = eager(**inputs, output_attentions=True).attentions
         got = model(**inputs, output_attentions=True).attentions
@@ -37,20 +37,20 @@ def test_output_attentions_equal_eager_with_padding(kind):
 
 
 def test_no_map_is_computed_unless_asked(monkeypatch):
-    model = attnkit.instrument(_tiny("bert").eval())
+    model = attnkit.instrument(tiny_encoder("bert"))
     calls = []
     real = hf_attention.attention_weights
     monkeypatch.setattr(hf_attention, "attention_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
     with torch.no_grad():
-        out = model(**_padded_inputs())
+        out = model(**padded_inputs(120, (9, 5, 1)))
     assert calls == [] and not out.attentions
     with torch.no_grad():
-        model(**_padded_inputs(), output_attentions=True)
+        model(**padded_inputs(120, (9, 5, 1)), output_attentions=True)
     assert len(calls) == 2  # one per layer, only when asked
 
 
 def _eager_maps(kind, inputs):
-    eager = _tiny(kind).eval()  # the same seed: the same weights as the instrumented copy
+    eager = tiny_encoder(kind)  # the same seed: the same weights as the instrumented copy
     eager.set_attn_implementation("eager")
     with torch.no_grad():
         return eager(**inputs, output_attentions=True).attentions
@@ -60,8 +60,8 @@ def _eager_maps(kind, inputs):
 def test_maps_under_an_intervention_are_the_weights_the_model_used(renormalize):
     """Last layer: head 0 zeroed, head 1 uniform, head 2 loses its inter-sentence weight, head 3 kept. The first
     layer is untouched, so the last layer's scores are eager's and the expected maps follow from eager's maps."""
-    model = attnkit.instrument(_tiny("bert").eval())
-    inputs = _padded_inputs(lengths=(9, 6))
+    model = attnkit.instrument(tiny_encoder("bert"))
+    inputs = padded_inputs(120, (9, 6))
     types = torch.zeros_like(inputs["input_ids"])
     types[0, 4:9], types[1, 3:6] = 1, 1  # two segments per sample
     inputs["token_type_ids"] = types
