@@ -1,5 +1,7 @@
 """Progress bars: a total (so an ETA) wherever the work can be known, the right label, units that read right."""
 import io
+import os
+import threading
 
 from attnkit.corpus import open_corpus
 from attnkit.engine.progress import segment_bar
@@ -35,6 +37,25 @@ def test_standard_input_is_not_read_twice(tmp_path):
     assert bar.counter is None and bar.total is None
     bar.close()
     assert list(corpus) == ["one", "two"]  # the one pass is left to the run
+
+
+def test_a_pipe_is_not_read_twice(tmp_path):
+    """A named pipe is a stream like standard input: counting it would leave nothing for the run."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    corpus = open_corpus([fifo])
+    bar = segment_bar("extract", corpus)
+    assert bar.counter is None and bar.total is None
+    bar.close()
+
+    def feed():
+        with open(fifo, "wb") as f:  # blocks until the pass opens the pipe
+            f.write(b"one\ntwo\n")
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    assert list(corpus) == ["one", "two"]
+    writer.join(timeout=30)
 
 
 def test_distances_are_labelled_distances_with_a_total(tmp_path, capsys):

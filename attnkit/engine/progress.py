@@ -2,8 +2,8 @@
 
 A list knows its length and `--limit` bounds the work; a corpus of files does not say how many segments it holds
 until it is read, so `segment_bar` counts them in a background thread (reading only: no tokenisation, a small
-fraction of the work) and gives the bar its total once the count is done. Standard input is read once, so a run
-from it shows a count without a total.
+fraction of the work) and gives the bar its total once the count is done. Standard input and pipes are read once,
+so a run from them shows a count without a total.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def known_total(segments) -> int | None:
 
 def count_in_background(segments, bar) -> threading.Thread | None:
     """Count the segments of a re-readable `Corpus` in a daemon thread and set `bar.total` to the count (None and
-    nothing done for other inputs, or one that reads standard input)."""
-    if not isinstance(segments, Corpus) or any(s.path == "-" for s in segments.sources):
+    nothing done for other inputs, or one with a stream: standard input or a pipe, which can be read once)."""
+    if not isinstance(segments, Corpus) or segments.has_streams:
         return None
 
     def count():
