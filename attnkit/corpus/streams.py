@@ -193,7 +193,8 @@ def raw_lines(stream, name: str, chunk_size: int = CHUNK, lone_cr: bool | None =
         if not chunk:
             break
         if lone_cr is None:
-            lone_cr = first_line_end(b"".join(pieces) + chunk)
+            # undecided so far: the line read holds no line end but perhaps a "\r" as its last byte
+            lone_cr = first_line_end(pieces[-1][-1:] + chunk if pieces else chunk)
             if lone_cr is None:
                 pieces.append(chunk)
                 continue
