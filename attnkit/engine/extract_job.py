@@ -108,11 +108,10 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
         raise AttnkitError(f"give {arg('device')} or {arg('devices')}, not both")
     if opts.engine not in ENGINES:
         raise AttnkitError(f"unknown {arg('engine')} {opts.engine!r}: use local or ray")
-    for name in ("window", "num_windows", "max_length", "checkpoint_every"):
-        check_int(getattr(opts, name), name)
-    for name in ("batch_size", "limit"):
-        if getattr(opts, name) is not None:
-            check_int(getattr(opts, name), name)
+    opts.extract_settings(opts.batch_size).check()  # what every engine checks again, refused before any work
+    check_int(opts.checkpoint_every, "checkpoint_every")
+    if opts.limit is not None:
+        check_int(opts.limit, "limit")
     if opts.workers is not None:
         check_workers(opts.workers)
     check_ray_address(opts.engine, opts.ray_address)
@@ -252,12 +251,12 @@ class _LocalJob(_Job):
         workers = default_workers(self.devices[0].type) if opts.workers is None else opts.workers
         shape = (len(attention_modules(model)), model.config.num_attention_heads, num_features(opts.num_windows))
         state, lengths = None, None
+        inputs = self.corpus.describe()
         if opts.resume:
             if not self.run_dir.has_checkpoint() and self.run_dir.is_finished():
                 self.resume_finished()
                 return
-            acc, start, n_truncated, lengths = self.run_dir.load_checkpoint(self.settings, shape,
-                                                                            self.corpus.describe())
+            acc, start, n_truncated, lengths = self.run_dir.load_checkpoint(self.settings, shape, inputs)
             state = ExtractionState(acc, start, n_truncated)
         start = state.next_index if state else 0
         self.say("attnkit extract: " + self.corpus.summary())
@@ -272,7 +271,7 @@ class _LocalJob(_Job):
                                      model.config.num_attention_heads, feature_names(opts.num_windows),
                                      resume_after=start if opts.resume else None)
         checkpoints = Checkpoints(self.run_dir, self.settings, opts.checkpoint_every, LengthHistogram(lengths),
-                                  writer, inputs=self.corpus.describe())
+                                  writer, inputs=inputs)
         t0 = time.perf_counter()
         with checkpoints.on_interrupt(state):
             state = run_extraction(models[0], tokenizer, self.corpus, opts.extract_settings(self.batch_size),
