@@ -28,8 +28,9 @@ from ..run.head_means import HeadMeans
 from ..tokens import Encoder
 from .extract import check_texts
 from .forward import default_batch_size
-from .local import BatchResult, run_pipeline
+from .local import BatchResult, check_workers, run_pipeline
 from .plan import DEFAULT_WINDOW, plan_batches
+from .progress import segment_bar
 
 CHECKPOINT_SECONDS = 60.0  # a checkpoint is saved at least this often, and when the run stops
 
@@ -77,7 +78,7 @@ def head_means(texts, model=None, *, tokenizer=None, max_length: int = DEFAULT_M
 
     if not isinstance(texts, Corpus):
         texts = check_texts(texts)
-    check_int(workers, "workers", minimum=0)
+    check_workers(workers)
     model, tokenizer = resolve_model(model, tokenizer, device, dtype)
     check_max_length(model, max_length)
     dev = next(model.parameters()).device
@@ -100,10 +101,7 @@ def head_means(texts, model=None, *, tokenizer=None, max_length: int = DEFAULT_M
         state = saved
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
-        total = len(texts) if hasattr(texts, "__len__") else None
-        bar = tqdm(total=total, initial=state.next_index, unit="seg", desc="head means", dynamic_ncols=True)
+        bar = segment_bar("head means", texts, initial=state.next_index)
     last_save = [time.monotonic()]
 
     def deliver(res: BatchResult) -> None:

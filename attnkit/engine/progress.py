@@ -38,7 +38,7 @@ def count_in_background(segments, bar) -> threading.Thread | None:
     return thread
 
 
-def segment_bar(label: str, segments, *, total: int | None = None, initial: int = 0, postfix: bool = True):
+def segment_bar(label: str, segments, *, total: int | None = None, initial: int = 0):
     """A tqdm bar named `label` counting segments (`seg`), with a total from `total`, the input's length, or a count
     in the background."""
     from tqdm.auto import tqdm
