@@ -191,20 +191,25 @@ def compare_cmd(run_a, run_b, json_out, overwrite, quiet):
     if json_out is not None:
         ensure_writable_dir(json_out.parent, "output directory")
         claim = claim_outputs([json_out], overwrite)
-    weighting = compare_run_weightings(run_a, run_b) if _run_shape(run_a) and _run_shape(run_b) else None
+
+    def write(doc: dict) -> None:
+        with lock_if_run(json_out.parent, "attnkit compare"):  # writing into a run directory: lock it
+            write_json(json_out, doc)
+        click.echo(f"wrote {json_out}")
+        if claim.removed_message():
+            echo_for()(claim.removed_message(), err=True)
+
+    shape_a, shape_b = _run_shape(run_a), _run_shape(run_b)
+    weighting = compare_run_weightings(run_a, run_b) if shape_a and shape_b else None
     if weighting is not None:
         for line in weighting_lines(weighting):
             click.echo(line)
         if not all(clusters_path(r).is_file() for r in (run_a, run_b)):
             click.echo("head types not compared: cluster both runs first (attnkit cluster RUN)")
             if json_out:
-                with lock_if_run(json_out.parent, "attnkit compare"):
-                    write_json(json_out, {"weighting": weighting})
-                click.echo(f"wrote {json_out}")
-                if claim.removed_message():
-                    echo_for()(claim.removed_message(), err=True)
+                write({"weighting": weighting})
             return
-    res = compare(load_clusters(run_a, _run_shape(run_a)), load_clusters(run_b, _run_shape(run_b)))
+    res = compare(load_clusters(run_a, shape_a), load_clusters(run_b, shape_b))
     if weighting is not None:
         res["weighting"] = weighting
     click.echo(f"{res['n_changed']} of {res['n_heads']} heads changed type")
@@ -226,11 +231,7 @@ def compare_cmd(run_a, run_b, json_out, overwrite, quiet):
         click.echo(f"changed heads{mark}: " + ", ".join(f"L{c['layer']}H{c['head']} {c['a']}→{c['b']}"
                                                           for c in res["changed"]))
     if json_out:
-        with lock_if_run(json_out.parent, "attnkit compare"):  # writing into a run directory: lock it
-            write_json(json_out, res)
-        click.echo(f"wrote {json_out}")
-        if claim.removed_message():
-            echo_for()(claim.removed_message(), err=True)
+        write(res)
 
 
 __all__ = ["cluster_cmd", "compare_cmd", "distances_cmd", "report_cmd"]
