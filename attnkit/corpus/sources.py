@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import datetime
 import json
+import stat
 import sys
 from pathlib import Path
 
@@ -227,7 +228,7 @@ class Source:
         except OSError:
             return {"size": None, "mtime": None}
         when = datetime.datetime.fromtimestamp(st.st_mtime, datetime.timezone.utc)
-        return {"size": st.st_size if Path(self.path).is_file() else None,
+        return {"size": st.st_size if stat.S_ISREG(st.st_mode) else None,
                 "mtime": when.isoformat(timespec="seconds").replace("+00:00", "Z")}
 
     def settings(self) -> dict:

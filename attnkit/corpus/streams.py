@@ -315,7 +315,8 @@ def is_stream_path(path: str) -> bool:
     if not path:
         return False
     try:
-        return not stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path)
+        mode = os.stat(path).st_mode
+        return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
     except (OSError, TypeError, ValueError):
         return False
 

@@ -121,9 +121,6 @@ class RunDir:
     def finished_meta(self) -> dict:
         return HeadFeatures.load(self.path).meta
 
-    def finished_settings(self) -> dict:
-        return self.finished_meta().get("settings", {})
-
     def save_checkpoint(self, acc: FeatureAccumulator, next_index: int, n_truncated: int, settings: dict,
                         lengths: np.ndarray | None = None, inputs: list | None = None) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
