@@ -7,6 +7,7 @@ from transformers import BertConfig, BertForTokenClassification
 
 import attnkit
 from attnkit.ablation import head_importance, run_experiment
+from attnkit.engine import measuring
 from attnkit.features import feature_names
 from attnkit.hf_attention import BatchInfo
 
@@ -67,7 +68,7 @@ def _prev_scores(model, x):
     """Mean attention to the previous token per head, measured by attnkit."""
     n = len(feature_names())
     prev = feature_names().index("prev")
-    with attnkit.engine.measuring(model, backend="reference") as rt:
+    with measuring(model, backend="reference") as rt:
         rt.batch = BatchInfo(torch.full((x.shape[0],), L), torch.zeros_like(x, dtype=torch.int32), None)
         with torch.no_grad():
             model(input_ids=x)
