@@ -39,8 +39,6 @@ from .sweep import Sweep
 
 log = logging.getLogger("attnkit")
 
-MODE_LABEL = {"zero": "prune (0)", "uniform": "substitute (1/n)", "mean": "mean-ablate (corpus mean)"}
-
 
 @dataclass
 class Setting:

@@ -19,7 +19,7 @@ from ..run.files import HEAD_MEANS_FILE, REPORT_FILE
 from ..run.locking import run_lock
 from ..run.outputs import check_output_path, ensure_writable_dir, write_json
 from ..run.overwrite import claim_outputs
-from .experiments import EXPERIMENTS, ResultTable, TaskEvaluator, bootstrap_settings, run_experiment
+from .experiments import EXPERIMENTS, ResultTable, TaskEvaluator, run_experiment
 from .figures import save_figure
 from .metrics import N_BOOT
 from .patching import PatchingTask
@@ -145,7 +145,7 @@ def run_ablation(opts: AblateOptions) -> Ablation:
                 "experiment": opts.experiment, "mode": mode, "renormalize": opts.renormalize, "limit": opts.limit,
                 "sample": opts.sample, "n_examples": table.rows[0].get("n"),
                 "clusters": os.path.abspath(opts.clusters) if opts.clusters else None,
-                "bootstrap": bootstrap_settings(opts.resamples), "seconds": round(time.perf_counter() - t0, 1)}
+                "bootstrap": table.extra["bootstrap"], "seconds": round(time.perf_counter() - t0, 1)}
         if head_types is not None:
             meta["type_counts"] = head_types.counts()
         if opts.experiment == "patching":

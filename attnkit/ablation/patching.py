@@ -206,7 +206,7 @@ class PatchingTask(Task):
             raise AttnkitError(f"{self.path}: the clean and corrupted inputs give the same mean {self.metric} "
                                f"({mean['clean']:.6g}): there is no gap for patching to restore")
         self.last_examples = metrics.ExampleScores(values, restored_share, np.asarray(idx))
-        return {"restored": float(restored_share(values, np.ones((1, len(idx))))[0]), self.metric: mean["patched"],
+        return {"restored": self.last_examples.value(), self.metric: mean["patched"],
                 "clean": mean["clean"], "corrupted": mean["corrupted"], "n": len(idx)}
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..arch.architectures import attention_layers
-from ..arch.pruning import current_heads, prune_heads, pruned_head_grid
+from ..arch.pruning import prune_heads, pruned_head_grid
 from ..errors import AttnkitError, arg
 from ..interventions import format_heads, parse_heads
 from ..models import default_model_path, load_model
@@ -149,8 +149,8 @@ def run_prune(opts: PruneOptions, echo=None) -> Pruned:
     shape = (len(attention_layers(model, "attnkit prune")), int(model.config.num_attention_heads))
     heads = heads_to_remove(opts, shape)
     if opts.importance is not None:  # heads of the order that an earlier pruning removed are gone already
-        have = {(l, h) for l, hs in enumerate(current_heads(attention_layers(model), shape[1])) for h in hs}
-        heads = [lh for lh in heads if lh in have]
+        has = pruned_head_grid(model)
+        heads = [(l, h) for l, h in heads if has[l, h]]
     before = count_parameters(model)
     if echo:
         echo(f"attnkit prune: removing {len(heads)} head(s) and writing {out}", err=True)

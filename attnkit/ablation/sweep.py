@@ -35,7 +35,7 @@ PARTS_BYTES = 2 << 30  # memory for the reduced outputs kept until the end of a 
 def repeat_batch(batch: Batch, times: int) -> Batch:
     """`batch` with every sample repeated: `times` copies, one after the other."""
     def rep(t):
-        return t.repeat(times, *([1] * (t.dim() - 1)))
+        return repeat_outputs(t, times)
 
     return Batch({k: rep(v) for k, v in batch.inputs.items()}, rep(batch.lengths), rep(batch.token_class),
                  rep(batch.sentence_id), batch.n_truncated)
