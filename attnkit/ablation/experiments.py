@@ -40,6 +40,21 @@ from .sweep import Sweep
 log = logging.getLogger("attnkit")
 
 
+def one_by_one(evaluate: Callable[[Intervention], dict], interventions: list, progress: bool, desc: str) -> list[tuple]:
+    """(metrics, per-example outputs or None) of `evaluate` under each intervention, one evaluation after the
+    other (a bar of settings named `desc` with `progress`)."""
+    it = interventions
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(interventions, desc=desc, unit="setting", dynamic_ncols=True)
+    out = []
+    for iv in it:
+        metrics = evaluate(iv)
+        out.append((metrics, getattr(evaluate, "last_examples", None)))
+    return out
+
+
 @dataclass
 class Setting:
     name: str
@@ -70,12 +85,7 @@ class TaskEvaluator:
             sweep = Sweep(self.task, self.model, self.tokenizer, limit=self.limit, batch_size=self.batch_size,
                           stack=self.stack)
             return sweep.run(interventions, progress=progress, desc=desc)
-        it = interventions
-        if progress:
-            from tqdm.auto import tqdm
-
-            it = tqdm(interventions, desc=desc, unit="setting", dynamic_ncols=True)
-        return [(self(iv), self.last_examples) for iv in it]
+        return one_by_one(self, interventions, progress, desc)
 
     @property
     def last_examples(self):
@@ -206,16 +216,7 @@ def evaluate_settings(experiment: str, settings: list[Setting], evaluate, progre
     ivs = [s.intervention for s in settings]
     if hasattr(evaluate, "evaluate_many"):
         return evaluate.evaluate_many(ivs, progress=progress, desc=experiment)
-    it = ivs
-    if progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(ivs, desc=experiment, unit="setting", dynamic_ncols=True)
-    out = []
-    for iv in it:
-        m = evaluate(iv)
-        out.append((m, getattr(evaluate, "last_examples", None)))
-    return out
+    return one_by_one(evaluate, ivs, progress, experiment)
 
 
 def run_settings(experiment: str, settings: list[Setting], evaluate: Callable[[Intervention], dict], main_metric: str,

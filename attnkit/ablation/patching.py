@@ -121,12 +121,8 @@ class PatchingTask(Task):
         ex = [self.examples[i] for i in idx]
         enc = Encoder(tokenizer, max_length=self.max_length, split_sentences=True)
 
-        def lengths(which):
-            segs = [self._segment(e, which) for e in ex]
-            return [len(x) for x in tokenizer([s if isinstance(s, str) else list(s) for s in segs], truncation=True,
-                                              max_length=self.max_length)["input_ids"]]
-
-        clean_n, corrupt_n = lengths("clean"), lengths("corrupted")
+        clean_n, corrupt_n = (self.token_lengths(tokenizer, [self._segment(e, which) for e in ex])
+                              for which in ("clean", "corrupted"))
         for e, a, b in zip(ex, clean_n, corrupt_n):
             if a != b:
                 raise AttnkitError(f"{self.path}:{e['line']}: the clean input has {a} tokens and the corrupted one "

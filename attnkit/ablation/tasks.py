@@ -141,15 +141,18 @@ class Task:
         self.__dict__.pop("_cache", None)
         return self
 
+    def token_lengths(self, tokenizer, segments) -> list[int]:
+        """Tokens of each segment (a text or a pair) as the model sees it, truncated to the task's max_length."""
+        return [len(x) for x in tokenizer([s if isinstance(s, str) else list(s) for s in segments], truncation=True,
+                                          max_length=self.max_length)["input_ids"]]
+
     def _encode(self, tokenizer, segments, limit, batch_size, extra=None) -> list[tuple[np.ndarray, Batch]]:
         """Batches of segments sorted by length (less padding); each with the original indices."""
         key = (id(tokenizer), len(segments), hash(tuple(segments)), batch_size)
         cache = self.__dict__.setdefault("_cache", {})
         if key not in cache:
             enc = Encoder(tokenizer, max_length=self.max_length, split_sentences=True)
-            lengths = [len(x) for x in tokenizer([s if isinstance(s, str) else list(s) for s in segments],
-                                                 truncation=True, max_length=self.max_length)["input_ids"]]
-            order = np.argsort(lengths, kind="stable")
+            order = np.argsort(self.token_lengths(tokenizer, segments), kind="stable")
             batches = []
             for i in range(0, len(order), batch_size):
                 idx = order[i:i + batch_size]
