@@ -398,3 +398,11 @@ def test_an_empty_corpus_is_refused_before_the_model_loads(tmp_path):
     # one line: no model line, no progress bar of zero segments before it, and no run directory left
     assert code == 1 and text == f"Error: corpus {str(empty)!r} has no text (text format)\n", text
     assert not (tmp_path / "run").exists()
+
+
+def test_a_fresh_run_names_no_file_it_did_not_replace(corpus, tmp_path):
+    """The run's own checkpoint, on disk when it finishes, is neither 'removed' nor 'made before these results'."""
+    code, text = run("extract", corpus, "-o", tmp_path / "run", "--batch-size", 1, "--checkpoint-every", 1,
+                     "--max-length", 16, "--backend", "reference", "-q")
+    assert code == 0 and "note:" not in text and "checkpoint" not in text and "removed" not in text, text
+    assert not (tmp_path / "run" / "checkpoint.npz").exists()

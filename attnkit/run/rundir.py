@@ -63,12 +63,12 @@ class RunDir:
                           + (f" without {PER_SAMPLE_FILE} (only a new measurement of its corpus adds it)"
                              if lacks else ""))
 
-    def claim(self, overwrite: bool, what: str | None = None) -> Claim:
-        """The overwrite check of a fresh run here: features.npz and meta.json are replaced, the checkpoint and
-        what later steps derived from the old features (DERIVED_OUTPUTS) go with them."""
-        return claim_outputs([self.path / FEATURES_FILE, self.path / META_FILE], overwrite,
-                             stale=[self.path / CHECKPOINT_FILE] + [self.path / n for n in DERIVED_OUTPUTS],
-                             what=what)
+    def claim(self, overwrite: bool, what: str | None = None, *, checkpoint: bool = True) -> Claim:
+        """The overwrite check of a fresh run here: features.npz and meta.json are replaced, the checkpoint (unless
+        `checkpoint` is false: the run's own) and what later steps derived from the old features
+        (DERIVED_OUTPUTS) go with them."""
+        stale = ([self.checkpoint_path] if checkpoint else []) + [self.path / n for n in DERIVED_OUTPUTS]
+        return claim_outputs([self.path / FEATURES_FILE, self.path / META_FILE], overwrite, stale=stale, what=what)
 
     def load_checkpoint(self, settings: dict, shape: tuple[int, int, int] | None = None,
                         inputs: list | None = None) -> tuple[FeatureAccumulator, int, int, np.ndarray | None]:
@@ -136,12 +136,11 @@ class RunDir:
     def finish(self, features: HeadFeatures, fresh: bool = True) -> str | None:
         """Write the finished run; a `fresh` run (not a resumed one) also removes what later steps derived
         from the features it replaces. Returns the message naming what a replaced run lost (None: nothing)."""
-        claim = self.claim(True) if fresh else None
+        claim = self.claim(True, checkpoint=False) if fresh else None  # the checkpoint now is this run's own
         features.save(self.path)
         self.checkpoint_path.unlink(missing_ok=True)
         if claim is None:
             return None
-        claim.stale = [p for p in claim.stale if p != self.checkpoint_path]
         claim.remove_stale()
         return claim.removed_message()
 
