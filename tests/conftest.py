@@ -119,3 +119,23 @@ def lock_held():
     """`with lock_held(directory, command) as pid`: a forked process (started in milliseconds: fork inherits the
     loaded modules) holds `directory`'s lock (attnkit.run.locking.run_lock) as `command` until the block ends."""
     return _lock_held
+
+
+@pytest.fixture
+def paused_extract():
+    """`start(args)`: `attnkit <args>` in a subprocess standing still after its first checkpoint
+    (tests/paused_extract.py). Whatever the test's end, a run it left standing is killed."""
+    from .paused_extract import start_paused
+
+    started = []
+
+    def start(args):
+        started.append(start_paused(args))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+

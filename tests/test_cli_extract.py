@@ -11,8 +11,6 @@ from click.testing import CliRunner
 from attnkit import HeadFeatures
 from attnkit.cli.main import main
 
-from .paused_extract import start_paused
-
 WORDS = "river bridge bread harbour library glacier orchestra market lighthouse forest".split()
 
 
@@ -55,14 +53,14 @@ def _extract_args(corpus, out, *extra):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
-def test_interrupted_run_resumes_to_identical_numbers(corpus, tmp_path, sig):
+def test_interrupted_run_resumes_to_identical_numbers(corpus, tmp_path, sig, paused_extract):
     full = tmp_path / "full"
     assert run("extract", corpus, "-o", full, "--batch-size", 1, "-q", "--backend", "reference",
                "--max-length", 24)[0] == 0
     part = tmp_path / "part"
     # the run stands still after its first checkpoint until the signal comes (tests/paused_extract.py): it cannot
     # finish first, however fast the machine
-    proc = start_paused(_extract_args(corpus, part))
+    proc = paused_extract(_extract_args(corpus, part))
     proc.send_signal(sig)
     proc.wait(timeout=60)
     assert proc.returncode != 0
@@ -346,13 +344,13 @@ def test_a_resume_names_the_input_that_changed(corpus, tmp_path):
     assert meta["inputs"][0]["sha256"] not in text
 
 
-def test_an_interrupted_overwrite_resumed_ends_like_an_uninterrupted_one(corpus, tmp_path):
+def test_an_interrupted_overwrite_resumed_ends_like_an_uninterrupted_one(corpus, tmp_path, paused_extract):
     """The old run's clusters.json and per_sample.npy described features the resumed overwrite replaced."""
     out = tmp_path / "run"
     _finished(corpus, out, "--limit", 6, "--per-sample")
     (out / "clusters.json").write_text("{}")
     (out / "figures").mkdir()
-    proc = start_paused(_extract_args(corpus, out, "--overwrite"))  # stands still after its first checkpoint
+    proc = paused_extract(_extract_args(corpus, out, "--overwrite"))  # stands still after its first checkpoint
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)
     assert proc.returncode == 130 and (out / "clusters.json").exists()  # the old run stays until the new finishes

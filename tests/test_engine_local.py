@@ -171,16 +171,14 @@ def test_max_length_too_short_for_pairs_is_refused(minilm):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs /proc to find child processes")
-def test_workers_die_with_a_killed_run(tmp_path):
+def test_workers_die_with_a_killed_run(tmp_path, paused_extract):
     """SIGKILL leaves no chance to shut the pool down: the workers must still not outlive the run."""
     import select
-
-    from .paused_extract import start_paused
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("".join(f"Line number {i} of a corpus, long enough to take a while.\n" for i in range(2000)))
     # the run stands still after its first checkpoint, its workers running (tests/paused_extract.py)
-    proc = start_paused(["extract", corpus, "-o", tmp_path / "r", "-q", "--workers", 2, "--backend", "reference",
+    proc = paused_extract(["extract", corpus, "-o", tmp_path / "r", "-q", "--workers", 2, "--backend", "reference",
                          "--max-length", 16, "--checkpoint-every", 1])
 
     def children(pid):
