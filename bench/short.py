@@ -1,6 +1,7 @@
 """Benchmark: extraction on sentence-length inputs (issue 29), side by side in one process.
 
     python bench/short.py [--texts held-out|stsb] [--stsb PATH] [--n 1000] [--batch 16] [--repeats 5]
+    python bench/short.py --regimes [--n 200]     the mechanism: the same sdpa forwards in three OpenMP regimes
 
 Configurations, interleaved (the order rotates every round), medians after one warm-up round, all on the main
 thread of this process, MiniLM (the embedded model) loaded before the clock starts:
@@ -9,12 +10,24 @@ thread of this process, MiniLM (the embedded model) loaded before the clock star
             output_attentions=True and the features computed from the returned maps in plain PyTorch
             (bench/extract.py's `naive_features`), summed over the samples
   extract   attnkit.extract(texts, (model, tokenizer), batch_size=...)
+  thread    attnkit.extract called from a second thread of this process (whose main thread has run torch): the
+            OpenMP regime the device thread of attnkit <= 0.x had, and a user calling from a thread
   cli       `attnkit extract` as the command runs it (its job, in this process: options → run directory; the
             figure is the time the command reports for its extraction, model loading excluded)
 Texts: "held-out" builds sentences of 9-12 words from windows of the words of attnkit/data/default_corpus.txt
 (so about 12-15 tokens with [CLS] and [SEP]); "stsb" takes the first sentences of GLUE STS-B dev (--stsb, by
 default ../shared/data/stsb/dev.tsv beside the repository). The load average is printed with every figure:
 the machine may be shared.
+
+--regimes: the plain sdpa forward of the same batches on the main thread alone (libgomp's waits spin), on the main
+thread while a parked thread holds a second OpenMP team (waits spin 100 rounds, then sleep), and on a second
+thread (the device thread attnkit <= 0.x ran CPU forwards on; also sleeping waits), with the context switches of
+the process per batch (getrusage): a count that does not depend on the machine's load.
+
+--waits: how torch's OpenMP threads wait (attnkit/engine/openmp.py). "auto": as attnkit runs (short waits only
+while the CPUs are oversubscribed, the baselines as they come); "short": every configuration with short waits
+(a parked OpenMP team held throughout), "spin": attnkit never parks a team. On a busy machine "short" compares
+the configurations in the regime that is fast there; on free cores "auto" and "spin" are the same.
 """
 from __future__ import annotations
 
@@ -25,6 +38,7 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -38,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-CONFIGS = ("sdpa", "naive", "extract", "cli")
+CONFIGS = ("sdpa", "naive", "extract", "cli")  # and "thread"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -74,6 +88,49 @@ def stsb_sentences(path: Path, n: int) -> list[str]:
     return [r["sentence1"] for r in rows][:n]
 
 
+def regimes(forward, n_batches: int, repeats: int) -> None:
+    import resource
+
+    import attnkit.engine.openmp as openmp
+
+    def switches() -> int:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_nvcsw + r.ru_nivcsw
+
+    def timed(run):
+        c0, t0 = switches(), time.perf_counter()
+        run()
+        return time.perf_counter() - t0, (switches() - c0) / n_batches
+
+    def parked():
+        waits = openmp.ShortWaits(torch.get_num_threads())
+        waits.hold()
+        try:
+            return timed(forward)
+        finally:
+            waits.release()
+
+    def on_thread():
+        out = {}
+        th = threading.Thread(target=lambda: out.setdefault("r", timed(forward)))
+        th.start()
+        th.join()
+        return out["r"]
+
+    runs = {"main thread alone": lambda: timed(forward), "main + parked team": parked, "second thread": on_thread}
+    res: dict = {k: [] for k in runs}
+    forward()
+    for r in range(repeats):
+        for k, run in runs.items():
+            res[k].append(run())
+        print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1][0]:.2f} s" for k, v in res.items()) + f" ({load()})",
+              flush=True)
+    print(f"medians of {repeats} ({load()}):")
+    for k, v in res.items():
+        print(f"  {k:20s} {statistics.median(a for a, _ in v):6.2f} s, "
+              f"{statistics.median(b for _, b in v):6.1f} context switches per batch")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--texts", choices=["held-out", "stsb"], default="held-out")
@@ -83,6 +140,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--workers", type=int, default=None, help="cli: --workers (default: the command's default)")
+    ap.add_argument("--waits", choices=["auto", "short", "spin"], default="auto")
+    ap.add_argument("--regimes", action="store_true", help="time the three OpenMP regimes (see above)")
     args = ap.parse_args()
     configs = args.configs.split(",")
 
@@ -90,6 +149,7 @@ def main() -> None:
     from transformers import AutoModel, AutoTokenizer
 
     import attnkit
+    import attnkit.engine.openmp as openmp
     from attnkit.engine.extract_job import ExtractOptions, run_extract_job
     from attnkit.engine.plan import plan_batches
     from attnkit.models import default_model_path
@@ -109,7 +169,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-short-"))
     corpus = tmp / "texts.txt"
     corpus.write_text("\n".join(texts) + "\n")
-    print(f"{len(texts)} {args.texts} texts, {n_tokens} tokens ({n_tokens / len(texts):.1f} per text), "
+    print(f"waits: {args.waits}; {len(texts)} {args.texts} texts, {n_tokens} tokens "
+          f"({n_tokens / len(texts):.1f} per text), "
           f"{len(batches)} batches of {args.batch}, torch threads {torch.get_num_threads()}, "
           f"{torch.backends.cpu.get_cpu_capability()}, {load()}")
 
@@ -143,7 +204,20 @@ def main() -> None:
                                        quiet=True, workers=args.workers), echo=lambda t, err=False: msgs.append(t))
         return float(re.search(r" in ([0-9.]+)s", " ".join(msgs)).group(1))
 
-    runs = {"sdpa": run_sdpa, "naive": run_naive, "extract": run_extract, "cli": run_cli}
+    def run_thread():
+        th = threading.Thread(target=run_extract)
+        th.start()
+        th.join()
+
+    if args.regimes:
+        return regimes(run_sdpa, len(batches), args.repeats)
+
+    runs = {"sdpa": run_sdpa, "naive": run_naive, "extract": run_extract, "cli": run_cli, "thread": run_thread}
+    parked = openmp.ShortWaits(torch.get_num_threads())
+    if args.waits != "auto":
+        openmp.cpu_oversubscribed = lambda: False  # attnkit's own policy: never park (short: the bench holds one)
+    if args.waits == "short":
+        parked.hold()
     ak = run_extract()
     nv = run_naive()
     diff = float((nv.numpy() - ak.mean).__abs__().max())
@@ -158,6 +232,7 @@ def main() -> None:
             times[c].append(reported if c == "cli" else dt)
         print(f"  round {r + 1}: " + ", ".join(f"{c} {times[c][-1]:.2f} s" for c in configs) + f" ({load()})",
               flush=True)
+    parked.release()
     med = {c: statistics.median(v) for c, v in times.items()}
     print(f"medians of {args.repeats} ({load()}):")
     for c in configs:

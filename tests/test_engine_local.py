@@ -237,7 +237,7 @@ def test_workers_do_not_inherit_the_parents_sigterm_handler(minilm, monkeypatch)
 
 
 def test_workers_are_bounded_by_the_cores_and_by_the_plan():
-    from attnkit.engine.local import TASK_BATCHES, check_workers, max_workers, workers_for_plan
+    from attnkit.engine.local import TASK_BATCHES, check_workers, default_workers, max_workers, workers_for_plan
 
     assert check_workers(max_workers()) == max_workers()
     with pytest.raises(AttnkitError, match=rf"^workers must be at most {max_workers()}, got {max_workers() + 1}$"):
@@ -249,6 +249,8 @@ def test_workers_are_bounded_by_the_cores_and_by_the_plan():
     for asked, used in ((8, 3), (2, 2), (0, 0)):
         n, again = workers_for_plan(iter(plan), asked)
         assert n == used and list(again) == plan  # read ahead, then given back whole
+    # a CPU model's team of torch threads has every core: its batches are tokenised in turn with its forwards
+    assert default_workers("cpu") == 0
 
 
 def _record_forward_threads(monkeypatch, record):

@@ -43,12 +43,12 @@ from .plan import PlannedBatch
 
 def default_workers(device_type: str = "cuda") -> int:
     """Tokenisation workers when none are asked for. GPUs outrun one tokenizer by far: the cores not needed to
-    drive them, at most 8. A CPU model needs the cores itself, and tokenising costs a few percent of its
-    time: one worker per four cores (at least one)."""
-    n = available_cores()
+    drive them, at most 8. A CPU model runs torch's threads on every core, and a tokenising process beside them
+    takes a core from a team that waits for its slowest thread at every parallel region (docs/pipeline.md §4):
+    none, the calling thread tokenises between forwards (a few percent of a CPU forward's time)."""
     if device_type == "cpu":
-        return max(1, n // 4)
-    return max(0, min(8, n - 1))
+        return 0
+    return max(0, min(8, available_cores() - 1))
 
 
 def max_workers() -> int:
