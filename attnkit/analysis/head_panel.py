@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import csv
 import itertools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +28,34 @@ def _rounded(a, digits: int = 5) -> list:
     return np.where(np.isfinite(a), a, None).tolist()
 
 
-def nearest(D: np.ndarray, n: int = N_NEAR) -> list:
-    """For each head, the `n` others nearest by the M × M dissimilarities `D`: [[head, value], ...]."""
+def nearest(D: np.ndarray, n: int = N_NEAR, removed=None) -> list:
+    """For each head, the `n` others nearest by the M × M dissimilarities `D`: [[head, value], ...]; `removed` (M
+    booleans): heads that are nobody's neighbour and have none."""
     D = np.array(D, dtype=np.float64)
+    gone = np.zeros(len(D), dtype=bool) if removed is None else np.asarray(removed, dtype=bool).ravel()
+    D[:, gone] = np.inf
+    D[~np.isfinite(D)] = np.inf
     np.fill_diagonal(D, np.inf)
-    order = np.argsort(D, axis=1, kind="stable")[:, :n]
-    return [[[int(j), round(float(D[i, j]), 6)] for j in row] for i, row in enumerate(order)]
+    n = min(n, int((~gone).sum()) - 1)
+    order = np.argsort(D, axis=1, kind="stable")[:, :max(n, 0)]
+    return [[] if gone[i] else [[int(j), round(float(D[i, j]), 6)] for j in row] for i, row in enumerate(order)]
+
+
+def feature_scales(features) -> list[dict]:
+    """How the panel's bar shows each feature: shares of the weight (buckets, prev, intra, max, ...) on 0..1;
+    entropies (nats) against ln n, the entropy of uniform attention over the run's mean tokens per sample (or, when
+    the run records no tokens, the largest value over the heads). [{"kind": "share" | "nats", "max": ...}]"""
+    L, H, _ = features.mean.shape
+    n = features.n_tokens / features.n_samples if features.n_samples > 0 and features.n_tokens > 0 else 0.0
+    out = []
+    for j, name in enumerate(features.names):
+        if "entropy" in name:
+            col = np.asarray(features.mean[..., j], dtype=np.float64)
+            top = math.log(n) if n > 1 else (float(np.nanmax(col)) if np.isfinite(col).any() else 1.0)
+            out.append({"kind": "nats", "max": round(max(top, 1e-9), 5)})
+        else:
+            out.append({"kind": "share", "max": 1.0})
+    return out
 
 
 def extremes(per_sample, names, features=EXAMPLE_FEATURES, k: int = N_EXAMPLES, chunk: int = 4096) -> dict:
@@ -106,12 +129,14 @@ def encode_maps(weights: np.ndarray) -> tuple[list[str], list[float]]:
 
 
 def panel_data(features, clusters: dict, colors: dict, *, distances=None, extremes: dict | None = None,
-               row_texts=None, maps=None, attached: Attached | None = None, docs: dict, notes: dict) -> dict:
+               row_texts=None, maps=None, attached: Attached | None = None, docs: dict, notes: dict,
+               removed=None) -> dict:
     """Everything report.js shows about each head (the format: docs/files.md, "report.html"). `extremes`: the
     top and bottom examples (`extremes(per_sample, names)`), `row_texts` their texts, `maps` AttentionMaps of the
-    example texts."""
+    example inputs, `removed` (L × H booleans) the heads removed from a pruned model."""
     L, H, F = features.mean.shape
     M = L * H
+    gone = np.zeros(M, dtype=bool) if removed is None else np.asarray(removed, dtype=bool).ravel()
     type_names = [c["type"] for c in clusters["clusters"]]
     label = {(h["layer"], h["head"]): h["label"] for h in clusters["heads"]}
     agreement = [h.get("agreement") for h in sorted(clusters["heads"], key=lambda h: (h["layer"], h["head"]))]
@@ -119,12 +144,15 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
     feat_d = np.sqrt(np.square(X[:, None, :] - X[None, :, :]).sum(-1))
     data = {
         "L": L, "H": H, "heads": [f"L{m // H}H{m % H}" for m in range(M)],
+        "removed": [bool(x) for x in gone],
         "features": {"names": list(features.names), "mean": _rounded(features.mean.reshape(M, F)),
-                     "std": _rounded(features.std.reshape(M, F)), "docs": docs["links"], "defs": docs["defs"]},
+                     "std": _rounded(features.std.reshape(M, F)), "scale": feature_scales(features),
+                     "docs": docs["links"], "defs": docs["defs"]},
         "types": {"names": type_names, "colors": [colors[t] for t in type_names],
                   "short": [t[:3] for t in type_names], "label": [int(label[(m // H, m % H)]) for m in range(M)],
                   "agreement": None if all(a is None for a in agreement) else agreement},
-        "near": {"js": nearest(distances.per_token) if distances is not None else None, "feat": nearest(feat_d)},
+        "near": {"js": nearest(distances.per_token, removed=gone) if distances is not None else None,
+                 "feat": nearest(feat_d, removed=gone)},
         "examples": None, "maps": None, "probe": None, "patterns": None, "ablation": [], "notes": notes,
     }
     if extremes is not None:
@@ -138,13 +166,14 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
             "texts": {str(k): v for k, v in (row_texts or {}).items()}}
     if maps:
         encoded = [encode_maps(m.weights) for m in maps]
-        data["maps"] = {"texts": [{"tokens": m.tokens} for m in maps], "data": [e[0] for e in encoded],
-                        "max": [e[1] for e in encoded]}
+        data["maps"] = {"texts": [{"tokens": [str(t) for t in m.tokens]} for m in maps],
+                        "data": [e[0] for e in encoded], "max": [e[1] for e in encoded]}
     if attached is not None:
         if attached.probe is not None:
             p = attached.probe
             data["probe"] = {"relations": p["relations"], "baseline": _rounded(p["baseline"]),
-                             "acc": _rounded(p["acc"].reshape(M, -1)), "source": str(p["path"])}
+                             "acc": _rounded(p["acc"].reshape(M, -1)),
+                             "source": f"{p['path'].name}/probe.json"}
         if attached.patterns is not None:
             from .patterns import PATTERN_COLORS
 
@@ -154,8 +183,9 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
                                 "shares": _rounded(sh.reshape(len(sh), M).T)}
         for a in attached.ablations:
             src = a["path"].name
-            if "delta" in a:
+            if "delta" in a:  # per head (heads: M values) or per layer (layers: L values)
                 data["ablation"].append({"experiment": a["experiment"], "metric": a["metric"], "source": src,
+                                         "per": "layer" if a["delta"].ndim == 1 else "head",
                                          "delta": _rounded(a["delta"].ravel()), "lo": _rounded(a["lo"].ravel()),
                                          "hi": _rounded(a["hi"].ravel())})
             elif "importance" in a:
@@ -167,4 +197,4 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
     return data
 
 
-__all__ = ["EXAMPLE_FEATURES", "encode_maps", "extremes", "nearest", "panel_data", "texts_of_rows"]
+__all__ = ["EXAMPLE_FEATURES", "encode_maps", "extremes", "feature_scales", "nearest", "panel_data", "texts_of_rows"]
