@@ -77,10 +77,15 @@ def removed_mask(features: HeadFeatures) -> np.ndarray:
     return out
 
 
-def unexplained_nan_heads(features: HeadFeatures) -> list[str]:
-    """Heads with NaN or infinite means that meta.json does not record as removed (a damaged run)."""
+def check_heads(features: HeadFeatures, run_dir) -> None:
+    """Refuse a run whose means hold NaN or infinity for heads that meta.json does not record as removed (a damaged
+    run), or that records a removed head outside the run."""
     bad = ~np.isfinite(features.mean).all(axis=2) & ~removed_mask(features)
-    return [f"L{l}H{h}" for l, h in np.argwhere(bad)]
+    if bad.any():
+        heads = [f"L{l}H{h}" for l, h in np.argwhere(bad)]
+        raise AttnkitError(f"{Path(run_dir) / 'features.npz'} holds NaN or infinite means for {len(heads)} head(s) "
+                           f"({', '.join(heads[:5])}{' ...' if len(heads) > 5 else ''}) that meta.json does not "
+                           "record as removed: the report cannot place them on maps")
 
 
 def example_maps(model, tokenizer, texts, picks, *, max_length: int = 64) -> list[dict]:
@@ -615,11 +620,7 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
     stderr, one step per figure."""
     run_dir = Path(run_dir)
     features = HeadFeatures.load(run_dir)
-    bad = unexplained_nan_heads(features)
-    if bad:
-        raise AttnkitError(f"{run_dir}/features.npz holds NaN or infinite means for {len(bad)} head(s) "
-                           f"({', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}) that meta.json does not record "
-                           "as removed: the run is damaged; extract it again")
+    check_heads(features, run_dir)
     attached = find_attached(run_dir, (features.n_layers, features.n_heads), include)
     save = _FigureSaver(run_dir / FIGURES_DIR, svg, progress)
     try:
@@ -652,4 +653,4 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
 
 __all__ = ["DEFAULT_EXAMPLES", "FIGURES_DIR", "MAPS_BUDGET_BYTES", "REPORT_FIGURES", "REPORT_FILE", "SECTIONS",
            "Report", "Section", "build_report", "example_inputs", "example_maps", "pick_example_heads",
-           "per_sample_problem", "removed_mask", "report_figures", "unexplained_nan_heads", "within_budget"]
+           "per_sample_problem", "removed_mask", "report_figures", "check_heads", "within_budget"]

@@ -134,9 +134,11 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
 
 @click.command("report")
 @run_argument()
-@click.option("--examples", default=0, show_default=True, type=int_range("examples"),
-              help="Example attention maps per type, drawn from the corpus, and every head's maps of up to 3 of "
-                   "those texts in its panel (needs the run's model and corpus).")
+@click.option("--examples", default=None, type=int_range("examples"),
+              help="Embed the attention maps of this many short inputs of the run's corpus (the shortest first): an "
+                   "interactive view of where each head attends from each token, every head's maps in its panel, "
+                   "and example maps of each type. Needs the run's model and corpus. Default 4 when the run records "
+                   "both (none, with a note, when they cannot be read); 0: none.")
 @click.option("--include", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="DIR",
               help="A directory of `attnkit probe` or `attnkit ablate` results to show beside the run's heads "
                    "(repeatable; results written into RUN itself are found without it).")

