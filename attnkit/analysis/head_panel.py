@@ -28,6 +28,11 @@ def _rounded(a, digits: int = 5) -> list:
     return np.where(np.isfinite(a), a, None).tolist()
 
 
+def _ranked(rows, values) -> list:
+    """[[row, value], ...] of the samples whose value is a number (a removed head's NaN values have no rank)."""
+    return [[int(r), round(float(v), 5)] for r, v in zip(rows, values) if np.isfinite(v)]
+
+
 def nearest(D: np.ndarray, n: int = N_NEAR, removed=None) -> list:
     """For each head, the `n` others nearest by the M × M dissimilarities `D`: [[head, value], ...]; `removed` (M
     booleans): heads that are nobody's neighbour and have none."""
@@ -159,10 +164,8 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
         ext = extremes
         data["examples"] = {
             "features": list(ext),
-            "top": {f: [[[int(r), round(float(v), 5)] for r, v in zip(e["top"][m], e["top_values"][m])]
-                        for m in range(M)] for f, e in ext.items()},
-            "bottom": {f: [[[int(r), round(float(v), 5)] for r, v in zip(e["bottom"][m], e["bottom_values"][m])]
-                           for m in range(M)] for f, e in ext.items()},
+            "top": {f: [_ranked(e["top"][m], e["top_values"][m]) for m in range(M)] for f, e in ext.items()},
+            "bottom": {f: [_ranked(e["bottom"][m], e["bottom_values"][m]) for m in range(M)] for f, e in ext.items()},
             "texts": {str(k): v for k, v in (row_texts or {}).items()}}
     if maps:
         encoded = [encode_maps(m.weights) for m in maps]

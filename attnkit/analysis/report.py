@@ -308,8 +308,10 @@ def _papers_finding(r: Report) -> Markup:
                                                       for x in real) or "none"))
     if len(layers) < r.features.n_layers:  # the notes number layers among the remaining ones
         gone = [l for l in range(r.features.n_layers) if l not in layers]
-        notes = [f"(Layers {', '.join(map(str, gone))} were removed; the notes below count the remaining "
-                 f"{len(layers)} layers.)"] + notes
+        if gone[-1] == r.features.n_layers - 1:  # the model's last layer is gone: nothing to say about it
+            notes = [n for n in notes if "last layer" not in n]
+        notes = [f"(Every head of layer(s) {', '.join(map(str, gone))} was removed; the notes below number the "
+                 f"remaining {len(layers)} layers 0–{len(layers) - 1}.)"] + notes
     return part("papers_finding", skipped=None, notes=notes, rows=rows)
 
 
@@ -326,11 +328,12 @@ def _attached_findings(r: Report) -> Markup:
     ablations = []
     H = r.features.n_heads
     for ab in a.ablations:
-        if "delta" in ab and np.isfinite(ab["delta"]).any():
-            m = int(np.nanargmin(ab["delta"]))
+        delta = np.where(r.removed, np.nan, ab["delta"]) if ab["experiment"] == "heads" else ab.get("delta")
+        if delta is not None and np.isfinite(delta).any():
+            m = int(np.nanargmin(delta))
             what = f"L{m // H}H{m % H}" if ab["experiment"] == "heads" else f"layer {m}"
             ablations.append({"source": ab["path"].name, "what": what, "metric": ab["metric"],
-                              "delta": float(np.nanmin(ab["delta"]))})
+                              "delta": float(np.nanmin(delta))})
     return part("attached_findings", patterns=patterns, probe=probe, ablations=ablations)
 
 

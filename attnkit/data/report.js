@@ -246,15 +246,39 @@
     return e;
   }
   function headColor(h) { return "hsl(" + Math.round(360 * h / D.H) + ",70%,42%)"; }
-  function hvDraw(hover) {
+  var hvRow = 18, hvColW = 150, hvGap = 160;
+  function hvBuild() {  // the tokens of the chosen input, once per input; hvLines draws the links
     var box = $("hv-draw");
     if (!box || !D.maps) return;
-    var t = D.maps.texts[HV.text], n = t.tokens.length, row = 18, colW = 150, gap = 160;
+    var t = D.maps.texts[HV.text], n = t.tokens.length;
+    var s = svg("svg", {width: 2 * hvColW + hvGap, height: n * hvRow + 10});
+    s.appendChild(svg("g", {"class": "lines"}));
+    t.tokens.forEach(function (tok, i) {
+      [["q", hvColW, "end"], ["k", hvColW + hvGap, "start"]].forEach(function (side) {
+        var txt = svg("text", {x: side[1], y: 5 + i * hvRow + hvRow / 2 + 4, "text-anchor": side[2],
+          "class": "tok tok-" + side[0], "data-i": i});
+        txt.textContent = String(tok);
+        if (side[0] === "q") {
+          txt.addEventListener("mouseenter", function () { hvLines(i); });
+          txt.addEventListener("mouseleave", function () { hvLines(null); });
+          txt.addEventListener("click", function () { HV.pinned = HV.pinned === i ? null : i; hvLines(i); });
+        }
+        s.appendChild(txt);
+      });
+    });
+    box.innerHTML = "";
+    box.appendChild(s);
+    box.appendChild(el("p", {"class": "note", id: "hv-note"}));
+    hvLines(null);
+  }
+  function hvLines(hover) {
+    var box = $("hv-draw");
+    if (!box || !D.maps) return;
+    var s = box.querySelector("svg"), lines = s.querySelector("g.lines");
+    var t = D.maps.texts[HV.text], n = t.tokens.length;
     var from = hover === undefined || hover === null ? HV.pinned : hover;
     var heads = HV.head === "all" ? Array.apply(null, Array(D.H)).map(function (_, h) { return h; }) : [+HV.head];
-    var s = svg("svg", {width: 2 * colW + gap, height: n * row + 10, "data-from": from === null ? "" : String(from)});
-    var lines = svg("g", {"class": "lines"});
-    s.appendChild(lines);
+    while (lines.firstChild) lines.removeChild(lines.firstChild);
     heads.forEach(function (h) {
       var m = HV.layer * D.H + h;
       if (D.removed[m]) return;
@@ -264,30 +288,18 @@
         for (var k = 0; k < n; k++) {
           var w = bytes[q * n + k] / 255 * mx;
           if (w < (from === null ? 0.1 : 0.01)) continue;  // without a chosen token only the strong links show
-          lines.appendChild(svg("line", {x1: colW + 4, y1: 5 + q * row + row / 2, x2: colW + gap - 4, y2: 5 + k * row + row / 2,
-            stroke: headColor(h), "stroke-opacity": Math.min(1, w * (heads.length > 1 ? 1.5 : 1.2)),
+          lines.appendChild(svg("line", {x1: hvColW + 4, y1: 5 + q * hvRow + hvRow / 2, x2: hvColW + hvGap - 4,
+            y2: 5 + k * hvRow + hvRow / 2, stroke: headColor(h), "stroke-opacity": Math.min(1, w * (heads.length > 1 ? 1.5 : 1.2)),
             "stroke-width": 1 + 3 * w, "data-q": q, "data-k": k, "data-h": h, "data-w": w.toFixed(4)}));
         }
       }
     });
-    t.tokens.forEach(function (tok, i) {
-      [["q", colW, "end"], ["k", colW + gap, "start"]].forEach(function (side) {
-        var txt = svg("text", {x: side[1], y: 5 + i * row + row / 2 + 4, "text-anchor": side[2], "class": "tok tok-" + side[0] + (side[0] === "q" && i === from ? " chosen" : ""), "data-i": i});
-        txt.textContent = String(tok);
-        if (side[0] === "q") {
-          txt.addEventListener("mouseenter", function () { hvDraw(i); });
-          txt.addEventListener("mouseleave", function () { hvDraw(null); });
-          txt.addEventListener("click", function () { HV.pinned = HV.pinned === i ? null : i; hvDraw(null); });
-        }
-        s.appendChild(txt);
-      });
-    });
-    box.innerHTML = "";
-    box.appendChild(s);
+    s.setAttribute("data-from", from === null ? "" : String(from));
+    s.querySelectorAll("text.tok-q").forEach(function (e) { e.classList.toggle("chosen", +e.getAttribute("data-i") === from); });
     var removed = heads.filter(function (h) { return D.removed[HV.layer * D.H + h]; }).length;
-    box.appendChild(el("p", {"class": "note", text: (from === null ? "Links of weight ≥ 0.1 from every token; hover or click a token on the left." :
-      "From “" + t.tokens[from] + "” (" + (HV.pinned === null ? "hovered" : "clicked; click again to release") + ").") +
-      (removed ? " " + removed + " removed head(s) of this layer draw nothing." : "")}));
+    $("hv-note").textContent = (from === null ? "Links of weight ≥ 0.1 from every token; hover or click a token on the left." :
+      "From “" + t.tokens[from] + "” (" + (HV.pinned === from ? "clicked; click again to release" : "hovered") + "), links of weight ≥ 0.01.") +
+      (removed ? " " + removed + " removed head(s) of this layer draw nothing." : "");
   }
   function hvSetup() {
     if (!D.maps || !$("headview")) return;
@@ -297,10 +309,10 @@
     fill($("hv-text"), D.maps.texts.map(function (t, i) { return [i, (i + 1) + ": " + t.tokens.slice(0, 8).join(" ") + (t.tokens.length > 8 ? " …" : "")]; }), HV.text);
     fill($("hv-layer"), Array.apply(null, Array(D.L)).map(function (_, l) { return [l, "L" + l]; }), HV.layer);
     fill($("hv-head"), [["all", "all heads"]].concat(Array.apply(null, Array(D.H)).map(function (_, h) { return [h, "H" + h]; })), HV.head);
-    $("hv-text").addEventListener("change", function () { HV.text = +this.value; HV.pinned = null; hvDraw(null); });
-    $("hv-layer").addEventListener("change", function () { HV.layer = +this.value; hvDraw(null); });
-    $("hv-head").addEventListener("change", function () { HV.head = this.value; hvDraw(null); });
-    hvDraw(null);
+    $("hv-text").addEventListener("change", function () { HV.text = +this.value; HV.pinned = null; hvBuild(); });
+    $("hv-layer").addEventListener("change", function () { HV.layer = +this.value; hvLines(null); });
+    $("hv-head").addEventListener("change", function () { HV.head = this.value; hvLines(null); });
+    hvBuild();
   }
   hvSetup();
 
