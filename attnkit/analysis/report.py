@@ -46,7 +46,7 @@ from .results import save_clusters
 REPORT_FIGURES = ("type_share_per_layer", "distance_boxplots", "stability_sweep", "tsne_types", "mds_js",
                   "feature_heatmaps", "layer_summaries", "attention_examples")
 DEFAULT_EXAMPLES = 4  # example inputs whose maps the page embeds (`attnkit report --examples`)
-EXAMPLE_MAX_LENGTH = 64  # tokens of an example input at most
+EXAMPLE_MAX_LENGTH = 64  # tokens of an example input at most (fewer when the run was extracted with fewer)
 EXAMPLE_MIN_TOKENS = 6  # shorter inputs (a title, an empty line) make poor examples
 # The maps of the example inputs take at most this many bytes (uint8, one per weight, all inputs and heads; base64
 # in the page adds a third): the shortest inputs first, an input that would exceed it is left out.
@@ -576,8 +576,9 @@ def _example_maps(r: Report) -> None:
         return
     from ..engine.maps import attention_maps
 
-    idx = example_inputs(r.texts, r.n_examples, r.model[1])
-    maps = [attention_maps(r.texts[i], r.model, max_length=EXAMPLE_MAX_LENGTH) for i in idx]
+    max_length = min(EXAMPLE_MAX_LENGTH, int(r.features.meta.get("max_length") or EXAMPLE_MAX_LENGTH))
+    idx = example_inputs(r.texts, r.n_examples, r.model[1], max_length=max_length)
+    maps = [attention_maps(r.texts[i], r.model, max_length=max_length) for i in idx]
     r.maps = within_budget(maps)
     r.example_idx = idx[:len(r.maps)]
     if len(r.maps) < len(maps):
