@@ -269,6 +269,12 @@
     box.innerHTML = "";
     box.appendChild(s);
     box.appendChild(el("p", {"class": "note", id: "hv-note"}));
+    var legend = el("p", {"class": "note", id: "hv-legend"});
+    for (var h = 0; h < D.H; h++) {
+      var sw = el("span", {"class": "swatch"}); sw.style.background = headColor(h);
+      legend.appendChild(sw); legend.appendChild(document.createTextNode("H" + h + " "));
+    }
+    box.appendChild(legend);
     hvLines(null);
   }
   function hvLines(hover) {
@@ -297,6 +303,7 @@
     s.setAttribute("data-from", from === null ? "" : String(from));
     s.querySelectorAll("text.tok-q").forEach(function (e) { e.classList.toggle("chosen", +e.getAttribute("data-i") === from); });
     var removed = heads.filter(function (h) { return D.removed[HV.layer * D.H + h]; }).length;
+    $("hv-legend").style.display = HV.head === "all" ? "" : "none";
     $("hv-note").textContent = (from === null ? "Links of weight ≥ 0.1 from every token; hover or click a token on the left." :
       "From “" + t.tokens[from] + "” (" + (HV.pinned === from ? "clicked; click again to release" : "hovered") + "), links of weight ≥ 0.01.") +
       (removed ? " " + removed + " removed head(s) of this layer draw nothing." : "");
