@@ -255,6 +255,8 @@ DAMAGED = {
                 "stability_mean": 1.0, "stability_min": 1.0, "stability_max": 1.0}]),
         "clusters.json: field stability.sweep[0].n_seeds: expected an integer"),
     "patterns.json is not JSON": ("patterns.json", None, "patterns.json is not valid JSON"),
+    "per_sample_rows.csv lacks its row column": ("per_sample_rows.csv", "text,x\nabc,1\n",
+                                                 "per_sample_rows.csv is unreadable: KeyError: 'row'"),
 }
 
 
@@ -269,6 +271,8 @@ def test_a_damaged_file_is_one_line_naming_it(case, clean, tmp_path, fewer_figur
     shutil.copytree(clean, run)
     if change is None:
         (run / name).write_text('{"classes": ["vertical", ')
+    elif isinstance(change, str):
+        (run / name).write_text(change)
     else:
         _set(run / name, change)
     with pytest.raises(AttnkitError, match=re.escape(message)):

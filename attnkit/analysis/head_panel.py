@@ -104,11 +104,16 @@ def texts_of_rows(run_dir, meta: dict, rows) -> tuple[dict, str | None]:
     out: dict[int, str] = {}
     if table.is_file():
         want = set(wanted)
-        with open(table, newline="", encoding="utf-8") as f:
-            for r in csv.DictReader(f):
-                row = int(r["row"])
-                if row in want:
-                    out[row] = _text_of(r["text"], r.get("text_pair"))
+        try:
+            with open(table, newline="", encoding="utf-8") as f:
+                for i, r in enumerate(csv.DictReader(f), start=2):
+                    row = int(r["row"])
+                    if row in want:
+                        if not isinstance(r["text"], str):
+                            raise ValueError(f"line {i} has no text")
+                        out[row] = _text_of(r["text"], r.get("text_pair"))
+        except (KeyError, ValueError, TypeError, UnicodeDecodeError, csv.Error) as exc:
+            raise AttnkitError(f"{table} is unreadable: {type(exc).__name__}: {exc}") from None
         return out, None
     from ..corpus import corpus_of_run
 

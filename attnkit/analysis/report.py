@@ -634,8 +634,8 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
         _example_maps(report)
         # types, box plots, t-SNE, heatmaps, per-layer summaries; the sweep, MDS and examples when they are drawn
         save.expect(5 + bool(data["stability"].get("sweep")) + (report.distances is not None) + bool(report.maps))
+        panel = _panel(report)  # first: it reads the examples' texts, which may be damaged, before any figure
         sections = [s for s in (build(report) for build in SECTIONS) if s is not None]
-        panel = _panel(report)
     finally:
         save.close()
     if weighting_of(features.meta) == "norm":
