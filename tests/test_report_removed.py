@@ -1,6 +1,7 @@
 """The report of a pruned model's run (issue 30 §1; the contract: meta.json `removed_heads`, NaN features): removed
 heads are marked in the grid's data, left out of averages, findings, maps and neighbours, and the page says how
 many; a NaN head that meta.json does not record is a damaged run."""
+import csv
 import json
 import re
 
@@ -20,6 +21,24 @@ REMOVED = ((1, 0), (1, 1), (1, 2), (1, 3), (2, 3))  # all of layer 1 and L2H3 of
 def pruned(tmp_path_factory):
     run = tmp_path_factory.mktemp("pruned") / "run"
     f, per, texts, dist = pruned_run(run, removed=REMOVED, n_samples=10)
+    # the other commands' results as on a pruned model: NaN (JSON NaN or null) and "nan" for the removed heads,
+    # no ablation row for them
+    pat = json.loads((run / "patterns.json").read_text())
+    for grid in pat["per_head"].values():
+        for j, (l, h) in enumerate(REMOVED):
+            grid[l][h] = None if j % 2 else float("nan")
+    (run / "patterns.json").write_text(json.dumps(pat))
+    rows = list(csv.DictReader(open(run / "probe.csv")))
+    for r in rows:
+        if (int(r["layer"]), int(r["head"])) in REMOVED:
+            r["accuracy"] = "nan"
+    with open(run / "probe.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    table = json.loads((run / "heads.json").read_text())
+    table["rows"] = [r for r in table["rows"] if (r["layer"], r["head"]) not in REMOVED]
+    (run / "heads.json").write_text(json.dumps(table))
     page = build_report(run, svg=False).read_text()
     data = json.loads(re.search(r'id="attnkit-data">(.*?)</script>', page, re.S).group(1))
     return run, f, page, data
@@ -44,6 +63,18 @@ def test_removed_heads_are_marked_and_have_no_neighbours(pruned):
     assert "Grey cells marked “removed” are heads pruned from the model (L1H0, L1H1, L1H2, L1H3, L2H3)" in page
     tables = _text(page.split('<section id="tables">')[1].split("</section>")[0])
     assert tables.count(" removed ") == len(REMOVED)
+
+
+def test_other_commands_results_with_removed_heads_are_shown(pruned):
+    run, f, page, data = pruned
+    H = f.n_heads
+    for m in (l * H + h for l, h in REMOVED):
+        assert all(v is None for v in data["patterns"]["shares"][m])
+        assert all(v is None for v in data["probe"]["acc"][m])
+        assert data["ablation"][0]["delta"][m] is None
+    probe = _text(page.split('<section id="probe">')[1].split("</section>")[0])
+    best = re.findall(r"L(\d)H(\d)", probe)
+    assert best and not {(int(l), int(h)) for l, h in best} & set(REMOVED)
 
 
 def test_findings_leave_removed_heads_out_and_say_how_many(pruned):

@@ -6,6 +6,7 @@ the reason, and the report links it.
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,7 +57,12 @@ def read_patterns(path: Path, shape: tuple[int, int]) -> dict:
         if len(data["per_layer"][c]) != shape[0]:
             raise AttnkitError(f"{path} is unreadable: field per_layer.{c} has {len(data['per_layer'][c])} layers, "
                                f"the run {shape[0]}")
-    shares = np.array([data["per_head"][c] for c in classes], dtype=np.float64)  # classes × L × H
+    shares = np.array([[[np.nan if x is None else x for x in row] for row in data["per_head"][c]] for c in classes],
+                      dtype=np.float64)  # classes × L × H; NaN: a removed head
+    if ((shares < 0) | (shares > 1)).any():
+        c, l, h = (int(x) for x in np.argwhere((shares < 0) | (shares > 1))[0])
+        raise AttnkitError(f"{path}: field per_head.{classes[c]}[{l}][{h}]: a share must lie in 0..1, got "
+                           f"{shares[c, l, h]:g}")
     return {"path": path, "data": data, "classes": classes, "shares": shares}
 
 
@@ -77,10 +83,11 @@ def read_probe(directory: Path, shape: tuple[int, int]) -> dict:
             for i, r in enumerate(csv.DictReader(f), start=2):
                 rel, l, h, a = r["relation"], int(r["layer"]), int(r["head"]), float(r["accuracy"])
                 b, n = float(r["baseline_accuracy"]), int(r["count"])
-                if not (0 <= l < shape[0] and 0 <= h < shape[1] and 0 <= a <= 1 and 0 <= b <= 1 and n >= 0 and rel):
+                in_range = (math.isnan(a) or 0 <= a <= 1) and 0 <= b <= 1  # NaN: a removed head's accuracy
+                if not (0 <= l < shape[0] and 0 <= h < shape[1] and in_range and n >= 0 and rel):
                     raise ValueError(f"line {i} is out of range")
-                grid = acc.setdefault(rel, np.zeros(shape))
-                grid[l, h] = max(grid[l, h], a)  # the better direction, whatever they are
+                grid = acc.setdefault(rel, np.full(shape, np.nan))
+                grid[l, h] = np.fmax(grid[l, h], a)  # the better direction, whatever they are
                 base[rel], counts[rel] = b, n
     except (OSError, KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
         raise AttnkitError(f"{path} is unreadable: {type(exc).__name__}: {exc}") from None

@@ -323,7 +323,8 @@ def _attached_findings(r: Report) -> Markup:
         patterns = [(c, ov.get(c, 0.0)) for c in a.patterns["classes"]]
     if a.probe is not None:
         p = a.probe
-        gain = p["acc"].reshape(-1, len(p["relations"]))[r.kept].max(0) - p["baseline"]
+        acc = p["acc"].reshape(-1, len(p["relations"]))[r.kept]
+        gain = np.where(np.isfinite(acc), acc, -np.inf).max(0) - p["baseline"]
         probe = [(p["relations"][j], float(gain[j])) for j in np.argsort(-gain)[:3] if p["relations"][j] != "(all)"]
     ablations = []
     H = r.features.n_heads
@@ -470,7 +471,7 @@ def probe_section(r: Report) -> Section | None:
     rels = p["summary"].get("relations") or {}
     rows = []
     for j, rel in enumerate(p["relations"]):
-        grid = np.where(r.removed, -np.inf, p["acc"][..., j])
+        grid = np.where(r.removed | ~np.isfinite(p["acc"][..., j]), -np.inf, p["acc"][..., j])
         l, h = np.unravel_index(int(grid.argmax()), grid.shape)
         info = rels.get(rel) or {}
         offset = info.get("baseline_offset")

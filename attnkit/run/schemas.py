@@ -164,8 +164,9 @@ PATTERNS_SCHEMA = {
         "labels": _STR_OR_NULL,
         "overall": {"type": "object", "additionalProperties": _SHARE},
         "per_layer": {"type": "object", "additionalProperties": {"type": "array", "items": _SHARE}},
+        # a removed head's share may be null or NaN (docs/pruning.md); the reader checks the range of the others
         "per_head": {"type": "object", "additionalProperties": {
-            "type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": _SHARE}}},
+            "type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": _NUM_OR_NULL}}},
     },
 }
 
