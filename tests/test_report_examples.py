@@ -2,6 +2,7 @@
 `attnkit.attention_maps` embedded as 8-bit values within a size budget, and `--examples` 4 by default when the run's
 model and corpus can be read. The interactive view is tested in tests/test_report_browser.py."""
 import base64
+import html
 import json
 import re
 
@@ -77,7 +78,7 @@ def test_the_report_command_embeds_four_inputs_by_default_when_it_can(tmp_path, 
     rich_run(run, n_samples=6)  # a synthetic run: no model or corpus recorded
     r = CliRunner().invoke(report_cmd, [str(run), "--no-svg"])
     assert r.exit_code == 0, r.output
-    assert "no example inputs (the run records no model or no corpus); give --examples 0" in r.output
+    assert "no example inputs (the run records no corpus); give --examples 0" in r.output
     assert '"maps":null' in (run / "report.html").read_text()
     r = CliRunner().invoke(report_cmd, [str(run), "--no-svg", "-q", "--examples", "2", "--overwrite"])
     assert r.exit_code == 1 and "Traceback" not in r.output  # asked for: that they cannot be made is an error
@@ -85,8 +86,10 @@ def test_the_report_command_embeds_four_inputs_by_default_when_it_can(tmp_path, 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(" ".join(WORDS[i:i + 2 + i % 6]) + " ." for i in range(12)) + "\n")
     meta = json.loads((run / "meta.json").read_text())
+    import hashlib
+
     meta.update(model="tiny", settings={"reading": {"paths": [str(corpus)], "format": "text", "text_unit": "line"}},
-                max_length=64)
+                max_length=64, inputs=[{"path": "corpus.txt", "sha256": hashlib.sha256(corpus.read_bytes()).hexdigest()}])
     (run / "meta.json").write_text(json.dumps(meta))
     import attnkit.models
 
@@ -96,3 +99,26 @@ def test_the_report_command_embeds_four_inputs_by_default_when_it_can(tmp_path, 
     data = json.loads(re.search(r'id="attnkit-data">(.*?)</script>', (run / "report.html").read_text(),
                                 re.S).group(1))
     assert len(data["maps"]["texts"]) == 4
+
+
+def test_a_file_that_meta_json_names_without_its_hash_is_not_read_into_the_page(tmp_path, monkeypatch):
+    """A shared run directory whose meta.json names a file of the reader's machine as its corpus, with no SHA-256 to
+    check it against: the report reads nothing of it unless asked to (`--examples N`, `--corpus`)."""
+    from attnkit.cli.analysis import report_cmd
+
+    run = tmp_path / "run"
+    rich_run(run, n_samples=6)
+    (run / "per_sample_rows.csv").unlink()  # the examples' texts would be read from the corpus again
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the cat sat on the mat and the password is hunter2 .\n" * 10)
+    meta = json.loads((run / "meta.json").read_text())
+    meta.update(model="tiny", settings={"reading": {"paths": [str(secret)], "format": "text", "text_unit": "line"}})
+    (run / "meta.json").write_text(json.dumps(meta))
+    import attnkit.models
+
+    monkeypatch.setattr(attnkit.models, "load_model", lambda name, device=None: tiny_bert(3, 4))
+    r = CliRunner().invoke(report_cmd, [str(run), "--no-svg"])
+    assert r.exit_code == 0, r.output
+    assert "no example inputs (meta.json records no SHA-256 of the run's inputs to check them against)" in r.output
+    page = html.unescape((run / "report.html").read_text())
+    assert "hunter2" not in page and "the examples' texts were not read again (meta.json records no SHA-256" in page

@@ -94,6 +94,22 @@ def _text_of(text: str, pair: str | None) -> str:
     return t if len(t) <= TEXT_CHARS else t[:TEXT_CHARS - 1] + "…"
 
 
+def unverifiable_corpus(meta: dict) -> str | None:
+    """Why the corpus that a run's meta.json names may not be read into a report without being asked for (None:
+    it may): every recorded input must carry its SHA-256, so the bytes read are those the run measured. A crafted
+    meta.json that names some other file of the reader's machine (and cannot know its hash) then puts none of it
+    on the page."""
+    reading = (meta.get("settings") or {}).get("reading") or {}
+    paths = reading.get("paths") or ([meta["corpus"]] if meta.get("corpus") else [])
+    inputs = meta.get("inputs")
+    if not paths:
+        return "the run records no corpus"
+    if not (isinstance(inputs, list) and len(inputs) == len(paths)
+            and all(isinstance(x, dict) and isinstance(x.get("sha256"), str) for x in inputs)):
+        return "meta.json records no SHA-256 of the run's inputs to check them against"
+    return None
+
+
 def texts_of_rows(run_dir, meta: dict, rows) -> tuple[dict, str | None]:
     """{row: text} of some per-sample rows, from RUN/per_sample_rows.csv, else from the run's recorded inputs
     read again (checked to be the same bytes); and a note when the texts could not be found (None: found)."""
@@ -117,6 +133,9 @@ def texts_of_rows(run_dir, meta: dict, rows) -> tuple[dict, str | None]:
         return out, None
     from ..corpus import corpus_of_run
 
+    why = unverifiable_corpus(meta)
+    if why:
+        return out, f"the examples' texts were not read again ({why})"
     try:
         corpus = corpus_of_run(run_dir, meta)
         want = set(wanted)
@@ -205,4 +224,5 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
     return data
 
 
-__all__ = ["EXAMPLE_FEATURES", "encode_maps", "extremes", "feature_scales", "nearest", "panel_data", "texts_of_rows"]
+__all__ = ["EXAMPLE_FEATURES", "encode_maps", "extremes", "feature_scales", "nearest", "panel_data", "texts_of_rows",
+           "unverifiable_corpus"]

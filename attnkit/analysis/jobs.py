@@ -21,6 +21,7 @@ from ..run.outputs import ensure_writable_dir, os_errors
 from ..run.overwrite import claim_outputs
 from .attached import find_attached
 from .clustering import HeadClusterer, cluster, resolve_subset, stability_over_seeds, sweep
+from .head_panel import unverifiable_corpus
 from .report import (
     DEFAULT_EXAMPLES,
     build_report,
@@ -125,16 +126,18 @@ def report_run(run, *, examples: int | None = None, include=(), corpus=None, fmt
 def _example_sources(run: Path, feats: HeadFeatures, wanted: bool, say, *, corpus, fmt, squad_pairs, columns, limit,
                      device) -> tuple:
     """(the first EXAMPLE_POOL texts of the run's corpus, (model, tokenizer)) for the example inputs. When they were
-    not asked for (`wanted` False: the default), a run that records no model or corpus, or whose model or corpus
-    cannot be read, gets none, with a note; when asked for, that is an error."""
+    not asked for (`wanted` False: the default), a run that records no model, no corpus with the SHA-256 of its
+    inputs (`unverifiable_corpus`), or whose model or corpus cannot be read, gets none, with a note; when asked
+    for, that is an error."""
     from ..corpus import corpus_of_run
     from ..models import load_model
 
     name = feats.meta.get("model") or None
     try:
-        if not wanted and (name is None or (corpus is None and not (feats.meta.get("settings") or {}).get("reading")
-                                            and not feats.meta.get("corpus"))):
-            raise AttnkitError("the run records no model or no corpus")
+        if not wanted and name is None:
+            raise AttnkitError("the run records no model")
+        if not wanted and corpus is None and unverifiable_corpus(feats.meta):
+            raise AttnkitError(unverifiable_corpus(feats.meta))
         texts = list(itertools.islice(corpus_of_run(run, feats.meta, corpus, fmt, squad_pairs=squad_pairs,
                                                     columns=columns, limit=limit), EXAMPLE_POOL))
         if not texts:
