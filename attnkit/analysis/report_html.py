@@ -23,6 +23,11 @@ from ..features import describe_feature, feature_section
 _COLOR = re.compile(r"^(#[0-9a-fA-F]{3,8}|rgba?\([0-9., ]+\))$")
 
 
+def esc(x) -> Markup:
+    """`x` as escaped HTML text, for a `Section` body that code assembles itself (prefer `part` or `table`)."""
+    return Markup.escape(str(x))
+
+
 def fmt(v, digits: int = 3) -> str:
     """A number as a cell shows it; '–' for None and NaN (plain text: the templates escape it)."""
     if v is None:
@@ -102,8 +107,9 @@ def img(saved: dict, caption: str) -> Markup:
     return macros().img(f["b64"], f["caption"])
 
 
-def feature_link(name: str) -> Markup:
-    """A feature name linked to its row of the page's glossary."""
+def feature_link(name: str, base=None) -> Markup:
+    """A feature name linked to its row of the page's glossary (`base` is ignored: the page links nothing outside
+    itself)."""
     return macros().feat(name, describe_feature(name))
 
 
@@ -126,5 +132,5 @@ def page(title: str, subtitle: str, notes: list[str], toc: list[tuple[str, str]]
         data_json=None if data is None else safe_json(data))
 
 
-__all__ = ["anchor", "css_color", "environment", "feature_link", "figure", "fmt", "glossary_rows", "img", "macros",
-           "page", "part", "plain", "safe_json", "table", "value_html"]
+__all__ = ["anchor", "css_color", "environment", "esc", "feature_link", "figure", "fmt", "glossary_rows", "img",
+           "macros", "page", "part", "plain", "safe_json", "table", "value_html"]
