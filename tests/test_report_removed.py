@@ -78,7 +78,7 @@ def test_other_commands_results_with_removed_heads_are_shown(pruned):
 
 
 def test_findings_leave_removed_heads_out_and_say_how_many(pruned):
-    _, f, page, _ = pruned
+    run, f, page, _ = pruned
     findings = _text(page.split('<section id="findings">')[1].split("</section>")[0])
     assert "5 removed (pruned) head(s) are left out of every type, average and finding" in findings
     kept = np.ones((3, 4), dtype=bool)
@@ -90,6 +90,11 @@ def test_findings_leave_removed_heads_out_and_say_how_many(pruned):
     assert f"the strongest L{best[0]}H{best[1]} ({sep[best]:.2f})" in findings
     assert "nan" not in findings.lower().replace("nats", "")
     assert "Every head of layer(s) 1 was removed" in findings
+    clusters = json.loads((run / "clusters.json").read_text())  # clustered before: every head has a label
+    label = {(h["layer"], h["head"]): h["label"] for h in clusters["heads"]}
+    for c in clusters["clusters"]:
+        n = sum(1 for k, v in label.items() if v == c["label"] and k not in REMOVED)
+        assert f" {c['type']} {n} {n / 7:.3f} " in findings
     assert "5 head(s) were removed from this model" in page.split("<nav")[0]
 
 

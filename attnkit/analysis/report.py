@@ -239,9 +239,14 @@ class Report:
 def _types_finding(r: Report) -> Markup:
     st = r.data["stability"]
     rows = []
+    n_kept = int(r.kept.sum())
     for c in r.data["clusters"]:
         p = c["profile"] or {}
-        rows.append((macros().typed(r.colors[c["type"]], c["type"]), c["n_heads"], fmt(c["share"]),
+        n, share = c["n_heads"], c["share"]
+        if r.n_removed:  # counted over the heads that remain, whatever clusters.json counted
+            n = int((r.labels == c["label"]).sum())
+            share = n / n_kept if n_kept else float("nan")
+        rows.append((macros().typed(r.colors[c["type"]], c["type"]), n, fmt(share),
                      fmt(p.get("special")), fmt(p.get("near_r")), fmt(p.get("far_r"))))
     return part("types_finding", n_types=len(r.type_names), st=st, over=st.get("over_seeds"),
                 judged=run_stability(r.data), warn_below=STABILITY_WARN, rows=rows, removed=r.n_removed)
