@@ -143,6 +143,8 @@ FIELDS = {
     "features.npz feature name": _feature_name,
     "clusters.json type": _rename_type,
     "clusters.json sweep type_names": _sweep,
+    "clusters.json settings": lambda run, p: _set(run / "clusters.json", lambda d: d["settings"].update(
+        method=p, **{p: [p]})),
     "patterns.json classes": lambda run, p: _set(run / "patterns.json", lambda d: [
         d[k].__setitem__(p, d[k].pop("block")) for k in ("per_head", "per_layer", "overall")]
         + [d.__setitem__("classes", [p if c == "block" else c for c in d["classes"]])]),
