@@ -22,9 +22,9 @@ of `attnkit.reference.reference_attention` (and the decoder arguments of the op:
 * **deterministic features**: each program writes its rows' feature sums to its own slot of a
   B×H×blocks×(F + 2) buffer (plain stores, no atomics), reduced over the blocks in a fixed order by `torch.sum`.
 
-Under Triton's CPU interpreter (`TRITON_INTERPRET=1`) the same code runs on CPU tensors (tests/test_triton_attention.py);
-the interpreter multiplies bf16 `tl.dot` operands wrongly (triton-lang/triton#11584), so the dots run in fp32 there
-(DOT_DTYPE) and in the input dtype on a GPU.
+Under Triton's CPU interpreter (`TRITON_INTERPRET=1`) the same code runs on CPU tensors
+(tests/test_triton_attention.py). The interpreter multiplies bf16 `tl.dot` operands wrongly
+(triton-lang/triton#11584), so the dots run in fp32 there (DOT_DTYPE) and in the input dtype on a GPU.
 """
 from __future__ import annotations
 
@@ -282,14 +282,23 @@ def _fused_attention_kernel(
         sink2 = tl.load(SINK + h).to(tl.float32) * 1.4426950408889634
         sink_mass = tl.where(is_uniform, 0.0, tl.exp2(sink2 - m_ref))
     l_tot = l_i + sink_mass
-    if RENORM:
-        if HAS_REGION:
-            den = lk
-        else:
-            den = l_i
+    if HAS_REGION:
+        kept = lk
+    else:
+        kept = l_i
+    if RENORM:  # the kept keys and the sink rescaled together to sum 1
+        den = kept + sink_mass
     else:
         den = l_tot
-    undefined = (l_tot > 0) == 0  # no finite score (or a NaN / +inf one): the softmax is undefined
+    # the softmax is undefined for a row that sees a key (or has a sink) but no finite score, or a NaN / +inf
+    # one; a padded row that sees no key (a sliding window) and has no sink gets weight 0 everywhere
+    sees_lo = tl.zeros([BM], tl.int32)
+    if HAS_WINDOW:
+        sees_lo = tl.maximum(rows - window + 1, 0)
+    sees_hi = tl.zeros([BM], tl.int32) + n - 1
+    if CAUSAL:
+        sees_hi = tl.minimum(sees_hi, rows)
+    undefined = ((sees_lo <= sees_hi) | HAS_SINK) & (((l_tot > 0) & (l_tot < float("inf"))) == 0)
     if HAS_MODE:
         undefined = undefined & (md == 0)
     o = tl.where(den[:, None] > 0, acc / den[:, None], 0.0)
@@ -302,15 +311,10 @@ def _fused_attention_kernel(
 
     # ---- epilogue: this block's feature sums (its own slot of the partial buffer: no atomics)
     if FEATURES:
-        if HAS_KS:
+        zf = den
+        if HAS_KS:  # norm weighting: the weights times g, renormalised over the keys (the sink has no value: 0)
             kept = zc
             zf = zc
-        else:
-            if HAS_REGION:
-                kept = lk
-            else:
-                kept = l_i
-            zf = den
         inv = tl.where(zf > 0, 1.0 / zf, 0.0)
         entropy = tl.where(zf > 0, LN2 * (kept * inv * tl.log2(tl.where(zf > 0, zf, 1.0)) - ent * inv), 0.0)
         if HAS_KS or HAS_REGION:
@@ -347,7 +351,7 @@ def _fused_attention_kernel(
             tl.store(out + c0 + 6, 0.0)
             tl.store(out + PF - 2, 0.0)
         if HAS_SINK:
-            if RENORM or HAS_KS:
+            if HAS_KS:
                 tl.store(out + c0 + 7, 0.0)
             else:
                 tl.store(out + c0 + 7, _live_sum(sink_mass * inv, live))
@@ -380,7 +384,7 @@ def fused_attention(q, k, v, lengths, token_class=None, sentence_id=None, scalin
 
     q: B×H×L×D fp16/bf16 (D a power of two ≥ 16); k, v: B×Hkv×L×D. Argument values are those the op's other
     backends take (checked by `attnkit.ops.attention` before it gets here). With `sink`, the features end with
-    one more column, `sink` (its mass per row, averaged like the others; 0 under renormalisation or a key scale).
+    one more column, `sink` (its mass per row, averaged like the others; 0 under a key scale).
     """
     if q.dtype not in _DTYPES:
         raise AttnkitError(f"the Triton kernel takes float16 or bfloat16 inputs, got {q.dtype}")
