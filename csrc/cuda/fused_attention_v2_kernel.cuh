@@ -264,14 +264,14 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
     for (int idx = tid; idx < BM * FB * kQuad; idx += NT) bucket_smem[idx] = 0.f;
   }
 
-  for (int tile = 0; tile < n_tiles; ++tile) {
+  for (int tile = 0; tile < n_tiles; ++tile) {  // sass-budget: tile loop
     const int stage = tile & 1;
     const int key0 = tile * BN;
     if (tile + 1 < n_tiles) load_tile(tile + 1, stage ^ 1);
     cute::cp_async_fence();
     cute::cp_async_wait<1>();  // this tile (and Q) have landed; the next one is in flight
     __syncthreads();
-    if (tile == 0) {
+    if (tile == 0) {  // sass-budget: rare
       Tensor tSsQ = smem_thr_q.partition_S(sQ);
       Tensor tSrQ_view = smem_thr_q.retile_D(tSrQ);
       cute::copy(smem_copy_q, tSsQ, tSrQ_view);
@@ -309,7 +309,7 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
       }
       if (use_scores) {
         const float m_new = fmaxf(m_run[i], quad_max(tile_max));
-        if (m_new > m_run[i]) {
+        if (m_new > m_run[i]) {  // sass-budget: rare
           const bool first = m_run[i] == -INFINITY;
           const float sc = first ? 0.f : exp2f(m_run[i] - m_new);
           if (!first) {
@@ -372,7 +372,7 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
             if (keep && (kScaled || region != kRegionAll)) mf[i] = fmaxf(mf[i], x + m_use[i] + lg);
             const int s = row_s[i];
             int bucket;
-            if (kc != kClassOther) {
+            if (kc != kClassOther) {  // sass-budget: rare
               bucket = class_slot(kc);
             } else if (diag && t == s) {
               bucket = kSlotSelf;
@@ -386,7 +386,7 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
             }
             if (bucket == run_bucket[i]) {
               run_acc[i] += pf;
-            } else {
+            } else {  // sass-budget: rare
               if (run_bucket[i] >= 0) bucket_ref(i, run_bucket[i]) += run_acc[i];
               run_bucket[i] = bucket;
               run_acc[i] = pf;
