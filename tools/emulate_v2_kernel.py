@@ -141,13 +141,12 @@ def emulate(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling, nu
                             p[:, col] = po
                             pf = po * gk[col]
                             lg = torch.log2(gk[col]) if key_scale is not None else _f32(0.0)
-                            pf = torch.where(valid, pf, 0.0)
                             zf[:, ql] += pf
                             ent_a[:, ql] += pf * torch.clamp(xr + lg, min=-1e30)
                             intra[:, ql] += torch.where(same, pf, 0.0)
                             if key_scale is not None or rg != ALL:
-                                peak = torch.maximum(mf[:, ql], xr + m_use + lg)
-                                mf[:, ql] = torch.where(keep & valid, peak, mf[:, ql])
+                                peak = torch.maximum(mf[:, ql], x[:, col] + lg)  # the scaled score itself
+                                mf[:, ql] = torch.where(keep, peak, mf[:, ql])
                             c = int(kc[col])
                             c = OTHER if c < OTHER or c > PERIOD else c
                             if c != OTHER:
@@ -158,7 +157,7 @@ def emulate(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling, nu
                                 bucket = torch.where(d == 0, SLOT_SELF, SLOT_WIN0 + w)
                             prev[:, ql] += torch.where(rows - 1 == t, pf, 0.0)
                             nxt[:, ql] += torch.where(rows + 1 == t, pf, 0.0)
-                            change = (bucket != run_bucket[:, ql]) & valid
+                            change = bucket != run_bucket[:, ql]  # rows past n too: the reduction drops them
                             flush = change & (run_bucket[:, ql] >= 0)
                             idx = flush.nonzero().flatten()
                             buckets[idx, run_bucket[idx, ql], ql] += run_acc[idx, ql]
