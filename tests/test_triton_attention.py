@@ -15,7 +15,11 @@ import os
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit reads it at definition
+# On a GPU (tools/gpu_check.sh tests: ATTNKIT_TRITON_DEVICE=cuda) the same cases run the compiled kernel; here the
+# interpreter runs it, set before triton is imported (@triton.jit reads it at definition)
+DEV = "cuda" if os.environ.get("ATTNKIT_TRITON_DEVICE") == "cuda" else "cpu"
+if DEV == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from attnkit import ops  # noqa: E402
@@ -38,6 +42,7 @@ from attnkit.reference import reference_attention  # noqa: E402
 
 # the interpreter's NumPy warns about the NaN and inf that the numerics tests feed it on purpose
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+TILE = 16  # the tile edges the lengths below are chosen around (BM = BN = TILE, on the GPU too)
 MODE_REGION = [(m, r) for m in (KEEP, ZERO, UNIFORM) for r in (ALL, NO_INTRA, NO_INTER)]
 OUT_ATOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
@@ -57,12 +62,17 @@ def inputs(B, H, L, lengths, *, D=16, Hkv=None, dtype=torch.bfloat16, seed=0):
         tc[b, n - 1] = SEP
         sid[b, n // 2 + 1:] = 1
         sid[b, (3 * n) // 4 + 1:] = 2
-    return q, k, v, lengths, tc, sid
+    return tuple(t.to(DEV) for t in (q, k, v, lengths, tc, sid))
+
+
+def run(*args, **kw):
+    return ta.fused_attention(*args, block_m=TILE, block_n=TILE, **kw)
 
 
 def compare(q, k, v, lengths, tc, sid, *, num_windows=16, **kw):
     """Runs the kernel and the reference; asserts they agree; returns the kernel's (out, features)."""
-    out, feats = ta.fused_attention(q, k, v, lengths, tc, sid, None, num_windows, want_features=True, **kw)
+    kw = {name: t.to(DEV) if isinstance(t, torch.Tensor) else t for name, t in kw.items()}
+    out, feats = run(q, k, v, lengths, tc, sid, None, num_windows, want_features=True, **kw)
     ref_out, ref_feats = reference_attention(q, k, v, lengths, tc, sid, num_windows=num_windows,
                                              want_features=True, **kw)
     assert feats.shape == ref_feats.shape
@@ -91,7 +101,7 @@ def test_every_mode_and_region(renormalize):
 
 def test_key_scale_with_regions_and_no_sentence_ids():
     q, k, v, lengths, tc, _ = inputs(2, 3, 33, [33, 18], seed=3)
-    g = torch.rand(2, 3, 33, generator=torch.Generator().manual_seed(4)) * 3
+    g = torch.rand(2, 3, 33, generator=torch.Generator().manual_seed(4)).to(DEV) * 3
     g[0, 0, :10] = 0.0
     compare(q, k, v, lengths, tc, None, key_scale=g, region=torch.tensor([ALL, NO_INTRA, NO_INTER], dtype=torch.int32))
 
@@ -127,11 +137,11 @@ def test_causal_and_window_tiles_are_skipped_not_masked():
     # (masking would multiply a zero weight by NaN)
     q, k, v, lengths, tc, sid = inputs(1, 1, 64, [64], seed=7)
     v[0, 0, 40] = float("nan")
-    out, _ = ta.fused_attention(q, k, v, lengths, tc, sid, None, 16, causal=True)
+    out, _ = run(q, k, v, lengths, tc, sid, None, 16, causal=True)
     assert torch.isfinite(out[0, :32]).all() and torch.isnan(out[0, 40:]).all()
     v[0, 0, 40] = 0.0
     v[0, 0, 0] = float("nan")
-    out, _ = ta.fused_attention(q, k, v, lengths, tc, sid, None, 16, causal=True, sliding_window=8)
+    out, _ = run(q, k, v, lengths, tc, sid, None, 16, causal=True, sliding_window=8)
     assert torch.isfinite(out[0, 32:]).all() and torch.isnan(out[0, :8]).all()
 
 
@@ -150,6 +160,7 @@ def test_features_are_reduced_without_atomics():
     assert "atomic_" not in inspect.getsource(ta._fused_attention_kernel.fn)
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="the interpreter's op path (CPU tensors)")
 def test_op_registration_compile_and_autograd():
     q, k, v, lengths, tc, sid = inputs(1, 2, 18, [18], seed=9)
     sink = torch.tensor([0.0, 1.0])
@@ -176,6 +187,7 @@ def test_op_registration_compile_and_autograd():
     torch.testing.assert_close(qg.grad, qr.grad)
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="the interpreter's op path (CPU tensors)")
 def test_kernel_choice(monkeypatch):
     monkeypatch.setenv("ATTNKIT_CUDA_KERNEL", "v9")
     with pytest.raises(AttnkitError, match="ATTNKIT_CUDA_KERNEL must be 'v1', 'v2' or 'triton', got 'v9'"):
