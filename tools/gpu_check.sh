@@ -6,7 +6,8 @@
 #   tools/gpu_check.sh OUTDIR build-bench   # build (or reuse) + kernel bench (v1, v2, Triton vs SDPA-flash) + one ncu report
 #   tools/gpu_check.sh OUTDIR tests         # CUDA tests of the changed kernels (C++ and Triton) + compute-sanitizer
 #   tools/gpu_check.sh OUTDIR extract       # end-to-end extraction benches (BERT-base L=512 and L=4096) of one
-#                                           # kernel (BENCH_KERNEL): one call per kernel, files extract*_KERNEL.json
+#                                           # kernel (BENCH_KERNEL): one call per kernel, files extract*_KERNEL.json;
+#                                           # with BENCH_KERNEL=triton also the causal GQA decoder at L=8192
 #   tools/gpu_check.sh OUTDIR CALL --dry-run   # on a CPU machine: the call's CPU form (tests/test_gpu_check.py)
 #   tools/gpu_check.sh .gpu_carry prepare   # here, before a lease: the nvidia-cutlass wheel into .gpu_carry/wheels
 #
@@ -137,11 +138,15 @@ case "$CALL" in
     else
       extension
       export ATTNKIT_CUDA_KERNEL="$BENCH_KERNEL"
-      step extract512 200 "$PYTHON" bench/extract.py --model bert-base --length 512 --batch 32 --dtype bfloat16 \
+      step extract512 180 "$PYTHON" bench/extract.py --model bert-base --length 512 --batch 32 --dtype bfloat16 \
         --device cuda --repeats 3 --warmup 1 --configs plain-sdpa,fused,intervened --json "$OUTDIR/extract512_$BENCH_KERNEL.json"
-      step extract4096 200 "$PYTHON" bench/extract.py --model bert-base-4096 --length 4096 --batch 4 \
+      step extract4096 180 "$PYTHON" bench/extract.py --model bert-base-4096 --length 4096 --batch 4 \
         --dtype bfloat16 --device cuda --repeats 3 --warmup 1 --configs plain-sdpa,fused \
         --json "$OUTDIR/extract4096_$BENCH_KERNEL.json"
+      if [[ $BENCH_KERNEL == triton ]]; then  # the decoder target: a causal GQA layer with SmolLM2-135M's shapes
+        step decoder8192 120 "$PYTHON" bench/kernels.py --device cuda --dtype bf16 --L 8192 --D 64 --heads 9 \
+          --kv-heads 3 --causal --tokens 16384 --no-js --kernels triton --json "$OUTDIR/kernels_decoder.json"
+      fi
     fi
     ;;
 esac

@@ -52,8 +52,10 @@ def main(outdir: str) -> int:
             print(f"tests {xml.stem[6:]}: unreadable junit file")
 
     rows = []  # (what, measured, target, verdict)
-    kern = load(out / "kernels.json")
-    if kern:
+    for kern_path in sorted(out.glob("kernels*.json")):  # kernels.json, kernels_decoder.json
+        kern = load(kern_path)
+        if not kern:
+            continue
         print(f"device: {kern['info'].get('device')}, torch {kern['info'].get('torch')}")
         att = [r for r in kern["rows"] if r["kind"] == "attention"]
         flash = {(r["L"], r["D"]): r["tflops"] for r in att if r["name"] == "sdpa-flash"}
@@ -61,7 +63,11 @@ def main(outdir: str) -> int:
             if "+features" in r["name"] and (r["L"], r["D"]) in flash:
                 ratio = r["tflops"] / flash[(r["L"], r["D"])]
                 target = {(2048, 64): 0.6, (512, 64): 0.5}.get((r["L"], r["D"]))  # issue 28's op targets
-                rows.append((f"op {r['name']} L={r['L']} D={r['D']} vs sdpa-flash", ratio, target,
+                if r.get("causal"):  # the decoder target (≥ 0.7× the plain forward), read at the op level
+                    target = 0.7 if r["L"] == 8192 else None
+                what = f"op {r['name']} L={r['L']} D={r['D']}" + (
+                    f" causal H={r['H']}/{r['Hkv']}" if r.get("causal") else "")
+                rows.append((f"{what} vs sdpa-flash", ratio, target,
                              check(ratio, target) if target else ""))
         for r in kern["rows"]:
             if r["kind"] == "js" and r["name"] != "pytorch-chunked":

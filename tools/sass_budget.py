@@ -130,6 +130,8 @@ def markers(src: Path) -> tuple[int, set[int], set[int]]:
     for no, text in enumerate(lines, 1):
         if "sass-budget: tile loop" in text:
             loop = no
+        elif "sass-budget: rare line" in text:  # a line only rare instantiations issue (e.g. under if constexpr)
+            rare.add(no)
         elif "sass-budget: rare" in text:
             opening.add(no)
             depth, end = 0, None
@@ -171,7 +173,7 @@ def walk(insts: list[tuple], kernel_file: str, loop_line: int, rare: set[int], o
     end, edge = max(back, key=lambda x: x[1][1] - offset_of[target(x[1])])
     head = labels[target(edge)]
 
-    def rare_share(i, window=12):
+    def rare_share(i, window=40):
         """The share of rare-block lines among the next `window` instructions of the kernel's own file (a block's
         reconvergence point carries the line of the block it closes: barriers and predicate saves say nothing)."""
         rare_n = seen = 0

@@ -36,6 +36,7 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "fused_attention_common.cuh"
@@ -256,6 +257,14 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
   clear(acc_o);
   const float scale_log2 = p.scaling * kLog2e;
   const cutlass::FastDivmod div_n(n);
+  const cutlass::FastDivmod div_N(N);
+  // the smallest and largest key column this thread holds in a tile (for the window cuts below)
+  int col_min = BN, col_max = -1;
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) {
+    col_min = min(col_min, int(get<1>(tScS_rc(0, j))));
+    col_max = max(col_max, int(get<1>(tScS_rc(0, j))));
+  }
   // the row's own copy of its bucket sums: [row][bucket][quad lane]
   auto bucket_ref = [&](int i, int bucket) -> float& {
     return bucket_smem[(row_local[i] * FB + bucket) * kQuad + quad_lane];
@@ -370,10 +379,37 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
         }
       }
     }
+    // Window cuts (the review's §2, without a division per score): when each of this thread's rows sees its
+    // tile keys on one side only and they span at most two windows w_lo, w_lo + 1, the window of distance d is
+    // w_lo + (d >= cut) with cut = ceil((w_lo + 1)·n / N), the first distance of window w_lo + 1. Two
+    // divisions per row and tile instead of one per score; a warp-uniform vote picks this path, else the
+    // division below (the diagonal's tiles, and windows narrower than a tile).
+    int win_lo[kRows], win_cut[kRows], d_base[kRows], d_sign[kRows];
+    bool cuts = false;
+    if constexpr (kFeatures) {
+      bool ok = true;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const int s = row_s[i];
+        const bool right = key0 + col_min > s;
+        ok = ok && (right || key0 + col_max < s);
+        d_sign[i] = right ? 1 : -1;
+        d_base[i] = right ? key0 - s : s - key0;  // d = d_base + d_sign · col
+        const int d_min = right ? key0 + col_min - s : s - key0 - col_max;
+        const int d_max = right ? key0 + col_max - s : s - key0 - col_min;
+        const int w_lo = min(div_n.div(max(d_min, 0) * N), N - 1);
+        const int w_hi = min(div_n.div(max(d_max, 0) * N), N - 1);
+        ok = ok && w_hi - w_lo <= 1;
+        win_lo[i] = kSlotFirstWindow + w_lo;
+        win_cut[i] = w_lo >= N - 1 ? INT_MAX : div_N.div((w_lo + 1) * n + N - 1);
+      }
+      cuts = __all_sync(0xffffffffu, ok);
+    }
     // weights, features, run-length buckets; column-outer so a key's metadata is read once. Rows past n
     // accumulate too (no per-score branch): the block's reduction drops them (kRowValid).
-    auto weights = [&](auto region_all) {
+    auto weights = [&](auto region_all, auto by_cuts) {
       constexpr bool kAll = decltype(region_all)::value;
+      constexpr bool kCuts = decltype(by_cuts)::value;
 #pragma unroll
       for (int j = 0; j < kCols; ++j) {
         const int col = get<1>(tScS_rc(0, j));
@@ -392,7 +428,7 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
           const bool same = ks == row_sid[i];
           const float po = kAll || region_keeps(region, same) ? e : 0.f;
           l_run[i] += e;
-          if constexpr (!kAll) lk_run[i] += po;
+          if constexpr (!kAll) lk_run[i] += po;  // sass-budget: rare line
           s_rc(i, j) = po;  // P, unnormalised
           if constexpr (kFeatures) {
             const float pf = kScaled ? po * g : po;
@@ -404,10 +440,12 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
             int bucket;
             if (kc != kClassOther) {  // sass-budget: rare
               bucket = class_slot(kc);
+            } else if (kCuts) {
+              bucket = win_lo[i] + (d_base[i] + d_sign[i] * col >= win_cut[i]);
             } else if (diag && t == s) {
               bucket = kSlotSelf;
             } else {
-              const int w = div_n.div((t > s ? t - s : s - t) * N);
+              const int w = div_n.div((t > s ? t - s : s - t) * N);  // sass-budget: rare line
               bucket = kSlotFirstWindow + (w < N - 1 ? w : N - 1);  // keys beyond n (weight 0) stay in range
             }
             if (bucket == run_bucket[i]) {
@@ -422,9 +460,15 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
       }
     };
     if (region == kRegionAll) {
-      weights(std::true_type{});
-    } else {  // sass-budget: rare
-      weights(std::false_type{});
+      if (cuts) {
+        weights(std::true_type{}, std::true_type{});
+      } else {  // sass-budget: rare
+        weights(std::true_type{}, std::false_type{});
+      }
+    } else if (cuts) {  // sass-budget: rare
+      weights(std::false_type{}, std::true_type{});
+    } else {
+      weights(std::false_type{}, std::false_type{});
     }
     // prev and next: only tiles that hold a key s ± 1 of some row (a block-uniform branch)
     if (kFeatures && diag) {  // sass-budget: rare
