@@ -123,8 +123,8 @@ def bench_attention(args, device, dtype, rows):
             scaling = D**-0.5
             cases = {}
             variants = args.kernels or [None]
-            if args.causal or Hkv != H:  # only the Triton kernel takes the decoder arguments
-                variants = [x for x in variants if x == "triton"] or [None]
+            if args.causal or Hkv != H:  # v2 refuses the decoder arguments
+                variants = [x for x in variants if x != "v2"] or [None]
             for variant in variants:
                 label = fused_label + (f"-{variant}" if variant else "")
                 cases[f"{label}+features"] = with_kernel(variant, lambda: ops.attention(
