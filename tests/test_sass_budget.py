@@ -51,8 +51,8 @@ SASS = """\
 def test_walk_skips_rare_blocks_and_stops_at_the_back_edge(tmp_path):
     src = tmp_path / "k.cuh"
     src.write_text(SOURCE)
-    loop, rare, opening = sass_budget.markers(src)
-    assert (loop, rare, opening) == (2, {5, 6}, {4})
+    loop, rare, opening, single = sass_budget.markers(src)
+    assert (loop, rare, opening, single) == (2, {5, 6}, {4}, set())
     insts = sass_budget.parse(SASS, "Lb1ELb0E")
     path = sass_budget.walk(insts, "k.cuh", loop, rare, opening)
     assert [k[2] for k in path] == ["FADD R1, R1, R2", "@!P0 BRA `(.L_x_2)", "BSYNC B0", "FFMA R1, R1, R2, R3",

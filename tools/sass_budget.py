@@ -6,9 +6,10 @@ CUTLASS/CuTe headers of the `nvidia-cutlass` wheel, disassembles it with `nvdisa
 `nvidia-cuda-nvdisasm` wheel), and walks one iteration of the tile loop along its common path: the path a tile
 takes when it is not the first, no row max grows, every key is of class OTHER and no bucket run ends. The loop and
 the rare branches are marked in the kernel source (`// sass-budget: tile loop`, `// sass-budget: rare` on the line
-that opens a rare block), so the walk follows the code as it changes: at a conditional forward branch it takes the
-side that does not enter a rare block (the fall-through when neither does); backward branches inside the body are
-not taken. Every instruction issued on that path counts, predicated ones included.
+that opens a rare block; `// sass-budget: rare line` on a line that only rare template instantiations issue), so the
+walk follows the code as it changes: a conditional forward branch is taken when the code it jumps over is rare (it
+issues a rare line, or mostly lines of rare blocks), else the walk falls through; backward branches inside the body
+are not taken. Every instruction issued on that path counts, predicated ones included.
 
 Prints the count per score (one tile is kBlockM × kBlockN scores over kThreads threads), broken down by source line
 (`-lineinfo`), next to FlashAttention-2's 8.9 (its hdim-64 bf16 forward loop, counted the same way in the review of
@@ -122,16 +123,16 @@ def parse(sass: str, name_part: str) -> list[tuple]:
     return out
 
 
-def markers(src: Path) -> tuple[int, set[int], set[int]]:
-    """(the tile loop's line, the lines inside rare blocks, the lines that open them) from the `sass-budget:`
-    comments of the source."""
+def markers(src: Path) -> tuple[int, set[int], set[int], set[int]]:
+    """(the tile loop's line, the lines inside rare blocks, the lines that open them, the single rare lines) from
+    the `sass-budget:` comments of the source."""
     lines = src.read_text().splitlines()
-    loop, rare, opening = None, set(), set()
+    loop, rare, opening, single = None, set(), set(), set()
     for no, text in enumerate(lines, 1):
         if "sass-budget: tile loop" in text:
             loop = no
         elif "sass-budget: rare line" in text:  # a line only rare instantiations issue (e.g. under if constexpr)
-            rare.add(no)
+            single.add(no)
         elif "sass-budget: rare" in text:
             opening.add(no)
             depth, end = 0, None
@@ -149,10 +150,11 @@ def markers(src: Path) -> tuple[int, set[int], set[int]]:
             rare.update(range(no + 1, (end or no) + 1))
     if loop is None:
         raise SystemExit(f"sass_budget: no 'sass-budget: tile loop' marker in {src}")
-    return loop, rare, opening
+    return loop, rare, opening, single
 
 
-def walk(insts: list[tuple], kernel_file: str, loop_line: int, rare: set[int], opening: set[int]) -> list[tuple]:
+def walk(insts: list[tuple], kernel_file: str, loop_line: int, rare: set[int], opening: set[int],
+         single: set[int] = frozenset()) -> list[tuple]:
     """One iteration of the tile loop along the common path (see the module docstring)."""
     labels = {k[1]: i for i, k in enumerate(insts) if k[0] == "L"}
     offset_of = {}
@@ -173,20 +175,22 @@ def walk(insts: list[tuple], kernel_file: str, loop_line: int, rare: set[int], o
     end, edge = max(back, key=lambda x: x[1][1] - offset_of[target(x[1])])
     head = labels[target(edge)]
 
-    def rare_share(i, window=40):
-        """The share of rare-block lines among the next `window` instructions of the kernel's own file (a block's
-        reconvergence point carries the line of the block it closes: barriers and predicate saves say nothing)."""
-        rare_n = seen = 0
-        while i < len(insts) and seen < window:
-            k = insts[i]
-            i += 1
+    def rare_in(lo, hi):
+        """Whether the code a forward branch skips, insts[lo:hi], is rare: it issues a single rare line (only rare
+        instantiations do), or most of its own lines are in rare blocks (a common block may hold a rare one).
+        A block's reconvergence point carries the line of the block it closes: barriers and predicate saves say
+        nothing."""
+        own = in_rare = 0
+        for k in insts[lo:hi]:
             if k[0] != "I" or k[3] != kernel_file or k[4] in opening:
                 continue
+            if k[4] in single:
+                return True
             if re.match(r"(@\S+\s+)?(BSYNC|BSSY|WARPSYNC|NOP|P2R|R2P)\b", k[2]):
                 continue
-            seen += 1
-            rare_n += k[4] in rare
-        return rare_n / max(seen, 1)
+            own += 1
+            in_rare += k[4] in rare
+        return in_rare * 2 > own
 
     path, i, steps = [], head, 0
     while head <= i <= end and steps < 100000:
@@ -211,7 +215,7 @@ def walk(insts: list[tuple], kernel_file: str, loop_line: int, rare: set[int], o
             if offset_of[tgt] < k[1]:  # a loop inside the body: leave it
                 i += 1
                 continue
-            take = rare_share(i + 1) > rare_share(j)
+            take = rare_in(i + 1, j)  # jump over a block that holds rare code, else fall through
             i = j if take else i + 1
             continue
         i += 1
@@ -258,8 +262,8 @@ def measure(kernel: str = "features", dtype: str = "bf16", head_dim: int = 64, c
             compile_cubin(source, cubin)
         sass = disassemble(cubin)
     kernel_file = KERNEL_SRC.name
-    loop, rare, opening = markers(KERNEL_SRC)
-    path = walk(parse(sass, KERNELS[kernel]), kernel_file, loop, rare, opening)
+    loop, rare, opening, single = markers(KERNEL_SRC)
+    path = walk(parse(sass, KERNELS[kernel]), kernel_file, loop, rare, opening, single)
     result = breakdown(path, kernel_file, scores_per_thread())
     result.update(kernel=kernel, dtype=dtype, head_dim=head_dim, arch="sm_90")
     return result
