@@ -434,12 +434,43 @@ def fused_attention(q, k, v, lengths, token_class=None, sentence_id=None, scalin
         HAS_REGION=rg is not None, HAS_GATES=gt is not None, HAS_KS=ks is not None, HAS_SINK=sk is not None,
         CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         RENORM=bool(renormalize), IN_DTYPE=in_dtype, DOT_DTYPE=tl.float32 if INTERPRET else in_dtype,
-        DOT_PRECISION="ieee" if INTERPRET else "tf32", TAU=TAU,
+        DOT_PRECISION="ieee" if INTERPRET else None, TAU=TAU,
         **({} if INTERPRET else {"num_warps": GPU_WARPS, "num_stages": GPU_STAGES}),
     )
     if not want_features:
         return out, torch.zeros((B, H, 0), dtype=torch.float32, device=dev)
     return out, finalize_features(part, lengths, num_windows)
+
+
+def compile_for_gpu(arch: int = 90, dtype: torch.dtype = torch.bfloat16, head_dim: int = 64, num_windows: int = 16,
+                    block_m: int = GPU_BLOCK_M, block_n: int = GPU_BLOCK_N, **flags):
+    """The kernel compiled ahead of time for an NVIDIA GPU of compute capability `arch` (no GPU needed: Triton's
+    own ptxas), with the constexpr `flags` given (FEATURES=True, CAUSAL=True, ...; the others False). Returns
+    Triton's compiled kernel (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata`). Not under the interpreter."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if INTERPRET:
+        raise AttnkitError("compile_for_gpu needs the compiler: unset TRITON_INTERPRET")
+    fn = _fused_attention_kernel
+    tdt = _DTYPES[dtype]
+    names = ("FEATURES", "HAS_TC", "HAS_SID", "HAS_MODE", "HAS_REGION", "HAS_GATES", "HAS_KS", "HAS_SINK", "CAUSAL",
+             "HAS_WINDOW", "HAS_SOFTCAP", "RENORM")
+    unknown = set(flags) - set(names)
+    if unknown:
+        raise AttnkitError(f"unknown kernel flags {sorted(unknown)}: use {', '.join(names)}")
+    const = dict(D=head_dim, BM=block_m, BN=block_n, WB=triton.next_power_of_2(num_windows + 1),
+                 IN_DTYPE=tdt, DOT_DTYPE=tdt, DOT_PRECISION=None, TAU=TAU, **{n: bool(flags.get(n)) for n in names})
+    ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LEN": "*i64", "TC": "*i32", "SID": "*i32",
+           "MODE": "*i32", "REGION": "*i32", "GATES": "*fp32", "KS": "*fp32", "KVH": "*i32", "SINK": "*fp32",
+           "PART": "*fp32"}
+    ptr.update({n: "*fp16" for n in ("Q", "K", "V", "O")} if dtype == torch.float16 else {})
+    sig = {n: ptr.get(n) or ("constexpr" if n in const else
+                             "fp32" if n in ("scale_log2", "softcap_log2", "inv_softcap") else "i32")
+           for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": GPU_WARPS, "num_stages": GPU_STAGES})
 
 
 def finalize_features(part: torch.Tensor, lengths: torch.Tensor, num_windows: int) -> torch.Tensor:
@@ -455,4 +486,4 @@ def finalize_features(part: torch.Tensor, lengths: torch.Tensor, num_windows: in
     return torch.where(tot[..., F + 1:F + 2] > 0, float("nan"), feats)
 
 
-__all__ = ["fused_attention", "finalize_features", "INTERPRET"]
+__all__ = ["fused_attention", "finalize_features", "compile_for_gpu", "INTERPRET"]
