@@ -42,7 +42,7 @@ from .errors import AttnkitError, arg, check_int
 from .features import ALL, KEEP, MODES, REGIONS
 from .hf_attention import LayerPart
 from .models import attention_modules, runtime_of
-from .run.clusters import CLUSTERS_FILE, type_grid
+from .run.clusters import CLUSTERS_FILE, REMOVED, type_grid
 from .run.clusters import load_clusters as read_clusters
 from .run.head_means import HeadMeans
 
@@ -172,6 +172,7 @@ def load_clusters(run_or_file, shape: tuple[int, int] | None = None) -> HeadType
     path = Path(run_or_file)
     data = read_clusters(path)
     grid = type_grid(data)
+    grid[grid == REMOVED] = ""  # a head a pruning removed has no type: no type's ablation names it
     if shape is not None and grid.shape != tuple(shape):
         raise AttnkitError(f"{path} covers {grid.shape[0]} layers × {grid.shape[1]} heads, "
                            f"but the model has {shape[0]} × {shape[1]}")

@@ -151,10 +151,18 @@ def test_measurements_of_a_pruned_model_are_those_of_the_zeroed_full_model():
     for weighting in ("attention", "norm"):
         with attnkit.intervene(full, iv):
             expect = attnkit.extract(texts, (full, tok), max_length=32, weighting=weighting)
-        got = attnkit.extract(texts, (pruned, tok), max_length=32, weighting=weighting)
+        got = attnkit.extract(texts, (pruned, tok), max_length=32, weighting=weighting, per_sample=True)
         assert got.mean.shape == (3, 4, 28)
-        np.testing.assert_allclose(got.mean, expect.mean, atol=1e-5)
-        assert (got.mean[1] == 0).all() and (got.mean[0, [1, 3]] == 0).all()
+        # the heads the model kept measure as in the zeroed full model; a removed head has no attention, so no
+        # features: NaN (never 0), in the means, the stds and every sample's row, and named in meta
+        removed = np.zeros((3, 4), dtype=bool)
+        removed[1], removed[0, [1, 3]], removed[2, 2] = True, True, True
+        np.testing.assert_allclose(got.mean[~removed], expect.mean[~removed], atol=1e-5)
+        assert np.isnan(got.mean[removed]).all() and np.isnan(got.std[removed]).all()
+        assert np.isnan(got.per_sample[:, removed]).all() and np.isfinite(got.per_sample[:, ~removed]).all()
+        assert np.isfinite(got.mean[~removed]).all()
+        assert got.meta["removed_heads"] == [[0, 1], [0, 3], [1, 0], [1, 1], [1, 2], [1, 3], [2, 2]]
+        assert (got.removed == removed).all() and got.n_removed == 7
     # an intervention on a pruned model names heads in the unpruned numbering
     more = attnkit.Intervention.from_heads(pruned, [(2, 1)], mode="uniform")
     both = attnkit.Intervention.from_heads(full, HEADS, mode="zero").set(2, 1, mode="uniform")

@@ -23,7 +23,7 @@ from ..run.clusters import (
     type_grid,
 )
 from ..run.outputs import ensure_writable_dir, json_float, write_json
-from .clustering import STABILITY_WARN
+from .clustering import STABILITY_WARN, stability_assessment
 from .naming import profile_groups
 
 
@@ -34,9 +34,11 @@ def clusters_dict(clusterer, features=None, sweep_rows=None, seeds=None) -> dict
     L, H = clusterer.grid_shape_
     names = clusterer.type_names_
     heads = []
-    for m, lab in enumerate(clusterer.labels_):
-        heads.append({"layer": m // H, "head": m % H, "label": int(lab), "type": names[int(lab)],
-                      "agreement": json_float(clusterer.head_stability_[m])})
+    kept = clusterer.kept_ if clusterer.kept_ is not None else np.ones(L * H, dtype=bool)
+    for i, (m, lab) in enumerate(zip(np.flatnonzero(kept), clusterer.labels_)):
+        heads.append({"layer": int(m // H), "head": int(m % H), "label": int(lab), "type": names[int(lab)],
+                      "agreement": json_float(clusterer.head_stability_[i])})
+    removed = [[int(m // H), int(m % H)] for m in np.flatnonzero(~kept)]
     clusters = []
     for c, name in enumerate(names):
         g = profile_groups(clusterer.profiles_[c], clusterer.profile_names_)
@@ -58,13 +60,16 @@ def clusters_dict(clusterer, features=None, sweep_rows=None, seeds=None) -> dict
                      "seed": int(clusterer.seed), "n_stability": int(clusterer.n_stability),
                      "subsample": float(clusterer.subsample)},
         "run": run,
+        **({"removed_heads": removed} if removed else {}),
         "heads": heads,
         "clusters": clusters,
         "stability": {"k": int(clusterer.k), "stability": json_float(clusterer.stability_),
                       "silhouette": json_float(clusterer.silhouette_), "n_stability": int(clusterer.n_stability),
                       "sweep": [{key: (json_float(v) if isinstance(v, float) else v) for key, v in r.items()}
                                 for r in sweep_rows] if sweep_rows is not None else None,
-                      **({"over_seeds": seeds} if seeds is not None else {})},
+                      **({"over_seeds": seeds} if seeds is not None else {}),
+                      "assessment": stability_assessment(clusterer, seeds, sweep_rows,
+                                                         None if features is None else int(features.n_samples))},
     }
 
 

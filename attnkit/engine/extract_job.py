@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..arch.pruning import removed_heads
 from ..errors import AttnkitError, arg, check_int, print_message
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING, feature_names, num_features
 from ..models import attention_modules, check_max_length, default_model_path, load_model, max_positions
@@ -183,11 +184,13 @@ class _Job:
                                     self.corpus.describe())
         self.echo(f"{self.opts.out} is already complete; nothing to resume.")
 
-    def finish(self, acc, n_truncated: int, elapsed: float, engine_info: dict, model_type: str, *,
+    def finish(self, acc, n_truncated: int, elapsed: float, engine_info: dict, config, *,
                lengths: LengthHistogram | None = None, limit: int | None = None,
                writer: PerSampleWriter | None = None) -> None:
-        """Write features.npz and meta.json (and close the per-sample file), and say what was measured."""
+        """Write features.npz and meta.json (and close the per-sample file), and say what was measured. `config`:
+        the model's config (its type, and the heads a pruning removed)."""
         opts, inputs = self.opts, self.corpus.describe()
+        model_type, pruned = config.model_type, removed_heads(config)
         if self.settings["corpus_sha256"] is None:  # streams, read to their end now
             self.settings["corpus_sha256"] = self.corpus.fingerprint()
         meta = {
@@ -205,6 +208,7 @@ class _Job:
             **engine_info,
             "settings": self.settings,
             "feature_names": acc.names,
+            **({"removed_heads": pruned} if pruned else {}),
             "versions": versions(),
             "elapsed_s": round(elapsed, 3),
         }
@@ -280,7 +284,7 @@ class _LocalJob(_Job):
         self.finish(state.accumulator, state.n_truncated, time.perf_counter() - t0,
                     {"engine": "local", "workers": workers,
                      "devices": [str(next(m.parameters()).device) for m in models]},
-                    model.config.model_type, lengths=checkpoints.lengths, limit=max_positions(model),
+                    model.config, lengths=checkpoints.lengths, limit=max_positions(model),
                     writer=writer)
 
 
@@ -325,8 +329,8 @@ class _RayJob(_Job):
             self.corpus, opts.extract_settings(opts.batch_size), run_dir=run.path, run_settings=self.settings,
             model_path=opts.model_path, dtype=opts.dtype, address=opts.ray_address, progress=not opts.quiet)
         elapsed = time.perf_counter() - t0
-        model_type = AutoConfig.from_pretrained(opts.model_path or default_model_path()).model_type
-        self.finish(acc, n_truncated, elapsed, dict(info, model_type=model_type), model_type)
+        config = AutoConfig.from_pretrained(opts.model_path or default_model_path())
+        self.finish(acc, n_truncated, elapsed, dict(info, model_type=config.model_type), config)
         remove_shards(run.path)  # their sums are in features.npz now
 
 
