@@ -349,7 +349,7 @@ def test_every_command_runs_on_a_model_with_an_empty_layer(model_dir, tmp_path):
                  ["extract", corpus, "--model", out, "-o", tmp_path / "norm", "--max-length", 32, "-q",
                   "--weighting", "norm"],
                  ["distances", runs, "-q"], ["cluster", runs, "-k", 2, "--stability", 2, "--seeds", 1, "-q"],
-                 ["report", runs, "--examples", 1, "-q", "--no-svg"], ["patterns", runs, "-q"],
+                 ["patterns", runs, "-q"],
                  ["export", runs, "-o", tmp_path / "t.csv"], ["compare", runs, tmp_path / "norm"],
                  ["compare-models", model_dir, out, corpus, "-o", tmp_path / "cmp", "--max-length", 32, "-q"]):
         code, text = run(*args)

@@ -13,6 +13,7 @@ from ..errors import AttnkitError
 from ..features import weighting_of
 from ..run.clusters import (
     CLUSTERS_FILE,
+    REMOVED,
     VERSION,
     check_clusters,
     clusters_path,
@@ -82,7 +83,8 @@ def save_clusters(run_dir, clusterer, features=None, sweep_rows=None, seeds=None
 def compare(a: dict, b: dict) -> dict:
     """Compare two clusters.json contents of the same architecture by type name.
 
-    Returns {"n_heads", "n_changed", "changed": [{"layer", "head", "a", "b"}], "transitions":
+    Returns {"n_heads" (compared), "n_removed" (left out: removed by pruning in either run), "n_changed",
+    "changed": [{"layer", "head", "a", "b"}], "transitions":
     {"a -> b": count}, "per_layer": {"a": type_distribution(a), "b": type_distribution(b)}}.
     Types are compared by name, so two runs must name their clusters with the same rules (they do:
     names come from the centroids, not from label ids). "reliable" is false when either run's clustering
@@ -92,10 +94,11 @@ def compare(a: dict, b: dict) -> dict:
     ga, gb = type_grid(a), type_grid(b)
     if ga.shape != gb.shape:
         raise AttnkitError(f"cannot compare runs of different shapes: {ga.shape} vs {gb.shape} (layers × heads)")
+    removed = (ga == REMOVED) | (gb == REMOVED)  # a head a pruning removed in either run has no type to compare
     changed, transitions = [], {}
     for l in range(ga.shape[0]):
         for h in range(ga.shape[1]):
-            if ga[l, h] != gb[l, h]:
+            if not removed[l, h] and ga[l, h] != gb[l, h]:
                 changed.append({"layer": l, "head": h, "a": ga[l, h], "b": gb[l, h]})
                 key = f"{ga[l, h]} -> {gb[l, h]}"
                 transitions[key] = transitions.get(key, 0) + 1
@@ -103,7 +106,8 @@ def compare(a: dict, b: dict) -> dict:
     reliable = all(v is not None and v >= STABILITY_WARN for v in stab.values())
     for c in changed:
         c["reliable"] = reliable
-    return {"n_heads": int(ga.size), "n_changed": len(changed), "changed": changed,
+    return {"n_heads": int((~removed).sum()), "n_removed": int(removed.sum()), "n_changed": len(changed),
+            "changed": changed,
             "reliable": reliable, "stability": stab, "stability_threshold": STABILITY_WARN,
             "transitions": dict(sorted(transitions.items(), key=lambda kv: -kv[1])),
             "per_layer": {"a": type_distribution(a), "b": type_distribution(b)}}

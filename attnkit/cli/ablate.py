@@ -62,7 +62,9 @@ def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metr
         mean_corpus=tuple(mean_corpus), resamples=resamples, stack=stack, overwrite=overwrite))
     table = res.table
     click.echo(f"{res.model_name} · {task_name} · {experiment} (mode {res.mode}) · {table.rows[0].get('n')} examples"
-               + (f" · types {res.type_counts}" if res.type_counts is not None else ""))
+               + (f" · types {res.type_counts}" if res.type_counts is not None else "")
+               + (f" · {len(table.extra['removed_heads'])} head(s) removed by pruning left out"
+                  if table.extra.get("removed_heads") else ""))
     click.echo(table.to_markdown())
     if experiment == "importance":
         click.echo(f"\nheads by importance (most first): {table.extra['ranking']}")

@@ -145,10 +145,12 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
         rows_per_sample=rows_per_sample, batch_size=batch_size, device=device, seed=seed, smooth=smooth,
         engine=engine, ray_address=ray_address, quiet=quiet, overwrite=overwrite), echo=echo_for())
     pt = dist.per_token
-    off = pt[~np.eye(pt.shape[0], dtype=bool)]
+    kept = ~dist.removed
+    off = pt[np.ix_(kept, kept)][~np.eye(int(kept.sum()), dtype=bool)]
     smoothed = f" (rows smoothed with ε = {smooth:g})" if smooth else ""
+    gone = f"; left out {int((~kept).sum())} head(s) removed by pruning" if (~kept).any() else ""
     click.echo(f"{n_samples} segments, {dist.n_rows} query tokens{smoothed}: mean JS divergence per token "
-               f"between heads {off.mean():.4f} (min {off.min():.4f}, max {off.max():.4f}); wrote {path}")
+               f"between heads {off.mean():.4f} (min {off.min():.4f}, max {off.max():.4f}){gone}; wrote {path}")
 
 
 @click.command("report")
@@ -234,7 +236,9 @@ def compare_cmd(run_a, run_b, json_out, overwrite, quiet):
     res = compare(load_clusters(run_a, shape_a), load_clusters(run_b, shape_b))
     if weighting is not None:
         res["weighting"] = weighting
-    click.echo(f"{res['n_changed']} of {res['n_heads']} heads changed type")
+    click.echo(f"{res['n_changed']} of {res['n_heads']} heads changed type"
+               + (f" ({res['n_removed']} head(s) removed by pruning in either run left out)" if res["n_removed"]
+                  else ""))
     if not res["reliable"]:
         st = res["stability"]
         click.echo("warning: type changes are unreliable: clustering stability "

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..corpus import corpus_of_run
 from ..errors import AttnkitError, arg, print_message
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, weighting_of
@@ -76,7 +78,8 @@ def run_distances_job(opts: DistancesOptions,
     run = Path(opts.run)
     command = "attnkit distances" + (" --engine ray" if opts.engine == "ray" else "")
     with run_lock(run, command), os_errors(f"write into {run}"):
-        meta = HeadFeatures.load(run).meta
+        run_feats = HeadFeatures.load(run)
+        meta = run_feats.meta
         texts = corpus_of_run(run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs, columns=opts.columns,
                               limit=opts.limit)
         claim = claim_outputs([run / DISTANCES_FILE], opts.overwrite, stale=[run / REPORT_FILE])
@@ -98,6 +101,9 @@ def run_distances_job(opts: DistancesOptions,
                                             batch_size=opts.batch_size, num_windows=num_windows,
                                             progress=not opts.quiet)
             n_samples = feats.n_samples
+        removed = run_feats.removed
+        if removed.any():  # a removed head has no attention: its distances are left out (docs/pruning.md)
+            dist.meta["removed_heads"] = [[int(l), int(h)] for l, h in np.argwhere(removed)]
         path = dist.save(run)
         if opts.engine == "ray":
             from ..run.shards import remove_shards

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..arch.pruning import pruned_head_grid
 from ..errors import AttnkitError, arg, check_int, print_message
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import attention_modules, load_model, observing
@@ -189,7 +190,8 @@ def score_sentences(model, tokenizer, sentences, *, max_length=DEFAULT_MAX_LENGT
 
     mods = attention_modules(model)
     n_heads = int(model.config.num_attention_heads)
-    scores = ProbeScores(len(mods), n_heads, keep_pairs=keep_pairs, count_root=count_root, baseline=baseline)
+    scores = ProbeScores(len(mods), n_heads, keep_pairs=keep_pairs, count_root=count_root, baseline=baseline,
+                         removed=~pruned_head_grid(model))
     counts = {"words": 0, "unaligned": 0, "truncated": 0, "split": 0, "no_piece": 0}
     order = sorted(range(len(sentences)), key=lambda i: len(sentences[i].words))  # less padding
     with tqdm(total=len(sentences), disable=quiet, desc="probe", unit="sent") as bar:
@@ -250,14 +252,15 @@ def heatmap(scores: ProbeScores, relation: str | None, min_count: int):
         off, base = scores.baseline(relation)
         where = f"offset {off:+d}" if off is not None else "no offset ever right"
         title = f"{relation}: accuracy over the baseline ({where}: {base:.2f})"
-        labels = [[f"{v:+.2f}" for v in row] for row in grid]
+        labels = [[f"{v:+.2f}" if np.isfinite(v) else "removed" for v in row] for row in grid]
     else:
         rels = [r for r in scores.relations(min_count) if r != ALL] or [ALL]
         stack = np.stack([gain(r) for r in rels])
-        grid = stack.max(0)
-        names = np.asarray(rels)[stack.argmax(0)]
+        grid = stack.max(0)  # NaN for a removed head
+        names = np.asarray(rels)[np.nan_to_num(stack, nan=-np.inf).argmax(0)]
         title = "per head, the relation it beats its baseline by most: accuracy over the baseline"
-        labels = [[f"{n[:LABEL_CHARS]}\n{v:+.2f}" for n, v in zip(nrow, vrow)] for nrow, vrow in zip(names, grid)]
+        labels = [[f"{n[:LABEL_CHARS]}\n{v:+.2f}" if np.isfinite(v) else "removed" for n, v in zip(nrow, vrow)]
+                  for nrow, vrow in zip(names, grid)]
     lim = max(float(np.nanmax(np.abs(grid))), 0.05) if np.isfinite(grid).any() else 1.0
     width = 0.75 if relation is None else 0.5
     fig, ax = plt.subplots(figsize=(1.6 + width * scores.n_heads, 1.2 + (0.5 if relation is None else 0.4)
@@ -267,7 +270,7 @@ def heatmap(scores: ProbeScores, relation: str | None, min_count: int):
               colorbar={"fraction": 0.04, "label": "accuracy − baseline"})
     for t in ax.texts:  # dark text on pale cells, white on saturated ones
         x, y = t.get_position()
-        t.set_color("white" if abs(grid[int(round(y)), int(round(x))]) > 0.6 * lim else "black")
+        t.set_color("white" if abs(np.nan_to_num(grid[int(round(y)), int(round(x))])) > 0.6 * lim else "black")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig
@@ -318,6 +321,7 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
         "inputs": [str(p) for p in opts.paths], "parser": parser,
         "parser_model": SPACY_MODEL if parser == "spacy" else None,
         "layers": scores.n_layers, "heads": scores.n_heads,
+        "removed_heads": [[int(l), int(h)] for l, h in np.argwhere(scores.removed)],
         "sentences": scores.n_sentences, "words": counts["words"],
         "unaligned_words": counts["unaligned"],
         "unaligned_detail": {k: counts[k] for k in ("truncated", "split", "no_piece")},
@@ -338,7 +342,8 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
         claim.remove_stale()
     echo(f"{scores.n_sentences} sentences, {counts['words']} words ({counts['unaligned']} unaligned: "
          f"{counts['truncated']} truncated, {counts['split']} sharing a piece, {counts['no_piece']} without a piece), "
-         f"{scores.rel[ALL].n} dependencies scored, {scores.n_skipped} skipped")
+         f"{scores.rel[ALL].n} dependencies scored, {scores.n_skipped} skipped"
+         + (f"; left out {int(scores.removed.sum())} head(s) removed by pruning" if scores.removed.any() else ""))
     echo("Best head per relation (heads 0-based; Clark et al. write layer-head 1-based: L7H9 = 8-10); "
          "accuracy and baseline in %; dep->head: the word the dependent attends to most is its head; dep<-head: "
          "the word that attends most to the dependent is its head (Clark's transposed mode)"
