@@ -165,5 +165,5 @@ def layer_summary_figure(summary: dict):
     return fig
 
 
-__all__ = ["kept_mean", "layer_summaries", "threshold_heads", "paper_differences", "layer_summary_figure", "uniform_entropy",
-           "PREV_NEXT_MIN", "SPECIAL_MIN", "BROAD_FRACTION", "class_mass"]
+__all__ = ["kept_mean", "layer_summaries", "threshold_heads", "paper_differences", "layer_summary_figure",
+           "uniform_entropy", "PREV_NEXT_MIN", "SPECIAL_MIN", "BROAD_FRACTION", "class_mass"]
