@@ -418,4 +418,5 @@ def stability_assessment(clusterer, over: dict | None = None, sweep_rows: list |
 
 
 __all__ = ["HeadClusterer", "cluster", "stability_assessment", "sweep", "stability_over_seeds", "seed_summary",
-           "STABILITY_WARN", "match_labels", "canonical_numbering", "resolve_subset", "distance_feature_names", "head_matrix", "clone"]
+           "STABILITY_WARN", "match_labels", "canonical_numbering", "resolve_subset", "distance_feature_names",
+           "head_matrix", "clone"]
