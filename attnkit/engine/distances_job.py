@@ -7,13 +7,12 @@ The job reports stage messages through `echo(text, err=False)` and returns what 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..corpus import corpus_of_run
-from ..errors import AttnkitError, arg, print_message
+from ..errors import AttnkitError, print_message
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, weighting_of
 from ..models import attention_modules, load_model
 from ..run.distances import HeadDistances
@@ -24,29 +23,8 @@ from ..run.outputs import os_errors
 from ..run.overwrite import claim_outputs
 from .distances import check_smoothing, collect_distances
 from .extract import ExtractSettings
-from .extract_job import ENGINES
+from .job_options import DistancesOptions, check_distances_options
 from .local import default_workers
-
-
-@dataclass
-class DistancesOptions:
-    """Everything `attnkit distances` takes (its options, by their Python names)."""
-
-    run: Path
-    corpus: Path | None = None
-    fmt: str = "auto"
-    squad_pairs: bool = False
-    columns: tuple | None = None
-    limit: int | None = None
-    rows_per_sample: int | None = None
-    batch_size: int | None = None
-    device: str | None = None
-    seed: int = 0
-    smooth: float = 0.0
-    engine: str = "local"
-    ray_address: str | None = None
-    quiet: bool = False
-    overwrite: bool = False
 
 
 def _check_shape(run, meta: dict, n_layers: int, n_heads: int) -> None:
@@ -61,15 +39,8 @@ def run_distances_job(opts: DistancesOptions,
     """Measure and save the distances of `opts.run`; returns (the distances, the segments measured, the path
     written). Earlier distances are replaced only with `opts.overwrite` (the report drawn from them goes with
     them; what was removed is said through `echo`)."""
-    from .ray import check_ray_address
-
-    if opts.engine not in ENGINES:
-        raise AttnkitError(f"unknown {arg('engine')} {opts.engine!r}: use local or ray")
-    check_ray_address(opts.engine, opts.ray_address)
+    check_distances_options(opts)  # also checked by the command line before torch loads
     check_smoothing(opts.smooth)
-    if opts.smooth and opts.engine == "ray":
-        raise AttnkitError(f"{arg('smooth')} runs on the local engine only (the Ray pipeline sums unsmoothed "
-                           "divergences)")
 
     def say(text: str) -> None:
         if not opts.quiet:

@@ -51,6 +51,12 @@ class RunDir:
     def has_checkpoint(self) -> bool:
         return self.checkpoint_path.is_file()
 
+    def check_resumable(self, finished: bool = True) -> None:
+        """Refuse a resume where there is no checkpoint (nor, with `finished`, a finished run, which a resume
+        leaves as it is)."""
+        if not self.has_checkpoint() and not (finished and self.is_finished()):
+            raise AttnkitError(f"nothing to resume in {self.path}: no {CHECKPOINT_FILE}")
+
     def check_new(self, overwrite: bool, per_sample: bool = False) -> Claim:
         """Refuse to start a fresh run over an existing one unless told to (naming what `overwrite` removes: the
         run and everything derived from it); returns what the new run will replace. `per_sample`: the new run
@@ -76,8 +82,7 @@ class RunDir:
         that the settings match, that its arrays have `shape` (the model's layers × heads × features, when
         given) and that the checkpoint's numbers are possible. `inputs` (Corpus.describe()) name the input
         that changed when the corpus differs."""
-        if not self.has_checkpoint():
-            raise AttnkitError(f"nothing to resume in {self.path}: no {CHECKPOINT_FILE}")
+        self.check_resumable(finished=False)
         state = load_npz(self.checkpoint_path, what="checkpoint",
                          corrupt=f"start over with {arg('overwrite', True)}")
         try:
