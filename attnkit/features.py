@@ -138,3 +138,32 @@ def read_heads(spec) -> list[tuple[int, int | None]]:
                                f"layer), got {item!r}")
         items.append((int(layer), None if head is None else int(head)))
     return items
+
+
+def distance_feature_names(names) -> list[str]:
+    """The exclusive distance buckets (cls, sep, comma, period, self, win_*) among `names`, in order."""
+    return [n for n in names if n in ("cls", "sep", "comma", "period", "self") or n.startswith("win_")]
+
+
+def resolve_subset(names, features_subset=None) -> list[str]:
+    """Feature names to cluster on: None → the distance buckets; a str → comma-separated names;
+    "all" → every feature; a list → those names (each must exist)."""
+    names = list(names)
+    if features_subset is None or features_subset == "distance":
+        chosen = distance_feature_names(names)
+        if not chosen:
+            raise AttnkitError("the features hold no distance buckets (cls, sep, ..., win_*) to cluster on")
+        return chosen
+    if features_subset == "all":
+        return names
+    if isinstance(features_subset, str):
+        features_subset = [s.strip() for s in features_subset.split(",") if s.strip()]
+    chosen = list(features_subset)
+    if not chosen:
+        raise AttnkitError("the feature subset is empty")
+    unknown = [n for n in chosen if n not in names]
+    if unknown:
+        raise AttnkitError(f"unknown feature(s) {', '.join(map(repr, unknown))}; known: {', '.join(names)}")
+    if len(set(chosen)) != len(chosen):
+        raise AttnkitError(f"the feature subset names a feature twice: {chosen}")
+    return chosen

@@ -26,41 +26,13 @@ from sklearn.mixture import GaussianMixture
 from sklearn.preprocessing import StandardScaler
 
 from ..errors import SEED_MAX, AttnkitError, check_int
+from ..features import distance_feature_names, resolve_subset  # re-exported: checked without scikit-learn
 from ..run.clusters import REMOVED
 from ..run.head_features import HeadFeatures
 
 METHODS = ("kmeans", "gmm")
 STABILITY_WARN = 0.8  # below this mean stability over seeds, head types are called unreliable
 DEFAULT_SEEDS = 10  # seeds for the mean and range of the stability
-
-
-def distance_feature_names(names) -> list[str]:
-    """The exclusive distance buckets (cls, sep, comma, period, self, win_*) among `names`, in order."""
-    return [n for n in names if n in ("cls", "sep", "comma", "period", "self") or n.startswith("win_")]
-
-
-def resolve_subset(names, features_subset=None) -> list[str]:
-    """Feature names to cluster on: None → the distance buckets; a str → comma-separated names;
-    "all" → every feature; a list → those names (each must exist)."""
-    names = list(names)
-    if features_subset is None or features_subset == "distance":
-        chosen = distance_feature_names(names)
-        if not chosen:
-            raise AttnkitError("the features hold no distance buckets (cls, sep, ..., win_*) to cluster on")
-        return chosen
-    if features_subset == "all":
-        return names
-    if isinstance(features_subset, str):
-        features_subset = [s.strip() for s in features_subset.split(",") if s.strip()]
-    chosen = list(features_subset)
-    if not chosen:
-        raise AttnkitError("the feature subset is empty")
-    unknown = [n for n in chosen if n not in names]
-    if unknown:
-        raise AttnkitError(f"unknown feature(s) {', '.join(map(repr, unknown))}; known: {', '.join(names)}")
-    if len(set(chosen)) != len(chosen):
-        raise AttnkitError(f"the feature subset names a feature twice: {chosen}")
-    return chosen
 
 
 def head_matrix(features: HeadFeatures, subset: list[str]) -> np.ndarray:

@@ -218,8 +218,6 @@ def run_patterns(run_dir, *, pairs=None, svg: bool = True, rules: Rules | None =
     (example, head), int8 N × layers × heads) and RUN/figures/pattern_types.png (+ .svg). Earlier results are
     replaced only with `overwrite` (the report drawn from them goes with them). Returns (the paths written,
     patterns.json's content, the message naming what `overwrite` removed or None)."""
-    from ..plotting import save_figure
-
     run_dir = Path(run_dir)
     rules = (rules or Rules()).check()
     arr, names = load_per_sample(run_dir)
@@ -242,6 +240,8 @@ def run_patterns(run_dir, *, pairs=None, svg: bool = True, rules: Rules | None =
     data = patterns_dict(counts, pairs_rule=_pairs_rule(pairs), rules=rules, removed=feats.removed,
                          weighting=weighting_of(feats.meta))
     write_json(run_dir / PATTERNS_FILE, data)
+    from ..plotting import save_figure  # matplotlib: only once the checks have passed
+
     saved = save_figure(proportions_figure(data), run_dir / FIGURES_DIR, "pattern_types", svg=svg)
     claim.remove_stale()
     written = [run_dir / PATTERNS_FILE, labels_path, Path(saved["png"])] + ([Path(saved["svg"])] if saved.get("svg")

@@ -60,6 +60,9 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
     attnkit.analysis.naming). Stability follows Guan et al. 2020: the share of heads that get the same
     label in all fits on random 50% subsets of the heads, labels matched by the Hungarian method.
     """
+    from ..analysis.preflight import preflight_cluster
+
+    preflight_cluster(run, features, overwrite)  # refusals come before scikit-learn is imported
     from ..analysis.clustering import STABILITY_WARN, stability_assessment
     from ..analysis.jobs import cluster_run
 
@@ -184,6 +187,9 @@ def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit,
     outside itself and shows every value read from the run's files as text. Figures are also saved as PNG and
     SVG in RUN/figures/. Uses RUN/clusters.json (or clusters now, with -k/--method/--seed), RUN/distances.npz,
     RUN/per_sample.npy and RUN/patterns.json when present."""
+    from ..analysis.preflight import preflight_report
+
+    preflight_report(run, overwrite)  # refusals come before matplotlib, scikit-learn or the model is imported
     from ..analysis.jobs import report_run
     from ..analysis.report import report_figures
 
@@ -208,7 +214,6 @@ def compare_cmd(run_a, run_b, json_out, overwrite, quiet):
     When one run was extracted with --weighting attention and the other with --weighting norm (one corpus, two
     weightings), it first shows how much of each head's [CLS], [SEP] and punctuation mass survives norm weighting
     (Kobayashi et al. 2020); head types are then compared only when both runs are clustered."""
-    from ..analysis.results import compare
     from ..analysis.weighting import compare_run_weightings, weighting_lines
     from ..run.clusters import clusters_path, load_clusters
     from ..run.locking import lock_if_run
@@ -237,7 +242,10 @@ def compare_cmd(run_a, run_b, json_out, overwrite, quiet):
             if json_out:
                 write({"weighting": weighting})
             return
-    res = compare(load_clusters(run_a, shape_a), load_clusters(run_b, shape_b))
+    a, b = load_clusters(run_a, shape_a), load_clusters(run_b, shape_b)
+    from ..analysis.results import compare  # scikit-learn: only once both files have passed their checks
+
+    res = compare(a, b)
     if weighting is not None:
         res["weighting"] = weighting
     click.echo(f"{res['n_changed']} of {res['n_heads']} heads changed type"

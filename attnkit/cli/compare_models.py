@@ -33,13 +33,18 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
     import numpy as np
 
     from ..corpus import open_corpus
-    from ..engine.compare import ModelComparison, compare_models
+    from ..run.files import compare_models_outputs
+    from ..run.model_dir import check_model_dir
     from ..run.outputs import output_dir
     from ..run.overwrite import claim_outputs
 
-    with output_dir(out):  # checked before the work, not after it
-        claim = claim_outputs(ModelComparison.outputs(out, svg=svg), overwrite)
+    with output_dir(out):  # checked before the work (and before torch is imported), not after it
+        claim = claim_outputs(compare_models_outputs(out, svg=svg), overwrite)
         texts = open_corpus(list(corpus), fmt, columns=columns, squad_pairs=squad_pairs, limit=limit)
+        for m in (model_a, model_b):
+            if _model_arg(m) is not None:
+                check_model_dir(m)
+        from ..engine.compare import compare_models
         res = compare_models(texts, _model_arg(model_a), _model_arg(model_b), max_length=max_length,
                              batch_size=batch_size, num_windows=num_windows, split_sentences=sentences,
                              backend=backend, device=device, progress=not quiet)
@@ -56,7 +61,7 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
         least = int(np.flatnonzero(kept[l])[rows.argmin()])
         click.echo(f"  L{l:<3} rows {rows.mean():.4f}  maps {maps.mean():.4f}  least similar head H{least} "
                    f"({rows.min():.4f})")
-    click.echo("wrote " + ", ".join(str(p) for p in ModelComparison.outputs(out, svg=svg)))
+    click.echo("wrote " + ", ".join(str(p) for p in compare_models_outputs(out, svg=svg)))
     if claim.removed_message():
         echo_for()(claim.removed_message(), err=True)
 

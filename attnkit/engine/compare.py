@@ -26,7 +26,7 @@ from ..corpus import Corpus
 from ..errors import AttnkitError
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows, feature_names
 from ..models import attention_modules, check_max_length, observing, resolve_model
-from ..run.files import COMPARE_JSON, COMPARE_NPZ, FIGURES_DIR
+from ..run.files import COMPARE_JSON, COMPARE_NPZ, FIGURES_DIR, compare_models_outputs
 from ..run.head_features import FeatureAccumulator
 from ..run.outputs import atomic_write, ensure_writable_dir, json_float, write_json
 from ..tokens import Batch, Encoder
@@ -177,10 +177,7 @@ class ModelComparison:
     @staticmethod
     def outputs(directory, *, svg: bool = True) -> list[Path]:
         """The files `save` writes into `directory`."""
-        directory = Path(directory)
-        figure = directory / FIGURES_DIR / "compare_models"
-        return [directory / COMPARE_JSON, directory / COMPARE_NPZ, figure.with_suffix(".png")] + \
-            ([figure.with_suffix(".svg")] if svg else [])
+        return compare_models_outputs(directory, svg=svg)
 
     def save(self, directory, *, svg: bool = True) -> Path:
         """Write COMPARE_JSON, COMPARE_NPZ and figures/compare_models.png (and .svg) into `directory`."""

