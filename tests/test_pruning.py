@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import numpy as np
 import pytest
@@ -284,6 +285,10 @@ def test_prune_command_and_its_refusals(model_dir, tmp_path):
     assert "heads per layer now: 2 0 3 (5 in all)" in text
     model, _ = attnkit.load_model(out, device="cpu")
     assert pruned_head_grid(model).sum(1).tolist() == [2, 0, 3]
+    umask = os.umask(0)  # the files get the mode any new file gets (model.safetensors was 0600)
+    os.umask(umask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == {
+        f.name: 0o666 & ~umask for f in out.iterdir()}
     for args, message in [
         (("--heads", "L0H1", "-o", out), f"Error: --out '{out}' already exists: use --overwrite to replace it"),
         (("--heads", "L0H4", "-o", tmp_path / "x"), "Error: head L0H4 is outside this model's 3 layers × 4 heads"),

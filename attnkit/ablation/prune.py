@@ -97,6 +97,16 @@ def _task_of(path: str) -> str | None:
     return None
 
 
+def readable_as_umask_says(directory: Path) -> None:
+    """Give every file in `directory` the mode a new file gets (0666 less the umask), as attnkit's other files
+    have: safetensors writes model.safetensors through a private temporary file, mode 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in Path(directory).rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o666 & ~umask)
+
+
 def run_prune(opts: PruneOptions, echo=None) -> Pruned:
     """Prune as `opts` says; `echo(text, err=True)`, when given, receives the stage messages."""
     path = default_model_path() if opts.model == "default" else str(opts.model)
@@ -120,6 +130,7 @@ def run_prune(opts: PruneOptions, echo=None) -> Pruned:
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            readable_as_umask_says(tmp)
             if out.exists():
                 shutil.rmtree(out)
             os.replace(tmp, out)
