@@ -83,16 +83,17 @@ def preflight_ablate(opts: AblateOptions) -> None:
     results in the output directory that only `overwrite` replaces."""
     from ..run.clusters import load_clusters
     from ..run.files import REPORT_FILE
-    from ..run.outputs import check_output_path
+    from ..run.outputs import check_no_file_in_the_way, check_output_path
     from ..run.overwrite import claim_outputs
 
     check_ablate_options(opts)
+    out = check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
+    check_no_file_in_the_way(out)
+    claim_outputs(output_paths(out, opts.experiment), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
     if opts.model != "default":
         check_model_dir(str(opts.model))
     if opts.clusters is not None:
         load_clusters(opts.clusters)
-    out = check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
-    claim_outputs(output_paths(out, opts.experiment), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
 
 
 @dataclass
