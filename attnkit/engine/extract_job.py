@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..arch.pruning import removed_heads
 from ..errors import AttnkitError, arg, print_message
@@ -229,7 +230,8 @@ class _LocalJob(_Job):
                                    on_batch=checkpoints.after_batch, progress=not opts.quiet)
         self.finish(state.accumulator, state.n_truncated, time.perf_counter() - t0,
                     {"engine": "local", "workers": workers,
-                     "devices": [str(next(m.parameters()).device) for m in models]},
+                     "devices": [str(next(m.parameters()).device) for m in models],
+                     "threads": torch.get_num_threads()},  # CPU numbers can depend on it (docs/pipeline.md §3)
                     model.config, lengths=checkpoints.lengths, limit=max_positions(model),
                     writer=writer)
 
