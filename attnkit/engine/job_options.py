@@ -89,30 +89,26 @@ def check_extract_options(opts: ExtractOptions) -> None:
 
 
 def preflight_extract(opts: ExtractOptions) -> None:
-    """Everything `attnkit extract` can refuse without a model, checked before torch is imported: the options,
-    the model directory (local engine: on a Ray cluster it may exist only on the workers), the corpus paths and
-    formats (not read: standard input is left for the job), and what the output directory already holds. The
-    job checks the directory again under its lock (and says first that another command holds it)."""
+    """Everything `attnkit extract` can refuse without a model, checked before torch is imported, in the job's
+    order: the options, what the output directory already holds (the job checks it again under its lock, and
+    says first that another command holds it), the corpus paths and formats (not read: standard input is left
+    for the job), and the model directory (local engine: on a Ray cluster it may exist only on the workers)."""
     from ..corpus import open_corpus
     from ..run.locking import lock_owner
     from ..run.rundir import RunDir
 
     check_extract_options(opts)
-    if opts.model_path and opts.engine == "local":
-        check_model_dir(str(opts.model_path))
+    run = RunDir(opts.out)
+    if lock_owner(run.path) is None:  # in use: the job's lock names the holder first
+        if run.path.is_dir() and not opts.resume:
+            run.check_new(opts.overwrite, opts.per_sample)
+        elif opts.resume and opts.engine == "local":
+            run.check_resumable()
     if "-" not in [str(p) for p in opts.paths]:
         open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
                     squad_pairs=opts.squad_pairs, limit=opts.limit)
-    run = RunDir(opts.out)
-    if lock_owner(run.path) is not None:
-        return  # in use: the job's lock names the holder
-    if run.path.is_dir():
-        if not opts.resume:
-            run.check_new(opts.overwrite, opts.per_sample)
-        elif opts.engine == "local":
-            run.check_resumable()
-    elif opts.resume and opts.engine == "local":
-        run.check_resumable()
+    if opts.model_path and opts.engine == "local":
+        check_model_dir(str(opts.model_path))
 
 
 @dataclass
