@@ -80,8 +80,8 @@ class HeadFeatures:
 
     @property
     def removed(self) -> np.ndarray:
-        """n_layers × n_heads booleans, True for a head removed from the model (`meta["removed_heads"]`, and any
-        head whose every mean is NaN, as a pruned model's removed heads are)."""
+        """n_layers × n_heads booleans, True for a head removed from the model (`meta["removed_heads"]`; its
+        features are NaN)."""
         return removed_grid(self.meta, self.mean)
 
     @property
@@ -195,16 +195,12 @@ class HeadFeatures:
 
 def removed_grid(meta: dict, mean: np.ndarray) -> np.ndarray:
     """n_layers × n_heads booleans: the heads `meta["removed_heads"]` names (runs made before it was recorded
-    have none), and the heads whose every mean is NaN."""
-    grid = np.isnan(np.asarray(mean, dtype=np.float64)).all(axis=2)
+    have none). Only the record counts: a head whose features are NaN for another reason is not called removed
+    (analyses refuse it instead)."""
+    grid = np.zeros(np.shape(mean)[:2], dtype=bool)
     for l, h in meta.get("removed_heads") or []:
         grid[l, h] = True
     return grid
-
-
-def removed_note(n_removed: int) -> str:
-    """The clause an analysis adds when it left out removed heads ("" when there were none)."""
-    return f"; left out {n_removed} head(s) removed by pruning" if n_removed else ""
 
 
 def _is_file_of(array, path: Path) -> bool:
