@@ -147,10 +147,10 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
         run=run, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs, columns=columns, limit=limit,
         rows_per_sample=rows_per_sample, batch_size=batch_size, device=device, seed=seed, smooth=smooth,
         engine=engine, ray_address=ray_address, quiet=quiet, overwrite=overwrite)
-    preflight_distances(opts)  # refusals that need no model come before torch is imported
+    texts = preflight_distances(opts)  # refusals that need no model come before torch is imported
     from ..engine.distances_job import run_distances_job
 
-    dist, n_samples, path = run_distances_job(opts, echo=echo_for())
+    dist, n_samples, path = run_distances_job(opts, echo=echo_for(), texts=texts)
     pt = dist.per_token
     kept = ~dist.removed
     off = pt[np.ix_(kept, kept)][~np.eye(int(kept.sum()), dtype=bool)]

@@ -34,8 +34,8 @@ def _check_shape(run, meta: dict, n_layers: int, n_heads: int) -> None:
                            f"with {want[0]} × {want[1]}")
 
 
-def run_distances_job(opts: DistancesOptions,
-                      echo: Callable[..., None] = print_message) -> tuple[HeadDistances, int, Path]:
+def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_message,
+                      texts=None) -> tuple[HeadDistances, int, Path]:
     """Measure and save the distances of `opts.run`; returns (the distances, the segments measured, the path
     written). Earlier distances are replaced only with `opts.overwrite` (the report drawn from them goes with
     them; what was removed is said through `echo`)."""
@@ -51,8 +51,9 @@ def run_distances_job(opts: DistancesOptions,
     with run_lock(run, command), os_errors(f"write into {run}"):
         run_feats = HeadFeatures.load(run)
         meta = run_feats.meta
-        texts = corpus_of_run(run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs, columns=opts.columns,
-                              limit=opts.limit)
+        if texts is None:  # (the command line read it already, in preflight_distances)
+            texts = corpus_of_run(run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs,
+                                  columns=opts.columns, limit=opts.limit)
         claim = claim_outputs([run / DISTANCES_FILE], opts.overwrite, stale=[run / REPORT_FILE])
         if weighting_of(meta) == "norm":
             say(f"attnkit distances: {run} holds norm-weighted features; the distances compare attention weights")

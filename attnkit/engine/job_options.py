@@ -141,18 +141,25 @@ def check_distances_options(opts: DistancesOptions) -> None:
                            "divergences)")
 
 
-def preflight_distances(opts: DistancesOptions) -> None:
-    """What `attnkit distances` can refuse without a model, before torch is imported: the options, the run
-    directory's files, and earlier distances that only `overwrite` replaces."""
+def preflight_distances(opts: DistancesOptions):
+    """What `attnkit distances` can refuse without a model, before torch is imported, in the job's order: the
+    options, the run directory's files, its corpus (read again and checked to be the bytes it measured), and
+    earlier distances that only `overwrite` replaces. Returns the corpus, for the job to read (its hashes are
+    then not computed twice), or None while another command holds the run (its lock names the holder)."""
+    from ..corpus import corpus_of_run
     from ..run.files import DISTANCES_FILE
     from ..run.head_features import HeadFeatures
     from ..run.locking import lock_owner
     from ..run.overwrite import claim_outputs
 
     check_distances_options(opts)
-    if lock_owner(opts.run) is None:  # in use: the job's lock names the holder
-        HeadFeatures.load(opts.run)
-        claim_outputs([Path(opts.run) / DISTANCES_FILE], opts.overwrite)
+    if lock_owner(opts.run) is not None:
+        return None
+    meta = HeadFeatures.load(opts.run).meta
+    texts = corpus_of_run(opts.run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs, columns=opts.columns,
+                          limit=opts.limit)
+    claim_outputs([Path(opts.run) / DISTANCES_FILE], opts.overwrite)
+    return texts
 
 
 __all__ = ["ENGINES", "DistancesOptions", "ExtractOptions", "check_distances_options", "check_engine",
