@@ -408,9 +408,11 @@ def test_every_command_leaves_the_removed_heads_of_a_pruned_model_out(model_dir,
     assert cmp["row_cosine"][0][0] is not None and "L1   no head left" in outputs["compare-models"]
     assert "left out 5 head(s) removed by pruning from A or B" in outputs["compare-models"]
     assert all(h["layer"] != 1 for h in cmp["most_changed"])
-    # the report does not yet show removed heads (helper `report`): it refuses the run in one line
-    code, text = run("report", runs, "-q", "--no-svg")
-    assert code == 1 and "is a run of a pruned model (5 head(s) removed" in text and len(text.strip().splitlines()) == 1
+    # the report draws the run with its clusters.json (removed heads listed apart) and distances
+    code, text = run("report", runs, "-q", "--no-svg", "--examples", 1)
+    assert code == 0, text
+    page = (runs / "report.html").read_text()
+    assert "removed" in page
     stsb = tmp_path / "dev.tsv"
     stsb.write_text("index\tgenre\tsentence1\tsentence2\tscore\n" + "".join(
         f"{i}\tx\t{' '.join(rng.choice(WORDS, 5))}\t{' '.join(rng.choice(WORDS, 4))}\t{i % 5}.0\n" for i in range(8)))

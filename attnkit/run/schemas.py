@@ -167,7 +167,9 @@ PATTERNS_SCHEMA = {
         "n_examples": _INT0, "n_layers": _INT1, "n_heads": _INT1,
         "labels": _STR_OR_NULL,
         "overall": {"type": "object", "additionalProperties": _SHARE},
-        "per_layer": {"type": "object", "additionalProperties": {"type": "array", "items": _SHARE}},
+        # null for a layer whose heads a pruning all removed (docs/patterns.md)
+        "per_layer": {"type": "object", "additionalProperties": {"type": "array", "items": {
+            "anyOf": [_SHARE, {"type": "null"}]}}},
         # a removed head's share may be null or NaN (docs/pruning.md); the reader checks the range of the others
         "per_head": {"type": "object", "additionalProperties": {
             "type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": _NUM_OR_NULL}}},
