@@ -281,3 +281,18 @@ def test_the_kernel_refuses_bad_decoder_arguments_by_name():
     with pytest.raises(RuntimeError, match="give kv_head"):
         op(q, k[:, :2].repeat(1, 2, 1, 1), v[:, :2].repeat(1, 2, 1, 1), lengths, None, None, 0.2, N, None, None,
            False, None, False)
+
+
+@pytest.mark.parametrize("aten", ["default", "avx2"])
+def test_capability_follows_aten_cpu_capability(aten):
+    """torch's own choice (ATEN_CPU_CAPABILITY lowers it) decides the build when ATTNKIT_CPU_CAPABILITY is unset."""
+    import os
+    import subprocess
+    import sys
+
+    if aten not in CAPABILITIES:
+        pytest.skip(f"this CPU lacks {aten}")
+    env = {k: v for k, v in os.environ.items() if k != "ATTNKIT_CPU_CAPABILITY"} | {"ATEN_CPU_CAPABILITY": aten}
+    code = "import torch; from attnkit import ops; print(torch.backends.cpu.get_cpu_capability(), ops.cpu_capability())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [aten.upper() if aten != "default" else "DEFAULT", aten]
