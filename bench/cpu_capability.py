@@ -24,20 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from attnkit import ops  # noqa: E402
 
 
-def supported() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        flags = ""
-    caps = ["default"]
-    if " avx2" in flags and " fma" in flags:
-        caps.append("avx2")
-    if all(f" {x}" in flags for x in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
-        caps.append("avx512")
-    return caps[::-1]
-
-
 def forced(cap, fn):
     def run():
         os.environ["ATTNKIT_CPU_CAPABILITY"] = cap
@@ -68,7 +54,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    caps = supported()
+    caps = ops.cpu_capabilities()
     print(f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; builds timed: {', '.join(caps)}")
     g = torch.Generator().manual_seed(0)
 

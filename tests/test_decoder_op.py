@@ -29,21 +29,7 @@ FLOOR = {torch.float32: 2e-6, torch.bfloat16: 1e-5, torch.float16: 1e-5}
 N = 8
 
 
-def _supported_capabilities() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        flags = ""
-    caps = ["default"]
-    if " avx2" in flags and " fma" in flags:
-        caps.append("avx2")
-    if all(f" {x}" in flags for x in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
-        caps.append("avx512")
-    return caps
-
-
-CAPABILITIES = _supported_capabilities()
+CAPABILITIES = ops.cpu_capabilities()[::-1]  # default first
 
 
 @pytest.fixture(params=CAPABILITIES)
