@@ -18,7 +18,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
+from .embedded import embedded_path, is_embedded_name
 from .errors import AttnkitError, arg, check_int, one_line
+from .features import feature_names
 from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
 from .run.model_dir import TOKENIZER_FILES, check_model_dir, default_model_path  # checked without torch
 
@@ -31,6 +33,16 @@ DTYPES = {
 }
 # Models whose position ids start after the padding index (max usable length = positions − pad − 1).
 _OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "longformer", "xlm-roberta-xl", "data2vec-text"}
+
+
+def model_dir(name_or_path=None) -> str:
+    """The local directory of a model named as `load_model` takes it: None for the embedded MiniLM, the name of
+    an embedded model (`smollm2`, unless a directory of that name exists here), or a path."""
+    if name_or_path is None:
+        return default_model_path()
+    if is_embedded_name(name_or_path):
+        return str(embedded_path(str(name_or_path)))
+    return str(name_or_path)
 
 
 def resolve_device(device=None) -> torch.device:
@@ -101,6 +113,12 @@ def attention_modules(model) -> list:
                        "attnkit attention (equal to eager)")
 
 
+def model_feature_names(model, num_windows: int) -> list[str]:
+    """The names of the features an instrumented `model` gives: `feature_names`, with `sink` last for a model with
+    a learned sink logit per head (gpt-oss; docs/features.md)."""
+    return feature_names(num_windows, sink=runtime_of(model).sink)
+
+
 def runtime_of(model) -> Runtime:
     """The Runtime that the attention of an instrumented `model` reads."""
     attention_modules(model)
@@ -136,15 +154,19 @@ def instrument(model, tokenizer=None):
         return model
     cfg = model.config
     mtype = getattr(cfg, "model_type", type(model).__name__)
-    if getattr(cfg, "is_decoder", False) or getattr(cfg, "is_encoder_decoder", False):
-        raise AttnkitError(f"model type {mtype!r} is a decoder or encoder-decoder; attnkit measures encoders")
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise AttnkitError(f"model type {mtype!r} is an encoder-decoder; attnkit measures encoders and decoder "
+                           "language models (self-attention over one sequence)")
+    if getattr(cfg, "is_decoder", False):  # an encoder architecture set up as a decoder (BERT with is_decoder=True)
+        raise AttnkitError(f"model type {mtype!r} is configured as a decoder (is_decoder=True); attnkit measures "
+                           "encoders and the decoder language models of docs/decoders.md")
     try:
         model.set_attn_implementation(NAME)
     except Exception as exc:
         raise AttnkitError(
             f"model type {mtype!r} does not accept custom attention implementations ({exc}); "
-            "attnkit supports encoders whose attention goes through transformers' AttentionInterface "
-            "(BERT, RoBERTa, ELECTRA, DistilBERT, ...)"
+            "attnkit supports models whose attention goes through transformers' AttentionInterface "
+            "(BERT, RoBERTa, ELECTRA, DistilBERT, Llama, Qwen, Mistral, Gemma, GPT-2, ...)"
         ) from None
     seen = _probe_attention_modules(model)
     if not seen:
@@ -154,12 +176,10 @@ def instrument(model, tokenizer=None):
             "that honour attn_implementation)"
         )
     for i, mod in enumerate(seen):
-        if getattr(mod, "is_causal", False):
-            raise AttnkitError(f"model type {mtype!r} uses causal attention; attnkit measures bidirectional encoders")
         if getattr(mod, "layer_idx", None) is None:
             mod.layer_idx = i
     runtime = Runtime(separator_ids=_separator_ids(model, tokenizer),
-                      segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1)
+                      segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1, sink=seen.sink)
     for mod in seen:
         setattr(mod, RUNTIME_ATTR, runtime)
     _record_inputs(model, runtime)
@@ -198,8 +218,11 @@ def _record_inputs(model, runtime: Runtime) -> None:
     def before(module, args, kwargs):
         given = dict(zip(names, args))
         given.update(kwargs)
+        maps = given.get("output_attentions")  # as transformers decides whether to record attentions
+        if maps is None:
+            maps = getattr(getattr(module, "config", None), "output_attentions", False)
         getattr(module, RUNTIME_ATTR).enter_forward(
-            ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids"))))
+            ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids")), bool(maps)))
 
     def after(module, args, kwargs, output):
         getattr(module, RUNTIME_ATTR).exit_forward()
@@ -209,8 +232,9 @@ def _record_inputs(model, runtime: Runtime) -> None:
     base.register_forward_hook(after, with_kwargs=True, always_call=True)
 
 
-def _probe_attention_modules(model) -> list:
-    """Run a two-token forward and return the modules that called attnkit attention, in order."""
+def _probe_attention_modules(model):
+    """Run a two-token forward and return the modules that called attnkit attention, in order (a
+    `hf_attention.Callers`, which also says whether one has a learned sink logit)."""
     device = next(model.parameters()).device
     ids = torch.full((1, 2), 1, dtype=torch.long, device=device)
     sig_kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -221,7 +245,9 @@ def _probe_attention_modules(model) -> list:
         raise
     except Exception as exc:
         raise AttnkitError(f"a probe forward of the model failed: {type(exc).__name__}: {exc}") from None
-    return list(dict.fromkeys(callers))  # unique, in call order
+    seen = type(callers)(dict.fromkeys(callers))  # unique, in call order
+    seen.sink = callers.sink
+    return seen
 
 
 def is_pruned_dir(path: str) -> bool:
@@ -253,15 +279,18 @@ def _no_transformers_bars():
 def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None = None):
     """Load a model and its tokenizer from a local path (no hub downloads) with attnkit attention.
 
-    `name_or_path=None` loads the embedded MiniLM; a directory written by `attnkit prune` is loaded with
-    `attnkit.arch.pruning.load_pruned_model` (docs/pruning.md). `task` picks the head: None (bare encoder),
-    "sequence-classification", "question-answering", "masked-lm". Returns (model, tokenizer),
+    `name_or_path=None` loads the embedded MiniLM, `"smollm2"` the embedded decoder SmolLM2-135M-Instruct (the
+    optional extra `attnkit[decoders]`; converted once to a cached copy: attnkit.embedded, docs/decoders.md); a
+    directory written by `attnkit prune` is loaded with `attnkit.arch.pruning.load_pruned_model` (docs/pruning.md).
+    `task` picks the head: None (the bare model), "sequence-classification", "question-answering", "masked-lm",
+    "causal-lm" (a decoder with its language-model head). Returns (model, tokenizer),
     the model in eval mode on `device` ("cpu", "cuda"; default: cuda when available).
     A directory without config, weights or tokenizer files, or whose tokenizer knows far fewer tokens
     than the model embeds (a tokenizer built from nothing), is refused with the files it lacks.
     """
     from transformers import (
         AutoModel,
+        AutoModelForCausalLM,
         AutoModelForMaskedLM,
         AutoModelForQuestionAnswering,
         AutoModelForSequenceClassification,
@@ -269,10 +298,11 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     )
 
     classes = {None: AutoModel, "sequence-classification": AutoModelForSequenceClassification,
-               "question-answering": AutoModelForQuestionAnswering, "masked-lm": AutoModelForMaskedLM}
+               "question-answering": AutoModelForQuestionAnswering, "masked-lm": AutoModelForMaskedLM,
+               "causal-lm": AutoModelForCausalLM}
     if task not in classes:
         raise AttnkitError(f"unknown {arg('task')} {task!r}; use one of {', '.join(str(k) for k in classes)}")
-    path = default_model_path() if name_or_path is None else str(name_or_path)
+    path = model_dir(name_or_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
