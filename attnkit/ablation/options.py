@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..errors import AttnkitError, arg, check_int
 from ..features import read_heads
+from ..run.files import LOCK_FILE, OWNER_FILE
 from ..run.model_dir import check_model_dir, default_model_path
 from .names import EXPERIMENTS, N_BOOT
 
@@ -135,14 +136,22 @@ def check_prune_options(opts: PruneOptions) -> None:
 
 def check_out(out: Path, model_path: str, overwrite: bool) -> None:
     """Refuse an output path that is a file, the model itself, or a directory that is there and not empty
-    (without `overwrite`)."""
+    (without `overwrite`); with `overwrite`, a directory that is not a model directory (prune replaces only what
+    it could have written: files, config.json among them). Called before the model loads, and again under the
+    output's lock."""
     if out.exists() and not out.is_dir():
         raise AttnkitError(f"{arg('out')} {str(out)!r} exists and is not a directory")
     if out.exists() and out.resolve() == Path(model_path).resolve():
         raise AttnkitError(f"{arg('out')} {str(out)!r} is the model being pruned: write the pruned model elsewhere")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    held = sorted(p.name for p in out.iterdir() if p.name not in (LOCK_FILE, OWNER_FILE)) if out.is_dir() else []
+    if held and not overwrite:
         raise AttnkitError(f"{arg('out')} {str(out)!r} already exists: use {arg('overwrite', True)} to replace it, "
                            f"or another {arg('out')}")
+    folders = [n for n in held if (out / n).is_dir() or (out / n).is_symlink()]
+    if held and ("config.json" not in held or folders):
+        why = f"it holds {folders[0]!r}" if folders else "it holds no config.json"
+        raise AttnkitError(f"{arg('out')} {str(out)!r} is not a model directory ({why}): {arg('overwrite', True)} "
+                           f"replaces only a model directory; write elsewhere")
 
 
 def preflight_prune(opts: PruneOptions) -> None:
