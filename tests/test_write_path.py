@@ -137,7 +137,7 @@ def test_an_output_that_is_an_input_is_refused(w, command):
     before = tree(w.root)
     code, text = cli(*WRITERS[command](w, EQUAL[command](w)), "--overwrite")
     refused(code, text, *(() if EQUAL[command](w).is_file() and command not in ("export", "compare")
-                          else ("write elsewhere",)))  # a file where a directory goes is refused as such
+                          else ("elsewhere",)))  # a file where a directory goes is refused as such
     assert tree(w.root) == before
 
 

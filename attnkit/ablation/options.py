@@ -12,6 +12,7 @@ from ..errors import AttnkitError, arg, check_int
 from ..features import read_heads
 from ..run.files import LOCK_FILE, OWNER_FILE
 from ..run.model_dir import check_model_dir, default_model_path
+from ..run.outputs import check_output_place
 from .names import EXPERIMENTS, N_BOOT
 
 DEFAULT_MODES = {"layers": "uniform", "patching": "patch"}  # when no mode is given: zero, but layers uniform
@@ -154,14 +155,20 @@ def check_out(out: Path, model_path: str, overwrite: bool) -> None:
                            f"replaces only a model directory; write elsewhere")
 
 
+def prune_inputs(opts: PruneOptions, path: str) -> list:
+    """What `attnkit prune` reads, as the write path names them (attnkit.run.outputs.check_output_place)."""
+    return [("the model being pruned", path), ("the importance file", opts.importance)]
+
+
 def preflight_prune(opts: PruneOptions) -> None:
     """What `attnkit prune` can refuse without a model, before torch is imported."""
     check_prune_options(opts)
     path = default_model_path() if opts.model == "default" else str(opts.model)
     check_model_dir(path)
+    check_output_place(opts.out, prune_inputs(opts, path), whole=True)  # as the write path will, the place first
     check_out(Path(opts.out), path, opts.overwrite)
 
 
 __all__ = ["DEFAULT_MODES", "MEAN_EXPERIMENTS", "AblateOptions", "PruneOptions", "check_ablate_options",
-           "check_fraction", "check_out", "check_prune_options", "output_paths", "preflight_ablate",
+           "check_fraction", "check_out", "check_prune_options", "output_paths", "prune_inputs", "preflight_ablate",
            "preflight_prune"]

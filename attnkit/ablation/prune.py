@@ -23,7 +23,7 @@ from ..models import default_model_path, load_model
 from ..run.locking import output_directory
 from ..run.outputs import check_output_path, describe_os_error
 from ..run.schemas import IMPORTANCE_SCHEMA, load_json
-from .options import PruneOptions, check_out, check_prune_options
+from .options import PruneOptions, check_out, check_prune_options, prune_inputs
 from .sizes import count_parameters
 
 IMPORTANCE_FILE = "importance.json"  # what `attnkit ablate --experiment importance -o DIR` writes into DIR
@@ -163,7 +163,7 @@ def run_prune(opts: PruneOptions, echo=None) -> Pruned:
     shape = _shape_of(config)
     if shape is not None:
         heads_to_remove(opts, shape)  # a bad --heads or --fraction is heard of before the model loads
-    inputs = [("the model being pruned", path), ("the importance file", opts.importance)]
+    inputs = prune_inputs(opts, path)
     with output_directory(out, "attnkit prune", inputs=inputs, whole=True):
         check_out(out, path, opts.overwrite)
         if echo:
