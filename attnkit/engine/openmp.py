@@ -33,14 +33,15 @@ def available_cores() -> int:
 
 def cpu_oversubscribed(own_threads: int | None = None) -> bool:
     """Whether other work keeps the CPUs busy: the 1-minute load average, less this run's own team
-    (`own_threads`, default torch's thread count), above the cores. The run's own threads do not count: with
+    (`own_threads`, default torch's thread count), about as large as the cores or larger (above cores − 0.5: the
+    load average is a smoothed count). The run's own threads do not count: with
     spinning waits they are always runnable, and a measure that counts them (the kernel's CPU pressure, say)
     calls a 2-core machine busy as soon as any other task runs beside a 2-thread team. On such a machine
-    (load 3, CPU pressure 20-60%) sleeping waits made short inputs 1.2x slower; at load 10 on 2 cores spinning
-    waits made them 5x slower (docs/pipeline.md §4)."""
+    (load 3: one other busy thread, CPU pressure 20-60%) sleeping waits made short inputs 1.2x slower; beside
+    another 2-thread torch process (load 4) spinning waits made them 5x slower (docs/pipeline.md §4)."""
     own = torch.get_num_threads() if own_threads is None else own_threads
     try:
-        return os.getloadavg()[0] - own > available_cores()
+        return os.getloadavg()[0] - own > available_cores() - 0.5
     except OSError:
         return False
 
