@@ -313,13 +313,14 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
 
     `name_or_path=None` loads the embedded MiniLM; a directory written by `attnkit prune` is loaded with
     `attnkit.arch.pruning.load_pruned_model` (docs/pruning.md). `task` picks the head: None (bare encoder),
-    "sequence-classification", "question-answering", "masked-lm". Returns (model, tokenizer),
-    the model in eval mode on `device` ("cpu", "cuda"; default: cuda when available).
+    "sequence-classification", "question-answering", "masked-lm", "causal-lm" (a decoder with its LM head).
+    Returns (model, tokenizer), the model in eval mode on `device` ("cpu", "cuda"; default: cuda when available).
     A directory without config, weights or tokenizer files, or whose tokenizer knows far fewer tokens
     than the model embeds (a tokenizer built from nothing), is refused with the files it lacks.
     """
     from transformers import (
         AutoModel,
+        AutoModelForCausalLM,
         AutoModelForMaskedLM,
         AutoModelForQuestionAnswering,
         AutoModelForSequenceClassification,
@@ -327,7 +328,8 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     )
 
     classes = {None: AutoModel, "sequence-classification": AutoModelForSequenceClassification,
-               "question-answering": AutoModelForQuestionAnswering, "masked-lm": AutoModelForMaskedLM}
+               "question-answering": AutoModelForQuestionAnswering, "masked-lm": AutoModelForMaskedLM,
+               "causal-lm": AutoModelForCausalLM}
     if task not in classes:
         raise AttnkitError(f"unknown {arg('task')} {task!r}; use one of {', '.join(str(k) for k in classes)}")
     path = default_model_path() if name_or_path is None else str(name_or_path)
