@@ -132,7 +132,8 @@ class Runtime:
     intervention: object | None = None  # attnkit.interventions.Intervention (or StackedInterventions)
     features: dict = field(default_factory=dict)  # layer -> B×H×F tensor, filled during forward
     # Callables (layer, query, key, lengths, scaling) for statistics that need q and k themselves,
-    # e.g. the Jensen-Shannon distances between heads.
+    # e.g. the Jensen-Shannon distances between heads; a decoder's layers also pass the op's decoder arguments
+    # as keywords (causal, kv_head, sliding_window, softcap, sink: `observed`), k then with its KV heads.
     observers: list[Callable] = field(default_factory=list)
     calls: int = 0
     sentences: torch.Tensor | None = None  # user-given B×L sentence ids (attnkit.sentences)
@@ -399,6 +400,26 @@ def kv_index(H: int, Hkv: int, dec: dict, device) -> torch.Tensor | None:
     return torch.arange(H, device=device) // (H // Hkv)
 
 
+def observed(query, key, kept, dec: dict) -> tuple:
+    """(q, k, decoder arguments) as observers see them: the unpruned heads, a removed head with q = 0 (and, where
+    K/V have a head per query head, k = 0). Where the layer's query heads read shared KV heads, k keeps its KV heads
+    and `kv_head` maps every unpruned query head (a removed one to KV head 0). An encoder's observers get no
+    decoder arguments (dec is {}), so observers written for encoders keep working."""
+    if kept is None:
+        return query, key, dec
+    q = to_unpruned(query, kept)
+    H, Hkv = query.shape[1], key.shape[1]
+    if Hkv == H and "kv_head" not in dec:
+        return q, to_unpruned(key, kept), dec
+    index = kv_index(H, Hkv, dec, query.device)
+    full = torch.zeros(kept[1], dtype=torch.int32, device=query.device)
+    full[list(kept[0])] = (torch.arange(H, device=query.device) if index is None else index).to(torch.int32)
+    dec = dict(dec, kv_head=full)
+    if "sink" in dec:
+        dec["sink"] = to_unpruned(dec["sink"][None], kept)[0]
+    return q, key, dec
+
+
 def per_query_head(value: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     """B × Hkv × L × D values as B × H × L × D, each query head with its KV head's (a copy; only for what needs
     them per query head: norm weighting, and the maps path of training)."""
@@ -483,12 +504,10 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             parts = rt.intervention.layer_plan(module.layer_idx, B, L, D, query.device, query.dtype)
             if sentence_id is None and any(p.region is not None for p in parts):
                 sentence_id = forward_sentence_ids(rt, B, L, lengths, query.device, offsets)
-        if rt.observers and kept is not None:  # observers see the unpruned heads, removed ones with q = k = 0
-            obs_q, obs_k = to_unpruned(query, kept), to_unpruned(key, kept)
-        else:
-            obs_q, obs_k = query, key
-        for obs in rt.observers:
-            obs(module.layer_idx, obs_q, obs_k, lengths, scaling)
+        if rt.observers:
+            obs_q, obs_k, obs_dec = observed(query, key, kept, dec)
+            for obs in rt.observers:
+                obs(module.layer_idx, obs_q, obs_k, lengths, scaling, **obs_dec)
         if want and rt.weighting == "norm" and H > 0:
             if module.layer_idx not in rt.out_proj:
                 raise AttnkitError("norm weighting needs each layer's output projection: measure inside "

@@ -25,6 +25,7 @@ import torch
 
 from .errors import AttnkitError, arg
 from .ops import BACKENDS, extension_loaded, has_kernel
+from .reference import attention_scores, resolve_kv_head
 
 OP = "attnkit::word_attention"
 ROW_OP = "attnkit::row_stats"
@@ -121,19 +122,18 @@ def word_attention(q, k, lengths, word_id, num_words: int, *, scaling: float | N
 
 
 # --- per-row statistics ---------------------------------------------------------------------------------------
-def kv_index(H: int, Hkv: int, kv_head=None, device=None) -> torch.Tensor:
-    """int64 (H,): the KV head of each query head. `kv_head` given: it, checked against [0, Hkv); None: identity
-    when Hkv = H, even groups h // (H // Hkv) when Hkv divides H, else an AttnkitError."""
+def check_kv_head(H: int, Hkv: int, kv_head=None, device=None) -> torch.Tensor:
+    """int64 (H,): the KV head of each query head (attnkit.reference.resolve_kv_head), after checking that
+    `kv_head` names one in [0, Hkv) per query head, or, without it, that the KV heads divide the query heads."""
     if kv_head is not None:
-        idx = torch.as_tensor(kv_head, device=device).to(torch.int64).reshape(-1)
-        if idx.numel() != H or (H and (int(idx.min()) < 0 or int(idx.max()) >= Hkv)):
+        kv_head = torch.as_tensor(kv_head, device=device).reshape(-1)
+        if kv_head.numel() != H or (H and (int(kv_head.min()) < 0 or int(kv_head.max()) >= Hkv)):
             raise AttnkitError(f"kv_head must give each of the {H} query heads a KV head in [0, {Hkv}), got "
-                               f"{idx.tolist()}")
-        return idx
-    if Hkv == 0 or H % Hkv:
+                               f"{kv_head.tolist()}")
+    elif Hkv == 0 or H % Hkv:
         raise AttnkitError(f"{H} query heads and {Hkv} KV heads: without kv_head the KV heads must divide the "
                            "query heads evenly")
-    return torch.arange(H, device=device) // (H // Hkv)
+    return resolve_kv_head(H, Hkv, kv_head, device)
 
 
 def reference_row_stats(q, k, lengths, target, scaling: float, kv_head=None, causal: bool = False,
@@ -143,8 +143,7 @@ def reference_row_stats(q, k, lengths, target, scaling: float, kv_head=None, cau
     weights are computed `block` query rows at a time (None: all rows at once, B×H×L×L)."""
     B, H, L, _ = q.shape
     dev = q.device
-    kvh = kv_index(H, k.shape[1], kv_head, dev)
-    keys = k.float()[:, kvh]  # B×H×L×D
+    kvh = None if kv_head is None else torch.as_tensor(kv_head, device=dev)
     lengths = lengths.to(device=dev, dtype=torch.int64)
     target = target.to(device=dev, dtype=torch.int64)
     t = torch.arange(L, device=dev)
@@ -154,9 +153,7 @@ def reference_row_stats(q, k, lengths, target, scaling: float, kv_head=None, cau
     step = L if block is None else max(1, int(block))
     for s0 in range(0, L, step):
         s = t[s0:s0 + step]
-        x = torch.matmul(q.float()[:, :, s0:s0 + step], keys.transpose(-1, -2)) * scaling  # B×H×rows×L
-        if softcap is not None:
-            x = softcap * torch.tanh(x / softcap)
+        x = attention_scores(q[:, :, s0:s0 + step], k, scaling, kv_head=kvh, softcap=softcap)  # B×H×rows×L
         sees = (t[None, None, :] < lengths[:, None, None]) & (s[None, :, None] < lengths[:, None, None])  # B×rows×L
         if causal:
             sees = sees & (t[None, None, :] <= s[None, :, None])
@@ -204,7 +201,7 @@ def row_stats(q, k, lengths, target=None, *, scaling: float | None = None, kv_he
         raise AttnkitError(f"row_stats: softcap must be positive, got {softcap}")
     if sink is not None and tuple(sink.shape) != (H,):
         raise AttnkitError(f"row_stats: sink must hold one logit per query head ({H}), got {tuple(sink.shape)}")
-    kvh = kv_index(H, k.shape[1], kv_head, dev)
+    kvh = check_kv_head(H, k.shape[1], kv_head, dev)
     if backend not in BACKENDS:
         raise AttnkitError(f"unknown {arg('backend')} {backend!r}: use 'auto', 'fused' or 'reference'")
     use_op = backend != "reference" and op_available(dev.type, ROW_OP)
