@@ -114,6 +114,9 @@ class ModelInputs:
 
     input_ids: torch.Tensor | None
     token_type_ids: torch.Tensor | None
+    # whether the forward asked for attention maps: GPT-2's attention module takes `output_attentions` itself and
+    # does not hand it on to the attention function
+    output_attentions: bool = False
     sentence_id: torch.Tensor | None = None  # B×L int32, derived once per forward when first needed
 
 
@@ -139,6 +142,7 @@ class Runtime:
     sentences: torch.Tensor | None = None  # user-given B×L sentence ids (attnkit.sentences)
     inputs: ModelInputs | None = None  # the inputs of the forward under way, None outside one
     separator_ids: tuple[int, ...] = ()  # sep/eos token ids, to find segments in input_ids
+    sink: bool = False  # the model has a learned sink logit per head: its features end with `sink`
     segment_types: bool = True  # whether token_type_ids mark segments (the model has > 1 type)
     _outer_inputs: list = field(default_factory=list)  # inputs of enclosing forwards (nested calls)
     # attnkit.caching.HeadCache objects that keep each layer's per-head outputs (attnkit.cache_heads)
@@ -166,16 +170,23 @@ class Runtime:
             self.batch = None
 
 
-_callers: list | None = None  # while `recording_callers` runs: the modules that called attnkit attention
+class Callers(list):
+    """The modules that called attnkit attention, in call order; `sink`: whether one of them has a learned sink
+    logit per head (gpt-oss), which adds the feature `sink` (docs/features.md)."""
+
+    sink: bool = False
+
+
+_callers: Callers | None = None  # while `recording_callers` runs: the modules that called attnkit attention
 _last_mask: tuple = (lambda: None, None)
 
 
 @contextlib.contextmanager
 def recording_callers():
-    """Yield a list that collects, in call order, the modules that call attnkit attention inside the block
-    (`attnkit.models.instrument` runs its probe forward under it)."""
+    """Yield a `Callers` list that collects, in call order, the modules that call attnkit attention inside the
+    block (`attnkit.models.instrument` runs its probe forward under it)."""
     global _callers
-    _callers = seen = []
+    _callers = seen = Callers()
     try:
         yield seen
     finally:
@@ -450,9 +461,13 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             "with another attn_implementation to generate)"
         )
     rt: Runtime | None = getattr(module, RUNTIME_ATTR, None)
-    want_maps = bool(kwargs.get("output_attentions"))  # model(..., output_attentions=True): return the maps
+    # model(..., output_attentions=True): return the maps (transformers passes the flag on, except GPT-2's module)
+    want_maps = bool(kwargs.get("output_attentions")) or bool(rt is not None and rt.inputs is not None
+                                                              and rt.inputs.output_attentions)
     kept = kept_heads(module)  # a pruned layer: its heads in the unpruned numbering (attnkit/arch/pruning.py)
     dec = decoder_arguments(module, H, Hkv, kwargs, kept, query.device)
+    if _callers is not None and "sink" in dec:
+        _callers.sink = True
     scale = D**-0.5 if scaling is None else scaling
 
     if rt is not None and rt.batch is not None:  # attnkit's own batches are right-padded
@@ -524,7 +539,8 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     def call(p: LayerPart, rows: slice):
         if H == 0:  # a layer whose heads were all pruned: nothing to attend with
             n = query[rows].shape[0]
-            return query.new_zeros(n, L, 0, D), query.new_zeros((n, 0, num_features(num_windows)), dtype=torch.float32)
+            return query.new_zeros(n, L, 0, D), query.new_zeros((n, 0, num_features(num_windows, "sink" in dec)),
+                                                                dtype=torch.float32)
         return attention(
             query[rows], key[rows], value[rows], lengths[rows],
             None if token_class is None else token_class[rows], None if sentence_id is None else sentence_id[rows],

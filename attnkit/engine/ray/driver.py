@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import AttnkitError, check_int
-from ...features import feature_names
-from ...models import check_max_length, default_model_path
+from ...features import feature_names, num_features
+from ...models import check_max_length, model_dir
 from ...run.distances import HeadDistances
 from ...run.head_features import FeatureAccumulator
 from ...run.shards import SHAPE_KEYS, SUM_KEYS, ShardStore, add_sums, shard_dir
@@ -29,7 +29,7 @@ def check_model_here(model_path: str | None, max_length: int, local: bool) -> No
     """Fail before starting the cluster when the model is missing or too short for `max_length` (read from its
     config alone). On a remote cluster the path may exist only on the workers: checked there."""
     try:
-        path = model_path or default_model_path()
+        path = model_dir(model_path)
     except AttnkitError:
         if local:
             raise
@@ -257,7 +257,7 @@ def run_ray_extraction(segments: Iterable[Segment], settings: ExtractSettings | 
                              model_path=model_path, dtype=dtype, address=address, num_actors=num_actors,
                              cpus_per_actor=cpus_per_actor, progress=progress, shards_per_group=shards_per_group).run()
     L, H, F = total["sum"].shape
-    names = feature_names(settings.num_windows)
+    names = feature_names(settings.num_windows, sink=F == num_features(settings.num_windows, sink=True))
     if F != len(names):
         raise AttnkitError(f"the actors returned {F} features per head, expected {len(names)}")
     acc = FeatureAccumulator(L, H, names)
