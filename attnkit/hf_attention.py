@@ -64,7 +64,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 
 from .arch.architectures import output_matrix
 from .arch.norms import key_norms
-from .arch.pruning import kept_heads, to_kept, to_unpruned
+from .arch.pruning import KV_HEAD_ATTR, kept_heads, to_kept, to_unpruned
 from .errors import AttnkitError
 from .features import DEFAULT_NUM_WINDOWS, num_features
 from .ops import attention
@@ -360,10 +360,6 @@ def check_sentences_shape(rt: Runtime, B: int, L: int) -> None:
             f"batch of {B} × {L} tokens: give one id per token of the padded batch")
 
 
-# On an attention module: the KV head of each query head (int32, one per query head), where its query heads do not
-# share the KV heads in even groups (a decoder layer that lost heads); without it, query head h reads KV head
-# h // (H / Hkv).
-KV_HEAD_ATTR = "_attnkit_kv_head"
 # The keyword arguments transformers passes to an attention function besides `scaling` and `dropout`: those attnkit
 # reads, and those that do not change what attention computes (positions are already in q and k; caches, router
 # logits and return flags are the model's business). Any other argument that has a value is refused by name: it
@@ -399,7 +395,8 @@ def decoder_arguments(module, H: int, Hkv: int, kwargs: dict, kept, device) -> d
     sink = kwargs.get("s_aux")
     if sink is not None:
         sink = sink.detach().to(device, torch.float32)
-        out["sink"] = sink if kept is None else to_kept(sink, kept)
+        # pruning keeps the sink logits of the heads kept; a layer that names them for the unpruned heads gets those
+        out["sink"] = sink if kept is None or sink.shape[0] == H else to_kept(sink, kept)
     kv_head = getattr(module, KV_HEAD_ATTR, None)
     if kv_head is not None:
         out["kv_head"] = kv_head.to(device, torch.int32)

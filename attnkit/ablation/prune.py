@@ -19,7 +19,7 @@ from ..arch.architectures import attention_layers
 from ..arch.pruning import prune_heads, pruned_head_grid
 from ..errors import AttnkitError, arg
 from ..interventions import format_heads, parse_heads
-from ..models import default_model_path, load_model
+from ..models import default_model_path, load_model, model_dir
 from ..run.outputs import ensure_writable_dir, os_errors
 from ..run.schemas import IMPORTANCE_SCHEMA, load_json
 from .sizes import count_parameters
@@ -121,7 +121,7 @@ def _task_of(path: str) -> str | None:
                 return task
         if "For" in arch:
             raise AttnkitError(f"{path} holds a {arch}: attnkit prune keeps the heads of encoders, sequence "
-                               "classifiers, question answering and masked-LM models")
+                               "classifiers, question answering, masked-LM and causal-LM models")
     return None
 
 
@@ -139,7 +139,7 @@ def check_out(out: Path, model_path: str, overwrite: bool) -> None:
 
 def run_prune(opts: PruneOptions, echo=None) -> Pruned:
     """Prune as `opts` says; `echo(text, err=True)`, when given, receives the stage messages."""
-    path = default_model_path() if opts.model == "default" else str(opts.model)
+    path = default_model_path() if opts.model == "default" else model_dir(opts.model)  # smollm2: its cached copy
     out = Path(opts.out)
     check_out(out, path, opts.overwrite)
     ensure_writable_dir(out.parent if str(out.parent) else Path("."), "output directory")
