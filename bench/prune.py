@@ -146,7 +146,8 @@ def main(argv=None) -> dict:
     flops = {m: forward_flops(models[m], batch.inputs) for m in models}
     params = {m: count_parameters(models[m]) for m in models}
     tok_s = {f"{m} {c}": n_tokens / statistics.median(times[(m, c)]) for m, c in runs}
-    res = {"model": args.model, "by_kv_group": args.by_kv_group, "length": args.length, "batch": args.batch, "tokens": n_tokens,
+    res = {"model": args.model, "by_kv_group": args.by_kv_group, "length": args.length, "batch": args.batch,
+           "tokens": n_tokens,
            "repeats": args.repeats, "threads": torch.get_num_threads(), "heads_removed": format_heads(heads),
            "n_removed": len(heads), "n_heads": shape[0] * shape[1], "params": params, "flops": flops,
            "flop_share_removed": 1 - flops["pruned"] / flops["full"],
