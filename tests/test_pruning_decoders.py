@@ -197,3 +197,24 @@ def test_prune_command_on_a_decoder_and_fused_layouts_refused(tmp_path, decoder_
     assert type(model).__name__ == "LlamaForCausalLM"  # the LM head kept
     with pytest.raises(AttnkitError, match="pruning heads of a 'gpt2' model is not supported.*not fused ones"):
         prune_heads(tiny_decoder("gpt2"), [(0, 1)])
+
+
+@pytest.mark.slow
+def test_pruned_smollm2_equals_it_zeroed(smollm2):
+    """SmolLM2-135M (9 query heads on 3 KV heads): layer 0 loses one query head (uneven groups), layer 5 a whole KV
+    group, layer 29 two heads of different groups. Hidden states equal the zeroed model's; KV rows go only with
+    the whole group."""
+    model, tok = smollm2
+    heads = [(0, 4), (5, 0), (5, 1), (5, 2), (29, 1), (29, 7)]
+    enc = tok(["The bridge was long, and the river below was wide.", "Short."], padding=True, return_tensors="pt")
+    with torch.no_grad(), attnkit.intervene(model, attnkit.Intervention.from_heads(model, heads, mode="zero")):
+        expect = model(**enc).last_hidden_state
+    pruned = prune_heads(copy.deepcopy(model), heads)
+    with torch.no_grad():
+        got = pruned(**enc).last_hidden_state
+    scale = expect.abs().max().item()
+    assert valid(got - expect, enc).abs().max().item() <= 1e-5 * scale
+    attn = {l: pruned.layers[l].self_attn for l in (0, 5, 29)}  # the fixture is the base model
+    assert [attn[l].k_proj.out_features // 64 for l in (0, 5, 29)] == [3, 2, 3]
+    assert getattr(attn[0], KV_HEAD_ATTR).tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+    assert count_parameters(model) - count_parameters(pruned) == (6 + 1) * 2 * 576 * 64
