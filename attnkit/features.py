@@ -33,18 +33,19 @@ def bucket_names(num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
     return ["cls", "sep", "comma", "period", "self"] + [f"win_{i}" for i in range(num_windows)]
 
 
-def feature_names(num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
-    """All per-head features, in the order the ops emit them."""
-    return bucket_names(num_windows) + list(ROW_FEATURES) + ["cls_entropy"]
+def feature_names(num_windows: int = DEFAULT_NUM_WINDOWS, sink: bool = False) -> list[str]:
+    """All per-head features, in the order the ops emit them. With `sink` (a model with a learned sink logit
+    per head, e.g. gpt-oss), one more comes last: `sink`, the sink's mass (docs/features.md, "Decoder models")."""
+    return bucket_names(num_windows) + list(ROW_FEATURES) + ["cls_entropy"] + (["sink"] if sink else [])
 
 
-def num_features(num_windows: int = DEFAULT_NUM_WINDOWS) -> int:
-    return 5 + num_windows + len(ROW_FEATURES) + 1
+def num_features(num_windows: int = DEFAULT_NUM_WINDOWS, sink: bool = False) -> int:
+    return 5 + num_windows + len(ROW_FEATURES) + 1 + (1 if sink else 0)
 
 
-def windows_of(n_features: int) -> int:
+def windows_of(n_features: int, sink: bool = False) -> int:
     """The number of distance windows behind `n_features` features (the inverse of `num_features`)."""
-    return n_features - num_features(0)
+    return n_features - num_features(0, sink=sink)
 
 
 # One line per feature, for tooltips and the report's glossary (the definitions: docs/features.md).
@@ -61,10 +62,12 @@ _DEFINITIONS = {
     "intra": "weight on keys in the query's own sentence",
     "inter": "weight on keys in other sentences",
     "cls_entropy": "entropy of the [CLS] row alone",
+    "sink": "mass on the learned sink logit of the head (no key, no value; with the buckets it sums to 1)",
 }
 # The section of docs/features.md that defines each feature (GitHub's heading anchors).
 _SECTIONS = {"bucket": "the-21-exclusive-distance-buckets-5--n-in-general", "row": "the-row-features",
-             "cls_entropy": "3-from-rows-to-a-sample-from-samples-to-the-corpus"}
+             "cls_entropy": "3-from-rows-to-a-sample-from-samples-to-the-corpus",
+             "sink": "8-decoder-models-causal-rows-grouped-query-attention-windows-soft-capping-sinks"}
 
 
 def describe_feature(name: str) -> str:
@@ -80,6 +83,8 @@ def feature_section(name: str) -> str:
     """The anchor of the section of docs/features.md that defines feature `name`."""
     if name == "cls_entropy":
         return _SECTIONS["cls_entropy"]
+    if name == "sink":
+        return _SECTIONS["sink"]
     return _SECTIONS["row"] if name in ROW_FEATURES else _SECTIONS["bucket"]
 
 

@@ -11,6 +11,10 @@ differentiable (it has no grad_fn): a loss on features raises instead of getting
 
 torch.compile: which kernels exist is decided once per (device type, op) outside the traced path
 (`has_kernel` reads a table), so `attention()` traces without graph breaks.
+
+Decoder arguments (kv_head, causal, sliding_window, softcap, sink; attnkit/reference.py): they are appended to
+the op's schema with defaults. An extension built before them has no such arguments (`fused_decoder()` is
+False): `backend="auto"` then runs such calls on the reference, and `backend="fused"` refuses them by name.
 """
 from __future__ import annotations
 
@@ -66,6 +70,31 @@ def has_kernel(device_type: str, op: str = _OP) -> bool:
     if key not in _KERNELS:  # another op or device type: ask the dispatcher once
         _KERNELS[key] = _query_kernel(device_type, op)
     return _KERNELS[key]
+
+
+def _schema_has_decoder_args() -> bool:
+    if not extension_loaded():
+        return False
+    try:
+        names = {a.name for a in torch.ops.attnkit.fused_attention.default._schema.arguments}
+    except (AttributeError, RuntimeError):
+        return False
+    return "causal" in names
+
+
+_FUSED_DECODER = _schema_has_decoder_args()
+
+
+def fused_decoder() -> bool:
+    """True when the compiled op takes the decoder arguments (kv_head, causal, sliding_window, softcap, sink)."""
+    return _FUSED_DECODER
+
+
+def _decoder_args_given(q, k, kv_head, causal, sliding_window, softcap, sink) -> list[str]:
+    """The decoder arguments a call uses (grouped K/V counts as kv_head)."""
+    given = {"kv_head": kv_head is not None or k.shape[1] != q.shape[1], "causal": bool(causal),
+             "sliding_window": sliding_window is not None, "softcap": softcap is not None, "sink": sink is not None}
+    return [name for name, used in given.items() if used]
 
 
 def _warn_reference_once() -> None:
@@ -131,18 +160,26 @@ def attention(
     gates: torch.Tensor | None = None,
     want_features: bool = False,
     key_scale: torch.Tensor | None = None,
+    kv_head: torch.Tensor | None = None,
+    causal: bool = False,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sink: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with optional interventions and features; see `attnkit.reference` for semantics.
 
     `key_scale` (B×H×L, ≥ 0): the features describe the weights each scaled by its key's factor and
     renormalised per row (norm weighting, docs/features.md); the output is unchanged.
+    Decoder arguments: k and v may have fewer heads (`kv_head`: the KV head of each query head), `causal`,
+    `sliding_window`, `softcap`, `sink` (a logit per head; adds the feature `sink`).
     Returns (out B×L×H×D, features B×H×F fp32 — B×H×0 when `want_features` is false).
     """
     # shapes and dtypes as the reference checks them, before anything is converted: the backends agree on
     # every input the reference accepts, and refuse (not round) what it refuses, e.g. float lengths or D = 0
     check_layout(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows, mode=mode,
-                 region=region, gates=gates, key_scale=key_scale)
+                 region=region, gates=gates, key_scale=key_scale, kv_head=kv_head, sliding_window=sliding_window,
+                 softcap=softcap, sink=sink)
     dev = q.device
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
@@ -153,16 +190,34 @@ def attention(
     region = _as(region, torch.int32, dev)
     gates = _as(gates, torch.float32, dev) if gates is None or not gates.requires_grad else gates.to(dev)
     key_scale = _as(key_scale, torch.float32, dev)
-    if resolve_backend(backend, dev) == "reference":
+    kv_head = _as(kv_head, torch.int32, dev)
+    sink = _as(sink, torch.float32, dev) if sink is None or not sink.requires_grad else sink.to(dev)
+    causal = bool(causal)
+    softcap = None if softcap is None else float(softcap)
+    decoder = _decoder_args_given(q, k, kv_head, causal, sliding_window, softcap, sink)
+    chosen = resolve_backend(backend, dev)
+    if chosen == "fused" and decoder and not _FUSED_DECODER:
+        if backend == "fused":
+            raise AttnkitError(f"backend 'fused' requested but this build of the extension does not take "
+                               f"{', '.join(decoder)}: rebuild it (pip install --no-build-isolation -e .)")
+        chosen = "reference"  # an older build: the reference computes them (no warning: the result is exact)
+    if chosen == "reference":
         return reference_attention(
             q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
             mode=mode, region=region, renormalize=renormalize, gates=gates, want_features=want_features,
-            key_scale=key_scale,
+            key_scale=key_scale, kv_head=kv_head, causal=causal, sliding_window=sliding_window, softcap=softcap,
+            sink=sink,
         )
     try:
+        if not _FUSED_DECODER:
+            return torch.ops.attnkit.fused_attention(
+                q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
+                bool(renormalize), gates, bool(want_features), key_scale,
+            )
         return torch.ops.attnkit.fused_attention(
             q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
-            bool(renormalize), gates, bool(want_features), key_scale,
+            bool(renormalize), gates, bool(want_features), key_scale, kv_head, causal, sliding_window, softcap,
+            sink,
         )
     except RuntimeError as exc:  # the kernels' argument checks (TORCH_CHECK) name the bad argument
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -181,10 +236,11 @@ if extension_loaded():
 
     @torch.library.register_fake(_OP)
     def _fused_attention_fake(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode,
-                              region, renormalize, gates, want_features, key_scale=None):
+                              region, renormalize, gates, want_features, key_scale=None, kv_head=None,
+                              causal=False, sliding_window=None, softcap=None, sink=None):
         B, H, L, D = q.shape
         out = q.new_empty((B, L, H, D))
-        nf = num_features(num_windows) if want_features else 0
+        nf = num_features(num_windows, sink=sink is not None) if want_features else 0
         feats = q.new_empty((B, H, nf), dtype=torch.float32)
         return out, feats
 
@@ -193,33 +249,39 @@ if extension_loaded():
         M = attn.shape[1]
         return attn.new_empty((M, M), dtype=torch.float64)
 
+    # positions of the op's inputs (csrc/ops.cpp); the decoder arguments come last, absent from older builds
+    _GATES, _SINK = 11, 18
+
     def _setup_context(ctx, inputs, output):
         (q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region, renormalize,
-         gates, want_features, _key_scale) = inputs  # the key scale changes features only
-        ctx.save_for_backward(q, k, v, lengths, token_class, sentence_id, mode, region, gates)
+         gates, want_features, _key_scale) = inputs[:14]  # the key scale changes features only
+        kv_head, causal, sliding_window, softcap, sink = (tuple(inputs[14:]) + (None, False, None, None, None)[
+            len(inputs) - 14:])
+        ctx.save_for_backward(q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink)
         ctx.scaling = scaling
         ctx.renormalize = renormalize
+        ctx.n_inputs = len(inputs)
+        ctx.decoder = dict(causal=bool(causal), sliding_window=sliding_window, softcap=softcap)
         # backward differentiates the attention output only: the features get no grad_fn
         ctx.mark_non_differentiable(output[1])
 
     def _backward(ctx, grad_out, grad_feats):
-        q, k, v, lengths, token_class, sentence_id, mode, region, gates = ctx.saved_tensors
+        q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = ctx.saved_tensors
         needs = ctx.needs_input_grad
         leaves = {}
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_(needs[i]) for i, t in enumerate((q, k, v)))
-            gd = None
-            if gates is not None:
-                gd = gates.detach().requires_grad_(needs[11])
+            gd = None if gates is None else gates.detach().requires_grad_(needs[_GATES])
+            sd = None if sink is None else sink.detach().requires_grad_(needs[_SINK])
             out, _ = reference_attention(
                 qd, kd, vd, lengths, token_class, sentence_id, scaling=ctx.scaling, mode=mode,
-                region=region, renormalize=ctx.renormalize, gates=gd,
+                region=region, renormalize=ctx.renormalize, gates=gd, kv_head=kv_head, sink=sd, **ctx.decoder,
             )
-            for i, t in ((0, qd), (1, kd), (2, vd), (11, gd)):
+            for i, t in ((0, qd), (1, kd), (2, vd), (_GATES, gd), (_SINK, sd)):
                 if t is not None and needs[i]:
                     leaves[i] = t
             grads = torch.autograd.grad(out, list(leaves.values()), grad_out, allow_unused=True)
-        result = [None] * 14
+        result = [None] * ctx.n_inputs
         for i, g in zip(leaves, grads):
             result[i] = g
         return tuple(result)

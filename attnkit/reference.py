@@ -15,23 +15,43 @@ Semantics (docs/features.md, docs/interventions.md):
   * Values at padding positions (q, k, v rows t >= n) never reach valid rows or features, whatever
     they hold (even NaN). A head in mode zero outputs exactly 0 (its features are 0).
 
+  * Decoder arguments (docs/features.md, "Decoder models"): k and v may have Hkv heads and `kv_head` (H ints in
+    [0, Hkv)) names the KV head of each query head (None: Hkv == H, or even groups h // (H // Hkv) when Hkv
+    divides H); K/V are never repeated in memory by the fused ops. The keys row s *sees* are t < n, and with
+    `causal` t <= s, and with `sliding_window` W also s − t < W (transformers' `kv_idx > q_idx − W`; without
+    `causal` the window limits only the keys before s). Keys a row does not see are treated like padding: weight
+    0, and their scores (even NaN) are never read. `softcap` c: scores become c·tanh(q·k·scaling / c) (Gemma 2)
+    before the softmax. `sink` (H floats, gpt-oss's s_aux): a logit that joins each row's softmax denominator,
+    takes mass and adds no value; the weights of a row's keys then sum to 1 − its sink mass.
+  * Interventions on decoder rows: mode uniform puts 1/m on each of the m keys the row sees (sink mass 0); mode
+    zero makes the sink mass 0 too; regions never drop the sink (it is in no sentence), and `renormalize`
+    rescales the kept keys together with the sink mass to sum 1. A padded row that sees no key (only possible
+    with a sliding window) has weight 0 everywhere (output 0), not NaN.
+  * With `sink` and features wanted, one more feature comes last: `sink`, the row's sink mass averaged over
+    the n rows like the others (the 21 buckets plus `sink` sum to 1). Norm weighting gives the sink weight 0
+    (it adds no value vector, so its ‖f‖ is 0).
+
   * Norm weighting (docs/features.md, "Norm-weighted features"): with a key scale g (B×H×L, ≥ 0) the
     features describe w'[s, t] = w[s, t]·g[t] / Σ_u w[s, u]·g[u] instead of the final weights w (a row
     whose Σ is 0 stays 0); the output is unchanged.
 
-Arguments (checked by every backend, errors name the argument): q, k, v of one shape B×H×L×D with
-D >= 1; lengths B integers in [1, L]; token_class B×L codes OTHER..PERIOD (0..4) at valid positions
-when features are wanted; sentence_id B×L integers, compared as integers (any int32 value); mode H
-codes KEEP/ZERO/UNIFORM (0..2); region H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats;
+Arguments (checked by every backend, errors name the argument): q B×H×L×D with D >= 1; k and v of one shape
+B×Hkv×L×D (Hkv = H, or as `kv_head` says); kv_head H integers in [0, Hkv); sliding_window an integer >= 1;
+softcap a finite number > 0; sink H floats; lengths B integers in [1, L]; token_class B×L codes OTHER..PERIOD
+(0..4) at valid positions when features are wanted; sentence_id B×L integers, compared as integers (any int32
+value); mode H codes KEEP/ZERO/UNIFORM (0..2); region H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats;
 key_scale B×H×L floats, finite and >= 0 at valid keys (checked here; the compiled kernels trust it);
 num_windows from 1 to 1024 (MAX_NUM_WINDOWS); scaling a finite number (inf or NaN is refused).
 
 Numerics policy (NaN propagates, as in torch.softmax and scaled_dot_product_attention): a query row
-whose softmax is undefined — a NaN score among its valid keys, a +inf score, or every score −inf —
-has NaN weights on every valid key (whatever region intervention follows; modes zero and uniform do
+whose softmax is undefined — a NaN score among the keys it sees, a +inf score, or every score −inf (with
+a sink: a NaN or +inf sink, or every score and the sink −inf) — has NaN weights on every key it sees (and a
+NaN sink mass) (whatever region intervention follows; modes zero and uniform do
 not use the scores and stay finite). Its output row is NaN, and all features of its (sample, head)
 are NaN when the row is a valid one. A NaN or inf in v at a valid key reaches the output the way a
-matrix product carries it (0 · NaN = NaN), but not the features, which describe weights only.
+matrix product carries it (0 · NaN = NaN), but not the features, which describe weights only (with causal
+or a window, whether it reaches the rows that do not see that key is left open: the fused kernels skip
+the tiles those rows do not see).
 """
 from __future__ import annotations
 
@@ -61,6 +81,28 @@ def _key_mask(lengths: torch.Tensor, L: int) -> torch.Tensor:
     return torch.arange(L, device=lengths.device)[None, :] < lengths[:, None]
 
 
+def visible_keys(lengths: torch.Tensor, L: int, causal: bool = False,
+                 sliding_window: int | None = None) -> torch.Tensor:
+    """B×1×L×L bool: True where query row s sees key t (t < n; with `causal` t <= s; with a sliding window W
+    also s − t < W)."""
+    vis = _key_mask(lengths, L)[:, None, None, :]
+    pos = torch.arange(L, device=lengths.device)
+    offset = pos[:, None] - pos[None, :]  # s − t
+    if causal:
+        vis = vis & (offset >= 0)
+    if sliding_window is not None:
+        vis = vis & (offset < sliding_window)
+    return vis
+
+
+def resolve_kv_head(H: int, Hkv: int, kv_head: torch.Tensor | None, device=None) -> torch.Tensor:
+    """The KV head of each of the H query heads (int64 H): `kv_head` itself, or by default the identity
+    (Hkv == H) or even groups h // (H // Hkv). check_layout has refused any other Hkv without kv_head."""
+    if kv_head is not None:
+        return kv_head.to(device=device, dtype=torch.long)
+    return torch.arange(H, device=device) // (H // Hkv)
+
+
 def intervene_weights(
     weights: torch.Tensor,
     lengths: torch.Tensor,
@@ -68,15 +110,27 @@ def intervene_weights(
     mode: torch.Tensor | None,
     region: torch.Tensor | None,
     renormalize: bool,
-) -> torch.Tensor:
-    """Apply per-head mode and region to B×H×L×L softmax weights (padded keys already 0)."""
+    *,
+    visible: torch.Tensor | None = None,
+    sink_weights: torch.Tensor | None = None,
+):
+    """Apply per-head mode and region to B×H×L×L softmax weights (keys a row does not see already 0).
+
+    `visible` (B×1×L×L bool, `visible_keys`; None: the valid keys) are the keys each row sees: mode uniform
+    spreads the row over them. `sink_weights` (B×H×L, the sink's mass per row, or None): zeroed with mode zero
+    and uniform, kept by regions, rescaled with the kept keys by `renormalize`. Returns the weights, or
+    (weights, sink weights) when `sink_weights` is given."""
     B, H, L, _ = weights.shape
-    valid_key = _key_mask(lengths, L)[:, None, None, :]  # B×1×1×L
+    if visible is None:
+        visible = _key_mask(lengths, L)[:, None, None, :].expand(B, 1, L, L)
     if mode is not None:
         mode = mode.to(weights.device).view(1, H, 1, 1)
-        uniform = valid_key.to(weights.dtype) / lengths.to(weights.dtype).clamp(min=1).view(B, 1, 1, 1)
+        seen = visible.to(weights.dtype)
+        uniform = seen / seen.sum(-1, keepdim=True).clamp(min=1)
         weights = torch.where(mode == ZERO, torch.zeros_like(weights), weights)
         weights = torch.where(mode == UNIFORM, uniform.expand_as(weights), weights)
+        if sink_weights is not None:
+            sink_weights = torch.where(mode[..., 0] == KEEP, sink_weights, 0.0)
     if region is not None:
         region = region.to(weights.device).view(1, H, 1, 1)
         if sentence_id is None:
@@ -87,8 +141,73 @@ def intervene_weights(
         weights = weights.masked_fill(drop, 0.0)
     if renormalize:
         total = weights.sum(-1, keepdim=True)
-        weights = torch.where(total > 0, weights / total.clamp(min=torch.finfo(weights.dtype).tiny), weights)
-    return weights
+        if sink_weights is not None:
+            total = total + sink_weights[..., None]
+        scale = torch.where(total > 0, 1 / total.clamp(min=torch.finfo(weights.dtype).tiny), 1.0)
+        weights = weights * scale
+        if sink_weights is not None:
+            sink_weights = sink_weights * scale[..., 0]
+    return weights if sink_weights is None else (weights, sink_weights)
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, *, kv_head: torch.Tensor | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """B×H×L×L fp32 scores q·kᵀ·scaling of each query head against its KV head's keys, soft-capped to
+    softcap·tanh(score / softcap) when `softcap` is given (before any mask)."""
+    H, Hkv = q.shape[1], k.shape[1]
+    kf = k.float()
+    if Hkv != H or kv_head is not None:
+        kf = kf.index_select(1, resolve_kv_head(H, Hkv, kv_head, q.device))
+    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    return scores
+
+
+def weights_and_sink(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lengths: torch.Tensor,
+    scaling: float,
+    sentence_id: torch.Tensor | None = None,
+    mode: torch.Tensor | None = None,
+    region: torch.Tensor | None = None,
+    renormalize: bool = False,
+    *,
+    kv_head: torch.Tensor | None = None,
+    causal: bool = False,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B×H×L×L fp32 key weights, B×H×L fp32 sink mass per row or None without `sink`) after the softmax
+    and interventions (keys a row does not see 0; NaN policy in the module docstring)."""
+    B, H, L, _ = q.shape
+    lengths = lengths.to(q.device).long()
+    scores = attention_scores(q, k, scaling, kv_head=kv_head, softcap=softcap)
+    visible = visible_keys(lengths, L, causal, sliding_window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink_w = None
+    if sink is None:
+        weights = torch.softmax(scores, dim=-1)
+        sees_any = visible.any(-1, keepdim=True)  # B×1×L×1; False only for padded rows outside a window
+        weights = torch.where(sees_any, weights, 0.0)
+    else:
+        logit = sink.to(q.device, torch.float32).view(1, H, 1, 1).expand(B, H, L, 1)
+        both = torch.softmax(torch.cat([scores, logit], dim=-1), dim=-1)
+        weights, sink_w = both[..., :L], both[..., L]
+    undefined = weights.isnan().any(-1, keepdim=True)  # B×H×L×1: NaN / +inf score, or all −inf
+    if sink_w is None:
+        weights = intervene_weights(weights, lengths, sentence_id, mode, region, renormalize, visible=visible)
+    else:
+        weights, sink_w = intervene_weights(weights, lengths, sentence_id, mode, region, renormalize,
+                                            visible=visible, sink_weights=sink_w)
+    uses_scores = undefined if mode is None else undefined & (mode.to(q.device).view(1, H, 1, 1) == KEEP)
+    nan_row = torch.where(visible, float("nan"), 0.0)
+    weights = torch.where(uses_scores, nan_row, weights)
+    if sink_w is not None:
+        sink_w = torch.where(uses_scores[..., 0], float("nan"), sink_w)
+    return weights, sink_w
 
 
 def attention_weights(
@@ -100,18 +219,17 @@ def attention_weights(
     mode: torch.Tensor | None = None,
     region: torch.Tensor | None = None,
     renormalize: bool = False,
+    *,
+    kv_head: torch.Tensor | None = None,
+    causal: bool = False,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """B×H×L×L fp32 weights after softmax and interventions (padded keys 0; NaN policy above)."""
-    B, H, L, _ = q.shape
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
-    valid_key = _key_mask(lengths, L)[:, None, None, :]
-    scores = scores.masked_fill(~valid_key, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    undefined = weights.isnan().any(-1, keepdim=True)  # B×H×L×1: NaN / +inf score, or all −inf
-    weights = intervene_weights(weights, lengths, sentence_id, mode, region, renormalize)
-    uses_scores = undefined if mode is None else undefined & (mode.to(q.device).view(1, H, 1, 1) == KEEP)
-    nan_row = torch.where(valid_key, float("nan"), 0.0)
-    return torch.where(uses_scores, nan_row, weights)
+    """B×H×L×L fp32 weights after softmax and interventions (keys a row does not see 0; NaN policy above).
+    With a sink, a row's weights sum to 1 − its sink mass (the map transformers' eager gpt-oss returns)."""
+    return weights_and_sink(q, k, lengths, scaling, sentence_id, mode, region, renormalize, kv_head=kv_head,
+                            causal=causal, sliding_window=sliding_window, softcap=softcap, sink=sink)[0]
 
 
 def bucket_index(token_class: torch.Tensor, lengths: torch.Tensor, num_windows: int) -> torch.Tensor:
@@ -140,8 +258,10 @@ def row_features(
     token_class: torch.Tensor,
     sentence_id: torch.Tensor | None,
     num_windows: int,
+    sink_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-(sample, head) feature vectors B×H×F (fp32) from final B×H×L×L weights."""
+    """Per-(sample, head) feature vectors B×H×F (fp32) from final B×H×L×L weights; with `sink_weights`
+    (B×H×L, each row's sink mass) one more feature, `sink`, comes last (its mean over the n rows)."""
     B, H, L, _ = weights.shape
     w = weights.float()
     valid = _key_mask(lengths, L)  # B×L
@@ -166,7 +286,7 @@ def row_features(
         inter = (w * ~same).sum(-1)
     rows = torch.cat(
         [buckets, torch.stack([prev, nxt, entropy, mx, intra, inter], dim=-1)], dim=-1
-    )  # B×H×L×(F-1)
+    )  # B×H×L×(F-1), without the sink
     row_valid = valid[:, None, :, None]
     n = lengths.clamp(min=1).float().view(B, 1, 1)
     means = torch.where(row_valid, rows, 0.0).sum(2) / n  # padded rows (even NaN ones) add nothing
@@ -174,11 +294,17 @@ def row_features(
     is_cls_row = (token_class == CLS) & valid  # B×L
     n_cls = is_cls_row.sum(-1).float().view(B, 1)
     cls_ent = torch.where(is_cls_row[:, None, :], entropy, 0.0).sum(-1) / n_cls.clamp(min=1)
-    out = torch.cat([means, cls_ent[..., None]], dim=-1)
+    parts = [means, cls_ent[..., None]]
+    nan_rows = w.isnan().any(-1)
+    if sink_weights is not None:
+        sw = sink_weights.float()
+        parts.append((torch.where(valid[:, None, :], sw, 0.0).sum(-1) / n[..., 0])[..., None])
+        nan_rows = nan_rows | sw.isnan()
+    out = torch.cat(parts, dim=-1)
     # NaN policy: a valid row with NaN weights makes every feature of its (sample, head) NaN
-    nan_row = (w.isnan().any(-1) & valid[:, None, :]).any(-1, keepdim=True)  # B×H×1
+    nan_row = (nan_rows & valid[:, None, :]).any(-1, keepdim=True)  # B×H×1
     out = torch.where(nan_row, float("nan"), out)
-    assert out.shape[-1] == num_features(num_windows)
+    assert out.shape[-1] == num_features(num_windows, sink=sink_weights is not None)
     return out
 
 
@@ -198,23 +324,35 @@ def reference_attention(
     gates: torch.Tensor | None = None,
     want_features: bool = False,
     key_scale: torch.Tensor | None = None,
+    kv_head: torch.Tensor | None = None,
+    causal: bool = False,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention + interventions + features, computed in fp32.
 
-    q, k, v: B×H×L×D. lengths: B (int). token_class, sentence_id: B×L ints (None: all OTHER / one
+    q: B×H×L×D; k, v: B×Hkv×L×D. lengths: B (int). token_class, sentence_id: B×L ints (None: all OTHER / one
     sentence). mode, region: H ints (codes in `attnkit.features`). gates: H floats. key_scale: B×H×L
-    floats (norm weighting of the features; None: plain weights).
-    Returns (out B×L×H×D in q's dtype, features B×H×F fp32, or B×H×0 when not wanted).
+    floats (norm weighting of the features; None: plain weights). kv_head, causal, sliding_window, softcap,
+    sink: the decoder arguments (module docstring).
+    Returns (out B×L×H×D in q's dtype, features B×H×F fp32 — F = num_features(num_windows, sink=sink is not
+    None) — or B×H×0 when not wanted).
     """
     B, H, L, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
     if scaling is None and q.dim() == 4 and D >= 1:
         scaling = D**-0.5
     check_arguments(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
-                    mode=mode, region=region, gates=gates, want_features=want_features, key_scale=key_scale)
+                    mode=mode, region=region, gates=gates, want_features=want_features, key_scale=key_scale,
+                    kv_head=kv_head, sliding_window=sliding_window, softcap=softcap, sink=sink)
     lengths = lengths.to(q.device).long()
-    weights = attention_weights(q, k, lengths, scaling, sentence_id, mode, region, renormalize)
+    weights, sink_w = weights_and_sink(q, k, lengths, scaling, sentence_id, mode, region, renormalize,
+                                       kv_head=kv_head, causal=causal, sliding_window=sliding_window,
+                                       softcap=softcap, sink=sink)
     # padded keys of v are dropped, not multiplied by 0 (0 · NaN would leak garbage into valid rows)
     v_valid = v.float().masked_fill(~_key_mask(lengths, L)[:, None, :, None], 0.0)
+    if v.shape[1] != H or kv_head is not None:
+        v_valid = v_valid.index_select(1, resolve_kv_head(H, v.shape[1], kv_head, q.device))
     out = torch.matmul(weights, v_valid)  # B×H×L×D
     if gates is not None:
         out = out * gates.to(out.device, torch.float32).view(1, H, 1, 1)
@@ -225,9 +363,12 @@ def reference_attention(
         if token_class is None:
             token_class = torch.full((B, L), OTHER, dtype=torch.int32, device=q.device)
         fw = weights.detach()
+        sw = None if sink_w is None else sink_w.detach()
         if key_scale is not None:
             fw = norm_weighted(fw, lengths, key_scale)
-        feats = row_features(fw, lengths, token_class, sentence_id, num_windows)
+            if sw is not None:  # the sink adds no value vector: weight 0 under norm weighting (NaN stays NaN)
+                sw = sw * 0.0
+        feats = row_features(fw, lengths, token_class, sentence_id, num_windows, sw)
     else:
         feats = q.new_zeros((B, H, 0), dtype=torch.float32)
     return out, feats
@@ -268,16 +409,35 @@ def _int_tensor(t, name, shape) -> None:
 
 
 def check_layout(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling=None,
-                 num_windows=DEFAULT_NUM_WINDOWS, mode=None, region=None, gates=None, key_scale=None) -> None:
+                 num_windows=DEFAULT_NUM_WINDOWS, mode=None, region=None, gates=None, key_scale=None,
+                 kv_head=None, sliding_window=None, softcap=None, sink=None) -> None:
     """The part of the contract that reads no tensor values (shapes, dtypes, head dim, scaling, num_windows):
     cheap, and run by every backend before it converts anything (so lengths of a float dtype are refused by
     the fused op as by the reference, not rounded)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise AttnkitError(f"q must be 4-D (B, H, L, D), got shape {tuple(getattr(q, 'shape', ()))}")
     B, H, L, D = q.shape
-    if k.shape != q.shape or v.shape != q.shape:
-        raise AttnkitError(f"k and v must have q's shape {tuple(q.shape)}, got k {tuple(k.shape)} and "
-                           f"v {tuple(v.shape)}")
+    if (not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or k.shape != v.shape
+            or (k.shape[0], k.shape[2], k.shape[3]) != (B, L, D) or k.shape[1] < 1):
+        raise AttnkitError(f"k and v must have q's shape {tuple(q.shape)} (or B×Hkv×L×D with Hkv KV heads), got "
+                           f"k {tuple(getattr(k, 'shape', ()))} and v {tuple(getattr(v, 'shape', ()))}")
+    Hkv = k.shape[1]
+    if kv_head is not None:
+        _int_tensor(kv_head, "kv_head", (H,))
+    elif Hkv != H and (Hkv > H or H % Hkv):
+        raise AttnkitError(f"k and v have {Hkv} heads and q {H}: give kv_head (the KV head of each query head) "
+                           f"unless {Hkv} divides {H}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise AttnkitError(f"sliding_window must be an integer >= 1, got {sliding_window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise AttnkitError(f"softcap must be a finite number > 0, got {softcap!r}")
+    if sink is not None:
+        if not isinstance(sink, torch.Tensor) or not sink.is_floating_point():
+            raise AttnkitError(f"sink must be a floating-point tensor, got {getattr(sink, 'dtype', type(sink))}")
+        if tuple(sink.shape) != (H,):
+            raise AttnkitError(f"sink must have shape [{H}], got {list(sink.shape)}")
     if D < 1:
         raise AttnkitError(f"head dim (q.size(3)) must be >= 1, got {D}")
     if scaling is not None and not math.isfinite(float(scaling)):
@@ -305,11 +465,18 @@ def check_layout(q, k, v, lengths, token_class=None, sentence_id=None, *, scalin
 
 def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling=None,
                     num_windows=DEFAULT_NUM_WINDOWS, mode=None, region=None, gates=None,
-                    want_features=False, key_scale=None) -> None:
+                    want_features=False, key_scale=None, kv_head=None, sliding_window=None, softcap=None,
+                    sink=None) -> None:
     """The argument contract every backend enforces (module docstring); AttnkitError names the argument."""
     check_layout(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows, mode=mode,
-                 region=region, gates=gates, key_scale=key_scale)
+                 region=region, gates=gates, key_scale=key_scale, kv_head=kv_head, sliding_window=sliding_window,
+                 softcap=softcap, sink=sink)
     B, H, L, D = q.shape
+    if kv_head is not None:
+        Hkv = k.shape[1]
+        bad_kv = (kv_head < 0) | (kv_head >= Hkv)
+        _require(~bad_kv.any(), lambda: f"kv_head must lie in [0, Hkv) = [0, {Hkv}), got "
+                                        f"{kv_head[bad_kv][0].item()} at head {bad_kv.nonzero()[0].item()}")
     _require(((lengths >= 1) & (lengths <= L)).all(),
              lambda: f"lengths must lie in [1, L] = [1, {L}], got lengths{_first_bad((lengths < 1) | (lengths > L))}"
                      f" = {lengths[(lengths < 1) | (lengths > L)][0].item()}")
@@ -341,6 +508,10 @@ __all__ = [
     "check_layout",
     "reference_js_distances",
     "attention_weights",
+    "attention_scores",
+    "weights_and_sink",
+    "visible_keys",
+    "resolve_kv_head",
     "intervene_weights",
     "row_features",
     "bucket_index",
