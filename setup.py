@@ -10,14 +10,32 @@ Install with `pip install --no-build-isolation -e .` after torch is installed. E
 """
 import glob
 import os
+import platform
 
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+# The CPU kernel's tasks are built once per instruction set (csrc/cpu/capability/, written by
+# tools/generate_kernels.py) with these flags, as ATen builds its kernels; the kernel picks one at run time
+# (csrc/cpu/fused_attention.cpp). ATTNKIT_SIMD=0 builds only the portable one.
+CPU_CAPABILITY_FLAGS = {
+    "default": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+}
+
+
+def _capability_units():
+    """(source, flags) of each CPU capability unit this build compiles."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    names = ["default"] + (["avx2", "avx512"] if x86 and os.environ.get("ATTNKIT_SIMD", "1") != "0" else [])
+    return [(f"csrc/cpu/capability/fused_attention_{name}.cpp", CPU_CAPABILITY_FLAGS[name]) for name in names]
+
+
 def _simd_flags():
-    """AVX2/FMA for the CPU kernels' vector code when the build machine has them (like -march=native:
+    """AVX2/FMA for the other CPU units' vector code when the build machine has them (like -march=native:
     the extension is built where it runs). ATTNKIT_SIMD=0 builds portable scalar code."""
     if os.environ.get("ATTNKIT_SIMD", "1") == "0":
         return []
@@ -85,7 +103,34 @@ def _extensions():
             extra_compile_args=extra,
             extra_link_args=["-fopenmp"],
         )
-    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+    ext.capability_units = _capability_units()
+    return [ext], {"build_ext": _build_ext_class(cpp_extension.BuildExtension, set(_simd_flags()))}
+
+
+def _build_ext_class(base, simd_flags):
+    class BuildExt(base):
+        """torch's BuildExtension, plus the CPU capability units: each compiled with its own instruction-set
+        flags (the extension's C++ flags without the global SIMD ones) and linked into the extension."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, use_ninja=True, **kwargs)
+
+        def build_extension(self, ext):
+            units = getattr(ext, "capability_units", [])
+            if units:
+                args = ext.extra_compile_args
+                cxx = [f for f in (args["cxx"] if isinstance(args, dict) else args) if f not in simd_flags]
+                objects = []
+                for source, flags in units:
+                    extra = dict(args) if isinstance(args, dict) else {}
+                    extra["cxx"] = cxx + flags
+                    objects += self.compiler.compile([source], output_dir=self.build_temp, macros=ext.define_macros,
+                                                     include_dirs=ext.include_dirs, extra_postargs=extra,
+                                                     depends=ext.depends)
+                ext.extra_objects = list(ext.extra_objects or []) + objects
+            super().build_extension(ext)
+
+    return BuildExt
 
 
 ext_modules, cmdclass = _extensions()

@@ -90,6 +90,19 @@ def fused_decoder() -> bool:
     return _FUSED_DECODER
 
 
+def cpu_capability() -> str | None:
+    """The build of the CPU kernel that runs now: "default", "avx2" or "avx512" (docs/cuda.md, "CPU capability":
+    torch's CPU capability, or $ATTNKIT_CPU_CAPABILITY); None without a compiled CPU kernel that reports it."""
+    if not has_kernel("cpu"):
+        return None
+    try:
+        return torch.ops.attnkit.cpu_capability()
+    except AttributeError:  # an extension built before the capability builds
+        return None
+    except RuntimeError as exc:
+        raise AttnkitError(str(exc).strip().splitlines()[0]) from None
+
+
 def _decoder_args_given(q, k, kv_head, causal, sliding_window, softcap, sink) -> list[str]:
     """The decoder arguments a call uses (grouped K/V counts as kv_head)."""
     given = {"kv_head": kv_head is not None or k.shape[1] != q.shape[1], "causal": bool(causal),

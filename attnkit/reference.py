@@ -164,7 +164,7 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, *, kv_hea
     return scores
 
 
-def weights_and_sink(
+def attention_weights(
     q: torch.Tensor,
     k: torch.Tensor,
     lengths: torch.Tensor,
@@ -179,9 +179,11 @@ def weights_and_sink(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sink: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B×H×L×L fp32 key weights, B×H×L fp32 sink mass per row or None without `sink`) after the softmax
-    and interventions (keys a row does not see 0; NaN policy in the module docstring)."""
+    return_sink: bool = False,
+):
+    """B×H×L×L fp32 weights after softmax and interventions (keys a row does not see 0; NaN policy above).
+    With a sink, a row's weights sum to 1 − its sink mass (the map transformers' eager gpt-oss returns);
+    `return_sink` returns (weights, B×H×L sink mass per row, or None without `sink`)."""
     B, H, L, _ = q.shape
     lengths = lengths.to(q.device).long()
     scores = attention_scores(q, k, scaling, kv_head=kv_head, softcap=softcap)
@@ -207,29 +209,7 @@ def weights_and_sink(
     weights = torch.where(uses_scores, nan_row, weights)
     if sink_w is not None:
         sink_w = torch.where(uses_scores[..., 0], float("nan"), sink_w)
-    return weights, sink_w
-
-
-def attention_weights(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    lengths: torch.Tensor,
-    scaling: float,
-    sentence_id: torch.Tensor | None = None,
-    mode: torch.Tensor | None = None,
-    region: torch.Tensor | None = None,
-    renormalize: bool = False,
-    *,
-    kv_head: torch.Tensor | None = None,
-    causal: bool = False,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sink: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """B×H×L×L fp32 weights after softmax and interventions (keys a row does not see 0; NaN policy above).
-    With a sink, a row's weights sum to 1 − its sink mass (the map transformers' eager gpt-oss returns)."""
-    return weights_and_sink(q, k, lengths, scaling, sentence_id, mode, region, renormalize, kv_head=kv_head,
-                            causal=causal, sliding_window=sliding_window, softcap=softcap, sink=sink)[0]
+    return (weights, sink_w) if return_sink else weights
 
 
 def bucket_index(token_class: torch.Tensor, lengths: torch.Tensor, num_windows: int) -> torch.Tensor:
@@ -346,9 +326,9 @@ def reference_attention(
                     mode=mode, region=region, gates=gates, want_features=want_features, key_scale=key_scale,
                     kv_head=kv_head, sliding_window=sliding_window, softcap=softcap, sink=sink)
     lengths = lengths.to(q.device).long()
-    weights, sink_w = weights_and_sink(q, k, lengths, scaling, sentence_id, mode, region, renormalize,
-                                       kv_head=kv_head, causal=causal, sliding_window=sliding_window,
-                                       softcap=softcap, sink=sink)
+    weights, sink_w = attention_weights(q, k, lengths, scaling, sentence_id, mode, region, renormalize,
+                                        kv_head=kv_head, causal=causal, sliding_window=sliding_window,
+                                        softcap=softcap, sink=sink, return_sink=True)
     # padded keys of v are dropped, not multiplied by 0 (0 · NaN would leak garbage into valid rows)
     v_valid = v.float().masked_fill(~_key_mask(lengths, L)[:, None, :, None], 0.0)
     if v.shape[1] != H or kv_head is not None:
@@ -509,7 +489,6 @@ __all__ = [
     "reference_js_distances",
     "attention_weights",
     "attention_scores",
-    "weights_and_sink",
     "visible_keys",
     "resolve_kv_head",
     "intervene_weights",

@@ -4,6 +4,12 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <string>
+
+namespace attnkit::cpu {
+std::string cpu_capability();  // csrc/cpu/fused_attention.cpp
+}
+
 TORCH_LIBRARY(attnkit, m) {
   // Attention + interventions + per-(sample, head) features in one pass (docs/features.md,
   // docs/interventions.md; the executable definition is attnkit/reference.py).
@@ -11,12 +17,19 @@ TORCH_LIBRARY(attnkit, m) {
   //   token_class, sentence_id: int32[B, L] or None; mode, region: int32[H] or None; gates: fp32[H] or None;
   //   key_scale: fp32[B, H, L] or None — the features describe the weights scaled per key and
   //   renormalised per row (norm weighting); the output is unchanged.
+  // Decoder arguments (docs/features.md, section 8), appended with defaults so older calls keep working:
+  //   k, v may be B×Hkv×L×D; kv_head: int32[H] (the KV head of each query head) or None (Hkv == H, or even
+  //   groups h / (H / Hkv)); causal: row s sees keys t <= s; sliding_window: also s − t < W; softcap: scores
+  //   c·tanh(score / c); sink: fp32[H], a logit per head in each row's softmax denominator (mass, no value).
   // Returns out: B×L×H×D (q's dtype) and features: fp32 B×H×F (F = kNumFeatures(num_windows),
-  // csrc/feature_slots.h), or B×H×0 when want_features is false.
+  // csrc/feature_slots.h, plus one — `sink`, last — when sink is given), or B×H×0 when want_features is false.
   m.def(
       "fused_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
-      "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None) -> (Tensor, Tensor)");
+      "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
+      "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None) -> (Tensor, Tensor)");
+  // Which build of the CPU kernel runs (csrc/cpu/fused_attention_kernel.h): "default", "avx2" or "avx512".
+  m.def("cpu_capability() -> str", &attnkit::cpu::cpu_capability);
   // Clark et al.'s Jensen-Shannon distances between every pair of M heads of one batch:
   //   attn: fp32 B×M×L×L attention rows (padded keys 0); lengths: int64[B].
   // Returns fp64 M×M: Σ_b Σ_{s<n_b} JS(attn[b,i,s,:], attn[b,j,s,:]), natural logs.

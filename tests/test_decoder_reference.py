@@ -199,9 +199,8 @@ def test_interventions_on_causal_rows():
 
 
 def _weights_and_sink(q, k, lengths, sid, region, sink, renormalize):
-    from attnkit.reference import weights_and_sink
-
-    return weights_and_sink(q, k, lengths, 0.5, sid, None, region, renormalize, causal=True, sink=sink)
+    return attention_weights(q, k, lengths, 0.5, sid, None, region, renormalize, causal=True, sink=sink,
+                             return_sink=True)
 
 
 def test_gates_key_scale_and_sink_under_norm_weighting():

@@ -237,7 +237,7 @@ def test_workers_do_not_inherit_the_parents_sigterm_handler(minilm, monkeypatch)
 
 
 def test_workers_are_bounded_by_the_cores_and_by_the_plan():
-    from attnkit.engine.local import TASK_BATCHES, check_workers, max_workers, workers_for_plan
+    from attnkit.engine.local import TASK_BATCHES, check_workers, default_workers, max_workers, workers_for_plan
 
     assert check_workers(max_workers()) == max_workers()
     with pytest.raises(AttnkitError, match=rf"^workers must be at most {max_workers()}, got {max_workers() + 1}$"):
@@ -249,23 +249,105 @@ def test_workers_are_bounded_by_the_cores_and_by_the_plan():
     for asked, used in ((8, 3), (2, 2), (0, 0)):
         n, again = workers_for_plan(iter(plan), asked)
         assert n == used and list(again) == plan  # read ahead, then given back whole
+    # a CPU model's team of torch threads has every core: its batches are tokenised in turn with its forwards
+    assert default_workers("cpu") == 0
 
 
-def test_with_workers_0_the_model_never_runs_on_the_calling_thread(minilm, segments, monkeypatch):
-    """torch's OpenMP pool driven from the main thread spins beside it: measured up to 15x slower forwards on
-    a busy 2-core machine (docs/pipeline.md). The model runs on a device thread whatever --workers says."""
-    from attnkit.engine.forward import device_forward
-
-    model, tok = minilm
-    threads = set()
-
-    def forward(m, batch):
-        threads.add(threading.current_thread() is threading.main_thread())
-        return device_forward(m, batch)
-
+def _record_forward_threads(monkeypatch, record):
+    """Make extraction's forward call `record()` (on whatever thread runs it) before the real forward."""
     import importlib
 
+    from attnkit.engine.forward import device_forward
+
+    def forward(m, batch):
+        record()
+        return device_forward(m, batch)
+
     monkeypatch.setattr(importlib.import_module("attnkit.engine.extract"), "device_forward", forward)
-    run_extraction(model, tok, segments[:20], ExtractSettings(max_length=16, batch_size=8, backend="reference"),
-                   workers=0)
-    assert threads == {False}
+
+
+def test_a_cpu_forward_runs_on_the_calling_thread(minilm, segments, monkeypatch):
+    """libgomp's threads wait by spinning while one thread runs torch and sleep once a second thread has (docs/
+    pipeline.md §4): a device thread made short inputs 1.5x slower than the caller's own loop. A CPU forward runs on
+    the thread that called, with or without tokenisation workers, also when that is not the main thread (whose
+    torch has run: this process loaded the model there)."""
+    model, tok = minilm
+    idents = []
+    _record_forward_threads(monkeypatch, lambda: idents.append(threading.get_ident()))
+    settings = ExtractSettings(max_length=16, batch_size=8, backend="reference")
+    for workers in (0, 1):
+        idents.clear()
+        run_extraction(model, tok, segments[:20], settings, workers=workers)
+        assert idents and set(idents) == {threading.get_ident()}, workers
+    idents.clear()
+    caller = {}
+
+    def call():
+        caller["ident"] = threading.get_ident()
+        run_extraction(model, tok, segments[:20], settings)
+
+    th = threading.Thread(target=call)
+    th.start()
+    th.join()
+    assert len(idents) == 3 and set(idents) == {caller["ident"]} != {threading.get_ident()}
+
+
+def test_gpus_and_several_replicas_get_a_thread_each(minilm, segments, monkeypatch):
+    """A GPU keeps a device thread (it queues the next batch's copies and kernels while the caller tokenises);
+    several replicas run side by side on threads of their own."""
+    import torch
+
+    from attnkit.engine.devices import replicate
+    from attnkit.engine.local import runs_on_caller
+
+    assert runs_on_caller([torch.device("cpu")])
+    assert not runs_on_caller([torch.device("cuda:0")])
+    assert not runs_on_caller([torch.device("cuda:0"), torch.device("cuda:1")])
+    assert not runs_on_caller([torch.device("cpu"), torch.device("cpu")])
+    model, tok = minilm
+    idents = set()
+    _record_forward_threads(monkeypatch, lambda: idents.add(threading.get_ident()))
+    run_extraction(model, tok, segments[:40], ExtractSettings(max_length=16, batch_size=8, backend="reference"),
+                   replicas=replicate(model, [torch.device("cpu")] * 2)[1:])
+    assert idents and threading.get_ident() not in idents
+
+
+def test_short_waits_are_held_exactly_while_the_cpus_are_oversubscribed(minilm, segments, monkeypatch):
+    """On a busy machine spinning waits burn the time slices the team needs: the run then holds a parked OpenMP
+    team (libgomp spins briefly once there are more of its threads than CPUs), and lets it go when the run ends."""
+    import attnkit.engine.openmp as openmp
+
+    model, tok = minilm
+    busy = []
+    parked = []
+
+    def parked_now():
+        return any(t.name == openmp.ShortWaits.NAME for t in threading.enumerate())
+
+    _record_forward_threads(monkeypatch, lambda: parked.append(parked_now()))
+    monkeypatch.setattr(openmp, "RECHECK_SECONDS", 0.0)
+    monkeypatch.setattr(openmp, "cpu_oversubscribed", lambda: busy.pop(0))
+    settings = ExtractSettings(max_length=16, batch_size=8, backend="reference")
+    busy[:] = [True, True, False]
+    run_extraction(model, tok, segments[:24], settings)  # 3 batches: busy, busy, free
+    assert parked == [True, True, False] and not parked_now()
+    busy[:] = [False, True]
+    parked.clear()
+    run_extraction(model, tok, segments[:16], settings)
+    assert parked == [False, True] and not parked_now()
+
+
+def test_oversubscription_is_read_from_the_kernels_cpu_pressure(tmp_path, monkeypatch):
+    from attnkit.engine.openmp import BUSY_PRESSURE, available_cores, cpu_oversubscribed
+
+    pressure = tmp_path / "cpu"
+    pressure.write_text(f"some avg10={BUSY_PRESSURE + 0.01:.2f} avg60=3.00 avg300=1.00 total=123\n"
+                        "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    assert cpu_oversubscribed(str(pressure))
+    pressure.write_text(f"some avg10={BUSY_PRESSURE:.2f} avg60=97.00 avg300=99.00 total=123\n")
+    assert not cpu_oversubscribed(str(pressure))
+    # no pressure file (kernels without PSI): the load average against the cores
+    monkeypatch.setattr(os, "getloadavg", lambda: (available_cores() + 1.5, 0.0, 0.0))
+    assert cpu_oversubscribed(str(tmp_path / "missing"))
+    monkeypatch.setattr(os, "getloadavg", lambda: (available_cores() + 0.5, 9.0, 9.0))
+    assert not cpu_oversubscribed(str(tmp_path / "missing"))

@@ -37,6 +37,11 @@ def browser():
 def report(tmp_path_factory):
     run = tmp_path_factory.mktemp("browser") / "run"
     f, per, texts, dist = rich_run(run)
+    rows = [{"setting": "baseline", "layer": None, "spearman": 80.0}] + [
+        {"setting": f"L{l} zero", "layer": l, "spearman": 80 - l, "delta_spearman": -1.0 - l,
+         "delta_spearman_lo": -1.5 - l, "delta_spearman_hi": -0.5 - l} for l in range(f.n_layers)]
+    (run / "layers.json").write_text(json.dumps({"experiment": "layers", "main_metric": "spearman", "rows": rows}))
+    (run / "layers.meta.json").write_text(json.dumps({"experiment": "layers", "model": "synthetic", "task": "stsb"}))
     return build_report(run, svg=False), f, per, texts
 
 
@@ -113,3 +118,187 @@ def test_tables_sort_and_the_grid_colours_by_a_feature(browser, report):
     Select(browser.find_element("id", "grid-colour")).select_by_value("sep")
     cell = browser.find_element("css selector", '#grid td[data-head="L2H1"]')
     assert cell.text == f"{f.mean[2, 1, f.names.index('sep')]:.2f}"
+
+
+# --- issue 30 §3: the panel in the page's flow, labels, legend, bars, layer ablations, the head view -------------
+def _open(browser, page, head="L0H0"):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get("about:blank")
+    browser.get(page.as_uri() + f"#{head}")
+    WebDriverWait(browser, 20).until(lambda d: d.find_element("id", "panel").get_attribute("data-head") == head)
+
+
+def test_the_panel_is_in_the_pages_flow_and_the_legend_follows_the_colouring(browser, report):
+    page, f, *_ = report
+    from selenium.webdriver.support.ui import Select
+
+    _open(browser, page)
+    style = browser.execute_script("var s = getComputedStyle(document.getElementById('panel'));"
+                                   "return [s.overflowY, s.maxHeight];")
+    assert style == ["visible", "none"]  # no scroll box of its own: its parts follow in the page
+    grid_bottom = browser.execute_script("return document.getElementById('grid').getBoundingClientRect().bottom")
+    panel_top = browser.execute_script("return document.getElementById('panel').getBoundingClientRect().top")
+    assert panel_top >= grid_bottom
+    legend = browser.find_element("id", "type-legend")
+    assert legend.is_displayed()
+    Select(browser.find_element("id", "grid-colour")).select_by_value("entropy")
+    assert not legend.is_displayed() and "entropy: white" in browser.find_element("id", "grid-legend").text
+    Select(browser.find_element("id", "grid-colour")).select_by_value("type")
+    assert legend.is_displayed()
+
+
+def test_bars_scale_each_feature_by_its_meaning(browser, report):
+    page, f, *_ = report
+    import math
+
+    _open(browser, page, "L1H2")
+    widths = browser.execute_script(
+        "var out = {}; document.querySelectorAll('#panel table.panel-table tbody tr').forEach(function (tr) {"
+        " var b = tr.querySelector('span.bar'); if (b) out[tr.cells[0].textContent] = parseFloat(b.style.width); });"
+        " return out;")
+    ln_n = math.log(f.n_tokens / f.n_samples)
+    assert widths["entropy"] == pytest.approx(60 * min(1.0, f.mean[1, 2, f.names.index("entropy")] / ln_n), abs=0.05)
+    assert widths["sep"] == pytest.approx(60 * f.mean[1, 2, f.names.index("sep")], abs=0.05)
+
+
+def test_a_heads_panel_shows_its_layers_ablation(browser, report):
+    page, f, *_ = report
+    _open(browser, page, "L2H1")
+    rows = _panel_rows(browser, "ablation")
+    layers = json.loads((page.parent / "layers.json").read_text())["rows"]
+    d = next(r for r in layers if r.get("layer") == 2)["delta_spearman"]
+    assert rows[1][0] == "layers (layers.json)" and f"when its layer 2 is disabled: {d:+.2f}" in rows[1][1]
+
+
+@pytest.fixture(scope="module")
+def examples_report(tmp_path_factory):
+    from .synthetic import WORDS, tiny_bert
+
+    run = tmp_path_factory.mktemp("examples") / "run"
+    rich_run(run, n_samples=8)
+    model, tok = tiny_bert(n_layers=3, n_heads=4)
+    texts = [" ".join(WORDS[i:i + 3 + i % 7]) + " ." for i in range(12)]
+    page = build_report(run, svg=False, do_sweep=False, examples=3, texts=texts, model=(model, tok))
+    return page, texts, (model, tok)
+
+
+def test_clicking_a_token_shows_where_the_head_attends(browser, examples_report):
+    from selenium.webdriver.support.ui import Select
+
+    from attnkit.engine.maps import attention_maps
+
+    page, texts, model = examples_report
+    _open(browser, page)
+    shortest = sorted(range(len(texts)), key=lambda i: (len(model[1](texts[i])["input_ids"]), i))[:3]
+    options = [o.text for o in Select(browser.find_element("id", "hv-text")).options]
+    assert len(options) == 3
+    Select(browser.find_element("id", "hv-layer")).select_by_value("1")
+    Select(browser.find_element("id", "hv-head")).select_by_value("2")
+    maps = attention_maps(texts[shortest[0]], model, max_length=64)
+    w = maps.head(1, 2)
+    tol = w.max() / 255 + 1e-4  # 8-bit maps scaled to the head's largest weight
+
+    def drawn():
+        return [(int(e.get_attribute("data-q")), int(e.get_attribute("data-k")), float(e.get_attribute("data-w")))
+                for e in browser.find_elements("css selector", "#hv-draw line")]
+
+    def check(lines, rows, cut):  # exactly the links of `rows` of at least `cut`, with their weights
+        assert all(q in rows and abs(v - w[q, k]) <= tol and w[q, k] >= cut - tol for q, k, v in lines)
+        assert {(q, k) for q in rows for k in range(len(w)) if w[q, k] >= cut + tol} <= {x[:2] for x in lines}
+
+    before = drawn()
+    check(before, range(len(w)), 0.1)
+    assert len({q for q, _, _ in before}) > 1
+    token = browser.find_element("css selector", '#hv-draw text.tok-q[data-i="2"]')
+    assert token.text == maps.tokens[2]
+    token.click()
+    after = drawn()
+    assert after != before and {q for q, _, _ in after} == {2}
+    assert browser.find_element("css selector", "#hv-draw svg").get_attribute("data-from") == "2"
+    check(after, [2], 0.01)
+    # all heads of the layer: one colour per head, each head's links from the token
+    Select(browser.find_element("id", "hv-head")).select_by_value("all")
+    heads = {int(e.get_attribute("data-h")) for e in browser.find_elements("css selector", "#hv-draw line")}
+    assert heads == {h for h in range(4) if maps.head(1, h)[2].max() >= 0.01}
+
+
+def test_map_labels_are_not_clipped(browser, examples_report):
+    page, *_ = examples_report
+    _open(browser, page, "L0H1")
+    canvases = browser.find_elements("css selector", "#panel canvas.map")
+    assert len(canvases) == 3
+    for c in canvases:
+        fits = browser.execute_script(
+            "var c = arguments[0], g = c.getContext('2d'), pad = +c.getAttribute('data-pad'), n = +c.getAttribute('data-n');"
+            "var cell = Math.max(4, Math.min(14, Math.floor(420 / n)));"
+            "g.font = Math.min(10, cell) + 'px sans-serif';"
+            "return [pad, Math.max.apply(null, ['[CLS]', '[SEP]'].map(function (t) { return g.measureText(t).width; }))];",
+            c)
+        assert fits[0] - 3 >= fits[1]  # the longest label fits in the margin
+
+
+@pytest.fixture(scope="module")
+def pruned_report(tmp_path_factory):
+    from .synthetic import pruned_run
+
+    run = tmp_path_factory.mktemp("pruned") / "run"
+    pruned_run(run, n_samples=8)
+    return build_report(run, svg=False, do_sweep=False)
+
+
+def test_removed_heads_are_greyed_out_in_the_grid(browser, pruned_report):
+    from selenium.webdriver.support.ui import Select
+
+    _open(browser, pruned_report)
+    cell = browser.find_element("css selector", '#grid td[data-head="L1H2"]')
+    assert "removed" in cell.get_attribute("class") and cell.text == "×"
+    Select(browser.find_element("id", "grid-colour")).select_by_value("sep")
+    assert cell.text == "×" and "removed" in cell.get_attribute("class")
+    cell.click()
+    assert browser.find_element("id", "panel").get_attribute("data-head") == "L1H2"
+    assert "removed from the model" in browser.find_element("css selector", "#panel p.removed-note").text
+    assert not browser.find_elements("css selector", "#panel table")
+
+
+def test_no_script_from_a_file_runs(browser, tmp_path):
+    """Payloads in every field that reaches the page, and in the example tokens: no alert fires, nothing they carry
+    runs while the reader clicks through the grid, the panels, the tables and the head view."""
+    from selenium.common.exceptions import NoAlertPresentException
+    from selenium.webdriver.support.ui import Select
+
+    from .test_report_safety import FIELDS, PAYLOADS, P
+
+    run = tmp_path / "run"
+    rich_run(run, n_samples=8)
+    for field, inject in FIELDS.items():
+        if field != "clusters.json sweep type_names":
+            inject(run, P)
+    import attnkit.engine.maps as maps_module
+
+    def fake_maps(text, model, max_length=64):
+        toks = ["[CLS]", PAYLOADS[1], PAYLOADS[0], PAYLOADS[2], "[SEP]"]
+        return maps_module.AttentionMaps(text, toks, np.full((3, 4, 5, 5), 0.2, dtype=np.float32))
+
+    real = maps_module.attention_maps
+    maps_module.attention_maps = fake_maps
+    try:
+        tok = lambda *parts, **kw: {"input_ids": [0, 1, 2, 3, 4]}
+        page = build_report(run, svg=False, do_sweep=False, examples=2, texts=["x", "y"], model=(object(), tok))
+    finally:
+        maps_module.attention_maps = real
+    _open(browser, page)
+    browser.execute_script("document.querySelectorAll('details').forEach(d => d.open = true)")
+    for head in ("L0H1", "L2H3"):
+        browser.find_element("css selector", f'#grid td[data-head="{head}"]').click()
+    Select(browser.find_element("id", "grid-colour")).select_by_index(len(Select(
+        browser.find_element("id", "grid-colour")).options) - 1)  # the payload feature
+    for e in browser.find_elements("css selector", "#hv-draw text.tok-q")[:3]:
+        e.click()
+    for th in browser.find_elements("css selector", "table.sortable thead th")[:5]:
+        th.click()
+    with pytest.raises(NoAlertPresentException):
+        _ = browser.switch_to.alert.text
+    assert browser.execute_script("return window.pwned === undefined")
+    shown = browser.find_element("css selector", '#hv-draw text.tok-q[data-i="1"]').text
+    assert shown == PAYLOADS[1]  # shown as text

@@ -6,7 +6,7 @@ the reason, and the report links it.
 from __future__ import annotations
 
 import csv
-import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,8 +14,10 @@ import numpy as np
 
 from ..errors import AttnkitError
 from ..run.files import PATTERNS_FILE, PROBE_CSV, PROBE_HEATMAP, PROBE_JSON
+from ..run.schemas import ABLATION_META_SCHEMA, ABLATION_TABLE_SCHEMA, PATTERNS_SCHEMA, PROBE_SCHEMA, load_json
 
 ALL_RELATIONS = "(all)"
+ABLATION_META_SUFFIX = ".meta.json"
 
 
 @dataclass
@@ -30,95 +32,131 @@ class Attached:
     links: list = field(default_factory=list)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise AttnkitError(f"{path} is unreadable: {exc}") from None
-    if not isinstance(data, dict):
-        raise AttnkitError(f"{path} is not a JSON object")
-    return data
+class _Elsewhere(Exception):
+    """A readable result that does not belong beside the run's heads (another model's shape, a table that is
+    missing): the report links it with this reason. Damaged files raise AttnkitError instead."""
 
 
 def read_patterns(path: Path, shape: tuple[int, int]) -> dict:
-    data = _read_json(path)
-    classes = data.get("classes")
-    per_head = data.get("per_head")
-    if not isinstance(classes, list) or not isinstance(per_head, dict):
-        raise AttnkitError(f"{path} lacks classes or per_head")
-    shares = np.array([per_head[c] for c in classes], dtype=np.float64)  # classes × L × H
-    if shares.shape[1:] != shape:
-        raise AttnkitError(f"{path} covers {shares.shape[1]} layers × {shares.shape[2]} heads, the run "
-                           f"{shape[0]} × {shape[1]}")
+    """patterns.json, validated (PATTERNS_SCHEMA, then every class with a layers × heads grid of the run's shape)."""
+    data = load_json(path, PATTERNS_SCHEMA)
+    classes = data["classes"]
+    for part in ("per_head", "per_layer", "overall"):
+        missing = [c for c in classes if c not in data[part]]
+        if missing:
+            raise AttnkitError(f"{path} is unreadable: field {part} lacks the class(es) "
+                               f"{', '.join(map(repr, missing))}")
+    for c in classes:
+        rows = data["per_head"][c]
+        widths = {len(r) for r in rows}
+        if len(widths) != 1:
+            raise AttnkitError(f"{path} is unreadable: field per_head.{c} is ragged (rows of {sorted(widths)} heads)")
+        if (len(rows), widths.pop()) != tuple(shape):
+            raise _Elsewhere(f"{path} covers {len(rows)} layers × {len(rows[0])} heads, the run "
+                             f"{shape[0]} × {shape[1]}")
+        if len(data["per_layer"][c]) != shape[0]:
+            raise AttnkitError(f"{path} is unreadable: field per_layer.{c} has {len(data['per_layer'][c])} layers, "
+                               f"the run {shape[0]}")
+    shares = np.array([[[np.nan if x is None else x for x in row] for row in data["per_head"][c]] for c in classes],
+                      dtype=np.float64)  # classes × L × H; NaN: a removed head
+    if ((shares < 0) | (shares > 1)).any():
+        c, l, h = (int(x) for x in np.argwhere((shares < 0) | (shares > 1))[0])
+        raise AttnkitError(f"{path}: field per_head.{classes[c]}[{l}][{h}]: a share must lie in 0..1, got "
+                           f"{shares[c, l, h]:g}")
     return {"path": path, "data": data, "classes": classes, "shares": shares}
 
 
 def read_probe(directory: Path, shape: tuple[int, int]) -> dict:
     """Accuracy (the better direction) per head and relation from probe.csv, the baselines and probe.json."""
-    summary = _read_json(directory / PROBE_JSON)
-    if (summary.get("layers"), summary.get("heads")) != shape:
-        raise AttnkitError(f"the probe ran on a model of {summary.get('layers')} layers × {summary.get('heads')} "
-                           f"heads, the run has {shape[0]} × {shape[1]}")
+    summary = load_json(directory / PROBE_JSON, PROBE_SCHEMA)
+    if (summary["layers"], summary["heads"]) != tuple(shape):
+        raise _Elsewhere(f"the probe ran on a model of {summary['layers']} layers × {summary['heads']} heads, the run "
+                         f"has {shape[0]} × {shape[1]}")
     min_count = int((summary.get("settings") or {}).get("min_count") or 1)
     acc: dict[str, np.ndarray] = {}
     base, counts = {}, {}
+    path = directory / PROBE_CSV
+    if not path.is_file():
+        raise _Elsewhere(f"{path.name} is missing beside {PROBE_JSON}")
     try:
-        with open(directory / PROBE_CSV, newline="", encoding="utf-8") as f:
-            for r in csv.DictReader(f):
-                rel, l, h = r["relation"], int(r["layer"]), int(r["head"])
-                grid = acc.setdefault(rel, np.zeros(shape))
-                grid[l, h] = max(grid[l, h], float(r["accuracy"]))  # the better direction, whatever they are
-                base[rel], counts[rel] = float(r["baseline_accuracy"]), int(r["count"])
-    except (OSError, KeyError, ValueError, IndexError) as exc:
-        raise AttnkitError(f"{directory / PROBE_CSV} is unreadable: {type(exc).__name__}: {exc}") from None
+        with open(path, newline="", encoding="utf-8") as f:
+            for i, r in enumerate(csv.DictReader(f), start=2):
+                rel, l, h, a = r["relation"], int(r["layer"]), int(r["head"]), float(r["accuracy"])
+                b, n = float(r["baseline_accuracy"]), int(r["count"])
+                in_range = (math.isnan(a) or 0 <= a <= 1) and 0 <= b <= 1  # NaN: a removed head's accuracy
+                if not (0 <= l < shape[0] and 0 <= h < shape[1] and in_range and n >= 0 and rel):
+                    raise ValueError(f"line {i} is out of range")
+                grid = acc.setdefault(rel, np.full(shape, np.nan))
+                grid[l, h] = np.fmax(grid[l, h], a)  # the better direction, whatever they are
+                base[rel], counts[rel] = b, n
+    except (OSError, KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise AttnkitError(f"{path} is unreadable: {type(exc).__name__}: {exc}") from None
     relations = sorted((r for r in acc if counts[r] >= min_count), key=lambda r: (r != ALL_RELATIONS, -counts[r]))
     if not relations:
-        raise AttnkitError(f"{directory / PROBE_CSV} has no relation with at least {min_count} dependencies")
+        raise _Elsewhere(f"{path.name} has no relation with at least {min_count} dependencies")
     return {"path": directory, "summary": summary, "relations": relations,
             "acc": np.stack([acc[r] for r in relations], axis=-1),  # L × H × relations
             "baseline": np.array([base[r] for r in relations]), "counts": [counts[r] for r in relations],
             "heatmap": directory / f"{PROBE_HEATMAP}.png"}
 
 
+def _number(x) -> float:
+    return np.nan if x is None else float(x)
+
+
 def read_ablation(meta_path: Path, shape: tuple[int, int]) -> dict:
-    """One `attnkit ablate` table (E.json beside E.meta.json) with its per-head effects where it has them."""
-    meta = _read_json(meta_path)
-    experiment = meta.get("experiment")
-    table_path = meta_path.with_name(f"{experiment}.json")
-    data = _read_json(table_path)
-    rows, metric = data.get("rows"), data.get("main_metric")
-    if not isinstance(rows, list) or not rows or not metric:
-        raise AttnkitError(f"{table_path} holds no rows")
-    out = {"experiment": experiment, "metric": metric, "path": table_path, "meta": meta, "rows": rows,
-           "figure": meta_path.with_name(f"{experiment}.png")}
+    """One `attnkit ablate` table (E.json beside E.meta.json) with its per-head (heads, importance) or per-layer
+    (layers) effects. The table's file is named by the meta file's own name, never by a value read from it."""
+    meta = load_json(meta_path, ABLATION_META_SCHEMA)
+    stem = meta_path.name[: -len(ABLATION_META_SUFFIX)]
+    table_path = meta_path.with_name(f"{stem}.json")
+    if not table_path.is_file():
+        raise _Elsewhere(f"{table_path.name} is missing beside {meta_path.name}")
+    data = load_json(table_path, ABLATION_TABLE_SCHEMA)
+    experiment, rows, metric = data["experiment"], data["rows"], data["main_metric"]
+    if experiment != meta["experiment"]:
+        raise AttnkitError(f"{table_path} is unreadable: it holds a {experiment!r} table, {meta_path.name} says "
+                           f"{meta['experiment']!r}")
     key = f"delta_{metric}"
-    if experiment == "heads":
-        delta, lo, hi = (np.full(shape, np.nan) for _ in range(3))
+    for i, r in enumerate(rows):
+        for k in (metric, key, f"{key}_lo", f"{key}_hi"):
+            if not (r.get(k) is None or isinstance(r[k], (int, float)) and not isinstance(r[k], bool)):
+                raise AttnkitError(f"{table_path}: field rows[{i}].{k}: expected a number or null, got "
+                                   f"{type(r[k]).__name__} ({str(r[k])[:40]!r})")
+    out = {"experiment": experiment, "metric": metric, "path": table_path, "meta": meta, "rows": rows,
+           "figure": meta_path.with_name(f"{stem}.png")}
+    if experiment in ("heads", "layers"):
+        grid = shape if experiment == "heads" else (shape[0],)
+        delta, lo, hi = (np.full(grid, np.nan) for _ in range(3))
         for r in rows[1:]:
-            l, h = r.get("layer"), r.get("head")
-            if not (isinstance(l, int) and isinstance(h, int) and l < shape[0] and h < shape[1]):
-                raise AttnkitError(f"{table_path} names head L{l}H{h}, outside the run's {shape[0]} × {shape[1]}")
-            delta[l, h] = np.nan if r.get(key) is None else r[key]
-            lo[l, h] = np.nan if r.get(f"{key}_lo") is None else r[f"{key}_lo"]
-            hi[l, h] = np.nan if r.get(f"{key}_hi") is None else r[f"{key}_hi"]
+            at = (r.get("layer"), r.get("head")) if experiment == "heads" else (r.get("layer"),)
+            if not all(isinstance(x, int) and 0 <= x < n for x, n in zip(at, grid)):
+                what = f"head L{at[0]}H{at[1]}" if len(at) == 2 else f"layer {at[0]}"
+                raise _Elsewhere(f"{table_path.name} names {what}, outside the run's {shape[0]} × {shape[1]}")
+            delta[at], lo[at], hi[at] = _number(r.get(key)), _number(r.get(f"{key}_lo")), _number(r.get(f"{key}_hi"))
         out.update(delta=delta, lo=lo, hi=hi)
     elif experiment == "importance":
-        imp = np.asarray(data.get("importance"), dtype=np.float64)
-        if imp.shape != shape:
-            raise AttnkitError(f"{table_path} holds importance scores of shape {imp.shape}, the run {shape}")
+        try:
+            imp = np.array([[_number(x) for x in row] for row in data.get("importance") or []], dtype=np.float64)
+        except ValueError:
+            imp = np.zeros(0)
+        if imp.shape != tuple(shape):
+            raise _Elsewhere(f"{table_path.name} holds importance scores of shape {imp.shape}, the run {shape}")
         out["importance"] = imp
     return out
 
 
 def find_attached(run_dir, shape: tuple[int, int], include=()) -> Attached:
-    """Patterns, probe and ablation results of a run: in `run_dir` and in the directories `include` names."""
+    """Patterns, probe and ablation results of a run: in `run_dir` and in the directories `include` names. A damaged
+    file (not JSON, or not following its schema) raises an AttnkitError that names it; a readable result that does
+    not fit the run is listed in `links` with the reason."""
     run_dir = Path(run_dir)
     found = Attached()
     places = [run_dir] + [Path(p) if Path(p).is_dir() else Path(p).parent for p in include]
     if (run_dir / PATTERNS_FILE).is_file():
         try:
             found.patterns = read_patterns(run_dir / PATTERNS_FILE, shape)
-        except AttnkitError as exc:
+        except _Elsewhere as exc:
             found.links.append(("pattern classes", run_dir / PATTERNS_FILE, str(exc)))
     for place in dict.fromkeys(places):
         if (place / PROBE_JSON).is_file():
@@ -128,13 +166,13 @@ def find_attached(run_dir, shape: tuple[int, int], include=()) -> Attached:
                     found.probe = probe
                 else:
                     found.links.append(("syntax probe", place / PROBE_JSON, "a second probe result (the report "
-                                                                            f"shows {found.probe['path']})"))
-            except AttnkitError as exc:
+                                                                            f"shows {found.probe['path'].name})"))
+            except _Elsewhere as exc:
                 found.links.append(("syntax probe", place / PROBE_JSON, str(exc)))
-        for meta_path in sorted(place.glob("*.meta.json")):
+        for meta_path in sorted(place.glob("*" + ABLATION_META_SUFFIX)):
             try:
                 found.ablations.append(read_ablation(meta_path, shape))
-            except AttnkitError as exc:
+            except _Elsewhere as exc:
                 found.links.append(("ablation", meta_path, str(exc)))
     return found
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import csv
 import itertools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +28,39 @@ def _rounded(a, digits: int = 5) -> list:
     return np.where(np.isfinite(a), a, None).tolist()
 
 
-def nearest(D: np.ndarray, n: int = N_NEAR) -> list:
-    """For each head, the `n` others nearest by the M × M dissimilarities `D`: [[head, value], ...]."""
+def _ranked(rows, values) -> list:
+    """[[row, value], ...] of the samples whose value is a number (a removed head's NaN values have no rank)."""
+    return [[int(r), round(float(v), 5)] for r, v in zip(rows, values) if np.isfinite(v)]
+
+
+def nearest(D: np.ndarray, n: int = N_NEAR, removed=None) -> list:
+    """For each head, the `n` others nearest by the M × M dissimilarities `D`: [[head, value], ...]; `removed` (M
+    booleans): heads that are nobody's neighbour and have none."""
     D = np.array(D, dtype=np.float64)
+    gone = np.zeros(len(D), dtype=bool) if removed is None else np.asarray(removed, dtype=bool).ravel()
+    D[:, gone] = np.inf
+    D[~np.isfinite(D)] = np.inf
     np.fill_diagonal(D, np.inf)
-    order = np.argsort(D, axis=1, kind="stable")[:, :n]
-    return [[[int(j), round(float(D[i, j]), 6)] for j in row] for i, row in enumerate(order)]
+    n = min(n, int((~gone).sum()) - 1)
+    order = np.argsort(D, axis=1, kind="stable")[:, :max(n, 0)]
+    return [[] if gone[i] else [[int(j), round(float(D[i, j]), 6)] for j in row] for i, row in enumerate(order)]
+
+
+def feature_scales(features) -> list[dict]:
+    """How the panel's bar shows each feature: shares of the weight (buckets, prev, intra, max, ...) on 0..1;
+    entropies (nats) against ln n, the entropy of uniform attention over the run's mean tokens per sample (or, when
+    the run records no tokens, the largest value over the heads). [{"kind": "share" | "nats", "max": ...}]"""
+    L, H, _ = features.mean.shape
+    n = features.n_tokens / features.n_samples if features.n_samples > 0 and features.n_tokens > 0 else 0.0
+    out = []
+    for j, name in enumerate(features.names):
+        if "entropy" in name:
+            col = np.asarray(features.mean[..., j], dtype=np.float64)
+            top = math.log(n) if n > 1 else (float(np.nanmax(col)) if np.isfinite(col).any() else 1.0)
+            out.append({"kind": "nats", "max": round(max(top, 1e-9), 5)})
+        else:
+            out.append({"kind": "share", "max": 1.0})
+    return out
 
 
 def extremes(per_sample, names, features=EXAMPLE_FEATURES, k: int = N_EXAMPLES, chunk: int = 4096) -> dict:
@@ -66,6 +94,22 @@ def _text_of(text: str, pair: str | None) -> str:
     return t if len(t) <= TEXT_CHARS else t[:TEXT_CHARS - 1] + "…"
 
 
+def unverifiable_corpus(meta: dict) -> str | None:
+    """Why the corpus that a run's meta.json names may not be read into a report without being asked for (None:
+    it may): every recorded input must carry its SHA-256, so the bytes read are those the run measured. A crafted
+    meta.json that names some other file of the reader's machine (and cannot know its hash) then puts none of it
+    on the page."""
+    reading = (meta.get("settings") or {}).get("reading") or {}
+    paths = reading.get("paths") or ([meta["corpus"]] if meta.get("corpus") else [])
+    inputs = meta.get("inputs")
+    if not paths:
+        return "the run records no corpus"
+    if not (isinstance(inputs, list) and len(inputs) == len(paths)
+            and all(isinstance(x, dict) and isinstance(x.get("sha256"), str) for x in inputs)):
+        return "meta.json records no SHA-256 of the run's inputs to check them against"
+    return None
+
+
 def texts_of_rows(run_dir, meta: dict, rows) -> tuple[dict, str | None]:
     """{row: text} of some per-sample rows, from RUN/per_sample_rows.csv, else from the run's recorded inputs
     read again (checked to be the same bytes); and a note when the texts could not be found (None: found)."""
@@ -76,14 +120,22 @@ def texts_of_rows(run_dir, meta: dict, rows) -> tuple[dict, str | None]:
     out: dict[int, str] = {}
     if table.is_file():
         want = set(wanted)
-        with open(table, newline="", encoding="utf-8") as f:
-            for r in csv.DictReader(f):
-                row = int(r["row"])
-                if row in want:
-                    out[row] = _text_of(r["text"], r.get("text_pair"))
+        try:
+            with open(table, newline="", encoding="utf-8") as f:
+                for i, r in enumerate(csv.DictReader(f), start=2):
+                    row = int(r["row"])
+                    if row in want:
+                        if not isinstance(r["text"], str):
+                            raise ValueError(f"line {i} has no text")
+                        out[row] = _text_of(r["text"], r.get("text_pair"))
+        except (KeyError, ValueError, TypeError, UnicodeDecodeError, csv.Error) as exc:
+            raise AttnkitError(f"{table} is unreadable: {type(exc).__name__}: {exc}") from None
         return out, None
     from ..corpus import corpus_of_run
 
+    why = unverifiable_corpus(meta)
+    if why:
+        return out, f"the examples' texts were not read again ({why})"
     try:
         corpus = corpus_of_run(run_dir, meta)
         want = set(wanted)
@@ -106,12 +158,14 @@ def encode_maps(weights: np.ndarray) -> tuple[list[str], list[float]]:
 
 
 def panel_data(features, clusters: dict, colors: dict, *, distances=None, extremes: dict | None = None,
-               row_texts=None, maps=None, attached: Attached | None = None, docs: dict, notes: dict) -> dict:
+               row_texts=None, maps=None, attached: Attached | None = None, docs: dict, notes: dict,
+               removed=None) -> dict:
     """Everything report.js shows about each head (the format: docs/files.md, "report.html"). `extremes`: the
     top and bottom examples (`extremes(per_sample, names)`), `row_texts` their texts, `maps` AttentionMaps of the
-    example texts."""
+    example inputs, `removed` (L × H booleans) the heads removed from a pruned model."""
     L, H, F = features.mean.shape
     M = L * H
+    gone = np.zeros(M, dtype=bool) if removed is None else np.asarray(removed, dtype=bool).ravel()
     type_names = [c["type"] for c in clusters["clusters"]]
     label = {(h["layer"], h["head"]): h["label"] for h in clusters["heads"]}
     agreement = [h.get("agreement") for h in sorted(clusters["heads"], key=lambda h: (h["layer"], h["head"]))]
@@ -119,32 +173,34 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
     feat_d = np.sqrt(np.square(X[:, None, :] - X[None, :, :]).sum(-1))
     data = {
         "L": L, "H": H, "heads": [f"L{m // H}H{m % H}" for m in range(M)],
+        "removed": [bool(x) for x in gone],
         "features": {"names": list(features.names), "mean": _rounded(features.mean.reshape(M, F)),
-                     "std": _rounded(features.std.reshape(M, F)), "docs": docs["links"], "defs": docs["defs"]},
+                     "std": _rounded(features.std.reshape(M, F)), "scale": feature_scales(features),
+                     "docs": docs["links"], "defs": docs["defs"]},
         "types": {"names": type_names, "colors": [colors[t] for t in type_names],
                   "short": [t[:3] for t in type_names], "label": [int(label[(m // H, m % H)]) for m in range(M)],
                   "agreement": None if all(a is None for a in agreement) else agreement},
-        "near": {"js": nearest(distances.per_token) if distances is not None else None, "feat": nearest(feat_d)},
+        "near": {"js": nearest(distances.per_token, removed=gone) if distances is not None else None,
+                 "feat": nearest(feat_d, removed=gone)},
         "examples": None, "maps": None, "probe": None, "patterns": None, "ablation": [], "notes": notes,
     }
     if extremes is not None:
         ext = extremes
         data["examples"] = {
             "features": list(ext),
-            "top": {f: [[[int(r), round(float(v), 5)] for r, v in zip(e["top"][m], e["top_values"][m])]
-                        for m in range(M)] for f, e in ext.items()},
-            "bottom": {f: [[[int(r), round(float(v), 5)] for r, v in zip(e["bottom"][m], e["bottom_values"][m])]
-                           for m in range(M)] for f, e in ext.items()},
+            "top": {f: [_ranked(e["top"][m], e["top_values"][m]) for m in range(M)] for f, e in ext.items()},
+            "bottom": {f: [_ranked(e["bottom"][m], e["bottom_values"][m]) for m in range(M)] for f, e in ext.items()},
             "texts": {str(k): v for k, v in (row_texts or {}).items()}}
     if maps:
         encoded = [encode_maps(m.weights) for m in maps]
-        data["maps"] = {"texts": [{"tokens": m.tokens} for m in maps], "data": [e[0] for e in encoded],
-                        "max": [e[1] for e in encoded]}
+        data["maps"] = {"texts": [{"tokens": [str(t) for t in m.tokens]} for m in maps],
+                        "data": [e[0] for e in encoded], "max": [e[1] for e in encoded]}
     if attached is not None:
         if attached.probe is not None:
             p = attached.probe
             data["probe"] = {"relations": p["relations"], "baseline": _rounded(p["baseline"]),
-                             "acc": _rounded(p["acc"].reshape(M, -1)), "source": str(p["path"])}
+                             "acc": _rounded(p["acc"].reshape(M, -1)),
+                             "source": f"{p['path'].name}/probe.json"}
         if attached.patterns is not None:
             from .patterns import PATTERN_COLORS
 
@@ -154,8 +210,9 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
                                 "shares": _rounded(sh.reshape(len(sh), M).T)}
         for a in attached.ablations:
             src = a["path"].name
-            if "delta" in a:
+            if "delta" in a:  # per head (heads: M values) or per layer (layers: L values)
                 data["ablation"].append({"experiment": a["experiment"], "metric": a["metric"], "source": src,
+                                         "per": "layer" if a["delta"].ndim == 1 else "head",
                                          "delta": _rounded(a["delta"].ravel()), "lo": _rounded(a["lo"].ravel()),
                                          "hi": _rounded(a["hi"].ravel())})
             elif "importance" in a:
@@ -167,4 +224,5 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
     return data
 
 
-__all__ = ["EXAMPLE_FEATURES", "encode_maps", "extremes", "nearest", "panel_data", "texts_of_rows"]
+__all__ = ["EXAMPLE_FEATURES", "encode_maps", "extremes", "feature_scales", "nearest", "panel_data", "texts_of_rows",
+           "unverifiable_corpus"]

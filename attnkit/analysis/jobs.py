@@ -11,8 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from ..errors import AttnkitError, check_int, print_message
 from ..run.clusters import load_clusters
 from ..run.distances import HeadDistances
@@ -21,9 +19,19 @@ from ..run.head_features import HeadFeatures
 from ..run.locking import run_lock
 from ..run.outputs import ensure_writable_dir, os_errors
 from ..run.overwrite import claim_outputs
+from .attached import find_attached
 from .clustering import HeadClusterer, cluster, resolve_subset, stability_over_seeds, sweep
-from .report import build_report, report_figures
+from .head_panel import unverifiable_corpus
+from .report import (
+    DEFAULT_EXAMPLES,
+    build_report,
+    check_heads,
+    per_sample_problem,
+    report_figures,
+)
 from .results import save_clusters
+
+EXAMPLE_POOL = 500  # the example inputs are the shortest of the corpus's first EXAMPLE_POOL segments
 
 
 @dataclass
@@ -70,15 +78,18 @@ def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None
     return Clustering(c, over, rows, feats, path)
 
 
-def report_run(run, *, examples: int = 0, include=(), corpus=None, fmt: str = "auto", squad_pairs: bool = False,
-               columns=None, limit: int | None = None, k: int = 4, method: str = "kmeans", seed: int = 0, device=None,
-               svg: bool = True, quiet: bool = False, overwrite: bool = False,
+def report_run(run, *, examples: int | None = None, include=(), corpus=None, fmt: str = "auto",
+               squad_pairs: bool = False, columns=None, limit: int | None = None, k: int = 4, method: str = "kmeans",
+               seed: int = 0, device=None, svg: bool = True, quiet: bool = False, overwrite: bool = False,
                echo: Callable[..., None] = print_message) -> Path:
     """Write RUN/report.html (`build_report`) after checking, before drawing anything, every file it reads;
-    `examples` > 0 draws example maps from the run's corpus (or `corpus`) with the run's model; `include` names
-    directories of probe or ablation results to show. An earlier report (and its figures) is replaced only with
-    `overwrite`."""
+    `examples` embeds the maps of that many short inputs of the run's corpus (or `corpus`), made with the run's
+    model (None: DEFAULT_EXAMPLES when the run records its model and corpus and both can be read, else none, with
+    a note; 0: none); `include` names directories of probe or ablation results to show. An earlier report (and
+    its figures) is replaced only with `overwrite`."""
     run = Path(run)
+    wanted = examples is not None
+    examples = DEFAULT_EXAMPLES if examples is None else examples
     check_int(examples, "examples")
     check_int(seed, "seed")
 
@@ -90,32 +101,54 @@ def report_run(run, *, examples: int = 0, include=(), corpus=None, fmt: str = "a
         feats = HeadFeatures.load(run)
         claim = claim_outputs([run / REPORT_FILE] + report_figures(run), overwrite)
         shape = (feats.n_layers, feats.n_heads)
-        bad = np.argwhere(~np.isfinite(feats.mean).all(axis=2))
-        if len(bad):
-            heads = ", ".join(f"L{l}H{h}" for l, h in bad[:5]) + (" ..." if len(bad) > 5 else "")
-            raise AttnkitError(f"{run}/features.npz holds NaN or infinite means for {len(bad)} head(s) ({heads}): "
-                               f"the report cannot place them on maps")
+        check_heads(feats, run)
         if (run / CLUSTERS_FILE).is_file():
             load_clusters(run, shape, complete=True, feature_names=feats.names)
         if (run / DISTANCES_FILE).is_file():
             HeadDistances.load(run, shape)
+        find_attached(run, shape, include)  # a damaged patterns, probe or ablation file is named now
+        damaged = per_sample_problem(run, feats)
+        if damaged:  # a warning, shown even with quiet
+            echo(f"attnkit report: {damaged}", err=True)
         ensure_writable_dir(run / FIGURES_DIR, "figures directory")
         texts = model = None
         if examples:
-            from ..corpus import corpus_of_run
-            from ..models import load_model
-
-            texts = corpus_of_run(run, feats.meta, corpus, fmt, squad_pairs=squad_pairs, columns=columns,
-                                  limit=limit)
-            texts = list(itertools.islice(texts, 500))  # example maps come from the first segments
-            say(f"attnkit report: loading the model of {run} for the example maps")
-            model = load_model(feats.meta.get("model") or None, device=device)
+            texts, model = _example_sources(run, feats, wanted, say, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs,
+                                            columns=columns, limit=limit, device=device)
         say(f"attnkit report: {shape[0]} × {shape[1]} heads of {run}")
-        path = build_report(run, k=k, method=method, seed=seed, examples=examples, texts=texts, model=model,
-                            svg=svg, progress=not quiet, include=include)
+        path = build_report(run, k=k, method=method, seed=seed, examples=examples if model else 0, texts=texts,
+                            model=model, svg=svg, progress=not quiet, include=include)
     if claim.removed_message():
         echo(claim.removed_message(), err=True)
     return path
+
+
+def _example_sources(run: Path, feats: HeadFeatures, wanted: bool, say, *, corpus, fmt, squad_pairs, columns, limit,
+                     device) -> tuple:
+    """(the first EXAMPLE_POOL texts of the run's corpus, (model, tokenizer)) for the example inputs. When they were
+    not asked for (`wanted` False: the default), a run that records no model, no corpus with the SHA-256 of its
+    inputs (`unverifiable_corpus`), or whose model or corpus cannot be read, gets none, with a note; when asked
+    for, that is an error."""
+    from ..corpus import corpus_of_run
+    from ..models import load_model
+
+    name = feats.meta.get("model") or None
+    try:
+        if not wanted and name is None:
+            raise AttnkitError("the run records no model")
+        if not wanted and corpus is None and unverifiable_corpus(feats.meta):
+            raise AttnkitError(unverifiable_corpus(feats.meta))
+        texts = list(itertools.islice(corpus_of_run(run, feats.meta, corpus, fmt, squad_pairs=squad_pairs,
+                                                    columns=columns, limit=limit), EXAMPLE_POOL))
+        if not texts:
+            raise AttnkitError("the run's corpus holds no text")
+        say(f"attnkit report: loading the model of {run} for the example inputs")
+        return texts, load_model(name, device=device)
+    except AttnkitError as exc:
+        if wanted:
+            raise
+        say(f"attnkit report: no example inputs ({exc}); give --examples 0 to skip them quietly")
+        return None, None
 
 
 __all__ = ["Clustering", "cluster_run", "report_run"]

@@ -3,44 +3,54 @@ head (docs/analysis.md, "The report"; the file: docs/files.md).
 
 In page order: the findings (head types and their stability, the attention sink, what differs from the papers,
 heads above the papers' thresholds, and the headline of any attached pattern, probe or ablation results); the head
-explorer (a layer × head grid; a click opens the head's panel: features with their spread, type, nearest heads,
-top and bottom examples from per_sample.npy, example maps, probe accuracy per relation, pattern shares, ablation
-effect; attnkit/analysis/head_panel.py, attnkit/data/report.js); the figures; the results of `patterns`, `probe`
-and `ablate` (attnkit/analysis/attached.py); sortable per-head tables; a glossary linking every feature name to
-docs/features.md; settings and versions, folded away. Figures are embedded as base64 PNG and also written as PNG
-(and SVG) under RUN/figures/; the data and the small script are embedded too: the page loads nothing.
+explorer (a layer × head grid; a click opens the head's panel below it: features with their spread, type, nearest
+heads, top and bottom examples from per_sample.npy, example maps, probe accuracy per relation, pattern shares, the
+effect of ablating the head and its layer; attnkit/analysis/head_panel.py, attnkit/data/report.js); the example
+inputs (a head view: hover or click a token to see where a head or a layer's heads attend); the figures; the results
+of `patterns`, `probe` and `ablate` (attnkit/analysis/attached.py); sortable per-head tables; a glossary of every
+feature; settings and versions, folded away. Figures are embedded as base64 PNG and also written as PNG (and SVG)
+under RUN/figures/; the data and the small script are embedded too: the page loads nothing and links nothing
+outside itself. The HTML comes from Jinja2 templates that escape every value (attnkit/analysis/report_html.py).
+
+Heads removed from a pruned model (meta.json `removed_heads`, NaN features; docs/pruning.md) are greyed out as
+"removed" in the grid and left out of every average, map and finding; the page says how many.
 
 Other analyses add sections through `SECTIONS` (see `Section`).
 """
 from __future__ import annotations
 
 import datetime as _dt
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from markupsafe import Markup
 
 from ..errors import AttnkitError
 from ..features import describe_feature, weighting_of
 from ..plotting import save_figure
 from ..run.clusters import label_grid, load_clusters, run_stability
 from ..run.distances import HeadDistances
-from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, REPORT_FILE
+from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, PER_SAMPLE_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.outputs import atomic_write
 from . import figures as figs
 from .attached import Attached, find_attached
 from .clustering import STABILITY_WARN, cluster, distance_feature_names, head_matrix, stability_over_seeds, sweep
 from .head_panel import extremes, panel_data, texts_of_rows
-from .report_html import docs_base, esc, feature_doc, feature_link, fmt, glossary, img, page, table, value_html
+from .report_html import anchor, figure, fmt, glossary_rows, macros, page, part, value_html
 from .results import save_clusters
 
 # The figures the report writes into RUN/figures (a replaced report replaces them).
 REPORT_FIGURES = ("type_share_per_layer", "distance_boxplots", "stability_sweep", "tsne_types", "mds_js",
                   "feature_heatmaps", "layer_summaries", "attention_examples")
-MAX_EMBEDDED_MAP_TEXTS = 3  # example texts whose maps the head panel holds for every head
+DEFAULT_EXAMPLES = 4  # example inputs whose maps the page embeds (`attnkit report --examples`)
+EXAMPLE_MAX_LENGTH = 64  # tokens of an example input at most (fewer when the run was extracted with fewer)
+EXAMPLE_MIN_TOKENS = 6  # shorter inputs (a title, an empty line) make poor examples
+# The maps of the example inputs take at most this many bytes (uint8, one per weight, all inputs and heads; base64
+# in the page adds a third): the shortest inputs first, an input that would exceed it is left out.
+MAPS_BUDGET_BYTES = 1_500_000
 
 
 def report_figures(run_dir) -> list[Path]:
@@ -55,51 +65,86 @@ NORM_NOTE = ("Norm-weighted run (attnkit extract --weighting norm; Kobayashi et 
              "distances and example maps show attention weights.")
 
 
+def removed_mask(features: HeadFeatures) -> np.ndarray:
+    """L × H booleans: the heads removed from a pruned model (meta.json `removed_heads`, whose features are NaN)."""
+    L, H = features.n_layers, features.n_heads
+    out = np.zeros((L, H), dtype=bool)
+    for pair in features.meta.get("removed_heads") or []:
+        l, h = pair
+        if not (0 <= l < L and 0 <= h < H):
+            raise AttnkitError(f"meta.json: field removed_heads names head L{l}H{h}, outside the run's {L} × {H}")
+        out[l, h] = True
+    return out
+
+
+def check_heads(features: HeadFeatures, run_dir) -> None:
+    """Refuse a run whose means hold NaN or infinity for heads that meta.json does not record as removed (a damaged
+    run), or that records a removed head outside the run."""
+    bad = ~np.isfinite(features.mean).all(axis=2) & ~removed_mask(features)
+    if bad.any():
+        heads = [f"L{l}H{h}" for l, h in np.argwhere(bad)]
+        raise AttnkitError(f"{Path(run_dir) / 'features.npz'} holds NaN or infinite means for {len(heads)} head(s) "
+                           f"({', '.join(heads[:5])}{' ...' if len(heads) > 5 else ''}) that meta.json does not "
+                           "record as removed: the report cannot place them on maps")
+
+
 def example_maps(model, tokenizer, texts, picks, *, max_length: int = 64) -> list[dict]:
     """Attention maps of chosen heads for a few texts (`attnkit.attention_maps`: the maps the model uses).
 
     `picks`: list of (type name, layer, head, text index). One forward per distinct text."""
     from ..engine.maps import attention_maps
 
-    out = []
-    by_text: dict[int, list] = {}
-    for p in picks:
-        by_text.setdefault(p[3], []).append(p)
-    for ti, ps in by_text.items():
-        maps = attention_maps(texts[ti], (model, tokenizer), max_length=max_length)
-        for t, layer, head, _ in ps:
-            out.append({"type": t, "layer": layer, "head": head, "tokens": maps.tokens,
-                        "weights": maps.head(layer, head)})
-    order = {p[:3]: i for i, p in enumerate(picks)}
-    out.sort(key=lambda e: order[(e["type"], e["layer"], e["head"])])
-    return out
+    maps = {ti: attention_maps(texts[ti], (model, tokenizer), max_length=max_length) for ti in {p[3] for p in picks}}
+    return _picked_maps(maps, picks)
 
 
-def pick_example_heads(features: HeadFeatures, data: dict, per_type: int = 3, n_texts: int = 1) -> list:
-    """For each type, the `per_type` heads closest to their cluster's centroid (most typical)."""
+def _picked_maps(maps: dict, picks) -> list[dict]:
+    return [{"type": t, "layer": layer, "head": head, "tokens": maps[ti].tokens, "weights": maps[ti].head(layer, head)}
+            for t, layer, head, ti in picks]
+
+
+def pick_example_heads(features: HeadFeatures, data: dict, per_type: int = 3, n_texts: int = 1,
+                       removed=None) -> list:
+    """For each type, the `per_type` heads closest to their cluster's centroid (most typical), removed heads left
+    out."""
     feats = data["settings"]["features"]
     X = head_matrix(features, feats)
     H = data["run"]["n_heads"]
+    gone = np.zeros(X.shape[0], dtype=bool) if removed is None else np.asarray(removed).ravel()
     picks = []
     for c in data["clusters"]:
         cen = np.array([c["centroid"][f] for f in feats])
-        members = [m for m, h in enumerate(data["heads"]) if h["label"] == c["label"]]
+        members = [m for m, h in enumerate(data["heads"]) if h["label"] == c["label"] and not gone[m]]
         members.sort(key=lambda m: float(np.sum((X[m] - cen) ** 2)))
         for j, m in enumerate(members[:per_type]):
             picks.append((c["type"], m // H, m % H, j % max(n_texts, 1)))
     return picks
 
 
-def _example_texts(texts, n: int, tokenizer, lo: int = 14, hi: int = 40) -> list[int]:
-    """Indices of up to n texts of moderate token length (readable maps)."""
-    good, rest = [], []
-    for i, t in enumerate(texts[:500]):
-        ids = tokenizer(*(t if isinstance(t, (tuple, list)) else (t,)))["input_ids"]
-        (good if lo <= len(ids) <= hi else rest).append((abs(len(ids) - (lo + hi) // 2), i))
-        if len(good) >= n:
+def example_inputs(texts, n: int, tokenizer, *, max_length: int = EXAMPLE_MAX_LENGTH,
+                   min_tokens: int = EXAMPLE_MIN_TOKENS) -> list[int]:
+    """Indices of up to `n` inputs of `texts`, the shortest first (in tokens, counted as `attention_maps` counts
+    them: special tokens added, cut to `max_length`), leaving out inputs under `min_tokens` tokens unless nothing
+    else is there. Ties keep corpus order."""
+    sized = []
+    for i, t in enumerate(texts):
+        parts = t if isinstance(t, (tuple, list)) else (t,)
+        ids = tokenizer(*parts, truncation=True, max_length=max_length)["input_ids"]
+        sized.append((len(ids), i))
+    good = sorted(x for x in sized if x[0] >= min_tokens) or sorted(sized)
+    return [i for _, i in good[:n]]
+
+
+def within_budget(maps, budget: int = MAPS_BUDGET_BYTES) -> list:
+    """The leading maps (AttentionMaps, shortest first) whose uint8 bytes (layers · heads · n² each) fit `budget`."""
+    out, used = [], 0
+    for m in maps:
+        size = int(np.prod(np.asarray(m.weights).shape))
+        if used + size > budget:
             break
-    chosen = [i for _, i in sorted(good)[:n]] or [i for _, i in sorted(rest)[:n]]
-    return chosen
+        out.append(m)
+        used += size
+    return out
 
 
 class _FigureSaver:
@@ -144,18 +189,21 @@ def _clusters(run_dir: Path, features: HeadFeatures, k: int, method: str, seed: 
 @dataclass
 class Section:
     """One section of the page: `id` (its anchor), `title` (in the table of contents and its heading) and `body`
-    (HTML). A function `(report) -> Section | None` in `SECTIONS` adds one; None leaves it out."""
+    (HTML). A function `(report) -> Section | None` in `SECTIONS` adds one; None leaves it out. A `body` that is a
+    plain str is trusted markup written by code (never put a value read from a file into it: render it with
+    `attnkit.analysis.report_html.part` or `table`, which escape)."""
 
     id: str
     title: str
     body: str
 
-    def html(self) -> str:
-        return f'<section id="{esc(self.id)}"><h2>{esc(self.title)}</h2>{self.body}</section>'
+    def html(self) -> Markup:
+        return macros().section(self.id, self.title, Markup(self.body))
 
 
 class Report:
-    """What every section reads: the run, its features, clusters, distances, attached results, figures saver."""
+    """What every section reads: the run, its features, clusters, distances, attached results, figures saver, the
+    example inputs' maps, and which heads were removed."""
 
     def __init__(self, run_dir: Path, features: HeadFeatures, data: dict, save: _FigureSaver, *, seed: int,
                  attached: Attached, examples: int = 0, texts=None, model=None):
@@ -163,128 +211,136 @@ class Report:
         self.attached, self.n_examples, self.texts, self.model = attached, examples, texts, model
         self.type_names = [c["type"] for c in data["clusters"]]
         self.colors = figs.type_colors(self.type_names)
-        self.grid = label_grid(data)
-        self.labels = self.grid.ravel()
         L, H = features.n_layers, features.n_heads
+        self.removed = removed_mask(features)
+        self.kept = ~self.removed.ravel()
+        self.n_removed = int(self.removed.sum())
+        self.grid = np.where(self.removed, -1, label_grid(data))  # -1: removed (in no type)
+        self.labels = self.grid.ravel()
         self.head_ids = [f"L{m // H}H{m % H}" for m in range(L * H)]
-        self.docs = docs_base()
         self.distances = HeadDistances.load(run_dir) if (run_dir / DISTANCES_FILE).is_file() else None
         if self.distances is not None and self.distances.total.shape[0] != L * H:
             raise AttnkitError(f"{run_dir / DISTANCES_FILE} has {self.distances.total.shape[0]} heads, the run {L * H}")
-        self.maps = []  # AttentionMaps of the example texts (examples > 0)
+        self.maps = []  # AttentionMaps of the example inputs, shortest first
+        self.example_idx: list[int] = []  # their indices in texts
         self.notes: list[str] = []
 
-    def swatch(self, type_name: str) -> str:
-        return f'<span class="swatch" style="background:{self.colors[type_name]}"></span>'
+    def img(self, fig, stem: str, caption: str) -> dict:
+        """Save a figure into RUN/figures and return what the `img` macro shows."""
+        return figure(self.save(fig, stem), caption)
 
-    def feat(self, name: str) -> str:
-        return feature_link(name, self.docs)
-
-    def doc_mark(self, name: str) -> str:
-        """A small link to the definition of feature `name` (beside a name that does something else on click)."""
-        return (f'<a class="doc" href="{esc(feature_doc(name, self.docs))}" title="{esc(describe_feature(name))}">'
-                "?</a>")
-
-    def rel(self, path) -> str:
-        """`path` relative to the report (for links)."""
-        return os.path.relpath(Path(path).resolve(), self.run_dir.resolve())
+    def kept_mean(self, values: np.ndarray) -> float:
+        """The mean of L × H `values` over the heads that were not removed."""
+        v = np.asarray(values, dtype=np.float64).ravel()[self.kept]
+        return float(v.mean()) if v.size else float("nan")
 
 
 # --- the findings ------------------------------------------------------------------------------------------------
-def _types_finding(r: Report) -> str:
+def _types_finding(r: Report) -> Markup:
     st = r.data["stability"]
     rows = []
+    n_kept = int(r.kept.sum())
     for c in r.data["clusters"]:
         p = c["profile"] or {}
-        rows.append((r.swatch(c["type"]) + esc(c["type"]), c["n_heads"], fmt(c["share"]), fmt(p.get("special")),
-                     fmt(p.get("near_r")), fmt(p.get("far_r"))))
-    text = (f"<p>{len(r.type_names)} head types (k = {st['k']}): stability <b>{fmt(st['stability'])}</b> (share of "
-            f"heads labelled the same by all {st['n_stability']} fits on random halves of the heads), silhouette "
-            f"{fmt(st['silhouette'])}.")
-    over = st.get("over_seeds")
-    if over:
-        text += (f" Over {over['n_seeds']} seeds ({over['seeds'][0]}–{over['seeds'][-1]}): mean "
-                 f"<b>{fmt(over['mean'])}</b>, range {fmt(over['min'])}–{fmt(over['max'])}.")
-    text += "</p>"
-    judged = run_stability(r.data)
-    if judged is not None and judged < STABILITY_WARN:
-        text += (f'<p class="warn"><b>Warning:</b> stability {fmt(judged)} is below {STABILITY_WARN}: these head '
-                 "types are not reliable (another k or other features may group the heads differently).</p>")
-    return "<h3>Head types</h3>" + text + table(
-        ["type", "heads", "share", "special", "near_r", "far_r"], rows) + (
-        '<p class="note">special = weight on [CLS] + [SEP] + comma + period; near_r, far_r = shares of the remaining '
-        "weight on the token itself and keys closer than n/8, and on keys at least n/4 away (docs/analysis.md, "
-        "\"Naming the types\").</p>")
+        n, share = c["n_heads"], c["share"]
+        if r.n_removed:  # counted over the heads that remain, whatever clusters.json counted
+            n = int((r.labels == c["label"]).sum())
+            share = n / n_kept if n_kept else float("nan")
+        rows.append((macros().typed(r.colors[c["type"]], c["type"]), n, fmt(share),
+                     fmt(p.get("special")), fmt(p.get("near_r")), fmt(p.get("far_r"))))
+    return part("types_finding", n_types=len(r.type_names), st=st, over=st.get("over_seeds"),
+                judged=run_stability(r.data), warn_below=STABILITY_WARN, rows=rows, removed=r.n_removed)
 
 
-def _sink_finding(r: Report) -> str:
+def _sink_finding(r: Report) -> Markup:
     from . import summaries as sm
 
-    f, L, H = r.features, r.features.n_layers, r.features.n_heads
+    f = r.features
+    n_kept = int(r.kept.sum())
     items = []
     for label, names in sm.SPECIAL_GROUPS:
-        if not all(n in f.names for n in names):
+        if not all(n in f.names for n in names) or not n_kept:
             continue
-        v = sum(f.feature(n) for n in names)
-        per_layer = v.mean(1)
-        l_top, (hl, hh) = int(per_layer.argmax()), np.unravel_index(int(v.argmax()), v.shape)
-        above = int((v > sm.SPECIAL_MIN).sum())
-        items.append(f"<li><b>{esc(label)}</b>: {v.mean():.2f} of the weight on average over the {L * H} heads, most "
-                     f"in layer {l_top} ({per_layer[l_top]:.2f}); {above} head(s) above {sm.SPECIAL_MIN}, the "
-                     f"strongest L{hl}H{hh} ({v[hl, hh]:.2f}).</li>")
+        v = np.where(r.removed, np.nan, sum(f.feature(n) for n in names))
+        per_layer = np.array([np.nanmean(row) if np.isfinite(row).any() else -np.inf for row in v])
+        l_top = int(per_layer.argmax())
+        hl, hh = np.unravel_index(int(np.nanargmax(v)), v.shape)
+        items.append({"label": label, "mean": float(np.nanmean(v)), "layer": l_top, "layer_mean": per_layer[l_top],
+                      "above": int((np.nan_to_num(v, nan=-1.0) > sm.SPECIAL_MIN).sum()), "cut": sm.SPECIAL_MIN,
+                      "best": f"L{hl}H{hh}", "best_value": float(v[hl, hh])})
     if not items:
-        return ""
+        return Markup("")
     special = [n for n in ("cls", "sep", "comma", "period") if n in f.names]
-    total = sum(f.feature(n) for n in special)
-    majority = int((total > 0.5).sum())
-    return ("<h3>The attention sink</h3><p>" + f"{majority} of {L * H} heads put more than half their weight on "
-            f"{', '.join(special)} (the tokens that draw vertical stripes in a map).</p><ul>" + "".join(items)
-            + "</ul>")
+    total = np.where(r.removed, 0.0, sum(f.feature(n) for n in special))
+    return part("sink_finding", majority=int((total > 0.5).sum()), n_heads=n_kept, special=special, items=items,
+                removed=r.n_removed)
 
 
-def _papers_finding(r: Report) -> str:
+def _kept_features(r: Report) -> HeadFeatures:
+    """The run's features for the summaries of the papers' findings: a layer whose heads were all removed is left
+    out, and a removed head of a partly removed layer takes its layer's mean over the remaining heads (so it moves
+    no layer mean and crosses no threshold of its own: thresholds are checked on the real heads only)."""
+    mean = np.array(r.features.mean, dtype=np.float64)
+    layers = [l for l in range(r.features.n_layers) if not r.removed[l].all()]
+    for l in layers:
+        if r.removed[l].any():
+            mean[l, r.removed[l]] = mean[l, ~r.removed[l]].mean(0)
+    f = r.features
+    return HeadFeatures(mean[layers], np.asarray(f.std)[layers], f.names, f.n_samples, f.n_tokens, f.meta)
+
+
+def _papers_finding(r: Report) -> Markup:
     from . import summaries as sm
 
+    f = _kept_features(r) if r.n_removed else r.features
+    layers = [l for l in range(r.features.n_layers) if not r.removed[l].all()]
     try:
-        notes = sm.paper_differences(r.features)
-        th = sm.threshold_heads(r.features)
-        summ = sm.layer_summaries(r.features)
+        if not layers:
+            raise AttnkitError("every head was removed")
+        notes = sm.paper_differences(f)
+        th = sm.threshold_heads(f)
+        summ = sm.layer_summaries(f)
     except AttnkitError as exc:
-        return f'<p class="note">Comparison with the papers skipped: {esc(exc)}</p>'
-    html_ = "<h3>What differs from the papers</h3>" + (
-        "<ul>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>" if notes else
-        '<p class="note">No departure from Clark et al.\'s main findings was detected by the checks in '
-        "attnkit.analysis.summaries.</p>")
+        return part("papers_finding", skipped=str(exc), notes=[], rows=[])
     cuts = {"previous token": f"prev > {sm.PREV_NEXT_MIN}", "next token": f"next > {sm.PREV_NEXT_MIN}",
             "[CLS]": f"cls > {sm.SPECIAL_MIN}", "[SEP]": f"sep > {sm.SPECIAL_MIN}",
             "punctuation": f"comma + period > {sm.SPECIAL_MIN}",
             "broad": f"entropy > {sm.BROAD_FRACTION} · ln n = {sm.BROAD_FRACTION * summ['uniform_entropy']:.2f}"}
-    rows = [(esc(k), esc(cuts[k]), len(v), esc(", ".join(f"L{x['layer']}H{x['head']} ({x['value']:.2f})" for x in v)
-                                              or "none")) for k, v in th.items()]
-    return html_ + "<h3>Heads above the papers' thresholds</h3>" + table(
-        ["attention to", "threshold", "heads", "which (largest first)"], rows, left=(0, 1, 3))
+    rows = []
+    for k, v in th.items():
+        real = [x for x in v if not r.removed[layers[x["layer"]], x["head"]]]  # filled-in heads are not heads
+        rows.append((k, cuts[k], len(real), ", ".join(f"L{layers[x['layer']]}H{x['head']} ({x['value']:.2f})"
+                                                      for x in real) or "none"))
+    if len(layers) < r.features.n_layers:  # the notes number layers among the remaining ones
+        gone = [l for l in range(r.features.n_layers) if l not in layers]
+        if gone[-1] == r.features.n_layers - 1:  # the model's last layer is gone: nothing to say about it
+            notes = [n for n in notes if "last layer" not in n]
+        notes = [f"(Every head of layer(s) {', '.join(map(str, gone))} was removed; the notes below number the "
+                 f"remaining {len(layers)} layers 0–{len(layers) - 1}.)"] + notes
+    return part("papers_finding", skipped=None, notes=notes, rows=rows)
 
 
-def _attached_findings(r: Report) -> str:
-    a, out = r.attached, []
+def _attached_findings(r: Report) -> Markup:
+    a = r.attached
+    patterns = probe = None
     if a.patterns is not None:
-        ov = a.patterns["data"].get("overall", {})
-        out.append("<li>Pattern classes over all (example, head): " + ", ".join(
-            f"{esc(c)} {100 * ov.get(c, 0):.1f}%" for c in a.patterns["classes"]) + ' (<a href="#patterns">more</a>).'
-            "</li>")
+        ov = a.patterns["data"]["overall"]
+        patterns = [(c, ov.get(c, 0.0)) for c in a.patterns["classes"]]
     if a.probe is not None:
         p = a.probe
-        gain = p["acc"].reshape(-1, len(p["relations"])).max(0) - p["baseline"]
-        best = [(p["relations"][j], gain[j]) for j in np.argsort(-gain)[:3] if p["relations"][j] != "(all)"]
-        out.append("<li>Syntax: the relations some head tracks best over the offset baseline: " + ", ".join(
-            f"{esc(rel)} (+{g:.2f})" for rel, g in best) + ' (<a href="#probe">more</a>).</li>')
+        acc = p["acc"].reshape(-1, len(p["relations"]))[r.kept]
+        gain = np.where(np.isfinite(acc), acc, -np.inf).max(0) - p["baseline"]
+        probe = [(p["relations"][j], float(gain[j])) for j in np.argsort(-gain)[:3] if p["relations"][j] != "(all)"]
+    ablations = []
+    H = r.features.n_heads
     for ab in a.ablations:
-        if "delta" in ab and np.isfinite(ab["delta"]).any():
-            m = int(np.nanargmin(ab["delta"]))
-            out.append(f"<li>Ablation ({esc(ab['path'].name)}): disabling L{m // r.features.n_heads}H"
-                       f"{m % r.features.n_heads} alone changes {esc(ab['metric'])} the most "
-                       f"({np.nanmin(ab['delta']):+.2f}) (<a href=\"#ablation\">more</a>).</li>")
-    return ("<h3>Other results of this run</h3><ul>" + "".join(out) + "</ul>") if out else ""
+        delta = np.where(r.removed, np.nan, ab["delta"]) if ab["experiment"] == "heads" else ab.get("delta")
+        if delta is not None and np.isfinite(delta).any():
+            m = int(np.nanargmin(delta))
+            what = f"L{m // H}H{m % H}" if ab["experiment"] == "heads" else f"layer {m}"
+            ablations.append({"source": ab["path"].name, "what": what, "metric": ab["metric"],
+                              "delta": float(np.nanmin(delta))})
+    return part("attached_findings", patterns=patterns, probe=probe, ablations=ablations)
 
 
 def findings(r: Report) -> Section:
@@ -292,109 +348,112 @@ def findings(r: Report) -> Section:
                    + _attached_findings(r))
 
 
-# --- the head explorer --------------------------------------------------------------------------------------------
+# --- the head explorer and the example inputs --------------------------------------------------------------------
 def explorer(r: Report) -> Section:
-    L, H = r.features.n_layers, r.features.n_heads
-    options = '<option value="type">type</option>' + "".join(
-        f'<option value="{esc(n)}">{esc(n)}</option>' for n in r.features.names)
-    head = "<tr><th></th>" + "".join(f"<th>H{h}</th>" for h in range(H)) + "</tr>"
-    body = "".join(f"<tr><th>L{l}</th>" + "".join(f'<td data-m="{l * H + h}" data-head="L{l}H{h}"></td>'
-                                                   for h in range(H)) + "</tr>" for l in range(L))
-    legend = " ".join(f"{r.swatch(t)}{esc(t)}" for t in r.type_names)
-    grid = (f'<div><label>colour by <select id="grid-colour">{options}</select></label>'
-            f'<table id="grid"><thead>{head}</thead><tbody>{body}</tbody></table>'
-            f'<p class="note">{legend}</p><p class="note" id="grid-legend"></p></div>')
-    return Section("explorer", "Head explorer",
-                   '<p class="note">Click a head (rows: layers, columns: heads) to see its panel; the address '
-                   "(#L2H5) keeps the choice.</p>" + f'<div class="explorer">{grid}<div id="panel"></div></div>')
+    removed = ", ".join(r.head_ids[m] for m in np.flatnonzero(~r.kept)) if r.n_removed else ""
+    return Section("explorer", "Head explorer", part(
+        "explorer", L=r.features.n_layers, H=r.features.n_heads, names=r.features.names,
+        types=[(r.colors[t], t) for t in r.type_names], removed=removed))
+
+
+def inputs_section(r: Report) -> Section | None:
+    if not r.maps:
+        return None
+    size = sum(int(np.prod(m.weights.shape)) for m in r.maps)
+    budget = (f"{size / 1e3:.0f} kB of maps, budget {MAPS_BUDGET_BYTES / 1e6:g} MB; docs/files.md")
+    return Section("inputs", "Attention on example inputs", part("examples_view", n_texts=len(r.maps), budget=budget))
 
 
 # --- figures ------------------------------------------------------------------------------------------------------
 def types_figures(r: Report) -> Section:
-    saved = r.save(figs.type_share_per_layer(r.grid, r.type_names), "type_share_per_layer")
-    html_ = img(saved, "Head types per layer (cf. Guan et al. Fig. 3).")
-    saved = r.save(figs.distance_boxplots(r.features, r.labels, r.type_names), "distance_boxplots")
-    html_ += img(saved, "Distance features of the heads of each type (cf. Guan et al. Fig. 1, bottom).")
+    figures = [r.img(figs.type_share_per_layer(r.grid, r.type_names), "type_share_per_layer",
+                     "Head types per layer (cf. Guan et al. Fig. 3)."),
+               r.img(figs.distance_boxplots(r.features, r.labels, r.type_names), "distance_boxplots",
+                     "Distance features of the heads of each type (cf. Guan et al. Fig. 1, bottom).")]
     rows = r.data["stability"].get("sweep")
+    sweep_part = None
     if rows:
         seeded = all("stability_mean" in x for x in rows)
         srows = [(x["k"], fmt(x["stability"])
                   + (f" (mean {fmt(x['stability_mean'])}, {fmt(x['stability_min'])}–{fmt(x['stability_max'])} "
                      f"over {x.get('n_seeds', '?')} seeds)" if seeded else ""),
-                  fmt(x["silhouette"]), esc(", ".join(x["type_names"]))) for x in rows]
-        saved = r.save(figs.stability_sweep(rows), "stability_sweep")
-        html_ += ("<h3>Stability over k</h3>"
-                  + table(["k", "stability", "silhouette", "types"], srows, left=(3,), sortable=True)
-                  + img(saved, "Stability and silhouette against k."))
-    return Section("types", "Head types per layer", html_)
+                  fmt(x["silhouette"]), ", ".join(x.get("type_names", []))) for x in rows]
+        sweep_part = {"rows": srows, "fig": r.img(figs.stability_sweep(rows), "stability_sweep",
+                                                  "Stability and silhouette against k.")}
+    return Section("types", "Head types per layer", part("types_figures", figs=figures, sweep=sweep_part))
 
 
 def head_maps(r: Report) -> Section:
     from .embedding import mds, tsne
 
     L, H = r.features.n_layers, r.features.n_heads
-    X = head_matrix(r.features, r.data["settings"]["features"])
-    saved = r.save(figs.tsne_scatter(tsne(X, seed=r.seed), r.labels, r.type_names, r.head_ids), "tsne_types")
-    html_ = img(saved, "t-SNE of the clustered features, coloured by type (cf. Guan et al. Fig. 2).")
+    kept = r.kept
+    ids = [h for h, k in zip(r.head_ids, kept) if k]
+    X = head_matrix(r.features, r.data["settings"]["features"])[kept]
+    removed = (f" {r.n_removed} removed head(s) are left out." if r.n_removed else "")
+    figures = [r.img(figs.tsne_scatter(tsne(X, seed=r.seed), r.labels[kept], r.type_names, ids), "tsne_types",
+                     "t-SNE of the clustered features, coloured by type (cf. Guan et al. Fig. 2)." + removed)]
     dist = r.distances
     if dist is None:
-        return Section("maps", "Maps of heads", html_ + (
-            f'<p class="note">No {DISTANCES_FILE} in this run: the MDS map of Jensen-Shannon distances (and the '
-            f"nearest heads by divergence in the head panel) needs `attnkit distances {esc(r.run_dir)}`.</p>"))
+        return Section("maps", "Maps of heads", part("figures_and_notes", figs=figures, notes=[
+            f"No {DISTANCES_FILE} in this run: the MDS map of Jensen-Shannon distances (and the nearest heads by "
+            f"divergence in the head panel) needs `attnkit distances RUN`."]))
     layers = np.repeat(np.arange(L), H)
-    saved = r.save(figs.mds_maps(mds(dist.per_token, seed=r.seed), r.labels, r.type_names, layers, r.head_ids),
-                   "mds_js")
+    pt = np.asarray(dist.per_token)[np.ix_(kept, kept)]
     smoothed = f", rows smoothed with ε = {dist.meta['smoothing']:g}" if dist.meta.get("smoothing") else ""
-    html_ += img(saved, f"Metric MDS of the Jensen-Shannon divergences between heads (mean per token over "
-                        f"{dist.n_rows} query tokens{smoothed}), coloured by type and by layer (cf. Clark et al. "
-                        "Fig. 6).")
-    pt = dist.per_token
-    within = pt[(layers[:, None] == layers[None, :]) & ~np.eye(L * H, dtype=bool)].mean()
-    across = pt[layers[:, None] != layers[None, :]].mean()
-    return Section("maps", "Maps of heads", html_ + (
-        f'<p class="note">Mean JS divergence per token: between heads of the same layer {within:.4f}, between '
-        f"heads of different layers {across:.4f}.</p>"))
+    figures.append(r.img(figs.mds_maps(mds(pt, seed=r.seed), r.labels[kept], r.type_names, layers[kept], ids),
+                         "mds_js", f"Metric MDS of the Jensen-Shannon divergences between heads (mean per token over "
+                                   f"{dist.n_rows} query tokens{smoothed}), coloured by type and by layer (cf. Clark "
+                                   "et al. Fig. 6)." + removed))
+    kl = layers[kept]
+    within = pt[(kl[:, None] == kl[None, :]) & ~np.eye(len(kl), dtype=bool)].mean()
+    across = pt[kl[:, None] != kl[None, :]].mean()
+    return Section("maps", "Maps of heads", part("figures_and_notes", figs=figures, notes=[
+        f"Mean JS divergence per token: between heads of the same layer {within:.4f}, between heads of different "
+        f"layers {across:.4f}."]))
 
 
 def heatmaps(r: Report) -> Section:
     from . import summaries as sm
 
-    saved = r.save(figs.feature_heatmaps(r.features), "feature_heatmaps")
-    html_ = img(saved, "Per layer × head means over the corpus (cf. Clark et al. Figs. 2 and 6).")
+    figures = [r.img(figs.feature_heatmaps(r.features), "feature_heatmaps",
+                     "Per layer × head means over the corpus (cf. Clark et al. Figs. 2 and 6)"
+                     + ("; removed heads are blank." if r.n_removed else "."))]
+    f = _kept_features(r) if r.n_removed else r.features
+    layers = [l for l in range(r.features.n_layers) if not r.removed[l].all()]
     try:
-        summ = sm.layer_summaries(r.features)
+        summ = sm.layer_summaries(f)
     except AttnkitError:
-        return Section("heatmaps", "Features per layer and head", html_)
-    saved = r.save(sm.layer_summary_figure(summ), "layer_summaries")
+        return Section("heatmaps", "Features per layer and head", part("layer_table", figs=figures, title="",
+                                                                       header=[], rows=[]))
+    figures.append(r.img(sm.layer_summary_figure(summ), "layer_summaries",
+                         "Mean attention to [CLS], [SEP] and punctuation per layer (dots: heads), and entropy with the "
+                         f"uniform baseline ln n = {summ['uniform_entropy']:.2f} (n = {summ['n_mean_tokens']:.1f} mean "
+                         "tokens per sample)." + (f" Only the {len(layers)} layers with heads left are drawn, "
+                                                 "numbered among themselves." if len(layers) < r.features.n_layers
+                                                 else "")))
     labels = list(summ["per_layer"])
-    rows = [[l] + [fmt(summ["per_layer"][k][l]) for k in labels] for l in range(r.features.n_layers)]
-    html_ += "<h3>Per-layer summaries (Clark et al.)</h3>" + img(
-        saved, f"Mean attention to [CLS], [SEP] and punctuation per layer (dots: heads), and entropy with the uniform "
-               f"baseline ln n = {summ['uniform_entropy']:.2f} (n = {summ['n_mean_tokens']:.1f} mean tokens per "
-               "sample).") + table(["layer"] + labels, rows, left=(), sortable=True)
-    return Section("heatmaps", "Features per layer and head", html_)
+    rows = [[layers[i]] + [fmt(summ["per_layer"][k][i]) for k in labels] for i in range(len(layers))]
+    return Section("heatmaps", "Features per layer and head", part(
+        "layer_table", figs=figures, title="Per-layer summaries (Clark et al.)", header=["layer"] + labels,
+        rows=rows))
 
 
 def example_section(r: Report) -> Section | None:
-    if not r.n_examples:
+    if not r.maps:
         return None
-    if r.texts is None or r.model is None:
-        raise AttnkitError("example attention maps need the corpus texts and the model")
-    mdl, tok = r.model
-    idx = _example_texts(r.texts, r.n_examples, tok)
-    picks = pick_example_heads(r.features, r.data, per_type=r.n_examples, n_texts=len(idx))
-    picks = [(t, l, h, idx[j]) for t, l, h, j in picks]
-    saved = r.save(figs.attention_examples(example_maps(mdl, tok, r.texts, picks)), "attention_examples")
-    return Section("examples", "Example attention maps", img(
-        saved, "The heads nearest to each type's centroid on corpus samples (rows: types; rows of a map: queries, "
-               "columns: keys). Every head's maps of these texts are in its panel of the head explorer."))
+    picks = pick_example_heads(r.features, r.data, per_type=min(r.n_examples, 3), n_texts=len(r.maps),
+                               removed=r.removed)
+    fig = figs.attention_examples(_picked_maps(dict(enumerate(r.maps)), picks))
+    return Section("examples", "Example attention maps", part("figures_and_notes", figs=[r.img(
+        fig, "attention_examples", "The heads nearest to each type's centroid on the example inputs (rows: types; "
+                                   "rows of a map: queries, columns: keys). Every head's maps of these inputs are in "
+                                   "its panel of the head explorer.")], notes=[]))
 
 
 # --- results of other commands ----------------------------------------------------------------------------------
-def _embed_png(path: Path, caption: str) -> str:
-    if not path.is_file():
-        return ""
-    return img({"png_bytes": path.read_bytes()}, caption)
+def _embedded_png(path: Path, caption: str) -> dict | None:
+    return figure({"png_bytes": path.read_bytes()}, caption) if path.is_file() else None
 
 
 def patterns_section(r: Report) -> Section | None:
@@ -402,13 +461,12 @@ def patterns_section(r: Report) -> Section | None:
     if p is None:
         return None
     d = p["data"]
-    rows = [[f"L{l}"] + [f"{100 * d['per_layer'][c][l]:.1f}%" for c in p["classes"]] for l in range(d["n_layers"])]
+    rows = [[f"L{l}"] + [f"{100 * d['per_layer'][c][l]:.1f}%" for c in p["classes"]] for l in range(len(r.grid))]
     rows.append(["all"] + [f"{100 * d['overall'][c]:.1f}%" for c in p["classes"]])
     rules = ", ".join(f"{k} {v}" for k, v in (d.get("rules") or {}).items())
-    return Section("patterns", "Pattern classes (Kovaleva et al.)", table(["layer"] + p["classes"], rows, sortable=True)
-                   + _embed_png(r.run_dir / FIGURES_DIR / "pattern_types.png", "Pattern classes per layer.")
-                   + f'<p class="note">{d["n_examples"]} examples; rules: {esc(rules)} (docs/patterns.md). Each '
-                     "head's shares are in its panel.</p>")
+    return Section("patterns", "Pattern classes (Kovaleva et al.)", part(
+        "patterns", classes=p["classes"], rows=rows, n_examples=d["n_examples"], rules=rules,
+        fig=_embedded_png(r.run_dir / FIGURES_DIR / "pattern_types.png", "Pattern classes per layer.")))
 
 
 def probe_section(r: Report) -> Section | None:
@@ -418,43 +476,46 @@ def probe_section(r: Report) -> Section | None:
     rels = p["summary"].get("relations") or {}
     rows = []
     for j, rel in enumerate(p["relations"]):
-        grid = p["acc"][..., j]
+        grid = np.where(r.removed | ~np.isfinite(p["acc"][..., j]), -np.inf, p["acc"][..., j])
         l, h = np.unravel_index(int(grid.argmax()), grid.shape)
-        info = rels.get(rel, {})
-        rows.append((esc(rel), p["counts"][j], f"L{l}H{h}", fmt(float(grid[l, h])), fmt(float(p["baseline"][j])),
-                     f"{float(grid[l, h] - p['baseline'][j]):+.3f}", esc(info.get("baseline_offset", "–"))))
-    src = r.rel(p["path"])
-    return Section("probe", "Syntax probes (Clark et al.)", table(
-        ["relation", "dependencies", "best head", "accuracy", "baseline", "over baseline", "baseline offset"], rows,
-        sortable=True) + _embed_png(p["heatmap"], "Accuracy over the baseline per head (probe_heatmap.png).")
-        + f'<p class="note">From <a href="{esc(src)}">{esc(src)}</a> ({esc(p["summary"].get("model", ""))}); '
-          "accuracy in the better direction (docs/probes.md). Each head's accuracy per relation is in its panel.</p>")
+        info = rels.get(rel) or {}
+        offset = info.get("baseline_offset")
+        rows.append((rel, p["counts"][j], f"L{l}H{h}", fmt(float(grid[l, h])), fmt(float(p["baseline"][j])),
+                     f"{float(grid[l, h] - p['baseline'][j]):+.3f}", "–" if offset is None else offset))
+    return Section("probe", "Syntax probes (Clark et al.)", part(
+        "probe", rows=rows, source=_shown_path(r, p["path"] / "probe.json"), model=p["summary"].get("model") or "",
+        fig=_embedded_png(p["heatmap"], "Accuracy over the baseline per head (probe_heatmap.png).")))
+
+
+def _shown_path(r: Report, path: Path) -> str:
+    """A result file as the page names it: relative to the run when it lies inside it, else its folder and name
+    (never a link, and no absolute path of the machine that made the report)."""
+    try:
+        return str(Path(path).resolve().relative_to(r.run_dir.resolve()))
+    except ValueError:
+        return f"{Path(path).parent.name}/{Path(path).name}"
 
 
 def ablation_section(r: Report) -> Section | None:
     if not r.attached.ablations:
         return None
-    html_ = ""
+    items = []
     for a in r.attached.ablations:
         key = f"delta_{a['metric']}"
-        rows = [(esc(x.get("setting", "")), fmt(x.get(a["metric"]), 2), fmt(x.get(key), 2),
+        rows = [(str(x.get("setting", "")), fmt(x.get(a["metric"]), 2), fmt(x.get(key), 2),
                  fmt(x.get(f"{key}_lo"), 2), fmt(x.get(f"{key}_hi"), 2)) for x in a["rows"]]
-        src = r.rel(a["path"])
-        html_ += (f"<h3>{esc(a['experiment'])}: {esc(a['meta'].get('task', ''))} ({esc(a['meta'].get('model', ''))})"
-                  "</h3>" + table(["setting", a["metric"], f"Δ {a['metric']}", "interval low", "interval high"], rows,
-                                  sortable=True)
-                  + _embed_png(a["figure"], f"{a['experiment']} ({a['figure'].name}).")
-                  + f'<p class="note">From <a href="{esc(src)}">{esc(src)}</a>.</p>')
-    return Section("ablation", "Ablations", html_)
+        items.append({"experiment": a["experiment"], "task": a["meta"].get("task") or "",
+                      "model": a["meta"].get("model") or "", "metric": a["metric"], "rows": rows,
+                      "fig": _embedded_png(a["figure"], f"{a['experiment']} ({a['figure'].name})."),
+                      "source": _shown_path(r, a["path"])})
+    return Section("ablation", "Ablations", part("ablations", items=items))
 
 
 def links_section(r: Report) -> Section | None:
     if not r.attached.links:
         return None
-    rows = [(esc(what), f'<a href="{esc(r.rel(path))}">{esc(r.rel(path))}</a>', esc(why))
-            for what, path, why in r.attached.links]
-    return Section("elsewhere", "Results not shown here", table(["result", "file", "why not shown"], rows,
-                                                                left=(0, 1, 2)))
+    rows = [(what, _shown_path(r, path), why) for what, path, why in r.attached.links]
+    return Section("elsewhere", "Results not shown here", part("elsewhere", rows=rows))
 
 
 # --- tables, glossary, settings -----------------------------------------------------------------------------------
@@ -463,72 +524,98 @@ def tables(r: Report) -> Section:
     L, H = features.n_layers, features.n_heads
     show = [n for n in ("cls", "sep", "comma", "period", "self", "prev", "next", "entropy", "max", "intra",
                         "inter", "cls_entropy") if n in names]
-    trows = []
+    wins = distance_feature_names(names)
+    mark = macros().doc_mark
+    trows, drows = [], []
     for l in range(L):
         for h in range(H):
-            t = r.type_names[r.grid[l, h]]
-            trows.append([l, h, r.swatch(t) + esc(t)] + [fmt(float(features.mean[l, h, names.index(n)])) for n in show])
-    wins = distance_feature_names(names)
-    drows = [[l, h] + [fmt(float(features.mean[l, h, names.index(n)])) for n in wins] for l in range(L)
-             for h in range(H)]
-    return Section("tables", "Features per head", (
-        f"<details><summary>Corpus means per head ({L * H} rows; click a column to sort)</summary>"
-        '<div class="scroll">' + _linked_table(r, ["layer", "head", "type"], show, trows, left=(2,))
-        + "</div></details>"
-        "<details><summary>Distance buckets per head</summary><div class=\"scroll\">"
-        + _linked_table(r, ["layer", "head"], wins, drows, left=()) + "</div></details>"))
-
-
-def _linked_table(r: Report, first: list[str], features: list[str], rows, left) -> str:
-    """A sortable table whose feature columns link their names to the definitions."""
-    html_ = table(first + features, rows, left=left, sortable=True)
-    for n in features:  # the name sorts, the mark after it opens the definition
-        html_ = html_.replace(f"<th class=\"\">{esc(n)}</th>", f"<th class=\"\">{esc(n)}{r.doc_mark(n)}</th>", 1)
-    return html_
+            if r.removed[l, h]:
+                t = "removed"
+            else:
+                t = macros().typed(r.colors[r.type_names[r.grid[l, h]]], r.type_names[r.grid[l, h]])
+            trows.append([l, h, t] + [fmt(float(features.mean[l, h, names.index(n)])) for n in show])
+            drows.append([l, h] + [fmt(float(features.mean[l, h, names.index(n)])) for n in wins])
+    return Section("tables", "Features per head", part(
+        "tables", n=L * H, show=[mark(n, describe_feature(n)) for n in show], trows=trows,
+        wins=[mark(n, describe_feature(n)) for n in wins], drows=drows))
 
 
 def glossary_section(r: Report) -> Section:
-    return Section("glossary", "Glossary of features", glossary(r.features.names, r.docs))
+    return Section("glossary", "Glossary of features", part("glossary", rows=glossary_rows(r.features.names)))
 
 
 def settings(r: Report) -> Section:
-    rows = [(esc(key), value_html(v)) for key, v in r.features.meta.items()]
+    rows = [(key, value_html(v)) for key, v in r.features.meta.items()]
     rows.append(("clustering", value_html(r.data["settings"])))
-    return Section("settings", "Settings and versions",
-                   "<details><summary>How this run was made (meta.json) and clustered (clusters.json)</summary>"
-                   + table(["setting", "value"], rows, left=(0, 1)) + "</details>")
+    return Section("settings", "Settings and versions", part("settings", rows=rows))
 
 
 # The sections in page order. Other analyses add theirs here (a function (report) -> Section | None), e.g.
 # SECTIONS.insert(SECTIONS.index(heatmaps) + 1, my_section).
 SECTIONS: list[Callable[[Report], Section | None]] = [
-    findings, explorer, types_figures, head_maps, heatmaps, example_section, patterns_section, probe_section,
-    ablation_section, links_section, tables, glossary_section, settings]
+    findings, explorer, inputs_section, types_figures, head_maps, heatmaps, example_section, patterns_section,
+    probe_section, ablation_section, links_section, tables, glossary_section, settings]
+
+
+def per_sample_problem(run_dir: Path, features: HeadFeatures) -> str | None:
+    """Why RUN/per_sample.npy, which exists, was not attached to the run's features (damaged, cut short, of another
+    run); None when it is attached or absent."""
+    from ..run.per_sample import check_matches_run, load_per_sample
+
+    path = Path(run_dir) / PER_SAMPLE_FILE
+    if features.per_sample is not None or not path.exists():
+        return None
+    try:
+        arr, names = load_per_sample(run_dir)
+        check_matches_run(run_dir, arr, names, features)
+    except AttnkitError as exc:
+        return f"{PER_SAMPLE_FILE} is damaged and was not used: {exc}"
+    except (ValueError, OSError) as exc:
+        return f"{PER_SAMPLE_FILE} is damaged and was not used: {path} is unreadable ({exc})"
+    return f"{PER_SAMPLE_FILE} is damaged and was not used: it does not fit the run's features"
+
+
+def _example_maps(r: Report) -> None:
+    """The maps of the example inputs (the shortest of the texts, within MAPS_BUDGET_BYTES): one forward each with
+    `attnkit.attention_maps`, as `attnkit report --corpus` reads the texts."""
+    if not (r.n_examples and r.texts is not None and r.model is not None):
+        return
+    from ..engine.maps import attention_maps
+
+    max_length = min(EXAMPLE_MAX_LENGTH, int(r.features.meta.get("max_length") or EXAMPLE_MAX_LENGTH))
+    idx = example_inputs(r.texts, r.n_examples, r.model[1], max_length=max_length)
+    maps = [attention_maps(r.texts[i], r.model, max_length=max_length) for i in idx]
+    r.maps = within_budget(maps)
+    r.example_idx = idx[:len(r.maps)]
+    if len(r.maps) < len(maps):
+        r.notes.append(f"{len(maps) - len(r.maps)} of the {len(maps)} example inputs were left out: their maps would "
+                       f"exceed the budget of {MAPS_BUDGET_BYTES / 1e6:g} MB (docs/files.md).")
 
 
 def _panel(r: Report) -> dict:
     """The head panel's data (attnkit/analysis/head_panel.py)."""
     per_sample = r.features.per_sample
     row_texts, notes, ext = {}, {}, None
+    damaged = per_sample_problem(r.run_dir, r.features)
     if per_sample is not None:
         ext = extremes(per_sample, r.features.names)
         rows = {int(x) for e in ext.values() for side in ("top", "bottom") for x in e[side].ravel()}
         row_texts, why = texts_of_rows(r.run_dir, r.features.meta, rows)
         if why:
             r.notes.append(why)
-    notes["examples"] = ("No per_sample.npy in this run: `attnkit extract --per-sample` keeps every sample's "
-                         "features, from which the panel shows each head's top and bottom examples.")
-    notes["maps"] = ("No example maps: `attnkit report RUN --examples N` draws every head's maps of N corpus texts "
-                     "(it needs the run's model and corpus).")
-    if r.n_examples and r.texts is not None and r.model is not None:
-        from ..engine.maps import attention_maps
-
-        idx = _example_texts(r.texts, min(r.n_examples, MAX_EMBEDDED_MAP_TEXTS), r.model[1])
-        r.maps = [attention_maps(r.texts[i], r.model, max_length=64) for i in idx]
-    docs = {"links": {n: feature_doc(n, r.docs) for n in r.features.names},
+    if damaged:
+        r.notes.append(damaged)
+    notes["examples"] = damaged or ("No per_sample.npy in this run: `attnkit extract --per-sample` keeps every "
+                                    "sample's features, from which the panel shows each head's top and bottom "
+                                    "examples.")
+    notes["maps"] = ("No example maps: `attnkit report RUN --examples N` embeds every head's maps of N short inputs "
+                     "of the run's corpus (it needs the run's model and corpus).")
+    notes["removed"] = "This head was removed from the model (pruned): it has no attention and no features."
+    docs = {"links": {n: f"#glossary-{anchor(n)}" for n in r.features.names},
             "defs": {n: describe_feature(n) for n in r.features.names}}
     return panel_data(r.features, r.data, r.colors, distances=r.distances, extremes=ext,
-                      row_texts=row_texts, maps=r.maps, attached=r.attached, docs=docs, notes=notes)
+                      row_texts=row_texts, maps=r.maps, attached=r.attached, docs=docs, notes=notes,
+                      removed=r.removed)
 
 
 def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, examples: int = 0,
@@ -536,37 +623,44 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
                  progress: bool = False, include=()) -> Path:
     """Write RUN/report.html (and RUN/figures/*.png|svg). Clusters come from RUN/clusters.json when it
     exists (otherwise they are computed with k/method/seed and saved, with a k = 2..8 sweep);
-    the MDS map needs RUN/distances.npz. `examples` > 0 draws that many example maps per type from
-    `texts` with `model` (a (model, tokenizer) pair), and puts every head's maps of those texts in its panel.
-    `include`: directories of `attnkit probe` / `attnkit ablate` results to show beside the run's own.
-    `svg=False` skips the SVG copies of the figures. `progress` shows a bar on stderr, one step per figure."""
+    the MDS map needs RUN/distances.npz. `examples` > 0 embeds the maps of that many of the shortest `texts` (the
+    run's corpus) made with `model` (a (model, tokenizer) pair): the head view of example inputs, every head's maps
+    in its panel, and the example maps of each type. `include`: directories of `attnkit probe` / `attnkit ablate`
+    results to show beside the run's own. `svg=False` skips the SVG copies of the figures. `progress` shows a bar on
+    stderr, one step per figure."""
     run_dir = Path(run_dir)
     features = HeadFeatures.load(run_dir)
+    check_heads(features, run_dir)
+    attached = find_attached(run_dir, (features.n_layers, features.n_heads), include)
     save = _FigureSaver(run_dir / FIGURES_DIR, svg, progress)
     try:
         data, notes = _clusters(run_dir, features, k, method, seed, do_sweep, progress)
-        attached = find_attached(run_dir, (features.n_layers, features.n_heads), include)
         report = Report(run_dir, features, data, save, seed=seed, attached=attached, examples=examples, texts=texts,
                         model=model)
+        _example_maps(report)
         # types, box plots, t-SNE, heatmaps, per-layer summaries; the sweep, MDS and examples when they are drawn
-        save.expect(5 + bool(data["stability"].get("sweep")) + (report.distances is not None) + (examples > 0))
+        save.expect(5 + bool(data["stability"].get("sweep")) + (report.distances is not None) + bool(report.maps))
+        panel = _panel(report)  # first: it reads the examples' texts, which may be damaged, before any figure
         sections = [s for s in (build(report) for build in SECTIONS) if s is not None]
-        panel = _panel(report)
     finally:
         save.close()
     if weighting_of(features.meta) == "norm":
         notes.insert(0, NORM_NOTE)
+    if report.n_removed:
+        notes.append(f"{report.n_removed} head(s) were removed from this model (pruned; meta.json removed_heads): "
+                     "they are greyed out in the grid and left out of every type count, average, map and finding.")
     title = title or f"attnkit report: {run_dir.name}" + (" (norm-weighted)" if weighting_of(features.meta) == "norm"
                                                           else "")
-    subtitle = (f"{esc(features.meta.get('model', ''))} — {features.n_samples} samples, {features.n_tokens} tokens, "
+    subtitle = (f"{features.meta.get('model') or ''} — {features.n_samples} samples, {features.n_tokens} tokens, "
                 f"{features.n_layers} layers × {features.n_heads} heads; generated "
                 f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}")
-    out = run_dir / REPORT_FILE
     html_ = page(title, subtitle, notes + report.notes, [(s.id, s.title) for s in sections],
                  [s.html() for s in sections], panel)
+    out = run_dir / REPORT_FILE
     atomic_write(out, lambda f: f.write(html_.encode("utf-8")))
     return out
 
 
-__all__ = ["FIGURES_DIR", "REPORT_FIGURES", "REPORT_FILE", "SECTIONS", "Report", "Section", "build_report",
-           "example_maps", "pick_example_heads", "report_figures"]
+__all__ = ["DEFAULT_EXAMPLES", "FIGURES_DIR", "MAPS_BUDGET_BYTES", "REPORT_FIGURES", "REPORT_FILE", "SECTIONS",
+           "Report", "Section", "build_report", "example_inputs", "example_maps", "pick_example_heads",
+           "per_sample_problem", "removed_mask", "report_figures", "check_heads", "within_budget"]

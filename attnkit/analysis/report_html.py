@@ -1,120 +1,136 @@
-"""The HTML of the report: escaping, tables (sortable ones too), settings as nested tables, embedded figures,
-feature names linked to their definitions, and the page that holds the report's CSS, data and script
-(attnkit/data/report.css and report.js, embedded: the page loads nothing from elsewhere)."""
+"""The HTML of the report, built with Jinja2 templates that escape every value (attnkit/data/templates/report*.html;
+autoescape on, so a value read from a run's files is text wherever it lands: element text, an attribute, or the
+JSON data of the page), and the page that holds the report's CSS, data and script (attnkit/data/report.css and
+report.js, embedded: the page loads nothing from elsewhere and links nothing outside itself).
+
+Python gathers plain values; the templates hold all markup. `part(name, **values)` renders one macro of
+report_sections.html, `macros()` the building blocks (`table`, `img`, `value`, ...) of report_macros.html, and
+`page(...)` the whole document.
+"""
 from __future__ import annotations
 
 import base64
-import html
 import json
+import re
+from functools import lru_cache
 from importlib import resources
-from pathlib import Path
 
 import numpy as np
+from markupsafe import Markup
 
 from ..features import describe_feature, feature_section
 
+_COLOR = re.compile(r"^(#[0-9a-fA-F]{3,8}|rgba?\([0-9., ]+\))$")
 
-def esc(x) -> str:
-    return html.escape(str(x))
+
+def esc(x) -> Markup:
+    """`x` as escaped HTML text, for a `Section` body that code assembles itself (prefer `part` or `table`)."""
+    return Markup.escape(str(x))
 
 
 def fmt(v, digits: int = 3) -> str:
-    """A number as a cell shows it; '–' for None and NaN."""
+    """A number as a cell shows it; '–' for None and NaN (plain text: the templates escape it)."""
     if v is None:
         return "–"
     if isinstance(v, (float, np.floating)):
         return "–" if np.isnan(v) else f"{v:.{digits}f}"
-    return esc(v)
+    return str(v)
 
 
-def table(header, rows, left=(0,), cls: str = "", sortable: bool = False) -> str:
-    """An HTML table; the cells of `rows` are HTML already. `header` None: no header row. `sortable`: a click
-    on a header sorts the rows (report.js)."""
-    head = ""
-    if header is not None:
-        th = "".join(f'<th class="{"l" if i in left else ""}">{esc(h)}</th>' for i, h in enumerate(header))
-        head = f"<thead><tr>{th}</tr></thead>"
-    body = ["<tr>" + "".join(f'<td class="{"l" if i in left else ""}">{c}</td>' for i, c in enumerate(r)) + "</tr>"
-            for r in rows]
-    classes = " ".join(c for c in (cls, "sortable" if sortable else "") if c)
-    attr = f' class="{classes}"' if classes else ""
-    return f"<table{attr}>{head}<tbody>{''.join(body)}</tbody></table>"
-
-
-def value_html(v) -> str:
-    """A setting's value as HTML: dicts as nested two-column tables, lists of plain values joined by
-    commas, lists with dicts or lists as one nested table row per item; None as a dash."""
-    if isinstance(v, dict):
-        if not v:
-            return "–"
-        return table(None, [(esc(k), value_html(x)) for k, x in v.items()], left=(0, 1), cls="nested")
-    if isinstance(v, (list, tuple)):
-        if not v:
-            return "–"
-        if any(isinstance(x, (dict, list, tuple)) for x in v):
-            return table(None, [(i, value_html(x)) for i, x in enumerate(v)], left=(1,), cls="nested")
-        return esc(", ".join("–" if x is None else str(x) for x in v))
+def plain(v) -> str:
+    """A setting's scalar as text: None as a dash, booleans as yes/no."""
     if v is None:
         return "–"
     if isinstance(v, bool):
         return "yes" if v else "no"
-    return esc(v)
+    return str(v)
 
 
-def img(saved: dict, caption: str) -> str:
-    b64 = base64.b64encode(saved["png_bytes"]).decode("ascii")
-    return (f'<figure><img alt="{esc(caption)}" src="data:image/png;base64,{b64}">'
-            f"<figcaption>{esc(caption)}</figcaption></figure>")
+def anchor(name) -> str:
+    """An id fragment made of safe characters only (letters, digits, '-', '_')."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", str(name))
 
 
-def docs_base() -> str | None:
-    """The docs/ folder of this attnkit's source tree as a file:// URI, when it has one (an install from a
-    clone); None otherwise (the report's glossary then holds the definitions)."""
-    here = Path(__file__).resolve().parents[2] / "docs"
-    return here.as_uri() if (here / "features.md").is_file() else None
+def css_color(c) -> str:
+    """A colour for a style attribute, only when it is a hex or rgb() colour (grey otherwise)."""
+    return c if isinstance(c, str) and _COLOR.match(c) else "#999"
 
 
-def feature_doc(name: str, base: str | None) -> str:
-    """Where a feature name links: its section of docs/features.md, or the report's glossary."""
-    return f"{base}/features.md#{feature_section(name)}" if base else f"#glossary-{name}"
+def safe_json(data) -> Markup:
+    """`data` as JSON that is safe inside a <script> element: every non-ASCII character (U+2028 and U+2029
+    included) as a \\u escape, and `<`, `>`, `&` and `'` as \\u003c, \\u003e, \\u0026 and \\u0027, so no string
+    can end the element or open a comment; NaN refused (null is written for missing values)."""
+    text = json.dumps(data, separators=(",", ":"), allow_nan=False, ensure_ascii=True)
+    for ch, rep in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("'", "\\u0027")):
+        text = text.replace(ch, rep)
+    return Markup(text)
 
 
-def feature_link(name: str, base: str | None) -> str:
-    return f'<a href="{esc(feature_doc(name, base))}" title="{esc(describe_feature(name))}">{esc(name)}</a>'
+@lru_cache(maxsize=1)
+def environment():
+    from jinja2 import Environment, PackageLoader, StrictUndefined
+
+    env = Environment(loader=PackageLoader("attnkit", "data/templates"), autoescape=True, undefined=StrictUndefined)
+    env.filters.update(num=fmt, plain=plain, anchor=anchor, color=css_color)
+    return env
 
 
-def glossary(names, base: str | None) -> str:
-    """Every feature of the run with its one-line definition and a link to docs/features.md."""
-    rows = [(f'<span id="glossary-{esc(n)}">{feature_link(n, base)}</span>', esc(describe_feature(n)))
-            for n in names]
-    where = ("The full definitions: docs/features.md" + (f' (<a href="{esc(base)}/features.md">local copy</a>)'
-                                                         if base else "") + ".")
-    return table(["feature", "what it measures (per query row, averaged over a sample's rows)"], rows,
-                 left=(0, 1)) + f'<p class="note">{where}</p>'
+def macros():
+    """The building blocks of report_macros.html (table, value, img, swatch, typed, feat, doc_mark, section)."""
+    return environment().get_template("report_macros.html").module
+
+
+def part(name: str, **values) -> Markup:
+    """One macro of report_sections.html rendered with `values` (escaped unless they are Markup)."""
+    return getattr(environment().get_template("report_sections.html").module, name)(**values)
+
+
+def table(header, rows, left=(0,), cls: str = "", sortable: bool = False) -> Markup:
+    """An HTML table; every cell is escaped unless it is Markup. `header` None: no header row. `sortable`: a click
+    on a header sorts the rows (report.js)."""
+    return macros().table(header, rows, left=tuple(left), cls=cls, sortable=sortable)
+
+
+def value_html(v) -> Markup:
+    """A setting's value: dicts as nested two-column tables, lists of plain values joined by commas, lists with
+    dicts or lists as one nested table row per item; None as a dash."""
+    return macros().value(v)
+
+
+def figure(saved: dict, caption: str) -> dict:
+    """What the `img` macro takes: the PNG as base64 and the caption."""
+    return {"b64": base64.b64encode(saved["png_bytes"]).decode("ascii"), "caption": caption}
+
+
+def img(saved: dict, caption: str) -> Markup:
+    f = figure(saved, caption)
+    return macros().img(f["b64"], f["caption"])
+
+
+def feature_link(name: str, base=None) -> Markup:
+    """A feature name linked to its row of the page's glossary (`base` is ignored: the page links nothing outside
+    itself)."""
+    return macros().feat(name, describe_feature(name))
+
+
+def glossary_rows(names) -> list[tuple[str, str, str]]:
+    """(feature, one-line definition, where docs/features.md defines it) for every feature of the run."""
+    return [(n, describe_feature(n), f"docs/features.md § {feature_section(n).replace('-', ' ')}") for n in names]
 
 
 def _asset(name: str) -> str:
     return resources.files("attnkit").joinpath("data", name).read_text(encoding="utf-8")
 
 
-def data_script(data: dict) -> str:
-    """The report's data as a JSON script element (`</` escaped so no string can end the element)."""
-    text = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
-    return f'<script type="application/json" id="attnkit-data">{text}</script>'
-
-
-def page(title: str, subtitle: str, notes: list[str], toc: list[tuple[str, str]], sections: list[str],
+def page(title: str, subtitle: str, notes: list[str], toc: list[tuple[str, str]], sections: list,
          data: dict | None) -> str:
-    """The whole document: CSS, title, notes, table of contents, sections, then the data and the script."""
-    note_html = "".join(f'<p class="note">{esc(n)}</p>' for n in notes)
-    nav = ('<nav class="toc"><b>Contents</b><ol>' + "".join(f'<li><a href="#{esc(i)}">{esc(t)}</a></li>'
-                                                         for i, t in toc) + "</ol></nav>") if toc else ""
-    script = (data_script(data) + f"<script>{_asset('report.js')}</script>") if data is not None else ""
-    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{esc(title)}</title>"
-            f"<style>{_asset('report.css')}</style></head><body><h1>{esc(title)}</h1><p class=\"note\">{subtitle}</p>"
-            f"{note_html}{nav}" + "\n".join(s for s in sections if s) + script + "</body></html>\n")
+    """The whole document: CSS, title, notes, table of contents, sections (Markup), then the data and the script."""
+    script = _asset("report.js").replace("</", "<\\/")
+    return environment().get_template("report.html").render(
+        title=title, subtitle=subtitle, notes=notes, toc=toc, sections=[s for s in sections if s],
+        css=Markup(_asset("report.css").replace("</", "<\\/")), script=Markup(script),
+        data_json=None if data is None else safe_json(data))
 
 
-__all__ = ["data_script", "docs_base", "esc", "feature_doc", "feature_link", "fmt", "glossary", "img", "page",
-           "table", "value_html"]
+__all__ = ["anchor", "css_color", "environment", "esc", "feature_link", "figure", "fmt", "glossary_rows", "img",
+           "macros", "page", "part", "plain", "safe_json", "table", "value_html"]

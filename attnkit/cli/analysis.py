@@ -134,9 +134,11 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
 
 @click.command("report")
 @run_argument()
-@click.option("--examples", default=0, show_default=True, type=int_range("examples"),
-              help="Example attention maps per type, drawn from the corpus, and every head's maps of up to 3 of "
-                   "those texts in its panel (needs the run's model and corpus).")
+@click.option("--examples", default=None, type=int_range("examples"),
+              help="Embed the attention maps of this many short inputs of the run's corpus (the shortest first): an "
+                   "interactive view of where each head attends from each token, every head's maps in its panel, "
+                   "and example maps of each type. Needs the run's model and corpus. Default 4 when the run records "
+                   "both, the corpus with the SHA-256 of its inputs (none, with a note, otherwise); 0: none.")
 @click.option("--include", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="DIR",
               help="A directory of `attnkit probe` or `attnkit ablate` results to show beside the run's heads "
                    "(repeatable; results written into RUN itself are found without it).")
@@ -152,10 +154,11 @@ def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit,
     """Write RUN/report.html: one self-contained page that opens offline. It starts with the findings (head
     types and their stability, the attention sink, departures from the papers, heads above their thresholds),
     then a head explorer (click a head: its features, type, nearest heads, top and bottom examples, maps, probe,
-    pattern and ablation results), the figures, the results of patterns/probe/ablate, sortable tables, a
-    glossary, and the settings. Figures are also saved as PNG and SVG in RUN/figures/. Uses RUN/clusters.json
-    (or clusters now, with -k/--method/--seed), RUN/distances.npz, RUN/per_sample.npy and RUN/patterns.json when
-    present."""
+    pattern and ablation results), a head view of a few short inputs of the corpus (--examples), the figures,
+    the results of patterns/probe/ablate, sortable tables, a glossary, and the settings; it links nothing
+    outside itself and shows every value read from the run's files as text. Figures are also saved as PNG and
+    SVG in RUN/figures/. Uses RUN/clusters.json (or clusters now, with -k/--method/--seed), RUN/distances.npz,
+    RUN/per_sample.npy and RUN/patterns.json when present."""
     from ..analysis.jobs import report_run
     from ..analysis.report import report_figures
 

@@ -27,7 +27,7 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
                    "two CPU replicas).")
 @click.option("--workers", default=None, type=int_range("workers"),
               help="Tokenisation processes running ahead of the model (0: tokenise between forwards) "
-                   "[default: with GPUs the CPU cores − 1, at most 8; on the CPU one per 4 cores].")
+                   "[default: with GPUs the CPU cores − 1, at most 8; on the CPU 0].")
 @shared("dtype", "num-windows", "sentences", "limit", "backend", "engine", "ray-address")
 @click.option("-o", "--out", "out", default="attnkit-run", show_default=True, type=OutputPath(path_type=Path),
               help="Run directory to write.")

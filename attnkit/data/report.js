@@ -45,24 +45,33 @@
   function paint() {
     var what = colourBy ? colourBy.value : "type";
     var j = D.features.names.indexOf(what), lo = Infinity, hi = -Infinity;
-    if (j >= 0) D.features.mean.forEach(function (v) { lo = Math.min(lo, v[j]); hi = Math.max(hi, v[j]); });
+    if (j >= 0) D.features.mean.forEach(function (v, m) {
+      if (!D.removed[m] && v[j] !== null) { lo = Math.min(lo, v[j]); hi = Math.max(hi, v[j]); }
+    });
     document.querySelectorAll("#grid td[data-m]").forEach(function (td) {
       var m = +td.getAttribute("data-m");
-      if (j < 0) {
+      td.classList.toggle("removed", !!D.removed[m]);
+      if (D.removed[m]) {  // pruned: no attention, no features, no type
+        td.style.background = "";
+        td.style.color = "";
+        td.textContent = "×";
+        td.title = name(m) + ": removed (pruned)";
+      } else if (j < 0) {
         td.style.background = D.types.colors[D.types.label[m]];
         td.style.color = "#fff";
         td.textContent = D.types.short[D.types.label[m]];
         td.title = name(m) + ": " + D.types.names[D.types.label[m]];
       } else {
-        var v = D.features.mean[m][j], t = hi > lo ? (v - lo) / (hi - lo) : 0;
+        var v = D.features.mean[m][j], t = v === null ? 0 : (hi > lo ? (v - lo) / (hi - lo) : 0);
         td.style.background = shade(t);
         td.style.color = t < 0.55 ? "#000" : "#fff";
-        td.textContent = v.toFixed(2);
-        td.title = name(m) + ": " + what + " " + v.toFixed(4);
+        td.textContent = fmt(v, 2);
+        td.title = name(m) + ": " + what + " " + fmt(v, 4);
       }
     });
-    var legend = $("grid-legend");
+    var legend = $("grid-legend"), types = $("type-legend");
     if (legend) legend.textContent = j < 0 ? "" : what + ": white " + lo.toFixed(3) + " … blue " + hi.toFixed(3);
+    if (types) types.style.display = j < 0 ? "" : "none";  // the types' colours mean nothing then
   }
   if (colourBy) colourBy.addEventListener("change", paint);
   document.querySelectorAll("#grid td[data-m]").forEach(function (td) {
@@ -73,15 +82,21 @@
   var exampleFeature = null;
   function section(title, body) { return el("div", {"class": "part"}, [el("h4", {text: title}), body]); }
 
+  function barWidth(j, v) {  // each feature on its own scale: shares on 0..1, entropies (nats) against ln n
+    var sc = D.features.scale[j];
+    return v === null ? 0 : Math.max(0, Math.min(1, v / sc.max));
+  }
   function featuresPart(m) {
     var names = D.features.names, rows = [];
     names.forEach(function (n, j) {
-      var v = D.features.mean[m][j], s = D.features.std[m][j];
-      var bar = el("span", {"class": "bar"});
-      bar.style.width = Math.max(0, Math.min(1, v)) * 60 + "px";
+      var v = D.features.mean[m][j], s = D.features.std[m][j], sc = D.features.scale[j];
+      var bar = el("span", {"class": "bar " + sc.kind,
+        title: sc.kind === "nats" ? fmt(v) + " of " + fmt(sc.max) + " nats (ln n, uniform attention)" : fmt(v) + " of the weight"});
+      bar.style.width = barWidth(j, v) * 60 + "px";
       rows.push([feat(n), fmt(v), fmt(s), bar]);
     });
-    return section("Features (mean and standard deviation over samples)", table(["feature", "mean", "std", ""], rows, "panel-table"));
+    return section("Features (mean and standard deviation over samples; bars: shares of the weight on 0–1, entropies in nats against ln n)",
+      table(["feature", "mean", "std", ""], rows, "panel-table"));
   }
 
   function nearPart(m) {
@@ -123,29 +138,36 @@
   }
 
   function drawMap(canvas, bytes, n, tokens) {
-    var cell = Math.max(4, Math.min(14, Math.floor(420 / n))), pad = 70;
-    canvas.width = pad + n * cell; canvas.height = pad + n * cell;
-    var g = canvas.getContext("2d");
+    var cell = Math.max(4, Math.min(14, Math.floor(420 / n))), font = Math.min(10, cell) + "px sans-serif";
+    var g = canvas.getContext("2d"), labels = tokens.map(function (t) { return String(t).slice(0, 14); });
+    g.font = font;
+    var pad = 6 + Math.ceil(Math.max.apply(null, labels.map(function (t) { return g.measureText(t).width; }).concat([10])));
+    canvas.width = pad + n * cell + 2; canvas.height = pad + n * cell + 2;
+    canvas.setAttribute("data-pad", String(pad));
+    g = canvas.getContext("2d");
     g.fillStyle = "#fff"; g.fillRect(0, 0, canvas.width, canvas.height);
     for (var s = 0; s < n; s++) for (var t = 0; t < n; t++) {
       var v = bytes[s * n + t] / 255;
       g.fillStyle = "rgb(" + Math.round(255 - 255 * v) + "," + Math.round(255 - 200 * v) + "," + Math.round(255 - 120 * v) + ")";
       g.fillRect(pad + t * cell, pad + s * cell, cell, cell);
     }
-    g.fillStyle = "#333"; g.font = Math.min(10, cell) + "px sans-serif"; g.textAlign = "right"; g.textBaseline = "middle";
-    for (var i = 0; i < n; i++) {
-      var tok = String(tokens[i]).slice(0, 10);
-      g.fillText(tok, pad - 3, pad + i * cell + cell / 2);
-      g.save(); g.translate(pad + i * cell + cell / 2, pad - 3); g.rotate(-Math.PI / 2); g.fillText(tok, 0, 0); g.restore();
+    g.fillStyle = "#333"; g.font = font; g.textAlign = "right"; g.textBaseline = "middle";
+    for (var i = 0; i < n; i++) {  // the whole label fits in the margin measured above (rows and columns)
+      g.fillText(labels[i], pad - 3, pad + i * cell + cell / 2);
+      g.save(); g.translate(pad + i * cell + cell / 2, pad - 3); g.rotate(-Math.PI / 2); g.fillText(labels[i], 0, 0); g.restore();
     }
+  }
+  function mapBytes(i, m) {  // the map of example input i and head m: n × n bytes (weight / max · 255)
+    var raw = atob(D.maps.data[i][m]), bytes = new Uint8Array(raw.length);
+    for (var k = 0; k < raw.length; k++) bytes[k] = raw.charCodeAt(k);
+    return bytes;
   }
   function mapsPart(m) {
     var P = D.maps;
     if (!P) return section("Example maps", el("p", {"class": "note", text: D.notes.maps}));
     var box = el("div", {"class": "maps"});
     P.texts.forEach(function (t, i) {
-      var raw = atob(P.data[i][m]), n = t.tokens.length, bytes = new Uint8Array(raw.length);
-      for (var k = 0; k < raw.length; k++) bytes[k] = raw.charCodeAt(k);
+      var n = t.tokens.length, bytes = mapBytes(i, m);
       var c = el("canvas", {"class": "map", "data-n": String(n)});
       drawMap(c, bytes, n, t.tokens);
       box.appendChild(el("figure", {}, [c, el("figcaption", {text: "rows: queries, columns: keys; darker = more weight (max " + fmt(P.max[i][m], 2) + ")"})]));
@@ -175,11 +197,13 @@
   }
   function ablationPart(m) {
     if (!D.ablation.length) return null;
+    var layer = Math.floor(m / D.H);
     var rows = D.ablation.map(function (a) {
       if (a.score) return [a.experiment + " (" + a.source + ")", "importance " + fmt(a.score[m], 3) + " (rank " + a.rank[m] + " of " + M + ")"];
-      var d = a.delta[m];
-      var ci = a.lo && a.lo[m] !== null ? " [" + signed(a.lo[m]) + ", " + signed(a.hi[m]) + "]" : "";
-      return [a.experiment + " (" + a.source + ")", "Δ " + a.metric + " when disabled alone: " + signed(d) + ci];
+      var i = a.per === "layer" ? layer : m, d = a.delta[i];
+      var ci = a.lo && a.lo[i] !== null ? " [" + signed(a.lo[i]) + ", " + signed(a.hi[i]) + "]" : "";
+      var what = a.per === "layer" ? "when its layer " + layer + " is disabled" : "when disabled alone";
+      return [a.experiment + " (" + a.source + ")", "Δ " + a.metric + " " + what + ": " + signed(d) + ci];
     });
     return section("Ablation", table(["experiment", "effect of this head"], rows, "panel-table ablation"));
   }
@@ -197,12 +221,107 @@
     var sw = el("span", {"class": "swatch"}); sw.style.background = D.types.colors[t];
     p.appendChild(el("h3", {id: "panel-title"}, [name(m) + " · layer " + Math.floor(m / D.H) + ", head " + (m % D.H)]));
     p.appendChild(el("p", {"class": "type"}, [sw, "type " + D.types.names[t] + (agree === null || agree === undefined ? "" : " (agreement over the stability fits " + fmt(agree, 2) + ")")]));
+    if (D.removed[m]) {
+      p.lastChild.textContent = "removed (pruned)";
+      p.appendChild(el("p", {"class": "note removed-note", text: D.notes.removed}));
+      p.setAttribute("data-head", name(m));
+      if (location.hash !== "#" + name(m)) history.replaceState(null, "", "#" + name(m));
+      return;
+    }
     [featuresPart, nearPart, examplesPart, mapsPart, probePart, patternsPart, ablationPart].forEach(function (f) {
       var part = f(m); if (part) p.appendChild(part);
     });
     p.setAttribute("data-head", name(m));
     if (location.hash !== "#" + name(m)) history.replaceState(null, "", "#" + name(m));
   }
+
+  // --- the example inputs: where each head (or a layer's heads) attends from a token, as bertviz's head view ------
+  var HV = {text: 0, layer: 0, head: "all", pinned: null};
+  var SVG = (function () {  // the SVG namespace, as the HTML parser gives it (the page names no address)
+    var d = document.createElement("div"); d.innerHTML = "<svg></svg>"; return d.firstChild.namespaceURI;
+  })();
+  function svg(tag, attrs) {
+    var e = document.createElementNS(SVG, tag);
+    for (var k in attrs) e.setAttribute(k, attrs[k]);
+    return e;
+  }
+  function headColor(h) { return "hsl(" + Math.round(360 * h / D.H) + ",70%,42%)"; }
+  var hvRow = 18, hvColW = 150, hvGap = 160;
+  function hvBuild() {  // the tokens of the chosen input, once per input; hvLines draws the links
+    var box = $("hv-draw");
+    if (!box || !D.maps) return;
+    var t = D.maps.texts[HV.text], n = t.tokens.length;
+    var s = svg("svg", {width: 2 * hvColW + hvGap, height: n * hvRow + 10});
+    s.appendChild(svg("g", {"class": "lines"}));
+    t.tokens.forEach(function (tok, i) {
+      [["q", hvColW, "end"], ["k", hvColW + hvGap, "start"]].forEach(function (side) {
+        var txt = svg("text", {x: side[1], y: 5 + i * hvRow + hvRow / 2 + 4, "text-anchor": side[2],
+          "class": "tok tok-" + side[0], "data-i": i});
+        txt.textContent = String(tok);
+        if (side[0] === "q") {
+          txt.addEventListener("mouseenter", function () { hvLines(i); });
+          txt.addEventListener("mouseleave", function () { hvLines(null); });
+          txt.addEventListener("click", function () { HV.pinned = HV.pinned === i ? null : i; hvLines(i); });
+        }
+        s.appendChild(txt);
+      });
+    });
+    box.innerHTML = "";
+    box.appendChild(s);
+    box.appendChild(el("p", {"class": "note", id: "hv-note"}));
+    var legend = el("p", {"class": "note", id: "hv-legend"});
+    for (var h = 0; h < D.H; h++) {
+      var sw = el("span", {"class": "swatch"}); sw.style.background = headColor(h);
+      legend.appendChild(sw); legend.appendChild(document.createTextNode("H" + h + " "));
+    }
+    box.appendChild(legend);
+    hvLines(null);
+  }
+  function hvLines(hover) {
+    var box = $("hv-draw");
+    if (!box || !D.maps) return;
+    var s = box.querySelector("svg"), lines = s.querySelector("g.lines");
+    var t = D.maps.texts[HV.text], n = t.tokens.length;
+    var from = hover === undefined || hover === null ? HV.pinned : hover;
+    var heads = HV.head === "all" ? Array.apply(null, Array(D.H)).map(function (_, h) { return h; }) : [+HV.head];
+    while (lines.firstChild) lines.removeChild(lines.firstChild);
+    heads.forEach(function (h) {
+      var m = HV.layer * D.H + h;
+      if (D.removed[m]) return;
+      var bytes = mapBytes(HV.text, m), mx = D.maps.max[HV.text][m];
+      for (var q = 0; q < n; q++) {
+        if (from !== null && q !== from) continue;
+        for (var k = 0; k < n; k++) {
+          var w = bytes[q * n + k] / 255 * mx;
+          if (w < (from === null ? 0.1 : 0.01)) continue;  // without a chosen token only the strong links show
+          lines.appendChild(svg("line", {x1: hvColW + 4, y1: 5 + q * hvRow + hvRow / 2, x2: hvColW + hvGap - 4,
+            y2: 5 + k * hvRow + hvRow / 2, stroke: headColor(h), "stroke-opacity": Math.min(1, w * (heads.length > 1 ? 1.5 : 1.2)),
+            "stroke-width": 1 + 3 * w, "data-q": q, "data-k": k, "data-h": h, "data-w": w.toFixed(4)}));
+        }
+      }
+    });
+    s.setAttribute("data-from", from === null ? "" : String(from));
+    s.querySelectorAll("text.tok-q").forEach(function (e) { e.classList.toggle("chosen", +e.getAttribute("data-i") === from); });
+    var removed = heads.filter(function (h) { return D.removed[HV.layer * D.H + h]; }).length;
+    $("hv-legend").style.display = HV.head === "all" ? "" : "none";
+    $("hv-note").textContent = (from === null ? "Links of weight ≥ 0.1 from every token; hover or click a token on the left." :
+      "From “" + t.tokens[from] + "” (" + (HV.pinned === from ? "clicked; click again to release" : "hovered") + "), links of weight ≥ 0.01.") +
+      (removed ? " " + removed + " removed head(s) of this layer draw nothing." : "");
+  }
+  function hvSetup() {
+    if (!D.maps || !$("headview")) return;
+    function fill(sel, items, value) {
+      items.forEach(function (it) { var o = el("option", {value: String(it[0]), text: it[1]}); if (String(it[0]) === String(value)) o.selected = true; sel.appendChild(o); });
+    }
+    fill($("hv-text"), D.maps.texts.map(function (t, i) { return [i, (i + 1) + ": " + t.tokens.slice(0, 8).join(" ") + (t.tokens.length > 8 ? " …" : "")]; }), HV.text);
+    fill($("hv-layer"), Array.apply(null, Array(D.L)).map(function (_, l) { return [l, "L" + l]; }), HV.layer);
+    fill($("hv-head"), [["all", "all heads"]].concat(Array.apply(null, Array(D.H)).map(function (_, h) { return [h, "H" + h]; })), HV.head);
+    $("hv-text").addEventListener("change", function () { HV.text = +this.value; HV.pinned = null; hvBuild(); });
+    $("hv-layer").addEventListener("change", function () { HV.layer = +this.value; hvLines(null); });
+    $("hv-head").addEventListener("change", function () { HV.head = this.value; hvLines(null); });
+    hvBuild();
+  }
+  hvSetup();
 
   // --- sortable tables: click a header to sort by it (numbers as numbers), again to reverse ------------------------
   function sortable(t) {

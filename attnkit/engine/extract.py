@@ -74,7 +74,7 @@ class ExtractionState:
     accumulator: FeatureAccumulator
     next_index: int = 0
     n_truncated: int = 0
-    runners: list = field(default_factory=list, repr=False)  # the local engine's device threads, for rates
+    runners: list = field(default_factory=list, repr=False)  # the local engine's replicas, for rates
 
     def add(self, res: BatchResult) -> None:
         self.accumulator.update(res.features, res.n_tokens)

@@ -73,7 +73,7 @@ def forward_features(model, batch, rt=None, *, to_cpu: bool = True) -> torch.Ten
 
 
 def device_forward(model, batch) -> torch.Tensor:
-    """`forward_features` left on the device (what the device threads of the local engine run)."""
+    """`forward_features` left on the device (what the replicas of the local engine run)."""
     return forward_features(model, batch, to_cpu=False)
 
 

@@ -1,14 +1,17 @@
 """One machine's extraction pipeline: planned batches → tokenisation workers → model replicas → results in order.
 
-    planned batches ──► TokenizerPool (worker processes, at most `prefetch` batches in flight)
-                    ──► one DeviceRunner thread per model replica (pinned memory, non-blocking copies)
+    planned batches ──► TokenizerPool (worker processes, at most `prefetch` batches in flight; workers=0: in turn
+                        with the forwards, on the calling thread)
+                    ──► one CPU replica: forwards on the calling thread
+                        GPUs, several replicas: one DeviceRunner thread each (pinned memory, non-blocking copies)
                     ──► results put back in plan order on the calling thread
 
-Tokenisation runs ahead of the model in worker processes, so a fast device is not left waiting for the
-tokenizer. Each replica runs in its own thread (the heavy work releases the GIL). Results reach the caller in
-plan order whatever device finished first, so sums and checkpoints are exactly those of the plain loop.
-With `workers=0` the calling thread tokenises, and the model still runs on a device thread: never on the
-calling thread (see `run_pipeline`).
+Tokenisation can run ahead of the model in worker processes, so a fast device is not left waiting for the
+tokenizer. A GPU replica runs in its own thread (the heavy work releases the GIL), which queues copies and kernels
+while the caller tokenises. A single CPU replica runs on the calling thread: torch's OpenMP threads wait in the
+regime of the caller's own torch code, which a second thread running torch would change (attnkit/engine/openmp.py,
+docs/pipeline.md §4). Results reach the caller in plan order whatever device finished first, so sums and
+checkpoints are exactly those of the plain loop.
 """
 from __future__ import annotations
 
@@ -34,22 +37,18 @@ import torch
 from ..errors import AttnkitError, check_int
 from ..tokens import Batch, EncodedArrays, Encoder
 from .devices import device_labels
+from .openmp import WaitPolicy, available_cores
 from .plan import PlannedBatch
-
-
-def available_cores() -> int:
-    """The CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def default_workers(device_type: str = "cuda") -> int:
     """Tokenisation workers when none are asked for. GPUs outrun one tokenizer by far: the cores not needed to
-    drive them, at most 8. A CPU model needs the cores itself, and tokenising costs a few percent of its
-    time: one worker per four cores (at least one)."""
-    n = available_cores()
+    drive them, at most 8. A CPU model runs torch's threads on every core, and a tokenising process beside them
+    takes a core from a team that waits for its slowest thread at every parallel region (docs/pipeline.md §4):
+    none, the calling thread tokenises between forwards (a few percent of a CPU forward's time)."""
     if device_type == "cpu":
-        return max(1, n // 4)
-    return max(0, min(8, n - 1))
+        return 0
+    return max(0, min(8, available_cores() - 1))
 
 
 def max_workers() -> int:
@@ -219,58 +218,76 @@ class BatchResult:
     full_lengths: np.ndarray | None = None
 
 
-class DeviceRunner(threading.Thread):
-    """Runs one model replica: takes (planned, arrays) from `inbox`, puts `BatchResult`s (or an exception) in
-    `outbox`. On CUDA, a batch's features are copied back while the next forward is already queued."""
+class Replica:
+    """One model replica and what it measured (`tokens`, for the progress bar's rates per replica)."""
 
-    def __init__(self, name: str, model, forward: Callable, inbox: queue.Queue, outbox: queue.Queue):
-        super().__init__(name=f"attnkit-{name}", daemon=True)
-        self.label = name
+    def __init__(self, label: str, model, forward: Callable):
+        self.label = label
         self.model = model
         self.device = next(model.parameters()).device
         self.forward = forward  # (model, batch on device) -> B×layers×heads×F tensor on the device
-        self.inbox, self.outbox = inbox, outbox
         self.tokens = 0
-        self.busy_s = 0.0
+
+    def result(self, planned: PlannedBatch, feats: torch.Tensor, arrays: EncodedArrays) -> BatchResult:
+        self.tokens += arrays.n_tokens
+        return BatchResult(planned, feats.numpy(), arrays.n_tokens, arrays.n_truncated, self.label,
+                           arrays.full_lengths)
+
+    def measure(self, planned: PlannedBatch, arrays: EncodedArrays) -> BatchResult:
+        """One batch, synchronously, on the calling thread (a CPU replica)."""
+        return self.result(planned, self.forward(self.model, Batch.from_arrays(arrays).to(self.device)), arrays)
+
+
+class DeviceRunner(threading.Thread):
+    """Runs one replica on a thread of its own: takes (planned, arrays) from `inbox`, puts `BatchResult`s (or an
+    exception) in `outbox`. On CUDA, a batch's features are copied back while the next forward is already
+    queued."""
+
+    def __init__(self, replica: Replica, inbox: queue.Queue, outbox: queue.Queue):
+        super().__init__(name=f"attnkit-{replica.label}", daemon=True)
+        self.replica = replica
+        self.inbox, self.outbox = inbox, outbox
 
     def run(self) -> None:
-        cuda = self.device.type == "cuda"
+        rep = self.replica
+        cuda = rep.device.type == "cuda"
         pending = None  # (planned, features on host, event, arrays)
         try:
             if cuda:
-                torch.cuda.set_device(self.device)
+                torch.cuda.set_device(rep.device)
             while True:
                 item = self.inbox.get()
                 if item is None:
                     break
                 planned, arrays = item
-                t0 = time.perf_counter()
-                batch = Batch.from_arrays(arrays)
-                if cuda:
-                    batch = batch.pin_memory().to(self.device, non_blocking=True)
-                    feats = self.forward(self.model, batch)
-                    host = torch.empty(feats.shape, dtype=feats.dtype, pin_memory=True)
-                    host.copy_(feats, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record()
-                    if pending is not None:
-                        self._deliver(*pending)
-                    pending = (planned, host, event, arrays)
-                else:
-                    feats = self.forward(self.model, batch.to(self.device))
-                    self._deliver(planned, feats, None, arrays)
-                self.busy_s += time.perf_counter() - t0
+                if not cuda:
+                    self.outbox.put(rep.measure(planned, arrays))
+                    continue
+                batch = Batch.from_arrays(arrays).pin_memory().to(rep.device, non_blocking=True)
+                feats = rep.forward(rep.model, batch)
+                host = torch.empty(feats.shape, dtype=feats.dtype, pin_memory=True)
+                host.copy_(feats, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                if pending is not None:
+                    self._deliver(*pending)
+                pending = (planned, host, event, arrays)
             if pending is not None:
                 self._deliver(*pending)
         except BaseException as exc:  # reported to the caller, which stops the run with a checkpoint
             self.outbox.put(exc)
 
-    def _deliver(self, planned, feats, event, arrays: EncodedArrays) -> None:
-        if event is not None:
-            event.synchronize()
-        self.tokens += arrays.n_tokens
-        self.outbox.put(BatchResult(planned, feats.numpy(), arrays.n_tokens, arrays.n_truncated, self.label,
-                                    arrays.full_lengths))
+    def _deliver(self, planned, host, event, arrays: EncodedArrays) -> None:
+        event.synchronize()
+        self.outbox.put(self.replica.result(planned, host, arrays))
+
+
+def runs_on_caller(devices: Sequence) -> bool:
+    """Whether the batches run on the calling thread: one replica, on the CPU. Then the forward runs where the
+    caller's own torch code runs, in the OpenMP regime of its thread (attnkit/engine/openmp.py), and tokenisation
+    (workers=0) takes turns with it instead of competing for the cores. GPUs and several replicas get a thread
+    each: a GPU thread queues the next batch's copies and kernels while the caller tokenises."""
+    return len(devices) == 1 and torch.device(devices[0]).type == "cpu"
 
 
 def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBatch], forward: Callable, *,
@@ -279,23 +296,42 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
     """Measure every planned batch on the replicas in `models`; `on_result` sees the results in plan order."""
     if not models:
         raise AttnkitError("no model replica to run")
-    labels = device_labels([next(m.parameters()).device for m in models])
+    devices = [next(m.parameters()).device for m in models]
+    replicas = [Replica(lab, m, forward) for lab, m in zip(device_labels(devices), models)]
     workers, planned = workers_for_plan(planned, check_workers(workers))
     with TokenizerPool(encoder, workers, prefetch) as pool:
         encoded = pool.map(planned)
-        # The model runs on a device thread even with workers=0 (this thread then tokenises meanwhile): forwards
-        # on the main thread of a process that tokenises there were measured 12x slower than on a thread of their
-        # own (docs/pipeline.md, section 4). Every batch the workers may hold can also wait for
-        # a device: the workers are never held back by a full device queue, and a device never waits while
-        # tokenised batches sit in a finished task.
-        _run_threaded(models, labels, encoded, forward, pool.prefetch * pool.group + 2 * len(models), on_result,
-                      on_progress)
+        if runs_on_caller(devices):
+            _run_here(replicas[0], encoded, on_result, on_progress)
+        else:
+            # Every batch the workers may hold can also wait for a device: the workers are never held back by a
+            # full device queue, and a device never waits while tokenised batches sit in a finished task.
+            _run_threaded(replicas, encoded, pool.prefetch * pool.group + 2 * len(replicas), on_result,
+                          on_progress)
 
 
-def _run_threaded(models, labels, encoded, forward, max_in_flight, on_result, on_progress) -> None:
+def _run_here(replica: Replica, encoded, on_result, on_progress) -> None:
+    waits = WaitPolicy()
+    try:
+        for planned, arrays in encoded:
+            waits.update()
+            try:
+                res = replica.measure(planned, arrays)
+            except AttnkitError:
+                raise
+            except Exception as exc:  # as from a device thread: one line naming the failure
+                raise AttnkitError(f"the model on one device failed: {type(exc).__name__}: {exc}") from exc
+            on_result(res)
+            if on_progress is not None:
+                on_progress([replica])
+    finally:
+        waits.close()
+
+
+def _run_threaded(replicas, encoded, max_in_flight, on_result, on_progress) -> None:
     inbox: queue.Queue = queue.Queue()
     outbox: queue.Queue = queue.Queue()
-    runners = [DeviceRunner(lab, m, forward, inbox, outbox) for lab, m in zip(labels, models)]
+    runners = [DeviceRunner(rep, inbox, outbox) for rep in replicas]
     for r in runners:
         r.start()
     order: collections.deque = collections.deque()  # dispatched batch indices, in plan order
@@ -321,7 +357,7 @@ def _run_threaded(models, labels, encoded, forward, max_in_flight, on_result, on
             while order and order[0] in done:
                 on_result(done.pop(order.popleft()))
             if on_progress is not None:
-                on_progress(runners)
+                on_progress(replicas)
     finally:
         with contextlib.suppress(queue.Empty):
             while True:

@@ -51,6 +51,8 @@ META_SCHEMA = {
         "backend": _STR_OR_NULL,
         "device": _STR_OR_NULL,
         "feature_names": {"type": "array", "items": {"type": "string"}},
+        # heads removed from a pruned model (their features are NaN; docs/pruning.md)
+        "removed_heads": {"type": "array", "items": {"type": "array", "items": _INT0, "minItems": 2, "maxItems": 2}},
         "settings": {
             "type": "object",
             "properties": {
@@ -102,7 +104,12 @@ CLUSTERS_SCHEMA = {
             "sweep": {"type": ["array", "null"], "items": {
                 "type": "object", "required": ["k", "stability", "silhouette"], "properties": {
                     "k": _INT1, "stability": _NUM_OR_NULL, "silhouette": _NUM_OR_NULL,
-                    "type_names": {"type": "array", "items": {"type": "string"}}}}}}},
+                    "stability_mean": _NUM_OR_NULL, "stability_min": _NUM_OR_NULL, "stability_max": _NUM_OR_NULL,
+                    "n_seeds": _INT1, "type_names": {"type": "array", "items": {"type": "string"}}}}},
+            "over_seeds": {"type": "object", "required": ["n_seeds", "seeds", "mean", "min", "max"], "properties": {
+                "n_seeds": _INT1, "seeds": {"type": "array", "minItems": 1, "items": {"type": "integer"}},
+                "values": {"type": "array", "items": _NUM_OR_NULL}, "mean": _NUM_OR_NULL, "min": _NUM_OR_NULL,
+                "max": _NUM_OR_NULL}}}},
     },
 }
 
@@ -137,6 +144,69 @@ IMPORTANCE_SCHEMA = {
                                                                  "items": {"type": "number"}}},
         "rows": {"type": "array", "items": {"type": "object", "properties": {
             "newly_pruned": {"type": ["string", "null"]}}}},
+    },
+}
+
+_SHARE = {"type": "number", "minimum": 0, "maximum": 1}
+_NAME = {"type": "string", "minLength": 1}
+
+# RUN/patterns.json, written by `attnkit patterns` (attnkit/analysis/patterns.py) and shown by the report
+# (attnkit/analysis/attached.py checks after the schema that every class has a rectangular layers × heads grid).
+PATTERNS_SCHEMA = {
+    "type": "object",
+    "required": ["classes", "per_head", "per_layer", "overall", "n_examples"],
+    "properties": {
+        "version": {"const": 1},
+        "classes": {"type": "array", "minItems": 1, "items": _NAME},
+        "rules": {"type": "object", "additionalProperties": {"type": ["string", "number", "boolean", "null"]}},
+        "pairs": _STR_OR_NULL,
+        "n_examples": _INT0, "n_layers": _INT1, "n_heads": _INT1,
+        "labels": _STR_OR_NULL,
+        "overall": {"type": "object", "additionalProperties": _SHARE},
+        "per_layer": {"type": "object", "additionalProperties": {"type": "array", "items": _SHARE}},
+        # a removed head's share may be null or NaN (docs/pruning.md); the reader checks the range of the others
+        "per_head": {"type": "object", "additionalProperties": {
+            "type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": _NUM_OR_NULL}}},
+    },
+}
+
+# OUT/probe.json, written by `attnkit probe` (attnkit/probe/run.py): what the report reads of it.
+PROBE_SCHEMA = {
+    "type": "object",
+    "required": ["layers", "heads"],
+    "properties": {
+        "model": _STR_OR_NULL,
+        "layers": _INT1, "heads": _INT1,
+        "settings": {"type": "object", "properties": {"min_count": _INT1}},
+        "relations": {"type": "object", "additionalProperties": {"type": ["object", "null"], "properties": {
+            "baseline_offset": {"type": ["integer", "string", "null"]}}}},
+    },
+}
+
+# OUT/E.meta.json, written by `attnkit ablate` (attnkit/ablation/job.py). `experiment` names the kind of table; the
+# table itself is read from the file beside it named by the meta file's own name (E.json), never by a field.
+ABLATION_META_SCHEMA = {
+    "type": "object",
+    "required": ["experiment"],
+    "properties": {
+        "experiment": {"type": "string", "pattern": "^[a-z][a-z_]*$"},
+        "model": _STR_OR_NULL, "task": _STR_OR_NULL, "mode": _STR_OR_NULL,
+    },
+}
+
+# OUT/E.json, the table of `attnkit ablate` (attnkit/ablation/experiments.py, ResultTable.save).
+_CELL = {"type": ["number", "string", "boolean", "null"]}
+ABLATION_TABLE_SCHEMA = {
+    "type": "object",
+    "required": ["experiment", "main_metric", "rows"],
+    "properties": {
+        "experiment": {"type": "string", "pattern": "^[a-z][a-z_]*$"},
+        "main_metric": {"type": "string", "pattern": "^[A-Za-z0-9_]+$"},
+        "rows": {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
+            "setting": {"type": "string"}, "layer": {"type": ["integer", "null"], "minimum": 0},
+            "head": {"type": ["integer", "null"], "minimum": 0}},
+            "patternProperties": {"^delta_": _NUM_OR_NULL}, "additionalProperties": {}}},
+        "importance": {"type": "array", "items": {"type": "array", "items": _NUM_OR_NULL}},
     },
 }
 
@@ -292,4 +362,4 @@ def validate_arrays(arrays: dict, spec: dict[str, ArraySpec], path) -> None:
 
 __all__ = ["validate", "load_json", "load_npz", "validate_arrays", "ArraySpec", "META_SCHEMA", "CLUSTERS_SCHEMA",
            "CLUSTERS_REPORT_SCHEMA", "PER_SAMPLE_SCHEMA", "SQUAD_SCHEMA", "IMPORTANCE_SCHEMA", "FEATURES_ARRAYS",
-           "DISTANCES_ARRAYS"]
+           "DISTANCES_ARRAYS", "PATTERNS_SCHEMA", "PROBE_SCHEMA", "ABLATION_META_SCHEMA", "ABLATION_TABLE_SCHEMA"]

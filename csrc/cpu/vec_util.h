@@ -1,12 +1,20 @@
-// Small vectorised helpers for the CPU kernels (AVX2 through at::vec when the build enables it, a
-// portable scalar fallback otherwise: at::vec's generic Vectorized is plain C++).
+// Small vectorised helpers for the CPU kernels, through at::vec. A unit built once per instruction set
+// (csrc/cpu/capability/*.cpp) defines CPU_CAPABILITY (DEFAULT, AVX2, AVX512) and CPU_CAPABILITY_<X> before
+// including this; other units get AVX2 when the build enables it, else at::vec's generic Vectorized (plain
+// C++). Everything here lives in the inline namespace CPU_CAPABILITY, as at::vec does, so the copies built for
+// different instruction sets never stand in for one another at link time.
 #pragma once
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY_AVX2)
+#if !defined(CPU_CAPABILITY)
+#if defined(__AVX2__) && defined(__FMA__)
 #define CPU_CAPABILITY_AVX2
 #define CPU_CAPABILITY AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
 #endif
 
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -15,6 +23,7 @@
 #include <limits>
 
 namespace attnkit::cpu {
+inline namespace CPU_CAPABILITY {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kW = Vec::size();
@@ -67,4 +76,5 @@ inline void axpy(float a, const float* x, float* y, int64_t len) {
   for (; i < len; ++i) y[i] += a * x[i];
 }
 
+}  // namespace CPU_CAPABILITY
 }  // namespace attnkit::cpu

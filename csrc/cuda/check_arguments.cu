@@ -1,5 +1,5 @@
 // Range checks of the fused op's device-resident integer arguments (lengths in [1, L], mode and region
-// codes in 0..2, token classes in 0..4 at valid positions), reported to the host in one ArgReport so
+// codes in 0..2, KV heads in [0, Hkv), token classes in 0..4 at valid positions), reported to the host in one ArgReport so
 // that the host raises an error naming the argument, the position and the value.
 #include <cuda_runtime.h>
 
@@ -36,6 +36,10 @@ __global__ void check_arguments_kernel(const ArgCheckParams p) {
     if (p.mode != nullptr && i < p.H) {
       const int m = p.mode[i];
       if (m < kModeKeep || m > kModeUniform) claim(&r->mode_index, &r->mode_value, i, m);
+    }
+    if (p.kv_head != nullptr && i < p.H) {
+      const int g = p.kv_head[i];
+      if (g < 0 || g >= p.Hkv) claim(&r->kv_index, &r->kv_value, i, g);
     }
     if (p.region != nullptr && i < p.H) {
       const int g = p.region[i];

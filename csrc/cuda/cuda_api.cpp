@@ -35,7 +35,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
+#include <utility>
 #include <optional>
 #include <tuple>
 
@@ -114,7 +116,7 @@ struct Seen {
 // Arguments whose values passed the check, on this thread: each kind remembered on its own, so a forward
 // with a new batch re-checks lengths and token classes once (not per layer), while the per-layer mode and
 // region tensors of an intervention are checked once for the whole run.
-enum CheckedKind { kLengths, kTokenClass, kMode, kRegion };
+enum CheckedKind { kLengths, kTokenClass, kMode, kRegion, kKvHead };
 
 struct CheckedEntry {
   int kind = -1;
@@ -146,13 +148,16 @@ void remember_checked(int kind, const at::Tensor& t, const std::optional<at::Ten
 // on the device and were not checked before: one kernel, one read of its report. Each error names the
 // argument, the position and the value.
 void check_device_arguments(const at::Tensor& len, bool check_lengths, const std::optional<at::Tensor>& tc,
-                            const std::optional<at::Tensor>& md, const std::optional<at::Tensor>& rg, int64_t B,
-                            int64_t H, int64_t L, cudaStream_t stream) {
+                            const std::optional<at::Tensor>& md, const std::optional<at::Tensor>& rg,
+                            const std::optional<at::Tensor>& kv, int64_t B, int64_t H, int64_t L, int64_t Hkv,
+                            cudaStream_t stream) {
   const bool need_len = check_lengths && !checked_before(kLengths, len, std::nullopt, L);
   const bool need_tc = tc.has_value() && !checked_before(kTokenClass, *tc, len, L);
   const bool need_md = md.has_value() && !checked_before(kMode, *md, std::nullopt, H);
   const bool need_rg = rg.has_value() && !checked_before(kRegion, *rg, std::nullopt, H);
-  if (!(need_len || need_tc || need_md || need_rg)) return;
+  // kv_head's extent records Hkv too: the same tensor is checked again against another number of KV heads
+  const bool need_kv = kv.has_value() && !checked_before(kKvHead, *kv, std::nullopt, H * 65536 + Hkv);
+  if (!(need_len || need_tc || need_md || need_rg || need_kv)) return;
   at::Tensor report = at::empty({int64_t(sizeof(ArgReport) / sizeof(long long))}, len.options().dtype(at::kLong));
   C10_CUDA_CHECK(cudaMemsetAsync(report.data_ptr(), 0xff, sizeof(ArgReport), stream));
   ArgCheckParams p{};
@@ -160,8 +165,9 @@ void check_device_arguments(const at::Tensor& len, bool check_lengths, const std
   p.mode = need_md ? md->data_ptr<int32_t>() : nullptr;
   p.region = need_rg ? rg->data_ptr<int32_t>() : nullptr;
   p.token_class = need_tc ? tc->data_ptr<int32_t>() : nullptr;
+  p.kv_head = need_kv ? kv->data_ptr<int32_t>() : nullptr;
   p.check_lengths = need_len;
-  p.B = int(B), p.H = int(H), p.L = int(L);
+  p.B = int(B), p.H = int(H), p.L = int(L), p.Hkv = int(Hkv);
   p.report = reinterpret_cast<ArgReport*>(report.data_ptr());
   run_check_arguments(p, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -175,10 +181,13 @@ void check_device_arguments(const at::Tensor& len, bool check_lengths, const std
               r.region_index);
   ATTNKIT_CHECK(r.class_index < 0, kOp, "token_class codes must be 0..4, got ", r.class_value, " at [",
               r.class_index / L, ", ", r.class_index % L, "]");
+  ATTNKIT_CHECK(r.kv_index < 0, kOp, "kv_head must lie in [0, Hkv) = [0, ", Hkv, "), got ", r.kv_value, " at head ",
+                r.kv_index);
   if (need_len) remember_checked(kLengths, len, std::nullopt, L);
   if (need_tc) remember_checked(kTokenClass, *tc, len, L);
   if (need_md) remember_checked(kMode, *md, std::nullopt, H);
   if (need_rg) remember_checked(kRegion, *rg, std::nullopt, H);
+  if (need_kv) remember_checked(kKvHead, *kv, std::nullopt, H * 65536 + Hkv);
 }
 
 // Lengths that arrive on the CPU: checked here, then copied (not while a graph is captured).
@@ -268,11 +277,22 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
     const std::optional<at::Tensor>& token_class, const std::optional<at::Tensor>& sentence_id, double scaling,
     int64_t num_windows, const std::optional<at::Tensor>& mode, const std::optional<at::Tensor>& region,
     bool renormalize, const std::optional<at::Tensor>& gates, bool want_features,
-    const std::optional<at::Tensor>& key_scale) {
+    const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& kv_head, bool causal,
+    std::optional<int64_t> sliding_window, std::optional<double> softcap, const std::optional<at::Tensor>& sink) {
   ATTNKIT_CHECK(q.is_cuda(), kOp, "q must be a CUDA tensor, got ", q.device());
   ATTNKIT_CHECK(q.dim() == 4, kOp, "q must be B×H×L×D, got shape ", q.sizes());
-  ATTNKIT_CHECK(k.sizes() == q.sizes(), kOp, "k must have q's shape ", q.sizes(), ", got ", k.sizes());
-  ATTNKIT_CHECK(v.sizes() == q.sizes(), kOp, "v must have q's shape ", q.sizes(), ", got ", v.sizes());
+  ATTNKIT_CHECK(k.dim() == 4 && k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3) &&
+                    k.size(1) >= 1,
+                kOp, "k must have q's shape ", q.sizes(), " (or B×Hkv×L×D), got ", k.sizes());
+  ATTNKIT_CHECK(v.sizes() == k.sizes(), kOp, "v must have k's shape ", k.sizes(), ", got ", v.sizes());
+  const int64_t Hkv = k.size(1);
+  ATTNKIT_CHECK(kv_head.has_value() || (Hkv <= q.size(1) && q.size(1) % Hkv == 0), kOp, "k and v have ", Hkv,
+                " heads and q ", q.size(1), ": give kv_head (the KV head of each query head) unless ", Hkv,
+                " divides ", q.size(1));
+  ATTNKIT_CHECK(!sliding_window.has_value() || *sliding_window >= 1, kOp,
+                "sliding_window must be an integer >= 1, got ", sliding_window.value_or(0));
+  ATTNKIT_CHECK(!softcap.has_value() || (std::isfinite(*softcap) && *softcap > 0), kOp,
+                "softcap must be a finite number > 0, got ", softcap.value_or(0.0));
   const at::Device device = q.device();
   ATTNKIT_CHECK(k.device() == device, kOp, "k must be on ", device, " like q, got ", k.device());
   ATTNKIT_CHECK(v.device() == device, kOp, "v must be on ", device, " like q, got ", v.device());
@@ -301,7 +321,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
     ATTNKIT_CHECK(compute_capability_major(device.index()) >= 8, kOp,
                 "float16/bfloat16 need a GPU of compute capability 8.0 or newer (tensor-core path)");
   }
-  const int64_t F = kNumFeatures(int(num_windows));
+  const int64_t F = kNumFeatures(int(num_windows)) + (sink.has_value() ? 1 : 0);  // `sink` last
   at::Tensor out = at::empty({B, L, H, D}, q.options());
   at::Tensor features = want_features ? at::zeros({B, H, F}, q.options().dtype(at::kFloat))
                                       : at::empty({B, H, 0}, q.options().dtype(at::kFloat));
@@ -327,12 +347,21 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
   const auto md = side_input(mode, "mode", at::kInt, {H}, device);
   const auto rg = side_input(region, "region", at::kInt, {H}, device);
   const auto gt = side_input(gates, "gates", at::kFloat, {H}, device);
+  const auto sk = side_input(sink, "sink", at::kFloat, {H}, device);
+  // the KV head of each query head: given, or even groups h / (H / Hkv) (none when Hkv == H)
+  std::optional<at::Tensor> kv = side_input(kv_head, "kv_head", at::kInt, {H}, device);
+  if (!kv.has_value() && Hkv != H) {
+    ATTNKIT_CHECK(!capturing, kOp, "k and v have ", Hkv, " heads while a CUDA graph is being captured: pass kv_head");
+    at::Tensor groups = at::empty({H}, at::TensorOptions().dtype(at::kInt));
+    for (int64_t i = 0; i < H; ++i) groups.data_ptr<int32_t>()[i] = static_cast<int32_t>(i / (H / Hkv));
+    kv = groups.to(device);
+  }
   // the key scale only changes features: without them it is not read
   const auto ks = want_features ? side_input(key_scale, "key_scale", at::kFloat, {B, H, L}, device)
                                 : std::optional<at::Tensor>();
   if (!capturing) {
-    check_device_arguments(len, !host_lengths, want_features ? tc : std::optional<at::Tensor>(), md, rg, B, H, L,
-                           stream);
+    check_device_arguments(len, !host_lengths, want_features ? tc : std::optional<at::Tensor>(), md, rg, kv, B, H, L,
+                           Hkv, stream);
   }
 
   FusedParams p{};
@@ -356,8 +385,24 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
   p.num_features = want_features ? int(F) : 0;
   p.scaling = float(scaling);
   p.renormalize = renormalize;
+  p.kv_head = ptr_or_null<int32_t>(kv);
+  p.Hkv = int(Hkv);
+  p.sink = ptr_or_null<float>(sk);
+  p.causal = causal;
+  p.window = int(std::min<int64_t>(sliding_window.value_or(0), L));  // a window of L or more limits nothing
+  p.softcap = softcap.has_value() ? float(*softcap) : 0.f;
 
-  const bool use_v2 = requested_kernel() == KernelChoice::kV2 && dtype != at::kFloat &&
+  // The decoder arguments run on v1 (docs/cuda.md); v2, asked for by name, refuses them by name.
+  std::string decoder;
+  for (const auto& [given, name] : {std::pair{kv_head.has_value() || Hkv != H, "kv_head"}, {causal, "causal"},
+                                    {sliding_window.has_value(), "sliding_window"}, {softcap.has_value(), "softcap"},
+                                    {sink.has_value(), "sink"}}) {
+    if (given) decoder += (decoder.empty() ? "" : ", ") + std::string(name);
+  }
+  const KernelChoice choice = requested_kernel();
+  ATTNKIT_CHECK(decoder.empty() || choice != KernelChoice::kV2 || dtype == at::kFloat, kOp,
+                "the v2 kernel (ATTNKIT_CUDA_KERNEL=v2) does not take ", decoder, ": use v1 (unset ATTNKIT_CUDA_KERNEL)");
+  const bool use_v2 = choice == KernelChoice::kV2 && dtype != at::kFloat && decoder.empty() &&
                       (!want_features || num_windows <= kMaxWindowsV2);
   switch (dtype) {
     case at::kFloat:

@@ -32,6 +32,7 @@ __device__ __forceinline__ bool region_keeps(int region, bool same_sentence) {
 struct HeadSetup {
   int n;          // valid keys, clamped into [1, L] so nothing is read out of range
   int mode, region;
+  int kv;  // the KV head this query head reads
   float gate;
   bool bad_codes;  // a length or code the host could not check (CUDA graph capture) is out of range
 };
@@ -43,8 +44,9 @@ __device__ __forceinline__ HeadSetup head_setup(const FusedParams& p, int b, int
   s.mode = p.mode != nullptr ? p.mode[h] : kModeKeep;
   s.region = p.region != nullptr ? p.region[h] : kRegionAll;
   s.gate = p.gates != nullptr ? p.gates[h] : 1.f;
+  s.kv = p.kv_head != nullptr ? p.kv_head[h] : h;
   s.bad_codes = n_raw < 1 || n_raw > p.L || s.mode < kModeKeep || s.mode > kModeUniform || s.region < kRegionAll ||
-                s.region > kRegionNoInter;
+                s.region > kRegionNoInter || s.kv < 0 || s.kv >= p.Hkv;
   return s;
 }
 

@@ -1,5 +1,5 @@
 // Turns the per-(sample, head) feature sums of both fused kernels into means (docs/features.md, "Features"):
-// every feature is divided by the number n of valid rows, except cls_entropy (the last feature), which
+// every feature is divided by the number n of valid rows, except cls_entropy (the last feature but a sink's), which
 // is divided by the number of valid rows whose token class is CLS (at least 1, as in the reference).
 #include <cuda_runtime.h>
 
@@ -22,9 +22,10 @@ __global__ void finalize_features_kernel(const FusedParams p) {
   }
   const float count_cls = float(n_cls > 1 ? n_cls : 1);
   const int F = p.num_features;
+  const int cls_slot = kNumFeatures(p.num_windows) - 1;  // a sink's feature, if any, comes after it
   float* f = p.features + int64_t(b) * p.H * F;
   for (int idx = threadIdx.x; idx < p.H * F; idx += blockDim.x) {
-    f[idx] = f[idx] / (idx % F == F - 1 ? count_cls : float(n));
+    f[idx] = f[idx] / (idx % F == cls_slot ? count_cls : float(n));
   }
 }
 

@@ -3,7 +3,10 @@
 // is fused_attention_v2_kernel.cuh.
 //
 // One thread block owns kBlockM = 64 query rows of one (sample b, head h): grid (ceil(L/64), H, B).
-// Only the key tiles that cover the n = lengths[b] valid keys are visited.
+// Only the key tiles that cover the keys its rows see are visited: t < n = lengths[b], and for decoders
+// (docs/features.md, section 8) t <= s (causal) and t > s − W (sliding window), so a causal block skips
+// the tiles above the diagonal. Query head h reads KV head kv_head[h] (grouped-query attention); scores
+// may be soft-capped; a sink logit joins each row's max and denominator (its mass is a feature).
 //
 //   pass 1  for each key tile: S = Q Kᵀ · scaling (tensor cores for fp16/bf16) into shared memory;
 //           each row keeps an online max m, sum l = Σ exp(s − m) and, when renormalising after a
@@ -111,7 +114,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   const int L = p.L;
   const int H = p.H;
   const HeadSetup hs = head_setup(p, b, h);
-  const int n = hs.n, mode = hs.mode, region = hs.region;
+  const int n = hs.n, mode = hs.mode, region = hs.region, kvh = hs.kv;
   const float gate = hs.gate;
   T* out = reinterpret_cast<T*>(p.out);
   // out is contiguous B×L×H×D
@@ -120,8 +123,8 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   if (early_exit<T>(p, hs, b, h, D, row0, BM, tid, NT)) return;
 
   const T* qb = reinterpret_cast<const T*>(p.q) + int64_t(b) * p.q_stride_b + int64_t(h) * p.q_stride_h;
-  const T* kb = reinterpret_cast<const T*>(p.k) + int64_t(b) * p.k_stride_b + int64_t(h) * p.k_stride_h;
-  const T* vb = reinterpret_cast<const T*>(p.v) + int64_t(b) * p.v_stride_b + int64_t(h) * p.v_stride_h;
+  const T* kb = reinterpret_cast<const T*>(p.k) + int64_t(b) * p.k_stride_b + int64_t(kvh) * p.k_stride_h;
+  const T* vb = reinterpret_cast<const T*>(p.v) + int64_t(b) * p.v_stride_b + int64_t(kvh) * p.v_stride_h;
   const int32_t* sid_b = p.sentence_id != nullptr ? p.sentence_id + int64_t(b) * L : nullptr;
   const int32_t* cls_b = p.token_class != nullptr ? p.token_class + int64_t(b) * L : nullptr;
   const float* g_bh = p.key_scale != nullptr ? p.key_scale + (int64_t(b) * H + h) * L : nullptr;
@@ -130,6 +133,12 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   const int row_sid = (sid_b != nullptr && s < L) ? sid_b[s] : 0;
   const int row_cls = (cls_b != nullptr && s < L) ? cls_b[s] : kClassOther;
   const bool feat_row = kFeatures && s < n;
+  // the keys row s sees: [lo_of(s), hi_of(s)), both non-decreasing in s
+  auto hi_of = [&](int row) { return p.causal ? min(n, row + 1) : n; };
+  auto lo_of = [&](int row) { return min(p.window > 0 ? max(0, row - p.window + 1) : 0, hi_of(row)); };
+  const int key_lo = lo_of(s), key_hi = hi_of(s);
+  auto sees = [&](int t) { return t >= key_lo && t < key_hi; };
+  const float sink = p.sink != nullptr ? p.sink[h] : -INFINITY;
   const int N = p.num_windows;
   const float win_scale = float(N) / float(n);
 
@@ -141,8 +150,12 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   const bool use_scores = mode == kModeKeep;
   const bool need_kept = p.renormalize && region != kRegionAll;
   const bool scaled = kFeatures && g_bh != nullptr;  // features weigh key t by g_t: w' = w·g / Σ w·g
-  const int n_tiles = (n + BN - 1) / BN;
+  // the key tiles the block's rows see
+  const int kt_begin = lo_of(row0) / BN;
+  const int kt_end = (hi_of(min(row0 + BM, L) - 1) + BN - 1) / BN;
 
+  // Logit soft-capping (Gemma 2), off when p.softcap is 0.
+  auto cap = [&](float x) { return p.softcap > 0.f ? p.softcap * tanhf(x / p.softcap) : x; };
   // Scores of this warp's 16 rows against the current key tile, scaled, into Ss (row-major, LDS).
   auto compute_scores = [&]() {
     if constexpr (Traits::kUseMma) {
@@ -158,7 +171,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
           wmma::mma_sync(acc, a, bt, acc);
         }
 #pragma unroll
-        for (int i = 0; i < acc.num_elements; ++i) acc.x[i] *= p.scaling;
+        for (int i = 0; i < acc.num_elements; ++i) acc.x[i] = cap(acc.x[i] * p.scaling);
         wmma::store_matrix_sync(Ss + warp * 16 * LDS + j * 16, acc, LDS, wmma::mem_row_major);
       }
     } else {
@@ -176,7 +189,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
           acc = fmaf(a.z, c.z, acc);
           acc = fmaf(a.w, c.w, acc);
         }
-        Ss[r * LDS + j0 + j] = acc * p.scaling;
+        Ss[r * LDS + j0 + j] = cap(acc * p.scaling);
       }
     }
   };
@@ -195,7 +208,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   int ck_run = 0;
   bool nan_score = false;  // fmaxf skips NaN: NaN scores are tracked apart (numerics policy)
   if (use_scores || need_kept || scaled) {
-    for (int kt = 0; kt < n_tiles; ++kt) {
+    for (int kt = kt_begin; kt < kt_end; ++kt) {
       const int key0 = kt * BN;
       __syncthreads();  // the previous tile's K and metadata are no longer read
       if (use_scores) load_tile<Traits, BN>(Ks, kb, p.k_stride_l, key0, n, tid);
@@ -206,7 +219,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
         __syncwarp();
         float mloc = -INFINITY;
         for (int j = 0; j < KPT; ++j) {
-          if (key0 + j0 + j < n) {
+          if (sees(key0 + j0 + j)) {
             const float sc = Ss[r * LDS + j0 + j];
             mloc = fmaxf(mloc, sc);
             nan_score |= isnan(sc);
@@ -220,7 +233,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
           lg_run *= scale;
           m_run = m_new;
           for (int j = 0; j < KPT; ++j) {
-            if (key0 + j0 + j < n) {
+            if (sees(key0 + j0 + j)) {
               const float e = __expf(Ss[r * LDS + j0 + j] - m_run);
               l_run += e;
               const bool keep = region_keeps(region, key_sid[j0 + j] == row_sid);
@@ -231,7 +244,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
         }
       } else {
         for (int j = 0; j < KPT; ++j) {
-          if (key0 + j0 + j < n && region_keeps(region, key_sid[j0 + j] == row_sid)) {
+          if (sees(key0 + j0 + j) && region_keeps(region, key_sid[j0 + j] == row_sid)) {
             ++ck_run;
             if (scaled) lg_run += key_g[j0 + j];
           }
@@ -255,11 +268,25 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
     ck_run += ck_o;
     m_run = m_new;
   }
+  // The sink joins the max and the denominators (kept by every region; no value, key scale 0). Uniform heads
+  // give it nothing.
+  float e_sink = 0.f;
+  if (use_scores && p.sink != nullptr) {
+    const float m_new = fmaxf(m_run, sink);
+    const float scale = m_run == -INFINITY ? 0.f : __expf(m_run - m_new);
+    l_run *= scale;
+    lk_run *= scale;
+    lg_run *= scale;
+    m_run = m_new;
+    e_sink = __expf(sink - m_run);
+    l_run += e_sink;
+    lk_run += e_sink;
+  }
 
   // Numerics policy (attnkit/reference.py): a row whose softmax is undefined (a NaN or +inf score, or
   // every score −inf) has NaN weights on all its valid keys, hence a NaN output row, and makes all
   // features of its (sample, head) NaN.
-  const bool undefined_row = use_scores && (nan_score || !isfinite(m_run));
+  const bool undefined_row = use_scores && (nan_score || !isfinite(m_run) || isnan(sink));
   // Row constants of the final weights: w = exp(s − m) · inv_z (keep) or inv_z (uniform), and log w.
   float inv_z, log_z;
   if (use_scores) {
@@ -267,7 +294,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
     inv_z = z > 0.f ? 1.f / z : 0.f;  // nothing left: the row stays 0
     log_z = z > 0.f ? __logf(z) : 0.f;
   } else {
-    const int c = need_kept ? ck_run : n;
+    const int c = need_kept ? ck_run : key_hi - key_lo;
     inv_z = c > 0 ? 1.f / float(c) : 0.f;
     log_z = c > 0 ? __logf(float(c)) : 0.f;  // log w = −log c
   }
@@ -292,11 +319,13 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   // per-row feature partials of this thread's keys
   float f_cls = 0.f, f_sep = 0.f, f_comma = 0.f, f_period = 0.f, f_self = 0.f;
   float f_prev = 0.f, f_next = 0.f, f_ent = 0.f, f_max = 0.f, f_intra = 0.f, f_inter = 0.f;
+  // the sink's mass (counted once per row: by the thread of the row's first half; 0 under norm weighting)
+  const float f_sink = (half == 0 && !scaled) ? (undefined_row ? NAN : e_sink * inv_z) : 0.f;
   int win_cur = -1;
   float win_acc = 0.f;
   bool bad_class = false;  // a token class code outside 0..4 met on a valid key (see the host checks)
 
-  for (int kt = 0; kt < n_tiles; ++kt) {
+  for (int kt = kt_begin; kt < kt_end; ++kt) {
     const int key0 = kt * BN;
     __syncthreads();  // previous K, V and metadata are no longer read
     if (use_scores) load_tile<Traits, BN>(Ks, kb, p.k_stride_l, key0, n, tid);
@@ -312,7 +341,7 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
       const int t = key0 + jj;
       float w = 0.f;
       float fw = 0.f;
-      if (t < n) {
+      if (sees(t)) {
         const bool same = key_sid[jj] == row_sid;
         const bool keep = region_keeps(region, same);
         float logw;
@@ -433,18 +462,22 @@ __device__ __forceinline__ void fused_attention_body(const FusedParams& p) {
   if constexpr (kFeatures) {
     if (win_cur >= 0) atomicAdd(&feat_s[kSlotFirstWindow + win_cur], win_acc);
     // this thread's row partials and the feature slot each one goes to (csrc/feature_slots.h)
-    constexpr int kNumRow = 12, kMaxIdx = 8, kEntIdx = 7;
-    float v[kNumRow] = {f_cls, f_sep, f_comma, f_period, f_self, f_prev, f_next, f_ent, f_max, f_intra, f_inter, 0.f};
+    // (the sink's slot is only read when there is a sink: without one, f_sink is 0 and goes to cls_entropy)
+    constexpr int kNumRow = 13, kMaxIdx = 8, kEntIdx = 7, kClsEntIdx = 11;
+    float v[kNumRow] = {f_cls, f_sep, f_comma, f_period, f_self, f_prev, f_next, f_ent, f_max, f_intra, f_inter, 0.f,
+                        f_sink};
     const int rows0 = kNumBucketSlots(N);
     const int slot[kNumRow] = {kSlotCls, kSlotSep, kSlotComma, kSlotPeriod, kSlotSelf, rows0 + kRowPrev,
                                rows0 + kRowNext, rows0 + kRowEntropy, rows0 + kRowMax, rows0 + kRowIntra,
-                               rows0 + kRowInter, rows0 + kRowClsEntropy};
+                               rows0 + kRowInter, rows0 + kRowClsEntropy,
+                               p.sink != nullptr ? kNumFeatures(N) : rows0 + kRowClsEntropy};
 #pragma unroll
-    for (int i = 0; i < kNumRow - 1; ++i) {
+    for (int i = 0; i < kNumRow; ++i) {
+      if (i == kClsEntIdx) continue;
       const float o = __shfl_xor_sync(0xffffffffu, v[i], 1);
       v[i] = i == kMaxIdx ? fmaxf(v[i], o) : v[i] + o;  // the row max combines by max, the rest by sum
     }
-    v[kNumRow - 1] = row_cls == kClassCls ? v[kEntIdx] : 0.f;  // cls_entropy: entropy of CLS rows
+    v[kClsEntIdx] = row_cls == kClassCls ? v[kEntIdx] : 0.f;  // cls_entropy: entropy of CLS rows
     const bool contributes = feat_row && half == 0;
 #pragma unroll
     for (int i = 0; i < kNumRow; ++i) {

@@ -36,10 +36,18 @@ struct FusedParams {
                                // weighting, docs/features.md); the output is unchanged
   float* features;             // [B, H, F] fp32 zero-initialised sums, or nullptr when not wanted
   int B, H, L;
-  int num_windows;             // N; F = kNumFeatures(N) (csrc/feature_slots.h)
+  int num_windows;             // N; F = kNumFeatures(N) (csrc/feature_slots.h), + 1 with a sink
   int num_features;            // F
   float scaling;
   bool renormalize;
+  // Decoder arguments (docs/features.md, section 8; v1 only — the host runs every call with one on v1):
+  const int32_t* kv_head;      // [H] or nullptr (head h reads KV head h): k and v are B×Hkv×L×D
+  int Hkv;                     // KV heads (k.size(1)); kv_head values outside [0, Hkv) make the head NaN
+  const float* sink;           // [H] or nullptr: a logit per head in each row's softmax denominator; the
+                               // feature `sink` (its mass) is then the last one, slot kNumFeatures(N)
+  bool causal;                 // row s sees keys t <= s
+  int window;                  // sliding window W: row s sees keys t > s − W; 0: none
+  float softcap;               // scores become softcap·tanh(score / softcap); 0: none
 };
 
 // One explicit specialisation per (kernel, element type, head dim) lives in a generated file
@@ -56,7 +64,8 @@ template <typename T, int kHeadDim>
 int fused_attention_v2_smem_bytes(bool features, int num_windows);
 constexpr int kMaxWindowsV2 = 64;
 
-// Divides the per-(sample, head) sums by n (and cls_entropy by the number of CLS rows).
+// Divides the per-(sample, head) sums by n (and cls_entropy, slot kNumFeatures(N) − 1, by the number of CLS
+// rows).
 void run_finalize_features(const FusedParams& params, cudaStream_t stream);
 
 // Device-side argument check (csrc/cuda/check_arguments.cu): the host cannot read device tensors without
@@ -67,6 +76,7 @@ struct ArgReport {
   long long mode_index, mode_value;
   long long region_index, region_value;
   long long class_index, class_value;
+  long long kv_index, kv_value;
 };
 
 struct ArgCheckParams {
@@ -74,8 +84,9 @@ struct ArgCheckParams {
   const int32_t* mode;         // [H] or nullptr
   const int32_t* region;       // [H] or nullptr
   const int32_t* token_class;  // [B, L] or nullptr; checked at valid positions t < lengths[b]
+  const int32_t* kv_head;      // [H] or nullptr; checked to lie in [0, Hkv)
   bool check_lengths;
-  int B, H, L;
+  int B, H, L, Hkv;
   ArgReport* report;           // device memory, every byte 0xff before the launch
 };
 

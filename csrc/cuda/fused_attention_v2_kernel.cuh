@@ -146,8 +146,8 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
 
   // ---- global and shared tensors ----
   const Element* qg = reinterpret_cast<const Element*>(p.q) + int64_t(b) * p.q_stride_b + int64_t(h) * p.q_stride_h;
-  const Element* kg = reinterpret_cast<const Element*>(p.k) + int64_t(b) * p.k_stride_b + int64_t(h) * p.k_stride_h;
-  const Element* vg = reinterpret_cast<const Element*>(p.v) + int64_t(b) * p.v_stride_b + int64_t(h) * p.v_stride_h;
+  const Element* kg = reinterpret_cast<const Element*>(p.k) + int64_t(b) * p.k_stride_b + int64_t(hs.kv) * p.k_stride_h;
+  const Element* vg = reinterpret_cast<const Element*>(p.v) + int64_t(b) * p.v_stride_b + int64_t(hs.kv) * p.v_stride_h;
   Tensor mQ = make_tensor(make_gmem_ptr(qg), make_shape(L, Int<D>{}), make_stride(p.q_stride_l, _1{}));
   Tensor mK = make_tensor(make_gmem_ptr(kg), make_shape(n, Int<D>{}), make_stride(p.k_stride_l, _1{}));
   Tensor mV = make_tensor(make_gmem_ptr(vg), make_shape(n, Int<D>{}), make_stride(p.v_stride_l, _1{}));
