@@ -55,6 +55,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from .arch.architectures import output_matrix
 from .arch.norms import key_norms
 from .arch.pruning import kept_heads, to_kept, to_unpruned
 from .errors import AttnkitError
@@ -219,6 +220,49 @@ def lengths_from_mask(mask: torch.Tensor | None, B: int, L: int, device) -> torc
     return lengths
 
 
+_last_layout: tuple = (lambda: None, None)
+
+
+def padding_of(mask: torch.Tensor | None, B: int, L: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(lengths, offsets) of a batch whose samples are right- or left-padded: each sample's tokens are one run of
+    ones in the 2-D mask, starting at `offsets[b]` (int64 B; None when every sample starts at 0, i.e. the batch is
+    right-padded). A mask whose ones are not one run (1 0 1) is refused. While compiling or capturing a CUDA graph
+    only right padding is taken (lengths_from_mask: a device-side assertion), as finding offsets needs the host."""
+    global _last_layout
+    if mask is None or torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return lengths_from_mask(mask, B, L, device), None
+    if _last_layout[0]() is mask:
+        return _last_layout[1]
+    if mask.dim() != 2 or mask.shape != (B, L):
+        return lengths_from_mask(mask, B, L, device), None  # its message names the shape
+    m = mask.bool()
+    lengths = m.sum(-1)
+    offsets = torch.where(lengths > 0, m.int().argmax(-1), 0)
+    pos = torch.arange(L, device=m.device)[None, :]
+    one_run = (m == ((pos >= offsets[:, None]) & (pos < (offsets + lengths)[:, None]))).all()
+    ok_run, ok_non_empty, shifted = torch.stack([one_run, (lengths > 0).all(), (offsets > 0).any()]).tolist()
+    if not ok_run:
+        raise AttnkitError("attnkit attention needs each sample's tokens in one run: right- or left-padded batches "
+                           "(the attention mask has a 0 between two 1s)")
+    if not ok_non_empty:
+        raise AttnkitError("a sample in the batch has no unmasked token")
+    result = (lengths, offsets if shifted else None)
+    _last_layout = (weakref.ref(mask), result)
+    return result
+
+
+def rolled(t: torch.Tensor, offsets: torch.Tensor, dim: int, back: bool = False) -> torch.Tensor:
+    """Each sample b of `t` (samples on axis 0) rolled along `dim` so that position offsets[b] comes first
+    (`back`: the inverse, the first position goes back to offsets[b]). Left padding becomes right padding: the
+    sample's tokens move to the front, its padding behind them."""
+    L = t.shape[dim]
+    sign = -1 if back else 1
+    idx = (torch.arange(L, device=t.device)[None, :] + sign * offsets.to(t.device)[:, None]) % L  # B × L
+    shape = [1] * t.dim()
+    shape[0], shape[dim] = t.shape[0], L
+    return torch.gather(t, dim, idx.view(shape).expand(t.shape))
+
+
 def _segments_by_separators(ids: list[int], separators) -> list:
     """Segment of each token (None for a separator): a run of separators followed by more tokens
     closes a segment, so `<s> A </s></s> B </s>` and `[CLS] A [SEP] B [SEP]` have segments 0 and 1."""
@@ -267,10 +311,13 @@ def sentence_ids_from_inputs(input_ids, token_type_ids, lengths: list[int], L: i
 _HOW_TO_GIVE = "give them with attnkit.sentences(model, ids) or attnkit.intervene(model, iv, sentences=ids)"
 
 
-def forward_sentence_ids(rt: Runtime, B: int, L: int, lengths: torch.Tensor, device) -> torch.Tensor:
-    """Sentence ids for a forward without an attnkit batch: the user's, else from the model's inputs."""
+def forward_sentence_ids(rt: Runtime, B: int, L: int, lengths: torch.Tensor, device,
+                         offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Sentence ids for a forward without an attnkit batch: the user's, else from the model's inputs. With
+    `offsets` (a left-padded batch, see `padding_of`) they are those of the samples moved to the front."""
     if rt.sentences is not None:
-        return rt.sentences.to(device)
+        given = rt.sentences.to(device)
+        return given if offsets is None else rolled(given, offsets, 1)
     inputs = rt.inputs
     if inputs is None or any(t is not None and tuple(t.shape) != (B, L)
                              for t in (inputs.input_ids, inputs.token_type_ids)):
@@ -279,8 +326,10 @@ def forward_sentence_ids(rt: Runtime, B: int, L: int, lengths: torch.Tensor, dev
             "(attention ran outside a forward of the instrumented model): " + _HOW_TO_GIVE)
     if inputs.sentence_id is None:
         types = inputs.token_type_ids if rt.segment_types else None
-        inputs.sentence_id = sentence_ids_from_inputs(inputs.input_ids, types, lengths.tolist(), L,
-                                                      rt.separator_ids)
+        ids = inputs.input_ids
+        if offsets is not None:  # the samples' tokens at the front, as the op sees them
+            ids, types = (None if t is None else rolled(t, offsets.to(t.device), 1) for t in (ids, types))
+        inputs.sentence_id = sentence_ids_from_inputs(ids, types, lengths.tolist(), L, rt.separator_ids)
     inputs.sentence_id = inputs.sentence_id.to(device)
     return inputs.sentence_id
 
@@ -292,27 +341,126 @@ def check_sentences_shape(rt: Runtime, B: int, L: int) -> None:
             f"batch of {B} × {L} tokens: give one id per token of the padded batch")
 
 
+# On an attention module: the KV head of each query head (int32, one per query head), where its query heads do not
+# share the KV heads in even groups (a decoder layer that lost heads); without it, query head h reads KV head
+# h // (H / Hkv).
+KV_HEAD_ATTR = "_attnkit_kv_head"
+# The keyword arguments transformers passes to an attention function besides `scaling` and `dropout`: those attnkit
+# reads, and those that do not change what attention computes (positions are already in q and k; caches, router
+# logits and return flags are the model's business). Any other argument that has a value is refused by name: it
+# might change attention, and attnkit would silently ignore it.
+READ_KWARGS = frozenset({"output_attentions", "is_causal", "sliding_window", "softcap", "s_aux"})
+HARMLESS_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits",
+                             "output_hidden_states", "return_dict", "past_key_values", "position_embeddings"})
+
+
+def decoder_arguments(module, H: int, Hkv: int, kwargs: dict, kept, device) -> dict:
+    """The op's decoder arguments (docs/features.md, "Causal attention") for one call of the attention function:
+    `causal` from the module's `is_causal` (or an `is_causal` argument), `sliding_window` and `softcap` from the
+    arguments of the same names, `sink` from gpt-oss's `s_aux`, `kv_head` where the module names one
+    (KV_HEAD_ATTR). Only what differs from the op's defaults is returned: an encoder gets {}. An argument attnkit
+    does not know is refused by name (READ_KWARGS, HARMLESS_KWARGS)."""
+    unknown = sorted(k for k, v in kwargs.items() if k not in READ_KWARGS and k not in HARMLESS_KWARGS
+                     and v is not None)
+    name = type(module).__name__
+    if unknown:
+        raise AttnkitError(f"{name} passes {unknown[0]!r} to its attention function, which attnkit does not know: it "
+                           "may change what attention computes, so attnkit refuses it rather than ignore it")
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", False)) if causal is None else bool(causal)
+    out: dict = {"causal": True} if causal else {}
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        if not causal:
+            raise AttnkitError(f"{name} asks for a sliding window of {window} tokens in bidirectional attention; "
+                               "attnkit's sliding windows are causal (row s sees keys s − W < t ≤ s)")
+        out["sliding_window"] = int(window)
+    if kwargs.get("softcap") is not None:
+        out["softcap"] = float(kwargs["softcap"])
+    sink = kwargs.get("s_aux")
+    if sink is not None:
+        sink = sink.detach().to(device, torch.float32)
+        out["sink"] = sink if kept is None else to_kept(sink, kept)
+    kv_head = getattr(module, KV_HEAD_ATTR, None)
+    if kv_head is not None:
+        out["kv_head"] = kv_head.to(device, torch.int32)
+    elif Hkv != H and (Hkv == 0 or H % Hkv):
+        raise AttnkitError(f"{name} has {H} query heads and {Hkv} KV heads, which do not form even groups, and "
+                           f"names no KV head of each query head ({KV_HEAD_ATTR})")
+    return out
+
+
+def kv_index(H: int, Hkv: int, dec: dict, device) -> torch.Tensor | None:
+    """The KV head of each query head (int64 H), or None when there is one KV head per query head."""
+    if "kv_head" in dec:
+        return dec["kv_head"].long()
+    if Hkv == H:
+        return None
+    return torch.arange(H, device=device) // (H // Hkv)
+
+
+def per_query_head(value: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """B × Hkv × L × D values as B × H × L × D, each query head with its KV head's (a copy; only for what needs
+    them per query head: norm weighting, and the maps path of training)."""
+    return value if index is None else value.index_select(1, index)
+
+
+def unshift(t: torch.Tensor, offsets: torch.Tensor, dims, row_dim: int) -> torch.Tensor:
+    """A result computed on left padding moved to the front (`rolled`) put back in the batch's own positions
+    along `dims`; the rows of padding (`row_dim` below offsets[b]) are 0."""
+    for d in dims:
+        t = rolled(t, offsets, d, back=True)
+    L = t.shape[row_dim]
+    pad = torch.arange(L, device=t.device)[None, :] < offsets.to(t.device)[:, None]
+    shape = [1] * t.dim()
+    shape[0], shape[row_dim] = t.shape[0], L
+    return t.masked_fill(pad.view(shape), 0)
+
+
 def attnkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     if _callers is not None:
         _callers.append(module)
     B, H, L, D = query.shape
+    Hkv = key.shape[1]
     if key.shape[2] != L:
         raise AttnkitError(
-            "attnkit attention supports self-attention over one sequence (no cross-attention or KV cache)"
+            f"attnkit attention computes self-attention over one sequence, but got {L} queries and {key.shape[2]} "
+            "keys: cross-attention, or a KV cache in generation (generate with use_cache=False, or load the model "
+            "with another attn_implementation to generate)"
         )
     rt: Runtime | None = getattr(module, RUNTIME_ATTR, None)
     want_maps = bool(kwargs.get("output_attentions"))  # model(..., output_attentions=True): return the maps
+    kept = kept_heads(module)  # a pruned layer: its heads in the unpruned numbering (attnkit/arch/pruning.py)
+    dec = decoder_arguments(module, H, Hkv, kwargs, kept, query.device)
+    scale = D**-0.5 if scaling is None else scaling
+
+    if rt is not None and rt.batch is not None:  # attnkit's own batches are right-padded
+        info, offsets = rt.batch, None
+        lengths = info.lengths
+        if lengths.shape[0] != B:
+            raise AttnkitError(f"runtime batch has {lengths.shape[0]} samples but the model got {B}")
+    else:
+        info = None
+        lengths, offsets = padding_of(attention_mask, B, L, query.device)
+    if offsets is not None:  # left padding: each sample's tokens to the front, computed there, put back after
+        query, key, value = (rolled(t, offsets, 2) for t in (query, key, value))
+
+    def own_frame(t: torch.Tensor, dims, row_dim: int) -> torch.Tensor:
+        return t if offsets is None else unshift(t, offsets, dims, row_dim)
+
     if dropout and module.training:
         if rt is not None and rt.active:
             raise AttnkitError("attnkit cannot measure or intervene while attention dropout is on: call model.eval()")
-        if want_maps:  # as eager attention does: the maps after dropout, and the output from them
-            lengths = lengths_from_mask(attention_mask, B, L, query.device)
-            scale = D**-0.5 if scaling is None else scaling
-            weights = torch.nn.functional.dropout(attention_weights(query, key, lengths, scale).to(query.dtype),
+        if want_maps or dec or offsets is not None:
+            # as eager attention does: the maps after dropout, and the output from them
+            weights = torch.nn.functional.dropout(attention_weights(query, key, lengths, scale, **dec).to(query.dtype),
                                                   p=dropout, training=True)
-            kept = kept_heads(module)  # a pruned layer's maps cover the unpruned heads, as in eval mode
-            maps = weights if kept is None else to_unpruned(weights, kept)
-            return torch.matmul(weights, value).transpose(1, 2).contiguous(), maps
+            out = torch.matmul(weights, per_query_head(value, kv_index(H, Hkv, dec, query.device)))
+            out = own_frame(out.transpose(1, 2).contiguous(), (1,), 1)
+            if not want_maps:
+                return out, None
+            weights = own_frame(weights, (2, 3), 2)
+            return out, weights if kept is None else to_unpruned(weights, kept)  # maps cover the unpruned heads
         # training: plain attention with dropout, exactly what sdpa computes
         bias = None if attention_mask is None else attention_mask[:, None, None, :].bool()
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -320,21 +468,11 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         )
         return out.transpose(1, 2).contiguous(), None
 
-    if rt is not None and rt.batch is not None:
-        info = rt.batch
-        lengths = info.lengths
-        if lengths.shape[0] != B:
-            raise AttnkitError(f"runtime batch has {lengths.shape[0]} samples but the model got {B}")
-    else:
-        info = None
-        lengths = lengths_from_mask(attention_mask, B, L, query.device)
-
     parts = key_scale = None
     want = False
     backend = "auto"
     num_windows = DEFAULT_NUM_WINDOWS
     sentence_id = info.sentence_id if info is not None else None
-    kept = kept_heads(module)  # a pruned layer: its heads in the unpruned numbering (attnkit/arch/pruning.py)
     if rt is not None:
         rt.calls += 1
         backend, num_windows = rt.backend, rt.num_windows
@@ -344,7 +482,7 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         if rt.intervention is not None:
             parts = rt.intervention.layer_plan(module.layer_idx, B, L, D, query.device, query.dtype)
             if sentence_id is None and any(p.region is not None for p in parts):
-                sentence_id = forward_sentence_ids(rt, B, L, lengths, query.device)
+                sentence_id = forward_sentence_ids(rt, B, L, lengths, query.device, offsets)
         if rt.observers and kept is not None:  # observers see the unpruned heads, removed ones with q = k = 0
             obs_q, obs_k = to_unpruned(query, kept), to_unpruned(key, kept)
         else:
@@ -355,7 +493,9 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             if module.layer_idx not in rt.out_proj:
                 raise AttnkitError("norm weighting needs each layer's output projection: measure inside "
                                    "attnkit.engine.forward.measuring(model, weighting='norm')")
-            key_scale = key_norms(value, rt.out_proj[module.layer_idx].weight)
+            # each query head with its KV head's values and its own columns of the output projection
+            key_scale = key_norms(per_query_head(value, kv_index(H, Hkv, dec, query.device)),
+                                  output_matrix(rt.out_proj[module.layer_idx]))
     token_class = info.token_class if info is not None else None
     parts = parts or [LayerPart(0, B)]
     if kept is not None:  # a pruned layer: the intervention's settings of the heads it kept
@@ -371,7 +511,7 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             None if token_class is None else token_class[rows], None if sentence_id is None else sentence_id[rows],
             scaling=scaling, num_windows=num_windows, mode=p.mode, region=p.region,
             renormalize=p.renormalize, gates=p.gates, want_features=want,
-            key_scale=None if key_scale is None else key_scale[rows], backend=backend,
+            key_scale=None if key_scale is None else key_scale[rows], backend=backend, **dec,
         )
 
     if len(parts) == 1:  # one call of the op for the whole batch
@@ -379,6 +519,7 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     else:  # stacked interventions: one call per block of samples
         outs, feats = zip(*(call(p, slice(p.start, p.stop)) for p in parts))
         out, feats = torch.cat(outs), torch.cat(feats)
+    out = own_frame(out, (1,), 1)  # rows of left padding: 0
     for p in parts:
         out = replace_head_outputs(out, p.outputs, slice(p.start, p.stop))
     if want:  # a pruned layer's removed heads read as zeroed heads: every feature 0
@@ -391,12 +532,12 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         return out, None
     # the weights this forward used, interventions included (their definition: attnkit.reference); a pruned
     # layer's maps cover the unpruned heads, a removed head's map all zeros (as its features)
-    scale = D**-0.5 if scaling is None else scaling
     weights = query.new_zeros(B, 0, L, L, dtype=torch.float32) if H == 0 else torch.cat([
         attention_weights(query[p.start:p.stop], key[p.start:p.stop], lengths[p.start:p.stop], scale,
                           None if sentence_id is None else sentence_id[p.start:p.stop], p.mode, p.region,
-                          p.renormalize)
+                          p.renormalize, **dec)
         for p in parts])
+    weights = own_frame(weights, (2, 3), 2)
     if kept is not None:
         weights = to_unpruned(weights, kept)
     return out, weights.to(query.dtype)

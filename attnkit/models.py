@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
+from .embedded import EMBEDDED, embedded_path
 from .errors import AttnkitError, arg, check_int, one_line
 from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
 
@@ -145,15 +146,19 @@ def instrument(model, tokenizer=None):
         return model
     cfg = model.config
     mtype = getattr(cfg, "model_type", type(model).__name__)
-    if getattr(cfg, "is_decoder", False) or getattr(cfg, "is_encoder_decoder", False):
-        raise AttnkitError(f"model type {mtype!r} is a decoder or encoder-decoder; attnkit measures encoders")
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise AttnkitError(f"model type {mtype!r} is an encoder-decoder; attnkit measures encoders and decoder "
+                           "language models (self-attention over one sequence)")
+    if getattr(cfg, "is_decoder", False):  # an encoder architecture set up as a decoder (BERT with is_decoder=True)
+        raise AttnkitError(f"model type {mtype!r} is configured as a decoder (is_decoder=True); attnkit measures "
+                           "encoders and the decoder language models of docs/decoders.md")
     try:
         model.set_attn_implementation(NAME)
     except Exception as exc:
         raise AttnkitError(
             f"model type {mtype!r} does not accept custom attention implementations ({exc}); "
-            "attnkit supports encoders whose attention goes through transformers' AttentionInterface "
-            "(BERT, RoBERTa, ELECTRA, DistilBERT, ...)"
+            "attnkit supports models whose attention goes through transformers' AttentionInterface "
+            "(BERT, RoBERTa, ELECTRA, DistilBERT, Llama, Qwen, Mistral, Gemma, GPT-2, ...)"
         ) from None
     seen = _probe_attention_modules(model)
     if not seen:
@@ -163,8 +168,6 @@ def instrument(model, tokenizer=None):
             "that honour attn_implementation)"
         )
     for i, mod in enumerate(seen):
-        if getattr(mod, "is_causal", False):
-            raise AttnkitError(f"model type {mtype!r} uses causal attention; attnkit measures bidirectional encoders")
         if getattr(mod, "layer_idx", None) is None:
             mod.layer_idx = i
     runtime = Runtime(separator_ids=_separator_ids(model, tokenizer),
@@ -311,15 +314,18 @@ def _no_transformers_bars():
 def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None = None):
     """Load a model and its tokenizer from a local path (no hub downloads) with attnkit attention.
 
-    `name_or_path=None` loads the embedded MiniLM; a directory written by `attnkit prune` is loaded with
-    `attnkit.arch.pruning.load_pruned_model` (docs/pruning.md). `task` picks the head: None (bare encoder),
-    "sequence-classification", "question-answering", "masked-lm". Returns (model, tokenizer),
+    `name_or_path=None` loads the embedded MiniLM, `"smollm2"` the embedded decoder SmolLM2-135M-Instruct (the
+    optional extra `attnkit[decoders]`; converted once to a cached copy: attnkit.embedded, docs/decoders.md); a
+    directory written by `attnkit prune` is loaded with `attnkit.arch.pruning.load_pruned_model` (docs/pruning.md).
+    `task` picks the head: None (the bare model), "sequence-classification", "question-answering", "masked-lm",
+    "causal-lm" (a decoder with its language-model head). Returns (model, tokenizer),
     the model in eval mode on `device` ("cpu", "cuda"; default: cuda when available).
     A directory without config, weights or tokenizer files, or whose tokenizer knows far fewer tokens
     than the model embeds (a tokenizer built from nothing), is refused with the files it lacks.
     """
     from transformers import (
         AutoModel,
+        AutoModelForCausalLM,
         AutoModelForMaskedLM,
         AutoModelForQuestionAnswering,
         AutoModelForSequenceClassification,
@@ -327,10 +333,16 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     )
 
     classes = {None: AutoModel, "sequence-classification": AutoModelForSequenceClassification,
-               "question-answering": AutoModelForQuestionAnswering, "masked-lm": AutoModelForMaskedLM}
+               "question-answering": AutoModelForQuestionAnswering, "masked-lm": AutoModelForMaskedLM,
+               "causal-lm": AutoModelForCausalLM}
     if task not in classes:
         raise AttnkitError(f"unknown {arg('task')} {task!r}; use one of {', '.join(str(k) for k in classes)}")
-    path = default_model_path() if name_or_path is None else str(name_or_path)
+    if name_or_path is None:
+        path = default_model_path()
+    elif str(name_or_path) in EMBEDDED and not os.path.exists(str(name_or_path)):
+        path = str(embedded_path(str(name_or_path)))
+    else:
+        path = str(name_or_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

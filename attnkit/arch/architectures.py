@@ -6,12 +6,29 @@ ELECTRA, XLM-R and CamemBERT it holds `query`, `key` and `value`, and its siblin
 projection (the output bias, dropout and LayerNorm that follow belong to the residual path). In DistilBERT it
 holds `q_lin`, `k_lin`, `v_lin` and the output projection `out_lin` itself. Head h owns the rows h·D … (h+1)·D − 1
 of W_Q, W_K, W_V (and of their biases) and the same columns of W_O (D: the head size).
+
+Decoder language models (docs/decoders.md) keep their output projection in the attention module itself:
+- Llama (SmolLM2, Llama 3), Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 and gpt-oss: `q_proj`, `k_proj`, `v_proj` and
+  `o_proj`, with grouped-query attention (`k_proj` and `v_proj` have the rows of the Hkv ≤ H KV heads; query head h
+  reads KV head h // (H / Hkv)); the head size is `head_dim`.
+- GPT-2: one fused `c_attn` (a transformers `Conv1D`, whose weight is input × output, the transpose of an
+  `nn.Linear`'s) computes [q | k | v], each hidden wide; the output projection `c_proj` is a `Conv1D` too.
+- GPT-NeoX (Pythia): one fused `query_key_value` whose rows are grouped per head, [q_h | k_h | v_h] for each head
+  in turn; the output projection is `dense`; the head size is `head_size`.
+- Phi-3: one fused `qkv_proj` computing [q (H heads) | k (Hkv heads) | v (Hkv heads)]; the output projection is
+  `o_proj`.
+Head h's slice of the output projection is, in every one of them, the columns h·D … (h+1)·D − 1 of W_O as an
+`nn.Linear` holds it (hidden × H·D): `output_matrix` gives that matrix for a `Conv1D` too. Physical pruning
+(attnkit/arch/pruning.py) knows only the encoders' separate projections (`prunable`); it refuses the others by
+name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from ..errors import AttnkitError
 
@@ -20,20 +37,45 @@ from ..errors import AttnkitError
 class Layout:
     """How one architecture names the parts of a self-attention layer."""
 
-    query: str
-    key: str
-    value: str
+    query: str | None  # None where one fused projection computes q, k and v (`fused`)
+    key: str | None
+    value: str | None
     output: str  # the output projection: a child of the attention module, or of its parent (`output_beside`)
     output_beside: bool
-    heads_attr: str  # the attention module's attribute that counts its heads
+    heads_attr: str | None  # the attention module's attribute that counts its heads, where it has one
     size_attr: str | None  # its attribute holding heads × head size, where it has one
+    head_size_attr: str = "attention_head_size"  # its attribute holding the head size
+    fused: str | None = None  # the one projection that computes q, k and v (GPT-2, GPT-NeoX, Phi-3)
+    prunable: bool = True  # whether attnkit.arch.pruning can remove heads of this layout
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The attribute names of the projections that compute q, k and v."""
+        return (self.fused,) if self.fused else (self.query, self.key, self.value)
 
 
 BERT_LIKE = Layout("query", "key", "value", "output.dense", True, "num_attention_heads", "all_head_size")
 DISTILBERT = Layout("q_lin", "k_lin", "v_lin", "out_lin", False, "n_heads", None)
+LLAMA_LIKE = Layout("q_proj", "k_proj", "v_proj", "o_proj", False, None, None, "head_dim", prunable=False)
+GPT2 = Layout(None, None, None, "c_proj", False, "num_heads", "embed_dim", "head_dim", fused="c_attn", prunable=False)
+GPT_NEOX = Layout(None, None, None, "dense", False, None, None, "head_size", fused="query_key_value", prunable=False)
+PHI3 = Layout(None, None, None, "o_proj", False, None, None, "head_dim", fused="qkv_proj", prunable=False)
 
 LAYOUTS = {"bert": BERT_LIKE, "roberta": BERT_LIKE, "electra": BERT_LIKE, "xlm-roberta": BERT_LIKE,
-           "camembert": BERT_LIKE, "distilbert": DISTILBERT}
+           "camembert": BERT_LIKE, "distilbert": DISTILBERT,
+           "llama": LLAMA_LIKE, "qwen2": LLAMA_LIKE, "qwen3": LLAMA_LIKE, "mistral": LLAMA_LIKE, "gemma2": LLAMA_LIKE,
+           "gemma3_text": LLAMA_LIKE, "gpt_oss": LLAMA_LIKE, "gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3}
+PROJECTION_TYPES = (nn.Linear, Conv1D)
+
+
+def output_matrix(proj: nn.Module) -> torch.Tensor:
+    """The weight of an output projection as `nn.Linear` holds it: hidden × (heads · head size), head h's slice its
+    columns h·D … (h+1)·D − 1 (a `Conv1D` holds the transpose)."""
+    if isinstance(proj, Conv1D):
+        return proj.weight.t()
+    if isinstance(proj, nn.Linear):
+        return proj.weight
+    raise AttnkitError(f"an output projection must be an nn.Linear or a Conv1D, got {type(proj).__name__}")
 
 
 def layout_of(model, purpose: str = "this") -> Layout:
@@ -57,7 +99,11 @@ class AttentionLayer:
     head_size: int
 
     def linear(self, name: str) -> nn.Linear:
-        return getattr(self.module, getattr(self.layout, name))
+        attr = getattr(self.layout, name)
+        if attr is None:
+            raise AttnkitError(f"this {type(self.module).__name__} computes q, k and v in one fused projection "
+                               f"({self.layout.fused!r}): it has no separate {name} projection")
+        return getattr(self.module, attr)
 
     @property
     def query(self) -> nn.Linear:
@@ -72,7 +118,8 @@ class AttentionLayer:
         return self.linear("value")
 
     @property
-    def output(self) -> nn.Linear:
+    def output(self) -> nn.Module:
+        """The output projection: an nn.Linear, or GPT-2's Conv1D (`output_matrix` reads either)."""
         return getattr(self.owner, self.output_name)
 
     def replace(self, name: str, linear: nn.Linear) -> None:
@@ -99,8 +146,8 @@ def attention_layers(model, purpose: str = "this") -> list[AttentionLayer]:
     modules = dict(model.named_modules())
     out = []
     for name, mod in modules.items():
-        parts = [getattr(mod, getattr(layout, p), None) for p in ("query", "key", "value")]
-        if not all(isinstance(p, nn.Linear) for p in parts):
+        parts = [getattr(mod, p, None) for p in layout.projections]
+        if not all(isinstance(p, PROJECTION_TYPES) for p in parts):
             continue
         if getattr(mod, "is_cross_attention", False):
             continue
@@ -110,17 +157,18 @@ def attention_layers(model, purpose: str = "this") -> list[AttentionLayer]:
             owner = _child(modules[parent_name], holder_path) if holder_path else modules[parent_name]
         else:
             attr, owner = layout.output, mod
-        if owner is None or not isinstance(getattr(owner, attr, None), nn.Linear):
+        if owner is None or not isinstance(getattr(owner, attr, None), PROJECTION_TYPES):
             where = "beside" if layout.output_beside else "in"
             raise AttnkitError(f"{purpose}: the attention module {name!r} of this {model.config.model_type} model "
                                f"has no output projection {layout.output!r} {where} it")
-        head_size = getattr(mod, "attention_head_size", None)
+        head_size = getattr(mod, layout.head_size_attr, None)
         if not isinstance(head_size, int) or head_size < 1:
-            raise AttnkitError(f"{purpose}: the attention module {name!r} names no head size (attention_head_size)")
+            raise AttnkitError(f"{purpose}: the attention module {name!r} names no head size ({layout.head_size_attr})")
         out.append(AttentionLayer(mod, owner, attr, layout, head_size))
     if not out:
         raise AttnkitError(f"{purpose}: found no self-attention layer in this {model.config.model_type} model")
     return out
 
 
-__all__ = ["AttentionLayer", "BERT_LIKE", "DISTILBERT", "LAYOUTS", "Layout", "attention_layers", "layout_of"]
+__all__ = ["AttentionLayer", "BERT_LIKE", "DISTILBERT", "GPT2", "GPT_NEOX", "LAYOUTS", "LLAMA_LIKE", "Layout", "PHI3",
+           "attention_layers", "layout_of", "output_matrix"]

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import AttnkitError
-from .architectures import AttentionLayer, attention_layers
+from .architectures import LAYOUTS, AttentionLayer, attention_layers
 
 log = logging.getLogger("attnkit")
 
@@ -144,6 +144,10 @@ def prune_heads(model, heads: Iterable[tuple[int, int]]):
     A head outside the model's layers × heads, or one it no longer has, is refused (AttnkitError) before anything
     changes. The config records what each layer kept (module docstring)."""
     layers = attention_layers(model, "pruning heads")
+    if not layers[0].layout.prunable:
+        raise AttnkitError(f"pruning heads of a {model.config.model_type!r} model is not supported: attnkit prunes "
+                           f"the encoders' separate query, key and value projections "
+                           f"({', '.join(sorted(k for k, v in LAYOUTS.items() if v.prunable))})")
     L, H = len(layers), _n_heads(model)
     current = current_heads(layers, H)
     remove: dict[int, set[int]] = {}

