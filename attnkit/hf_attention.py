@@ -114,6 +114,9 @@ class ModelInputs:
 
     input_ids: torch.Tensor | None
     token_type_ids: torch.Tensor | None
+    # whether the forward asked for attention maps: GPT-2's attention module takes `output_attentions` itself and
+    # does not hand it on to the attention function
+    output_attentions: bool = False
     sentence_id: torch.Tensor | None = None  # B×L int32, derived once per forward when first needed
 
 
@@ -429,7 +432,9 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             "with another attn_implementation to generate)"
         )
     rt: Runtime | None = getattr(module, RUNTIME_ATTR, None)
-    want_maps = bool(kwargs.get("output_attentions"))  # model(..., output_attentions=True): return the maps
+    # model(..., output_attentions=True): return the maps (transformers passes the flag on, except GPT-2's module)
+    want_maps = bool(kwargs.get("output_attentions")) or bool(rt is not None and rt.inputs is not None
+                                                              and rt.inputs.output_attentions)
     kept = kept_heads(module)  # a pruned layer: its heads in the unpruned numbering (attnkit/arch/pruning.py)
     dec = decoder_arguments(module, H, Hkv, kwargs, kept, query.device)
     scale = D**-0.5 if scaling is None else scaling

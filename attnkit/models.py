@@ -210,8 +210,11 @@ def _record_inputs(model, runtime: Runtime) -> None:
     def before(module, args, kwargs):
         given = dict(zip(names, args))
         given.update(kwargs)
+        maps = given.get("output_attentions")  # as transformers decides whether to record attentions
+        if maps is None:
+            maps = getattr(getattr(module, "config", None), "output_attentions", False)
         getattr(module, RUNTIME_ATTR).enter_forward(
-            ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids"))))
+            ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids")), bool(maps)))
 
     def after(module, args, kwargs, output):
         getattr(module, RUNTIME_ATTR).exit_forward()

@@ -233,3 +233,92 @@ def pruned_run(path, removed=((1, 0), (1, 1), (1, 2), (1, 3), (2, 3)), **kwargs)
     (path / "meta.json").write_text(json.dumps(meta))
     f.meta = meta
     return f, per, texts, dist
+
+
+def features_from_maps(attn, lengths, classes, sentences, num_windows, sink: bool = False):
+    """docs/features.md's features of every sample from full attention maps (per layer B × H × L × L, each
+    sample's tokens first), written independently of attnkit.reference: samples × layers × heads × features.
+    Keys a causal row does not see have weight 0 in the maps, so the same sums give the features of causal rows.
+    `sink`: one more feature, the mass a row's keys leave (1 − the row's sum), averaged over the rows."""
+    L_, H = len(attn), attn[0].shape[1]
+    out = []
+    for b, n in enumerate(lengths):
+        per = np.zeros((L_, H, 5 + num_windows + 7 + int(sink)))
+        cls_of = classes[b][:n]
+        sent = sentences[b][:n]
+        for layer in range(L_):
+            for h in range(H):
+                A = attn[layer][b, h, :n, :n].astype(np.float64)
+                rows = []
+                for s in range(n):
+                    r = np.zeros(5 + num_windows + 6)
+                    for t in range(n):
+                        c = cls_of[t]
+                        if c in (1, 2, 3, 4):
+                            r[c - 1] += A[s, t]
+                        elif t == s:
+                            r[4] += A[s, t]
+                        else:
+                            r[5 + abs(s - t) * num_windows // n] += A[s, t]
+                    k = 5 + num_windows
+                    r[k] = A[s, s - 1] if s > 0 else 0
+                    r[k + 1] = A[s, s + 1] if s + 1 < n else 0
+                    p = A[s][A[s] > 0]
+                    r[k + 2] = -(p * np.log(p)).sum()
+                    r[k + 3] = A[s].max()
+                    same = sent == sent[s]
+                    r[k + 4] = A[s][same].sum()
+                    r[k + 5] = A[s][~same].sum()
+                    rows.append(r)
+                rows = np.array(rows)
+                cls_rows = [s for s in range(n) if cls_of[s] == 1]
+                cls_ent = rows[cls_rows, 5 + num_windows + 2].mean() if cls_rows else 0.0
+                extra = [1.0 - A.sum(1).mean()] if sink else []
+                per[layer, h] = np.concatenate([rows.mean(0), [cls_ent], extra])
+        out.append(per)
+    return np.array(out)
+
+
+DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "phi3", "gpt_oss")
+
+
+def tiny_decoder(kind: str, vocab: int = 120, n_layers: int = 2, window: int = 5, seed: int = 0):
+    """A random-weight causal LM of `kind` (one of DECODER_KINDS) built offline from `AutoConfig.for_model`: hidden
+    32, 4 query heads (2 KV heads where the architecture has grouped-query attention), head size 8, eager
+    attention, in eval mode. Sliding windows of `window` tokens where the architecture has them (Mistral, Qwen2's
+    upper layers, Gemma 2/3's local layers, gpt-oss), a soft cap of 2 (Gemma 2), random sink logits (gpt-oss), and
+    queries sharpened so that heads differ. BOS 1, EOS 2, padding 0."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **ids)
+    extra = {
+        "llama": {}, "qwen3": {}, "phi3": {},
+        "qwen2": dict(use_sliding_window=True, sliding_window=window, max_window_layers=1),
+        "mistral": dict(sliding_window=window),
+        "gemma2": dict(sliding_window=window, attn_logit_softcapping=2.0, query_pre_attn_scalar=8),
+        "gemma3_text": dict(sliding_window=window, query_pre_attn_scalar=8,
+                            layer_types=["sliding_attention", "full_attention"] * (n_layers // 2)
+                            + ["sliding_attention"] * (n_layers % 2)),
+        "gpt_oss": dict(sliding_window=window, num_local_experts=2, num_experts_per_tok=1),
+    }
+    if kind == "gpt2":
+        cfg = AutoConfig.for_model("gpt2", vocab_size=vocab, n_embd=32, n_layer=n_layers, n_head=4, n_positions=128,
+                                   **ids)
+    elif kind == "gpt_neox":
+        cfg = AutoConfig.for_model("gpt_neox", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=n_layers, num_attention_heads=4, max_position_embeddings=128,
+                                   **ids)
+    else:
+        cfg = AutoConfig.for_model(kind, **common, **extra[kind])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "c_attn.weight", "query_key_value.weight", "qkv_proj.weight")):
+                p.mul_(4.0)
+            elif name.endswith(".sinks"):
+                p.copy_(torch.randn_like(p))
+    return model

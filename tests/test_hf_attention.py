@@ -14,7 +14,7 @@ from attnkit.errors import AttnkitError
 from attnkit.models import default_model_path
 
 from .conftest import SENTENCES
-from .synthetic import padded_inputs, tiny_config, tiny_encoder
+from .synthetic import features_from_maps, padded_inputs, tiny_config, tiny_encoder
 
 
 @pytest.mark.parametrize("kind", ["bert", "roberta", "electra", "distilbert"])
@@ -66,46 +66,6 @@ def test_decoder_is_refused():
         attnkit.instrument(model)
 
 
-def _independent_features(attn, lengths, classes, sentences, num_windows):
-    """docs/features.md's features from full attention maps, written independently of attnkit.reference."""
-    L_, H = len(attn), attn[0].shape[1]
-    out = []
-    for b, n in enumerate(lengths):
-        per = np.zeros((L_, H, 5 + num_windows + 7))
-        cls_of = classes[b][:n]
-        sent = sentences[b][:n]
-        for layer in range(L_):
-            for h in range(H):
-                A = attn[layer][b, h, :n, :n].astype(np.float64)
-                rows = []
-                for s in range(n):
-                    r = np.zeros(5 + num_windows + 6)
-                    for t in range(n):
-                        c = cls_of[t]
-                        if c in (1, 2, 3, 4):
-                            r[c - 1] += A[s, t]
-                        elif t == s:
-                            r[4] += A[s, t]
-                        else:
-                            r[5 + abs(s - t) * num_windows // n] += A[s, t]
-                    k = 5 + num_windows
-                    r[k] = A[s, s - 1] if s > 0 else 0
-                    r[k + 1] = A[s, s + 1] if s + 1 < n else 0
-                    p = A[s][A[s] > 0]
-                    r[k + 2] = -(p * np.log(p)).sum()
-                    r[k + 3] = A[s].max()
-                    same = sent == sent[s]
-                    r[k + 4] = A[s][same].sum()
-                    r[k + 5] = A[s][~same].sum()
-                    rows.append(r)
-                rows = np.array(rows)
-                cls_rows = [s for s in range(n) if cls_of[s] == 1]
-                cls_ent = rows[cls_rows, 5 + num_windows + 2].mean() if cls_rows else 0.0
-                per[layer, h] = np.concatenate([rows.mean(0), [cls_ent]])
-        out.append(per)
-    return np.array(out)
-
-
 def test_extract_matches_independent_features_from_output_attentions(minilm):
     model, tok = minilm
     texts = SENTENCES[:3] + [(SENTENCES[3], SENTENCES[4])]
@@ -117,7 +77,7 @@ def test_extract_matches_independent_features_from_output_attentions(minilm):
     batch = Encoder(tok, max_length=32)(texts)
     with torch.no_grad():
         attn = [a.numpy() for a in eager(**batch.inputs, output_attentions=True).attentions]
-    per = _independent_features(attn, batch.lengths.tolist(), batch.token_class.numpy(), batch.sentence_id.numpy(), nw)
+    per = features_from_maps(attn, batch.lengths.tolist(), batch.token_class.numpy(), batch.sentence_id.numpy(), nw)
     assert feats.n_samples == 4 and feats.n_tokens == int(batch.lengths.sum())
     np.testing.assert_allclose(feats.mean, per.mean(0), atol=1e-5)
     np.testing.assert_allclose(feats.std, per.std(0), atol=1e-5)

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from ..errors import AttnkitError
 
@@ -65,12 +64,21 @@ LAYOUTS = {"bert": BERT_LIKE, "roberta": BERT_LIKE, "electra": BERT_LIKE, "xlm-r
            "camembert": BERT_LIKE, "distilbert": DISTILBERT,
            "llama": LLAMA_LIKE, "qwen2": LLAMA_LIKE, "qwen3": LLAMA_LIKE, "mistral": LLAMA_LIKE, "gemma2": LLAMA_LIKE,
            "gemma3_text": LLAMA_LIKE, "gpt_oss": LLAMA_LIKE, "gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3}
-PROJECTION_TYPES = (nn.Linear, Conv1D)
+
+
+def projection_types() -> tuple:
+    """The classes of a projection: nn.Linear, and transformers' Conv1D (GPT-2). Imported when first needed:
+    importing transformers here while attnkit.hf_attention loads would import this module again."""
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, Conv1D)
 
 
 def output_matrix(proj: nn.Module) -> torch.Tensor:
     """The weight of an output projection as `nn.Linear` holds it: hidden × (heads · head size), head h's slice its
     columns h·D … (h+1)·D − 1 (a `Conv1D` holds the transpose)."""
+    from transformers.pytorch_utils import Conv1D
+
     if isinstance(proj, Conv1D):
         return proj.weight.t()
     if isinstance(proj, nn.Linear):
@@ -143,11 +151,12 @@ def attention_layers(model, purpose: str = "this") -> list[AttentionLayer]:
     layout of its architecture; an AttnkitError when the architecture is unknown or its modules are not where the
     layout says."""
     layout = layout_of(model, purpose)
+    types = projection_types()
     modules = dict(model.named_modules())
     out = []
     for name, mod in modules.items():
         parts = [getattr(mod, p, None) for p in layout.projections]
-        if not all(isinstance(p, PROJECTION_TYPES) for p in parts):
+        if not all(isinstance(p, types) for p in parts):
             continue
         if getattr(mod, "is_cross_attention", False):
             continue
@@ -157,7 +166,7 @@ def attention_layers(model, purpose: str = "this") -> list[AttentionLayer]:
             owner = _child(modules[parent_name], holder_path) if holder_path else modules[parent_name]
         else:
             attr, owner = layout.output, mod
-        if owner is None or not isinstance(getattr(owner, attr, None), PROJECTION_TYPES):
+        if owner is None or not isinstance(getattr(owner, attr, None), types):
             where = "beside" if layout.output_beside else "in"
             raise AttnkitError(f"{purpose}: the attention module {name!r} of this {model.config.model_type} model "
                                f"has no output projection {layout.output!r} {where} it")
