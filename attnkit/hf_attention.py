@@ -141,6 +141,7 @@ class Runtime:
     sentences: torch.Tensor | None = None  # user-given B×L sentence ids (attnkit.sentences)
     inputs: ModelInputs | None = None  # the inputs of the forward under way, None outside one
     separator_ids: tuple[int, ...] = ()  # sep/eos token ids, to find segments in input_ids
+    sink: bool = False  # the model has a learned sink logit per head: its features end with `sink`
     segment_types: bool = True  # whether token_type_ids mark segments (the model has > 1 type)
     _outer_inputs: list = field(default_factory=list)  # inputs of enclosing forwards (nested calls)
     # attnkit.caching.HeadCache objects that keep each layer's per-head outputs (attnkit.cache_heads)
@@ -168,16 +169,23 @@ class Runtime:
             self.batch = None
 
 
-_callers: list | None = None  # while `recording_callers` runs: the modules that called attnkit attention
+class Callers(list):
+    """The modules that called attnkit attention, in call order; `sink`: whether one of them has a learned sink
+    logit per head (gpt-oss), which adds the feature `sink` (docs/features.md)."""
+
+    sink: bool = False
+
+
+_callers: Callers | None = None  # while `recording_callers` runs: the modules that called attnkit attention
 _last_mask: tuple = (lambda: None, None)
 
 
 @contextlib.contextmanager
 def recording_callers():
-    """Yield a list that collects, in call order, the modules that call attnkit attention inside the block
-    (`attnkit.models.instrument` runs its probe forward under it)."""
+    """Yield a `Callers` list that collects, in call order, the modules that call attnkit attention inside the
+    block (`attnkit.models.instrument` runs its probe forward under it)."""
     global _callers
-    _callers = seen = []
+    _callers = seen = Callers()
     try:
         yield seen
     finally:
@@ -437,6 +445,8 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
                                                               and rt.inputs.output_attentions)
     kept = kept_heads(module)  # a pruned layer: its heads in the unpruned numbering (attnkit/arch/pruning.py)
     dec = decoder_arguments(module, H, Hkv, kwargs, kept, query.device)
+    if _callers is not None and "sink" in dec:
+        _callers.sink = True
     scale = D**-0.5 if scaling is None else scaling
 
     if rt is not None and rt.batch is not None:  # attnkit's own batches are right-padded
@@ -510,7 +520,8 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     def call(p: LayerPart, rows: slice):
         if H == 0:  # a layer whose heads were all pruned: nothing to attend with
             n = query[rows].shape[0]
-            return query.new_zeros(n, L, 0, D), query.new_zeros((n, 0, num_features(num_windows)), dtype=torch.float32)
+            return query.new_zeros(n, L, 0, D), query.new_zeros((n, 0, num_features(num_windows, "sink" in dec)),
+                                                                dtype=torch.float32)
         return attention(
             query[rows], key[rows], value[rows], lengths[rows],
             None if token_class is None else token_class[rows], None if sentence_id is None else sentence_id[rows],

@@ -20,6 +20,7 @@ import torch
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
 from .embedded import EMBEDDED, embedded_path
 from .errors import AttnkitError, arg, check_int, one_line
+from .features import feature_names
 from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
 
 log = logging.getLogger("attnkit")
@@ -111,6 +112,12 @@ def attention_modules(model) -> list:
                        "attnkit attention (equal to eager)")
 
 
+def model_feature_names(model, num_windows: int) -> list[str]:
+    """The names of the features an instrumented `model` gives: `feature_names`, with `sink` last for a model with
+    a learned sink logit per head (gpt-oss; docs/features.md)."""
+    return feature_names(num_windows, sink=runtime_of(model).sink)
+
+
 def runtime_of(model) -> Runtime:
     """The Runtime that the attention of an instrumented `model` reads."""
     attention_modules(model)
@@ -171,7 +178,7 @@ def instrument(model, tokenizer=None):
         if getattr(mod, "layer_idx", None) is None:
             mod.layer_idx = i
     runtime = Runtime(separator_ids=_separator_ids(model, tokenizer),
-                      segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1)
+                      segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1, sink=seen.sink)
     for mod in seen:
         setattr(mod, RUNTIME_ATTR, runtime)
     _record_inputs(model, runtime)
@@ -224,8 +231,9 @@ def _record_inputs(model, runtime: Runtime) -> None:
     base.register_forward_hook(after, with_kwargs=True, always_call=True)
 
 
-def _probe_attention_modules(model) -> list:
-    """Run a two-token forward and return the modules that called attnkit attention, in order."""
+def _probe_attention_modules(model):
+    """Run a two-token forward and return the modules that called attnkit attention, in order (a
+    `hf_attention.Callers`, which also says whether one has a learned sink logit)."""
     device = next(model.parameters()).device
     ids = torch.full((1, 2), 1, dtype=torch.long, device=device)
     sig_kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -236,7 +244,9 @@ def _probe_attention_modules(model) -> list:
         raise
     except Exception as exc:
         raise AttnkitError(f"a probe forward of the model failed: {type(exc).__name__}: {exc}") from None
-    return list(dict.fromkeys(callers))  # unique, in call order
+    seen = type(callers)(dict.fromkeys(callers))  # unique, in call order
+    seen.sink = callers.sink
+    return seen
 
 
 # What a local transformers model directory must hold (any one file of each group).

@@ -5,6 +5,12 @@ Class of a token: CLS (the tokenizer's cls/bos token), SEP (sep/eos), COMMA (tok
 ","), PERIOD (exactly "."), else OTHER. Sentence ids: the segments of a text pair are different
 sentences; with `split_sentences`, a segment is also split after "."/"!"/"?" tokens. A special token
 belongs to the sentence before it, so [CLS] is in the first sentence and a [SEP] in the one it closes.
+
+A decoder's tokenizer (docs/decoders.md, "Token classes"): one that names neither a cls nor a sep token (GPT-2,
+Llama, Qwen, Mistral, Gemma, ...), or `causal=True`. There CLS is the sample's first position, whichever token it
+holds (the BOS token where the tokenizer adds one: where a causal model puts its attention sink), SEP the EOS
+tokens, and a BOS token elsewhere is OTHER. A decoder has no pair format, so text pairs are refused, not joined.
+A tokenizer without a padding token pads with its EOS token (the attention mask marks the padding either way).
 """
 from __future__ import annotations
 
@@ -87,6 +93,11 @@ def _exact_token_id(tokenizer, token: str) -> int | None:
     return int(tid) if tokenizer.convert_ids_to_tokens(int(tid)) == token else None
 
 
+def is_decoder_tokenizer(tokenizer) -> bool:
+    """Whether `tokenizer` is a decoder language model's: it names neither a cls nor a sep token."""
+    return getattr(tokenizer, "cls_token", None) is None and getattr(tokenizer, "sep_token", None) is None
+
+
 def sentence_ids(ids: list[int], sequence_ids: list, end_ids=()) -> list[int]:
     """Sentence id per token of one sample. `sequence_ids`: the segment of each token (None for a
     special token, which belongs to the sentence before it); a new segment starts a new sentence, and
@@ -108,15 +119,23 @@ def sentence_ids(ids: list[int], sequence_ids: list, end_ids=()) -> list[int]:
 class Encoder:
     """Turns lists of segments (str or (str, str)) into `Batch`es for one tokenizer."""
 
-    def __init__(self, tokenizer, max_length: int = DEFAULT_MAX_LENGTH, split_sentences: bool = False):
+    def __init__(self, tokenizer, max_length: int = DEFAULT_MAX_LENGTH, split_sentences: bool = False,
+                 causal: bool | None = None):
         if not getattr(tokenizer, "is_fast", False):
             raise AttnkitError("attnkit needs a fast (Rust) tokenizer to locate segments")
         check_int(max_length, "max_length", minimum=2)
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.split_sentences = split_sentences
-        self.cls_ids = _ids(tokenizer, "cls", "bos")
-        self.sep_ids = _ids(tokenizer, "sep", "eos")
+        self.causal = is_decoder_tokenizer(tokenizer) if causal is None else bool(causal)
+        if self.causal:  # CLS: the first position (token_classes); SEP: EOS tokens
+            self.cls_ids = set()
+            self.sep_ids = _ids(tokenizer, "eos")
+        else:
+            self.cls_ids = _ids(tokenizer, "cls", "bos")
+            self.sep_ids = _ids(tokenizer, "sep", "eos")
+        if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
         self.comma_id = _exact_token_id(tokenizer, ",")
         self.period_id = _exact_token_id(tokenizer, ".")
         self.end_ids = {i for i in (_exact_token_id(tokenizer, t) for t in SENTENCE_END) if i is not None}
@@ -128,6 +147,8 @@ class Encoder:
                 cls[ids == tid] = code
         cls[np.isin(ids, list(self.sep_ids))] = SEP
         cls[np.isin(ids, list(self.cls_ids))] = CLS
+        if self.causal and cls.shape[-1]:  # right padding: every sample starts at position 0
+            cls[..., 0] = CLS
         return cls
 
     def sentence_ids(self, ids: list[int], sequence_ids: list) -> list[int]:
@@ -138,6 +159,10 @@ class Encoder:
         if not segments:
             raise AttnkitError("cannot encode an empty batch")
         items = [s if isinstance(s, str) else list(s) for s in segments]
+        if self.causal and any(not isinstance(x, str) for x in items):
+            raise AttnkitError("text pairs need a model with a pair format ([CLS] A [SEP] B [SEP]); this is a "
+                               "decoder's tokenizer, which has none: give single texts (join the pair yourself if "
+                               "that is what you mean)")
         self._check_room(items)
         enc = self.tokenizer(items, truncation=True, max_length=self.max_length, padding="longest",
                              return_tensors="np", padding_side="right")

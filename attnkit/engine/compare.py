@@ -23,8 +23,8 @@ import torch
 
 from ..corpus import Corpus
 from ..errors import AttnkitError
-from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows, feature_names
-from ..models import attention_modules, check_max_length, observing, resolve_model
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows
+from ..models import attention_modules, check_max_length, model_feature_names, observing, resolve_model
 from ..run.files import COMPARE_JSON, COMPARE_NPZ, FIGURES_DIR
 from ..run.head_features import FeatureAccumulator
 from ..run.outputs import atomic_write, ensure_writable_dir, write_json
@@ -241,7 +241,7 @@ def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=Non
         check_max_length(m, max_length)
     dev_a, dev_b = next(model_a.parameters()).device, next(model_b.parameters()).device
     batch_size = batch_size or default_batch_size(dev_a)
-    names = feature_names(num_windows)
+    names = model_feature_names(model_a, num_windows)
     acc_a, acc_b = FeatureAccumulator(L, H, names), FeatureAccumulator(L, H, names)
     coll = PairedCollector(L, H, max_elems=max_elems)
     encoder = Encoder(tok_a, max_length=max_length, split_sentences=split_sentences)

@@ -21,9 +21,8 @@ from ..features import (
     DEFAULT_WEIGHTING,
     check_num_windows,
     check_weighting,
-    feature_names,
 )
-from ..models import attention_modules, check_max_length, observing, resolve_model
+from ..models import attention_modules, check_max_length, model_feature_names, observing, resolve_model
 from ..ops import BACKENDS, backend_label, resolve_backend
 from ..run.head_features import FeatureAccumulator, HeadFeatures
 from ..tokens import Encoder, Segment
@@ -150,7 +149,7 @@ def run_extraction(
     settings = settings.for_device(next(model.parameters()).device)
     for m in models:
         resolve_backend(settings.backend, next(m.parameters()).device)  # fail early on an unavailable backend
-    names = feature_names(settings.num_windows)
+    names = model_feature_names(model, settings.num_windows)
     shape = (len(attention_modules(model)), model.config.num_attention_heads)
     state = resume or ExtractionState(FeatureAccumulator(*shape, names))
     if state.accumulator.names != names or state.accumulator.sum.shape[:2] != shape:

@@ -24,8 +24,15 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError, arg, check_int, print_message
-from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING, feature_names, num_features
-from ..models import attention_modules, check_max_length, default_model_path, load_model, max_positions
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING
+from ..models import (
+    attention_modules,
+    check_max_length,
+    default_model_path,
+    load_model,
+    max_positions,
+    model_feature_names,
+)
 from ..ops import backend_label
 from ..run.files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
 from ..run.locking import make_run_dir, remove_if_only_lock, run_lock
@@ -249,7 +256,8 @@ class _LocalJob(_Job):
         check_max_length(model, opts.max_length)
         models = replicate(model, self.devices)
         workers = default_workers(self.devices[0].type) if opts.workers is None else opts.workers
-        shape = (len(attention_modules(model)), model.config.num_attention_heads, num_features(opts.num_windows))
+        shape = (len(attention_modules(model)), model.config.num_attention_heads,
+                 len(model_feature_names(model, opts.num_windows)))
         state, lengths = None, None
         inputs = self.corpus.describe()
         if opts.resume:
@@ -268,7 +276,7 @@ class _LocalJob(_Job):
         writer = None
         if opts.per_sample:
             writer = PerSampleWriter(self.run_dir.path, len(attention_modules(model)),
-                                     model.config.num_attention_heads, feature_names(opts.num_windows),
+                                     model.config.num_attention_heads, model_feature_names(model, opts.num_windows),
                                      resume_after=start if opts.resume else None)
         checkpoints = Checkpoints(self.run_dir, self.settings, opts.checkpoint_every, LengthHistogram(lengths),
                                   writer, inputs=inputs)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import AttnkitError, check_int
-from ...features import feature_names
+from ...features import feature_names, num_features
 from ...models import check_max_length, default_model_path
 from ...run.distances import HeadDistances
 from ...run.head_features import FeatureAccumulator
@@ -257,7 +257,7 @@ def run_ray_extraction(segments: Iterable[Segment], settings: ExtractSettings | 
                              model_path=model_path, dtype=dtype, address=address, num_actors=num_actors,
                              cpus_per_actor=cpus_per_actor, progress=progress, shards_per_group=shards_per_group).run()
     L, H, F = total["sum"].shape
-    names = feature_names(settings.num_windows)
+    names = feature_names(settings.num_windows, sink=F == num_features(settings.num_windows, sink=True))
     if F != len(names):
         raise AttnkitError(f"the actors returned {F} features per head, expected {len(names)}")
     acc = FeatureAccumulator(L, H, names)

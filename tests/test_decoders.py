@@ -1,0 +1,226 @@
+"""Decoder language models through attnkit attention (docs/decoders.md), on tiny random-weight configs built here
+(tests/synthetic.py: Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, GPT-2, GPT-NeoX, Phi-3, gpt-oss): hidden
+states and maps on request against the same model with eager attention, with right and left padding; features
+against features computed here from eager's maps (tests/synthetic.py: features_from_maps); norm weighting against
+value vectors taken from the projections here; interventions, head caches, the refusals (unknown attention
+arguments, a KV cache, pruning, text pairs)."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+from attnkit.errors import AttnkitError
+from attnkit.features import CLS, OTHER, SEP
+from attnkit.models import runtime_of
+from attnkit.tokens import Batch
+
+from .synthetic import DECODER_KINDS, features_from_maps, tiny_decoder
+
+VOCAB = 120
+LENGTHS = [9, 6, 3]
+EOS = 2
+
+
+def inputs(side: str = "right"):
+    """Random ids (an EOS inside the first sample) for LENGTHS, padded on `side` with 0."""
+    g = torch.Generator().manual_seed(1)
+    L = max(LENGTHS)
+    ids = torch.randint(3, VOCAB, (len(LENGTHS), L), generator=g)
+    ids[0, 5] = EOS
+    mask = (torch.arange(L)[None] < torch.tensor(LENGTHS)[:, None]).long()
+    if side == "left":
+        ids, mask = ids.roll(0), mask.flip(1)
+        for b, n in enumerate(LENGTHS):
+            ids[b] = ids[b].roll(L - n)
+    return ids * mask, mask
+
+
+@pytest.fixture(scope="module", params=DECODER_KINDS)
+def pair(request):
+    """(eager model, the same weights with attnkit attention)"""
+    eager = tiny_decoder(request.param)
+    return eager, attnkit.instrument(copy.deepcopy(eager))
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_hidden_states_and_maps_equal_eager(pair, side):
+    eager, ours = pair
+    ids, mask = inputs(side)
+    rt = runtime_of(ours)
+    calls = rt.calls
+    with torch.no_grad():
+        e = eager(input_ids=ids, attention_mask=mask, output_attentions=True, output_hidden_states=True)
+        o = ours(input_ids=ids, attention_mask=mask, output_attentions=True, output_hidden_states=True)
+    assert rt.calls - calls == ours.config.num_hidden_layers  # every layer went through attnkit
+    valid = mask.bool()
+    for a, b in zip(e.hidden_states, o.hidden_states):
+        torch.testing.assert_close(b[valid], a[valid], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(o.logits[valid], e.logits[valid], atol=2e-5, rtol=1e-5)
+    both = (valid[:, None, :, None] & valid[:, None, None, :])
+    assert len(o.attentions) == len(e.attentions) == ours.config.num_hidden_layers
+    for a, b in zip(e.attentions, o.attentions):
+        assert b.shape == a.shape
+        torch.testing.assert_close(b[both.expand_as(a)], a[both.expand_as(a)], atol=1e-6, rtol=1e-5)
+        keys = valid[:, None, None, :].expand_as(b)
+        assert float(b[~keys].abs().sum()) == 0.0  # no weight on padding
+        if side == "left":  # rows of left padding: 0 (eager gives them a meaningless spread)
+            assert float(b[~valid[:, None, :, None].expand_as(b)].abs().sum()) == 0.0
+        # causal: nothing above the diagonal
+        assert float(torch.triu(b, diagonal=1).abs().sum()) == 0.0
+
+
+def batch_of(ids, mask):
+    """An attnkit Batch of a right-padded batch: CLS on each sample's first position, SEP on EOS tokens."""
+    lengths = mask.sum(-1)
+    cls = torch.full(ids.shape, OTHER, dtype=torch.int32)
+    cls[ids == EOS] = SEP
+    cls[:, 0] = CLS
+    return Batch({"input_ids": ids, "attention_mask": mask}, lengths, cls, torch.zeros(ids.shape, dtype=torch.int32), 0)
+
+
+def test_features_equal_those_of_eager_maps(pair):
+    eager, ours = pair
+    from attnkit.engine.forward import forward_features, measuring
+
+    ids, mask = inputs("right")
+    batch = batch_of(ids, mask)
+    nw = 4
+    with measuring(ours, backend="auto", num_windows=nw):
+        feats = forward_features(ours, batch).numpy()
+    with torch.no_grad():
+        maps = [a.numpy() for a in eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions]
+    sink = eager.config.model_type == "gpt_oss"
+    want = features_from_maps(maps, LENGTHS, batch.token_class.numpy(), batch.sentence_id.numpy(), nw, sink=sink)
+    assert feats.shape == want.shape
+    np.testing.assert_allclose(feats, want, atol=2e-5)
+    assert attnkit.models.model_feature_names(ours, nw) == attnkit.feature_names(nw, sink=sink)
+    buckets = feats[..., :5 + nw].sum(-1) + (feats[..., -1] if sink else 0)
+    np.testing.assert_allclose(buckets, 1.0, atol=1e-5)
+
+
+def value_vectors(model, ids, mask):
+    """Per layer, B × H × L × D value vectors of each query head (its KV head's), taken from the projections
+    with hooks and split as each architecture lays them out, independently of attnkit.arch."""
+    cfg = model.config
+    kind, H = cfg.model_type, cfg.num_attention_heads
+    Hkv = getattr(cfg, "num_key_value_heads", H) or H
+    D = cfg.hidden_size // H if kind in ("gpt2", "gpt_neox") else cfg.head_dim
+    got, hooks = [], []
+
+    def keep(split):
+        return lambda mod, args, out: got.append(split(out))
+
+    for name, mod in model.named_modules():
+        if kind == "gpt2" and name.endswith("attn.c_attn"):
+            split = lambda out: out[..., 2 * H * D:].unflatten(-1, (H, D))
+        elif kind == "gpt_neox" and name.endswith("query_key_value"):
+            split = lambda out: out.unflatten(-1, (H, 3 * D))[..., 2 * D:]
+        elif kind == "phi3" and name.endswith("qkv_proj"):
+            split = lambda out: out[..., (H + Hkv) * D:].unflatten(-1, (Hkv, D))
+        elif name.endswith("v_proj"):
+            split = lambda out: out.unflatten(-1, (Hkv, D))
+        else:
+            continue
+        hooks.append(mod.register_forward_hook(keep(split)))
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    for h in hooks:
+        h.remove()
+    per_query = [v.transpose(1, 2)[:, [h // (H // v.shape[2]) for h in range(H)]] for v in got]
+    return per_query, [a for a in out.attentions]
+
+
+def output_weights(model):
+    """Per layer the output projection as hidden × (H·D) (GPT-2's Conv1D transposed)."""
+    out = []
+    for name, mod in model.named_modules():
+        if name.endswith(("attn.c_proj", "self_attn.o_proj", "attention.dense")):
+            out.append(mod.weight.t() if model.config.model_type == "gpt2" else mod.weight)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt_neox", "phi3"])
+def test_norm_weighting_uses_each_query_heads_kv_values_and_output_slice(kind):
+    eager = tiny_decoder(kind)
+    ours = attnkit.instrument(copy.deepcopy(eager))
+    from attnkit.engine.forward import forward_features, measuring
+
+    ids, mask = inputs("right")
+    batch = batch_of(ids, mask)
+    with measuring(ours, num_windows=4, weighting="norm"):
+        feats = forward_features(ours, batch).numpy()
+    values, maps = value_vectors(eager, ids, mask)
+    W = output_weights(eager)
+    H = eager.config.num_attention_heads
+    weighted = []
+    for v, a, w in zip(values, maps, W):
+        D = v.shape[-1]
+        f = torch.stack([v[:, h] @ w[:, h * D:(h + 1) * D].T for h in range(H)], 1)  # B × H × L × hidden
+        scaled = a * f.norm(dim=-1)[:, :, None, :]
+        weighted.append((scaled / scaled.sum(-1, keepdim=True).clamp_min(1e-30)).detach().numpy())
+    want = features_from_maps(weighted, LENGTHS, batch.token_class.numpy(), batch.sentence_id.numpy(), 4)
+    np.testing.assert_allclose(feats, want, atol=2e-5)
+
+
+def test_interventions_and_head_caches():
+    eager = tiny_decoder("llama")
+    ours = attnkit.instrument(copy.deepcopy(eager))
+    ids, mask = inputs("left")
+    iv = attnkit.Intervention.from_heads(ours, "L0H1", mode="uniform")
+    with attnkit.intervene(ours, iv), torch.no_grad():
+        maps = ours(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    # a uniform head of a causal layer: 1/(s+1) over the s+1 keys row s sees (left padding: from the first token)
+    for b, n in enumerate(LENGTHS):
+        o = ids.shape[1] - n
+        want = torch.tril(torch.ones(n, n)) / torch.arange(1, n + 1)[:, None]
+        torch.testing.assert_close(maps[0][b, 1, o:, o:], want)
+    # a zeroed head equals eager with its columns of the output projection zeroed
+    cut = copy.deepcopy(eager)
+    with torch.no_grad():
+        cut.model.layers[1].self_attn.o_proj.weight[:, 2 * 8:3 * 8] = 0
+        want = cut(input_ids=ids, attention_mask=mask).logits
+    with attnkit.intervene(ours, attnkit.Intervention.from_heads(ours, "L1H2", mode="zero")), torch.no_grad():
+        got = ours(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-5)
+    # cached head outputs are in the batch's own positions: patching a head with them changes nothing
+    with attnkit.cache_heads(ours) as cache, torch.no_grad():
+        ours(input_ids=ids, attention_mask=mask)
+    out = cache[0]
+    assert out.shape == (3, ids.shape[1], 4, 8)
+    assert float(out[2, :ids.shape[1] - LENGTHS[2]].abs().sum()) == 0.0  # left padding rows: 0
+
+
+def test_unknown_attention_arguments_are_refused_by_name():
+    from attnkit.hf_attention import attnkit_attention
+
+    model = attnkit.instrument(tiny_decoder("llama"))
+    mod = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 3, 8)
+    kv = torch.randn(1, 2, 3, 8)
+    out, _ = attnkit_attention(mod, q, kv, kv, None, scaling=0.3, position_ids=torch.arange(3)[None], use_cache=True)
+    assert out.shape == (1, 3, 4, 8)
+    with pytest.raises(AttnkitError, match="LlamaAttention passes 'cu_seq_lens_q' to its attention function, which "
+                                           "attnkit does not know"):
+        attnkit_attention(mod, q, kv, kv, None, scaling=0.3, cu_seq_lens_q=torch.tensor([0, 3]))
+
+
+def test_generation_without_a_cache_and_a_cache_refused():
+    eager = tiny_decoder("qwen2")
+    ours = attnkit.instrument(copy.deepcopy(eager))
+    ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = eager.generate(ids, **kw)
+    assert torch.equal(ours.generate(ids, use_cache=False, **kw), want)
+    with pytest.raises(AttnkitError, match="a KV cache in generation"):
+        ours.generate(ids, use_cache=True, **kw)
+
+
+def test_pruning_a_decoder_is_refused_by_name():
+    from attnkit.arch import prune_heads
+
+    with pytest.raises(AttnkitError, match="pruning heads of a 'llama' model is not supported"):
+        prune_heads(tiny_decoder("llama"), [(0, 1)])
