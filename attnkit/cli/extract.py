@@ -13,9 +13,10 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.command()
 @click.argument("corpus", nargs=-1, metavar="[CORPUS]...")
 @shared("model", "format")
-@click.option("--text-unit", type=click.Choice(["auto", "line", "paragraph"]), default="auto", show_default=True,
-              help="Plain text: one segment per line, or per blank-line-separated paragraph (auto: paragraphs if the "
-                   "start of the file has blank lines between text).")
+@click.option("--text-unit", type=click.Choice(["auto", "line", "paragraph", "file"]), default="auto",
+              show_default=True,
+              help="Plain text: one segment per line, per blank-line-separated paragraph, or per whole file (long "
+                   "documents; auto: paragraphs if the start of the file has blank lines between text).")
 @shared("columns", "squad-pairs", "max-length", "batch-size")
 @click.option("--window", default=DEFAULT_WINDOW, show_default=True, type=int_range("window"),
               help="Segments read ahead and sorted by length together: memory stays bounded by one window, padding "

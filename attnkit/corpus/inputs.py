@@ -17,7 +17,7 @@ from .sources import SOURCES, DatasetSource, Source, is_datasets_dir
 from .streams import is_stream_path, split_compression
 
 FORMATS = ("auto", "text", "jsonl", "squad", "tsv", "parquet", "datasets")
-TEXT_UNITS = ("auto", "line", "paragraph")
+TEXT_UNITS = ("auto", "line", "paragraph", "file")
 # extensions a directory is searched for (each also with .gz, .zst or .zstd after it)
 EXTENSIONS = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".json": "squad", ".tsv": "tsv", ".csv": "tsv",
               ".parquet": "parquet"}
@@ -337,7 +337,7 @@ def open_corpus(paths=None, fmt: str = "auto", *, text_unit: str = "auto", colum
     if fmt not in FORMATS:
         raise AttnkitError(f"unknown corpus format {fmt!r} ({arg('fmt')}); use one of {', '.join(FORMATS)}")
     if text_unit not in TEXT_UNITS:
-        raise AttnkitError(f"unknown text unit {text_unit!r}; use line, paragraph or auto")
+        raise AttnkitError(f"unknown text unit {text_unit!r}; use line, paragraph, file or auto")
     if limit is not None:
         check_int(limit, "limit")
     if isinstance(paths, (str, os.PathLike)):

@@ -252,8 +252,8 @@ class Source:
 
 class TextSource(Source):
     """Plain text: one segment per line, or per paragraph (blank-line separated; its lines joined by a
-    space). `auto` picks paragraphs when the look-ahead (first 10,000 lines / 1 MB) has a blank line
-    between text, else lines."""
+    space), or the whole file (`file`: its lines joined by line breaks). `auto` picks paragraphs when the
+    look-ahead (first 10,000 lines / 1 MB) has a blank line between text, else lines."""
 
     format = "text"
 
@@ -276,6 +276,11 @@ class TextSource(Source):
                 for _, line in lines:
                     yield line.strip()
                 return
+            if plan["text_unit"] == "file":  # the whole file, its line breaks kept (long documents, decoders)
+                text = "\n".join(line.rstrip("\r\n") for _, line in lines).strip()
+                if text:
+                    yield text
+                return
             cur = []
             for _, line in lines:
                 line = line.strip()
@@ -289,8 +294,8 @@ class TextSource(Source):
 
     def _how(self):
         plan = self.plan()
-        how = ("one segment per paragraph (blank-line separated)" if plan["text_unit"] == "paragraph"
-               else "one segment per line")
+        how = {"paragraph": "one segment per paragraph (blank-line separated)",
+               "file": "the whole file as one segment"}.get(plan["text_unit"], "one segment per line")
         if plan["text_unit_auto"]:
             how += (f" (auto: {'a' if plan['text_unit'] == 'paragraph' else 'no'} blank line between text in its "
                     f"first {PEEK_LINES:,} lines)")

@@ -146,7 +146,19 @@ def _convert_gguf(gguf: Path) -> Callable[[Path], None]:
         finally:
             if was:
                 hf_logging.enable_progress_bar()
-        model.save_pretrained(str(out))
+        # transformers will not save a model it read from GGUF: the weights (dequantised, float32; a LM head
+        # tied to the embedding is left out, as transformers saves it) and the config without its GGUF quantisation
+        # entry are written here
+        from safetensors.torch import save_file
+
+        config = model.config
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
 
     return convert

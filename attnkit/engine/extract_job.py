@@ -31,6 +31,7 @@ from ..models import (
     default_model_path,
     load_model,
     max_positions,
+    model_dir,
     model_feature_names,
 )
 from ..ops import backend_label
@@ -333,7 +334,7 @@ class _RayJob(_Job):
             self.corpus, opts.extract_settings(opts.batch_size), run_dir=run.path, run_settings=self.settings,
             model_path=opts.model_path, dtype=opts.dtype, address=opts.ray_address, progress=not opts.quiet)
         elapsed = time.perf_counter() - t0
-        model_type = AutoConfig.from_pretrained(opts.model_path or default_model_path()).model_type
+        model_type = AutoConfig.from_pretrained(model_dir(opts.model_path)).model_type
         self.finish(acc, n_truncated, elapsed, dict(info, model_type=model_type), model_type)
         remove_shards(run.path)  # their sums are in features.npz now
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from ...errors import AttnkitError, check_int
 from ...features import feature_names, num_features
-from ...models import check_max_length, default_model_path
+from ...models import check_max_length, model_dir
 from ...run.distances import HeadDistances
 from ...run.head_features import FeatureAccumulator
 from ...run.shards import SHAPE_KEYS, SUM_KEYS, ShardStore, add_sums, shard_dir
@@ -29,7 +29,7 @@ def check_model_here(model_path: str | None, max_length: int, local: bool) -> No
     """Fail before starting the cluster when the model is missing or too short for `max_length` (read from its
     config alone). On a remote cluster the path may exist only on the workers: checked there."""
     try:
-        path = model_path or default_model_path()
+        path = model_dir(model_path)
     except AttnkitError:
         if local:
             raise

@@ -37,10 +37,10 @@ def worker_encoder(model_path: str | None, max_length: int, split_sentences: boo
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         from transformers import AutoTokenizer
 
-        from ...models import default_model_path
+        from ...models import model_dir
         from ...tokens import Encoder
 
-        path = model_path or default_model_path()
+        path = model_dir(model_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as exc:
