@@ -1,0 +1,208 @@
+"""Benchmark: long inputs on the embedded decoder SmolLM2-135M-Instruct (issue 26; docs/decoders.md).
+
+    python bench/long.py                                   # L = 1k, 2k, 4k, 8k; 3 rounds
+    python bench/long.py --lengths 4096 --rounds 3 --json long.json
+
+For each length L, one sample of L tokens of real English (the built-in corpus, repeated), batch 1, fp32, on
+the CPU with `--threads` threads (default 2):
+  sdpa      the plain forward, transformers' sdpa attention (no statistics)
+  attnkit   attnkit extraction: the instrumented model under `measuring` (attnkit.engine.forward_features), the
+            features of every head; the backend attnkit picks (`--backend`)
+  eager     eager attention with output_attentions=True (the maps of every layer: 30 × 9 × L × L floats)
+Each (configuration, L, round) runs in a fresh process: it loads the model, warms up on 64 tokens, resets the
+peak RSS (/proc/self/clear_refs), times one forward and reads the peak (VmHWM). Reported: tokens/s and the peak
+RSS of the process (model included) and its rise over the forward ("Δ"), medians over `--rounds` rounds, the
+rounds interleaved (sdpa, attnkit, eager, sdpa, ...).
+
+Guard: a configuration whose estimated peak exceeds `--memory-share` (default 0.6) of MemAvailable at the
+start is not run, and the table says so with the estimate (eager: every layer's maps, B·layers·H·L²·4 bytes,
+plus one layer's scores and softmax; attnkit on the reference backend: about 8 L × L float tensors per layer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+try:
+    import attnkit  # noqa: F401
+except ImportError:  # run from a source checkout: python bench/long.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CONFIGS = ("sdpa", "attnkit", "eager")
+LAYERS, HEADS = 30, 9  # SmolLM2-135M
+
+
+def rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def mem_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def estimate_bytes(config: str, L: int, backend: str) -> int:
+    """A rough upper estimate of what the forward adds at length L (see the module docstring)."""
+    if config == "eager":
+        return LAYERS * HEADS * L * L * 4 + 3 * HEADS * L * L * 4
+    if config == "attnkit" and backend == "reference":
+        return 8 * HEADS * L * L * 4
+    return 64 * L * 576 * 4 * 4  # activations, linear in L
+
+
+def inputs(tokenizer, L: int):
+    """A Batch of one sample of L tokens (the built-in corpus repeated) with attnkit's token classes."""
+    import torch
+
+    from attnkit.corpus import default_corpus_path
+    from attnkit.tokens import Batch, Encoder
+
+    ids = tokenizer(default_corpus_path().read_text(encoding="utf-8"))["input_ids"]
+    ids = (ids * (L // len(ids) + 1))[:L]
+    t = torch.tensor([ids])
+    enc = Encoder(tokenizer, max_length=max(L, 2))
+    cls = torch.from_numpy(enc.token_classes(t.numpy()))
+    return Batch({"input_ids": t, "attention_mask": torch.ones_like(t)}, torch.tensor([L]), cls,
+                 torch.zeros_like(t, dtype=torch.int32), 0)
+
+
+def child(config: str, L: int, threads: int, backend: str) -> dict:
+    """One measurement in this (fresh) process."""
+    import torch
+    from transformers import AutoModel
+
+    import attnkit
+    from attnkit.engine.forward import forward_features, measuring
+    from attnkit.models import model_dir
+
+    torch.set_num_threads(threads)
+    if config == "attnkit":
+        model, tok = attnkit.load_model("smollm2", device="cpu")
+    else:
+        tok = attnkit.load_model("smollm2", device="cpu")[1]  # converts the copy if needed; the model is freed
+        model = AutoModel.from_pretrained(model_dir("smollm2"), attn_implementation=config).eval()
+
+    def run(batch):
+        with torch.inference_mode():
+            if config == "attnkit":
+                with measuring(model, backend=backend):
+                    return forward_features(model, batch)
+            out = model(**batch.inputs, output_attentions=config == "eager")
+            return out.last_hidden_state
+
+    run(inputs(tok, 64))  # warm-up
+    batch = inputs(tok, L)
+    before = rss_kb("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+    except OSError:
+        pass
+    t0 = time.perf_counter()
+    run(batch)
+    seconds = time.perf_counter() - t0
+    peak = rss_kb("VmHWM")
+    return {"config": config, "L": L, "seconds": seconds, "tokens_per_s": L / seconds, "peak_mb": peak / 1024,
+            "delta_mb": max(0, peak - before) / 1024, "backend": attnkit.backend_info()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="1024,2048,4096,8192")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--backend", default="auto", help="attnkit's backend (auto, fused, reference)")
+    p.add_argument("--memory-share", type=float, default=0.6)
+    p.add_argument("--json", default=None)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        config, L = a.child.split(":")
+        print(json.dumps(child(config, int(L), a.threads, a.backend)))
+        return 0
+    lengths = [int(x) for x in a.lengths.split(",")]
+    configs = [c for c in a.configs.split(",") if c]
+    from attnkit.ops import resolve_backend
+
+    op_backend = resolve_backend(a.backend, "cpu")
+    # decoder arguments (causal, GQA) run on the reference until the compiled op takes them (attnkit.ops)
+    try:
+        import torch
+
+        from attnkit.ops import attention
+
+        q = torch.zeros(1, 2, 4, 8)
+        attention(q, q[:, :1], q[:, :1], torch.tensor([4]), causal=True, backend="fused")
+        decoder_backend = op_backend
+    except Exception:
+        decoder_backend = "reference"
+    avail = mem_available_bytes()
+    print(f"SmolLM2-135M, fp32, {a.threads} threads, batch 1; MemAvailable {avail / 2**30:.1f} GiB; attnkit's "
+          f"decoder backend: {decoder_backend}", flush=True)
+    results, skipped = [], {}
+    for r in range(a.rounds):
+        for L in lengths:
+            for config in configs:
+                need = estimate_bytes(config, L, decoder_backend)
+                if need > a.memory_share * avail:
+                    skipped[(config, L)] = need
+                    continue
+                env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f"{config}:{L}",
+                                       "--threads", str(a.threads), "--backend", a.backend],
+                                      capture_output=True, text=True, env=env)
+                if proc.returncode != 0:
+                    tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+                    print(f"round {r} {config} L={L}: failed (exit {proc.returncode}): {tail}", flush=True)
+                    results.append({"config": config, "L": L, "failed": tail, "exit": proc.returncode})
+                    continue
+                res = json.loads(proc.stdout.strip().splitlines()[-1])
+                res["round"] = r
+                results.append(res)
+                print(f"round {r} {config:8s} L={L:5d}: {res['tokens_per_s']:8.1f} tok/s, peak "
+                      f"{res['peak_mb']:8.0f} MB (forward Δ {res['delta_mb']:7.0f} MB)", flush=True)
+    print("\nmedians")
+    print(f"{'L':>6} {'config':8} {'tok/s':>9} {'peak MB':>9} {'Δ MB':>8} {'tok/s vs sdpa':>14} {'peak vs sdpa':>13}")
+    table = []
+    for L in lengths:
+        row = {}
+        for config in configs:
+            ok = [x for x in results if x["config"] == config and x["L"] == L and "failed" not in x]
+            if ok:
+                row[config] = {k: statistics.median(x[k] for x in ok) for k in ("tokens_per_s", "peak_mb", "delta_mb")}
+        for config in configs:
+            if (config, L) in skipped:
+                print(f"{L:6d} {config:8} skipped: estimated {skipped[(config, L)] / 2**30:.1f} GiB > "
+                      f"{a.memory_share:.0%} of MemAvailable")
+                continue
+            if config not in row:
+                print(f"{L:6d} {config:8} failed (out of memory?)")
+                continue
+            m, base = row[config], row.get("sdpa")
+            rel = (f"{m['tokens_per_s'] / base['tokens_per_s']:14.2f} {m['peak_mb'] / base['peak_mb']:13.2f}"
+                   if base else "")
+            print(f"{L:6d} {config:8} {m['tokens_per_s']:9.1f} {m['peak_mb']:9.0f} {m['delta_mb']:8.0f} {rel}")
+            table.append({"L": L, "config": config, **m})
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"runs": results, "medians": table, "decoder_backend": decoder_backend,
+                       "skipped": [{"config": c, "L": L, "estimate_bytes": n} for (c, L), n in skipped.items()]},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
