@@ -18,7 +18,14 @@ or one per block of samples for stacked interventions; after the op, the outputs
 are replaced (attnkit.reference.replace_head_outputs), and the per-head outputs go to the caches of `cache_heads`.
 
 The mask function registered beside it hands over the 2-D padding mask (or None when a batch has no
-padding) instead of an L×L bias: the op takes per-sample lengths, never an L×L tensor.
+padding) instead of an L×L bias, to encoders and causal models alike: the op takes per-sample lengths, never an
+L×L tensor.
+
+Decoder language models (docs/decoders.md): what transformers passes decides the op's decoder arguments
+(`decoder_arguments`: the module's `is_causal`, K/V with fewer heads than Q, the `sliding_window`, `softcap` and
+`s_aux` arguments); an argument attnkit does not know is refused by name. A left-padded batch is taken by moving
+each sample's tokens to the front (`padding_of`, `rolled`), calling the op, and moving the results back; rows of
+left padding get zeros. A KV cache (fewer queries than keys) is refused.
 
 Norm weighting (docs/features.md, "Norm-weighted features"): when the Runtime's `weighting` is "norm", each
 layer's features describe its weights scaled per key by ‖f_h(x_t)‖ (attnkit/arch/norms.py), computed here from
