@@ -224,3 +224,49 @@ def test_pruning_a_decoder_is_refused_by_name():
 
     with pytest.raises(AttnkitError, match="pruning heads of a 'llama' model is not supported"):
         prune_heads(tiny_decoder("llama"), [(0, 1)])
+
+
+def test_region_interventions_find_sentences_in_left_padded_batches():
+    """Sentence ids of a plain forward come from its input_ids (EOS closes a segment); with left padding they are
+    found on the samples' own tokens, so a region intervention acts as on the right-padded batch."""
+    model = attnkit.instrument(tiny_decoder("llama"))
+    iv = attnkit.Intervention.from_heads(model, "L0H0,L1H3", mode="keep", region="no_inter")
+    outs = {}
+    for side in ("right", "left"):
+        ids, mask = inputs(side)
+        with attnkit.intervene(model, iv), torch.no_grad():
+            outs[side] = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    with torch.no_grad():
+        ids, mask = inputs("right")
+        plain = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    torch.testing.assert_close(outs["left"], outs["right"], atol=2e-5, rtol=1e-5)
+    assert (outs["right"] - plain).abs().max() > 1e-3  # sample 0's EOS splits it: the intervention acts
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_training_with_attention_dropout_equals_eager(side):
+    """Attention dropout in training: right-padded, the same dropout mask as eager's (one B×H×L×L dropout in the
+    same order), so the same outputs and maps. Left-padded, the mask falls on the moved tokens, so only the
+    structure is eager's: causal maps, nothing on padding."""
+    eager = tiny_decoder("mistral")
+    eager.config.attention_dropout = 0.3
+    for m in eager.modules():
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.3
+    ours = attnkit.instrument(copy.deepcopy(eager))
+    ids, mask = inputs(side)
+    valid = mask.bool()
+    got = {}
+    for name, model in (("eager", eager), ("ours", ours)):
+        model.train()
+        torch.manual_seed(5)
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        got[name] = out
+    both = (valid[:, None, :, None] & valid[:, None, None, :]).expand_as(got["eager"].attentions[0])
+    if side == "left":
+        for a in got["ours"].attentions:
+            assert float(a[~both].abs().sum()) == 0.0 and float(torch.triu(a, diagonal=1).abs().sum()) == 0.0
+            assert (a[both] == 0).any() and (a[both] > 0).any()  # dropped and kept weights
+        return
+    torch.testing.assert_close(got["ours"].logits[valid], got["eager"].logits[valid], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got["ours"].attentions[1][both], got["eager"].attentions[1][both])

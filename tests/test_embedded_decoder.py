@@ -137,3 +137,21 @@ def test_smollm2_predicts_and_its_features_equal_eager_maps(smollm2, smollm2_cac
     per = features_from_maps(maps, batch.lengths.tolist(), batch.token_class.numpy(), batch.sentence_id.numpy(), nw)
     np.testing.assert_allclose(feats.mean, per.mean(0), atol=2e-5)
     assert feats.mean[20:, :, 0].mean() > 0.5  # the sink: the first position takes most of late layers' mass
+
+
+@pytest.mark.slow
+def test_extract_a_whole_file_with_model_smollm2(smollm2_cache, tmp_path):
+    from click.testing import CliRunner
+
+    from attnkit.cli.main import main
+    from attnkit.run import HeadFeatures
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The first paragraph talks about rivers.\n\nThe second one, shorter, about lakes.\n")
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, ["extract", str(doc), "--model", "smollm2", "--text-unit", "file",
+                                       "--max-length", "64", "-o", str(out), "-q"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    feats = HeadFeatures.load(out)
+    assert feats.n_samples == 1 and feats.mean.shape == (30, 9, len(attnkit.feature_names()))
+    assert json.loads((out / "meta.json").read_text())["settings"]["model"] == "smollm2"
