@@ -33,16 +33,11 @@ try:
 except ImportError:  # run from a source checkout: python bench/long.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from extract import rss_kb  # noqa: E402  (bench/extract.py: a field of /proc/self/status)
+
 CONFIGS = ("sdpa", "attnkit", "eager")
 LAYERS, HEADS = 30, 9  # SmolLM2-135M
-
-
-def rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def mem_available_bytes() -> int:
