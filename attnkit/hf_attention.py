@@ -142,7 +142,9 @@ class Runtime:
     intervention: object | None = None  # attnkit.interventions.Intervention (or StackedInterventions)
     features: dict = field(default_factory=dict)  # layer -> B×H×F tensor, filled during forward
     # Callables (layer, query, key, lengths, scaling) for statistics that need q and k themselves,
-    # e.g. the Jensen-Shannon distances between heads.
+    # e.g. the Jensen-Shannon distances between heads. On a decoder only those with a true attribute
+    # `decoder_arguments` are called, with the op's decoder arguments as keywords (`decoder_arguments`); the
+    # others are refused by name.
     observers: list[Callable] = field(default_factory=list)
     calls: int = 0
     sentences: torch.Tensor | None = None  # user-given B×L sentence ids (attnkit.sentences)
@@ -510,7 +512,16 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         else:
             obs_q, obs_k = query, key
         for obs in rt.observers:
-            obs(module.layer_idx, obs_q, obs_k, lengths, scaling)
+            if not dec:
+                obs(module.layer_idx, obs_q, obs_k, lengths, scaling)
+            elif getattr(obs, "decoder_arguments", False):  # it computes a decoder's attention as the op does
+                obs(module.layer_idx, obs_q, obs_k, lengths, scaling, **dec)
+            else:
+                name = getattr(obs, "__qualname__", type(obs).__name__)
+                raise AttnkitError(
+                    f"an observer of q and k ({name}) does not take a decoder's attention arguments (causal, KV "
+                    "heads, sliding window, soft cap, sink): it would measure attention this model does not "
+                    "compute, so this analysis does not support decoder models yet")
         if want and rt.weighting == "norm" and H > 0:
             if module.layer_idx not in rt.out_proj:
                 raise AttnkitError("norm weighting needs each layer's output projection: measure inside "

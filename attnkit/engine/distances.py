@@ -171,13 +171,15 @@ class DistanceCollector:
         self._pending: dict[int, torch.Tensor] = {}
         self._lengths: torch.Tensor | None = None
 
-    def __call__(self, layer, query, key, lengths, scaling) -> None:
+    decoder_arguments = True  # takes a decoder's attention arguments (attnkit.hf_attention: observers)
+
+    def __call__(self, layer, query, key, lengths, scaling, **decoder) -> None:
         if layer in self._pending:
             raise AttnkitError(f"layer {layer} was seen twice before all {self.n_layers} layers arrived")
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        with torch.no_grad():
-            w = attention_weights(query.detach(), key.detach(), lengths.long(), float(scaling))
+        with torch.no_grad():  # a decoder's weights: causal, grouped KV heads, windows, soft cap, sink
+            w = attention_weights(query.detach(), key.detach(), lengths.long(), float(scaling), **decoder)
         self._pending[int(layer)] = w
         self._lengths = lengths
         if len(self._pending) == self.n_layers:
