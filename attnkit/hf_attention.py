@@ -375,11 +375,11 @@ HARMLESS_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "out
 
 
 def decoder_arguments(module, H: int, Hkv: int, kwargs: dict, kept, device) -> dict:
-    """The op's decoder arguments (docs/features.md, "Causal attention") for one call of the attention function:
-    `causal` from the module's `is_causal` (or an `is_causal` argument), `sliding_window` and `softcap` from the
-    arguments of the same names, `sink` from gpt-oss's `s_aux`, `kv_head` where the module names one
-    (KV_HEAD_ATTR). Only what differs from the op's defaults is returned: an encoder gets {}. An argument attnkit
-    does not know is refused by name (READ_KWARGS, HARMLESS_KWARGS)."""
+    """The op's decoder arguments (docs/decoders.md, "What attnkit reads from transformers") for one call of the
+    attention function: `causal` from the module's `is_causal` (or an `is_causal` argument), `sliding_window`
+    and `softcap` from the arguments of the same names, `sink` from gpt-oss's `s_aux`, `kv_head` where the module
+    names one (KV_HEAD_ATTR). Only what differs from the op's defaults is returned: an encoder gets {}. An
+    argument attnkit does not know is refused by name (READ_KWARGS, HARMLESS_KWARGS)."""
     unknown = sorted(k for k, v in kwargs.items() if k not in READ_KWARGS and k not in HARMLESS_KWARGS
                      and v is not None)
     name = type(module).__name__
