@@ -142,8 +142,9 @@ class Runtime:
     intervention: object | None = None  # attnkit.interventions.Intervention (or StackedInterventions)
     features: dict = field(default_factory=dict)  # layer -> B×H×F tensor, filled during forward
     # Callables (layer, query, key, lengths, scaling) for statistics that need q and k themselves,
-    # e.g. the Jensen-Shannon distances between heads; a decoder's layers also pass the op's decoder arguments
-    # as keywords (causal, kv_head, sliding_window, softcap, sink: `observed`), k then with its KV heads.
+    # e.g. the Jensen-Shannon distances between heads. On a decoder only those with a true attribute
+    # `decoder_arguments` are called, with the op's decoder arguments as keywords (causal, kv_head, sliding_window,
+    # softcap, sink: `observed`; k then with its KV heads); the others are refused by name.
     observers: list[Callable] = field(default_factory=list)
     calls: int = 0
     sentences: torch.Tensor | None = None  # user-given B×L sentence ids (attnkit.sentences)
@@ -370,11 +371,11 @@ HARMLESS_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "out
 
 
 def decoder_arguments(module, H: int, Hkv: int, kwargs: dict, kept, device) -> dict:
-    """The op's decoder arguments (docs/features.md, "Causal attention") for one call of the attention function:
-    `causal` from the module's `is_causal` (or an `is_causal` argument), `sliding_window` and `softcap` from the
-    arguments of the same names, `sink` from gpt-oss's `s_aux`, `kv_head` where the module names one
-    (KV_HEAD_ATTR). Only what differs from the op's defaults is returned: an encoder gets {}. An argument attnkit
-    does not know is refused by name (READ_KWARGS, HARMLESS_KWARGS)."""
+    """The op's decoder arguments (docs/decoders.md, "What attnkit reads from transformers") for one call of the
+    attention function: `causal` from the module's `is_causal` (or an `is_causal` argument), `sliding_window`
+    and `softcap` from the arguments of the same names, `sink` from gpt-oss's `s_aux`, `kv_head` where the module
+    names one (KV_HEAD_ATTR). Only what differs from the op's defaults is returned: an encoder gets {}. An
+    argument attnkit does not know is refused by name (READ_KWARGS, HARMLESS_KWARGS)."""
     unknown = sorted(k for k, v in kwargs.items() if k not in READ_KWARGS and k not in HARMLESS_KWARGS
                      and v is not None)
     name = type(module).__name__
@@ -523,10 +524,19 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             parts = rt.intervention.layer_plan(module.layer_idx, B, L, D, query.device, query.dtype)
             if sentence_id is None and any(p.region is not None for p in parts):
                 sentence_id = forward_sentence_ids(rt, B, L, lengths, query.device, offsets)
-        if rt.observers:
+        if rt.observers:  # observers see the unpruned heads (`observed`)
             obs_q, obs_k, obs_dec = observed(query, key, kept, dec)
             for obs in rt.observers:
-                obs(module.layer_idx, obs_q, obs_k, lengths, scaling, **obs_dec)
+                if not obs_dec:
+                    obs(module.layer_idx, obs_q, obs_k, lengths, scaling)
+                elif getattr(obs, "decoder_arguments", False):  # it computes a decoder's attention as the op does
+                    obs(module.layer_idx, obs_q, obs_k, lengths, scaling, **obs_dec)
+                else:
+                    name = getattr(obs, "__qualname__", type(obs).__name__)
+                    raise AttnkitError(
+                        f"an observer of q and k ({name}) does not take a decoder's attention arguments (causal, KV "
+                        "heads, sliding window, soft cap, sink): it would measure attention this model does not "
+                        "compute, so this analysis does not support decoder models yet")
         if want and rt.weighting == "norm" and H > 0:
             if module.layer_idx not in rt.out_proj:
                 raise AttnkitError("norm weighting needs each layer's output projection: measure inside "

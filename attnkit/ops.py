@@ -110,6 +110,18 @@ def _decoder_args_given(q, k, kv_head, causal, sliding_window, softcap, sink) ->
     return [name for name, used in given.items() if used]
 
 
+CUDA_KERNELS = ("v1", "v2", "triton")
+
+
+def cuda_kernel() -> str:
+    """The CUDA kernel ATTNKIT_CUDA_KERNEL names for fp16/bf16 inputs (read at every call, so a benchmark can switch
+    inside one process): "v1" (the default), "v2" (C++, docs/cuda.md) or "triton" (`attnkit/kernels/`)."""
+    name = os.environ.get("ATTNKIT_CUDA_KERNEL") or "v1"
+    if name not in CUDA_KERNELS:
+        raise AttnkitError(f"ATTNKIT_CUDA_KERNEL must be 'v1', 'v2' or 'triton', got {name!r}")
+    return name
+
+
 def _warn_reference_once() -> None:
     if not _warned.is_set():
         _warned.set()
@@ -208,6 +220,11 @@ def attention(
     causal = bool(causal)
     softcap = None if softcap is None else float(softcap)
     decoder = _decoder_args_given(q, k, kv_head, causal, sliding_window, softcap, sink)
+    if backend in ("auto", "fused") and dev.type == "cuda" and q.dtype in _TRITON_DTYPES and cuda_kernel() == "triton":
+        # the Triton kernel takes every argument, the decoder ones included, and needs no compiled extension
+        return torch.ops.attnkit.fused_attention_triton(
+            q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
+            bool(renormalize), gates, bool(want_features), key_scale, kv_head, causal, sliding_window, softcap, sink)
     chosen = resolve_backend(backend, dev)
     if chosen == "fused" and decoder and not _FUSED_DECODER:
         if backend == "fused":
@@ -244,59 +261,98 @@ def js_distances(attn: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.ops.attnkit.js_distances(attn.float().contiguous(), lengths.to(attn.device, torch.int64))
 
 
-# --- registrations around the C++ schema -------------------------------------------------------------
-if extension_loaded():
+# --- registrations around the schemas -----------------------------------------------------------------
+# The Triton kernel's op (docs/cuda.md, "The Triton kernel"): the schema of attnkit::fused_attention under its own
+# name, defined here in Python (it needs no compiled extension). Its CUDA kernel is the Triton kernel; on CPU
+# tensors it runs only under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests run its real code.
+_TRITON_OP = "attnkit::fused_attention_triton"
+_TRITON_DTYPES = (torch.float16, torch.bfloat16)
+_LIB = torch.library.Library("attnkit", "FRAGMENT")
+_LIB.define(
+    "fused_attention_triton(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
+    "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, bool renormalize, "
+    "Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, bool causal=False, "
+    "int? sliding_window=None, float? softcap=None, Tensor? sink=None) -> (Tensor, Tensor)")
 
-    @torch.library.register_fake(_OP)
-    def _fused_attention_fake(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode,
-                              region, renormalize, gates, want_features, key_scale=None, kv_head=None,
-                              causal=False, sliding_window=None, softcap=None, sink=None):
-        B, H, L, D = q.shape
-        out = q.new_empty((B, L, H, D))
-        nf = num_features(num_windows, sink=sink is not None) if want_features else 0
-        feats = q.new_empty((B, H, nf), dtype=torch.float32)
-        return out, feats
+
+def _fused_attention_triton(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region,
+                            renormalize, gates, want_features, key_scale=None, kv_head=None, causal=False,
+                            sliding_window=None, softcap=None, sink=None):
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise AttnkitError("the Triton kernel runs on CUDA tensors (on CPU tensors only under TRITON_INTERPRET=1)")
+    try:  # imported on first use: importing triton costs seconds
+        from .kernels import triton_attention
+    except ImportError as exc:
+        raise AttnkitError(f"ATTNKIT_CUDA_KERNEL=triton needs the triton package ({exc}); install attnkit's "
+                           "'gpu-triton' extra") from None
+    return triton_attention.fused_attention(
+        q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region, renormalize, gates,
+        want_features, key_scale, kv_head, causal, sliding_window, softcap, sink)
+
+
+_LIB.impl("fused_attention_triton", _fused_attention_triton, "CUDA")
+_LIB.impl("fused_attention_triton", _fused_attention_triton, "CPU")
+
+
+def _fused_attention_fake(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode,
+                          region, renormalize, gates, want_features, key_scale=None, kv_head=None,
+                          causal=False, sliding_window=None, softcap=None, sink=None):
+    B, H, L, D = q.shape
+    out = q.new_empty((B, L, H, D))
+    nf = num_features(num_windows, sink=sink is not None) if want_features else 0
+    feats = q.new_empty((B, H, nf), dtype=torch.float32)
+    return out, feats
+
+
+
+torch.library.register_fake(_TRITON_OP)(_fused_attention_fake)
+
+# positions of the op's inputs (csrc/ops.cpp); the decoder arguments come last, absent from older builds
+_GATES, _SINK = 11, 18
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region, renormalize,
+     gates, want_features, _key_scale) = inputs[:14]  # the key scale changes features only
+    kv_head, causal, sliding_window, softcap, sink = (tuple(inputs[14:]) + (None, False, None, None, None)[
+        len(inputs) - 14:])
+    ctx.save_for_backward(q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink)
+    ctx.scaling = scaling
+    ctx.renormalize = renormalize
+    ctx.n_inputs = len(inputs)
+    ctx.decoder = dict(causal=bool(causal), sliding_window=sliding_window, softcap=softcap)
+    # backward differentiates the attention output only: the features get no grad_fn
+    ctx.mark_non_differentiable(output[1])
+
+def _backward(ctx, grad_out, grad_feats):
+    q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    leaves = {}
+    with torch.enable_grad():
+        qd, kd, vd = (t.detach().requires_grad_(needs[i]) for i, t in enumerate((q, k, v)))
+        gd = None if gates is None else gates.detach().requires_grad_(needs[_GATES])
+        sd = None if sink is None else sink.detach().requires_grad_(needs[_SINK])
+        out, _ = reference_attention(
+            qd, kd, vd, lengths, token_class, sentence_id, scaling=ctx.scaling, mode=mode,
+            region=region, renormalize=ctx.renormalize, gates=gd, kv_head=kv_head, sink=sd, **ctx.decoder,
+        )
+        for i, t in ((0, qd), (1, kd), (2, vd), (_GATES, gd), (_SINK, sd)):
+            if t is not None and needs[i]:
+                leaves[i] = t
+        grads = torch.autograd.grad(out, list(leaves.values()), grad_out, allow_unused=True)
+    result = [None] * ctx.n_inputs
+    for i, g in zip(leaves, grads):
+        result[i] = g
+    return tuple(result)
+
+
+torch.library.register_autograd(_TRITON_OP, _backward, setup_context=_setup_context)
+
+if extension_loaded():
+    torch.library.register_fake(_OP)(_fused_attention_fake)
 
     @torch.library.register_fake(_JS_OP)
     def _js_distances_fake(attn, lengths):
         M = attn.shape[1]
         return attn.new_empty((M, M), dtype=torch.float64)
-
-    # positions of the op's inputs (csrc/ops.cpp); the decoder arguments come last, absent from older builds
-    _GATES, _SINK = 11, 18
-
-    def _setup_context(ctx, inputs, output):
-        (q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region, renormalize,
-         gates, want_features, _key_scale) = inputs[:14]  # the key scale changes features only
-        kv_head, causal, sliding_window, softcap, sink = (tuple(inputs[14:]) + (None, False, None, None, None)[
-            len(inputs) - 14:])
-        ctx.save_for_backward(q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink)
-        ctx.scaling = scaling
-        ctx.renormalize = renormalize
-        ctx.n_inputs = len(inputs)
-        ctx.decoder = dict(causal=bool(causal), sliding_window=sliding_window, softcap=softcap)
-        # backward differentiates the attention output only: the features get no grad_fn
-        ctx.mark_non_differentiable(output[1])
-
-    def _backward(ctx, grad_out, grad_feats):
-        q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        leaves = {}
-        with torch.enable_grad():
-            qd, kd, vd = (t.detach().requires_grad_(needs[i]) for i, t in enumerate((q, k, v)))
-            gd = None if gates is None else gates.detach().requires_grad_(needs[_GATES])
-            sd = None if sink is None else sink.detach().requires_grad_(needs[_SINK])
-            out, _ = reference_attention(
-                qd, kd, vd, lengths, token_class, sentence_id, scaling=ctx.scaling, mode=mode,
-                region=region, renormalize=ctx.renormalize, gates=gd, kv_head=kv_head, sink=sd, **ctx.decoder,
-            )
-            for i, t in ((0, qd), (1, kd), (2, vd), (_GATES, gd), (_SINK, sd)):
-                if t is not None and needs[i]:
-                    leaves[i] = t
-            grads = torch.autograd.grad(out, list(leaves.values()), grad_out, allow_unused=True)
-        result = [None] * ctx.n_inputs
-        for i, g in zip(leaves, grads):
-            result[i] = g
-        return tuple(result)
 
     torch.library.register_autograd(_OP, _backward, setup_context=_setup_context)

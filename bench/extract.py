@@ -239,6 +239,7 @@ def main(argv=None) -> int:
         return 0
 
     import attnkit
+    from attnkit import ops
 
     device = torch.device(args.device)
     cfgs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
         if c not in CONFIGS:
             p.error(f"unknown configuration {c!r}")
     if "fused" in cfgs or "intervened" in cfgs:
-        if not attnkit.ops.has_kernel(device.type):
+        if not ops.has_kernel(device.type):  # (`attnkit.ops` is not an attribute until something imports it)
             sys.exit(f"attnkit's fused op has no {device.type} kernel: build it (python setup.py build_ext --inplace)")
     model = build_model(args.model, args.length, device, DTYPES[args.dtype])
     batch = make_batch(model, args.batch, args.length, device)

@@ -19,6 +19,8 @@ chunked PyTorch implementation (one head against all others at a time; no M²×L
     python bench/kernels.py                         # CUDA when available, else CPU (small sizes)
     python bench/kernels.py --device cpu --quick    # smoke test
     python bench/kernels.py --dtype fp16 --L 2048 --D 64 --json out.json
+    python bench/kernels.py --L 8192 --D 64 --heads 9 --kv-heads 3 --causal --tokens 8192 --kernels triton
+                                                    # a causal GQA decoder layer (SmolLM2-135M's shapes)
 """
 from __future__ import annotations
 
@@ -114,24 +116,32 @@ def bench_attention(args, device, dtype, rows):
             B = max(1, args.tokens // L)
             H = args.heads or (768 // D if D >= 64 else 12)
             q, k, v, lengths, tc, sid = attention_inputs(B, H, L, D, dtype, device)
-            flops = 4.0 * B * H * L * L * D
+            Hkv = args.kv_heads or H
+            k, v = k[:, :Hkv], v[:, :Hkv]  # grouped-query attention: K/V of Hkv heads, never repeated
+            dec = {"causal": True} if args.causal else {}
+            flops = 4.0 * B * H * L * L * D / (2 if args.causal else 1)  # causal: the visible half
             scaling = D**-0.5
             cases = {}
-            for variant in args.kernels or [None]:
+            variants = args.kernels or [None]
+            if args.causal or Hkv != H:  # v2 refuses the decoder arguments
+                variants = [x for x in variants if x != "v2"] or [None]
+            for variant in variants:
                 label = fused_label + (f"-{variant}" if variant else "")
                 cases[f"{label}+features"] = with_kernel(variant, lambda: ops.attention(
-                    q, k, v, lengths, tc, sid, scaling=scaling, want_features=True))
-                cases[label] = with_kernel(variant, lambda: ops.attention(q, k, v, lengths, tc, sid, scaling=scaling))
+                    q, k, v, lengths, tc, sid, scaling=scaling, want_features=True, **dec))
+                cases[label] = with_kernel(variant, lambda: ops.attention(q, k, v, lengths, tc, sid, scaling=scaling,
+                                                                          **dec))
             for name, (ctx, backend) in sdpa_backends(device, dtype).items():
                 def run(ctx=ctx, backend=backend):
                     with ctx(backend):
-                        return F.scaled_dot_product_attention(q, k, v, scale=scaling)
+                        return F.scaled_dot_product_attention(q, k, v, scale=scaling, is_causal=args.causal,
+                                                              enable_gqa=Hkv != H)
                 cases[name] = run
             # the naive path materialises B×H×L×L fp32 maps several times over: skip what cannot fit
             eager_bytes = 4 * 4 * B * H * L * L
             if eager_bytes < args.eager_limit_gb * 2**30:
                 cases["eager+features"] = lambda: reference_attention(
-                    q, k, v, lengths, tc, sid, scaling=scaling, want_features=True)
+                    q, k, v, lengths, tc, sid, scaling=scaling, want_features=True, **dec)
             results = {}
             for name, fn in cases.items():
                 try:
@@ -142,7 +152,8 @@ def bench_attention(args, device, dtype, rows):
             best_sdpa = min(sdpa_times) if sdpa_times else math.nan
             for name, t in results.items():
                 rows.append({
-                    "kind": "attention", "name": name, "L": L, "D": D, "B": B, "H": H,
+                    "kind": "attention", "name": name, "L": L, "D": D, "B": B, "H": H, "Hkv": Hkv,
+                    "causal": bool(args.causal),
                     "dtype": str(dtype).replace("torch.", ""), "ms": t * 1e3,
                     "tflops": flops / t / 1e12, "vs_sdpa": best_sdpa / t if sdpa_times else None,
                 })
@@ -215,6 +226,8 @@ def main(argv=None):
     p.add_argument("--js-len", type=int, default=None, help="default 128 (CPU: 64)")
     p.add_argument("--no-js", action="store_true")
     p.add_argument("--no-attention", action="store_true")
+    p.add_argument("--causal", action="store_true", help="causal attention (decoders; TFLOP/s count the visible half)")
+    p.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: K/V heads (default: --heads)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (smoke test)")
     p.add_argument("--kernels", default="", help="CUDA kernel variants to time side by side, e.g. 'v1 v2' "
                    "(ATTNKIT_CUDA_KERNEL); default: the one the op selects")

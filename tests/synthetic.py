@@ -210,6 +210,31 @@ def rich_run(path, *, L: int = 3, H: int = 4, n_samples: int = 30, seed: int = 3
     return f, per, texts, dist
 
 
+def pruned_run(path, removed=((1, 0), (1, 1), (1, 2), (1, 3), (2, 3)), **kwargs):
+    """`rich_run` as a pruned model's run would be (docs/pruning.md): the `removed` heads (default: all of layer 1
+    and L2H3) have NaN features in features.npz and per_sample.npy, and meta.json lists them as removed_heads.
+    clusters.json is the one clustered before (every head labelled). Returns rich_run's tuple with the NaNs."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    f, per, texts, dist = rich_run(path, **kwargs)
+    for l, h in removed:
+        f.mean[l, h] = np.nan
+        f.std[l, h] = np.nan
+        per[:, l, h] = np.nan
+    np.savez(path / "features.npz", mean=f.mean, std=f.std, names=np.array(f.names))
+    arr = np.load(path / "per_sample.npy", mmap_mode="r+")
+    arr[:] = per
+    arr.flush()
+    del arr
+    meta = json.loads((path / "meta.json").read_text())
+    meta["removed_heads"] = [list(x) for x in removed]
+    (path / "meta.json").write_text(json.dumps(meta))
+    f.meta = meta
+    return f, per, texts, dist
+
+
 def features_from_maps(attn, lengths, classes, sentences, num_windows, sink: bool = False):
     """docs/features.md's features of every sample from full attention maps (per layer B × H × L × L, each
     sample's tokens first), written independently of attnkit.reference: samples × layers × heads × features.
@@ -297,28 +322,3 @@ def tiny_decoder(kind: str, vocab: int = 120, n_layers: int = 2, window: int = 5
             elif name.endswith(".sinks"):
                 p.copy_(torch.randn_like(p))
     return model
-
-
-def pruned_run(path, removed=((1, 0), (1, 1), (1, 2), (1, 3), (2, 3)), **kwargs):
-    """`rich_run` as a pruned model's run would be (docs/pruning.md): the `removed` heads (default: all of layer 1
-    and L2H3) have NaN features in features.npz and per_sample.npy, and meta.json lists them as removed_heads.
-    clusters.json is the one clustered before (every head labelled). Returns rich_run's tuple with the NaNs."""
-    import json
-    from pathlib import Path
-
-    path = Path(path)
-    f, per, texts, dist = rich_run(path, **kwargs)
-    for l, h in removed:
-        f.mean[l, h] = np.nan
-        f.std[l, h] = np.nan
-        per[:, l, h] = np.nan
-    np.savez(path / "features.npz", mean=f.mean, std=f.std, names=np.array(f.names))
-    arr = np.load(path / "per_sample.npy", mmap_mode="r+")
-    arr[:] = per
-    arr.flush()
-    del arr
-    meta = json.loads((path / "meta.json").read_text())
-    meta["removed_heads"] = [list(x) for x in removed]
-    (path / "meta.json").write_text(json.dumps(meta))
-    f.meta = meta
-    return f, per, texts, dist

@@ -190,11 +190,31 @@ def test_compare_models_of_two_decoders_and_a_pruned_one(llama_dir, corpus, deco
     np.testing.assert_allclose(got["map_cosine"], flat, atol=1e-5)
 
 
-def test_a_learned_sink_is_refused_by_name(decoder_tokenizer):
+def test_compare_models_of_a_decoder_with_sinks(decoder_tokenizer):
+    """gpt-oss (sink logits, windows, grouped KV heads): compare-models' cosines are those of eager's maps (whose
+    rows sum to 1 − the sink's mass)."""
+    from attnkit.engine.compare import compare_models
+
     tok = decoder_tokenizer
-    model = attnkit.instrument(tiny_decoder("gpt_oss", vocab=len(tok)), tok)
-    with pytest.raises(AttnkitError, match="Jensen-Shannon distances of a model with a learned sink logit"):
-        attnkit.extract(["the cat sat."], (model, tok), max_length=MAX_LENGTH, observers=[DistanceCollector(2)])
+    a, b = (tiny_decoder("gpt_oss", vocab=len(tok), window=3, seed=s) for s in (0, 1))
+    texts = [s.lower() for s in SENTENCES]
+    res = compare_models(texts, (copy.deepcopy(a), tok), (copy.deepcopy(b), tok), max_length=MAX_LENGTH)
+    maps_a, lengths = eager_maps(a, tok, texts)
+    maps_b, _ = eager_maps(b, tok, texts)
+    assert maps_a[0][0, 0, 3].sum() < 0.99  # the sink took its share
+    row, flat = cosines(maps_a, maps_b, lengths)
+    np.testing.assert_allclose(res.row_cosine, row, atol=1e-5)
+    np.testing.assert_allclose(res.map_cosine, flat, atol=1e-5)
+
+
+def test_a_decoder_is_not_compared_with_an_encoder(decoder_tokenizer):
+    from attnkit.engine.compare import PairedCollector
+
+    coll = PairedCollector(1, 2)
+    q = torch.randn(1, 2, 3, 4)
+    coll.observe_a(0, q, q, torch.tensor([3]), None)
+    with pytest.raises(AttnkitError, match="one model's attention is causal and the other's is not"):
+        coll.observe_b(0, q, q, torch.tensor([3]), None, causal=True)
 
 
 def test_the_syntax_probes_refuse_a_decoder(decoder_tokenizer):
@@ -203,5 +223,6 @@ def test_the_syntax_probes_refuse_a_decoder(decoder_tokenizer):
     tok = decoder_tokenizer
     model = attnkit.instrument(tiny_decoder("llama", vocab=len(tok)), tok)
     enc = dict(tok(["the cat sat."], return_tensors="pt"))
-    with pytest.raises(AttnkitError, match="a decoder's causal attention is refused"):
+    with pytest.raises(AttnkitError, match=r"an observer of q and k \(word_attention_batch.<locals>.observe\) does "
+                                           "not take a decoder's attention arguments"):
         word_attention_batch(model, enc, [], 1, "auto")

@@ -271,3 +271,30 @@ def test_training_with_attention_dropout_equals_eager(side):
         return
     torch.testing.assert_close(got["ours"].logits[valid], got["eager"].logits[valid], atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(got["ours"].attentions[1][both], got["eager"].attentions[1][both])
+
+
+def test_distances_use_the_decoders_attention_and_other_observers_are_refused():
+    """The JS distance collector recomputes each layer's weights with the decoder's arguments (here gpt-oss:
+    causal, grouped KV heads, windows, sinks): its distances equal those of eager's maps. An observer that cannot
+    take them is refused by name rather than measuring attention the model does not compute."""
+    from attnkit.engine.distances import DistanceCollector, js_distances
+
+    eager = tiny_decoder("gpt_oss")
+    ours = attnkit.instrument(copy.deepcopy(eager))
+    ids, mask = inputs("right")
+    collector = DistanceCollector(2, use_op=False)
+    with attnkit.models.observing(ours, [collector]), torch.no_grad():
+        ours(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        maps = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    want, n = js_distances(torch.cat(maps, 1), mask.sum(-1), use_op=False)
+    assert collector.result().n_rows == n == sum(LENGTHS)
+    np.testing.assert_allclose(collector.sum, want.numpy(), rtol=1e-5, atol=1e-6)
+
+    def plain(layer, query, key, lengths, scaling):
+        pass
+
+    with attnkit.models.observing(ours, [plain]), pytest.raises(
+            AttnkitError, match=r"an observer of q and k \(test_distances_use_the_decoders_attention_and_other_"
+                                r"observers_are_refused.<locals>.plain\) does not take a decoder's attention"):
+        ours(input_ids=ids, attention_mask=mask)

@@ -108,3 +108,22 @@ def test_thread_columns_cover_each_tile_once():
     for ql in range(emulator.QUAD):  # each thread visits its keys in ascending order (run lengths)
         c = emulator.thread_columns(ql)
         assert c == sorted(c)
+
+
+@pytest.mark.parametrize("n, N", [(1100, 16), (200, 4), (300, 2), (77, 1), (5000, 64), (129, 3)])
+def test_window_cuts_give_the_division_windows(n, N):
+    # v2's cut path: where a warp's vote passes, w_lo + (d >= cut) is floor(d·N/n) (clamped) for every key a lane
+    # holds; and the vote passes somewhere for these sizes, so the path is exercised
+    BLOCK_M, BLOCK_N, QUAD = emulator.BLOCK_M, emulator.BLOCK_N, emulator.QUAD
+    passed = 0
+    for row0 in range(0, n, BLOCK_M):
+        rows = torch.arange(row0, row0 + BLOCK_M)
+        for key0 in range(0, n, BLOCK_N):
+            lo, at, vote = emulator.window_cuts(rows, key0, n, N)
+            passed += int(vote.sum())
+            for ql in range(QUAD):
+                d = (key0 + torch.tensor(emulator.thread_columns(ql))[None, :] - rows[:, None]).abs()
+                want = torch.div(d * N, n, rounding_mode="floor").clamp(max=N - 1)
+                got = lo[:, ql, None] + (d >= at[:, ql, None]).long()
+                assert torch.equal(got[vote], want[vote])
+    assert passed > 0

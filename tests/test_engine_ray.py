@@ -246,3 +246,27 @@ def test_an_address_where_nothing_listens_is_refused_at_once():
                                                    r"is ray_address right\?$"):
                 check_ray_address("ray", address)
     check_ray_address("ray", "auto")  # left to Ray
+
+
+@needs_ray
+@pytest.mark.slow
+def test_ray_on_a_decoder_with_sinks_equals_in_process(cluster, tmp_path, decoder_tokenizer):
+    """A tiny gpt-oss (causal, grouped-query, sliding windows, a sink per head) saved with a decoder tokenizer:
+    the Ray engine's features equal the in-process loop's, the feature `sink` named last."""
+    from attnkit.engine import run_extraction
+    from attnkit.features import feature_names
+    from attnkit.models import load_model
+
+    from .conftest import SENTENCES
+    from .synthetic import tiny_decoder
+
+    path = tmp_path / "tiny-gpt-oss"
+    tiny_decoder("gpt_oss", vocab=len(decoder_tokenizer)).save_pretrained(path)
+    decoder_tokenizer.save_pretrained(path)
+    texts = [s.lower() for s in SENTENCES] * 8
+    model, tokenizer = load_model(str(path), device="cpu")
+    with one_thread():
+        ref = run_extraction(model, tokenizer, texts, SETTINGS_OF_PLAN).accumulator
+    acc, _, info = _run(texts, tmp_path / "run", model_path=str(path))
+    assert info["engine"] == "ray" and acc.names == ref.names == feature_names(16, sink=True)
+    _assert_same_features(acc, ref)

@@ -152,7 +152,7 @@ def test_key_scale_weighs_the_features_only(dtype, renormalize):
 def test_kernel_choice_is_checked(monkeypatch):
     q, k, v, lengths, tc, sid = make_inputs(1, 2, 16, 32, torch.float16, [16], seed=9)
     monkeypatch.setenv("ATTNKIT_CUDA_KERNEL", "v9")
-    with pytest.raises(RuntimeError, match="ATTNKIT_CUDA_KERNEL must be 'v1' or 'v2', got 'v9'"):
+    with pytest.raises(RuntimeError, match="ATTNKIT_CUDA_KERNEL must be 'v1', 'v2' or 'triton', got 'v9'"):
         fused(q, k, v, lengths, tc, sid)
 
 

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "attnkit"
 # docs/architecture.md, bottom to top: a module may import its own layer and the layers below it.
 LAYERS = [
     ("core", ["attnkit.errors", "attnkit.features"]),
-    ("ops", ["attnkit.reference", "attnkit.ops", "attnkit.words"]),
+    ("ops", ["attnkit.reference", "attnkit.ops", "attnkit.words", "attnkit.kernels"]),
     ("files", ["attnkit.run", "attnkit.corpus"]),
     ("model", ["attnkit.tokens", "attnkit.hf_attention", "attnkit.models", "attnkit.interventions", "attnkit.arch",
                "attnkit.caching", "attnkit.embedded"]),

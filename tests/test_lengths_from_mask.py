@@ -30,3 +30,20 @@ def test_compiled_check_is_a_device_assertion():
     assert compiled(torch.tensor([[1, 1, 0], [1, 0, 0]])).tolist() == [2, 1]
     with pytest.raises(RuntimeError, match="right-padded"):
         compiled(torch.tensor([[0, 1, 1], [1, 0, 0]]))
+
+
+def test_padding_of_takes_left_padding_and_refuses_gaps():
+    from attnkit.hf_attention import padding_of, rolled
+
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]])
+    lengths, offsets = padding_of(mask, 3, 4, "cpu")
+    assert lengths.tolist() == [2, 3, 4] and offsets.tolist() == [2, 0, 0]
+    x = torch.arange(12).view(3, 4)
+    moved = rolled(x, offsets, 1)
+    assert moved.tolist() == [[2, 3, 0, 1], [4, 5, 6, 7], [8, 9, 10, 11]]  # tokens first, padding behind
+    assert torch.equal(rolled(moved, offsets, 1, back=True), x)
+    assert padding_of(torch.tensor([[1, 1, 0]]), 1, 3, "cpu")[1] is None  # right padding: nothing to move
+    with pytest.raises(AttnkitError, match="each sample's tokens in one run"):
+        padding_of(torch.tensor([[1, 0, 1]]), 1, 3, "cpu")
+    with pytest.raises(AttnkitError, match="no unmasked token"):
+        padding_of(torch.tensor([[1, 1], [0, 0]]), 2, 2, "cpu")

@@ -16,6 +16,8 @@ tests/test_fused_cuda.py. What it reproduces, step for step, in fp32:
   bucket changes, and the final quad sums;
 * the output normaliser (kept sum when renormalising a region), the features' own normaliser (the weighted
   kept sum under a key scale), entropy = (zf/Zf)·ln Zf − ln 2·A/Zf, max = 2^(mf − m)/Zf;
+* the window cuts: where a warp's vote passes, the window of a key is w_lo + (d >= cut) (no division), checked here
+  against the division for every key it applies to;
 * the block's reduction over valid rows and the final division by n (cls_entropy: by the CLS rows).
 
 Keep it in step with the kernel when the kernel's math changes.
@@ -52,6 +54,29 @@ SLOT_SELF, SLOT_WIN0 = 4, 5
 def thread_columns(q: int) -> list[int]:
     """Key columns (within a tile) of quad lane q, in the order the kernel visits them."""
     return [8 * (j // 2) + 2 * q + (j % 2) for j in range(2 * BLOCK_N // 8)]
+
+
+def window_cuts(rows: torch.Tensor, key0: int, n: int, N: int):
+    """The kernel's window cuts for one tile: per (row, quad lane) the lowest window w_lo of the lane's keys and the
+    first distance of window w_lo + 1, and which rows take the cut path (every lane of their warp's 16 rows sees its
+    keys on one side, spanning at most two windows: the warp vote)."""
+    lo = torch.zeros(len(rows), QUAD, dtype=torch.long)
+    at = torch.zeros(len(rows), QUAD, dtype=torch.long)
+    ok = torch.ones(len(rows), QUAD, dtype=torch.bool)
+    for ql in range(QUAD):
+        cols = thread_columns(ql)
+        first, last = key0 + min(cols), key0 + max(cols)
+        right = first > rows
+        ok[:, ql] = right | (last < rows)
+        d_min = torch.where(right, first - rows, rows - last).clamp(min=0)
+        d_max = torch.where(right, last - rows, rows - first).clamp(min=0)
+        w_lo = torch.div(d_min * N, n, rounding_mode="floor").clamp(max=N - 1)
+        w_hi = torch.div(d_max * N, n, rounding_mode="floor").clamp(max=N - 1)
+        ok[:, ql] &= w_hi - w_lo <= 1
+        lo[:, ql] = w_lo
+        at[:, ql] = torch.where(w_lo >= N - 1, 2**31 - 1, torch.div((w_lo + 1) * n + N - 1, N, rounding_mode="floor"))
+    vote = ok.view(-1, 16 * QUAD).all(1).repeat_interleave(16)  # one warp: 16 rows × 4 quad lanes
+    return lo, at, vote
 
 
 def _f32(x: float) -> torch.Tensor:
@@ -128,6 +153,7 @@ def emulate(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling, nu
                         m_run = torch.where(grow, m_new, m_run)
                     m_use = torch.where(m_run == -math.inf, 0.0, m_run)
                     p = torch.zeros(BLOCK_M, BLOCK_N)
+                    cut_lo, cut_at, cut_rows = window_cuts(rows, key0, n, N)
                     for ql in range(QUAD):
                         for col in thread_columns(ql):
                             t = key0 + col
@@ -141,13 +167,12 @@ def emulate(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling, nu
                             p[:, col] = po
                             pf = po * gk[col]
                             lg = torch.log2(gk[col]) if key_scale is not None else _f32(0.0)
-                            pf = torch.where(valid, pf, 0.0)
                             zf[:, ql] += pf
                             ent_a[:, ql] += pf * torch.clamp(xr + lg, min=-1e30)
                             intra[:, ql] += torch.where(same, pf, 0.0)
                             if key_scale is not None or rg != ALL:
-                                peak = torch.maximum(mf[:, ql], xr + m_use + lg)
-                                mf[:, ql] = torch.where(keep & valid, peak, mf[:, ql])
+                                peak = torch.maximum(mf[:, ql], x[:, col] + lg)  # the scaled score itself
+                                mf[:, ql] = torch.where(keep, peak, mf[:, ql])
                             c = int(kc[col])
                             c = OTHER if c < OTHER or c > PERIOD else c
                             if c != OTHER:
@@ -156,9 +181,12 @@ def emulate(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling, nu
                                 d = (t - rows).abs()
                                 w = torch.div(d * N, n, rounding_mode="floor").clamp(max=N - 1)
                                 bucket = torch.where(d == 0, SLOT_SELF, SLOT_WIN0 + w)
+                                # the kernel's cut path (warps whose vote passed) must give the same windows
+                                by_cut = SLOT_WIN0 + cut_lo[:, ql] + (d >= cut_at[:, ql]).long()
+                                assert torch.equal(by_cut[cut_rows], bucket[cut_rows]), "window cut path differs"
                             prev[:, ql] += torch.where(rows - 1 == t, pf, 0.0)
                             nxt[:, ql] += torch.where(rows + 1 == t, pf, 0.0)
-                            change = (bucket != run_bucket[:, ql]) & valid
+                            change = bucket != run_bucket[:, ql]  # rows past n too: the reduction drops them
                             flush = change & (run_bucket[:, ql] >= 0)
                             idx = flush.nonzero().flatten()
                             buckets[idx, run_bucket[idx, ql], ql] += run_acc[idx, ql]

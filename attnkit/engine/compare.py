@@ -54,10 +54,12 @@ def grouped_scores(q_blk: torch.Tensor, k: torch.Tensor, kv_head: torch.Tensor |
 
 
 def _weights_block(q_blk, k, lengths, scaling, s0: int = 0, *, kv_head=None, causal: bool = False,
-                   sliding_window: int | None = None, softcap: float | None = None):
+                   sliding_window: int | None = None, softcap: float | None = None, sink=None):
     """Softmax weights of query rows s0 … s0 + r − 1 (q_blk: B × H × r × D) over the keys each row sees: the valid
-    keys, with `causal` those t ≤ s, with a window W those s − t < W; scores soft-capped first (docs/features.md,
-    "Causal attention"). A row that sees no key (a padded row outside a window) gives NaN: callers drop it."""
+    keys, with `causal` those t ≤ s, with a window W those s − t < W; scores soft-capped first; a learned sink
+    logit per head (`sink`, H) joins the denominator and takes its share (the keys' weights then sum to 1 − the
+    sink's mass, as in eager's maps) (docs/features.md, "Causal attention"). A row that sees no key (a padded row
+    outside a window) gives NaN without a sink: callers drop it."""
     scores = grouped_scores(q_blk, k, kv_head) * float(scaling)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
@@ -70,7 +72,11 @@ def _weights_block(q_blk, k, lengths, scaling, s0: int = 0, *, kv_head=None, cau
             visible = visible & (offset >= 0)
         if sliding_window is not None:
             visible = visible & (offset < sliding_window)
-    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sink is None:
+        return torch.softmax(scores, dim=-1)
+    logit = sink.to(scores.device, torch.float32).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    return torch.softmax(torch.cat([scores, logit], dim=-1), dim=-1)[..., :L]
 
 
 def similarity_sums(q_a, k_a, q_b, k_b, lengths, scaling_a: float, scaling_b: float, *,
@@ -135,6 +141,8 @@ class PairedCollector:
         self._a[int(layer)] = (query.detach(), key.detach(), lengths.detach().long(),
                                query.shape[-1] ** -0.5 if scaling is None else float(scaling), decoder)
 
+    observe_a.decoder_arguments = True  # takes a decoder's attention arguments (attnkit.hf_attention: observers)
+
     def observe_b(self, layer, query, key, lengths, scaling, **decoder) -> None:
         layer = int(layer)
         check_decoder_arguments(decoder, "attention similarities")
@@ -157,6 +165,8 @@ class PairedCollector:
             self.n_rows += int(la.sum())
             self.n_samples += int(la.shape[0])
             self._done_b = set()
+
+    observe_b.decoder_arguments = True
 
     def check_complete(self) -> None:
         if self._a or self._done_b:

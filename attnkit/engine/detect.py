@@ -106,6 +106,8 @@ class _Observer:
         self.scores = {k: _Scores(np.zeros((n_layers, n_heads)), np.zeros((n_layers, n_heads))) for k in kinds}
         self.targets: dict = {}
 
+    decoder_arguments = True  # takes a decoder's attention arguments (attnkit.hf_attention: observers)
+
     def __call__(self, layer, query, key, lengths, scaling, *, kv_head=None, causal=True, sliding_window=None,
                  softcap=None, sink=None, **_):
         if query.shape[1] == 0:

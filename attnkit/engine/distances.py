@@ -154,11 +154,7 @@ def js_distances(attn: torch.Tensor, lengths: torch.Tensor, *, rows_per_sample: 
 
 
 def check_decoder_arguments(decoder: dict, what: str) -> None:
-    """Refuse, by name, the decoder arguments an observer cannot take: a learned sink logit per head (gpt-oss),
-    whose rows do not sum to 1 over the keys; and any argument it does not know."""
-    if decoder.get("sink") is not None:
-        raise AttnkitError(f"{what} of a model with a learned sink logit per head (gpt-oss) are not defined here: "
-                           "its rows give part of their mass to the sink, not to a key")
+    """Refuse, by name, a decoder argument an observer does not know (it might change the weights)."""
     unknown = sorted(set(decoder) - {"causal", "kv_head", "sliding_window", "softcap", "sink"})
     if unknown:
         raise AttnkitError(f"{what}: unknown attention argument {unknown[0]!r}")
@@ -169,8 +165,9 @@ class DistanceCollector:
 
     A decoder's layers pass the op's decoder arguments (causal, kv_head, sliding_window, softcap: see
     attnkit.hf_attention.observed): the weights are then those the decoder really uses (each row over the keys it
-    sees, each query head against its KV head's keys), and smoothing spreads ε over the keys each row sees. A
-    model with a learned sink per head (gpt-oss) is refused.
+    sees, each query head against its KV head's keys, a learned sink (gpt-oss) taking its share of each row as in
+    the maps eager attention returns: the row's key weights then sum to 1 − its sink mass), and smoothing spreads
+    ε over the keys each row sees.
 
     Pass it to `attnkit.extract(..., observers=[collector])` (or append it to a Runtime's
     `observers`). Per layer it recomputes the softmax weights from q and k (no interventions); when
@@ -194,6 +191,8 @@ class DistanceCollector:
         self._pending: dict[int, torch.Tensor] = {}
         self._lengths: torch.Tensor | None = None
         self._smoothed = False  # this batch's decoder weights were smoothed per layer already
+
+    decoder_arguments = True  # takes a decoder's attention arguments (attnkit.hf_attention: observers)
 
     def __call__(self, layer, query, key, lengths, scaling, **decoder) -> None:
         if layer in self._pending:

@@ -171,10 +171,7 @@ def word_attention_batch(model, inputs: dict, aligns: list[Alignment], num_words
     wid = wid.to(dev)
     got: dict[int, torch.Tensor] = {}
 
-    def observe(layer, query, key, lengths, scaling, **decoder):
-        if decoder.get("causal"):  # a decoder layer (attnkit.hf_attention.observed)
-            raise AttnkitError("the syntax probes read bidirectional word-to-word attention (Clark et al. 2019); "
-                               "a decoder's causal attention is refused")
+    def observe(layer, query, key, lengths, scaling):
         got[layer] = word_attention(query, key, lengths, wid, num_words, scaling=scaling, backend=backend).words.cpu()
 
     with observing(model, [observe]), torch.inference_mode():

@@ -205,19 +205,22 @@ int compute_capability_major(int device) {
   return major;
 }
 
-// The kernel that runs a call: ATTNKIT_CUDA_KERNEL=v1|v2 (read at every call, so benchmarks can switch).
+// The kernel that runs a call: ATTNKIT_CUDA_KERNEL=v1|v2|triton (read at every call, so benchmarks can switch).
 // Default v1, the kernel that has passed every CUDA test and the sanitizer on a GPU. v2, the single-pass
 // tensor-core kernel, passed every numerical CUDA test on an H100 and is faster with features, but the
 // sanitizer has not yet run on its present code and the host-side message tests were not all green on that
-// machine: it becomes the default once tools/gpu_check.sh is green for it (docs/cuda.md). v2 covers fp16/bf16
-// with at most kMaxWindowsV2 windows; other calls (fp32, more windows) run on v1.
+// machine: it becomes the default once the GPU check is green for it (docs/cuda.md). v2 covers fp16/bf16
+// with at most kMaxWindowsV2 windows; other calls (fp32, more windows) run on v1. `triton` is the Triton kernel,
+// which attnkit.ops.attention calls for fp16/bf16 (attnkit::fused_attention_triton); a call that reaches this
+// op with it (fp32, or the op called directly) runs on v1.
 enum class KernelChoice { kV1, kV2 };
 
 KernelChoice requested_kernel() {
   const char* env = std::getenv("ATTNKIT_CUDA_KERNEL");
-  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "v1") == 0) return KernelChoice::kV1;
+  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "v1") == 0 || std::strcmp(env, "triton") == 0)
+    return KernelChoice::kV1;
   if (std::strcmp(env, "v2") == 0) return KernelChoice::kV2;
-  ATTNKIT_CHECK(false, kOp, "ATTNKIT_CUDA_KERNEL must be 'v1' or 'v2', got '", env, "'");
+  ATTNKIT_CHECK(false, kOp, "ATTNKIT_CUDA_KERNEL must be 'v1', 'v2' or 'triton', got '", env, "'");
   return KernelChoice::kV1;
 }
 

@@ -36,6 +36,7 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "fused_attention_common.cuh"
@@ -256,6 +257,14 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
   clear(acc_o);
   const float scale_log2 = p.scaling * kLog2e;
   const cutlass::FastDivmod div_n(n);
+  const cutlass::FastDivmod div_N(N);
+  // the smallest and largest key column this thread holds in a tile (for the window cuts below)
+  int col_min = BN, col_max = -1;
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) {
+    col_min = min(col_min, int(get<1>(tScS_rc(0, j))));
+    col_max = max(col_max, int(get<1>(tScS_rc(0, j))));
+  }
   // the row's own copy of its bucket sums: [row][bucket][quad lane]
   auto bucket_ref = [&](int i, int bucket) -> float& {
     return bucket_smem[(row_local[i] * FB + bucket) * kQuad + quad_lane];
@@ -264,14 +273,24 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
     for (int idx = tid; idx < BM * FB * kQuad; idx += NT) bucket_smem[idx] = 0.f;
   }
 
-  for (int tile = 0; tile < n_tiles; ++tile) {
+  for (int tile = 0; tile < n_tiles; ++tile) {  // sass-budget: tile loop
     const int stage = tile & 1;
     const int key0 = tile * BN;
     if (tile + 1 < n_tiles) load_tile(tile + 1, stage ^ 1);
     cute::cp_async_fence();
     cute::cp_async_wait<1>();  // this tile (and Q) have landed; the next one is in flight
+    if (kFeatures && cls_b != nullptr && tid < BN) {
+      // a class code the host could not check (graph capture): the head's features are NaN, and the key counts
+      // as OTHER so that no bucket index leaves its range. Checked once per key by the thread whose cp.async
+      // loaded it (its own copy has landed), not per score.
+      int* kc_word = meta_smem + stage * Tr::kMetaStageWords + tid;
+      if (static_cast<unsigned>(*kc_word) > static_cast<unsigned>(kClassPeriod)) {
+        bad_class |= key0 + tid < n;
+        *kc_word = kClassOther;
+      }
+    }
     __syncthreads();
-    if (tile == 0) {
+    if (tile == 0) {  // sass-budget: rare
       Tensor tSsQ = smem_thr_q.partition_S(sQ);
       Tensor tSrQ_view = smem_thr_q.retile_D(tSrQ);
       cute::copy(smem_copy_q, tSsQ, tSrQ_view);
@@ -294,22 +313,31 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
     Tensor s_rc = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));  // (kRows, kCols)
     Tensor o_rc = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
 
-    // scale to log2 units, mask keys beyond n, new row max, rescale everything kept so far
-    const bool tail = key0 + BN > n;
+    // scale to log2 units (uniform mode: S was cleared and stays 0), mask keys beyond n in the tail tile only
+    // (a block-uniform branch), new row max, rescale everything kept so far
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) s_rc(i, j) *= scale_log2;
+    }
+    if (key0 + BN > n) {  // sass-budget: rare
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        if (key0 + get<1>(tScS_rc(0, j)) >= n) {
+#pragma unroll
+          for (int i = 0; i < kRows; ++i) s_rc(i, j) = -INFINITY;
+        }
+      }
+    }
     float m_use[kRows];
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       float tile_max = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < kCols; ++j) {
-        float x = use_scores ? s_rc(i, j) * scale_log2 : 0.f;
-        if (tail && key0 + get<1>(tScS_rc(0, j)) >= n) x = -INFINITY;
-        s_rc(i, j) = x;
-        tile_max = fmaxf(tile_max, x);
-      }
+      for (int j = 0; j < kCols; ++j) tile_max = fmaxf(tile_max, s_rc(i, j));
       if (use_scores) {
         const float m_new = fmaxf(m_run[i], quad_max(tile_max));
-        if (m_new > m_run[i]) {
+        if (m_new > m_run[i]) {  // sass-budget: rare
           const bool first = m_run[i] == -INFINITY;
           const float sc = first ? 0.f : exp2f(m_run[i] - m_new);
           if (!first) {
@@ -335,63 +363,123 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
       m_use[i] = m_run[i] == -INFINITY ? 0.f : m_run[i];
     }
 
-    // weights, features, run-length buckets; column-outer so a key's metadata is read once
     const int* meta = meta_smem + stage * Tr::kMetaStageWords;
     const bool diag = key0 <= row0 + BM && key0 + BN >= row0 - 1;  // keys s - 1 .. s + 1 may be here
+    // the largest kept x (+ log2 g) per row, for `max` under a region or a key scale: a block-uniform branch, so
+    // the extraction path (region all, no key scale) issues none of it
+    if (kFeatures && (kScaled || region != kRegionAll)) {  // sass-budget: rare
 #pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      const int col = get<1>(tScS_rc(0, j));
-      const int t = key0 + col;
-      int kc = kFeatures && cls_b != nullptr ? meta[col] : kClassOther;
-      const int ks = sid_b != nullptr ? meta[BN + col] : 0;
-      float g = 1.f, lg = 0.f;
-      if constexpr (kScaled) {
-        g = __int_as_float(meta[2 * BN + col]);
-        lg = __log2f(g);
+      for (int j = 0; j < kCols; ++j) {
+        const int col = get<1>(tScS_rc(0, j));
+        const int ks = sid_b != nullptr ? meta[BN + col] : 0;
+        const float lg = kScaled ? __log2f(__int_as_float(meta[2 * BN + col])) : 0.f;
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+          if (region_keeps(region, ks == row_sid[i])) mf[i] = fmaxf(mf[i], s_rc(i, j) + lg);
+        }
       }
-      if (kFeatures && static_cast<unsigned>(kc) > static_cast<unsigned>(kClassPeriod)) {
-        bad_class |= t < n;  // a code the host could not check (graph capture): the head's features are NaN
-        kc = kClassOther;
-      }
+    }
+    // Window cuts (the review's §2, without a division per score): when each of this thread's rows sees its
+    // tile keys on one side only and they span at most two windows w_lo, w_lo + 1, the window of distance d is
+    // w_lo + (d >= cut) with cut = ceil((w_lo + 1)·n / N), the first distance of window w_lo + 1. Two
+    // divisions per row and tile instead of one per score; a warp-uniform vote picks this path, else the
+    // division below (the diagonal's tiles, and windows narrower than a tile).
+    int win_lo[kRows], win_cut[kRows], d_base[kRows], d_sign[kRows];
+    bool cuts = false;
+    if constexpr (kFeatures) {
+      bool ok = true;
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
-        const float x = s_rc(i, j) - m_use[i];  // ≤ 0; -inf for masked keys
-        const float e = exp2f(x);
-        const bool same = ks == row_sid[i];
-        const bool keep = region_keeps(region, same);
-        const float po = keep ? e : 0.f;
-        l_run[i] += e;
-        lk_run[i] += po;
-        s_rc(i, j) = po;  // P, unnormalised
-        if constexpr (kFeatures) {
-          if (row_valid[i]) {
+        const int s = row_s[i];
+        const bool right = key0 + col_min > s;
+        ok = ok && (right || key0 + col_max < s);
+        d_sign[i] = right ? 1 : -1;
+        d_base[i] = right ? key0 - s : s - key0;  // d = d_base + d_sign · col
+        const int d_min = right ? key0 + col_min - s : s - key0 - col_max;
+        const int d_max = right ? key0 + col_max - s : s - key0 - col_min;
+        const int w_lo = min(div_n.div(max(d_min, 0) * N), N - 1);
+        const int w_hi = min(div_n.div(max(d_max, 0) * N), N - 1);
+        ok = ok && w_hi - w_lo <= 1;
+        win_lo[i] = kSlotFirstWindow + w_lo;
+        win_cut[i] = w_lo >= N - 1 ? INT_MAX : div_N.div((w_lo + 1) * n + N - 1);
+      }
+      cuts = __all_sync(0xffffffffu, ok);
+    }
+    // weights, features, run-length buckets; column-outer so a key's metadata is read once. Rows past n
+    // accumulate too (no per-score branch): the block's reduction drops them (kRowValid).
+    auto weights = [&](auto region_all, auto by_cuts) {
+      constexpr bool kAll = decltype(region_all)::value;
+      constexpr bool kCuts = decltype(by_cuts)::value;
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        const int col = get<1>(tScS_rc(0, j));
+        [[maybe_unused]] const int t = key0 + col;
+        [[maybe_unused]] const int kc = kFeatures && cls_b != nullptr ? meta[col] : kClassOther;
+        const int ks = sid_b != nullptr ? meta[BN + col] : 0;
+        [[maybe_unused]] float g = 1.f, lg = 0.f;
+        if constexpr (kScaled) {
+          g = __int_as_float(meta[2 * BN + col]);
+          lg = __log2f(g);
+        }
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+          const float x = s_rc(i, j) - m_use[i];  // ≤ 0; -inf for masked keys
+          const float e = exp2f(x);
+          const bool same = ks == row_sid[i];
+          const float po = kAll || region_keeps(region, same) ? e : 0.f;
+          l_run[i] += e;
+          if constexpr (!kAll) lk_run[i] += po;  // sass-budget: rare line
+          s_rc(i, j) = po;  // P, unnormalised
+          if constexpr (kFeatures) {
             const float pf = kScaled ? po * g : po;
             zf[i] += pf;
-            ent_a[i] = fmaf(pf, fmaxf(x + lg, -1e30f), ent_a[i]);  // 0·(−inf) would be NaN: clamp
+            // 0·(−inf) would be NaN at a key whose score is −inf: clamp
+            ent_a[i] = fmaf(pf, fmaxf(kScaled ? x + lg : x, -1e30f), ent_a[i]);
             if (same) intra[i] += pf;
-            if (keep && (kScaled || region != kRegionAll)) mf[i] = fmaxf(mf[i], x + m_use[i] + lg);
             const int s = row_s[i];
             int bucket;
-            if (kc != kClassOther) {
+            if (kc != kClassOther) {  // sass-budget: rare
               bucket = class_slot(kc);
+            } else if (kCuts) {
+              bucket = win_lo[i] + (d_base[i] + d_sign[i] * col >= win_cut[i]);
             } else if (diag && t == s) {
               bucket = kSlotSelf;
             } else {
-              const int w = div_n.div((t > s ? t - s : s - t) * N);
+              const int w = div_n.div((t > s ? t - s : s - t) * N);  // sass-budget: rare line
               bucket = kSlotFirstWindow + (w < N - 1 ? w : N - 1);  // keys beyond n (weight 0) stay in range
-            }
-            if (diag) {
-              if (t == s - 1) prev[i] += pf;
-              if (t == s + 1) next[i] += pf;
             }
             if (bucket == run_bucket[i]) {
               run_acc[i] += pf;
-            } else {
+            } else {  // sass-budget: rare
               if (run_bucket[i] >= 0) bucket_ref(i, run_bucket[i]) += run_acc[i];
               run_bucket[i] = bucket;
               run_acc[i] = pf;
             }
           }
+        }
+      }
+    };
+    if (region == kRegionAll) {
+      if (cuts) {
+        weights(std::true_type{}, std::true_type{});
+      } else {  // sass-budget: rare
+        weights(std::true_type{}, std::false_type{});
+      }
+    } else if (cuts) {  // sass-budget: rare
+      weights(std::false_type{}, std::true_type{});
+    } else {
+      weights(std::false_type{}, std::false_type{});
+    }
+    // prev and next: only tiles that hold a key s ± 1 of some row (a block-uniform branch)
+    if (kFeatures && diag) {  // sass-budget: rare
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        const int t = key0 + get<1>(tScS_rc(0, j));
+        const float g = kScaled ? __int_as_float(meta[2 * BN + get<1>(tScS_rc(0, j))]) : 1.f;
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+          if (t == row_s[i] - 1) prev[i] += s_rc(i, j) * g;
+          if (t == row_s[i] + 1) next[i] += s_rc(i, j) * g;
         }
       }
     }
@@ -422,7 +510,7 @@ __device__ __forceinline__ void fused_attention_v2_body(const FusedParams& p) {
       if (row_valid[i] && run_bucket[i] >= 0) bucket_ref(i, run_bucket[i]) += run_acc[i];
     }
     const float l = quad_sum(l_run[i]);
-    const float lk = quad_sum(lk_run[i]);
+    const float lk = region == kRegionAll ? l : quad_sum(lk_run[i]);  // lk_run is kept only under a region
     const float z_out = renorm_kept ? lk : l;
     // a NaN denominator (undefined row) stays NaN; nothing kept leaves the row 0
     const float inv_out = z_out > 0.f ? 1.f / z_out : (z_out == z_out ? 0.f : z_out);
