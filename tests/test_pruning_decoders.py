@@ -21,6 +21,7 @@ from attnkit.cli.main import main
 from attnkit.errors import AttnkitError
 
 from .synthetic import tiny_decoder
+from .test_pruning import pruned_under, valid
 
 # 3 layers × 4 query heads, 2 KV heads (query heads 0, 1 read KV head 0; 2, 3 read KV head 1). Layer 0 keeps 1, 2, 3
 # (uneven groups: KV head 0 serves one query head, KV head 1 two), layer 1 keeps 2, 3 (KV head 0 goes), layer 2 none.
@@ -44,10 +45,6 @@ def zeroed(model, heads, inputs, what="hidden"):
     return out.hidden_states[-1] if what == "hidden" else out.logits
 
 
-def valid(x, inputs):
-    return x * inputs["attention_mask"][..., None]
-
-
 CASES = [(k, i) for k in ("llama", "qwen2", "mistral", "gemma2", "gpt_oss") for i in ("eager", "sdpa", "attnkit")
          if not (i == "sdpa" and k in ("gemma2", "gpt_oss"))]  # transformers has no sdpa for these two
 
@@ -57,11 +54,7 @@ def test_pruned_decoder_equals_the_zeroed_full_model(kind, impl):
     model = tiny_decoder(kind, n_layers=3, vocab=VOCAB)
     inputs = batch()
     expect = zeroed(model, HEADS, inputs)
-    pruned = prune_heads(copy.deepcopy(model), HEADS)
-    if impl == "attnkit":
-        attnkit.instrument(pruned)
-    else:
-        pruned.set_attn_implementation(impl)
+    pruned = pruned_under(model, HEADS, impl)
     with torch.no_grad():
         got = pruned(**inputs, output_hidden_states=True).hidden_states[-1]
         plain = model(**inputs, output_hidden_states=True).hidden_states[-1]
