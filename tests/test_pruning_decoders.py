@@ -37,6 +37,13 @@ def batch():
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def with_padding(tok):
+    """A copy of the decoder tokenizer that pads with EOS (the fixture has no padding token)."""
+    tok = copy.deepcopy(tok)
+    tok.pad_token = tok.eos_token
+    return tok
+
+
 def zeroed(model, heads, inputs, what="hidden"):
     """The unpruned `model` with `heads` zeroed by an attnkit Intervention: last hidden states, or logits."""
     full = attnkit.instrument(copy.deepcopy(model))
@@ -96,7 +103,7 @@ def test_pruning_twice_and_the_grid_of_kv_heads():
 
 def test_features_and_maps_of_a_pruned_decoder_are_those_of_the_zeroed_model(decoder_tokenizer):
     model = tiny_decoder("llama", n_layers=3, vocab=len(decoder_tokenizer))
-    tok = decoder_tokenizer
+    tok = with_padding(decoder_tokenizer)
     texts = ["the cat sat on the mat.", "a dog ran."]
     full = attnkit.instrument(copy.deepcopy(model), tok)
     pruned = attnkit.instrument(prune_heads(copy.deepcopy(model), HEADS), tok)
@@ -117,12 +124,12 @@ def test_features_and_maps_of_a_pruned_decoder_are_those_of_the_zeroed_model(dec
 
 
 def test_save_and_load_with_attnkit_and_plain_transformers(tmp_path, decoder_tokenizer):
-    model = tiny_decoder("qwen2", n_layers=3, vocab=len(decoder_tokenizer))
-    inputs = {k: v for k, v in decoder_tokenizer(["the cat sat on the mat.", "a dog."], padding=True,
-                                                 return_tensors="pt").items()}
+    tok = with_padding(decoder_tokenizer)
+    model = tiny_decoder("qwen2", n_layers=3, vocab=len(tok))
+    inputs = dict(tok(["the cat sat on the mat.", "a dog."], padding=True, return_tensors="pt"))
     expect = zeroed(model, HEADS, inputs, "logits")
     prune_heads(copy.deepcopy(model), HEADS).save_pretrained(tmp_path / "m")
-    decoder_tokenizer.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
     saved = json.loads((tmp_path / "m" / "config.json").read_text())
     assert saved["attnkit_heads"] == [[1, 2, 3], [2, 3], []]
     assert (saved["num_attention_heads"], saved["num_key_value_heads"]) == (4, 2)
@@ -133,6 +140,10 @@ def test_save_and_load_with_attnkit_and_plain_transformers(tmp_path, decoder_tok
         with torch.no_grad():
             got = m(**inputs).logits
         torch.testing.assert_close(valid(got, inputs), valid(expect, inputs), atol=1e-5, rtol=1e-5)
+    bare, _ = attnkit.load_model(tmp_path / "m", device="cpu")  # the base model, from the causal LM's checkpoint
+    with torch.no_grad():
+        hidden = bare(**inputs).last_hidden_state
+        torch.testing.assert_close(valid(hidden, inputs), valid(loaded.model(**inputs).last_hidden_state, inputs))
     # transformers alone builds every layer with 4 query and 2 KV heads and refuses the smaller matrices
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "m")
@@ -154,7 +165,7 @@ def test_sizes_count_the_query_and_kv_heads_removed():
 def test_importance_experiment_on_a_decoder_measures_sizes(decoder_tokenizer):
     from attnkit.ablation import run_experiment
 
-    tok = decoder_tokenizer
+    tok = with_padding(decoder_tokenizer)
     model = attnkit.instrument(tiny_decoder("llama", n_layers=3, vocab=len(tok)), tok)
     enc = tok(["the cat sat on the mat.", "a big red house."], padding=True, return_tensors="pt")
 
