@@ -4,6 +4,9 @@ Token classes, intervention modes and regions are small integers so the C++/CUDA
 """
 from __future__ import annotations
 
+import numbers
+import re
+
 from .errors import AttnkitError, arg, check_int
 
 # Token classes (docs/features.md, "Token classes" and "Sentence ids").
@@ -102,3 +105,65 @@ def check_weighting(weighting) -> str:
 def weighting_of(meta: dict) -> str:
     """The weighting a run's meta.json records ("attention" when it records none: runs before norm weighting)."""
     return (meta or {}).get("weighting") or DEFAULT_WEIGHTING
+
+
+HEAD_RE = re.compile(r"^L(\d+)(?:H(\d+))?$", re.IGNORECASE)  # L2H5, or L4 for a whole layer
+
+
+def is_index(x) -> bool:
+    """An integer >= 0 (a numpy integer too; not a bool, a float or a string): a layer or head number."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
+
+
+def read_heads(spec) -> list[tuple[int, int | None]]:
+    """(layer, head) pairs, as written, from "L2H5,L3H0" (0-based; "L4": head None, the whole layer 4) or an
+    iterable of (layer, head); no model needed (attnkit.interventions.parse_heads expands and range-checks them)."""
+    items: list = []
+    if isinstance(spec, str):
+        for part in spec.replace(" ", "").split(","):
+            if not part:
+                continue
+            m = HEAD_RE.match(part)
+            if not m:
+                raise AttnkitError(f"cannot read head {part!r}: write heads as L<layer>H<head>, e.g. L2H5, or L<layer>")
+            items.append((int(m.group(1)), None if m.group(2) is None else int(m.group(2))))
+        return items
+    for item in spec:
+        try:
+            layer, head = item
+        except (TypeError, ValueError):
+            raise AttnkitError(f"a head must be a (layer, head) pair, got {item!r}") from None
+        if not is_index(layer) or not (head is None or is_index(head)):
+            raise AttnkitError(f"a head must be a (layer, head) pair of integers >= 0 (head None: the whole "
+                               f"layer), got {item!r}")
+        items.append((int(layer), None if head is None else int(head)))
+    return items
+
+
+def distance_feature_names(names) -> list[str]:
+    """The exclusive distance buckets (cls, sep, comma, period, self, win_*) among `names`, in order."""
+    return [n for n in names if n in ("cls", "sep", "comma", "period", "self") or n.startswith("win_")]
+
+
+def resolve_subset(names, features_subset=None) -> list[str]:
+    """Feature names to cluster on: None → the distance buckets; a str → comma-separated names;
+    "all" → every feature; a list → those names (each must exist)."""
+    names = list(names)
+    if features_subset is None or features_subset == "distance":
+        chosen = distance_feature_names(names)
+        if not chosen:
+            raise AttnkitError("the features hold no distance buckets (cls, sep, ..., win_*) to cluster on")
+        return chosen
+    if features_subset == "all":
+        return names
+    if isinstance(features_subset, str):
+        features_subset = [s.strip() for s in features_subset.split(",") if s.strip()]
+    chosen = list(features_subset)
+    if not chosen:
+        raise AttnkitError("the feature subset is empty")
+    unknown = [n for n in chosen if n not in names]
+    if unknown:
+        raise AttnkitError(f"unknown feature(s) {', '.join(map(repr, unknown))}; known: {', '.join(names)}")
+    if len(set(chosen)) != len(chosen):
+        raise AttnkitError(f"the feature subset names a feature twice: {chosen}")
+    return chosen

@@ -571,8 +571,8 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     out = own_frame(out, (1,), 1)  # rows of left padding: 0
     for p in parts:
         out = replace_head_outputs(out, p.outputs, slice(p.start, p.stop))
-    if want:  # a pruned layer's removed heads read as zeroed heads: every feature 0
-        rt.features[module.layer_idx] = feats if kept is None else to_unpruned(feats, kept)
+    if want:  # a pruned layer's removed heads have no attention, hence no features: NaN (docs/pruning.md)
+        rt.features[module.layer_idx] = feats if kept is None else to_unpruned(feats, kept, float("nan"))
     if rt is not None and rt.head_caches:  # caches hold the unpruned heads (removed ones output 0)
         heads_out = out if kept is None else to_unpruned(out.transpose(1, 2), kept).transpose(1, 2)
         for cache in rt.head_caches:

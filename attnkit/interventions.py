@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import numbers
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,14 +37,12 @@ import numpy as np
 import torch
 
 from .errors import AttnkitError, arg, check_int
-from .features import ALL, KEEP, MODES, REGIONS
+from .features import ALL, KEEP, MODES, REGIONS, is_index, read_heads
 from .hf_attention import LayerPart
 from .models import attention_modules, runtime_of
-from .run.clusters import CLUSTERS_FILE, type_grid
+from .run.clusters import CLUSTERS_FILE, REMOVED, type_grid
 from .run.clusters import load_clusters as read_clusters
 from .run.head_means import HeadMeans
-
-_HEAD_RE = re.compile(r"^L(\d+)(?:H(\d+))?$", re.IGNORECASE)
 
 # Modes that replace a head's output after the op (their codes follow the op's; the op sees them as keep).
 HEAD_MODES = MODES + ("patch", "mean")
@@ -73,32 +69,14 @@ def _shape_of(model_or_shape) -> tuple[int, int]:
 
 
 def parse_heads(spec, shape: tuple[int, int] | None = None) -> list[tuple[int, int]]:
-    """Heads from "L2H5,L3H0" (0-based; "L4" = every head of layer 4) or an iterable of (layer, head).
+    """Heads from "L2H5,L3H0" (0-based; "L4" = every head of layer 4) or an iterable of (layer, head)
+    (`attnkit.features.read_heads` reads them).
 
     With `shape` = (n_layers, n_heads), whole layers are expanded and every head is range-checked.
     Duplicates are dropped; order of first appearance is kept.
     """
-    items: list = []
-    if isinstance(spec, str):
-        for part in spec.replace(" ", "").split(","):
-            if not part:
-                continue
-            m = _HEAD_RE.match(part)
-            if not m:
-                raise AttnkitError(f"cannot read head {part!r}: write heads as L<layer>H<head>, e.g. L2H5, or L<layer>")
-            items.append((int(m.group(1)), None if m.group(2) is None else int(m.group(2))))
-    else:
-        for item in spec:
-            try:
-                layer, head = item
-            except (TypeError, ValueError):
-                raise AttnkitError(f"a head must be a (layer, head) pair, got {item!r}") from None
-            if not _is_index(layer) or not (head is None or _is_index(head)):
-                raise AttnkitError(f"a head must be a (layer, head) pair of integers >= 0 (head None: the whole "
-                                   f"layer), got {item!r}")
-            items.append((int(layer), None if head is None else int(head)))
     out: list[tuple[int, int]] = []
-    for layer, head in items:
+    for layer, head in read_heads(spec):
         if head is None:
             if shape is None:
                 raise AttnkitError(f"L{layer} names a whole layer: give the model's shape to expand it")
@@ -112,11 +90,6 @@ def parse_heads(spec, shape: tuple[int, int] | None = None) -> list[tuple[int, i
             if lh not in out:
                 out.append(lh)
     return out
-
-
-def _is_index(x) -> bool:
-    """An integer >= 0 (a numpy integer too; not a bool, a float or a string): a layer or head number."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
 
 
 def format_heads(heads: Iterable[tuple[int, int]]) -> str:
@@ -172,6 +145,7 @@ def load_clusters(run_or_file, shape: tuple[int, int] | None = None) -> HeadType
     path = Path(run_or_file)
     data = read_clusters(path)
     grid = type_grid(data)
+    grid[grid == REMOVED] = ""  # a head a pruning removed has no type: no type's ablation names it
     if shape is not None and grid.shape != tuple(shape):
         raise AttnkitError(f"{path} covers {grid.shape[0]} layers × {grid.shape[1]} heads, "
                            f"but the model has {shape[0]} × {shape[1]}")
@@ -331,7 +305,7 @@ class Intervention:
         if region not in REGIONS:
             raise AttnkitError(f"unknown region {region!r}; use one of {', '.join(REGIONS)}")
         L, H = self.shape
-        if not _is_index(layer) or not (head is None or _is_index(head)):
+        if not is_index(layer) or not (head is None or is_index(head)):
             raise AttnkitError(f"layer and head must be integers >= 0 (head None: the whole layer), got layer "
                                f"{layer!r}, head {head!r}")
         if not 0 <= layer < L or (head is not None and not 0 <= head < H):

@@ -103,6 +103,22 @@ def cpu_capability() -> str | None:
         raise AttnkitError(str(exc).strip().splitlines()[0]) from None
 
 
+def cpu_capabilities() -> list[str]:
+    """The instruction sets this CPU supports among the CPU kernel's builds, best first ("avx512", "avx2",
+    "default"; from /proc/cpuinfo, so on other systems only "default"): what ATTNKIT_CPU_CAPABILITY may force."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        flags = set()
+    caps = ["default"]
+    if {"avx2", "fma"} <= flags:
+        caps.append("avx2")
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+            caps.append("avx512")
+    return caps[::-1]
+
+
 def _decoder_args_given(q, k, kv_head, causal, sliding_window, softcap, sink) -> list[str]:
     """The decoder arguments a call uses (grouped K/V counts as kv_head)."""
     given = {"kv_head": kv_head is not None or k.shape[1] != q.shape[1], "causal": bool(causal),

@@ -1,6 +1,7 @@
-"""How long the command line takes to answer --help, --version, VERB --help and a usage error, for two checkouts
-side by side (interleaved rounds, median). The test of the cause is structural (tests/test_cli_startup.py: no
-torch/transformers/sklearn in sys.modules); this measures what a user waits.
+"""How long the command line takes to answer --help, --version, VERB --help, a usage error and refusals that need no
+model (a missing corpus file, `ablate --experiment types` without --clusters, a run directory that is not one),
+for two checkouts side by side (interleaved rounds, median). The test of the cause is structural
+(tests/test_cli_startup.py: no torch/transformers/sklearn in sys.modules); this measures what a user waits.
 
     python bench/cli_startup.py --before /work/main --after . --repeats 5
 """
@@ -15,7 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-CASES = (["--help"], ["--version"], ["extract", "--help"], ["extract", "--batch-size", "0"])
+CASES = (["--help"], ["--version"], ["extract", "--help"], ["extract", "--batch-size", "0"],
+         ["extract", "missing.txt", "-o", "out"],
+         ["ablate", "default", "--task", "stsb", "--data", ".", "--experiment", "types"],
+         ["cluster", "."], ["distances", "."])
 
 
 def once(checkout: Path, args: list[str], cwd: str) -> float:
@@ -23,7 +27,7 @@ def once(checkout: Path, args: list[str], cwd: str) -> float:
     start = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "attnkit.cli", *args], env=env, cwd=cwd, capture_output=True)
     took = time.perf_counter() - start
-    if r.returncode not in (0, 2):  # 2: click's usage error
+    if r.returncode not in (0, 1, 2):  # 1: a refusal, 2: click's usage error
         raise SystemExit(f"{checkout}: attnkit {' '.join(args)} failed: {r.stderr.decode()[-300:]}")
     return took
 

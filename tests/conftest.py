@@ -71,6 +71,17 @@ def decoder_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def minilm_eager():
+    """The embedded MiniLM with transformers' eager attention, the reference the attnkit model is compared with
+    (loaded once per test session; tests only run it)."""
+    from transformers import AutoModel
+
+    from attnkit.models import default_model_path
+
+    return AutoModel.from_pretrained(default_model_path(), attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="session")
 def roberta_tokenizer():
     """A byte-level BPE tokenizer with RoBERTa's special tokens and pair template, trained in memory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

@@ -311,3 +311,30 @@ def test_seed_counts_are_bounded_before_any_work():
         cluster(feats, k=2, seed=2**32)
     with pytest.raises(AttnkitError, match=r"^n_stability must be at most 1000, got 10000000000$"):
         cluster(feats, k=2, n_stability=10**10)
+
+
+def test_heads_removed_by_pruning_are_in_no_cluster():
+    """A removed head's features are NaN: clustering leaves it out (it used to form a cluster of all-zero heads),
+    measures stability over the kept heads, and clusters.json lists it apart."""
+    from attnkit.analysis.results import clusters_dict
+    from attnkit.run.clusters import check_clusters, label_grid, type_grid
+
+    from .synthetic import layered_truth, make_features
+
+    feats = make_features(layered_truth(4, 6, seed=2))
+    gone = [(1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (3, 2)]
+    for l, h in gone:
+        feats.mean[l, h] = np.nan
+        feats.std[l, h] = np.nan
+    feats.meta["removed_heads"] = [list(x) for x in gone]
+    c = cluster(feats, k=3, n_stability=3)
+    assert c.n_removed_ == 7 and len(c.labels_) == 24 - 7 and len(c.head_stability_) == 17
+    assert all(c.labels_grid_[l, h] == -1 for l, h in gone) and (c.labels_grid_[0] >= 0).all()
+    assert c.type_of(1, 0) == "removed" and np.isfinite(c.centroids_).all()
+    assert sum(int((c.labels_ == j).sum()) for j in range(3)) == 17
+    data = clusters_dict(c, feats)
+    check_clusters(data, "clusters.json", (4, 6))
+    assert data["removed_heads"] == [list(x) for x in gone] and len(data["heads"]) == 17
+    assert (label_grid(data) == c.labels_grid_).all() and type_grid(data)[3, 2] == "removed"
+    assert sum(cl["n_heads"] for cl in data["clusters"]) == 17
+    assert (c.predict(feats) == c.labels_grid_.reshape(-1)).all()

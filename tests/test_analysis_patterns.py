@@ -232,3 +232,33 @@ def test_a_decoder_run_is_refused_with_the_reason(tmp_path):
     assert "is a run of a decoder (llama)" in res.stderr and "defined for bidirectional encoders" in res.stderr
     res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--list", "L0H0:vertical"])
     assert res.exit_code == 1 and "decoder" in res.stderr
+
+
+def test_patterns_of_a_norm_weighted_run_are_labelled_and_removed_heads_have_no_class(tmp_path):
+    """Kovaleva's classes describe attention weights: on a norm-weighted run the command says what it classified
+    and patterns.json records the weighting. A head removed by pruning (NaN features) gets no class (-1) and
+    counts in no share."""
+    n, L, H = 6, 2, 2
+    rows = np.empty((n, L, H, len(NAMES)), dtype=np.float32)
+    rows[:, 0, 0] = vec(cls=0.8, intra=0.6)    # vertical
+    rows[:, 0, 1] = np.nan                     # removed
+    rows[:, 1, 0] = vec(prev=0.9, intra=0.97)  # diagonal
+    rows[:, 1, 1] = vec(cls=0.05, intra=0.5)   # heterogeneous
+    w = PerSampleWriter(tmp_path, L, H, NAMES)
+    w.add(np.arange(n), rows)
+    w.close()
+    HeadFeatures(rows.mean(0), rows.std(0), NAMES, n, 10 * n,
+                 {"weighting": "norm", "removed_heads": [[0, 1]]}).save(tmp_path)
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg"])
+    assert res.exit_code == 0, res.output
+    assert "note: " in res.output and "norm-weighted features: Kovaleva et al.'s classes describe attention " \
+                                      "weights" in res.output
+    assert "; left out 1 head(s) removed by pruning" in res.output
+    data = json.loads((tmp_path / "patterns.json").read_text())
+    assert data["weighting"] == "norm" and data["removed_heads"] == [[0, 1]] and data["n_examples"] == n
+    assert data["per_layer"]["vertical"] == [1.0, 0.0]  # layer 0: its one kept head, not half of two
+    assert data["overall"] == {"vertical": 1 / 3, "diagonal": 1 / 3, "vertical+diagonal": 0.0, "block": 0.0,
+                               "heterogeneous": 1 / 3}
+    assert data["per_head"]["heterogeneous"][0] == [0.0, None]
+    labels = np.load(tmp_path / "pattern_labels.npy")
+    assert (labels[:, 0, 1] == -1).all() and (labels[:, 0, 0] == VERTICAL).all()

@@ -159,7 +159,27 @@ def test_cluster_and_compare_commands_warn(tmp_path):
     assert "stability over 10 seeds" in r.output and "warning: stability" in r.output
     data = json.loads((tmp_path / "mush" / "clusters.json").read_text())
     assert data["stability"]["over_seeds"]["n_seeds"] == 10
+    # no k is stable: the output leads with that, then the sweep (made without --sweep), what would help, and
+    # only then the types; the summary line gives the mean over seeds before seed 0's value
+    verdict = data["stability"]["assessment"]
+    sweep = data["stability"]["sweep"]
+    assert [row["k"] for row in sweep] == list(range(2, 9)) and verdict["stable"] is False
+    assert verdict["any_k_stable"] is False and verdict["stable_ks"] == []
+    best = max(sweep, key=lambda row: (row["stability_mean"], -row["k"]))
+    assert verdict["most_stable_k"] == best["k"] and verdict["most_stable_value"] == best["stability_mean"]
+    assert verdict["value"] == data["stability"]["over_seeds"]["mean"] and len(verdict["what_would_help"]) == 3
+    out = r.stdout.splitlines()
+    assert out[0] == (f"no k from 2 to 8 gives stable head types: stability (mean over seeds) is below 0.8 for every "
+                      f"k; the most stable is k = {best['k']} ({best['stability_mean']:.3f})")
+    assert out[1] == "stability by k (mean over seeds, min–max):"
+    assert out.index("what would help:") < next(i for i, x in enumerate(out) if x.startswith("  0: "))
+    assert any(x.startswith("  - more text: the features are means over ") for x in out)
+    summary = next(x for x in out if "stability over 10 seeds" in x)
+    assert summary.index("mean") < summary.index("seed 0:")
     r = CliRunner().invoke(main, ["cluster", str(tmp_path / "good"), "--stability", "4", "-q"])
     assert r.exit_code == 0 and "warning" not in r.output
+    good = json.loads((tmp_path / "good" / "clusters.json").read_text())["stability"]
+    assert good["assessment"]["stable"] is True and good["sweep"] is None  # stable: no sweep unless asked
+    assert r.stdout.splitlines()[0].startswith("4 layers × 12 heads, 21 features, kmeans, k = 4: stability over")
     r = CliRunner().invoke(main, ["compare", str(tmp_path / "good"), str(tmp_path / "mush")])
     assert r.exit_code == 0 and "unreliable" in r.output

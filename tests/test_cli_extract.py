@@ -156,6 +156,9 @@ def test_many_inputs_are_recorded_in_meta(corpus, tmp_path):
     assert inputs[0]["text_unit"] == "line" and inputs[0]["n_segments"] == 48 and inputs[1]["n_segments"] == 2
     assert all(len(i["sha256"]) == 64 for i in inputs)
     assert meta["n_samples"] == 50 and meta["settings"]["batch_size"] == 16 and meta["workers"] == 1
+    import torch
+
+    assert meta["threads"] == torch.get_num_threads()  # CPU numbers can depend on it (docs/pipeline.md §3)
 
 
 def test_truncation_warning_suggests_a_length(corpus, tmp_path):

@@ -4,6 +4,7 @@ timing."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,77 @@ def test_attn_implementation_attnkit_works_after_import_attnkit_in_either_order(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert out.stdout.strip().splitlines()[-1] == "attnkit", out.stderr[-800:]
+
+
+REFUSALS_PROBE = """
+import json, sys
+from click.testing import CliRunner
+from attnkit.cli.main import main
+out = []
+for args in json.loads(sys.argv[1]):
+    res = CliRunner().invoke(main, args)
+    out.append({"args": args, "code": res.exit_code, "output": res.output.strip(),
+                "heavy": sorted(m for m in HEAVY if m in sys.modules)})
+print("REFUSALS " + json.dumps(out))
+""".replace("HEAVY", repr(HEAVY))
+
+
+def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
+    """Paths, formats, option combinations and output conflicts are refused before torch (or scikit-learn,
+    matplotlib, ...) is imported: a wrong path answers at once instead of after ~10 s of imports. One
+    interpreter runs every refusal in turn, the modules it holds checked after each (an import is never undone,
+    so the first refusal that imports something heavy is the one named)."""
+    from tests.synthetic import layered_truth, make_features
+
+    run, empty, existing = tmp_path / "run", tmp_path / "notrun", tmp_path / "existing"
+    make_features(layered_truth(2, 4)).save(run)
+    empty.mkdir()
+    existing.mkdir()
+    (existing / "x").write_text("x")
+    corpus, dev, missing = tmp_path / "c.txt", tmp_path / "dev.tsv", str(tmp_path / "missing.txt")
+    corpus.write_text("the cat sat\n")
+    dev.write_text("index\tgenre\tsentence1\tsentence2\tscore\n0\tx\ta b\tc d\t1.0\n")
+    for name in ("compare_models.json", "compare_models.npz"):
+        (existing / name).write_text("x")
+    (existing / "probe.json").write_text("{}")
+    conllu = tmp_path / "s.conllu"
+    conllu.write_text("1\tcats\tcat\t_\t_\t_\t2\tnsubj\t_\t_\n2\tsleep\tsleep\t_\t_\t_\t0\troot\t_\t_\n\n")
+    stsb = ["--task", "stsb", "--data", str(dev)]
+    cases = [
+        (["extract", missing, "-o", str(tmp_path / "o")], f"corpus file '{missing}' does not exist"),
+        (["extract", str(corpus), "-o", str(run)], "already holds a finished run: give --overwrite"),
+        (["extract", str(corpus), "-o", str(tmp_path / "o"), "--resume"], "nothing to resume in"),
+        (["extract", str(corpus), "-o", str(tmp_path / "o"), "--engine", "ray", "--per-sample"],
+         "--per-sample is written by the local engine only"),
+        (["extract", str(corpus), "-o", str(tmp_path / "o"), "--model", str(tmp_path / "m")], "not found"),
+        (["extract", str(corpus), "--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
+        (["ablate", "default", *stsb, "--experiment", "types"], "--experiment types needs --clusters RUN"),
+        (["ablate", "default", *stsb, "--experiment", "importance", "--mode", "mean"], "--mode mean applies to"),
+        (["ablate", str(tmp_path / "m"), *stsb, "--experiment", "heads"], "not found"),
+        (["ablate", "default", *stsb, "--experiment", "types", "--clusters", str(run)], "clusters.json is missing"),
+        (["distances", str(empty)], "is not a run directory: features.npz is missing"),
+        (["distances", str(run), "--smooth", "--engine", "ray"], "--smooth runs on the local engine only"),
+        (["cluster", str(empty)], "is not a run directory"),
+        (["cluster", str(run), "--features", "nope"], "unknown feature(s) 'nope'"),
+        (["report", str(empty)], "is not a run directory"),
+        (["patterns", str(run)], "per_sample.npy is missing"),
+        (["export", str(empty)], "is not a run directory"),
+        (["compare", str(empty), str(run)], "clusters.json is missing"),
+        (["compare-models", "default", "default", missing, "-o", str(tmp_path / "o")], "does not exist"),
+        (["compare-models", "default", "default", str(corpus), "-o", str(existing)], "give --overwrite"),
+        (["probe", str(tmp_path / "t.conllu"), "-o", str(tmp_path / "o")], "CoNLL-U file"),
+        (["probe", str(conllu), "-o", str(existing)], "probe.json already exists: give --overwrite"),
+        (["prune", "default", "--heads", "L0-1", "-o", str(tmp_path / "o")], "cannot read head 'L0-1'"),
+        (["prune", "default", "--fraction", "0.5", "-o", str(tmp_path / "o")], "--fraction needs --importance"),
+        (["prune", "default", "--heads", "L0H1", "-o", str(existing)], "already exists: use --overwrite"),
+    ]
+    out = subprocess.run([sys.executable, "-c", REFUSALS_PROBE, json.dumps([a for a, _ in cases])],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    line = [x for x in out.stdout.splitlines() if x.startswith("REFUSALS ")]
+    assert line, out.stdout[-2000:] + out.stderr[-2000:]
+    for (args, message), res in zip(cases, json.loads(line[-1][9:])):
+        assert res["code"] == 1 and message in res["output"], (args, res)
+        assert len(res["output"].splitlines()) == 1, (args, res["output"])
+        assert res["heavy"] == [], f"attnkit {' '.join(args)} imported {res['heavy']} before refusing"
+    assert not (tmp_path / "o").exists()  # no refusal leaves a directory behind

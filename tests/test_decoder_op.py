@@ -29,21 +29,7 @@ FLOOR = {torch.float32: 2e-6, torch.bfloat16: 1e-5, torch.float16: 1e-5}
 N = 8
 
 
-def _supported_capabilities() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        flags = ""
-    caps = ["default"]
-    if " avx2" in flags and " fma" in flags:
-        caps.append("avx2")
-    if all(f" {x}" in flags for x in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
-        caps.append("avx512")
-    return caps
-
-
-CAPABILITIES = _supported_capabilities()
+CAPABILITIES = ops.cpu_capabilities()[::-1]  # default first
 
 
 @pytest.fixture(params=CAPABILITIES)
@@ -281,3 +267,18 @@ def test_the_kernel_refuses_bad_decoder_arguments_by_name():
     with pytest.raises(RuntimeError, match="give kv_head"):
         op(q, k[:, :2].repeat(1, 2, 1, 1), v[:, :2].repeat(1, 2, 1, 1), lengths, None, None, 0.2, N, None, None,
            False, None, False)
+
+
+@pytest.mark.parametrize("aten", ["default", "avx2"])
+def test_capability_follows_aten_cpu_capability(aten):
+    """torch's own choice (ATEN_CPU_CAPABILITY lowers it) decides the build when ATTNKIT_CPU_CAPABILITY is unset."""
+    import os
+    import subprocess
+    import sys
+
+    if aten not in CAPABILITIES:
+        pytest.skip(f"this CPU lacks {aten}")
+    env = {k: v for k, v in os.environ.items() if k != "ATTNKIT_CPU_CAPABILITY"} | {"ATEN_CPU_CAPABILITY": aten}
+    code = "import torch; from attnkit import ops; print(torch.backends.cpu.get_cpu_capability(), ops.cpu_capability())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [aten.upper() if aten != "default" else "DEFAULT", aten]

@@ -115,3 +115,20 @@ except AttnkitError as exc:
     assert "max_restarts" not in out.stderr
     assert lines[2].startswith("the Ray pipeline failed: a node died (Ray's own messages: ") and lines[2].endswith(".log)")
     assert lines[3] == "[E raylet] a real problem"
+
+
+def test_the_bar_draws_no_total_less_start_and_one_end(tmp_path):
+    """In a log, a bar once left a stray "0seg" line (drawn at its creation, before the background count gave it
+    its total) and two 100% lines with different rates (the last update, then closing). Now it is first drawn at
+    its first update and at 100% once, when it closes."""
+    for n, steps in ((57, [16, 16, 16, 9]), (1, [1])):
+        out = io.StringIO()
+        bar = segment_bar("extract", open_corpus([_lines(tmp_path, n)]), file=out)
+        bar.counter.join(timeout=30)
+        assert out.getvalue() == ""  # counted, not drawn: nothing before the first update
+        for k in steps:
+            bar.update(k)
+        bar.close()
+        lines = [x for x in out.getvalue().replace("\r", "\n").splitlines() if x.strip()]
+        assert lines and all(f"/{n} [" in x for x in lines), lines  # every line shows the total
+        assert [x for x in lines if "100%" in x] == [lines[-1]], lines

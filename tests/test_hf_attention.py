@@ -33,12 +33,12 @@ def test_tiny_models_equal_eager(kind):
     assert (got - expect)[valid].abs().max().item() <= 1e-5
 
 
-def test_minilm_equals_eager_with_padding(minilm):
+def test_minilm_equals_eager_with_padding(minilm, minilm_eager):
     """≤ 1e-5 on every real token. Padding positions are compared too, against PyTorch's own spread:
     their outputs carry no meaning and amplify fp32 rounding (SDPA itself differs from eager there by
     ~1.4e-5 on this batch, 10x more than on real tokens)."""
     model, tok = minilm
-    eager = AutoModel.from_pretrained(default_model_path(), attn_implementation="eager").eval()
+    eager = minilm_eager
     sdpa = AutoModel.from_pretrained(default_model_path(), attn_implementation="sdpa").eval()
     enc = tok(SENTENCES, padding=True, return_tensors="pt")
     real = enc["attention_mask"].bool()
@@ -66,12 +66,12 @@ def test_decoder_is_refused():
         attnkit.instrument(model)
 
 
-def test_extract_matches_independent_features_from_output_attentions(minilm):
+def test_extract_matches_independent_features_from_output_attentions(minilm, minilm_eager):
     model, tok = minilm
     texts = SENTENCES[:3] + [(SENTENCES[3], SENTENCES[4])]
     nw = 8
     feats = attnkit.extract(texts, (model, tok), num_windows=nw, max_length=32, backend="reference", batch_size=2)
-    eager = AutoModel.from_pretrained(default_model_path(), attn_implementation="eager").eval()
+    eager = minilm_eager
     from attnkit.tokens import Encoder
 
     batch = Encoder(tok, max_length=32)(texts)

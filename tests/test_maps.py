@@ -85,9 +85,9 @@ def test_maps_under_an_intervention_are_the_weights_the_model_used(renormalize):
     assert (got[1][:, 3] - want[1][:, 3]).abs().max().item() <= 1e-6
 
 
-def test_attention_maps_of_one_text_equal_eager(minilm):
+def test_attention_maps_of_one_text_equal_eager(minilm, minilm_eager):
     model, tok = minilm
-    eager = AutoModel.from_pretrained(default_model_path(), attn_implementation="eager").eval()
+    eager = minilm_eager
     for text in ("The cat sat on the mat.", ("Where is the cat?", "The cat sat on the mat.")):
         maps = attnkit.attention_maps(text, minilm)
         enc = tok(*((text,) if isinstance(text, str) else text), return_tensors="pt")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import numpy as np
 import pytest
@@ -156,10 +157,18 @@ def test_measurements_of_a_pruned_model_are_those_of_the_zeroed_full_model():
     for weighting in ("attention", "norm"):
         with attnkit.intervene(full, iv):
             expect = attnkit.extract(texts, (full, tok), max_length=32, weighting=weighting)
-        got = attnkit.extract(texts, (pruned, tok), max_length=32, weighting=weighting)
+        got = attnkit.extract(texts, (pruned, tok), max_length=32, weighting=weighting, per_sample=True)
         assert got.mean.shape == (3, 4, 28)
-        np.testing.assert_allclose(got.mean, expect.mean, atol=1e-5)
-        assert (got.mean[1] == 0).all() and (got.mean[0, [1, 3]] == 0).all()
+        # the heads the model kept measure as in the zeroed full model; a removed head has no attention, so no
+        # features: NaN (never 0), in the means, the stds and every sample's row, and named in meta
+        removed = np.zeros((3, 4), dtype=bool)
+        removed[1], removed[0, [1, 3]], removed[2, 2] = True, True, True
+        np.testing.assert_allclose(got.mean[~removed], expect.mean[~removed], atol=1e-5)
+        assert np.isnan(got.mean[removed]).all() and np.isnan(got.std[removed]).all()
+        assert np.isnan(got.per_sample[:, removed]).all() and np.isfinite(got.per_sample[:, ~removed]).all()
+        assert np.isfinite(got.mean[~removed]).all()
+        assert got.meta["removed_heads"] == [[0, 1], [0, 3], [1, 0], [1, 1], [1, 2], [1, 3], [2, 2]]
+        assert (got.removed == removed).all() and got.n_removed == 7
     # an intervention on a pruned model names heads in the unpruned numbering
     more = attnkit.Intervention.from_heads(pruned, [(2, 1)], mode="uniform")
     both = attnkit.Intervention.from_heads(full, HEADS, mode="zero").set(2, 1, mode="uniform")
@@ -281,6 +290,10 @@ def test_prune_command_and_its_refusals(model_dir, tmp_path):
     assert "heads per layer now: 2 0 3 (5 in all)" in text
     model, _ = attnkit.load_model(out, device="cpu")
     assert pruned_head_grid(model).sum(1).tolist() == [2, 0, 3]
+    umask = os.umask(0)  # the files get the mode any new file gets (model.safetensors was 0600)
+    os.umask(umask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == {
+        f.name: 0o666 & ~umask for f in out.iterdir()}
     for args, message in [
         (("--heads", "L0H1", "-o", out), f"Error: --out '{out}' already exists: use --overwrite to replace it"),
         (("--heads", "L0H4", "-o", tmp_path / "x"), "Error: head L0H4 is outside this model's 3 layers × 4 heads"),
@@ -334,31 +347,89 @@ def test_prune_by_importance_follows_the_iterative_order(model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_every_command_runs_on_a_model_with_an_empty_layer(model_dir, tmp_path):
+def test_every_command_leaves_the_removed_heads_of_a_pruned_model_out(model_dir, tmp_path):
+    """A removed head has no attention: NaN features (never 0), named in meta.json, and every analysis leaves it
+    out and says how many it left out (issue: a cluster of all-zero heads, averages pulled down by them)."""
+    import csv
+
     out = tmp_path / "pruned"
     assert run("prune", model_dir, "--heads", "L1,L0H1", "-o", out)[0] == 0
+    removed = [[0, 1], [1, 0], [1, 1], [1, 2], [1, 3]]
+    gone = np.zeros((3, 4), dtype=bool)
+    gone[tuple(np.array(removed).T)] = True
     corpus = tmp_path / "corpus.txt"
     rng = np.random.default_rng(0)
     corpus.write_text("\n".join(" ".join(rng.choice(WORDS, 6 + i % 5)) + (" ." if i % 2 else " , then ran .")
                                 for i in range(40)) + "\n")
-    runs = tmp_path / "run"
-    for args in (["extract", corpus, "--model", out, "-o", runs, "--max-length", 32, "--per-sample", "-q"],
-                 ["extract", corpus, "--model", out, "-o", tmp_path / "norm", "--max-length", 32, "-q",
-                  "--weighting", "norm"],
-                 ["distances", runs, "-q"], ["cluster", runs, "-k", 2, "--stability", 2, "--seeds", 1, "-q"],
-                 ["report", runs, "--examples", 1, "-q", "--no-svg"], ["patterns", runs, "-q"],
-                 ["export", runs, "-o", tmp_path / "t.csv"], ["compare", runs, tmp_path / "norm"],
-                 ["compare-models", model_dir, out, corpus, "-o", tmp_path / "cmp", "--max-length", 32, "-q"]):
+    runs, norm = tmp_path / "run", tmp_path / "norm"
+    outputs = {}
+    for name, args in (
+            ("extract", ["extract", corpus, "--model", out, "-o", runs, "--max-length", 32, "--per-sample", "-q"]),
+            ("norm", ["extract", corpus, "--model", out, "-o", norm, "--max-length", 32, "-q", "--weighting", "norm"]),
+            ("distances", ["distances", runs, "-q"]),
+            ("cluster", ["cluster", runs, "-k", 2, "--stability", 2, "--seeds", 1, "-q"]),
+            ("patterns", ["patterns", runs]), ("export", ["export", runs, "-o", tmp_path / "t.csv"]),
+            ("compare", ["compare", runs, norm]),
+            ("compare-models", ["compare-models", model_dir, out, corpus, "-o", tmp_path / "cmp", "--max-length", 32,
+                                "-q"])):
         code, text = run(*args)
         assert code == 0, (args, text)
+        outputs[name] = text
     feats = attnkit.HeadFeatures.load(runs)
-    assert (feats.mean[1] == 0).all() and (feats.mean[0, 1] == 0).all() and (feats.mean[2] != 0).any()
+    assert feats.meta["removed_heads"] == removed and (feats.removed == gone).all()
+    assert np.isnan(feats.mean[gone]).all() and np.isfinite(feats.mean[~gone]).all()
+    assert np.isnan(feats.per_sample[:, gone]).all() and np.isfinite(feats.per_sample[:, ~gone]).all()
+    # distances: the removed heads' rows are NaN; the summary is over the 7 others
+    dist = attnkit.run.HeadDistances.load(runs)
+    assert dist.meta["removed_heads"] == removed and np.isnan(dist.per_token[gone.reshape(-1)]).all()
+    assert np.isfinite(dist.per_token[np.ix_(~gone.reshape(-1), ~gone.reshape(-1))]).all()
+    assert "left out 5 head(s) removed by pruning" in outputs["distances"]
+    # cluster: 7 heads in 2 clusters, the removed ones in none
+    data = json.loads((runs / "clusters.json").read_text())
+    assert data["removed_heads"] == removed and len(data["heads"]) == 7
+    assert sum(c["n_heads"] for c in data["clusters"]) == 7
+    assert "3 layers × 4 heads (5 removed by pruning left out)" in outputs["cluster"]
+    assert "  L1   - - - -" in outputs["cluster"]
+    # patterns: the removed heads have no class and count in no share
+    pat = json.loads((runs / "patterns.json").read_text())
+    labels = np.load(runs / "pattern_labels.npy")
+    assert (labels[:, gone] == -1).all() and (labels[:, ~gone] >= 0).all()
+    assert pat["removed_heads"] == removed and pat["weighting"] == "attention" and pat["n_examples"] == 40
+    assert all(pat["per_layer"][c][1] is None for c in pat["classes"])
+    assert pat["per_head"]["vertical"][0][1] is None and pat["per_head"]["vertical"][0][0] is not None
+    assert abs(sum(pat["overall"].values()) - 1) < 1e-9
+    assert "left out 5 head(s) removed by pruning" in outputs["patterns"]
+    # export: empty cells for removed heads, and the column count it states is the file's
+    with open(tmp_path / "t.csv") as f:
+        table = list(csv.reader(f))
+    assert len(table) == 13 and len(table[0]) == 2 + 2 * 28 and table[0][:3] == ["layer", "head", "cls"]
+    assert table[2][2:] == [""] * 56 and all(c != "" for c in table[1])  # L0H1 removed, L0H0 kept
+    assert "12 rows, one per head × 58 columns" in outputs["export"]
+    assert "5 head(s) removed by pruning have empty (NaN) cells" in outputs["export"]
+    assert "(5 removed by pruning left out)" in outputs["compare"]
+    # compare-models: no cosine for a head removed from B
+    cmp = json.loads((tmp_path / "cmp" / "compare_models.json").read_text())
+    assert cmp["removed_heads"] == removed and cmp["row_cosine"][0][1] is None and cmp["per_layer"]["row_cosine"][1] is None
+    assert cmp["row_cosine"][0][0] is not None and "L1   no head left" in outputs["compare-models"]
+    assert "left out 5 head(s) removed by pruning from A or B" in outputs["compare-models"]
+    assert all(h["layer"] != 1 for h in cmp["most_changed"])
+    # the report draws the run with its clusters.json (removed heads listed apart) and distances
+    code, text = run("report", runs, "-q", "--no-svg", "--examples", 1)
+    assert code == 0, text
+    page = (runs / "report.html").read_text()
+    assert "removed" in page
     stsb = tmp_path / "dev.tsv"
     stsb.write_text("index\tgenre\tsentence1\tsentence2\tscore\n" + "".join(
         f"{i}\tx\t{' '.join(rng.choice(WORDS, 5))}\t{' '.join(rng.choice(WORDS, 4))}\t{i % 5}.0\n" for i in range(8)))
-    code, text = run("ablate", out, "--task", "stsb", "--data", stsb, "--experiment", "heads", "-o", tmp_path / "ab",
-                     "--quiet")
-    assert code == 0, text
+    # ablate: removed heads are no settings (12 heads − 5 removed = 7 settings after the baseline); layer 1 has none
+    for experiment, n_rows in (("heads", 8), ("layers", 3)):
+        code, text = run("ablate", out, "--task", "stsb", "--data", stsb, "--experiment", experiment, "-o",
+                         tmp_path / experiment, "--quiet", "--resamples", 0)
+        assert code == 0, text
+        res = json.loads((tmp_path / experiment / f"{experiment}.json").read_text())
+        assert len(res["rows"]) == n_rows and res["removed_heads"] == removed, experiment
+        assert "5 head(s) removed by pruning left out" in text
+    assert not any(r.get("layer") == 1 for r in res["rows"])
     # Michel's curve on a model pruned before: the sizes of every step are those of the heads it still has
     code, text = run("ablate", out, "--task", "stsb", "--data", stsb, "--experiment", "importance", "--step", 0.5,
                      "-o", tmp_path / "imp", "--quiet")
@@ -373,6 +444,13 @@ def test_every_command_runs_on_a_model_with_an_empty_layer(model_dir, tmp_path):
                                       enumerate(sent)) + "\n" for _ in range(12)))
     code, text = run("probe", conllu, "--model", out, "-o", tmp_path / "probe", "--min-count", 1, "-q")
     assert code == 0, text
+    assert "left out 5 head(s) removed by pruning" in text
+    probe = json.loads((tmp_path / "probe" / "probe.json").read_text())
+    assert probe["removed_heads"] == removed
+    assert all(not gone[b["best"]["layer"], b["best"]["head"]] for b in probe["relations"].values())
+    with open(tmp_path / "probe" / "probe.csv") as f:
+        heads = {(int(r["layer"]), int(r["head"])) for r in csv.DictReader(f)}
+    assert len(heads) == 7 and (0, 1) not in heads
 
 
 def test_unknown_architectures_are_refused():

@@ -152,3 +152,12 @@ def test_distances_checked_against_the_run_shape(tmp_path):
         HeadDistances.load(tmp_path, (3, 4))
 
 
+
+
+def test_head_means_say_what_they_hold():
+    from attnkit.run.head_means import HeadMeans
+
+    m = HeadMeans(np.zeros((6, 12, 32)), n_tokens=12345, next_index=40)
+    assert repr(m) == "HeadMeans(6 layers × 12 heads × 32 dims, mean over 12,345 tokens, in progress, 40 segments measured)"
+    m.complete = True
+    assert repr(m) == "HeadMeans(6 layers × 12 heads × 32 dims, mean over 12,345 tokens, complete)"

@@ -108,6 +108,18 @@ def test_sweep_runs_the_unchanged_layers_once_per_batch(tokenizer, stsb_file):  
     assert calls == {0: steps * 2, 1: steps * 3}
 
 
+def test_the_sweep_bar_counts_batches_of_named_settings(tokenizer, stsb_file, capsys):  # noqa: F811
+    torch.manual_seed(0)
+    model = attnkit.instrument(BertModel(_cfg(tokenizer)).eval(), tokenizer)
+    task = get_task("stsb", stsb_file)
+    ivs = [s.intervention for s in heads_settings((2, 4), "zero")]
+    steps = len(task.plan(model, tokenizer, None, 4).steps)
+    TaskEvaluator(task, model, tokenizer, batch_size=4).evaluate_many(ivs, progress=True, desc="heads")
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert last.startswith(f"heads: 9 settings × {steps} batches: 100%") and f"{9 * steps}/{9 * steps}" in last
+    assert "batch/s" in last and "setting·batch" not in last
+
+
 def test_sweep_refuses_gates(tokenizer, stsb_file):  # noqa: F811
     model = attnkit.instrument(BertModel(_cfg(tokenizer)).eval(), tokenizer)
     task = get_task("stsb", stsb_file)

@@ -250,22 +250,28 @@ def run_settings(experiment: str, settings: list[Setting], evaluate: Callable[[I
 
 
 # --- settings -----------------------------------------------------------------------------------------
-def heads_settings(shape, mode: str = "zero", means=None) -> list[Setting]:
-    """The baseline, then every head alone in `mode` (mean: the head's corpus mean from `means`)."""
+def heads_settings(shape, mode: str = "zero", means=None, kept=None) -> list[Setting]:
+    """The baseline, then every head alone in `mode` (mean: the head's corpus mean from `means`); `kept` (layers ×
+    heads booleans, `pruned_head_grid`): a head a pruning removed is no setting."""
     L, H = shape
     out = [Setting("baseline", Intervention.identity(L, H), {"layer": None, "head": None})]
     for layer in range(L):
         for head in range(H):
+            if kept is not None and not kept[layer, head]:
+                continue
             iv = Intervention.from_heads(shape, [(layer, head)], mode=mode, means=means)
             out.append(Setting(f"L{layer}H{head} {mode}", iv, {"layer": layer, "head": head}))
     return out
 
 
-def layers_settings(shape, mode: str = "uniform", means=None) -> list[Setting]:
-    """The baseline, then every layer alone with all its heads in `mode`."""
+def layers_settings(shape, mode: str = "uniform", means=None, kept=None) -> list[Setting]:
+    """The baseline, then every layer alone with all its heads in `mode`; `kept` (layers × heads booleans): a
+    layer a pruning left without heads is no setting."""
     L, H = shape
     out = [Setting("baseline", Intervention.identity(L, H), {"layer": None})]
     for layer in range(L):
+        if kept is not None and not kept[layer].any():
+            continue
         iv = Intervention.from_layers(shape, [layer], mode=mode, means=means)
         out.append(Setting(f"L{layer} {mode}", iv, {"layer": layer}))
     return out
@@ -318,20 +324,34 @@ def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], di
     types) replaces each head's output by its corpus mean from `means` (`attnkit.head_means`); patching needs the
     `PatchingTask` that `evaluate` evaluates, as `patching`."""
     shape = Intervention.for_model(model).shape
+    kept = pruned_head_grid(model)  # heads a pruning removed are no settings of any table
+    table = _run_experiment(experiment, model, evaluate, main_metric, shape, kept, mode=mode, head_types=head_types,
+                            losses=losses, step=step, max_share=max_share, normalize_layers=normalize_layers,
+                            renormalize=renormalize, progress=progress, n_boot=n_boot, means=means, patching=patching)
+    if not kept.all():
+        table.extra["removed_heads"] = [[int(l), int(h)] for l, h in np.argwhere(~kept)]
+    return table
+
+
+def _run_experiment(experiment, model, evaluate, main_metric, shape, kept, *, mode, head_types, losses, step,
+                    max_share, normalize_layers, renormalize, progress, n_boot, means, patching) -> ResultTable:
     if experiment == "patching":
         if patching is None:
             raise AttnkitError(f"the patching experiment needs {arg('patching')}: the PatchingTask with the clean and "
                                "corrupted inputs (attnkit.ablation.patching)")
-        settings = [Setting(name, iv, info) for name, iv, info in patching.settings_for(model)]
+        settings = [Setting(name, iv, info) for name, iv, info in patching.settings_for(model)
+                    if info.get("layer") is None or kept[info["layer"], info["head"]]]
         return run_settings("patching", settings, evaluate, main_metric, progress, n_boot)
     if mode == "mean" and experiment == "importance":
         raise AttnkitError("the importance experiment prunes with mode zero or uniform, not mean")
     if mode == "mean" and means is None:
         raise AttnkitError(f"mode mean needs {arg('means')}: the heads' mean outputs (attnkit.head_means)")
     if experiment == "heads":
-        return run_settings("heads", heads_settings(shape, mode, means), evaluate, main_metric, progress, n_boot)
+        return run_settings("heads", heads_settings(shape, mode, means, kept), evaluate, main_metric, progress,
+                            n_boot)
     if experiment == "layers":
-        return run_settings("layers", layers_settings(shape, mode, means), evaluate, main_metric, progress, n_boot)
+        return run_settings("layers", layers_settings(shape, mode, means, kept), evaluate, main_metric, progress,
+                            n_boot)
     if experiment == "types":
         if head_types is None:
             raise AttnkitError(f"the types experiment needs {arg('head_types')}: the head types of a clustered run "
@@ -367,12 +387,11 @@ def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], di
             for row, size in zip(rows, pruned_sizes(model, [s["heads"] for s in res["steps"]], progress=progress)):
                 row.update(size)
         imp = res["importance"]
-        has = pruned_head_grid(model)
         extra = {"importance": imp["importance"], "importance_raw": imp["raw"], "importance_n": imp["n"],
                  "normalize_layers": normalize_layers, "mode": mode,
                  "ranking": format_heads(tuple(int(x) for x in np.unravel_index(f, shape))
                                          for f in np.argsort(-imp["importance"], axis=None, kind="stable")
-                                         if has.flat[f])}  # heads removed before have no rank
+                                         if kept.flat[f])}  # heads removed before have no rank
         extra["bootstrap"] = bootstrap_settings(n_boot)
         return ResultTable("importance", main_metric, rows, extra, examples)
     raise AttnkitError(f"unknown {arg('experiment')} {experiment!r}; use one of {', '.join(EXPERIMENTS)}")

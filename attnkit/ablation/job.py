@@ -12,48 +12,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import AttnkitError, arg, check_int
 from ..interventions import load_clusters
 from ..models import load_model
 from ..run.files import HEAD_MEANS_FILE, REPORT_FILE
 from ..run.locking import run_lock
 from ..run.outputs import check_output_path, ensure_writable_dir, write_json
 from ..run.overwrite import claim_outputs
-from .experiments import EXPERIMENTS, ResultTable, TaskEvaluator, run_experiment
+from .experiments import ResultTable, TaskEvaluator, run_experiment
 from .figures import save_figure
-from .metrics import N_BOOT
+from .options import DEFAULT_MODES, AblateOptions, check_ablate_options, output_paths
 from .patching import PatchingTask
 from .tasks import get_task
-
-DEFAULT_MODES = {"layers": "uniform", "patching": "patch"}  # when no mode is given: zero, but layers uniform
-MEAN_EXPERIMENTS = ("heads", "layers", "types")  # the experiments that --mode mean applies to
-
-
-@dataclass
-class AblateOptions:
-    """Everything `attnkit ablate` takes (its options, by their Python names)."""
-
-    model: str
-    task_name: str
-    data: str
-    experiment: str
-    clusters: str | None = None
-    mode: str | None = None
-    limit: int | None = None
-    sample: int | None = None
-    batch_size: int = 32
-    glue_task: str | None = None
-    step: float = 0.1
-    no_layer_norm: bool = False
-    renormalize: bool = False
-    device: str | None = None
-    out: str | None = None
-    quiet: bool = False
-    overwrite: bool = False
-    metric: str | None = None  # patching: how the model's output is scored
-    mean_corpus: tuple = ()  # --mode mean: the corpus the heads' means come from (default: the evaluated inputs)
-    resamples: int = N_BOOT  # bootstrap resamples (0: no intervals)
-    stack: int | None = None  # settings per forward (None: as memory allows)
 
 
 @dataclass
@@ -70,33 +39,6 @@ class Ablation:
     removed: str | None = None  # what --overwrite removed
 
 
-def _check(opts: AblateOptions) -> None:
-    """Refuse options that contradict each other, before any work."""
-    if opts.model == "default" and opts.task_name != "stsb":
-        raise AttnkitError(f"the embedded MiniLM is a sentence-embedding model without a {opts.task_name} head; "
-                           f"give a local model fine-tuned for {opts.task_name} (or use {arg('task_name', 'stsb')})")
-    if opts.experiment not in EXPERIMENTS:
-        raise AttnkitError(f"unknown {arg('experiment')} {opts.experiment!r}; use one of {', '.join(EXPERIMENTS)}")
-    if opts.experiment == "types" and opts.clusters is None:
-        raise AttnkitError(f"{arg('experiment', 'types')} needs {arg('clusters')} RUN (a run directory with "
-                           "clusters.json)")
-    if opts.sample is not None:
-        check_int(opts.sample, "sample")
-    if opts.experiment == "patching" and opts.mode is not None:
-        raise AttnkitError(f"{arg('experiment', 'patching')} patches heads: {arg('mode')} does not apply")
-    if opts.experiment != "patching" and opts.metric is not None:
-        raise AttnkitError(f"{arg('metric')} is for {arg('experiment', 'patching')}")
-    if opts.mode == "mean" and opts.experiment not in MEAN_EXPERIMENTS:
-        raise AttnkitError(f"{arg('mode', 'mean')} applies to the experiments {', '.join(MEAN_EXPERIMENTS)}")
-    if opts.mean_corpus and opts.mode != "mean":
-        raise AttnkitError(f"{arg('mean_corpus')} is for {arg('mode', 'mean')}")
-    check_int(opts.resamples, "resamples")
-    if opts.stack is not None:
-        check_int(opts.stack, "stack")
-    if opts.resamples != 0 and opts.resamples < 10:
-        raise AttnkitError(f"{arg('resamples')} must be 0 (no intervals) or at least 10, got {opts.resamples}")
-
-
 def _means(opts: AblateOptions, task, model, tokenizer, out: str, quiet: bool):
     """The heads' mean outputs for --mode mean, over --mean-corpus or the evaluated inputs, kept (and resumed)
     in OUT/head_means.npz."""
@@ -109,7 +51,7 @@ def _means(opts: AblateOptions, task, model, tokenizer, out: str, quiet: bool):
 
 
 def run_ablation(opts: AblateOptions) -> Ablation:
-    _check(opts)
+    check_ablate_options(opts)  # also checked by the command line before torch loads
     out = check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
     ensure_writable_dir(out)  # before the work: a bad output directory fails now, not after the experiment
     claim = claim_outputs(output_paths(out, opts.experiment), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
@@ -158,12 +100,6 @@ def run_ablation(opts: AblateOptions) -> Ablation:
         claim.remove_stale()
     return Ablation(table, paths, fig, name, mode, head_types.counts() if head_types is not None else None,
                     claim.removed_message())
-
-
-def output_paths(out, experiment: str) -> list[str]:
-    """The files `attnkit ablate --experiment E -o OUT` writes (docs/files.md, "The ablation tables")."""
-    return [os.path.join(out, f"{experiment}.{ext}")
-            for ext in ("csv", "json", "md", "examples.csv", "png", "meta.json")]
 
 
 __all__ = ["AblateOptions", "Ablation", "output_paths", "run_ablation"]

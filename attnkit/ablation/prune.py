@@ -22,23 +22,12 @@ from ..interventions import format_heads, parse_heads
 from ..models import default_model_path, load_model, model_dir
 from ..run.outputs import ensure_writable_dir, os_errors
 from ..run.schemas import IMPORTANCE_SCHEMA, load_json
+from .options import PruneOptions, check_out, check_prune_options
 from .sizes import count_parameters
 
 IMPORTANCE_FILE = "importance.json"  # what `attnkit ablate --experiment importance -o DIR` writes into DIR
 _TASKS = {"ForSequenceClassification": "sequence-classification", "ForQuestionAnswering": "question-answering",
           "ForMaskedLM": "masked-lm", "ForCausalLM": "causal-lm"}
-
-
-@dataclass
-class PruneOptions:
-    """Everything `attnkit prune` takes (its options, by their Python names)."""
-
-    model: str
-    out: str
-    heads: str | None = None
-    importance: str | None = None
-    fraction: float | None = None
-    overwrite: bool = False
 
 
 @dataclass
@@ -50,12 +39,6 @@ class Pruned:
     kept: list = field(default_factory=list)
     params_before: int = 0
     params_after: int = 0
-
-
-def check_fraction(fraction) -> float:
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise AttnkitError(f"{arg('fraction')} must be a number in (0, 1], got {fraction!r}")
-    return float(fraction)
 
 
 def importance_order(path, shape: tuple[int, int]) -> list[tuple[int, int]]:
@@ -81,21 +64,10 @@ def importance_order(path, shape: tuple[int, int]) -> list[tuple[int, int]]:
 
 def heads_to_remove(opts: PruneOptions, shape: tuple[int, int]) -> list[tuple[int, int]]:
     """The heads `opts` names, in the unpruned numbering."""
-    if opts.heads is None and opts.importance is None and opts.fraction is not None:
-        raise AttnkitError(f"{arg('fraction')} needs {arg('importance')} FILE: the order in which to remove heads")
-    if (opts.heads is None) == (opts.importance is None):
-        raise AttnkitError(f"give the heads to remove with {arg('heads')} or {arg('importance')} (with "
-                           f"{arg('fraction')}), one of the two")
+    check_prune_options(opts)
     if opts.heads is not None:
-        if opts.fraction is not None:
-            raise AttnkitError(f"{arg('fraction')} goes with {arg('importance')}, not with {arg('heads')}")
-        heads = parse_heads(opts.heads, shape)
-        if not heads:
-            raise AttnkitError(f"{arg('heads')} names no head: write heads as L2H5,L3H1 (or L4 for a whole layer)")
-        return heads
-    if opts.fraction is None:
-        raise AttnkitError(f"{arg('importance')} needs {arg('fraction')}: the share of all heads to remove")
-    fraction = check_fraction(opts.fraction)
+        return parse_heads(opts.heads, shape)
+    fraction = float(opts.fraction)
     n = shape[0] * shape[1]
     k = round(fraction * n)
     if k == 0:
@@ -125,16 +97,14 @@ def _task_of(path: str) -> str | None:
     return None
 
 
-def check_out(out: Path, model_path: str, overwrite: bool) -> None:
-    """Refuse an output path that is a file, the model itself, or a directory that is there and not empty
-    (without `overwrite`)."""
-    if out.exists() and not out.is_dir():
-        raise AttnkitError(f"{arg('out')} {str(out)!r} exists and is not a directory")
-    if out.exists() and out.resolve() == Path(model_path).resolve():
-        raise AttnkitError(f"{arg('out')} {str(out)!r} is the model being pruned: write the pruned model elsewhere")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise AttnkitError(f"{arg('out')} {str(out)!r} already exists: use {arg('overwrite', True)} to replace it, "
-                           f"or another {arg('out')}")
+def readable_as_umask_says(directory: Path) -> None:
+    """Give every file in `directory` the mode a new file gets (0666 less the umask), as attnkit's other files
+    have: safetensors writes model.safetensors through a private temporary file, mode 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in Path(directory).rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o666 & ~umask)
 
 
 def run_prune(opts: PruneOptions, echo=None) -> Pruned:
@@ -160,6 +130,7 @@ def run_prune(opts: PruneOptions, echo=None) -> Pruned:
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            readable_as_umask_says(tmp)
             if out.exists():
                 shutil.rmtree(out)
             os.replace(tmp, out)
@@ -183,5 +154,5 @@ def describe(res: Pruned) -> list[str]:
     return lines
 
 
-__all__ = ["IMPORTANCE_FILE", "PruneOptions", "Pruned", "check_fraction", "describe", "heads_to_remove",
+__all__ = ["IMPORTANCE_FILE", "PruneOptions", "Pruned", "describe", "heads_to_remove",
            "importance_order", "run_prune"]

@@ -117,8 +117,9 @@ class Sweep:
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(plan.steps) * len(interventions), desc=desc, unit="setting·batch",
-                       dynamic_ncols=True)
+            # one step: one batch of one setting ("setting·batch/s" read badly); the label says how many of each
+            bar = tqdm(total=len(plan.steps) * len(interventions), unit="batch", dynamic_ncols=True,
+                       desc=f"{desc}: {len(interventions)} settings × {len(plan.steps)} batches")
         # settings in the order of the layer they start at; rounds of them that fit `parts_bytes`
         order = sorted(range(len(interventions)), key=lambda i: interventions[i].first_changed_layer())
         results: list = [None] * len(interventions)

@@ -26,40 +26,13 @@ from sklearn.mixture import GaussianMixture
 from sklearn.preprocessing import StandardScaler
 
 from ..errors import SEED_MAX, AttnkitError, check_int
+from ..features import distance_feature_names, resolve_subset  # re-exported: checked without scikit-learn
+from ..run.clusters import REMOVED
 from ..run.head_features import HeadFeatures
 
 METHODS = ("kmeans", "gmm")
 STABILITY_WARN = 0.8  # below this mean stability over seeds, head types are called unreliable
 DEFAULT_SEEDS = 10  # seeds for the mean and range of the stability
-
-
-def distance_feature_names(names) -> list[str]:
-    """The exclusive distance buckets (cls, sep, comma, period, self, win_*) among `names`, in order."""
-    return [n for n in names if n in ("cls", "sep", "comma", "period", "self") or n.startswith("win_")]
-
-
-def resolve_subset(names, features_subset=None) -> list[str]:
-    """Feature names to cluster on: None → the distance buckets; a str → comma-separated names;
-    "all" → every feature; a list → those names (each must exist)."""
-    names = list(names)
-    if features_subset is None or features_subset == "distance":
-        chosen = distance_feature_names(names)
-        if not chosen:
-            raise AttnkitError("the features hold no distance buckets (cls, sep, ..., win_*) to cluster on")
-        return chosen
-    if features_subset == "all":
-        return names
-    if isinstance(features_subset, str):
-        features_subset = [s.strip() for s in features_subset.split(",") if s.strip()]
-    chosen = list(features_subset)
-    if not chosen:
-        raise AttnkitError("the feature subset is empty")
-    unknown = [n for n in chosen if n not in names]
-    if unknown:
-        raise AttnkitError(f"unknown feature(s) {', '.join(map(repr, unknown))}; known: {', '.join(names)}")
-    if len(set(chosen)) != len(chosen):
-        raise AttnkitError(f"the feature subset names a feature twice: {chosen}")
-    return chosen
 
 
 def head_matrix(features: HeadFeatures, subset: list[str]) -> np.ndarray:
@@ -151,8 +124,10 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
 
     Attributes after `fit`
     ----------------------
-    labels_ : int array (n_layers·n_heads,) in (layer, head) order; `labels_grid_` is n_layers × n_heads
-        (only when fitted on `HeadFeatures`).
+    labels_ : int array, one label per clustered head in (layer, head) order; `labels_grid_` is
+        n_layers × n_heads (only when fitted on `HeadFeatures`), -1 for a head removed by pruning.
+    kept_ : (n_layers·n_heads,) booleans, the heads clustered (fitted on `HeadFeatures`: those not removed by
+        pruning, whose features are NaN, docs/pruning.md; else None); `n_removed_` counts those left out.
     centroids_ : k × d cluster centres in the units of the chosen features (not standardised).
     profiles_ : k × F member means of every feature (for naming and reports), with `profile_names_`.
     type_names_ : list of k unique names (see `attnkit.analysis.naming.name_clusters`).
@@ -202,13 +177,16 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
         if isinstance(X, HeadFeatures):
             subset = resolve_subset(X.names, self.features_subset)
             self.grid_shape_ = X.mean.shape[:2]
-            self._all = np.asarray(X.mean, dtype=np.float64).reshape(-1, X.mean.shape[2])
+            self.kept_ = X.kept.reshape(-1)  # a removed head has no features: it is no member of any type
+            self.n_removed_ = int((~self.kept_).sum())
+            self._all = np.asarray(X.mean, dtype=np.float64).reshape(-1, X.mean.shape[2])[self.kept_]
             self._all_names = list(X.names)
-            return head_matrix(X, subset), subset
+            return head_matrix(X, subset)[self.kept_], subset
         arr = np.asarray(X, dtype=np.float64)
         if arr.ndim != 2:
             raise AttnkitError(f"expected HeadFeatures or a 2-D array (heads × features), got shape {arr.shape}")
         self.grid_shape_ = None
+        self.kept_, self.n_removed_ = None, 0
         self._all = arr
         names = getattr(X, "columns", None)
         self._all_names = [str(c) for c in names] if names is not None else [f"x{i}" for i in range(arr.shape[1])]
@@ -249,7 +227,9 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
         self.type_names_ = name_clusters(self.profiles_, self.profile_names_)
         self.silhouette_ = float(silhouette_score(Z, labels)) if len(np.unique(labels)) > 1 else float("nan")
         if self.grid_shape_ is not None:
-            self.labels_grid_ = labels.reshape(self.grid_shape_)
+            grid = np.full(self.kept_.shape, -1, dtype=np.int64)
+            grid[self.kept_] = labels
+            self.labels_grid_ = grid.reshape(self.grid_shape_)
         self._stability(Z)
         del self._all
         return self
@@ -282,8 +262,14 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
         """Cluster ids (in this fit's numbering) for new heads."""
         if not hasattr(self, "estimator_"):
             raise AttnkitError("this HeadClusterer is not fitted yet: call fit() first")
-        if isinstance(X, HeadFeatures):
+        if isinstance(X, HeadFeatures):  # a head removed by pruning gets -1
             data = head_matrix(X, list(self.feature_names_in_))
+            kept = X.kept.reshape(-1)
+            out = np.full(len(kept), -1, dtype=np.int64)
+            if kept.any():
+                Z = self.scaler_.transform(data[kept]) if self.scaler_ is not None else data[kept]
+                out[kept] = self._label_remap[np.asarray(self.estimator_.predict(Z), dtype=np.int64)]
+            return out
         else:
             data = np.asarray(X, dtype=np.float64)
         if data.ndim != 2 or data.shape[1] != self.n_features_in_:
@@ -292,7 +278,9 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
         return self._label_remap[np.asarray(self.estimator_.predict(Z), dtype=np.int64)]
 
     def type_of(self, layer: int, head: int) -> str:
-        return self.type_names_[int(self.labels_grid_[layer, head])]
+        """The type of a head ("removed" for one a pruning removed)."""
+        label = int(self.labels_grid_[layer, head])
+        return REMOVED if label < 0 else self.type_names_[label]
 
 
 def cluster(features, *, k=4, method="kmeans", features_subset=None, standardize=False, seed=0,
@@ -338,7 +326,7 @@ def sweep(features, ks=range(2, 9), progress: bool = False, n_seeds: int = 1, **
     row also holds the stability's mean, min and max over that many seeds (`stability_over_seeds`)."""
     from tqdm.auto import tqdm
 
-    n = features.mean.shape[0] * features.mean.shape[1] if isinstance(features, HeadFeatures) else len(features)
+    n = int(features.kept.sum()) if isinstance(features, HeadFeatures) else len(features)
     share = float(kwargs.get("subsample", 0.5)) if kwargs.get("n_stability", 10) else 1.0
     feasible = [int(k) for k in ks if int(k) < n and int(round(share * n)) >= int(k)]
     if not feasible:
@@ -362,5 +350,45 @@ def sweep(features, ks=range(2, 9), progress: bool = False, n_seeds: int = 1, **
     return out
 
 
-__all__ = ["HeadClusterer", "cluster", "sweep", "stability_over_seeds", "seed_summary", "STABILITY_WARN",
-           "match_labels", "canonical_numbering", "resolve_subset", "distance_feature_names", "head_matrix", "clone"]
+def stability_assessment(clusterer, over: dict | None = None, sweep_rows: list | None = None,
+                         n_samples: int | None = None) -> dict:
+    """Whether the head types are stable, judged as `attnkit cluster`, the report and `attnkit compare` judge
+    them (the mean over seeds when measured, else seed `seed`'s value, against STABILITY_WARN), and, from the
+    k sweep when there is one, which k are stable and which is the most stable; when the types are not stable,
+    what would help. clusters.json records it as `stability.assessment` (docs/analysis.md, §2)."""
+    k = int(clusterer.k)
+    by = "mean over seeds" if over is not None else "one seed"
+    value = over["mean"] if over is not None else clusterer.stability_
+    value = None if value is None or value != value else float(value)
+    out = {"threshold": STABILITY_WARN, "judged_by": by, "k": k, "value": value,
+           "stable": None if value is None else value >= STABILITY_WARN}
+    if sweep_rows:
+        def judged(r):
+            v = r.get("stability_mean", r.get("stability"))
+            return None if v is None or v != v else float(v)
+
+        scored = [(judged(r), int(r["k"])) for r in sweep_rows if judged(r) is not None]
+        out["sweep_judged_by"] = "mean over seeds" if any("stability_mean" in r for r in sweep_rows) else "one seed"
+        out["stable_ks"] = [kk for v, kk in scored if v >= STABILITY_WARN]
+        if scored:
+            best_v, best_k = max(scored, key=lambda t: (t[0], -t[1]))  # ties: the smaller k
+            out["most_stable_k"], out["most_stable_value"] = best_k, best_v
+        out["any_k_stable"] = bool(out["stable_ks"])
+    if out["stable"] is False:
+        help_ = []
+        if n_samples is not None:
+            help_.append(f"more text: the features are means over {n_samples} samples; a larger corpus makes "
+                         "them less noisy")
+        else:
+            help_.append("more text: a larger corpus makes the features less noisy")
+        help_.append("per-sample features (extract --per-sample): how much each head varies from text to text, "
+                     "to tell noisy heads from real types")
+        help_.append(f"fewer features: {len(clusterer.feature_names_in_)} are clustered now; a few that tell the "
+                     "types apart (--features cls,sep,self,...) give steadier clusters")
+        out["what_would_help"] = help_
+    return out
+
+
+__all__ = ["HeadClusterer", "cluster", "stability_assessment", "sweep", "stability_over_seeds", "seed_summary",
+           "STABILITY_WARN", "match_labels", "canonical_numbering", "resolve_subset", "distance_feature_names",
+           "head_matrix", "clone"]

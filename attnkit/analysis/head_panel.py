@@ -167,8 +167,10 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
     M = L * H
     gone = np.zeros(M, dtype=bool) if removed is None else np.asarray(removed, dtype=bool).ravel()
     type_names = [c["type"] for c in clusters["clusters"]]
+    # clusters.json lists the removed heads of a pruned model apart (`removed_heads`), not in `heads`
     label = {(h["layer"], h["head"]): h["label"] for h in clusters["heads"]}
-    agreement = [h.get("agreement") for h in sorted(clusters["heads"], key=lambda h: (h["layer"], h["head"]))]
+    by_head = {(h["layer"], h["head"]): h.get("agreement") for h in clusters["heads"]}
+    agreement = [by_head.get((m // H, m % H)) for m in range(M)]
     X = head_matrix(features, clusters["settings"]["features"])
     feat_d = np.sqrt(np.square(X[:, None, :] - X[None, :, :]).sum(-1))
     data = {
@@ -178,7 +180,8 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
                      "std": _rounded(features.std.reshape(M, F)), "scale": feature_scales(features),
                      "docs": docs["links"], "defs": docs["defs"]},
         "types": {"names": type_names, "colors": [colors[t] for t in type_names],
-                  "short": [t[:3] for t in type_names], "label": [int(label[(m // H, m % H)]) for m in range(M)],
+                  "short": [t[:3] for t in type_names],
+                  "label": [int(label.get((m // H, m % H), -1)) for m in range(M)],
                   "agreement": None if all(a is None for a in agreement) else agreement},
         "near": {"js": nearest(distances.per_token, removed=gone) if distances is not None else None,
                  "feat": nearest(feat_d, removed=gone)},

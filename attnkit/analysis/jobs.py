@@ -20,7 +20,7 @@ from ..run.locking import run_lock
 from ..run.outputs import ensure_writable_dir, os_errors
 from ..run.overwrite import claim_outputs
 from .attached import find_attached
-from .clustering import HeadClusterer, cluster, resolve_subset, stability_over_seeds, sweep
+from .clustering import STABILITY_WARN, HeadClusterer, cluster, resolve_subset, stability_over_seeds, sweep
 from .head_panel import unverifiable_corpus
 from .report import (
     DEFAULT_EXAMPLES,
@@ -51,8 +51,9 @@ def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None
                 n_seeds: int = 10, quiet: bool = False, overwrite: bool = False,
                 echo: Callable[..., None] = print_message) -> Clustering:
     """Group the heads of `run` into types and write RUN/clusters.json (the arguments as `attnkit.cluster`'s;
-    `n_seeds` > 1 repeats the stability measure with that many seeds, `do_sweep` adds k = 2..8). An earlier
-    clusters.json is replaced only with `overwrite` (the report drawn from it goes with it)."""
+    `n_seeds` > 1 repeats the stability measure with that many seeds, `do_sweep` adds k = 2..8; the sweep is
+    also made when the types at `k` are not stable, to say which k is). An earlier clusters.json is replaced
+    only with `overwrite` (the report drawn from it goes with it)."""
     run = Path(run)
     for value, name in ((k, "k"), (seed, "seed"), (n_stability, "n_stability"), (n_seeds, "n_seeds")):
         check_int(value, name)  # before the lock and the first fit
@@ -69,8 +70,10 @@ def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None
         if n_stability and n_seeds > 1:
             over = stability_over_seeds(feats, n_seeds=n_seeds, seed=seed, first=c, k=k, method=method,
                                         features_subset=features, standardize=standardize, n_stability=n_stability)
+        judged = over["mean"] if over is not None else c.stability_
+        unstable = judged == judged and judged < STABILITY_WARN  # then the sweep says which k is (or that none is)
         rows = sweep(feats, method=method, features_subset=features, standardize=standardize, seed=seed,
-                     n_stability=n_stability, progress=not quiet, n_seeds=n_seeds) if do_sweep else None
+                     n_stability=n_stability, progress=not quiet, n_seeds=n_seeds) if do_sweep or unstable else None
         path = save_clusters(run, c, feats, rows, over)
         claim.remove_stale()
     if claim.removed_message():

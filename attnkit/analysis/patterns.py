@@ -36,6 +36,7 @@ import numpy as np
 
 from ..arch.architectures import DECODER_TYPES
 from ..errors import INT_RANGES, AttnkitError, arg, check_int
+from ..features import weighting_of
 from ..run.files import FIGURES_DIR, META_FILE, PATTERN_LABELS, PATTERNS_FILE, PER_SAMPLE_ROWS, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.outputs import write_json
@@ -44,6 +45,7 @@ from ..run.per_sample import check_matches_run, load_per_sample, read_rows
 
 CLASSES = ("vertical", "diagonal", "vertical+diagonal", "block", "heterogeneous")
 VERTICAL, DIAGONAL, MIXED, BLOCK, HETEROGENEOUS = range(5)
+NO_ATTENTION = -1  # the label of a head a pruning removed (NaN features, docs/pruning.md): no class, not counted
 VERTICAL_FEATURES = ("cls", "sep")
 DIAGONAL_FEATURES = ("prev", "next", "self")
 STRUCTURED_MIN = 0.5   # v + d at least this: the map is dominated by stripes and/or the diagonal band
@@ -98,7 +100,8 @@ def masses(features, names) -> dict:
 
 
 def classify(features, names, pairs=None, rules: Rules | None = None) -> np.ndarray:
-    """Class ids (see CLASSES) of every (example, …, head) for features `... × F` (e.g. N × layers × heads × F).
+    """Class ids (see CLASSES) of every (example, …, head) for features `... × F` (e.g. N × layers × heads × F);
+    NO_ATTENTION (-1) for a head removed by pruning (its features are NaN).
 
     `pairs`: None (infer from `inter` > 0 per example and head), a bool, or a bool array broadcastable to
     the leading dims (e.g. shape (N, 1, 1) for one flag per example). `rules`: the thresholds (default:
@@ -118,6 +121,7 @@ def classify(features, names, pairs=None, rules: Rules | None = None) -> np.ndar
     out[structured & (d > v)] = DIAGONAL
     mix = np.float32(r.mix_part_min)
     out[structured & (v >= mix) & (d >= mix)] = MIXED
+    out[np.isnan(v)] = NO_ATTENTION  # a removed head has no attention to classify
     return out
 
 
@@ -147,24 +151,40 @@ def class_counts(per_sample, names, *, pairs=None, chunk: int = 4096, rules: Rul
     return counts
 
 
-def proportions(counts: np.ndarray) -> dict:
-    """Shares per class: per layer (over the layer's heads × examples), per head, and over the corpus."""
+def proportions(counts: np.ndarray, removed: np.ndarray | None = None) -> dict:
+    """Shares per class: per layer (over the layer's heads × examples), per head, and over the corpus; the heads
+    `removed` (layers × heads booleans: removed by pruning, never classified) are left out: null per head, and
+    null per layer for a layer with no head left."""
     total = counts.sum(-1, keepdims=True)
-    if not np.all(total > 0):
+    removed = np.zeros(counts.shape[:2], dtype=bool) if removed is None else np.asarray(removed, dtype=bool)
+    if not np.all(total[~removed] > 0) or removed.all():
         raise AttnkitError("no examples to count")
-    per_layer = counts.sum(1) / counts.sum((1, 2))[:, None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_layer = counts.sum(1) / counts.sum((1, 2))[:, None]
+        per_head = counts / total
     overall = counts.sum((0, 1)) / counts.sum()
-    per_head = counts / total
+
+    def share(x):
+        return None if not np.isfinite(x) else float(x)
+
     return {"overall": {c: float(overall[j]) for j, c in enumerate(CLASSES)},
-            "per_layer": {c: [float(x) for x in per_layer[:, j]] for j, c in enumerate(CLASSES)},
-            "per_head": {c: np.round(per_head[..., j], 6).tolist() for j, c in enumerate(CLASSES)}}
+            "per_layer": {c: [share(x) for x in per_layer[:, j]] for j, c in enumerate(CLASSES)},
+            "per_head": {c: [[None if removed[l, h] else round(float(per_head[l, h, j]), 6)
+                              for h in range(counts.shape[1])] for l in range(counts.shape[0])]
+                         for j, c in enumerate(CLASSES)}}
 
 
-def patterns_dict(counts: np.ndarray, *, pairs_rule: str, rules: Rules | None = None) -> dict:
+def patterns_dict(counts: np.ndarray, *, pairs_rule: str, rules: Rules | None = None,
+                  removed: np.ndarray | None = None, weighting: str = "attention") -> dict:
+    """patterns.json's content (docs/patterns.md): `removed_heads` lists the heads left out (removed by pruning),
+    `weighting` the weighting of the features classified (Kovaleva et al.'s classes describe attention weights:
+    "norm" classifies norm-weighted attention instead)."""
     L, H, _ = counts.shape
+    removed = np.zeros((L, H), dtype=bool) if removed is None else np.asarray(removed, dtype=bool)
     return {"version": 1, "classes": list(CLASSES), "rules": (rules or Rules()).as_dict(), "pairs": pairs_rule,
-            "n_examples": int(counts[0, 0].sum()), "n_layers": int(L), "n_heads": int(H),
-            "labels": PATTERN_LABELS, **proportions(counts)}
+            "weighting": weighting, "n_examples": int(counts.sum(-1).max()), "n_layers": int(L), "n_heads": int(H),
+            "removed_heads": [[int(l), int(h)] for l, h in np.argwhere(removed)],
+            "labels": PATTERN_LABELS, **proportions(counts, removed)}
 
 
 def proportions_figure(data: dict):
@@ -177,7 +197,7 @@ def proportions_figure(data: dict):
     fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * (L + 1) + 2.5), 3.6))
     bottom = np.zeros(L + 1)
     for c in CLASSES:
-        vals = np.array(per_layer[c] + [data["overall"][c]])
+        vals = np.array([np.nan if v is None else v for v in per_layer[c]] + [data["overall"][c]])
         ax.bar(labels, vals, bottom=bottom, color=PATTERN_COLORS[c], label=c, edgecolor="white", linewidth=0.5)
         bottom += vals
     ax.set_ylim(0, 1)
@@ -199,13 +219,12 @@ def run_patterns(run_dir, *, pairs=None, svg: bool = True, rules: Rules | None =
     (example, head), int8 N × layers × heads) and RUN/figures/pattern_types.png (+ .svg). Earlier results are
     replaced only with `overwrite` (the report drawn from them goes with them). Returns (the paths written,
     patterns.json's content, the message naming what `overwrite` removed or None)."""
-    from ..plotting import save_figure
-
     run_dir = Path(run_dir)
     rules = (rules or Rules()).check()
     refuse_decoder_run(run_dir)
     arr, names = load_per_sample(run_dir)
-    check_matches_run(run_dir, arr, names, HeadFeatures.load(run_dir if run_dir.is_dir() else run_dir.parent))
+    feats = HeadFeatures.load(run_dir if run_dir.is_dir() else run_dir.parent)
+    check_matches_run(run_dir, arr, names, feats)
     figure = run_dir / FIGURES_DIR / "pattern_types"
     outputs = [run_dir / PATTERNS_FILE, run_dir / PATTERN_LABELS, figure.with_suffix(".png")]
     claim = claim_outputs(outputs + ([figure.with_suffix(".svg")] if svg else []), overwrite,
@@ -220,8 +239,11 @@ def run_patterns(run_dir, *, pairs=None, svg: bool = True, rules: Rules | None =
         os.replace(tmp, labels_path)
     finally:
         tmp.unlink(missing_ok=True)
-    data = patterns_dict(counts, pairs_rule=_pairs_rule(pairs), rules=rules)
+    data = patterns_dict(counts, pairs_rule=_pairs_rule(pairs), rules=rules, removed=feats.removed,
+                         weighting=weighting_of(feats.meta))
     write_json(run_dir / PATTERNS_FILE, data)
+    from ..plotting import save_figure  # matplotlib: only once the checks have passed
+
     saved = save_figure(proportions_figure(data), run_dir / FIGURES_DIR, "pattern_types", svg=svg)
     claim.remove_stale()
     written = [run_dir / PATTERNS_FILE, labels_path, Path(saved["png"])] + ([Path(saved["svg"])] if saved.get("svg")

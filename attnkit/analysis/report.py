@@ -114,7 +114,8 @@ def pick_example_heads(features: HeadFeatures, data: dict, per_type: int = 3, n_
     picks = []
     for c in data["clusters"]:
         cen = np.array([c["centroid"][f] for f in feats])
-        members = [m for m, h in enumerate(data["heads"]) if h["label"] == c["label"] and not gone[m]]
+        members = [m for m in (h["layer"] * H + h["head"] for h in data["heads"] if h["label"] == c["label"])
+                   if not gone[m]]  # by (layer, head): removed heads are not in `heads`
         members.sort(key=lambda m: float(np.sum((X[m] - cen) ** 2)))
         for j, m in enumerate(members[:per_type]):
             picks.append((c["type"], m // H, m % H, j % max(n_texts, 1)))
@@ -461,7 +462,8 @@ def patterns_section(r: Report) -> Section | None:
     if p is None:
         return None
     d = p["data"]
-    rows = [[f"L{l}"] + [f"{100 * d['per_layer'][c][l]:.1f}%" for c in p["classes"]] for l in range(len(r.grid))]
+    rows = [[f"L{l}"] + ["–" if d["per_layer"][c][l] is None else f"{100 * d['per_layer'][c][l]:.1f}%"
+                         for c in p["classes"]] for l in range(len(r.grid))]  # None: every head removed
     rows.append(["all"] + [f"{100 * d['overall'][c]:.1f}%" for c in p["classes"]])
     rules = ", ".join(f"{k} {v}" for k, v in (d.get("rules") or {}).items())
     return Section("patterns", "Pattern classes (Kovaleva et al.)", part(

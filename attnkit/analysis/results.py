@@ -13,6 +13,7 @@ from ..errors import AttnkitError
 from ..features import weighting_of
 from ..run.clusters import (
     CLUSTERS_FILE,
+    REMOVED,
     VERSION,
     check_clusters,
     clusters_path,
@@ -23,7 +24,7 @@ from ..run.clusters import (
     type_grid,
 )
 from ..run.outputs import ensure_writable_dir, json_float, write_json
-from .clustering import STABILITY_WARN
+from .clustering import STABILITY_WARN, stability_assessment
 from .naming import profile_groups
 
 
@@ -34,9 +35,11 @@ def clusters_dict(clusterer, features=None, sweep_rows=None, seeds=None) -> dict
     L, H = clusterer.grid_shape_
     names = clusterer.type_names_
     heads = []
-    for m, lab in enumerate(clusterer.labels_):
-        heads.append({"layer": m // H, "head": m % H, "label": int(lab), "type": names[int(lab)],
-                      "agreement": json_float(clusterer.head_stability_[m])})
+    kept = clusterer.kept_ if clusterer.kept_ is not None else np.ones(L * H, dtype=bool)
+    for i, (m, lab) in enumerate(zip(np.flatnonzero(kept), clusterer.labels_)):
+        heads.append({"layer": int(m // H), "head": int(m % H), "label": int(lab), "type": names[int(lab)],
+                      "agreement": json_float(clusterer.head_stability_[i])})
+    removed = [[int(m // H), int(m % H)] for m in np.flatnonzero(~kept)]
     clusters = []
     for c, name in enumerate(names):
         g = profile_groups(clusterer.profiles_[c], clusterer.profile_names_)
@@ -58,13 +61,16 @@ def clusters_dict(clusterer, features=None, sweep_rows=None, seeds=None) -> dict
                      "seed": int(clusterer.seed), "n_stability": int(clusterer.n_stability),
                      "subsample": float(clusterer.subsample)},
         "run": run,
+        **({"removed_heads": removed} if removed else {}),
         "heads": heads,
         "clusters": clusters,
         "stability": {"k": int(clusterer.k), "stability": json_float(clusterer.stability_),
                       "silhouette": json_float(clusterer.silhouette_), "n_stability": int(clusterer.n_stability),
                       "sweep": [{key: (json_float(v) if isinstance(v, float) else v) for key, v in r.items()}
                                 for r in sweep_rows] if sweep_rows is not None else None,
-                      **({"over_seeds": seeds} if seeds is not None else {})},
+                      **({"over_seeds": seeds} if seeds is not None else {}),
+                      "assessment": stability_assessment(clusterer, seeds, sweep_rows,
+                                                         None if features is None else int(features.n_samples))},
     }
 
 
@@ -77,7 +83,8 @@ def save_clusters(run_dir, clusterer, features=None, sweep_rows=None, seeds=None
 def compare(a: dict, b: dict) -> dict:
     """Compare two clusters.json contents of the same architecture by type name.
 
-    Returns {"n_heads", "n_changed", "changed": [{"layer", "head", "a", "b"}], "transitions":
+    Returns {"n_heads" (compared), "n_removed" (left out: removed by pruning in either run), "n_changed",
+    "changed": [{"layer", "head", "a", "b"}], "transitions":
     {"a -> b": count}, "per_layer": {"a": type_distribution(a), "b": type_distribution(b)}}.
     Types are compared by name, so two runs must name their clusters with the same rules (they do:
     names come from the centroids, not from label ids). "reliable" is false when either run's clustering
@@ -87,10 +94,11 @@ def compare(a: dict, b: dict) -> dict:
     ga, gb = type_grid(a), type_grid(b)
     if ga.shape != gb.shape:
         raise AttnkitError(f"cannot compare runs of different shapes: {ga.shape} vs {gb.shape} (layers × heads)")
+    removed = (ga == REMOVED) | (gb == REMOVED)  # a head a pruning removed in either run has no type to compare
     changed, transitions = [], {}
     for l in range(ga.shape[0]):
         for h in range(ga.shape[1]):
-            if ga[l, h] != gb[l, h]:
+            if not removed[l, h] and ga[l, h] != gb[l, h]:
                 changed.append({"layer": l, "head": h, "a": ga[l, h], "b": gb[l, h]})
                 key = f"{ga[l, h]} -> {gb[l, h]}"
                 transitions[key] = transitions.get(key, 0) + 1
@@ -98,7 +106,8 @@ def compare(a: dict, b: dict) -> dict:
     reliable = all(v is not None and v >= STABILITY_WARN for v in stab.values())
     for c in changed:
         c["reliable"] = reliable
-    return {"n_heads": int(ga.size), "n_changed": len(changed), "changed": changed,
+    return {"n_heads": int((~removed).sum()), "n_removed": int(removed.sum()), "n_changed": len(changed),
+            "changed": changed,
             "reliable": reliable, "stability": stab, "stability_threshold": STABILITY_WARN,
             "transitions": dict(sorted(transitions.items(), key=lambda kv: -kv[1])),
             "per_layer": {"a": type_distribution(a), "b": type_distribution(b)}}

@@ -33,6 +33,16 @@ def class_mass(features, names) -> np.ndarray:
     return sum(features.mean[:, :, features.names.index(n)] for n in names)
 
 
+def kept_mean(values: np.ndarray, axis=None):
+    """Mean over the heads a model has: a head removed by pruning (NaN features, docs/pruning.md) is left out;
+    NaN where no head is left (a layer whose heads were all removed)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "Mean of empty slice": a layer with no head left
+        return np.nanmean(values, axis=axis)
+
+
 def uniform_entropy(features) -> tuple[float, float]:
     """(n, ln n): mean tokens per sample of the run and the entropy of uniform attention over them."""
     if features.n_samples <= 0 or features.n_tokens <= 0:
@@ -42,13 +52,15 @@ def uniform_entropy(features) -> tuple[float, float]:
 
 
 def layer_summaries(features) -> dict:
-    """Per layer (mean over its heads): attention to [CLS], [SEP], punctuation, entropy, [CLS]-row entropy;
-    also the per-head values (layers × heads lists) and the uniform baseline."""
+    """Per layer (mean over its heads, those removed by pruning left out: NaN for a layer with none): attention to
+    [CLS], [SEP], punctuation, entropy, [CLS]-row entropy; also the per-head values (layers × heads lists, NaN for
+    a removed head), the uniform baseline and `n_removed`, the heads left out."""
     n, ln_n = uniform_entropy(features)
-    out = {"n_mean_tokens": n, "uniform_entropy": ln_n, "per_layer": {}, "per_head": {}}
+    out = {"n_mean_tokens": n, "uniform_entropy": ln_n, "per_layer": {}, "per_head": {},
+           "n_removed": int(np.isnan(features.mean).all(axis=2).sum())}
     for label, names in SPECIAL_GROUPS + (("entropy", ("entropy",)), ("[CLS] entropy", ("cls_entropy",))):
         v = class_mass(features, names)
-        out["per_layer"][label] = [float(x) for x in v.mean(1)]
+        out["per_layer"][label] = [float(x) for x in kept_mean(v, 1)]
         out["per_head"][label] = v.tolist()
     return out
 
@@ -79,7 +91,7 @@ def paper_differences(features) -> list[str]:
     cls, sep = class_mass(features, ("cls",)), class_mass(features, ("sep",))
     punct = class_mass(features, ("comma", "period"))
     mid = slice(L // 3, max(L // 3 + 1, (2 * L) // 3))
-    m_cls, m_sep, m_punct = float(cls[mid].mean()), float(sep[mid].mean()), float(punct[mid].mean())
+    m_cls, m_sep, m_punct = float(kept_mean(cls[mid])), float(kept_mean(sep[mid])), float(kept_mean(punct[mid]))
     where = f"layers {mid.start}–{mid.stop - 1}"
     if max(m_cls, m_sep) < 0.2:
         notes.append(f"No special-token sink: in the middle {where} heads put {m_cls:.2f} on [CLS] and {m_sep:.2f} on "
@@ -97,17 +109,23 @@ def paper_differences(features) -> list[str]:
     elif L >= 3 and np.mean([r["layer"] for r in pn]) >= (L - 1) / 2:
         notes.append("Previous/next-token heads sit mostly in the upper half of the model (Clark et al.: "
                      "especially in earlier layers).")
-    ent = class_mass(features, ("entropy",)).mean(1)
+    ent = class_mass(features, ("entropy",))
     third = max(1, L // 3)
-    if L >= 3 and ent[:third].mean() < ent[-third:].mean():
-        notes.append(f"Attention is not broadest in the lowest layers: mean entropy {ent[:third].mean():.2f} nats in "
-                     f"the first {third} layer(s) vs {ent[-third:].mean():.2f} in the last (Clark et al.: low layers "
+    low, high = float(kept_mean(ent[:third])), float(kept_mean(ent[-third:]))
+    if L >= 3 and low < high:
+        notes.append(f"Attention is not broadest in the lowest layers: mean entropy {low:.2f} nats in "
+                     f"the first {third} layer(s) vs {high:.2f} in the last (Clark et al.: low layers "
                      "attend broadly).")
     _, ln_n = uniform_entropy(features)
-    cls_ent = float(class_mass(features, ("cls_entropy",))[-1].mean())
-    if cls_ent < 0.5 * ln_n:
-        notes.append(f"The [CLS] rows of the last layer are focused (entropy {cls_ent:.2f} nats, uniform {ln_n:.2f}); "
-                     "Clark et al. find them broad.")
+    cls_rows = class_mass(features, ("cls_entropy",))
+    with_heads = [l for l in range(L) if np.isfinite(cls_rows[l]).any()]  # pruning may have emptied the last
+    if with_heads:
+        last = with_heads[-1]
+        cls_ent = float(kept_mean(cls_rows[last]))
+        which = "the last layer" if last == L - 1 else f"layer {last}, the last with heads left,"
+        if cls_ent < 0.5 * ln_n:
+            notes.append(f"The [CLS] rows of {which} are focused (entropy {cls_ent:.2f} nats, uniform {ln_n:.2f}); "
+                         "Clark et al. find them broad.")
     return notes
 
 
@@ -147,5 +165,5 @@ def layer_summary_figure(summary: dict):
     return fig
 
 
-__all__ = ["layer_summaries", "threshold_heads", "paper_differences", "layer_summary_figure", "uniform_entropy",
-           "PREV_NEXT_MIN", "SPECIAL_MIN", "BROAD_FRACTION", "class_mass"]
+__all__ = ["kept_mean", "layer_summaries", "threshold_heads", "paper_differences", "layer_summary_figure",
+           "uniform_entropy", "PREV_NEXT_MIN", "SPECIAL_MIN", "BROAD_FRACTION", "class_mass"]

@@ -50,24 +50,31 @@ def compare_weightings(attention: HeadFeatures, norm: HeadFeatures) -> dict:
     Returns {"groups": {group: {"attention", "norm", "survival": L × H lists (survival null where the
     attention mass is 0), "mean_attention", "mean_norm", "survival_of_means"}}, "per_layer": {group:
     {"attention": [...], "norm": [...]}}, "heads": the heads with the most special-token mass under attention,
-    with both masses}. Means are over all heads."""
+    with both masses, "n_removed": heads removed by pruning in either run, left out}. Means are over the other
+    heads (null for a layer with none)."""
     check_same_measurement(attention, norm)
+    kept = attention.kept & norm.kept
     groups, per_layer = {}, {}
     for label, names in GROUPS:
         a, n = class_mass(attention, names), class_mass(norm, names)
         with np.errstate(divide="ignore", invalid="ignore"):
-            survival = np.where(a > 0, n / a, np.nan)
+            survival = np.where(kept & (a > 0), n / a, np.nan)
+        ma, mn = float(a[kept].mean()), float(n[kept].mean())
         groups[label] = {"attention": _grid(a), "norm": _grid(n), "survival": _grid(survival),
-                         "mean_attention": float(a.mean()), "mean_norm": float(n.mean()),
-                         "survival_of_means": json_float(n.mean() / a.mean()) if a.mean() > 0 else None}
-        per_layer[label] = {"attention": [float(x) for x in a.mean(1)], "norm": [float(x) for x in n.mean(1)]}
+                         "mean_attention": ma, "mean_norm": mn,
+                         "survival_of_means": json_float(mn / ma) if ma > 0 else None}
+        per_layer[label] = {"attention": [json_float(a[l][kept[l]].mean()) if kept[l].any() else None
+                                          for l in range(a.shape[0])],
+                            "norm": [json_float(n[l][kept[l]].mean()) if kept[l].any() else None
+                                     for l in range(n.shape[0])]}
     special, special_norm = class_mass(attention, GROUPS[-1][1]), class_mass(norm, GROUPS[-1][1])
-    top = np.argsort(-special, axis=None, kind="stable")[:10]
+    top = [i for i in np.argsort(-np.where(kept, special, -np.inf), axis=None, kind="stable")
+           if kept.reshape(-1)[i]][:10]
     heads = []
     for flat in top:
         l, h = (int(x) for x in np.unravel_index(flat, special.shape))
         heads.append({"layer": l, "head": h, "attention": float(special[l, h]), "norm": float(special_norm[l, h])})
-    return {"groups": groups, "per_layer": per_layer, "heads": heads}
+    return {"groups": groups, "per_layer": per_layer, "heads": heads, "n_removed": int((~kept).sum())}
 
 
 def compare_run_weightings(run_a, run_b) -> dict | None:
@@ -84,7 +91,8 @@ def compare_run_weightings(run_a, run_b) -> dict | None:
 def weighting_lines(res: dict) -> list[str]:
     """What `attnkit compare` prints of a weighting comparison."""
     lines = [f"weightings: {res['attention_run']} attention, {res['norm_run']} norm (Kobayashi et al. 2020); "
-             "special-token mass, mean over heads:",
+             "special-token mass, mean over heads" + (f" ({res['n_removed']} removed by pruning left out)"
+                                                       if res.get("n_removed") else "") + ":",
              f"  {'':<13} {'attention':>9} {'norm':>7} {'surviving':>10}"]
     for label, g in res["groups"].items():
         surv = "–" if g["survival_of_means"] is None else f"{g['survival_of_means']:.0%}"

@@ -10,7 +10,7 @@ This package is in the model layer (docs/architecture.md): it imports only the l
 """
 from .architectures import AttentionLayer, attention_layers, layout_of
 from .norms import key_norms
-from .pruning import kept_heads, load_pruned_model, prune_heads, pruned_head_grid
+from .pruning import kept_heads, load_pruned_model, prune_heads, pruned_head_grid, removed_heads
 
 __all__ = ["AttentionLayer", "attention_layers", "key_norms", "kept_heads", "layout_of", "load_pruned_model",
-           "prune_heads", "pruned_head_grid"]
+           "prune_heads", "pruned_head_grid", "removed_heads"]

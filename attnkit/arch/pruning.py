@@ -66,11 +66,12 @@ def to_kept(t: torch.Tensor | None, kept: tuple[tuple[int, ...], int]) -> torch.
     return t[torch.tensor(kept[0], dtype=torch.long, device=t.device)]
 
 
-def to_unpruned(t: torch.Tensor, kept: tuple[tuple[int, ...], int]) -> torch.Tensor:
-    """A B × h × … tensor of the kept heads (features, q, k) spread over the unpruned heads (B × H × …): zeros in
-    the places of the removed heads."""
+def to_unpruned(t: torch.Tensor, kept: tuple[tuple[int, ...], int], fill: float = 0.0) -> torch.Tensor:
+    """A B × h × … tensor of the kept heads (features, q, k, outputs) spread over the unpruned heads (B × H × …):
+    `fill` in the places of the removed heads (features: NaN, a head that has no attention has no features;
+    outputs, q and k: 0)."""
     heads, H = kept
-    out = t.new_zeros((t.shape[0], H, *t.shape[2:]))
+    out = t.new_full((t.shape[0], H, *t.shape[2:]), fill)
     out[:, list(heads)] = t
     return out
 
@@ -289,6 +290,12 @@ def pruned_head_grid(model_or_config) -> np.ndarray:
     return grid
 
 
+def removed_heads(model_or_config) -> list[list[int]]:
+    """[[layer, head], ...] of the heads an earlier pruning removed (in the unpruned numbering; [] for a model
+    that was not pruned): what RUN/meta.json records as `removed_heads` (docs/files.md)."""
+    return [[int(l), int(h)] for l, h in np.argwhere(~pruned_head_grid(model_or_config))]
+
+
 def _read_weights(path: str) -> dict:
     from safetensors.torch import load_file
 
@@ -361,5 +368,5 @@ def load_pruned_model(path, model_class=None, *, dtype=None):
 
 
 __all__ = ["CONFIG_COUNTS", "CONFIG_HEADS", "KV_HEAD_ATTR", "GroupedKV", "current_heads", "heads_in_config",
-           "kept_heads", "kv_group_size", "load_pruned_model",
-           "prune_heads", "pruned_head_grid", "to_kept", "to_unpruned"]
+           "kept_heads", "kv_group_size", "load_pruned_model", "prune_heads", "pruned_head_grid", "removed_heads",
+           "to_kept", "to_unpruned"]

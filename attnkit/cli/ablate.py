@@ -54,21 +54,25 @@ def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metr
     """Disable heads, layers or head types of MODEL (a local model directory, or `default` for the embedded
     MiniLM), or patch its heads from clean into corrupted inputs, and measure the task metric; writes
     CSV/JSON/Markdown tables, every setting's per-example outputs and a PNG figure."""
-    from ..ablation.job import AblateOptions, run_ablation
+    from ..ablation.options import AblateOptions, output_paths, preflight_ablate
 
-    res = run_ablation(AblateOptions(
+    opts = AblateOptions(
         model=model, task_name=task_name, data=data, experiment=experiment, clusters=clusters, mode=mode,
         limit=limit, sample=sample, batch_size=batch_size, glue_task=glue_task, step=step,
         no_layer_norm=no_layer_norm, renormalize=renormalize, device=device, out=out, quiet=quiet, metric=metric,
-        mean_corpus=tuple(mean_corpus), resamples=resamples, stack=stack, overwrite=overwrite))
+        mean_corpus=tuple(mean_corpus), resamples=resamples, stack=stack, overwrite=overwrite)
+    preflight_ablate(opts)  # refusals that need no model come before torch is imported
+    from ..ablation.job import run_ablation
+
+    res = run_ablation(opts)
     table = res.table
     click.echo(f"{res.model_name} · {task_name} · {experiment} (mode {res.mode}) · {table.rows[0].get('n')} examples"
-               + (f" · types {res.type_counts}" if res.type_counts is not None else ""))
+               + (f" · types {res.type_counts}" if res.type_counts is not None else "")
+               + (f" · {len(table.extra['removed_heads'])} head(s) removed by pruning left out"
+                  if table.extra.get("removed_heads") else ""))
     click.echo(table.to_markdown())
     if experiment == "importance":
         click.echo(f"\nheads by importance (most first): {table.extra['ranking']}")
-    from ..ablation.job import output_paths
-
     written = set(res.paths.values()) | {res.figure}
     click.echo("\nwrote " + ", ".join(p for p in output_paths(os.path.dirname(res.paths["csv"]), experiment)
                                       if p in written))

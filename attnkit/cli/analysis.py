@@ -60,34 +60,56 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
     attnkit.analysis.naming). Stability follows Guan et al. 2020: the share of heads that get the same
     label in all fits on random 50% subsets of the heads, labels matched by the Hungarian method.
     """
-    from ..analysis.clustering import STABILITY_WARN
+    from ..analysis.preflight import preflight_cluster
+
+    preflight_cluster(run, features, overwrite)  # refusals come before scikit-learn is imported
+    from ..analysis.clustering import STABILITY_WARN, stability_assessment
     from ..analysis.jobs import cluster_run
 
     res = cluster_run(run, k=k, method=method, features=features, standardize=standardize, seed=seed,
                       n_stability=n_stability, do_sweep=sweep, n_seeds=n_seeds, quiet=quiet, overwrite=overwrite,
                       echo=echo_for())
     c, over, rows, feats, path = res.clusterer, res.over_seeds, res.sweep, res.features, res.path
+    verdict = stability_assessment(c, over, rows, feats.n_samples)
     norm = " (norm-weighted)" if feats.meta.get("weighting") == "norm" else ""
-    click.echo(f"{feats.n_layers} layers × {feats.n_heads} heads, {len(c.feature_names_in_)} features{norm}, "
-               f"{method}, k = {k}: stability {c.stability_:.3f}, silhouette {c.silhouette_:.3f}")
-    if over is not None:
-        click.echo(f"stability over {over['n_seeds']} seeds: mean {over['mean']:.3f}, range "
-                   f"{over['min']:.3f}–{over['max']:.3f}")
-    judged = over["mean"] if over is not None else c.stability_
-    if judged == judged and judged < STABILITY_WARN:
-        click.echo(f"warning: stability {judged:.3f} is below {STABILITY_WARN}: these head types are not "
-                   "reliable (try another k, or more features)", err=True)
+    left_out = f" ({c.n_removed_} removed by pruning left out)" if c.n_removed_ else ""
+    stab = (f"stability over {over['n_seeds']} seeds: mean {over['mean']:.3f}, range {over['min']:.3f}–"
+            f"{over['max']:.3f}; seed {seed}: {c.stability_:.3f}" if over is not None
+            else f"stability {c.stability_:.3f}")
+    ks = [r["k"] for r in rows] if rows else []
+    if verdict["stable"] is False and rows and not verdict["any_k_stable"]:
+        click.echo(f"no k from {ks[0]} to {ks[-1]} gives stable head types: stability ({verdict['sweep_judged_by']}) "
+                   f"is below {STABILITY_WARN} for every k; the most stable is k = {verdict['most_stable_k']} "
+                   f"({verdict['most_stable_value']:.3f})")
+    elif verdict["stable"] is False and rows:
+        best = verdict["most_stable_k"]
+        click.echo(f"the head types at k = {k} are not stable ({verdict['value']:.3f} < {STABILITY_WARN}); "
+                   f"stable: k = {', '.join(map(str, verdict['stable_ks']))} (most stable: k = {best}, "
+                   f"{verdict['most_stable_value']:.3f}): try -k {best}")
+    elif verdict["stable"] is False:
+        click.echo(f"the head types at k = {k} are not stable ({verdict['value']:.3f} < {STABILITY_WARN})")
+    if rows:
+        click.echo("stability by k" + (" (mean over seeds, min–max)" if n_seeds > 1 else "") + ":")
+        click.echo("  k  stability  silhouette" + ("  seed-0 stability" if n_seeds > 1 else ""))
+        for r in rows:
+            main = (f"{r['stability_mean']:.3f} ({r['stability_min']:.3f}–{r['stability_max']:.3f})"
+                    if "stability_mean" in r else f"{r['stability']:.3f}")
+            extra = f"  {r['stability']:.3f}" if "stability_mean" in r else ""
+            click.echo(f"  {r['k']:<2} {main:>9} {r['silhouette']:>11.3f}{extra}")
+    if verdict.get("what_would_help"):
+        click.echo("what would help:")
+        for line in verdict["what_would_help"]:
+            click.echo(f"  - {line}")
+    click.echo(f"{feats.n_layers} layers × {feats.n_heads} heads{left_out}, {len(c.feature_names_in_)} features{norm}, "
+               f"{method}, k = {k}: {stab}, silhouette {c.silhouette_:.3f}")
+    if verdict["stable"] is False:
+        click.echo(f"warning: stability {verdict['value']:.3f} is below {STABILITY_WARN}: these head types are not "
+                   "reliable", err=True)
     for j, name in enumerate(c.type_names_):
         click.echo(f"  {j}: {name:<16} {int((c.labels_ == j).sum()):>4} heads ({c.shares_[j]:.1%})")
-    click.echo("type ids per layer (rows: layers, columns: heads):")
+    click.echo("type ids per layer (rows: layers, columns: heads" + ("; -: removed" if c.n_removed_ else "") + "):")
     for l in range(feats.n_layers):
-        click.echo(f"  L{l:<3} " + " ".join(str(int(x)) for x in c.labels_grid_[l]))
-    if rows:
-        click.echo("k  stability  silhouette" + ("  stability over seeds (mean, min–max)" if n_seeds > 1 else ""))
-        for r in rows:
-            extra = (f"  {r['stability_mean']:.3f} ({r['stability_min']:.3f}–{r['stability_max']:.3f})"
-                     if "stability_mean" in r else "")
-            click.echo(f"{r['k']:<2} {r['stability']:>9.3f} {r['silhouette']:>11.3f}{extra}")
+        click.echo(f"  L{l:<3} " + " ".join("-" if x < 0 else str(int(x)) for x in c.labels_grid_[l]))
     click.echo(f"wrote {path}")
 
 
@@ -119,17 +141,23 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
     """
     import numpy as np
 
-    from ..engine.distances_job import DistancesOptions, run_distances_job
+    from ..engine.job_options import DistancesOptions, preflight_distances
 
-    dist, n_samples, path = run_distances_job(DistancesOptions(
+    opts = DistancesOptions(
         run=run, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs, columns=columns, limit=limit,
         rows_per_sample=rows_per_sample, batch_size=batch_size, device=device, seed=seed, smooth=smooth,
-        engine=engine, ray_address=ray_address, quiet=quiet, overwrite=overwrite), echo=echo_for())
+        engine=engine, ray_address=ray_address, quiet=quiet, overwrite=overwrite)
+    texts = preflight_distances(opts)  # refusals that need no model come before torch is imported
+    from ..engine.distances_job import run_distances_job
+
+    dist, n_samples, path = run_distances_job(opts, echo=echo_for(), texts=texts)
     pt = dist.per_token
-    off = pt[~np.eye(pt.shape[0], dtype=bool)]
+    kept = ~dist.removed
+    off = pt[np.ix_(kept, kept)][~np.eye(int(kept.sum()), dtype=bool)]
     smoothed = f" (rows smoothed with ε = {smooth:g})" if smooth else ""
+    gone = f"; left out {int((~kept).sum())} head(s) removed by pruning" if (~kept).any() else ""
     click.echo(f"{n_samples} segments, {dist.n_rows} query tokens{smoothed}: mean JS divergence per token "
-               f"between heads {off.mean():.4f} (min {off.min():.4f}, max {off.max():.4f}); wrote {path}")
+               f"between heads {off.mean():.4f} (min {off.min():.4f}, max {off.max():.4f}){gone}; wrote {path}")
 
 
 @click.command("report")
@@ -159,6 +187,9 @@ def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit,
     outside itself and shows every value read from the run's files as text. Figures are also saved as PNG and
     SVG in RUN/figures/. Uses RUN/clusters.json (or clusters now, with -k/--method/--seed), RUN/distances.npz,
     RUN/per_sample.npy and RUN/patterns.json when present."""
+    from ..analysis.preflight import preflight_report
+
+    preflight_report(run, overwrite)  # refusals come before matplotlib, scikit-learn or the model is imported
     from ..analysis.jobs import report_run
     from ..analysis.report import report_figures
 
@@ -183,7 +214,6 @@ def compare_cmd(run_a, run_b, json_out, overwrite, quiet):
     When one run was extracted with --weighting attention and the other with --weighting norm (one corpus, two
     weightings), it first shows how much of each head's [CLS], [SEP] and punctuation mass survives norm weighting
     (Kobayashi et al. 2020); head types are then compared only when both runs are clustered."""
-    from ..analysis.results import compare
     from ..analysis.weighting import compare_run_weightings, weighting_lines
     from ..run.clusters import clusters_path, load_clusters
     from ..run.locking import lock_if_run
@@ -212,10 +242,15 @@ def compare_cmd(run_a, run_b, json_out, overwrite, quiet):
             if json_out:
                 write({"weighting": weighting})
             return
-    res = compare(load_clusters(run_a, shape_a), load_clusters(run_b, shape_b))
+    a, b = load_clusters(run_a, shape_a), load_clusters(run_b, shape_b)
+    from ..analysis.results import compare  # scikit-learn: only once both files have passed their checks
+
+    res = compare(a, b)
     if weighting is not None:
         res["weighting"] = weighting
-    click.echo(f"{res['n_changed']} of {res['n_heads']} heads changed type")
+    click.echo(f"{res['n_changed']} of {res['n_heads']} heads changed type"
+               + (f" ({res['n_removed']} head(s) removed by pruning in either run left out)" if res["n_removed"]
+                  else ""))
     if not res["reliable"]:
         st = res["stability"]
         click.echo("warning: type changes are unreliable: clustering stability "

@@ -30,24 +30,38 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
     the flattened attention maps, averaged over samples (Kovaleva et al. 2019, Sec. 4.3, Fig. 5), the mean
     cosine of each head's attention rows, and each head's feature shift (B − A); the figure shows both
     cosines. The maps are computed from q and k one row block at a time, never stored."""
+    import numpy as np
+
     from ..corpus import open_corpus
-    from ..engine.compare import ModelComparison, compare_models
+    from ..run.files import compare_models_outputs
+    from ..run.model_dir import check_model_dir
     from ..run.outputs import output_dir
     from ..run.overwrite import claim_outputs
 
-    with output_dir(out):  # checked before the work, not after it
-        claim = claim_outputs(ModelComparison.outputs(out, svg=svg), overwrite)
+    with output_dir(out):  # checked before the work (and before torch is imported), not after it
+        claim = claim_outputs(compare_models_outputs(out, svg=svg), overwrite)
         texts = open_corpus(list(corpus), fmt, columns=columns, squad_pairs=squad_pairs, limit=limit)
+        for m in (model_a, model_b):
+            if _model_arg(m) is not None:
+                check_model_dir(m)
+        from ..engine.compare import compare_models
         res = compare_models(texts, _model_arg(model_a), _model_arg(model_b), max_length=max_length,
                              batch_size=batch_size, num_windows=num_windows, split_sentences=sentences,
                              backend=backend, device=device, progress=not quiet)
         res.save(out, svg=svg)
+    kept = ~res.removed
+    gone = f"; left out {int(res.removed.sum())} head(s) removed by pruning from A or B" if res.removed.any() else ""
     click.echo(f"{res.n_samples} samples, {res.n_rows} query rows; per layer, mean over heads (B vs A) of the row "
-               f"cosine and the flattened-map cosine (Kovaleva et al.):")
-    for l, (rc, mc) in enumerate(zip(res.row_cosine.mean(1), res.map_cosine.mean(1))):
-        click.echo(f"  L{l:<3} rows {rc:.4f}  maps {mc:.4f}  least similar head H{int(res.row_cosine[l].argmin())} "
-                   f"({res.row_cosine[l].min():.4f})")
-    click.echo("wrote " + ", ".join(str(p) for p in ModelComparison.outputs(out, svg=svg)))
+               f"cosine and the flattened-map cosine (Kovaleva et al.){gone}:")
+    for l in range(res.row_cosine.shape[0]):
+        if not kept[l].any():
+            click.echo(f"  L{l:<3} no head left")
+            continue
+        rows, maps = res.row_cosine[l][kept[l]], res.map_cosine[l][kept[l]]
+        least = int(np.flatnonzero(kept[l])[rows.argmin()])
+        click.echo(f"  L{l:<3} rows {rows.mean():.4f}  maps {maps.mean():.4f}  least similar head H{least} "
+                   f"({rows.min():.4f})")
+    click.echo("wrote " + ", ".join(str(p) for p in compare_models_outputs(out, svg=svg)))
     if claim.removed_message():
         echo_for()(claim.removed_message(), err=True)
 

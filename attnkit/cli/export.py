@@ -39,6 +39,7 @@ def export_cmd(run, fmt, out, overwrite, quiet):
                            intra, inter, cls_entropy)
       <feature>_std        then the standard deviation over samples of each feature,
                            in the same order
+    A head removed by pruning has no features: its cells are empty (NaN).
     """
     from ..run.head_features import HeadFeatures, features_table
     from ..run.locking import lock_if_run
@@ -49,7 +50,8 @@ def export_cmd(run, fmt, out, overwrite, quiet):
     to_stdout = out is not None and str(out) == "-"
     if to_stdout and fmt != "csv":
         raise AttnkitError("only CSV can be written to stdout (-o -); give a file for Parquet")
-    df = features_table(HeadFeatures.load(run))
+    feats = HeadFeatures.load(run)
+    df = features_table(feats)
     if to_stdout:
         click.echo(df.to_csv(index=False), nl=False)
         return
@@ -59,7 +61,11 @@ def export_cmd(run, fmt, out, overwrite, quiet):
     with lock_if_run(out.parent, "attnkit export"):  # writing into a run directory: lock it
         write_table(df, out, fmt)
     if not quiet:
-        click.echo(f"wrote {out} ({len(df)} heads × {df.shape[1] - 2} columns, {fmt})")
+        n_feats = len(feats.names)
+        removed = (f"; {feats.n_removed} head(s) removed by pruning have empty (NaN) cells" if feats.n_removed
+                   else "")
+        click.echo(f"wrote {out} ({len(df)} rows, one per head × {df.shape[1]} columns: layer, head, "
+                   f"{n_feats} feature means and their {n_feats} stds; {fmt}{removed})")
         if claim.removed_message():
             echo_for()(claim.removed_message(), err=True)
 

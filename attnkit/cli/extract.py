@@ -36,7 +36,7 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.option("--checkpoint-every", default=20, show_default=True, type=int_range("checkpoint_every"),
               help="Write a checkpoint every N batches (also every 2 minutes, and always on interruption).")
 @click.option("--per-sample", is_flag=True,
-              help="Also keep every sample's features: OUT/per_sample.npy (float16, samples × layers × heads × "
+              help="Also keep every sample's features: OUT/per_sample.npy (float32, samples × layers × heads × "
                    "features, input order; memory-mapped) for `attnkit patterns`.")
 @click.option("--weighting", type=click.Choice(["attention", "norm"]), default="attention", show_default=True,
               help="What the features describe: the attention weights, or the weights scaled per key by the norm of "
@@ -58,7 +58,7 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
     runs (Ctrl-C, kill) keep a checkpoint; `--resume` continues them to the same numbers as an
     uninterrupted run.
     """
-    from ..engine.extract_job import ExtractOptions, Interrupted, run_extract_job
+    from ..engine.job_options import ExtractOptions, preflight_extract
 
     opts = ExtractOptions(
         paths=list(corpus), model_path=model_path, fmt=fmt, text_unit=text_unit, columns=columns,
@@ -66,6 +66,9 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
         devices=devices, dtype=dtype, num_windows=num_windows, sentences=sentences, limit=limit, backend=backend,
         workers=workers, engine=engine, ray_address=ray_address, out=out, resume=resume, overwrite=overwrite,
         checkpoint_every=checkpoint_every, per_sample=per_sample, quiet=quiet, weighting=weighting)
+    preflight_extract(opts)  # refusals that need no model come before torch is imported
+    from ..engine.extract_job import Interrupted, run_extract_job
+
     try:
         run_extract_job(opts, echo=echo_for())
     except Interrupted as exc:

@@ -68,11 +68,18 @@ def patterns_cmd(run, pairs, structured_min, mix_part_min, block_intra_min, list
         written, data, removed = run_patterns(run, pairs=flag, svg=svg, rules=rules, overwrite=overwrite)
     if removed:
         echo_for()(removed, err=True)
+    if data["weighting"] != "attention":
+        click.echo(f"note: {run} holds {data['weighting']}-weighted features: Kovaleva et al.'s classes describe "
+                   f"attention weights, these describe {data['weighting']}-weighted attention (patterns.json: "
+                   "weighting)", err=True)
     if not quiet:
-        click.echo(f"{data['n_examples']} examples × {data['n_layers']} layers × {data['n_heads']} heads")
+        gone = len(data["removed_heads"])
+        click.echo(f"{data['n_examples']} examples × {data['n_layers']} layers × {data['n_heads']} heads"
+                   + (f"; left out {gone} head(s) removed by pruning" if gone else ""))
         click.echo("layer  " + " ".join(f"{c:>17}" for c in CLASSES))
         for l in range(data["n_layers"]):
-            click.echo(f"L{l:<5} " + " ".join(f"{data['per_layer'][c][l]:>17.1%}" for c in CLASSES))
+            click.echo(f"L{l:<5} " + " ".join("–".rjust(17) if data["per_layer"][c][l] is None
+                                              else f"{data['per_layer'][c][l]:>17.1%}" for c in CLASSES))
         click.echo("all    " + " ".join(f"{data['overall'][c]:>17.1%}" for c in CLASSES))
     click.echo("wrote " + ", ".join(str(p) for p in written))
 

@@ -42,14 +42,17 @@ def probe(corpus, out, model_path, parser, fmt, columns, limit, max_length, batc
     the best fixed-offset baseline; and an attention-only logistic probe's UAS. With --parser spacy, the corpus
     is read as `attnkit extract` reads it; each line or text column value is one text, both sides of a pair are
     parsed separately. See docs/probes.md."""
-    from ..probe.run import ProbeOptions, run_probe
+    from ..probe.options import ProbeOptions, preflight_probe
 
-    run_probe(ProbeOptions(paths=list(corpus), out=out, model_path=model_path, parser=parser, fmt=fmt,
-                           columns=columns, limit=limit, max_length=max_length, batch_size=batch_size, device=device,
-                           dtype=dtype, backend=backend, min_count=min_count, relation=relation,
-                           train_fraction=train_fraction, seed=seed, count_root=count_root, baseline=baseline,
-                           overwrite=overwrite, quiet=quiet),
-              echo=echo_for())
+    opts = ProbeOptions(paths=list(corpus), out=out, model_path=model_path, parser=parser, fmt=fmt,
+                        columns=columns, limit=limit, max_length=max_length, batch_size=batch_size, device=device,
+                        dtype=dtype, backend=backend, min_count=min_count, relation=relation,
+                        train_fraction=train_fraction, seed=seed, count_root=count_root, baseline=baseline,
+                        overwrite=overwrite, quiet=quiet)
+    preflight_probe(opts)  # refusals that need no model come before torch is imported
+    from ..probe.run import run_probe
+
+    run_probe(opts, echo=echo_for())
 
 
 __all__ = ["probe"]

@@ -29,10 +29,14 @@ def prune_cmd(model, heads, importance, fraction, out, overwrite, quiet):
     A layer may keep any number of heads; one with none left keeps its residual path only. The pruned model's
     hidden states equal those of MODEL with the same heads zeroed. Load it with attnkit.load_model(OUT) (every
     attnkit command takes it), or with transformers through attnkit.arch.load_pruned_model(OUT)."""
-    from ..ablation.prune import PruneOptions, describe, run_prune
+    from ..ablation.options import PruneOptions, preflight_prune
 
-    res = run_prune(PruneOptions(model=model, out=out, heads=heads, importance=importance, fraction=fraction,
-                                 overwrite=overwrite), echo=None if quiet else echo_for())
+    opts = PruneOptions(model=model, out=out, heads=heads, importance=importance, fraction=fraction,
+                        overwrite=overwrite)
+    preflight_prune(opts)  # refusals that need no model come before torch is imported
+    from ..ablation.prune import describe, run_prune
+
+    res = run_prune(opts, echo=None if quiet else echo_for())
     for line in describe(res):
         click.echo(line)
 

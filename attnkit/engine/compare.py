@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..arch.pruning import pruned_head_grid
 from ..corpus import Corpus
 from ..errors import AttnkitError
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows
 from ..models import attention_modules, check_max_length, model_feature_names, observing, resolve_model
-from ..run.files import COMPARE_JSON, COMPARE_NPZ, FIGURES_DIR
+from ..run.files import COMPARE_JSON, COMPARE_NPZ, FIGURES_DIR, compare_models_outputs
 from ..run.head_features import FeatureAccumulator
-from ..run.outputs import atomic_write, ensure_writable_dir, write_json
+from ..run.outputs import atomic_write, ensure_writable_dir, json_float, write_json
 from ..tokens import Batch, Encoder
 from .distances import check_decoder_arguments
 from .forward import default_batch_size, forward_features, measuring
@@ -191,33 +192,48 @@ class ModelComparison:
         """layers × heads × F: model B's mean features minus model A's."""
         return self.features_b.mean - self.features_a.mean
 
+    @property
+    def removed(self) -> np.ndarray:
+        """layers × heads booleans: heads removed by pruning from A or B (`meta["removed_heads"]`); their cosines
+        and feature shifts are NaN (null in compare_models.json)."""
+        out = np.zeros(self.row_cosine.shape, dtype=bool)
+        for l, h in self.meta.get("removed_heads") or []:
+            out[l, h] = True
+        return out
+
     def to_dict(self, top: int = 10) -> dict:
         names = list(self.features_a.names)
         L, H = self.row_cosine.shape
-        order = np.argsort(self.row_cosine, axis=None)[:top]
+        kept = ~self.removed
+        order = [i for i in np.argsort(np.where(kept, self.row_cosine, np.inf), axis=None)
+                 if kept.flat[i]][:top]
         shift = self.shift
+
+        def grid(a):
+            return [[json_float(round(float(x), 6)) for x in row] for row in a]
+
+        def layer_means(a):
+            return [json_float(a[l][kept[l]].mean()) if kept[l].any() else None for l in range(L)]
+
         return {
             "version": 1, **self.meta, "n_samples": int(self.n_samples), "n_rows": int(self.n_rows),
             "n_layers": int(L), "n_heads": int(H),
-            "row_cosine": np.round(self.row_cosine, 6).tolist(),
-            "map_cosine": np.round(self.map_cosine, 6).tolist(),
-            "per_layer": {"row_cosine": [float(x) for x in self.row_cosine.mean(1)],
-                          "map_cosine": [float(x) for x in self.map_cosine.mean(1)]},
+            "row_cosine": grid(self.row_cosine),
+            "map_cosine": grid(self.map_cosine),
+            "per_layer": {"row_cosine": layer_means(self.row_cosine),
+                          "map_cosine": layer_means(self.map_cosine)},
             "most_changed": [{"layer": int(i // H), "head": int(i % H),
                               "row_cosine": float(self.row_cosine.flat[i]),
                               "shift": {n: round(float(shift[i // H, i % H, j]), 6) for j, n in enumerate(names)
                                         if n in ("cls", "sep", "prev", "next", "self", "entropy", "intra")}}
                              for i in order],
-            "feature_shift": {n: np.round(shift[..., j], 6).tolist() for j, n in enumerate(names)},
+            "feature_shift": {n: grid(shift[..., j]) for j, n in enumerate(names)},
         }
 
     @staticmethod
     def outputs(directory, *, svg: bool = True) -> list[Path]:
         """The files `save` writes into `directory`."""
-        directory = Path(directory)
-        figure = directory / FIGURES_DIR / "compare_models"
-        return [directory / COMPARE_JSON, directory / COMPARE_NPZ, figure.with_suffix(".png")] + \
-            ([figure.with_suffix(".svg")] if svg else [])
+        return compare_models_outputs(directory, svg=svg)
 
     def save(self, directory, *, svg: bool = True) -> Path:
         """Write COMPARE_JSON, COMPARE_NPZ and figures/compare_models.png (and .svg) into `directory`."""
@@ -326,8 +342,13 @@ def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=Non
             "model_b": getattr(model_b.config, "_name_or_path", "") or "B", "max_length": max_length,
             "num_windows": num_windows}
     fa_, fb_ = acc_a.result(meta), acc_b.result(meta)
-    return ModelComparison(coll.row_cos / coll.n_rows, coll.map_cos / coll.n_samples, fa_, fb_, coll.n_rows,
-                           coll.n_samples, meta)
+    # a head removed by pruning from either model has no attention to compare (its q, k read as 0)
+    removed = ~(pruned_head_grid(model_a) & pruned_head_grid(model_b))
+    row_cos, map_cos = coll.row_cos / coll.n_rows, coll.map_cos / coll.n_samples
+    if removed.any():
+        meta["removed_heads"] = [[int(l), int(h)] for l, h in np.argwhere(removed)]
+        row_cos, map_cos = np.where(removed, np.nan, row_cos), np.where(removed, np.nan, map_cos)
+    return ModelComparison(row_cos, map_cos, fa_, fb_, coll.n_rows, coll.n_samples, meta)
 
 
 __all__ = ["similarity_sums", "PairedCollector", "ModelComparison", "compare_models", "cosine_heatmaps",

@@ -7,11 +7,12 @@ The job reports stage messages through `echo(text, err=False)` and returns what 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..corpus import corpus_of_run
-from ..errors import AttnkitError, arg, print_message
+from ..errors import AttnkitError, print_message
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, weighting_of
 from ..models import attention_modules, load_model
 from ..run.distances import HeadDistances
@@ -22,29 +23,8 @@ from ..run.outputs import os_errors
 from ..run.overwrite import claim_outputs
 from .distances import check_smoothing, collect_distances
 from .extract import ExtractSettings
-from .extract_job import ENGINES
+from .job_options import DistancesOptions, check_distances_options
 from .local import default_workers
-
-
-@dataclass
-class DistancesOptions:
-    """Everything `attnkit distances` takes (its options, by their Python names)."""
-
-    run: Path
-    corpus: Path | None = None
-    fmt: str = "auto"
-    squad_pairs: bool = False
-    columns: tuple | None = None
-    limit: int | None = None
-    rows_per_sample: int | None = None
-    batch_size: int | None = None
-    device: str | None = None
-    seed: int = 0
-    smooth: float = 0.0
-    engine: str = "local"
-    ray_address: str | None = None
-    quiet: bool = False
-    overwrite: bool = False
 
 
 def _check_shape(run, meta: dict, n_layers: int, n_heads: int) -> None:
@@ -54,20 +34,13 @@ def _check_shape(run, meta: dict, n_layers: int, n_heads: int) -> None:
                            f"with {want[0]} × {want[1]}")
 
 
-def run_distances_job(opts: DistancesOptions,
-                      echo: Callable[..., None] = print_message) -> tuple[HeadDistances, int, Path]:
+def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_message,
+                      texts=None) -> tuple[HeadDistances, int, Path]:
     """Measure and save the distances of `opts.run`; returns (the distances, the segments measured, the path
     written). Earlier distances are replaced only with `opts.overwrite` (the report drawn from them goes with
     them; what was removed is said through `echo`)."""
-    from .ray import check_ray_address
-
-    if opts.engine not in ENGINES:
-        raise AttnkitError(f"unknown {arg('engine')} {opts.engine!r}: use local or ray")
-    check_ray_address(opts.engine, opts.ray_address)
+    check_distances_options(opts)  # also checked by the command line before torch loads
     check_smoothing(opts.smooth)
-    if opts.smooth and opts.engine == "ray":
-        raise AttnkitError(f"{arg('smooth')} runs on the local engine only (the Ray pipeline sums unsmoothed "
-                           "divergences)")
 
     def say(text: str) -> None:
         if not opts.quiet:
@@ -76,9 +49,11 @@ def run_distances_job(opts: DistancesOptions,
     run = Path(opts.run)
     command = "attnkit distances" + (" --engine ray" if opts.engine == "ray" else "")
     with run_lock(run, command), os_errors(f"write into {run}"):
-        meta = HeadFeatures.load(run).meta
-        texts = corpus_of_run(run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs, columns=opts.columns,
-                              limit=opts.limit)
+        run_feats = HeadFeatures.load(run)
+        meta = run_feats.meta
+        if texts is None:  # (the command line read it already, in preflight_distances)
+            texts = corpus_of_run(run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs,
+                                  columns=opts.columns, limit=opts.limit)
         claim = claim_outputs([run / DISTANCES_FILE], opts.overwrite, stale=[run / REPORT_FILE])
         if weighting_of(meta) == "norm":
             say(f"attnkit distances: {run} holds norm-weighted features; the distances compare attention weights")
@@ -98,6 +73,9 @@ def run_distances_job(opts: DistancesOptions,
                                             batch_size=opts.batch_size, num_windows=num_windows,
                                             progress=not opts.quiet)
             n_samples = feats.n_samples
+        removed = run_feats.removed
+        if removed.any():  # a removed head has no attention: its distances are left out (docs/pruning.md)
+            dist.meta["removed_heads"] = [[int(l), int(h)] for l, h in np.argwhere(removed)]
         path = dist.save(run)
         if opts.engine == "ray":
             from ..run.shards import remove_shards

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..arch.pruning import removed_heads
 from ..errors import AttnkitError, arg, check_int
 from ..features import (
     DEFAULT_MAX_LENGTH,
@@ -263,6 +264,8 @@ def extract(
         "devices": [str(dev)] + [str(next(r.parameters()).device) for r in replicas],
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
     }
+    if removed_heads(model):  # a pruned model: its removed heads' features are NaN (docs/pruning.md)
+        meta["removed_heads"] = removed_heads(model)
     features = state.accumulator.result(meta)
     if per_sample:
         features.per_sample = np.stack([rows[i] for i in range(len(rows))])

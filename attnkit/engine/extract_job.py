@@ -18,13 +18,14 @@ import math
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from ..errors import AttnkitError, arg, check_int, print_message
-from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING
+from ..arch.pruning import removed_heads
+from ..errors import AttnkitError, arg, print_message
+from ..features import DEFAULT_WEIGHTING
 from ..models import (
     attention_modules,
     check_max_length,
@@ -37,58 +38,19 @@ from ..models import (
 from ..ops import backend_label
 from ..run.files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
 from ..run.locking import make_run_dir, remove_if_only_lock, run_lock
-from ..run.outputs import check_output_path
 from ..run.per_sample import PerSampleWriter
 from ..run.rundir import RunDir
 from ..run.versions import versions
 from .devices import parse_devices, replicate
-from .extract import ExtractionState, ExtractSettings, run_extraction
+from .extract import ExtractionState, run_extraction
 from .forward import default_batch_size
+from .job_options import ENGINES, ExtractOptions, check_extract_options
 from .local import BatchResult, check_workers, default_workers
-from .plan import DEFAULT_WINDOW
 
 # what describes an input's bytes (compared through corpus_sha256 and named when it differs), not how it is read
 INPUT_STATE = ("n_segments", "sha256", "size", "mtime")
 CHECKPOINT_SECONDS = 120.0  # also checkpoint at least this often, whatever checkpoint_every says
 TRUNCATION_WARN_SHARE = 0.10
-ENGINES = ("local", "ray")
-
-
-@dataclass
-class ExtractOptions:
-    """Everything `attnkit extract` takes (its options, by their Python names)."""
-
-    paths: list = field(default_factory=list)
-    model_path: str | None = None
-    fmt: str = "auto"
-    text_unit: str = "auto"
-    columns: tuple | None = None
-    squad_pairs: bool = False
-    max_length: int = DEFAULT_MAX_LENGTH
-    batch_size: int | None = None
-    window: int = DEFAULT_WINDOW
-    device: str | None = None
-    devices: str | None = None
-    dtype: str = "float32"
-    num_windows: int = DEFAULT_NUM_WINDOWS
-    sentences: bool = False
-    limit: int | None = None
-    backend: str = "auto"
-    workers: int | None = None
-    engine: str = "local"
-    ray_address: str | None = None
-    out: Path = Path("attnkit-run")
-    resume: bool = False
-    overwrite: bool = False
-    checkpoint_every: int = 20
-    quiet: bool = False
-    per_sample: bool = False
-    weighting: str = DEFAULT_WEIGHTING
-
-    def extract_settings(self, batch_size: int | None) -> ExtractSettings:
-        return ExtractSettings(max_length=self.max_length, batch_size=batch_size, window=self.window,
-                               num_windows=self.num_windows, split_sentences=self.sentences, backend=self.backend,
-                               weighting=self.weighting)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -105,25 +67,11 @@ class Interrupted(KeyboardInterrupt):
 def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_message) -> None:
     """Run `attnkit extract` with `opts` (see the module docstring)."""
     from ..corpus import open_corpus
-    from .ray import check_ray_address
 
-    if opts.resume and opts.overwrite:
-        raise AttnkitError(f"{arg('resume')} and {arg('overwrite')} contradict each other: choose one")
-    for name in ("device", "devices", "model_path"):
-        if getattr(opts, name) is not None and not str(getattr(opts, name)).strip():
-            raise AttnkitError(f"{arg(name)} is empty: leave it out for the default, or name one")
-    if opts.device and opts.devices:
-        raise AttnkitError(f"give {arg('device')} or {arg('devices')}, not both")
-    if opts.engine not in ENGINES:
-        raise AttnkitError(f"unknown {arg('engine')} {opts.engine!r}: use local or ray")
+    check_extract_options(opts)  # what needs no model, also checked by the command line before torch loads
     opts.extract_settings(opts.batch_size).check()  # what every engine checks again, refused before any work
-    check_int(opts.checkpoint_every, "checkpoint_every")
-    if opts.limit is not None:
-        check_int(opts.limit, "limit")
     if opts.workers is not None:
         check_workers(opts.workers)
-    check_ray_address(opts.engine, opts.ray_address)
-    check_output_path(opts.out)
     run = RunDir(opts.out)
     created = make_run_dir(run.path)  # before any work: not after an hour of extraction
     try:
@@ -191,11 +139,13 @@ class _Job:
                                     self.corpus.describe())
         self.echo(f"{self.opts.out} is already complete; nothing to resume.")
 
-    def finish(self, acc, n_truncated: int, elapsed: float, engine_info: dict, model_type: str, *,
+    def finish(self, acc, n_truncated: int, elapsed: float, engine_info: dict, config, *,
                lengths: LengthHistogram | None = None, limit: int | None = None,
                writer: PerSampleWriter | None = None) -> None:
-        """Write features.npz and meta.json (and close the per-sample file), and say what was measured."""
+        """Write features.npz and meta.json (and close the per-sample file), and say what was measured. `config`:
+        the model's config (its type, and the heads a pruning removed)."""
         opts, inputs = self.opts, self.corpus.describe()
+        model_type, pruned = config.model_type, removed_heads(config)
         if self.settings["corpus_sha256"] is None:  # streams, read to their end now
             self.settings["corpus_sha256"] = self.corpus.fingerprint()
         meta = {
@@ -213,6 +163,7 @@ class _Job:
             **engine_info,
             "settings": self.settings,
             "feature_names": acc.names,
+            **({"removed_heads": pruned} if pruned else {}),
             "versions": versions(),
             "elapsed_s": round(elapsed, 3),
         }
@@ -288,8 +239,9 @@ class _LocalJob(_Job):
                                    on_batch=checkpoints.after_batch, progress=not opts.quiet)
         self.finish(state.accumulator, state.n_truncated, time.perf_counter() - t0,
                     {"engine": "local", "workers": workers,
-                     "devices": [str(next(m.parameters()).device) for m in models]},
-                    model.config.model_type, lengths=checkpoints.lengths, limit=max_positions(model),
+                     "devices": [str(next(m.parameters()).device) for m in models],
+                     "threads": torch.get_num_threads()},  # CPU numbers can depend on it (docs/pipeline.md §3)
+                    model.config, lengths=checkpoints.lengths, limit=max_positions(model),
                     writer=writer)
 
 
@@ -298,15 +250,6 @@ class _RayJob(_Job):
     measures only the shards that are not finished."""
 
     def __init__(self, opts, run, corpus, echo):
-        if opts.per_sample:
-            raise AttnkitError(f"{arg('per_sample')} is written by the local engine only (drop {arg('engine')} ray)")
-        if opts.workers is not None:
-            raise AttnkitError(f"{arg('workers')} sets this machine's tokenisation processes; with "
-                               f"{arg('engine', 'ray')} the cluster tokenises in Ray Data tasks")
-        if opts.device or opts.devices:
-            raise AttnkitError(f"{arg('device')}/{arg('devices')} choose devices of this machine; with "
-                               f"{arg('engine', 'ray')} every actor uses one GPU of the cluster (or CPUs where it "
-                               "has none)")
         super().__init__(opts, run, corpus, echo)
         # the cluster, not this machine, decides the device and (by default) the batch size
         self.settings.update(batch_size=opts.batch_size, backend=opts.backend, device_type="ray cluster")
@@ -334,8 +277,8 @@ class _RayJob(_Job):
             self.corpus, opts.extract_settings(opts.batch_size), run_dir=run.path, run_settings=self.settings,
             model_path=opts.model_path, dtype=opts.dtype, address=opts.ray_address, progress=not opts.quiet)
         elapsed = time.perf_counter() - t0
-        model_type = AutoConfig.from_pretrained(model_dir(opts.model_path)).model_type
-        self.finish(acc, n_truncated, elapsed, dict(info, model_type=model_type), model_type)
+        config = AutoConfig.from_pretrained(model_dir(opts.model_path))
+        self.finish(acc, n_truncated, elapsed, dict(info, model_type=config.model_type), config)
         remove_shards(run.path)  # their sums are in features.npz now
 
 

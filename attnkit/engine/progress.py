@@ -31,22 +31,46 @@ def count_in_background(segments, bar) -> threading.Thread | None:
         except Exception:  # the run itself reports a bad input; the bar just keeps counting without a total
             return
         bar.total = n
-        bar.refresh()
+        if bar.last_print_t >= bar.start_t + bar.delay:  # drawn already (without its total): draw it again
+            bar.refresh()
 
     thread = threading.Thread(target=count, name="attnkit-count-segments", daemon=True)
     thread.start()
     return thread
 
 
-def segment_bar(label: str, segments, *, total: int | None = None, initial: int = 0):
-    """A tqdm bar named `label` counting segments (`seg`), with a total from `total`, the input's length, or a count
-    in the background."""
+FIRST_DRAW_S = 1e-3  # the bar is first drawn at its first update, not at its creation
+
+
+def bar_class():
+    """tqdm, drawn first at the first update (a bar drawn at its creation, before the background count gave it
+    its total, left a stray "0seg" line in logs) and at 100% once, when it closes with the run's mean rate (the
+    last update drew 100% with the recent rate, then closing drew it again with another)."""
     from tqdm.auto import tqdm
 
+    class SegmentBar(tqdm):
+        def update(self, n=1):
+            if not self.disable and self.total is not None and self.n + n >= self.total:
+                self.n += n  # the last step: drawn by close
+                return None
+            return super().update(n)
+
+        def close(self):
+            if not self.disable and self.last_print_t < self.start_t + self.delay:
+                self.last_print_t = self.start_t + self.delay  # never drawn yet (a short run): close draws it once
+            super().close()
+
+    return SegmentBar
+
+
+def segment_bar(label: str, segments, *, total: int | None = None, initial: int = 0, file=None):
+    """A bar (`bar_class`) named `label` counting segments (`seg`), with a total from `total`, the input's length,
+    or a count in the background."""
     total = total if total is not None else known_total(segments)
-    bar = tqdm(total=total, initial=initial, unit="seg", desc=label, dynamic_ncols=True)
+    bar = bar_class()(total=total, initial=initial, unit="seg", desc=label, dynamic_ncols=True, delay=FIRST_DRAW_S,
+                      file=file)
     bar.counter = count_in_background(segments, bar) if total is None else None  # the thread, for tests to join
     return bar
 
 
-__all__ = ["count_in_background", "known_total", "segment_bar"]
+__all__ = ["bar_class", "count_in_background", "known_total", "segment_bar"]

@@ -27,13 +27,17 @@ def _sentence(rows, where: str) -> ParsedSentence:
     return sentence
 
 
+def check_conllu_path(path) -> None:
+    if not Path(str(path)).exists():
+        raise AttnkitError(f"CoNLL-U file {str(path)!r} does not exist")
+
+
 def read_conllu(path) -> list[ParsedSentence]:
     """All sentences of one CoNLL-U file (may be .gz/.zst compressed), read through the corpus readers'
     streams (attnkit/corpus/streams.py): bad bytes, corrupt or truncated compressed data end in the same
     one-line errors as in `attnkit extract`. A sentence whose heads do not form one tree is refused, named."""
     path = str(path)
-    if not Path(path).exists():
-        raise AttnkitError(f"CoNLL-U file {path!r} does not exist")
+    check_conllu_path(path)
     sentences, rows = [], []
     with Lines(decompressed(open_file(path), split_compression(path)[0]), path) as lines:
         for lineno, line in lines:

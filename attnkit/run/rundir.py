@@ -51,6 +51,12 @@ class RunDir:
     def has_checkpoint(self) -> bool:
         return self.checkpoint_path.is_file()
 
+    def check_resumable(self, finished: bool = True) -> None:
+        """Refuse a resume where there is no checkpoint (nor, with `finished`, a finished run, which a resume
+        leaves as it is)."""
+        if not self.has_checkpoint() and not (finished and self.is_finished()):
+            raise AttnkitError(f"nothing to resume in {self.path}: no {CHECKPOINT_FILE}")
+
     def check_new(self, overwrite: bool, per_sample: bool = False) -> Claim:
         """Refuse to start a fresh run over an existing one unless told to (naming what `overwrite` removes: the
         run and everything derived from it); returns what the new run will replace. `per_sample`: the new run
@@ -76,8 +82,7 @@ class RunDir:
         that the settings match, that its arrays have `shape` (the model's layers × heads × features, when
         given) and that the checkpoint's numbers are possible. `inputs` (Corpus.describe()) name the input
         that changed when the corpus differs."""
-        if not self.has_checkpoint():
-            raise AttnkitError(f"nothing to resume in {self.path}: no {CHECKPOINT_FILE}")
+        self.check_resumable(finished=False)
         state = load_npz(self.checkpoint_path, what="checkpoint",
                          corrupt=f"start over with {arg('overwrite', True)}")
         try:
@@ -189,7 +194,8 @@ def checkpoint_problem(acc: FeatureAccumulator, next_index: int, n_truncated: in
         return f"{n_truncated} truncated of {next_index} segments"
     if acc.n_tokens < acc.n_samples:
         return f"{acc.n_tokens} tokens for {acc.n_samples} samples"
-    if not (np.isfinite(acc.sum).all() and np.isfinite(acc.m2).all()):
+    measured = ~np.isnan(acc.sum).all(axis=-1)  # a head removed by pruning has NaN features, so NaN sums
+    if not (np.isfinite(acc.sum[measured]).all() and np.isfinite(acc.m2[measured]).all()):
         return "sums that are not finite"
     if (acc.m2 < -1e-9 * (1.0 + np.square(acc.sum) / acc.n_samples)).any():
         return "negative sums of squared deviations"

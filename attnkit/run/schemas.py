@@ -24,6 +24,7 @@ _INT0 = {"type": "integer", "minimum": 0}
 _INT1 = {"type": "integer", "minimum": 1}
 _STR_OR_NULL = {"type": ["string", "null"]}
 _NUM_OR_NULL = {"type": ["number", "null"]}
+_HEAD_PAIRS = {"type": "array", "items": {"type": "array", "items": _INT0, "minItems": 2, "maxItems": 2}}  # [[l, h]]
 
 # RUN/meta.json, written by `attnkit extract` (HeadFeatures.save). Every field is optional (a run saved
 # from Python may carry only the counts), but a field that is there must have its type.
@@ -51,8 +52,9 @@ META_SCHEMA = {
         "backend": _STR_OR_NULL,
         "device": _STR_OR_NULL,
         "feature_names": {"type": "array", "items": {"type": "string"}},
-        # heads removed from a pruned model (their features are NaN; docs/pruning.md)
-        "removed_heads": {"type": "array", "items": {"type": "array", "items": _INT0, "minItems": 2, "maxItems": 2}},
+        # [[layer, head], ...]: heads a pruning removed from the model (their features are NaN); absent in runs
+        # of unpruned models and in runs made before it was recorded
+        "removed_heads": _HEAD_PAIRS,
         "settings": {
             "type": "object",
             "properties": {
@@ -89,6 +91,8 @@ CLUSTERS_SCHEMA = {
         "run": {"type": "object", "required": ["n_layers", "n_heads"], "properties": {
             "n_layers": _INT1, "n_heads": _INT1, "n_samples": _INT0, "n_tokens": _INT0,
             "model": _STR_OR_NULL, "corpus": _STR_OR_NULL}},
+        # heads a pruning removed (no features, in no cluster, not in "heads"); absent when there are none
+        "removed_heads": _HEAD_PAIRS,
         "heads": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["layer", "head", "label", "type"], "properties": {
                 "layer": _INT0, "head": _INT0, "label": _INT0, "type": {"type": "string", "minLength": 1},
@@ -163,7 +167,9 @@ PATTERNS_SCHEMA = {
         "n_examples": _INT0, "n_layers": _INT1, "n_heads": _INT1,
         "labels": _STR_OR_NULL,
         "overall": {"type": "object", "additionalProperties": _SHARE},
-        "per_layer": {"type": "object", "additionalProperties": {"type": "array", "items": _SHARE}},
+        # null for a layer whose heads a pruning all removed (docs/patterns.md)
+        "per_layer": {"type": "object", "additionalProperties": {"type": "array", "items": {
+            "anyOf": [_SHARE, {"type": "null"}]}}},
         # a removed head's share may be null or NaN (docs/pruning.md); the reader checks the range of the others
         "per_head": {"type": "object", "additionalProperties": {
             "type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": _NUM_OR_NULL}}},

@@ -47,10 +47,20 @@ std too agrees to rounding, even where it is tiny next to the mean.
 The driver is driver.py, what runs on the cluster workers.py, the Ray session and the actors' resources
 session.py, the shard files attnkit/run/shards.py. Ray is an optional extra: nothing here imports it at module level.
 """
+import importlib
+
 from ...run.shards import remove_shards, shard_dir
-from .driver import run_ray_distances, run_ray_extraction
 from .session import check_ray_address, ray_session
-from .workers import PID_DIR_ENV
+
+# the driver and the workers import torch: imported on first use, so that checking a Ray address costs nothing
+_LAZY = {"run_ray_distances": "driver", "run_ray_extraction": "driver", "PID_DIR_ENV": "workers"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["PID_DIR_ENV", "check_ray_address", "ray_session", "remove_shards", "run_ray_distances",
            "run_ray_extraction", "shard_dir"]

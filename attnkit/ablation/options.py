@@ -1,0 +1,158 @@
+"""What `attnkit ablate` and `attnkit prune` take, and the checks of it that need no model: option combinations,
+paths and output conflicts. The jobs (job.py, prune.py) run them first; the command line runs them before it
+imports torch (`preflight_ablate`, `preflight_prune`), so that a refusal comes at once. This module imports
+nothing heavy (tests/test_cli_startup.py holds it to that)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import AttnkitError, arg, check_int
+from ..features import read_heads
+from ..run.model_dir import check_model_dir, default_model_path
+from .names import EXPERIMENTS, N_BOOT
+
+DEFAULT_MODES = {"layers": "uniform", "patching": "patch"}  # when no mode is given: zero, but layers uniform
+MEAN_EXPERIMENTS = ("heads", "layers", "types")  # the experiments that --mode mean applies to
+
+
+@dataclass
+class AblateOptions:
+    """Everything `attnkit ablate` takes (its options, by their Python names)."""
+
+    model: str
+    task_name: str
+    data: str
+    experiment: str
+    clusters: str | None = None
+    mode: str | None = None
+    limit: int | None = None
+    sample: int | None = None
+    batch_size: int = 32
+    glue_task: str | None = None
+    step: float = 0.1
+    no_layer_norm: bool = False
+    renormalize: bool = False
+    device: str | None = None
+    out: str | None = None
+    quiet: bool = False
+    overwrite: bool = False
+    metric: str | None = None  # patching: how the model's output is scored
+    mean_corpus: tuple = ()  # --mode mean: the corpus the heads' means come from (default: the evaluated inputs)
+    resamples: int = N_BOOT  # bootstrap resamples (0: no intervals)
+    stack: int | None = None  # settings per forward (None: as memory allows)
+
+
+def check_ablate_options(opts: AblateOptions) -> None:
+    """Refuse options that contradict each other, before any work."""
+    if opts.model == "default" and opts.task_name != "stsb":
+        raise AttnkitError(f"the embedded MiniLM is a sentence-embedding model without a {opts.task_name} head; "
+                           f"give a local model fine-tuned for {opts.task_name} (or use {arg('task_name', 'stsb')})")
+    if opts.experiment not in EXPERIMENTS:
+        raise AttnkitError(f"unknown {arg('experiment')} {opts.experiment!r}; use one of {', '.join(EXPERIMENTS)}")
+    if opts.experiment == "types" and opts.clusters is None:
+        raise AttnkitError(f"{arg('experiment', 'types')} needs {arg('clusters')} RUN (a run directory with "
+                           "clusters.json)")
+    if opts.sample is not None:
+        check_int(opts.sample, "sample")
+    if opts.experiment == "patching" and opts.mode is not None:
+        raise AttnkitError(f"{arg('experiment', 'patching')} patches heads: {arg('mode')} does not apply")
+    if opts.experiment != "patching" and opts.metric is not None:
+        raise AttnkitError(f"{arg('metric')} is for {arg('experiment', 'patching')}")
+    if opts.mode == "mean" and opts.experiment not in MEAN_EXPERIMENTS:
+        raise AttnkitError(f"{arg('mode', 'mean')} applies to the experiments {', '.join(MEAN_EXPERIMENTS)}")
+    if opts.mean_corpus and opts.mode != "mean":
+        raise AttnkitError(f"{arg('mean_corpus')} is for {arg('mode', 'mean')}")
+    check_int(opts.resamples, "resamples")
+    if opts.stack is not None:
+        check_int(opts.stack, "stack")
+    if opts.resamples != 0 and opts.resamples < 10:
+        raise AttnkitError(f"{arg('resamples')} must be 0 (no intervals) or at least 10, got {opts.resamples}")
+
+
+def output_paths(out, experiment: str) -> list[str]:
+    """The files `attnkit ablate --experiment E -o OUT` writes (docs/files.md, "The ablation tables")."""
+    return [os.path.join(out, f"{experiment}.{ext}")
+            for ext in ("csv", "json", "md", "examples.csv", "png", "meta.json")]
+
+
+def preflight_ablate(opts: AblateOptions) -> None:
+    """What `attnkit ablate` can refuse without a model, before torch is imported: the options, the model
+    directory, the clusters file (its schema; the model's shape is checked once it is loaded), and earlier
+    results in the output directory that only `overwrite` replaces."""
+    from ..run.clusters import load_clusters
+    from ..run.files import REPORT_FILE
+    from ..run.outputs import check_no_file_in_the_way, check_output_path
+    from ..run.overwrite import claim_outputs
+
+    check_ablate_options(opts)
+    out = check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
+    check_no_file_in_the_way(out)
+    claim_outputs(output_paths(out, opts.experiment), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
+    if opts.model != "default":
+        check_model_dir(str(opts.model))
+    if opts.clusters is not None:
+        load_clusters(opts.clusters)
+
+
+@dataclass
+class PruneOptions:
+    """Everything `attnkit prune` takes (its options, by their Python names)."""
+
+    model: str
+    out: str
+    heads: str | None = None
+    importance: str | None = None
+    fraction: float | None = None
+    overwrite: bool = False
+
+
+def check_fraction(fraction) -> float:
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise AttnkitError(f"{arg('fraction')} must be a number in (0, 1], got {fraction!r}")
+    return float(fraction)
+
+
+def check_prune_options(opts: PruneOptions) -> None:
+    """Refuse `attnkit prune` options that contradict each other or name no head (no model needed: heads are
+    range-checked against the model later)."""
+    if opts.heads is None and opts.importance is None and opts.fraction is not None:
+        raise AttnkitError(f"{arg('fraction')} needs {arg('importance')} FILE: the order in which to remove heads")
+    if (opts.heads is None) == (opts.importance is None):
+        raise AttnkitError(f"give the heads to remove with {arg('heads')} or {arg('importance')} (with "
+                           f"{arg('fraction')}), one of the two")
+    if opts.heads is not None:
+        if opts.fraction is not None:
+            raise AttnkitError(f"{arg('fraction')} goes with {arg('importance')}, not with {arg('heads')}")
+        if not read_heads(opts.heads):
+            raise AttnkitError(f"{arg('heads')} names no head: write heads as L2H5,L3H1 (or L4 for a whole layer)")
+        return
+    if opts.fraction is None:
+        raise AttnkitError(f"{arg('importance')} needs {arg('fraction')}: the share of all heads to remove")
+    check_fraction(opts.fraction)
+
+
+def check_out(out: Path, model_path: str, overwrite: bool) -> None:
+    """Refuse an output path that is a file, the model itself, or a directory that is there and not empty
+    (without `overwrite`)."""
+    if out.exists() and not out.is_dir():
+        raise AttnkitError(f"{arg('out')} {str(out)!r} exists and is not a directory")
+    if out.exists() and out.resolve() == Path(model_path).resolve():
+        raise AttnkitError(f"{arg('out')} {str(out)!r} is the model being pruned: write the pruned model elsewhere")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise AttnkitError(f"{arg('out')} {str(out)!r} already exists: use {arg('overwrite', True)} to replace it, "
+                           f"or another {arg('out')}")
+
+
+def preflight_prune(opts: PruneOptions) -> None:
+    """What `attnkit prune` can refuse without a model, before torch is imported."""
+    check_prune_options(opts)
+    path = default_model_path() if opts.model == "default" else str(opts.model)
+    check_model_dir(path)
+    check_out(Path(opts.out), path, opts.overwrite)
+
+
+__all__ = ["DEFAULT_MODES", "MEAN_EXPERIMENTS", "AblateOptions", "PruneOptions", "check_ablate_options",
+           "check_fraction", "check_out", "check_prune_options", "output_paths", "preflight_ablate",
+           "preflight_prune"]

