@@ -153,8 +153,8 @@ def cosines(maps_a, maps_b, lengths):
 
 def test_compare_models_of_two_decoders_and_a_pruned_one(llama_dir, corpus, decoder_tokenizer, tmp_path):
     """compare-models of a Llama and the same Llama with heads L0H0 and L1H0, L1H1 pruned (layer 0 then has uneven
-    KV groups): kept heads compare equal (cosine 1), removed heads compare as uniform attention over the keys each
-    causal row sees; against a second random Llama, the cosines are those of the two models' eager maps."""
+    KV groups): the kept heads' cosines are those of the two models' eager maps (layer 0's equal, 1), removed heads
+    are not compared; against a second random Llama, the cosines are those of the two models' eager maps."""
     from attnkit.arch import load_pruned_model, prune_heads
 
     tok = decoder_tokenizer
@@ -170,19 +170,19 @@ def test_compare_models_of_two_decoders_and_a_pruned_one(llama_dir, corpus, deco
         assert code == 0, out
     got = json.loads((tmp_path / "p" / "compare_models.json").read_text())
     # the pruned model's eager maps (its GroupedKV projections give eager each query head's KV head) for the heads
-    # it kept; uniform over the keys each causal row sees for those it lost
+    # it kept; a removed head is not compared (null)
     kept_maps, _ = eager_maps(load_pruned_model(pruned_dir, AutoModelForCausalLM), tok, texts)
     maps_b = []
     for l, m in enumerate(kept_maps):
-        kept = [h for h in range(4) if (l, h) not in heads]
-        seen = (maps[l][:, :1] > 0).astype(float)
-        b = np.repeat(seen / seen.sum(-1, keepdims=True), 4, axis=1)
-        b[:, kept] = m
+        b = np.full_like(maps[l], np.nan)
+        b[:, [h for h in range(4) if (l, h) not in heads]] = m
         maps_b.append(b)
     row, flat = cosines(maps, maps_b, lengths)
-    np.testing.assert_allclose(got["row_cosine"], row, atol=1e-5)
-    np.testing.assert_allclose(got["map_cosine"], flat, atol=1e-5)
-    assert got["row_cosine"][0][1] == pytest.approx(1.0, abs=1e-6) and got["row_cosine"][1][0] < 0.999
+    as_array = lambda x: np.array(x, dtype=float)  # noqa: E731 - null → NaN
+    np.testing.assert_allclose(as_array(got["row_cosine"]), row, atol=1e-5)
+    np.testing.assert_allclose(as_array(got["map_cosine"]), flat, atol=1e-5)
+    assert got["row_cosine"][0][0] is None and sorted(map(tuple, got["removed_heads"])) == heads
+    assert got["row_cosine"][0][1] == pytest.approx(1.0, abs=1e-6)  # layer 0: the same inputs, the same head
     other_maps, _ = eager_maps(AutoModelForCausalLM.from_pretrained(other_dir), tok, texts)
     row, flat = cosines(maps, other_maps, lengths)
     got = json.loads((tmp_path / "o" / "compare_models.json").read_text())
