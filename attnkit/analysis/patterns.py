@@ -34,11 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..arch.architectures import DECODER_TYPES
 from ..errors import INT_RANGES, AttnkitError, arg, check_int
 from ..features import weighting_of
 from ..run.files import FIGURES_DIR, META_FILE, PATTERN_LABELS, PATTERNS_FILE, PER_SAMPLE_ROWS, REPORT_FILE
 from ..run.head_features import HeadFeatures
+from ..run.model_dir import DECODER_TYPES
 from ..run.outputs import write_json
 from ..run.overwrite import claim_outputs
 from ..run.per_sample import check_matches_run, load_per_sample, read_rows

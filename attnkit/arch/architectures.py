@@ -64,10 +64,6 @@ LAYOUTS = {"bert": BERT_LIKE, "roberta": BERT_LIKE, "electra": BERT_LIKE, "xlm-r
            "camembert": BERT_LIKE, "distilbert": DISTILBERT,
            "llama": LLAMA_LIKE, "qwen2": LLAMA_LIKE, "qwen3": LLAMA_LIKE, "mistral": LLAMA_LIKE, "gemma2": LLAMA_LIKE,
            "gemma3_text": LLAMA_LIKE, "gpt_oss": LLAMA_LIKE, "gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3}
-# The model types whose attention is causal (decoder language models): what a run's meta.json `model_type` tells
-# the analyses that are defined for encoders only (Kovaleva et al.'s patterns).
-DECODER_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3_text", "gpt_oss", "gpt2",
-                           "gpt_neox", "phi3"})
 
 
 def projection_types() -> tuple:
@@ -185,4 +181,3 @@ def attention_layers(model, purpose: str = "this") -> list[AttentionLayer]:
 
 __all__ = ["AttentionLayer", "BERT_LIKE", "DISTILBERT", "GPT2", "GPT_NEOX", "LAYOUTS", "LLAMA_LIKE", "Layout", "PHI3",
            "attention_layers", "layout_of", "output_matrix"]
-__all__ += ["DECODER_TYPES"]

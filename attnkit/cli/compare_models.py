@@ -33,6 +33,7 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
     import numpy as np
 
     from ..corpus import open_corpus
+    from ..embedded import is_embedded_name
     from ..run.files import compare_models_outputs
     from ..run.model_dir import check_model_dir
     from ..run.outputs import output_dir
@@ -42,7 +43,7 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
         claim = claim_outputs(compare_models_outputs(out, svg=svg), overwrite)
         texts = open_corpus(list(corpus), fmt, columns=columns, squad_pairs=squad_pairs, limit=limit)
         for m in (model_a, model_b):
-            if _model_arg(m) is not None:
+            if _model_arg(m) is not None and not is_embedded_name(m):
                 check_model_dir(m)
         from ..engine.compare import compare_models
         res = compare_models(texts, _model_arg(model_a), _model_arg(model_b), max_length=max_length,

@@ -34,12 +34,13 @@ def _kinds(ctx, param, value):
               help="Seed of the random tokens and needles.")
 @click.option("--corpus", type=click.Path(exists=True, dir_okay=False), default=None,
               help="retrieval: the plain-text corpus the haystacks come from (default: attnkit's default corpus).")
-@shared("device", "overwrite")
+@shared("device", "overwrite", "quiet")
 @click.option("--top", type=int_range("top"), default=5, show_default=True, help="Heads printed per kind.")
 @cli_errors
-def detect_heads_cmd(model, out, kinds, length, n_sequences, seed, corpus, device, overwrite, top):
+def detect_heads_cmd(model, out, kinds, length, n_sequences, seed, corpus, device, overwrite, quiet, top):
     """Score every head of MODEL (a local causal language model, or smollm2) as a previous-token, duplicate-token,
-    induction or retrieval head; writes OUT/heads.csv (layer, head, one column per kind) and OUT/heads.meta.json."""
+    induction or retrieval head; writes OUT/heads.csv (layer, head, one column per kind) and OUT/heads.meta.json.
+    It shows no progress, so -q changes nothing; what --overwrite removed is said on stderr either way."""
     from ..engine.detect import DetectOptions, run_detect_heads
 
     df, paths, removed = run_detect_heads(DetectOptions(model=model, out=out, kinds=kinds, length=length,

