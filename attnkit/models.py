@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
-from .embedded import EMBEDDED, embedded_path
+from .embedded import embedded_path, is_embedded_name
 from .errors import AttnkitError, arg, check_int, one_line
 from .features import feature_names
 from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
@@ -40,7 +40,7 @@ def model_dir(name_or_path=None) -> str:
     an embedded model (`smollm2`, unless a directory of that name exists here), or a path."""
     if name_or_path is None:
         return default_model_path()
-    if str(name_or_path) in EMBEDDED and not os.path.exists(str(name_or_path)):
+    if is_embedded_name(name_or_path):
         return str(embedded_path(str(name_or_path)))
     return str(name_or_path)
 

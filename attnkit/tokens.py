@@ -25,6 +25,7 @@ from .features import CLS, COMMA, DEFAULT_MAX_LENGTH, OTHER, PERIOD, SEP
 
 Segment = str | tuple
 SENTENCE_END = (".", "!", "?")
+CHARS_PER_TOKEN = 64  # a text longer than max_length × this many characters is cut at a space before tokenising
 
 
 @dataclass
@@ -158,7 +159,7 @@ class Encoder:
         """Tokenise `segments` into numpy arrays (what worker processes run: no torch operations)."""
         if not segments:
             raise AttnkitError("cannot encode an empty batch")
-        items = [s if isinstance(s, str) else list(s) for s in segments]
+        items = [self.bounded(s) if isinstance(s, str) else [self.bounded(x) for x in s] for s in segments]
         if self.causal and any(not isinstance(x, str) for x in items):
             raise AttnkitError("text pairs need a model with a pair format ([CLS] A [SEP] B [SEP]); this is a "
                                "decoder's tokenizer, which has none: give single texts (join the pair yourself if "
@@ -185,6 +186,24 @@ class Encoder:
         inputs = {k: np.ascontiguousarray(v, dtype=np.int64) for k, v in enc.items()
                   if k in ("input_ids", "attention_mask", "token_type_ids")}
         return EncodedArrays(inputs, lengths, self.token_classes(ids), sentence, n_truncated, full_lengths)
+
+    def bounded(self, text: str) -> str:
+        """`text`, or, when it is far longer than `max_length` tokens can hold, its first words: those in its first
+        max_length × CHARS_PER_TOKEN characters, cut at a space, when they alone make more than `max_length`
+        tokens. Truncation then keeps the same tokens (of a single text and of each side of a pair: longest-first
+        truncation cuts both sides of a pair whose sides are both over the limit to the same share), and a huge
+        text (or pair) is never tokenised whole. Such a text counts as truncated; its full length is counted as
+        that of the words kept (a lower bound)."""
+        cap = self.max_length * CHARS_PER_TOKEN
+        if len(text) <= cap:
+            return text
+        cut = max(text.rfind(c, 0, cap) for c in " \n\t")
+        if cut <= 0:
+            return text
+        prefix = text[:cut]
+        if len(self.tokenizer(prefix, add_special_tokens=False, verbose=False)["input_ids"]) <= self.max_length:
+            return text  # words too long to be sure: tokenise it whole
+        return prefix
 
     def _check_room(self, items: list) -> None:
         """Refuse a max length too short to keep a token of each text besides the special tokens (the

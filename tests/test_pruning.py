@@ -332,12 +332,14 @@ def test_prune_by_importance_follows_the_iterative_order(model_dir, tmp_path):
     # on the pruned model, the heads already gone are skipped
     code, text = run("prune", out, "--importance", d / "importance.json", "--fraction", "0.5", "-o", tmp_path / "q")
     assert code == 0 and "removed 2 head(s): L1H1,L0H2" in text, text
-    for fraction, message in [("0", "--fraction must be a number in (0, 1], got 0.0"),
-                              ("1.5", "--fraction must be a number in (0, 1], got 1.5"),
-                              ("0.01", "--fraction 0.01 of 12 heads rounds to no head"),
-                              ("0.75", "orders 6 of the 12 heads, fewer than the 9 that --fraction 0.75 asks for")]:
+    for fraction, status, message in [
+            ("0", 2, "Invalid value for '--fraction': 0.0 is not in the range 0<x<=1"),  # a usage error (issue 25)
+            ("1.5", 2, "Invalid value for '--fraction': 1.5 is not in the range 0<x<=1"),
+            ("0.01", 1, "--fraction 0.01 of 12 heads rounds to no head"),
+            ("0.75", 1, "orders 6 of the 12 heads, fewer than the 9 that --fraction 0.75 asks for")]:
         code, text = run("prune", model_dir, "--importance", d, "--fraction", fraction, "-o", tmp_path / "z")
-        assert code == 1 and message in text, text
+        assert code == status and message in text, text
+        assert not (tmp_path / "z").exists()
     (d / "importance.json").write_text(json.dumps({**imp, "importance": [[1.0]]}))
     code, text = run("prune", model_dir, "--importance", d, "--fraction", "0.5", "-o", tmp_path / "z")
     assert code == 1 and "ranks 1 layers × 1 heads, but the model has 3 × 4" in text

@@ -120,7 +120,7 @@ def test_nan_heads_that_meta_json_does_not_record_are_a_damaged_run(tmp_path):
     meta["removed_heads"] = [[0, 1], [7, 0]]
     (run / "meta.json").write_text(json.dumps(meta))
     r = CliRunner().invoke(report_cmd, [str(run), "--no-svg", "-q", "--examples", "0"])
-    assert r.exit_code == 1 and "removed_heads names head L7H0, outside the run's 3 × 4" in r.output, r.output
+    assert r.exit_code == 1 and "field removed_heads[1]: L7H0 is outside the run's 3 layers × 4 heads" in r.output, r.output
     meta["removed_heads"] = [[0, "x"]]
     (run / "meta.json").write_text(json.dumps(meta))
     r = CliRunner().invoke(report_cmd, [str(run), "--no-svg", "-q", "--examples", "0"])

@@ -38,6 +38,13 @@ from attnkit.features import (  # noqa: E402
     num_features,
 )
 from attnkit.kernels import triton_attention as ta  # noqa: E402
+
+if DEV == "cpu" and not ta.INTERPRET:
+    # imported earlier in this session without the interpreter (tests/test_layers.py imports every module): its
+    # @triton.jit kernels were made for a GPU; made again now, under the interpreter (the op imports it per call)
+    import importlib  # noqa: E402
+
+    ta = importlib.reload(ta)
 from attnkit.reference import reference_attention  # noqa: E402
 
 # the interpreter's NumPy warns about the NaN and inf that the numerics tests feed it on purpose

@@ -250,34 +250,41 @@ def run_settings(experiment: str, settings: list[Setting], evaluate: Callable[[I
 
 
 # --- settings -----------------------------------------------------------------------------------------
+def _kept(shape, kept) -> np.ndarray:
+    """The layers × heads grid of the heads a model has (`pruned_head_grid`; None: all): the heads of a pruned
+    model that were removed are not settings of any experiment (docs/pruning.md)."""
+    return np.ones(shape, dtype=bool) if kept is None else np.asarray(kept, dtype=bool)
+
+
 def heads_settings(shape, mode: str = "zero", means=None, kept=None) -> list[Setting]:
-    """The baseline, then every head alone in `mode` (mean: the head's corpus mean from `means`); `kept` (layers ×
-    heads booleans, `pruned_head_grid`): a head a pruning removed is no setting."""
+    """The baseline, then every head alone in `mode` (mean: the head's corpus mean from `means`); `kept`: the
+    heads the model has (a pruned model's removed heads are left out)."""
     L, H = shape
+    kept = _kept(shape, kept)
     out = [Setting("baseline", Intervention.identity(L, H), {"layer": None, "head": None})]
     for layer in range(L):
-        for head in range(H):
-            if kept is not None and not kept[layer, head]:
-                continue
+        for head in np.flatnonzero(kept[layer]).tolist():
             iv = Intervention.from_heads(shape, [(layer, head)], mode=mode, means=means)
             out.append(Setting(f"L{layer}H{head} {mode}", iv, {"layer": layer, "head": head}))
     return out
 
 
 def layers_settings(shape, mode: str = "uniform", means=None, kept=None) -> list[Setting]:
-    """The baseline, then every layer alone with all its heads in `mode`; `kept` (layers × heads booleans): a
-    layer a pruning left without heads is no setting."""
+    """The baseline, then every layer alone with all its heads in `mode` (`kept`: the heads the model has; a layer
+    without any is no setting)."""
     L, H = shape
+    kept = _kept(shape, kept)
     out = [Setting("baseline", Intervention.identity(L, H), {"layer": None})]
     for layer in range(L):
-        if kept is not None and not kept[layer].any():
+        heads = [(layer, h) for h in np.flatnonzero(kept[layer]).tolist()]
+        if not heads:
             continue
-        iv = Intervention.from_layers(shape, [layer], mode=mode, means=means)
+        iv = Intervention.from_heads(shape, heads, mode=mode, means=means)
         out.append(Setting(f"L{layer} {mode}", iv, {"layer": layer}))
     return out
 
 
-def types_settings(shape, head_types: HeadTypes, renormalize: bool = False, means=None) -> list[Setting]:
+def types_settings(shape, head_types: HeadTypes, renormalize: bool = False, means=None, kept=None) -> list[Setting]:
     """Guan et al. Tables 2 and 3 for whatever types the clustering found. `renormalize` rescales what is
     left of a row after removing intra/inter attention (Guan et al. do not; default off). With `means` (the
     heads' corpus means), Table 2 mean-ablates where it prunes.
@@ -285,6 +292,8 @@ def types_settings(shape, head_types: HeadTypes, renormalize: bool = False, mean
     Columns per type say what happens to it: keep, 0 (pruned), mean (mean-ablated), 1/n (substituted), -intra,
     -inter.
     """
+    if kept is not None and not _kept(shape, kept).all():  # a pruned model: its removed heads belong to no type
+        head_types = HeadTypes(np.where(_kept(shape, kept), head_types.grid, ""), head_types.source)
     types = head_types.types
     if not types:
         raise AttnkitError("the clusters name no head types")
@@ -356,7 +365,7 @@ def _run_experiment(experiment, model, evaluate, main_metric, shape, kept, *, mo
         if head_types is None:
             raise AttnkitError(f"the types experiment needs {arg('head_types')}: the head types of a clustered run "
                                "(attnkit.interventions.load_clusters)")
-        settings = types_settings(shape, head_types, renormalize, means if mode == "mean" else None)
+        settings = types_settings(shape, head_types, renormalize, means if mode == "mean" else None, kept)
         return run_settings("types", settings, evaluate, main_metric, progress, n_boot)
     if experiment == "importance":
         if losses is None:

@@ -15,8 +15,8 @@ from pathlib import Path
 from ..interventions import load_clusters
 from ..models import load_model
 from ..run.files import HEAD_MEANS_FILE, REPORT_FILE
-from ..run.locking import run_lock
-from ..run.outputs import check_output_path, ensure_writable_dir, write_json
+from ..run.locking import output_directory
+from ..run.outputs import check_output_path, write_json
 from ..run.overwrite import claim_outputs
 from .experiments import ResultTable, TaskEvaluator, run_experiment
 from .figures import save_figure
@@ -39,33 +39,53 @@ class Ablation:
     removed: str | None = None  # what --overwrite removed
 
 
-def _means(opts: AblateOptions, task, model, tokenizer, out: str, quiet: bool):
-    """The heads' mean outputs for --mode mean, over --mean-corpus or the evaluated inputs, kept (and resumed)
-    in OUT/head_means.npz."""
+def _mean_corpus(opts: AblateOptions):
+    """--mean-corpus as `attnkit extract` reads its inputs ('-' is standard input), opened and checked for text
+    before anything is written; None: the evaluated inputs."""
+    if not opts.mean_corpus:
+        return None
     from ..corpus import open_corpus
+
+    corpus = open_corpus(list(opts.mean_corpus))
+    if corpus.has_streams:  # read once, now: its segments are what the means (and their checkpoint) are made of
+        return list(corpus)
+    corpus.check_has_text()
+    return corpus
+
+
+def _means(opts: AblateOptions, corpus, task, model, tokenizer, out: str, quiet: bool):
+    """The heads' mean outputs for --mode mean, over --mean-corpus or the evaluated inputs, kept (and resumed)
+    in OUT/head_means.npz; with --overwrite measured again (the old file is replaced only by the new one's first
+    save: a refused or failed command leaves it)."""
     from ..engine.head_means import head_means
 
-    texts = open_corpus(list(opts.mean_corpus)) if opts.mean_corpus else task.segments(opts.sample)
+    texts = corpus if corpus is not None else task.segments(opts.sample)
     return head_means(texts, (model, tokenizer), max_length=task.max_length, batch_size=opts.batch_size,
-                      checkpoint=os.path.join(out, HEAD_MEANS_FILE), progress=not quiet)
+                      checkpoint=os.path.join(out, HEAD_MEANS_FILE), progress=not quiet, fresh=opts.overwrite)
 
 
 def run_ablation(opts: AblateOptions) -> Ablation:
+    """Run `attnkit ablate` as `opts` says. Everything that can be checked (options, data, the mean corpus, the
+    output's place) is checked before the output is created; the output goes through the one write path
+    (attnkit.run.locking.output_directory: locked, never an input, removed again if this call created it and
+    failed), and --overwrite removes nothing before the new results are written."""
     check_ablate_options(opts)  # also checked by the command line before torch loads
     out = check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
-    ensure_writable_dir(out)  # before the work: a bad output directory fails now, not after the experiment
-    claim = claim_outputs(output_paths(out, opts.experiment), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
-    means_file = Path(out) / HEAD_MEANS_FILE  # without --overwrite, a rerun continues it (same settings only)
-    if opts.overwrite and opts.mode == "mean" and means_file.exists():
-        means_file.unlink()  # measured again: the model or its corpus may have changed under the same names
-        claim.replaced.append(means_file)
     if opts.experiment == "patching":
         task = PatchingTask(opts.data, opts.task_name, opts.metric)
     else:
         task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task)
     if opts.limit is not None:
         task.head(opts.limit)
-    with run_lock(out, "attnkit ablate"):
+    corpus = _mean_corpus(opts)
+    inputs = [("the model", None if opts.model == "default" else opts.model), ("the data", opts.data, True),
+              *(("the mean corpus", p, True) for p in opts.mean_corpus)]
+    with output_directory(out, "attnkit ablate", inputs=inputs):
+        claim = claim_outputs(output_paths(out, opts.experiment), opts.overwrite,
+                              stale=[os.path.join(out, REPORT_FILE)])
+        means_file = Path(out) / HEAD_MEANS_FILE  # without --overwrite, a rerun continues it (same settings only)
+        if opts.overwrite and opts.mode == "mean" and means_file.exists():
+            claim.replaced.append(means_file)  # measured again: the model or its corpus may have changed
         m, tok = load_model(None if opts.model == "default" else opts.model, device=opts.device,
                             task=task.model_task)
         evaluate = TaskEvaluator(task, m, tok, limit=opts.sample, batch_size=opts.batch_size, stack=opts.stack)
@@ -73,7 +93,7 @@ def run_ablation(opts: AblateOptions) -> Ablation:
         head_types = load_clusters(opts.clusters, shape) if opts.clusters else None
         mode = opts.mode or DEFAULT_MODES.get(opts.experiment, "zero")
         t0 = time.perf_counter()
-        means = _means(opts, task, m, tok, out, opts.quiet) if mode == "mean" else None
+        means = _means(opts, corpus, task, m, tok, out, opts.quiet) if mode == "mean" else None
         table = run_experiment(
             opts.experiment, m, evaluate, task.main_metric, mode=mode, head_types=head_types,
             losses=lambda: task.losses(m, tok, limit=opts.sample, batch_size=1), step=opts.step,
@@ -94,7 +114,8 @@ def run_ablation(opts: AblateOptions) -> Ablation:
             meta["metric"] = task.metric
         if means is not None:
             meta["means"] = {"file": HEAD_MEANS_FILE, "n_tokens": means.n_tokens,
-                             "corpus": [os.path.abspath(p) for p in opts.mean_corpus] or "the evaluated inputs"}
+                             "corpus": [p if p == "-" else os.path.abspath(p) for p in opts.mean_corpus]
+                             or "the evaluated inputs"}
         paths["meta"] = os.path.join(out, f"{opts.experiment}.meta.json")
         write_json(paths["meta"], meta)
         claim.remove_stale()

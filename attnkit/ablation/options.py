@@ -8,9 +8,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..embedded import is_embedded_name
 from ..errors import AttnkitError, arg, check_int
 from ..features import read_heads
+from ..run.files import LOCK_FILE, OWNER_FILE
 from ..run.model_dir import check_model_dir, default_model_path
+from ..run.outputs import check_output_place
 from .names import EXPERIMENTS, N_BOOT
 
 DEFAULT_MODES = {"layers": "uniform", "patching": "patch"}  # when no mode is given: zero, but layers uniform
@@ -135,24 +138,39 @@ def check_prune_options(opts: PruneOptions) -> None:
 
 def check_out(out: Path, model_path: str, overwrite: bool) -> None:
     """Refuse an output path that is a file, the model itself, or a directory that is there and not empty
-    (without `overwrite`)."""
+    (without `overwrite`); with `overwrite`, a directory that is not a model directory (prune replaces only what
+    it could have written: files, config.json among them). Called before the model loads, and again under the
+    output's lock."""
     if out.exists() and not out.is_dir():
         raise AttnkitError(f"{arg('out')} {str(out)!r} exists and is not a directory")
     if out.exists() and out.resolve() == Path(model_path).resolve():
         raise AttnkitError(f"{arg('out')} {str(out)!r} is the model being pruned: write the pruned model elsewhere")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    held = sorted(p.name for p in out.iterdir() if p.name not in (LOCK_FILE, OWNER_FILE)) if out.is_dir() else []
+    if held and not overwrite:
         raise AttnkitError(f"{arg('out')} {str(out)!r} already exists: use {arg('overwrite', True)} to replace it, "
                            f"or another {arg('out')}")
+    folders = [n for n in held if (out / n).is_dir() or (out / n).is_symlink()]
+    if held and ("config.json" not in held or folders):
+        why = f"it holds {folders[0]!r}" if folders else "it holds no config.json"
+        raise AttnkitError(f"{arg('out')} {str(out)!r} is not a model directory ({why}): {arg('overwrite', True)} "
+                           f"replaces only a model directory; write elsewhere")
+
+
+def prune_inputs(opts: PruneOptions, path: str) -> list:
+    """What `attnkit prune` reads, as the write path names them (attnkit.run.outputs.check_output_place)."""
+    return [("the model being pruned", path), ("the importance file", opts.importance)]
 
 
 def preflight_prune(opts: PruneOptions) -> None:
     """What `attnkit prune` can refuse without a model, before torch is imported."""
     check_prune_options(opts)
     path = default_model_path() if opts.model == "default" else str(opts.model)
-    check_model_dir(path)
+    if not is_embedded_name(path):  # smollm2: resolved (and converted once) when the model loads
+        check_model_dir(path)
+    check_output_place(opts.out, prune_inputs(opts, path), whole=True)  # as the write path will, the place first
     check_out(Path(opts.out), path, opts.overwrite)
 
 
 __all__ = ["DEFAULT_MODES", "MEAN_EXPERIMENTS", "AblateOptions", "PruneOptions", "check_ablate_options",
-           "check_fraction", "check_out", "check_prune_options", "output_paths", "preflight_ablate",
+           "check_fraction", "check_out", "check_prune_options", "output_paths", "prune_inputs", "preflight_ablate",
            "preflight_prune"]

@@ -19,8 +19,6 @@ glue, lm); glue inputs that are text pairs add `clean_pair` and `corrupted_pair`
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
@@ -31,7 +29,7 @@ from ..interventions import Intervention, intervene
 from ..models import instrument
 from ..tokens import Encoder
 from . import metrics
-from .tasks import Plan, Step, Task, base_hidden, forward, mean_pool, subset
+from .tasks import Plan, Step, Task, base_hidden, check_data_file, forward, mean_pool, subset
 
 METRICS = {"stsb": ("cosine",), "mlm": ("logit_diff",), "glue": ("logit_diff",), "lm": ("logit_diff",)}
 MODEL_TASKS = {"stsb": None, "mlm": "masked-lm", "glue": "sequence-classification", "lm": "causal-lm"}
@@ -51,8 +49,7 @@ class PatchingTask(Task):
             raise AttnkitError(f"{arg('metric')} {self.metric!r} does not apply to task {kind}; use "
                                f"{' or '.join(METRICS[kind])}")
         self.model_task = MODEL_TASKS[kind]
-        if not os.path.isfile(path):
-            raise AttnkitError(f"patching data {path!r} not found (a TSV or CSV file with a header)")
+        check_data_file(path, "patching TSV or CSV (with a header)")
         header, rows = read_table(path)
         cols = {c.strip().lower(): i for i, c in enumerate(header)}
         need = ["clean", "corrupted"] + (["reference"] if kind == "stsb" else ["target", "foil"])

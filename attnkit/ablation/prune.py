@@ -20,14 +20,15 @@ from ..arch.pruning import prune_heads, pruned_head_grid
 from ..errors import AttnkitError, arg
 from ..interventions import format_heads, parse_heads
 from ..models import default_model_path, load_model, model_dir
-from ..run.outputs import ensure_writable_dir, os_errors
+from ..run.locking import output_directory
+from ..run.outputs import check_output_path, describe_os_error
 from ..run.schemas import IMPORTANCE_SCHEMA, load_json
-from .options import PruneOptions, check_out, check_prune_options
+from .options import PruneOptions, check_out, check_prune_options, prune_inputs
 from .sizes import count_parameters
 
 IMPORTANCE_FILE = "importance.json"  # what `attnkit ablate --experiment importance -o DIR` writes into DIR
 _TASKS = {"ForSequenceClassification": "sequence-classification", "ForQuestionAnswering": "question-answering",
-          "ForMaskedLM": "masked-lm", "ForCausalLM": "causal-lm"}
+          "ForMaskedLM": "masked-lm"}
 
 
 @dataclass
@@ -79,15 +80,19 @@ def heads_to_remove(opts: PruneOptions, shape: tuple[int, int]) -> list[tuple[in
     return order[:k]
 
 
-def _task_of(path: str) -> str | None:
-    """The `task` of attnkit.load_model that keeps the head the config's architecture names."""
+def _config_of(path: str):
+    """The transformers config of the model at `path`, or None (load_model then says what is wrong with it)."""
     from transformers import AutoConfig
 
     try:
-        archs = AutoConfig.from_pretrained(path).architectures or []
+        return AutoConfig.from_pretrained(path)
     except Exception:
-        return None  # load_model says what is wrong with the directory
-    for arch in archs:
+        return None
+
+
+def _task_of(config, path: str) -> str | None:
+    """The `task` of attnkit.load_model that keeps the head the config's architecture names."""
+    for arch in (getattr(config, "architectures", None) or []) if config is not None else []:
         for suffix, task in _TASKS.items():
             if arch.endswith(suffix):
                 return task
@@ -107,36 +112,79 @@ def readable_as_umask_says(directory: Path) -> None:
             os.chmod(f, 0o666 & ~umask)
 
 
-def run_prune(opts: PruneOptions, echo=None) -> Pruned:
-    """Prune as `opts` says; `echo(text, err=True)`, when given, receives the stage messages."""
-    path = default_model_path() if opts.model == "default" else model_dir(opts.model)  # smollm2: its cached copy
-    out = Path(opts.out)
-    check_out(out, path, opts.overwrite)
-    ensure_writable_dir(out.parent if str(out.parent) else Path("."), "output directory")
-    if echo:
-        echo(f"attnkit prune: loading {path}", err=True)
-    model, tokenizer = load_model(path, device="cpu", task=_task_of(path))
-    shape = (len(attention_layers(model, "attnkit prune")), int(model.config.num_attention_heads))
-    heads = heads_to_remove(opts, shape)
-    if opts.importance is not None:  # heads of the order that an earlier pruning removed are gone already
-        has = pruned_head_grid(model)
-        heads = [(l, h) for l, h in heads if has[l, h]]
-    before = count_parameters(model)
-    if echo:
-        echo(f"attnkit prune: removing {len(heads)} head(s) and writing {out}", err=True)
-    prune_heads(model, heads)
+def _shape_of(config) -> tuple[int, int] | None:
+    """(layers, heads) that the config records (unpruned numbering), or None."""
+    try:
+        return int(config.num_hidden_layers), int(config.num_attention_heads)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _replace(out: Path, write) -> None:
+    """Write the new model with `write(directory)` into a directory beside `out`, then rename it into place (the
+    old `out`, moved aside first, is removed only once the new one is there); whatever fails, nothing partial is
+    left and the old `out` stays."""
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    with os_errors(f"write the pruned model to {out}"):
+    old = out.with_name(f".{out.name}.{os.getpid()}.old")
+    try:
+        write(tmp)
+        os.replace(out, old)  # `out` exists: run_prune created or locked it
         try:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            readable_as_umask_says(tmp)
-            if out.exists():
-                shutil.rmtree(out)
             os.replace(tmp, out)
-        finally:
+        except BaseException:
+            os.replace(old, out)
+            raise
+        shutil.rmtree(old)
+    except OSError as exc:
+        raise AttnkitError(f"could not write the pruned model to {out}: {describe_os_error(exc)}") from None
+    except AttnkitError:
+        raise
+    except Exception as exc:  # safetensors and tokenizers raise their own errors for a full disk
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise AttnkitError(f"could not write the pruned model to {out}: {reason}") from None
+    finally:
+        for leftover in (tmp, old):
             with contextlib.suppress(OSError):
-                shutil.rmtree(tmp)
+                shutil.rmtree(leftover)
+
+
+def run_prune(opts: PruneOptions, echo=None) -> Pruned:
+    """Prune as `opts` says; `echo(text, err=True)`, when given, receives the stage messages. Everything that can
+    be checked is checked before the model loads and before anything is written; the output is written through
+    the one write path (attnkit.run.locking.output_directory): never the model, the importance file, the working
+    directory or a directory holding one of them, locked while it is written, replaced only once the new model is
+    complete."""
+    path = default_model_path() if opts.model == "default" else model_dir(opts.model)  # smollm2: its cached copy
+    check_output_path(opts.out)
+    check_prune_options(opts)
+    out = Path(opts.out)
+    config = _config_of(path)
+    task = _task_of(config, path)
+    shape = _shape_of(config)
+    if shape is not None:
+        heads_to_remove(opts, shape)  # a bad --heads or --fraction is heard of before the model loads
+    inputs = prune_inputs(opts, path)
+    with output_directory(out, "attnkit prune", inputs=inputs, whole=True):
+        check_out(out, path, opts.overwrite)
+        if echo:
+            echo(f"attnkit prune: loading {path}", err=True)
+        model, tokenizer = load_model(path, device="cpu", task=task)
+        shape = (len(attention_layers(model, "attnkit prune")), int(model.config.num_attention_heads))
+        heads = heads_to_remove(opts, shape)
+        if opts.importance is not None:  # heads of the order that an earlier pruning removed are gone already
+            has = pruned_head_grid(model)
+            heads = [(l, h) for l, h in heads if has[l, h]]
+        before = count_parameters(model)
+        if echo:
+            echo(f"attnkit prune: removing {len(heads)} head(s) and writing {out}", err=True)
+        prune_heads(model, heads)
+
+        def write(directory: Path) -> None:
+            model.save_pretrained(directory)
+            tokenizer.save_pretrained(directory)
+            readable_as_umask_says(directory)
+
+        _replace(out, write)
     grid = pruned_head_grid(model)
     kept = [[int(h) for h in row.nonzero()[0]] for row in grid]
     return Pruned(out, heads, kept, before, count_parameters(model))

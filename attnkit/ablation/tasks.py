@@ -61,15 +61,27 @@ def base_hidden(model, batch: Batch) -> torch.Tensor:
         return getattr(model, "base_model", model)(**batch.inputs)[0]
 
 
-def _data_file(path: str, kind: str) -> None:
-    if os.path.isdir(path):
-        raise AttnkitError(f"data path {path!r} is a directory: give the {kind} file")
-    if not os.path.isfile(path):
-        raise AttnkitError(f"data file {path!r} not found")
+def check_data_file(path: str, kind: str, *, folder_ok: bool = False) -> None:
+    """Refuse --data that is not a regular file (or, with `folder_ok`, a directory), naming what it is: missing,
+    a directory, a device such as /dev/null, a FIFO, a socket."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise AttnkitError(f"data file {path!r} not found") from None
+    except OSError as exc:
+        raise AttnkitError(f"cannot read data file {path!r}: {exc.strerror or exc}") from None
+    if stat.S_ISREG(mode) or (folder_ok and stat.S_ISDIR(mode)):
+        return
+    what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    raise AttnkitError(f"data path {path!r} is {what}, not a file: give the {kind} file")
 
 
 def _read_tsv(path: str) -> tuple[list[str], list[list[str]]]:
-    _data_file(path, "TSV")
+    check_data_file(path, "TSV")
     header, rows = read_table(path)
     return header, [r for _, r in rows if r]
 
@@ -473,7 +485,7 @@ class SquadTask(Task):
 
     def __init__(self, path: str, max_length: int = 384, stride: int = 128, n_best: int = 20,
                  max_answer_length: int = 30):
-        _data_file(path, "SQuAD JSON")
+        check_data_file(path, "SQuAD JSON")
         self.path = path
         data = load_json(path, SQUAD_SCHEMA, "SQuAD JSON")  # structure checked: attnkit.run.schemas.SQUAD_SCHEMA
         articles = data["data"]
@@ -644,13 +656,12 @@ class SquadTask(Task):
 def read_texts(path: str) -> list[str]:
     """Texts of a corpus for masked-LM scoring, read as `attnkit extract` reads corpora (plain text one
     per line; the two texts of a pair count separately); a directory means every .txt file in it."""
+    check_data_file(path, "text corpus", folder_ok=True)
     if os.path.isdir(path):
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".txt"))
         if not files:
             raise AttnkitError(f"{path}: directory holds no .txt files")
         return [t for f in files for t in read_texts(f)]
-    if not os.path.isfile(path):
-        raise AttnkitError(f"data file {path!r} not found")
     segments = read_corpus(path, text_unit="line")
     return [t for seg in segments for t in ((seg,) if isinstance(seg, str) else seg) if t.strip()]
 

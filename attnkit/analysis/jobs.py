@@ -16,7 +16,7 @@ from ..run.clusters import load_clusters
 from ..run.distances import HeadDistances
 from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, REPORT_FILE
 from ..run.head_features import HeadFeatures
-from ..run.locking import run_lock
+from ..run.locking import output_directory
 from ..run.outputs import ensure_writable_dir, os_errors
 from ..run.overwrite import claim_outputs
 from .attached import find_attached
@@ -57,7 +57,7 @@ def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None
     run = Path(run)
     for value, name in ((k, "k"), (seed, "seed"), (n_stability, "n_stability"), (n_seeds, "n_seeds")):
         check_int(value, name)  # before the lock and the first fit
-    with run_lock(run, "attnkit cluster"), os_errors(f"write into {run}"):
+    with output_directory(run, "attnkit cluster"), os_errors(f"write into {run}"):
         feats = HeadFeatures.load(run)
         resolve_subset(feats.names, features)  # a bad feature name is the first thing to hear about
         claim = claim_outputs([run / CLUSTERS_FILE], overwrite, stale=[run / REPORT_FILE])
@@ -100,7 +100,8 @@ def report_run(run, *, examples: int | None = None, include=(), corpus=None, fmt
         if not quiet:
             echo(text, err=True)
 
-    with run_lock(run, "attnkit report"), os_errors(f"write the report into {run}"):
+    inputs = [("the corpus", corpus, True)]  # only read; the run is where the report goes
+    with output_directory(run, "attnkit report", inputs=inputs), os_errors(f"write the report into {run}"):
         feats = HeadFeatures.load(run)
         claim = claim_outputs([run / REPORT_FILE] + report_figures(run), overwrite)
         shape = (feats.n_layers, feats.n_heads)

@@ -39,7 +39,7 @@ from ..features import weighting_of
 from ..run.files import FIGURES_DIR, META_FILE, PATTERN_LABELS, PATTERNS_FILE, PER_SAMPLE_ROWS, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.model_dir import DECODER_TYPES
-from ..run.outputs import write_json
+from ..run.outputs import check_write_target, write_json
 from ..run.overwrite import claim_outputs
 from ..run.per_sample import check_matches_run, load_per_sample, read_rows
 
@@ -230,6 +230,8 @@ def run_patterns(run_dir, *, pairs=None, svg: bool = True, rules: Rules | None =
     claim = claim_outputs(outputs + ([figure.with_suffix(".svg")] if svg else []), overwrite,
                           stale=[run_dir / REPORT_FILE])
     labels_path = run_dir / PATTERN_LABELS
+    for directory in (run_dir, run_dir / FIGURES_DIR):  # before anything is written: no link leads out of RUN
+        check_write_target(directory)
     tmp = labels_path.with_name(f".{labels_path.name}.partial")
     labels = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int8, shape=arr.shape[:3])
     try:

@@ -65,22 +65,10 @@ NORM_NOTE = ("Norm-weighted run (attnkit extract --weighting norm; Kobayashi et 
              "distances and example maps show attention weights.")
 
 
-def removed_mask(features: HeadFeatures) -> np.ndarray:
-    """L × H booleans: the heads removed from a pruned model (meta.json `removed_heads`, whose features are NaN)."""
-    L, H = features.n_layers, features.n_heads
-    out = np.zeros((L, H), dtype=bool)
-    for pair in features.meta.get("removed_heads") or []:
-        l, h = pair
-        if not (0 <= l < L and 0 <= h < H):
-            raise AttnkitError(f"meta.json: field removed_heads names head L{l}H{h}, outside the run's {L} × {H}")
-        out[l, h] = True
-    return out
-
-
 def check_heads(features: HeadFeatures, run_dir) -> None:
     """Refuse a run whose means hold NaN or infinity for heads that meta.json does not record as removed (a damaged
-    run), or that records a removed head outside the run."""
-    bad = ~np.isfinite(features.mean).all(axis=2) & ~removed_mask(features)
+    run; a removed head outside the run is refused where meta.json is read, by HeadFeatures.load)."""
+    bad = ~np.isfinite(features.mean).all(axis=2) & ~features.removed
     if bad.any():
         heads = [f"L{l}H{h}" for l, h in np.argwhere(bad)]
         raise AttnkitError(f"{Path(run_dir) / 'features.npz'} holds NaN or infinite means for {len(heads)} head(s) "
@@ -213,7 +201,7 @@ class Report:
         self.type_names = [c["type"] for c in data["clusters"]]
         self.colors = figs.type_colors(self.type_names)
         L, H = features.n_layers, features.n_heads
-        self.removed = removed_mask(features)
+        self.removed = features.removed
         self.kept = ~self.removed.ravel()
         self.n_removed = int(self.removed.sum())
         self.grid = np.where(self.removed, -1, label_grid(data))  # -1: removed (in no type)
@@ -665,4 +653,4 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
 
 __all__ = ["DEFAULT_EXAMPLES", "FIGURES_DIR", "MAPS_BUDGET_BYTES", "REPORT_FIGURES", "REPORT_FILE", "SECTIONS",
            "Report", "Section", "build_report", "example_inputs", "example_maps", "pick_example_heads",
-           "per_sample_problem", "removed_mask", "report_figures", "check_heads", "within_budget"]
+           "per_sample_problem", "report_figures", "check_heads", "within_budget"]

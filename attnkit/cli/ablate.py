@@ -23,7 +23,7 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.option("--mode", type=click.Choice(["zero", "uniform", "mean"]), default=None,
               help="How heads are disabled (heads: zero, layers: uniform, importance pruning: zero by default); "
                    "mean (heads, layers, types) puts each head's mean output over a corpus in its place.")
-@click.option("--mean-corpus", "mean_corpus", multiple=True, type=click.Path(exists=True),
+@click.option("--mean-corpus", "mean_corpus", multiple=True, metavar="CORPUS",
               help="--mode mean: the corpus (any format attnkit extract reads; repeatable) that the heads' means come "
                    "from (default: the evaluated inputs). Kept in OUT/head_means.npz, which a rerun continues.")
 @click.option("--metric", type=click.Choice(["cosine", "logit_diff"]), default=None,

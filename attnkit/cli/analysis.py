@@ -216,18 +216,21 @@ def compare_cmd(run_a, run_b, json_out, overwrite, quiet):
     (Kobayashi et al. 2020); head types are then compared only when both runs are clustered."""
     from ..analysis.weighting import compare_run_weightings, weighting_lines
     from ..run.clusters import clusters_path, load_clusters
-    from ..run.locking import lock_if_run
-    from ..run.outputs import ensure_writable_dir, write_json
+    from ..run.files import CLUSTERS_FILE, FEATURES_FILE, META_FILE
+    from ..run.locking import output_file
+    from ..run.outputs import write_json
     from ..run.overwrite import claim_outputs
 
     claim = None
-    if json_out is not None:
-        ensure_writable_dir(json_out.parent, "output directory")
+    inputs = [(f"a file of {r}", r / name) for r in (run_a, run_b)
+              for name in (FEATURES_FILE, META_FILE, CLUSTERS_FILE)]
+    if json_out is not None:  # the write path, held until the command ends (locked when OUT is in a run directory)
+        click.get_current_context().with_resource(output_file(json_out, "attnkit compare", inputs=inputs,
+                                                              name="json_out"))
         claim = claim_outputs([json_out], overwrite)
 
     def write(doc: dict) -> None:
-        with lock_if_run(json_out.parent, "attnkit compare"):  # writing into a run directory: lock it
-            write_json(json_out, doc)
+        write_json(json_out, doc)
         click.echo(f"wrote {json_out}")
         if claim.removed_message():
             echo_for()(claim.removed_message(), err=True)

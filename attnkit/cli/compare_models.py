@@ -33,17 +33,20 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
     import numpy as np
 
     from ..corpus import open_corpus
-    from ..embedded import is_embedded_name
-    from ..run.files import compare_models_outputs
+    from ..run.files import FIGURES_DIR, compare_models_outputs
+    from ..run.locking import output_directory
     from ..run.model_dir import check_model_dir
-    from ..run.outputs import output_dir
+    from ..run.outputs import check_write_target
     from ..run.overwrite import claim_outputs
 
-    with output_dir(out):  # checked before the work (and before torch is imported), not after it
+    inputs = [("model A", _model_arg(model_a)), ("model B", _model_arg(model_b)),
+              *(("a corpus input", p, True) for p in corpus)]
+    with output_directory(out, "attnkit compare-models", inputs=inputs):  # checked before the work (and torch)
+        check_write_target(out / FIGURES_DIR)  # a link leading out of OUT is refused before the work, too
         claim = claim_outputs(compare_models_outputs(out, svg=svg), overwrite)
         texts = open_corpus(list(corpus), fmt, columns=columns, squad_pairs=squad_pairs, limit=limit)
         for m in (model_a, model_b):
-            if _model_arg(m) is not None and not is_embedded_name(m):
+            if _model_arg(m) is not None:
                 check_model_dir(m)
         from ..engine.compare import compare_models
         res = compare_models(texts, _model_arg(model_a), _model_arg(model_b), max_length=max_length,

@@ -41,9 +41,10 @@ def export_cmd(run, fmt, out, overwrite, quiet):
                            in the same order
     A head removed by pruning has no features: its cells are empty (NaN).
     """
+    from ..run.files import FEATURES_FILE, META_FILE
     from ..run.head_features import HeadFeatures, features_table
-    from ..run.locking import lock_if_run
-    from ..run.outputs import ensure_writable_dir, write_table
+    from ..run.locking import output_file
+    from ..run.outputs import check_output_place, write_table
     from ..run.overwrite import claim_outputs
 
     fmt = _format_of(out if out is not None and str(out) != "-" else None, fmt)
@@ -56,9 +57,10 @@ def export_cmd(run, fmt, out, overwrite, quiet):
         click.echo(df.to_csv(index=False), nl=False)
         return
     out = out if out is not None else run / f"features.{fmt}"
+    inputs = [("the run's features", run / FEATURES_FILE), ("the run's meta.json", run / META_FILE)]
+    check_output_place(out, inputs)  # before the overwrite check: an input is never offered for replacing
     claim = claim_outputs([out], overwrite)
-    ensure_writable_dir(out.parent, "output directory")
-    with lock_if_run(out.parent, "attnkit export"):  # writing into a run directory: lock it
+    with output_file(out, "attnkit export", inputs=inputs):  # locked when it writes into a run directory
         write_table(df, out, fmt)
     if not quiet:
         n_feats = len(feats.names)

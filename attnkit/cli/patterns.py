@@ -47,7 +47,7 @@ def patterns_cmd(run, pairs, structured_min, mix_part_min, block_intra_min, list
     (`attnkit extract --per-sample`). Writes RUN/patterns.json (shares), RUN/pattern_labels.npy (the class of
     every example and head) and RUN/figures/pattern_types.png (and .svg)."""
     from ..analysis.patterns import CLASSES, Rules, examples_of, run_patterns
-    from ..run.locking import run_lock
+    from ..run.locking import output_directory
     from ..run.outputs import os_errors
 
     flag = {"auto": None, "yes": True, "no": False}[pairs]
@@ -64,7 +64,7 @@ def patterns_cmd(run, pairs, structured_min, mix_part_min, block_intra_min, list
             click.echo(f"  row {row}{where}: v {r['v']:.3f}  d {r['d']:.3f}  intra {r['intra']:.3f}"
                        + (f"  {text[:150]}" if isinstance(text, str) else ""))
         return
-    with run_lock(run, "attnkit patterns"), os_errors(f"write into {run}"):
+    with output_directory(run, "attnkit patterns"), os_errors(f"write into {run}"):
         written, data, removed = run_patterns(run, pairs=flag, svg=svg, rules=rules, overwrite=overwrite)
     if removed:
         echo_for()(removed, err=True)

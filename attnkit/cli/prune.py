@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .options import cli_errors, echo_for, quiet_option
+from .options import OutputPath, cli_errors, echo_for, quiet_option
 
 
 @click.command("prune")
@@ -14,9 +14,9 @@ from .options import cli_errors, echo_for, quiet_option
 @click.option("--importance", type=click.Path(exists=True), default=None, metavar="FILE",
               help="importance.json of `attnkit ablate --experiment importance` (or its output directory): remove "
                    "heads in the order its iterative pruning removed them.")
-@click.option("--fraction", type=float, default=None,
+@click.option("--fraction", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="With --importance: the share of all heads to remove, in (0, 1].")
-@click.option("-o", "--out", "out", required=True, type=click.Path(file_okay=False),
+@click.option("-o", "--out", "out", required=True, type=OutputPath(file_okay=False),
               help="Directory to write the pruned model (with its tokenizer) into.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists (once the new model is written).")
 @quiet_option

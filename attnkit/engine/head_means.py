@@ -66,13 +66,14 @@ def weights_fingerprint(model) -> str:
 
 def head_means(texts, model=None, *, tokenizer=None, max_length: int = DEFAULT_MAX_LENGTH,
                batch_size: int | None = None, window: int = DEFAULT_WINDOW, device=None, dtype=None, workers: int = 0,
-               checkpoint=None, progress: bool = False,
+               checkpoint=None, fresh: bool = False, progress: bool = False,
                on_batch: Callable[[HeadMeans, BatchResult], None] | None = None) -> HeadMeans:
     """The mean output of every head of `model` over `texts` (a list of str or (str, str) pairs, or an
     attnkit.corpus.Corpus, which is streamed). `model`: None (the embedded MiniLM), a local path, or a
     (model, tokenizer) pair. `workers`: tokenisation processes ahead of the model. `checkpoint`: an .npz path that
     keeps the sums as they grow; an existing one made under the same settings is continued (or, finished, read
-    back), one made under others is refused. `on_batch(state, result)` runs after every batch.
+    back), one made under others is refused; with `fresh` an existing one is neither read nor removed, only
+    replaced by this call's first save. `on_batch(state, result)` runs after every batch.
     Returns a `HeadMeans` (`.mean`: n_layers × n_heads × head size)."""
     from ..corpus import Corpus
 
@@ -90,7 +91,7 @@ def head_means(texts, model=None, *, tokenizer=None, max_length: int = DEFAULT_M
                 "window": window, "texts_sha256": _fingerprint(texts), "weights_sha256": weights_fingerprint(model),
                 "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
     state = HeadMeans(np.zeros((n_layers, n_heads, head_size)), settings=settings)
-    if checkpoint is not None and Path(checkpoint).exists():
+    if checkpoint is not None and not fresh and Path(checkpoint).exists():
         saved = HeadMeans.load(checkpoint)
         if saved.settings != settings:
             diff = sorted(k for k in set(settings) | set(saved.settings) if settings.get(k) != saved.settings.get(k))

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..corpus.sources import is_blank
 from ..errors import AttnkitError, arg
 from ..features import DEFAULT_MAX_LENGTH
 from ..interventions import Intervention, intervene
 from ..models import check_max_length, resolve_model
+from ..tokens import Encoder
 
 
 @dataclass
@@ -60,11 +62,15 @@ class AttentionMaps:
 
 def _check_text(text):
     if isinstance(text, str):
-        return (text,)
-    if isinstance(text, (tuple, list)) and len(text) == 2 and all(isinstance(x, str) for x in text):
-        return tuple(text)
-    raise AttnkitError(f"{arg('text')} must be a string or a pair of strings (one text; call attention_maps once "
-                       f"per text), got {type(text).__name__}")
+        segment = text
+    elif isinstance(text, (tuple, list)) and len(text) == 2 and all(isinstance(x, str) for x in text):
+        segment = tuple(text)
+    else:
+        raise AttnkitError(f"{arg('text')} must be a string or a pair of strings (one text; call attention_maps "
+                           f"once per text), got {type(text).__name__}")
+    if is_blank(segment):
+        raise AttnkitError(f"{arg('text')} is empty (blank): there is nothing of it to map")
+    return segment
 
 
 def attention_maps(text, model=None, *, tokenizer=None, max_length: int = DEFAULT_MAX_LENGTH, device=None,
@@ -72,15 +78,16 @@ def attention_maps(text, model=None, *, tokenizer=None, max_length: int = DEFAUL
     """The attention maps of every head of `model` on one `text` (a str, or a (str, str) pair).
 
     `model`: None for the embedded MiniLM, a local path, or a (model, tokenizer) pair (as in `attnkit.extract`).
-    The text is tokenised as `attnkit extract` does (special tokens added, cut to `max_length` tokens).
+    The text is tokenised as `attnkit extract` does, by the same `attnkit.tokens.Encoder` (special tokens added,
+    cut to `max_length` tokens, a pair refused when `max_length` cannot hold a token of each side).
     `intervention`: the maps under that `attnkit.Intervention` (what the model used, e.g. uniform rows for a
     head in mode uniform).
     """
-    parts = _check_text(text)
+    segment = _check_text(text)
     model, tokenizer = resolve_model(model, tokenizer, device)
     check_max_length(model, max_length)
     dev = next(model.parameters()).device
-    enc = tokenizer(*parts, truncation=True, max_length=max_length, return_tensors="pt").to(dev)
+    enc = {k: v.to(dev) for k, v in Encoder(tokenizer, max_length=max_length)([segment]).inputs.items()}
     with torch.inference_mode():
         if intervention is not None:
             with intervene(model, intervention):

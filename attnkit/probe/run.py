@@ -15,7 +15,8 @@ from ..errors import AttnkitError, arg, print_message
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import attention_modules, load_model, observing
 from ..run.files import PROBE_CSV, PROBE_HEATMAP, PROBE_JSON, PROBE_TABLE, REPORT_FILE
-from ..run.outputs import atomic_write, check_output_path, ensure_writable_dir, os_errors, write_json
+from ..run.locking import output_directory
+from ..run.outputs import atomic_write, check_output_path, os_errors, write_json
 from ..run.overwrite import claim_outputs
 from ..run.versions import attnkit_version
 from ..words import op_available, word_attention
@@ -247,46 +248,47 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
     probe_heatmap.png; docs/probes.md) and report through `echo`; returns the summary (probe.json)."""
     out = Path(check_output_path(opts.out))
     check_probe_options(opts)  # also checked by the command line before torch loads
-    claim = claim_outputs(probe_outputs(out), opts.overwrite, stale=[out / REPORT_FILE])
-    ensure_writable_dir(out)
-    sentences, parser = load_sentences(opts)
-    model, tokenizer = load_model(opts.model_path, device=opts.device, dtype=opts.dtype)
-    scores, counts = score_sentences(model, tokenizer, sentences, max_length=opts.max_length,
-                                     batch_size=opts.batch_size, backend=opts.backend, quiet=opts.quiet,
-                                     count_root=opts.count_root, baseline=opts.baseline)
-    if ALL not in scores.rel:
-        raise AttnkitError("no dependency could be scored (every dependent or head unaligned, or only roots)")
-    if opts.relation is not None and opts.relation not in scores.rel:
-        raise AttnkitError(f"{arg('relation')} {opts.relation!r} does not occur; relations: "
-                           f"{', '.join(scores.relations())}")
-    probe = attention_only_probe(scores, opts.train_fraction, opts.seed)
-    table = best_head_table(scores, opts.min_count)
-    dev_type = next(model.parameters()).device.type
-    wa_backend = f"fused-{dev_type}" if opts.backend != "reference" and op_available(dev_type) else "reference"
-    summary = {
-        "model": opts.model_path or "default (embedded MiniLM)",
-        "inputs": [str(p) for p in opts.paths], "parser": parser,
-        "parser_model": SPACY_MODEL if parser == "spacy" else None,
-        "layers": scores.n_layers, "heads": scores.n_heads,
-        "removed_heads": [[int(l), int(h)] for l, h in np.argwhere(scores.removed)],
-        "sentences": scores.n_sentences, "words": counts["words"],
-        "unaligned_words": counts["unaligned"],
-        "unaligned_detail": {k: counts[k] for k in ("truncated", "split", "no_piece")},
-        "root_words": scores.n_root, "scored_dependencies": scores.rel[ALL].n,
-        "directions": dict(DIRECTION_QUESTIONS),
-        "skipped_dependencies": scores.n_skipped,
-        "relations": {r: scores.best(r) for r in scores.relations()},
-        "attention_only_probe": probe,
-        "settings": {"max_length": opts.max_length, "batch_size": opts.batch_size, "dtype": opts.dtype,
-                     "min_count": opts.min_count, "relation": opts.relation, "backend": opts.backend,
-                     "count_root": opts.count_root, "baseline": opts.baseline,
-                     "word_attention_backend": wa_backend},
-        "attnkit_version": attnkit_version(),
-        "files": {"csv": PROBE_CSV, "table": PROBE_TABLE, "heatmap": f"{PROBE_HEATMAP}.png"},
-    }
-    with os_errors(f"write into {out}"):
-        _write(out, scores, table, summary, opts.relation, opts.min_count)
-        claim.remove_stale()
+    inputs = [("the model", opts.model_path), *(("a corpus input", p, True) for p in opts.paths)]
+    with output_directory(out, "attnkit probe", inputs=inputs):  # the one write path: checked, created, locked
+        claim = claim_outputs(probe_outputs(out), opts.overwrite, stale=[out / REPORT_FILE])
+        sentences, parser = load_sentences(opts)
+        model, tokenizer = load_model(opts.model_path, device=opts.device, dtype=opts.dtype)
+        scores, counts = score_sentences(model, tokenizer, sentences, max_length=opts.max_length,
+                                         batch_size=opts.batch_size, backend=opts.backend, quiet=opts.quiet,
+                                         count_root=opts.count_root, baseline=opts.baseline)
+        if ALL not in scores.rel:
+            raise AttnkitError("no dependency could be scored (every dependent or head unaligned, or only roots)")
+        if opts.relation is not None and opts.relation not in scores.rel:
+            raise AttnkitError(f"{arg('relation')} {opts.relation!r} does not occur; relations: "
+                               f"{', '.join(scores.relations())}")
+        probe = attention_only_probe(scores, opts.train_fraction, opts.seed)
+        table = best_head_table(scores, opts.min_count)
+        dev_type = next(model.parameters()).device.type
+        wa_backend = f"fused-{dev_type}" if opts.backend != "reference" and op_available(dev_type) else "reference"
+        summary = {
+            "model": opts.model_path or "default (embedded MiniLM)",
+            "inputs": [str(p) for p in opts.paths], "parser": parser,
+            "parser_model": SPACY_MODEL if parser == "spacy" else None,
+            "layers": scores.n_layers, "heads": scores.n_heads,
+            "removed_heads": [[int(l), int(h)] for l, h in np.argwhere(scores.removed)],
+            "sentences": scores.n_sentences, "words": counts["words"],
+            "unaligned_words": counts["unaligned"],
+            "unaligned_detail": {k: counts[k] for k in ("truncated", "split", "no_piece")},
+            "root_words": scores.n_root, "scored_dependencies": scores.rel[ALL].n,
+            "directions": dict(DIRECTION_QUESTIONS),
+            "skipped_dependencies": scores.n_skipped,
+            "relations": {r: scores.best(r) for r in scores.relations()},
+            "attention_only_probe": probe,
+            "settings": {"max_length": opts.max_length, "batch_size": opts.batch_size, "dtype": opts.dtype,
+                         "min_count": opts.min_count, "relation": opts.relation, "backend": opts.backend,
+                         "count_root": opts.count_root, "baseline": opts.baseline,
+                         "word_attention_backend": wa_backend},
+            "attnkit_version": attnkit_version(),
+            "files": {"csv": PROBE_CSV, "table": PROBE_TABLE, "heatmap": f"{PROBE_HEATMAP}.png"},
+        }
+        with os_errors(f"write into {out}"):
+            _write(out, scores, table, summary, opts.relation, opts.min_count)
+            claim.remove_stale()
     echo(f"{scores.n_sentences} sentences, {counts['words']} words ({counts['unaligned']} unaligned: "
          f"{counts['truncated']} truncated, {counts['split']} sharing a piece, {counts['no_piece']} without a piece), "
          f"{scores.rel[ALL].n} dependencies scored, {scores.n_skipped} skipped"

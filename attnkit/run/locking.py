@@ -1,4 +1,8 @@
-"""One attnkit command at a time per run directory.
+"""One attnkit command at a time per run directory, and the one write path of every command that writes.
+
+`output_directory(out, command, inputs=...)` is that path (docs/files.md, "Where commands write"): the output
+checked against the inputs, created, locked (`run_lock`), bounded (nothing written outside it), and removed
+again when the command created it and failed; `output_file` does the same for a command that writes one file.
 
 `run_lock(directory, command)` takes an exclusive, non-blocking lock (`filelock`, an OS lock on
 RUN/.attnkit.lock that the OS releases when the process dies, even by SIGKILL) for the duration of a
@@ -25,7 +29,7 @@ from filelock import FileLock, Timeout
 
 from ..errors import AttnkitError
 from .files import DISTANCE_SHARDS_DIR, FEATURE_SHARDS_DIR, FEATURES_FILE, LOCK_FILE, OWNER_FILE
-from .outputs import check_no_file_in_the_way, ensure_writable_dir
+from .outputs import check_no_file_in_the_way, check_output_place, ensure_writable_dir, writing_into
 
 _TEMPORARY = re.compile(r"^\..+\.(\d+)\.tmp$")  # atomic_write's temporary files: .NAME.PID.tmp
 
@@ -105,7 +109,8 @@ def run_lock(directory, command: str):
         except OSError:
             pass  # the lock holds without it; only the refusal message is less specific
         remove_stale_temporaries(directory)
-        yield directory
+        with writing_into(directory):  # nothing is written outside it, not even through a symbolic link
+            yield directory
     finally:
         with contextlib.suppress(OSError):
             owner_path.unlink()
@@ -140,6 +145,41 @@ def lock_if_run(directory, command: str):
         yield
 
 
+@contextlib.contextmanager
+def output_directory(out, command: str, *, inputs=(), whole: bool = False, name: str = "out"):
+    """The one write path of every command that writes into a directory (docs/files.md, "Where commands write").
+
+    In this order, before the block (the command's work) runs: `out` is checked against what the command reads
+    (`check_output_place`: never an input, inside one or holding one; with `whole`, never the working directory
+    or a directory holding it), created when missing (`make_run_dir`), and locked (`run_lock`: a second command
+    is refused at once). While the block runs, nothing is written outside `out` (a symbolic link leading out of
+    it is refused). If the block fails and this call created `out`, it is removed again while nothing but the
+    lock is in it. The block checks the overwrite policy (`claim_outputs`) under the lock and removes what it
+    replaces only after its new results are written. Yields the directory."""
+    with writing_into():  # a command started inside another's block is bounded by its own output only
+        out = check_output_place(out, inputs, whole=whole, name=name)
+        created = make_run_dir(out)
+        try:
+            with run_lock(out, command) as directory:
+                yield directory
+        except BaseException:
+            if created:  # leave nothing behind for a command that never got anywhere (never a directory in use)
+                remove_if_only_lock(out)
+            raise
+
+
+@contextlib.contextmanager
+def output_file(path, command: str, *, inputs=(), name: str = "out"):
+    """The write path of a command that writes one file anywhere (export -o, compare --json): `path` is checked
+    against what the command reads (`check_output_place`), its directory must be writable, and that directory is
+    locked when it is a run directory; nothing is written outside it while the block runs. Yields the path."""
+    with writing_into():
+        path = check_output_place(path, inputs, name=name)
+        ensure_writable_dir(path.parent, "output directory")
+        with lock_if_run(path.parent, command), writing_into(path.parent):
+            yield path
+
+
 def remove_if_only_lock(path) -> bool:
     """Remove directory `path` when nothing but the lock files is in it and no other process holds its lock
     (a command that created it and then failed leaves nothing behind). The lock is taken first and the lock
@@ -166,5 +206,6 @@ def remove_if_only_lock(path) -> bool:
         lock.release()
 
 
-__all__ = ["LOCK_FILE", "OWNER_FILE", "lock_if_run", "lock_owner", "make_run_dir", "process_alive",
+__all__ = ["LOCK_FILE", "OWNER_FILE", "lock_if_run", "lock_owner", "make_run_dir", "output_directory", "output_file",
+           "process_alive",
            "remove_if_only_lock", "remove_stale_temporaries", "run_lock"]

@@ -42,7 +42,7 @@ import numpy as np
 from ..errors import AttnkitError, arg
 from ..features import feature_names, windows_of
 from .files import PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
-from .outputs import write_json
+from .outputs import check_write_target, write_json
 from .schemas import PER_SAMPLE_SCHEMA, load_json
 
 PARTIAL_SUFFIX = ".partial"
@@ -80,6 +80,7 @@ class PerSampleWriter:
 
     def __init__(self, path, n_layers: int, n_heads: int, names, *, resume_after: int | None = None):
         self.path = _npy_path(path)
+        check_write_target(self.path.parent)
         self.partial = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
         self.names = list(names)
         self.row_shape = (int(n_layers), int(n_heads), len(self.names))
@@ -202,6 +203,7 @@ class _RowsTable:
 
     def __init__(self, path: Path, resume_after: int | None):
         self.path = path
+        check_write_target(path.parent)
         self.partial = path.with_name(path.name + PARTIAL_SUFFIX)
         self._f = None
         self.lines = 0
