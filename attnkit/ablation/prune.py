@@ -28,7 +28,7 @@ from .sizes import count_parameters
 
 IMPORTANCE_FILE = "importance.json"  # what `attnkit ablate --experiment importance -o DIR` writes into DIR
 _TASKS = {"ForSequenceClassification": "sequence-classification", "ForQuestionAnswering": "question-answering",
-          "ForMaskedLM": "masked-lm"}
+          "ForMaskedLM": "masked-lm", "ForCausalLM": "causal-lm"}
 
 
 @dataclass
