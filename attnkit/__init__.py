@@ -31,6 +31,7 @@ _LAZY = {
     "backend_info": "ops",
     "cache_heads": "caching",
     "cluster": "analysis",
+    "detect_heads": "engine.detect",
     "extract": "engine.extract",
     "head_means": "engine.head_means",
     "instrument": "models",
@@ -95,5 +96,6 @@ elif not any(isinstance(f, _RegisterWhenTransformersLoads) for f in sys.meta_pat
 
 __all__ = [
     "AttnkitError", "HeadFeatures", "Intervention", "attention_maps", "backend_info", "cache_heads", "cluster",
+    "detect_heads",
     "extract", "feature_names", "head_means", "instrument", "intervene", "load_model", "sentences",
 ]

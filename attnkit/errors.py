@@ -91,6 +91,9 @@ INT_RANGES = {
     "list_max": (1, INT32_MAX),
     "resamples": (0, 1_000_000),
     "stack": (1, INT32_MAX),
+    "length": (2, INT32_MAX),
+    "n_sequences": (1, INT32_MAX),
+    "top": (1, INT32_MAX),
 }
 
 

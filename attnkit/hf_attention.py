@@ -64,7 +64,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 
 from .arch.architectures import output_matrix
 from .arch.norms import key_norms
-from .arch.pruning import kept_heads, to_kept, to_unpruned
+from .arch.pruning import KV_HEAD_ATTR, kept_heads, to_kept, to_unpruned
 from .errors import AttnkitError
 from .features import DEFAULT_NUM_WINDOWS, num_features
 from .ops import attention
@@ -143,8 +143,8 @@ class Runtime:
     features: dict = field(default_factory=dict)  # layer -> B×H×F tensor, filled during forward
     # Callables (layer, query, key, lengths, scaling) for statistics that need q and k themselves,
     # e.g. the Jensen-Shannon distances between heads. On a decoder only those with a true attribute
-    # `decoder_arguments` are called, with the op's decoder arguments as keywords (`decoder_arguments`); the
-    # others are refused by name.
+    # `decoder_arguments` are called, with the op's decoder arguments as keywords (causal, kv_head, sliding_window,
+    # softcap, sink: `observed`; k then with its KV heads); the others are refused by name.
     observers: list[Callable] = field(default_factory=list)
     calls: int = 0
     sentences: torch.Tensor | None = None  # user-given B×L sentence ids (attnkit.sentences)
@@ -361,10 +361,6 @@ def check_sentences_shape(rt: Runtime, B: int, L: int) -> None:
             f"batch of {B} × {L} tokens: give one id per token of the padded batch")
 
 
-# On an attention module: the KV head of each query head (int32, one per query head), where its query heads do not
-# share the KV heads in even groups (a decoder layer that lost heads); without it, query head h reads KV head
-# h // (H / Hkv).
-KV_HEAD_ATTR = "_attnkit_kv_head"
 # The keyword arguments transformers passes to an attention function besides `scaling` and `dropout`: those attnkit
 # reads, and those that do not change what attention computes (positions are already in q and k; caches, router
 # logits and return flags are the model's business). Any other argument that has a value is refused by name: it
@@ -400,7 +396,8 @@ def decoder_arguments(module, H: int, Hkv: int, kwargs: dict, kept, device) -> d
     sink = kwargs.get("s_aux")
     if sink is not None:
         sink = sink.detach().to(device, torch.float32)
-        out["sink"] = sink if kept is None else to_kept(sink, kept)
+        # pruning keeps the sink logits of the heads kept; a layer that names them for the unpruned heads gets those
+        out["sink"] = sink if kept is None or sink.shape[0] == H else to_kept(sink, kept)
     kv_head = getattr(module, KV_HEAD_ATTR, None)
     if kv_head is not None:
         out["kv_head"] = kv_head.to(device, torch.int32)
@@ -417,6 +414,26 @@ def kv_index(H: int, Hkv: int, dec: dict, device) -> torch.Tensor | None:
     if Hkv == H:
         return None
     return torch.arange(H, device=device) // (H // Hkv)
+
+
+def observed(query, key, kept, dec: dict) -> tuple:
+    """(q, k, decoder arguments) as observers see them: the unpruned heads, a removed head with q = 0 (and, where
+    K/V have a head per query head, k = 0). Where the layer's query heads read shared KV heads, k keeps its KV heads
+    and `kv_head` maps every unpruned query head (a removed one to KV head 0). An encoder's observers get no
+    decoder arguments (dec is {}), so observers written for encoders keep working."""
+    if kept is None:
+        return query, key, dec
+    q = to_unpruned(query, kept)
+    H, Hkv = query.shape[1], key.shape[1]
+    if Hkv == H and "kv_head" not in dec:
+        return q, to_unpruned(key, kept), dec
+    index = kv_index(H, Hkv, dec, query.device)
+    full = torch.zeros(kept[1], dtype=torch.int32, device=query.device)
+    full[list(kept[0])] = (torch.arange(H, device=query.device) if index is None else index).to(torch.int32)
+    dec = dict(dec, kv_head=full)
+    if "sink" in dec:
+        dec["sink"] = to_unpruned(dec["sink"][None], kept)[0]
+    return q, key, dec
 
 
 def per_query_head(value: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -507,21 +524,19 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             parts = rt.intervention.layer_plan(module.layer_idx, B, L, D, query.device, query.dtype)
             if sentence_id is None and any(p.region is not None for p in parts):
                 sentence_id = forward_sentence_ids(rt, B, L, lengths, query.device, offsets)
-        if rt.observers and kept is not None:  # observers see the unpruned heads, removed ones with q = k = 0
-            obs_q, obs_k = to_unpruned(query, kept), to_unpruned(key, kept)
-        else:
-            obs_q, obs_k = query, key
-        for obs in rt.observers:
-            if not dec:
-                obs(module.layer_idx, obs_q, obs_k, lengths, scaling)
-            elif getattr(obs, "decoder_arguments", False):  # it computes a decoder's attention as the op does
-                obs(module.layer_idx, obs_q, obs_k, lengths, scaling, **dec)
-            else:
-                name = getattr(obs, "__qualname__", type(obs).__name__)
-                raise AttnkitError(
-                    f"an observer of q and k ({name}) does not take a decoder's attention arguments (causal, KV "
-                    "heads, sliding window, soft cap, sink): it would measure attention this model does not "
-                    "compute, so this analysis does not support decoder models yet")
+        if rt.observers:  # observers see the unpruned heads (`observed`)
+            obs_q, obs_k, obs_dec = observed(query, key, kept, dec)
+            for obs in rt.observers:
+                if not obs_dec:
+                    obs(module.layer_idx, obs_q, obs_k, lengths, scaling)
+                elif getattr(obs, "decoder_arguments", False):  # it computes a decoder's attention as the op does
+                    obs(module.layer_idx, obs_q, obs_k, lengths, scaling, **obs_dec)
+                else:
+                    name = getattr(obs, "__qualname__", type(obs).__name__)
+                    raise AttnkitError(
+                        f"an observer of q and k ({name}) does not take a decoder's attention arguments (causal, KV "
+                        "heads, sliding window, soft cap, sink): it would measure attention this model does not "
+                        "compute, so this analysis does not support decoder models yet")
         if want and rt.weighting == "norm" and H > 0:
             if module.layer_idx not in rt.out_proj:
                 raise AttnkitError("norm weighting needs each layer's output projection: measure inside "

@@ -2,6 +2,8 @@
 
     python bench/prune.py --model minilm --length 128 --batch 16 --repeats 7
     python bench/prune.py --model bert-base --length 512 --batch 4 --repeats 5 --json out.json
+    python bench/prune.py --model llama --length 128 --batch 8 --repeats 7 --by-kv-group
+    python bench/prune.py --model smollm2 --length 128 --batch 4 --repeats 5
 
 The pruned model is the full one with `--fraction` of the heads of every layer removed (heads 1, 3, 5, … of each
 layer for 0.5; `--heads L0H1,...` for a list of your own) by attnkit.arch.prune_heads. Configurations, timed side
@@ -14,6 +16,12 @@ each for the full and the pruned model. Speed-up: the ratio of the medians, and 
 those of the plain forward counted by torch's FlopCounterMode on eager attention (attnkit/ablation/sizes.py); the
 FLOP share removed is printed next to the measured speed-ups.
 Inputs: bench/extract.py's batch (random ids with real padding, [CLS]/[SEP], some punctuation, two sentences).
+
+Decoders (grouped-query attention, docs/pruning.md): `--model smollm2` (the embedded SmolLM2-135M: 30 layers, 9
+query heads, 3 KV heads, hidden 576) or `--model llama` (a random Llama of SmolLM2's width with 8 layers). With
+`--by-kv-group`, whole groups are removed: round(fraction · Hkv) KV heads of every layer with all their query heads
+(a KV head goes with its last query head); without it, the query heads of `--fraction` as above, which for SmolLM2
+(1, 3, 6, 8 of 9 at 0.5) leaves every KV head in place, in uneven groups (the op's kv_head).
 """
 from __future__ import annotations
 
@@ -33,6 +41,33 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.
 from extract import DTYPES, MODELS, build_model, make_batch, sync  # noqa: E402
 
 CONFIGS = ("plain", "extract", "extract-norm")
+DECODERS = ("llama", "smollm2")
+
+
+def build_decoder(name: str, device, dtype):
+    """The embedded SmolLM2 (base model), or a random Llama of its width with 8 layers, instrumented."""
+    import attnkit
+
+    if name == "smollm2":
+        model, _ = attnkit.load_model("smollm2", device=device, dtype=dtype)
+        return model
+    from transformers import AutoConfig, AutoModel
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                               num_hidden_layers=8, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                               max_position_embeddings=2048)
+    return attnkit.instrument(AutoModel.from_config(cfg).to(device=device, dtype=dtype).eval())
+
+
+def whole_kv_groups(model, fraction: float) -> list[tuple[int, int]]:
+    """Heads to remove: every query head of round(fraction · Hkv) KV heads of every layer (spread as above)."""
+    L, H = model.config.num_hidden_layers, model.config.num_attention_heads
+    Hkv = model.config.num_key_value_heads
+    k = round(fraction * Hkv)
+    picks = sorted({int(x) for x in torch.linspace(1, Hkv - 1, k).round().tolist()}) if k < Hkv else range(Hkv)
+    g = H // Hkv
+    return [(l, h) for l in range(L) for kv in picks for h in range(kv * g, (kv + 1) * g)]
 
 
 def half_of_every_layer(model, fraction: float) -> list[tuple[int, int]]:
@@ -67,12 +102,14 @@ def main(argv=None) -> dict:
     from attnkit.interventions import format_heads, parse_heads
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=MODELS, default="minilm")
+    ap.add_argument("--model", choices=MODELS + DECODERS, default="minilm")
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--fraction", type=float, default=0.5, help="share of every layer's heads to remove")
     ap.add_argument("--heads", default=None, help="heads to remove instead, e.g. L0H1,L2 (L2: all of layer 2)")
+    ap.add_argument("--by-kv-group", action="store_true",
+                    help="decoders: remove whole KV groups (--fraction of the KV heads of every layer)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -81,11 +118,16 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    full = build_model(args.model, args.length, device, DTYPES[args.dtype])
+    decoder = args.model in DECODERS
+    full = (build_decoder(args.model, device, DTYPES[args.dtype]) if decoder else
+            build_model(args.model, args.length, device, DTYPES[args.dtype]))
     shape = (full.config.num_hidden_layers, full.config.num_attention_heads)
-    heads = parse_heads(args.heads, shape) if args.heads else half_of_every_layer(full, args.fraction)
+    pick = whole_kv_groups if args.by_kv_group else half_of_every_layer
+    heads = parse_heads(args.heads, shape) if args.heads else pick(full, args.fraction)
     pruned = prune_heads(copy.deepcopy(full), heads)
     batch = make_batch(full, args.batch, args.length, device)
+    if decoder:  # a decoder takes no token_type_ids
+        batch.inputs.pop("token_type_ids", None)
     n_tokens = int(batch.lengths.sum())
     models = {"full": full, "pruned": pruned}
     runs = {(m, c): runner(c, models[m], batch) for m in models for c in CONFIGS}
@@ -104,7 +146,8 @@ def main(argv=None) -> dict:
     flops = {m: forward_flops(models[m], batch.inputs) for m in models}
     params = {m: count_parameters(models[m]) for m in models}
     tok_s = {f"{m} {c}": n_tokens / statistics.median(times[(m, c)]) for m, c in runs}
-    res = {"model": args.model, "length": args.length, "batch": args.batch, "tokens": n_tokens,
+    res = {"model": args.model, "by_kv_group": args.by_kv_group, "length": args.length, "batch": args.batch,
+           "tokens": n_tokens,
            "repeats": args.repeats, "threads": torch.get_num_threads(), "heads_removed": format_heads(heads),
            "n_removed": len(heads), "n_heads": shape[0] * shape[1], "params": params, "flops": flops,
            "flop_share_removed": 1 - flops["pruned"] / flops["full"],

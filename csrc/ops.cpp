@@ -38,6 +38,13 @@ TORCH_LIBRARY(attnkit, m) {
   // (-1: no word). Returns fp32 B×H×W×W word-to-word attention, int64 B×H×L and fp32 B×H×L per-row arg-max.
   m.def("word_attention(Tensor q, Tensor k, Tensor lengths, Tensor word_id, int num_words, float scaling) "
         "-> (Tensor, Tensor, Tensor)");
+  // Per-row statistics of attention (docs/analysis.md "Per-row statistics"; csrc/cpu/row_stats.cpp): k, B×Hkv×L×D,
+  // with kv_head int32[H], causal, sliding_window, softcap and sink as fused_attention takes them; target
+  // int64[B, L] (-1: none). Returns fp32 B×H×L mass on the target key, int64 B×H×L arg-max key (-1: padding row)
+  // and fp32 B×H×L its weight.
+  m.def("row_stats(Tensor q, Tensor k, Tensor lengths, Tensor target, float scaling, Tensor? kv_head=None, "
+        "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None) "
+        "-> (Tensor, Tensor, Tensor)");
 }
 
 // A Python module with no functions: importing attnkit._C loads this library and runs the

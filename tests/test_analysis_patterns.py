@@ -220,6 +220,20 @@ def test_a_per_sample_file_of_the_right_shape_but_other_samples_is_refused(tmp_p
     assert "run `attnkit extract --per-sample` again" in res.stderr
 
 
+def test_a_decoder_run_is_refused_with_the_reason(tmp_path):
+    n, L, H = 4, 2, 2
+    rows = np.full((n, L, H, len(NAMES)), 0.01, dtype=np.float32)
+    w = PerSampleWriter(tmp_path, L, H, NAMES)
+    w.add(np.arange(n), rows)
+    w.close()
+    HeadFeatures(rows.mean(0), rows.std(0), NAMES, n, 40, meta={"model_type": "llama"}).save(tmp_path)
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg"])
+    assert res.exit_code == 1 and not (tmp_path / "patterns.json").exists()
+    assert "is a run of a decoder (llama)" in res.stderr and "defined for bidirectional encoders" in res.stderr
+    res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--list", "L0H0:vertical"])
+    assert res.exit_code == 1 and "decoder" in res.stderr
+
+
 def test_patterns_of_a_norm_weighted_run_are_labelled_and_removed_heads_have_no_class(tmp_path):
     """Kovaleva's classes describe attention weights: on a norm-weighted run the command says what it classified
     and patterns.json records the weighting. A head removed by pruning (NaN features) gets no class (-1) and

@@ -34,6 +34,7 @@ BASE = {
     "ablate": ["default", "--task", "stsb", "--data", "dev.tsv", "--experiment", "heads", "-q"],
     "export": ["run", "-q"],
     "probe": ["gold.conllu", "-o", "new-probe", "-q"],
+    "detect-heads": ["default", "-o", "new-heads", "-q"],
 }
 
 

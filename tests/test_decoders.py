@@ -219,11 +219,12 @@ def test_generation_without_a_cache_and_a_cache_refused():
         ours.generate(ids, use_cache=True, **kw)
 
 
-def test_pruning_a_decoder_is_refused_by_name():
+def test_pruning_a_fused_projection_is_refused_by_name():
     from attnkit.arch import prune_heads
 
-    with pytest.raises(AttnkitError, match="pruning heads of a 'llama' model is not supported"):
-        prune_heads(tiny_decoder("llama"), [(0, 1)])
+    for kind in ("gpt2", "gpt_neox", "phi3"):  # the Llama family is pruned: tests/test_pruning_decoders.py
+        with pytest.raises(AttnkitError, match=f"pruning heads of a '{kind}' model is not supported"):
+            prune_heads(tiny_decoder(kind), [(0, 1)])
 
 
 def test_region_interventions_find_sentences_in_left_padded_batches():

@@ -48,17 +48,22 @@ def valid(x, inputs):
     return x * inputs["attention_mask"][..., None]
 
 
+def pruned_under(model, heads, impl):
+    """A copy of `model` with `heads` removed, under attention implementation `impl` (attnkit: instrumented)."""
+    pruned = prune_heads(copy.deepcopy(model), heads)
+    if impl == "attnkit":
+        return attnkit.instrument(pruned)
+    pruned.set_attn_implementation(impl)
+    return pruned
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa", "attnkit"])
 @pytest.mark.parametrize("kind", ["bert", "roberta", "electra", "distilbert"])
 def test_pruned_hidden_states_equal_the_zeroed_full_model(kind, impl):
     model = tiny(kind)
     inputs = inputs_of_three(pair=kind != "distilbert")
     expect = zeroed_reference(model, HEADS, inputs)
-    pruned = prune_heads(copy.deepcopy(model), HEADS)
-    if impl == "attnkit":
-        attnkit.instrument(pruned)
-    else:
-        pruned.set_attn_implementation(impl)
+    pruned = pruned_under(model, HEADS, impl)
     with torch.no_grad():
         got = pruned(**inputs).last_hidden_state
     torch.testing.assert_close(valid(got, inputs), valid(expect, inputs), atol=2e-6, rtol=1e-5)

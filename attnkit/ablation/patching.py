@@ -4,9 +4,10 @@ experiments").
 Each example is a clean input and a corrupted one of the same token length. A metric reads the model's output on
 an input: `cosine` (an embedding model, task stsb: the cosine between the input's mean-pooled embedding and the
 example's `reference` text), or `logit_diff` (a masked LM, task mlm: the logit of the `target` token minus that of
-the `foil` token at the input's one mask token; a classifier, task glue: the logit of the `target` label minus the
-`foil` label's). For every head, the corrupted input runs with that head's output replaced by its output on the
-clean input, at every position (mode patch, from a `HeadCache` of the clean forward). The head restores
+the `foil` token at the input's one mask token; a causal LM, task lm: the same for the token predicted after the
+input's last token; a classifier, task glue: the logit of the `target` label minus the `foil` label's). For every
+head, the corrupted input runs with that head's output replaced by its output on the clean input, at every
+position (mode patch, from a `HeadCache` of the clean forward). The head restores
 
     restored = 100 · (mean patched metric − mean corrupted metric) / (mean clean metric − mean corrupted metric)
 
@@ -14,7 +15,7 @@ percent of the clean-vs-corrupted gap (means over the examples; 0 without a patc
 paired bootstrap resamples examples and recomputes this ratio on each resample.
 
 Data: a TSV or CSV file with a header: `clean`, `corrupted`, and `reference` (stsb) or `target` and `foil` (mlm,
-glue); glue inputs that are text pairs add `clean_pair` and `corrupted_pair`.
+glue, lm); glue inputs that are text pairs add `clean_pair` and `corrupted_pair`.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from ..tokens import Encoder
 from . import metrics
 from .tasks import Plan, Step, Task, base_hidden, check_data_file, forward, mean_pool, subset
 
-METRICS = {"stsb": ("cosine",), "mlm": ("logit_diff",), "glue": ("logit_diff",)}
-MODEL_TASKS = {"stsb": None, "mlm": "masked-lm", "glue": "sequence-classification"}
+METRICS = {"stsb": ("cosine",), "mlm": ("logit_diff",), "glue": ("logit_diff",), "lm": ("logit_diff",)}
+MODEL_TASKS = {"stsb": None, "mlm": "masked-lm", "glue": "sequence-classification", "lm": "causal-lm"}
 
 
 class PatchingTask(Task):
@@ -42,7 +43,7 @@ class PatchingTask(Task):
 
     def __init__(self, path: str, kind: str, metric: str | None = None):
         if kind not in METRICS:
-            raise AttnkitError(f"patching works with {arg('task_name')} stsb, mlm or glue, not {kind!r}")
+            raise AttnkitError(f"patching works with {arg('task_name')} stsb, mlm, glue or lm, not {kind!r}")
         self.kind, self.metric = kind, metric or METRICS[kind][0]
         if self.metric not in METRICS[kind]:
             raise AttnkitError(f"{arg('metric')} {self.metric!r} does not apply to task {kind}; use "
@@ -168,7 +169,12 @@ class PatchingTask(Task):
             info["corrupted_metric"] = self._metric(info, step.batch, self.outputs(model, step.batch))
 
     def outputs(self, model, batch):
-        return base_hidden(model, batch) if self.kind == "stsb" else forward(model, batch).logits
+        if self.kind == "stsb":
+            return base_hidden(model, batch)
+        logits = forward(model, batch).logits
+        if self.kind == "lm":  # the prediction of the token after the input: the logits at its last token
+            return logits[torch.arange(logits.shape[0], device=logits.device), batch.lengths.to(logits.device) - 1]
+        return logits
 
     def _metric(self, info: dict, batch, outputs) -> np.ndarray:
         out = outputs.float()

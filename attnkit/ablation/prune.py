@@ -19,7 +19,7 @@ from ..arch.architectures import attention_layers
 from ..arch.pruning import prune_heads, pruned_head_grid
 from ..errors import AttnkitError, arg
 from ..interventions import format_heads, parse_heads
-from ..models import default_model_path, load_model
+from ..models import default_model_path, load_model, model_dir
 from ..run.locking import output_directory
 from ..run.outputs import check_output_path, describe_os_error
 from ..run.schemas import IMPORTANCE_SCHEMA, load_json
@@ -28,7 +28,7 @@ from .sizes import count_parameters
 
 IMPORTANCE_FILE = "importance.json"  # what `attnkit ablate --experiment importance -o DIR` writes into DIR
 _TASKS = {"ForSequenceClassification": "sequence-classification", "ForQuestionAnswering": "question-answering",
-          "ForMaskedLM": "masked-lm"}
+          "ForMaskedLM": "masked-lm", "ForCausalLM": "causal-lm"}
 
 
 @dataclass
@@ -98,7 +98,7 @@ def _task_of(config, path: str) -> str | None:
                 return task
         if "For" in arch:
             raise AttnkitError(f"{path} holds a {arch}: attnkit prune keeps the heads of encoders, sequence "
-                               "classifiers, question answering and masked-LM models")
+                               "classifiers, question answering, masked-LM and causal-LM models")
     return None
 
 
@@ -154,7 +154,7 @@ def run_prune(opts: PruneOptions, echo=None) -> Pruned:
     the one write path (attnkit.run.locking.output_directory): never the model, the importance file, the working
     directory or a directory holding one of them, locked while it is written, replaced only once the new model is
     complete."""
-    path = default_model_path() if opts.model == "default" else str(opts.model)
+    path = default_model_path() if opts.model == "default" else model_dir(opts.model)  # smollm2: its cached copy
     check_output_path(opts.out)
     check_prune_options(opts)
     out = Path(opts.out)

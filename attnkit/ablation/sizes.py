@@ -31,7 +31,8 @@ REFERENCE_BATCH = (16, 128)  # samples × tokens
 
 def pruning_supported(model) -> bool:
     """Whether attnkit knows where `model`'s architecture keeps the projections that pruning shrinks."""
-    return getattr(model.config, "model_type", None) in LAYOUTS
+    layout = LAYOUTS.get(getattr(model.config, "model_type", None))
+    return layout is not None and layout.prunable
 
 
 def count_parameters(model) -> int:

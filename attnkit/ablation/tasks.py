@@ -10,7 +10,8 @@ Each task also yields differentiable losses (`losses`) for gradient head importa
   |∂L/∂gate| is taken per example as Michel et al. define it (a correlation is not per-example).
 * glue: cross-entropy (MSE on the single logit for STS-B regression models).
 * squad: the model's start/end cross-entropy on the first answer (position 0 = no answer / not in window).
-* mlm: cross-entropy on the masked tokens.
+* mlm: cross-entropy on the masked tokens (also the task's main metric, `loss`).
+* lm: next-token cross-entropy of a causal language model over the corpus tokens (main metric `loss`, nats).
 
 Every task evaluates in four steps that the ablation sweeps (attnkit/ablation/sweep.py) also drive one by one:
 `plan` (the batches, and what reading their outputs needs), `outputs` (one forward of a batch: tensors whose
@@ -665,14 +666,24 @@ def read_texts(path: str) -> list[str]:
     return [t for seg in segments for t in ((seg,) if isinstance(seg, str) else seg) if t.strip()]
 
 
+def token_mean_loss(count: str):
+    """The metric of a language-model loss task on resamples: Σ nll / Σ tokens over the resampled texts (the mean
+    cross-entropy per token, in nats; each text weighs by its tokens, as in the loss of the whole corpus)."""
+    def loss(arrays: dict, weights: np.ndarray) -> np.ndarray:
+        return (weights @ arrays["nll"]) / np.maximum(weights @ arrays[count], 1)
+
+    return loss
+
+
 class MlmTask(Task):
-    """Masked-token accuracy: 15% of the non-special tokens of each text (at least one) are replaced by
-    the mask token, chosen with a generator seeded by (seed, text index), so the masks do not depend on
-    --limit or the batch size."""
+    """Masked-LM loss: 15% of the non-special tokens of each text (at least one) are replaced by the mask token,
+    chosen with a generator seeded by (seed, text index), so the masks do not depend on --limit or the batch size.
+    The main metric is the mean cross-entropy (nats) over the masked tokens of the corpus; the accuracy of the
+    arg-max prediction is reported beside it."""
 
     name = "mlm"
     model_task = "masked-lm"
-    main_metric = "accuracy"
+    main_metric = "loss"
 
     def __init__(self, path: str, mask_prob: float = 0.15, seed: int = 0):
         self.path = path
@@ -723,27 +734,26 @@ class MlmTask(Task):
         return forward(model, batch).logits
 
     def reduce(self, step, logits):
-        """(per-example (text, correct, masked), summed cross-entropy) of the step's masked tokens."""
+        """Per example of the step: (text, masked tokens predicted right, masked tokens, their summed
+        cross-entropy in nats)."""
         orig, labels = step.info
         logits = logits.float().cpu()
         sel = labels != -100
         hit = (logits.argmax(-1) == labels) & sel
-        per_example = [(j, int(hit[b].sum()), int(sel[b].sum())) for b, j in enumerate(orig)]
-        nll = float(torch.nn.functional.cross_entropy(logits[sel], labels[sel], reduction="sum"))
-        return per_example, nll
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none",
+                                                ignore_index=-100).double()  # B×L, 0 where nothing is masked
+        return [(j, int(hit[b].sum()), int(sel[b].sum()), float(nll[b].sum())) for b, j in enumerate(orig)]
 
     def summarize(self, plan, parts) -> dict:
-        per_example = {j: (c, m) for part, _ in parts for j, c, m in part}
-        correct = sum(c for c, _ in per_example.values())
-        total = sum(m for _, m in per_example.values())
+        per_example = {j: (c, m, nll) for part in parts for j, c, m, nll in part}
+        keys = sorted(per_example)
+        correct, masked, nll = (np.array([per_example[k][i] for k in keys]) for i in range(3))
+        total = int(masked.sum())
         if total == 0:
             raise AttnkitError("no token could be masked in the corpus")
-        keys = sorted(per_example)
         self.last_examples = metrics.ExampleScores(
-            {"correct": np.array([per_example[k][0] for k in keys]),
-             "masked": np.array([per_example[k][1] for k in keys])},
-            lambda a, w: 100.0 * (w @ a["correct"]) / np.maximum(w @ a["masked"], 1), np.asarray(keys))
-        return {"accuracy": 100.0 * correct / total, "loss": sum(nll for _, nll in parts) / total, "n": plan.info,
+            {"correct": correct, "masked": masked, "nll": nll}, token_mean_loss("masked"), np.asarray(keys))
+        return {"loss": float(nll.sum()) / total, "accuracy": 100.0 * int(correct.sum()) / total, "n": plan.info,
                 "masked": total}
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
@@ -755,8 +765,80 @@ class MlmTask(Task):
                 yield torch.nn.functional.cross_entropy(logits[keep], labels[keep].to(logits.device))
 
 
+# --- next-token prediction with a causal language model -----------------------------------------------
+def next_token_nll(logits: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """B × (L − 1) cross-entropy (nats, fp32) of predicting token t + 1 from the logits at t, 0 where t + 1 is
+    padding (`lengths`: the valid tokens of each sample, right padding)."""
+    L = input_ids.shape[1]
+    target = input_ids[:, 1:].to(logits.device)
+    keep = torch.arange(1, L, device=logits.device)[None, :] < lengths.to(logits.device)[:, None]
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), target, reduction="none")
+    return torch.where(keep, nll, torch.zeros_like(nll))
+
+
+class LmTask(Task):
+    """Language-model loss of a causal (decoder) model: the mean next-token cross-entropy, in nats, over the
+    corpus tokens. Each text is tokenised as the model's tokenizer does (its BOS where it adds one), truncated to
+    max_length, and every token after the first is predicted from those before it (the loss transformers computes
+    with labels = input_ids); a text of n tokens contributes n − 1 predictions. The loss of the corpus is
+    Σ nll / Σ predictions, so a text weighs by its tokens; the bootstrap resamples texts (segments)."""
+
+    name = "lm"
+    model_task = "causal-lm"
+    main_metric = "loss"
+
+    def __init__(self, path: str):
+        self.path = path
+        self.examples = read_texts(path)
+        if not self.examples:
+            raise AttnkitError(f"{path}: no text")
+
+    def segments(self, limit=None) -> list:
+        return [self.examples[i] for i in subset(len(self.examples), limit)]
+
+    def plan(self, model, tokenizer, limit=None, batch_size=32) -> Plan:
+        chosen = subset(len(self.examples), limit)
+        texts = [self.examples[i] for i in chosen]
+        steps = [Step(batch, [chosen[int(j)] for j in idx]) for idx, batch in
+                 self._encode(tokenizer, texts, limit, batch_size)]
+        return Plan(steps, len(chosen))
+
+    def outputs(self, model, batch):
+        logits = forward(model, batch).logits
+        return next_token_nll(logits, batch.inputs["input_ids"], batch.lengths)
+
+    def reduce(self, step, nll):
+        """Per text of the step: (text, predicted tokens, their summed cross-entropy)."""
+        nll = nll.double().cpu()
+        n = (step.batch.lengths - 1).clamp(min=0)
+        return [(j, int(n[b]), float(nll[b].sum())) for b, j in enumerate(step.info)]
+
+    def summarize(self, plan, parts) -> dict:
+        per_example = {j: (n, nll) for part in parts for j, n, nll in part}
+        keys = sorted(per_example)
+        tokens, nll = (np.array([per_example[k][i] for k in keys]) for i in range(2))
+        total = int(tokens.sum())
+        if total == 0:
+            raise AttnkitError(f"{self.path}: every text is one token long: there is no next token to predict")
+        self.last_examples = metrics.ExampleScores({"tokens": tokens, "nll": nll}, token_mean_loss("tokens"),
+                                                   np.asarray(keys))
+        loss = float(nll.sum()) / total
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "n": plan.info, "tokens": total}
+
+    def losses(self, model, tokenizer, limit=None, batch_size=1):
+        instrument(model)
+        chosen = subset(len(self.examples), limit)
+        enc = Encoder(tokenizer, max_length=self.max_length, split_sentences=True)
+        for i in range(0, len(chosen), batch_size):
+            batch = enc([self.examples[j] for j in chosen[i:i + batch_size]]).to(_device(model))
+            if int(batch.lengths.max()) < 2:
+                continue
+            nll = next_token_nll(forward(model, batch).logits, batch.inputs["input_ids"], batch.lengths)
+            yield nll.sum() / (batch.lengths - 1).clamp(min=0).sum()
+
+
 def get_task(name: str, path, **options) -> Task:
-    """Load a task's data from a local file: name in stsb, glue, squad, mlm."""
+    """Load a task's data from a local file: name in stsb, glue, squad, mlm, lm."""
     path = str(path)
     if name == "stsb":
         return StsbTask(path)
@@ -767,4 +849,6 @@ def get_task(name: str, path, **options) -> Task:
         return SquadTask(path, **kw)
     if name == "mlm":
         return MlmTask(path, seed=options.get("seed") or 0)
+    if name == "lm":
+        return LmTask(path)
     raise AttnkitError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")

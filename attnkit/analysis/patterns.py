@@ -36,8 +36,9 @@ import numpy as np
 
 from ..errors import INT_RANGES, AttnkitError, arg, check_int
 from ..features import weighting_of
-from ..run.files import FIGURES_DIR, PATTERN_LABELS, PATTERNS_FILE, PER_SAMPLE_ROWS, REPORT_FILE
+from ..run.files import FIGURES_DIR, META_FILE, PATTERN_LABELS, PATTERNS_FILE, PER_SAMPLE_ROWS, REPORT_FILE
 from ..run.head_features import HeadFeatures
+from ..run.model_dir import DECODER_TYPES
 from ..run.outputs import check_write_target, write_json
 from ..run.overwrite import claim_outputs
 from ..run.per_sample import check_matches_run, load_per_sample, read_rows
@@ -220,6 +221,7 @@ def run_patterns(run_dir, *, pairs=None, svg: bool = True, rules: Rules | None =
     patterns.json's content, the message naming what `overwrite` removed or None)."""
     run_dir = Path(run_dir)
     rules = (rules or Rules()).check()
+    refuse_decoder_run(run_dir)
     arr, names = load_per_sample(run_dir)
     feats = HeadFeatures.load(run_dir if run_dir.is_dir() else run_dir.parent)
     check_matches_run(run_dir, arr, names, feats)
@@ -256,6 +258,24 @@ STRENGTH = {"vertical": lambda m: m["v"], "diagonal": lambda m: m["d"],
             "heterogeneous": lambda m: -(m["v"] + m["d"])}
 
 
+def refuse_decoder_run(run_dir) -> None:
+    """Kovaleva et al.'s pattern classes are defined for encoders (vertical = [CLS]/[SEP], diagonal = previous and
+    next token, block = a text pair's segments): a run of a decoder is refused, with that reason."""
+    import json
+
+    run_dir = Path(run_dir)
+    try:  # a missing or broken meta.json is for the run's own checks to name
+        meta = json.loads((run_dir if run_dir.is_dir() else run_dir.parent).joinpath(META_FILE).read_text("utf-8"))
+    except (OSError, ValueError):
+        return
+    mtype = meta.get("model_type") if isinstance(meta, dict) else None
+    if mtype in DECODER_TYPES:
+        raise AttnkitError(f"{run_dir} is a run of a decoder ({mtype}): Kovaleva et al.'s pattern classes are defined "
+                           "for bidirectional encoders (vertical is attention to [CLS]/[SEP], diagonal to the previous "
+                           "and next token, block to a text pair's segments), and a causal row has no next token or "
+                           "second segment; attnkit detect-heads finds a decoder's previous-token and induction heads")
+
+
 def examples_of(run_dir, layer: int, head: int, pattern: str, *, n: int = 10, pairs=None,
                 rules: Rules | None = None):
     """The examples that put head (`layer`, `head`) of a run in class `pattern`, most clearly first (vertical:
@@ -267,6 +287,7 @@ def examples_of(run_dir, layer: int, head: int, pattern: str, *, n: int = 10, pa
     if pattern not in CLASSES:
         raise AttnkitError(f"unknown pattern class {pattern!r}; use one of {', '.join(CLASSES)}")
     check_int(n, "n", maximum=INT_RANGES["list_max"][1])
+    refuse_decoder_run(run_dir)
     arr, names = load_per_sample(run_dir)
     N, L, H, _ = arr.shape
     if not (0 <= layer < L and 0 <= head < H):

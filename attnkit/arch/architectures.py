@@ -19,8 +19,8 @@ Decoder language models (docs/decoders.md) keep their output projection in the a
   `o_proj`.
 Head h's slice of the output projection is, in every one of them, the columns h·D … (h+1)·D − 1 of W_O as an
 `nn.Linear` holds it (hidden × H·D): `output_matrix` gives that matrix for a `Conv1D` too. Physical pruning
-(attnkit/arch/pruning.py) knows only the encoders' separate projections (`prunable`); it refuses the others by
-name.
+(attnkit/arch/pruning.py) knows the separate projections of the encoders and of the Llama family, grouped-query
+attention included (`prunable`); it refuses the fused ones (GPT-2, GPT-NeoX, Phi-3) by name.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class Layout:
 
 BERT_LIKE = Layout("query", "key", "value", "output.dense", True, "num_attention_heads", "all_head_size")
 DISTILBERT = Layout("q_lin", "k_lin", "v_lin", "out_lin", False, "n_heads", None)
-LLAMA_LIKE = Layout("q_proj", "k_proj", "v_proj", "o_proj", False, None, None, "head_dim", prunable=False)
+LLAMA_LIKE = Layout("q_proj", "k_proj", "v_proj", "o_proj", False, None, None, "head_dim")
 GPT2 = Layout(None, None, None, "c_proj", False, "num_heads", "embed_dim", "head_dim", fused="c_attn", prunable=False)
 GPT_NEOX = Layout(None, None, None, "dense", False, None, None, "head_size", fused="query_key_value", prunable=False)
 PHI3 = Layout(None, None, None, "o_proj", False, None, None, "head_dim", fused="qkv_proj", prunable=False)

@@ -11,6 +11,15 @@ indices, `kept_heads`), and the config records them per layer (`attnkit_heads`, 
 `config.num_attention_heads` stays the unpruned count. attnkit's measurements of a pruned model therefore use the
 unpruned layers × heads grid (attnkit/hf_attention.py).
 
+Grouped-query decoders (Llama, Qwen2/3, Mistral, Gemma 2/3, gpt-oss): query head h reads KV head h // g (g = H /
+Hkv of the unpruned config). A query head goes from q_proj (rows) and o_proj (columns); a KV head goes from k_proj
+and v_proj (rows) when the last query head that reads it goes. Where the heads left share their KV heads in even
+groups, the module's `num_key_value_groups` says so and nothing else changes. Where they do not (uneven groups),
+the module names the KV head of each query head it kept (KV_HEAD_ATTR, read by attnkit attention, which never
+repeats K/V), and its k_proj and v_proj are `GroupedKV` projections: under any other attention implementation
+(eager, sdpa) they hand each query head its KV head's keys and values (`num_key_value_groups` 1), so the module
+computes the same in plain transformers. gpt-oss's per-head sink logits (`sinks`) keep the entries of the heads kept.
+
 transformers cannot load such a model by itself (each layer of its classes has `num_attention_heads` heads):
 `load_pruned_model(path)` builds the unpruned structure from the config, removes the heads the config names and
 loads the weights; `attnkit.load_model(path)` uses it for a pruned directory.
@@ -37,6 +46,10 @@ KEPT_ATTR = "_attnkit_kept_heads"  # on an attention module: (kept heads in the 
 OWN_OUTPUT_ATTR = "_attnkit_own_output"  # on a headless attention module that holds its output projection
 CONFIG_HEADS = "attnkit_heads"  # config: per layer, the heads kept (unpruned numbering)
 CONFIG_COUNTS = "attnkit_head_counts"  # config: per layer, how many
+# On an attention module: the KV head (a position in its k_proj/v_proj) of each query head it has (int32), where its
+# query heads do not share the KV heads in even groups (a grouped-query layer that lost heads); without it, query
+# head h reads KV head h // (H / Hkv). attnkit attention passes it to the op as `kv_head`.
+KV_HEAD_ATTR = "_attnkit_kv_head"
 
 
 def kept_heads(module) -> tuple[tuple[int, ...], int] | None:
@@ -65,6 +78,40 @@ def to_unpruned(t: torch.Tensor, kept: tuple[tuple[int, ...], int], fill: float 
 
 def _n_heads(model) -> int:
     return int(model.config.num_attention_heads)
+
+
+def kv_group_size(config) -> int:
+    """How many query heads of the unpruned model read each KV head (1 without grouped-query attention)."""
+    H = int(config.num_attention_heads)
+    Hkv = getattr(config, "num_key_value_heads", None) or H
+    return H // int(Hkv)
+
+
+class GroupedKV(nn.Linear):
+    """The key or value projection of a grouped-query layer whose query heads no longer share KV heads in even
+    groups (module docstring). Its weight and bias are the rows of the KV heads kept (saved as an nn.Linear's).
+    Under attnkit attention it returns them as they are (the op maps each query head to its KV head); under any
+    other implementation it returns one KV head per query head (`index`: the KV head of each), as eager and sdpa
+    attention with `num_key_value_groups` 1 expect."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.config._attn_implementation == "attnkit":
+            return out
+        D = self.head_size
+        heads = out.unflatten(-1, (-1, D)).index_select(-2, self.index)
+        return heads.flatten(-2)
+
+
+def _grouped_kv(lin: nn.Linear, index: torch.Tensor, head_size: int, config) -> GroupedKV:
+    new = GroupedKV.__new__(GroupedKV)
+    nn.Module.__init__(new)
+    new.in_features, new.out_features = lin.in_features, lin.out_features
+    new.weight = lin.weight
+    new.register_parameter("bias", lin.bias)
+    new.register_buffer("index", index.to(lin.weight.device), persistent=False)
+    new.head_size, new.config = head_size, config
+    return new
 
 
 def _skip_init_linear(in_features: int, out_features: int, like: nn.Linear) -> nn.Linear:
@@ -107,8 +154,10 @@ def _forward_without_heads(self, hidden_states, attention_mask=None, *args, **kw
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     B, L = hidden_states.shape[:2]
-    empty = hidden_states.new_zeros(B, 0, L, self.attention_head_size)
-    kwargs.pop("past_key_values", None)
+    D = getattr(self, "attention_head_size", None) or self.head_dim
+    empty = hidden_states.new_zeros(B, 0, L, D)
+    for name in ("past_key_values", "cache", "position_embeddings"):  # rotary positions: nothing to rotate
+        kwargs.pop(name, None)
     fn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _no_attention)
     out, weights = fn(self, empty, empty, empty, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
     out = out.reshape(B, L, 0)
@@ -118,16 +167,45 @@ def _forward_without_heads(self, hidden_states, attention_mask=None, *args, **kw
     return out, weights
 
 
-def _keep_positions(layer: AttentionLayer, positions: list[int]) -> None:
-    """Keep only the heads at `positions` (of the layer's current heads) in the projections of `layer`."""
+def _head_rows(positions: list[int], D: int) -> torch.Tensor:
+    return torch.tensor([p * D + d for p in positions for d in range(D)], dtype=torch.long)
+
+
+def _keep_heads(layer: AttentionLayer, current: list[int], kept: list[int], group: int, config) -> None:
+    """Keep only the query heads `kept` (unpruned numbering) of the layer's `current` heads, and the KV heads they
+    read (query head h reads KV head h // `group` of the unpruned model), in the projections of `layer`."""
     D = layer.head_size
-    idx = torch.tensor([p * D + d for p in positions for d in range(D)], dtype=torch.long)
-    for name in ("query", "key", "value"):
-        layer.replace(name, _rows(layer.linear(name), idx))
+    idx = _head_rows([current.index(h) for h in kept], D)
+    kv_now = sorted({h // group for h in current})
+    kv_kept = sorted({h // group for h in kept})
+    kv_idx = _head_rows([kv_now.index(g) for g in kv_kept], D) if group > 1 else idx
+    mod = layer.module
+    layer.replace("query", _rows(layer.query, idx))
+    for name in ("key", "value"):
+        layer.replace(name, _rows(layer.linear(name), kv_idx))
     layer.replace("output", _columns(layer.output, idx))
-    setattr(layer.module, layer.layout.heads_attr, len(positions))
+    if layer.layout.heads_attr is not None:
+        setattr(mod, layer.layout.heads_attr, len(kept))
     if layer.layout.size_attr is not None:
-        setattr(layer.module, layer.layout.size_attr, len(positions) * D)
+        setattr(mod, layer.layout.size_attr, len(kept) * D)
+    sinks = getattr(mod, "sinks", None)  # gpt-oss: a learned sink logit per query head
+    if isinstance(sinks, nn.Parameter):
+        with torch.no_grad():
+            mod.sinks = nn.Parameter(sinks[[current.index(h) for h in kept]].clone(),
+                                     requires_grad=sinks.requires_grad)
+    if group == 1:
+        return
+    if hasattr(mod, KV_HEAD_ATTR):
+        delattr(mod, KV_HEAD_ATTR)
+    sizes = {sum(1 for h in kept if h // group == g) for g in kv_kept}
+    if len(sizes) <= 1:  # even groups (or no head left): query head i reads KV head i // size
+        mod.num_key_value_groups = sizes.pop() if sizes else 1
+        return
+    kv_head = torch.tensor([kv_kept.index(h // group) for h in kept], dtype=torch.int32)
+    setattr(mod, KV_HEAD_ATTR, kv_head)
+    mod.num_key_value_groups = 1  # eager and sdpa get one KV head per query head from GroupedKV
+    for name in ("key", "value"):
+        layer.replace(name, _grouped_kv(layer.linear(name), kv_head.long(), D, config))
 
 
 def current_heads(layers: list[AttentionLayer], n_heads: int) -> list[list[int]]:
@@ -147,9 +225,10 @@ def prune_heads(model, heads: Iterable[tuple[int, int]]):
     layers = attention_layers(model, "pruning heads")
     if not layers[0].layout.prunable:
         raise AttnkitError(f"pruning heads of a {model.config.model_type!r} model is not supported: attnkit prunes "
-                           f"the encoders' separate query, key and value projections "
-                           f"({', '.join(sorted(k for k, v in LAYOUTS.items() if v.prunable))})")
+                           f"separate query, key and value projections "
+                           f"({', '.join(sorted(k for k, v in LAYOUTS.items() if v.prunable))}), not fused ones")
     L, H = len(layers), _n_heads(model)
+    group = kv_group_size(model.config)
     current = current_heads(layers, H)
     remove: dict[int, set[int]] = {}
     for item in heads:
@@ -164,7 +243,7 @@ def prune_heads(model, heads: Iterable[tuple[int, int]]):
         remove.setdefault(layer, set()).add(head)
     for layer, gone in sorted(remove.items()):
         kept = [h for h in current[layer] if h not in gone]
-        _keep_positions(layers[layer], [current[layer].index(h) for h in kept])
+        _keep_heads(layers[layer], current[layer], kept, group, model.config)
         mod = layers[layer].module
         setattr(mod, KEPT_ATTR, (tuple(kept), H))
         if not kept:
@@ -288,5 +367,6 @@ def load_pruned_model(path, model_class=None, *, dtype=None):
     return model.eval()
 
 
-__all__ = ["CONFIG_COUNTS", "CONFIG_HEADS", "current_heads", "heads_in_config", "kept_heads", "load_pruned_model",
-           "prune_heads", "pruned_head_grid", "removed_heads", "to_kept", "to_unpruned"]
+__all__ = ["CONFIG_COUNTS", "CONFIG_HEADS", "KV_HEAD_ATTR", "GroupedKV", "current_heads", "heads_in_config",
+           "kept_heads", "kv_group_size", "load_pruned_model", "prune_heads", "pruned_head_grid", "removed_heads",
+           "to_kept", "to_unpruned"]

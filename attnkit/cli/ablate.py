@@ -12,10 +12,11 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 
 @click.command("ablate")
 @click.argument("model")
-@click.option("--task", "task_name", type=click.Choice(TASKS), required=True, help="Evaluation task.")
+@click.option("--task", "task_name", type=click.Choice(TASKS), required=True,
+              help="Evaluation task (mlm, lm: the model's own masked-LM or next-token loss).")
 @click.option("--data", type=click.Path(exists=True, dir_okay=True), required=True,
-              help="Local data: STS-B/GLUE TSV, SQuAD JSON, or a text corpus for mlm; for --experiment patching a "
-                   "TSV/CSV of clean and corrupted inputs (docs/interventions.md).")
+              help="Local data: STS-B/GLUE TSV, SQuAD JSON, or a text corpus for mlm and lm; for --experiment "
+                   "patching a TSV/CSV of clean and corrupted inputs (docs/interventions.md).")
 @click.option("--experiment", type=click.Choice(EXPERIMENTS), required=True)
 @click.option("--clusters", "clusters", type=click.Path(exists=True), default=None,
               help="Run directory (or clusters.json) with head types; needed by --experiment types.")
@@ -27,7 +28,7 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
                    "from (default: the evaluated inputs). Kept in OUT/head_means.npz, which a rerun continues.")
 @click.option("--metric", type=click.Choice(["cosine", "logit_diff"]), default=None,
               help="--experiment patching: cosine (task stsb, to each example's reference) or logit_diff (tasks mlm, "
-                   "glue: target minus foil).")
+                   "lm, glue: target minus foil).")
 @click.option("--resamples", type=int_range("resamples"), default=N_BOOT, show_default=True,
               help="Bootstrap resamples of the examples for the intervals of each change (0: no intervals).")
 @click.option("--stack", type=int_range("stack"), default=None,

@@ -12,6 +12,7 @@ import click
 from .ablate import ablate
 from .analysis import cluster_cmd, compare_cmd, distances_cmd, report_cmd
 from .compare_models import compare_models_cmd
+from .detect import detect_heads_cmd
 from .export import export_cmd
 from .extract import extract
 from .options import CommandLine
@@ -20,7 +21,7 @@ from .probe import probe
 from .prune import prune_cmd
 
 COMMANDS = (extract, cluster_cmd, distances_cmd, report_cmd, compare_cmd, patterns_cmd, compare_models_cmd, ablate,
-            export_cmd, probe, prune_cmd)
+            export_cmd, probe, prune_cmd, detect_heads_cmd)
 
 
 @click.group(cls=CommandLine, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -22,8 +22,9 @@ from .options import OutputPath, cli_errors, echo_for, quiet_option
 @quiet_option
 @cli_errors
 def prune_cmd(model, heads, importance, fraction, out, overwrite, quiet):
-    """Remove attention heads of MODEL (a local model directory, or `default` for the embedded MiniLM) from its
-    query, key, value and output projections, and write the smaller model to OUT.
+    """Remove attention heads of MODEL (a local model directory, `default` for the embedded MiniLM, `smollm2` for the
+    embedded decoder) from its query, key, value and output projections (a grouped-query decoder's KV head goes
+    with its last query head), and write the smaller model to OUT.
 
     A layer may keep any number of heads; one with none left keeps its residual path only. The pruned model's
     hidden states equal those of MODEL with the same heads zeroed. Load it with attnkit.load_model(OUT) (every

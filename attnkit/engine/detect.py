@@ -1,0 +1,315 @@
+"""Which heads of a decoder attend to the previous token, to an earlier copy of the current token, or to the token
+after that copy (induction), and which retrieve a needle from a long context: `attnkit.detect_heads`
+(docs/analysis.md, "Detecting heads"; `attnkit detect-heads MODEL -o RUN`).
+
+Repeated random tokens (Olsson et al. 2022). `n_sequences` sequences of `length` tokens r_0 … r_{R−1} (R =
+`length`), drawn uniformly with `seed` from the vocabulary without its special tokens, are each repeated once:
+r r, 2R tokens, after the model's BOS where its tokenizer adds one (SmolLM2's adds none). With `input_ids`
+(B × 2R) the sequences are used exactly as given, nothing added. For every query position s of the second repeat
+(positions R … 2R − 1 of the repeated part, o + R … o + 2R − 1 of the input with o = 1 after a BOS, else 0):
+
+    previous  = A[s, s − 1]        duplicate = A[s, s − R]        induction = A[s, s − R + 1]
+
+each averaged over those positions and over the sequences (every position weighs the same). Each is a "mass on a
+given key per row", computed by the `attnkit::row_stats` op (attnkit/words.py) from each layer's q and k with a
+per-row target key; no L × L map is made.
+
+Retrieval (Wu et al. 2024; `kinds=("retrieval",)`, needle-in-a-haystack, teacher-forced): the recipe is in
+`retrieval_inputs` and docs/analysis.md. A head scores the share of answer tokens for which the arg-max key of the
+row predicting that token is the same token inside the needle.
+
+Heads removed by pruning (attnkit/arch/pruning.py) get NaN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..arch.pruning import pruned_head_grid
+from ..corpus import default_corpus_path
+from ..errors import AttnkitError, arg, check_int
+from ..models import attention_modules, observing, resolve_model
+from ..words import row_stats
+
+KINDS = ("previous", "duplicate", "induction", "retrieval")
+REPEAT_KINDS = ("previous", "duplicate", "induction")
+BATCH = 16  # sequences per forward
+NEEDLE_WORDS = 6  # words of the needle's value (the tokens the answer copies)
+HAYSTACK = 480  # tokens of haystack per retrieval input by default
+DEPTHS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def check_kinds(kinds) -> tuple[str, ...]:
+    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    bad = [k for k in kinds if k not in KINDS]
+    if not kinds or bad:
+        raise AttnkitError(f"unknown head kind {bad[0]!r}; use {', '.join(KINDS)}" if bad else
+                           f"{arg('kinds')} names no kind of head; use {', '.join(KINDS)}")
+    return tuple(dict.fromkeys(kinds))
+
+
+def adds_bos(tokenizer) -> int | None:
+    """The BOS id the tokenizer puts before a text, or None when it adds none."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return int(bos) if ids and ids[0] == bos else None
+
+
+def repeated_tokens(tokenizer, length: int, n_sequences: int, seed: int) -> tuple[torch.Tensor, int]:
+    """(n_sequences × (o + 2·length) int64 ids, o): random non-special tokens repeated once, after the BOS the
+    tokenizer adds (o = 1) or nothing (o = 0)."""
+    special = set(tokenizer.all_special_ids)
+    vocab = np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
+    if len(vocab) < 2:
+        raise AttnkitError("the tokenizer has fewer than two non-special tokens to draw random sequences from")
+    rng = np.random.default_rng(seed)
+    r = vocab[rng.integers(0, len(vocab), size=(n_sequences, length))]
+    ids = torch.from_numpy(np.concatenate([r, r], axis=1))
+    bos = adds_bos(tokenizer)
+    if bos is None:
+        return ids, 0
+    return torch.cat([torch.full((n_sequences, 1), bos, dtype=torch.int64), ids], dim=1), 1
+
+
+def repeat_targets(kind: str, B: int, offset: int, R: int) -> torch.Tensor:
+    """B × (offset + 2R) target keys of `kind` for the rows of the second repeat (−1 elsewhere)."""
+    L = offset + 2 * R
+    target = torch.full((B, L), -1, dtype=torch.int64)
+    s = torch.arange(offset + R, L)
+    back = {"previous": 1, "duplicate": R, "induction": R - 1}[kind]
+    target[:, s] = (s - back)[None, :]
+    return target
+
+
+@dataclass
+class _Scores:
+    """Sums of a statistic per (layer, head) and the rows counted."""
+
+    sums: np.ndarray
+    rows: np.ndarray
+
+    def mean(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.sums / self.rows
+
+
+class _Observer:
+    """Per layer, the row statistics of every head of the current batch: the masses on each kind's targets, and
+    where `hits` is given (B × L expected keys, −1 elsewhere), how often the arg-max is that key."""
+
+    def __init__(self, n_layers: int, n_heads: int, kinds, backend: str = "auto"):
+        self.kinds, self.backend = kinds, backend
+        self.scores = {k: _Scores(np.zeros((n_layers, n_heads)), np.zeros((n_layers, n_heads))) for k in kinds}
+        self.targets: dict = {}
+
+    decoder_arguments = True  # takes a decoder's attention arguments (attnkit.hf_attention: observers)
+
+    def __call__(self, layer, query, key, lengths, scaling, *, kv_head=None, causal=True, sliding_window=None,
+                 softcap=None, sink=None, **_):
+        if query.shape[1] == 0:
+            return
+        with torch.no_grad():
+            for kind, target in self.targets.items():
+                t = target.to(query.device)
+                st = row_stats(query, key, lengths, t if kind != "retrieval" else None, scaling=scaling,
+                               kv_head=kv_head, causal=causal, sliding_window=sliding_window, softcap=softcap,
+                               sink=sink, backend=self.backend)
+                rows = t >= 0  # B×L
+                if kind == "retrieval":
+                    value = (st.argmax_key == t[:, None, :]) & rows[:, None, :]
+                else:
+                    value = st.target_mass * rows[:, None, :]
+                sc = self.scores[kind]
+                sc.sums[layer] += value.double().sum((0, 2)).cpu().numpy()
+                sc.rows[layer] += float(rows.sum())
+
+
+def _check_model(model) -> None:
+    if not any(getattr(m, "is_causal", False) for m in attention_modules(model)):
+        raise AttnkitError(f"detect_heads measures causal language models (decoders); this "
+                           f"{model.config.model_type!r} model's attention is not causal")
+
+
+def _run(model, batches, kinds, n_layers, n_heads) -> dict[str, np.ndarray]:
+    """Forward every (input_ids, {kind: targets}) batch with the observer attached; mean score per kind."""
+    obs = _Observer(n_layers, n_heads, kinds)
+    dev = next(model.parameters()).device
+    with torch.inference_mode(), observing(model, [obs]):
+        for ids, targets in batches:
+            obs.targets = targets
+            model(input_ids=ids.to(dev), attention_mask=torch.ones_like(ids).to(dev))
+    return {k: obs.scores[k].mean() for k in kinds}
+
+
+def detect_heads(model=None, *, kinds=REPEAT_KINDS, length: int = 50, n_sequences: int = 100, seed: int = 0,
+                 input_ids=None, tokenizer=None, corpus=None, haystack: int = HAYSTACK):
+    """A pandas DataFrame with a row per (layer, head) and a column per kind in `kinds` (module docstring):
+    previous-token, duplicate-token and induction scores on repeated random tokens, and retrieval scores on
+    needle-in-a-haystack inputs built from `corpus` (texts; default: attnkit's own default corpus)."""
+    import pandas as pd
+
+    kinds = check_kinds(kinds)
+    model, tokenizer = resolve_model(model, tokenizer)
+    cfg = model.config
+    n_layers, n_heads = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
+    _check_model(model)
+    scores: dict[str, np.ndarray] = {}
+    repeat = [k for k in kinds if k in REPEAT_KINDS]
+    if repeat:
+        if input_ids is not None:
+            ids = torch.as_tensor(input_ids, dtype=torch.int64)
+            if ids.dim() != 2 or ids.shape[1] < 2 or ids.shape[1] % 2:
+                raise AttnkitError(f"{arg('input_ids')} must be B × 2R token ids (a sequence repeated once), got "
+                                   f"shape {tuple(ids.shape)}")
+            offset, R = 0, ids.shape[1] // 2
+        else:
+            check_int(length, "length")
+            check_int(n_sequences, "n_sequences")
+            check_int(seed, "seed")
+            ids, offset = repeated_tokens(tokenizer, length, n_sequences, seed)
+            R = length
+        batches = [(ids[i:i + BATCH], {k: repeat_targets(k, len(ids[i:i + BATCH]), offset, R) for k in repeat})
+                   for i in range(0, len(ids), BATCH)]
+        scores.update(_run(model, batches, repeat, n_layers, n_heads))
+    if "retrieval" in kinds:
+        ids_list, expected = retrieval_inputs(tokenizer, corpus, n_sequences, seed, haystack)
+        batches = [(ids[None], {"retrieval": exp[None]}) for ids, exp in zip(ids_list, expected)]
+        scores.update(_run(model, batches, ["retrieval"], n_layers, n_heads))
+    kept = pruned_head_grid(model)
+    layer, head = np.meshgrid(np.arange(n_layers), np.arange(n_heads), indexing="ij")
+    data = {"layer": layer.ravel(), "head": head.ravel()}
+    for k in kinds:
+        data[k] = np.where(kept, scores[k], np.nan).ravel()
+    return pd.DataFrame(data)
+
+
+# --- retrieval: needle in a haystack ------------------------------------------------------------------------
+def _words(texts) -> list[str]:
+    return [w for t in texts for w in t.split() if w.isalpha()]
+
+
+def retrieval_inputs(tokenizer, corpus, n: int, seed: int, haystack: int = HAYSTACK):
+    """`n` needle-in-a-haystack inputs (token ids) and, per input, the B × L expected arg-max keys (−1 except at the
+    rows that predict an answer token).
+
+    Input i: the haystack (whole sentences of the corpus, in order from a seeded start, about `haystack` tokens)
+    with the needle sentence "The secret words are: V." inserted between two of its sentences at depth
+    DEPTHS[i % 11] (0: before the first, 1: after the last), then the question "What are the secret words? The
+    secret words are:" and the answer V teacher-forced. V is NEEDLE_WORDS words drawn with the seed from the
+    corpus's words. The needle's value and the answer are the same token ids (tokenised once and copied), so the
+    answer token j is a copy of needle position p_j; the row that predicts it (the token before it) is expected
+    to have its arg-max at p_j."""
+    texts = list(corpus) if corpus is not None else _default_corpus()
+    sentences = [s.strip() for t in texts for s in _split_sentences(t) if s.strip()]
+    words = _words(sentences)
+    if len(sentences) < 2 or len(words) < NEEDLE_WORDS:
+        raise AttnkitError("the retrieval corpus needs at least two sentences and some words to build haystacks")
+
+    def enc(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    rng = np.random.default_rng(seed)
+    bos = adds_bos(tokenizer)
+    sent_ids = [enc(" " + s) for s in sentences]
+    out_ids, out_exp = [], []
+    for i in range(n):
+        value = enc(" " + " ".join(rng.choice(words, size=NEEDLE_WORDS)))
+        start = int(rng.integers(0, len(sentences)))
+        hay: list[list[int]] = []
+        total, j = 0, start
+        while total < haystack:
+            hay.append(sent_ids[j % len(sentences)])
+            total += len(hay[-1])
+            j += 1
+        cut = int(round(DEPTHS[i % len(DEPTHS)] * len(hay)))
+        before = [t for s in hay[:cut] for t in s]
+        needle_prefix = enc(" The secret words are:")
+        ids = ([bos] if bos is not None else []) + before + needle_prefix
+        value_at = len(ids)
+        ids += value + enc(".") + [t for s in hay[cut:] for t in s]
+        ids += enc(" What are the secret words? The secret words are:")
+        answer_at = len(ids)
+        ids += value
+        expected = torch.full((len(ids),), -1, dtype=torch.int64)
+        for j in range(len(value)):
+            expected[answer_at + j - 1] = value_at + j
+        out_ids.append(torch.tensor(ids, dtype=torch.int64))
+        out_exp.append(expected)
+    return out_ids, out_exp
+
+
+def _split_sentences(text: str) -> list[str]:
+    import re
+
+    return re.split(r"(?<=[.!?])\s+", text)
+
+
+def _default_corpus() -> list[str]:
+    return default_corpus_path().read_text(encoding="utf-8").splitlines()
+
+
+__all__ = ["KINDS", "detect_heads", "repeated_tokens", "retrieval_inputs"]
+
+
+# --- the job behind `attnkit detect-heads` --------------------------------------------------------------------
+@dataclass
+class DetectOptions:
+    """Everything `attnkit detect-heads` takes (its options, by their Python names)."""
+
+    model: str
+    out: str
+    kinds: tuple = REPEAT_KINDS
+    length: int = 50
+    n_sequences: int = 100
+    seed: int = 0
+    corpus: str | None = None
+    device: str | None = None
+    overwrite: bool = False
+
+
+def run_detect_heads(opts: DetectOptions):
+    """Score every head and write OUT/heads.csv (the DataFrame of `detect_heads`) and OUT/heads.meta.json (the
+    settings: docs/files.md). Returns (the DataFrame, the paths written, what `overwrite` removed or None)."""
+    import os
+    import time
+    from pathlib import Path
+
+    from ..corpus import read_corpus
+    from ..models import load_model
+    from ..run.files import HEADS_FILE, HEADS_META, REPORT_FILE
+    from ..run.locking import make_run_dir, remove_if_only_lock, run_lock
+    from ..run.outputs import atomic_write, check_output_path, write_json
+    from ..run.overwrite import claim_outputs
+
+    kinds = check_kinds(opts.kinds)
+    out = Path(check_output_path(opts.out))
+    created = make_run_dir(out)
+    try:
+        with run_lock(out, "attnkit detect-heads"):
+            claim = claim_outputs([out / HEADS_FILE, out / HEADS_META], opts.overwrite, stale=[out / REPORT_FILE])
+            corpus = None
+            if opts.corpus is not None:
+                corpus = [t for seg in read_corpus(opts.corpus, text_unit="line")
+                          for t in ((seg,) if isinstance(seg, str) else seg)]
+            t0 = time.perf_counter()
+            model, tok = load_model(opts.model, device=opts.device, task="causal-lm")
+            df = detect_heads((model, tok), kinds=kinds, length=opts.length, n_sequences=opts.n_sequences,
+                              seed=opts.seed, corpus=corpus)
+            atomic_write(out / HEADS_FILE, lambda f: f.write(df.to_csv(index=False).encode("utf-8")))
+            bos = adds_bos(tok)
+            meta = {"model": opts.model, "model_type": model.config.model_type, "kinds": list(kinds),
+                    "length": opts.length, "n_sequences": opts.n_sequences, "seed": opts.seed,
+                    "bos": bos, "corpus": os.path.abspath(opts.corpus) if opts.corpus else "attnkit default corpus",
+                    "n_layers": int(model.config.num_hidden_layers), "n_heads": int(model.config.num_attention_heads),
+                    "seconds": round(time.perf_counter() - t0, 1)}
+            write_json(out / HEADS_META, meta)
+            claim.remove_stale()
+    except BaseException:
+        if created:
+            remove_if_only_lock(out)
+        raise
+    return df, [out / HEADS_FILE, out / HEADS_META], claim.removed_message()
