@@ -6,7 +6,14 @@ import os
 
 import pytest
 
-from .synthetic import layered_truth, make_features
+# The Triton kernel's real code runs on the CPU under Triton's interpreter (tests/test_triton_attention.py). Triton
+# decides at definition which of its own @triton.jit functions (tl.zeros, ...) are interpreted, so the variable must be
+# set before anything of the session imports triton (torch and transformers may); on a GPU machine
+# (ATTNKIT_TRITON_DEVICE=cuda, tools/gpu_check.sh) the compiled kernel runs instead.
+if os.environ.get("ATTNKIT_TRITON_DEVICE") != "cuda":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from .synthetic import layered_truth, make_features  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 # On a GPU (tools/gpu_check.sh tests: ATTNKIT_TRITON_DEVICE=cuda) the same cases run the compiled kernel; here the
-# interpreter runs it, set before triton is imported (@triton.jit reads it at definition)
+# interpreter runs it: tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton (@triton.jit reads
+# it at definition, Triton's own functions included)
 DEV = "cuda" if os.environ.get("ATTNKIT_TRITON_DEVICE") == "cuda" else "cpu"
-if DEV == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from attnkit import ops  # noqa: E402
@@ -38,13 +37,6 @@ from attnkit.features import (  # noqa: E402
     num_features,
 )
 from attnkit.kernels import triton_attention as ta  # noqa: E402
-
-if DEV == "cpu" and not ta.INTERPRET:
-    # imported earlier in this session without the interpreter (tests/test_layers.py imports every module): its
-    # @triton.jit kernels were made for a GPU; made again now, under the interpreter (the op imports it per call)
-    import importlib  # noqa: E402
-
-    ta = importlib.reload(ta)
 from attnkit.reference import reference_attention  # noqa: E402
 
 # the interpreter's NumPy warns about the NaN and inf that the numerics tests feed it on purpose
