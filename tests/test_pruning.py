@@ -75,17 +75,23 @@ def test_pruned_hidden_states_equal_the_zeroed_full_model(kind, impl):
     assert count_parameters(pruned) < count_parameters(model)
 
 
+def zeroed_and_pruned(model, heads, enc):
+    """The last hidden states of `model` with `heads` zeroed, those of a pruned copy on the same inputs, and the copy."""
+    with torch.no_grad(), attnkit.intervene(model, attnkit.Intervention.from_heads(model, heads, mode="zero")):
+        expect = model(**enc).last_hidden_state
+    pruned = prune_heads(copy.deepcopy(model), heads)
+    with torch.no_grad():
+        got = pruned(**enc).last_hidden_state
+    return expect, got, pruned
+
+
 def test_the_real_minilm_pruned_equals_it_zeroed(minilm):
     model, tok = minilm
     heads = [(l, h) for l in range(6) for h in range(12) if (3 * l + h) % 2 == 0] + [(4, h) for h in range(12)]
     heads = list(dict.fromkeys(heads))
     enc = tok(["The bridge was long, and the river below was wide.", "Short."],
               ["Where is the river?", "A pair."], padding=True, return_tensors="pt")
-    with torch.no_grad(), attnkit.intervene(model, attnkit.Intervention.from_heads(model, heads, mode="zero")):
-        expect = model(**enc).last_hidden_state
-    pruned = prune_heads(copy.deepcopy(model), heads)
-    with torch.no_grad():
-        got = pruned(**enc).last_hidden_state
+    expect, got, pruned = zeroed_and_pruned(model, heads, enc)
     scale = expect.abs().max().item()
     assert (valid(got - expect, enc)).abs().max().item() <= 1e-6 * scale * 10  # fp32 rounding over 6 layers
     assert pruned_head_grid(pruned).sum() == 72 - len(heads)

@@ -21,7 +21,7 @@ from attnkit.cli.main import main
 from attnkit.errors import AttnkitError
 
 from .synthetic import tiny_decoder
-from .test_pruning import pruned_under, valid
+from .test_pruning import pruned_under, valid, zeroed_and_pruned
 
 # 3 layers × 4 query heads, 2 KV heads (query heads 0, 1 read KV head 0; 2, 3 read KV head 1). Layer 0 keeps 1, 2, 3
 # (uneven groups: KV head 0 serves one query head, KV head 1 two), layer 1 keeps 2, 3 (KV head 0 goes), layer 2 none.
@@ -212,11 +212,7 @@ def test_pruned_smollm2_equals_it_zeroed(smollm2):
     model, tok = smollm2
     heads = [(0, 4), (5, 0), (5, 1), (5, 2), (29, 1), (29, 7)]
     enc = tok(["The bridge was long, and the river below was wide.", "Short."], padding=True, return_tensors="pt")
-    with torch.no_grad(), attnkit.intervene(model, attnkit.Intervention.from_heads(model, heads, mode="zero")):
-        expect = model(**enc).last_hidden_state
-    pruned = prune_heads(copy.deepcopy(model), heads)
-    with torch.no_grad():
-        got = pruned(**enc).last_hidden_state
+    expect, got, pruned = zeroed_and_pruned(model, heads, enc)
     scale = expect.abs().max().item()
     assert valid(got - expect, enc).abs().max().item() <= 1e-5 * scale
     attn = {l: pruned.layers[l].self_attn for l in (0, 5, 29)}  # the fixture is the base model
