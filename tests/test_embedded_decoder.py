@@ -90,6 +90,25 @@ def test_without_the_extra_the_name_is_refused_with_the_install_command(monkeypa
         embedded_path("gpt5")
 
 
+def test_the_embedded_name_passes_every_command_s_model_check(tmp_path, monkeypatch):
+    # `attnkit ablate smollm2 ...` was refused as "a Hugging Face Hub id" by its check before the model loads, while
+    # extract and detect-heads took the name: the name is now known where model directories are checked
+    from attnkit.ablation.options import AblateOptions, preflight_ablate
+    from attnkit.run.model_dir import check_model_dir
+
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "d.txt"
+    data.write_text("one line of text\n")
+    check_model_dir("smollm2")
+    preflight_ablate(AblateOptions(model="smollm2", task_name="lm", data=str(data), experiment="layers",
+                                   out=str(tmp_path / "out")))
+    with pytest.raises(AttnkitError, match="looks like a Hugging Face Hub id"):
+        check_model_dir("smollm3")
+    (tmp_path / "smollm2").mkdir()  # a directory of that name here is what the name means
+    with pytest.raises(AttnkitError, match="directory is incomplete"):
+        check_model_dir("smollm2")
+
+
 def test_decoder_token_classes_and_pairs(decoder_tokenizer):
     enc = Encoder(decoder_tokenizer, max_length=16)
     assert enc.causal and decoder_tokenizer.pad_token == "</s>"  # pads with EOS: the mask marks padding

@@ -8,7 +8,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..embedded import is_embedded_name
 from ..errors import AttnkitError, arg, check_int
 from ..features import read_heads
 from ..run.files import LOCK_FILE, OWNER_FILE
@@ -165,8 +164,7 @@ def preflight_prune(opts: PruneOptions) -> None:
     """What `attnkit prune` can refuse without a model, before torch is imported."""
     check_prune_options(opts)
     path = default_model_path() if opts.model == "default" else str(opts.model)
-    if not is_embedded_name(path):  # smollm2: resolved (and converted once) when the model loads
-        check_model_dir(path)
+    check_model_dir(path)
     check_output_place(opts.out, prune_inputs(opts, path), whole=True)  # as the write path will, the place first
     check_out(Path(opts.out), path, opts.overwrite)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..embedded import is_embedded_name
 from ..errors import AttnkitError, arg, check_int
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING, DEFAULT_WINDOW
 from ..run.model_dir import check_model_dir
@@ -108,7 +107,7 @@ def preflight_extract(opts: ExtractOptions) -> None:
     if "-" not in [str(p) for p in opts.paths]:
         open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
                     squad_pairs=opts.squad_pairs, limit=opts.limit)
-    if opts.model_path and opts.engine == "local" and not is_embedded_name(opts.model_path):
+    if opts.model_path and opts.engine == "local":
         check_model_dir(str(opts.model_path))
 
 

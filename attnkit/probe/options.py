@@ -86,7 +86,6 @@ def preflight_probe(opts: ProbeOptions) -> None:
     paths, and for spaCy that it is installed), the model directory and earlier results in the output
     directory that only `overwrite` replaces."""
     from ..corpus import open_corpus
-    from ..embedded import is_embedded_name
     from ..run.files import REPORT_FILE
     from ..run.model_dir import check_model_dir
     from ..run.outputs import check_output_path
@@ -100,7 +99,7 @@ def preflight_probe(opts: ProbeOptions) -> None:
         check_spacy()
         if "-" not in [str(p) for p in opts.paths]:
             open_corpus(opts.paths, opts.fmt, columns=opts.columns, text_unit="line")
-    if opts.model_path and not is_embedded_name(opts.model_path):
+    if opts.model_path:
         check_model_dir(str(opts.model_path))
     out = Path(check_output_path(opts.out))
     claim_outputs(probe_outputs(out), opts.overwrite, stale=[out / REPORT_FILE])

@@ -43,7 +43,12 @@ def looks_like_hub_id(path: str) -> bool:
 
 
 def check_model_dir(path: str) -> None:
-    """Refuse a model path that cannot hold a complete model, naming the files that are missing."""
+    """Refuse a model path that cannot hold a complete model, naming the files that are missing. An embedded model's
+    name (`smollm2`, attnkit/embedded) passes: it is resolved, and converted once, when the model loads."""
+    from ..embedded import is_embedded_name
+
+    if is_embedded_name(path):
+        return
     if not str(path).strip():
         raise AttnkitError("the model path is empty: give a local model directory (or no model for the embedded "
                            "MiniLM)")
