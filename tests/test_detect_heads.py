@@ -114,9 +114,43 @@ def test_command_writes_heads_csv_and_meta(tokenizer, tmp_path):  # noqa: F811
     res = CliRunner().invoke(main, ["detect-heads", str(path), "-o", str(out), "--length", "8", "--sequences", "3"])
     assert res.exit_code == 0, res.output
     assert res.output.startswith("previous: L")
-    rows = (out / "heads.csv").read_text().splitlines()
+    rows = (out / "detected_heads.csv").read_text().splitlines()
     assert rows[0] == "layer,head,previous,duplicate,induction" and len(rows) == 9
-    meta = json.loads((out / "heads.meta.json").read_text())
+    meta = json.loads((out / "detected_heads.json").read_text())
     assert meta["length"] == 8 and meta["n_sequences"] == 3 and meta["bos"] is None
     again = CliRunner().invoke(main, ["detect-heads", str(path), "-o", str(out)])
     assert again.exit_code != 0 and "overwrite" in again.output
+
+
+def test_detected_heads_do_not_collide_with_an_ablation_of_heads(tokenizer, tmp_path):  # noqa: F811
+    # detect-heads wrote heads.csv and heads.meta.json, the names of `ablate --experiment heads -o RUN`'s table:
+    # into a run holding that ablation it was refused, or with --overwrite replaced the ablation's files
+    path = tmp_path / "model"
+    tiny_decoder("llama", tokenizer.vocab_size).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    out = tmp_path / "run"
+    out.mkdir()
+    ablation = {"heads.csv": "setting,layer,head\n", "heads.meta.json": '{"experiment": "heads"}',
+                "heads.json": '{"experiment": "heads", "main_metric": "loss", "rows": [{"setting": "baseline"}]}'}
+    for name, text in ablation.items():
+        (out / name).write_text(text)
+    res = CliRunner().invoke(main, ["detect-heads", str(path), "-o", str(out), "--length", "4", "--sequences", "2"])
+    assert res.exit_code == 0, res.output
+    assert {n: (out / n).read_text() for n in ablation} == ablation
+    assert (out / "detected_heads.csv").read_text().startswith("layer,head,previous,duplicate,induction\n")
+
+
+@pytest.mark.parametrize("where", ["is the model", "lies inside the model"])
+def test_an_output_that_is_an_input_is_refused_before_torch_loads(where, tmp_path):
+    from .test_cli_startup import _start
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (model / name).write_text("{}")
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("a text\n")
+    out = model if where == "is the model" else model / "scores"
+    res, proc = _start("detect-heads", str(model), "--kinds", "retrieval", "--corpus", str(corpus), "-o", str(out))
+    assert res["code"] != 0 and res["heavy"] == [], (res, proc.stderr)
+    assert f"{where}" in proc.stderr and not (model / "scores").exists()

@@ -21,8 +21,8 @@ def _kinds(ctx, param, value):
 @click.command("detect-heads")
 @click.argument("model")
 @click.option("-o", "--out", "out", type=OutputPath(file_okay=False), required=True,
-              help="Directory to write heads.csv and heads.meta.json into (a run directory of the same model, so "
-                   "that its report shows them, or a new one).")
+              help="Directory to write detected_heads.csv and detected_heads.json into (a run directory of the same "
+                   "model, so that its report shows them, or a new one).")
 @click.option("--kinds", default="previous,duplicate,induction", show_default=True, callback=_kinds,
               help="Comma-separated: previous, duplicate, induction (repeated random tokens), retrieval "
                    "(needle in a haystack).")
@@ -39,13 +39,17 @@ def _kinds(ctx, param, value):
 @cli_errors
 def detect_heads_cmd(model, out, kinds, length, n_sequences, seed, corpus, device, overwrite, quiet, top):
     """Score every head of MODEL (a local causal language model, or smollm2) as a previous-token, duplicate-token,
-    induction or retrieval head; writes OUT/heads.csv (layer, head, one column per kind) and OUT/heads.meta.json.
-    It shows no progress, so -q changes nothing; what --overwrite removed is said on stderr either way."""
-    from ..engine.detect import DetectOptions, run_detect_heads
+    induction or retrieval head; writes OUT/detected_heads.csv (layer, head, one column per kind) and
+    OUT/detected_heads.json (the settings). It shows no progress, so -q changes nothing; what --overwrite removed
+    is said on stderr either way."""
+    from ..engine.detect_options import DetectOptions, preflight_detect
 
-    df, paths, removed = run_detect_heads(DetectOptions(model=model, out=out, kinds=kinds, length=length,
-                                                        n_sequences=n_sequences, seed=seed, corpus=corpus,
-                                                        device=device, overwrite=overwrite))
+    opts = DetectOptions(model=model, out=out, kinds=kinds, length=length, n_sequences=n_sequences, seed=seed,
+                         corpus=corpus, device=device, overwrite=overwrite)
+    preflight_detect(opts)  # refusals that need no model come before torch is imported
+    from ..engine.detect import run_detect_heads
+
+    df, paths, removed = run_detect_heads(opts)
     for kind in kinds:
         best = df.sort_values(kind, ascending=False, na_position="last").head(top)
         click.echo(f"{kind}: " + ", ".join(f"L{r.layer}H{r.head} {getattr(r, kind):.3f}" for r in best.itertuples()))

@@ -32,22 +32,12 @@ from ..corpus import default_corpus_path
 from ..errors import AttnkitError, arg, check_int
 from ..models import attention_modules, observing, resolve_model
 from ..words import row_stats
+from .detect_options import KINDS, REPEAT_KINDS, DetectOptions, check_kinds, detect_inputs, detect_outputs
 
-KINDS = ("previous", "duplicate", "induction", "retrieval")
-REPEAT_KINDS = ("previous", "duplicate", "induction")
 BATCH = 16  # sequences per forward
 NEEDLE_WORDS = 6  # words of the needle's value (the tokens the answer copies)
 HAYSTACK = 480  # tokens of haystack per retrieval input by default
 DEPTHS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-
-
-def check_kinds(kinds) -> tuple[str, ...]:
-    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
-    bad = [k for k in kinds if k not in KINDS]
-    if not kinds or bad:
-        raise AttnkitError(f"unknown head kind {bad[0]!r}; use {', '.join(KINDS)}" if bad else
-                           f"{arg('kinds')} names no kind of head; use {', '.join(KINDS)}")
-    return tuple(dict.fromkeys(kinds))
 
 
 def adds_bos(tokenizer) -> int | None:
@@ -256,60 +246,39 @@ __all__ = ["KINDS", "detect_heads", "repeated_tokens", "retrieval_inputs"]
 
 
 # --- the job behind `attnkit detect-heads` --------------------------------------------------------------------
-@dataclass
-class DetectOptions:
-    """Everything `attnkit detect-heads` takes (its options, by their Python names)."""
-
-    model: str
-    out: str
-    kinds: tuple = REPEAT_KINDS
-    length: int = 50
-    n_sequences: int = 100
-    seed: int = 0
-    corpus: str | None = None
-    device: str | None = None
-    overwrite: bool = False
-
-
 def run_detect_heads(opts: DetectOptions):
-    """Score every head and write OUT/heads.csv (the DataFrame of `detect_heads`) and OUT/heads.meta.json (the
-    settings: docs/files.md). Returns (the DataFrame, the paths written, what `overwrite` removed or None)."""
+    """Score every head and write OUT/detected_heads.csv (the DataFrame of `detect_heads`) and
+    OUT/detected_heads.json (the settings: docs/files.md). Returns (the DataFrame, the paths written, what
+    `overwrite` removed or None)."""
     import os
     import time
     from pathlib import Path
 
     from ..corpus import read_corpus
     from ..models import load_model
-    from ..run.files import HEADS_FILE, HEADS_META, REPORT_FILE
-    from ..run.locking import make_run_dir, remove_if_only_lock, run_lock
-    from ..run.outputs import atomic_write, check_output_path, write_json
+    from ..run.files import DETECTED_HEADS_FILE, DETECTED_HEADS_META, REPORT_FILE
+    from ..run.locking import output_directory
+    from ..run.outputs import atomic_write, write_json
     from ..run.overwrite import claim_outputs
 
     kinds = check_kinds(opts.kinds)
-    out = Path(check_output_path(opts.out))
-    created = make_run_dir(out)
-    try:
-        with run_lock(out, "attnkit detect-heads"):
-            claim = claim_outputs([out / HEADS_FILE, out / HEADS_META], opts.overwrite, stale=[out / REPORT_FILE])
-            corpus = None
-            if opts.corpus is not None:
-                corpus = [t for seg in read_corpus(opts.corpus, text_unit="line")
-                          for t in ((seg,) if isinstance(seg, str) else seg)]
-            t0 = time.perf_counter()
-            model, tok = load_model(opts.model, device=opts.device, task="causal-lm")
-            df = detect_heads((model, tok), kinds=kinds, length=opts.length, n_sequences=opts.n_sequences,
-                              seed=opts.seed, corpus=corpus)
-            atomic_write(out / HEADS_FILE, lambda f: f.write(df.to_csv(index=False).encode("utf-8")))
-            bos = adds_bos(tok)
-            meta = {"model": opts.model, "model_type": model.config.model_type, "kinds": list(kinds),
-                    "length": opts.length, "n_sequences": opts.n_sequences, "seed": opts.seed,
-                    "bos": bos, "corpus": os.path.abspath(opts.corpus) if opts.corpus else "attnkit default corpus",
-                    "n_layers": int(model.config.num_hidden_layers), "n_heads": int(model.config.num_attention_heads),
-                    "seconds": round(time.perf_counter() - t0, 1)}
-            write_json(out / HEADS_META, meta)
-            claim.remove_stale()
-    except BaseException:
-        if created:
-            remove_if_only_lock(out)
-        raise
-    return df, [out / HEADS_FILE, out / HEADS_META], claim.removed_message()
+    with output_directory(opts.out, "attnkit detect-heads", inputs=detect_inputs(opts)) as out:  # the one write path
+        claim = claim_outputs(detect_outputs(out), opts.overwrite, stale=[out / REPORT_FILE])
+        corpus = None
+        if opts.corpus is not None:
+            corpus = [t for seg in read_corpus(opts.corpus, text_unit="line")
+                      for t in ((seg,) if isinstance(seg, str) else seg)]
+        t0 = time.perf_counter()
+        model, tok = load_model(opts.model, device=opts.device, task="causal-lm")
+        df = detect_heads((model, tok), kinds=kinds, length=opts.length, n_sequences=opts.n_sequences,
+                          seed=opts.seed, corpus=corpus)
+        atomic_write(out / DETECTED_HEADS_FILE, lambda f: f.write(df.to_csv(index=False).encode("utf-8")))
+        bos = adds_bos(tok)
+        meta = {"model": opts.model, "model_type": model.config.model_type, "kinds": list(kinds),
+                "length": opts.length, "n_sequences": opts.n_sequences, "seed": opts.seed,
+                "bos": bos, "corpus": os.path.abspath(opts.corpus) if opts.corpus else "attnkit default corpus",
+                "n_layers": int(model.config.num_hidden_layers), "n_heads": int(model.config.num_attention_heads),
+                "seconds": round(time.perf_counter() - t0, 1)}
+        write_json(out / DETECTED_HEADS_META, meta)
+        claim.remove_stale()
+    return df, [Path(p) for p in detect_outputs(out)], claim.removed_message()

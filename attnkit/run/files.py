@@ -24,8 +24,11 @@ PATTERN_LABELS = "pattern_labels.npy"  # the class of every (example, head)
 REPORT_FILE = "report.html"
 FIGURES_DIR = "figures"
 # written by `attnkit detect-heads MODEL -o RUN` (into a run directory, or a directory of its own)
-HEADS_FILE = "heads.csv"
-HEADS_META = "heads.meta.json"
+DETECTED_HEADS_FILE = "detected_heads.csv"
+DETECTED_HEADS_META = "detected_heads.json"
+# what detect-heads wrote before 0.x names: the same names as `attnkit ablate --experiment heads -o RUN`'s files,
+# which is why they changed; the report still reads them (attnkit/analysis/attached.py)
+LEGACY_DETECTED_HEADS = ("heads.csv", "heads.meta.json")
 # one command at a time per directory (attnkit.run.locking)
 LOCK_FILE = ".attnkit.lock"
 OWNER_FILE = ".attnkit.lock.owner"
@@ -43,7 +46,7 @@ HEAD_MEANS_FILE = "head_means.npz"
 # What later steps add to a run directory: a fresh run that replaces a finished one removes them, since they
 # describe the old features.
 DERIVED_OUTPUTS = (CLUSTERS_FILE, DISTANCES_FILE, REPORT_FILE, FIGURES_DIR, PATTERNS_FILE, PATTERN_LABELS,
-                   PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS, HEADS_FILE, HEADS_META)
+                   PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS, DETECTED_HEADS_FILE, DETECTED_HEADS_META)
 
 
 def compare_models_outputs(directory, *, svg: bool = True) -> list[Path]:
@@ -58,4 +61,5 @@ __all__ = ["CHECKPOINT_FILE", "CLUSTERS_FILE", "COMPARE_JSON", "COMPARE_NPZ", "D
            "DISTANCE_SHARDS_DIR", "FEATURES_FILE", "FEATURE_SHARDS_DIR", "FIGURES_DIR", "LOCK_FILE", "META_FILE",
            "OWNER_FILE", "PATTERN_LABELS", "PATTERNS_FILE", "PER_SAMPLE_FILE", "PER_SAMPLE_META", "PER_SAMPLE_ROWS",
            "PROBE_CSV", "PROBE_HEATMAP", "PROBE_JSON", "PROBE_TABLE", "REPORT_FILE"]
-__all__ += ["HEAD_MEANS_FILE", "HEADS_FILE", "HEADS_META", "compare_models_outputs"]
+__all__ += ["DETECTED_HEADS_FILE", "DETECTED_HEADS_META", "HEAD_MEANS_FILE", "LEGACY_DETECTED_HEADS",
+            "compare_models_outputs"]
