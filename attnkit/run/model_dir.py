@@ -25,6 +25,16 @@ DECODER_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemm
                            "gpt_neox", "phi3"})
 
 
+# The embedded models a name stands for (attnkit/embedded converts them; docs/decoders.md).
+EMBEDDED = ("smollm2",)
+
+
+def is_embedded_name(name) -> bool:
+    """Whether a model given as `name` means an embedded model (one of EMBEDDED, and no directory of that name
+    here): then it is no path to check."""
+    return str(name) in EMBEDDED and not os.path.exists(str(name))
+
+
 # What a local transformers model directory must hold (any one file of each group).
 CONFIG_FILES = ("config.json",)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -45,8 +55,6 @@ def looks_like_hub_id(path: str) -> bool:
 def check_model_dir(path: str) -> None:
     """Refuse a model path that cannot hold a complete model, naming the files that are missing. An embedded model's
     name (`smollm2`, attnkit/embedded) passes: it is resolved, and converted once, when the model loads."""
-    from ..embedded import is_embedded_name
-
     if is_embedded_name(path):
         return
     if not str(path).strip():
@@ -79,5 +87,5 @@ def some_names(names: list[str], n: int = 10) -> str:
     return ", ".join(names[:n]) + (f", … and {len(names) - n} more" if len(names) > n else "")
 
 
-__all__ = ["CONFIG_FILES", "DECODER_TYPES", "TOKENIZER_FILES", "WEIGHT_FILES", "check_model_dir", "default_model_path",
-           "looks_like_hub_id", "some_names"]
+__all__ = ["CONFIG_FILES", "DECODER_TYPES", "EMBEDDED", "TOKENIZER_FILES", "WEIGHT_FILES", "check_model_dir",
+           "default_model_path", "is_embedded_name", "looks_like_hub_id", "some_names"]
