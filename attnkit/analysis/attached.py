@@ -1,20 +1,43 @@
-"""The results of other commands that a run's report shows: `attnkit patterns` (RUN/patterns.json), `attnkit probe`
-and `attnkit ablate` written into the run directory (`-o RUN`) or into a directory given to `attnkit report
---include`. What cannot be shown beside the run's heads (another model's shape, an unreadable file) is listed with
-the reason, and the report links it.
+"""The results of other commands that a run's report shows: `attnkit patterns` (RUN/patterns.json), `attnkit probe`,
+`attnkit ablate` and `attnkit detect-heads` written into the run directory (`-o RUN`) or into a directory given to
+`attnkit report --include`, and a run of the same corpus under the other weighting given to `--include` (how much
+first-token or [CLS] mass survives norm weighting). What cannot be shown beside the run's heads (another model's
+shape, an unreadable file) is listed with the reason, and the report names it.
 """
 from __future__ import annotations
 
 import csv
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from ..engine.detect_options import KINDS
 from ..errors import AttnkitError
-from ..run.files import PATTERNS_FILE, PROBE_CSV, PROBE_HEATMAP, PROBE_JSON
-from ..run.schemas import ABLATION_META_SCHEMA, ABLATION_TABLE_SCHEMA, PATTERNS_SCHEMA, PROBE_SCHEMA, load_json
+from ..features import weighting_of
+from ..run.files import (
+    DETECTED_HEADS_FILE,
+    DETECTED_HEADS_META,
+    FEATURES_FILE,
+    LEGACY_DETECTED_HEADS,
+    META_FILE,
+    PATTERNS_FILE,
+    PROBE_CSV,
+    PROBE_HEATMAP,
+    PROBE_JSON,
+)
+from ..run.head_features import HeadFeatures
+from ..run.schemas import (
+    ABLATION_META_SCHEMA,
+    ABLATION_TABLE_SCHEMA,
+    DETECTED_HEADS_SCHEMA,
+    PATTERNS_SCHEMA,
+    PROBE_SCHEMA,
+    load_json,
+)
+from .weighting import compare_weightings
 
 ALL_RELATIONS = "(all)"
 ABLATION_META_SUFFIX = ".meta.json"
@@ -23,12 +46,16 @@ ABLATION_META_SUFFIX = ".meta.json"
 @dataclass
 class Attached:
     """What was found: `patterns` (patterns.json's content and its path), `probe` (accuracy per head and relation,
-    the baselines, probe.json and the directory), `ablations` (one entry per experiment table), and `links`
-    ((label, path, why) of results that are not shown)."""
+    the baselines, probe.json and the directory), `ablations` (one entry per experiment table), `detected` (the
+    scores of `attnkit detect-heads`, `read_detected`), `weighting` (the run against a run of the other weighting,
+    `attnkit.analysis.weighting.compare_weightings`, with `other`: that run's directory) and `links` ((label,
+    path, why) of results that are not shown)."""
 
     patterns: dict | None = None
     probe: dict | None = None
     ablations: list = field(default_factory=list)
+    detected: dict | None = None
+    weighting: dict | None = None
     links: list = field(default_factory=list)
 
 
@@ -146,10 +173,74 @@ def read_ablation(meta_path: Path, shape: tuple[int, int]) -> dict:
     return out
 
 
-def find_attached(run_dir, shape: tuple[int, int], include=()) -> Attached:
-    """Patterns, probe and ablation results of a run: in `run_dir` and in the directories `include` names. A damaged
-    file (not JSON, or not following its schema) raises an AttnkitError that names it; a readable result that does
-    not fit the run is listed in `links` with the reason."""
+def read_detected(table: Path, meta_path: Path, shape: tuple[int, int]) -> dict:
+    """`attnkit detect-heads`'s scores (detected_heads.csv, its settings in detected_heads.json; docs/files.md):
+    {"path", "meta", "kinds", "scores": {kind: layers × heads, NaN for a head removed by pruning}}. Every (layer,
+    head) of the grid must be there once, every score a share (0–1) or empty."""
+    meta = load_json(meta_path, DETECTED_HEADS_SCHEMA)
+    kinds = meta["kinds"]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or len(set(kinds)) != len(kinds):
+        raise AttnkitError(f"{meta_path}: field kinds: " + (f"unknown kind {unknown[0]!r} (known: {', '.join(KINDS)})"
+                                                           if unknown else "a kind is named twice"))
+    if (meta["n_layers"], meta["n_heads"]) != tuple(shape):
+        raise _Elsewhere(f"the heads were detected on a model of {meta['n_layers']} layers × {meta['n_heads']} heads, "
+                         f"the run has {shape[0]} × {shape[1]}")
+    if not table.is_file():
+        raise _Elsewhere(f"{table.name} is missing beside {meta_path.name}")
+    scores = np.full((len(kinds),) + tuple(shape), np.nan)
+    seen = np.zeros(shape, dtype=bool)
+    try:
+        with open(table, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header != ["layer", "head", *kinds]:
+                raise ValueError(f"its columns are {header}, {meta_path.name} names layer, head, {', '.join(kinds)}")
+            for i, row in enumerate(reader, start=2):
+                l, h = int(row[0]), int(row[1])
+                values = [float(x) if x.strip() else np.nan for x in row[2:]]
+                if len(values) != len(kinds) or not (0 <= l < shape[0] and 0 <= h < shape[1]) or seen[l, h]:
+                    raise ValueError(f"line {i} is out of range or repeats a head")
+                if any(not (np.isnan(v) or 0 <= v <= 1) for v in values):
+                    raise ValueError(f"line {i} holds a score outside 0–1")
+                scores[:, l, h], seen[l, h] = values, True
+    except (OSError, ValueError, IndexError, UnicodeDecodeError, csv.Error) as exc:
+        raise AttnkitError(f"{table} is unreadable: {type(exc).__name__}: {exc}") from None
+    if not seen.all():
+        raise AttnkitError(f"{table} is unreadable: it lacks {int((~seen).sum())} of the {seen.size} heads")
+    return {"path": table, "meta": meta, "kinds": kinds, "scores": dict(zip(kinds, scores))}
+
+
+def is_legacy_detection(meta_path: Path) -> bool:
+    """Whether `meta_path` is the settings of an older `attnkit detect-heads` (heads.meta.json beside heads.csv,
+    holding `kinds` and no `experiment`), not an ablation's meta file of the same name."""
+    if meta_path.name != LEGACY_DETECTED_HEADS[1]:
+        return False
+    try:
+        data = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False  # the ablation reader names the damage
+    return isinstance(data, dict) and "kinds" in data and "experiment" not in data
+
+
+def _other_weighting(place: Path, features: HeadFeatures) -> dict:
+    """The run of `features` against the run directory `place` of the same corpus under the other weighting."""
+    other = HeadFeatures.load(place)
+    if weighting_of(other.meta) == weighting_of(features.meta):
+        raise _Elsewhere(f"a run with the same weighting ({weighting_of(features.meta)}) as this one")
+    attention, norm = (features, other) if weighting_of(features.meta) == "attention" else (other, features)
+    try:
+        res = compare_weightings(attention, norm)
+    except AttnkitError as exc:
+        raise _Elsewhere(str(exc)) from None
+    return {**res, "other": place, "other_weighting": weighting_of(other.meta)}
+
+
+def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFeatures | None = None) -> Attached:
+    """Patterns, probe, ablation and detect-heads results of a run: in `run_dir` and in the directories `include`
+    names; and, with the run's `features`, an included run directory of the other weighting. A damaged file (not
+    JSON, or not following its schema) raises an AttnkitError that names it; a readable result that does not fit
+    the run is listed in `links` with the reason."""
     run_dir = Path(run_dir)
     found = Attached()
     places = [run_dir] + [Path(p) if Path(p).is_dir() else Path(p).parent for p in include]
@@ -169,12 +260,40 @@ def find_attached(run_dir, shape: tuple[int, int], include=()) -> Attached:
                                                                             f"shows {found.probe['path'].name})"))
             except _Elsewhere as exc:
                 found.links.append(("syntax probe", place / PROBE_JSON, str(exc)))
+        detections = [(place / DETECTED_HEADS_FILE, place / DETECTED_HEADS_META)]
+        legacy = place / LEGACY_DETECTED_HEADS[1]
+        if is_legacy_detection(legacy):
+            detections.append((place / LEGACY_DETECTED_HEADS[0], legacy))
+        for table, meta_path in detections:
+            if not meta_path.is_file():
+                continue
+            try:
+                if found.detected is None:
+                    found.detected = read_detected(table, meta_path, shape)
+                else:
+                    found.links.append(("detected heads", meta_path, "a second detect-heads result (the report "
+                                        f"shows {found.detected['path'].parent.name}/{found.detected['path'].name})"))
+            except _Elsewhere as exc:
+                found.links.append(("detected heads", meta_path, str(exc)))
         for meta_path in sorted(place.glob("*" + ABLATION_META_SUFFIX)):
+            if is_legacy_detection(meta_path):
+                continue
             try:
                 found.ablations.append(read_ablation(meta_path, shape))
             except _Elsewhere as exc:
                 found.links.append(("ablation", meta_path, str(exc)))
+        if features is not None and place != run_dir and (place / FEATURES_FILE).is_file() \
+                and (place / META_FILE).is_file():
+            try:
+                if found.weighting is None:
+                    found.weighting = _other_weighting(place, features)
+                else:
+                    found.links.append(("run", place / META_FILE, "a second run of the other weighting (the report "
+                                                                   f"shows {found.weighting['other'].name})"))
+            except _Elsewhere as exc:
+                found.links.append(("run", place / META_FILE, str(exc)))
     return found
 
 
-__all__ = ["Attached", "find_attached", "read_ablation", "read_patterns", "read_probe"]
+__all__ = ["Attached", "find_attached", "is_legacy_detection", "read_ablation", "read_detected", "read_patterns",
+           "read_probe"]

@@ -26,6 +26,17 @@ HEATMAP_FEATURES = (
 )
 
 
+# a decoder run's panels (docs/analysis.md, "The report"): `cls` is the first position, `sep` its EOS tokens, and
+# no row sees a next token
+DECODER_HEATMAP_FEATURES = (
+    ("attention to the first token", ("cls",)),
+    ("attention to punctuation (, .)", ("comma", "period")),
+    ("entropy (nats)", ("entropy",)),
+    ("attention to previous token", ("prev",)),
+    ("mass on the learned sink", ("sink",)),
+)
+
+
 def type_colors(type_names) -> dict:
     """A fixed colour for the four Guan types, others from a qualitative palette."""
     out, j = {}, 0
@@ -40,16 +51,20 @@ def type_colors(type_names) -> dict:
 
 def feature_heatmaps(features, panels=HEATMAP_FEATURES):
     """Per layer × head heatmaps of features (Clark et al. Figs. 2, 4, 6 as grids)."""
-    L, H = features.mean.shape[:2]
     panels = [(t, ns) for t, ns in panels if all(n in features.names for n in ns)]
     if not panels:
         raise AttnkitError("none of the heatmap features are in this run")
-    cols = 3
+    return grid_heatmaps([(title, sum(features.feature(n) for n in ns)) for title, ns in panels])
+
+
+def grid_heatmaps(panels, *, vmin=None, vmax=None):
+    """One layer × head heatmap per (title, L × H grid) of `panels`, three to a row; NaN (a removed head) blank."""
+    L, H = np.shape(panels[0][1])
+    cols = min(3, len(panels))
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 0.45 * L * rows + 1.4 * rows), squeeze=False)
-    for ax, (title, ns) in zip(axes.flat, panels):
-        grid = sum(features.feature(n) for n in ns)
-        im = ax.imshow(grid, aspect="auto", cmap="viridis", origin="upper")
+    for ax, (title, grid) in zip(axes.flat, panels):
+        im = ax.imshow(grid, aspect="auto", cmap="viridis", origin="upper", vmin=vmin, vmax=vmax)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
@@ -300,6 +315,7 @@ def attention_examples(examples, max_tokens: int = 40):
     return fig
 
 
-__all__ = ["save_figure", "feature_heatmaps", "tsne_scatter", "mds_maps", "type_share_per_layer",
+__all__ = ["DECODER_HEATMAP_FEATURES", "save_figure", "feature_heatmaps", "grid_heatmaps",
+           "tsne_scatter", "mds_maps", "type_share_per_layer",
            "distance_boxplots", "stability_sweep", "attention_examples", "type_colors", "label_candidates",
            "place_head_labels"]

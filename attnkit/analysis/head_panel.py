@@ -1,6 +1,6 @@
 """The data behind the report's per-head panel (report.js reads it): every head's features with their spread,
 its type, its nearest heads, its top and bottom examples from per_sample.npy with their texts, its example maps,
-and what the probe, the pattern classes and the ablations say about it (attnkit/analysis/attached.py).
+and what the probe, the pattern classes, the ablations and detect-heads say about it (attnkit/analysis/attached.py).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import AttnkitError
 from ..run.files import PER_SAMPLE_ROWS
+from ..run.schemas import LOWER_IS_BETTER
 from .attached import Attached
 from .clustering import head_matrix
 
@@ -185,7 +186,8 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
                   "agreement": None if all(a is None for a in agreement) else agreement},
         "near": {"js": nearest(distances.per_token, removed=gone) if distances is not None else None,
                  "feat": nearest(feat_d, removed=gone)},
-        "examples": None, "maps": None, "probe": None, "patterns": None, "ablation": [], "notes": notes,
+        "examples": None, "maps": None, "probe": None, "patterns": None, "ablation": [], "detected": None,
+        "notes": notes,
     }
     if extremes is not None:
         ext = extremes
@@ -211,10 +213,17 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
             data["patterns"] = {"classes": attached.patterns["classes"],
                                 "colors": [PATTERN_COLORS.get(c, "#999") for c in attached.patterns["classes"]],
                                 "shares": _rounded(sh.reshape(len(sh), M).T)}
+        if attached.detected is not None:
+            d = attached.detected
+            scores = np.stack([np.where(gone.reshape(L, H), np.nan, d["scores"][k]) for k in d["kinds"]], -1)
+            data["detected"] = {"kinds": d["kinds"], "scores": _rounded(scores.reshape(M, -1), 4),
+                                "source": f"{d['path'].parent.name}/{d['path'].name}"}
         for a in attached.ablations:
             src = a["path"].name
             if "delta" in a:  # per head (heads: M values) or per layer (layers: L values)
-                data["ablation"].append({"experiment": a["experiment"], "metric": a["metric"], "source": src,
+                data["ablation"].append({"experiment": a["experiment"], "source": src,
+                                         "metric": a["metric"] + (" (higher is worse)" if a["metric"] in LOWER_IS_BETTER
+                                                                  else ""),
                                          "per": "layer" if a["delta"].ndim == 1 else "head",
                                          "delta": _rounded(a["delta"].ravel()), "lo": _rounded(a["lo"].ravel()),
                                          "hi": _rounded(a["hi"].ravel())})

@@ -110,7 +110,7 @@ def report_run(run, *, examples: int | None = None, include=(), corpus=None, fmt
             load_clusters(run, shape, complete=True, feature_names=feats.names)
         if (run / DISTANCES_FILE).is_file():
             HeadDistances.load(run, shape)
-        find_attached(run, shape, include)  # a damaged patterns, probe or ablation file is named now
+        find_attached(run, shape, include, feats)  # a damaged patterns, probe, ablation or detection file is named now
         damaged = per_sample_problem(run, feats)
         if damaged:  # a warning, shown even with quiet
             echo(f"attnkit report: {damaged}", err=True)

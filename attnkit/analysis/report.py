@@ -2,7 +2,10 @@
 head (docs/analysis.md, "The report"; the file: docs/files.md).
 
 In page order: the findings (head types and their stability, the attention sink, what differs from the papers,
-heads above the papers' thresholds, and the headline of any attached pattern, probe or ablation results); the head
+heads above the papers' thresholds, and the headline of any attached pattern, probe or ablation results; on a
+decoder run: the sink heads by first-token mass and how much of it survives norm weighting, the previous-token,
+duplicate, induction and retrieval heads of `attnkit detect-heads`, thresholds that apply to causal rows, and the
+language-model loss ablations, where a rise of the loss is the harm); the head
 explorer (a layer × head grid; a click opens the head's panel below it: features with their spread, type, nearest
 heads, top and bottom examples from per_sample.npy, example maps, probe accuracy per relation, pattern shares, the
 effect of ablating the head and its layer; attnkit/analysis/head_panel.py, attnkit/data/report.js); the example
@@ -34,7 +37,9 @@ from ..run.clusters import label_grid, load_clusters, run_stability
 from ..run.distances import HeadDistances
 from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, PER_SAMPLE_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
+from ..run.model_dir import DECODER_TYPES
 from ..run.outputs import atomic_write
+from ..run.schemas import LOWER_IS_BETTER
 from . import figures as figs
 from .attached import Attached, find_attached
 from .clustering import STABILITY_WARN, cluster, distance_feature_names, head_matrix, stability_over_seeds, sweep
@@ -44,13 +49,23 @@ from .results import save_clusters
 
 # The figures the report writes into RUN/figures (a replaced report replaces them).
 REPORT_FIGURES = ("type_share_per_layer", "distance_boxplots", "stability_sweep", "tsne_types", "mds_js",
-                  "feature_heatmaps", "layer_summaries", "attention_examples")
+                  "feature_heatmaps", "layer_summaries", "attention_examples", "detected_heads")
 DEFAULT_EXAMPLES = 4  # example inputs whose maps the page embeds (`attnkit report --examples`)
 EXAMPLE_MAX_LENGTH = 64  # tokens of an example input at most (fewer when the run was extracted with fewer)
 EXAMPLE_MIN_TOKENS = 6  # shorter inputs (a title, an empty line) make poor examples
 # The maps of the example inputs take at most this many bytes (uint8, one per weight, all inputs and heads; base64
 # in the page adds a third): the shortest inputs first, an input that would exceed it is left out.
 MAPS_BUDGET_BYTES = 1_500_000
+SINK_MIN = 0.9  # a decoder head with at least this first-token mass is a sink head
+DETECTED_MIN = 0.5  # a detect-heads score from which the findings count a head of that kind
+TOP_HEADS = 5  # heads named per finding
+THRESHOLD_NAMES = 12  # heads named per threshold of the papers (the largest first)
+
+
+def is_decoder_run(features: HeadFeatures) -> bool:
+    """Whether the run measured a decoder (meta.json `model_type`; causal rows: `cls` is the first position's mass,
+    no row sees a next token)."""
+    return features.meta.get("model_type") in DECODER_TYPES
 
 
 def report_figures(run_dir) -> list[Path]:
@@ -198,6 +213,7 @@ class Report:
                  attached: Attached, examples: int = 0, texts=None, model=None):
         self.run_dir, self.features, self.data, self.save, self.seed = run_dir, features, data, save, seed
         self.attached, self.n_examples, self.texts, self.model = attached, examples, texts, model
+        self.decoder = is_decoder_run(features)
         self.type_names = [c["type"] for c in data["clusters"]]
         self.colors = figs.type_colors(self.type_names)
         L, H = features.n_layers, features.n_heads
@@ -223,6 +239,13 @@ class Report:
         v = np.asarray(values, dtype=np.float64).ravel()[self.kept]
         return float(v.mean()) if v.size else float("nan")
 
+    def top_heads(self, values, n: int = TOP_HEADS) -> list[tuple[str, float]]:
+        """The `n` heads with the largest of L × H `values` (removed heads and NaN left out; ties: lower head
+        first) as [("L3H1", value), ...]."""
+        v = np.where(self.removed, np.nan, np.asarray(values, dtype=np.float64)).ravel()
+        order = [m for m in np.argsort(-np.nan_to_num(v, nan=-np.inf), kind="stable") if np.isfinite(v[m])]
+        return [(self.head_ids[m], float(v[m])) for m in order[:n]]
+
 
 # --- the findings ------------------------------------------------------------------------------------------------
 def _types_finding(r: Report) -> Markup:
@@ -238,7 +261,8 @@ def _types_finding(r: Report) -> Markup:
         rows.append((macros().typed(r.colors[c["type"]], c["type"]), n, fmt(share),
                      fmt(p.get("special")), fmt(p.get("near_r")), fmt(p.get("far_r"))))
     return part("types_finding", n_types=len(r.type_names), st=st, over=st.get("over_seeds"),
-                judged=run_stability(r.data), warn_below=STABILITY_WARN, rows=rows, removed=r.n_removed)
+                judged=run_stability(r.data), warn_below=STABILITY_WARN, rows=rows, removed=r.n_removed,
+                decoder=r.decoder)
 
 
 def _sink_finding(r: Report) -> Markup:
@@ -262,7 +286,69 @@ def _sink_finding(r: Report) -> Markup:
     special = [n for n in ("cls", "sep", "comma", "period") if n in f.names]
     total = np.where(r.removed, 0.0, sum(f.feature(n) for n in special))
     return part("sink_finding", majority=int((total > 0.5).sum()), n_heads=n_kept, special=special, items=items,
-                removed=r.n_removed)
+                removed=r.n_removed, survival=_survival(r, "all special", "[CLS] + [SEP] + punctuation"))
+
+
+def _survival(r: Report, group: str, label: str | None = None) -> dict | None:
+    """How much of a token class's mass survives norm weighting (a run of the other weighting given to `--include`;
+    attnkit/analysis/weighting.py): the means over heads under both weightings, their ratio, and the heads with the
+    most mass by attention, attention → norm. None without such a run."""
+    w = r.attached.weighting
+    if w is None:
+        return None
+    g = w["groups"][group]
+    attention, norm = (np.array(g[k], dtype=np.float64) for k in ("attention", "norm"))
+    heads = [(name, value, float(norm.ravel()[r.head_ids.index(name)])) for name, value in r.top_heads(attention)]
+    return {"group": label or group, "other": w["other"].name, "other_weighting": w["other_weighting"],
+            "mean_attention": g["mean_attention"], "mean_norm": g["mean_norm"], "share": g["survival_of_means"],
+            "heads": heads, "n_removed": w["n_removed"]}
+
+
+def _first_token_finding(r: Report) -> Markup:
+    """A decoder's sink heads: first-token mass (`cls`: the first position, whatever token it holds), the mass on a
+    learned sink logit (`sink`, gpt-oss) when the model has one, and how much survives norm weighting."""
+    f = r.features
+    if "cls" not in f.names or not r.kept.any():
+        return Markup("")
+    first = np.where(r.removed, np.nan, f.feature("cls"))
+    per_layer = np.array([np.nanmean(row) if np.isfinite(row).any() else np.nan for row in first])
+    l_top = int(np.nanargmax(per_layer))
+    sink = None
+    if "sink" in f.names:
+        mass = np.where(r.removed, np.nan, f.feature("sink"))
+        if np.nanmax(mass) > 0:
+            sink = {"mean": float(np.nanmean(mass)), "heads": r.top_heads(mass)}
+    return part("first_token_finding", n_heads=int(r.kept.sum()), mean=float(np.nanmean(first)),
+                above=int((np.nan_to_num(first) >= SINK_MIN).sum()), cut=SINK_MIN,
+                majority=int((np.nan_to_num(first) > 0.5).sum()), layer=l_top, layer_mean=float(per_layer[l_top]),
+                heads=r.top_heads(first), sink=sink, survival=_survival(r, "[CLS]", "first-token"),
+                removed=r.n_removed,
+                weighting=weighting_of(f.meta))
+
+
+def _detected_finding(r: Report) -> Markup:
+    """The heads `attnkit detect-heads` scores highest per kind, with its settings (docs/analysis.md, section 10)."""
+    d = r.attached.detected
+    if d is None:
+        return part("detected_finding", rows=None, settings=[])
+    meta = d["meta"]
+    rows = []
+    for kind in d["kinds"]:
+        scores = np.where(r.removed, np.nan, d["scores"][kind])
+        rows.append((kind, int((np.nan_to_num(scores) >= DETECTED_MIN).sum()),
+                     ", ".join(f"{h} ({v:.2f})" for h, v in r.top_heads(scores)) or "none"))
+    settings = []
+    if any(k != "retrieval" for k in d["kinds"]):
+        bos = meta.get("bos")
+        settings.append(f"{meta.get('n_sequences', '?')} sequences of {meta.get('length', '?')} random tokens, each "
+                        f"repeated once (seed {meta.get('seed', '?')}; "
+                        + (f"the model's BOS, id {bos}, before each)" if bos is not None else
+                           "no BOS: the tokenizer adds none)"))
+    if "retrieval" in d["kinds"]:
+        settings.append(f"{meta.get('n_sequences', '?')} needle-in-a-haystack inputs from "
+                        f"{Path(str(meta.get('corpus') or 'the default corpus')).name}, the answer teacher-forced")
+    return part("detected_finding", rows=rows, settings=settings, cut=DETECTED_MIN,
+                source=f"{d['path'].parent.name}/{d['path'].name}")
 
 
 def _kept_features(r: Report) -> HeadFeatures:
@@ -286,27 +372,33 @@ def _papers_finding(r: Report) -> Markup:
     try:
         if not layers:
             raise AttnkitError("every head was removed")
-        notes = sm.paper_differences(f)
+        # Clark et al.'s comparisons describe BERT encoders; a decoder's rows see no next token and its [SEP] is EOS
+        notes = [] if r.decoder else sm.paper_differences(f)
         th = sm.threshold_heads(f)
         summ = sm.layer_summaries(f)
     except AttnkitError as exc:
-        return part("papers_finding", skipped=str(exc), notes=[], rows=[])
+        return part("papers_finding", skipped=str(exc), notes=[], rows=[], decoder=r.decoder)
     cuts = {"previous token": f"prev > {sm.PREV_NEXT_MIN}", "next token": f"next > {sm.PREV_NEXT_MIN}",
             "[CLS]": f"cls > {sm.SPECIAL_MIN}", "[SEP]": f"sep > {sm.SPECIAL_MIN}",
             "punctuation": f"comma + period > {sm.SPECIAL_MIN}",
             "broad": f"entropy > {sm.BROAD_FRACTION} · ln n = {sm.BROAD_FRACTION * summ['uniform_entropy']:.2f}"}
+    if r.decoder:
+        th = {("first token" if k == "[CLS]" else k): v for k, v in th.items() if k not in ("next token", "[SEP]")}
+        cuts["first token"] = cuts["[CLS]"]
     rows = []
     for k, v in th.items():
         real = [x for x in v if not r.removed[layers[x["layer"]], x["head"]]]  # filled-in heads are not heads
-        rows.append((k, cuts[k], len(real), ", ".join(f"L{layers[x['layer']]}H{x['head']} ({x['value']:.2f})"
-                                                      for x in real) or "none"))
+        named = ", ".join(f"L{layers[x['layer']]}H{x['head']} ({x['value']:.2f})" for x in real[:THRESHOLD_NAMES])
+        more = f", and {len(real) - THRESHOLD_NAMES} more (the tables below list every head)" \
+            if len(real) > THRESHOLD_NAMES else ""
+        rows.append((k, cuts[k], len(real), named + more or "none"))
     if len(layers) < r.features.n_layers:  # the notes number layers among the remaining ones
         gone = [l for l in range(r.features.n_layers) if l not in layers]
         if gone[-1] == r.features.n_layers - 1:  # the model's last layer is gone: nothing to say about it
             notes = [n for n in notes if "last layer" not in n]
         notes = [f"(Every head of layer(s) {', '.join(map(str, gone))} was removed; the notes below number the "
                  f"remaining {len(layers)} layers 0–{len(layers) - 1}.)"] + notes
-    return part("papers_finding", skipped=None, notes=notes, rows=rows)
+    return part("papers_finding", skipped=None, notes=notes, rows=rows, decoder=r.decoder)
 
 
 def _attached_findings(r: Report) -> Markup:
@@ -320,21 +412,33 @@ def _attached_findings(r: Report) -> Markup:
         acc = p["acc"].reshape(-1, len(p["relations"]))[r.kept]
         gain = np.where(np.isfinite(acc), acc, -np.inf).max(0) - p["baseline"]
         probe = [(p["relations"][j], float(gain[j])) for j in np.argsort(-gain)[:3] if p["relations"][j] != "(all)"]
-    ablations = []
-    H = r.features.n_heads
-    for ab in a.ablations:
-        delta = np.where(r.removed, np.nan, ab["delta"]) if ab["experiment"] == "heads" else ab.get("delta")
-        if delta is not None and np.isfinite(delta).any():
-            m = int(np.nanargmin(delta))
-            what = f"L{m // H}H{m % H}" if ab["experiment"] == "heads" else f"layer {m}"
-            ablations.append({"source": ab["path"].name, "what": what, "metric": ab["metric"],
-                              "delta": float(np.nanmin(delta))})
+    ablations = [x for x in (_worst_ablation(r, ab) for ab in a.ablations) if x]
     return part("attached_findings", patterns=patterns, probe=probe, ablations=ablations)
 
 
+def _worst_ablation(r: Report, ab: dict) -> dict | None:
+    """The head or layer whose ablation harms the most: the largest Δ of a loss (LOWER_IS_BETTER), else the most
+    negative Δ; with its bootstrap interval and the baseline. None for a table without per-head or per-layer Δ."""
+    H = r.features.n_heads
+    delta = np.where(r.removed, np.nan, ab["delta"]) if ab["experiment"] == "heads" else ab.get("delta")
+    if delta is None or not np.isfinite(delta).any():
+        return None
+    rises = ab["metric"] in LOWER_IS_BETTER
+    m = int(np.nanargmax(delta) if rises else np.nanargmin(delta))
+    lo, hi = float(np.ravel(ab["lo"])[m]), float(np.ravel(ab["hi"])[m])
+    base = (ab["rows"][0] or {}).get(ab["metric"])
+    return {"source": ab["path"].name, "what": f"L{m // H}H{m % H}" if ab["experiment"] == "heads" else f"layer {m}",
+            "metric": ab["metric"], "delta": float(np.ravel(delta)[m]), "rises": rises,
+            "harms": bool(np.ravel(delta)[m] > 0 if rises else np.ravel(delta)[m] < 0),
+            "unit": "head" if ab["experiment"] == "heads" else "layer",
+            "interval": (lo, hi) if np.isfinite([lo, hi]).all() else None,
+            "baseline": float(base) if isinstance(base, (int, float)) else None,
+            "task": ab["meta"].get("task") or ""}
+
+
 def findings(r: Report) -> Section:
-    return Section("findings", "Findings", _types_finding(r) + _sink_finding(r) + _papers_finding(r)
-                   + _attached_findings(r))
+    sink = (_first_token_finding(r) + _detected_finding(r)) if r.decoder else _sink_finding(r)
+    return Section("findings", "Findings", _types_finding(r) + sink + _papers_finding(r) + _attached_findings(r))
 
 
 # --- the head explorer and the example inputs --------------------------------------------------------------------
@@ -342,7 +446,8 @@ def explorer(r: Report) -> Section:
     removed = ", ".join(r.head_ids[m] for m in np.flatnonzero(~r.kept)) if r.n_removed else ""
     return Section("explorer", "Head explorer", part(
         "explorer", L=r.features.n_layers, H=r.features.n_heads, names=r.features.names,
-        types=[(r.colors[t], t) for t in r.type_names], removed=removed))
+        types=[(r.colors[t], t) for t in r.type_names], removed=removed,
+        detected=r.attached.detected["kinds"] if r.attached.detected else ()))
 
 
 def inputs_section(r: Report) -> Section | None:
@@ -405,8 +510,10 @@ def head_maps(r: Report) -> Section:
 def heatmaps(r: Report) -> Section:
     from . import summaries as sm
 
-    figures = [r.img(figs.feature_heatmaps(r.features), "feature_heatmaps",
+    panels = figs.DECODER_HEATMAP_FEATURES if r.decoder else figs.HEATMAP_FEATURES
+    figures = [r.img(figs.feature_heatmaps(r.features, panels), "feature_heatmaps",
                      "Per layer × head means over the corpus (cf. Clark et al. Figs. 2 and 6)"
+                     + ("; the first token is the sample's first position, whatever it holds" if r.decoder else "")
                      + ("; removed heads are blank." if r.n_removed else "."))]
     f = _kept_features(r) if r.n_removed else r.features
     layers = [l for l in range(r.features.n_layers) if not r.removed[l].all()]
@@ -426,6 +533,19 @@ def heatmaps(r: Report) -> Section:
     return Section("heatmaps", "Features per layer and head", part(
         "layer_table", figs=figures, title="Per-layer summaries (Clark et al.)", header=["layer"] + labels,
         rows=rows))
+
+
+def detected_section(r: Report) -> Section | None:
+    """`attnkit detect-heads`'s scores: one layer × head grid per kind, and the top heads of each."""
+    d = r.attached.detected
+    if d is None:
+        return None
+    grids = [(kind, np.where(r.removed, np.nan, d["scores"][kind])) for kind in d["kinds"]]
+    fig = r.img(figs.grid_heatmaps(grids, vmin=0.0, vmax=1.0), "detected_heads",
+                f"Scores of {_shown_path(r, d['path'])} per layer × head (0–1; the recipes: docs/analysis.md, "
+                "section 10)" + ("; removed heads are blank." if r.n_removed else "."))
+    rows = [(kind, ", ".join(f"{h} ({v:.3f})" for h, v in r.top_heads(g, 10)) or "none") for kind, g in grids]
+    return Section("detected", "Detected heads (attnkit detect-heads)", part("detected", fig=fig, rows=rows))
 
 
 def example_section(r: Report) -> Section | None:
@@ -543,7 +663,8 @@ def settings(r: Report) -> Section:
 # The sections in page order. Other analyses add theirs here (a function (report) -> Section | None), e.g.
 # SECTIONS.insert(SECTIONS.index(heatmaps) + 1, my_section).
 SECTIONS: list[Callable[[Report], Section | None]] = [
-    findings, explorer, inputs_section, types_figures, head_maps, heatmaps, example_section, patterns_section,
+    findings, explorer, inputs_section, types_figures, head_maps, heatmaps, detected_section, example_section,
+    patterns_section,
     probe_section, ablation_section, links_section, tables, glossary_section, settings]
 
 
@@ -621,7 +742,7 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
     run_dir = Path(run_dir)
     features = HeadFeatures.load(run_dir)
     check_heads(features, run_dir)
-    attached = find_attached(run_dir, (features.n_layers, features.n_heads), include)
+    attached = find_attached(run_dir, (features.n_layers, features.n_heads), include, features)
     save = _FigureSaver(run_dir / FIGURES_DIR, svg, progress)
     try:
         data, notes = _clusters(run_dir, features, k, method, seed, do_sweep, progress)
@@ -629,7 +750,8 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
                         model=model)
         _example_maps(report)
         # types, box plots, t-SNE, heatmaps, per-layer summaries; the sweep, MDS and examples when they are drawn
-        save.expect(5 + bool(data["stability"].get("sweep")) + (report.distances is not None) + bool(report.maps))
+        save.expect(5 + bool(data["stability"].get("sweep")) + (report.distances is not None) + bool(report.maps)
+                    + (attached.detected is not None))
         panel = _panel(report)  # first: it reads the examples' texts, which may be damaged, before any figure
         sections = [s for s in (build(report) for build in SECTIONS) if s is not None]
     finally:
@@ -652,5 +774,5 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
 
 
 __all__ = ["DEFAULT_EXAMPLES", "FIGURES_DIR", "MAPS_BUDGET_BYTES", "REPORT_FIGURES", "REPORT_FILE", "SECTIONS",
-           "Report", "Section", "build_report", "example_inputs", "example_maps", "pick_example_heads",
-           "per_sample_problem", "report_figures", "check_heads", "within_budget"]
+           "Report", "Section", "build_report", "example_inputs", "example_maps", "is_decoder_run",
+           "pick_example_heads", "per_sample_problem", "report_figures", "check_heads", "within_budget"]

@@ -168,8 +168,10 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
                    "and example maps of each type. Needs the run's model and corpus. Default 4 when the run records "
                    "both, the corpus with the SHA-256 of its inputs (none, with a note, otherwise); 0: none.")
 @click.option("--include", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="DIR",
-              help="A directory of `attnkit probe` or `attnkit ablate` results to show beside the run's heads "
-                   "(repeatable; results written into RUN itself are found without it).")
+              help="A directory of `attnkit probe`, `attnkit ablate` or `attnkit detect-heads` results to show beside "
+                   "the run's heads, or a run of the same corpus under the other --weighting (the findings then say "
+                   "how much first-token, [CLS] or [SEP] mass survives norm weighting). Repeatable; results written "
+                   "into RUN itself are found without it.")
 @corpus_options
 @k_option
 @click.option("--method", type=click.Choice(["kmeans", "gmm"]), default="kmeans", show_default=True,
@@ -180,7 +182,8 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
 def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit, k, method, seed, device, svg,
                overwrite, quiet):
     """Write RUN/report.html: one self-contained page that opens offline. It starts with the findings (head
-    types and their stability, the attention sink, departures from the papers, heads above their thresholds),
+    types and their stability, the attention sink, departures from the papers, heads above their thresholds; for
+    a decoder: sink heads, detected previous-token/induction heads, language-model loss ablations),
     then a head explorer (click a head: its features, type, nearest heads, top and bottom examples, maps, probe,
     pattern and ablation results), a head view of a few short inputs of the corpus (--examples), the figures,
     the results of patterns/probe/ablate, sortable tables, a glossary, and the settings; it links nothing

@@ -44,8 +44,11 @@
   }
   function paint() {
     var what = colourBy ? colourBy.value : "type";
-    var j = D.features.names.indexOf(what), lo = Infinity, hi = -Infinity;
-    if (j >= 0) D.features.mean.forEach(function (v, m) {
+    var values = D.features.mean, j = D.features.names.indexOf(what), lo = Infinity, hi = -Infinity;
+    if (what.indexOf("detected:") === 0 && D.detected) {  // a detect-heads score per head
+      values = D.detected.scores; j = D.detected.kinds.indexOf(what.slice(9));
+    }
+    if (j >= 0) values.forEach(function (v, m) {
       if (!D.removed[m] && v[j] !== null) { lo = Math.min(lo, v[j]); hi = Math.max(hi, v[j]); }
     });
     document.querySelectorAll("#grid td[data-m]").forEach(function (td) {
@@ -62,7 +65,7 @@
         td.textContent = D.types.short[D.types.label[m]];
         td.title = name(m) + ": " + D.types.names[D.types.label[m]];
       } else {
-        var v = D.features.mean[m][j], t = v === null ? 0 : (hi > lo ? (v - lo) / (hi - lo) : 0);
+        var v = values[m][j], t = v === null ? 0 : (hi > lo ? (v - lo) / (hi - lo) : 0);
         td.style.background = shade(t);
         td.style.color = t < 0.55 ? "#000" : "#fff";
         td.textContent = fmt(v, 2);
@@ -208,6 +211,17 @@
     return section("Ablation", table(["experiment", "effect of this head"], rows, "panel-table ablation"));
   }
 
+  function detectedPart(m) {
+    var P = D.detected;
+    if (!P) return null;
+    var rows = P.kinds.map(function (k, i) {
+      var v = P.scores[m][i], rank = 1;
+      P.scores.forEach(function (s, o) { if (o !== m && !D.removed[o] && s[i] !== null && s[i] > v) rank++; });
+      return [k, fmt(v), v === null ? "–" : rank + " of " + D.removed.filter(function (r) { return !r; }).length];
+    });
+    return section("Detected head scores (" + P.source + ")", table(["kind", "score", "rank"], rows, "panel-table detected"));
+  }
+
   var current = -1;
   function select(m) {
     if (m < 0 || m >= M) return;
@@ -228,7 +242,7 @@
       if (location.hash !== "#" + name(m)) history.replaceState(null, "", "#" + name(m));
       return;
     }
-    [featuresPart, nearPart, examplesPart, mapsPart, probePart, patternsPart, ablationPart].forEach(function (f) {
+    [featuresPart, nearPart, examplesPart, mapsPart, detectedPart, probePart, patternsPart, ablationPart].forEach(function (f) {
       var part = f(m); if (part) p.appendChild(part);
     });
     p.setAttribute("data-head", name(m));

@@ -200,7 +200,22 @@ ABLATION_META_SCHEMA = {
     },
 }
 
-# OUT/E.json, the table of `attnkit ablate` (attnkit/ablation/experiments.py, ResultTable.save).
+# OUT/detected_heads.json, written by `attnkit detect-heads` (attnkit/engine/detect.py) beside detected_heads.csv;
+# read by the report (attnkit/analysis/attached.py checks the kinds and the table after the schema).
+DETECTED_HEADS_SCHEMA = {
+    "type": "object",
+    "required": ["kinds", "n_layers", "n_heads"],
+    "properties": {
+        "kinds": {"type": "array", "minItems": 1, "items": {"type": "string", "pattern": "^[a-z][a-z_]*$"}},
+        "model": _STR_OR_NULL, "model_type": _STR_OR_NULL, "corpus": _STR_OR_NULL,
+        "length": _INT1, "n_sequences": _INT1, "seed": _INT0, "bos": {"type": ["integer", "null"]},
+        "n_layers": _INT1, "n_heads": _INT1, "seconds": _NUM_OR_NULL,
+    },
+}
+
+# OUT/E.json, the table of `attnkit ablate` (attnkit/ablation/experiments.py, ResultTable.save). Its
+# `main_metric` is better when higher (spearman, accuracy, f1, restored), except these, where a rise is the harm:
+LOWER_IS_BETTER = ("loss", "perplexity")
 _CELL = {"type": ["number", "string", "boolean", "null"]}
 ABLATION_TABLE_SCHEMA = {
     "type": "object",
@@ -211,7 +226,10 @@ ABLATION_TABLE_SCHEMA = {
         "rows": {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
             "setting": {"type": "string"}, "layer": {"type": ["integer", "null"], "minimum": 0},
             "head": {"type": ["integer", "null"], "minimum": 0}},
-            "patternProperties": {"^delta_": _NUM_OR_NULL}, "additionalProperties": {}}},
+            # Δ, its interval ends, and whether the interval excludes 0 beyond Monte-Carlo noise (a boolean)
+            "patternProperties": {"^delta_(?!.*_excludes_0$)": _NUM_OR_NULL,
+                                  "^delta_.*_excludes_0$": {"type": ["boolean", "null"]}},
+            "additionalProperties": {}}},
         "importance": {"type": "array", "items": {"type": "array", "items": _NUM_OR_NULL}},
     },
 }
@@ -368,4 +386,5 @@ def validate_arrays(arrays: dict, spec: dict[str, ArraySpec], path) -> None:
 
 __all__ = ["validate", "load_json", "load_npz", "validate_arrays", "ArraySpec", "META_SCHEMA", "CLUSTERS_SCHEMA",
            "CLUSTERS_REPORT_SCHEMA", "PER_SAMPLE_SCHEMA", "SQUAD_SCHEMA", "IMPORTANCE_SCHEMA", "FEATURES_ARRAYS",
-           "DISTANCES_ARRAYS", "PATTERNS_SCHEMA", "PROBE_SCHEMA", "ABLATION_META_SCHEMA", "ABLATION_TABLE_SCHEMA"]
+           "DISTANCES_ARRAYS", "PATTERNS_SCHEMA", "PROBE_SCHEMA", "ABLATION_META_SCHEMA", "ABLATION_TABLE_SCHEMA",
+           "DETECTED_HEADS_SCHEMA", "LOWER_IS_BETTER"]
