@@ -181,3 +181,34 @@ def test_results_that_do_not_fit_are_named_not_shown(decoder_runs, tmp_path):
     assert "same weighting (attention)" in reasons["run"]
     found = find_attached(run_dir, (3, 4), [decoder_runs / "norm"], feats)
     assert found.detected is None and found.weighting["other"] == decoder_runs / "norm"
+
+
+def test_the_grid_is_coloured_by_a_detected_kind_and_the_panel_lists_the_scores(decoder_runs, report):
+    from .test_report_browser import BROWSER, DRIVER
+
+    if BROWSER is None or DRIVER is None:
+        pytest.skip("no chromium/chromedriver (apt-get install -y chromium chromium-driver)")
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from .test_report_browser import browser as browser_fixture
+
+    driver = next(browser_fixture.__wrapped__())
+    try:
+        with open(decoder_runs / "run" / "detected_heads.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        best = max(rows, key=lambda r: float(r["induction"]))
+        head = f"L{best['layer']}H{best['head']}"
+        driver.get((decoder_runs / "run" / "report.html").as_uri())
+        WebDriverWait(driver, 20).until(lambda d: d.find_element("id", "panel").get_attribute("data-head") == "L0H0")
+        Select(driver.find_element("id", "grid-colour")).select_by_value("detected:induction")
+        cell = driver.find_element("css selector", f'#grid td[data-head="{head}"]')
+        assert cell.text == f"{float(best['induction']):.2f}"
+        assert "detected:induction" in driver.find_element("id", "grid-legend").text
+        cell.click()
+        WebDriverWait(driver, 10).until(lambda d: d.find_element("id", "panel").get_attribute("data-head") == head)
+        listed = {tr.find_elements("css selector", "td")[0].text: [td.text for td in tr.find_elements("css selector", "td")[1:]]
+                  for tr in driver.find_elements("css selector", "#panel table.detected tbody tr")}
+        assert listed["induction"] == [f"{float(best['induction']):.3f}", "1 of 12"]
+        assert listed["previous"][0] == f"{float(best['previous']):.3f}"
+    finally:
+        driver.quit()
