@@ -252,10 +252,11 @@ def test_an_address_where_nothing_listens_is_refused_at_once():
 @pytest.mark.slow
 def test_ray_on_a_decoder_with_sinks_equals_in_process(cluster, tmp_path, decoder_tokenizer):
     """A tiny gpt-oss (causal, grouped-query, sliding windows, a sink per head) saved with a decoder tokenizer:
-    the Ray engine's features equal the in-process loop's, the feature `sink` named last."""
-    from attnkit.engine import run_extraction
+    the Ray engine's features equal the in-process loop's, the feature `sink` named last; and so do its
+    Jensen-Shannon distances (`attnkit distances --engine ray` on a decoder run)."""
+    from attnkit.engine import DistanceCollector, run_extraction
     from attnkit.features import feature_names
-    from attnkit.models import load_model
+    from attnkit.models import attention_modules, load_model
 
     from .conftest import SENTENCES
     from .synthetic import tiny_decoder
@@ -270,3 +271,12 @@ def test_ray_on_a_decoder_with_sinks_equals_in_process(cluster, tmp_path, decode
     acc, _, info = _run(texts, tmp_path / "run", model_path=str(path))
     assert info["engine"] == "ray" and acc.names == ref.names == feature_names(16, sink=True)
     _assert_same_features(acc, ref)
+    collector = DistanceCollector(len(attention_modules(model)))
+    with one_thread():
+        run_extraction(model, tokenizer, texts, SETTINGS_OF_PLAN, observers=[collector])
+    want = collector.result()
+    dist, _ = run_ray_distances(texts, SETTINGS_OF_PLAN, model_path=str(path), run_dir=tmp_path / "run",
+                                run_settings=SETTINGS, progress=False)
+    assert (dist.n_layers, dist.n_heads, dist.n_rows) == (want.n_layers, want.n_heads, want.n_rows)
+    assert np.all(want.total[~np.eye(len(want.total), dtype=bool)] > 0)
+    np.testing.assert_allclose(dist.total, want.total, rtol=1e-12, atol=0)
