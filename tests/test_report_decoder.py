@@ -212,3 +212,23 @@ def test_the_grid_is_coloured_by_a_detected_kind_and_the_panel_lists_the_scores(
         assert listed["previous"][0] == f"{float(best['previous']):.3f}"
     finally:
         driver.quit()
+
+
+def test_an_encoder_report_says_how_much_special_token_mass_survives_norm_weighting(tmp_path):
+    from attnkit.analysis.report import build_report
+
+    from .synthetic import rich_run
+
+    f, *_ = rich_run(tmp_path / "run")
+    special = ("cls", "sep", "comma", "period")
+    mean = np.array(f.mean)
+    mean[..., [f.names.index(n) for n in special]] *= 0.25  # norm weighting keeps a quarter of every head's mass
+    HeadFeatures(mean, f.std, f.names, f.n_samples, f.n_tokens, {**f.meta, "weighting": "norm"}).save(tmp_path / "norm")
+    page = build_report(tmp_path / "run", svg=False, include=[tmp_path / "norm"]).read_text()
+    text = text_of(page, "findings")
+    mass = sum(f.feature(n) for n in special)
+    best = np.unravel_index(np.argmax(mass), mass.shape)
+    assert (f"[CLS] + [SEP] + punctuation mass {mass.mean():.3f} by attention, {mass.mean() / 4:.3f} by norm on average "
+            "over the heads, so 25% of it survives") in text
+    assert f"L{best[0]}H{best[1]} {mass.max():.2f} → {mass.max() / 4:.2f}" in text
+    assert "Sink heads" not in text  # an encoder's findings stay Clark et al.'s
