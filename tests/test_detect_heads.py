@@ -154,3 +154,16 @@ def test_an_output_that_is_an_input_is_refused_before_torch_loads(where, tmp_pat
     res, proc = _start("detect-heads", str(model), "--kinds", "retrieval", "--corpus", str(corpus), "-o", str(out))
     assert res["code"] != 0 and res["heavy"] == [], (res, proc.stderr)
     assert f"{where}" in proc.stderr and not (model / "scores").exists()
+
+
+def test_inputs_longer_than_the_model_s_positions_are_refused(tokenizer):  # noqa: F811
+    # a model with learned positions failed deep inside; one with rotary positions was measured past its context
+    model = attnkit.instrument(tiny_decoder("llama", tokenizer.vocab_size))  # 256 positions
+    with pytest.raises(AttnkitError, match=r"the repeated sequences \(2 × 200 tokens\) take 400 tokens, more than "
+                                           r"the model's 256 positions \(llama\): lower length"):
+        attnkit.detect_heads((model, tokenizer), length=200, n_sequences=1)
+    with pytest.raises(AttnkitError, match="take 258 tokens, more than the model's 256 positions"):
+        attnkit.detect_heads((model, tokenizer), input_ids=torch.zeros(1, 258, dtype=torch.long))
+    with pytest.raises(AttnkitError, match="needle-in-a-haystack inputs take .* the retrieval recipe needs a model"):
+        attnkit.detect_heads((model, tokenizer), kinds=["retrieval"], n_sequences=1, haystack=300)
+    assert len(attnkit.detect_heads((model, tokenizer), length=128, n_sequences=1)) == 8  # 256 tokens fit

@@ -30,7 +30,7 @@ import torch
 from ..arch.pruning import pruned_head_grid
 from ..corpus import default_corpus_path
 from ..errors import AttnkitError, arg, check_int
-from ..models import attention_modules, observing, resolve_model
+from ..models import attention_modules, max_positions, observing, resolve_model
 from ..words import row_stats
 from .detect_options import KINDS, REPEAT_KINDS, DetectOptions, check_kinds, detect_inputs, detect_outputs
 
@@ -135,6 +135,15 @@ def _run(model, batches, kinds, n_layers, n_heads) -> dict[str, np.ndarray]:
     return {k: obs.scores[k].mean() for k in kinds}
 
 
+def _check_positions(model, n_tokens: int, what: str, remedy: str) -> None:
+    """Refuse inputs longer than the model's position embeddings allow (a model with learned positions would fail
+    deep inside; one with rotary positions would be measured beyond the context it was trained on)."""
+    limit = max_positions(model)
+    if limit is not None and n_tokens > limit:
+        raise AttnkitError(f"{what} take {n_tokens} tokens, more than the model's {limit} positions "
+                           f"({model.config.model_type}): {remedy}")
+
+
 def detect_heads(model=None, *, kinds=REPEAT_KINDS, length: int = 50, n_sequences: int = 100, seed: int = 0,
                  input_ids=None, tokenizer=None, corpus=None, haystack: int = HAYSTACK):
     """A pandas DataFrame with a row per (layer, head) and a column per kind in `kinds` (module docstring):
@@ -162,11 +171,15 @@ def detect_heads(model=None, *, kinds=REPEAT_KINDS, length: int = 50, n_sequence
             check_int(seed, "seed")
             ids, offset = repeated_tokens(tokenizer, length, n_sequences, seed)
             R = length
+        what = f"the repeated sequences (2 × {R} tokens" + (" and a BOS)" if offset else ")")
+        _check_positions(model, ids.shape[1], what, f"lower {arg('length' if input_ids is None else 'input_ids')}")
         batches = [(ids[i:i + BATCH], {k: repeat_targets(k, len(ids[i:i + BATCH]), offset, R) for k in repeat})
                    for i in range(0, len(ids), BATCH)]
         scores.update(_run(model, batches, repeat, n_layers, n_heads))
     if "retrieval" in kinds:
         ids_list, expected = retrieval_inputs(tokenizer, corpus, n_sequences, seed, haystack)
+        _check_positions(model, max(len(x) for x in ids_list), "the needle-in-a-haystack inputs",
+                         "the retrieval recipe needs a model with that many positions")
         batches = [(ids[None], {"retrieval": exp[None]}) for ids, exp in zip(ids_list, expected)]
         scores.update(_run(model, batches, ["retrieval"], n_layers, n_heads))
     kept = pruned_head_grid(model)
