@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(BROWSER is None or DRIVER is None,
                                 reason="no chromium/chromedriver (apt-get install -y chromium chromium-driver)")
 
 
-@pytest.fixture(scope="module")
-def browser():
+def chromium():
+    """A headless Chromium driven by Selenium (quit it when done)."""
     from selenium.webdriver.chrome.service import Service
 
     opts = webdriver.ChromeOptions()
@@ -28,7 +28,12 @@ def browser():
                  "--window-size=1400,2000"):
         opts.add_argument(flag)
     opts.binary_location = BROWSER
-    driver = webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER))
+    return webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER))
+
+
+@pytest.fixture(scope="module")
+def browser():
+    driver = chromium()
     yield driver
     driver.quit()
 

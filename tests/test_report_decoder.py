@@ -190,9 +190,9 @@ def test_the_grid_is_coloured_by_a_detected_kind_and_the_panel_lists_the_scores(
         pytest.skip("no chromium/chromedriver (apt-get install -y chromium chromium-driver)")
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    from .test_report_browser import browser as browser_fixture
+    from .test_report_browser import chromium
 
-    driver = next(browser_fixture.__wrapped__())
+    driver = chromium()
     try:
         with open(decoder_runs / "run" / "detected_heads.csv", newline="") as f:
             rows = list(csv.DictReader(f))
