@@ -136,6 +136,8 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
     decoder = str(tmp_path / "dec")
     (existing / "heads.csv").write_text("layer,head\n")
     model = str(tmp_path / "m")
+    no_text_column = tmp_path / "n.csv"
+    no_text_column.write_text("x\n1\n")
     cases = [
         (["extract", missing, "-o", str(tmp_path / "o")], f"corpus file '{missing}' does not exist"),
         (["extract", str(corpus), "-o", str(run)], "already holds a finished run: give --overwrite"),
@@ -166,6 +168,12 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
         (["report", str(damaged)], "holds NaN or infinite means for 1 head(s) (L1H2) that meta.json does not record"),
         (["detect-heads", decoder, "-o", str(tmp_path / "o")], "not found"),
         (["detect-heads", "smollm2", "-o", str(existing)], "heads.csv already exists: give --overwrite"),
+        (["detect-heads", "smollm2", "-o", str(tmp_path / "o"), "--corpus", str(no_text_column)],
+         "cannot tell which column holds the text"),
+        (["extract", str(squad), "-o", str(tmp_path / "o"), "--format", "squad"], "field data: expected an array"),
+        (["compare-models", "default", "default", str(squad), "--format", "squad", "-o", str(tmp_path / "o")],
+         "field data: expected an array"),
+        (["export", str(run), "-o", str(existing / "x")], "x already exists: give --overwrite"),
         (["distances", str(empty)], "is not a run directory: features.npz is missing"),
         (["distances", str(run), "--smooth", "--engine", "ray"], "--smooth runs on the local engine only"),
         (["cluster", str(empty)], "is not a run directory"),
