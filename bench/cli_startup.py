@@ -26,7 +26,7 @@ CASES = (["--help"], ["--version"], ["extract", "--help"], ["extract", "--batch-
          ["report", "damaged"], ["detect-heads", "nomodel", "-o", "out"], ["detect-heads", "smollm2", "-o", "held"])
 FILES = {"cols.tsv": "s1\ts2\tscore\na b\tc d\t1.0\na c\tb d\t2.0\n",  # no sentence1/sentence2 columns
          "pairs.tsv": "clean\tcorrupted\nthe cat\tthe dog\na b\tc d\n",  # patching pairs without `reference`
-         "held/heads.csv": "layer,head\n"}  # results of an earlier detect-heads
+         "held/detected_heads.csv": "layer,head\n"}  # results of an earlier detect-heads
 DAMAGED = ("import numpy as np\nfrom tests.synthetic import layered_truth, make_features\n"
            "f = make_features(layered_truth(2, 4)); f.mean[1, 2] = np.nan; f.save('damaged')")  # NaN, not removed
 

@@ -134,7 +134,7 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
     f.mean[1, 2] = float("nan")  # a head without features that meta.json does not record as removed
     f.save(damaged)
     decoder = str(tmp_path / "dec")
-    (existing / "heads.csv").write_text("layer,head\n")
+    (existing / "detected_heads.csv").write_text("layer,head\n")
     model = str(tmp_path / "m")
     no_text_column = tmp_path / "n.csv"
     no_text_column.write_text("x\n1\n")
@@ -167,7 +167,7 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
          "does not exist"),
         (["report", str(damaged)], "holds NaN or infinite means for 1 head(s) (L1H2) that meta.json does not record"),
         (["detect-heads", decoder, "-o", str(tmp_path / "o")], "not found"),
-        (["detect-heads", "smollm2", "-o", str(existing)], "heads.csv already exists: give --overwrite"),
+        (["detect-heads", "smollm2", "-o", str(existing)], "detected_heads.csv already exists: give --overwrite"),
         (["detect-heads", "smollm2", "-o", str(tmp_path / "o"), "--corpus", str(no_text_column)],
          "cannot tell which column holds the text"),
         (["extract", str(squad), "-o", str(tmp_path / "o"), "--format", "squad"], "field data: expected an array"),

@@ -1,8 +1,8 @@
-"""What `attnkit detect-heads` takes, and the checks of it that need no model: the kinds of heads, the model
-directory, the corpus (read up to its first text), and where the results go (the one write path's checks, and earlier results that only
-`overwrite` replaces). The command line runs `preflight_detect` before it imports torch, so that a refusal comes at
-once; the job (detect.py) runs the same checks again under the output's lock. This module imports nothing heavy
-(tests/test_cli_startup.py holds it to that)."""
+"""What `attnkit detect-heads` takes, and the checks of it that need no model: the kinds of heads, the model directory,
+the corpus (read up to its first text), and where the results go (the one write path's checks, and earlier results
+that only `overwrite` replaces). The command line runs `preflight_detect` before it imports torch, so that a refusal
+comes at once; the job (detect.py) runs the same checks again under the output's lock. This module imports nothing
+heavy (tests/test_cli_startup.py holds it to that)."""
 from __future__ import annotations
 
 import os

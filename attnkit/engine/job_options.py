@@ -92,7 +92,8 @@ def preflight_extract(opts: ExtractOptions) -> None:
     """Everything `attnkit extract` can refuse without a model, checked before torch is imported, in the job's
     order: the options, what the output directory already holds (the job checks it again under its lock, and
     says first that another command holds it), the corpus paths and formats (read up to the first text, which
-    names a file in a wrong format; standard input is left for the job), and the model directory (local engine: on a Ray cluster it may exist only on the workers)."""
+    names a file in a wrong format; standard input is left for the job), and the model directory (local engine:
+    on a Ray cluster it may exist only on the workers)."""
     from ..corpus import open_corpus
     from ..run.locking import lock_owner
     from ..run.rundir import RunDir
