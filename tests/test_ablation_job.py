@@ -11,8 +11,9 @@ from transformers import BertConfig, BertModel, BertTokenizerFast
 
 from attnkit import AttnkitError
 from attnkit.ablation import ResultTable, get_task, run_settings
+from attnkit.ablation.data import subset
 from attnkit.ablation.experiments import Setting
-from attnkit.ablation.tasks import SquadTask, subset
+from attnkit.ablation.tasks import SquadTask
 from attnkit.cli.ablate import ablate
 from attnkit.interventions import Intervention
 

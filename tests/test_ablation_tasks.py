@@ -17,7 +17,8 @@ from transformers import (
 import attnkit
 from attnkit import AttnkitError
 from attnkit.ablation import get_task, metrics
-from attnkit.ablation.tasks import GlueTask, detect_glue, subset
+from attnkit.ablation.data import detect_glue, subset
+from attnkit.ablation.tasks import GlueTask
 from attnkit.cli.ablate import ablate
 
 from .conftest import write_clusters_json

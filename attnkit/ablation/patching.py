@@ -23,15 +23,14 @@ import numpy as np
 import torch
 
 from ..caching import HeadCache, cache_heads, encoder_layers
-from ..corpus import read_table
-from ..errors import AttnkitError, arg
+from ..errors import AttnkitError
 from ..interventions import Intervention, intervene
 from ..models import instrument
 from ..tokens import Encoder
 from . import metrics
-from .tasks import Plan, Step, Task, base_hidden, check_data_file, forward, mean_pool, subset
+from .data import read_patching, subset
+from .tasks import Plan, Step, Task, base_hidden, forward, mean_pool
 
-METRICS = {"stsb": ("cosine",), "mlm": ("logit_diff",), "glue": ("logit_diff",), "lm": ("logit_diff",)}
 MODEL_TASKS = {"stsb": None, "mlm": "masked-lm", "glue": "sequence-classification", "lm": "causal-lm"}
 
 
@@ -42,32 +41,10 @@ class PatchingTask(Task):
     main_metric = "restored"
 
     def __init__(self, path: str, kind: str, metric: str | None = None):
-        if kind not in METRICS:
-            raise AttnkitError(f"patching works with {arg('task_name')} stsb, mlm, glue or lm, not {kind!r}")
-        self.kind, self.metric = kind, metric or METRICS[kind][0]
-        if self.metric not in METRICS[kind]:
-            raise AttnkitError(f"{arg('metric')} {self.metric!r} does not apply to task {kind}; use "
-                               f"{' or '.join(METRICS[kind])}")
+        self.kind = kind
+        self.metric, self.examples = read_patching(path, kind, metric)
         self.model_task = MODEL_TASKS[kind]
-        check_data_file(path, "patching TSV or CSV (with a header)")
-        header, rows = read_table(path)
-        cols = {c.strip().lower(): i for i, c in enumerate(header)}
-        need = ["clean", "corrupted"] + (["reference"] if kind == "stsb" else ["target", "foil"])
-        missing = [c for c in need if c not in cols]
-        if missing:
-            raise AttnkitError(f"{path}: patching data needs columns {', '.join(need)}; missing {', '.join(missing)} "
-                               f"(header: {header})")
-        pair = kind == "glue" and "clean_pair" in cols and "corrupted_pair" in cols
-        self.path, self.examples = path, []
-        for line, r in rows:
-            try:
-                ex = {c: r[cols[c]] for c in need + (["clean_pair", "corrupted_pair"] if pair else [])}
-            except IndexError:
-                raise AttnkitError(f"{path}:{line}: too few columns") from None
-            ex["line"] = line
-            self.examples.append(ex)
-        if len(self.examples) < 2:
-            raise AttnkitError(f"{path}: patching needs at least two examples, got {len(self.examples)}")
+        self.path = path
         self.cache: HeadCache | None = None
 
     def head_cache(self, model) -> HeadCache:
@@ -216,4 +193,4 @@ def restored_share(arrays: dict, weights: np.ndarray) -> np.ndarray:
         return 100.0 * (patched - corrupted) / (clean - corrupted)
 
 
-__all__ = ["METRICS", "PatchingTask", "restored_share"]
+__all__ = ["PatchingTask", "restored_share"]

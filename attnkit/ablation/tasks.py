@@ -26,20 +26,26 @@ sentences, and segments are also split after "." "!" "?" (Guan et al. constrain 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..corpus import read_corpus, read_table
-from ..errors import AttnkitError, arg, check_int
+from ..errors import AttnkitError, check_int
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import instrument, runtime_of
-from ..run.schemas import SQUAD_SCHEMA, load_json
 from ..tokens import Batch, Encoder
 from . import metrics
+from .data import (
+    GLUE,
+    check_gold_varies,
+    read_glue,
+    read_squad,
+    read_stsb,
+    read_text_data,
+    subset,
+)
 from .names import TASKS
 
 
@@ -59,62 +65,6 @@ def base_hidden(model, batch: Batch) -> torch.Tensor:
     batch = batch.to(_device(model))
     with runtime_of(model).batch_of(batch):
         return getattr(model, "base_model", model)(**batch.inputs)[0]
-
-
-def check_data_file(path: str, kind: str, *, folder_ok: bool = False) -> None:
-    """Refuse --data that is not a regular file (or, with `folder_ok`, a directory), naming what it is: missing,
-    a directory, a device such as /dev/null, a FIFO, a socket."""
-    import stat
-
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise AttnkitError(f"data file {path!r} not found") from None
-    except OSError as exc:
-        raise AttnkitError(f"cannot read data file {path!r}: {exc.strerror or exc}") from None
-    if stat.S_ISREG(mode) or (folder_ok and stat.S_ISDIR(mode)):
-        return
-    what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-            else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-    raise AttnkitError(f"data path {path!r} is {what}, not a file: give the {kind} file")
-
-
-def _read_tsv(path: str) -> tuple[list[str], list[list[str]]]:
-    check_data_file(path, "TSV")
-    header, rows = read_table(path)
-    return header, [r for _, r in rows if r]
-
-
-def subset(n: int, limit: int | None) -> list[int]:
-    """Indices of the examples used under `limit`: all of them, or `limit` evenly spaced over the file.
-    Data files are often sorted by source (STS-B dev starts with 500+ MSRvid captions; SQuAD by
-    article), so the first N would be a biased sample; evenly spaced indices are deterministic."""
-    k = n if limit is None else min(n, check_int(limit, "limit"))
-    if k == n:
-        return list(range(n))
-    return sorted(set(int(i) for i in np.linspace(0, n - 1, k).round()))
-
-
-def parse_score(path: str, line: int, raw: str) -> float:
-    """A gold similarity score: a finite number, else an error naming the file and line."""
-    try:
-        value = float(raw)
-    except ValueError:
-        raise AttnkitError(f"{path}:{line}: score {raw!r} is not a number") from None
-    if not math.isfinite(value):
-        raise AttnkitError(f"{path}:{line}: score {raw!r} is not a finite number")
-    return value
-
-
-def check_gold_varies(path: str, gold, metric: str = "Spearman and Pearson correlations") -> None:
-    """Correlations with a constant gold are undefined (they would come out NaN): refuse, naming the file."""
-    gold = np.asarray(gold, dtype=np.float64)
-    if gold.size < 2:
-        raise AttnkitError(f"{path}: {gold.size} example(s) evaluated, but the {metric} need at least two")
-    if np.ptp(gold) == 0:
-        raise AttnkitError(f"{path}: every gold score of the {gold.size} examples evaluated is {gold[0]:g}, so the "
-                           f"{metric} are undefined; use a file (or {arg('limit')}/{arg('sample')}) whose scores vary")
 
 
 @dataclass
@@ -227,24 +177,8 @@ class StsbTask(Task):
     model_task = None
 
     def __init__(self, path: str):
-        header, rows = _read_tsv(path)
-        cols = {c.strip().lower(): i for i, c in enumerate(header)}
-        missing = [c for c in ("sentence1", "sentence2", "score") if c not in cols]
-        if missing:
-            raise AttnkitError(f"{path}: STS-B TSV needs columns sentence1, sentence2, score; missing {missing} "
-                               f"(header: {header})")
         self.path = path
-        self.examples = []
-        for n, r in enumerate(rows, start=2):
-            try:
-                s1, s2, raw = r[cols["sentence1"]], r[cols["sentence2"]], r[cols["score"]]
-            except IndexError:
-                raise AttnkitError(f"{path}:{n}: malformed row (need sentence1, sentence2 and a numeric "
-                                   "score)") from None
-            self.examples.append((s1, s2, parse_score(path, n, raw)))
-        if len(self.examples) < 2:
-            raise AttnkitError(f"{path}: need at least two scored pairs")
-        check_gold_varies(path, [e[2] for e in self.examples])
+        self.examples = read_stsb(path)
 
     def segments(self, limit=None) -> list:
         ex = [self.examples[i] for i in subset(len(self.examples), limit)]
@@ -293,96 +227,15 @@ class StsbTask(Task):
             yield torch.nn.functional.mse_loss(cos, gold)
 
 
-# --- GLUE with a sequence-classification model --------------------------------------------------------
-@dataclass(frozen=True)
-class GlueSpec:
-    text: tuple  # column names (or indices for header-less files) of the one or two texts
-    label: object
-    labels: tuple | None  # label names in index order; None: regression
-    metrics: tuple
-    main: str
-
-
-GLUE = {
-    "cola": GlueSpec((3,), 1, ("0", "1"), ("mcc", "accuracy"), "mcc"),
-    "sst-2": GlueSpec(("sentence",), "label", ("0", "1"), ("accuracy",), "accuracy"),
-    "mrpc": GlueSpec(("#1 string", "#2 string"), "quality", ("0", "1"), ("accuracy", "f1"), "acc_and_f1"),
-    "qqp": GlueSpec(("question1", "question2"), "is_duplicate", ("0", "1"), ("accuracy", "f1"), "acc_and_f1"),
-    "sts-b": GlueSpec(("sentence1", "sentence2"), "score", None, ("pearson", "spearman"), "pearson_and_spearman"),
-    "mnli": GlueSpec(("sentence1", "sentence2"), "gold_label", ("contradiction", "entailment", "neutral"),
-                     ("accuracy",), "accuracy"),
-    "qnli": GlueSpec(("question", "sentence"), "label", ("entailment", "not_entailment"), ("accuracy",), "accuracy"),
-    "rte": GlueSpec(("sentence1", "sentence2"), "label", ("entailment", "not_entailment"), ("accuracy",), "accuracy"),
-    "wnli": GlueSpec(("sentence1", "sentence2"), "label", ("0", "1"), ("accuracy",), "accuracy"),
-}
-_GLUE_ALIASES = {"sst2": "sst-2", "stsb": "sts-b", "sts": "sts-b", "mnli-m": "mnli", "mnli-mm": "mnli"}
-
-
-def detect_glue(header: list[str], rows: list[list[str]], path: str) -> str:
-    """Which GLUE task a TSV holds, from its header (CoLA has none)."""
-    cols = {c.strip().lower() for c in header}
-    if "gold_label" in cols:
-        return "mnli"
-    if "is_duplicate" in cols:
-        return "qqp"
-    if "#1 string" in cols:
-        return "mrpc"
-    if "score" in cols and "sentence1" in cols:
-        return "sts-b"
-    if "question" in cols and "sentence" in cols:
-        return "qnli"
-    if cols >= {"sentence", "label"}:
-        return "sst-2"
-    if cols >= {"sentence1", "sentence2", "label"}:
-        labels = {r[-1].strip() for r in rows if r}
-        return "wnli" if labels <= {"0", "1"} else "rte"
-    if len(header) == 4 and header[1].strip() in ("0", "1"):
-        return "cola"
-    raise AttnkitError(f"{path}: cannot tell which GLUE task this TSV is (header: {header}); pass {arg('glue_task')}")
-
-
 class GlueTask(Task):
     name = "glue"
     model_task = "sequence-classification"
 
     def __init__(self, path: str, subtask: str | None = None):
-        header, rows = _read_tsv(path)
         self.path = path
-        if subtask is not None:
-            subtask = _GLUE_ALIASES.get(subtask.lower(), subtask.lower())
-            if subtask not in GLUE:
-                raise AttnkitError(f"unknown GLUE task {subtask!r}; use one of {', '.join(GLUE)}")
-        self.subtask = subtask or detect_glue(header, rows, path)
-        spec = self.spec = GLUE[self.subtask]
-        self.main_metric = spec.main
-        if self.subtask == "cola":
-            rows = [header] + rows  # no header line
-            idx = {"text": list(spec.text), "label": spec.label}
-        else:
-            cols = {c.strip().lower(): i for i, c in enumerate(header)}
-            need = list(spec.text) + [spec.label]
-            missing = [c for c in need if c not in cols]
-            if missing:
-                raise AttnkitError(f"{path}: GLUE {self.subtask} TSV lacks columns {missing} (header: {header})")
-            idx = {"text": [cols[c] for c in spec.text], "label": cols[spec.label]}
-        self.examples = []
-        for n, r in enumerate(rows, start=1):
-            try:
-                texts = tuple(r[i] for i in idx["text"])
-                raw = r[idx["label"]].strip()
-            except IndexError:
-                raise AttnkitError(f"{path}: row {n} has too few columns") from None
-            if spec.labels is None:
-                label = parse_score(path, n, raw)
-            else:
-                if raw not in spec.labels:
-                    raise AttnkitError(f"{path}: row {n}: label {raw!r} is not one of {spec.labels}")
-                label = raw
-            self.examples.append((texts[0] if len(texts) == 1 else texts, label))
-        if not self.examples:
-            raise AttnkitError(f"{path}: no examples")
-        if spec.labels is None:
-            check_gold_varies(path, [e[1] for e in self.examples])
+        self.subtask, self.examples = read_glue(path, subtask)
+        self.spec = GLUE[self.subtask]
+        self.main_metric = self.spec.main
 
     def _label_ids(self, model) -> dict:
         """GLUE label name → the model's output index (from config.label2id when it names them)."""
@@ -485,26 +338,10 @@ class SquadTask(Task):
 
     def __init__(self, path: str, max_length: int = 384, stride: int = 128, n_best: int = 20,
                  max_answer_length: int = 30):
-        check_data_file(path, "SQuAD JSON")
         self.path = path
-        data = load_json(path, SQUAD_SCHEMA, "SQuAD JSON")  # structure checked: attnkit.run.schemas.SQUAD_SCHEMA
-        articles = data["data"]
         self.max_length, self.stride = max_length, stride
         self.n_best, self.max_answer_length = n_best, max_answer_length
-        self.examples = []  # (qid, question, context, [answer texts], [answer starts])
-        v2 = str(data.get("version", "")).startswith("v2")
-        for art in articles:
-            for para in art.get("paragraphs", []):
-                ctx = para["context"]
-                for qa in para.get("qas", []):
-                    answers = [] if qa.get("is_impossible") else qa.get("answers", [])
-                    v2 = v2 or "is_impossible" in qa
-                    qid = str(qa["id"]) if "id" in qa else f"#{len(self.examples)}"  # the schema leaves ids optional
-                    self.examples.append((qid, qa["question"].lstrip(), ctx,
-                                          [a["text"] for a in answers], [int(a["answer_start"]) for a in answers]))
-        if not self.examples:
-            raise AttnkitError(f"{path}: no questions")
-        self.v2 = v2
+        self.examples, self.v2 = read_squad(path)  # (qid, question, context, [answer texts], [answer starts])
 
     def _features(self, tokenizer, idx: list[int]):
         """Tokenised windows of the questions `idx`: list of dicts, cached per tokenizer."""
@@ -653,19 +490,6 @@ class SquadTask(Task):
 
 
 # --- masked-language modelling on any corpus ----------------------------------------------------------
-def read_texts(path: str) -> list[str]:
-    """Texts of a corpus for masked-LM scoring, read as `attnkit extract` reads corpora (plain text one
-    per line; the two texts of a pair count separately); a directory means every .txt file in it."""
-    check_data_file(path, "text corpus", folder_ok=True)
-    if os.path.isdir(path):
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".txt"))
-        if not files:
-            raise AttnkitError(f"{path}: directory holds no .txt files")
-        return [t for f in files for t in read_texts(f)]
-    segments = read_corpus(path, text_unit="line")
-    return [t for seg in segments for t in ((seg,) if isinstance(seg, str) else seg) if t.strip()]
-
-
 def token_mean_loss(count: str):
     """The metric of a language-model loss task on resamples: Σ nll / Σ tokens over the resampled texts (the mean
     cross-entropy per token, in nats; each text weighs by its tokens, as in the loss of the whole corpus)."""
@@ -687,9 +511,7 @@ class MlmTask(Task):
 
     def __init__(self, path: str, mask_prob: float = 0.15, seed: int = 0):
         self.path = path
-        self.examples = read_texts(path)
-        if not self.examples:
-            raise AttnkitError(f"{path}: no text")
+        self.examples = read_text_data(path)
         if not 0 < mask_prob < 1:
             raise AttnkitError(f"mask probability must be in (0, 1), got {mask_prob}")
         self.mask_prob, self.seed = mask_prob, seed
@@ -789,9 +611,7 @@ class LmTask(Task):
 
     def __init__(self, path: str):
         self.path = path
-        self.examples = read_texts(path)
-        if not self.examples:
-            raise AttnkitError(f"{path}: no text")
+        self.examples = read_text_data(path)
 
     def segments(self, limit=None) -> list:
         return [self.examples[i] for i in subset(len(self.examples), limit)]

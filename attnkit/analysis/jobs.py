@@ -22,10 +22,10 @@ from ..run.overwrite import claim_outputs
 from .attached import find_attached
 from .clustering import STABILITY_WARN, HeadClusterer, cluster, resolve_subset, stability_over_seeds, sweep
 from .head_panel import unverifiable_corpus
+from .preflight import check_heads
 from .report import (
     DEFAULT_EXAMPLES,
     build_report,
-    check_heads,
     per_sample_problem,
     report_figures,
 )

@@ -1,16 +1,30 @@
 """What `attnkit cluster` and `attnkit report` can refuse without scikit-learn, matplotlib or a model: the run's
-files, the features asked for, and earlier results that only `overwrite` replaces. The jobs (jobs.py) check the
-same under the run's lock; the command line calls these first, so a refusal comes at once. This module imports
-nothing heavy (tests/test_cli_startup.py holds it to that)."""
+files, the features asked for, heads with NaN means that meta.json does not record as removed, and earlier results
+that only `overwrite` replaces. The jobs (jobs.py) check the same under the run's lock; the command line calls these
+first, so a refusal comes at once. This module imports nothing heavy (tests/test_cli_startup.py holds it to that)."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from ..errors import AttnkitError
 from ..features import resolve_subset
 from ..run.files import CLUSTERS_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.locking import lock_owner
 from ..run.overwrite import claim_outputs
+
+
+def check_heads(features: HeadFeatures, run_dir) -> None:
+    """Refuse a run whose means hold NaN or infinity for heads that meta.json does not record as removed (a damaged
+    run; a removed head outside the run is refused where meta.json is read, by HeadFeatures.load)."""
+    bad = ~np.isfinite(features.mean).all(axis=2) & ~features.removed
+    if bad.any():
+        heads = [f"L{l}H{h}" for l, h in np.argwhere(bad)]
+        raise AttnkitError(f"{Path(run_dir) / 'features.npz'} holds NaN or infinite means for {len(heads)} head(s) "
+                           f"({', '.join(heads[:5])}{' ...' if len(heads) > 5 else ''}) that meta.json does not "
+                           "record as removed: the report cannot place them on maps")
 
 
 def preflight_cluster(run, features: str | None, overwrite: bool) -> None:
@@ -27,8 +41,9 @@ def preflight_report(run, overwrite: bool) -> None:
     """`attnkit report`'s refusals before matplotlib, scikit-learn or a model load."""
     run = Path(run)
     if lock_owner(run) is None:
-        HeadFeatures.load(run)
+        features = HeadFeatures.load(run)
         claim_outputs([run / REPORT_FILE], overwrite)
+        check_heads(features, run)
 
 
-__all__ = ["preflight_cluster", "preflight_report"]
+__all__ = ["check_heads", "preflight_cluster", "preflight_report"]

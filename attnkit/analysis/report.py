@@ -44,6 +44,7 @@ from . import figures as figs
 from .attached import Attached, find_attached
 from .clustering import STABILITY_WARN, cluster, distance_feature_names, head_matrix, stability_over_seeds, sweep
 from .head_panel import extremes, panel_data, texts_of_rows
+from .preflight import check_heads
 from .report_html import anchor, figure, fmt, glossary_rows, macros, page, part, value_html
 from .results import save_clusters
 
@@ -78,17 +79,6 @@ NORM_NOTE = ("Norm-weighted run (attnkit extract --weighting norm; Kobayashi et 
              "the attention weights scaled per key by the norm of the transformed key vector ‖f_h(x_t)‖ and "
              "renormalised per row (docs/features.md), not the attention weights themselves. Jensen-Shannon "
              "distances and example maps show attention weights.")
-
-
-def check_heads(features: HeadFeatures, run_dir) -> None:
-    """Refuse a run whose means hold NaN or infinity for heads that meta.json does not record as removed (a damaged
-    run; a removed head outside the run is refused where meta.json is read, by HeadFeatures.load)."""
-    bad = ~np.isfinite(features.mean).all(axis=2) & ~features.removed
-    if bad.any():
-        heads = [f"L{l}H{h}" for l, h in np.argwhere(bad)]
-        raise AttnkitError(f"{Path(run_dir) / 'features.npz'} holds NaN or infinite means for {len(heads)} head(s) "
-                           f"({', '.join(heads[:5])}{' ...' if len(heads) > 5 else ''}) that meta.json does not "
-                           "record as removed: the report cannot place them on maps")
 
 
 def example_maps(model, tokenizer, texts, picks, *, max_length: int = 64) -> list[dict]:

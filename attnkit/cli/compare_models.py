@@ -45,6 +45,7 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
         check_write_target(out / FIGURES_DIR)  # a link leading out of OUT is refused before the work, too
         claim = claim_outputs(compare_models_outputs(out, svg=svg), overwrite)
         texts = open_corpus(list(corpus), fmt, columns=columns, squad_pairs=squad_pairs, limit=limit)
+        texts.check_has_text()  # a wrong format or no text is named before torch is imported
         for m in (model_a, model_b):
             if _model_arg(m) is not None:
                 check_model_dir(m)

@@ -52,14 +52,14 @@ def export_cmd(run, fmt, out, overwrite, quiet):
     if to_stdout and fmt != "csv":
         raise AttnkitError("only CSV can be written to stdout (-o -); give a file for Parquet")
     feats = HeadFeatures.load(run)
-    df = features_table(feats)
     if to_stdout:
-        click.echo(df.to_csv(index=False), nl=False)
+        click.echo(features_table(feats).to_csv(index=False), nl=False)
         return
     out = out if out is not None else run / f"features.{fmt}"
     inputs = [("the run's features", run / FEATURES_FILE), ("the run's meta.json", run / META_FILE)]
     check_output_place(out, inputs)  # before the overwrite check: an input is never offered for replacing
     claim = claim_outputs([out], overwrite)
+    df = features_table(feats)  # pandas: only once the output has passed its checks
     with output_file(out, "attnkit export", inputs=inputs):  # locked when it writes into a run directory
         write_table(df, out, fmt)
     if not quiet:

@@ -1,13 +1,14 @@
-"""What `attnkit detect-heads` takes, and the checks of it that need no model: the kinds of heads, the model
-directory, the corpus, and where the results go (the one write path's checks, and earlier results that only
-`overwrite` replaces). The command line runs `preflight_detect` before it imports torch, so that a refusal comes at
-once; the job (detect.py) runs the same checks again under the output's lock. This module imports nothing heavy
-(tests/test_cli_startup.py holds it to that)."""
+"""What `attnkit detect-heads` takes, and the checks of it that need no model: the kinds of heads, the model directory,
+the corpus (read up to its first text), and where the results go (the one write path's checks, and earlier results
+that only `overwrite` replaces). The command line runs `preflight_detect` before it imports torch, so that a refusal
+comes at once; the job (detect.py) runs the same checks again under the output's lock. This module imports nothing
+heavy (tests/test_cli_startup.py holds it to that)."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
+from ..corpus import open_corpus
 from ..errors import AttnkitError, arg
 from ..run.files import DETECTED_HEADS_FILE, DETECTED_HEADS_META, REPORT_FILE
 from ..run.model_dir import check_model_dir
@@ -60,6 +61,8 @@ def preflight_detect(opts: DetectOptions) -> None:
     out = check_output_place(opts.out, detect_inputs(opts))
     if opts.corpus is not None and not os.path.isfile(opts.corpus):
         raise AttnkitError(f"{arg('corpus')} {opts.corpus!r} is not a file")
+    if opts.corpus is not None:  # read up to its first text: a wrong format or no text is named now
+        open_corpus([opts.corpus], text_unit="line").check_has_text()
     if os.path.isdir(out):
         claim_outputs(detect_outputs(out), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
 

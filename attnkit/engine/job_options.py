@@ -91,8 +91,9 @@ def check_extract_options(opts: ExtractOptions) -> None:
 def preflight_extract(opts: ExtractOptions) -> None:
     """Everything `attnkit extract` can refuse without a model, checked before torch is imported, in the job's
     order: the options, what the output directory already holds (the job checks it again under its lock, and
-    says first that another command holds it), the corpus paths and formats (not read: standard input is left
-    for the job), and the model directory (local engine: on a Ray cluster it may exist only on the workers)."""
+    says first that another command holds it), the corpus paths and formats (read up to the first text, which
+    names a file in a wrong format; standard input is left for the job), and the model directory (local engine:
+    on a Ray cluster it may exist only on the workers)."""
     from ..corpus import open_corpus
     from ..run.locking import lock_owner
     from ..run.rundir import RunDir
@@ -106,7 +107,7 @@ def preflight_extract(opts: ExtractOptions) -> None:
             run.check_resumable()
     if "-" not in [str(p) for p in opts.paths]:
         open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
-                    squad_pairs=opts.squad_pairs, limit=opts.limit)
+                    squad_pairs=opts.squad_pairs, limit=opts.limit).check_has_text()
     if opts.model_path and opts.engine == "local":
         check_model_dir(str(opts.model_path))
 

