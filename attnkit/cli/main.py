@@ -27,7 +27,8 @@ COMMANDS = (extract, cluster_cmd, distances_cmd, report_cmd, compare_cmd, patter
 @click.group(cls=CommandLine, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="attnkit")
 def main():
-    """Measure what the attention heads of transformer encoders do, over whole corpora.
+    """Measure what the attention heads of transformer encoders and decoder language models do, over whole
+    corpora, and what a model loses when heads change.
 
     \b
     Typical session:
@@ -35,6 +36,11 @@ def main():
       attnkit cluster run                    head types (clusters.json)
       attnkit report run                     figures and report.html
       attnkit ablate default --task stsb --data dev.tsv --experiment heads
+    A decoder (the embedded SmolLM2, or a local Llama, Qwen, Mistral, Gemma, GPT-2 directory):
+      attnkit extract corpus.txt --model smollm2 -o run
+      attnkit detect-heads smollm2 -o run    previous-token, duplicate, induction heads
+      attnkit ablate smollm2 --task lm --data corpus.txt --experiment layers -o run
+      attnkit report run                     sink heads, detected heads, loss ablations
 
     Models are local directories (no hub downloads); the default is the embedded MiniLM.
     """
