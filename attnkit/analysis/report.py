@@ -512,17 +512,19 @@ def heatmaps(r: Report) -> Section:
     except AttnkitError:
         return Section("heatmaps", "Features per layer and head", part("layer_table", figs=figures, title="",
                                                                        header=[], rows=[]))
-    figures.append(r.img(sm.layer_summary_figure(summ), "layer_summaries",
-                         "Mean attention to [CLS], [SEP] and punctuation per layer (dots: heads), and entropy with the "
+    figures.append(r.img(sm.layer_summary_figure(summ, decoder=r.decoder), "layer_summaries",
+                         ("Mean attention to the first token, EOS" if r.decoder else "Mean attention to [CLS], [SEP]")
+                         + " and punctuation per layer (dots: heads), and entropy with the "
                          f"uniform baseline ln n = {summ['uniform_entropy']:.2f} (n = {summ['n_mean_tokens']:.1f} mean "
                          "tokens per sample)." + (f" Only the {len(layers)} layers with heads left are drawn, "
                                                  "numbered among themselves." if len(layers) < r.features.n_layers
                                                  else "")))
-    labels = list(summ["per_layer"])
+    labels = [k for k in summ["per_layer"] if not (r.decoder and k == "[CLS] entropy")]  # row 0 sees itself only
     rows = [[layers[i]] + [fmt(summ["per_layer"][k][i]) for k in labels] for i in range(len(layers))]
+    shown = sm.DECODER_LABELS if r.decoder else {}
     return Section("heatmaps", "Features per layer and head", part(
-        "layer_table", figs=figures, title="Per-layer summaries (Clark et al.)", header=["layer"] + labels,
-        rows=rows))
+        "layer_table", figs=figures, title="Per-layer summaries (Clark et al.)",
+        header=["layer"] + [shown.get(k, k) for k in labels], rows=rows))
 
 
 def detected_section(r: Report) -> Section | None:

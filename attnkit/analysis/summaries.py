@@ -129,30 +129,39 @@ def paper_differences(features) -> list[str]:
     return notes
 
 
-def layer_summary_figure(summary: dict):
+# what the summaries' labels mean on a decoder run (docs/features.md: `cls` is the first position, `sep` EOS); its
+# "[CLS] rows" are row 0, which sees only itself (entropy 0), and are left out
+DECODER_LABELS = {"[CLS]": "first token", "[SEP]": "EOS"}
+
+
+def layer_summary_figure(summary: dict, decoder: bool = False):
     """Clark et al. Fig. 2 analogue: per layer, attention to [CLS], [SEP] and punctuation (lines: layer
-    means, dots: heads), and entropy per layer with the uniform ln n baseline."""
+    means, dots: heads), and entropy per layer with the uniform ln n baseline. `decoder`: labelled as a decoder
+    run's classes (DECODER_LABELS), without the [CLS] rows."""
     from ..plotting import plt
 
     colors = {"[CLS]": "#d62728", "[SEP]": "#1f77b4", "punctuation": "#2ca02c"}
+    shown = DECODER_LABELS if decoder else {}
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     for label, c in colors.items():
         per_head = np.asarray(summary["per_head"][label])
         L, H = per_head.shape
         ax.scatter(np.repeat(np.arange(L), H) + np.tile(np.linspace(-0.2, 0.2, H), L), per_head.ravel(), s=8,
                    color=c, alpha=0.4)
-        ax.plot(range(L), summary["per_layer"][label], "o-", color=c, label=label)
+        ax.plot(range(L), summary["per_layer"][label], "o-", color=c, label=shown.get(label, label))
     ax.set_xlabel("layer")
     ax.set_ylabel("avg. attention")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xticks(range(L))
     ax.legend(fontsize=8)
-    ax.set_title("Attention to special tokens (cf. Clark et al. Fig. 2)", fontsize=9)
+    ax.set_title(("Attention to the first token, EOS and punctuation" if decoder else "Attention to special tokens")
+                 + " (cf. Clark et al. Fig. 2)", fontsize=9)
     ent = np.asarray(summary["per_head"]["entropy"])
     ax2.scatter(np.repeat(np.arange(L), H) + np.tile(np.linspace(-0.2, 0.2, H), L), ent.ravel(), s=8,
                 color="#555", alpha=0.5, label="heads")
     ax2.plot(range(L), summary["per_layer"]["entropy"], "o-", color="#000", label="layer mean")
-    ax2.plot(range(L), summary["per_layer"]["[CLS] entropy"], "s--", color="#d62728", label="[CLS] rows")
+    if not decoder:
+        ax2.plot(range(L), summary["per_layer"]["[CLS] entropy"], "s--", color="#d62728", label="[CLS] rows")
     ax2.axhline(summary["uniform_entropy"], color="#888", ls=":",
                 label=f"uniform, ln {summary['n_mean_tokens']:.1f} = {summary['uniform_entropy']:.2f}")
     ax2.set_xlabel("layer")
@@ -165,5 +174,5 @@ def layer_summary_figure(summary: dict):
     return fig
 
 
-__all__ = ["kept_mean", "layer_summaries", "threshold_heads", "paper_differences", "layer_summary_figure",
-           "uniform_entropy", "PREV_NEXT_MIN", "SPECIAL_MIN", "BROAD_FRACTION", "class_mass"]
+__all__ = ["DECODER_LABELS", "kept_mean", "layer_summaries", "threshold_heads", "paper_differences",
+           "layer_summary_figure", "uniform_entropy", "PREV_NEXT_MIN", "SPECIAL_MIN", "BROAD_FRACTION", "class_mass"]
