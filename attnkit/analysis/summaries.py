@@ -152,7 +152,7 @@ def layer_summary_figure(summary: dict, decoder: bool = False):
     ax.set_xlabel("layer")
     ax.set_ylabel("avg. attention")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xticks(range(L))
+    ax.set_xticks(range(0, L, max(1, -(-L // 16))))  # at most 16 labels: 30 layers overlap
     ax.legend(fontsize=8)
     ax.set_title(("Attention to the first token, EOS and punctuation" if decoder else "Attention to special tokens")
                  + " (cf. Clark et al. Fig. 2)", fontsize=9)
@@ -166,7 +166,7 @@ def layer_summary_figure(summary: dict, decoder: bool = False):
                 label=f"uniform, ln {summary['n_mean_tokens']:.1f} = {summary['uniform_entropy']:.2f}")
     ax2.set_xlabel("layer")
     ax2.set_ylabel("entropy (nats)")
-    ax2.set_xticks(range(L))
+    ax2.set_xticks(range(0, L, max(1, -(-L // 16))))
     ax2.set_ylim(0, 1.3 * max(summary["uniform_entropy"], float(np.nanmax(ent))))
     ax2.legend(fontsize=7, ncol=2, loc="upper center")
     ax2.set_title("Attention entropy (cf. Clark et al. Fig. 4)", fontsize=9)
