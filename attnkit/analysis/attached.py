@@ -175,7 +175,8 @@ def read_ablation(meta_path: Path, shape: tuple[int, int]) -> dict:
 
 def read_detected(table: Path, meta_path: Path, shape: tuple[int, int]) -> dict:
     """`attnkit detect-heads`'s scores (detected_heads.csv, its settings in detected_heads.json; docs/files.md):
-    {"path", "meta", "kinds", "scores": {kind: layers × heads, NaN for a head removed by pruning}}. Every (layer,
+    {"path", "source" (its folder and name, as the page names it), "meta", "kinds", "scores": {kind: layers × heads,
+    NaN for a head removed by pruning}}. Every (layer,
     head) of the grid must be there once, every score a share (0–1) or empty."""
     meta = load_json(meta_path, DETECTED_HEADS_SCHEMA)
     kinds = meta["kinds"]
@@ -208,7 +209,8 @@ def read_detected(table: Path, meta_path: Path, shape: tuple[int, int]) -> dict:
         raise AttnkitError(f"{table} is unreadable: {type(exc).__name__}: {exc}") from None
     if not seen.all():
         raise AttnkitError(f"{table} is unreadable: it lacks {int((~seen).sum())} of the {seen.size} heads")
-    return {"path": table, "meta": meta, "kinds": kinds, "scores": dict(zip(kinds, scores))}
+    return {"path": table, "source": f"{table.parent.name}/{table.name}", "meta": meta, "kinds": kinds,
+            "scores": dict(zip(kinds, scores))}
 
 
 def is_legacy_detection(meta_path: Path) -> bool:
@@ -262,7 +264,8 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
                 found.links.append(("syntax probe", place / PROBE_JSON, str(exc)))
         detections = [(place / DETECTED_HEADS_FILE, place / DETECTED_HEADS_META)]
         legacy = place / LEGACY_DETECTED_HEADS[1]
-        if is_legacy_detection(legacy):
+        legacy_is_detection = is_legacy_detection(legacy)  # else an ablation's heads.meta.json, read below
+        if legacy_is_detection:
             detections.append((place / LEGACY_DETECTED_HEADS[0], legacy))
         for table, meta_path in detections:
             if not meta_path.is_file():
@@ -272,11 +275,11 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
                     found.detected = read_detected(table, meta_path, shape)
                 else:
                     found.links.append(("detected heads", meta_path, "a second detect-heads result (the report "
-                                        f"shows {found.detected['path'].parent.name}/{found.detected['path'].name})"))
+                                        f"shows {found.detected['source']})"))
             except _Elsewhere as exc:
                 found.links.append(("detected heads", meta_path, str(exc)))
         for meta_path in sorted(place.glob("*" + ABLATION_META_SUFFIX)):
-            if is_legacy_detection(meta_path):
+            if legacy_is_detection and meta_path == legacy:
                 continue
             try:
                 found.ablations.append(read_ablation(meta_path, shape))

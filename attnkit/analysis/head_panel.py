@@ -217,7 +217,7 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
             d = attached.detected
             scores = np.stack([np.where(gone.reshape(L, H), np.nan, d["scores"][k]) for k in d["kinds"]], -1)
             data["detected"] = {"kinds": d["kinds"], "scores": _rounded(scores.reshape(M, -1), 4),
-                                "source": f"{d['path'].parent.name}/{d['path'].name}"}
+                                "source": d["source"]}
         for a in attached.ablations:
             src = a["path"].name
             if "delta" in a:  # per head (heads: M values) or per layer (layers: L values)

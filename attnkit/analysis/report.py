@@ -229,10 +229,14 @@ class Report:
         v = np.asarray(values, dtype=np.float64).ravel()[self.kept]
         return float(v.mean()) if v.size else float("nan")
 
+    def kept_values(self, values) -> np.ndarray:
+        """L × H `values` with the removed heads' set to NaN (whatever the file that gave them held there)."""
+        return np.where(self.removed, np.nan, np.asarray(values, dtype=np.float64))
+
     def top_heads(self, values, n: int = TOP_HEADS) -> list[tuple[str, float]]:
         """The `n` heads with the largest of L × H `values` (removed heads and NaN left out; ties: lower head
         first) as [("L3H1", value), ...]."""
-        v = np.where(self.removed, np.nan, np.asarray(values, dtype=np.float64)).ravel()
+        v = self.kept_values(values).ravel()
         order = [m for m in np.argsort(-np.nan_to_num(v, nan=-np.inf), kind="stable") if np.isfinite(v[m])]
         return [(self.head_ids[m], float(v[m])) for m in order[:n]]
 
@@ -264,7 +268,7 @@ def _sink_finding(r: Report) -> Markup:
     for label, names in sm.SPECIAL_GROUPS:
         if not all(n in f.names for n in names) or not n_kept:
             continue
-        v = np.where(r.removed, np.nan, sum(f.feature(n) for n in names))
+        v = r.kept_values(sum(f.feature(n) for n in names))
         per_layer = np.array([np.nanmean(row) if np.isfinite(row).any() else -np.inf for row in v])
         l_top = int(per_layer.argmax())
         hl, hh = np.unravel_index(int(np.nanargmax(v)), v.shape)
@@ -297,15 +301,17 @@ def _survival(r: Report, group: str, label: str | None = None) -> dict | None:
 def _first_token_finding(r: Report) -> Markup:
     """A decoder's sink heads: first-token mass (`cls`: the first position, whatever token it holds), the mass on a
     learned sink logit (`sink`, gpt-oss) when the model has one, and how much survives norm weighting."""
+    from . import summaries as sm
+
     f = r.features
     if "cls" not in f.names or not r.kept.any():
         return Markup("")
-    first = np.where(r.removed, np.nan, f.feature("cls"))
-    per_layer = np.array([np.nanmean(row) if np.isfinite(row).any() else np.nan for row in first])
+    first = r.kept_values(f.feature("cls"))
+    per_layer = sm.kept_mean(first, 1)  # NaN for a layer whose heads were all removed
     l_top = int(np.nanargmax(per_layer))
     sink = None
     if "sink" in f.names:
-        mass = np.where(r.removed, np.nan, f.feature("sink"))
+        mass = r.kept_values(f.feature("sink"))
         if np.nanmax(mass) > 0:
             sink = {"mean": float(np.nanmean(mass)), "heads": r.top_heads(mass)}
     return part("first_token_finding", n_heads=int(r.kept.sum()), mean=float(np.nanmean(first)),
@@ -324,7 +330,7 @@ def _detected_finding(r: Report) -> Markup:
     meta = d["meta"]
     rows = []
     for kind in d["kinds"]:
-        scores = np.where(r.removed, np.nan, d["scores"][kind])
+        scores = r.kept_values(d["scores"][kind])
         rows.append((kind, int((np.nan_to_num(scores) >= DETECTED_MIN).sum()),
                      ", ".join(f"{h} ({v:.2f})" for h, v in r.top_heads(scores)) or "none"))
     settings = []
@@ -337,8 +343,7 @@ def _detected_finding(r: Report) -> Markup:
     if "retrieval" in d["kinds"]:
         settings.append(f"{meta.get('n_sequences', '?')} needle-in-a-haystack inputs from "
                         f"{Path(str(meta.get('corpus') or 'the default corpus')).name}, the answer teacher-forced")
-    return part("detected_finding", rows=rows, settings=settings, cut=DETECTED_MIN,
-                source=f"{d['path'].parent.name}/{d['path'].name}")
+    return part("detected_finding", rows=rows, settings=settings, cut=DETECTED_MIN, source=d["source"])
 
 
 def _kept_features(r: Report) -> HeadFeatures:
@@ -410,7 +415,7 @@ def _worst_ablation(r: Report, ab: dict) -> dict | None:
     """The head or layer whose ablation harms the most: the largest Δ of a loss (LOWER_IS_BETTER), else the most
     negative Δ; with its bootstrap interval and the baseline. None for a table without per-head or per-layer Δ."""
     H = r.features.n_heads
-    delta = np.where(r.removed, np.nan, ab["delta"]) if ab["experiment"] == "heads" else ab.get("delta")
+    delta = r.kept_values(ab["delta"]) if ab["experiment"] == "heads" else ab.get("delta")
     if delta is None or not np.isfinite(delta).any():
         return None
     rises = ab["metric"] in LOWER_IS_BETTER
@@ -532,7 +537,7 @@ def detected_section(r: Report) -> Section | None:
     d = r.attached.detected
     if d is None:
         return None
-    grids = [(kind, np.where(r.removed, np.nan, d["scores"][kind])) for kind in d["kinds"]]
+    grids = [(kind, r.kept_values(d["scores"][kind])) for kind in d["kinds"]]
     fig = r.img(figs.grid_heatmaps(grids, vmin=0.0, vmax=1.0), "detected_heads",
                 f"Scores of {_shown_path(r, d['path'])} per layer × head (0–1; the recipes: docs/analysis.md, "
                 "section 10)" + ("; removed heads are blank." if r.n_removed else "."))
