@@ -59,10 +59,10 @@ def preflight_detect(opts: DetectOptions) -> None:
     check_kinds(opts.kinds)
     check_model_dir(str(opts.model))
     out = check_output_place(opts.out, detect_inputs(opts))
-    if opts.corpus is not None and not os.path.isfile(opts.corpus):
-        raise AttnkitError(f"{arg('corpus')} {opts.corpus!r} is not a file")
-    if opts.corpus is not None:  # read up to its first text: a wrong format or no text is named now
-        open_corpus([opts.corpus], text_unit="line").check_has_text()
+    if opts.corpus is not None:
+        if not os.path.isfile(opts.corpus):
+            raise AttnkitError(f"{arg('corpus')} {opts.corpus!r} is not a file")
+        open_corpus([opts.corpus], text_unit="line").check_has_text()  # to its first text: a wrong format is named now
     if os.path.isdir(out):
         claim_outputs(detect_outputs(out), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
 
