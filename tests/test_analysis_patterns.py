@@ -185,14 +185,19 @@ def test_list_the_examples_that_put_a_head_in_a_class(tmp_path):
 
 
 
-def test_a_per_sample_file_that_is_not_its_runs_is_refused(tmp_path):
-    """patterns once classified the 5 rows of a per_sample.npy whose run measured 40 samples."""
-    n, L, H = 5, 2, 2
-    rows = np.full((n, L, H, len(NAMES)), 0.01, dtype=np.float32)
-    w = PerSampleWriter(tmp_path, L, H, NAMES)
+def uniform_run(path, n: int, n_samples: int, n_tokens: int, meta=None) -> None:
+    """A run of 2 × 2 heads whose per_sample.npy holds `n` rows of 0.01 everywhere, its features.npz saying it
+    measured `n_samples` samples."""
+    rows = np.full((n, 2, 2, len(NAMES)), 0.01, dtype=np.float32)
+    w = PerSampleWriter(path, 2, 2, NAMES)
     w.add(np.arange(n), rows)
     w.close()
-    HeadFeatures(rows.mean(0), rows.std(0), NAMES, 40, 400).save(tmp_path)
+    HeadFeatures(rows.mean(0), rows.std(0), NAMES, n_samples, n_tokens, meta=meta or {}).save(path)
+
+
+def test_a_per_sample_file_that_is_not_its_runs_is_refused(tmp_path):
+    """patterns once classified the 5 rows of a per_sample.npy whose run measured 40 samples."""
+    uniform_run(tmp_path, 5, 40, 400)
     res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg"])
     assert res.exit_code == 1 and not (tmp_path / "patterns.json").exists()
     assert res.stderr.strip() == (f"Error: {tmp_path}/per_sample.npy holds 5 samples × 2 layers × 2 heads × "
@@ -221,12 +226,7 @@ def test_a_per_sample_file_of_the_right_shape_but_other_samples_is_refused(tmp_p
 
 
 def test_a_decoder_run_is_refused_with_the_reason(tmp_path):
-    n, L, H = 4, 2, 2
-    rows = np.full((n, L, H, len(NAMES)), 0.01, dtype=np.float32)
-    w = PerSampleWriter(tmp_path, L, H, NAMES)
-    w.add(np.arange(n), rows)
-    w.close()
-    HeadFeatures(rows.mean(0), rows.std(0), NAMES, n, 40, meta={"model_type": "llama"}).save(tmp_path)
+    uniform_run(tmp_path, 4, 4, 40, meta={"model_type": "llama"})
     res = CliRunner().invoke(main, ["patterns", str(tmp_path), "--no-svg"])
     assert res.exit_code == 1 and not (tmp_path / "patterns.json").exists()
     assert "is a run of a decoder (llama)" in res.stderr and "defined for bidirectional encoders" in res.stderr
