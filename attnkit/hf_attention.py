@@ -363,11 +363,14 @@ def check_sentences_shape(rt: Runtime, B: int, L: int) -> None:
 
 # The keyword arguments transformers passes to an attention function besides `scaling` and `dropout`: those attnkit
 # reads, and those that do not change what attention computes (positions are already in q and k; caches, router
-# logits and return flags are the model's business). Any other argument that has a value is refused by name: it
-# might change attention, and attnkit would silently ignore it.
+# logits, the loss's token count and return flags are the model's business; DistilBERT hands the model's inputs on
+# to its attention function, so `token_type_ids` the tokenizer made arrive there, where no attention implementation
+# reads them: segments reach attnkit through the recorded inputs, `Runtime.inputs`). Any other argument that has a
+# value is refused by name: it might change attention, and attnkit would silently ignore it.
 READ_KWARGS = frozenset({"output_attentions", "is_causal", "sliding_window", "softcap", "s_aux"})
 HARMLESS_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits",
-                             "output_hidden_states", "return_dict", "past_key_values", "position_embeddings"})
+                             "output_hidden_states", "return_dict", "past_key_values", "position_embeddings",
+                             "token_type_ids", "num_items_in_batch"})
 
 
 def decoder_arguments(module, H: int, Hkv: int, kwargs: dict, kept, device) -> dict:

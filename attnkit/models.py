@@ -246,6 +246,12 @@ def _probe_attention_modules(model):
     except Exception as exc:
         raise AttnkitError(f"a probe forward of the model failed: {type(exc).__name__}: {exc}") from None
     seen = type(callers)(dict.fromkeys(callers))  # unique, in call order
+    if len(seen) < len(callers):  # ALBERT: one shared layer run N times; attnkit numbers layers by module
+        mod = next(m for m in seen if callers.count(m) > 1)
+        mtype = getattr(model.config, "model_type", type(model).__name__)
+        raise AttnkitError(f"model type {mtype!r} runs one attention module ({type(mod).__name__}) for "
+                           f"{callers.count(mod)} layers (shared layers): attnkit measures and changes each layer's "
+                           "own attention module, so it cannot tell these layers apart")
     seen.sink = callers.sink
     return seen
 

@@ -91,7 +91,8 @@ def tiny_bert(n_layers: int = 2, n_heads: int = 2, seed: int = 0):
     return model, tok
 
 
-ENCODER_KINDS = ("bert", "roberta", "electra", "distilbert")
+# the encoder families attnkit names (README, attnkit/arch/architectures.py); XLM-R and CamemBERT run RoBERTa's code
+ENCODER_KINDS = ("bert", "roberta", "electra", "distilbert", "xlm-roberta", "camembert")
 
 
 def tiny_config(n_layers: int = 2, vocab: int = 120) -> dict:
@@ -106,12 +107,16 @@ def tiny_encoder(kind: str, n_layers: int = 2, vocab: int = 120):
     from transformers import (
         BertConfig,
         BertModel,
+        CamembertConfig,
+        CamembertModel,
         DistilBertConfig,
         DistilBertModel,
         ElectraConfig,
         ElectraModel,
         RobertaConfig,
         RobertaModel,
+        XLMRobertaConfig,
+        XLMRobertaModel,
     )
 
     torch.manual_seed(0)
@@ -120,6 +125,10 @@ def tiny_encoder(kind: str, n_layers: int = 2, vocab: int = 120):
         model = BertModel(BertConfig(**cfg))
     elif kind == "roberta":
         model = RobertaModel(RobertaConfig(**cfg, pad_token_id=1))
+    elif kind == "xlm-roberta":
+        model = XLMRobertaModel(XLMRobertaConfig(**cfg, pad_token_id=1))
+    elif kind == "camembert":
+        model = CamembertModel(CamembertConfig(**cfg, pad_token_id=1))
     elif kind == "electra":
         model = ElectraModel(ElectraConfig(**cfg, embedding_size=16))
     elif kind == "distilbert":
