@@ -19,10 +19,17 @@ import torch
 
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
 from .embedded import embedded_path, is_embedded_name
-from .errors import AttnkitError, arg, check_int, one_line
+from .errors import AttnkitError, arg, one_line
 from .features import feature_names
 from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
-from .run.model_dir import TOKENIZER_FILES, check_model_dir, default_model_path  # checked without torch
+from .run.model_dir import (  # checked without torch
+    TOKENIZER_FILES,
+    check_max_length,
+    check_model_dir,
+    check_model_max_length,
+    default_model_path,
+    max_positions,  # noqa: F401 (attnkit.models.max_positions: where the engines read it)
+)
 
 log = logging.getLogger("attnkit")
 
@@ -31,8 +38,6 @@ DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
-# Models whose position ids start after the padding index (max usable length = positions − pad − 1).
-_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "longformer", "xlm-roberta-xl", "data2vec-text"}
 
 
 def model_dir(name_or_path=None) -> str:
@@ -72,30 +77,6 @@ def resolve_dtype(dtype=None, device: torch.device | None = None) -> torch.dtype
         return DTYPES[str(dtype).lower()]
     except KeyError:
         raise AttnkitError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16") from None
-
-
-def max_positions(model) -> int | None:
-    """How many tokens the position embeddings of `model` (or of a model with this config) allow (None: no
-    limit known)."""
-    cfg = getattr(model, "config", model)
-    n = getattr(cfg, "max_position_embeddings", None)
-    if n is None:
-        return None
-    if cfg.model_type in _OFFSET_POSITIONS and getattr(cfg, "pad_token_id", None) is not None:
-        n -= cfg.pad_token_id + 1
-    return int(n)
-
-
-def check_max_length(model, max_length) -> int:
-    """`max_length` when it is an integer of at least 2 that the position embeddings of `model` (or of a model
-    with this config) allow; else an AttnkitError. The one check of max_length against a model."""
-    check_int(max_length, "max_length", minimum=2)
-    limit = max_positions(model)
-    if limit is not None and max_length > limit:
-        cfg = getattr(model, "config", model)
-        raise AttnkitError(f"{arg('max_length')} {max_length} exceeds the model's {limit} positions "
-                           f"({cfg.model_type})")
-    return max_length
 
 
 def attention_modules(model) -> list:
@@ -282,7 +263,7 @@ def _no_transformers_bars():
             hf_logging.enable_progress_bar()
 
 
-def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None = None):
+def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None = None, max_length: int | None = None):
     """Load a model and its tokenizer from a local path (no hub downloads) with attnkit attention.
 
     `name_or_path=None` loads the embedded MiniLM, `"smollm2"` the embedded decoder SmolLM2-135M-Instruct (the
@@ -293,6 +274,8 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     the model in eval mode on `device` ("cpu", "cuda"; default: cuda when available).
     A directory without config, weights or tokenizer files, or whose tokenizer knows far fewer tokens
     than the model embeds (a tokenizer built from nothing), is refused with the files it lacks.
+    `max_length` (the tokens per input the caller will give it): refused when the model's positions do not
+    allow it, from config.json before the model loads (`check_model_max_length`).
     """
     from transformers import (
         AutoModel,
@@ -313,6 +296,8 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     dt = resolve_dtype(dtype, dev)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     check_model_dir(path)
+    if max_length is not None:
+        check_model_max_length(path, max_length)
     try:
         with _no_transformers_bars():
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -331,21 +316,26 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
         found = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(path, f))]
         raise AttnkitError(f"the tokenizer at {path!r} knows {len(tokenizer)} tokens but the model embeds {vocab}: "
                            f"its tokenizer files ({', '.join(found)}) do not belong to this model")
+    if max_length is not None:
+        check_max_length(model, max_length)
     model.to(dev).eval()
     instrument(model, tokenizer)
     return model, tokenizer
 
 
-def resolve_model(model=None, tokenizer=None, device=None, dtype=None):
+def resolve_model(model=None, tokenizer=None, device=None, dtype=None, max_length: int | None = None):
     """(model, tokenizer), instrumented, from what a caller may pass as a model: None (the embedded MiniLM), a
     local path, a (model, tokenizer) pair, or a model with `tokenizer`. A given model is moved to `device` and
-    `dtype` when they are given."""
+    `dtype` when they are given. `max_length`: as `load_model` checks it (before a model given by its path
+    loads)."""
     if model is None or isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
-        return load_model(model, device=device, dtype=dtype)
+        return load_model(model, device=device, dtype=dtype, max_length=max_length)
     if isinstance(model, tuple) and len(model) == 2:
         model, tokenizer = model
     if tokenizer is None:
         raise AttnkitError(f"pass the model's tokenizer: a (model, tokenizer) pair, or {arg('tokenizer')}")
+    if max_length is not None:
+        check_max_length(model, max_length)
     if device is not None:
         model.to(resolve_device(device))
     if dtype is not None:

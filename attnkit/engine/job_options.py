@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import AttnkitError, arg, check_int
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING, DEFAULT_WINDOW
-from ..run.model_dir import check_model_dir
+from ..run.model_dir import check_model_dir, check_model_max_length
 from ..run.outputs import check_output_path
 from .ray.session import check_ray_address
 
@@ -92,8 +92,8 @@ def preflight_extract(opts: ExtractOptions) -> None:
     """Everything `attnkit extract` can refuse without a model, checked before torch is imported, in the job's
     order: the options, what the output directory already holds (the job checks it again under its lock, and
     says first that another command holds it), the corpus paths and formats (read up to the first text, which
-    names a file in a wrong format; standard input is left for the job), and the model directory (local engine:
-    on a Ray cluster it may exist only on the workers)."""
+    names a file in a wrong format; standard input is left for the job), and the model directory with
+    `max_length` against its positions (local engine: on a Ray cluster it may exist only on the workers)."""
     from ..corpus import open_corpus
     from ..run.locking import lock_owner
     from ..run.rundir import RunDir
@@ -108,8 +108,10 @@ def preflight_extract(opts: ExtractOptions) -> None:
     if "-" not in [str(p) for p in opts.paths]:
         open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
                     squad_pairs=opts.squad_pairs, limit=opts.limit).check_has_text()
-    if opts.model_path and opts.engine == "local":
-        check_model_dir(str(opts.model_path))
+    if opts.engine == "local":
+        if opts.model_path:
+            check_model_dir(str(opts.model_path))
+        check_model_max_length(opts.model_path, opts.max_length)  # config.json is enough
 
 
 @dataclass

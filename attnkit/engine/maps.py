@@ -15,7 +15,7 @@ from ..corpus.sources import is_blank
 from ..errors import AttnkitError, arg
 from ..features import DEFAULT_MAX_LENGTH
 from ..interventions import Intervention, intervene
-from ..models import check_max_length, resolve_model
+from ..models import resolve_model
 from ..tokens import Encoder
 
 
@@ -84,8 +84,7 @@ def attention_maps(text, model=None, *, tokenizer=None, max_length: int = DEFAUL
     head in mode uniform).
     """
     segment = _check_text(text)
-    model, tokenizer = resolve_model(model, tokenizer, device)
-    check_max_length(model, max_length)
+    model, tokenizer = resolve_model(model, tokenizer, device, max_length=max_length)
     dev = next(model.parameters()).device
     enc = {k: v.to(dev) for k, v in Encoder(tokenizer, max_length=max_length)([segment]).inputs.items()}
     with torch.inference_mode():

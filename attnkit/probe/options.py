@@ -91,11 +91,11 @@ def check_probe_options(opts: ProbeOptions) -> None:
 
 def preflight_probe(opts: ProbeOptions) -> None:
     """What `attnkit probe` can refuse without a model, before torch is imported: the options, the inputs (their
-    paths, and for spaCy that it is installed), the model directory and earlier results in the output
-    directory that only `overwrite` replaces."""
+    paths, and for spaCy that it is installed), the model directory with `max_length` against its positions, and
+    earlier results in the output directory that only `overwrite` replaces."""
     from ..corpus import open_corpus
     from ..run.files import REPORT_FILE
-    from ..run.model_dir import check_model_dir
+    from ..run.model_dir import check_model_dir, check_model_max_length
     from ..run.outputs import check_output_path
     from ..run.overwrite import claim_outputs
 
@@ -109,6 +109,7 @@ def preflight_probe(opts: ProbeOptions) -> None:
             open_corpus(opts.paths, opts.fmt, columns=opts.columns, text_unit="line")
     if opts.model_path:
         check_model_dir(str(opts.model_path))
+    check_model_max_length(opts.model_path, opts.max_length)  # config.json is enough
     out = Path(check_output_path(opts.out))
     claim_outputs(probe_outputs(out), opts.overwrite, stale=[out / REPORT_FILE])
 

@@ -259,7 +259,7 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
     with output_directory(out, "attnkit probe", inputs=inputs):  # the one write path: checked, created, locked
         claim = claim_outputs(probe_outputs(out), opts.overwrite, stale=[out / REPORT_FILE])
         sentences, parser = load_sentences(opts)
-        model, tokenizer = load_model(opts.model_path, device=opts.device, dtype=opts.dtype)
+        model, tokenizer = load_model(opts.model_path, device=opts.device, dtype=opts.dtype, max_length=opts.max_length)
         scores, counts = score_sentences(model, tokenizer, sentences, max_length=opts.max_length,
                                          batch_size=opts.batch_size, backend=opts.backend, quiet=opts.quiet,
                                          count_root=opts.count_root, baseline=opts.baseline)
