@@ -29,6 +29,7 @@ from .run.model_dir import (  # checked without torch
     check_model_max_length,
     default_model_path,
     max_positions,  # noqa: F401 (attnkit.models.max_positions: where the engines read it)
+    model_config,
 )
 
 log = logging.getLogger("attnkit")
@@ -263,6 +264,13 @@ def _no_transformers_bars():
             hf_logging.enable_progress_bar()
 
 
+# what each `task` of load_model needs of a model (its messages)
+TASK_NEEDS = {"sequence-classification": "a model with a sequence-classification head",
+              "question-answering": "a model with a question-answering head",
+              "masked-lm": "masked-language-model loss: an encoder such as BERT, RoBERTa, ELECTRA or DistilBERT",
+              "causal-lm": "next-token loss: a decoder language model such as Llama, Qwen or GPT-2"}
+
+
 def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None = None, max_length: int | None = None):
     """Load a model and its tokenizer from a local path (no hub downloads) with attnkit attention.
 
@@ -308,6 +316,10 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     except AttnkitError:
         raise
     except Exception as exc:
+        if task is not None and isinstance(exc, ValueError) and "Unrecognized configuration class" in str(exc):
+            mtype = (model_config(path) or {}).get("model_type")
+            raise AttnkitError(f"{path!r} holds a {mtype!r} model, for which transformers has no {task} model "
+                               f"({TASK_NEEDS[task]})") from None
         raise AttnkitError(f"could not load a model from {path!r}: {one_line(exc)}") from None
     if not getattr(tokenizer, "is_fast", False):
         raise AttnkitError(f"the tokenizer at {path!r} is not a fast tokenizer; attnkit needs one (tokenizer.json)")
@@ -320,6 +332,10 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
         check_max_length(model, max_length)
     model.to(dev).eval()
     instrument(model, tokenizer)
+    if task == "causal-lm" and not any(getattr(m, "is_causal", False) for m in model._attnkit_modules):
+        # transformers gives an encoder a language-model head too, but its rows see the tokens they predict
+        raise AttnkitError(f"{path!r} holds a {model.config.model_type!r} model whose attention is not causal: "
+                           f"{task} ({TASK_NEEDS[task]}) needs a decoder")
     return model, tokenizer
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import AttnkitError, arg, check_int
 from ..features import read_heads
 from ..run.files import LOCK_FILE, OWNER_FILE
-from ..run.model_dir import check_model_dir, check_model_max_length, default_model_path
+from ..run.model_dir import DECODER_TYPES, check_model_dir, check_model_max_length, default_model_path, model_config
 from ..run.outputs import check_output_place
 from .data import read_task_data
 from .names import EXPERIMENTS, N_BOOT, task_max_length
@@ -105,6 +105,10 @@ def preflight_ablate(opts: AblateOptions) -> None:
     if opts.model != "default":
         check_model_dir(str(opts.model))
     check_model_max_length(opts.model, task_max_length(opts.task_name, opts.max_length))  # config.json is enough
+    mtype = (model_config(opts.model) or {}).get("model_type")
+    if opts.task_name == "mlm" and mtype in DECODER_TYPES:  # (an unknown decoder is refused as it loads)
+        raise AttnkitError(f"{arg('task_name', 'mlm')} scores a masked language model (an encoder); {opts.model!r} "
+                           f"holds a {mtype!r} decoder: use {arg('task_name', 'lm')} for its next-token loss")
     if opts.clusters is not None:
         load_clusters(opts.clusters)
 

@@ -29,8 +29,8 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
               help="Tokenisation processes running ahead of the model (0: tokenise between forwards) "
                    "[default: with GPUs the CPU cores − 1, at most 8; on the CPU 0].")
 @shared("dtype", "num-windows", "sentences", "limit", "backend", "engine", "ray-address")
-@click.option("-o", "--out", "out", default="attnkit-run", show_default=True, type=OutputPath(path_type=Path),
-              help="Run directory to write.")
+@click.option("-o", "--out", "out", default="attnkit-run", show_default=True,
+              type=OutputPath(file_okay=False, path_type=Path), help="Run directory to write.")
 @click.option("--resume", is_flag=True, help="Continue the interrupted run in --out from its last checkpoint.")
 @click.option("--overwrite", is_flag=True, help="Replace a finished run in --out (only once the new one finishes).")
 @click.option("--checkpoint-every", default=20, show_default=True, type=int_range("checkpoint_every"),

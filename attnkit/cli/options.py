@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -28,11 +29,15 @@ def int_range(name: str) -> click.IntRange:
 
 class OutputPath(click.Path):
     """A path to write to (-o, --json): like click.Path, but an empty one is refused (it would silently mean
-    the current directory)."""
+    the current directory), and so is, for a directory (`file_okay=False`), any existing path that is not one:
+    click refuses a regular file only, and /dev/null, a pipe or a socket would fail later as an error of the run
+    instead of a usage error (exit 2)."""
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value.strip():
             self.fail("the path is empty", param, ctx)
+        if not self.file_okay and os.path.exists(value) and not os.path.isdir(value):
+            self.fail(f"{os.fsdecode(value)!r} exists and is not a directory", param, ctx)
         return super().convert(value, param, ctx)
 
 

@@ -282,8 +282,8 @@ def detect_heads(model=None, *, kinds=REPEAT_KINDS, length: int = 50, n_sequence
             for x, exp in pairs:
                 if limit is not None and len(x) > limit:
                     check_positions(model, len(x), "the needle-in-a-haystack inputs",
-                                     f"lower {arg('haystack')} (the retrieval recipe needs a model with that many "
-                                     "positions)")
+                                     "the retrieval recipe needs a model with that many positions (or a lower "
+                                     f"{arg('haystack')})")
                 yield x[None], {"retrieval": exp[None]}
 
         bar = _bar(progress, n_sequences)
