@@ -104,11 +104,11 @@ def preflight_ablate(opts: AblateOptions) -> None:
     claim_outputs(output_paths(out, opts.experiment), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
     if opts.model != "default":
         check_model_dir(str(opts.model))
-    check_model_max_length(opts.model, task_max_length(opts.task_name, opts.max_length))  # config.json is enough
     mtype = (model_config(opts.model) or {}).get("model_type")
     if opts.task_name == "mlm" and mtype in DECODER_TYPES:  # (an unknown decoder is refused as it loads)
         raise AttnkitError(f"{arg('task_name', 'mlm')} scores a masked language model (an encoder); {opts.model!r} "
                            f"holds a {mtype!r} decoder: use {arg('task_name', 'lm')} for its next-token loss")
+    check_model_max_length(opts.model, task_max_length(opts.task_name, opts.max_length))  # config.json is enough
     if opts.clusters is not None:
         load_clusters(opts.clusters)
 
