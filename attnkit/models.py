@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
-from .embedded import embedded_path, is_embedded_name
+from .embedded import check_model_max_length, embedded_path, is_embedded_name, model_config
 from .errors import AttnkitError, arg, one_line
 from .features import feature_names
 from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
@@ -26,10 +26,8 @@ from .run.model_dir import (  # checked without torch
     TOKENIZER_FILES,
     check_max_length,
     check_model_dir,
-    check_model_max_length,
     default_model_path,
     max_positions,  # noqa: F401 (attnkit.models.max_positions: where the engines read it)
-    model_config,
 )
 
 log = logging.getLogger("attnkit")

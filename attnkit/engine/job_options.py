@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..embedded import check_model_max_length
 from ..errors import AttnkitError, arg, check_int
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING, DEFAULT_WINDOW
-from ..run.model_dir import check_model_dir, check_model_max_length
+from ..run.model_dir import check_model_dir
 from ..run.outputs import check_output_path
 from .ray.session import check_ray_address
 

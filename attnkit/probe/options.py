@@ -94,8 +94,9 @@ def preflight_probe(opts: ProbeOptions) -> None:
     paths, and for spaCy that it is installed), the model directory with `max_length` against its positions, and
     earlier results in the output directory that only `overwrite` replaces."""
     from ..corpus import open_corpus
+    from ..embedded import check_model_max_length
     from ..run.files import REPORT_FILE
-    from ..run.model_dir import check_model_dir, check_model_max_length
+    from ..run.model_dir import check_model_dir
     from ..run.outputs import check_output_path
     from ..run.overwrite import claim_outputs
 

@@ -114,8 +114,8 @@ def check_max_length(model_or_config, max_length, name: str = "max_length") -> i
     """`max_length` when it is an integer of at least 2 that the position embeddings of a model (the model, its
     config, or its config.json as a dict) allow; else an AttnkitError. The one check of a length against a model:
     every command and API that runs a model makes it, before the model loads where it is given by its directory
-    (`check_model_max_length`), so that no text runs past the model's positions (learned positions fail deep
-    inside, rotary ones are measured beyond the context the model was trained for)."""
+    (attnkit.embedded.check_model_max_length), so that no text runs past the model's positions (learned positions
+    fail deep inside, rotary ones are measured beyond the context the model was trained for)."""
     check_int(max_length, name, minimum=2)
     limit = max_positions(model_or_config)
     if limit is not None and max_length > limit:
@@ -124,34 +124,15 @@ def check_max_length(model_or_config, max_length, name: str = "max_length") -> i
     return max_length
 
 
-def model_config(name_or_path) -> dict | None:
-    """The config.json of the model `load_model` would load for `name_or_path` (None or "default": the embedded
-    MiniLM; an embedded name: its converted copy once there is one), read without loading the model; None where
-    there is none to read yet (an embedded model not converted yet) or it is not a JSON object."""
-    if name_or_path is None or name_or_path == "default":
-        path = default_model_path()
-    elif is_embedded_name(name_or_path):
-        from ..embedded import converted_copy
-
-        path = converted_copy(str(name_or_path))
-        if path is None:
-            return None
-    else:
-        path = str(name_or_path)
+def read_config(path) -> dict | None:
+    """The config.json of the model directory `path` as a dict, read without loading the model; None where there
+    is none or it is not a JSON object (loading the model then names the problem)."""
     try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        with open(os.path.join(str(path), "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
     except (OSError, ValueError):
         return None
     return cfg if isinstance(cfg, dict) else None
-
-
-def check_model_max_length(name_or_path, max_length, name: str = "max_length") -> int:
-    """`check_max_length` against the model named as `load_model` takes it, from its config.json alone: before
-    the model (or torch) loads. A model whose config cannot be read yet is checked once it is loaded."""
-    check_int(max_length, name, minimum=2)
-    cfg = model_config(name_or_path)
-    return max_length if cfg is None else check_max_length(cfg, max_length, name)
 
 
 def some_names(names: list[str], n: int = 10) -> str:
@@ -160,5 +141,5 @@ def some_names(names: list[str], n: int = 10) -> str:
 
 
 __all__ = ["CONFIG_FILES", "DECODER_TYPES", "EMBEDDED", "OFFSET_POSITIONS", "TOKENIZER_FILES", "WEIGHT_FILES",
-           "check_max_length", "check_model_dir", "check_model_max_length", "default_model_path", "is_embedded_name",
-           "looks_like_hub_id", "max_positions", "model_config", "some_names"]
+           "check_max_length", "check_model_dir", "default_model_path", "is_embedded_name", "looks_like_hub_id",
+           "max_positions", "read_config", "some_names"]
