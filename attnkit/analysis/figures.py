@@ -11,7 +11,9 @@ from ..errors import AttnkitError
 from ..plotting import plt, save_figure
 from .clustering import distance_feature_names, head_matrix
 
-TYPE_COLORS = {"dense": "#2ca02c", "diagonal": "#1f77b4", "dense+vertical": "#ff7f0e", "vertical": "#d62728"}
+TYPE_COLORS = {"dense": "#2ca02c", "diagonal": "#1f77b4", "dense+vertical": "#ff7f0e", "vertical+dense": "#ff7f0e",
+               "vertical": "#d62728", "first-token": "#d62728", "previous-token": "#1f77b4", "local": "#aec7e8",
+               "broad": "#2ca02c"}
 _EXTRA = ["#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939"]
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "*"]
 
@@ -38,7 +40,7 @@ DECODER_HEATMAP_FEATURES = (
 
 
 def type_colors(type_names) -> dict:
-    """A fixed colour for the four Guan types, others from a qualitative palette."""
+    """A fixed colour for the plain classes (and Guan's dense+vertical), others from a qualitative palette."""
     out, j = {}, 0
     for name in type_names:
         if name in TYPE_COLORS:

@@ -37,7 +37,7 @@ from ..run.clusters import label_grid, load_clusters, run_stability
 from ..run.distances import HeadDistances
 from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, PER_SAMPLE_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
-from ..run.model_dir import DECODER_TYPES
+from ..run.model_dir import is_decoder_meta
 from ..run.outputs import atomic_write
 from ..run.schemas import LOWER_IS_BETTER
 from . import figures as figs
@@ -66,7 +66,7 @@ THRESHOLD_NAMES = 12  # heads named per threshold of the papers (the largest fir
 def is_decoder_run(features: HeadFeatures) -> bool:
     """Whether the run measured a decoder (meta.json `model_type`; causal rows: `cls` is the first position's mass,
     no row sees a next token)."""
-    return features.meta.get("model_type") in DECODER_TYPES
+    return is_decoder_meta(features.meta)
 
 
 def report_figures(run_dir) -> list[Path]:

@@ -25,6 +25,12 @@ DECODER_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemm
                            "gpt_neox", "phi3"})
 
 
+def is_decoder_meta(meta) -> bool:
+    """Whether a run's meta.json records a decoder's `model_type` (causal rows: `cls` is the first position's mass,
+    no row sees a next token, row 0 sees only itself)."""
+    return isinstance(meta, dict) and meta.get("model_type") in DECODER_TYPES
+
+
 # The embedded models a name stands for (attnkit/embedded converts them; docs/decoders.md).
 EMBEDDED = ("smollm2",)
 
@@ -87,5 +93,5 @@ def some_names(names: list[str], n: int = 10) -> str:
     return ", ".join(names[:n]) + (f", … and {len(names) - n} more" if len(names) > n else "")
 
 
-__all__ = ["CONFIG_FILES", "DECODER_TYPES", "EMBEDDED", "TOKENIZER_FILES", "WEIGHT_FILES", "check_model_dir",
-           "default_model_path", "is_embedded_name", "looks_like_hub_id", "some_names"]
+__all__ = ["CONFIG_FILES", "DECODER_TYPES", "EMBEDDED", "TOKENIZER_FILES", "WEIGHT_FILES", "is_decoder_meta",
+           "check_model_dir", "default_model_path", "is_embedded_name", "looks_like_hub_id", "some_names"]
