@@ -287,6 +287,8 @@ def attention_examples(examples, max_tokens: int = 40):
     """A grid of example attention maps: `examples` is a list of dicts with keys type, layer, head,
     weights (n × n numpy), tokens (n strings). Rows: types; columns: examples of that type. Every map
     has its own colour bar (its scale runs from 0 to its largest weight)."""
+    from ..tokens import shown_token  # torch is loaded: a model drew the maps
+
     if not examples:
         raise AttnkitError("no example attention maps to draw")
     types = list(dict.fromkeys(e["type"] for e in examples))
@@ -301,7 +303,7 @@ def attention_examples(examples, max_tokens: int = 40):
                 continue
             e = per[t][c]
             w = np.asarray(e["weights"])[:max_tokens, :max_tokens]
-            toks = list(e["tokens"])[:max_tokens]
+            toks = [shown_token(str(t)) for t in e["tokens"]][:max_tokens]
             im = ax.imshow(w, cmap="Blues", vmin=0, vmax=max(float(w.max()), 1e-6), interpolation="nearest")
             cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03)
             cb.ax.tick_params(labelsize=7)
