@@ -53,8 +53,8 @@ def windows_of(n_features: int, sink: bool = False) -> int:
 
 # Features that are 0 for every head of a decoder (a causal model, docs/features.md "Decoder models"): no row sees a
 # next token, and the CLS row, row 0, sees only itself. A decoder run's report, glossary and clustering leave them out.
-DECODER_CONSTANT = ("next", "cls_entropy")
-DECODER_CONSTANT_WHY = "no causal row sees a next token, and row 0 (the CLS row) sees only itself"
+DECODER_CONSTANT = {"next": "no causal row sees a next token",
+                    "cls_entropy": "the CLS row is row 0, which sees only itself"}
 
 # One line per feature, for tooltips and the report's glossary (the definitions: docs/features.md).
 _DEFINITIONS = {
@@ -186,6 +186,6 @@ def resolve_subset(names, features_subset=None, decoder: bool = False) -> list[s
         raise AttnkitError(f"the feature subset names a feature twice: {chosen}")
     constant = [n for n in chosen if decoder and n in DECODER_CONSTANT]
     if constant:
-        raise AttnkitError(f"{', '.join(constant)} is 0 for every head of a decoder's run ({DECODER_CONSTANT_WHY}): "
-                           "it cannot tell heads apart; leave it out of the features")
+        raise AttnkitError("; ".join(f"{n} is 0 for every head of a decoder's run ({DECODER_CONSTANT[n]})"
+                                     for n in constant) + ": it tells no heads apart; leave it out of the features")
     return chosen

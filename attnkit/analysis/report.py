@@ -564,7 +564,7 @@ def example_section(r: Report) -> Section | None:
     if not r.maps:
         return None
     picks = pick_example_heads(r.features, r.data, per_type=min(r.n_examples, 3), n_texts=len(r.maps),
-                               removed=r.removed, shown=r.shown)
+                               removed=r.removed)
     fig = figs.attention_examples(_picked_maps(dict(enumerate(r.maps)), picks))
     return Section("examples", "Example attention maps", part("figures_and_notes", figs=[r.img(
         fig, "attention_examples", "The heads nearest to each type's centroid on the example inputs (rows: types; "
