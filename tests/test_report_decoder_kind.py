@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import json
 import re
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -103,7 +104,9 @@ def test_the_head_view_shows_byte_level_tokens_as_text(page):
     assert any(t.startswith(" ") for t in tokens)
 
 
-def test_clustering_a_decoder_run_leaves_out_its_constant_features(decoder_run):
+def test_clustering_a_decoder_run_leaves_out_its_constant_features(decoder_run, tmp_path):
+    shutil.copytree(decoder_run / "run", tmp_path / "run")  # a new clustering removes the report
+    decoder_run = tmp_path
     out = run("cluster", decoder_run / "run", "-k", 2, "--stability", 0, "--features", "cls,cls_entropy",
               "--overwrite", "-q", code=1)  # as an unknown feature
     assert "cls_entropy is 0 for every head of a decoder's run (the CLS row is row 0, which sees only itself)" in out
@@ -111,3 +114,25 @@ def test_clustering_a_decoder_run_leaves_out_its_constant_features(decoder_run):
     data = json.loads((decoder_run / "run" / "clusters.json").read_text())
     assert "cls_entropy" not in data["settings"]["features"] and "next" not in data["settings"]["features"]
     assert "prev" in data["settings"]["features"]
+
+
+def test_the_head_view_in_a_browser_draws_the_tokens_text(decoder_run, page, byte_bpe):  # noqa: F811
+    from .test_report_browser import BROWSER, DRIVER
+
+    if BROWSER is None or DRIVER is None:
+        pytest.skip("no chromium/chromedriver (apt-get install -y chromium chromium-driver)")
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from .test_report_browser import chromium
+
+    driver = chromium()
+    try:
+        driver.get((decoder_run / "run" / "report.html").as_uri())
+        WebDriverWait(driver, 20).until(lambda d: d.find_elements("css selector", "#hv-draw text.tok-q"))
+        drawn = [e.get_attribute("textContent") for e in driver.find_elements("css selector", "#hv-draw text.tok-q")]
+        first = page_data(page)["maps"]["texts"][0]["tokens"]
+        assert drawn == first
+        assert "".join(drawn).strip() in {s.strip() for s in SENTENCES}  # the text itself, token by token
+        assert not any("Ġ" in t for t in drawn)
+    finally:
+        driver.quit()

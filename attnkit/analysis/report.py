@@ -257,7 +257,7 @@ def _types_finding(r: Report) -> Markup:
     # the shares the names are made of (attnkit/analysis/naming.py): the classes of the run's kind, and the details
     # that a name of this run claims
     classes = list(DECODER_CLASSES if r.decoder else ENCODER_CLASSES)
-    claimed = {part_ for t in r.type_names for part_ in t.split("+")[1:]}
+    claimed = {word for t in r.type_names for word in t.split("+")[1:]}
     details = [d for d in (DECODER_DETAILS if r.decoder else ENCODER_DETAILS) if d in claimed]
     for c in r.data["clusters"]:
         p = c["profile"] or {}
