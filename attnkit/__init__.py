@@ -39,6 +39,7 @@ _LAZY = {
     "load_model": "models",
     "register_attention": ("hf_attention", "register"),
     "sentences": "interventions",
+    "to_str_tokens": "tokens",
 }
 
 

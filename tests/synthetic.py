@@ -21,7 +21,7 @@ def prototype(kind: str) -> np.ndarray:
         special, self_, win = np.array([0.15, 0.65, 0.03, 0.05]), 0.01, win_uniform
     elif kind == "diagonal":
         special, self_, win = np.array([0.05, 0.10, 0.02, 0.03]), 0.15, near
-    elif kind == "dense+vertical":
+    elif kind == "vertical+dense":  # Guan et al.'s dense+vertical: more weight on [SEP] than spread out
         special, self_, win = np.array([0.10, 0.30, 0.02, 0.03]), 0.02, win_uniform
     elif kind == "dense":
         special, self_, win = np.array([0.03, 0.05, 0.02, 0.02]), 0.03, win_uniform
@@ -31,7 +31,7 @@ def prototype(kind: str) -> np.ndarray:
     return np.concatenate([special, [self_], rest * win])
 
 
-KINDS = ("vertical", "diagonal", "dense+vertical", "dense")
+KINDS = ("vertical", "diagonal", "vertical+dense", "dense")  # the names attnkit gives these prototypes
 
 
 def make_features(truth: np.ndarray, *, noise: float = 0.01, seed: int = 0, structureless: bool = False) -> HeadFeatures:
@@ -60,7 +60,7 @@ def make_features(truth: np.ndarray, *, noise: float = 0.01, seed: int = 0, stru
 
 
 def layered_truth(L: int = 6, H: int = 12, seed: int = 0) -> np.ndarray:
-    """Kind ids per head: dense early, dense+vertical in the middle, vertical late, diagonal everywhere."""
+    """Kind ids per head: dense early, vertical+dense in the middle, vertical late, diagonal everywhere."""
     rng = np.random.default_rng(seed)
     t = np.zeros((L, H), dtype=int)
     for l in range(L):

@@ -17,6 +17,7 @@ from ..run.distances import HeadDistances
 from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.locking import output_directory
+from ..run.model_dir import is_decoder_meta
 from ..run.outputs import ensure_writable_dir, os_errors
 from ..run.overwrite import claim_outputs
 from .attached import find_attached
@@ -59,7 +60,7 @@ def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None
         check_int(value, name)  # before the lock and the first fit
     with output_directory(run, "attnkit cluster"), os_errors(f"write into {run}"):
         feats = HeadFeatures.load(run)
-        resolve_subset(feats.names, features)  # a bad feature name is the first thing to hear about
+        resolve_subset(feats.names, features, decoder=is_decoder_meta(feats.meta))  # a bad feature name: at once
         claim = claim_outputs([run / CLUSTERS_FILE], overwrite, stale=[run / REPORT_FILE])
         if not quiet:
             echo(f"attnkit cluster: {feats.n_layers} × {feats.n_heads} heads of {run}, {method}, k = {k}, "

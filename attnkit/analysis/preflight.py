@@ -13,6 +13,7 @@ from ..features import resolve_subset
 from ..run.files import CLUSTERS_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.locking import lock_owner
+from ..run.model_dir import is_decoder_meta
 from ..run.overwrite import claim_outputs
 
 
@@ -33,7 +34,7 @@ def preflight_cluster(run, features: str | None, overwrite: bool) -> None:
     run = Path(run)
     if lock_owner(run) is None:
         feats = HeadFeatures.load(run)
-        resolve_subset(feats.names, features)
+        resolve_subset(feats.names, features, decoder=is_decoder_meta(feats.meta))
         claim_outputs([run / CLUSTERS_FILE], overwrite, stale=[run / REPORT_FILE])
 
 

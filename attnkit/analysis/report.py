@@ -31,19 +31,26 @@ import numpy as np
 from markupsafe import Markup
 
 from ..errors import AttnkitError
-from ..features import describe_feature, weighting_of
+from ..features import describe_feature, shown_features, weighting_of
 from ..plotting import save_figure
 from ..run.clusters import label_grid, load_clusters, run_stability
 from ..run.distances import HeadDistances
 from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, PER_SAMPLE_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
-from ..run.model_dir import DECODER_TYPES
+from ..run.model_dir import is_decoder_meta
 from ..run.outputs import atomic_write
 from ..run.schemas import LOWER_IS_BETTER
 from . import figures as figs
 from .attached import Attached, find_attached
 from .clustering import STABILITY_WARN, cluster, distance_feature_names, head_matrix, stability_over_seeds, sweep
 from .head_panel import extremes, panel_data, texts_of_rows
+from .naming import (
+    DECODER_CLASSES,
+    DECODER_DETAILS,
+    ENCODER_CLASSES,
+    ENCODER_DETAILS,
+    class_shares,
+)
 from .preflight import check_heads
 from .report_html import anchor, figure, fmt, glossary_rows, macros, page, part, value_html
 from .results import save_clusters
@@ -66,7 +73,7 @@ THRESHOLD_NAMES = 12  # heads named per threshold of the papers (the largest fir
 def is_decoder_run(features: HeadFeatures) -> bool:
     """Whether the run measured a decoder (meta.json `model_type`; causal rows: `cls` is the first position's mass,
     no row sees a next token)."""
-    return features.meta.get("model_type") in DECODER_TYPES
+    return is_decoder_meta(features.meta)
 
 
 def report_figures(run_dir) -> list[Path]:
@@ -204,6 +211,7 @@ class Report:
         self.run_dir, self.features, self.data, self.save, self.seed = run_dir, features, data, save, seed
         self.attached, self.n_examples, self.texts, self.model = attached, examples, texts, model
         self.decoder = is_decoder_run(features)
+        self.shown = shown_features(features.names, self.decoder)  # the features the page shows (glossary, tables)
         self.type_names = [c["type"] for c in data["clusters"]]
         self.colors = figs.type_colors(self.type_names)
         L, H = features.n_layers, features.n_heads
@@ -246,17 +254,24 @@ def _types_finding(r: Report) -> Markup:
     st = r.data["stability"]
     rows = []
     n_kept = int(r.kept.sum())
+    # the shares the names are made of (attnkit/analysis/naming.py): the classes of the run's kind, and the details
+    # that a name of this run claims
+    classes = list(DECODER_CLASSES if r.decoder else ENCODER_CLASSES)
+    claimed = {word for t in r.type_names for word in t.split("+")[1:]}
+    details = [d for d in (DECODER_DETAILS if r.decoder else ENCODER_DETAILS) if d in claimed]
     for c in r.data["clusters"]:
         p = c["profile"] or {}
+        if p and all(key in p for key in ("cls", "sep", "punct", "self", "near", "mid", "far", "special")):
+            p = {**p, **class_shares(p, r.decoder)}  # clusters.json of any version: from the group shares
         n, share = c["n_heads"], c["share"]
         if r.n_removed:  # counted over the heads that remain, whatever clusters.json counted
             n = int((r.labels == c["label"]).sum())
             share = n / n_kept if n_kept else float("nan")
         rows.append((macros().typed(r.colors[c["type"]], c["type"]), n, fmt(share),
-                     fmt(p.get("special")), fmt(p.get("near_r")), fmt(p.get("far_r"))))
+                     *[fmt(p.get(x)) for x in classes + details]))
     return part("types_finding", n_types=len(r.type_names), st=st, over=st.get("over_seeds"),
                 judged=run_stability(r.data), warn_below=STABILITY_WARN, rows=rows, removed=r.n_removed,
-                decoder=r.decoder)
+                decoder=r.decoder, header=["type", "heads", "share", *classes, *details])
 
 
 def _sink_finding(r: Report) -> Markup:
@@ -440,7 +455,7 @@ def findings(r: Report) -> Section:
 def explorer(r: Report) -> Section:
     removed = ", ".join(r.head_ids[m] for m in np.flatnonzero(~r.kept)) if r.n_removed else ""
     return Section("explorer", "Head explorer", part(
-        "explorer", L=r.features.n_layers, H=r.features.n_heads, names=r.features.names,
+        "explorer", L=r.features.n_layers, H=r.features.n_heads, names=r.shown,
         types=[(r.colors[t], t) for t in r.type_names], removed=removed,
         detected=r.attached.detected["kinds"] if r.attached.detected else ()))
 
@@ -630,7 +645,7 @@ def tables(r: Report) -> Section:
     features, names = r.features, r.features.names
     L, H = features.n_layers, features.n_heads
     show = [n for n in ("cls", "sep", "comma", "period", "self", "prev", "next", "entropy", "max", "intra",
-                        "inter", "cls_entropy") if n in names]
+                        "inter", "cls_entropy") if n in r.shown]
     wins = distance_feature_names(names)
     mark = macros().doc_mark
     trows, drows = [], []
@@ -643,12 +658,13 @@ def tables(r: Report) -> Section:
             trows.append([l, h, t] + [fmt(float(features.mean[l, h, names.index(n)])) for n in show])
             drows.append([l, h] + [fmt(float(features.mean[l, h, names.index(n)])) for n in wins])
     return Section("tables", "Features per head", part(
-        "tables", n=L * H, show=[mark(n, describe_feature(n)) for n in show], trows=trows,
-        wins=[mark(n, describe_feature(n)) for n in wins], drows=drows))
+        "tables", n=L * H, show=[mark(n, describe_feature(n, r.decoder)) for n in show], trows=trows,
+        wins=[mark(n, describe_feature(n, r.decoder)) for n in wins], drows=drows))
 
 
 def glossary_section(r: Report) -> Section:
-    return Section("glossary", "Glossary of features", part("glossary", rows=glossary_rows(r.features.names)))
+    return Section("glossary", "Glossary of features", part("glossary", rows=[
+        (n, describe_feature(n, r.decoder), where) for n, _, where in glossary_rows(r.shown)]))
 
 
 def settings(r: Report) -> Section:
@@ -719,11 +735,11 @@ def _panel(r: Report) -> dict:
     notes["maps"] = ("No example maps: `attnkit report RUN --examples N` embeds every head's maps of N short inputs "
                      "of the run's corpus (it needs the run's model and corpus).")
     notes["removed"] = "This head was removed from the model (pruned): it has no attention and no features."
-    docs = {"links": {n: f"#glossary-{anchor(n)}" for n in r.features.names},
-            "defs": {n: describe_feature(n) for n in r.features.names}}
+    docs = {"links": {n: f"#glossary-{anchor(n)}" for n in r.shown},
+            "defs": {n: describe_feature(n, r.decoder) for n in r.shown}}
     return panel_data(r.features, r.data, r.colors, distances=r.distances, extremes=ext,
                       row_texts=row_texts, maps=r.maps, attached=r.attached, docs=docs, notes=notes,
-                      removed=r.removed)
+                      removed=r.removed, shown=r.shown)
 
 
 def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, examples: int = 0,

@@ -56,7 +56,8 @@ def _run_shape(run: Path) -> tuple[int, int] | None:
 def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep, n_seeds, overwrite, quiet):
     """Group the heads of RUN into types; writes RUN/clusters.json.
 
-    Types are named from their centroids (dense, diagonal, dense+vertical, vertical; see
+    Types are named from their centroids by their largest class (vertical, diagonal, dense; on a decoder's
+    run first-token, previous-token, local, broad, ...) and what tells them apart (vertical+dense; see
     attnkit.analysis.naming). Stability follows Guan et al. 2020: the share of heads that get the same
     label in all fits on random 50% subsets of the heads, labels matched by the Hungarian method.
     """

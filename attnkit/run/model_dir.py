@@ -26,6 +26,12 @@ DECODER_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemm
                            "gpt_neox", "phi3"})
 
 
+def is_decoder_meta(meta) -> bool:
+    """Whether a run's meta.json records a decoder's `model_type` (causal rows: `cls` is the first position's mass,
+    no row sees a next token, row 0 sees only itself)."""
+    return isinstance(meta, dict) and meta.get("model_type") in DECODER_TYPES
+
+
 # The embedded models a name stands for (attnkit/embedded converts them; docs/decoders.md).
 EMBEDDED = ("smollm2",)
 
@@ -141,5 +147,5 @@ def some_names(names: list[str], n: int = 10) -> str:
 
 
 __all__ = ["CONFIG_FILES", "DECODER_TYPES", "EMBEDDED", "OFFSET_POSITIONS", "TOKENIZER_FILES", "WEIGHT_FILES",
-           "check_max_length", "check_model_dir", "default_model_path", "is_embedded_name", "looks_like_hub_id",
-           "max_positions", "read_config", "some_names"]
+           "check_max_length", "check_model_dir", "default_model_path", "is_decoder_meta", "is_embedded_name",
+           "looks_like_hub_id", "max_positions", "read_config", "some_names"]
