@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import shlex
+import signal
+import sys
 from pathlib import Path
 
 import click
@@ -126,20 +129,47 @@ def _shield_negative_values(command: click.Command | None, args: list[str]) -> l
     return out
 
 
-class CommandLine(click.Group):
-    """The `attnkit` group: its own and its commands' usage errors are one line (OneLineUsageError)."""
+ARGV = "attnkit.argv"  # ctx.meta key: the arguments the command line was given, as given
 
-    def make_context(self, *args, **kwargs):
+
+class CommandLine(click.Group):
+    """The `attnkit` group: its own and its commands' usage errors are one line (OneLineUsageError); Ctrl-C ends
+    any command with the shell's status for SIGINT, 130 (click would print "Aborted!" and exit 1), also during
+    start-up, before a command's own interruption handling runs; the arguments as given are kept for
+    `command_line`."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        given = list(args)
         with _one_line_usage():
-            return super().make_context(*args, **kwargs)
+            ctx = super().make_context(info_name, args, parent=parent, **extra)
+        ctx.meta[ARGV] = given
+        return ctx
 
     def resolve_command(self, ctx, args):
         name, command, rest = super().resolve_command(ctx, args)
         return name, command, _shield_negative_values(command, rest)
 
     def invoke(self, ctx):
-        with _one_line_usage():
-            return super().invoke(ctx)
+        try:
+            with _one_line_usage():
+                return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted.", err=True)
+            sys.exit(128 + signal.SIGINT)
+
+
+def command_line(add: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> str | None:
+    """The running command as the user typed it (program name and arguments, shell-quoted), without the flags in
+    `drop` and with those in `add` appended when absent: a command to copy and run again. None outside the
+    `attnkit` command group."""
+    ctx = click.get_current_context(silent=True)
+    root = ctx.find_root() if ctx is not None else None
+    given = root.meta.get(ARGV) if root is not None else None
+    if given is None:
+        return None
+    args = [a for a in given if a not in drop]
+    args += [a for a in add if a not in args]
+    return shlex.join([root.info_name or "attnkit", *args])
 
 
 # --- the one --columns parser --------------------------------------------------------------------------------
@@ -276,5 +306,5 @@ def shared(*names, **defaults):
     return deco
 
 
-__all__ = ["RUN", "SEED", "SHARED", "CommandLine", "OneLineUsageError", "OutputPath", "cli_errors", "echo_for",
-           "int_range", "option_names", "parse_columns", "run_argument", "shared"]
+__all__ = ["ARGV", "RUN", "SEED", "SHARED", "CommandLine", "command_line", "OneLineUsageError", "OutputPath",
+           "cli_errors", "echo_for", "int_range", "option_names", "parse_columns", "run_argument", "shared"]
