@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 CASES = (["--help"], ["--version"], ["extract", "--help"], ["extract", "--batch-size", "0"],
-         ["extract", "missing.txt", "-o", "out"],
+         ["extract", "missing.txt", "-o", "out"], ["extract", "cols.tsv", "-o", "cols.tsv/sub"],
          ["ablate", "default", "--task", "stsb", "--data", ".", "--experiment", "types"],
          ["cluster", "."], ["distances", "."],
          ["ablate", "default", "--task", "stsb", "--data", "cols.tsv", "--experiment", "heads"],
