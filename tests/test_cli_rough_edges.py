@@ -42,3 +42,25 @@ def test_dir_of_attnkit_is_its_api():
     assert not {"sys", "importlib", "attnkit_version"} & set(names)
     for name in names:
         assert getattr(attnkit, name) is not None
+
+
+def test_features_are_never_negative_whatever_a_backend_rounds(monkeypatch):
+    """A backend whose rounding leaves an empty bucket at -2e-11 (as the fused kernels did: win_15 =
+    -1.96e-11): the features recorded from it, and their means, are clamped at 0."""
+    import numpy as np
+
+    from attnkit import hf_attention
+
+    real = hf_attention.attention
+
+    def rounding_backend(*args, **kwargs):
+        out, feats = real(*args, **kwargs)
+        if feats is not None and feats.numel():
+            feats = feats - 2e-11  # every empty bucket (0) becomes slightly negative
+        return out, feats
+
+    monkeypatch.setattr(hf_attention, "attention", rounding_backend)
+    model = attnkit.load_model()
+    feats = attnkit.extract(["A short text.", "Another one here."], model, backend="reference", progress=False)
+    win_15 = feats.feature("win_15")
+    assert np.all(feats.mean >= 0) and np.all(win_15 == 0)  # two short texts: nothing 15/16 of a row away
