@@ -64,3 +64,43 @@ def test_features_are_never_negative_whatever_a_backend_rounds(monkeypatch):
     feats = attnkit.extract(["A short text.", "Another one here."], model, backend="reference", progress=False)
     win_15 = feats.feature("win_15")
     assert np.all(feats.mean >= 0) and np.all(win_15 == 0)  # two short texts: nothing 15/16 of a row away
+
+
+def test_progress_on_a_file_is_a_line_now_and_then_not_carriage_return_frames():
+    """tqdm drawing 1000 steps over 100 (fake) seconds into a file: one line when the bar starts, one per 30 s,
+    and the last frame when it ends; no '\\r'."""
+    import io
+
+    from tqdm import tqdm
+
+    from attnkit.cli.options import ProgressLines
+
+    now = [0.0]
+    log = io.StringIO()
+    lines = ProgressLines(log, every=30, clock=lambda: now[0])
+    lines.write("attnkit extract: 1 file\n")
+    with tqdm(total=1000, file=lines, mininterval=0, miniters=1, unit="seg") as bar:
+        for _ in range(1000):
+            now[0] += 0.1
+            bar.update(1)
+    lines.write("measured 1000 samples\n")
+    text = log.getvalue()
+    assert "\r" not in text
+    out = text.splitlines()
+    assert out[0] == "attnkit extract: 1 file" and out[-1] == "measured 1000 samples"
+    bars = out[1:-1]
+    assert 3 <= len(bars) <= 5, bars  # start, about every 30 s of 100, end
+    assert bars[-1].startswith("100%") and "1000/1000" in bars[-1]
+
+
+def test_extract_into_a_pipe_writes_no_carriage_returns(tmp_path):
+    from click.testing import CliRunner
+
+    from attnkit.cli.main import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"Line number {i} of the corpus.\n" for i in range(40)))
+    r = CliRunner().invoke(main, ["extract", str(corpus), "-o", str(tmp_path / "run"), "--max-length", "16",
+                                  "--backend", "reference", "--batch-size", "4"])
+    assert r.exit_code == 0, r.output
+    assert "\r" not in r.stderr and "seg" in r.stderr  # the bar, as lines

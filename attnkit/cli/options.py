@@ -13,6 +13,7 @@ import re
 import shlex
 import signal
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -130,13 +131,76 @@ def _shield_negative_values(command: click.Command | None, args: list[str]) -> l
 
 
 ARGV = "attnkit.argv"  # ctx.meta key: the arguments the command line was given, as given
+PROGRESS_EVERY_S = 30.0  # at most one progress line per bar this often on a stderr that is no terminal
+
+
+class ProgressLines:
+    """stderr when it is a file or a pipe, not a terminal: a progress bar's frames (tqdm redraws its line in
+    place, "\r" + the bar, many times a second) become whole lines, one when a bar starts, then at most one per
+    `every` seconds, and the last one when it ends, instead of thousands of "\r" frames in a log. Everything
+    else passes through as written."""
+
+    def __init__(self, stream, every: float = PROGRESS_EVERY_S, clock=time.monotonic):
+        self._stream, self._every, self._clock = stream, every, clock
+        self._pending: str | None = None  # the latest frame, not written yet
+        self._last: float | None = None  # when the bar under way last wrote a line; None: no bar under way
+
+    def write(self, text) -> int:
+        text = str(text)
+        head, *frames = text.replace("\x1b[A", "").split("\r")  # cursor-up: nested bars, meaningless here
+        if head:
+            bar_end = self._last is not None and not head.strip("\n")  # the newline a bar ends with
+            self.end_bar()
+            if not bar_end:
+                self._stream.write(head)
+        for frame in frames:
+            frame = frame.rstrip()
+            if not frame:  # a bar cleared at its end
+                self.end_bar()
+            elif self._last is None or self._clock() - self._last >= self._every:
+                self._stream.write(frame + "\n")
+                self._last, self._pending = self._clock(), None
+            else:
+                self._pending = frame
+        return len(text)
+
+    def end_bar(self) -> None:
+        """Write the bar's last frame, if not written yet: the line a log ends the bar with."""
+        if self._pending is not None:
+            self._stream.write(self._pending + "\n")
+        self._pending = self._last = None
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name):  # encoding, errors, fileno, ...: the stream's
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def progress_as_lines():
+    """While the block runs, progress bars written to a stderr that is not a terminal are `ProgressLines`."""
+    stderr = sys.stderr
+    is_tty = getattr(stderr, "isatty", lambda: False)
+    if stderr is None or isinstance(stderr, ProgressLines) or is_tty():
+        yield
+        return
+    sys.stderr = lines = ProgressLines(stderr)
+    try:
+        yield
+    finally:
+        lines.end_bar()
+        sys.stderr = stderr
 
 
 class CommandLine(click.Group):
     """The `attnkit` group: its own and its commands' usage errors are one line (OneLineUsageError); Ctrl-C ends
     any command with the shell's status for SIGINT, 130 (click would print "Aborted!" and exit 1), also during
-    start-up, before a command's own interruption handling runs; the arguments as given are kept for
-    `command_line`."""
+    start-up, before a command's own interruption handling runs; progress on a stderr that is no terminal is a
+    line now and then (`ProgressLines`); the arguments as given are kept for `command_line`."""
 
     def make_context(self, info_name, args, parent=None, **extra):
         given = list(args)
@@ -151,7 +215,7 @@ class CommandLine(click.Group):
 
     def invoke(self, ctx):
         try:
-            with _one_line_usage():
+            with _one_line_usage(), progress_as_lines():
                 return super().invoke(ctx)
         except KeyboardInterrupt:
             click.echo("\ninterrupted.", err=True)
@@ -307,4 +371,5 @@ def shared(*names, **defaults):
 
 
 __all__ = ["ARGV", "RUN", "SEED", "SHARED", "CommandLine", "command_line", "OneLineUsageError", "OutputPath",
+           "ProgressLines", "progress_as_lines",
            "cli_errors", "echo_for", "int_range", "option_names", "parse_columns", "run_argument", "shared"]
