@@ -104,3 +104,31 @@ def test_extract_into_a_pipe_writes_no_carriage_returns(tmp_path):
                                   "--backend", "reference", "--batch-size", "4"])
     assert r.exit_code == 0, r.output
     assert "\r" not in r.stderr and "seg" in r.stderr  # the bar, as lines
+
+
+def test_attention_maps_without_a_model_warns_when_another_model_was_loaded():
+    """docs/analysis.md §8: no model means the embedded MiniLM; when the model last loaded in the session is
+    another one, the call says so (a notebook that loaded SmolLM2 would otherwise get MiniLM's maps silently)."""
+    import warnings
+
+    import pytest
+
+    from tests.synthetic import tiny_bert
+
+    attnkit.load_model()  # the embedded MiniLM last: nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert attnkit.attention_maps("A cat.").weights.shape[:2] == (6, 12)
+    model, tok = tiny_bert()
+    attnkit.instrument(model, tok)
+    with pytest.warns(UserWarning, match=r"attnkit\.attention_maps: no model given, so the embedded MiniLM, "
+                                         r"although BertModel was loaded in this session") as caught:
+        maps = attnkit.attention_maps("A cat.")
+    assert maps.weights.shape[:2] == (6, 12)  # still MiniLM's maps, as documented
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    with pytest.warns(UserWarning, match=r"attnkit\.extract: no model given"):
+        attnkit.instrument(model, tok)
+        attnkit.extract(["A cat."], progress=False)
+    with warnings.catch_warnings():  # the model given: nothing to say
+        warnings.simplefilter("error")
+        attnkit.attention_maps("A cat.", (model, tok), max_length=16)

@@ -138,10 +138,9 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
     model = str(tmp_path / "m")
     no_text_column = tmp_path / "n.csv"
     no_text_column.write_text("x\n1\n")
+    from attnkit.engine.job_options import ExtractOptions, option_settings
     from attnkit.run.head_features import FeatureAccumulator
     from attnkit.run.rundir import RunDir
-
-    from attnkit.engine.job_options import ExtractOptions, option_settings
 
     interrupted = tmp_path / "interrupted"  # a checkpoint made with --batch-size 16, the other options as given
     RunDir(interrupted).save_checkpoint(FeatureAccumulator(2, 4, ["f0"]), 1, 0,

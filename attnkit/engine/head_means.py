@@ -80,7 +80,7 @@ def head_means(texts, model=None, *, tokenizer=None, max_length: int = DEFAULT_M
     if not isinstance(texts, Corpus):
         texts = check_texts(texts)
     check_workers(workers)
-    model, tokenizer = resolve_model(model, tokenizer, device, dtype)
+    model, tokenizer = resolve_model(model, tokenizer, device, dtype, function="attnkit.head_means")
     check_max_length(model, max_length)
     dev = next(model.parameters()).device
     batch_size = default_batch_size(dev) if batch_size is None else check_int(batch_size, "batch_size")

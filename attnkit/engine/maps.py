@@ -84,7 +84,7 @@ def attention_maps(text, model=None, *, tokenizer=None, max_length: int = DEFAUL
     head in mode uniform).
     """
     segment = _check_text(text)
-    model, tokenizer = resolve_model(model, tokenizer, device)
+    model, tokenizer = resolve_model(model, tokenizer, device, function="attnkit.attention_maps")
     check_max_length(model, max_length)
     dev = next(model.parameters()).device
     enc = {k: v.to(dev) for k, v in Encoder(tokenizer, max_length=max_length)([segment]).inputs.items()}
