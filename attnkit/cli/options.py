@@ -217,9 +217,9 @@ class CommandLine(click.Group):
         try:
             with _one_line_usage(), progress_as_lines():
                 return super().invoke(ctx)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:  # a job that turned SIGTERM into one says so (its signum)
             click.echo("\ninterrupted.", err=True)
-            sys.exit(128 + signal.SIGINT)
+            sys.exit(128 + int(getattr(exc, "signum", signal.SIGINT)))
 
 
 def command_line(add: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> str | None:
