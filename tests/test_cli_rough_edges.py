@@ -71,6 +71,7 @@ def test_progress_on_a_file_is_a_line_now_and_then_not_carriage_return_frames():
     and the last frame when it ends; no '\\r'."""
     import io
 
+    import pytest
     from tqdm import tqdm
 
     from attnkit.cli.options import ProgressLines
@@ -78,6 +79,8 @@ def test_progress_on_a_file_is_a_line_now_and_then_not_carriage_return_frames():
     now = [0.0]
     log = io.StringIO()
     lines = ProgressLines(log, every=30, clock=lambda: now[0])
+    with pytest.raises(TypeError):
+        lines.write(b"")  # a text stream, as the one it wraps: click probes with bytes
     lines.write("attnkit extract: 1 file\n")
     with tqdm(total=1000, file=lines, mininterval=0, miniters=1, unit="seg") as bar:
         for _ in range(1000):
@@ -93,17 +96,19 @@ def test_progress_on_a_file_is_a_line_now_and_then_not_carriage_return_frames():
     assert bars[-1].startswith("100%") and "1000/1000" in bars[-1]
 
 
-def test_extract_into_a_pipe_writes_no_carriage_returns(tmp_path):
-    from click.testing import CliRunner
-
-    from attnkit.cli.main import main
-
+def test_extract_into_a_pipe_writes_lines_not_carriage_return_frames(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("".join(f"Line number {i} of the corpus.\n" for i in range(40)))
-    r = CliRunner().invoke(main, ["extract", str(corpus), "-o", str(tmp_path / "run"), "--max-length", "16",
-                                  "--backend", "reference", "--batch-size", "4"])
-    assert r.exit_code == 0, r.output
-    assert "\r" not in r.stderr and "seg" in r.stderr  # the bar, as lines
+    r = subprocess.run([sys.executable, "-m", "attnkit.cli", "extract", str(corpus), "-o", str(tmp_path / "run"),
+                        "--max-length", "16", "--backend", "reference", "--batch-size", "4"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr and "b'" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("attnkit extract: ") and lines[1].startswith("model bert (6 layers × 12 heads)")
+    bars = [x for x in lines if x.startswith("extract:")]
+    assert 1 <= len(bars) <= 3 and "40/40" in bars[-1], lines  # the bar's start and its last frame, as lines
 
 
 def test_attention_maps_without_a_model_warns_when_another_model_was_loaded():

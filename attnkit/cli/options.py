@@ -145,8 +145,9 @@ class ProgressLines:
         self._pending: str | None = None  # the latest frame, not written yet
         self._last: float | None = None  # when the bar under way last wrote a line; None: no bar under way
 
-    def write(self, text) -> int:
-        text = str(text)
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):  # a text stream, as the one it wraps (click probes with bytes)
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
         head, *frames = text.replace("\x1b[A", "").split("\r")  # cursor-up: nested bars, meaningless here
         if head:
             bar_end = self._last is not None and not head.strip("\n")  # the newline a bar ends with
