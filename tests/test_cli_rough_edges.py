@@ -137,3 +137,29 @@ def test_attention_maps_without_a_model_warns_when_another_model_was_loaded():
     with warnings.catch_warnings():  # the model given: nothing to say
         warnings.simplefilter("error")
         attnkit.attention_maps("A cat.", (model, tok), max_length=16)
+
+
+def test_report_says_when_it_writes_clusters_json(tmp_path):
+    from click.testing import CliRunner
+
+    from attnkit.cli.main import main
+    from tests.synthetic import layered_truth, make_features
+
+    run = tmp_path / "run"
+    make_features(layered_truth(2, 4)).save(run)
+    r = CliRunner().invoke(main, ["report", str(run), "-k", "3", "--examples", "0", "--no-svg", "-q"])
+    assert r.exit_code == 0, r.output
+    assert (run / "clusters.json").is_file()
+    said = [line for line in r.stdout.splitlines() if "clusters.json" in line]
+    assert said == [f"wrote {run / 'clusters.json'} (the run had no head types: clustered now with k = 3, method "
+                    "kmeans, seed 0; `attnkit cluster` chooses others)"], r.stdout
+
+
+def test_ablate_help_names_smollm2():
+    from click.testing import CliRunner
+
+    from attnkit.cli.main import main
+
+    r = CliRunner().invoke(main, ["ablate", "--help"], terminal_width=200)
+    assert r.exit_code == 0
+    assert "`smollm2` for the embedded decoder SmolLM2-135M-Instruct" in " ".join(r.output.split())
