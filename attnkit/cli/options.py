@@ -234,7 +234,8 @@ def command_line(add: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> str |
         return None
     args = [a for a in given if a not in drop]
     args += [a for a in add if a not in args]
-    return shlex.join([root.info_name or "attnkit", *args])
+    program = (root.info_name or "attnkit").split()  # "python -m attnkit.cli" when run so: three words
+    return shlex.join([*program, *args])
 
 
 # --- the one --columns parser --------------------------------------------------------------------------------
