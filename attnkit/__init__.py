@@ -54,7 +54,9 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    """The public API only (`__all__`, the names imported on first use, `__version__`), not the modules this
+    file works with (sys, importlib) nor the helpers it imports."""
+    return sorted({*__all__, *_LAZY, "__version__"})
 
 
 def _register_attention() -> None:

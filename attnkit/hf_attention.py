@@ -575,6 +575,9 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     for p in parts:
         out = replace_head_outputs(out, p.outputs, slice(p.start, p.stop))
     if want:  # a pruned layer's removed heads have no attention, hence no features: NaN (docs/pruning.md)
+        # every feature is a mass or an entropy, never negative: a backend's rounding (win_15 = -1.96e-11) is
+        # clamped here, where the features of every backend and engine enter the runtime (docs/features.md §3)
+        feats = feats.clamp(min=0.0)
         rt.features[module.layer_idx] = feats if kept is None else to_unpruned(feats, kept, float("nan"))
     if rt is not None and rt.head_caches:  # caches hold the unpruned heads (removed ones output 0)
         heads_out = out if kept is None else to_unpruned(out.transpose(1, 2), kept).transpose(1, 2)

@@ -122,12 +122,39 @@ def observing(model_or_runtime, observers: Sequence[Callable]):
             rt.observers.remove(obs)
 
 
+_LAST_MODEL: dict[str, str | None] = {"name": None}  # the model attnkit was last given in this session, by name
+
+
+def _model_name(model) -> str:
+    return str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+
+
+def _is_default_model(name: str) -> bool:
+    try:
+        return os.path.realpath(name) == os.path.realpath(default_model_path())
+    except AttnkitError:
+        return False
+
+
+def warn_if_default_is_not_the_last_model(function: str) -> None:
+    """Warn (UserWarning) that `function`, given no model, uses the embedded MiniLM while the model last used in
+    this session is another one (docs/analysis.md §8): a notebook that loaded SmolLM2 and then asked for maps
+    without naming the model gets MiniLM's, which it should hear about."""
+    import warnings
+
+    last = _LAST_MODEL["name"]
+    if last is not None and not _is_default_model(last):
+        warnings.warn(f"{function}: no model given, so the embedded MiniLM, although {last} was loaded in this "
+                      "session; pass model=(model, tokenizer) for that model's", UserWarning, stacklevel=4)
+
+
 def instrument(model, tokenizer=None):
     """Switch `model` to attnkit attention and attach a Runtime. Returns the model.
 
     `tokenizer` (optional) names the separator tokens by which region interventions find the segments
     of a plain forward without token_type_ids; without it they come from the model's config."""
     register()
+    _LAST_MODEL["name"] = _model_name(model)
     if getattr(model, RUNTIME_ATTR, None) is not None and model.config._attn_implementation == NAME:
         if tokenizer is not None:
             getattr(model, RUNTIME_ATTR).separator_ids = _separator_ids(model, tokenizer)
@@ -337,11 +364,15 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     return model, tokenizer
 
 
-def resolve_model(model=None, tokenizer=None, device=None, dtype=None, max_length: int | None = None):
+def resolve_model(model=None, tokenizer=None, device=None, dtype=None, max_length: int | None = None, *,
+                  function: str | None = None):
     """(model, tokenizer), instrumented, from what a caller may pass as a model: None (the embedded MiniLM), a
     local path, a (model, tokenizer) pair, or a model with `tokenizer`. A given model is moved to `device` and
     `dtype` when they are given. `max_length`: as `load_model` checks it (before a model given by its path
-    loads)."""
+    loads). `function`: the public function whose caller gave no model, warned when another model was the last one
+    used (`warn_if_default_is_not_the_last_model`)."""
+    if model is None and tokenizer is None and function is not None:
+        warn_if_default_is_not_the_last_model(function)
     if model is None or isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
         return load_model(model, device=device, dtype=dtype, max_length=max_length)
     if isinstance(model, tuple) and len(model) == 2:

@@ -144,6 +144,13 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
     short = str(short)
     no_text_column = tmp_path / "n.csv"
     no_text_column.write_text("x\n1\n")
+    from attnkit.engine.job_options import ExtractOptions, option_settings
+    from attnkit.run.head_features import FeatureAccumulator
+    from attnkit.run.rundir import RunDir
+
+    interrupted = tmp_path / "interrupted"  # a checkpoint made with --batch-size 16, the other options as given
+    RunDir(interrupted).save_checkpoint(FeatureAccumulator(2, 4, ["f0"]), 1, 0,
+                                        option_settings(ExtractOptions(batch_size=16)))
     cases = [
         (["extract", missing, "-o", str(tmp_path / "o")], f"corpus file '{missing}' does not exist"),
         (["extract", str(corpus), "-o", str(run)], "already holds a finished run: give --overwrite"),
@@ -152,6 +159,10 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
          "--per-sample is written by the local engine only"),
         (["extract", str(corpus), "-o", str(tmp_path / "o"), "--model", str(tmp_path / "m")], "not found"),
         (["extract", str(corpus), "--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
+        (["extract", str(corpus), "-o", str(existing / "x" / "sub")],
+         f"cannot create run directory '{existing / 'x' / 'sub'}': '{existing / 'x'}' is a file, not a directory"),
+        (["extract", str(corpus), "-o", str(interrupted), "--resume", "--batch-size", "8"],
+         "cannot resume: the run directory was made with other settings (batch_size: 16 then, 8 now)"),
         (["ablate", "default", *stsb, "--experiment", "types"], "--experiment types needs --clusters RUN"),
         (["ablate", "default", *stsb, "--experiment", "importance", "--mode", "mean"], "--mode mean applies to"),
         (["ablate", str(tmp_path / "m"), *stsb, "--experiment", "heads"], "not found"),

@@ -54,9 +54,10 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @cli_errors
 def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metric, resamples, stack, limit, sample,
            max_length, batch_size, glue_task, step, no_layer_norm, renormalize, device, out, overwrite, quiet):
-    """Disable heads, layers or head types of MODEL (a local model directory, or `default` for the embedded
-    MiniLM), or patch its heads from clean into corrupted inputs, and measure the task metric; writes
-    CSV/JSON/Markdown tables, every setting's per-example outputs and a PNG figure."""
+    """Disable heads, layers or head types of MODEL (a local model directory, `default` for the embedded MiniLM,
+    or `smollm2` for the embedded decoder SmolLM2-135M-Instruct, its install: docs/decoders.md), or patch its
+    heads from clean into corrupted inputs, and measure the task metric; writes CSV/JSON/Markdown tables, every
+    setting's per-example outputs and a PNG figure."""
     from ..ablation.options import AblateOptions, output_paths, preflight_ablate
 
     opts = AblateOptions(

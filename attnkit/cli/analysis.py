@@ -196,11 +196,16 @@ def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit,
     preflight_report(run, overwrite)  # refusals come before matplotlib, scikit-learn or the model is imported
     from ..analysis.jobs import report_run
     from ..analysis.report import report_figures
+    from ..run.clusters import clusters_path
 
+    had_clusters = clusters_path(run).is_file()
     path = report_run(run, examples=examples, include=include, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs,
                       columns=columns, limit=limit, k=k, method=method, seed=seed, device=device, svg=svg, quiet=quiet,
                       overwrite=overwrite, echo=echo_for())
     figures = report_figures(run)
+    if not had_clusters and clusters_path(run).is_file():  # the report clustered the run: say so, it is a new file
+        click.echo(f"wrote {clusters_path(run)} (the run had no head types: clustered now with k = {k}, method "
+                   f"{method}, seed {seed}; `attnkit cluster` chooses others)")
     click.echo(f"wrote {path}" + (f" and {len(figures)} figure files in {figures[0].parent}" if figures else ""))
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..features import DEFAULT_WINDOW
-from .options import OutputPath, cli_errors, echo_for, int_range, shared
+from .options import OutputPath, cli_errors, command_line, echo_for, int_range, shared
 
 
 @click.command()
@@ -75,6 +75,7 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
         if exc.saved_after is None:
             click.echo("\ninterrupted before the first batch finished; nothing saved.", err=True)
         else:
-            click.echo(f"\ninterrupted after {exc.saved_after} segments; checkpoint saved. "
-                       f"Continue with: attnkit extract ... -o {out} --resume", err=True)
+            again = command_line(add=("--resume",), drop=("--overwrite",)) or f"attnkit extract ... -o {out} --resume"
+            click.echo(f"\ninterrupted after {exc.saved_after} segments; checkpoint saved. Continue with: {again}",
+                       err=True)
         sys.exit(128 + exc.signum)  # the shell's status for the signal: 130 after Ctrl-C, 143 after SIGTERM

@@ -244,7 +244,8 @@ def extract(
     if devices is not None:
         devs = parse_devices(",".join(map(str, devices)) if isinstance(devices, (list, tuple)) else devices)
         device = device if device is not None else devs[0]
-    model, tokenizer = resolve_model(model, tokenizer, device, dtype, max_length=settings.max_length)
+    model, tokenizer = resolve_model(model, tokenizer, device, dtype, max_length=settings.max_length,
+                                     function="attnkit.extract")
     replicas = replicate(model, devs)[1:] if devs is not None else []
     rows: dict[int, object] = {}
 

@@ -25,7 +25,6 @@ import torch
 
 from ..arch.pruning import removed_heads
 from ..errors import AttnkitError, arg, print_message
-from ..features import DEFAULT_WEIGHTING
 from ..models import (
     attention_modules,
     check_max_length,
@@ -45,7 +44,7 @@ from ..run.versions import versions
 from .devices import parse_devices, replicate
 from .extract import ExtractionState, run_extraction
 from .forward import default_batch_size
-from .job_options import ENGINES, ExtractOptions, check_extract_options
+from .job_options import ENGINES, ExtractOptions, check_extract_options, option_settings
 from .local import BatchResult, check_workers, default_workers
 
 # what describes an input's bytes (compared through corpus_sha256 and named when it differs), not how it is read
@@ -111,20 +110,11 @@ class _Job:
             "reading": {"paths": [s.path if s.is_stream else str(Path(s.path).resolve()) for s in corpus.sources],
                         "format": opts.fmt, "text_unit": opts.text_unit,
                         "columns": list(opts.columns) if opts.columns else None, "squad_pairs": opts.squad_pairs},
-            "limit": opts.limit,
-            "max_length": opts.max_length,
-            "batch_size": None,
-            "window": opts.window,
-            "dtype": opts.dtype,
-            "num_windows": opts.num_windows,
-            "split_sentences": opts.sentences,
+            **option_settings(opts),  # the settings the options give, also compared before the model loads
+            "batch_size": None,  # set by the engine
             "backend": None,
             "device_type": None,
-            "engine": opts.engine,
-            "per_sample": opts.per_sample,
         }
-        if opts.weighting != DEFAULT_WEIGHTING:  # absent for attention runs, as in runs made before norm weighting
-            self.settings["weighting"] = opts.weighting
 
     def say(self, text: str) -> None:
         """A stage message on stderr (unless quiet)."""

@@ -80,7 +80,8 @@ def head_means(texts, model=None, *, tokenizer=None, max_length: int = DEFAULT_M
     if not isinstance(texts, Corpus):
         texts = check_texts(texts)
     check_workers(workers)
-    model, tokenizer = resolve_model(model, tokenizer, device, dtype, max_length=max_length)
+    model, tokenizer = resolve_model(model, tokenizer, device, dtype, max_length=max_length,
+                                     function="attnkit.head_means")
     dev = next(model.parameters()).device
     batch_size = default_batch_size(dev) if batch_size is None else check_int(batch_size, "batch_size")
     n_layers, n_heads = len(attention_modules(model)), model.config.num_attention_heads

@@ -85,7 +85,8 @@ def attention_maps(text, model=None, *, tokenizer=None, max_length: int = DEFAUL
     head in mode uniform).
     """
     segment = _check_text(text)
-    model, tokenizer = resolve_model(model, tokenizer, device, max_length=max_length)
+    model, tokenizer = resolve_model(model, tokenizer, device, max_length=max_length,
+                                     function="attnkit.attention_maps")
     dev = next(model.parameters()).device
     enc = {k: v.to(dev) for k, v in Encoder(tokenizer, max_length=max_length)([segment]).inputs.items()}
     with torch.inference_mode():
