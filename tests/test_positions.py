@@ -322,3 +322,10 @@ def test_an_output_that_is_not_a_directory_is_a_usage_error(dirs, tmp_path):
     for out in ("/dev/null", tmp_path / "f"):
         res = run("extract", dirs["corpus"], "--model", dirs["bert"], "--max-length", POSITIONS, "-o", out)
         assert res.exit_code == 2 and "exists and is not a directory" in res.output, res.output
+
+
+def test_probe_cuts_its_default_length_to_the_positions_and_says_so(dirs, tmp_path):
+    res = run("probe", dirs["conllu"], "--model", dirs["bert"], "--min-count", 1, "-o", tmp_path / "p")
+    assert res.exit_code == 0, res.output
+    assert "attnkit probe: sentences cut to the model's 16 positions (the default --max-length is 128)" in res.stderr
+    assert json.loads((tmp_path / "p" / "probe.json").read_text())["settings"]["max_length"] == POSITIONS
