@@ -37,10 +37,8 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.option("--sample", type=int_range("sample"), default=None,
               help="Use N examples spread evenly over the file (data files are often sorted by genre, so the "
                    "first N can be a biased sample). Applied after --limit.")
-@click.option("--max-length", type=int_range("max_length"), default=None,
-              help="Tokens per input, special tokens included; longer inputs are truncated (a language model's "
-                   "loss depends on its context). At most the model's positions. [default: 128, squad 384; cut to "
-                   "the model's positions where it has fewer, and said so]")
+@shared("max-length", max_length="128, squad 384; a language model's loss depends on it; cut to the positions "
+                                "of a model with fewer, and said so")
 @shared("batch-size", batch_size=32)
 @click.option("--glue-task", default=None, help="GLUE task of --data when it cannot be told from the header.")
 @click.option("--step", type=float, default=0.1, show_default=True, help="importance: share pruned per step.")
