@@ -113,8 +113,8 @@ def test_every_command_refuses_a_length_past_the_positions_before_the_model_load
     ]
     if kind == "bert":
         commands += [
-            (["ablate", model, "--task", "mlm", "--data", corpus, "--experiment", "heads", "-o", tmp_path / "a"],
-             default),
+            (["ablate", model, "--task", "mlm", "--data", corpus, "--experiment", "heads", "--max-length", 17, "-o",
+              tmp_path / "a"], "--max-length 17 " + past),
             (["probe", dirs["conllu"], "--model", model, "--max-length", 64, "-o", tmp_path / "p"],
              "--max-length 64 " + past),
         ]
@@ -122,8 +122,6 @@ def test_every_command_refuses_a_length_past_the_positions_before_the_model_load
         commands += [
             (["ablate", model, "--task", "lm", "--data", corpus, "--experiment", "heads", "--max-length", 17, "-o",
               tmp_path / "a"], "--max-length 17 " + past),
-            (["ablate", model, "--task", "lm", "--data", corpus, "--experiment", "layers", "-o", tmp_path / "a"],
-             default),  # ablate's default length is checked too
             (["detect-heads", model, "--length", 9, "-o", tmp_path / "d"],
              f"the repeated sequences (2 × 9 tokens) take 18 tokens, more than the model's {POSITIONS} positions"),
             (["detect-heads", model, "--length", 2_000_000_000, "-o", tmp_path / "d"], "take 4000000000 tokens"),
@@ -158,11 +156,14 @@ def test_the_python_apis_refuse_a_length_past_the_positions(dirs):
     from attnkit.ablation.experiments import TaskEvaluator
     from attnkit.ablation.tasks import get_task
 
-    task = get_task("lm", dirs["corpus"])  # its default length, 128
-    with pytest.raises(AttnkitError, match="max_length 128 exceeds the model's 16 positions"):
+    task = get_task("lm", dirs["corpus"], max_length=17)  # a length asked for: refused
+    with pytest.raises(AttnkitError, match="max_length 17 exceeds the model's 16 positions"):
         task.evaluate(*pair)
-    with pytest.raises(AttnkitError, match="max_length 128 exceeds the model's 16 positions"):
+    with pytest.raises(AttnkitError, match="max_length 17 exceeds the model's 16 positions"):
         TaskEvaluator(task, *pair)
+    task = get_task("lm", dirs["corpus"])  # the task's default, 128: cut to the model's positions
+    TaskEvaluator(task, *pair)
+    assert task.max_length == POSITIONS
 
 
 def lm_loss(model, tok, texts, max_length: int) -> float:
@@ -177,12 +178,18 @@ def lm_loss(model, tok, texts, max_length: int) -> float:
     return total / n
 
 
+@pytest.mark.parametrize("given", [True, False])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_ablate_lm_within_the_positions_scores_the_truncated_texts(dirs, kind, tmp_path):
-    """issue 34: GPT-2 with 64 positions ended in IndexError, a rotary Llama was scored past its context."""
-    res = run("ablate", dirs[kind], "--task", "lm", "--data", dirs["corpus"], "--experiment", "layers",
-              "--max-length", POSITIONS, "--resamples", 0, "-q", "-o", tmp_path / "a")
+def test_ablate_lm_within_the_positions_scores_the_truncated_texts(dirs, kind, given, tmp_path):
+    """issue 34: GPT-2 with 64 positions ended in IndexError, a rotary Llama was scored past its context. Given
+    --max-length 16, or by default (128, cut to the model's 16 positions, and said so), the loss is that of the
+    texts cut to 16 tokens."""
+    length = ["--max-length", POSITIONS] if given else []
+    res = run("ablate", dirs[kind], "--task", "lm", "--data", dirs["corpus"], "--experiment", "layers", *length,
+              "--resamples", 0, "-o", tmp_path / "a")
     assert res.exit_code == 0, res.output
+    cut = "attnkit ablate: inputs cut to the model's 16 positions (the task's default --max-length is 128)"
+    assert (cut in res.stderr) == (not given), res.stderr
     table = json.loads((tmp_path / "a" / "layers.json").read_text())
     base = next(r for r in table["rows"] if r["setting"] == "baseline")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -191,7 +198,7 @@ def test_ablate_lm_within_the_positions_scores_the_truncated_texts(dirs, kind, t
     want = lm_loss(model, AutoTokenizer.from_pretrained(dirs[kind]), TEXTS, POSITIONS)
     assert base["loss"] == pytest.approx(want, rel=1e-5)
     meta = json.loads((tmp_path / "a" / "layers.meta.json").read_text())
-    assert meta["max_length"] == POSITIONS
+    assert meta["max_length"] == POSITIONS and meta.get("max_length_cut_from") == (None if given else 128)
 
 
 def test_other_commands_within_the_positions_truncate(dirs, tmp_path):
@@ -315,3 +322,10 @@ def test_an_output_that_is_not_a_directory_is_a_usage_error(dirs, tmp_path):
     for out in ("/dev/null", tmp_path / "f"):
         res = run("extract", dirs["corpus"], "--model", dirs["bert"], "--max-length", POSITIONS, "-o", out)
         assert res.exit_code == 2 and "exists and is not a directory" in res.output, res.output
+
+
+def test_probe_cuts_its_default_length_to_the_positions_and_says_so(dirs, tmp_path):
+    res = run("probe", dirs["conllu"], "--model", dirs["bert"], "--min-count", 1, "-o", tmp_path / "p")
+    assert res.exit_code == 0, res.output
+    assert "attnkit probe: sentences cut to the model's 16 positions (the default --max-length is 128)" in res.stderr
+    assert json.loads((tmp_path / "p" / "probe.json").read_text())["settings"]["max_length"] == POSITIONS

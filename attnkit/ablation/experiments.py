@@ -30,7 +30,6 @@ import numpy as np
 from ..arch.pruning import pruned_head_grid
 from ..errors import AttnkitError, arg
 from ..interventions import HeadTypes, Intervention, format_heads, intervene
-from ..run.model_dir import check_max_length
 from ..run.outputs import atomic_write, ensure_writable_dir
 from .importance import iterative_pruning
 from .metrics import MC_Z, N_BOOT, bootstrap_values, excludes_zero, percentile_interval
@@ -70,7 +69,7 @@ class TaskEvaluator:
     memory allows; 1: one)."""
 
     def __init__(self, task, model, tokenizer, limit=None, batch_size=32, *, sweep: bool = True, stack=None):
-        check_max_length(model, task.max_length)  # no input runs past the model's positions
+        task.fit_to(model)  # no input runs past the model's positions
         self.task, self.model, self.tokenizer = task, model, tokenizer
         self.limit, self.batch_size = limit, batch_size
         self.main_metric = task.main_metric

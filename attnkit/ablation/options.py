@@ -109,7 +109,8 @@ def preflight_ablate(opts: AblateOptions) -> None:
     if opts.task_name == "mlm" and mtype in DECODER_TYPES:  # (an unknown decoder is refused as it loads)
         raise AttnkitError(f"{arg('task_name', 'mlm')} scores a masked language model (an encoder); {opts.model!r} "
                            f"holds a {mtype!r} decoder: use {arg('task_name', 'lm')} for its next-token loss")
-    check_model_max_length(opts.model, task_max_length(opts.task_name, opts.max_length))  # config.json is enough
+    if opts.max_length is not None:  # a length asked for: config.json is enough (a default is fitted to the model)
+        check_model_max_length(opts.model, opts.max_length)
     if opts.clusters is not None:
         load_clusters(opts.clusters)
 

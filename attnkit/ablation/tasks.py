@@ -34,7 +34,7 @@ import torch
 
 from ..errors import AttnkitError, check_int
 from ..features import DEFAULT_MAX_LENGTH
-from ..models import check_max_length, instrument, runtime_of
+from ..models import check_max_length, instrument, max_positions, runtime_of
 from ..tokens import Batch, Encoder
 from . import metrics
 from .data import (
@@ -90,6 +90,7 @@ class Task:
     main_metric = ""
     model_task: str | None = None  # the `task` argument of attnkit.load_model
     max_length = DEFAULT_MAX_LENGTH
+    length_given = False  # whether max_length was asked for; else it is the task's default (`fit_to`)
     last_examples = None  # metrics.ExampleScores of the last evaluate(), for bootstrap intervals
 
     path = ""
@@ -123,6 +124,19 @@ class Task:
             cache[key] = batches
         return cache[key]
 
+    def fit_to(self, model) -> int | None:
+        """Make max_length fit `model`'s positions (attnkit.run.model_dir.max_positions), so that no input runs past
+        them: a length that was asked for (`length_given`) and exceeds them is refused (check_max_length); the
+        task's default is cut to them. Returns the default it cut, else None."""
+        limit = max_positions(model)
+        if limit is None or self.max_length <= limit:
+            return None
+        if self.length_given:
+            check_max_length(model, self.max_length)
+        cut, self.max_length = self.max_length, limit
+        self.__dict__.pop("_cache", None)  # batches encoded at the old length
+        return cut
+
     def segments(self, limit: int | None = None) -> list:
         """The inputs the model sees in an evaluation under `limit` (texts or text pairs), e.g. for the mean
         outputs of every head over them (`attnkit ablate --mode mean`)."""
@@ -148,7 +162,7 @@ class Task:
 
     def evaluate(self, model, tokenizer, limit: int | None = None, batch_size: int = 32) -> dict:
         """The task's metrics of `model` on the examples under `limit` (as `subset` picks them)."""
-        check_max_length(model, self.max_length)
+        self.fit_to(model)
         instrument(model)
         self.last_examples = None
         plan = self.plan(model, tokenizer, limit, batch_size)
@@ -344,6 +358,12 @@ class SquadTask(Task):
         self.max_length, self.stride = max_length, min(SQUAD_STRIDE, max_length // 3) if stride is None else stride
         self.n_best, self.max_answer_length = n_best, max_answer_length
         self.examples, self.v2 = read_squad(path)  # (qid, question, context, [answer texts], [answer starts])
+
+    def fit_to(self, model) -> int | None:
+        cut = super().fit_to(model)
+        if cut is not None:
+            self.stride = min(self.stride, self.max_length // 3)
+        return cut
 
     def _features(self, tokenizer, idx: list[int]):
         """Tokenised windows of the questions `idx`: list of dicts, cached per tokenizer."""
@@ -677,4 +697,5 @@ def get_task(name: str, path, **options) -> Task:
     else:
         raise AttnkitError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")
     task.max_length = check_int(task_max_length(name, options.get("max_length")), "max_length", minimum=2)
+    task.length_given = options.get("max_length") is not None
     return task

@@ -37,9 +37,8 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.option("--sample", type=int_range("sample"), default=None,
               help="Use N examples spread evenly over the file (data files are often sorted by genre, so the "
                    "first N can be a biased sample). Applied after --limit.")
-@click.option("--max-length", type=int_range("max_length"), default=None,
-              help="Tokens per input, special tokens included; longer inputs are truncated (a language model's loss "
-                   "depends on its context). At most the model's positions. [default: 128; squad: 384]")
+@shared("max-length", max_length="128, squad 384; a language model's loss depends on it; cut to the positions "
+                                "of a model with fewer, and said so")
 @shared("batch-size", batch_size=32)
 @click.option("--glue-task", default=None, help="GLUE task of --data when it cannot be told from the header.")
 @click.option("--step", type=float, default=0.1, show_default=True, help="importance: share pruned per step.")
@@ -69,6 +68,8 @@ def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metr
     from ..ablation.job import run_ablation
 
     res = run_ablation(opts)
+    if res.note and not quiet:  # (-q: meta.json records it, max_length_cut_from)
+        echo_for()(res.note, err=True)
     table = res.table
     click.echo(f"{res.model_name} · {task_name} · {experiment} (mode {res.mode}) · {table.rows[0].get('n')} examples"
                + (f" · types {res.type_counts}" if res.type_counts is not None else "")

@@ -294,11 +294,17 @@ def model_option(fn):
                              "(6 layers × 12 heads).")(fn)
 
 
-def max_length_option(fn):
+MAX_LENGTH_HELP = ("Tokens per sample, special tokens included; longer segments are truncated (and counted). At "
+                   "most the model's positions.")
+
+
+def max_length_option(fn=None, *, default_note: str | None = None):
+    """--max-length; `default_note` (with no default value): what a command without one of its own does."""
+    if default_note is not None:
+        return click.option("--max-length", default=None, type=int_range("max_length"),
+                            help=f"{MAX_LENGTH_HELP} [default: {default_note}]")
     return click.option("--max-length", default=DEFAULT_MAX_LENGTH, show_default=True,
-                        type=int_range("max_length"),
-                        help="Tokens per sample, special tokens included; longer segments are truncated (and "
-                             "counted).")(fn)
+                        type=int_range("max_length"), help=MAX_LENGTH_HELP)(fn)
 
 
 def batch_size_option(default: int | None = None):
@@ -365,9 +371,10 @@ SHARED = {"model": model_option, "format": corpus_format_option, "columns": colu
 
 def shared(*names, **defaults):
     """Add the shared options `names` (keys of SHARED, in --help order) to a command; `defaults` gives another
-    default where a command has one (`batch_size=16`)."""
+    default where a command has one (`batch_size=16`; `max_length="..."`: none, what the command does instead)."""
     decorators = [batch_size_option(defaults["batch_size"]) if name == "batch-size" and "batch_size" in defaults
-                  else SHARED[name] for name in names]
+                  else max_length_option(default_note=defaults["max_length"])
+                  if name == "max-length" and "max_length" in defaults else SHARED[name] for name in names]
 
     def deco(fn):
         for d in reversed(decorators):

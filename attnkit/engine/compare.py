@@ -25,7 +25,14 @@ from ..arch.pruning import pruned_head_grid
 from ..corpus import Corpus
 from ..errors import AttnkitError
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows
-from ..models import attention_modules, check_model_max_length, model_feature_names, observing, resolve_model
+from ..models import (
+    attention_modules,
+    check_max_length,
+    check_model_max_length,
+    model_feature_names,
+    observing,
+    resolve_model,
+)
 from ..run.files import COMPARE_JSON, COMPARE_NPZ, FIGURES_DIR, compare_models_outputs
 from ..run.head_features import FeatureAccumulator
 from ..run.outputs import atomic_write, ensure_writable_dir, json_float, write_json
@@ -309,9 +316,11 @@ def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=Non
     for m in (model_a, model_b):  # both models' positions from their config.json before either loads
         if m is None or isinstance(m, (str, bytes)) or hasattr(m, "__fspath__"):
             check_model_max_length(m, max_length)
-    model_a, tok_a = resolve_model(model_a, tokenizer_a, device, max_length=max_length)
-    model_b, tok_b = resolve_model(model_b, tokenizer_b, device, max_length=max_length)
+    model_a, tok_a = resolve_model(model_a, tokenizer_a, device)
+    model_b, tok_b = resolve_model(model_b, tokenizer_b, device)
     L, H = _check_pair(model_a, tok_a, model_b, tok_b)
+    for m in (model_a, model_b):
+        check_max_length(m, max_length)
     dev_a, dev_b = next(model_a.parameters()).device, next(model_b.parameters()).device
     batch_size = batch_size or default_batch_size(dev_a)
     names = model_feature_names(model_a, num_windows)

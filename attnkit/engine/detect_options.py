@@ -99,11 +99,11 @@ def preflight_detect(opts: DetectOptions) -> None:
         check_repeat_length(opts.length, f"{arg('length')} sequences")
     if model_of(opts) is not None:
         check_model_dir(str(opts.model))
+    out = check_output_place(opts.out, detect_inputs(opts))
     cfg = model_config(model_of(opts))  # positions from config.json, before anything is drawn or loaded
     if cfg is not None and repeat:
         check_positions(cfg, 2 * opts.length, f"the repeated sequences (2 × {opts.length} tokens)",
                         f"lower {arg('length')}")
-    out = check_output_place(opts.out, detect_inputs(opts))
     if opts.corpus is not None:
         if not os.path.isfile(opts.corpus):
             raise AttnkitError(f"{arg('corpus')} {opts.corpus!r} is not a file")

@@ -44,7 +44,7 @@ from ..run.versions import versions
 from .devices import parse_devices, replicate
 from .extract import ExtractionState, run_extraction
 from .forward import default_batch_size
-from .job_options import ENGINES, ExtractOptions, check_extract_options, option_settings
+from .job_options import ENGINES, ExtractOptions, check_extract_options, extract_inputs, option_settings
 from .local import BatchResult, check_workers, default_workers
 
 # what describes an input's bytes (compared through corpus_sha256 and named when it differs), not how it is read
@@ -73,7 +73,7 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
     if opts.workers is not None:
         check_workers(opts.workers)
     run = RunDir(check_output_path(opts.out))
-    inputs = [("the model", opts.model_path), *(("a corpus input", p, True) for p in opts.paths or ())]
+    inputs = extract_inputs(opts)
     # the one write path: the output checked against the inputs, created, then locked before anything else (a
     # second command is told that the directory is in use, whatever it holds); removed again if it was created
     # here and the run never got anywhere

@@ -11,7 +11,7 @@ from ..embedded import check_model_max_length
 from ..errors import AttnkitError, arg, check_int
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING, DEFAULT_WINDOW
 from ..run.model_dir import check_model_dir
-from ..run.outputs import check_no_file_in_the_way, check_output_path
+from ..run.outputs import check_no_file_in_the_way, check_output_path, check_output_place
 from .ray.session import check_ray_address
 
 ENGINES = ("local", "ray")
@@ -102,6 +102,11 @@ def check_extract_options(opts: ExtractOptions) -> None:
     check_output_path(opts.out)
 
 
+def extract_inputs(opts: ExtractOptions) -> list:
+    """What `attnkit extract` reads, as the write path names them (attnkit.run.outputs.check_output_place)."""
+    return [("the model", opts.model_path), *(("a corpus input", p, True) for p in opts.paths or ())]
+
+
 def preflight_extract(opts: ExtractOptions) -> None:
     """Everything `attnkit extract` can refuse without a model, checked before torch is imported, in the job's
     order: the options, what the output directory already holds (the job checks it again under its lock, and
@@ -130,6 +135,7 @@ def preflight_extract(opts: ExtractOptions) -> None:
     if opts.engine == "local":
         if opts.model_path:
             check_model_dir(str(opts.model_path))
+        check_output_place(opts.out, extract_inputs(opts))  # (the job checks it again, under its lock)
         check_model_max_length(opts.model_path, opts.max_length)  # config.json is enough
 
 
@@ -185,4 +191,4 @@ def preflight_distances(opts: DistancesOptions):
 
 
 __all__ = ["ENGINES", "DistancesOptions", "ExtractOptions", "check_distances_options", "check_engine",
-           "check_extract_options", "option_settings", "preflight_distances", "preflight_extract"]
+           "check_extract_options", "extract_inputs", "option_settings", "preflight_distances", "preflight_extract"]

@@ -130,6 +130,13 @@ def check_max_length(model_or_config, max_length, name: str = "max_length") -> i
     return max_length
 
 
+def fitted_length(model_or_config, default: int) -> int:
+    """A command's default length (one nobody asked for) cut to the model's positions where it has fewer; a length
+    asked for is checked instead (`check_max_length`)."""
+    limit = max_positions(model_or_config)
+    return default if limit is None else min(default, limit)
+
+
 def read_config(path) -> dict | None:
     """The config.json of the model directory `path` as a dict, read without loading the model; None where there
     is none or it is not a JSON object (loading the model then names the problem)."""
@@ -147,5 +154,6 @@ def some_names(names: list[str], n: int = 10) -> str:
 
 
 __all__ = ["CONFIG_FILES", "DECODER_TYPES", "EMBEDDED", "OFFSET_POSITIONS", "TOKENIZER_FILES", "WEIGHT_FILES",
-           "check_max_length", "check_model_dir", "default_model_path", "is_decoder_meta", "is_embedded_name",
+           "check_max_length", "check_model_dir", "default_model_path", "fitted_length", "is_decoder_meta",
+           "is_embedded_name",
            "looks_like_hub_id", "max_positions", "read_config", "some_names"]
