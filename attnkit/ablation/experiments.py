@@ -29,7 +29,7 @@ import numpy as np
 
 from ..arch.pruning import pruned_head_grid
 from ..errors import AttnkitError, arg
-from ..interventions import HeadTypes, Intervention, format_heads, intervene
+from ..interventions import HeadTypes, Intervention, format_heads, only
 from ..run.model_dir import check_max_length
 from ..run.outputs import atomic_write, ensure_writable_dir
 from .importance import iterative_pruning
@@ -78,7 +78,7 @@ class TaskEvaluator:
 
     def __call__(self, iv: Intervention) -> dict:
         self.task.last_examples = None
-        with intervene(self.model, iv):
+        with only(self.model, iv):  # exactly this setting, as a sweep evaluates it
             return self.task.evaluate(self.model, self.tokenizer, limit=self.limit, batch_size=self.batch_size)
 
     def evaluate_many(self, interventions: list, progress: bool = False, desc: str = "settings") -> list[tuple]:
