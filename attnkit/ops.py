@@ -18,8 +18,9 @@ False): `backend="auto"` then runs such calls on the reference, and `backend="fu
 
 Fewer queries than keys (a KV-cache step, attnkit/reference.py): `backend="auto"` runs them on the compiled CPU
 kernel only where it says it takes them (`fused_fewer_queries`), else on the reference; on CUDA, the Triton kernel
-included, always on the reference until a GPU has tested a kernel (docs/cuda.md). The fake kernel's shapes hold
-for them (out B×Lq×H×D).
+included, always on the reference until a GPU has tested a kernel (docs/cuda.md). A plain one (no features, no
+intervention, no soft cap or sink: `plain_step`) the reference's definition computes in one call of torch's
+scaled_dot_product_attention. The fake kernel's shapes hold for them (out B×Lq×H×D).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import torch
 
 from .errors import AttnkitError, arg
 from .features import DEFAULT_NUM_WINDOWS, num_features
-from .reference import check_layout, reference_attention
+from .reference import check_layout, reference_attention, visible_keys
 
 log = logging.getLogger("attnkit")
 
@@ -281,6 +282,9 @@ def attention(
                                f"keys ({q.shape[2]} queries, {k.shape[2]} keys: a KV-cache step); use backend "
                                "'auto' or 'reference'")
         chosen = "reference"  # a decode step costs the reference O(keys) per head and query row (exact, no warning)
+    if chosen == "reference" and fewer_queries and backend == "auto" and _plain_step(
+            q, k, v, want_features, mode, region, gates, kv_head, softcap, sink):
+        return plain_step(q, k, v, lengths, scaling, causal, sliding_window)
     if chosen == "reference":
         return reference_attention(
             q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
@@ -304,6 +308,32 @@ def attention(
         if "fused_attention" in msg:
             raise AttnkitError(msg) from None
         raise
+
+
+def _plain_step(q, k, v, want_features, mode, region, gates, kv_head, softcap, sink) -> bool:
+    """Whether a call with fewer queries than keys is plain attention (`plain_step` computes it): fp32, no
+    features, no intervention, even KV groups, no soft cap, no sink, no gradients."""
+    return (q.dtype == torch.float32 and not want_features and mode is None and region is None and gates is None
+            and kv_head is None and softcap is None and sink is None
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
+
+
+def plain_step(q, k, v, lengths, scaling: float, causal: bool, sliding_window) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's result for plain attention (no features, no intervention, no soft cap, no sink) with fewer
+    queries than keys — a step of generation — in one call of torch's scaled_dot_product_attention instead of the
+    reference's twenty small operations: the keys each row sees (`visible_keys`) as the mask, padded keys of v
+    dropped as the reference drops them, and a row that sees no key output 0 (sdpa would give NaN)."""
+    B, H, Lq, D = q.shape
+    L = k.shape[2]
+    lengths = lengths.long()
+    visible = visible_keys(lengths, L, causal, sliding_window, Lq)  # B×1×Lq×L
+    padded = torch.arange(L, device=v.device)[None, :] >= lengths[:, None]  # B×L
+    v = v.masked_fill(padded[:, None, :, None], 0.0)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling,
+                                                           enable_gqa=k.shape[1] != H)
+    if sliding_window is not None:  # only a window can leave a (padded) row without a key
+        out = torch.where(visible.any(-1, keepdim=True), out, 0.0)
+    return out.transpose(1, 2), q.new_zeros((B, H, 0), dtype=torch.float32)
 
 
 def js_distances(attn: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,17 @@ def test_the_dispatch_runs_fewer_queries_on_a_kernel_that_takes_them_else_on_the
     got = ops.attention(q[:, :, -1:], k, v, lengths, classes, sid, want_features=True, causal=True, backend="auto")
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    # a plain step (no features, no intervention: ops.plain_step, one call of sdpa) equals the reference too
+    for dec in DECODER[:2] + DECODER[4:]:
+        for Lq in (1, 4):
+            want = reference_attention(q[:, :, -Lq:], k, v, lengths, **dec)[0]
+            got = ops.attention(q[:, :, -Lq:], k, v, lengths, backend="auto", **dec)[0]
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    # a padded row outside a window sees no key: 0, as the reference says
+    short = torch.tensor([2, 7, 4])
+    got = ops.plain_step(q[:, :, -1:], k, v, short, D**-0.5, True, 3)[0]
+    assert float(got[0].abs().max()) == 0.0
+    torch.testing.assert_close(got, reference_attention(q[:, :, -1:], k, v, short, causal=True, sliding_window=3)[0])
     if not ops.has_kernel("cpu") or ops.fused_fewer_queries("cpu"):
         return
     with pytest.raises(AttnkitError, match="the cpu kernel does not take fewer queries than keys \\(1 queries, 9 "
