@@ -326,14 +326,21 @@ def plain_step(q, k, v, lengths, scaling: float, causal: bool, sliding_window) -
     B, H, Lq, D = q.shape
     L = k.shape[2]
     lengths = lengths.long()
+    empty = q.new_zeros((B, H, 0), dtype=torch.float32)
+    gqa = k.shape[1] != H
+    if (Lq == 1 and causal and (sliding_window is None or sliding_window >= L) and q.device.type == "cpu"
+            and not torch.compiler.is_compiling() and bool((lengths == L).all())):
+        # the usual decode step: one new token of unpadded samples sees every key
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2), empty
     visible = visible_keys(lengths, L, causal, sliding_window, Lq)  # B×1×Lq×L
     padded = torch.arange(L, device=v.device)[None, :] >= lengths[:, None]  # B×L
     v = v.masked_fill(padded[:, None, :, None], 0.0)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling,
-                                                           enable_gqa=k.shape[1] != H)
+                                                           enable_gqa=gqa)
     if sliding_window is not None:  # only a window can leave a (padded) row without a key
         out = torch.where(visible.any(-1, keepdim=True), out, 0.0)
-    return out.transpose(1, 2), q.new_zeros((B, H, 0), dtype=torch.float32)
+    return out.transpose(1, 2), empty
 
 
 def js_distances(attn: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

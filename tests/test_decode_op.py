@@ -93,9 +93,9 @@ def test_the_dispatch_runs_fewer_queries_on_a_kernel_that_takes_them_else_on_the
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
     # a plain step (no features, no intervention: ops.plain_step, one call of sdpa) equals the reference too
     for dec in DECODER[:2] + DECODER[4:]:
-        for Lq in (1, 4):
-            want = reference_attention(q[:, :, -Lq:], k, v, lengths, **dec)[0]
-            got = ops.attention(q[:, :, -Lq:], k, v, lengths, backend="auto", **dec)[0]
+        for Lq, n in ((1, lengths), (4, lengths), (1, torch.full((B,), L))):  # the last: every key seen, no mask
+            want = reference_attention(q[:, :, -Lq:], k, v, n, **dec)[0]
+            got = ops.attention(q[:, :, -Lq:], k, v, n, backend="auto", **dec)[0]
             torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
     # a padded row outside a window sees no key: 0, as the reference says
     short = torch.tensor([2, 7, 4])
