@@ -244,11 +244,12 @@ def pruned_run(path, removed=((1, 0), (1, 1), (1, 2), (1, 3), (2, 3)), **kwargs)
     return f, per, texts, dist
 
 
-def features_from_maps(attn, lengths, classes, sentences, num_windows, sink: bool = False):
+def features_from_maps(attn, lengths, classes, sentences, num_windows, sink: bool = False, first_row: int = 0):
     """docs/features.md's features of every sample from full attention maps (per layer B × H × L × L, each
     sample's tokens first), written independently of attnkit.reference: samples × layers × heads × features.
     Keys a causal row does not see have weight 0 in the maps, so the same sums give the features of causal rows.
-    `sink`: one more feature, the mass a row's keys leave (1 − the row's sum), averaged over the rows."""
+    `sink`: one more feature, the mass a row's keys leave (1 − the row's sum), averaged over the rows. `first_row`:
+    only the rows from that position on count (the query rows of a KV-cache step; a sample without one: 0)."""
     L_, H = len(attn), attn[0].shape[1]
     out = []
     for b, n in enumerate(lengths):
@@ -259,7 +260,9 @@ def features_from_maps(attn, lengths, classes, sentences, num_windows, sink: boo
             for h in range(H):
                 A = attn[layer][b, h, :n, :n].astype(np.float64)
                 rows = []
-                for s in range(n):
+                if first_row >= n:
+                    continue
+                for s in range(first_row, n):
                     r = np.zeros(5 + num_windows + 6)
                     for t in range(n):
                         c = cls_of[t]
@@ -280,9 +283,9 @@ def features_from_maps(attn, lengths, classes, sentences, num_windows, sink: boo
                     r[k + 5] = A[s][~same].sum()
                     rows.append(r)
                 rows = np.array(rows)
-                cls_rows = [s for s in range(n) if cls_of[s] == 1]
+                cls_rows = [s - first_row for s in range(first_row, n) if cls_of[s] == 1]
                 cls_ent = rows[cls_rows, 5 + num_windows + 2].mean() if cls_rows else 0.0
-                extra = [1.0 - A.sum(1).mean()] if sink else []
+                extra = [1.0 - A[first_row:].sum(1).mean()] if sink else []
                 per[layer, h] = np.concatenate([rows.mean(0), [cls_ent], extra])
         out.append(per)
     return np.array(out)
