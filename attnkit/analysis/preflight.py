@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import AttnkitError
 from ..features import resolve_subset
-from ..run.files import CLUSTERS_FILE, REPORT_FILE
+from ..run.files import CLUSTERS_FILE, META_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.locking import lock_owner
 from ..run.model_dir import is_decoder_meta
@@ -28,6 +28,19 @@ def check_heads(features: HeadFeatures, run_dir) -> None:
                            "record as removed: the report cannot place them on maps")
 
 
+def load_run(run_dir) -> HeadFeatures:
+    """The features of the run that a report describes, refused (AttnkitError) when its meta.json is missing (the
+    run's record: model, corpus, counts, removed heads; without it the page would describe a model it cannot
+    name) or its means hold NaN for heads it does not record as removed (`check_heads`)."""
+    run_dir = Path(run_dir)
+    features = HeadFeatures.load(run_dir)
+    if not (run_dir / META_FILE).is_file():
+        raise AttnkitError(f"{run_dir / META_FILE} is missing: the report needs the run's record (model, corpus, "
+                           "counts, removed heads); restore it, or extract the run again")
+    check_heads(features, run_dir)
+    return features
+
+
 def preflight_cluster(run, features: str | None, overwrite: bool) -> None:
     """`attnkit cluster`'s refusals before scikit-learn loads (skipped while another command holds the run: its
     lock names the holder)."""
@@ -42,9 +55,8 @@ def preflight_report(run, overwrite: bool) -> None:
     """`attnkit report`'s refusals before matplotlib, scikit-learn or a model load."""
     run = Path(run)
     if lock_owner(run) is None:
-        features = HeadFeatures.load(run)
+        load_run(run)
         claim_outputs([run / REPORT_FILE], overwrite)
-        check_heads(features, run)
 
 
-__all__ = ["check_heads", "preflight_cluster", "preflight_report"]
+__all__ = ["check_heads", "load_run", "preflight_cluster", "preflight_report"]
