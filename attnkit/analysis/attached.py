@@ -131,6 +131,7 @@ def read_probe(directory: Path, shape: tuple[int, int], run: dict | None = None,
     _same_model(run, summary, directory / PROBE_JSON, partial, summary["layers"], summary["heads"])
     min_count = int((summary.get("settings") or {}).get("min_count") or 1)
     acc: dict[str, np.ndarray] = {}
+    seen: dict[str, np.ndarray] = {}
     base, counts = {}, {}
     path = directory / PROBE_CSV
     if not path.is_file():
@@ -145,7 +146,16 @@ def read_probe(directory: Path, shape: tuple[int, int], run: dict | None = None,
                     raise ValueError(f"line {i} is out of range")
                 grid = acc.setdefault(rel, np.full(shape, np.nan))
                 grid[l, h] = np.fmax(grid[l, h], a)  # the better direction, whatever they are
+                seen.setdefault(rel, np.zeros(shape, dtype=bool))[l, h] = True
                 base[rel], counts[rel] = b, n
+        for l, h in summary.get("removed_heads") or []:  # a head removed by pruning has no line
+            for grid in seen.values():
+                if 0 <= l < shape[0] and 0 <= h < shape[1]:
+                    grid[l, h] = True
+        short = [r for r in seen if not seen[r].all()]  # every other head has its lines in every relation
+        if short:
+            raise ValueError(f"relation {short[0]!r} lacks {int((~seen[short[0]]).sum())} of the "
+                             f"{seen[short[0]].size} heads (the file is cut short)")
     except (OSError, KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
         raise AttnkitError(f"{path} is unreadable: {type(exc).__name__}: {exc}") from None
     relations = sorted((r for r in acc if counts[r] >= min_count), key=lambda r: (r != ALL_RELATIONS, -counts[r]))
@@ -328,7 +338,10 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
             except _Elsewhere as exc:
                 found.links.append(("ablation", meta_path, str(exc)))
         if features is not None and place != run_dir and (place / FEATURES_FILE).is_file() \
-                and (place / META_FILE).is_file():
+                and not (place / META_FILE).is_file():
+            found.links.append(("run", place / FEATURES_FILE, f"{META_FILE} is missing beside {FEATURES_FILE}: "
+                                                               "which model and corpus it measured is unknown"))
+        elif features is not None and place != run_dir and (place / FEATURES_FILE).is_file():
             try:
                 if found.weighting is None:
                     found.weighting = _other_weighting(place, features, run, partial)

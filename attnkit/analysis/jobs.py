@@ -23,7 +23,7 @@ from ..run.overwrite import claim_outputs
 from .attached import find_attached
 from .clustering import STABILITY_WARN, HeadClusterer, cluster, resolve_subset, stability_over_seeds, sweep
 from .head_panel import unverifiable_corpus
-from .preflight import load_run
+from .preflight import check_clusters_of_run, load_run
 from .report import (
     DEFAULT_EXAMPLES,
     build_report,
@@ -107,7 +107,8 @@ def report_run(run, *, examples: int | None = None, include=(), corpus=None, fmt
         claim = claim_outputs([run / REPORT_FILE] + report_figures(run), overwrite)
         shape = (feats.n_layers, feats.n_heads)
         if (run / CLUSTERS_FILE).is_file():
-            load_clusters(run, shape, complete=True, feature_names=feats.names)
+            check_clusters_of_run(load_clusters(run, shape, complete=True, feature_names=feats.names), feats,
+                                  run / CLUSTERS_FILE)
         if (run / DISTANCES_FILE).is_file():
             HeadDistances.load(run, shape)
         find_attached(run, shape, include, feats)  # a damaged patterns, probe, ablation or detection file is named now

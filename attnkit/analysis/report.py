@@ -52,7 +52,7 @@ from .naming import (
     ENCODER_DETAILS,
     class_shares,
 )
-from .preflight import check_heads, load_run
+from .preflight import check_clusters_of_run, check_heads, load_run
 from .report_html import anchor, figure, fmt, glossary_rows, macros, page, part, value_html
 from .results import save_clusters
 
@@ -179,6 +179,7 @@ def _clusters(run_dir: Path, features: HeadFeatures, k: int, method: str, seed: 
     if (run_dir / CLUSTERS_FILE).is_file():
         data = load_clusters(run_dir, (features.n_layers, features.n_heads), complete=True,
                              feature_names=features.names)
+        check_clusters_of_run(data, features, run_dir / CLUSTERS_FILE)
         return data, []
     c = cluster(features, k=k, method=method, seed=seed)
     rows = sweep(features, method=method, seed=seed, progress=progress) if do_sweep else None

@@ -188,7 +188,7 @@ PROBE_SCHEMA = {
     "required": ["layers", "heads"],
     "properties": {
         "model": _STR_OR_NULL, "model_identity": _MODEL_IDENTITY,
-        "layers": _INT1, "heads": _INT1,
+        "layers": _INT1, "heads": _INT1, "removed_heads": _HEAD_PAIRS,
         "settings": {"type": "object", "properties": {"min_count": _INT1}},
         "relations": {"type": "object", "additionalProperties": {"type": ["object", "null"], "properties": {
             "baseline_offset": {"type": ["integer", "string", "null"]}}}},
