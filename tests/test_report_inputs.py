@@ -53,7 +53,8 @@ def clean(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("inputs")
     run = root / "run"
     f, *_ = rich_run(run, n_samples=8)
-    _set(run / "meta.json", lambda d: d.update(model="A", model_type="bert", model_identity=RUN_MODEL))
+    _set(run / "meta.json", lambda d: d.update(model="A", model_type="bert", model_identity=RUN_MODEL,
+                                               settings={"corpus_sha256": "c" * 64}))
     _set(run / "clusters.json", lambda d: d["run"].update(model="A"))
     for name in ("probe.json", "heads.meta.json"):
         _set(run / name, lambda d: d.update(model="A", model_identity=RUN_MODEL))
@@ -189,6 +190,8 @@ CASES = {
     ("norm/meta.json", "damaged"): ("error", "norm/meta.json is not valid JSON"),
     ("norm/meta.json", "another model's"): ("elsewhere", "made with the model in /models/B"),
     ("norm/features.npz", "damaged"): ("error", "norm/features.npz is unreadable or corrupt"),
+    # where the corpus matters: a run of the other weighting must have measured the same samples
+    ("norm/meta.json", "another corpus's"): ("elsewhere", "not one corpus under two weightings: corpus_sha256 differ"),
 }
 DAMAGE = {
     "missing": lambda path: path.unlink(),
@@ -232,6 +235,8 @@ def test_every_file_the_report_reads(name, how, clean, tmp_path, fewer_figures):
         path.unlink()
     elif how == "damaged":
         (DAMAGED_TABLES.get(base) or DAMAGE["damaged"](path.suffix))(path)
+    elif how == "another corpus's":
+        _set(path, lambda d: d["settings"].update(corpus_sha256="d" * 64))
     else:
         ANOTHER[name](path)
     kind, text = CASES[name, how]
@@ -307,6 +312,15 @@ def test_another_models_ablation_of_the_same_shape_is_not_shown_as_this_runs(cle
     (run / "report.html").unlink()
     page = build_report(run, svg=False, do_sweep=False, include=[other]).read_text()
     assert "disabling L0H2 alone raises loss the most" in _visible(page)
+
+
+def test_an_included_directory_of_nothing_is_named(clean, tmp_path, fewer_figures):
+    shutil.copytree(clean, tmp_path / "c")
+    (tmp_path / "c" / "empty").mkdir()
+    (tmp_path / "c" / "empty" / "notes.txt").write_text("nothing attnkit wrote")
+    page = build_report(tmp_path / "c" / "run", svg=False, do_sweep=False, include=[tmp_path / "c" / "empty"])
+    elsewhere = _visible(page.read_text().split('<section id="elsewhere">')[1].split("</section>")[0])
+    assert "c/empty it holds no result attnkit report can show" in elsewhere
 
 
 @pytest.mark.parametrize("recorded, shown", [

@@ -286,6 +286,12 @@ def _other_weighting(place: Path, features: HeadFeatures, run: dict, partial: li
     return {**res, "other": place, "other_weighting": weighting_of(other.meta)}
 
 
+def _count(found: Attached) -> int:
+    """How many results `found` holds, shown or named."""
+    return (found.probe is not None) + (found.detected is not None) + (found.weighting is not None) \
+        + len(found.ablations) + len(found.links)
+
+
 def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFeatures | None = None) -> Attached:
     """Patterns, probe, ablation and detect-heads results of a run: in `run_dir` and in the directories `include`
     names; and, with the run's `features`, an included run directory of the other weighting. A damaged file (not
@@ -304,6 +310,7 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
         except _Elsewhere as exc:
             found.links.append(("pattern classes", run_dir / PATTERNS_FILE, str(exc)))
     for place in dict.fromkeys(places):
+        before = _count(found)
         if (place / PROBE_JSON).is_file():
             try:
                 probe = read_probe(place, shape, run, partial)
@@ -350,6 +357,9 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
                                                                    f"shows {found.weighting['other'].name})"))
             except _Elsewhere as exc:
                 found.links.append(("run", place / META_FILE, str(exc)))
+        if place != run_dir and _count(found) == before:  # a directory given to --include that holds nothing
+            found.links.append(("directory", place, "it holds no result attnkit report can show (of attnkit probe, "
+                                                    "ablate or detect-heads, or a run of the other weighting)"))
     shown = {found.probe and found.probe["path"] / PROBE_JSON, found.detected and found.detected["meta_path"],
              found.weighting and found.weighting["other"] / META_FILE} | {a["meta_path"] for a in found.ablations}
     found.partial = [p for p in dict.fromkeys(partial) if p in shown]
