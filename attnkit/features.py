@@ -77,10 +77,15 @@ _DECODER_DEFINITIONS = {
     "cls": "weight on the sample's first position, whatever token is there (the attention sink)",
     "sep": "weight on EOS tokens",
 }
-# The section of docs/features.md that defines each feature (GitHub's heading anchors).
+# The section of docs/features.md that defines each feature: GitHub's anchor of its heading, and where it is as a
+# reader finds it (the numbered section, then the heading inside it, as the heading reads without its markup).
 _SECTIONS = {"bucket": "the-21-exclusive-distance-buckets-5--n-in-general", "row": "the-row-features",
              "cls_entropy": "3-from-rows-to-a-sample-from-samples-to-the-corpus",
              "sink": "8-decoder-models-causal-rows-grouped-query-attention-windows-soft-capping-sinks"}
+_SECTION_TITLES = {"bucket": "2. Features of one query row › The 21 exclusive distance buckets (5 + N in general)",
+                   "row": "2. Features of one query row › The row features",
+                   "cls_entropy": "3. From rows to a sample, from samples to the corpus",
+                   "sink": "8. Decoder models: causal rows, grouped-query attention, windows, soft-capping, sinks"}
 
 
 def describe_feature(name: str, decoder: bool = False) -> str:
@@ -99,13 +104,21 @@ def shown_features(names, decoder: bool = False) -> list[str]:
     return [n for n in names if not (decoder and n in DECODER_CONSTANT)]
 
 
+def _section_of(name: str) -> str:
+    if name in ("cls_entropy", "sink"):
+        return name
+    return "row" if name in ROW_FEATURES else "bucket"
+
+
 def feature_section(name: str) -> str:
     """The anchor of the section of docs/features.md that defines feature `name`."""
-    if name == "cls_entropy":
-        return _SECTIONS["cls_entropy"]
-    if name == "sink":
-        return _SECTIONS["sink"]
-    return _SECTIONS["row"] if name in ROW_FEATURES else _SECTIONS["bucket"]
+    return _SECTIONS[_section_of(name)]
+
+
+def feature_section_title(name: str) -> str:
+    """Where docs/features.md defines feature `name`, as its reader finds it: "2. Features of one query row › The
+    row features" (the numbered section, then the heading inside it)."""
+    return _SECTION_TITLES[_section_of(name)]
 
 
 def check_num_windows(num_windows: int) -> int:

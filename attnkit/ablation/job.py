@@ -16,6 +16,7 @@ from ..errors import arg
 from ..interventions import load_clusters
 from ..models import load_model
 from ..run.files import HEAD_MEANS_FILE, REPORT_FILE
+from ..run.identity import IDENTITY_FIELD, model_identity
 from ..run.locking import output_directory
 from ..run.outputs import check_output_path, write_json
 from ..run.overwrite import claim_outputs
@@ -109,7 +110,8 @@ def run_ablation(opts: AblateOptions) -> Ablation:
         paths = table.save(out)
         name = "default (embedded MiniLM)" if opts.model == "default" else opts.model
         fig = save_figure(table, shape, out, title=f"{name}: {opts.task_name} {opts.experiment}")
-        meta = {"model": name, "task": opts.task_name, "data": os.path.abspath(opts.data),
+        meta = {"model": name, IDENTITY_FIELD: model_identity(m, None if opts.model == "default" else opts.model),
+                "task": opts.task_name, "data": os.path.abspath(opts.data),
                 "experiment": opts.experiment, "mode": mode, "renormalize": opts.renormalize,
                 "max_length": task.max_length, **({} if cut is None else {"max_length_cut_from": cut}),
                 "limit": opts.limit,

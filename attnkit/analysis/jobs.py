@@ -23,11 +23,11 @@ from ..run.overwrite import claim_outputs
 from .attached import find_attached
 from .clustering import STABILITY_WARN, HeadClusterer, cluster, resolve_subset, stability_over_seeds, sweep
 from .head_panel import unverifiable_corpus
-from .preflight import check_heads
+from .preflight import check_clusters_of_run, load_run
 from .report import (
     DEFAULT_EXAMPLES,
     build_report,
-    per_sample_problem,
+    examples_problem,
     report_figures,
 )
 from .results import save_clusters
@@ -103,16 +103,16 @@ def report_run(run, *, examples: int | None = None, include=(), corpus=None, fmt
 
     inputs = [("the corpus", corpus, True)]  # only read; the run is where the report goes
     with output_directory(run, "attnkit report", inputs=inputs), os_errors(f"write the report into {run}"):
-        feats = HeadFeatures.load(run)
+        feats = load_run(run)
         claim = claim_outputs([run / REPORT_FILE] + report_figures(run), overwrite)
         shape = (feats.n_layers, feats.n_heads)
-        check_heads(feats, run)
         if (run / CLUSTERS_FILE).is_file():
-            load_clusters(run, shape, complete=True, feature_names=feats.names)
+            check_clusters_of_run(load_clusters(run, shape, complete=True, feature_names=feats.names), feats,
+                                  run / CLUSTERS_FILE)
         if (run / DISTANCES_FILE).is_file():
             HeadDistances.load(run, shape)
         find_attached(run, shape, include, feats)  # a damaged patterns, probe, ablation or detection file is named now
-        damaged = per_sample_problem(run, feats)
+        damaged = examples_problem(run, feats)
         if damaged:  # a warning, shown even with quiet
             echo(f"attnkit report: {damaged}", err=True)
         ensure_writable_dir(run / FIGURES_DIR, "figures directory")

@@ -37,6 +37,7 @@ from ..run.clusters import label_grid, load_clusters, run_stability
 from ..run.distances import HeadDistances
 from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, PER_SAMPLE_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
+from ..run.identity import IDENTITY_FIELD
 from ..run.model_dir import is_decoder_meta
 from ..run.outputs import atomic_write
 from ..run.schemas import LOWER_IS_BETTER
@@ -51,7 +52,7 @@ from .naming import (
     ENCODER_DETAILS,
     class_shares,
 )
-from .preflight import check_heads
+from .preflight import check_clusters_of_run, check_heads, load_run
 from .report_html import anchor, figure, fmt, glossary_rows, macros, page, part, value_html
 from .results import save_clusters
 
@@ -178,6 +179,7 @@ def _clusters(run_dir: Path, features: HeadFeatures, k: int, method: str, seed: 
     if (run_dir / CLUSTERS_FILE).is_file():
         data = load_clusters(run_dir, (features.n_layers, features.n_heads), complete=True,
                              feature_names=features.names)
+        check_clusters_of_run(data, features, run_dir / CLUSTERS_FILE)
         return data, []
     c = cluster(features, k=k, method=method, seed=seed)
     rows = sweep(features, method=method, seed=seed, progress=progress) if do_sweep else None
@@ -699,6 +701,20 @@ def per_sample_problem(run_dir: Path, features: HeadFeatures) -> str | None:
     return f"{PER_SAMPLE_FILE} is damaged and was not used: it does not fit the run's features"
 
 
+def examples_problem(run_dir: Path, features: HeadFeatures) -> str | None:
+    """Why the head panel shows no top and bottom examples although the run has per_sample.npy: the file is
+    damaged (`per_sample_problem`), or per_sample_rows.csv, which says which text each row is, is missing or cut
+    short (the examples are left out rather than shown without their texts, or with another run's); None when
+    they are shown or the run has no per_sample.npy."""
+    from ..run.per_sample import rows_table_problem
+
+    damaged = per_sample_problem(run_dir, features)
+    if damaged or features.per_sample is None:
+        return damaged
+    rows = rows_table_problem(run_dir, len(features.per_sample))
+    return f"{rows}: the top and bottom examples are left out" if rows else None
+
+
 def _example_maps(r: Report) -> None:
     """The maps of the example inputs (the shortest of the texts, within MAPS_BUDGET_BYTES): one forward each with
     `attnkit.attention_maps`, as `attnkit report --corpus` reads the texts."""
@@ -720,8 +736,8 @@ def _panel(r: Report) -> dict:
     """The head panel's data (attnkit/analysis/head_panel.py)."""
     per_sample = r.features.per_sample
     row_texts, notes, ext = {}, {}, None
-    damaged = per_sample_problem(r.run_dir, r.features)
-    if per_sample is not None:
+    damaged = examples_problem(r.run_dir, r.features)
+    if per_sample is not None and not damaged:
         ext = extremes(per_sample, r.features.names)
         rows = {int(x) for e in ext.values() for side in ("top", "bottom") for x in e[side].ravel()}
         row_texts, why = texts_of_rows(r.run_dir, r.features.meta, rows)
@@ -753,8 +769,7 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
     results to show beside the run's own. `svg=False` skips the SVG copies of the figures. `progress` shows a bar on
     stderr, one step per figure."""
     run_dir = Path(run_dir)
-    features = HeadFeatures.load(run_dir)
-    check_heads(features, run_dir)
+    features = load_run(run_dir)
     attached = find_attached(run_dir, (features.n_layers, features.n_heads), include, features)
     save = _FigureSaver(run_dir / FIGURES_DIR, svg, progress)
     try:
@@ -771,6 +786,13 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
         save.close()
     if weighting_of(features.meta) == "norm":
         notes.insert(0, NORM_NOTE)
+    if attached.partial:  # older files (or an older run): compared by what they record
+        files, one = ", ".join(_shown_path(report, p) for p in attached.partial), len(attached.partial) == 1
+        how = "by layers × heads, model type and model name only (docs/files.md, \"Which model a file comes from\")."
+        notes.append(f"This run's meta.json records no model identity (made before attnkit recorded it): {files} "
+                     f"{'was' if one else 'were'} compared with it {how}" if IDENTITY_FIELD not in features.meta else
+                     f"{files} {'records' if one else 'record'} no model identity (made before attnkit recorded it): "
+                     f"{'it was' if one else 'they were'} compared with the run {how}")
     if report.n_removed:
         notes.append(f"{report.n_removed} head(s) were removed from this model (pruned; meta.json removed_heads): "
                      "they are greyed out in the grid and left out of every type count, average, map and finding.")
@@ -788,4 +810,5 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
 
 __all__ = ["DEFAULT_EXAMPLES", "FIGURES_DIR", "MAPS_BUDGET_BYTES", "REPORT_FIGURES", "REPORT_FILE", "SECTIONS",
            "Report", "Section", "build_report", "example_inputs", "example_maps", "is_decoder_run",
-           "pick_example_heads", "per_sample_problem", "report_figures", "check_heads", "within_budget"]
+           "pick_example_heads", "examples_problem", "per_sample_problem", "report_figures", "check_heads",
+           "within_budget"]

@@ -384,6 +384,7 @@ def run_detect_heads(opts: DetectOptions):
     from ..corpus import read_corpus
     from ..models import load_model
     from ..run.files import DETECTED_HEADS_FILE, DETECTED_HEADS_META, REPORT_FILE
+    from ..run.identity import IDENTITY_FIELD, model_identity
     from ..run.locking import output_directory
     from ..run.outputs import atomic_write, write_json
     from ..run.overwrite import claim_outputs
@@ -401,7 +402,8 @@ def run_detect_heads(opts: DetectOptions):
                           seed=opts.seed, corpus=corpus, progress=not opts.quiet)
         atomic_write(out / DETECTED_HEADS_FILE, lambda f: f.write(df.to_csv(index=False).encode("utf-8")))
         bos = adds_bos(tok)
-        meta = {"model": opts.model, "model_type": model.config.model_type, "kinds": list(kinds),
+        meta = {"model": opts.model, "model_type": model.config.model_type,
+                IDENTITY_FIELD: model_identity(model, opts.model), "kinds": list(kinds),
                 "length": opts.length, "n_sequences": opts.n_sequences, "seed": opts.seed,
                 "bos": bos, "corpus": (None if "retrieval" not in kinds else os.path.abspath(opts.corpus)
                                        if opts.corpus else "attnkit default corpus"),

@@ -27,6 +27,7 @@ from ..features import (
 from ..models import attention_modules, check_max_length, model_feature_names, observing, resolve_model
 from ..ops import BACKENDS, backend_label, resolve_backend
 from ..run.head_features import FeatureAccumulator, HeadFeatures
+from ..run.identity import IDENTITY_FIELD, model_identity
 from ..tokens import Encoder, Segment
 from .devices import parse_devices, replicate
 from .forward import default_batch_size, device_forward, measuring
@@ -259,6 +260,7 @@ def extract(
     meta = {
         "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
         "model_type": model.config.model_type,
+        IDENTITY_FIELD: model_identity(model, getattr(model.config, "_name_or_path", "") or type(model).__name__),
         "max_length": max_length,
         "num_windows": num_windows,
         "split_sentences": split_sentences,

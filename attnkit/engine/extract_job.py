@@ -36,6 +36,7 @@ from ..models import (
 )
 from ..ops import backend_label
 from ..run.files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
+from ..run.identity import IDENTITY_FIELD, model_identity
 from ..run.locking import output_directory
 from ..run.outputs import check_output_path
 from ..run.per_sample import PerSampleWriter
@@ -141,6 +142,7 @@ class _Job:
             "status": "complete",
             "model": self.settings["model"],
             "model_type": model_type,
+            IDENTITY_FIELD: model_identity(config, opts.model_path),
             "inputs": inputs,
             "corpus": ", ".join(d["path"] for d in inputs),
             "n_segments": acc.n_samples,

@@ -15,6 +15,7 @@ from ..errors import AttnkitError, arg, print_message
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import attention_modules, check_max_length, load_model, observing
 from ..run.files import PROBE_CSV, PROBE_HEATMAP, PROBE_JSON, PROBE_TABLE, REPORT_FILE
+from ..run.identity import IDENTITY_FIELD, model_identity
 from ..run.locking import output_directory
 from ..run.model_dir import fitted_length
 from ..run.outputs import atomic_write, check_output_path, os_errors, write_json
@@ -283,6 +284,7 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
         wa_backend = f"fused-{dev_type}" if opts.backend != "reference" and op_available(dev_type) else "reference"
         summary = {
             "model": opts.model_path or "default (embedded MiniLM)",
+            IDENTITY_FIELD: model_identity(model, opts.model_path),
             "inputs": [str(p) for p in opts.paths], "parser": parser,
             "parser_model": SPACY_MODEL if parser == "spacy" else None,
             "layers": scores.n_layers, "heads": scores.n_heads,
