@@ -100,5 +100,5 @@ elif not any(isinstance(f, _RegisterWhenTransformersLoads) for f in sys.meta_pat
 __all__ = [
     "AttnkitError", "HeadFeatures", "Intervention", "attention_maps", "backend_info", "cache_heads", "cluster",
     "detect_heads",
-    "extract", "feature_names", "head_means", "instrument", "intervene", "load_model", "sentences",
+    "extract", "feature_names", "head_means", "instrument", "intervene", "load_model", "sentences", "to_str_tokens",
 ]
