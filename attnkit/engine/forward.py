@@ -16,6 +16,7 @@ from ..arch.architectures import attention_layers
 from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS, check_weighting
 from ..models import attention_modules, runtime_of
+from .heap import limit_heap_retention
 
 DEFAULT_BATCH_SIZE = {"cpu": 16, "cuda": 64}
 
@@ -42,7 +43,9 @@ def output_projections(model) -> dict:
 @contextlib.contextmanager
 def measuring(model, *, backend: str = "auto", num_windows: int = DEFAULT_NUM_WINDOWS, weighting: str = "attention"):
     """Inside the block, forwards of `model` record per-layer features into its runtime, weighted as `weighting`
-    says ("norm": by the norms of the transformed keys, which needs an architecture attnkit knows)."""
+    says ("norm": by the norms of the transformed keys, which needs an architecture attnkit knows). The first
+    call fixes glibc's mmap threshold (attnkit/engine/heap.py), so freed buffers do not stay in the process."""
+    limit_heap_retention()
     rt = runtime_of(model)
     out_proj = output_projections(model) if check_weighting(weighting) == "norm" else {}
     saved = (rt.backend, rt.num_windows, rt.want_features, rt.weighting, rt.out_proj)
