@@ -8,9 +8,10 @@
 
 Tokenisation can run ahead of the model in worker processes, so a fast device is not left waiting for the
 tokenizer. A GPU replica runs in its own thread (the heavy work releases the GIL), which queues copies and kernels
-while the caller tokenises. A single CPU replica runs on the calling thread: torch's OpenMP threads wait in the
-regime of the caller's own torch code, which a second thread running torch would change (attnkit/engine/openmp.py,
-docs/pipeline.md §4). Results reach the caller in plan order whatever device finished first, so sums and
+while the caller tokenises. A single CPU replica runs on the calling thread: a second thread running torch would
+own a second OpenMP team and change how every wait of the process behaves (attnkit/engine/openmp.py,
+docs/pipeline.md §4); its workers and torch threads may be chosen from the first batches' rates
+(attnkit/engine/tuning.py). Results reach the caller in plan order whatever device finished first, so sums and
 checkpoints are exactly those of the plain loop.
 """
 from __future__ import annotations
