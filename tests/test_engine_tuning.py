@@ -139,3 +139,15 @@ def test_every_command_decides_before_torch_loads_and_no_number_changes(tmp_path
     a, b = attnkit.HeadFeatures.load(tmp_path / "b"), attnkit.HeadFeatures.load(tmp_path / "c")
     np.testing.assert_array_equal(a.mean, b.mean)
     np.testing.assert_array_equal(a.std, b.std)
+
+
+def test_the_thread_count_moves_no_number_beyond_blas_rounding(minilm, texts):
+    """1 and 2 torch threads: the same batches, so the same numbers up to how BLAS splits a product over threads
+    (docs/pipeline.md §3: 5.5e-9 of the largest value on one machine, bit-identical on another). The tolerance
+    is that rounding, far below any difference a feature could show."""
+    one, _ = extracted(minilm, texts, threads=1)
+    two, _ = extracted(minilm, texts, threads=2, workers=2)
+    a, b = one.result({}), two.result({})
+    assert one.n_tokens == two.n_tokens
+    scale = np.abs(a.mean).max()
+    np.testing.assert_allclose(a.mean, b.mean, rtol=0, atol=1e-6 * scale)
