@@ -322,15 +322,15 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
         if on_choice is not None:
             on_choice(choice)
         torch.set_num_threads(choice.threads)
-        if probe is not None:
-            redo = probe.threads != choice.threads  # a run's numbers are those of its thread count (§3)
-            for (pb, arrays), res in zip(probe.encoded, probe.results):
-                on_result(_measure_here(replicas[0], pb, arrays) if redo else res)
-                if on_progress is not None:
-                    on_progress([replicas[0]])
         n_workers, planned = workers_for_plan(planned, choice.workers)
-        with TokenizerPool(encoder, n_workers, prefetch) as pool:
+        with TokenizerPool(encoder, n_workers, prefetch) as pool:  # workers start before any result is delivered
             encoded = pool.map(planned)
+            if probe is not None:
+                redo = probe.threads != choice.threads  # a run's numbers are those of its thread count (§3)
+                for (pb, arrays), res in zip(probe.encoded, probe.results):
+                    on_result(_measure_here(replicas[0], pb, arrays) if redo else res)
+                    if on_progress is not None:
+                        on_progress([replicas[0]])
             if runs_on_caller(devices):
                 _run_here(replicas[0], encoded, on_result, on_progress)
             else:
