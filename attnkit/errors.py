@@ -80,6 +80,7 @@ INT_RANGES = {
     "num_windows": (1, MAX_NUM_WINDOWS),
     "checkpoint_every": (1, INT32_MAX),
     "workers": (0, None),
+    "threads": (1, 1024),
     "k": (2, INT32_MAX),
     "n_stability": (0, 1000),
     "n_seeds": (1, 1000),

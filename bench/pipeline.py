@@ -6,6 +6,7 @@
     python bench/pipeline.py ray      [--corpus FILE]                    Ray local cluster vs the in-process loop
     python bench/pipeline.py gpu      [--corpus FILE]                    (GPU) extraction vs plain sdpa forward
     python bench/pipeline.py workers  [--trees OLD,NEW]                  --workers 0 vs N, main thread vs a thread
+    python bench/pipeline.py plan     [--plan-size-mb 8] [--stsb PATH]    the chosen pipeline vs fixed ones (issue 38)
 
 overlap: the model is replaced by a stand-in that takes, per batch, the time a device would need at R tokens/s
   and leaves the CPU idle (it sleeps). T, one worker's tokenisation rate (one process, the Rust tokenizer's
@@ -22,6 +23,13 @@ gpu: BERT-base (random weights) at --dtype bf16, L=128: attnkit extraction end t
   pinned copies) vs a plain sdpa forward over the same pre-tokenised batches on the device.
 workers: --workers 0 against --workers N (the tiny model of `memory`): the same pre-tokenised forwards on the main
   thread and on a thread of their own, then `attnkit extract` end to end from each of --trees.
+plan: `attnkit extract` with its own choice of workers and threads (default options) against fixed
+  configurations (--configs, workers/threads), a fresh process each, interleaved, on two cases: "tokenise-bound"
+  (--plan-size-mb of generated lines, a 1-layer random BERT with hidden size 16) and "forward-bound" (MiniLM on the
+  sentences of STS-B dev, both columns, --stsb). For the tokenise-bound case also the 2-core limit: (tokenising
+  alone on one core + the forwards alone, pre-tokenised, with every thread) / 2. Figures are the seconds each run
+  reports (start-up and model loading excluded), medians of --repeats; the line each run printed about its choice
+  is shown once per case.
 """
 from __future__ import annotations
 
@@ -42,7 +50,11 @@ except ImportError:  # run from a source checkout: python bench/pipeline.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
-import torch
+
+from attnkit.engine.openmp import configure
+
+configure()  # how torch's threads wait, as every command decides it (before torch loads)
+import torch  # noqa: E402
 
 WORDS = ("the river bridge bread harbour library glacier orchestra market lighthouse forest of and to in a was "
          "quiet near far old new city music across under water stone light winter summer people town").split()
@@ -287,6 +299,108 @@ def workers(args) -> dict:
     return out
 
 
+# --- plan: the pipeline's own choice against fixed ones (issue 38) ------------------------------------------
+def tiny_bert16(path: Path) -> Path:
+    """A 1-layer random BERT with hidden size 16 (2 heads) and MiniLM's tokenizer: forwards so cheap that
+    tokenising bounds a run."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from attnkit.models import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _alone(model_dir: Path, corpus: Path, batch_size: int, max_length: int) -> tuple[float, float]:
+    """(seconds tokenising the corpus on this thread, seconds of the forwards of its batches, pre-tokenised)."""
+    import attnkit
+    from attnkit.engine.forward import device_forward, measuring
+    from attnkit.engine.plan import plan_batches
+    from attnkit.tokens import Batch, Encoder
+
+    model, tok = attnkit.load_model(str(model_dir), device="cpu")
+    segs = [ln for ln in corpus.read_text().splitlines() if ln.strip()]
+    enc = Encoder(tok, max_length=max_length)
+    planned = list(plan_batches(segs, batch_size, 4096))
+    t = time.perf_counter()
+    arrays = [enc.encode_arrays(pb.segments) for pb in planned]
+    tokenise = time.perf_counter() - t
+    with measuring(model):
+        device_forward(model, Batch.from_arrays(arrays[0]))
+        t = time.perf_counter()
+        for a in arrays:
+            device_forward(model, Batch.from_arrays(a))
+        forward = time.perf_counter() - t
+    return tokenise, forward
+
+
+def plan(args) -> dict:
+    import csv
+
+    tmp = Path(tempfile.mkdtemp(prefix="attnkit-plan-"))
+    cases = {}
+    tiny = tiny_bert16(tmp / "bert16")
+    gen = tmp / "generated.txt"
+    with open(gen, "w") as f:
+        f.writelines(generated_lines(int(args.plan_size_mb * 10**6), seed=5))
+    cases["tokenise-bound"] = (tiny, gen)
+    if Path(args.stsb).exists():
+        with open(args.stsb, newline="") as f:
+            rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+        sts = tmp / "stsb.txt"
+        sts.write_text("\n".join(r[c] for r in rows for c in ("sentence1", "sentence2")) + "\n")
+        from attnkit.models import default_model_path
+
+        cases["forward-bound"] = (Path(default_model_path()), sts)
+    else:
+        print(f"no {args.stsb}: the forward-bound case is left out")
+    configs = ["default"] + args.configs
+    times = {(c, k): [] for c in cases for k in configs}
+    lines = {}
+    limits = {}
+    for r in range(args.repeats):
+        for case, (model_dir, corpus) in cases.items():
+            if case == "tokenise-bound":
+                tok_s, fwd_s = _alone(model_dir, corpus, 16, args.max_length)
+                limits.setdefault(case, []).append((tok_s, fwd_s))
+            order = configs[r % len(configs):] + configs[:r % len(configs)]
+            for k in order:
+                run = tmp / "run"
+                subprocess.run(["rm", "-rf", str(run)], check=True)
+                extra = [] if k == "default" else ["--workers", k.split("/")[0], "--threads", k.split("/")[1]]
+                res = subprocess.run([sys.executable, "-m", "attnkit.cli", "extract", str(corpus), "--model",
+                                      str(model_dir), "-o", str(run), "--max-length", str(args.max_length), *extra],
+                                     env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
+                                     check=True, capture_output=True, text=True)
+                times[(case, k)].append(float(re.search(r" in ([0-9.]+)s", res.stdout).group(1)))
+                if k == "default":
+                    lines.setdefault(case, [ln for ln in res.stderr.splitlines() if ln.startswith("pipeline:")][0])
+            print(f"  round {r + 1} {case}: " + ", ".join(f"{k} {times[(case, k)][-1]:.2f} s" for k in configs)
+                  + f" ({os.getloadavg()[0]:.2f} load)", flush=True)
+    out = {}
+    print(f"medians of {args.repeats} (load {' '.join(f'{x:.2f}' for x in os.getloadavg())}), configurations "
+          "workers/threads:")
+    for case in cases:
+        med = {k: statistics.median(times[(case, k)]) for k in configs}
+        best = min(v for k, v in med.items() if k != "default")
+        print(f"  {case}: {lines.get(case, '')}")
+        print("    " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items())
+              + f"; default / best fixed = {med['default'] / best:.2f}")
+        out[case] = {"seconds": med, "default_over_best_fixed": med["default"] / best, "choice": lines.get(case)}
+        if case in limits:
+            tok_s = statistics.median(t for t, _ in limits[case])
+            fwd_s = statistics.median(f for _, f in limits[case])
+            limit = (tok_s + fwd_s) / 2
+            print(f"    tokenising alone {tok_s:.2f} s, forwards alone {fwd_s:.2f} s: 2-core limit {limit:.2f} s; "
+                  f"default reaches {limit / med['default']:.2f} of it")
+            out[case].update(tokenise_s=tok_s, forward_s=fwd_s, limit_s=limit, share_of_limit=limit / med["default"])
+    return out
+
+
 # --- ray -------------------------------------------------------------------------------------------------
 def ray_vs_local(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-bench-"))
@@ -374,7 +488,7 @@ def gpu(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["overlap", "padding", "memory", "ray", "gpu", "workers"])
+    ap.add_argument("what", choices=["overlap", "padding", "memory", "ray", "gpu", "workers", "plan"])
     ap.add_argument("files", nargs="*", help="padding: corpus files")
     ap.add_argument("--corpus", default=None, help="a corpus file (default: generated English-like lines)")
     ap.add_argument("--segments", type=int, default=40000)
@@ -391,11 +505,16 @@ def main() -> None:
     ap.add_argument("--size-mb", type=float, default=1.0, help="workers: size of the generated corpus")
     ap.add_argument("--trees", default=None, type=lambda s: s.split(","),
                     help="workers: source trees to run `attnkit extract` from (PYTHONPATH), e.g. before,after")
+    ap.add_argument("--plan-size-mb", type=float, default=8.0, help="plan: the tokenise-bound corpus")
+    ap.add_argument("--configs", default="0/2,1/1,1/2,2/1,2/2", type=lambda s: s.split(","),
+                    help="plan: fixed workers/threads to compare with the default")
+    ap.add_argument("--stsb", default=str(Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "stsb"
+                                          / "dev.tsv"), help="plan: STS-B dev (the forward-bound case)")
     args = ap.parse_args()
     if args.what == "memory":
         args.workers = args.workers[-1]
     what = {"overlap": overlap, "padding": padding, "memory": memory, "ray": ray_vs_local, "gpu": gpu,
-            "workers": workers}
+            "workers": workers, "plan": plan}
     result = what[args.what](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))

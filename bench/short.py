@@ -1,33 +1,27 @@
-"""Benchmark: extraction on sentence-length inputs (issue 29), side by side in one process.
+"""Benchmark: extraction on sentence-length inputs (issues 29, 38), side by side in one process.
 
-    python bench/short.py [--texts held-out|stsb] [--stsb PATH] [--n 1000] [--batch 16] [--repeats 5]
-    python bench/short.py --regimes [--n 200]     the mechanism: the same sdpa forwards in three OpenMP regimes
+    python bench/short.py [--texts stsb|held-out] [--stsb PATH] [--n 1000] [--batch 16] [--repeats 5]
 
 Configurations, interleaved (the order rotates every round), medians after one warm-up round, all on the main
-thread of this process, MiniLM (the embedded model) loaded before the clock starts:
-  sdpa      the plain sdpa forward of the batches attnkit plans (length-sorted, pre-tokenised): no features
+thread of this process, MiniLM (the embedded model) loaded before the clock starts. Tokenisation is inside every
+timing except sdpa-pre's:
+  sdpa      the texts sorted by length, each batch tokenised by the tokenizer, the plain sdpa forward: no features
+  sdpa-pre  the plain sdpa forward of the batches attnkit plans, tokenised before the clock starts
   naive     a user's first script: texts sorted by length, each batch tokenised, an eager forward with
             output_attentions=True and the features computed from the returned maps in plain PyTorch
             (bench/extract.py's `naive_features`), summed over the samples
   extract   attnkit.extract(texts, (model, tokenizer), batch_size=...)
-  thread    attnkit.extract called from a second thread of this process (whose main thread has run torch): the
-            OpenMP regime the device thread of attnkit <= 0.x had, and a user calling from a thread
+  thread    attnkit.extract called from a second thread of this process
   cli       `attnkit extract` as the command runs it (its job, in this process: options → run directory; the
             figure is the time the command reports for its extraction, model loading excluded)
-Texts: "held-out" builds sentences of 9-12 words from windows of the words of attnkit/data/default_corpus.txt
-(so about 12-15 tokens with [CLS] and [SEP]); "stsb" takes the first sentences of GLUE STS-B dev (--stsb, by
-default ../shared/data/stsb/dev.tsv beside the repository). The load average is printed with every figure:
-the machine may be shared.
+Texts: "stsb" (default) takes the first sentences of GLUE STS-B dev (--stsb, by default ../shared/data/stsb/dev.tsv
+beside the repository: about 15 tokens with [CLS] and [SEP]); "held-out" builds sentences of 9-12 words from
+windows of the words of attnkit/data/default_corpus.txt.
 
---regimes: the plain sdpa forward of the same batches on the main thread alone (libgomp's waits spin), on the main
-thread while a parked thread holds a second OpenMP team (waits spin 100 rounds, then sleep), and on a second
-thread (the device thread attnkit <= 0.x ran CPU forwards on; also sleeping waits), with the context switches of
-the process per batch (getrusage): a count that does not depend on the machine's load.
-
---waits: how torch's OpenMP threads wait (attnkit/engine/openmp.py). "auto": as attnkit runs (short waits only
-while the CPUs are oversubscribed, the baselines as they come); "short": every configuration with short waits
-(a parked OpenMP team held throughout), "spin": attnkit never parks a team. On a busy machine "short" compares
-the configurations in the regime that is fast there; on free cores "auto" and "spin" are the same.
+How torch's threads wait is decided once, before torch loads, by attnkit's rule (attnkit/engine/openmp.py, as
+every command does; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment win), so every configuration runs in
+the same regime; the line at the start names it. The CPU model and the load average are printed with every
+figure, and CPU time (both threads) beside wall time: the machine may be shared.
 """
 from __future__ import annotations
 
@@ -50,9 +44,13 @@ except ImportError:  # run from a source checkout: python bench/short.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from attnkit.engine.openmp import configure  # noqa: E402
+
+REGIME = configure()  # before torch loads: libgomp reads the variables once
+
 import torch  # noqa: E402
 
-CONFIGS = ("sdpa", "naive", "extract", "cli")  # and "thread"
+CONFIGS = ("sdpa", "sdpa-pre", "naive", "extract", "cli")  # and "thread"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -64,6 +62,14 @@ def load() -> str:
     except OSError:
         pressure = ""
     return f"load {os.getloadavg()[0]:.2f}{pressure}"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown CPU")
+    except OSError:
+        return "unknown CPU"
 
 
 def held_out_sentences(n: int, seed: int = 0) -> list[str]:
@@ -88,60 +94,15 @@ def stsb_sentences(path: Path, n: int) -> list[str]:
     return [r["sentence1"] for r in rows][:n]
 
 
-def regimes(forward, n_batches: int, repeats: int) -> None:
-    import resource
-
-    import attnkit.engine.openmp as openmp
-
-    def switches() -> int:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_nvcsw + r.ru_nivcsw
-
-    def timed(run):
-        c0, t0 = switches(), time.perf_counter()
-        run()
-        return time.perf_counter() - t0, (switches() - c0) / n_batches
-
-    def parked():
-        waits = openmp.ShortWaits(torch.get_num_threads())
-        waits.hold()
-        try:
-            return timed(forward)
-        finally:
-            waits.release()
-
-    def on_thread():
-        out = {}
-        th = threading.Thread(target=lambda: out.setdefault("r", timed(forward)))
-        th.start()
-        th.join()
-        return out["r"]
-
-    runs = {"main thread alone": lambda: timed(forward), "main + parked team": parked, "second thread": on_thread}
-    res: dict = {k: [] for k in runs}
-    forward()
-    for r in range(repeats):
-        for k, run in runs.items():
-            res[k].append(run())
-        print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1][0]:.2f} s" for k, v in res.items()) + f" ({load()})",
-              flush=True)
-    print(f"medians of {repeats} ({load()}):")
-    for k, v in res.items():
-        print(f"  {k:20s} {statistics.median(a for a, _ in v):6.2f} s, "
-              f"{statistics.median(b for _, b in v):6.1f} context switches per batch")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--texts", choices=["held-out", "stsb"], default="held-out")
+    ap.add_argument("--texts", choices=["held-out", "stsb"], default="stsb")
     ap.add_argument("--stsb", default=str(ROOT.parent / "shared" / "data" / "stsb" / "dev.tsv"))
     ap.add_argument("--n", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--workers", type=int, default=None, help="cli: --workers (default: the command's default)")
-    ap.add_argument("--waits", choices=["auto", "short", "spin"], default="auto")
-    ap.add_argument("--regimes", action="store_true", help="time the three OpenMP regimes (see above)")
     args = ap.parse_args()
     configs = args.configs.split(",")
 
@@ -149,7 +110,6 @@ def main() -> None:
     from transformers import AutoModel, AutoTokenizer
 
     import attnkit
-    import attnkit.engine.openmp as openmp
     from attnkit.engine.extract_job import ExtractOptions, run_extract_job
     from attnkit.engine.plan import plan_batches
     from attnkit.models import default_model_path
@@ -169,15 +129,22 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-short-"))
     corpus = tmp / "texts.txt"
     corpus.write_text("\n".join(texts) + "\n")
-    print(f"waits: {args.waits}; {len(texts)} {args.texts} texts, {n_tokens} tokens "
+    print(f"{cpu_model()}; waits: {REGIME}; {len(texts)} {args.texts} texts, {n_tokens} tokens "
           f"({n_tokens / len(texts):.1f} per text), "
           f"{len(batches)} batches of {args.batch}, torch threads {torch.get_num_threads()}, "
           f"{torch.backends.cpu.get_cpu_capability()}, {load()}")
 
-    def run_sdpa():
+    def run_sdpa_pre():
         with torch.inference_mode():
             for b in batches:
                 sdpa(**b.inputs)
+
+    def run_sdpa():
+        order = sorted(texts, key=len, reverse=True)
+        with torch.inference_mode():
+            for i in range(0, len(order), args.batch):
+                sdpa(**tok(order[i:i + args.batch], padding=True, truncation=True, max_length=128,
+                           return_tensors="pt"))
 
     def run_naive():
         order = sorted(texts, key=len, reverse=True)
@@ -209,35 +176,33 @@ def main() -> None:
         th.start()
         th.join()
 
-    if args.regimes:
-        return regimes(run_sdpa, len(batches), args.repeats)
-
-    runs = {"sdpa": run_sdpa, "naive": run_naive, "extract": run_extract, "cli": run_cli, "thread": run_thread}
-    parked = openmp.ShortWaits(torch.get_num_threads())
-    if args.waits != "auto":
-        openmp.cpu_oversubscribed = lambda: False  # attnkit's own policy: never park (short: the bench holds one)
-    if args.waits == "short":
-        parked.hold()
+    runs = {"sdpa": run_sdpa, "sdpa-pre": run_sdpa_pre, "naive": run_naive, "extract": run_extract, "cli": run_cli,
+            "thread": run_thread}
     ak = run_extract()
     nv = run_naive()
     diff = float((nv.numpy() - ak.mean).__abs__().max())
     print(f"naive and attnkit mean features differ by at most {diff:.1e}")
+    for c in configs:  # warm-up round
+        runs[c]()
     times: dict = {c: [] for c in configs}
+    cpu: dict = {c: [] for c in configs}
     for r in range(args.repeats):
         order = configs[r % len(configs):] + configs[:r % len(configs)]
         for c in order:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             reported = runs[c]()
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             times[c].append(reported if c == "cli" else dt)
+            cpu[c].append(dc)
         print(f"  round {r + 1}: " + ", ".join(f"{c} {times[c][-1]:.2f} s" for c in configs) + f" ({load()})",
               flush=True)
-    parked.release()
     med = {c: statistics.median(v) for c, v in times.items()}
-    print(f"medians of {args.repeats} ({load()}):")
+    mcpu = {c: statistics.median(v) for c, v in cpu.items()}
+    print(f"medians of {args.repeats} ({cpu_model()}, {load()}; wall, then CPU time of both threads):")
     for c in configs:
-        rel = [f"{med[c] / med[b]:.2f}x {b}" for b in ("naive", "sdpa") if b in med and b != c]
-        print(f"  {c:8s} {med[c]:6.2f} s  {n_tokens / med[c]:8,.0f} tok/s  " + ", ".join(rel))
+        rel = [f"{med[c] / med[b]:.2f}x {b} (CPU {mcpu[c] / mcpu[b]:.2f}x)" for b in ("naive", "sdpa")
+               if b in med and b != c]
+        print(f"  {c:8s} {med[c]:6.2f} s (CPU {mcpu[c]:6.2f} s) {n_tokens / med[c]:8,.0f} tok/s  " + ", ".join(rel))
 
 
 if __name__ == "__main__":

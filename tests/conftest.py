@@ -6,17 +6,14 @@ import os
 
 import pytest
 
-# How torch's OpenMP threads wait between parallel regions (attnkit/engine/openmp.py): by default they spin. The
-# tests run thousands of tiny inputs, each many short parallel regions; on a machine whose other work keeps the
-# cores busy, spinning threads burn the time slices their partners need, and tiny models ran 10-30x slower (a
-# 40-step toy BERT: 0.4 s with sleeping waits, 8.5 s spinning, at load 3.5 on 2 cores). Sleeping waits change no
-# number (the same operations on the same threads), so when the machine is busy as the session starts (1-minute
-# load above the cores less 0.5, as attnkit.engine.openmp.cpu_oversubscribed judges it, before this process runs
-# anything) the session and its subprocesses wait passively. libgomp reads the variable when torch loads, so it is
-# set here, before anything imports torch; a value in the environment wins.
-if "OMP_WAIT_POLICY" not in os.environ and hasattr(os, "getloadavg") and hasattr(os, "sched_getaffinity") \
-        and os.getloadavg()[0] > len(os.sched_getaffinity(0)) - 0.5:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+# How torch's OpenMP threads wait between parallel regions: the one rule of attnkit/engine/openmp.py, as every
+# command applies it, decided before anything imports torch (libgomp reads the variables when torch loads). The
+# tests run thousands of tiny inputs, each many short parallel regions: on a machine whose other work keeps the
+# cores busy, libgomp's spinning waits made tiny models 10-30x slower (a 40-step toy BERT: 0.4 s sleeping, 8.5 s
+# spinning, at load 3.5 on 2 cores). The regime changes no number; a value in the environment wins.
+from attnkit.engine.openmp import configure  # noqa: E402  (imports no torch)
+
+configure()
 
 # The Triton kernel's real code runs on the CPU under Triton's interpreter (tests/test_triton_attention.py). Triton
 # decides at definition which of its own @triton.jit functions (tl.zeros, ...) are interpreted, so the variable must be

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnkit.cli.main import main
-from attnkit.engine.local import max_workers
 from attnkit.errors import INT_RANGES, AttnkitError, check_int
 
 from .synthetic import layered_truth, make_features
@@ -125,8 +124,6 @@ def bad_integers(draw_range: click.IntRange, option: str):
         choices.append(st.integers(max_value=draw_range.min - 1, min_value=draw_range.min - 10**30))
     if draw_range.max is not None:
         choices.append(st.integers(min_value=draw_range.max + 1, max_value=draw_range.max + 10**30))
-    if option == "--workers":  # bounded at run time by the cores this process may use
-        choices.append(st.integers(min_value=max_workers() + 1, max_value=10**30))
     return st.one_of(choices)
 
 

@@ -297,3 +297,23 @@ def test_distances_use_the_decoders_attention_and_other_observers_are_refused():
             AttnkitError, match=r"an observer of q and k \(test_distances_use_the_decoders_attention_and_other_"
                                 r"observers_are_refused.<locals>.plain\) does not take a decoder's attention"):
         ours(input_ids=ids, attention_mask=mask)
+
+
+def test_extraction_builds_no_kv_cache(pair):
+    """A decoder's forward keeps a KV cache by default (2 tensors per layer); extraction never reads it, so its
+    forward asks for none (use_cache=False), which the output the model returns shows."""
+    _, ours = pair
+    from attnkit.engine.forward import forward_features, measuring
+
+    seen = []
+    hook = ours.register_forward_hook(lambda mod, args, out: seen.append(getattr(out, "past_key_values", None)))
+    try:
+        ids, mask = inputs("right")
+        with torch.no_grad():
+            default = ours(input_ids=ids, attention_mask=mask).past_key_values
+        with measuring(ours, backend="auto"):
+            forward_features(ours, batch_of(ids, mask))
+    finally:
+        hook.remove()
+    assert default is not None  # the model would build one
+    assert seen[-1] is None

@@ -240,10 +240,9 @@ def test_workers_are_bounded_by_the_cores_and_by_the_plan():
     from attnkit.engine.local import TASK_BATCHES, check_workers, default_workers, max_workers, workers_for_plan
 
     assert check_workers(max_workers()) == max_workers()
-    with pytest.raises(AttnkitError, match=rf"^workers must be at most {max_workers()}, got {max_workers() + 1}$"):
-        check_workers(max_workers() + 1)
-    with pytest.raises(AttnkitError, match=r"^workers must be at most \d+, got 100000000000$"):
-        check_workers(10**11)
+    assert check_workers(10**11) == 10**11  # accepted; a run uses at most one per core, and says so (tuning.py)
+    with pytest.raises(AttnkitError, match=r"^workers must be an integer of at least 0, got -1$"):
+        check_workers(-1)
     plan = list(plan_batches([f"s{i}" for i in range(10)], 1, 4))  # 10 batches: 3 tasks of TASK_BATCHES
     assert TASK_BATCHES == 4
     for asked, used in ((8, 3), (2, 2), (0, 0)):
@@ -310,41 +309,3 @@ def test_gpus_and_several_replicas_get_a_thread_each(minilm, segments, monkeypat
     run_extraction(model, tok, segments[:40], ExtractSettings(max_length=16, batch_size=8, backend="reference"),
                    replicas=replicate(model, [torch.device("cpu")] * 2)[1:])
     assert idents and threading.get_ident() not in idents
-
-
-def test_short_waits_are_held_exactly_while_the_cpus_are_oversubscribed(minilm, segments, monkeypatch):
-    """On a busy machine spinning waits burn the time slices the team needs: the run then holds a parked OpenMP
-    team (libgomp spins briefly once there are more of its threads than CPUs), and lets it go when the run ends."""
-    import attnkit.engine.openmp as openmp
-
-    model, tok = minilm
-    busy = []
-    parked = []
-
-    def parked_now():
-        return any(t.name == openmp.ShortWaits.NAME for t in threading.enumerate())
-
-    _record_forward_threads(monkeypatch, lambda: parked.append(parked_now()))
-    monkeypatch.setattr(openmp, "RECHECK_SECONDS", 0.0)
-    monkeypatch.setattr(openmp, "cpu_oversubscribed", lambda: busy.pop(0))
-    settings = ExtractSettings(max_length=16, batch_size=8, backend="reference")
-    busy[:] = [True, True, False]
-    run_extraction(model, tok, segments[:24], settings)  # 3 batches: busy, busy, free
-    assert parked == [True, True, False] and not parked_now()
-    busy[:] = [False, True]
-    parked.clear()
-    run_extraction(model, tok, segments[:16], settings)
-    assert parked == [False, True] and not parked_now()
-
-
-def test_oversubscription_counts_other_work_not_the_runs_own_threads(monkeypatch):
-    from attnkit.engine.openmp import available_cores, cpu_oversubscribed
-
-    cores = available_cores()
-    # the run's own 2 threads are runnable all the time: they are not the busy-ness; about `cores` more are
-    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 1.0, 0.0, 0.0))
-    assert not cpu_oversubscribed(own_threads=2)
-    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 1.75, 0.0, 0.0))
-    assert cpu_oversubscribed(own_threads=2)
-    monkeypatch.setattr(os, "getloadavg", lambda: (cores - 1.0, 99.0, 99.0))  # the last minute counts
-    assert not cpu_oversubscribed(own_threads=0)

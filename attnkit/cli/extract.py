@@ -26,8 +26,12 @@ from .options import OutputPath, cli_errors, command_line, echo_for, int_range, 
               help="One model replica per device: 'all' (every GPU), or a list such as cuda:0,cuda:1 (cpu,cpu runs "
                    "two CPU replicas).")
 @click.option("--workers", default=None, type=int_range("workers"),
-              help="Tokenisation processes running ahead of the model (0: tokenise between forwards) "
-                   "[default: with GPUs the CPU cores − 1, at most 8; on the CPU 0].")
+              help="Tokenisation processes running ahead of the model (0: tokenise between forwards; at most one "
+                   "per core is used) [default: on the CPU chosen from the first batches' rates; with GPUs the "
+                   "CPU cores − 1, at most 8].")
+@click.option("--threads", default=None, type=int_range("threads"),
+              help="torch threads for the forwards [default: on the CPU chosen from the first batches' rates, "
+                   "with --workers; otherwise torch's count]. The run prints and records what it chose.")
 @shared("dtype", "num-windows", "sentences", "limit", "backend", "engine", "ray-address")
 @click.option("-o", "--out", "out", default="attnkit-run", show_default=True,
               type=OutputPath(file_okay=False, path_type=Path), help="Run directory to write.")
@@ -45,7 +49,7 @@ from .options import OutputPath, cli_errors, command_line, echo_for, int_range, 
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
 def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length, batch_size, window, device,
-            devices, workers, dtype, num_windows, sentences, limit, backend, engine, ray_address, out, resume,
+            devices, workers, threads, dtype, num_windows, sentences, limit, backend, engine, ray_address, out, resume,
             overwrite, checkpoint_every, per_sample, weighting, quiet):
     """Measure per-head attention features over CORPUS (default: a small built-in English corpus).
 
@@ -64,8 +68,8 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
         paths=list(corpus), model_path=model_path, fmt=fmt, text_unit=text_unit, columns=columns,
         squad_pairs=squad_pairs, max_length=max_length, batch_size=batch_size, window=window, device=device,
         devices=devices, dtype=dtype, num_windows=num_windows, sentences=sentences, limit=limit, backend=backend,
-        workers=workers, engine=engine, ray_address=ray_address, out=out, resume=resume, overwrite=overwrite,
-        checkpoint_every=checkpoint_every, per_sample=per_sample, quiet=quiet, weighting=weighting)
+        workers=workers, threads=threads, engine=engine, ray_address=ray_address, out=out, resume=resume,
+        overwrite=overwrite, checkpoint_every=checkpoint_every, per_sample=per_sample, quiet=quiet, weighting=weighting)
     preflight_extract(opts)  # refusals that need no model come before torch is imported
     from ..engine.extract_job import Interrupted, run_extract_job
 

@@ -9,6 +9,7 @@ import sys
 
 import click
 
+from ..engine.openmp import configure as configure_waits
 from .ablate import ablate
 from .analysis import cluster_cmd, compare_cmd, distances_cmd, report_cmd
 from .compare_models import compare_models_cmd
@@ -45,6 +46,8 @@ def main():
     Models are local directories (no hub downloads); the default is the embedded MiniLM.
     """
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # how torch's threads wait, for every command, before any of them imports torch (libgomp reads it once)
+    configure_waits()
     # transformers and huggingface_hub read these when they are imported, which happens only once a command's
     # work starts (never for --help or a usage error): attnkit shows its own progress, and only its warnings
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -121,9 +121,11 @@ def run_extraction(
     settings: ExtractSettings | None = None,
     *,
     replicas: Sequence = (),
-    workers: int = 0,
+    workers: int | str = 0,
+    threads: int | str | None = None,
     prefetch: int | None = None,
     observers: Sequence[Callable] = (),
+    on_choice: Callable | None = None,
     resume: ExtractionState | None = None,
     on_batch: Callable[[ExtractionState, BatchResult], None] | None = None,
     progress: bool = False,
@@ -134,7 +136,9 @@ def run_extraction(
 
     The plan (attnkit/engine/plan.py) sorts by length within windows of `settings.window` segments.
     `replicas` are more instrumented copies of `model` on other devices; `workers` tokenisation processes run
-    ahead of the model (at most `prefetch` tasks in flight). `resume` continues a saved state: its sums, after
+    ahead of the model (at most `prefetch` tasks in flight) with `threads` torch threads (None: torch's count);
+    either may be "auto": chosen from the rates of the first batches (attnkit/engine/tuning.py), the choice
+    handed to `on_choice` before the run. `resume` continues a saved state: its sums, after
     its first `next_index` segments of the plan. `on_batch(state, result)` runs after every batch, in plan
     order (checkpoints hook in here; `result` holds the batch's per-sample features, input positions and
     token counts before truncation). `observers` are attached to the runtime for the run (each gets (layer,
@@ -178,8 +182,8 @@ def run_extraction(
         stack.enter_context(observing(model, observers))
         if bar is not None:
             stack.callback(bar.close)
-        run_pipeline(models, encoder, planned, device_forward, workers=workers, prefetch=prefetch,
-                     on_result=deliver, on_progress=running)
+        run_pipeline(models, encoder, planned, device_forward, workers=workers, threads=threads, prefetch=prefetch,
+                     on_result=deliver, on_progress=running, on_choice=on_choice)
     return state
 
 
@@ -213,7 +217,8 @@ def extract(
     tokenizer=None,
     progress: bool = False,
     observers: Sequence[Callable] = (),
-    workers: int = 0,
+    workers: int | str = 0,
+    threads: int | str | None = None,
     devices=None,
     window: int = DEFAULT_WINDOW,
     per_sample: bool = False,
@@ -226,7 +231,9 @@ def extract(
     `model`: None for the embedded MiniLM, a local path, or a (model, tokenizer) pair.
     `backend`: "reference" (pure PyTorch), "fused" (the compiled op), "auto" (fused when loaded).
     `observers`: callables (layer, query, key, lengths, scaling) attached for the run (see `Runtime`).
-    `workers`: tokenisation processes running ahead of the model (0: tokenise on this thread).
+    `workers`: tokenisation processes running ahead of the model (0: tokenise on this thread); `threads`: torch
+    threads for the run (None: torch's count); either "auto": chosen from the first batches' rates
+    (attnkit/engine/tuning.py, docs/pipeline.md §4).
     `devices`: "all", "cuda:0,cuda:1", "cpu,cpu" or a list: one model replica per entry (default: `device`).
     `window`: segments sorted by length together (attnkit/engine/plan.py); the numbers do not depend on it
     beyond float64 rounding, only padding does.
@@ -253,7 +260,7 @@ def extract(
     def keep_rows(_state, res: BatchResult) -> None:
         rows.update(zip(res.planned.positions, res.features.astype(np.float32, copy=False)))
 
-    state = run_extraction(model, tokenizer, texts, settings, replicas=replicas, workers=workers,
+    state = run_extraction(model, tokenizer, texts, settings, replicas=replicas, workers=workers, threads=threads,
                            observers=observers, progress=progress, on_batch=keep_rows if per_sample else None,
                            label=label)
     dev = next(model.parameters()).device

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ..arch.pruning import removed_heads
 from ..errors import AttnkitError, arg, print_message
@@ -46,7 +45,9 @@ from .devices import parse_devices, replicate
 from .extract import ExtractionState, run_extraction
 from .forward import default_batch_size
 from .job_options import ENGINES, ExtractOptions, check_extract_options, extract_inputs, option_settings
-from .local import BatchResult, check_workers, default_workers
+from .local import BatchResult, check_workers
+from .openmp import wait_regime
+from .tuning import AUTO
 
 # what describes an input's bytes (compared through corpus_sha256 and named when it differs), not how it is read
 INPUT_STATE = ("n_segments", "sha256", "size", "mtime")
@@ -198,7 +199,8 @@ class _LocalJob(_Job):
         model, tokenizer = load_model(opts.model_path, device=self.devices[0], dtype=opts.dtype)
         check_max_length(model, opts.max_length)
         models = replicate(model, self.devices)
-        workers = default_workers(self.devices[0].type) if opts.workers is None else opts.workers
+        workers = AUTO if opts.workers is None else opts.workers
+        threads = AUTO if opts.threads is None else opts.threads
         shape = (len(attention_modules(model)), model.config.num_attention_heads,
                  len(model_feature_names(model, opts.num_windows)))
         state, lengths = None, None
@@ -213,8 +215,7 @@ class _LocalJob(_Job):
         self.say("attnkit extract: " + self.corpus.summary())
         self.say(f"model {model.config.model_type} ({len(attention_modules(model))} layers × "
                  f"{model.config.num_attention_heads} heads), backend {self.settings['backend']}, devices "
-                 f"{', '.join(str(next(m.parameters()).device) for m in models)}, {workers} tokenisation "
-                 f"worker(s), batch size {self.batch_size}"
+                 f"{', '.join(str(next(m.parameters()).device) for m in models)}, batch size {self.batch_size}"
                  + (f"; resuming after segment {start}" if start else ""))
         writer = None
         if opts.per_sample:
@@ -223,15 +224,23 @@ class _LocalJob(_Job):
                                      resume_after=start if opts.resume else None)
         checkpoints = Checkpoints(self.run_dir, self.settings, opts.checkpoint_every, LengthHistogram(lengths),
                                   writer, inputs=inputs)
+        chosen = []
+
+        def on_choice(choice) -> None:  # one line at the start: what the run uses and why (tuning.py)
+            chosen.append(choice)
+            self.say(choice.line())
+
         t0 = time.perf_counter()
         with checkpoints.on_interrupt(state):
             state = run_extraction(models[0], tokenizer, self.corpus, opts.extract_settings(self.batch_size),
-                                   replicas=models[1:], workers=workers, resume=state,
-                                   on_batch=checkpoints.after_batch, progress=not opts.quiet)
+                                   replicas=models[1:], workers=workers, threads=threads, resume=state,
+                                   on_batch=checkpoints.after_batch, progress=not opts.quiet, on_choice=on_choice)
+        choice = chosen[0]
         self.finish(state.accumulator, state.n_truncated, time.perf_counter() - t0,
-                    {"engine": "local", "workers": workers,
+                    {"engine": "local", "workers": choice.workers,
                      "devices": [str(next(m.parameters()).device) for m in models],
-                     "threads": torch.get_num_threads()},  # CPU numbers can depend on it (docs/pipeline.md §3)
+                     "threads": choice.threads,  # CPU numbers can depend on it (docs/pipeline.md §3)
+                     "pipeline": choice.meta(), "waits": wait_regime()},
                     model.config, lengths=checkpoints.lengths, limit=max_positions(model),
                     writer=writer)
 

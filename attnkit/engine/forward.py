@@ -7,6 +7,8 @@ Ray model actors, the comparison of two models), so a batch gives the same numbe
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import torch
 
@@ -14,6 +16,7 @@ from ..arch.architectures import attention_layers
 from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS, check_weighting
 from ..models import attention_modules, runtime_of
+from .heap import limit_heap_retention
 
 DEFAULT_BATCH_SIZE = {"cpu": 16, "cuda": 64}
 
@@ -40,7 +43,9 @@ def output_projections(model) -> dict:
 @contextlib.contextmanager
 def measuring(model, *, backend: str = "auto", num_windows: int = DEFAULT_NUM_WINDOWS, weighting: str = "attention"):
     """Inside the block, forwards of `model` record per-layer features into its runtime, weighted as `weighting`
-    says ("norm": by the norms of the transformed keys, which needs an architecture attnkit knows)."""
+    says ("norm": by the norms of the transformed keys, which needs an architecture attnkit knows). The first
+    call fixes glibc's mmap threshold (attnkit/engine/heap.py), so freed buffers do not stay in the process."""
+    limit_heap_retention()
     rt = runtime_of(model)
     out_proj = output_projections(model) if check_weighting(weighting) == "norm" else {}
     saved = (rt.backend, rt.num_windows, rt.want_features, rt.weighting, rt.out_proj)
@@ -54,14 +59,26 @@ def measuring(model, *, backend: str = "auto", num_windows: int = DEFAULT_NUM_WI
         rt.features = {}
 
 
+@functools.cache
+def _takes_use_cache(cls) -> bool:
+    return "use_cache" in inspect.signature(cls.forward).parameters
+
+
+def no_cache(model) -> dict:
+    """Keyword arguments that keep a forward of `model` from building a KV cache: a decoder otherwise keeps
+    2 tensors per layer (SmolLM2: 46 KB per token, 360 MB at 8k tokens) that extraction never reads
+    (shared/design/cpu-kernel-review.md §6). Empty for a model whose forward takes no `use_cache`."""
+    return {"use_cache": False} if _takes_use_cache(type(model)) else {}
+
+
 def forward_features(model, batch, rt=None, *, to_cpu: bool = True) -> torch.Tensor:
-    """One forward of `batch` (already on the model's device); returns B × layers × heads × F (on the CPU
-    unless `to_cpu` is false)."""
+    """One forward of `batch` (already on the model's device), without a KV cache; returns B × layers × heads ×
+    F (on the CPU unless `to_cpu` is false)."""
     rt = rt or runtime_of(model)
     rt.features = {}
     try:
         with rt.batch_of(batch), torch.inference_mode():
-            model(**batch.inputs)
+            model(**batch.inputs, **no_cache(model))
         n_layers = len(attention_modules(model))
         missing = [i for i in range(n_layers) if i not in rt.features]
         if missing:
@@ -78,4 +95,4 @@ def device_forward(model, batch) -> torch.Tensor:
 
 
 __all__ = ["DEFAULT_BATCH_SIZE", "default_batch_size", "device_forward", "forward_features", "measuring",
-           "output_projections"]
+           "no_cache", "output_projections"]

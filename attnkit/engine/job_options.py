@@ -38,6 +38,7 @@ class ExtractOptions:
     limit: int | None = None
     backend: str = "auto"
     workers: int | None = None
+    threads: int | None = None
     engine: str = "local"
     ray_address: str | None = None
     out: Path = Path("attnkit-run")
@@ -88,12 +89,17 @@ def check_extract_options(opts: ExtractOptions) -> None:
     check_int(opts.checkpoint_every, "checkpoint_every")
     if opts.limit is not None:
         check_int(opts.limit, "limit")
+    if opts.threads is not None:
+        check_int(opts.threads, "threads")
     if opts.engine == "ray":
         if opts.per_sample:
             raise AttnkitError(f"{arg('per_sample')} is written by the local engine only (drop {arg('engine')} ray)")
         if opts.workers is not None:
             raise AttnkitError(f"{arg('workers')} sets this machine's tokenisation processes; with "
                                f"{arg('engine', 'ray')} the cluster tokenises in Ray Data tasks")
+        if opts.threads is not None:
+            raise AttnkitError(f"{arg('threads')} sets this machine's torch threads; with {arg('engine', 'ray')} "
+                               "each actor uses the CPUs it holds")
         if opts.device or opts.devices:
             raise AttnkitError(f"{arg('device')}/{arg('devices')} choose devices of this machine; with "
                                f"{arg('engine', 'ray')} every actor uses one GPU of the cluster (or CPUs where it "

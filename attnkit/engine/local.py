@@ -8,9 +8,10 @@
 
 Tokenisation can run ahead of the model in worker processes, so a fast device is not left waiting for the
 tokenizer. A GPU replica runs in its own thread (the heavy work releases the GIL), which queues copies and kernels
-while the caller tokenises. A single CPU replica runs on the calling thread: torch's OpenMP threads wait in the
-regime of the caller's own torch code, which a second thread running torch would change (attnkit/engine/openmp.py,
-docs/pipeline.md §4). Results reach the caller in plan order whatever device finished first, so sums and
+while the caller tokenises. A single CPU replica runs on the calling thread: a second thread running torch would
+own a second OpenMP team and change how every wait of the process behaves (attnkit/engine/openmp.py,
+docs/pipeline.md §4); its workers and torch threads may be chosen from the first batches' rates
+(attnkit/engine/tuning.py). Results reach the caller in plan order whatever device finished first, so sums and
 checkpoints are exactly those of the plain loop.
 """
 from __future__ import annotations
@@ -37,8 +38,9 @@ import torch
 from ..errors import AttnkitError, check_int
 from ..tokens import Batch, EncodedArrays, Encoder
 from .devices import device_labels
-from .openmp import WaitPolicy, available_cores
+from .openmp import available_cores
 from .plan import PlannedBatch
+from .tuning import AUTO, PipelineChoice, calibrate, check_threads, clamp_workers
 
 
 def default_workers(device_type: str = "cuda") -> int:
@@ -57,9 +59,10 @@ def max_workers() -> int:
     return available_cores()
 
 
-def check_workers(workers) -> int:
-    """`workers` when it is an integer from 0 to `max_workers()`; else an AttnkitError naming `workers`."""
-    return check_int(workers, "workers", minimum=0, maximum=max_workers())
+def check_workers(workers) -> int | str:
+    """`workers` when it is "auto" or an integer ≥ 0; else an AttnkitError naming `workers`. A run uses at most
+    `max_workers()` of them, and says so (attnkit/engine/tuning.py)."""
+    return workers if workers == AUTO else check_int(workers, "workers", minimum=0)
 
 
 # --- tokenisation in worker processes ---------------------------------------------------------------------
@@ -291,41 +294,69 @@ def runs_on_caller(devices: Sequence) -> bool:
 
 
 def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBatch], forward: Callable, *,
-                 workers: int = 0, prefetch: int | None = None,
-                 on_result: Callable[[BatchResult], None], on_progress: Callable[[list], None] | None = None) -> None:
-    """Measure every planned batch on the replicas in `models`; `on_result` sees the results in plan order."""
+                 workers: int | str = 0, threads: int | str | None = None, prefetch: int | None = None,
+                 on_result: Callable[[BatchResult], None], on_progress: Callable[[list], None] | None = None,
+                 on_choice: Callable[[PipelineChoice], None] | None = None) -> PipelineChoice:
+    """Measure every planned batch on the replicas in `models`; `on_result` sees the results in plan order.
+    `workers`/`threads` "auto": chosen from the first batches' rates (attnkit/engine/tuning.py; a single CPU
+    replica; with GPUs "auto" workers is `default_workers`); `threads` None keeps torch's thread count; the run
+    sets the count it uses and restores the caller's at the end. `on_choice` sees the choice before the run."""
     if not models:
         raise AttnkitError("no model replica to run")
+    check_workers(workers)
+    threads = torch.get_num_threads() if threads is None else check_threads(threads)
     devices = [next(m.parameters()).device for m in models]
     replicas = [Replica(lab, m, forward) for lab, m in zip(device_labels(devices), models)]
-    workers, planned = workers_for_plan(planned, check_workers(workers))
-    with TokenizerPool(encoder, workers, prefetch) as pool:
-        encoded = pool.map(planned)
+    before = torch.get_num_threads()
+    try:
         if runs_on_caller(devices):
-            _run_here(replicas[0], encoded, on_result, on_progress)
+            choice, probe, planned = calibrate(lambda pb: encoder.encode_arrays(pb.segments),
+                                               lambda pb, arrays: _measure_here(replicas[0], pb, arrays),
+                                               planned, workers, threads, max_workers())
         else:
-            # Every batch the workers may hold can also wait for a device: the workers are never held back by a
-            # full device queue, and a device never waits while tokenised batches sit in a finished task.
-            _run_threaded(replicas, encoded, pool.prefetch * pool.group + 2 * len(replicas), on_result,
-                          on_progress)
+            w = default_workers(devices[0].type) if workers == AUTO else workers
+            w, note = clamp_workers(w, max_workers())
+            n = before if threads == AUTO else threads
+            choice, probe = PipelineChoice(w, n, "default" if workers == AUTO else "given", max_workers(),
+                                           note=note), None
+        if on_choice is not None:
+            on_choice(choice)
+        torch.set_num_threads(choice.threads)
+        n_workers, planned = workers_for_plan(planned, choice.workers)
+        with TokenizerPool(encoder, n_workers, prefetch) as pool:  # workers start before any result is delivered
+            encoded = pool.map(planned)
+            if probe is not None:
+                redo = probe.threads != choice.threads  # a run's numbers are those of its thread count (§3)
+                for (pb, arrays), res in zip(probe.encoded, probe.results):
+                    on_result(_measure_here(replicas[0], pb, arrays) if redo else res)
+                    if on_progress is not None:
+                        on_progress([replicas[0]])
+            if runs_on_caller(devices):
+                _run_here(replicas[0], encoded, on_result, on_progress)
+            else:
+                # Every batch the workers may hold can also wait for a device: the workers are never held back by
+                # a full device queue, and a device never waits while tokenised batches sit in a finished task.
+                _run_threaded(replicas, encoded, pool.prefetch * pool.group + 2 * len(replicas), on_result,
+                              on_progress)
+    finally:
+        torch.set_num_threads(before)
+    return choice
+
+
+def _measure_here(replica: Replica, planned: PlannedBatch, arrays: EncodedArrays) -> BatchResult:
+    try:
+        return replica.measure(planned, arrays)
+    except AttnkitError:
+        raise
+    except Exception as exc:  # as from a device thread: one line naming the failure
+        raise AttnkitError(f"the model on one device failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _run_here(replica: Replica, encoded, on_result, on_progress) -> None:
-    waits = WaitPolicy()
-    try:
-        for planned, arrays in encoded:
-            waits.update()
-            try:
-                res = replica.measure(planned, arrays)
-            except AttnkitError:
-                raise
-            except Exception as exc:  # as from a device thread: one line naming the failure
-                raise AttnkitError(f"the model on one device failed: {type(exc).__name__}: {exc}") from exc
-            on_result(res)
-            if on_progress is not None:
-                on_progress([replica])
-    finally:
-        waits.close()
+    for planned, arrays in encoded:
+        on_result(_measure_here(replica, planned, arrays))
+        if on_progress is not None:
+            on_progress([replica])
 
 
 def _run_threaded(replicas, encoded, max_in_flight, on_result, on_progress) -> None:

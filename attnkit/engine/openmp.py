@@ -1,29 +1,43 @@
-"""How torch's OpenMP threads wait between parallel regions while the local engine runs a CPU forward
-(docs/pipeline.md §4, "Which thread runs a CPU forward").
+"""How torch's OpenMP threads wait between parallel regions: decided once per process, before torch loads, for
+every command that runs a model (docs/pipeline.md §4, "How torch's threads wait").
 
-torch's CPU build runs its parallel regions on GNU OpenMP (libgomp). Between regions, a team's threads wait for
-the next one: they spin for a while (about 300,000 rounds) before they sleep in the kernel, unless the process
-has more OpenMP threads than CPUs: then they spin only 100 rounds ("throttled"). Every thread that starts a
-parallel region owns a team that lives as long as the thread, so the regime is the process's, not the thread's:
-  - one team (only the calling thread runs torch): waits spin. On free cores a region starts and ends in
-    microseconds; on an oversubscribed machine a spinning thread burns the time slice its partner needs, and
-    short inputs (many small regions) became 5-20× slower;
-  - two teams (a second thread ran torch, e.g. a device thread after model loading): waits sleep, and every
-    region pays a wake-up: on free cores short inputs were 1.5× slower, on a busy machine this is the fast regime.
-The engine therefore runs a CPU forward on the calling thread (so a run is in the regime the caller's own torch
-code is in), and picks short waits by holding `ShortWaits` only while other work keeps the CPUs busy
-(`cpu_oversubscribed`). The regime changes no number: the same operations run with the same threads.
+torch's CPU build runs its parallel regions (every matrix product, GELU, layer norm of a forward) on GNU OpenMP,
+libgomp. Between two regions a team's threads wait for the next one. libgomp reads how once, when it loads (when
+torch is imported): OMP_WAIT_POLICY and GOMP_SPINCOUNT. Its default spins about 300,000 rounds (a few
+milliseconds) before a waiting thread sleeps in the kernel; PASSIVE sleeps at once.
+  - On free cores a region starts and ends in microseconds while the waits spin; sleeping waits pay a wake-up per
+    region (GELU of 192×1536: 48 µs spinning, 129-139 µs sleeping), and short inputs run thousands of regions.
+  - On an oversubscribed machine (another torch process, a test suite) a spinning thread burns the time slice its
+    partner needs to reach the barrier: short inputs became 5-20× slower, ablate and detect-heads 2-4×.
+So the regime is chosen from what the machine is doing when the process starts: `configure()` samples the
+kernel's count of runnable tasks (/proc/loadavg, an instantaneous figure, unlike the load averages, which lag a run
+of a few seconds by tens of seconds) for `SAMPLE_SECONDS`, before torch loads (this process then runs one thread
+and no tokeniser), and
+  - when other work is runnable beside this process (on average `BUSY_OTHERS` tasks or more), threads sleep at once
+    (OMP_WAIT_POLICY=PASSIVE): measured beside another 2-thread torch process, short inputs ran 10-27× faster
+    than with libgomp's spinning, and ablate and detect-heads 2-4× (docs/pipeline.md §4);
+  - otherwise they spin a bounded `SPINCOUNT` rounds (about 0.1-0.3 ms, far longer than the gaps between the
+    regions of one forward), then sleep: a machine that becomes busy during the run costs less than with
+    libgomp's 300,000 rounds.
+The command line calls it for every command (before any imports torch); a script may call it before its first
+`import torch`. A value the user set wins. In a process that has already loaded torch (a notebook) nothing can
+change any more, and the library runs in that process's regime. The regime changes no number: the same
+operations run on the same threads.
+
+This module imports nothing heavy (the command line calls it before torch is imported).
 """
 from __future__ import annotations
 
 import os
-import threading
+import sys
 import time
 from collections.abc import Callable
 
-import torch
-
-RECHECK_SECONDS = 2.0
+SPINCOUNT = 10000  # rounds a waiting thread spins on a quiet machine before it sleeps (libgomp: 300,000)
+BUSY_OTHERS = 0.5  # other runnable tasks, on average over the samples, from which the machine counts as busy
+SAMPLE_SECONDS = 0.05
+SAMPLES = 10
+VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def available_cores() -> int:
@@ -31,84 +45,45 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def cpu_oversubscribed(own_threads: int | None = None) -> bool:
-    """Whether other work keeps the CPUs busy: the 1-minute load average, less this run's own team
-    (`own_threads`, default torch's thread count), about as large as the cores or larger (above cores − 0.5: the
-    load average is a smoothed count). The run's own threads do not count: with
-    spinning waits they are always runnable, and a measure that counts them (the kernel's CPU pressure, say)
-    calls a 2-core machine busy as soon as any other task runs beside a 2-thread team. On such a machine
-    (load 3: one other busy thread, CPU pressure 20-60%) sleeping waits made short inputs 1.2x slower; beside
-    another 2-thread torch process (load 4) spinning waits made them 5x slower (docs/pipeline.md §4)."""
-    own = torch.get_num_threads() if own_threads is None else own_threads
-    try:
-        return os.getloadavg()[0] - own > available_cores() - 0.5
-    except OSError:
-        return False
+def runnable_others(samples: int = SAMPLES, seconds: float = SAMPLE_SECONDS) -> float | None:
+    """Tasks runnable on the machine besides the calling thread, averaged over `samples` readings of
+    /proc/loadavg's running count spread over `seconds`; None where the kernel does not say (not Linux)."""
+    counts = []
+    for i in range(samples):
+        try:
+            with open("/proc/loadavg") as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return None
+        if i + 1 < samples:
+            time.sleep(seconds / samples)
+    return sum(counts) / len(counts)
 
 
-class ShortWaits:
-    """While held, a parked thread owns an OpenMP team of `threads` (it ran one parallel region and waits):
-    the process then has more OpenMP threads than CPUs, and libgomp's waits spin briefly and sleep. Released, the
-    thread ends and its team with it (libgomp counts its threads down again)."""
-
-    NAME = "attnkit-short-waits"
-
-    def __init__(self, threads: int):
-        self.threads = max(2, threads)  # a team of one runs no parallel region
-        self._release = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def held(self) -> bool:
-        return self._thread is not None
-
-    def hold(self) -> None:
-        if self._thread is not None:
-            return
-        ready = threading.Event()
-        self._release.clear()
-
-        def park():
-            torch.set_num_threads(self.threads)  # this thread's team: as large as the forward's
-            torch.ones(1 << 20).add_(1)  # one parallel region (ATen splits 1M elements over the threads)
-            ready.set()
-            self._release.wait()
-
-        self._thread = threading.Thread(target=park, name=self.NAME, daemon=True)
-        self._thread.start()
-        ready.wait()
-
-    def release(self) -> None:
-        if self._thread is None:
-            return
-        self._release.set()
-        self._thread.join()
-        self._thread = None
+def wait_regime(environ=None) -> str:
+    """How this process's OpenMP threads wait, as recorded in meta.json: the variables that decide it, or
+    libgomp's default."""
+    environ = os.environ if environ is None else environ
+    set_ = [f"{k}={environ[k]}" for k in VARIABLES if environ.get(k)]
+    return ", ".join(set_) if set_ else "libgomp default (GOMP_SPINCOUNT=300000)"
 
 
-class WaitPolicy:
-    """For a run of CPU forwards on the calling thread: before each batch (`update`), at most every `every`
-    seconds, ask `oversubscribed()` and hold or release `ShortWaits` to match. `close()` releases."""
-
-    def __init__(self, oversubscribed: Callable[[], bool] | None = None, every: float | None = None,
-                 threads: int | None = None):
-        self.oversubscribed = oversubscribed or cpu_oversubscribed
-        self.every = RECHECK_SECONDS if every is None else every
-        self.waits = ShortWaits(torch.get_num_threads() if threads is None else threads)
-        self._checked = None
-
-    def update(self) -> None:
-        now = time.monotonic()
-        if self._checked is not None and now - self._checked < self.every:
-            return
-        self._checked = now
-        if self.oversubscribed():
-            self.waits.hold()
+def configure(environ=None, modules=None, others: Callable[[], float | None] = runnable_others) -> str:
+    """Choose how torch's threads wait, before torch is imported: OMP_WAIT_POLICY=PASSIVE when `others()` (other
+    runnable tasks) is at least `BUSY_OTHERS`, else GOMP_SPINCOUNT=`SPINCOUNT`; nothing when the user set
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT (theirs wins) or torch is already loaded (libgomp has read its variables
+    and the process keeps its regime). Returns `wait_regime()` of the process."""
+    environ = os.environ if environ is None else environ
+    modules = sys.modules if modules is None else modules
+    if "torch" in modules:
+        return wait_regime(environ) + " (torch was already loaded)"
+    if not any(environ.get(k) for k in VARIABLES):
+        busy = others()
+        if busy is not None and busy >= BUSY_OTHERS:
+            environ["OMP_WAIT_POLICY"] = "PASSIVE"
         else:
-            self.waits.release()
-
-    def close(self) -> None:
-        self.waits.release()
+            environ["GOMP_SPINCOUNT"] = str(SPINCOUNT)
+    return wait_regime(environ)
 
 
-__all__ = ["RECHECK_SECONDS", "ShortWaits", "WaitPolicy", "available_cores", "cpu_oversubscribed"]
+__all__ = ["BUSY_OTHERS", "SPINCOUNT", "available_cores", "configure", "runnable_others", "wait_regime"]
