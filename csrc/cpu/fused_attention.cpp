@@ -324,6 +324,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.sidf = need_sid ? sidf.data() : nullptr;
   p.one_sentence = one_sentence.data();
   p.token_class = (want_features && tc.defined()) ? tc.data_ptr<int32_t>() : nullptr;
+  at::Tensor class_code;
+  if (p.token_class != nullptr) class_code = tc.to(at::kFloat);
+  p.class_code = p.token_class != nullptr ? class_code.data_ptr<float>() : nullptr;
   p.win_of = want_features ? win_of.data() : nullptr;
   p.win_lo = want_features ? win_lo.data() : nullptr;
   p.key_scale = key_scale.defined() ? key_scale.data_ptr<float>() : nullptr;

@@ -42,6 +42,7 @@ struct FusedCpuParams {
   const float* sidf;
   const uint8_t* one_sentence;
   const int32_t* token_class;  // B×L or nullptr
+  const float* class_code;     // the token classes as floats (B×L; for vectorised compares), or nullptr
   // distance windows of sample b: win_of[b·L + d] = ⌊d·N/n⌋ for d in [0, n), and window j holds the
   // distances [win_lo[b·(N+1) + j], win_lo[b·(N+1) + j + 1])
   const int32_t* win_of;

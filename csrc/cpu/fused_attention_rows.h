@@ -157,6 +157,26 @@ void softcap_inplace(float* x, int64_t len, float c) {
   for (; i < len; ++i) x[i] = c * std::tanh(x[i] * inv);
 }
 
+// Σ w[0..len) over the keys of class OTHER (code 0), the tail by a partial load; with ncls > 0 also Σ w over
+// the keys of each class cls_code[c] into cls_acc[c] (codes: the keys' token classes as floats).
+inline float window_sum(const float* w, const float* code, int64_t len, int ncls, const float* cls_code,
+                        Vec* cls_acc) {
+  const Vec zero(0.f);
+  Vec acc(0.f);
+  for (int64_t i = 0; i < len; i += kW) {
+    const int64_t cnt = std::min<int64_t>(kW, len - i);
+    const Vec wv = cnt == kW ? Vec::loadu(w + i) : Vec::loadu(w + i, cnt);
+    if (ncls == 0) {
+      acc = acc + wv;
+      continue;
+    }
+    const Vec cv = cnt == kW ? Vec::loadu(code + i) : Vec::loadu(code + i, cnt);
+    acc = at::vec::fmadd(wv, cv.eq(zero), acc);
+    for (int c = 0; c < ncls; ++c) cls_acc[c] = at::vec::fmadd(wv, cv.eq(Vec(cls_code[c])), cls_acc[c]);
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+}
+
 // The row's running max grows from m_old (finite) by delta > 0: every sum moves to the new base.
 void rescale_row(float* st, float* o, int64_t D, int64_t N, float delta) {
   const float alpha = std::exp(-delta);
@@ -216,6 +236,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     const int32_t* win_of = p.win_of == nullptr ? nullptr : p.win_of + b * L;
     const int64_t* win_lo = p.win_lo == nullptr ? nullptr : p.win_lo + b * (N + 1);
     const int32_t* tcls = p.token_class == nullptr ? nullptr : p.token_class + b * L;
+    const float* codef = p.class_code == nullptr ? nullptr : p.class_code + b * L;
     // the rows' state: base m (the sink logit, uniform 0), every sum 0
     for (int64_t r = 0; r < bq; ++r) {
       float* st = w.state + r * RS;
@@ -237,6 +258,14 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       // the special keys of this block
       const int64_t j0 = std::lower_bound(sp_pos, sp_pos + n_special, static_cast<int32_t>(k0)) - sp_pos;
       const int64_t j1 = std::lower_bound(sp_pos + j0, sp_pos + n_special, static_cast<int32_t>(k0 + kb)) - sp_pos;
+      int ncls = 0, cls_slot[4];
+      float cls_code[4];
+      {
+        bool present[5] = {false, false, false, false, false};
+        for (int64_t j = j0; j < j1; ++j) present[sp_cls[j]] = true;
+        for (int c = kClassCls; c <= kClassPeriod; ++c)
+          if (present[c]) cls_slot[ncls] = class_slot(c) - kSlotCls, cls_code[ncls++] = static_cast<float>(c);
+      }
       for (int64_t r = 0; r < bq; ++r) {
         const int64_t s = r0 + r;
         float* row = S + r * kb;
@@ -290,30 +319,32 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         st[sI] += bs.I;
         // the feature weights of this block's keys, indexed by t − k0
         const float* fw = pc != nullptr ? pc : row;
-        // distance windows (d = |t − s| ≥ 1): range sums over each window's keys, left of s then right
+        // distance windows (d = |t − s| ≥ 1): sums of the OTHER keys' weights over each window's keys, left of
+        // s then right; the special keys' weights go to their class buckets in the same pass
         float* win = st + sWin;
+        Vec cls_acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+        const float* cd = codef == nullptr ? nullptr : codef + k0;
         for (int64_t t_hi = std::min(hi, s); t_hi > lo;) {
           const int32_t j = win_of[s - (t_hi - 1)];
           const int64_t t_lo = std::max(lo, s - win_lo[j + 1] + 1);
-          win[j] += range_sum(fw + (t_lo - k0), t_hi - t_lo);
+          win[j] += window_sum(fw + (t_lo - k0), cd == nullptr ? nullptr : cd + (t_lo - k0), t_hi - t_lo, ncls,
+                               cls_code, cls_acc);
           t_hi = t_lo;
         }
         for (int64_t t_lo = std::max(lo, s + 1); t_lo < hi;) {
           const int32_t j = win_of[t_lo - s];
           const int64_t t_hi = std::min(hi, s + win_lo[j + 1]);
-          win[j] += range_sum(fw + (t_lo - k0), t_hi - t_lo);
+          win[j] += window_sum(fw + (t_lo - k0), cd == nullptr ? nullptr : cd + (t_lo - k0), t_hi - t_lo, ncls,
+                               cls_code, cls_acc);
           t_lo = t_hi;
         }
-        // the special keys the row sees move from their window to their class bucket
-        for (int64_t j = j0; j < j1; ++j) {
-          const int64_t t = sp_pos[j];
-          if (t < lo) continue;
-          if (t >= hi) break;
-          const float wt = fw[t - k0];
-          st[sCls0 + class_slot(sp_cls[j]) - kSlotCls] += wt;
-          if (t != s) win[win_of[t > s ? t - s : s - t]] -= wt;
+        for (int c = 0; c < ncls; ++c)
+          st[sCls0 + cls_slot[c]] +=
+              at::vec::vec_reduce_all<float>([](Vec& x1, Vec& x2) { return x1 + x2; }, cls_acc[c]);
+        if (s >= lo && s < hi) {  // the row's own key: self, or its class bucket
+          if (tcls == nullptr || tcls[s] == kClassOther) st[sSelf] += fw[s - k0];
+          else st[sCls0 + class_slot(tcls[s]) - kSlotCls] += fw[s - k0];
         }
-        if (s >= lo && s < hi && (tcls == nullptr || tcls[s] == kClassOther)) st[sSelf] += fw[s - k0];
         if (s - 1 >= lo && s - 1 < hi) st[sPrev] += fw[s - 1 - k0];
         if (s + 1 >= lo && s + 1 < hi) st[sNext] += fw[s + 1 - k0];
       }
