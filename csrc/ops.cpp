@@ -41,6 +41,10 @@ TORCH_LIBRARY(attnkit, m) {
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
       "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None) "
       "-> (Tensor, Tensor, Tensor)");
+  // True: the CPU kernel takes fewer queries than keys (q B×H×Lq×D, k/v B×Hkv×L×D, Lq <= L: a KV-cache step, the
+  // queries are the last Lq key positions; attnkit/reference.py, "Fewer queries than keys"). attnkit/ops.py then
+  // sends such calls on CPU to fused_attention instead of the reference.
+  m.def("cpu_fewer_queries() -> bool", []() { return true; });
   // Which build of the CPU kernel runs (csrc/cpu/fused_attention_kernel.h): "default", "avx2" or "avx512".
   m.def("cpu_capability() -> str", &attnkit::cpu::cpu_capability);
   // Clark et al.'s Jensen-Shannon distances between every pair of M heads of one batch:

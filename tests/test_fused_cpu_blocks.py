@@ -229,3 +229,40 @@ def test_lse_reconstructs_the_weights_with_decoder_arguments():
     _, _, lse0 = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, None, None, 0.25, N, mode, None, False,
                                                        None, False, None, KV, True)
     assert (lse0[:, 0] == math.inf).all() and torch.isfinite(lse0[0, 1:]).all()
+
+
+def _fewer_queries() -> bool:
+    try:
+        return bool(torch.ops.attnkit.cpu_fewer_queries())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@pytest.mark.skipif(not _fewer_queries(), reason="a kernel that does not take Lq < L")
+@pytest.mark.parametrize("Lq", [1, 3, 29])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fewer_queries_are_the_last_rows_of_a_full_call(capability, monkeypatch, case, Lq):
+    """A KV-cache step (q of Lq < L rows, the last Lq key positions; attnkit/reference.py): the output and lse are
+    the full call's last Lq rows (causal, window, distance, prev/next counted from L − Lq); a sample whose length
+    ends before the query rows (n <= L − Lq) has features 0, not NaN."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "4x8")
+    L = 30
+    q, k, v, lengths, tc, sid = make(L=L, seed=12, lengths=[30, 20])
+    kw = dict(CASES[case])
+    args = [kw.get(a) for a in ("kv_head", "causal", "sliding_window", "softcap", "sink")]
+    args[1] = bool(args[1])
+
+    def call(qq):
+        return torch.ops.attnkit.fused_attention_lse(qq, k, v, lengths, tc, sid, 0.25, N, None, None, False, None,
+                                                     True, None, *args)
+
+    full_out, _, full_lse = call(q)
+    out, feats, lse = call(q[:, :, L - Lq:])
+    assert out.shape == (2, Lq, 6, 16) and lse.shape == (2, 6, Lq)
+    assert feats.shape == (2, 6, len(feature_names(N, sink="sink" in kw)))
+    # the blocks start at different keys in the two calls: the order of summation differs (a few ulps)
+    torch.testing.assert_close(out, full_out[:, L - Lq:], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, full_lse[..., L - Lq:], atol=2e-6, rtol=1e-6)
+    if L - Lq >= 20:  # sample 1 (n = 20) has no valid query row
+        assert (feats[1] == 0).all()
+    assert torch.isfinite(feats[0]).all()

@@ -152,11 +152,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
     bool causal, c10::optional<int64_t> sliding_window, c10::optional<double> softcap,
     const c10::optional<at::Tensor>& sink_in, bool want_lse) {
   ATTNKIT_CHECK(q_in.dim() == 4, "fused_attention: q must be 4-D (B, H, L, D), got shape ", q_in.sizes());
-  const int64_t B = q_in.size(0), H = q_in.size(1), L = q_in.size(2), D = q_in.size(3);
-  ATTNKIT_CHECK(k_in.dim() == 4 && k_in.sizes() == v_in.sizes() && k_in.size(0) == B && k_in.size(2) == L &&
+  // Lq query rows, L keys: Lq < L is a KV-cache step (the queries are the last Lq key positions: row i is key
+  // position s = L − Lq + i; docs of attnkit/reference.py, "Fewer queries than keys")
+  const int64_t B = q_in.size(0), H = q_in.size(1), Lq = q_in.size(2), D = q_in.size(3);
+  ATTNKIT_CHECK(k_in.dim() == 4 && k_in.sizes() == v_in.sizes() && k_in.size(0) == B && k_in.size(2) >= Lq &&
                     k_in.size(3) == D && k_in.size(1) >= 1,
                 "fused_attention: k and v must have q's shape ", q_in.sizes(),
-                " (or B×Hkv×L×D with Hkv KV heads), got k ", k_in.sizes(), " and v ", v_in.sizes());
+                " (or B×Hkv×L×D with Hkv KV heads and L >= q's length), got k ", k_in.sizes(), " and v ",
+                v_in.sizes());
+  const int64_t L = k_in.size(2), off = L - Lq;
   const int64_t Hkv = k_in.size(1);
   const auto dt = q_in.scalar_type();
   ATTNKIT_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
@@ -269,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
           special_pos.push_back(static_cast<int32_t>(t));
           special_cls.push_back(cp[t]);
         }
-        if (cp[t] == kCls) si.n_cls_rows++;
+        if (cp[t] == kCls && t >= off) si.n_cls_rows++;  // the CLS rows among the query rows
       }
     }
     special_at[b + 1] = static_cast<int64_t>(special_pos.size());
@@ -293,24 +297,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   if (key_scale.defined()) log_key_scale = at::where(key_scale > 0, key_scale.log(), at::zeros_like(key_scale));
 
   const bool out_f32 = dt == at::kFloat;
-  at::Tensor out = at::empty({B, L, H, D}, q_in.options().dtype(dt));
-  at::Tensor out32 = out_f32 ? out : at::empty({B, L, H, D}, q_in.options().dtype(at::kFloat));
-  at::Tensor lse = at::empty({B, H, want_lse ? L : 0}, q_in.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({B, Lq, H, D}, q_in.options().dtype(dt));
+  at::Tensor out32 = out_f32 ? out : at::empty({B, Lq, H, D}, q_in.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({B, H, want_lse ? Lq : 0}, q_in.options().dtype(at::kFloat));
 
   // Blocks (as ATen's CPU flash attention): BQ query rows × BK keys, the score tile in L2 whatever L is.
   // $ATTNKIT_CPU_BLOCKS="BQxBK" overrides them (tests use small blocks to reach every path at small L).
-  int64_t BQ = L < 768 ? 64 : 128, BK = 512;
+  // full rows: 256 as ATen (more reuse of each K/V block); causal / windowed rows: 128 (less waste at the diagonal)
+  int64_t BQ = L < 768 ? 64 : (causal || sliding_window.has_value()) ? 128 : 256, BK = 512;
   if (const char* env = std::getenv("ATTNKIT_CPU_BLOCKS"); env != nullptr && *env != '\0') {
     long bq = 0, bk = 0;
     ATTNKIT_CHECK(std::sscanf(env, "%ldx%ld", &bq, &bk) == 2 && bq >= 1 && bk >= 1,
                   "fused_attention: ATTNKIT_CPU_BLOCKS must be BQxBK (two integers >= 1), got ", env);
     BQ = bq, BK = bk;
   }
-  BQ = std::max<int64_t>(1, std::min(BQ, L));
+  BQ = std::max<int64_t>(1, std::min(BQ, Lq));
   BK = std::max<int64_t>(1, std::min(BK, L));
 
   FusedCpuParams p{};
-  p.B = B, p.H = H, p.L = L, p.D = D, p.N = N, p.BQ = BQ, p.BK = BK, p.n_qblk = (L + BQ - 1) / BQ;
+  p.B = B, p.H = H, p.L = L, p.D = D, p.N = N, p.BQ = BQ, p.BK = BK, p.n_qblk = (Lq + BQ - 1) / BQ;
+  p.Lq = Lq, p.off = off;
   p.q = q.data_ptr<float>(), p.k = k.data_ptr<float>(), p.v = v.data_ptr<float>();
   p.qs0 = q.stride(0), p.qs1 = q.stride(1), p.qs2 = q.stride(2);
   p.ks0 = k.stride(0), p.ks1 = k.stride(1), p.ks2 = k.stride(2);
@@ -356,7 +362,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
     float* fp = feats.data_ptr<float>();
     const int64_t FA = p.FA, n_qblk = p.n_qblk;
     for (int64_t b = 0; b < B; ++b) {
-      const double inv_n = 1.0 / static_cast<double>(info[b].n);
+      // the mean over the valid query rows s in [off, n) (all n rows when Lq == L); none: features 0
+      const double inv_n = 1.0 / static_cast<double>(std::max<int64_t>(1, std::min(info[b].n - off, Lq)));
       const double inv_cls = 1.0 / static_cast<double>(std::max<int64_t>(info[b].n_cls_rows, 1));
       for (int64_t h = 0; h < H; ++h) {
         float* dst = fp + (b * H + h) * F;

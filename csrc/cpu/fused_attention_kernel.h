@@ -23,11 +23,12 @@ using GemmFn = void (*)(char ta, char tb, int64_t m, int64_t n, int64_t k, float
 struct FusedCpuParams {
   int64_t B, H, L, D, N;  // N: distance windows
   int64_t BQ, BK, n_qblk;  // query rows per task, keys per block, query blocks per (sample, head)
-  // fp32 operands: q B×H×L×D, k and v B×Hkv×L×D (unit stride along D)
+  int64_t Lq, off;        // query rows; query row i is key position off + i (off = L − Lq: a KV-cache step)
+  // fp32 operands: q B×H×Lq×D, k and v B×Hkv×L×D (unit stride along D)
   const float *q, *k, *v;
   int64_t qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2;
-  float* out;  // fp32 B×L×H×D
-  float* lse;  // fp32 B×H×L natural-log log-sum-exp of each row (nullptr: not wanted)
+  float* out;  // fp32 B×Lq×H×D
+  float* lse;  // fp32 B×H×Lq natural-log log-sum-exp of each row (nullptr: not wanted)
   // per head: mode, region, gate, KV head, sink logit (sink nullptr: none)
   const int32_t *mode, *region, *kv_head;
   const float *gate, *sink;

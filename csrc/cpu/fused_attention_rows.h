@@ -157,24 +157,45 @@ void softcap_inplace(float* x, int64_t len, float c) {
   for (; i < len; ++i) x[i] = c * std::tanh(x[i] * inv);
 }
 
-// Σ w[0..len) over the keys of class OTHER (code 0), the tail by a partial load; with ncls > 0 also Σ w over
-// the keys of each class cls_code[c] into cls_acc[c] (codes: the keys' token classes as floats).
-inline float window_sum(const float* w, const float* code, int64_t len, int ncls, const float* cls_code,
-                        Vec* cls_acc) {
+// Σ w[0..len) over the keys of class OTHER (code 0), the tail by a partial load; with NC > 0 classes also Σ w over
+// the keys of class cls_code[c] into cls_acc[c] (codes: the keys' token classes as floats). NC is a template
+// argument so that the class accumulators stay in registers.
+template <int NC>
+float window_sum_n(const float* w, const float* code, int64_t len, const float* cls_code, Vec* cls_acc) {
   const Vec zero(0.f);
-  Vec acc(0.f);
+  Vec acc(0.f), c0(0.f), c1(0.f), c2(0.f), c3(0.f);
+  Vec k0v(NC > 0 ? cls_code[0] : 0.f), k1v(NC > 1 ? cls_code[1] : 0.f), k2v(NC > 2 ? cls_code[2] : 0.f),
+      k3v(NC > 3 ? cls_code[3] : 0.f);
   for (int64_t i = 0; i < len; i += kW) {
     const int64_t cnt = std::min<int64_t>(kW, len - i);
     const Vec wv = cnt == kW ? Vec::loadu(w + i) : Vec::loadu(w + i, cnt);
-    if (ncls == 0) {
+    if constexpr (NC == 0) {
       acc = acc + wv;
-      continue;
+    } else {
+      const Vec cv = cnt == kW ? Vec::loadu(code + i) : Vec::loadu(code + i, cnt);
+      acc = at::vec::fmadd(wv, cv.eq(zero), acc);
+      c0 = at::vec::fmadd(wv, cv.eq(k0v), c0);
+      if constexpr (NC > 1) c1 = at::vec::fmadd(wv, cv.eq(k1v), c1);
+      if constexpr (NC > 2) c2 = at::vec::fmadd(wv, cv.eq(k2v), c2);
+      if constexpr (NC > 3) c3 = at::vec::fmadd(wv, cv.eq(k3v), c3);
     }
-    const Vec cv = cnt == kW ? Vec::loadu(code + i) : Vec::loadu(code + i, cnt);
-    acc = at::vec::fmadd(wv, cv.eq(zero), acc);
-    for (int c = 0; c < ncls; ++c) cls_acc[c] = at::vec::fmadd(wv, cv.eq(Vec(cls_code[c])), cls_acc[c]);
   }
+  if constexpr (NC > 0) cls_acc[0] = cls_acc[0] + c0;
+  if constexpr (NC > 1) cls_acc[1] = cls_acc[1] + c1;
+  if constexpr (NC > 2) cls_acc[2] = cls_acc[2] + c2;
+  if constexpr (NC > 3) cls_acc[3] = cls_acc[3] + c3;
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+}
+
+inline float window_sum(const float* w, const float* code, int64_t len, int ncls, const float* cls_code,
+                        Vec* cls_acc) {
+  switch (ncls) {
+    case 0: return window_sum_n<0>(w, code, len, cls_code, cls_acc);
+    case 1: return window_sum_n<1>(w, code, len, cls_code, cls_acc);
+    case 2: return window_sum_n<2>(w, code, len, cls_code, cls_acc);
+    case 3: return window_sum_n<3>(w, code, len, cls_code, cls_acc);
+    default: return window_sum_n<4>(w, code, len, cls_code, cls_acc);
+  }
 }
 
 // The row's running max grows from m_old (finite) by delta > 0: every sum moves to the new base.
@@ -205,10 +226,11 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     // causal blocks alike, so at::parallel_for's contiguous chunks get even work
     const int64_t i_blk = task % p.n_qblk, bh = task / p.n_qblk, h = bh % H, b = bh / H;
     const int64_t qblk = (i_blk % 2 == 0) ? i_blk / 2 : p.n_qblk - 1 - i_blk / 2;
-    const int64_t r0 = qblk * BQ, bq = std::min(BQ, L - r0);
+    const int64_t r0 = qblk * BQ, bq = std::min(BQ, p.Lq - r0);
     const int64_t n = p.n[b];
-    float* o = p.out + b * L * os_row + r0 * os_row + h * D;
-    float* lse = p.lse == nullptr ? nullptr : p.lse + (b * H + h) * L + r0;
+    float* o = p.out + b * p.Lq * os_row + r0 * os_row + h * D;
+    float* lse = p.lse == nullptr ? nullptr : p.lse + (b * H + h) * p.Lq + r0;
+    const int64_t s0 = p.off + r0;  // the key position of the block's first query row
     double* a = p.want_features ? p.partial + task * p.FA : nullptr;
     if (p.mode[h] == kModeZero) {  // weights all 0: output 0, features 0
       for (int64_t r = 0; r < bq; ++r) std::fill(o + r * os_row, o + r * os_row + D, 0.f);
@@ -220,7 +242,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     // the keys row s sees: [lo(s), hi(s)), both non-decreasing in s (empty when lo(s) >= hi(s))
     auto lo_of = [&](int64_t s) { return p.window > 0 ? std::max<int64_t>(0, s - p.window + 1) : int64_t(0); };
     auto hi_of = [&](int64_t s) { return p.causal ? std::min(n, s + 1) : n; };
-    const int64_t khi = hi_of(r0 + bq - 1), klo = std::min(lo_of(r0), khi);
+    const int64_t khi = hi_of(s0 + bq - 1), klo = std::min(lo_of(s0), khi);
     const int64_t kvh = p.kv_head[h];
     const float* qt = p.q + b * p.qs0 + h * p.qs1 + r0 * p.qs2;
     const float* sidf = p.sidf == nullptr ? nullptr : p.sidf + b * L;
@@ -267,7 +289,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
           if (present[c]) cls_slot[ncls] = class_slot(c) - kSlotCls, cls_code[ncls++] = static_cast<float>(c);
       }
       for (int64_t r = 0; r < bq; ++r) {
-        const int64_t s = r0 + r;
+        const int64_t s = s0 + r;
         float* row = S + r * kb;
         float* st = w.state + r * RS;
         const int64_t lo = std::max(lo_of(s), k0), hi = std::min(hi_of(s), k0 + kb);
@@ -358,7 +380,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     // --- epilogue: output rows, log-sum-exp, features
     bool task_undefined = false;
     for (int64_t r = 0; r < bq; ++r) {
-      const int64_t s = r0 + r;
+      const int64_t s = s0 + r;
       float* orow = o + r * os_row;
       const float* st = w.state + r * RS;
       if (lo_of(s) >= hi_of(s)) {  // a padded row outside the window sees nothing: weight 0, output 0
