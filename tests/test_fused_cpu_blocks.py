@@ -266,3 +266,12 @@ def test_fewer_queries_are_the_last_rows_of_a_full_call(capability, monkeypatch,
     if L - Lq >= 20:  # sample 1 (n = 20) has no valid query row
         assert (feats[1] == 0).all()
     assert torch.isfinite(feats[0]).all()
+
+
+def test_lse_op_fake_and_schema():
+    """The lse op's fake kernel (attnkit/ops.py) gives the real kernel's shapes and dtypes (torch.compile, meta)."""
+    q, k, v, lengths, tc, sid = make(L=12, seed=13, lengths=[12, 7])
+    op = torch.ops.attnkit.fused_attention_lse.default
+    for extra in ((KV, True, 4, 2.0, SINK), (None, False, None, None, None)):
+        torch.library.opcheck(op, (q, k, v, lengths, tc, sid, 0.25, N, None, None, False, None, True, None) + extra,
+                              test_utils=("test_schema", "test_faketensor"))
