@@ -348,12 +348,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   const FusedTasksFn tasks = current_build().fn;
   // per-thread scratch, fixed in size: one allocation per thread and call
   const int64_t RS = kRowStateSlots(N);
-  const int64_t scratch = BQ * BK + BQ * D + BK + BQ * RS;
+  const int64_t scratch = BQ * BK + BQ * D + BK + BQ * RS + BQ + BK;
 
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(static_cast<size_t>(scratch));
-    float* base = buf.data();
-    tasks(p, begin, end, FusedCpuScratch{base, base + BQ * BK, base + BQ * BK + BQ * D, base + BQ * BK + BQ * D + BK});
+    std::vector<float> buf(static_cast<size_t>(scratch), 0.f);
+    float* S = buf.data();
+    float* acc = S + BQ * BK;
+    float* pc = acc + BQ * D;
+    float* state = pc + BK;
+    float* diag = state + BQ * RS;
+    tasks(p, begin, end, FusedCpuScratch{S, acc, pc, state, diag});
   });
 
   if (!out_f32) out.copy_(out32);

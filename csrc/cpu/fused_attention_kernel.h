@@ -64,9 +64,9 @@ struct FusedCpuParams {
 constexpr int64_t kRowStateSlots(int64_t num_windows) { return 16 + num_windows; }
 
 // Per-thread scratch, fixed in size (independent of L): S BQ×BK scores, acc BQ×D output accumulator, pc BK
-// feature weights, state BQ × kRowStateSlots(N).
+// feature weights, state BQ × kRowStateSlots(N), diag BQ + BK per-offset window sums (zero between tasks).
 struct FusedCpuScratch {
-  float *S, *acc, *pc, *state;
+  float *S, *acc, *pc, *state, *diag;
 };
 
 // The slots of the per-task feature sums (FA = F0 + 2 doubles, F0 = kNumFeatures(N)): [0, F0 − 1) the

@@ -199,6 +199,51 @@ inline float window_sum(const float* w, const float* code, int64_t len, int ncls
   }
 }
 
+// One key block holds every key of the task's rows (L <= BK, the short texts): each row's weights are final after
+// their one block, so the OTHER keys' weights, normalised (fc), go to diag[t − s] and the task folds diag into the
+// distance windows once (2N range sums per task, not per row: narrow windows cost nothing per row); the classes
+// present (NC) are summed as in window_sum_n.
+template <int NC>
+void diag_pass_n(const float* w, const float* code, int64_t len, float fc, float* diag, const float* cls_code,
+                 Vec* cls_acc) {
+  const Vec zero(0.f), fcv(fc);
+  Vec c0(0.f), c1(0.f), c2(0.f), c3(0.f);
+  Vec k0v(NC > 0 ? cls_code[0] : 0.f), k1v(NC > 1 ? cls_code[1] : 0.f), k2v(NC > 2 ? cls_code[2] : 0.f),
+      k3v(NC > 3 ? cls_code[3] : 0.f);
+  for (int64_t i = 0; i < len; i += kW) {
+    const int64_t cnt = std::min<int64_t>(kW, len - i);
+    const Vec wv = cnt == kW ? Vec::loadu(w + i) : Vec::loadu(w + i, cnt);
+    const Vec dv = cnt == kW ? Vec::loadu(diag + i) : Vec::loadu(diag + i, cnt);
+    Vec add = wv * fcv;
+    if constexpr (NC > 0) {
+      const Vec cv = cnt == kW ? Vec::loadu(code + i) : Vec::loadu(code + i, cnt);
+      add = add * cv.eq(zero);
+      c0 = at::vec::fmadd(wv, cv.eq(k0v), c0);
+      if constexpr (NC > 1) c1 = at::vec::fmadd(wv, cv.eq(k1v), c1);
+      if constexpr (NC > 2) c2 = at::vec::fmadd(wv, cv.eq(k2v), c2);
+      if constexpr (NC > 3) c3 = at::vec::fmadd(wv, cv.eq(k3v), c3);
+    }
+    const Vec nd = dv + add;
+    if (cnt == kW) nd.store(diag + i);
+    else nd.store(diag + i, cnt);
+  }
+  if constexpr (NC > 0) cls_acc[0] = cls_acc[0] + c0;
+  if constexpr (NC > 1) cls_acc[1] = cls_acc[1] + c1;
+  if constexpr (NC > 2) cls_acc[2] = cls_acc[2] + c2;
+  if constexpr (NC > 3) cls_acc[3] = cls_acc[3] + c3;
+}
+
+inline void diag_pass(const float* w, const float* code, int64_t len, float fc, float* diag, int ncls,
+                      const float* cls_code, Vec* cls_acc) {
+  switch (ncls) {
+    case 0: return diag_pass_n<0>(w, code, len, fc, diag, cls_code, cls_acc);
+    case 1: return diag_pass_n<1>(w, code, len, fc, diag, cls_code, cls_acc);
+    case 2: return diag_pass_n<2>(w, code, len, fc, diag, cls_code, cls_acc);
+    case 3: return diag_pass_n<3>(w, code, len, fc, diag, cls_code, cls_acc);
+    default: return diag_pass_n<4>(w, code, len, fc, diag, cls_code, cls_acc);
+  }
+}
+
 // The row's running max grows from m_old (finite) by delta > 0: every sum moves to the new base.
 void rescale_row(float* st, float* o, int64_t D, int64_t N, float delta) {
   const float alpha = std::exp(-delta);
@@ -244,6 +289,10 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     auto lo_of = [&](int64_t s) { return p.window > 0 ? std::max<int64_t>(0, s - p.window + 1) : int64_t(0); };
     auto hi_of = [&](int64_t s) { return p.causal ? std::min(n, s + 1) : n; };
     const int64_t khi = hi_of(s0 + bq - 1), klo = std::min(lo_of(s0), khi);
+    // one key block for the whole task: windows through diag (offset t − s, from dbase) folded once per task
+    const bool one_block = p.want_features && khi - klo <= BK;
+    const int64_t dbase = klo - (s0 + bq - 1);
+    float* diag = w.diag;
     const int64_t kvh = p.kv_head[h];
     const float* qt = p.q + b * p.qs0 + h * p.qs1 + r0 * p.qs2;
     const float* sidf = p.sidf == nullptr ? nullptr : p.sidf + b * L;
@@ -343,30 +392,39 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         // the feature weights of this block's keys, indexed by t − k0
         const float* fw = pc != nullptr ? pc : row;
         // distance windows (d = |t − s| ≥ 1): sums of the OTHER keys' weights over each window's keys, left of
-        // s then right; the special keys' weights go to their class buckets in the same pass
+        // s then right; the special keys' weights go to their class bucket in the same pass
         float* win = st + sWin;
         Vec cls_acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
         const float* cd = codef == nullptr ? nullptr : codef + k0;
-        for (int64_t t_hi = std::min(hi, s); t_hi > lo;) {
-          const int32_t j = win_of[s - (t_hi - 1)];
-          const int64_t t_lo = std::max(lo, s - win_lo[j + 1] + 1);
-          win[j] += window_sum(fw + (t_lo - k0), cd == nullptr ? nullptr : cd + (t_lo - k0), t_hi - t_lo, ncls,
-                               cls_code, cls_acc);
-          t_hi = t_lo;
-        }
-        for (int64_t t_lo = std::max(lo, s + 1); t_lo < hi;) {
-          const int32_t j = win_of[t_lo - s];
-          const int64_t t_hi = std::min(hi, s + win_lo[j + 1]);
-          win[j] += window_sum(fw + (t_lo - k0), cd == nullptr ? nullptr : cd + (t_lo - k0), t_hi - t_lo, ncls,
-                               cls_code, cls_acc);
-          t_lo = t_hi;
+        if (one_block) {  // the row's sums are final: normalise now (as the epilogue does) and add to diag
+          const float Es = (uniform || p.sink == nullptr) ? 0.f : std::exp(sink - m);
+          const float den = p.renormalize ? st[sZk] + Es : st[sZ] + Es;
+          float fc = den > 0.f ? 1.f / den : 0.f;
+          if (g != nullptr) fc = st[sZf] > 0.f ? 1.f / st[sZf] : 0.f;
+          diag_pass(fw + (lo - k0), cd == nullptr ? nullptr : cd + (lo - k0), len, fc, diag + (lo - s - dbase), ncls,
+                    cls_code, cls_acc);
+        } else {
+          for (int64_t t_hi = std::min(hi, s); t_hi > lo;) {
+            const int32_t j = win_of[s - (t_hi - 1)];
+            const int64_t t_lo = std::max(lo, s - win_lo[j + 1] + 1);
+            win[j] += window_sum(fw + (t_lo - k0), cd == nullptr ? nullptr : cd + (t_lo - k0), t_hi - t_lo, ncls,
+                                 cls_code, cls_acc);
+            t_hi = t_lo;
+          }
+          for (int64_t t_lo = std::max(lo, s + 1); t_lo < hi;) {
+            const int32_t j = win_of[t_lo - s];
+            const int64_t t_hi = std::min(hi, s + win_lo[j + 1]);
+            win[j] += window_sum(fw + (t_lo - k0), cd == nullptr ? nullptr : cd + (t_lo - k0), t_hi - t_lo, ncls,
+                                 cls_code, cls_acc);
+            t_lo = t_hi;
+          }
         }
         for (int c = 0; c < ncls; ++c)
           st[sCls0 + cls_slot[c]] +=
               at::vec::vec_reduce_all<float>([](Vec& x1, Vec& x2) { return x1 + x2; }, cls_acc[c]);
         if (s >= lo && s < hi) {  // the row's own key: self, or its class bucket
           if (tcls == nullptr || tcls[s] == kClassOther) st[sSelf] += fw[s - k0];
-          else st[sCls0 + class_slot(tcls[s]) - kSlotCls] += fw[s - k0];
+          else if (!one_block) st[sCls0 + class_slot(tcls[s]) - kSlotCls] += fw[s - k0];  // (one_block: in diag_pass)
         }
         if (s - 1 >= lo && s - 1 < hi) st[sPrev] += fw[s - 1 - k0];
         if (s + 1 >= lo && s + 1 < hi) st[sNext] += fw[s + 1 - k0];
@@ -377,6 +435,21 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       first = false;
     }
     if (first) std::fill(acc, acc + bq * D, 0.f);  // no key for any row of the block
+    if (one_block && !first) {  // fold diag into the windows: offsets ±[win_lo[j], win_lo[j + 1]), then clear it
+      const int64_t dlen = khi - klo + bq - 1;  // offsets [dbase, dbase + dlen)
+      for (int64_t j = 0; j < N; ++j) {
+        const int64_t wl = std::max<int64_t>(1, win_lo[j]), wh = win_lo[j + 1];
+        if (wh <= wl) continue;
+        double sum = 0.0;
+        // positive offsets [wl, wh) and negative offsets (−wh, −wl]
+        const int64_t p_lo = std::max(wl, dbase), p_hi = std::min(wh, dbase + dlen);
+        if (p_hi > p_lo) sum += range_sum(diag + (p_lo - dbase), p_hi - p_lo);
+        const int64_t n_lo = std::max(-wh + 1, dbase), n_hi = std::min(-wl + 1, dbase + dlen);
+        if (n_hi > n_lo) sum += range_sum(diag + (n_lo - dbase), n_hi - n_lo);
+        a[kSlotFirstWindow + j] += sum;
+      }
+      std::fill(diag, diag + dlen, 0.f);
+    }
 
     // --- epilogue: output rows, log-sum-exp, features
     bool task_undefined = false;
