@@ -396,13 +396,27 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         float* win = st + sWin;
         Vec cls_acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
         const float* cd = codef == nullptr ? nullptr : codef + k0;
+        int n_red = ncls;  // class accumulators to reduce
         if (one_block) {  // the row's sums are final: normalise now (as the epilogue does) and add to diag
           const float Es = (uniform || p.sink == nullptr) ? 0.f : std::exp(sink - m);
           const float den = p.renormalize ? st[sZk] + Es : st[sZ] + Es;
           float fc = den > 0.f ? 1.f / den : 0.f;
           if (g != nullptr) fc = st[sZf] > 0.f ? 1.f / st[sZf] : 0.f;
-          diag_pass(fw + (lo - k0), cd == nullptr ? nullptr : cd + (lo - k0), len, fc, diag + (lo - s - dbase), ncls,
-                    cls_code, cls_acc);
+          if (j1 - j0 <= 32) {  // few special keys (short rows): every key to diag, then each special key moved
+            n_red = 0;
+            diag_pass(fw + (lo - k0), nullptr, len, fc, diag + (lo - s - dbase), 0, cls_code, cls_acc);
+            for (int64_t j = j0; j < j1; ++j) {
+              const int64_t t = sp_pos[j];
+              if (t < lo) continue;
+              if (t >= hi) break;
+              const float wt = fw[t - k0];
+              st[sCls0 + class_slot(sp_cls[j]) - kSlotCls] += wt;
+              diag[t - s - dbase] -= fc * wt;  // (offset 0, the row's own key, is never folded)
+            }
+          } else {
+            diag_pass(fw + (lo - k0), cd == nullptr ? nullptr : cd + (lo - k0), len, fc, diag + (lo - s - dbase),
+                      ncls, cls_code, cls_acc);
+          }
         } else {
           for (int64_t t_hi = std::min(hi, s); t_hi > lo;) {
             const int32_t j = win_of[s - (t_hi - 1)];
@@ -419,7 +433,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
             t_lo = t_hi;
           }
         }
-        for (int c = 0; c < ncls; ++c)
+        for (int c = 0; c < n_red; ++c)
           st[sCls0 + cls_slot[c]] +=
               at::vec::vec_reduce_all<float>([](Vec& x1, Vec& x2) { return x1 + x2; }, cls_acc[c]);
         if (s >= lo && s < hi) {  // the row's own key: self, or its class bucket
