@@ -50,6 +50,8 @@ BACKENDS = ("auto", "fused", "reference")
 _warned = threading.Event()
 _OP = "attnkit::fused_attention"
 _JS_OP = "attnkit::js_distances"
+# the op that also returns each row's log-sum-exp (csrc/ops.cpp; CPU kernel only), for the training path's backward
+_LSE_OP = "attnkit::fused_attention_lse"
 
 
 def extension_loaded() -> bool:
@@ -443,3 +445,10 @@ if extension_loaded():
         return attn.new_empty((M, M), dtype=torch.float64)
 
     torch.library.register_autograd(_OP, _backward, setup_context=_setup_context)
+
+    if has_kernel("cpu", _LSE_OP):  # an extension built before the op has no such schema
+        @torch.library.register_fake(_LSE_OP)
+        def _fused_attention_lse_fake(q, *args):
+            out, feats = _fused_attention_fake(q, *args)
+            B, H, L, _ = q.shape
+            return out, feats, q.new_empty((B, H, L), dtype=torch.float32)

@@ -3,11 +3,15 @@ side by side in ONE process (ATTNKIT_CPU_CAPABILITY is read at every call), inte
 
   op       attnkit.ops.attention with features, B×H×L×D fp32, per capability, against sdpa's forward
   causal   the same op causal vs full (the causal kernel skips the key tiles above the diagonal)
+  lengths  the op with features against sdpa (ATen's CPU flash kernel: is_causal, enable_gqa) at SmolLM2-135M's
+           shapes (B=1, H=9, Hkv=3, D=64), causal GQA and bidirectional, L = 128 ... 8192 (--lengths), wall and
+           CPU-time ratios (CPU time: what the process used, the fairer figure on a shared machine)
   minilm   attnkit extraction on the embedded MiniLM (bench/extract.py's "fused") per capability, against the
            plain sdpa forward ("plain-sdpa"), B=16, L=128
 
     python bench/cpu_capability.py                 # all three
     python bench/cpu_capability.py --only op --rounds 50
+    python bench/cpu_capability.py --only lengths --lengths 128 512 2048 4096 8192
 """
 from __future__ import annotations
 
@@ -31,25 +35,55 @@ def forced(cap, fn):
     return run
 
 
-def timed(cfgs: dict, rounds: int, title: str) -> None:
+def load() -> str:
+    try:
+        return "load " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "load ?"
+
+
+def timed(cfgs: dict, rounds: int, title: str, budget_s: float | None = None) -> dict:
+    """Interleaved rounds (every case once per round), medians of wall and process CPU time. Stops early, after
+    at least 3 rounds, once budget_s seconds have passed. Returns {case: (wall s, cpu s)}."""
     for fn in cfgs.values():
         fn()
     times = {k: [] for k in cfgs}
-    for _ in range(rounds):
+    cpu = {k: [] for k in cfgs}
+    start = time.perf_counter()
+    for i in range(rounds):
         for k, fn in cfgs.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
+        if budget_s is not None and i >= 2 and time.perf_counter() - start > budget_s:
+            break
     base = statistics.median(times[next(iter(times))])
-    print(f"-- {title}")
+    print(f"-- {title} ({len(times[next(iter(times))])} rounds, {load()} after)")
     for k, v in times.items():
         m = statistics.median(v)
-        print(f"  {k:18s} {m * 1e3:9.2f} ms   {base / m:5.2f}x the first row's speed")
+        c = statistics.median(cpu[k])
+        print(f"  {k:18s} {m * 1e3:9.2f} ms   {base / m:5.2f}x the first row's speed   cpu {c * 1e3:9.2f} ms")
+    return {k: (statistics.median(times[k]), statistics.median(cpu[k])) for k in cfgs}
+
+
+def special_classes(B: int, L: int, g: torch.Generator) -> torch.Tensor:
+    """Token classes as a tokenised text has them: CLS first, about 10% commas and periods (the special-key
+    work scales with them), SEP last."""
+    tc = torch.zeros(B, L, dtype=torch.int32)
+    r = torch.rand(B, L, generator=g)
+    tc[r < 0.10] = 3  # COMMA
+    tc[r < 0.04] = 4  # PERIOD
+    tc[:, 0] = 1
+    tc[:, -1] = 2
+    return tc
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["op", "causal", "minilm"], default=None)
+    p.add_argument("--only", choices=["op", "causal", "minilm", "lengths"], default=None)
+    p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 4096, 8192])
+    p.add_argument("--budget", type=float, default=60.0, help="seconds per length and mask (lengths)")
     p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
@@ -58,11 +92,10 @@ def main(argv=None) -> int:
     print(f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; builds timed: {', '.join(caps)}")
     g = torch.Generator().manual_seed(0)
 
-    def op_inputs(B, H, L, D):
-        q, k, v = (torch.randn(B, L, H, D, generator=g).transpose(1, 2) for _ in range(3))
-        tc = torch.zeros(B, L, dtype=torch.int32)
-        tc[:, 0] = 1
-        return q, k, v, torch.full((B,), L), tc
+    def op_inputs(B, H, L, D, Hkv=None):
+        q = torch.randn(B, L, H, D, generator=g).transpose(1, 2)
+        k, v = (torch.randn(B, L, Hkv or H, D, generator=g).transpose(1, 2) for _ in range(2))
+        return q, k, v, torch.full((B,), L), special_classes(B, L, g)
 
     with torch.inference_mode():
         if args.only in (None, "op"):
@@ -72,6 +105,26 @@ def main(argv=None) -> int:
                 cfgs[f"attnkit {c}"] = forced(c, lambda: ops.attention(q, k, v, lengths, tc, want_features=True,
                                                                        backend="fused"))
             timed(cfgs, args.rounds * 3, "op, B=16 H=12 L=128 D=32, features")
+        if args.only == "lengths":
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            print(f"{'L':>6s} {'mask':6s} {'wall op/sdpa':>12s} {'cpu op/sdpa':>12s}")
+            summary = []
+            for L in args.lengths:
+                q, k, v, lengths, tc = op_inputs(1, 9, L, 64, Hkv=3)
+                for causal in (True, False):
+                    mask = "causal" if causal else "full"
+                    def op(q=q, k=k, v=v, lengths=lengths, tc=tc, causal=causal):
+                        return ops.attention(q, k, v, lengths, tc, want_features=True, causal=causal, backend="fused")
+
+                    res = timed({
+                        "sdpa": lambda q=q, k=k, v=v, causal=causal: sdpa(q, k, v, is_causal=causal, enable_gqa=True),
+                        "attnkit+features": op,
+                    }, args.rounds, f"L={L} {mask} GQA B=1 H=9 Hkv=3 D=64", budget_s=args.budget)
+                    (ws, cs), (wo, co) = res["sdpa"], res["attnkit+features"]
+                    summary.append((L, mask, wo / ws, co / cs))
+            print(f"-- summary: op with features / sdpa (medians; {load()})")
+            for L, mask, w, c in summary:
+                print(f"{L:6d} {mask:6s} {w:12.3f} {c:12.3f}")
         if args.only in (None, "causal"):
             q, k, v, lengths, tc = op_inputs(1, 9, 2048, 64)
             def run(causal):  # torch's choice of build

@@ -28,6 +28,23 @@ TORCH_LIBRARY(attnkit, m) {
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
       "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None) -> (Tensor, Tensor)");
+  // The same op, also returning lse: fp32 B×H×L, per row the natural-log log-sum-exp of the scores it sees
+  // (scaling·q·k, soft-capped when asked; the sink logit included), i.e. log of the denominator the output is
+  // divided by (with renormalize: over the kept keys and the sink), as ATen's
+  // _scaled_dot_product_flash_attention_for_cpu returns it: out = gate · Σ_t exp(score_t − lse) v_t over the kept
+  // keys. NaN where the row's softmax is undefined; +inf where every weight is 0 (mode zero, a row that sees no
+  // key), so that exp(score − lse) = 0; uniform heads: log of the number of keys kept (scores taken as 0).
+  // CPU only (csrc/cpu/fused_attention.cpp); the training path's backward reads it (issue 36).
+  m.def(
+      "fused_attention_lse(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
+      "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
+      "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
+      "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None) "
+      "-> (Tensor, Tensor, Tensor)");
+  // True: the CPU kernel takes fewer queries than keys (q B×H×Lq×D, k/v B×Hkv×L×D, Lq <= L: a KV-cache step, the
+  // queries are the last Lq key positions; attnkit/reference.py, "Fewer queries than keys"). attnkit/ops.py then
+  // sends such calls on CPU to fused_attention instead of the reference.
+  m.def("cpu_fewer_queries() -> bool", []() { return true; });
   // Which build of the CPU kernel runs (csrc/cpu/fused_attention_kernel.h): "default", "avx2" or "avx512".
   m.def("cpu_capability() -> str", &attnkit::cpu::cpu_capability);
   // Clark et al.'s Jensen-Shannon distances between every pair of M heads of one batch:

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -35,12 +36,11 @@ namespace {
 constexpr int kOther = kClassOther, kCls = kClassCls, kPeriod = kClassPeriod;
 constexpr int kAll = kRegionAll;
 
-// Column-major C(m×n) = alpha · op(A) · op(B), BLAS conventions.
+// Column-major C(m×n) = alpha · op(A) · op(B) + beta · C, BLAS conventions (beta = 0: C is not read).
 void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float* c, int64_t ldc) {
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (sgemm_ != nullptr) {
     int im = m, in = n, ik = k, ilda = lda, ildb = ldb, ildc = ldc;
-    float beta = 0.f;
     sgemm_(&ta, &tb, &im, &in, &ik, &alpha, a, &ilda, b, &ildb, &beta, c, &ildc);
     return;
   }
@@ -53,8 +53,12 @@ void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const 
   // Cᵀ = op(B)ᵀ · op(A)ᵀ ; with row-major views: op(A)ᵀ is A if ta=='N' else Aᵀ
   auto At = ta == 'N' ? A : A.t();
   auto Bt = tb == 'N' ? Bm : Bm.t();
-  at::mm_out(C, Bt, At);
-  if (alpha != 1.f) C.mul_(alpha);
+  if (beta == 0.f) {
+    at::mm_out(C, Bt, At);
+    if (alpha != 1.f) C.mul_(alpha);
+  } else {
+    C.addmm_(Bt, At, beta, alpha);
+  }
 }
 
 // --- the CPU capability: which build of the tasks runs ----------------------------------------------------
@@ -126,7 +130,6 @@ const CapabilityBuild& current_build() {
 // Per-sample facts the feature code needs, computed once per call.
 struct SampleInfo {
   int64_t n;
-  std::vector<int32_t> special;  // (key position, class) pairs for class != OTHER
   int64_t n_cls_rows = 0;
 };
 
@@ -139,20 +142,25 @@ void check_opt(const c10::optional<at::Tensor>& t, const char* name, at::ScalarT
               t->sizes());
 }
 
-std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
+// The op's CPU kernel; want_lse: also the per-row log-sum-exp (attnkit::fused_attention_lse).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& lengths_in,
     const c10::optional<at::Tensor>& token_class_in, const c10::optional<at::Tensor>& sentence_id_in,
     double scaling, int64_t num_windows, const c10::optional<at::Tensor>& mode_in,
     const c10::optional<at::Tensor>& region_in, bool renormalize, const c10::optional<at::Tensor>& gates_in,
     bool want_features, const c10::optional<at::Tensor>& key_scale_in, const c10::optional<at::Tensor>& kv_head_in,
     bool causal, c10::optional<int64_t> sliding_window, c10::optional<double> softcap,
-    const c10::optional<at::Tensor>& sink_in) {
+    const c10::optional<at::Tensor>& sink_in, bool want_lse) {
   ATTNKIT_CHECK(q_in.dim() == 4, "fused_attention: q must be 4-D (B, H, L, D), got shape ", q_in.sizes());
-  const int64_t B = q_in.size(0), H = q_in.size(1), L = q_in.size(2), D = q_in.size(3);
-  ATTNKIT_CHECK(k_in.dim() == 4 && k_in.sizes() == v_in.sizes() && k_in.size(0) == B && k_in.size(2) == L &&
+  // Lq query rows, L keys: Lq < L is a KV-cache step (the queries are the last Lq key positions: row i is key
+  // position s = L − Lq + i; docs of attnkit/reference.py, "Fewer queries than keys")
+  const int64_t B = q_in.size(0), H = q_in.size(1), Lq = q_in.size(2), D = q_in.size(3);
+  ATTNKIT_CHECK(k_in.dim() == 4 && k_in.sizes() == v_in.sizes() && k_in.size(0) == B && k_in.size(2) >= Lq &&
                     k_in.size(3) == D && k_in.size(1) >= 1,
                 "fused_attention: k and v must have q's shape ", q_in.sizes(),
-                " (or B×Hkv×L×D with Hkv KV heads), got k ", k_in.sizes(), " and v ", v_in.sizes());
+                " (or B×Hkv×L×D with Hkv KV heads and L >= q's length), got k ", k_in.sizes(), " and v ",
+                v_in.sizes());
+  const int64_t L = k_in.size(2), off = L - Lq;
   const int64_t Hkv = k_in.size(1);
   const auto dt = q_in.scalar_type();
   ATTNKIT_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
@@ -231,14 +239,19 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
   at::Tensor tc, sid;
   if (token_class_in) tc = token_class_in->contiguous();
   if (sentence_id_in) sid = sentence_id_in->contiguous();
+
   const bool need_sid = want_features || std::any_of(region.begin(), region.end(), [](int r) { return r != kAll; });
 
   // Sentence ids as dense per-sample ranks (0, 1, ... by value; zeros when none), as floats for the
   // vectorised comparisons: exact for any int32 id (a float holds every integer below 2^24).
   std::vector<float> sidf(need_sid ? B * L : 0, 0.f);
+  std::vector<uint8_t> one_sentence(B, 1);
   std::vector<SampleInfo> info(B);
   std::vector<int64_t> nlen(B), special_at(B + 1, 0);
-  std::vector<int32_t> special;
+  std::vector<int32_t> special_pos, special_cls;
+  // distance windows: win_of[b·L + d] = ⌊d·N/n⌋, window j holds d in [win_lo[j], win_lo[j + 1]) = [⌈j·n/N⌉, ...)
+  std::vector<int32_t> win_of(want_features ? B * L : 0);
+  std::vector<int64_t> win_lo(want_features ? B * (N + 1) : 0);
   for (int64_t b = 0; b < B; ++b) {
     auto& si = info[b];
     si.n = nlen[b] = len[b];
@@ -247,6 +260,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
       std::vector<int32_t> ids(sp, sp + L);
       std::sort(ids.begin(), ids.end());
       ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+      one_sentence[b] = ids.size() <= 1;
       for (int64_t t = 0; t < L; ++t)
         sidf[b * L + t] = static_cast<float>(std::lower_bound(ids.begin(), ids.end(), sp[t]) - ids.begin());
     }
@@ -255,13 +269,21 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
       for (int64_t t = 0; t < si.n; ++t) {
         ATTNKIT_CHECK(cp[t] >= kOther && cp[t] <= kPeriod, "fused_attention: token_class codes must be 0..4, got ",
                     cp[t], " at [", b, ", ", t, "]");
-        if (cp[t] != kOther) special.insert(special.end(), {static_cast<int32_t>(t), cp[t]});
-        if (cp[t] == kCls) si.n_cls_rows++;
+        if (cp[t] != kOther) {
+          special_pos.push_back(static_cast<int32_t>(t));
+          special_cls.push_back(cp[t]);
+        }
+        if (cp[t] == kCls && t >= off) si.n_cls_rows++;  // the CLS rows among the query rows
       }
     }
-    special_at[b + 1] = static_cast<int64_t>(special.size() / 2);
+    special_at[b + 1] = static_cast<int64_t>(special_pos.size());
+    if (want_features) {
+      const int64_t n = si.n;
+      for (int64_t d = 0; d < n; ++d) win_of[b * L + d] = static_cast<int32_t>((d * N) / n);
+      for (int64_t j = 0; j <= N; ++j) win_lo[b * (N + 1) + j] = (j * n + N - 1) / N;
+    }
   }
-  if (special.empty()) special.push_back(0);  // a valid pointer for samples without special keys
+  if (special_pos.empty()) special_pos.push_back(0), special_cls.push_back(0);  // valid pointers
 
   // fp32 operands; BLAS needs unit stride along D (transformers' transposed views have it).
   auto prep = [](const at::Tensor& t) {
@@ -270,59 +292,89 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
     return f;
   };
   const at::Tensor q = prep(q_in), k = prep(k_in), v = prep(v_in);
+  // norm weighting: ln g once per key (0 where g = 0: its weight is 0 anyway)
+  at::Tensor log_key_scale;
+  if (key_scale.defined()) log_key_scale = at::where(key_scale > 0, key_scale.log(), at::zeros_like(key_scale));
 
   const bool out_f32 = dt == at::kFloat;
-  at::Tensor out = at::empty({B, L, H, D}, q_in.options().dtype(dt));
-  at::Tensor out32 = out_f32 ? out : at::empty({B, L, H, D}, q_in.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({B, Lq, H, D}, q_in.options().dtype(dt));
+  at::Tensor out32 = out_f32 ? out : at::empty({B, Lq, H, D}, q_in.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({B, H, want_lse ? Lq : 0}, q_in.options().dtype(at::kFloat));
 
-  // Row tile: keep TQ × L fp32 scores within ~256 KB (L2), at least 16 rows. Causal rows and windows see a
-  // band of keys: smaller tiles follow the band more closely (fewer computed scores that are masked).
-  int64_t TQ = std::max<int64_t>(16, std::min<int64_t>({128, L, (64 * 1024) / std::max<int64_t>(L, 1)}));
-  if (causal || sliding_window.has_value()) TQ = std::min(TQ, std::max<int64_t>(16, L / 8));
+  // Blocks (as ATen's CPU flash attention): BQ query rows × BK keys, the score tile in L2 whatever L is.
+  // $ATTNKIT_CPU_BLOCKS="BQxBK" overrides them (tests use small blocks to reach every path at small L).
+  // full rows: 256 as ATen (more reuse of each K/V block); causal / windowed rows: 128 (less waste at the diagonal)
+  int64_t BQ = L < 768 ? 64 : (causal || sliding_window.has_value()) ? 128 : 256, BK = 512;
+  if (const char* env = std::getenv("ATTNKIT_CPU_BLOCKS"); env != nullptr && *env != '\0') {
+    long bq = 0, bk = 0;
+    ATTNKIT_CHECK(std::sscanf(env, "%ldx%ld", &bq, &bk) == 2 && bq >= 1 && bk >= 1,
+                  "fused_attention: ATTNKIT_CPU_BLOCKS must be BQxBK (two integers >= 1), got ", env);
+    BQ = bq, BK = bk;
+  }
+  BQ = std::max<int64_t>(1, std::min(BQ, Lq));
+  BK = std::max<int64_t>(1, std::min(BK, L));
 
   FusedCpuParams p{};
-  p.B = B, p.H = H, p.L = L, p.D = D, p.N = N, p.TQ = TQ, p.n_tiles = (L + TQ - 1) / TQ;
+  p.B = B, p.H = H, p.L = L, p.D = D, p.N = N, p.BQ = BQ, p.BK = BK, p.n_qblk = (Lq + BQ - 1) / BQ;
+  p.Lq = Lq, p.off = off;
   p.q = q.data_ptr<float>(), p.k = k.data_ptr<float>(), p.v = v.data_ptr<float>();
   p.qs0 = q.stride(0), p.qs1 = q.stride(1), p.qs2 = q.stride(2);
   p.ks0 = k.stride(0), p.ks1 = k.stride(1), p.ks2 = k.stride(2);
   p.vs0 = v.stride(0), p.vs1 = v.stride(1), p.vs2 = v.stride(2);
   p.out = out32.data_ptr<float>();
+  p.lse = want_lse ? lse.data_ptr<float>() : nullptr;
   p.mode = mode.data(), p.region = region.data(), p.kv_head = kv_head.data(), p.gate = gate.data();
   p.sink = sink.empty() ? nullptr : sink.data();
-  p.n = nlen.data(), p.special = special.data(), p.special_at = special_at.data();
+  p.n = nlen.data(), p.special_at = special_at.data();
+  p.special_pos = special_pos.data(), p.special_cls = special_cls.data();
   p.sidf = need_sid ? sidf.data() : nullptr;
+  p.one_sentence = one_sentence.data();
   p.token_class = (want_features && tc.defined()) ? tc.data_ptr<int32_t>() : nullptr;
+  at::Tensor class_code;
+  if (p.token_class != nullptr) class_code = tc.to(at::kFloat);
+  p.class_code = p.token_class != nullptr ? class_code.data_ptr<float>() : nullptr;
+  p.win_of = want_features ? win_of.data() : nullptr;
+  p.win_lo = want_features ? win_lo.data() : nullptr;
   p.key_scale = key_scale.defined() ? key_scale.data_ptr<float>() : nullptr;
+  p.log_key_scale = key_scale.defined() ? log_key_scale.data_ptr<float>() : nullptr;
   p.scaling = scaling, p.renormalize = renormalize, p.want_features = want_features, p.causal = causal;
   p.window = sliding_window.value_or(0);
   p.softcap = softcap.has_value() ? static_cast<float>(*softcap) : 0.f;
   p.FA = kPartialSlots(F0);
   p.gemm = gemm;
-  const int64_t n_tasks = B * H * p.n_tiles;
+  const int64_t n_tasks = B * H * p.n_qblk;
   std::vector<double> partial(want_features ? n_tasks * p.FA : 0, 0.0);
   p.partial = want_features ? partial.data() : nullptr;
   const FusedTasksFn tasks = current_build().fn;
+  // per-thread scratch, fixed in size: one allocation per thread and call
+  const int64_t RS = kRowStateSlots(N);
+  const int64_t scratch = BQ * BK + BQ * D + BK + BQ * RS + BQ + BK;
 
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> S(static_cast<size_t>(TQ * L)), row_c(TQ), diag(want_features ? 2 * L : 0, 0.f);
-    std::vector<float> scaled_row(p.key_scale != nullptr ? L : 0);
-    tasks(p, begin, end, FusedCpuScratch{S.data(), row_c.data(), diag.data(), scaled_row.data()});
+    std::vector<float> buf(static_cast<size_t>(scratch), 0.f);
+    float* S = buf.data();
+    float* acc = S + BQ * BK;
+    float* pc = acc + BQ * D;
+    float* state = pc + BK;
+    float* diag = state + BQ * RS;
+    tasks(p, begin, end, FusedCpuScratch{S, acc, pc, state, diag});
   });
 
   if (!out_f32) out.copy_(out32);
   at::Tensor feats = at::zeros({B, H, want_features ? F : 0}, q_in.options().dtype(at::kFloat));
-  if (want_features) {
+  if (want_features) {  // per-task sums reduced in task order: the same bits whatever the threads
     float* fp = feats.data_ptr<float>();
-    const int64_t FA = p.FA, n_tiles = p.n_tiles;
+    const int64_t FA = p.FA, n_qblk = p.n_qblk;
     for (int64_t b = 0; b < B; ++b) {
-      const double inv_n = 1.0 / static_cast<double>(info[b].n);
+      // the mean over the valid query rows s in [off, n) (all n rows when Lq == L); none: features 0
+      const double inv_n = 1.0 / static_cast<double>(std::max<int64_t>(1, std::min(info[b].n - off, Lq)));
       const double inv_cls = 1.0 / static_cast<double>(std::max<int64_t>(info[b].n_cls_rows, 1));
       for (int64_t h = 0; h < H; ++h) {
         float* dst = fp + (b * H + h) * F;
-        const double* part = partial.data() + (b * H + h) * n_tiles * FA;
+        const double* part = partial.data() + (b * H + h) * n_qblk * FA;
         auto total = [&](int64_t slot) {
           double s = 0.0;
-          for (int64_t t = 0; t < n_tiles; ++t) s += part[t * FA + slot];
+          for (int64_t t = 0; t < n_qblk; ++t) s += part[t * FA + slot];
           return s;
         };
         for (int64_t f = 0; f < F0 - 1; ++f) dst[f] = static_cast<float>(total(f) * inv_n);
@@ -331,7 +383,32 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
       }
     }
   }
+  return {out, feats, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
+    const c10::optional<at::Tensor>& token_class, const c10::optional<at::Tensor>& sentence_id, double scaling,
+    int64_t num_windows, const c10::optional<at::Tensor>& mode, const c10::optional<at::Tensor>& region,
+    bool renormalize, const c10::optional<at::Tensor>& gates, bool want_features,
+    const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& kv_head, bool causal,
+    c10::optional<int64_t> sliding_window, c10::optional<double> softcap, const c10::optional<at::Tensor>& sink) {
+  auto [out, feats, lse] =
+      fused_attention_impl(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region, renormalize,
+                           gates, want_features, key_scale, kv_head, causal, sliding_window, softcap, sink, false);
   return {out, feats};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_lse_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
+    const c10::optional<at::Tensor>& token_class, const c10::optional<at::Tensor>& sentence_id, double scaling,
+    int64_t num_windows, const c10::optional<at::Tensor>& mode, const c10::optional<at::Tensor>& region,
+    bool renormalize, const c10::optional<at::Tensor>& gates, bool want_features,
+    const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& kv_head, bool causal,
+    c10::optional<int64_t> sliding_window, c10::optional<double> softcap, const c10::optional<at::Tensor>& sink) {
+  return fused_attention_impl(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region,
+                              renormalize, gates, want_features, key_scale, kv_head, causal, sliding_window, softcap,
+                              sink, true);
 }
 
 }  // namespace
@@ -339,6 +416,9 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
 // The capability torch reports and the one the kernel uses now (attnkit::cpu_capability, csrc/ops.cpp).
 std::string cpu_capability() { return current_build().name; }
 
-TORCH_LIBRARY_IMPL(attnkit, CPU, m) { m.impl("fused_attention", &fused_attention_cpu); }
+TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
+  m.impl("fused_attention", &fused_attention_cpu);
+  m.impl("fused_attention_lse", &fused_attention_lse_cpu);
+}
 
 }  // namespace attnkit::cpu

@@ -2,8 +2,8 @@
 // attnkit/reference.py):
 //   * csrc/cpu/fused_attention.cpp (built once): checks the arguments, prepares plain arrays (this struct),
 //     runs the tasks with at::parallel_for and sums the features;
-//   * csrc/cpu/fused_attention_rows.h: the tasks' vectorised code (scores, softmax, features, output), built
-//     once per instruction set, as ATen builds its kernels (CPU_CAPABILITY): the translation units
+//   * csrc/cpu/fused_attention_rows.h: the tasks' vectorised code (scores, online softmax, features, output),
+//     built once per instruction set, as ATen builds its kernels (CPU_CAPABILITY): the translation units
 //     csrc/cpu/capability/fused_attention_{default,avx2,avx512}.cpp (tools/generate_kernels.py) each define
 //     attnkit::cpu::<CAPABILITY>::fused_attention_tasks; setup.py compiles each with its own flags, and the
 //     host picks one at run time (the CPU capability torch reports, or $ATTNKIT_CPU_CAPABILITY).
@@ -15,28 +15,41 @@
 
 namespace attnkit::cpu {
 
-// Column-major C(m×n) = alpha · op(A) · op(B) (BLAS conventions); defined by the host (sgemm or ATen).
+// Column-major C(m×n) = alpha · op(A) · op(B) + beta · C (BLAS conventions; beta = 0: C is not read);
+// defined by the host (sgemm or ATen).
 using GemmFn = void (*)(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-                        int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc);
+                        int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
 struct FusedCpuParams {
   int64_t B, H, L, D, N;  // N: distance windows
-  int64_t TQ, n_tiles;    // query rows per task, row tiles per (sample, head)
-  // fp32 operands: q B×H×L×D, k and v B×Hkv×L×D (unit stride along D)
+  int64_t BQ, BK, n_qblk;  // query rows per task, keys per block, query blocks per (sample, head)
+  int64_t Lq, off;        // query rows; query row i is key position off + i (off = L − Lq: a KV-cache step)
+  // fp32 operands: q B×H×Lq×D, k and v B×Hkv×L×D (unit stride along D)
   const float *q, *k, *v;
   int64_t qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2;
-  float* out;  // fp32 B×L×H×D
+  float* out;  // fp32 B×Lq×H×D
+  float* lse;  // fp32 B×H×Lq natural-log log-sum-exp of each row (nullptr: not wanted)
   // per head: mode, region, gate, KV head, sink logit (sink nullptr: none)
   const int32_t *mode, *region, *kv_head;
   const float *gate, *sink;
-  // per sample: valid length; special keys (position, class) of sample b at special[special_at[b] ..
-  // special_at[b + 1]); sentence ids as dense ranks (floats, B×L; nullptr: not needed); CLS-row flags
+  // per sample: valid length; special keys (class != OTHER) of sample b at positions
+  // special_pos[special_at[b] .. special_at[b + 1]) (increasing) with their classes in special_cls;
+  // sentence ids as dense ranks (floats, B×L; nullptr: not needed); one_sentence[b]: every id of sample b
+  // is the same (then intra is the row's whole mass)
   const int64_t* n;
-  const int32_t* special;  // pairs (position, class)
+  const int32_t* special_pos;
+  const int32_t* special_cls;
   const int64_t* special_at;
   const float* sidf;
+  const uint8_t* one_sentence;
   const int32_t* token_class;  // B×L or nullptr
-  const float* key_scale;      // B×H×L or nullptr (norm weighting of the features)
+  const float* class_code;     // the token classes as floats (B×L; for vectorised compares), or nullptr
+  // distance windows of sample b: win_of[b·L + d] = ⌊d·N/n⌋ for d in [0, n), and window j holds the
+  // distances [win_lo[b·(N+1) + j], win_lo[b·(N+1) + j + 1])
+  const int32_t* win_of;
+  const int64_t* win_lo;
+  const float* key_scale;  // B×H×L or nullptr (norm weighting of the features)
+  const float* log_key_scale;  // ln g (0 where g = 0), B×H×L, with key_scale
   double scaling;
   bool renormalize, want_features, causal;
   int64_t window;  // sliding window W, 0: none
@@ -47,9 +60,13 @@ struct FusedCpuParams {
   GemmFn gemm;
 };
 
-// Per-thread scratch, sized by the host: S TQ×L, row_c TQ, diag 2L, scaled_row L.
+// The per-row online state of the tasks (floats): see fused_attention_rows.h.
+constexpr int64_t kRowStateSlots(int64_t num_windows) { return 16 + num_windows; }
+
+// Per-thread scratch, fixed in size (independent of L): S BQ×BK scores, acc BQ×D output accumulator, pc BK
+// feature weights, state BQ × kRowStateSlots(N), diag BQ + BK per-offset window sums (zero between tasks).
 struct FusedCpuScratch {
-  float *S, *row_c, *diag, *scaled_row;
+  float *S, *acc, *pc, *state, *diag;
 };
 
 // The slots of the per-task feature sums (FA = F0 + 2 doubles, F0 = kNumFeatures(N)): [0, F0 − 1) the

@@ -2,18 +2,27 @@
 // kernel is split; semantics: attnkit/reference.py). Included only by the units built once per instruction
 // set (csrc/cpu/capability/*.cpp), which define CPU_CAPABILITY first.
 //
-// A task is (sample b, head h, tile of TQ query rows). Row s sees the keys [lo_s, hi_s): hi_s = n (causal:
-// min(n, s + 1)), lo_s = 0 (sliding window W: max(0, s − W + 1)). Both bounds grow with s, so the tile's rows
-// see only keys [lo of its first row, hi of its last row): the task computes S = Q_tile · K[that range]ᵀ into a
-// per-thread buffer with BLAS and never touches the keys outside it (a causal forward skips the tiles above
-// the diagonal: about half the work of a full one). Then, row by row and in one vectorised pass over the keys
-// the row sees, the softmax numerators e = exp(s − max) (soft-capped scores first; a sink logit joins the max
-// and the denominator), the intervention (uniform mode replaces e by 1, the region zeroes the dropped keys)
-// and the sums the features need. Every feature is linear in the row's weights except the entropy, which
-// follows in closed form from the same sums, so the row is never normalised: the row's factor c (1/Z, or
-// 1/Σkept with renormalize; the sink's numerator counts in both) multiplies the features and, after the
-// second BLAS product O_tile = E · V[range], the output rows (together with the head's gate). Nothing of size
-// L×L exists beyond the per-thread tile.
+// Flash-style blocking, as ATen's CPU flash attention and the Triton kernel (attnkit/kernels/triton_attention.py)
+// do it. A task is (sample b, head h, block of BQ query rows; query row i is key position s = off + i, off = L − Lq
+// being 0 except in a KV-cache step). Row s sees the keys [lo_s, hi_s): hi_s = n
+// (causal: min(n, s + 1)), lo_s = 0 (sliding window W: max(0, s − W + 1)); both bounds grow with s, so the
+// block's rows see only keys [lo of its first row, hi of its last row), which the task streams in key blocks
+// of BK (never the keys outside: a causal forward skips the blocks above the diagonal). Per key block:
+//   * S = Q_blk · K_blkᵀ with BLAS into a fixed per-thread tile (BQ × BK floats);
+//   * per row, over the keys it sees in the block: soft-capping, the block max, and when it exceeds the row's
+//     running max m (which starts at the sink logit, −inf without one), every running sum of the row — the
+//     output accumulator, the softmax denominators and every feature sum — is rescaled by exp(m_old − m_new)
+//     (the entropy sum A = Σ w·(s − m) also shifts by (m_old − m_new)·Σw);
+//   * one vectorised pass: e = exp(s − m) in place (uniform mode: 1; the region zeroes dropped keys), with
+//     Z, the kept mass, A, the max weight and the intra-sentence mass; with a key scale g (norm weighting) the
+//     feature weights are e·g (A gains ln g, precomputed per key) in a row of their own;
+//   * the distance windows as range sums of the row over each window's keys (bounds from a per-sample table,
+//     no division per key), the special keys the row sees moved from their window to their class bucket,
+//     self / prev / next read at the diagonal;
+//   * O_blk += E · V_blk with BLAS (beta = 1 after the first key block).
+// At the end each row's factor c (1/Z, or 1/Σkept with renormalize; the sink's numerator counts in both)
+// scales the output (with the head's gate) and the features, which are summed per task in a fixed order
+// (determinism). Nothing of size L per row, or L×L, exists: the scratch is fixed in size.
 #pragma once
 
 #include "vec_util.h"
@@ -32,91 +41,112 @@ namespace {
 
 constexpr int kAll = kRegionAll, kNoIntra = kRegionNoIntra, kNoInter = kRegionNoInter;
 
-struct RowStats {
-  float Z, Zk, S2, I, Mx;
-  float Es;  // the sink's numerator exp(sink − m) (0 without a sink, and in uniform mode)
-  // The row's softmax is undefined (a NaN or +inf score, or every score −inf; a NaN or +inf sink):
-  // numerics policy in attnkit/reference.py — the row's output and its (sample, head)'s features become NaN.
-  bool undefined;
+// The per-row online state (floats, kRowStateSlots(N) per row). Every sum is at the exponent base m.
+//   m: running max (sink included); Z: Σe over the keys seen; Zk: Σe over the kept keys (region);
+//   Zf: Σw, w the feature weights (e kept, times g under a key scale); A: Σ w·(s − m + ln g);
+//   Mx: max w; I: Σ w over the row's own sentence; self, prev, next; cls[4]; bad: the row's softmax is
+//   undefined (a NaN or +inf score, a NaN sink); win[N].
+enum : int64_t {
+  sM = 0, sZ, sZk, sZf, sA, sMx, sI, sSelf, sPrev, sNext, sCls0, sCls1, sCls2, sCls3, sBad, sPad, sWin
+};
+static_assert(sWin == 16, "kRowStateSlots counts 16 slots before the windows");
+
+struct BlockSums {
+  float Z, Zk, Zf, A, Mx, I;
+  bool nan;
 };
 
-// One pass over the len scores a row sees (in place → numerators e, dropped keys 0). REGION: kAll,
-// kNoIntra, kNoInter. sidf: those keys' sentence ids as floats (needed when FEAT or REGION != kAll); they
-// are dense per-sample ranks, so comparing them as floats is exact. sink: the head's sink logit, −inf
-// for none.
-template <bool FEAT, int REGION>
-RowStats row_pass(float* x, int64_t len, bool uniform, const float* sidf, float sid_s, float sink) {
-  // A +inf score or all −inf show in m (so may a NaN: at::vec::maximum propagates it, std::max in the
-  // scalar tail does not); NaN scores are also flagged lane by lane below. A −inf score among finite
-  // ones is fine: its weight is 0, as in torch.softmax.
-  const float m = uniform ? 0.f : std::max(range_max(x, len), sink);
-  if (!uniform && (!std::isfinite(m) || std::isnan(sink))) {
-    RowStats r{};
-    r.undefined = true;
-    return r;
-  }
-  Vec mv(m), one(1.f), zero(0.f), sv(sid_s);
-  Vec Zv(0.f), Zkv(0.f), S2v(0.f), Iv(0.f), Mxv(0.f), NaNv(0.f);
+// One pass over the len scores a row sees in a block (x, in place → kept numerators e). m: the row's base
+// (finite). REGION: kAll, kNoIntra, kNoInter (needs sidf). FEAT: the feature sums; KS: feature weights e·g
+// written to pc (g, lg = ln g aligned with x); SID: intra-sentence mass by comparing sidf with sid_s (dense
+// ranks as floats: exact).
+template <bool FEAT, int REGION, bool KS, bool SID>
+BlockSums exp_pass(float* x, int64_t len, bool uniform, float m, const float* sidf, float sid_s, const float* g,
+                   const float* lg, float* pc) {
+  const Vec mv(m), one(1.f), zero(0.f), sv(sid_s), floor_v(-1e30f);
+  Vec Zv(0.f), Zkv(0.f), Zfv(0.f), Av(0.f), Mxv(0.f), Iv(0.f), NaNv(0.f);
   int64_t i = 0;
   for (; i + kW <= len; i += kW) {
     const Vec xv = Vec::loadu(x + i);
     if (!uniform) NaNv = NaNv | xv.isnan();  // all-ones lanes where a score is NaN
-    Vec y = uniform ? zero : xv - mv;
+    const Vec y = uniform ? zero : xv - mv;
     Vec e = uniform ? one : y.exp_u20();
     Zv = Zv + e;
-    if constexpr (FEAT || REGION != kAll) {
-      Vec same = Vec::loadu(sidf + i).eq(sv);
-      if constexpr (REGION == kNoIntra) e = e * (one - same);
-      if constexpr (REGION == kNoInter) e = e * same;
-      if constexpr (REGION != kAll) Zkv = Zkv + e;
-      if constexpr (FEAT) {
-        // Σ e·y over the row; a −inf score (weight 0) must add 0, not 0·(−inf) = NaN
-        S2v = at::vec::fmadd(e, at::vec::maximum(y, Vec(-1e30f)), S2v);
-        Iv = at::vec::fmadd(e, same, Iv);
-        Mxv = at::vec::maximum(Mxv, e);
+    Vec same = one;
+    if constexpr (REGION != kAll || (FEAT && SID)) same = Vec::loadu(sidf + i).eq(sv);
+    if constexpr (REGION == kNoIntra) e = e * (one - same);
+    if constexpr (REGION == kNoInter) e = e * same;
+    if constexpr (REGION != kAll) Zkv = Zkv + e;
+    if constexpr (FEAT) {
+      // a −inf score (weight 0) must add 0 to A, not 0·(−inf) = NaN
+      const Vec yc = at::vec::maximum(y, floor_v);
+      Vec w = e;
+      if constexpr (KS) {
+        w = e * Vec::loadu(g + i);
+        w.store(pc + i);
+        Zfv = Zfv + w;
+        Av = at::vec::fmadd(w, yc + Vec::loadu(lg + i), Av);
+      } else {
+        Av = at::vec::fmadd(w, yc, Av);
       }
+      Mxv = at::vec::maximum(Mxv, w);
+      if constexpr (SID) Iv = at::vec::fmadd(w, same, Iv);
     }
     e.store(x + i);
   }
   auto sum = [](Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); };
-  RowStats r{sum(Zv), 0.f, 0.f, 0.f, 0.f, 0.f, NaNv.zero_mask() != (1 << kW) - 1};
+  BlockSums r{sum(Zv), 0.f, 0.f, 0.f, 0.f, 0.f, NaNv.zero_mask() != (1 << kW) - 1};
   if constexpr (REGION != kAll) r.Zk = sum(Zkv);
   if constexpr (FEAT) {
-    r.S2 = sum(S2v);
-    r.I = sum(Iv);
+    if constexpr (KS) r.Zf = sum(Zfv);
+    r.A = sum(Av);
     r.Mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, Mxv);
+    if constexpr (SID) r.I = sum(Iv);
   }
   for (; i < len; ++i) {
-    float y = uniform ? 0.f : x[i] - m;
-    if (!uniform && std::isnan(x[i])) r.undefined = true;
+    const float y = uniform ? 0.f : x[i] - m;
+    if (!uniform && std::isnan(x[i])) r.nan = true;
     float e = uniform ? 1.f : std::exp(y);
     r.Z += e;
-    if constexpr (FEAT || REGION != kAll) {
-      float same = sidf[i] == sid_s ? 1.f : 0.f;
-      if constexpr (REGION == kNoIntra) e *= 1.f - same;
-      if constexpr (REGION == kNoInter) e *= same;
-      if constexpr (REGION != kAll) r.Zk += e;
-      if constexpr (FEAT) {
-        r.S2 += e * std::max(y, -1e30f);
-        r.I += e * same;
-        r.Mx = std::max(r.Mx, e);
+    float same = 1.f;
+    if constexpr (REGION != kAll || (FEAT && SID)) same = sidf[i] == sid_s ? 1.f : 0.f;
+    if constexpr (REGION == kNoIntra) e *= 1.f - same;
+    if constexpr (REGION == kNoInter) e *= same;
+    if constexpr (REGION != kAll) r.Zk += e;
+    if constexpr (FEAT) {
+      const float yc = std::max(y, -1e30f);
+      float w = e;
+      if constexpr (KS) {
+        w = e * g[i];
+        pc[i] = w;
+        r.Zf += w;
+        r.A += w * (yc + lg[i]);
+      } else {
+        r.A += w * yc;
       }
+      r.Mx = std::max(r.Mx, w);
+      if constexpr (SID) r.I += w * same;
     }
     x[i] = e;
   }
   if constexpr (REGION == kAll) r.Zk = r.Z;
-  // the sink takes mass (in the denominator) and adds no value; uniform heads give it none
-  r.Es = uniform ? 0.f : std::exp(sink - m);
+  if constexpr (!KS) r.Zf = r.Zk;
   return r;
 }
 
-using RowFn = RowStats (*)(float*, int64_t, bool, const float*, float, float);
+using PassFn = BlockSums (*)(float*, int64_t, bool, float, const float*, float, const float*, const float*, float*);
 
-RowFn pick_row_fn(bool feat, int region) {
-  static const RowFn table[2][3] = {
-      {row_pass<false, kAll>, row_pass<false, kNoIntra>, row_pass<false, kNoInter>},
-      {row_pass<true, kAll>, row_pass<true, kNoIntra>, row_pass<true, kNoInter>}};
-  return table[feat ? 1 : 0][region];
+template <bool FEAT, bool KS, bool SID>
+PassFn pick_region(int region) {
+  if (region == kNoIntra) return exp_pass<FEAT, kNoIntra, KS, SID>;
+  if (region == kNoInter) return exp_pass<FEAT, kNoInter, KS, SID>;
+  return exp_pass<FEAT, kAll, KS, SID>;
+}
+
+PassFn pick_pass(bool feat, int region, bool ks, bool sid) {
+  if (!feat) return pick_region<false, false, false>(region);
+  if (ks) return sid ? pick_region<true, true, true>(region) : pick_region<true, true, false>(region);
+  return sid ? pick_region<true, false, true>(region) : pick_region<true, false, false>(region);
 }
 
 // x[0..len) = c · tanh(x / c) (Gemma 2's logit soft-capping).
@@ -128,154 +158,362 @@ void softcap_inplace(float* x, int64_t len, float c) {
   for (; i < len; ++i) x[i] = c * std::tanh(x[i] * inv);
 }
 
+// Σ w[0..len) over the keys of class OTHER (code 0), the tail by a partial load; with NC > 0 classes also Σ w over
+// the keys of class cls_code[c] into cls_acc[c] (codes: the keys' token classes as floats). NC is a template
+// argument so that the class accumulators stay in registers.
+template <int NC>
+float window_sum_n(const float* w, const float* code, int64_t len, const float* cls_code, Vec* cls_acc) {
+  const Vec zero(0.f);
+  Vec acc(0.f), c0(0.f), c1(0.f), c2(0.f), c3(0.f);
+  Vec k0v(NC > 0 ? cls_code[0] : 0.f), k1v(NC > 1 ? cls_code[1] : 0.f), k2v(NC > 2 ? cls_code[2] : 0.f),
+      k3v(NC > 3 ? cls_code[3] : 0.f);
+  for (int64_t i = 0; i < len; i += kW) {
+    const int64_t cnt = std::min<int64_t>(kW, len - i);
+    const Vec wv = cnt == kW ? Vec::loadu(w + i) : Vec::loadu(w + i, cnt);
+    if constexpr (NC == 0) {
+      acc = acc + wv;
+    } else {
+      const Vec cv = cnt == kW ? Vec::loadu(code + i) : Vec::loadu(code + i, cnt);
+      acc = at::vec::fmadd(wv, cv.eq(zero), acc);
+      c0 = at::vec::fmadd(wv, cv.eq(k0v), c0);
+      if constexpr (NC > 1) c1 = at::vec::fmadd(wv, cv.eq(k1v), c1);
+      if constexpr (NC > 2) c2 = at::vec::fmadd(wv, cv.eq(k2v), c2);
+      if constexpr (NC > 3) c3 = at::vec::fmadd(wv, cv.eq(k3v), c3);
+    }
+  }
+  if constexpr (NC > 0) cls_acc[0] = cls_acc[0] + c0;
+  if constexpr (NC > 1) cls_acc[1] = cls_acc[1] + c1;
+  if constexpr (NC > 2) cls_acc[2] = cls_acc[2] + c2;
+  if constexpr (NC > 3) cls_acc[3] = cls_acc[3] + c3;
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+}
+
+inline float window_sum(const float* w, const float* code, int64_t len, int ncls, const float* cls_code,
+                        Vec* cls_acc) {
+  switch (ncls) {
+    case 0: return window_sum_n<0>(w, code, len, cls_code, cls_acc);
+    case 1: return window_sum_n<1>(w, code, len, cls_code, cls_acc);
+    case 2: return window_sum_n<2>(w, code, len, cls_code, cls_acc);
+    case 3: return window_sum_n<3>(w, code, len, cls_code, cls_acc);
+    default: return window_sum_n<4>(w, code, len, cls_code, cls_acc);
+  }
+}
+
+// One key block holds every key of the task's rows (L <= BK, the short texts): each row's weights are final after
+// their one block, so the OTHER keys' weights, normalised (fc), go to diag[t − s] and the task folds diag into the
+// distance windows once (2N range sums per task, not per row: narrow windows cost nothing per row); the classes
+// present (NC) are summed as in window_sum_n.
+template <int NC>
+void diag_pass_n(const float* w, const float* code, int64_t len, float fc, float* diag, const float* cls_code,
+                 Vec* cls_acc) {
+  const Vec zero(0.f), fcv(fc);
+  Vec c0(0.f), c1(0.f), c2(0.f), c3(0.f);
+  Vec k0v(NC > 0 ? cls_code[0] : 0.f), k1v(NC > 1 ? cls_code[1] : 0.f), k2v(NC > 2 ? cls_code[2] : 0.f),
+      k3v(NC > 3 ? cls_code[3] : 0.f);
+  for (int64_t i = 0; i < len; i += kW) {
+    const int64_t cnt = std::min<int64_t>(kW, len - i);
+    const Vec wv = cnt == kW ? Vec::loadu(w + i) : Vec::loadu(w + i, cnt);
+    const Vec dv = cnt == kW ? Vec::loadu(diag + i) : Vec::loadu(diag + i, cnt);
+    Vec add = wv * fcv;
+    if constexpr (NC > 0) {
+      const Vec cv = cnt == kW ? Vec::loadu(code + i) : Vec::loadu(code + i, cnt);
+      add = add * cv.eq(zero);
+      c0 = at::vec::fmadd(wv, cv.eq(k0v), c0);
+      if constexpr (NC > 1) c1 = at::vec::fmadd(wv, cv.eq(k1v), c1);
+      if constexpr (NC > 2) c2 = at::vec::fmadd(wv, cv.eq(k2v), c2);
+      if constexpr (NC > 3) c3 = at::vec::fmadd(wv, cv.eq(k3v), c3);
+    }
+    const Vec nd = dv + add;
+    if (cnt == kW) nd.store(diag + i);
+    else nd.store(diag + i, cnt);
+  }
+  if constexpr (NC > 0) cls_acc[0] = cls_acc[0] + c0;
+  if constexpr (NC > 1) cls_acc[1] = cls_acc[1] + c1;
+  if constexpr (NC > 2) cls_acc[2] = cls_acc[2] + c2;
+  if constexpr (NC > 3) cls_acc[3] = cls_acc[3] + c3;
+}
+
+inline void diag_pass(const float* w, const float* code, int64_t len, float fc, float* diag, int ncls,
+                      const float* cls_code, Vec* cls_acc) {
+  switch (ncls) {
+    case 0: return diag_pass_n<0>(w, code, len, fc, diag, cls_code, cls_acc);
+    case 1: return diag_pass_n<1>(w, code, len, fc, diag, cls_code, cls_acc);
+    case 2: return diag_pass_n<2>(w, code, len, fc, diag, cls_code, cls_acc);
+    case 3: return diag_pass_n<3>(w, code, len, fc, diag, cls_code, cls_acc);
+    default: return diag_pass_n<4>(w, code, len, fc, diag, cls_code, cls_acc);
+  }
+}
+
+// The row's running max grows from m_old (finite) by delta > 0: every sum moves to the new base.
+void rescale_row(float* st, float* o, int64_t D, int64_t N, float delta) {
+  const float alpha = std::exp(-delta);
+  st[sA] = alpha * (st[sA] - delta * st[sZf]);
+  for (int64_t j = sZ; j <= sCls3; ++j)
+    if (j != sA) st[j] *= alpha;
+  scale_inplace(st + sWin, N, alpha);
+  scale_inplace(o, D, alpha);
+}
+
 }  // namespace
 
 void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, const FusedCpuScratch& w) {
-  const int64_t H = p.H, L = p.L, D = p.D, N = p.N, TQ = p.TQ;
+  const int64_t H = p.H, L = p.L, D = p.D, N = p.N, BQ = p.BQ, BK = p.BK;
+  const int64_t RS = kRowStateSlots(N);
   const int64_t R = kNumBucketSlots(int(N));  // first per-row feature slot
   const int64_t F0 = kNumFeatures(int(N));
   const int64_t os_row = H * D;  // stride between query rows of one (b, h) in B×L×H×D
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const float pos_inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
   float* S = w.S;
-  float* diag = w.diag;
+  float* acc = w.acc;
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t tile = task % p.n_tiles, bh = task / p.n_tiles, h = bh % H, b = bh / H;
-    const int64_t r0 = tile * TQ, tq = std::min(TQ, L - r0);
+    // query blocks in zigzag order (0, last, 1, last − 1, ...): any run of tasks holds light and heavy
+    // causal blocks alike, so at::parallel_for's contiguous chunks get even work
+    const int64_t i_blk = task % p.n_qblk, bh = task / p.n_qblk, h = bh % H, b = bh / H;
+    const int64_t qblk = (i_blk % 2 == 0) ? i_blk / 2 : p.n_qblk - 1 - i_blk / 2;
+    const int64_t r0 = qblk * BQ, bq = std::min(BQ, p.Lq - r0);
     const int64_t n = p.n[b];
-    float* o = p.out + b * L * os_row + r0 * os_row + h * D;
+    float* o = p.out + b * p.Lq * os_row + r0 * os_row + h * D;
+    float* lse = p.lse == nullptr ? nullptr : p.lse + (b * H + h) * p.Lq + r0;
+    const int64_t s0 = p.off + r0;  // the key position of the block's first query row
+    double* a = p.want_features ? p.partial + task * p.FA : nullptr;
     if (p.mode[h] == kModeZero) {  // weights all 0: output 0, features 0
-      for (int64_t r = 0; r < tq; ++r) std::fill(o + r * os_row, o + r * os_row + D, 0.f);
+      for (int64_t r = 0; r < bq; ++r) std::fill(o + r * os_row, o + r * os_row + D, 0.f);
+      if (lse != nullptr) std::fill(lse, lse + bq, pos_inf);
       continue;
     }
     const bool uniform = p.mode[h] == kModeUniform;
-    // the keys row s sees: [lo(s), hi(s)), both non-decreasing in s
+    const int region = p.region[h];
+    // the keys row s sees: [lo(s), hi(s)), both non-decreasing in s (empty when lo(s) >= hi(s))
     auto lo_of = [&](int64_t s) { return p.window > 0 ? std::max<int64_t>(0, s - p.window + 1) : int64_t(0); };
     auto hi_of = [&](int64_t s) { return p.causal ? std::min(n, s + 1) : n; };
-    const int64_t klo = std::min(lo_of(r0), hi_of(r0)), khi = hi_of(r0 + tq - 1);
-    const int64_t nk = std::max<int64_t>(0, khi - klo);  // the tile's key range, ld of S
+    const int64_t khi = hi_of(s0 + bq - 1), klo = std::min(lo_of(s0), khi);
+    // one key block for the whole task: windows through diag (offset t − s, from dbase) folded once per task
+    const bool one_block = p.want_features && khi - klo <= BK;
+    const int64_t dbase = klo - (s0 + bq - 1);
+    float* diag = w.diag;
     const int64_t kvh = p.kv_head[h];
     const float* qt = p.q + b * p.qs0 + h * p.qs1 + r0 * p.qs2;
-    const float* kt = p.k + b * p.ks0 + kvh * p.ks1 + klo * p.ks2;
-    const float* vt = p.v + b * p.vs0 + kvh * p.vs1 + klo * p.vs2;
-    // S (row-major tq×nk, ld nk) == column-major Sᵀ (nk×tq) = K[klo:khi] (nk×D) · Q_tileᵀ
-    if (!uniform && nk > 0) {
-      // BLAS skips the product when alpha is 0; scaling by 0 afterwards keeps NaN/inf scores NaN.
-      const float alpha = p.scaling != 0.0 ? static_cast<float>(p.scaling) : 1.f;
-      p.gemm('T', 'N', nk, tq, D, alpha, kt, p.ks2, qt, p.qs2, S, nk);
-      if (p.scaling == 0.0) scale_inplace(S, tq * nk, 0.f);
-    }
-    const RowFn fn = pick_row_fn(p.want_features, p.region[h]);
     const float* sidf = p.sidf == nullptr ? nullptr : p.sidf + b * L;
+    const bool sid_feat = sidf != nullptr && !p.one_sentence[b];
     const float sink = p.sink == nullptr ? neg_inf : p.sink[h];
-    const int32_t* special = p.special + 2 * p.special_at[b];
+    const float* g = p.key_scale == nullptr ? nullptr : p.key_scale + (b * H + h) * L;
+    const float* lg = p.key_scale == nullptr ? nullptr : p.log_key_scale + (b * H + h) * L;
+    const PassFn pass_feat = pick_pass(p.want_features, region, g != nullptr, sid_feat);
+    const PassFn pass_plain = pick_pass(false, region, false, false);
+    const int32_t* sp_pos = p.special_pos + p.special_at[b];
+    const int32_t* sp_cls = p.special_cls + p.special_at[b];
     const int64_t n_special = p.special_at[b + 1] - p.special_at[b];
-    double* acc = p.want_features ? p.partial + task * p.FA : nullptr;
+    const int32_t* win_of = p.win_of == nullptr ? nullptr : p.win_of + b * L;
+    const int64_t* win_lo = p.win_lo == nullptr ? nullptr : p.win_lo + b * (N + 1);
+    const int32_t* tcls = p.token_class == nullptr ? nullptr : p.token_class + b * L;
+    const float* codef = p.class_code == nullptr ? nullptr : p.class_code + b * L;
+    // the rows' state: base m (the sink logit, uniform 0), every sum 0
+    for (int64_t r = 0; r < bq; ++r) {
+      float* st = w.state + r * RS;
+      std::fill(st, st + RS, 0.f);
+      st[sM] = uniform ? 0.f : sink;
+      st[sBad] = (!uniform && std::isnan(sink)) ? 1.f : 0.f;
+    }
+    bool first = true;
+    for (int64_t k0 = klo; k0 < khi; k0 += BK) {
+      const int64_t kb = std::min(BK, khi - k0);
+      // S (row-major bq×kb, ld kb) == column-major Sᵀ (kb×bq) = K_blk (kb×D) · Q_blkᵀ
+      if (!uniform) {
+        const float* kt = p.k + b * p.ks0 + kvh * p.ks1 + k0 * p.ks2;
+        // BLAS skips the product when alpha is 0; scaling by 0 afterwards keeps NaN/inf scores NaN.
+        const float alpha = p.scaling != 0.0 ? static_cast<float>(p.scaling) : 1.f;
+        p.gemm('T', 'N', kb, bq, D, alpha, kt, p.ks2, qt, p.qs2, 0.f, S, kb);
+        if (p.scaling == 0.0) scale_inplace(S, bq * kb, 0.f);
+      }
+      // the special keys of this block
+      const int64_t j0 = std::lower_bound(sp_pos, sp_pos + n_special, static_cast<int32_t>(k0)) - sp_pos;
+      const int64_t j1 = std::lower_bound(sp_pos + j0, sp_pos + n_special, static_cast<int32_t>(k0 + kb)) - sp_pos;
+      int ncls = 0, cls_slot[4];
+      float cls_code[4];
+      {
+        bool present[5] = {false, false, false, false, false};
+        for (int64_t j = j0; j < j1; ++j) present[sp_cls[j]] = true;
+        for (int c = kClassCls; c <= kClassPeriod; ++c)
+          if (present[c]) cls_slot[ncls] = class_slot(c) - kSlotCls, cls_code[ncls++] = static_cast<float>(c);
+      }
+      for (int64_t r = 0; r < bq; ++r) {
+        const int64_t s = s0 + r;
+        float* row = S + r * kb;
+        float* st = w.state + r * RS;
+        const int64_t lo = std::max(lo_of(s), k0), hi = std::min(hi_of(s), k0 + kb);
+        if (hi <= lo || st[sBad] != 0.f) {  // sees no key of this block (or is already undefined): weight 0
+          std::fill(row, row + kb, 0.f);
+          continue;
+        }
+        std::fill(row, row + (lo - k0), 0.f);
+        std::fill(row + (hi - k0), row + kb, 0.f);
+        float* x = row + (lo - k0);
+        const int64_t len = hi - lo;
+        float m = st[sM];
+        if (!uniform) {
+          if (p.softcap > 0.f) softcap_inplace(x, len, p.softcap);
+          const float mb = range_max(x, len);
+          if (std::isnan(mb) || mb == pos_inf) {  // the softmax is undefined (numerics policy of the reference)
+            st[sBad] = 1.f;
+            std::fill(x, x + len, 0.f);
+            continue;
+          }
+          if (mb > m) {
+            if (m != neg_inf) rescale_row(st, acc + r * D, D, N, mb - m);
+            st[sM] = m = mb;
+          }
+          if (m == neg_inf) {  // every score so far −inf (and no sink): weight 0, unless one is NaN
+            for (int64_t i = 0; i < len; ++i)
+              if (std::isnan(x[i])) st[sBad] = 1.f;
+            std::fill(x, x + len, 0.f);
+            continue;
+          }
+        }
+        const bool feat_row = p.want_features && s < n;
+        const int64_t koff = lo - k0;
+        float* pc = g != nullptr ? w.pc : nullptr;
+        const BlockSums bs = (feat_row ? pass_feat : pass_plain)(
+            x, len, uniform, m, sidf == nullptr ? nullptr : sidf + lo, sidf == nullptr ? 0.f : sidf[s],
+            g == nullptr ? nullptr : g + lo, lg == nullptr ? nullptr : lg + lo, pc == nullptr ? nullptr : pc + koff);
+        if (bs.nan) {
+          st[sBad] = 1.f;
+          std::fill(x, x + len, 0.f);
+          continue;
+        }
+        st[sZ] += bs.Z;
+        st[sZk] += bs.Zk;
+        if (!feat_row) continue;
+        st[sZf] += bs.Zf;
+        st[sA] += bs.A;
+        st[sMx] = std::max(st[sMx], bs.Mx);
+        st[sI] += bs.I;
+        // the feature weights of this block's keys, indexed by t − k0
+        const float* fw = pc != nullptr ? pc : row;
+        // distance windows (d = |t − s| ≥ 1): sums of the OTHER keys' weights over each window's keys, left of
+        // s then right; the special keys' weights go to their class bucket in the same pass
+        float* win = st + sWin;
+        Vec cls_acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+        const float* cd = codef == nullptr ? nullptr : codef + k0;
+        int n_red = ncls;  // class accumulators to reduce
+        if (one_block) {  // the row's sums are final: normalise now (as the epilogue does) and add to diag
+          const float Es = (uniform || p.sink == nullptr) ? 0.f : std::exp(sink - m);
+          const float den = p.renormalize ? st[sZk] + Es : st[sZ] + Es;
+          float fc = den > 0.f ? 1.f / den : 0.f;
+          if (g != nullptr) fc = st[sZf] > 0.f ? 1.f / st[sZf] : 0.f;
+          if (j1 - j0 <= 32) {  // few special keys (short rows): every key to diag, then each special key moved
+            n_red = 0;
+            diag_pass(fw + (lo - k0), nullptr, len, fc, diag + (lo - s - dbase), 0, cls_code, cls_acc);
+            for (int64_t j = j0; j < j1; ++j) {
+              const int64_t t = sp_pos[j];
+              if (t < lo) continue;
+              if (t >= hi) break;
+              const float wt = fw[t - k0];
+              st[sCls0 + class_slot(sp_cls[j]) - kSlotCls] += wt;
+              diag[t - s - dbase] -= fc * wt;  // (offset 0, the row's own key, is never folded)
+            }
+          } else {
+            diag_pass(fw + (lo - k0), cd == nullptr ? nullptr : cd + (lo - k0), len, fc, diag + (lo - s - dbase),
+                      ncls, cls_code, cls_acc);
+          }
+        } else {
+          for (int64_t t_hi = std::min(hi, s); t_hi > lo;) {
+            const int32_t j = win_of[s - (t_hi - 1)];
+            const int64_t t_lo = std::max(lo, s - win_lo[j + 1] + 1);
+            win[j] += window_sum(fw + (t_lo - k0), cd == nullptr ? nullptr : cd + (t_lo - k0), t_hi - t_lo, ncls,
+                                 cls_code, cls_acc);
+            t_hi = t_lo;
+          }
+          for (int64_t t_lo = std::max(lo, s + 1); t_lo < hi;) {
+            const int32_t j = win_of[t_lo - s];
+            const int64_t t_hi = std::min(hi, s + win_lo[j + 1]);
+            win[j] += window_sum(fw + (t_lo - k0), cd == nullptr ? nullptr : cd + (t_lo - k0), t_hi - t_lo, ncls,
+                                 cls_code, cls_acc);
+            t_lo = t_hi;
+          }
+        }
+        for (int c = 0; c < n_red; ++c)
+          st[sCls0 + cls_slot[c]] +=
+              at::vec::vec_reduce_all<float>([](Vec& x1, Vec& x2) { return x1 + x2; }, cls_acc[c]);
+        if (s >= lo && s < hi) {  // the row's own key: self, or its class bucket
+          if (tcls == nullptr || tcls[s] == kClassOther) st[sSelf] += fw[s - k0];
+          else if (!one_block) st[sCls0 + class_slot(tcls[s]) - kSlotCls] += fw[s - k0];  // (one_block: in diag_pass)
+        }
+        if (s - 1 >= lo && s - 1 < hi) st[sPrev] += fw[s - 1 - k0];
+        if (s + 1 >= lo && s + 1 < hi) st[sNext] += fw[s + 1 - k0];
+      }
+      // O_blk (column-major D×bq, ld D) (+)= V_blkᵀ (D×kb) · Eᵀ (kb×bq)
+      const float* vt = p.v + b * p.vs0 + kvh * p.vs1 + k0 * p.vs2;
+      p.gemm('N', 'N', D, bq, kb, 1.f, vt, p.vs2, S, kb, first ? 0.f : 1.f, acc, D);
+      first = false;
+    }
+    if (first) std::fill(acc, acc + bq * D, 0.f);  // no key for any row of the block
+    if (one_block && !first) {  // fold diag into the windows: offsets ±[win_lo[j], win_lo[j + 1]), then clear it
+      const int64_t dlen = khi - klo + bq - 1;  // offsets [dbase, dbase + dlen)
+      for (int64_t j = 0; j < N; ++j) {
+        const int64_t wl = std::max<int64_t>(1, win_lo[j]), wh = win_lo[j + 1];
+        if (wh <= wl) continue;
+        double sum = 0.0;
+        // positive offsets [wl, wh) and negative offsets (−wh, −wl]
+        const int64_t p_lo = std::max(wl, dbase), p_hi = std::min(wh, dbase + dlen);
+        if (p_hi > p_lo) sum += range_sum(diag + (p_lo - dbase), p_hi - p_lo);
+        const int64_t n_lo = std::max(-wh + 1, dbase), n_hi = std::min(-wl + 1, dbase + dlen);
+        if (n_hi > n_lo) sum += range_sum(diag + (n_lo - dbase), n_hi - n_lo);
+        a[kSlotFirstWindow + j] += sum;
+      }
+      std::fill(diag, diag + dlen, 0.f);
+    }
+
+    // --- epilogue: output rows, log-sum-exp, features
     bool task_undefined = false;
-    for (int64_t r = 0; r < tq; ++r) {
-      const int64_t s = r0 + r;
-      const int64_t lo = std::min(lo_of(s), hi_of(s)), hi = hi_of(s);
-      float* row = S + r * nk;
-      // keys of the tile this row does not see: weight 0 (and never read as scores)
-      std::fill(row, row + (lo - klo), 0.f);
-      std::fill(row + (hi - klo), row + nk, 0.f);
-      if (hi == lo) {  // a padded row outside the window sees nothing: weight 0, output 0
-        w.row_c[r] = 0.f;
+    for (int64_t r = 0; r < bq; ++r) {
+      const int64_t s = s0 + r;
+      float* orow = o + r * os_row;
+      const float* st = w.state + r * RS;
+      if (lo_of(s) >= hi_of(s)) {  // a padded row outside the window sees nothing: weight 0, output 0
+        std::fill(orow, orow + D, 0.f);
+        if (lse != nullptr) lse[r] = pos_inf;
         continue;
       }
-      float* x = row + (lo - klo);
-      const int64_t len = hi - lo;
-      if (!uniform && p.softcap > 0.f) softcap_inplace(x, len, p.softcap);
-      const bool feat_row = p.want_features && s < n;
-      const float* sid_row = sidf == nullptr ? nullptr : sidf + lo;
-      const float sid_s = sidf == nullptr ? 0.f : sidf[s];
-      const RowStats st = feat_row ? fn(x, len, uniform, sid_row, sid_s, sink)
-                                   : pick_row_fn(false, p.region[h])(x, len, uniform, sid_row, sid_s, sink);
-      const float zk = st.Zk + st.Es;
-      const float c = st.undefined ? std::numeric_limits<float>::quiet_NaN()
-                      : p.renormalize ? (zk > 0.f ? 1.f / zk : 0.f)
-                                      : 1.f / (st.Z + st.Es);
-      w.row_c[r] = c * p.gate[h];  // an undefined row: NaN output
-      if (!feat_row) continue;
-      if (st.undefined) {  // NaN features for the whole (sample, head): see fill below
+      const float m = st[sM];
+      const bool bad = st[sBad] != 0.f || (!uniform && !std::isfinite(m));
+      const float Es = (uniform || p.sink == nullptr || bad) ? 0.f : std::exp(sink - m);
+      const float den = p.renormalize ? st[sZk] + Es : st[sZ] + Es;
+      const float c = bad ? nan : (den > 0.f ? 1.f / den : 0.f);
+      const float* arow = acc + r * D;
+      const float cg = c * p.gate[h];
+      for (int64_t d = 0; d < D; ++d) orow[d] = arow[d] * cg;
+      if (lse != nullptr) lse[r] = bad ? nan : (den > 0.f ? m + std::log(den) : pos_inf);
+      if (!p.want_features || s >= n) continue;
+      if (bad) {  // NaN features for the whole (sample, head)
         task_undefined = true;
         continue;
       }
-      // --- features of row s: weights w = fc · fe[t] over t in [lo, hi) (fe indexed by key position) ---
-      // fe are the numerators e (dropped keys 0) with their normaliser c; with a key scale g (norm
-      // weighting) they are e·g with c = 1 / Σ e·g (the sink, having no value, gets 0), and the row's sums
-      // are recomputed for them.
-      const float* fe = row - klo;
-      float fc = c, fZk = st.Zk, fS2 = st.S2, fI = st.I, fMx = st.Mx, fsink = c * st.Es;
-      if (p.key_scale != nullptr) {
-        const float* g = p.key_scale + (b * H + h) * L;
-        double zg = 0.0, s2 = 0.0, in = 0.0;
-        float mx = 0.f;
-        for (int64_t t = lo; t < hi; ++t) {
-          const float xg = fe[t] * g[t];
-          w.scaled_row[t] = xg;
-          zg += xg;
-          if (xg > 0.f) s2 += static_cast<double>(xg) * std::log(xg);  // Σ x·ln x: the entropy term
-          if (sidf != nullptr && sidf[t] == sidf[s]) in += xg;
-          mx = std::max(mx, xg);
-        }
-        fe = w.scaled_row;
-        fZk = static_cast<float>(zg);
-        fc = zg > 0.0 ? static_cast<float>(1.0 / zg) : 0.f;
-        fS2 = static_cast<float>(s2);
-        fI = sidf != nullptr ? static_cast<float>(in) : fZk;
-        fMx = mx;
+      // the feature weights w = fc · (kept e, times g under a key scale); the sink has no value under g
+      float fc = c, fZ = st[sZk], fsink = c * Es;
+      if (g != nullptr) {
+        fZ = st[sZf];
+        fc = fZ > 0.f ? 1.f / fZ : 0.f;
         fsink = 0.f;
       }
-      // Distance windows: accumulate the weighted row into diag[t − s + n − 1]; the windows are sums
-      // of diag over |offset| ranges, folded once per tile. Special keys move from their window to
-      // their class bucket below.
-      axpy(fc, fe + lo, diag + (n - 1 - s + lo), len);
-      double* a = acc;
-      bool self_special = false;
-      for (int64_t j = 0; j < n_special; ++j) {
-        const int64_t t = special[2 * j];
-        if (t < lo || t >= hi) continue;  // a key the row does not see: weight 0
-        const int cl = special[2 * j + 1];
-        const double wt = static_cast<double>(fc) * fe[t];
-        a[class_slot(cl)] += wt;
-        if (t != s) {
-          const int64_t d = t > s ? t - s : s - t;
-          a[kSlotFirstWindow + (d * N) / n] -= wt;
-        } else {
-          self_special = true;
-        }
-      }
-      if (!self_special) a[kSlotSelf] += static_cast<double>(fc) * fe[s];
-      const float T = fc * fZk;
-      const float H_ent = fc > 0.f ? std::max(0.f, -fc * fS2 - fc * std::log(fc) * fZk) : 0.f;
-      const float intra = fc * fI;
-      a[R + kRowPrev] += s - 1 >= lo ? fc * fe[s - 1] : 0.f;
-      a[R + kRowNext] += s + 1 < hi ? fc * fe[s + 1] : 0.f;
+      const double dc = fc;
+      for (int j = 0; j < 4; ++j) a[kSlotCls + j] += dc * st[sCls0 + j];
+      a[kSlotSelf] += dc * st[sSelf];
+      for (int64_t j = 0; j < N; ++j) a[kSlotFirstWindow + j] += dc * st[sWin + j];
+      const float T = fc * fZ;
+      const float H_ent = fc > 0.f ? std::max(0.f, -fc * st[sA] - fc * std::log(fc) * fZ) : 0.f;
+      const float intra = sid_feat ? fc * st[sI] : T;
+      a[R + kRowPrev] += fc * st[sPrev];
+      a[R + kRowNext] += fc * st[sNext];
       a[R + kRowEntropy] += H_ent;
-      a[R + kRowMax] += fc * fMx;
+      a[R + kRowMax] += fc * st[sMx];
       a[R + kRowIntra] += intra;
       a[R + kRowInter] += std::max(0.f, T - intra);
-      if (p.token_class != nullptr && p.token_class[b * L + s] == kClassCls) a[F0] += H_ent;
+      if (tcls != nullptr && tcls[s] == kClassCls) a[F0] += H_ent;
       a[F0 + 1] += fsink;
     }
-    if (p.want_features && r0 < n) {  // fold the diagonal sums this tile touched into the distance windows
-      double* a = acc;
-      const int64_t last = std::min(r0 + tq, n) - 1;  // the tile's last valid row
-      const int64_t off_lo = std::max<int64_t>(klo - last, 1 - n), off_hi = std::min<int64_t>(khi - 1 - r0, n - 1);
-      for (int64_t off = off_lo; off <= off_hi; ++off) {
-        if (off != 0) a[kSlotFirstWindow + ((off > 0 ? off : -off) * N) / n] += diag[n - 1 + off];
-      }
-      if (off_hi >= off_lo) std::fill(diag + (n - 1 + off_lo), diag + (n + off_hi), 0.f);
-    }
-    if (task_undefined) std::fill(acc, acc + p.FA, std::numeric_limits<double>::quiet_NaN());
-    // O_tile (row-major tq×D, ld H·D) == column-major Oᵀ (D×tq) = V[klo:khi]ᵀ (D×nk) · Eᵀ (nk×tq)
-    // (written into the fp32 output)
-    if (nk > 0) {
-      p.gemm('N', 'N', D, tq, nk, 1.f, vt, p.vs2, S, nk, o, os_row);
-    } else {
-      for (int64_t r = 0; r < tq; ++r) std::fill(o + r * os_row, o + r * os_row + D, 0.f);
-    }
-    for (int64_t r = 0; r < tq; ++r) scale_inplace(o + r * os_row, D, w.row_c[r]);
+    if (task_undefined) std::fill(a, a + p.FA, std::numeric_limits<double>::quiet_NaN());
   }
 }
 

@@ -1,0 +1,277 @@
+"""The CPU kernel's flash blocking (csrc/cpu/fused_attention_rows.h): query blocks × key blocks with an online
+softmax, every feature sum rescaled as a row's max grows. The cases the online form adds (docs/cuda.md, "The CPU
+kernel"), each against the executable spec (attnkit/reference.py), once per CPU capability this machine runs, with
+the real blocks (BQ = 64/128, BK = 512) and with small ones forced by ATTNKIT_CPU_BLOCKS ("BQxBK") so that a few
+dozen keys cross several blocks.
+
+Tolerance: the blocks change the order of summation (the softmax sums and every feature sum are accumulated per key
+block at the block's base, then rescaled by exp(m_old − m_new)), so results are not bit-equal across block sizes:
+the output's error against the reference is at most twice PyTorch's own fp32 error (eager attention) plus 2e-6 (a
+few float32 ulps of the accumulated sums), features agree with the fp32 reference to 1e-5 absolute, as tests/test_fused_cpu.py asks of every path. Each block size is deterministic run to run.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnkit import ops
+from attnkit.features import CLS, COMMA, NO_INTER, NO_INTRA, PERIOD, SEP, feature_names
+from attnkit.reference import reference_attention
+
+from .test_decoder_op import in_dtype
+
+if not (ops.has_kernel("cpu") and ops.has_kernel("cpu", "attnkit::fused_attention_lse")):
+    pytest.skip("attnkit._C has no blocked CPU kernel (extension not built)", allow_module_level=True)
+
+N = 8
+CAPABILITIES = ops.cpu_capabilities()[::-1]
+KV = torch.tensor([0, 0, 1, 1, 2, 2], dtype=torch.int32)
+SINK = torch.tensor([0.5, -1.0, 2.0, 0.0, -3.0, 1.0])
+
+
+@pytest.fixture(params=CAPABILITIES)
+def capability(request, monkeypatch):
+    monkeypatch.setenv("ATTNKIT_CPU_CAPABILITY", request.param)
+    return request.param
+
+
+def make(B=2, H=6, Hkv=3, L=37, D=16, seed=0, lengths=None, specials=0.1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, L, H, D, generator=g).transpose(1, 2)
+    k, v = (torch.randn(B, L, Hkv, D, generator=g).transpose(1, 2) for _ in range(2))
+    lengths = torch.as_tensor([L] * B if lengths is None else lengths, dtype=torch.int64)
+    r = torch.rand(B, L, generator=g)
+    tc = torch.zeros(B, L, dtype=torch.int32)
+    tc[r < specials] = COMMA
+    tc[r < specials / 2] = PERIOD
+    tc[:, 0] = CLS
+    tc[:, L // 2] = SEP
+    sid = (torch.arange(L) >= L // 3).int().expand(B, L).contiguous()
+    return q, k, v, lengths, tc, sid
+
+
+def run(q, k, v, lengths, tc=None, sid=None, *, want_features=True, **kw):
+    return ops.attention(q, k, v, lengths, tc, sid, num_windows=N, want_features=want_features, backend="fused", **kw)
+
+
+def check(q, k, v, lengths, tc=None, sid=None, **kw):
+    out, feats = run(q, k, v, lengths, tc, sid, **kw)
+    ref_out, ref_feats = reference_attention(q, k, v, lengths, tc, sid, num_windows=N, want_features=True, **kw)
+    assert torch.equal(out.isnan(), ref_out.isnan()) and torch.equal(feats.isnan(), ref_feats.isnan())
+    # FlashAttention-style yardstick: the output's distance from the (fp32) reference is at most twice PyTorch's own
+    # fp32 error on these inputs (eager softmax(QKᵀ)V in fp32 against the same in fp64) plus a floor. Large scores
+    # (the ramp test: |score| ~ 40, ulp 4e-6) carry float32 rounding of a few 1e-6 in any fp32 attention, the
+    # reference's included.
+    dec = {a: kw[a] for a in ("kv_head", "causal", "sliding_window", "softcap", "sink") if a in kw}
+    exact = in_dtype(q.double(), k.double(), v.double(), lengths, **dec)
+    own_err = (in_dtype(q, k, v, lengths, **dec).double() - exact).nan_to_num().abs().max().item()
+    err = (out - ref_out).nan_to_num().abs().max().item()
+    assert err <= 2 * own_err + 2e-6, f"fused err {err:.3g} > 2 × torch's fp32 err {own_err:.3g} + 2e-6"
+    torch.testing.assert_close(feats.nan_to_num(), ref_feats.nan_to_num(), atol=1e-5, rtol=0)
+    return out, feats
+
+
+CASES = {
+    "full": dict(),
+    "causal_gqa": dict(causal=True, kv_head=KV),
+    "everything": dict(causal=True, kv_head=KV, sliding_window=11, softcap=3.0, sink=SINK),
+    "window_not_causal": dict(sliding_window=9, sink=SINK),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("blocks,L", [("5x16", 15), ("5x16", 16), ("5x16", 17), ("5x16", 33), ("7x8", 40),
+                                      ("64x512", 511), ("64x512", 512), ("64x512", 513), ("128x512", 1025)])
+def test_block_edges(capability, monkeypatch, case, blocks, L):
+    """L = BK − 1, BK, BK + 1, 2·BK + 1, and BQ that does not divide L (5, 7), with padding (n < L) and n = 1."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", blocks)
+    if L > 64 and capability != CAPABILITIES[-1]:
+        pytest.skip("the real block sizes run on the best capability only (time)")
+    B = 3 if L <= 64 else 1
+    lengths = [L, max(1, L - 6), 1][:B]
+    check(*make(B=B, L=L, seed=L, lengths=lengths), **CASES[case])
+
+
+def test_block_sizes_agree_and_are_deterministic(monkeypatch):
+    q, k, v, lengths, tc, sid = make(L=50, lengths=[50, 31], seed=3)
+    kw = CASES["everything"]
+    results = {}
+    for blocks in ("3x4", "16x16", "64x512"):
+        monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", blocks)
+        a, b = run(q, k, v, lengths, tc, sid, **kw), run(q, k, v, lengths, tc, sid, **kw)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # run to run: the same bits
+        results[blocks] = a
+    for out, feats in results.values():
+        torch.testing.assert_close(out, results["64x512"][0], atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(feats, results["64x512"][1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(renormalize=True, region=torch.tensor([NO_INTRA, NO_INTER] * 3,
+                                                                                       dtype=torch.int32)),
+                                   dict(sink=SINK, renormalize=True), dict(key_scale="random"),
+                                   dict(causal=True, softcap=30.0)])
+def test_the_max_of_a_row_appears_in_a_later_key_block(capability, monkeypatch, extra):
+    """Scores grow with the key position, by ~40 over the row, so each row's max moves at every key block: the
+    output and every feature sum (classes, self, windows, prev/next, entropy, max, intra/inter, the sink's mass)
+    must be rescaled, or they would be off by factors up to e^40."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "4x6")
+    L = 40
+    q, k, v, lengths, tc, sid = make(L=L, seed=11, lengths=[40, 29])
+    q = q.clone()
+    q[..., 0] = 1.0
+    k = k.clone()
+    k[..., 0] = torch.linspace(0, 40 * 4, L)  # × scaling 1/4: a ramp of 40 over the keys
+    if extra.get("key_scale") == "random":
+        extra = dict(extra, key_scale=torch.rand(2, 6, L, generator=torch.Generator().manual_seed(1)) + 0.05)
+    out, feats = check(q, k, v, lengths, tc, sid, **extra)
+    assert torch.isfinite(feats).all()
+    names = feature_names(N, sink="sink" in extra)
+    assert (feats[..., names.index("max")] > 0.3).all()  # the rows really are peaked on late keys
+
+
+def test_a_first_key_block_of_minus_inf_scores(capability, monkeypatch):
+    """Every key of the first block scores −inf: the row's base stays −inf through it (no exp(−inf + inf) = NaN),
+    the later blocks carry the whole mass."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "4x8")
+    q, k, v, lengths, tc, sid = make(L=30, seed=4, lengths=[30, 19])
+    q, k = q.clone(), k.clone()
+    q[..., 0] = 1.0
+    k[:, :, :8, 0] = -math.inf
+    for kw in (dict(), dict(sink=SINK), dict(sliding_window=12), dict(key_scale=torch.rand(2, 6, 30) + 0.1)):
+        out, feats = check(q, k, v, lengths, tc, sid, **kw)
+        assert torch.isfinite(out).all() and torch.isfinite(feats).all()
+    # causal: rows 0..7 see only −inf keys — undefined (NaN), as the reference says
+    out, feats = check(q, k, v, lengths, tc, sid, causal=True)
+    assert out[:, :8].isnan().all() and feats.isnan().all()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_scores_in_a_later_key_block(capability, monkeypatch, bad):
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "4x8")
+    q, k, v, lengths, tc, sid = make(L=30, seed=5, lengths=[30, 19])
+    q, k = q.clone(), k.clone()
+    q[..., 0] = 1.0
+    k[0, 1, 21, 0] = bad  # sample 0, KV head 1 (query heads 2, 3): key 21, in the third block
+    out, feats = check(q, k, v, lengths, tc, sid, kv_head=KV)
+    assert out[0, :, 2:4].isnan().all() and feats[0, 2:4].isnan().all()
+    assert torch.isfinite(out[1]).all() and torch.isfinite(feats[1]).all() and torch.isfinite(feats[0, :2]).all()
+    out, feats = check(q, k, v, lengths, tc, sid, kv_head=KV, causal=True)
+    assert torch.isfinite(out[0, :21]).all() and out[0, 21:, 2:4].isnan().all()
+
+
+def test_sink_with_renormalize_and_regions(capability, monkeypatch):
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "5x7")
+    q, k, v, lengths, tc, sid = make(L=33, seed=6, lengths=[33, 20])
+    region = torch.tensor([NO_INTRA, NO_INTER, 0, NO_INTER, NO_INTRA, 0], dtype=torch.int32)
+    for causal in (False, True):
+        check(q, k, v, lengths, tc, sid, sink=SINK, renormalize=True, region=region, causal=causal, kv_head=KV)
+
+
+def test_norm_weighting_with_zero_key_scales(capability, monkeypatch):
+    """g = 0 keys: weight 0 in the features (ln g is taken as 0 there, never −inf·0); a (sample, head) whose keys
+    all have g = 0 has all-zero features."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "4x8")
+    q, k, v, lengths, tc, sid = make(L=30, seed=7, lengths=[30, 19])
+    g = torch.rand(2, 6, 30, generator=torch.Generator().manual_seed(2))
+    g[g < 0.3] = 0.0
+    g[0, 4] = 0.0
+    for kw in (dict(), dict(causal=True, sink=SINK, kv_head=KV)):
+        out, feats = check(q, k, v, lengths, tc, sid, key_scale=g, **kw)
+        assert (feats[0, 4] == 0).all() and torch.isfinite(feats).all()
+
+
+def test_causal_row_zero_and_a_one_token_sample(capability, monkeypatch):
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "4x8")
+    q, k, v, lengths, tc, sid = make(L=20, seed=8, lengths=[20, 1])
+    out, feats = check(q, k, v, lengths, tc, sid, causal=True, kv_head=KV)
+    names = feature_names(N)
+    # sample 1 has one token: it attends only to itself (a CLS, so its class bucket, entropy 0)
+    assert feats[1, :, names.index("cls")].eq(1).all() and feats[1, :, names.index("entropy")].eq(0).all()
+    # causal row 0 attends only to key 0: out = v[kv head][0]
+    torch.testing.assert_close(out[0, 0], v[0, KV.long(), 0], atol=1e-6, rtol=0)
+
+
+def test_lse_matches_aten_flash_attention(capability, monkeypatch):
+    """attnkit::fused_attention_lse: the natural-log log-sum-exp of the scaled scores per row (B×H×L), as ATen's
+    _scaled_dot_product_flash_attention_for_cpu returns it, over several key blocks."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "8x16")
+    q, k, v, lengths, tc, sid = make(B=1, L=50, seed=9)
+    kk, vv = k[:, KV.long()], v[:, KV.long()]
+    for causal in (False, True):
+        out, _, lse = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, None, None, 0.25, N, None, None, False,
+                                                            None, False, None, KV, causal)
+        a_out, a_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kk, vv, is_causal=causal,
+                                                                                  scale=0.25)[:2]
+        torch.testing.assert_close(lse, a_lse, atol=1e-5, rtol=1e-6)
+        torch.testing.assert_close(out, a_out.transpose(1, 2), atol=2e-6, rtol=1e-5)
+
+
+def test_lse_reconstructs_the_weights_with_decoder_arguments():
+    """out = gate · Σ exp(score − lse) · v: the lse is the log of the denominator actually used (the sink included;
+    with renormalize the kept keys); padded rows outside the window (no key) +inf, mode zero +inf."""
+    q, k, v, lengths, tc, sid = make(L=24, seed=10, lengths=[24, 3])
+    out, _, lse = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, None, None, 0.25, N, None, None, False,
+                                                        None, False, None, KV, True, 4, 2.0, SINK)
+    kk, vv = k[:, KV.long()], v[:, KV.long()]
+    s = 2.0 * torch.tanh(q @ kk.transpose(-1, -2) * 0.25 / 2.0)
+    pos = torch.arange(24)
+    vis = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 4)
+    vis = vis[None, None] & (pos < lengths[:, None])[:, None, None, :]
+    p = torch.where(vis, torch.exp(s - lse[..., None]), 0.0)
+    rows = vis.any(-1).expand(2, 6, 24)
+    torch.testing.assert_close(torch.where(rows[..., None], p @ vv, 0.0), out.transpose(1, 2), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(p.sum(-1) + torch.exp(SINK.view(1, 6, 1) - lse), rows.float(),
+                               atol=1e-6, rtol=0)
+    assert torch.isinf(lse[1, :, 7:]).all() and (lse[1, :, 7:] > 0).all()  # padded rows s >= 3 + 4: no key
+    mode = torch.tensor([1, 0, 0, 0, 0, 0], dtype=torch.int32)
+    _, _, lse0 = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, None, None, 0.25, N, mode, None, False,
+                                                       None, False, None, KV, True)
+    assert (lse0[:, 0] == math.inf).all() and torch.isfinite(lse0[0, 1:]).all()
+
+
+def _fewer_queries() -> bool:
+    try:
+        return bool(torch.ops.attnkit.cpu_fewer_queries())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@pytest.mark.skipif(not _fewer_queries(), reason="a kernel that does not take Lq < L")
+@pytest.mark.parametrize("Lq", [1, 3, 29])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fewer_queries_are_the_last_rows_of_a_full_call(capability, monkeypatch, case, Lq):
+    """A KV-cache step (q of Lq < L rows, the last Lq key positions; attnkit/reference.py): the output and lse are
+    the full call's last Lq rows (causal, window, distance, prev/next counted from L − Lq); a sample whose length
+    ends before the query rows (n <= L − Lq) has features 0, not NaN."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "4x8")
+    L = 30
+    q, k, v, lengths, tc, sid = make(L=L, seed=12, lengths=[30, 20])
+    kw = dict(CASES[case])
+    args = [kw.get(a) for a in ("kv_head", "causal", "sliding_window", "softcap", "sink")]
+    args[1] = bool(args[1])
+
+    def call(qq):
+        return torch.ops.attnkit.fused_attention_lse(qq, k, v, lengths, tc, sid, 0.25, N, None, None, False, None,
+                                                     True, None, *args)
+
+    full_out, _, full_lse = call(q)
+    out, feats, lse = call(q[:, :, L - Lq:])
+    assert out.shape == (2, Lq, 6, 16) and lse.shape == (2, 6, Lq)
+    assert feats.shape == (2, 6, len(feature_names(N, sink="sink" in kw)))
+    # the blocks start at different keys in the two calls: the order of summation differs (a few ulps)
+    torch.testing.assert_close(out, full_out[:, L - Lq:], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, full_lse[..., L - Lq:], atol=2e-6, rtol=1e-6)
+    if L - Lq >= 20:  # sample 1 (n = 20) has no valid query row
+        assert (feats[1] == 0).all()
+    assert torch.isfinite(feats[0]).all()
+
+
+def test_lse_op_fake_and_schema():
+    """The lse op's fake kernel (attnkit/ops.py) gives the real kernel's shapes and dtypes (torch.compile, meta)."""
+    q, k, v, lengths, tc, sid = make(L=12, seed=13, lengths=[12, 7])
+    op = torch.ops.attnkit.fused_attention_lse.default
+    for extra in ((KV, True, 4, 2.0, SINK), (None, False, None, None, None)):
+        torch.library.opcheck(op, (q, k, v, lengths, tc, sid, 0.25, N, None, None, False, None, True, None) + extra,
+                              test_utils=("test_schema", "test_faketensor"))
