@@ -62,7 +62,10 @@ def _query_kernel(device_type: str, op: str) -> bool:
     if not extension_loaded():
         return False
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+    try:
+        return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+    except RuntimeError:  # an extension built before `op` existed does not define it
+        return False
 
 
 # (device type, op) -> kernel registered? Filled at import (the extension's registrations do not change

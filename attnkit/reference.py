@@ -383,9 +383,9 @@ def reference_attention(
 
 
 def norm_weighted(weights: torch.Tensor, lengths: torch.Tensor, key_scale: torch.Tensor) -> torch.Tensor:
-    """w'[s, t] = w[s, t]·g[t] / Σ_u w[s, u]·g[u] for B×H×L×L weights and B×H×L key scales g (padded keys
-    count 0; a row whose Σ is 0 stays 0; a NaN row stays NaN)."""
-    B, H, L, _ = weights.shape
+    """w'[s, t] = w[s, t]·g[t] / Σ_u w[s, u]·g[u] for B×H×Lq×L weights and B×H×L key scales g (padded keys
+    count 0; a row whose Σ is 0 stays 0; a NaN row stays NaN). Lq < L: the rows of a KV-cache step."""
+    L = weights.shape[-1]  # the keys: a KV-cache step has fewer rows than keys
     g = key_scale.to(weights.device, torch.float32).masked_fill(~_key_mask(lengths, L)[:, None, :], 0.0)
     scaled = weights * g[:, :, None, :]
     total = scaled.sum(-1, keepdim=True)

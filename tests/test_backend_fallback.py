@@ -21,3 +21,11 @@ def test_reference_fallback_is_announced_once():
     assert result == {"backend": "reference", "meta": "reference", "same": True}
     notices = [l for l in proc.stderr.splitlines() if "fused extension not available" in l]
     assert len(notices) == 1 and "ATTNKIT_NO_EXT" in notices[0] and "reference backend" in notices[0]
+
+
+def test_an_op_the_built_extension_does_not_define_has_no_kernel():
+    """An extension built before an op existed (attnkit::fused_attention_lse, say) must read as 'no kernel', not
+    stop `import attnkit` with "operator ... does not exist"."""
+    from attnkit import ops
+
+    assert ops._query_kernel("cpu", "attnkit::an_op_no_build_defines") is False

@@ -145,3 +145,27 @@ def test_the_fake_kernel_gives_one_output_row_per_query():
         out, feats = torch.ops.attnkit.fused_attention(fq, fk, fv, fl, None, None, 0.35, NW, None, None, False, None,
                                                        True)
     assert tuple(out.shape) == (B, 2, H, D) and tuple(feats.shape) == (B, H, 5 + NW + 7)
+
+
+@pytest.mark.parametrize("Lq", [1, 3])
+def test_norm_weighting_counts_the_key_scales_over_the_keys(Lq):
+    """key_scale is B×H×L over the keys: a KV-cache step's features are the norm-weighted features of the last
+    rows of the full forward (the reference once built the key mask over the rows and failed), and the fused CPU
+    kernel, when it takes such steps, gives the same."""
+    from attnkit.reference import norm_weighted
+
+    q, k, v, lengths, classes, sid = tensors(2)
+    o = L - Lq
+    g = torch.rand(B, H, L, generator=torch.Generator().manual_seed(3)) + 0.1
+    g[0, 1, 2] = 0.0  # a key that carries no norm
+    dec = dict(causal=True, sliding_window=5)
+    full_w = attention_weights(q, k, lengths, D**-0.5, **dec)
+    maps = [norm_weighted(full_w, lengths, g).double().numpy()]
+    want = features_from_maps(maps, lengths.tolist(), classes.numpy(), sid.numpy(), NW, first_row=o)[:, 0]
+    _, feats = reference_attention(q[:, :, o:], k, v, lengths, classes, sid, want_features=True, num_windows=NW,
+                                   key_scale=g, **dec)
+    np.testing.assert_allclose(feats.numpy(), want, atol=2e-5)
+    if ops.has_kernel("cpu"):
+        out_f, feats_f = ops.attention(q[:, :, o:], k, v, lengths, classes, sid, want_features=True,
+                                       num_windows=NW, key_scale=g, backend="auto", **dec)
+        np.testing.assert_allclose(feats_f.numpy(), want, atol=2e-5)
