@@ -395,7 +395,8 @@ def decoder_arguments(module, H: int, Hkv: int, kwargs: dict, kept, device) -> d
         out["softcap"] = float(kwargs["softcap"])
     sink = kwargs.get("s_aux")
     if sink is not None:
-        sink = sink.detach().to(device, torch.float32)
+        # not detached: a model in training learns its sink logits through the op's backward (attnkit.ops)
+        sink = sink.to(device, torch.float32)
         # pruning keeps the sink logits of the heads kept; a layer that names them for the unpruned heads gets those
         out["sink"] = sink if kept is None or sink.shape[0] == H else to_kept(sink, kept)
     kv_head = getattr(module, KV_HEAD_ATTR, None)
