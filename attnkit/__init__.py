@@ -39,6 +39,8 @@ _LAZY = {
     "load_model": "models",
     "register_attention": ("hf_attention", "register"),
     "sentences": "interventions",
+    "track": "training",
+    "qk_clip": "training",
 }
 
 
@@ -97,5 +99,5 @@ elif not any(isinstance(f, _RegisterWhenTransformersLoads) for f in sys.meta_pat
 __all__ = [
     "AttnkitError", "HeadFeatures", "Intervention", "attention_maps", "backend_info", "cache_heads", "cluster",
     "detect_heads",
-    "extract", "feature_names", "head_means", "instrument", "intervene", "load_model", "sentences",
+    "extract", "feature_names", "head_means", "instrument", "intervene", "load_model", "qk_clip", "sentences", "track",
 ]

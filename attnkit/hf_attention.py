@@ -66,7 +66,7 @@ from .arch.architectures import output_matrix
 from .arch.norms import key_norms
 from .arch.pruning import KV_HEAD_ATTR, kept_heads, to_kept, to_unpruned
 from .errors import AttnkitError
-from .features import DEFAULT_NUM_WINDOWS, num_features
+from .features import CLS, DEFAULT_NUM_WINDOWS, num_features
 from .ops import attention
 from .reference import attention_weights, replace_head_outputs
 from .tokens import sentence_ids as segment_sentence_ids
@@ -155,6 +155,8 @@ class Runtime:
     _outer_inputs: list = field(default_factory=list)  # inputs of enclosing forwards (nested calls)
     # attnkit.caching.HeadCache objects that keep each layer's per-head outputs (attnkit.cache_heads)
     head_caches: list = field(default_factory=list)
+    # attnkit.training.Tracker (attnkit.track): per-head statistics of every forward, accumulated on the device
+    tracker: object | None = None
 
     def enter_forward(self, inputs: ModelInputs) -> None:
         self._outer_inputs.append(self.inputs)
@@ -455,6 +457,15 @@ def unshift(t: torch.Tensor, offsets: torch.Tensor, dims, row_dim: int) -> torch
     return t.masked_fill(pad.view(shape), 0)
 
 
+def first_token_classes(B: int, L: int, device) -> torch.Tensor:
+    """B×L token classes for a forward without attnkit's own batch (attnkit.track): the first token of each sample
+    is CLS (after left padding is moved to the front, position 0 holds it), every other token OTHER, so the feature
+    `cls` is each row's weight on the first token (a decoder's BOS or attention sink)."""
+    classes = torch.zeros(B, L, dtype=torch.int32, device=device)
+    classes[:, 0] = CLS
+    return classes
+
+
 def attnkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     if _callers is not None:
         _callers.append(module)
@@ -490,7 +501,15 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     def own_frame(t: torch.Tensor, dims, row_dim: int) -> torch.Tensor:
         return t if offsets is None else unshift(t, offsets, dims, row_dim)
 
+    tracker = rt.tracker if rt is not None else None
+    if tracker is not None and H > 0:
+        track_classes = first_token_classes(B, L, query.device) if info is None else info.token_class
     if dropout and module.training:
+        if tracker is not None and H > 0:  # the statistics of the weights before dropout (docs/training.md)
+            with torch.no_grad():
+                _, feats = attention(query, key, value, lengths, track_classes, None, scaling=scaling,
+                                     num_windows=rt.num_windows, want_features=True, backend=rt.backend, **dec)
+            tracker.record(module.layer_idx, feats, query, key, lengths, scale, dec, kept)
         if rt is not None and rt.active:
             raise AttnkitError("attnkit cannot measure or intervene while attention dropout is on: call model.eval()")
         if want_maps or dec or offsets is not None:
@@ -546,6 +565,9 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             key_scale = key_norms(per_query_head(value, kv_index(H, Hkv, dec, query.device)),
                                   output_matrix(rt.out_proj[module.layer_idx]))
     token_class = info.token_class if info is not None else None
+    tracked = tracker is not None and H > 0
+    if tracked and not want:  # the tracker's statistics come from the same call of the op
+        want, token_class = True, track_classes
     parts = parts or [LayerPart(0, B)]
     if kept is not None:  # a pruned layer: the intervention's settings of the heads it kept
         # the probe forward of attnkit.models.instrument runs before DistilBERT's layers are numbered
@@ -572,7 +594,10 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     out = own_frame(out, (1,), 1)  # rows of left padding: 0
     for p in parts:
         out = replace_head_outputs(out, p.outputs, slice(p.start, p.stop))
-    if want:  # a pruned layer's removed heads have no attention, hence no features: NaN (docs/pruning.md)
+    if tracked:
+        tracker.record(module.layer_idx, feats, query, key, lengths, scale, dec, kept)
+    if want and rt.want_features and info is not None:
+        # a pruned layer's removed heads have no attention, hence no features: NaN (docs/pruning.md)
         rt.features[module.layer_idx] = feats if kept is None else to_unpruned(feats, kept, float("nan"))
     if rt is not None and rt.head_caches:  # caches hold the unpruned heads (removed ones output 0)
         heads_out = out if kept is None else to_unpruned(out.transpose(1, 2), kept).transpose(1, 2)
