@@ -369,7 +369,8 @@ def check_sentences_shape(rt: Runtime, B: int, L: int) -> None:
 # might change attention, and attnkit would silently ignore it.
 READ_KWARGS = frozenset({"output_attentions", "is_causal", "sliding_window", "softcap", "s_aux"})
 HARMLESS_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits",
-                             "output_hidden_states", "return_dict", "past_key_values", "position_embeddings"})
+                             "output_hidden_states", "return_dict", "past_key_values", "position_embeddings",
+                             "num_items_in_batch"})  # Trainer's loss normalisation, handed down by the model
 
 
 def decoder_arguments(module, H: int, Hkv: int, kwargs: dict, kept, device) -> dict:
@@ -477,6 +478,10 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             "keys: cross-attention, or a KV cache in generation (generate with use_cache=False, or load the model "
             "with another attn_implementation to generate)"
         )
+    if torch.is_autocast_enabled(query.device.type):  # mixed precision: attention in the autocast dtype, as eager's
+        # matmuls run under autocast (q and k may arrive in fp32 from the rotary embedding, v in the autocast dtype)
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     rt: Runtime | None = getattr(module, RUNTIME_ATTR, None)
     # model(..., output_attentions=True): return the maps (transformers passes the flag on, except GPT-2's module)
     want_maps = bool(kwargs.get("output_attentions")) or bool(rt is not None and rt.inputs is not None

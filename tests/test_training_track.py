@@ -206,3 +206,96 @@ def test_qk_clip_refuses_per_head_norms_and_bad_input():
         qk_clip(llama, m, -1.0)
     with pytest.raises(AttnkitError, match="layers × heads"):
         qk_clip(llama, m[:1], 10.0)
+
+
+def test_stats_logger_writes_csv_and_parquet(tmp_path):
+    import pandas as pd
+
+    from attnkit.training import StatsLogger
+
+    stats = {"entropy": torch.tensor([[0.5, 1.0], [1.5, 2.0]]), "max_logit": torch.tensor([[3.0, 4.0], [5.0, 6.0]])}
+    for name in ("s.csv", "s.parquet"):
+        with StatsLogger(tmp_path / name) as log:
+            log.log(10, stats)
+            log.log(20, stats)
+        df = pd.read_csv(tmp_path / name) if name.endswith("csv") else pd.read_parquet(tmp_path / name)
+        assert list(df.columns) == ["step", "feature", "layer", "head", "value"] and len(df) == 16
+        row = df[(df.step == 20) & (df.feature == "max_logit") & (df.layer == 1) & (df["head"] == 0)]
+        assert row.value.tolist() == [5.0]
+    with pytest.raises(AttnkitError, match="csv or .parquet"):
+        StatsLogger(tmp_path / "s.txt")
+
+
+def test_tensorboard_logging_or_a_named_refusal(tmp_path):
+    from attnkit.training import StatsLogger
+
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(AttnkitError, match="tensorboard"):
+            StatsLogger(tensorboard=tmp_path / "tb")
+        return
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with StatsLogger(tensorboard=tmp_path / "tb") as log:
+        log.log(3, {"entropy": torch.tensor([[0.25, 0.5]])})
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("attnkit/entropy/L0H1")] == [0.5]
+
+
+def test_trainer_callback_logs_and_clips(tmp_path):
+    import pandas as pd
+    from transformers import Trainer, TrainingArguments
+
+    from attnkit.training import AttnkitCallback
+
+    model = attnkit.instrument(tiny_decoder("llama", n_layers=1))
+    ids, mask = batch()
+    data = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": ids[i].masked_fill(mask[i] == 0, -100)}
+            for i in range(3)]
+    with track(model, features=("max_logit",)) as t, torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        tau = float(t.read()["max_logit"].min())  # every head passes it
+    cb = AttnkitCallback(features=("entropy", "cls"), every=2, path=tmp_path / "heads.csv", qk_clip_tau=tau)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, max_steps=4,
+                             learning_rate=0.0, report_to=[], use_cpu=True, logging_strategy="no",
+                             save_strategy="no", disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
+    assert [s for s, _ in cb.history] == [2, 4]
+    assert set(cb.history[0][1]) == {"entropy", "cls", "max_logit"}
+    df = pd.read_csv(tmp_path / "heads.csv")
+    assert len(df) == 2 * 3 * model.config.num_attention_heads
+    assert attnkit.models.runtime_of(model).tracker is None  # the block closed at the end of training
+    # learning rate 0: only QK-Clip changed the weights, by the max logits of the same three samples every step
+    with track(model, features=("max_logit",)) as t, torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        after = t.read()["max_logit"]
+    assert float(after.max()) == pytest.approx(tau, rel=1e-5)
+
+
+def test_autocast_trains_like_eager_and_compile_under_track_is_refused():
+    """Mixed precision: q and k may arrive in fp32 (rotary embedding) and v in bf16; attnkit runs attention in the
+    autocast dtype as eager's matmuls do, and its gradients are as far from fp32 eager's as eager's own bf16 ones
+    (within twice). torch.compile of a tracked model is refused by name."""
+    eager = tiny_decoder("llama")
+    ours = attnkit.instrument(copy.deepcopy(eager))
+    ids, mask = batch()
+
+    def grads(model, autocast):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(input_ids=ids, attention_mask=mask).logits
+        out.float()[mask.bool()].sum().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    exact = grads(eager, False)
+    err_eager = (grads(eager, True) - exact).abs().max()
+    err_ours = (grads(ours, True) - exact).abs().max()
+    assert err_ours <= 2 * err_eager + 1e-6, (err_ours, err_eager)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda i, m: ours(input_ids=i, attention_mask=m).logits, backend="aot_eager")
+    with track(ours, features=("entropy",)):
+        with pytest.raises(AttnkitError, match="torch.compile"):
+            compiled(ids, mask)

@@ -76,23 +76,33 @@ class Tracker:
                     m = to_unpruned(m[None], kept, float("nan"))[0]
                 self._max[layer] = m if layer not in self._max else torch.maximum(self._max[layer], m)
 
-    def read(self, reset: bool = True) -> dict[str, torch.Tensor]:
-        """{feature: layers × heads fp32 tensor}: the mean since the last read (`max_logit`: the maximum), NaN for a
-        layer no forward reached. No host sync. `reset=False` keeps the sums."""
-        dev = next(iter(self._sums.values())).device if self._sums else (self.device or "cpu")
+    def read(self, features=None, reset: bool = True) -> dict[str, torch.Tensor]:
+        """{feature: layers × heads fp32 tensor} for `features` (None: all tracked ones): the mean since the last
+        read of them (`max_logit`: the maximum), NaN for a layer no forward reached. No host sync. Reading resets
+        what it read (the means together, the max logit on its own), unless `reset` is False."""
+        names = self.features if features is None else tuple([features] if isinstance(features, str) else features)
+        unknown = [f for f in names if f not in self.features]
+        if unknown:
+            raise AttnkitError(f"{unknown[0]!r} is not tracked here; tracked: {', '.join(self.features)}")
+        sample = next(iter(self._sums.values()), None)
+        dev = sample.device if sample is not None else (self.device or "cpu")
         nan = torch.full((self.n_heads,), float("nan"), device=dev)
         out = {}
-        means = [self._sums[i] / self._counts[i] if i in self._sums else nan[:, None].expand(-1, len(self._index))
-                 for i in range(self.n_layers)]
-        stacked = torch.stack(means) if means else torch.zeros(0, self.n_heads, len(self._index), device=dev)
-        for j, name in enumerate(self._mean_names):
-            out[name] = stacked[..., j]
-        if self.want_max:
+        means = [name for name in names if name != MAX_LOGIT]
+        if means:
+            per_layer = [self._sums[i] / self._counts[i] if i in self._sums
+                         else nan[:, None].expand(-1, len(self._index)) for i in range(self.n_layers)]
+            stacked = torch.stack(per_layer) if per_layer else torch.zeros(0, self.n_heads, len(self._index))
+            for name in means:
+                out[name] = stacked[..., self._mean_names.index(name)]
+        if MAX_LOGIT in names:
             out[MAX_LOGIT] = torch.stack([self._max.get(i, nan) for i in range(self.n_layers)])
-        out = {f: out[f] for f in self.features}
         if reset:
-            self._reset()
-        return out
+            if means:
+                self._sums, self._counts, self.samples = {}, {}, 0
+            if MAX_LOGIT in names:
+                self._max = {}
+        return {f: out[f] for f in names}
 
 
 def trackable_features(model, num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
