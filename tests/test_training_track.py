@@ -299,3 +299,16 @@ def test_autocast_trains_like_eager_and_compile_under_track_is_refused():
     with track(ours, features=("entropy",)):
         with pytest.raises(AttnkitError, match="torch.compile"):
             compiled(ids, mask)
+
+
+def test_forwards_in_inference_mode_are_tracked_and_paused_ones_are_not():
+    model = attnkit.instrument(tiny_decoder("llama"))
+    ids, mask = batch()
+    with track(model, features=("entropy",)) as t:
+        with torch.inference_mode():
+            model(input_ids=ids, attention_mask=mask)
+        with t.paused(), torch.no_grad():
+            model(input_ids=ids[:1], attention_mask=mask[:1])
+        assert t.samples == 3
+        model(input_ids=ids, attention_mask=mask)  # accumulating into what inference mode made
+        assert t.samples == 6 and not t.read()["entropy"].is_inference()

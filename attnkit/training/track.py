@@ -41,7 +41,17 @@ class Tracker:
         self._mean_names = [f for f in self.features if f != MAX_LOGIT]
         self.want_max = MAX_LOGIT in self.features
         self.device = device
+        self._paused = False
         self._reset()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Forwards inside this block add nothing (e.g. an evaluation between training steps)."""
+        self._paused = True
+        try:
+            yield self
+        finally:
+            self._paused = False
 
     def _reset(self) -> None:
         self._sums: dict[int, torch.Tensor] = {}
@@ -55,9 +65,10 @@ class Tracker:
         if torch.compiler.is_compiling():
             raise AttnkitError("attnkit.track does not run inside torch.compile: track the uncompiled model, or "
                                "compile it without attnkit.track")
-        if torch._C._current_graph_task_id() != -1:
-            return  # a forward re-run by gradient checkpointing inside backward: its statistics are counted once
-        with torch.no_grad():
+        if self._paused or torch._C._current_graph_task_id() != -1:
+            return  # paused, or a forward re-run by gradient checkpointing inside backward (counted once)
+        # normal tensors even when the forward runs under inference mode (an evaluation inside the block)
+        with torch.inference_mode(False), torch.no_grad():
             f = feats[..., self._index].float()
             if kept is not None:
                 f = to_unpruned(f, kept, float("nan"))
