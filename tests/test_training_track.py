@@ -312,3 +312,14 @@ def test_forwards_in_inference_mode_are_tracked_and_paused_ones_are_not():
         assert t.samples == 3
         model(input_ids=ids, attention_mask=mask)  # accumulating into what inference mode made
         assert t.samples == 6 and not t.read()["entropy"].is_inference()
+
+
+def test_extract_returns_each_heads_max_logit_over_the_corpus():
+    model, tok = tiny_bert(n_heads=4)
+    texts = ["the cat sat on the mat.", ("a dog", "barked at the cat, twice."), "rivers bend."]
+    obs = QKObserver()
+    feats = attnkit.extract(texts, (model, tok), max_logit=True, observers=[obs], batch_size=2, max_length=32)
+    want = torch.stack([obs.max[i] for i in range(len(obs.max))]).double().numpy()
+    assert feats.max_logit.shape == (2, 4)
+    np.testing.assert_allclose(feats.max_logit, want, rtol=1e-5, atol=1e-5)
+    assert attnkit.extract(texts, (model, tok), max_length=32).max_logit is None
