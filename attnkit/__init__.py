@@ -41,6 +41,7 @@ _LAZY = {
     "sentences": "interventions",
     "track": "training",
     "qk_clip": "training",
+    "to_str_tokens": "tokens",
 }
 
 
@@ -55,7 +56,9 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    """The public API only (`__all__`, the names imported on first use, `__version__`), not the modules this
+    file works with (sys, importlib) nor the helpers it imports."""
+    return sorted({*__all__, *_LAZY, "__version__"})
 
 
 def _register_attention() -> None:
@@ -99,5 +102,6 @@ elif not any(isinstance(f, _RegisterWhenTransformersLoads) for f in sys.meta_pat
 __all__ = [
     "AttnkitError", "HeadFeatures", "Intervention", "attention_maps", "backend_info", "cache_heads", "cluster",
     "detect_heads",
-    "extract", "feature_names", "head_means", "instrument", "intervene", "load_model", "qk_clip", "sentences", "track",
+    "extract", "feature_names", "head_means", "instrument", "intervene", "load_model", "qk_clip", "sentences",
+    "to_str_tokens", "track",
 ]

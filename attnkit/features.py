@@ -51,6 +51,11 @@ def windows_of(n_features: int, sink: bool = False) -> int:
     return n_features - num_features(0, sink=sink)
 
 
+# Features that are 0 for every head of a decoder (a causal model, docs/features.md "Decoder models"): no row sees a
+# next token, and the CLS row, row 0, sees only itself. A decoder run's report, glossary and clustering leave them out.
+DECODER_CONSTANT = {"next": "no causal row sees a next token",
+                    "cls_entropy": "the CLS row is row 0, which sees only itself"}
+
 # One line per feature, for tooltips and the report's glossary (the definitions: docs/features.md).
 _DEFINITIONS = {
     "cls": "weight on the [CLS] token (the tokenizer's cls/bos token)",
@@ -67,28 +72,53 @@ _DEFINITIONS = {
     "cls_entropy": "entropy of the [CLS] row alone",
     "sink": "mass on the learned sink logit of the head (no key, no value; with the buckets it sums to 1)",
 }
-# The section of docs/features.md that defines each feature (GitHub's heading anchors).
+# What differs on a decoder's run (causal rows): `cls` is the sample's first position, `sep` its EOS tokens.
+_DECODER_DEFINITIONS = {
+    "cls": "weight on the sample's first position, whatever token is there (the attention sink)",
+    "sep": "weight on EOS tokens",
+}
+# The section of docs/features.md that defines each feature: GitHub's anchor of its heading, and where it is as a
+# reader finds it (the numbered section, then the heading inside it, as the heading reads without its markup).
 _SECTIONS = {"bucket": "the-21-exclusive-distance-buckets-5--n-in-general", "row": "the-row-features",
              "cls_entropy": "3-from-rows-to-a-sample-from-samples-to-the-corpus",
              "sink": "8-decoder-models-causal-rows-grouped-query-attention-windows-soft-capping-sinks"}
+_SECTION_TITLES = {"bucket": "2. Features of one query row › The 21 exclusive distance buckets (5 + N in general)",
+                   "row": "2. Features of one query row › The row features",
+                   "cls_entropy": "3. From rows to a sample, from samples to the corpus",
+                   "sink": "8. Decoder models: causal rows, grouped-query attention, windows, soft-capping, sinks"}
 
 
-def describe_feature(name: str) -> str:
-    """A one-line definition of feature `name` (docs/features.md has the full ones)."""
+def describe_feature(name: str, decoder: bool = False) -> str:
+    """A one-line definition of feature `name` (docs/features.md has the full ones); `decoder`: as a decoder's run
+    measures it."""
     if name.startswith("win_") and name[4:].isdigit():
         w = int(name[4:])
-        return (f"weight on the other keys at distance d = |s − t| in window {w}: floor(d·N/n) = {w} of the N windows "
+        d = "s − t" if decoder else "|s − t|"
+        return (f"weight on the other keys at distance d = {d} in window {w}: floor(d·N/n) = {w} of the N windows "
                 "(fractions of the sample's length n)")
-    return _DEFINITIONS.get(name, name)
+    return (decoder and _DECODER_DEFINITIONS.get(name)) or _DEFINITIONS.get(name, name)
+
+
+def shown_features(names, decoder: bool = False) -> list[str]:
+    """The features a report shows of a run: all of `names`, less DECODER_CONSTANT on a decoder's run."""
+    return [n for n in names if not (decoder and n in DECODER_CONSTANT)]
+
+
+def _section_of(name: str) -> str:
+    if name in ("cls_entropy", "sink"):
+        return name
+    return "row" if name in ROW_FEATURES else "bucket"
 
 
 def feature_section(name: str) -> str:
     """The anchor of the section of docs/features.md that defines feature `name`."""
-    if name == "cls_entropy":
-        return _SECTIONS["cls_entropy"]
-    if name == "sink":
-        return _SECTIONS["sink"]
-    return _SECTIONS["row"] if name in ROW_FEATURES else _SECTIONS["bucket"]
+    return _SECTIONS[_section_of(name)]
+
+
+def feature_section_title(name: str) -> str:
+    """Where docs/features.md defines feature `name`, as its reader finds it: "2. Features of one query row › The
+    row features" (the numbered section, then the heading inside it)."""
+    return _SECTION_TITLES[_section_of(name)]
 
 
 def check_num_windows(num_windows: int) -> int:
@@ -145,9 +175,10 @@ def distance_feature_names(names) -> list[str]:
     return [n for n in names if n in ("cls", "sep", "comma", "period", "self") or n.startswith("win_")]
 
 
-def resolve_subset(names, features_subset=None) -> list[str]:
+def resolve_subset(names, features_subset=None, decoder: bool = False) -> list[str]:
     """Feature names to cluster on: None → the distance buckets; a str → comma-separated names;
-    "all" → every feature; a list → those names (each must exist)."""
+    "all" → every feature; a list → those names (each must exist). `decoder` (a decoder's run): "all" leaves out
+    DECODER_CONSTANT, the features that are 0 for every head of a causal model, and naming one is refused."""
     names = list(names)
     if features_subset is None or features_subset == "distance":
         chosen = distance_feature_names(names)
@@ -155,7 +186,7 @@ def resolve_subset(names, features_subset=None) -> list[str]:
             raise AttnkitError("the features hold no distance buckets (cls, sep, ..., win_*) to cluster on")
         return chosen
     if features_subset == "all":
-        return names
+        return [n for n in names if not (decoder and n in DECODER_CONSTANT)]
     if isinstance(features_subset, str):
         features_subset = [s.strip() for s in features_subset.split(",") if s.strip()]
     chosen = list(features_subset)
@@ -166,4 +197,8 @@ def resolve_subset(names, features_subset=None) -> list[str]:
         raise AttnkitError(f"unknown feature(s) {', '.join(map(repr, unknown))}; known: {', '.join(names)}")
     if len(set(chosen)) != len(chosen):
         raise AttnkitError(f"the feature subset names a feature twice: {chosen}")
+    constant = [n for n in chosen if decoder and n in DECODER_CONSTANT]
+    if constant:
+        raise AttnkitError("; ".join(f"{n} is 0 for every head of a decoder's run ({DECODER_CONSTANT[n]})"
+                                     for n in constant) + ": it tells no heads apart; leave it out of the features")
     return chosen

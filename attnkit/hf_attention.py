@@ -25,7 +25,14 @@ Decoder language models (docs/decoders.md): what transformers passes decides the
 (`decoder_arguments`: the module's `is_causal`, K/V with fewer heads than Q, the `sliding_window`, `softcap` and
 `s_aux` arguments); an argument attnkit does not know is refused by name. A left-padded batch is taken by moving
 each sample's tokens to the front (`padding_of`, `rolled`), calling the op, and moving the results back; rows of
-left padding get zeros. A KV cache (fewer queries than keys) is refused.
+left padding get zeros.
+
+Generation with a KV cache (docs/decoders.md, "Generation"): a step has fewer queries than keys, the queries being
+the last positions of the keys (the op's definition: attnkit/reference.py, "Fewer queries than keys"). Without
+padding the op gets them as they are. A left-padded batch (as `generate` pads) has its keys moved to the front and
+its queries left where they are (each sample's last tokens); the samples of one length are one call of the op, with
+that many keys. Interventions apply (their modes, gates, mean and patch values of the step's length); regions, which
+need the sentence of every key, and observers of q and k are refused by name, as are attnkit's own batches.
 
 Norm weighting (docs/features.md, "Norm-weighted features"): when the Runtime's `weighting` is "norm", each
 layer's features describe its weights scaled per key by ‖f_h(x_t)‖ (attnkit/arch/norms.py), computed here from
@@ -365,12 +372,14 @@ def check_sentences_shape(rt: Runtime, B: int, L: int) -> None:
 
 # The keyword arguments transformers passes to an attention function besides `scaling` and `dropout`: those attnkit
 # reads, and those that do not change what attention computes (positions are already in q and k; caches, router
-# logits and return flags are the model's business). Any other argument that has a value is refused by name: it
-# might change attention, and attnkit would silently ignore it.
+# logits, the loss's token count and return flags are the model's business; DistilBERT hands the model's inputs on
+# to its attention function, so `token_type_ids` the tokenizer made arrive there, where no attention implementation
+# reads them: segments reach attnkit through the recorded inputs, `Runtime.inputs`). Any other argument that has a
+# value is refused by name: it might change attention, and attnkit would silently ignore it.
 READ_KWARGS = frozenset({"output_attentions", "is_causal", "sliding_window", "softcap", "s_aux"})
 HARMLESS_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits",
                              "output_hidden_states", "return_dict", "past_key_values", "position_embeddings",
-                             "num_items_in_batch"})  # Trainer's loss normalisation, handed down by the model
+                             "token_type_ids", "num_items_in_batch"})
 
 
 def decoder_arguments(module, H: int, Hkv: int, kwargs: dict, kept, device) -> dict:
@@ -446,13 +455,14 @@ def per_query_head(value: torch.Tensor, index: torch.Tensor | None) -> torch.Ten
     return value if index is None else value.index_select(1, index)
 
 
-def unshift(t: torch.Tensor, offsets: torch.Tensor, dims, row_dim: int) -> torch.Tensor:
+def unshift(t: torch.Tensor, offsets: torch.Tensor, dims, row_dim: int, first_row: int = 0) -> torch.Tensor:
     """A result computed on left padding moved to the front (`rolled`) put back in the batch's own positions
-    along `dims`; the rows of padding (`row_dim` below offsets[b]) are 0."""
+    along `dims`; the rows of padding (`row_dim`, whose positions `first_row` + i lie below offsets[b]) are 0. A
+    KV-cache step's rows were not moved (they are the batch's last positions, `first_row` = keys − queries)."""
     for d in dims:
         t = rolled(t, offsets, d, back=True)
     L = t.shape[row_dim]
-    pad = torch.arange(L, device=t.device)[None, :] < offsets.to(t.device)[:, None]
+    pad = first_row + torch.arange(L, device=t.device)[None, :] < offsets.to(t.device)[:, None]
     shape = [1] * t.dim()
     shape[0], shape[row_dim] = t.shape[0], L
     return t.masked_fill(pad.view(shape), 0)
@@ -471,13 +481,13 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     if _callers is not None:
         _callers.append(module)
     B, H, L, D = query.shape
-    Hkv = key.shape[1]
-    if key.shape[2] != L:
+    Hkv, Lk = key.shape[1], key.shape[2]
+    if Lk < L:
         raise AttnkitError(
-            f"attnkit attention computes self-attention over one sequence, but got {L} queries and {key.shape[2]} "
-            "keys: cross-attention, or a KV cache in generation (generate with use_cache=False, or load the model "
-            "with another attn_implementation to generate)"
-        )
+            f"attnkit attention computes self-attention over one sequence, but got {L} queries and {Lk} keys: "
+            "cross-attention is not supported")
+    # a step of generation with a KV cache: the L queries are the last L of the Lk keys (attnkit/reference.py)
+    decode = Lk > L
     if torch.is_autocast_enabled(query.device.type):  # mixed precision: attention in the autocast dtype, as eager's
         # matmuls run under autocast (q and k may arrive in fp32 from the rotary embedding, v in the autocast dtype)
         dtype = torch.get_autocast_dtype(query.device.type)
@@ -493,23 +503,39 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     scale = D**-0.5 if scaling is None else scaling
 
     if rt is not None and rt.batch is not None:  # attnkit's own batches are right-padded
+        if decode:
+            raise AttnkitError(f"attnkit's own batches run whole sequences, but this forward has {L} queries and "
+                               f"{Lk} keys (a KV cache): run them without past_key_values")
         info, offsets = rt.batch, None
         lengths = info.lengths
         if lengths.shape[0] != B:
             raise AttnkitError(f"runtime batch has {lengths.shape[0]} samples but the model got {B}")
     else:
         info = None
-        lengths, offsets = padding_of(attention_mask, B, L, query.device)
-    if offsets is not None:  # left padding: each sample's tokens to the front, computed there, put back after
+        lengths, offsets = padding_of(attention_mask, B, Lk, query.device)
+    if offsets is not None and decode:
+        # left padding in generation: the keys' tokens to the front; the queries are already each sample's last
+        # tokens, where every sample's tokens must end
+        if not bool(((offsets + lengths) == Lk).all()):
+            raise AttnkitError("a KV-cache step needs each sample's tokens to end at the last key (left padding, as "
+                               "generate pads decoders); this attention mask has padding after a sample's tokens")
+        key, value = (rolled(t, offsets, 2) for t in (key, value))
+    elif offsets is not None:  # left padding: each sample's tokens to the front, computed there, put back after
         query, key, value = (rolled(t, offsets, 2) for t in (query, key, value))
 
     def own_frame(t: torch.Tensor, dims, row_dim: int) -> torch.Tensor:
-        return t if offsets is None else unshift(t, offsets, dims, row_dim)
+        if offsets is None:
+            return t
+        if decode:  # the rows were not moved: only the keys go back
+            return unshift(t, offsets, [d for d in dims if d != row_dim], row_dim, first_row=Lk - L)
+        return unshift(t, offsets, dims, row_dim)
 
-    tracker = rt.tracker if rt is not None else None
+    tracker = rt.tracker if rt is not None and not decode else None  # a generation step is no training forward
     if tracker is not None and H > 0:
         track_classes = first_token_classes(B, L, query.device) if info is None else info.token_class
     if dropout and module.training:
+        if decode:
+            raise AttnkitError("attnkit does not run a KV-cache step with attention dropout on: call model.eval()")
         if tracker is not None and H > 0:  # the statistics of the weights before dropout (docs/training.md)
             with torch.no_grad():
                 _, feats = attention(query, key, value, lengths, track_classes, None, scaling=scaling,
@@ -547,8 +573,15 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             check_sentences_shape(rt, B, L)
         if rt.intervention is not None:
             parts = rt.intervention.layer_plan(module.layer_idx, B, L, D, query.device, query.dtype)
+            if decode and any(p.region is not None for p in parts):
+                raise AttnkitError("region interventions need the sentence of every key, which a step of generation "
+                                   "with a KV cache does not see (only its new tokens): generate with "
+                                   "use_cache=False under a region intervention")
             if sentence_id is None and any(p.region is not None for p in parts):
                 sentence_id = forward_sentence_ids(rt, B, L, lengths, query.device, offsets)
+        if rt.observers and decode:
+            raise AttnkitError("observers of q and k (e.g. JS distances) take whole sequences, not a step of "
+                               "generation with a KV cache: run the forward without past_key_values")
         if rt.observers:  # observers see the unpruned heads (`observed`)
             obs_q, obs_k, obs_dec = observed(query, key, kept, dec)
             for obs in rt.observers:
@@ -578,11 +611,31 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         # the probe forward of attnkit.models.instrument runs before DistilBERT's layers are numbered
         parts = [kept_part(p, kept, getattr(module, "layer_idx", None)) for p in parts]
 
+    def by_length(rows: slice) -> list:
+        """A left-padded KV-cache step, its keys moved to the front: sample b's queries are the last of its own
+        n_b keys, so the samples of one length n go to the op together, with their first n keys and their last
+        min(L, n) queries (the rows before are padding). [(positions in `rows`, sample indices, n, rows taken)]."""
+        ns = lengths[rows].tolist()
+        first = range(B)[rows].start
+        groups = []
+        for n in sorted(set(ns)):
+            where = [i for i, m in enumerate(ns) if m == n]
+            groups.append((where, torch.tensor([first + i for i in where], device=query.device), n, min(L, n)))
+        return groups
+
     def call(p: LayerPart, rows: slice):
         if H == 0:  # a layer whose heads were all pruned: nothing to attend with
             n = query[rows].shape[0]
             return query.new_zeros(n, L, 0, D), query.new_zeros((n, 0, num_features(num_windows, "sink" in dec)),
                                                                 dtype=torch.float32)
+        if decode and offsets is not None:  # no features (attnkit's own batches are refused above)
+            out = query.new_zeros(query[rows].shape[0], L, H, D)
+            for where, idx, n, r in by_length(rows):
+                out[where, L - r:] = attention(
+                    query[idx, :, L - r:], key[idx, :, :n], value[idx, :, :n], lengths[idx], scaling=scaling,
+                    num_windows=num_windows, mode=p.mode, region=p.region, renormalize=p.renormalize, gates=p.gates,
+                    backend=backend, **dec)[0]
+            return out, query.new_zeros((out.shape[0], H, 0), dtype=torch.float32)
         return attention(
             query[rows], key[rows], value[rows], lengths[rows],
             None if token_class is None else token_class[rows], None if sentence_id is None else sentence_id[rows],
@@ -599,6 +652,10 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     out = own_frame(out, (1,), 1)  # rows of left padding: 0
     for p in parts:
         out = replace_head_outputs(out, p.outputs, slice(p.start, p.stop))
+    if want:
+        # every feature is a mass or an entropy, never negative: a backend's rounding (win_15 = -1.96e-11) is
+        # clamped here, where the features of every backend and engine enter the runtime (docs/features.md §3)
+        feats = feats.clamp(min=0.0)
     if tracked:
         tracker.record(module.layer_idx, feats, query, key, lengths, scale, dec, kept)
     if want and rt.want_features and info is not None:
@@ -612,11 +669,20 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         return out, None
     # the weights this forward used, interventions included (their definition: attnkit.reference); a pruned
     # layer's maps cover the unpruned heads, a removed head's map all zeros (as its features)
-    weights = query.new_zeros(B, 0, L, L, dtype=torch.float32) if H == 0 else torch.cat([
-        attention_weights(query[p.start:p.stop], key[p.start:p.stop], lengths[p.start:p.stop], scale,
-                          None if sentence_id is None else sentence_id[p.start:p.stop], p.mode, p.region,
-                          p.renormalize, **dec)
-        for p in parts])
+    def part_weights(p: LayerPart) -> torch.Tensor:
+        rows = slice(p.start, p.stop)
+        if not (decode and offsets is not None):
+            return attention_weights(query[rows], key[rows], lengths[rows], scale,
+                                     None if sentence_id is None else sentence_id[rows], p.mode, p.region,
+                                     p.renormalize, **dec)
+        w = query.new_zeros(query[rows].shape[0], H, L, Lk, dtype=torch.float32)
+        for where, idx, n, r in by_length(rows):  # as `call` computes them
+            w[where, :, L - r:, :n] = attention_weights(query[idx, :, L - r:], key[idx, :, :n], lengths[idx], scale,
+                                                        None, p.mode, p.region, p.renormalize, **dec)
+        return w
+
+    weights = query.new_zeros(B, 0, L, Lk, dtype=torch.float32) if H == 0 else torch.cat([
+        part_weights(p) for p in parts])
     weights = own_frame(weights, (2, 3), 2)
     if kept is not None:
         weights = to_unpruned(weights, kept)

@@ -18,6 +18,10 @@ the output projection: `set(l, h, mode="patch", value=T)` with T of L × D or B 
 at forward time), `set(l, h, mode="mean", value=v)` with v of D. `StackedInterventions` runs several
 interventions in one forward, one per block of samples (the ablation sweeps batch settings this way).
 
+Nested `intervene` blocks compose: the inner block adds its settings to those in force (`merged`; a head both
+set differently is refused by name), and leaving it restores the enclosing block's intervention. `only` puts one
+intervention alone in force (attnkit's ablation runners evaluate their settings so).
+
 Regions (no_intra / no_inter) need each token's sentence: in a plain forward they are the segments of
 a text pair (token_type_ids or separator tokens), or ids given with `sentences(model, ids)` /
 `intervene(..., sentences=ids)`; attnkit/hf_attention.py has the exact rule and when it refuses.
@@ -494,6 +498,10 @@ def _given_sentences(model, sentence_ids):
     rt = runtime_of(model)
     ids = _as_sentence_ids(sentence_ids)
     previous = rt.sentences
+    if previous is not None and not (previous.shape == ids.shape and torch.equal(previous, ids)):
+        raise AttnkitError("sentence ids are already given by an enclosing block (attnkit.sentences or intervene's "
+                           f"{arg('sentences')}), and these differ: a batch has one set of sentences, so a nested "
+                           "block may repeat them but not replace them")
     rt.sentences = ids
     try:
         yield model
@@ -505,31 +513,118 @@ def sentences(model, sentence_ids):
     """Inside the block, plain forwards of `model` use these sentence ids (batch × length integers,
     one per token of the padded batch; equal ids = same sentence) for region interventions, instead
     of the segments found from token_type_ids or separator tokens. attnkit's own runners (extract,
-    ablate) still use their own. A batch of another shape is refused."""
+    ablate) still use their own. A batch of another shape is refused, and so are other ids than those
+    an enclosing block gave."""
     return _given_sentences(model, sentence_ids)
 
 
-@contextlib.contextmanager
-def intervene(model, intervention: Intervention, sentences=None):
-    """Apply `intervention` to an instrumented model inside the block; always restores the model.
+def _same_value(a: HeadValue, b: HeadValue) -> bool:
+    """Whether two patch or mean values are the same: the same cache, or equal tensors."""
+    if a.mode != b.mode or a.cache is not b.cache:
+        return False
+    if a.cache is not None:
+        return True
+    return a.tensor is b.tensor or (a.tensor.shape == b.tensor.shape and bool(torch.equal(a.tensor, b.tensor)))
 
-    Region interventions (no_intra / no_inter) take each forward's sentences from its token_type_ids
-    or separator tokens (attnkit/hf_attention.py says how), or from `sentences` (batch × length ids)."""
+
+def _conflict(what: str, layer: int, head: int, outer: str, inner: str) -> AttnkitError:
+    return AttnkitError(f"nested interventions both set the {what} of head L{layer}H{head}: {outer} in the enclosing "
+                        f"block, {inner} in the inner one; attnkit composes nested blocks but refuses to choose "
+                        "between two settings of one head (docs/interventions.md, \"Nested blocks\")")
+
+
+def merged(outer: Intervention, inner: Intervention) -> Intervention:
+    """The intervention in force inside `intervene(model, inner)` nested in `intervene(model, outer)`
+    (docs/interventions.md, "Nested blocks"): per head, the mode (and value) and the region each block sets,
+    where a block sets what differs from keep / all; a head whose mode (or region) both set differently is
+    refused by name. Gates multiply; renormalize is that of the block with region settings (refused when both
+    have region settings and differ on it)."""
+    if outer.shape != inner.shape:
+        raise AttnkitError(f"nested interventions differ in shape: {outer.shape} outside, {inner.shape} inside")
+    for l, h in zip(*np.nonzero((outer.mode != KEEP) & (inner.mode != KEEP))):
+        l, h = int(l), int(h)
+        a, b = int(outer.mode[l, h]), int(inner.mode[l, h])
+        if a != b or (a >= PATCH and not _same_value(outer.values[(l, h)], inner.values[(l, h)])):
+            raise _conflict("mode", l, h, HEAD_MODES[a], HEAD_MODES[b] + (" with another value" if a == b else ""))
+    for l, h in zip(*np.nonzero((outer.region != ALL) & (inner.region != ALL))):
+        l, h = int(l), int(h)
+        if outer.region[l, h] != inner.region[l, h]:
+            raise _conflict("region", l, h, REGIONS[outer.region[l, h]], REGIONS[inner.region[l, h]])
+    outer_regions, inner_regions = bool((outer.region != ALL).any()), bool((inner.region != ALL).any())
+    if outer_regions and inner_regions and outer.renormalize != inner.renormalize:
+        raise AttnkitError(f"nested interventions both have region settings but differ in renormalize "
+                           f"({outer.renormalize} in the enclosing block, {inner.renormalize} in the inner one): "
+                           "give both blocks the same renormalize")
+    renormalize = (inner.renormalize if inner_regions else outer.renormalize if outer_regions
+                   else outer.renormalize or inner.renormalize)
+    gates = outer.gates if inner.gates is None else inner.gates if outer.gates is None else outer.gates * inner.gates
+    mode = np.where(inner.mode != KEEP, inner.mode, outer.mode)
+    region = np.where(inner.region != ALL, inner.region, outer.region)
+    return Intervention(mode, region, renormalize, gates, {**outer.values, **inner.values})
+
+
+def composed(outer, inner):
+    """`inner` (an Intervention or StackedInterventions) added to `outer` (the one in force, or None): see `merged`.
+    A stack takes the plain intervention into each of its settings; two stacks are refused."""
+    if outer is None:
+        return inner
+    if isinstance(outer, StackedInterventions) and isinstance(inner, StackedInterventions):
+        raise AttnkitError("stacked interventions cannot be nested in stacked interventions: which setting of one "
+                           "stack goes with which of the other is undefined")
+    if isinstance(inner, StackedInterventions):
+        return StackedInterventions([merged(outer, iv) for iv in inner.interventions], inner.group)
+    if isinstance(outer, StackedInterventions):
+        return StackedInterventions([merged(iv, inner) for iv in outer.interventions], outer.group)
+    return merged(outer, inner)
+
+
+def _checked(model, intervention):
+    """`intervention` after checking it fits `model` (None passes)."""
+    if intervention is None:
+        return None
     if not isinstance(intervention, (Intervention, StackedInterventions)):
         raise AttnkitError(f"intervene() needs an attnkit.Intervention, got {type(intervention).__name__}")
-    rt = runtime_of(model)
     n_layers = len(attention_modules(model))
     if intervention.shape[0] != n_layers:
         raise AttnkitError(f"intervention covers {intervention.shape[0]} layers but the model has {n_layers}")
     n_heads = _shape_of(model)[1] if getattr(model, "config", None) is not None else intervention.shape[1]
     if intervention.shape[1] != n_heads:
         raise AttnkitError(f"intervention covers {intervention.shape[1]} heads per layer but the model has {n_heads}")
+    return intervention
+
+
+@contextlib.contextmanager
+def _in_force(model, intervention):
+    rt = runtime_of(model)
+    previous = rt.intervention
+    rt.intervention = intervention
+    try:
+        yield model
+    finally:
+        rt.intervention = previous
+
+
+@contextlib.contextmanager
+def intervene(model, intervention: Intervention, sentences=None):
+    """Apply `intervention` to an instrumented model inside the block; always restores the model.
+
+    Nested in another `intervene` block, it adds its settings to those in force (`merged`; a head both set
+    differently is refused by name), and leaving it restores exactly the enclosing block's intervention.
+
+    Region interventions (no_intra / no_inter) take each forward's sentences from its token_type_ids
+    or separator tokens (attnkit/hf_attention.py says how), or from `sentences` (batch × length ids)."""
+    if intervention is None:
+        raise AttnkitError("intervene() needs an attnkit.Intervention, got NoneType")
+    intervention = _checked(model, intervention)
+    in_force = composed(runtime_of(model).intervention, intervention)
     with contextlib.ExitStack() as stack:
         if sentences is not None:
             stack.enter_context(_given_sentences(model, sentences))
-        previous = rt.intervention
-        rt.intervention = intervention
-        try:
-            yield model
-        finally:
-            rt.intervention = previous
+        stack.enter_context(_in_force(model, in_force))
+        yield model
+
+
+def only(model, intervention):
+    """Inside the block, exactly `intervention` (None: none) is in force, whatever an enclosing block set:
+    attnkit's ablation runners evaluate their settings, and their unchanged baseline, this way."""
+    return _in_force(model, _checked(model, intervention))

@@ -18,11 +18,17 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
-from .embedded import embedded_path, is_embedded_name
-from .errors import AttnkitError, arg, check_int, one_line
+from .embedded import check_model_max_length, embedded_path, is_embedded_name, model_config
+from .errors import AttnkitError, arg, one_line
 from .features import feature_names
 from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
-from .run.model_dir import TOKENIZER_FILES, check_model_dir, default_model_path  # checked without torch
+from .run.model_dir import (  # checked without torch
+    TOKENIZER_FILES,
+    check_max_length,
+    check_model_dir,
+    default_model_path,
+    max_positions,  # noqa: F401 (attnkit.models.max_positions: where the engines read it)
+)
 
 log = logging.getLogger("attnkit")
 
@@ -31,8 +37,6 @@ DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
-# Models whose position ids start after the padding index (max usable length = positions − pad − 1).
-_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "longformer", "xlm-roberta-xl", "data2vec-text"}
 
 
 def model_dir(name_or_path=None) -> str:
@@ -72,30 +76,6 @@ def resolve_dtype(dtype=None, device: torch.device | None = None) -> torch.dtype
         return DTYPES[str(dtype).lower()]
     except KeyError:
         raise AttnkitError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16") from None
-
-
-def max_positions(model) -> int | None:
-    """How many tokens the position embeddings of `model` (or of a model with this config) allow (None: no
-    limit known)."""
-    cfg = getattr(model, "config", model)
-    n = getattr(cfg, "max_position_embeddings", None)
-    if n is None:
-        return None
-    if cfg.model_type in _OFFSET_POSITIONS and getattr(cfg, "pad_token_id", None) is not None:
-        n -= cfg.pad_token_id + 1
-    return int(n)
-
-
-def check_max_length(model, max_length) -> int:
-    """`max_length` when it is an integer of at least 2 that the position embeddings of `model` (or of a model
-    with this config) allow; else an AttnkitError. The one check of max_length against a model."""
-    check_int(max_length, "max_length", minimum=2)
-    limit = max_positions(model)
-    if limit is not None and max_length > limit:
-        cfg = getattr(model, "config", model)
-        raise AttnkitError(f"{arg('max_length')} {max_length} exceeds the model's {limit} positions "
-                           f"({cfg.model_type})")
-    return max_length
 
 
 def attention_modules(model) -> list:
@@ -142,12 +122,39 @@ def observing(model_or_runtime, observers: Sequence[Callable]):
             rt.observers.remove(obs)
 
 
+_LAST_MODEL: dict[str, str | None] = {"name": None}  # the model attnkit was last given in this session, by name
+
+
+def _model_name(model) -> str:
+    return str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+
+
+def _is_default_model(name: str) -> bool:
+    try:
+        return os.path.realpath(name) == os.path.realpath(default_model_path())
+    except AttnkitError:
+        return False
+
+
+def warn_if_default_is_not_the_last_model(function: str) -> None:
+    """Warn (UserWarning) that `function`, given no model, uses the embedded MiniLM while the model last used in
+    this session is another one (docs/analysis.md §8): a notebook that loaded SmolLM2 and then asked for maps
+    without naming the model gets MiniLM's, which it should hear about."""
+    import warnings
+
+    last = _LAST_MODEL["name"]
+    if last is not None and not _is_default_model(last):
+        warnings.warn(f"{function}: no model given, so the embedded MiniLM, although {last} was loaded in this "
+                      "session; pass model=(model, tokenizer) for that model's", UserWarning, stacklevel=4)
+
+
 def instrument(model, tokenizer=None):
     """Switch `model` to attnkit attention and attach a Runtime. Returns the model.
 
     `tokenizer` (optional) names the separator tokens by which region interventions find the segments
     of a plain forward without token_type_ids; without it they come from the model's config."""
     register()
+    _LAST_MODEL["name"] = _model_name(model)
     if getattr(model, RUNTIME_ATTR, None) is not None and model.config._attn_implementation == NAME:
         if tokenizer is not None:
             getattr(model, RUNTIME_ATTR).separator_ids = _separator_ids(model, tokenizer)
@@ -246,6 +253,12 @@ def _probe_attention_modules(model):
     except Exception as exc:
         raise AttnkitError(f"a probe forward of the model failed: {type(exc).__name__}: {exc}") from None
     seen = type(callers)(dict.fromkeys(callers))  # unique, in call order
+    if len(seen) < len(callers):  # ALBERT: one shared layer run N times; attnkit numbers layers by module
+        mod = next(m for m in seen if callers.count(m) > 1)
+        mtype = getattr(model.config, "model_type", type(model).__name__)
+        raise AttnkitError(f"model type {mtype!r} runs one attention module ({type(mod).__name__}) for "
+                           f"{callers.count(mod)} layers (shared layers): attnkit measures and changes each layer's "
+                           "own attention module, so it cannot tell these layers apart")
     seen.sink = callers.sink
     return seen
 
@@ -276,7 +289,14 @@ def _no_transformers_bars():
             hf_logging.enable_progress_bar()
 
 
-def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None = None):
+# what each `task` of load_model needs of a model (its messages)
+TASK_NEEDS = {"sequence-classification": "a model with a sequence-classification head",
+              "question-answering": "a model with a question-answering head",
+              "masked-lm": "masked-language-model loss: an encoder such as BERT, RoBERTa, ELECTRA or DistilBERT",
+              "causal-lm": "next-token loss: a decoder language model such as Llama, Qwen or GPT-2"}
+
+
+def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None = None, max_length: int | None = None):
     """Load a model and its tokenizer from a local path (no hub downloads) with attnkit attention.
 
     `name_or_path=None` loads the embedded MiniLM, `"smollm2"` the embedded decoder SmolLM2-135M-Instruct (the
@@ -287,6 +307,8 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     the model in eval mode on `device` ("cpu", "cuda"; default: cuda when available).
     A directory without config, weights or tokenizer files, or whose tokenizer knows far fewer tokens
     than the model embeds (a tokenizer built from nothing), is refused with the files it lacks.
+    `max_length` (the tokens per input the caller will give it): refused when the model's positions do not
+    allow it, from config.json before the model loads (`check_model_max_length`).
     """
     from transformers import (
         AutoModel,
@@ -307,6 +329,8 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     dt = resolve_dtype(dtype, dev)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     check_model_dir(path)
+    if max_length is not None:
+        check_model_max_length(path, max_length)
     try:
         with _no_transformers_bars():
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -317,6 +341,10 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     except AttnkitError:
         raise
     except Exception as exc:
+        if task is not None and isinstance(exc, ValueError) and "Unrecognized configuration class" in str(exc):
+            mtype = (model_config(path) or {}).get("model_type")
+            raise AttnkitError(f"{path!r} holds a {mtype!r} model, for which transformers has no {task} model "
+                               f"({TASK_NEEDS[task]})") from None
         raise AttnkitError(f"could not load a model from {path!r}: {one_line(exc)}") from None
     if not getattr(tokenizer, "is_fast", False):
         raise AttnkitError(f"the tokenizer at {path!r} is not a fast tokenizer; attnkit needs one (tokenizer.json)")
@@ -325,21 +353,34 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
         found = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(path, f))]
         raise AttnkitError(f"the tokenizer at {path!r} knows {len(tokenizer)} tokens but the model embeds {vocab}: "
                            f"its tokenizer files ({', '.join(found)}) do not belong to this model")
+    if max_length is not None:
+        check_max_length(model, max_length)
     model.to(dev).eval()
     instrument(model, tokenizer)
+    if task == "causal-lm" and not any(getattr(m, "is_causal", False) for m in model._attnkit_modules):
+        # transformers gives an encoder a language-model head too, but its rows see the tokens they predict
+        raise AttnkitError(f"{path!r} holds a {model.config.model_type!r} model whose attention is not causal: "
+                           f"{task} ({TASK_NEEDS[task]}) needs a decoder")
     return model, tokenizer
 
 
-def resolve_model(model=None, tokenizer=None, device=None, dtype=None):
+def resolve_model(model=None, tokenizer=None, device=None, dtype=None, max_length: int | None = None, *,
+                  function: str | None = None):
     """(model, tokenizer), instrumented, from what a caller may pass as a model: None (the embedded MiniLM), a
     local path, a (model, tokenizer) pair, or a model with `tokenizer`. A given model is moved to `device` and
-    `dtype` when they are given."""
+    `dtype` when they are given. `max_length`: as `load_model` checks it (before a model given by its path
+    loads). `function`: the public function whose caller gave no model, warned when another model was the last one
+    used (`warn_if_default_is_not_the_last_model`)."""
+    if model is None and tokenizer is None and function is not None:
+        warn_if_default_is_not_the_last_model(function)
     if model is None or isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
-        return load_model(model, device=device, dtype=dtype)
+        return load_model(model, device=device, dtype=dtype, max_length=max_length)
     if isinstance(model, tuple) and len(model) == 2:
         model, tokenizer = model
     if tokenizer is None:
         raise AttnkitError(f"pass the model's tokenizer: a (model, tokenizer) pair, or {arg('tokenizer')}")
+    if max_length is not None:
+        check_max_length(model, max_length)
     if device is not None:
         model.to(resolve_device(device))
     if dtype is not None:

@@ -16,6 +16,12 @@ torch.compile: which kernels exist is decided once per (device type, op) outside
 Decoder arguments (kv_head, causal, sliding_window, softcap, sink; attnkit/reference.py): they are appended to
 the op's schema with defaults. An extension built before them has no such arguments (`fused_decoder()` is
 False): `backend="auto"` then runs such calls on the reference, and `backend="fused"` refuses them by name.
+
+Fewer queries than keys (a KV-cache step, attnkit/reference.py): `backend="auto"` runs them on the compiled CPU
+kernel only where it says it takes them (`fused_fewer_queries`), else on the reference; on CUDA, the Triton kernel
+included, always on the reference until a GPU has tested a kernel (docs/cuda.md). A plain one (no features, no
+intervention, no soft cap or sink: `plain_step`) the reference's definition computes in one call of torch's
+scaled_dot_product_attention. The fake kernel's shapes hold for them (out B×Lq×H×D).
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import torch
 
 from .errors import AttnkitError, arg
 from .features import DEFAULT_NUM_WINDOWS, num_features
-from .reference import check_layout, reference_attention
+from .reference import check_layout, reference_attention, visible_keys
 
 log = logging.getLogger("attnkit")
 
@@ -89,6 +95,27 @@ _FUSED_DECODER = _schema_has_decoder_args()
 def fused_decoder() -> bool:
     """True when the compiled op takes the decoder arguments (kv_head, causal, sliding_window, softcap, sink)."""
     return _FUSED_DECODER
+
+
+def _cpu_fewer_queries() -> bool:
+    """Whether the compiled CPU kernel takes fewer queries than keys (q B×H×Lq×D, k B×Hkv×L×D, Lq < L: the last Lq
+    positions, attnkit/reference.py). An extension says so with the op `attnkit::cpu_fewer_queries() -> bool`;
+    one without it (every build before it) does not."""
+    if not has_kernel("cpu"):
+        return False
+    try:
+        return bool(torch.ops.attnkit.cpu_fewer_queries())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_CPU_FEWER_QUERIES = _cpu_fewer_queries()
+
+
+def fused_fewer_queries(device_type: str) -> bool:
+    """Whether the compiled kernel for `device_type` runs calls with fewer queries than keys (a KV-cache step). On
+    CUDA (and the Triton kernel) no: those run on the reference until a GPU has tested a kernel (docs/cuda.md)."""
+    return device_type == "cpu" and _CPU_FEWER_QUERIES
 
 
 def cpu_capability() -> str | None:
@@ -237,7 +264,9 @@ def attention(
     causal = bool(causal)
     softcap = None if softcap is None else float(softcap)
     decoder = _decoder_args_given(q, k, kv_head, causal, sliding_window, softcap, sink)
-    if backend in ("auto", "fused") and dev.type == "cuda" and q.dtype in _TRITON_DTYPES and cuda_kernel() == "triton":
+    fewer_queries = q.shape[2] < k.shape[2]  # a KV-cache step: the queries are the last positions of the keys
+    if (backend in ("auto", "fused") and dev.type == "cuda" and q.dtype in _TRITON_DTYPES and cuda_kernel() == "triton"
+            and not fewer_queries):
         # the Triton kernel takes every argument, the decoder ones included, and needs no compiled extension
         return torch.ops.attnkit.fused_attention_triton(
             q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
@@ -248,6 +277,15 @@ def attention(
             raise AttnkitError(f"backend 'fused' requested but this build of the extension does not take "
                                f"{', '.join(decoder)}: rebuild it (pip install --no-build-isolation -e .)")
         chosen = "reference"  # an older build: the reference computes them (no warning: the result is exact)
+    if chosen == "fused" and fewer_queries and not fused_fewer_queries(dev.type):
+        if backend == "fused":
+            raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel does not take fewer queries than "
+                               f"keys ({q.shape[2]} queries, {k.shape[2]} keys: a KV-cache step); use backend "
+                               "'auto' or 'reference'")
+        chosen = "reference"  # a decode step costs the reference O(keys) per head and query row (exact, no warning)
+    if chosen == "reference" and fewer_queries and backend == "auto" and _plain_step(
+            q, k, v, want_features, mode, region, gates, kv_head, softcap, sink):
+        return plain_step(q, k, v, lengths, scaling, causal, sliding_window)
     if chosen == "reference":
         return reference_attention(
             q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
@@ -271,6 +309,39 @@ def attention(
         if "fused_attention" in msg:
             raise AttnkitError(msg) from None
         raise
+
+
+def _plain_step(q, k, v, want_features, mode, region, gates, kv_head, softcap, sink) -> bool:
+    """Whether a call with fewer queries than keys is plain attention (`plain_step` computes it): fp32, no
+    features, no intervention, even KV groups, no soft cap, no sink, no gradients."""
+    return (q.dtype == torch.float32 and not want_features and mode is None and region is None and gates is None
+            and kv_head is None and softcap is None and sink is None
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
+
+
+def plain_step(q, k, v, lengths, scaling: float, causal: bool, sliding_window) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's result for plain attention (no features, no intervention, no soft cap, no sink) with fewer
+    queries than keys — a step of generation — in one call of torch's scaled_dot_product_attention instead of the
+    reference's twenty small operations: the keys each row sees (`visible_keys`) as the mask, padded keys of v
+    dropped as the reference drops them, and a row that sees no key output 0 (sdpa would give NaN)."""
+    B, H, Lq, D = q.shape
+    L = k.shape[2]
+    lengths = lengths.long()
+    empty = q.new_zeros((B, H, 0), dtype=torch.float32)
+    gqa = k.shape[1] != H
+    if (Lq == 1 and causal and (sliding_window is None or sliding_window >= L) and q.device.type == "cpu"
+            and not torch.compiler.is_compiling() and bool((lengths == L).all())):
+        # the usual decode step: one new token of unpadded samples sees every key
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2), empty
+    visible = visible_keys(lengths, L, causal, sliding_window, Lq)  # B×1×Lq×L
+    padded = torch.arange(L, device=v.device)[None, :] >= lengths[:, None]  # B×L
+    v = v.masked_fill(padded[:, None, :, None], 0.0)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling,
+                                                           enable_gqa=gqa)
+    if sliding_window is not None:  # only a window can leave a (padded) row without a key
+        out = torch.where(visible.any(-1, keepdim=True), out, 0.0)
+    return out.transpose(1, 2), empty
 
 
 def js_distances(attn: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -314,8 +385,8 @@ _LIB.impl("fused_attention_triton", _fused_attention_triton, "CPU")
 def _fused_attention_fake(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode,
                           region, renormalize, gates, want_features, key_scale=None, kv_head=None,
                           causal=False, sliding_window=None, softcap=None, sink=None):
-    B, H, L, D = q.shape
-    out = q.new_empty((B, L, H, D))
+    B, H, Lq, D = q.shape  # Lq <= the keys' length: a KV-cache step has one row per new token
+    out = q.new_empty((B, Lq, H, D))
     nf = num_features(num_windows, sink=sink is not None) if want_features else 0
     feats = q.new_empty((B, H, nf), dtype=torch.float32)
     return out, feats
@@ -343,12 +414,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_feats):
     """The gradients of the op's output (docs/training.md, "The backward"): without an intervention (mode, region,
-    renormalize) by attnkit.kernels.backward, which never builds an L×L map; with one, by re-running the
-    differentiable reference (L×L maps)."""
+    renormalize) by attnkit.kernels.backward, which never builds an L×L map; with one, or with fewer queries than
+    keys (a KV-cache step), by re-running the differentiable reference (L×L maps)."""
     q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = ctx.saved_tensors
     needs = ctx.needs_input_grad
     result = [None] * ctx.n_inputs
-    if mode is None and region is None and not ctx.renormalize:
+    if mode is None and region is None and not ctx.renormalize and q.shape[2] == k.shape[2]:
         from .kernels.backward import attention_backward
 
         dq, dk, dv, dg, ds = attention_backward(grad_out, q, k, v, lengths, scaling=ctx.scaling, gates=gates,

@@ -35,8 +35,16 @@ Semantics (docs/features.md, docs/interventions.md):
     features describe w'[s, t] = w[s, t]·g[t] / Σ_u w[s, u]·g[u] instead of the final weights w (a row
     whose Σ is 0 stays 0); the output is unchanged.
 
-Arguments (checked by every backend, errors name the argument): q B×H×L×D with D >= 1; k and v of one shape
-B×Hkv×L×D (Hkv = H, or as `kv_head` says); kv_head H integers in [0, Hkv); sliding_window an integer >= 1;
+  * Fewer queries than keys (a step of generation with a KV cache; docs/decoders.md, "Generation"): q may have
+    Lq < L rows. They are the LAST Lq key positions: query row i is position s = L − Lq + i (`query_positions`),
+    and everything above holds with that s — causal t <= s, the window s − t < W, the self bucket t == s, the
+    distance |s − t|, prev/next w[s, s ∓ 1], the row's own sentence id and token class those of position s. lengths
+    (n), token_class, sentence_id and key_scale are over the L keys. A row is valid when s < n; the features are
+    the mean of the valid rows' features (each defined as in a full forward, windows by the same n), which is the
+    mean over the n rows when Lq = L; a sample with no valid row gets 0. With Lq = L nothing changes.
+
+Arguments (checked by every backend, errors name the argument): q B×H×Lq×D with D >= 1 (Lq <= L); k and v of one
+shape B×Hkv×L×D (Hkv = H, or as `kv_head` says); kv_head H integers in [0, Hkv); sliding_window an integer >= 1;
 softcap a finite number > 0; sink H floats; lengths B integers in [1, L]; token_class B×L codes OTHER..PERIOD
 (0..4) at valid positions when features are wanted; sentence_id B×L integers, compared as integers (any int32
 value); mode H codes KEEP/ZERO/UNIFORM (0..2); region H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats;
@@ -81,13 +89,19 @@ def _key_mask(lengths: torch.Tensor, L: int) -> torch.Tensor:
     return torch.arange(L, device=lengths.device)[None, :] < lengths[:, None]
 
 
+def query_positions(Lq: int, Lk: int, device=None) -> torch.Tensor:
+    """The key positions of the Lq query rows (int64 Lq): the last Lq of the Lk keys, Lk − Lq … Lk − 1 (a KV-cache
+    step; 0 … L − 1 when Lq = Lk)."""
+    return torch.arange(Lk - Lq, Lk, device=device)
+
+
 def visible_keys(lengths: torch.Tensor, L: int, causal: bool = False,
-                 sliding_window: int | None = None) -> torch.Tensor:
-    """B×1×L×L bool: True where query row s sees key t (t < n; with `causal` t <= s; with a sliding window W
-    also s − t < W)."""
+                 sliding_window: int | None = None, Lq: int | None = None) -> torch.Tensor:
+    """B×1×Lq×L bool (Lq defaults to L): True where query row i, at key position s = L − Lq + i
+    (`query_positions`), sees key t (t < n; with `causal` t <= s; with a sliding window W also s − t < W)."""
     vis = _key_mask(lengths, L)[:, None, None, :]
     pos = torch.arange(L, device=lengths.device)
-    offset = pos[:, None] - pos[None, :]  # s − t
+    offset = query_positions(L if Lq is None else Lq, L, lengths.device)[:, None] - pos[None, :]  # s − t
     if causal:
         vis = vis & (offset >= 0)
     if sliding_window is not None:
@@ -114,15 +128,16 @@ def intervene_weights(
     visible: torch.Tensor | None = None,
     sink_weights: torch.Tensor | None = None,
 ):
-    """Apply per-head mode and region to B×H×L×L softmax weights (keys a row does not see already 0).
+    """Apply per-head mode and region to B×H×Lq×L softmax weights (keys a row does not see already 0; query row i
+    is key position L − Lq + i, `query_positions`).
 
-    `visible` (B×1×L×L bool, `visible_keys`; None: the valid keys) are the keys each row sees: mode uniform
+    `visible` (B×1×Lq×L bool, `visible_keys`; None: the valid keys) are the keys each row sees: mode uniform
     spreads the row over them. `sink_weights` (B×H×L, the sink's mass per row, or None): zeroed with mode zero
     and uniform, kept by regions, rescaled with the kept keys by `renormalize`. Returns the weights, or
     (weights, sink weights) when `sink_weights` is given."""
-    B, H, L, _ = weights.shape
+    B, H, Lq, L = weights.shape
     if visible is None:
-        visible = _key_mask(lengths, L)[:, None, None, :].expand(B, 1, L, L)
+        visible = _key_mask(lengths, L)[:, None, None, :].expand(B, 1, Lq, L)
     if mode is not None:
         mode = mode.to(weights.device).view(1, H, 1, 1)
         seen = visible.to(weights.dtype)
@@ -134,9 +149,9 @@ def intervene_weights(
     if region is not None:
         region = region.to(weights.device).view(1, H, 1, 1)
         if sentence_id is None:
-            same = torch.ones(B, 1, L, L, dtype=torch.bool, device=weights.device)
+            same = torch.ones(B, 1, Lq, L, dtype=torch.bool, device=weights.device)
         else:
-            same = (sentence_id[:, :, None] == sentence_id[:, None, :])[:, None]  # B×1×L×L
+            same = (sentence_id[:, L - Lq:, None] == sentence_id[:, None, :])[:, None]  # B×1×Lq×L
         drop = ((region == NO_INTRA) & same) | ((region == NO_INTER) & ~same)
         weights = weights.masked_fill(drop, 0.0)
     if renormalize:
@@ -152,7 +167,7 @@ def intervene_weights(
 
 def attention_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, *, kv_head: torch.Tensor | None = None,
                      softcap: float | None = None) -> torch.Tensor:
-    """B×H×L×L fp32 scores q·kᵀ·scaling of each query head against its KV head's keys, soft-capped to
+    """B×H×Lq×L fp32 scores q·kᵀ·scaling of each query head against its KV head's keys, soft-capped to
     softcap·tanh(score / softcap) when `softcap` is given (before any mask)."""
     H, Hkv = q.shape[1], k.shape[1]
     kf = k.float()
@@ -181,13 +196,15 @@ def attention_weights(
     sink: torch.Tensor | None = None,
     return_sink: bool = False,
 ):
-    """B×H×L×L fp32 weights after softmax and interventions (keys a row does not see 0; NaN policy above).
+    """B×H×Lq×L fp32 weights after softmax and interventions (keys a row does not see 0; NaN policy above; q has
+    Lq ≤ L rows, the last Lq key positions: module docstring, "Fewer queries than keys").
     With a sink, a row's weights sum to 1 − its sink mass (the map transformers' eager gpt-oss returns);
     `return_sink` returns (weights, B×H×L sink mass per row, or None without `sink`)."""
-    B, H, L, _ = q.shape
+    B, H, Lq, _ = q.shape
+    L = k.shape[2]
     lengths = lengths.to(q.device).long()
     scores = attention_scores(q, k, scaling, kv_head=kv_head, softcap=softcap)
-    visible = visible_keys(lengths, L, causal, sliding_window)
+    visible = visible_keys(lengths, L, causal, sliding_window, Lq)
     scores = scores.masked_fill(~visible, float("-inf"))
     sink_w = None
     if sink is None:
@@ -195,7 +212,7 @@ def attention_weights(
         sees_any = visible.any(-1, keepdim=True)  # B×1×L×1; False only for padded rows outside a window
         weights = torch.where(sees_any, weights, 0.0)
     else:
-        logit = sink.to(q.device, torch.float32).view(1, H, 1, 1).expand(B, H, L, 1)
+        logit = sink.to(q.device, torch.float32).view(1, H, 1, 1).expand(B, H, Lq, 1)
         both = torch.softmax(torch.cat([scores, logit], dim=-1), dim=-1)
         weights, sink_w = both[..., :L], both[..., L]
     undefined = weights.isnan().any(-1, keepdim=True)  # B×H×L×1: NaN / +inf score, or all −inf
@@ -224,20 +241,23 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling:
     return scores.masked_fill(~seen, float("-inf")).amax((-1, -2))
 
 
-def bucket_index(token_class: torch.Tensor, lengths: torch.Tensor, num_windows: int) -> torch.Tensor:
-    """B×L×L int64: the distance-feature bucket of key t for query s (docs/features.md).
+def bucket_index(token_class: torch.Tensor, lengths: torch.Tensor, num_windows: int,
+                 Lq: int | None = None) -> torch.Tensor:
+    """B×Lq×L int64 (Lq defaults to L): the distance-feature bucket of key t for query row i at position
+    s = L − Lq + i (docs/features.md).
 
     0..3: key class cls/sep/comma/period; 4: self (t == s, class OTHER); 5 + w: window w of
     d = |s − t| ≥ 1, w = floor(d · N / n). Padded positions get a bucket too; callers mask them.
     """
     B, L = token_class.shape
+    Lq = L if Lq is None else Lq
     pos = torch.arange(L, device=token_class.device)
-    dist = (pos[:, None] - pos[None, :]).abs()  # L×L
+    dist = (query_positions(Lq, L, token_class.device)[:, None] - pos[None, :]).abs()  # Lq×L
     n = lengths.clamp(min=1).view(B, 1, 1)
     window = torch.div(dist[None] * num_windows, n, rounding_mode="floor").clamp(max=num_windows - 1)
     idx = 5 + window
     idx = torch.where(dist[None] == 0, torch.full_like(idx, 4), idx)
-    key_cls = token_class[:, None, :].long().expand(B, L, L)
+    key_cls = token_class[:, None, :].long().expand(B, Lq, L)
     special = (key_cls >= CLS) & (key_cls <= PERIOD)  # codes at padded positions are not checked
     # class codes CLS..PERIOD (1..4) map to buckets 0..3
     idx = torch.where(special, key_cls - 1, idx)
@@ -252,49 +272,55 @@ def row_features(
     num_windows: int,
     sink_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-(sample, head) feature vectors B×H×F (fp32) from final B×H×L×L weights; with `sink_weights`
-    (B×H×L, each row's sink mass) one more feature, `sink`, comes last (its mean over the n rows)."""
-    B, H, L, _ = weights.shape
+    """Per-(sample, head) feature vectors B×H×F (fp32) from final B×H×Lq×L weights; with `sink_weights`
+    (B×H×Lq, each row's sink mass) one more feature, `sink`, comes last (its mean over the rows).
+
+    Query row i is key position s = L − Lq + i (`query_positions`); it is valid when s < n. Each valid row's
+    features are defined as in a full forward, with n = the sample's length over the keys; the result is their
+    mean over the sample's valid rows (n of them when Lq = L; a sample with none gets 0)."""
+    B, H, Lq, L = weights.shape
     w = weights.float()
     valid = _key_mask(lengths, L)  # B×L
     w = torch.where(valid[:, None, None, :], w, 0.0)  # padded keys contribute nothing
     nb = 5 + num_windows
-    idx = bucket_index(token_class, lengths, num_windows)[:, None].expand(B, H, L, L)
-    buckets = torch.zeros(B, H, L, nb, dtype=torch.float32, device=w.device).scatter_add_(-1, idx, w)
+    idx = bucket_index(token_class, lengths, num_windows, Lq)[:, None].expand(B, H, Lq, L)
+    buckets = torch.zeros(B, H, Lq, nb, dtype=torch.float32, device=w.device).scatter_add_(-1, idx, w)
 
-    prev = torch.zeros(B, H, L, device=w.device)
-    nxt = torch.zeros(B, H, L, device=w.device)
-    if L > 1:
-        prev[..., 1:] = torch.diagonal(w, offset=-1, dim1=-2, dim2=-1)
-        nxt[..., :-1] = torch.diagonal(w, offset=1, dim1=-2, dim2=-1)
+    prev = torch.zeros(B, H, Lq, device=w.device)
+    nxt = torch.zeros(B, H, Lq, device=w.device)
+    if L > 1:  # row i (position s = L − Lq + i): w[i, s − 1] and w[i, s + 1], where those keys exist
+        first = 1 if Lq == L else 0  # the first row with a key before it
+        prev[..., first:] = torch.diagonal(w, offset=L - Lq - 1, dim1=-2, dim2=-1)
+        nxt[..., :-1] = torch.diagonal(w, offset=L - Lq + 1, dim1=-2, dim2=-1)
     entropy = -torch.special.xlogy(w, w).sum(-1)
     mx = w.amax(-1)
     if sentence_id is None:
         intra = w.sum(-1)
         inter = torch.zeros_like(intra)
     else:
-        same = (sentence_id[:, :, None] == sentence_id[:, None, :])[:, None]
+        same = (sentence_id[:, L - Lq:, None] == sentence_id[:, None, :])[:, None]
         intra = (w * same).sum(-1)
         inter = (w * ~same).sum(-1)
     rows = torch.cat(
         [buckets, torch.stack([prev, nxt, entropy, mx, intra, inter], dim=-1)], dim=-1
-    )  # B×H×L×(F-1), without the sink
-    row_valid = valid[:, None, :, None]
-    n = lengths.clamp(min=1).float().view(B, 1, 1)
+    )  # B×H×Lq×(F-1), without the sink
+    valid_rows = valid[:, L - Lq:]  # B×Lq
+    row_valid = valid_rows[:, None, :, None]
+    n = valid_rows.sum(-1).clamp(min=1).float().view(B, 1, 1)  # = lengths when Lq = L
     means = torch.where(row_valid, rows, 0.0).sum(2) / n  # padded rows (even NaN ones) add nothing
 
-    is_cls_row = (token_class == CLS) & valid  # B×L
+    is_cls_row = (token_class[:, L - Lq:] == CLS) & valid_rows  # B×Lq
     n_cls = is_cls_row.sum(-1).float().view(B, 1)
     cls_ent = torch.where(is_cls_row[:, None, :], entropy, 0.0).sum(-1) / n_cls.clamp(min=1)
     parts = [means, cls_ent[..., None]]
     nan_rows = w.isnan().any(-1)
     if sink_weights is not None:
         sw = sink_weights.float()
-        parts.append((torch.where(valid[:, None, :], sw, 0.0).sum(-1) / n[..., 0])[..., None])
+        parts.append((torch.where(valid_rows[:, None, :], sw, 0.0).sum(-1) / n[..., 0])[..., None])
         nan_rows = nan_rows | sw.isnan()
     out = torch.cat(parts, dim=-1)
     # NaN policy: a valid row with NaN weights makes every feature of its (sample, head) NaN
-    nan_row = (nan_rows & valid[:, None, :]).any(-1, keepdim=True)  # B×H×1
+    nan_row = (nan_rows & valid_rows[:, None, :]).any(-1, keepdim=True)  # B×H×1
     out = torch.where(nan_row, float("nan"), out)
     assert out.shape[-1] == num_features(num_windows, sink=sink_weights is not None)
     return out
@@ -324,11 +350,12 @@ def reference_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention + interventions + features, computed in fp32.
 
-    q: B×H×L×D; k, v: B×Hkv×L×D. lengths: B (int). token_class, sentence_id: B×L ints (None: all OTHER / one
+    q: B×H×Lq×D; k, v: B×Hkv×L×D with L ≥ Lq (Lq < L: the queries are the last Lq positions, module docstring).
+    lengths: B (int, over the keys). token_class, sentence_id: B×L ints (None: all OTHER / one
     sentence). mode, region: H ints (codes in `attnkit.features`). gates: H floats. key_scale: B×H×L
     floats (norm weighting of the features; None: plain weights). kv_head, causal, sliding_window, softcap,
     sink: the decoder arguments (module docstring).
-    Returns (out B×L×H×D in q's dtype, features B×H×F fp32 — F = num_features(num_windows, sink=sink is not
+    Returns (out B×Lq×H×D in q's dtype, features B×H×F fp32 — F = num_features(num_windows, sink=sink is not
     None) — or B×H×0 when not wanted).
     """
     B, H, L, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
@@ -337,6 +364,7 @@ def reference_attention(
     check_arguments(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
                     mode=mode, region=region, gates=gates, want_features=want_features, key_scale=key_scale,
                     kv_head=kv_head, sliding_window=sliding_window, softcap=softcap, sink=sink)
+    L = k.shape[2]  # the keys; q has Lq <= L rows
     lengths = lengths.to(q.device).long()
     weights, sink_w = attention_weights(q, k, lengths, scaling, sentence_id, mode, region, renormalize,
                                         kv_head=kv_head, causal=causal, sliding_window=sliding_window,
@@ -408,11 +436,13 @@ def check_layout(q, k, v, lengths, token_class=None, sentence_id=None, *, scalin
     the fused op as by the reference, not rounded)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise AttnkitError(f"q must be 4-D (B, H, L, D), got shape {tuple(getattr(q, 'shape', ()))}")
-    B, H, L, D = q.shape
+    B, H, Lq, D = q.shape
     if (not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or k.shape != v.shape
-            or (k.shape[0], k.shape[2], k.shape[3]) != (B, L, D) or k.shape[1] < 1):
-        raise AttnkitError(f"k and v must have q's shape {tuple(q.shape)} (or B×Hkv×L×D with Hkv KV heads), got "
-                           f"k {tuple(getattr(k, 'shape', ()))} and v {tuple(getattr(v, 'shape', ()))}")
+            or (k.shape[0], k.shape[3]) != (B, D) or k.shape[2] < Lq or k.shape[1] < 1):
+        raise AttnkitError(f"k and v must have q's shape {tuple(q.shape)} (or B×Hkv×L×D with Hkv KV heads and "
+                           f"L >= q's {Lq} rows: a KV-cache step), got k {tuple(getattr(k, 'shape', ()))} and v "
+                           f"{tuple(getattr(v, 'shape', ()))}")
+    L = k.shape[2]  # the keys: lengths, token classes, sentence ids and key scales are over them
     Hkv = k.shape[1]
     if kv_head is not None:
         _int_tensor(kv_head, "kv_head", (H,))
@@ -463,7 +493,8 @@ def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, *, sca
     check_layout(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows, mode=mode,
                  region=region, gates=gates, key_scale=key_scale, kv_head=kv_head, sliding_window=sliding_window,
                  softcap=softcap, sink=sink)
-    B, H, L, D = q.shape
+    B, H, _, D = q.shape
+    L = k.shape[2]
     if kv_head is not None:
         Hkv = k.shape[1]
         bad_kv = (kv_head < 0) | (kv_head >= Hkv)

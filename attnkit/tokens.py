@@ -217,3 +217,46 @@ class Encoder:
 
     def __call__(self, segments: Sequence[Segment]) -> Batch:
         return Batch.from_arrays(self.encode_arrays(segments))
+
+
+# How a token's text is drawn where whitespace would vanish (maps, the report's head view; `shown_token`).
+WHITESPACE_MARKS = {"\n": "↵", "\r": "␍", "\t": "⇥"}
+
+
+def to_str_tokens(tokenizer, text_or_ids) -> list[str]:
+    """The tokens of a text as readable strings, one per position (as TransformerLens's `to_str_tokens`).
+
+    `text_or_ids`: a string, tokenised by `tokenizer` with its special tokens (as `attnkit.attention_maps` and
+    `extract` add them), or a sequence of token ids (a list, a 1-D array or tensor). Each token is decoded by the
+    tokenizer itself (`convert_tokens_to_string`): byte-level BPE's 'Ġis' → ' is' and 'Ċ' → '\\n', SentencePiece's
+    '▁is' → ' is'. A token whose vocabulary string already reads as its text (WordPiece's 'the', '##s', special
+    tokens) is kept as it is, and so is a token that holds only part of a character's bytes."""
+    if isinstance(text_or_ids, str):
+        ids = tokenizer(text_or_ids)["input_ids"]
+    else:
+        ids = text_or_ids.tolist() if hasattr(text_or_ids, "tolist") else list(text_or_ids)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise AttnkitError("to_str_tokens takes a string or a sequence of integer token ids (one text), got "
+                               f"{type(text_or_ids).__name__}")
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    out = []
+    for tid, tok in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+        if tid in special or tok is None:
+            out.append(tok if tok is not None else "")
+            continue
+        alone = tokenizer.convert_tokens_to_string([tok])
+        if alone == tok or "\ufffd" in alone:
+            out.append(tok)
+            continue
+        # inside a text: a decoder that drops the word boundary at the start of a string (SentencePiece) keeps it
+        # after another token, so decode two copies and take the second
+        twice = tokenizer.convert_tokens_to_string([tok, tok])
+        out.append(twice[len(alone):] if twice.startswith(alone) and len(twice) > len(alone) else alone)
+    return out
+
+
+def shown_token(text: str) -> str:
+    """A token's text as drawn on a map or in the report: newlines, carriage returns and tabs as ↵ ␍ ⇥."""
+    for ch, mark in WHITESPACE_MARKS.items():
+        text = text.replace(ch, mark)
+    return text

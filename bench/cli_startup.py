@@ -1,8 +1,9 @@
 """How long the command line takes to answer --help, --version, VERB --help, a usage error and refusals that need no
-model (a missing corpus file, `ablate --experiment types` without --clusters, a run directory that is not one, ablate
-data with a wrong column, a run with NaN heads not recorded as removed, detect-heads without a model or over earlier
-results), for two checkouts side by side (interleaved rounds, median). The test of the cause is structural
-(tests/test_cli_startup.py: no torch/transformers/sklearn in sys.modules); this measures what a user waits.
+model (a missing corpus file, an output directory under a file, `ablate --experiment types` without --clusters, a run
+directory that is not one, ablate data with a wrong column, a run with NaN heads not recorded as removed, detect-heads
+without a model or over earlier results), for two checkouts side by side (interleaved rounds, median). The test of the
+cause is structural (tests/test_cli_startup.py: no torch/transformers/sklearn in sys.modules); this measures what a
+user waits.
 
     python bench/cli_startup.py --before /work/main --after . --repeats 5
 """
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 CASES = (["--help"], ["--version"], ["extract", "--help"], ["extract", "--batch-size", "0"],
-         ["extract", "missing.txt", "-o", "out"],
+         ["extract", "missing.txt", "-o", "out"], ["extract", "cols.tsv", "-o", "cols.tsv/sub"],
          ["ablate", "default", "--task", "stsb", "--data", ".", "--experiment", "types"],
          ["cluster", "."], ["distances", "."],
          ["ablate", "default", "--task", "stsb", "--data", "cols.tsv", "--experiment", "heads"],

@@ -21,7 +21,7 @@ def prototype(kind: str) -> np.ndarray:
         special, self_, win = np.array([0.15, 0.65, 0.03, 0.05]), 0.01, win_uniform
     elif kind == "diagonal":
         special, self_, win = np.array([0.05, 0.10, 0.02, 0.03]), 0.15, near
-    elif kind == "dense+vertical":
+    elif kind == "vertical+dense":  # Guan et al.'s dense+vertical: more weight on [SEP] than spread out
         special, self_, win = np.array([0.10, 0.30, 0.02, 0.03]), 0.02, win_uniform
     elif kind == "dense":
         special, self_, win = np.array([0.03, 0.05, 0.02, 0.02]), 0.03, win_uniform
@@ -31,7 +31,7 @@ def prototype(kind: str) -> np.ndarray:
     return np.concatenate([special, [self_], rest * win])
 
 
-KINDS = ("vertical", "diagonal", "dense+vertical", "dense")
+KINDS = ("vertical", "diagonal", "vertical+dense", "dense")  # the names attnkit gives these prototypes
 
 
 def make_features(truth: np.ndarray, *, noise: float = 0.01, seed: int = 0, structureless: bool = False) -> HeadFeatures:
@@ -60,7 +60,7 @@ def make_features(truth: np.ndarray, *, noise: float = 0.01, seed: int = 0, stru
 
 
 def layered_truth(L: int = 6, H: int = 12, seed: int = 0) -> np.ndarray:
-    """Kind ids per head: dense early, dense+vertical in the middle, vertical late, diagonal everywhere."""
+    """Kind ids per head: dense early, vertical+dense in the middle, vertical late, diagonal everywhere."""
     rng = np.random.default_rng(seed)
     t = np.zeros((L, H), dtype=int)
     for l in range(L):
@@ -91,7 +91,8 @@ def tiny_bert(n_layers: int = 2, n_heads: int = 2, seed: int = 0):
     return model, tok
 
 
-ENCODER_KINDS = ("bert", "roberta", "electra", "distilbert")
+# the encoder families attnkit names (README, attnkit/arch/architectures.py); XLM-R and CamemBERT run RoBERTa's code
+ENCODER_KINDS = ("bert", "roberta", "electra", "distilbert", "xlm-roberta", "camembert")
 
 
 def tiny_config(n_layers: int = 2, vocab: int = 120) -> dict:
@@ -106,12 +107,16 @@ def tiny_encoder(kind: str, n_layers: int = 2, vocab: int = 120):
     from transformers import (
         BertConfig,
         BertModel,
+        CamembertConfig,
+        CamembertModel,
         DistilBertConfig,
         DistilBertModel,
         ElectraConfig,
         ElectraModel,
         RobertaConfig,
         RobertaModel,
+        XLMRobertaConfig,
+        XLMRobertaModel,
     )
 
     torch.manual_seed(0)
@@ -120,6 +125,10 @@ def tiny_encoder(kind: str, n_layers: int = 2, vocab: int = 120):
         model = BertModel(BertConfig(**cfg))
     elif kind == "roberta":
         model = RobertaModel(RobertaConfig(**cfg, pad_token_id=1))
+    elif kind == "xlm-roberta":
+        model = XLMRobertaModel(XLMRobertaConfig(**cfg, pad_token_id=1))
+    elif kind == "camembert":
+        model = CamembertModel(CamembertConfig(**cfg, pad_token_id=1))
     elif kind == "electra":
         model = ElectraModel(ElectraConfig(**cfg, embedding_size=16))
     elif kind == "distilbert":
@@ -235,11 +244,12 @@ def pruned_run(path, removed=((1, 0), (1, 1), (1, 2), (1, 3), (2, 3)), **kwargs)
     return f, per, texts, dist
 
 
-def features_from_maps(attn, lengths, classes, sentences, num_windows, sink: bool = False):
+def features_from_maps(attn, lengths, classes, sentences, num_windows, sink: bool = False, first_row: int = 0):
     """docs/features.md's features of every sample from full attention maps (per layer B × H × L × L, each
     sample's tokens first), written independently of attnkit.reference: samples × layers × heads × features.
     Keys a causal row does not see have weight 0 in the maps, so the same sums give the features of causal rows.
-    `sink`: one more feature, the mass a row's keys leave (1 − the row's sum), averaged over the rows."""
+    `sink`: one more feature, the mass a row's keys leave (1 − the row's sum), averaged over the rows. `first_row`:
+    only the rows from that position on count (the query rows of a KV-cache step; a sample without one: 0)."""
     L_, H = len(attn), attn[0].shape[1]
     out = []
     for b, n in enumerate(lengths):
@@ -250,7 +260,9 @@ def features_from_maps(attn, lengths, classes, sentences, num_windows, sink: boo
             for h in range(H):
                 A = attn[layer][b, h, :n, :n].astype(np.float64)
                 rows = []
-                for s in range(n):
+                if first_row >= n:
+                    continue
+                for s in range(first_row, n):
                     r = np.zeros(5 + num_windows + 6)
                     for t in range(n):
                         c = cls_of[t]
@@ -271,9 +283,9 @@ def features_from_maps(attn, lengths, classes, sentences, num_windows, sink: boo
                     r[k + 5] = A[s][~same].sum()
                     rows.append(r)
                 rows = np.array(rows)
-                cls_rows = [s for s in range(n) if cls_of[s] == 1]
+                cls_rows = [s - first_row for s in range(first_row, n) if cls_of[s] == 1]
                 cls_ent = rows[cls_rows, 5 + num_windows + 2].mean() if cls_rows else 0.0
-                extra = [1.0 - A.sum(1).mean()] if sink else []
+                extra = [1.0 - A[first_row:].sum(1).mean()] if sink else []
                 per[layer, h] = np.concatenate([rows.mean(0), [cls_ent], extra])
         out.append(per)
     return np.array(out)

@@ -7,7 +7,7 @@ from sklearn.metrics import adjusted_rand_score
 from attnkit import AttnkitError
 from attnkit.analysis import HeadClusterer, cluster, match_labels, name_clusters, stability_over_seeds, sweep
 from attnkit.analysis.clustering import resolve_subset
-from attnkit.analysis.naming import profile_groups
+from attnkit.analysis.naming import DECODER_CLASSES, ENCODER_CLASSES, profile_groups, type_values
 from attnkit.features import bucket_names, feature_names
 
 from .synthetic import KINDS, layered_truth, make_features, prototype
@@ -144,28 +144,108 @@ def test_naming_rules_on_prototypes():
     assert g["near_r"] + g["far_r"] <= 1.0
 
 
-def test_naming_is_relative_unique_and_falls_back():
-    names = bucket_names(16)
-    # two broad clusters: the one with less special weight is dense, the other dense+vertical
-    win = np.array([2.0 * (16 - w) - 1 for w in range(16)])
-    win /= win.sum()
-    a = np.concatenate([[0.30, 0.08, 0.0, 0.0, 0.02], 0.60 * win])  # V = 0.38
-    b = np.concatenate([[0.45, 0.03, 0.01, 0.01, 0.0], 0.50 * win])  # V = 0.50 → vertical (only one)
-    c = np.concatenate([[0.35, 0.05, 0.0, 0.0, 0.0], 0.60 * win])  # V = 0.40
-    out = name_clusters(np.stack([a, b, c]), names)
-    assert out == ["dense", "vertical", "dense+vertical"]
-    # two vertical clusters: the stronger one keeps the name, the other gets a descriptive one
-    v1 = np.concatenate([[0.9, 0.0, 0.0, 0.0, 0.0], 0.1 * win])
-    v2 = np.concatenate([[0.0, 0.8, 0.0, 0.0, 0.0], 0.2 * win])
-    out = name_clusters(np.stack([v2, v1]), names)
-    assert out == ["sep-heavy", "vertical"]
-    # nothing fits: mid-range attention only
-    mid = np.zeros(21)
-    mid[5 + 2] = mid[5 + 3] = 0.5
-    out = name_clusters(np.stack([mid, mid]), names)
-    assert out == ["mid-heavy", "mid-heavy #2"]
-    # no distance buckets at all: named after the largest feature
+FULL = feature_names(16)
+
+
+def _full(cls=0.0, sep=0.0, punct=0.0, self_=0.0, win=None, prev=0.0):
+    """A full feature vector (buckets + row features) from a few shares; `win`: the 16 windows."""
+    v = np.zeros(len(FULL))
+    v[:5] = [cls, sep, punct / 2, punct / 2, self_]
+    v[5:21] = np.zeros(16) if win is None else win
+    v[FULL.index("prev")] = prev
+    return v
+
+
+def _uniform_windows(total):
+    w = np.array([2.0 * (16 - i) - 1 for i in range(16)])
+    return total * w / w.sum()
+
+
+def _check_names_agree(profiles, names, decoder):
+    """The documented rule (attnkit/analysis/naming.py): a name's first word is the type's largest class; plain X is
+    the type with the most X among those whose largest class is X; X+Y (X+Y+Z) has strictly the most Y (Y + Z) of
+    them; `X 0.68` is its share of X; names are unique and never numbered."""
+    out = name_clusters(profiles, names, decoder=decoder)
+    assert len(set(out)) == len(out) and not any("#" in n for n in out), out
+    vals = [type_values(p, names, decoder) for p in profiles]
+    classes = DECODER_CLASSES if decoder else ENCODER_CLASSES
+    heads = []
+    for name, v in zip(out, vals):
+        head = name.split("+")[0].split(" ")[0]
+        assert head in classes, name
+        assert v[head] == max(v[c] for c in classes), (name, v)
+        heads.append(head)
+    for i, (name, v) in enumerate(zip(out, vals)):
+        group = [j for j, h in enumerate(heads) if h == heads[i] and j != i]
+        head = heads[i]
+        if name == head:
+            assert all(v[head] >= vals[j][head] for j in group), (name, out)
+        elif "+" in name:
+            keys = name.split("+")[1:]
+            mine = sum(v[k] for k in keys)
+            assert all(mine > sum(vals[j][k] for k in keys) for j in group), (name, out)
+        else:
+            assert name == f"{head} {float(name.split(' ')[1]):.{len(name.split(' ')[1]) - 2}f}"
+            assert float(name.split(" ")[1]) == pytest.approx(v[head], abs=10 ** -(len(name.split(" ")[1]) - 2))
+    return out
+
+
+def test_names_agree_with_their_numbers_for_random_and_adversarial_centroids():
+    """Issue 35: "vertical" held 0.897 first-token mass while "cls-heavy" held 0.681 and "cls-heavy #2" 0.516."""
+    rng = np.random.default_rng(0)
+    names = FULL
+    for decoder in (False, True):
+        for k in range(2, 9):
+            for _ in range(40):
+                profiles = []
+                for c, s_, pu, se, near, mid, far in rng.dirichlet(np.full(7, rng.choice([0.2, 1.0, 5.0])), size=k):
+                    win = np.r_[near * 0.7, near * 0.3, mid / 2, mid / 2, _uniform_windows(far)[4:] * far
+                                / _uniform_windows(far)[4:].sum()]
+                    profiles.append(_full(c, s_, pu, se, win, prev=near * rng.uniform()))
+                profiles = np.stack(profiles)
+                _check_names_agree(profiles, names, decoder)
+        # adversarial: every type a sink; one type exactly between two others (no detail where it is the most);
+        # two types equal in their head class
+        a = _full(cls=0.9, self_=0.05, win=_uniform_windows(0.05))
+        b = _full(cls=0.5, self_=0.3, win=_uniform_windows(0.2))
+        mid = (a + b) / 2
+        c = _full(cls=0.6, sep=0.1, self_=0.1, win=_uniform_windows(0.2))
+        for profiles in ([a, b, mid], [a, b, mid, c], [b, a, mid, (a + mid) / 2], [a, a * 1.0 + 0, b]):
+            out = _check_names_agree(np.stack(profiles), names, decoder)
+            assert all(n.startswith("vertical" if not decoder else "first-token") for n in out)
+
+
+def test_the_reported_sinks_are_named_by_what_tells_them_apart():
+    """Three sink types of a decoder (first-token mass 0.897, 0.681, 0.516): the strongest is first-token, the others
+    first-token+<what they have more of>, no number suffix."""
+    strong = _full(cls=0.897, self_=0.03, win=_uniform_windows(0.073), prev=0.01)
+    local = _full(cls=0.681, self_=0.12, win=np.r_[0.15, 0.049, np.zeros(14)], prev=0.14)
+    broad = _full(cls=0.516, sep=0.004, self_=0.02, win=_uniform_windows(0.46), prev=0.01)
+    out = name_clusters(np.stack([local, strong, broad]), FULL, decoder=True)
+    assert out == ["first-token+previous-token", "first-token", "first-token+broad"]
+    # the same numbers as an encoder's: vertical, and what tells the others apart
+    assert name_clusters(np.stack([local, strong, broad]), FULL) == ["vertical+diagonal", "vertical", "vertical+dense"]
+
+
+def test_decoder_types_are_named_by_a_decoders_classes():
+    sink = _full(cls=0.95, win=_uniform_windows(0.05))
+    prev = _full(cls=0.1, self_=0.05, win=np.r_[0.85, np.zeros(15)], prev=0.8)
+    local = _full(cls=0.1, self_=0.4, win=np.r_[0.3, 0.2, np.zeros(14)], prev=0.1)
+    broad = _full(cls=0.2, self_=0.02, win=_uniform_windows(0.78), prev=0.03)
+    out = name_clusters(np.stack([sink, prev, local, broad]), FULL, decoder=True)
+    assert out == ["first-token", "previous-token", "local", "broad"]
+    vals = type_values(prev, FULL, decoder=True)
+    assert sum(vals[c] for c in DECODER_CLASSES) == pytest.approx(1.0)
+
+
+def test_naming_without_buckets_and_empty_clusters():
+    # no distance buckets at all: named after the largest feature, and what tells equal heads apart
     assert name_clusters(np.array([[0.1, 0.9], [0.8, 0.2]]), ["prev", "next"]) == ["next-heavy", "prev-heavy"]
+    assert name_clusters(np.array([[0.1, 0.9], [0.3, 0.7]]), ["prev", "next"]) == ["next-heavy", "next-heavy+prev"]
+    names = bucket_names(16)
+    nan = np.full(21, np.nan)
+    assert name_clusters(np.stack([prototype("dense"), nan, nan]), names) == ["dense", "empty 1", "empty 2"]
+    assert name_clusters(np.stack([prototype("dense"), nan]), names) == ["dense", "empty"]
 
 
 def test_top_level_export(structured):

@@ -115,7 +115,7 @@ def test_feature_names_link_to_the_glossary_inside_the_page(rich):
         assert f'<tr id="glossary-{n}">' in page
     glossary = page.split('<section id="glossary">')[1].split("</section>")[0]
     assert "<b>prev</b></td><td class=\"l\">weight on the previous token</td>" in glossary
-    assert "docs/features.md § the row features" in glossary
+    assert "docs/features.md § 2. Features of one query row › The row features" in glossary
     tables = page.split('<section id="tables">')[1].split("</section>")[0]
     assert 'prev<a class="doc" href="#glossary-prev" title="weight on the previous token">?</a>' in tables
 

@@ -77,19 +77,33 @@ def test_interrupted_run_resumes_to_identical_numbers(corpus, tmp_path, sig, pau
     proc.send_signal(sig)
     proc.wait(timeout=60)
     assert proc.returncode != 0
+    again = ["extract", corpus, "-o", part, "--batch-size", 1, "-q", "--backend", "reference", "--max-length", 24,
+             "--resume"]
     if sig != signal.SIGKILL:
-        assert proc.returncode == 128 + sig and b"--resume" in proc.stderr.read()  # 130 or 143, as a shell says
+        assert proc.returncode == 128 + sig  # 130 or 143, as a shell says
+        # the hint is the whole command to continue with: the one that ran, with --resume
+        again = _resume_hint(proc.stderr.read().decode())
+        assert again == ["attnkit", *map(str, _extract_args(corpus, part)), "--resume"]
+        again = again[1:]
     assert (part / "checkpoint.npz").exists() and not (part / "features.npz").exists()
     with np.load(part / "checkpoint.npz") as z:
         assert 0 < int(z["next_index"]) < 48
-    code, text = run("extract", corpus, "-o", part, "--batch-size", 1, "-q", "--backend", "reference",
-                     "--max-length", 24, "--resume")
+    code, text = run(*again)
     assert code == 0, text
     a, b = HeadFeatures.load(full), HeadFeatures.load(part)
     assert b.n_samples == 48 and b.n_tokens == a.n_tokens
     np.testing.assert_array_equal(a.mean, b.mean)
     np.testing.assert_array_equal(a.std, b.std)
     assert not (part / "checkpoint.npz").exists()
+
+
+def _resume_hint(stderr: str) -> list[str]:
+    """The command an interrupted extract says to continue with, as arguments."""
+    import shlex
+
+    m = re.search(r"checkpoint saved\. Continue with: (.+)$", stderr.strip())
+    assert m, stderr
+    return shlex.split(m.group(1))
 
 
 def test_resume_errors(corpus, tmp_path):
@@ -370,8 +384,10 @@ def test_an_interrupted_overwrite_resumed_ends_like_an_uninterrupted_one(corpus,
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)
     assert proc.returncode == 130 and (out / "clusters.json").exists()  # the old run stays until the new finishes
-    code, text = run("extract", corpus, "-o", out, "--batch-size", 1, "-q", "--backend", "reference",
-                     "--max-length", 24, "--resume")
+    # the command to continue with resumes the overwrite: --resume in place of --overwrite, which it contradicts
+    again = _resume_hint(proc.stderr.read().decode())
+    assert again == ["attnkit", *map(str, _extract_args(corpus, out)), "--resume"]
+    code, text = run(*again[1:])
     assert code == 0, text
     assert HeadFeatures.load(out).n_samples == 48
     assert not (out / "clusters.json").exists() and not (out / "figures").exists()

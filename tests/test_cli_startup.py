@@ -136,8 +136,21 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
     decoder = str(tmp_path / "dec")
     (existing / "detected_heads.csv").write_text("layer,head\n")
     model = str(tmp_path / "m")
+    short = tmp_path / "short"  # a model directory whose config.json says 16 positions (its weights are never read)
+    short.mkdir()
+    (short / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 16}')
+    (short / "model.safetensors").write_text("")
+    (short / "tokenizer.json").write_text("{}")
+    short = str(short)
     no_text_column = tmp_path / "n.csv"
     no_text_column.write_text("x\n1\n")
+    from attnkit.engine.job_options import ExtractOptions, option_settings
+    from attnkit.run.head_features import FeatureAccumulator
+    from attnkit.run.rundir import RunDir
+
+    interrupted = tmp_path / "interrupted"  # a checkpoint made with --batch-size 16, the other options as given
+    RunDir(interrupted).save_checkpoint(FeatureAccumulator(2, 4, ["f0"]), 1, 0,
+                                        option_settings(ExtractOptions(batch_size=16)))
     cases = [
         (["extract", missing, "-o", str(tmp_path / "o")], f"corpus file '{missing}' does not exist"),
         (["extract", str(corpus), "-o", str(run)], "already holds a finished run: give --overwrite"),
@@ -146,6 +159,10 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
          "--per-sample is written by the local engine only"),
         (["extract", str(corpus), "-o", str(tmp_path / "o"), "--model", str(tmp_path / "m")], "not found"),
         (["extract", str(corpus), "--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
+        (["extract", str(corpus), "-o", str(existing / "x" / "sub")],
+         f"cannot create run directory '{existing / 'x' / 'sub'}': '{existing / 'x'}' is a file, not a directory"),
+        (["extract", str(corpus), "-o", str(interrupted), "--resume", "--batch-size", "8"],
+         "cannot resume: the run directory was made with other settings (batch_size: 16 then, 8 now)"),
         (["ablate", "default", *stsb, "--experiment", "types"], "--experiment types needs --clusters RUN"),
         (["ablate", "default", *stsb, "--experiment", "importance", "--mode", "mean"], "--mode mean applies to"),
         (["ablate", str(tmp_path / "m"), *stsb, "--experiment", "heads"], "not found"),
@@ -168,8 +185,23 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
         (["report", str(damaged)], "holds NaN or infinite means for 1 head(s) (L1H2) that meta.json does not record"),
         (["detect-heads", decoder, "-o", str(tmp_path / "o")], "not found"),
         (["detect-heads", "smollm2", "-o", str(existing)], "detected_heads.csv already exists: give --overwrite"),
-        (["detect-heads", "smollm2", "-o", str(tmp_path / "o"), "--corpus", str(no_text_column)],
-         "cannot tell which column holds the text"),
+        (["detect-heads", "smollm2", "-o", str(tmp_path / "o"), "--kinds", "retrieval", "--corpus",
+          str(no_text_column)], "cannot tell which column holds the text"),
+        # lengths past a model's positions, from its config.json alone (issue 34 item 3, issue 35 item 4)
+        (["extract", str(corpus), "-o", str(tmp_path / "o"), "--model", short],
+         "--max-length 128 exceeds the model's 16 positions (llama): give at most 16"),
+        (["ablate", short, "--task", "lm", "--data", str(corpus), "--experiment", "heads", "--max-length", "32"],
+         "--max-length 32 exceeds the model's 16 positions"),
+        (["ablate", short, "--task", "mlm", "--data", str(corpus), "--experiment", "heads"],
+         "--task mlm scores a masked language model (an encoder)"),
+        (["compare-models", short, short, str(corpus), "-o", str(tmp_path / "o"), "--max-length", "20"],
+         "--max-length 20 exceeds the model's 16 positions"),
+        (["probe", str(conllu), "--model", short, "-o", str(tmp_path / "o"), "--max-length", "20"],
+         "--max-length 20 exceeds the model's 16 positions"),
+        (["detect-heads", short, "-o", str(tmp_path / "o"), "--length", "2000000000"],
+         "take 4000000000 tokens, more than the model's 16 positions"),
+        (["detect-heads", short, "-o", str(tmp_path / "o"), "--corpus", str(corpus)],
+         "--corpus gives the haystacks of retrieval, which --kinds does not ask for"),
         (["extract", str(squad), "-o", str(tmp_path / "o"), "--format", "squad"], "field data: expected an array"),
         (["compare-models", "default", "default", str(squad), "--format", "squad", "-o", str(tmp_path / "o")],
          "field data: expected an array"),

@@ -3,7 +3,7 @@
 states and maps on request against the same model with eager attention, with right and left padding; features
 against features computed here from eager's maps (tests/synthetic.py: features_from_maps); norm weighting against
 value vectors taken from the projections here; interventions, head caches, the refusals (unknown attention
-arguments, a KV cache, pruning, text pairs)."""
+arguments, pruning, text pairs); generation with and without a KV cache."""
 from __future__ import annotations
 
 import copy
@@ -208,15 +208,14 @@ def test_unknown_attention_arguments_are_refused_by_name():
         attnkit_attention(mod, q, kv, kv, None, scaling=0.3, cu_seq_lens_q=torch.tensor([0, 3]))
 
 
-def test_generation_without_a_cache_and_a_cache_refused():
+def test_generation_with_and_without_a_cache():  # more in tests/test_generation.py
     eager = tiny_decoder("qwen2")
     ours = attnkit.instrument(copy.deepcopy(eager))
     ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     want = eager.generate(ids, **kw)
     assert torch.equal(ours.generate(ids, use_cache=False, **kw), want)
-    with pytest.raises(AttnkitError, match="a KV cache in generation"):
-        ours.generate(ids, use_cache=True, **kw)
+    assert torch.equal(ours.generate(ids, use_cache=True, **kw), want)
 
 
 def test_pruning_a_fused_projection_is_refused_by_name():

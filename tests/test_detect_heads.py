@@ -113,7 +113,8 @@ def test_command_writes_heads_csv_and_meta(tokenizer, tmp_path):  # noqa: F811
     out = tmp_path / "run"
     res = CliRunner().invoke(main, ["detect-heads", str(path), "-o", str(out), "--length", "8", "--sequences", "3"])
     assert res.exit_code == 0, res.output
-    assert res.output.startswith("previous: L")
+    assert res.stdout.startswith("previous: L")
+    assert "detect-heads: 100%" in res.stderr and "3/3" in res.stderr  # progress of the sequences scored
     rows = (out / "detected_heads.csv").read_text().splitlines()
     assert rows[0] == "layer,head,previous,duplicate,induction" and len(rows) == 9
     meta = json.loads((out / "detected_heads.json").read_text())

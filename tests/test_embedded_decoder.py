@@ -52,6 +52,29 @@ def test_the_copy_is_made_once_and_rebuilt_when_damaged(tmp_path):
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m", "m.lock"]  # no temporary left
 
 
+def test_the_conversion_is_announced_once_in_one_line(tmp_path, capsys):
+    calls = []
+    where = tmp_path / "m"
+    ensure_copy(where, fake_convert(calls), announce=lambda: "attnkit: converting m once (1 MB)")
+    ensure_copy(where, fake_convert(calls), announce=lambda: "attnkit: converting m once (1 MB)")  # read, not said
+    assert len(calls) == 1 and capsys.readouterr().err == "attnkit: converting m once (1 MB)\n"
+
+
+def test_the_first_use_of_smollm2_says_it_converts_once_and_how_big(tmp_path, monkeypatch):
+    from attnkit import embedded
+
+    if embedded.missing_packages():
+        pytest.skip("the embedded decoder's packages are not installed")
+    said = []
+    monkeypatch.setenv("ATTNKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(embedded, "ensure_copy", lambda d, convert, source="", announce=None: said.append(announce()))
+    embedded_path("smollm2")
+    [line] = said
+    assert line.startswith(f"attnkit: converting the embedded SmolLM2 once into {tmp_path}/smollm2-")
+    mb = float(line.split(" (")[1].split(" MB")[0].replace(",", ""))
+    assert 500 < mb < 560  # 135 M float32 weights (538 MB written)
+
+
 def test_two_loaders_at_once_convert_once(tmp_path):
     calls, errors = [], []
     where = tmp_path / "m"

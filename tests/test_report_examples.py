@@ -70,6 +70,13 @@ def test_the_embedded_maps_are_the_models_maps(with_examples):
     assert "Attention on example inputs" in page and 'id="hv-draw"' in page
 
 
+def same_model_in_clusters(run, model: str) -> None:
+    """clusters.json names the run's model as meta.json does (a clusters.json of another model is refused)."""
+    data = json.loads((run / "clusters.json").read_text())
+    data["run"]["model"] = model
+    (run / "clusters.json").write_text(json.dumps(data))
+
+
 def test_the_report_command_embeds_four_inputs_by_default_when_it_can(tmp_path, monkeypatch):
     from attnkit.cli.analysis import report_cmd
 
@@ -91,6 +98,7 @@ def test_the_report_command_embeds_four_inputs_by_default_when_it_can(tmp_path, 
     meta.update(model="tiny", settings={"reading": {"paths": [str(corpus)], "format": "text", "text_unit": "line"}},
                 max_length=64, inputs=[{"path": "corpus.txt", "sha256": hashlib.sha256(corpus.read_bytes()).hexdigest()}])
     (run / "meta.json").write_text(json.dumps(meta))
+    same_model_in_clusters(run, "tiny")
     import attnkit.models
 
     monkeypatch.setattr(attnkit.models, "load_model", lambda name, device=None: tiny_bert(3, 4))
@@ -108,12 +116,16 @@ def test_a_file_that_meta_json_names_without_its_hash_is_not_read_into_the_page(
 
     run = tmp_path / "run"
     rich_run(run, n_samples=6)
-    (run / "per_sample_rows.csv").unlink()  # the examples' texts would be read from the corpus again
+    (run / "per_sample_rows.csv").unlink()  # a run without the rows table (attnkit 0.1): the examples' texts would
+    ps = json.loads((run / "per_sample.json").read_text())  # be read from the corpus again
+    del ps["rows"]
+    (run / "per_sample.json").write_text(json.dumps(ps))
     secret = tmp_path / "secret.txt"
     secret.write_text("the cat sat on the mat and the password is hunter2 .\n" * 10)
     meta = json.loads((run / "meta.json").read_text())
     meta.update(model="tiny", settings={"reading": {"paths": [str(secret)], "format": "text", "text_unit": "line"}})
     (run / "meta.json").write_text(json.dumps(meta))
+    same_model_in_clusters(run, "tiny")
     import attnkit.models
 
     monkeypatch.setattr(attnkit.models, "load_model", lambda name, device=None: tiny_bert(3, 4))

@@ -135,7 +135,9 @@ def _texts(run, payload):
 
 # every field of a file that reaches the page (the value must come back intact where the page shows it)
 FIELDS = {
-    "meta.json model": lambda run, p: _set(run / "meta.json", lambda d: d.update(model=p)),
+    # the run's model, named alike where the run's clusters record it (a clusters.json of another model is refused)
+    "meta.json model": lambda run, p: [_set(run / "meta.json", lambda d: d.update(model=p)),
+                                       _set(run / "clusters.json", lambda d: d["run"].update(model=p))],
     "meta.json setting name": lambda run, p: _set(run / "meta.json", lambda d: d.update({p: 1})),
     "meta.json nested setting": lambda run, p: _set(run / "meta.json", lambda d: d.update(
         settings={"reading": {"paths": [p]}, p: {"x": [p, {p: p}]}})),

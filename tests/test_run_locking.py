@@ -25,6 +25,58 @@ def test_second_command_is_refused_naming_the_holder(tmp_path, lock_held):
     assert not (run / OWNER_FILE).exists()
 
 
+def test_a_finished_command_leaves_no_lock_file(tmp_path, feats):
+    from click.testing import CliRunner
+
+    from attnkit.cli.main import main
+
+    run = tmp_path / "run"
+    with run_lock(run, "attnkit cluster"):
+        assert (run / LOCK_FILE).is_file()  # held while the command runs
+    assert sorted(os.listdir(run)) == []
+    feats.save(run)
+    r = CliRunner().invoke(main, ["cluster", str(run), "-q"])
+    assert r.exit_code == 0, r.output
+    assert not (run / LOCK_FILE).exists() and not (run / OWNER_FILE).exists()
+    assert (run / "clusters.json").is_file()
+
+
+def test_a_lock_taken_on_a_lock_file_its_holder_removed_is_taken_again_at_the_path(tmp_path, monkeypatch):
+    """A command opens the lock file; its holder finishes, removes the file and lets go; a third command makes
+    the file again and locks it; only then does the first take the lock on the file it opened, which no longer
+    exists. It must not believe it holds the directory: it tries again at the path and is refused, the third
+    holding it. (The interleaving is made by hand: the first `acquire` runs, then the others act.)"""
+    import fcntl
+
+    import filelock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    real_acquire = filelock.FileLock.acquire
+    third = []
+
+    def acquire(self, *args, **kwargs):
+        out = real_acquire(self, *args, **kwargs)
+        if not third:  # the file this lock holds goes; a third process's lock on a new one at the path
+            (run / LOCK_FILE).unlink()
+            third.append(os.open(run / LOCK_FILE, os.O_RDWR | os.O_CREAT))
+            fcntl.flock(third[0], fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file: a lock of its own
+        return out
+
+    monkeypatch.setattr(filelock.FileLock, "acquire", acquire)
+    try:
+        with pytest.raises(AttnkitError, match="is in use by another process"):
+            with run_lock(run, "attnkit cluster"):
+                pass
+        assert (run / LOCK_FILE).is_file()  # the third's lock file is left alone
+        os.close(third[0])  # the third ends: the directory is free
+        with run_lock(run, "attnkit cluster"):
+            assert lock_owner(run)["pid"] == os.getpid()
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(third[0])
+
+
 def test_second_cli_command_exits_with_one_line(tmp_path, feats, lock_held):
     from click.testing import CliRunner
 

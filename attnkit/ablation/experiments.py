@@ -29,7 +29,7 @@ import numpy as np
 
 from ..arch.pruning import pruned_head_grid
 from ..errors import AttnkitError, arg
-from ..interventions import HeadTypes, Intervention, format_heads, intervene
+from ..interventions import HeadTypes, Intervention, format_heads, only
 from ..run.outputs import atomic_write, ensure_writable_dir
 from .importance import iterative_pruning
 from .metrics import MC_Z, N_BOOT, bootstrap_values, excludes_zero, percentile_interval
@@ -69,6 +69,7 @@ class TaskEvaluator:
     memory allows; 1: one)."""
 
     def __init__(self, task, model, tokenizer, limit=None, batch_size=32, *, sweep: bool = True, stack=None):
+        task.fit_to(model)  # no input runs past the model's positions
         self.task, self.model, self.tokenizer = task, model, tokenizer
         self.limit, self.batch_size = limit, batch_size
         self.main_metric = task.main_metric
@@ -76,7 +77,7 @@ class TaskEvaluator:
 
     def __call__(self, iv: Intervention) -> dict:
         self.task.last_examples = None
-        with intervene(self.model, iv):
+        with only(self.model, iv):  # exactly this setting, as a sweep evaluates it
             return self.task.evaluate(self.model, self.tokenizer, limit=self.limit, batch_size=self.batch_size)
 
     def evaluate_many(self, interventions: list, progress: bool = False, desc: str = "settings") -> list[tuple]:

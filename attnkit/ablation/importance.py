@@ -23,7 +23,7 @@ import torch
 from ..arch.pruning import pruned_head_grid
 from ..errors import AttnkitError
 from ..features import KEEP, MODES
-from ..interventions import Intervention, intervene
+from ..interventions import Intervention, only
 
 
 def head_importance(model, losses: Callable[[], Iterable[torch.Tensor]], base: Intervention | None = None, *,
@@ -42,7 +42,7 @@ def head_importance(model, losses: Callable[[], Iterable[torch.Tensor]], base: I
     for p in params:  # only the gates need gradients
         p.requires_grad_(False)
     try:
-        with torch.enable_grad(), intervene(model, iv):
+        with torch.enable_grad(), only(model, iv):
             for loss in losses():
                 if not loss.requires_grad:
                     raise AttnkitError("the task loss does not depend on the head gates (is the model instrumented?)")

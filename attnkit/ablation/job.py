@@ -12,14 +12,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import arg
 from ..interventions import load_clusters
 from ..models import load_model
 from ..run.files import HEAD_MEANS_FILE, REPORT_FILE
+from ..run.identity import IDENTITY_FIELD, model_identity
 from ..run.locking import output_directory
 from ..run.outputs import check_output_path, write_json
 from ..run.overwrite import claim_outputs
 from .experiments import ResultTable, TaskEvaluator, run_experiment
 from .figures import save_figure
+from .names import task_max_length
 from .options import DEFAULT_MODES, AblateOptions, check_ablate_options, output_paths
 from .patching import PatchingTask
 from .tasks import get_task
@@ -37,6 +40,7 @@ class Ablation:
     mode: str
     type_counts: dict | None = None
     removed: str | None = None  # what --overwrite removed
+    note: str | None = None  # the task's default length cut to the model's positions
 
 
 def _mean_corpus(opts: AblateOptions):
@@ -73,8 +77,10 @@ def run_ablation(opts: AblateOptions) -> Ablation:
     out = check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
     if opts.experiment == "patching":
         task = PatchingTask(opts.data, opts.task_name, opts.metric)
+        task.max_length = task_max_length(opts.task_name, opts.max_length)
+        task.length_given = opts.max_length is not None
     else:
-        task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task)
+        task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task, max_length=opts.max_length)
     if opts.limit is not None:
         task.head(opts.limit)
     corpus = _mean_corpus(opts)
@@ -87,7 +93,8 @@ def run_ablation(opts: AblateOptions) -> Ablation:
         if opts.overwrite and opts.mode == "mean" and means_file.exists():
             claim.replaced.append(means_file)  # measured again: the model or its corpus may have changed
         m, tok = load_model(None if opts.model == "default" else opts.model, device=opts.device,
-                            task=task.model_task)
+                            task=task.model_task, max_length=opts.max_length)
+        cut = task.fit_to(m)
         evaluate = TaskEvaluator(task, m, tok, limit=opts.sample, batch_size=opts.batch_size, stack=opts.stack)
         shape = (m.config.num_hidden_layers, m.config.num_attention_heads)
         head_types = load_clusters(opts.clusters, shape) if opts.clusters else None
@@ -103,8 +110,11 @@ def run_ablation(opts: AblateOptions) -> Ablation:
         paths = table.save(out)
         name = "default (embedded MiniLM)" if opts.model == "default" else opts.model
         fig = save_figure(table, shape, out, title=f"{name}: {opts.task_name} {opts.experiment}")
-        meta = {"model": name, "task": opts.task_name, "data": os.path.abspath(opts.data),
-                "experiment": opts.experiment, "mode": mode, "renormalize": opts.renormalize, "limit": opts.limit,
+        meta = {"model": name, IDENTITY_FIELD: model_identity(m, None if opts.model == "default" else opts.model),
+                "task": opts.task_name, "data": os.path.abspath(opts.data),
+                "experiment": opts.experiment, "mode": mode, "renormalize": opts.renormalize,
+                "max_length": task.max_length, **({} if cut is None else {"max_length_cut_from": cut}),
+                "limit": opts.limit,
                 "sample": opts.sample, "n_examples": table.rows[0].get("n"),
                 "clusters": os.path.abspath(opts.clusters) if opts.clusters else None,
                 "bootstrap": table.extra["bootstrap"], "seconds": round(time.perf_counter() - t0, 1)}
@@ -119,8 +129,10 @@ def run_ablation(opts: AblateOptions) -> Ablation:
         paths["meta"] = os.path.join(out, f"{opts.experiment}.meta.json")
         write_json(paths["meta"], meta)
         claim.remove_stale()
+    note = None if cut is None else (f"attnkit ablate: inputs cut to the model's {task.max_length} positions (the "
+                                     f"task's default {arg('max_length')} is {cut})")
     return Ablation(table, paths, fig, name, mode, head_types.counts() if head_types is not None else None,
-                    claim.removed_message())
+                    claim.removed_message(), note)
 
 
 __all__ = ["AblateOptions", "Ablation", "output_paths", "run_ablation"]

@@ -8,13 +8,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..embedded import check_model_max_length, model_config
 from ..errors import AttnkitError, arg, check_int
 from ..features import read_heads
 from ..run.files import LOCK_FILE, OWNER_FILE
-from ..run.model_dir import check_model_dir, default_model_path
+from ..run.model_dir import DECODER_TYPES, check_model_dir, default_model_path
 from ..run.outputs import check_output_place
 from .data import read_task_data
-from .names import EXPERIMENTS, N_BOOT
+from .names import EXPERIMENTS, N_BOOT, task_max_length
 
 DEFAULT_MODES = {"layers": "uniform", "patching": "patch"}  # when no mode is given: zero, but layers uniform
 MEAN_EXPERIMENTS = ("heads", "layers", "types")  # the experiments that --mode mean applies to
@@ -45,6 +46,7 @@ class AblateOptions:
     mean_corpus: tuple = ()  # --mode mean: the corpus the heads' means come from (default: the evaluated inputs)
     resamples: int = N_BOOT  # bootstrap resamples (0: no intervals)
     stack: int | None = None  # settings per forward (None: as memory allows)
+    max_length: int | None = None  # tokens per input (None: the task's default, `task_max_length`)
 
 
 def check_ablate_options(opts: AblateOptions) -> None:
@@ -70,6 +72,7 @@ def check_ablate_options(opts: AblateOptions) -> None:
     check_int(opts.resamples, "resamples")
     if opts.stack is not None:
         check_int(opts.stack, "stack")
+    check_int(task_max_length(opts.task_name, opts.max_length), "max_length", minimum=2)
     if opts.resamples != 0 and opts.resamples < 10:
         raise AttnkitError(f"{arg('resamples')} must be 0 (no intervals) or at least 10, got {opts.resamples}")
 
@@ -82,7 +85,8 @@ def output_paths(out, experiment: str) -> list[str]:
 
 def preflight_ablate(opts: AblateOptions) -> None:
     """What `attnkit ablate` can refuse without a model, before torch is imported: the options, the model
-    directory, the data (read and checked as its task reads it: attnkit.ablation.data), the mean corpus (unless it
+    directory and the tokens per input against its positions (its config.json), the data (read and checked as its
+    task reads it: attnkit.ablation.data), the mean corpus (unless it
     is standard input, which can be read once only), the clusters file (its schema; the model's shape is checked
     once it is loaded), and earlier results in the output directory that only `overwrite` replaces."""
     from ..corpus import open_corpus
@@ -101,6 +105,12 @@ def preflight_ablate(opts: AblateOptions) -> None:
     claim_outputs(output_paths(out, opts.experiment), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
     if opts.model != "default":
         check_model_dir(str(opts.model))
+    mtype = (model_config(opts.model) or {}).get("model_type")
+    if opts.task_name == "mlm" and mtype in DECODER_TYPES:  # (an unknown decoder is refused as it loads)
+        raise AttnkitError(f"{arg('task_name', 'mlm')} scores a masked language model (an encoder); {opts.model!r} "
+                           f"holds a {mtype!r} decoder: use {arg('task_name', 'lm')} for its next-token loss")
+    if opts.max_length is not None:  # a length asked for: config.json is enough (a default is fitted to the model)
+        check_model_max_length(opts.model, opts.max_length)
     if opts.clusters is not None:
         load_clusters(opts.clusters)
 

@@ -24,7 +24,7 @@ import torch
 
 from ..caching import HeadCache, cache_heads, encoder_layers
 from ..errors import AttnkitError
-from ..interventions import Intervention, intervene
+from ..interventions import Intervention, only
 from ..models import instrument
 from ..tokens import Encoder
 from . import metrics
@@ -136,7 +136,7 @@ class PatchingTask(Task):
         """The clean forward (filling the cache the patches read) and the unpatched metrics, without any
         intervention."""
         info = step.info
-        with intervene(model, Intervention.for_model(model)):
+        with only(model, Intervention.for_model(model)):
             if self.kind == "stsb":
                 ref = info["reference"]
                 hidden = base_hidden(model, ref)

@@ -24,8 +24,8 @@ import torch
 
 from ..caching import capturing_layer_outputs, encoder_layers, starting_at
 from ..errors import AttnkitError, check_int
-from ..interventions import Intervention, StackedInterventions, intervene
-from ..models import instrument, runtime_of
+from ..interventions import Intervention, StackedInterventions, only
+from ..models import instrument
 from ..tokens import Batch
 
 STACK_BYTES = 1 << 30  # memory that the settings run as one forward may take (estimated), when `stack` is not given
@@ -68,18 +68,6 @@ def nbytes(obj) -> int:
     if isinstance(obj, dict):
         return sum(nbytes(o) for o in obj.values())
     return 64
-
-
-@contextlib.contextmanager
-def _only(model, intervention):
-    """`intervention` (or none) in force for the block, whatever was in force around it."""
-    rt = runtime_of(model)
-    previous = rt.intervention
-    rt.intervention = intervention
-    try:
-        yield
-    finally:
-        rt.intervention = previous
 
 
 class Sweep:
@@ -147,7 +135,7 @@ class Sweep:
             keep = {s - 1 for s in starts if 0 < s < n_layers}
             with torch.inference_mode():
                 self.task.prepare(self.model, step)
-                with _only(self.model, None), capturing_layer_outputs(self.model, keep) as kept:
+                with only(self.model, None), capturing_layer_outputs(self.model, keep) as kept:
                     plain = self.task.outputs(self.model, step.batch)
                 reduced = self.task.reduce(step, plain)
                 if k == 0:  # how many settings' reduced outputs fit in memory until the end of the pass
@@ -182,7 +170,7 @@ class Sweep:
         with contextlib.ExitStack() as stack:
             if layer > 0:
                 stack.enter_context(starting_at(self.model, layer, repeat_outputs(hidden, n)))
-            stack.enter_context(intervene(self.model, ivs[0] if n == 1 else StackedInterventions(ivs, B)))
+            stack.enter_context(only(self.model, ivs[0] if n == 1 else StackedInterventions(ivs, B)))
             outputs = self.task.outputs(self.model, batch)
         for i in range(n):
             into[i].append(self.task.reduce(step, block(outputs, i, B) if n > 1 else outputs))

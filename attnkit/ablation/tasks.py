@@ -34,7 +34,7 @@ import torch
 
 from ..errors import AttnkitError, check_int
 from ..features import DEFAULT_MAX_LENGTH
-from ..models import instrument, runtime_of
+from ..models import check_max_length, instrument, max_positions, runtime_of
 from ..tokens import Batch, Encoder
 from . import metrics
 from .data import (
@@ -46,7 +46,7 @@ from .data import (
     read_text_data,
     subset,
 )
-from .names import TASKS
+from .names import SQUAD_MAX_LENGTH, SQUAD_STRIDE, TASKS, task_max_length
 
 
 def _device(model) -> torch.device:
@@ -90,6 +90,7 @@ class Task:
     main_metric = ""
     model_task: str | None = None  # the `task` argument of attnkit.load_model
     max_length = DEFAULT_MAX_LENGTH
+    length_given = False  # whether max_length was asked for; else it is the task's default (`fit_to`)
     last_examples = None  # metrics.ExampleScores of the last evaluate(), for bootstrap intervals
 
     path = ""
@@ -123,6 +124,19 @@ class Task:
             cache[key] = batches
         return cache[key]
 
+    def fit_to(self, model) -> int | None:
+        """Make max_length fit `model`'s positions (attnkit.run.model_dir.max_positions), so that no input runs past
+        them: a length that was asked for (`length_given`) and exceeds them is refused (check_max_length); the
+        task's default is cut to them. Returns the default it cut, else None."""
+        limit = max_positions(model)
+        if limit is None or self.max_length <= limit:
+            return None
+        if self.length_given:
+            check_max_length(model, self.max_length)
+        cut, self.max_length = self.max_length, limit
+        self.__dict__.pop("_cache", None)  # batches encoded at the old length
+        return cut
+
     def segments(self, limit: int | None = None) -> list:
         """The inputs the model sees in an evaluation under `limit` (texts or text pairs), e.g. for the mean
         outputs of every head over them (`attnkit ablate --mode mean`)."""
@@ -148,6 +162,7 @@ class Task:
 
     def evaluate(self, model, tokenizer, limit: int | None = None, batch_size: int = 32) -> dict:
         """The task's metrics of `model` on the examples under `limit` (as `subset` picks them)."""
+        self.fit_to(model)
         instrument(model)
         self.last_examples = None
         plan = self.plan(model, tokenizer, limit, batch_size)
@@ -336,12 +351,19 @@ class SquadTask(Task):
     model_task = "question-answering"
     main_metric = "f1"
 
-    def __init__(self, path: str, max_length: int = 384, stride: int = 128, n_best: int = 20,
+    def __init__(self, path: str, max_length: int = SQUAD_MAX_LENGTH, stride: int | None = None, n_best: int = 20,
                  max_answer_length: int = 30):
         self.path = path
-        self.max_length, self.stride = max_length, stride
+        # windows overlap by SQUAD_STRIDE tokens, less in shorter windows (at most a third of one)
+        self.max_length, self.stride = max_length, min(SQUAD_STRIDE, max_length // 3) if stride is None else stride
         self.n_best, self.max_answer_length = n_best, max_answer_length
         self.examples, self.v2 = read_squad(path)  # (qid, question, context, [answer texts], [answer starts])
+
+    def fit_to(self, model) -> int | None:
+        cut = super().fit_to(model)
+        if cut is not None:
+            self.stride = min(self.stride, self.max_length // 3)
+        return cut
 
     def _features(self, tokenizer, idx: list[int]):
         """Tokenised windows of the questions `idx`: list of dicts, cached per tokenizer."""
@@ -658,17 +680,22 @@ class LmTask(Task):
 
 
 def get_task(name: str, path, **options) -> Task:
-    """Load a task's data from a local file: name in stsb, glue, squad, mlm, lm."""
+    """Load a task's data from a local file: name in stsb, glue, squad, mlm, lm; `max_length`: the tokens per input
+    (default: `task_max_length`)."""
     path = str(path)
     if name == "stsb":
-        return StsbTask(path)
-    if name == "glue":
-        return GlueTask(path, subtask=options.get("glue_task"))
-    if name == "squad":
-        kw = {k: options[k] for k in ("max_length", "stride") if options.get(k) is not None}
-        return SquadTask(path, **kw)
-    if name == "mlm":
-        return MlmTask(path, seed=options.get("seed") or 0)
-    if name == "lm":
-        return LmTask(path)
-    raise AttnkitError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")
+        task = StsbTask(path)
+    elif name == "glue":
+        task = GlueTask(path, subtask=options.get("glue_task"))
+    elif name == "squad":
+        task = SquadTask(path, max_length=task_max_length(name, options.get("max_length")),
+                         stride=options.get("stride"))
+    elif name == "mlm":
+        task = MlmTask(path, seed=options.get("seed") or 0)
+    elif name == "lm":
+        task = LmTask(path)
+    else:
+        raise AttnkitError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")
+    task.max_length = check_int(task_max_length(name, options.get("max_length")), "max_length", minimum=2)
+    task.length_given = options.get("max_length") is not None
+    return task

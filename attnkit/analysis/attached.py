@@ -29,10 +29,12 @@ from ..run.files import (
     PROBE_JSON,
 )
 from ..run.head_features import HeadFeatures
+from ..run.identity import model_mismatch, partial_identity, recorded_identity
 from ..run.schemas import (
     ABLATION_META_SCHEMA,
     ABLATION_TABLE_SCHEMA,
     DETECTED_HEADS_SCHEMA,
+    META_SCHEMA,
     PATTERNS_SCHEMA,
     PROBE_SCHEMA,
     load_json,
@@ -48,8 +50,10 @@ class Attached:
     """What was found: `patterns` (patterns.json's content and its path), `probe` (accuracy per head and relation,
     the baselines, probe.json and the directory), `ablations` (one entry per experiment table), `detected` (the
     scores of `attnkit detect-heads`, `read_detected`), `weighting` (the run against a run of the other weighting,
-    `attnkit.analysis.weighting.compare_weightings`, with `other`: that run's directory) and `links` ((label,
-    path, why) of results that are not shown)."""
+    `attnkit.analysis.weighting.compare_weightings`, with `other`: that run's directory), `links` ((label,
+    path, why) of results that are not shown: another model's, or unreadable beside a readable file) and `partial`
+    (the files shown whose model could be compared with the run's only in part: made before attnkit recorded the
+    model's identity, attnkit/run/identity.py)."""
 
     patterns: dict | None = None
     probe: dict | None = None
@@ -57,16 +61,40 @@ class Attached:
     detected: dict | None = None
     weighting: dict | None = None
     links: list = field(default_factory=list)
+    partial: list = field(default_factory=list)
 
 
 class _Elsewhere(Exception):
-    """A readable result that does not belong beside the run's heads (another model's shape, a table that is
-    missing): the report links it with this reason. Damaged files raise AttnkitError instead."""
+    """A readable result that does not belong beside the run's heads (another model's, a table that is missing):
+    the report links it with this reason. Damaged files raise AttnkitError instead."""
 
 
-def read_patterns(path: Path, shape: tuple[int, int]) -> dict:
-    """patterns.json, validated (PATTERNS_SCHEMA, then every class with a layers × heads grid of the run's shape)."""
+def _same_model(run: dict | None, record: dict, path: Path, partial: list | None, n_layers=None,
+                n_heads=None) -> None:
+    """Raise _Elsewhere when the file `path`, whose JSON object is `record`, was made with another model than the
+    run's (`run`: the run's recorded identity; None: not compared); note in `partial` a file compared only in
+    part."""
+    if run is None:
+        return
+    theirs = recorded_identity(record, n_layers, n_heads)
+    why = model_mismatch(run, theirs)
+    if why:
+        raise _Elsewhere(why)
+    if partial is not None and partial_identity(run, theirs):
+        partial.append(path)
+
+
+def read_patterns(path: Path, shape: tuple[int, int], features: HeadFeatures | None = None) -> dict:
+    """patterns.json, validated (PATTERNS_SCHEMA, then every class with a layers × heads grid of the run's shape);
+    with the run's `features`, also of its weighting and of no more examples than the run measured samples."""
     data = load_json(path, PATTERNS_SCHEMA)
+    if features is not None:
+        if data.get("weighting") and data["weighting"] != weighting_of(features.meta):
+            raise _Elsewhere(f"its classes are of {data['weighting']}-weighted features, the run's are "
+                             f"{weighting_of(features.meta)}-weighted: run `attnkit patterns RUN --overwrite`")
+        if features.n_samples and data["n_examples"] > features.n_samples:
+            raise _Elsewhere(f"it classified {data['n_examples']} examples, the run measured {features.n_samples} "
+                             "samples: it is another run's; run `attnkit patterns RUN --overwrite`")
     classes = data["classes"]
     for part in ("per_head", "per_layer", "overall"):
         missing = [c for c in classes if c not in data[part]]
@@ -93,14 +121,17 @@ def read_patterns(path: Path, shape: tuple[int, int]) -> dict:
     return {"path": path, "data": data, "classes": classes, "shares": shares}
 
 
-def read_probe(directory: Path, shape: tuple[int, int]) -> dict:
-    """Accuracy (the better direction) per head and relation from probe.csv, the baselines and probe.json."""
+def read_probe(directory: Path, shape: tuple[int, int], run: dict | None = None, partial: list | None = None) -> dict:
+    """Accuracy (the better direction) per head and relation from probe.csv, the baselines and probe.json (`run`,
+    `partial`: as `_same_model`'s)."""
     summary = load_json(directory / PROBE_JSON, PROBE_SCHEMA)
     if (summary["layers"], summary["heads"]) != tuple(shape):
         raise _Elsewhere(f"the probe ran on a model of {summary['layers']} layers × {summary['heads']} heads, the run "
                          f"has {shape[0]} × {shape[1]}")
+    _same_model(run, summary, directory / PROBE_JSON, partial, summary["layers"], summary["heads"])
     min_count = int((summary.get("settings") or {}).get("min_count") or 1)
     acc: dict[str, np.ndarray] = {}
+    seen: dict[str, np.ndarray] = {}
     base, counts = {}, {}
     path = directory / PROBE_CSV
     if not path.is_file():
@@ -115,7 +146,16 @@ def read_probe(directory: Path, shape: tuple[int, int]) -> dict:
                     raise ValueError(f"line {i} is out of range")
                 grid = acc.setdefault(rel, np.full(shape, np.nan))
                 grid[l, h] = np.fmax(grid[l, h], a)  # the better direction, whatever they are
+                seen.setdefault(rel, np.zeros(shape, dtype=bool))[l, h] = True
                 base[rel], counts[rel] = b, n
+        for l, h in summary.get("removed_heads") or []:  # a head removed by pruning has no line
+            for grid in seen.values():
+                if 0 <= l < shape[0] and 0 <= h < shape[1]:
+                    grid[l, h] = True
+        short = [r for r in seen if not seen[r].all()]  # every other head has its lines in every relation
+        if short:
+            raise ValueError(f"relation {short[0]!r} lacks {int((~seen[short[0]]).sum())} of the "
+                             f"{seen[short[0]].size} heads (the file is cut short)")
     except (OSError, KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
         raise AttnkitError(f"{path} is unreadable: {type(exc).__name__}: {exc}") from None
     relations = sorted((r for r in acc if counts[r] >= min_count), key=lambda r: (r != ALL_RELATIONS, -counts[r]))
@@ -131,10 +171,13 @@ def _number(x) -> float:
     return np.nan if x is None else float(x)
 
 
-def read_ablation(meta_path: Path, shape: tuple[int, int]) -> dict:
+def read_ablation(meta_path: Path, shape: tuple[int, int], run: dict | None = None,
+                  partial: list | None = None) -> dict:
     """One `attnkit ablate` table (E.json beside E.meta.json) with its per-head (heads, importance) or per-layer
-    (layers) effects. The table's file is named by the meta file's own name, never by a value read from it."""
+    (layers) effects. The table's file is named by the meta file's own name, never by a value read from it. `run`,
+    `partial`: as `_same_model`'s."""
     meta = load_json(meta_path, ABLATION_META_SCHEMA)
+    _same_model(run, meta, meta_path, partial)
     stem = meta_path.name[: -len(ABLATION_META_SUFFIX)]
     table_path = meta_path.with_name(f"{stem}.json")
     if not table_path.is_file():
@@ -150,7 +193,8 @@ def read_ablation(meta_path: Path, shape: tuple[int, int]) -> dict:
             if not (r.get(k) is None or isinstance(r[k], (int, float)) and not isinstance(r[k], bool)):
                 raise AttnkitError(f"{table_path}: field rows[{i}].{k}: expected a number or null, got "
                                    f"{type(r[k]).__name__} ({str(r[k])[:40]!r})")
-    out = {"experiment": experiment, "metric": metric, "path": table_path, "meta": meta, "rows": rows,
+    out = {"experiment": experiment, "metric": metric, "path": table_path, "meta_path": meta_path, "meta": meta,
+           "rows": rows,
            "figure": meta_path.with_name(f"{stem}.png")}
     if experiment in ("heads", "layers"):
         grid = shape if experiment == "heads" else (shape[0],)
@@ -173,11 +217,12 @@ def read_ablation(meta_path: Path, shape: tuple[int, int]) -> dict:
     return out
 
 
-def read_detected(table: Path, meta_path: Path, shape: tuple[int, int]) -> dict:
+def read_detected(table: Path, meta_path: Path, shape: tuple[int, int], run: dict | None = None,
+                  partial: list | None = None) -> dict:
     """`attnkit detect-heads`'s scores (detected_heads.csv, its settings in detected_heads.json; docs/files.md):
     {"path", "source" (its folder and name, as the page names it), "meta", "kinds", "scores": {kind: layers × heads,
     NaN for a head removed by pruning}}. Every (layer,
-    head) of the grid must be there once, every score a share (0–1) or empty."""
+    head) of the grid must be there once, every score a share (0–1) or empty. `run`, `partial`: as `_same_model`'s."""
     meta = load_json(meta_path, DETECTED_HEADS_SCHEMA)
     kinds = meta["kinds"]
     unknown = [k for k in kinds if k not in KINDS]
@@ -187,6 +232,7 @@ def read_detected(table: Path, meta_path: Path, shape: tuple[int, int]) -> dict:
     if (meta["n_layers"], meta["n_heads"]) != tuple(shape):
         raise _Elsewhere(f"the heads were detected on a model of {meta['n_layers']} layers × {meta['n_heads']} heads, "
                          f"the run has {shape[0]} × {shape[1]}")
+    _same_model(run, meta, meta_path, partial)
     if not table.is_file():
         raise _Elsewhere(f"{table.name} is missing beside {meta_path.name}")
     scores = np.full((len(kinds),) + tuple(shape), np.nan)
@@ -209,7 +255,8 @@ def read_detected(table: Path, meta_path: Path, shape: tuple[int, int]) -> dict:
         raise AttnkitError(f"{table} is unreadable: {type(exc).__name__}: {exc}") from None
     if not seen.all():
         raise AttnkitError(f"{table} is unreadable: it lacks {int((~seen).sum())} of the {seen.size} heads")
-    return {"path": table, "source": f"{table.parent.name}/{table.name}", "meta": meta, "kinds": kinds,
+    return {"path": table, "meta_path": meta_path, "source": f"{table.parent.name}/{table.name}", "meta": meta,
+            "kinds": kinds,
             "scores": dict(zip(kinds, scores))}
 
 
@@ -225,9 +272,10 @@ def is_legacy_detection(meta_path: Path) -> bool:
     return isinstance(data, dict) and "kinds" in data and "experiment" not in data
 
 
-def _other_weighting(place: Path, features: HeadFeatures) -> dict:
+def _other_weighting(place: Path, features: HeadFeatures, run: dict, partial: list) -> dict:
     """The run of `features` against the run directory `place` of the same corpus under the other weighting."""
     other = HeadFeatures.load(place)
+    _same_model(run, other.meta, place / META_FILE, partial, other.n_layers, other.n_heads)
     if weighting_of(other.meta) == weighting_of(features.meta):
         raise _Elsewhere(f"a run with the same weighting ({weighting_of(features.meta)}) as this one")
     attention, norm = (features, other) if weighting_of(features.meta) == "attention" else (other, features)
@@ -238,6 +286,12 @@ def _other_weighting(place: Path, features: HeadFeatures) -> dict:
     return {**res, "other": place, "other_weighting": weighting_of(other.meta)}
 
 
+def _count(found: Attached) -> int:
+    """How many results `found` holds, shown or named."""
+    return (found.probe is not None) + (found.detected is not None) + (found.weighting is not None) \
+        + len(found.ablations) + len(found.links)
+
+
 def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFeatures | None = None) -> Attached:
     """Patterns, probe, ablation and detect-heads results of a run: in `run_dir` and in the directories `include`
     names; and, with the run's `features`, an included run directory of the other weighting. A damaged file (not
@@ -246,15 +300,20 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
     run_dir = Path(run_dir)
     found = Attached()
     places = [run_dir] + [Path(p) if Path(p).is_dir() else Path(p).parent for p in include]
+    meta = features.meta if features is not None else \
+        load_json(run_dir / META_FILE, META_SCHEMA) if (run_dir / META_FILE).is_file() else {}
+    run = recorded_identity(meta, *shape)  # what every result is compared with before it is shown
+    partial: list[Path] = []
     if (run_dir / PATTERNS_FILE).is_file():
         try:
-            found.patterns = read_patterns(run_dir / PATTERNS_FILE, shape)
+            found.patterns = read_patterns(run_dir / PATTERNS_FILE, shape, features)
         except _Elsewhere as exc:
             found.links.append(("pattern classes", run_dir / PATTERNS_FILE, str(exc)))
     for place in dict.fromkeys(places):
+        before = _count(found)
         if (place / PROBE_JSON).is_file():
             try:
-                probe = read_probe(place, shape)
+                probe = read_probe(place, shape, run, partial)
                 if found.probe is None:
                     found.probe = probe
                 else:
@@ -272,7 +331,7 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
                 continue
             try:
                 if found.detected is None:
-                    found.detected = read_detected(table, meta_path, shape)
+                    found.detected = read_detected(table, meta_path, shape, run, partial)
                 else:
                     found.links.append(("detected heads", meta_path, "a second detect-heads result (the report "
                                         f"shows {found.detected['source']})"))
@@ -282,19 +341,28 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
             if legacy_is_detection and meta_path == legacy:
                 continue
             try:
-                found.ablations.append(read_ablation(meta_path, shape))
+                found.ablations.append(read_ablation(meta_path, shape, run, partial))
             except _Elsewhere as exc:
                 found.links.append(("ablation", meta_path, str(exc)))
         if features is not None and place != run_dir and (place / FEATURES_FILE).is_file() \
-                and (place / META_FILE).is_file():
+                and not (place / META_FILE).is_file():
+            found.links.append(("run", place / FEATURES_FILE, f"{META_FILE} is missing beside {FEATURES_FILE}: "
+                                                               "which model and corpus it measured is unknown"))
+        elif features is not None and place != run_dir and (place / FEATURES_FILE).is_file():
             try:
                 if found.weighting is None:
-                    found.weighting = _other_weighting(place, features)
+                    found.weighting = _other_weighting(place, features, run, partial)
                 else:
                     found.links.append(("run", place / META_FILE, "a second run of the other weighting (the report "
                                                                    f"shows {found.weighting['other'].name})"))
             except _Elsewhere as exc:
                 found.links.append(("run", place / META_FILE, str(exc)))
+        if place != run_dir and _count(found) == before:  # a directory given to --include that holds nothing
+            found.links.append(("directory", place, "it holds no result attnkit report can show (of attnkit probe, "
+                                                    "ablate or detect-heads, or a run of the other weighting)"))
+    shown = {found.probe and found.probe["path"] / PROBE_JSON, found.detected and found.detected["meta_path"],
+             found.weighting and found.weighting["other"] / META_FILE} | {a["meta_path"] for a in found.ablations}
+    found.partial = [p for p in dict.fromkeys(partial) if p in shown]
     return found
 
 

@@ -29,6 +29,7 @@ from ..errors import SEED_MAX, AttnkitError, check_int
 from ..features import distance_feature_names, resolve_subset  # re-exported: checked without scikit-learn
 from ..run.clusters import REMOVED
 from ..run.head_features import HeadFeatures
+from ..run.model_dir import is_decoder_meta
 
 METHODS = ("kmeans", "gmm")
 STABILITY_WARN = 0.8  # below this mean stability over seeds, head types are called unreliable
@@ -114,7 +115,8 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
         small `reg_covar`, n_init=3).
     features_subset : None for the distance buckets (cls, sep, comma, period, self, win_0..win_{N-1}),
         "all", a comma-separated string or a list of feature names. Only used when fitting a
-        `HeadFeatures`; a plain array is clustered as given.
+        `HeadFeatures`; a plain array is clustered as given. On a decoder's run "all" leaves out the features
+        that are 0 for every head (`attnkit.features.DECODER_CONSTANT`).
     standardize : scale each chosen feature to zero mean and unit variance before clustering. Off by
         default: the distance buckets share one unit (attention mass) and standardising would blow up
         the far windows, which carry almost no mass.
@@ -130,7 +132,8 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
         pruning, whose features are NaN, docs/pruning.md; else None); `n_removed_` counts those left out.
     centroids_ : k × d cluster centres in the units of the chosen features (not standardised).
     profiles_ : k × F member means of every feature (for naming and reports), with `profile_names_`.
-    type_names_ : list of k unique names (see `attnkit.analysis.naming.name_clusters`).
+    type_names_ : list of k unique names (see `attnkit.analysis.naming.name_clusters`; a decoder's run, meta.json
+        `model_type`, is named by a decoder's classes: `decoder_`).
     shares_ : share of heads per cluster.
     stability_ : share of heads labelled the same in every stability fit (nan when n_stability == 0).
     head_stability_ : per head, share of stability fits that agree with `labels_`.
@@ -175,7 +178,8 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
 
     def _prepare(self, X):
         if isinstance(X, HeadFeatures):
-            subset = resolve_subset(X.names, self.features_subset)
+            self.decoder_ = is_decoder_meta(X.meta)  # names by a decoder's classes (attnkit.analysis.naming)
+            subset = resolve_subset(X.names, self.features_subset, decoder=self.decoder_)
             self.grid_shape_ = X.mean.shape[:2]
             self.kept_ = X.kept.reshape(-1)  # a removed head has no features: it is no member of any type
             self.n_removed_ = int((~self.kept_).sum())
@@ -186,6 +190,7 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
         if arr.ndim != 2:
             raise AttnkitError(f"expected HeadFeatures or a 2-D array (heads × features), got shape {arr.shape}")
         self.grid_shape_ = None
+        self.decoder_ = False
         self.kept_, self.n_removed_ = None, 0
         self._all = arr
         names = getattr(X, "columns", None)
@@ -224,7 +229,7 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
         self.profiles_ = _member_means(self._all, labels, k)
         self.profile_names_ = list(self._all_names)
         self.shares_ = np.bincount(labels, minlength=k) / n
-        self.type_names_ = name_clusters(self.profiles_, self.profile_names_)
+        self.type_names_ = name_clusters(self.profiles_, self.profile_names_, decoder=self.decoder_)
         self.silhouette_ = float(silhouette_score(Z, labels)) if len(np.unique(labels)) > 1 else float("nan")
         if self.grid_shape_ is not None:
             grid = np.full(self.kept_.shape, -1, dtype=np.int64)

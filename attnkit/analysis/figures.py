@@ -11,7 +11,9 @@ from ..errors import AttnkitError
 from ..plotting import plt, save_figure
 from .clustering import distance_feature_names, head_matrix
 
-TYPE_COLORS = {"dense": "#2ca02c", "diagonal": "#1f77b4", "dense+vertical": "#ff7f0e", "vertical": "#d62728"}
+TYPE_COLORS = {"dense": "#2ca02c", "diagonal": "#1f77b4", "dense+vertical": "#ff7f0e", "vertical+dense": "#ff7f0e",
+               "vertical": "#d62728", "first-token": "#d62728", "previous-token": "#1f77b4", "local": "#aec7e8",
+               "broad": "#2ca02c"}
 _EXTRA = ["#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939"]
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "*"]
 
@@ -38,7 +40,7 @@ DECODER_HEATMAP_FEATURES = (
 
 
 def type_colors(type_names) -> dict:
-    """A fixed colour for the four Guan types, others from a qualitative palette."""
+    """A fixed colour for the plain classes (and Guan's dense+vertical), others from a qualitative palette."""
     out, j = {}, 0
     for name in type_names:
         if name in TYPE_COLORS:
@@ -285,6 +287,8 @@ def attention_examples(examples, max_tokens: int = 40):
     """A grid of example attention maps: `examples` is a list of dicts with keys type, layer, head,
     weights (n × n numpy), tokens (n strings). Rows: types; columns: examples of that type. Every map
     has its own colour bar (its scale runs from 0 to its largest weight)."""
+    from ..tokens import shown_token  # torch is loaded: a model drew the maps
+
     if not examples:
         raise AttnkitError("no example attention maps to draw")
     types = list(dict.fromkeys(e["type"] for e in examples))
@@ -299,7 +303,7 @@ def attention_examples(examples, max_tokens: int = 40):
                 continue
             e = per[t][c]
             w = np.asarray(e["weights"])[:max_tokens, :max_tokens]
-            toks = list(e["tokens"])[:max_tokens]
+            toks = [shown_token(str(t)) for t in e["tokens"]][:max_tokens]
             im = ax.imshow(w, cmap="Blues", vmin=0, vmax=max(float(w.max()), 1e-6), interpolation="nearest")
             cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03)
             cb.ax.tick_params(labelsize=7)

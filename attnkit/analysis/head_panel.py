@@ -160,12 +160,14 @@ def encode_maps(weights: np.ndarray) -> tuple[list[str], list[float]]:
 
 def panel_data(features, clusters: dict, colors: dict, *, distances=None, extremes: dict | None = None,
                row_texts=None, maps=None, attached: Attached | None = None, docs: dict, notes: dict,
-               removed=None) -> dict:
+               removed=None, shown=None) -> dict:
     """Everything report.js shows about each head (the format: docs/files.md, "report.html"). `extremes`: the
     top and bottom examples (`extremes(per_sample, names)`), `row_texts` their texts, `maps` AttentionMaps of the
-    example inputs, `removed` (L × H booleans) the heads removed from a pruned model."""
+    example inputs, `removed` (L × H booleans) the heads removed from a pruned model, `shown` the features the
+    panel lists (default: all; a decoder's run leaves out those 0 for every head, attnkit.features.shown_features)."""
     L, H, F = features.mean.shape
     M = L * H
+    cols = [features.names.index(n) for n in (features.names if shown is None else shown)]
     gone = np.zeros(M, dtype=bool) if removed is None else np.asarray(removed, dtype=bool).ravel()
     type_names = [c["type"] for c in clusters["clusters"]]
     # clusters.json lists the removed heads of a pruned model apart (`removed_heads`), not in `heads`
@@ -177,8 +179,10 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
     data = {
         "L": L, "H": H, "heads": [f"L{m // H}H{m % H}" for m in range(M)],
         "removed": [bool(x) for x in gone],
-        "features": {"names": list(features.names), "mean": _rounded(features.mean.reshape(M, F)),
-                     "std": _rounded(features.std.reshape(M, F)), "scale": feature_scales(features),
+        "features": {"names": [features.names[j] for j in cols],
+                     "mean": _rounded(features.mean.reshape(M, F)[:, cols]),
+                     "std": _rounded(features.std.reshape(M, F)[:, cols]),
+                     "scale": [feature_scales(features)[j] for j in cols],
                      "docs": docs["links"], "defs": docs["defs"]},
         "types": {"names": type_names, "colors": [colors[t] for t in type_names],
                   "short": [t[:3] for t in type_names],
@@ -197,8 +201,10 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
             "bottom": {f: [_ranked(e["bottom"][m], e["bottom_values"][m]) for m in range(M)] for f, e in ext.items()},
             "texts": {str(k): v for k, v in (row_texts or {}).items()}}
     if maps:
+        from ..tokens import shown_token  # torch loads only with maps, which a model drew
+
         encoded = [encode_maps(m.weights) for m in maps]
-        data["maps"] = {"texts": [{"tokens": [str(t) for t in m.tokens]} for m in maps],
+        data["maps"] = {"texts": [{"tokens": [shown_token(str(t)) for t in m.tokens]} for m in maps],
                         "data": [e[0] for e in encoded], "max": [e[1] for e in encoded]}
     if attached is not None:
         if attached.probe is not None:

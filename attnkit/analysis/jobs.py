@@ -17,16 +17,17 @@ from ..run.distances import HeadDistances
 from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.locking import output_directory
+from ..run.model_dir import is_decoder_meta
 from ..run.outputs import ensure_writable_dir, os_errors
 from ..run.overwrite import claim_outputs
 from .attached import find_attached
 from .clustering import STABILITY_WARN, HeadClusterer, cluster, resolve_subset, stability_over_seeds, sweep
 from .head_panel import unverifiable_corpus
-from .preflight import check_heads
+from .preflight import check_clusters_of_run, load_run
 from .report import (
     DEFAULT_EXAMPLES,
     build_report,
-    per_sample_problem,
+    examples_problem,
     report_figures,
 )
 from .results import save_clusters
@@ -59,7 +60,7 @@ def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None
         check_int(value, name)  # before the lock and the first fit
     with output_directory(run, "attnkit cluster"), os_errors(f"write into {run}"):
         feats = HeadFeatures.load(run)
-        resolve_subset(feats.names, features)  # a bad feature name is the first thing to hear about
+        resolve_subset(feats.names, features, decoder=is_decoder_meta(feats.meta))  # a bad feature name: at once
         claim = claim_outputs([run / CLUSTERS_FILE], overwrite, stale=[run / REPORT_FILE])
         if not quiet:
             echo(f"attnkit cluster: {feats.n_layers} × {feats.n_heads} heads of {run}, {method}, k = {k}, "
@@ -102,16 +103,16 @@ def report_run(run, *, examples: int | None = None, include=(), corpus=None, fmt
 
     inputs = [("the corpus", corpus, True)]  # only read; the run is where the report goes
     with output_directory(run, "attnkit report", inputs=inputs), os_errors(f"write the report into {run}"):
-        feats = HeadFeatures.load(run)
+        feats = load_run(run)
         claim = claim_outputs([run / REPORT_FILE] + report_figures(run), overwrite)
         shape = (feats.n_layers, feats.n_heads)
-        check_heads(feats, run)
         if (run / CLUSTERS_FILE).is_file():
-            load_clusters(run, shape, complete=True, feature_names=feats.names)
+            check_clusters_of_run(load_clusters(run, shape, complete=True, feature_names=feats.names), feats,
+                                  run / CLUSTERS_FILE)
         if (run / DISTANCES_FILE).is_file():
             HeadDistances.load(run, shape)
         find_attached(run, shape, include, feats)  # a damaged patterns, probe, ablation or detection file is named now
-        damaged = per_sample_problem(run, feats)
+        damaged = examples_problem(run, feats)
         if damaged:  # a warning, shown even with quiet
             echo(f"attnkit report: {damaged}", err=True)
         ensure_writable_dir(run / FIGURES_DIR, "figures directory")

@@ -1,53 +1,43 @@
-"""Names for head clusters, derived from their mean distance features (Guan et al. 2020, Sec. 4).
+"""Names for head clusters, derived from their mean features (docs/analysis.md, "Naming the types").
 
-A cluster's profile is the mean over its heads of the distance buckets (cls, sep, comma, period,
-self, win_0 … win_{N-1}; docs/analysis.md), renormalised to sum 1. From it:
+A cluster's profile is the mean over its heads of the distance buckets (cls, sep, comma, period, self,
+win_0 … win_{N-1}; docs/features.md), renormalised to sum 1, grouped into shares (`profile_groups`):
+cls, sep, punct = comma + period, self, near = the first max(1, N // 8) windows, mid = the windows up to N // 4,
+far = the rest; `special` = cls + sep + punct, `near_r`, `far_r` = (self + near), far as shares of the
+non-special weight. The row features `prev` and `next` are divided by the same sum.
 
-* ``special`` (V)  = cls + sep + comma + period: weight on special tokens and punctuation, which draws
-  vertical stripes in an attention map;
-* ``near``         = self + win_0 … win_{N/8-1}: weight on the token itself and keys closer than n/8;
-* ``far``          = win_{N/4} … win_{N-1}: weight on keys at least n/4 away;
-* ``near_r``, ``far_r`` = near / (1 − V), far / (1 − V): the same, as shares of the non-special weight.
-  (Uniform attention over a sequence gives near_r ≈ 0.23 and far_r ≈ 0.56.)
+From those shares, each kind of model has its **classes**, shares of the weight that together make 1:
 
-Rules. Each of the four names goes to at most one cluster; they are handed out in this order,
-each to the best of the clusters not yet named that pass its test:
+* an encoder (Guan et al. 2020): ``vertical`` = special (stripes down [CLS], [SEP] and punctuation),
+  ``diagonal`` = self + near (the band along the diagonal), ``dense`` = mid + far (spread over the sequence);
+* a decoder (meta.json `model_type` is a decoder's; `cls` is then the sample's first position and `sep` its EOS):
+  ``first-token`` = cls (the attention sink), ``previous-token`` = prev (at most near), ``local`` = self + near −
+  previous-token, ``broad`` = mid + far, ``eos`` = sep, ``punctuation`` = punct;
 
-1. ``vertical``        test V ≥ 0.5 (most weight on [CLS]/[SEP]/punctuation); best: highest V.
-2. ``diagonal``        test near_r ≥ 0.5 (the non-special weight sits on the diagonal band: self,
-   prev, next, short range; any V, Guan: "medium values in the special tokens"); best: highest near_r.
-3. ``dense``           test far_r ≥ 0.35 and V < 0.5 (weight spread out to the far windows, special
-   tokens not dominant); best: lowest V (Guan: "relatively small attention to the special tokens").
-4. ``dense+vertical``  test far_r ≥ 0.35, V ≥ 0.25 and far ≥ 0.15 (broad weight that really reaches
-   the far windows, plus stripes); best: highest V.
+and **details**, finer shares that may tell two types apart: the classes themselves and, for an encoder, cls, sep,
+punct, self, prev, next; for a decoder, self.
 
-So the names are relative, as in Guan et al.'s descriptions ("much higher than other types"), but a
-cluster only gets a name whose absolute test it passes. Clusters left without a name get a
-descriptive one: the cluster's components among cls, sep, punct (comma + period), self, near, mid, far
-that hold at least a quarter of the weight, largest first, as ``"<a>+<b>-heavy"`` (e.g. "cls+near-heavy"
-for a diagonal band plus a [CLS] stripe when "diagonal" went to another cluster; ``"mixed"`` when no
-component has a quarter), with " #2", " #3" … appended to keep names unique.
-Profiles without distance buckets get descriptive names from their largest feature.
+Rule. A type's name starts with its largest class X (ties: the class listed first). Among the types whose largest
+class is X, the one with the most X is called ``X``. Every other one is called ``X+Y``, where Y is the detail on which
+it exceeds every other type of its group, by the widest margin (so the type named ``X+Y`` has the most Y of the
+types named X…); when it exceeds them on no single detail, ``X+Y+Z`` with the pair of details whose sum it holds the
+most of, by the widest margin; when on none, it lies between the others everywhere and is called by its share of X,
+``X 0.68``. So no name contradicts the numbers: a name's first word is the type's largest share, a plain ``X`` is the
+most-X type of those, a ``+Y`` is the most-Y of them; and two types never share a name.
+
+Profiles without distance buckets use the same rule with each feature as a class (``<feature>-heavy``); an empty
+cluster is ``empty``.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
-RULE_NAMES = ("vertical", "diagonal", "dense", "dense+vertical")
-V_VERTICAL = 0.5
-NEAR_DIAGONAL = 0.5
-FAR_BROAD = 0.35
-V_DENSE_VERTICAL = 0.25
-FAR_DENSE_VERTICAL = 0.15
-
-# (name, test, score: higher is a better fit), in the order the names are handed out
-RULES = (
-    ("vertical", lambda g: g["special"] >= V_VERTICAL, lambda g: g["special"]),
-    ("diagonal", lambda g: g["near_r"] >= NEAR_DIAGONAL, lambda g: g["near_r"]),
-    ("dense", lambda g: g["far_r"] >= FAR_BROAD and g["special"] < V_VERTICAL, lambda g: -g["special"]),
-    ("dense+vertical", lambda g: g["far_r"] >= FAR_BROAD and g["special"] >= V_DENSE_VERTICAL
-     and g["far"] >= FAR_DENSE_VERTICAL, lambda g: g["special"]),
-)
+ENCODER_CLASSES = ("vertical", "diagonal", "dense")
+DECODER_CLASSES = ("first-token", "previous-token", "local", "broad", "eos", "punctuation")
+ENCODER_DETAILS = ("cls", "sep", "punct", "self", "prev", "next")
+DECODER_DETAILS = ("self",)
 
 
 def profile_groups(profile, names) -> dict | None:
@@ -73,43 +63,96 @@ def profile_groups(profile, names) -> dict | None:
     V = parts["cls"] + parts["sep"] + parts["punct"]
     rest = max(1.0 - V, 1e-12)
     near = parts["self"] + parts["near"]
-    return dict(parts, special=V, near_total=near, near_r=near / rest, far_r=parts["far"] / rest)
+    out = dict(parts, special=V, near_total=near, near_r=near / rest, far_r=parts["far"] / rest)
+    for row in ("prev", "next"):
+        if row in idx:
+            out[row] = float(max(p[idx[row]], 0.0) / total)
+    return out
 
 
-def rule_names(g: dict) -> list[str]:
-    """The rule names whose tests the group shares `g` pass."""
-    return [name for name, test, _ in RULES if test(g)]
+def class_shares(g: dict, decoder: bool = False) -> dict:
+    """The classes of a model's kind (module docstring) from the group shares `g` of `profile_groups`, in order."""
+    if decoder:
+        prev = min(g.get("prev", 0.0), g["near"])
+        return {"first-token": g["cls"], "previous-token": prev, "local": g["self"] + g["near"] - prev,
+                "broad": g["mid"] + g["far"], "eos": g["sep"], "punctuation": g["punct"]}
+    return {"vertical": g["special"], "diagonal": g["self"] + g["near"], "dense": g["mid"] + g["far"]}
 
 
-def descriptive_name(g: dict | None, profile=None, names=None) -> str:
+def type_values(profile, names, decoder: bool = False) -> dict | None:
+    """Every share a type name may claim (classes, then details) of one profile; None without distance buckets."""
+    g = profile_groups(profile, names)
     if g is None:
-        p = np.asarray(profile, dtype=np.float64)
-        return f"{names[int(np.nanargmax(p))]}-heavy" if len(p) else "cluster"
-    comps = {k: g[k] for k in ("cls", "sep", "punct", "self", "near", "mid", "far")}
-    big = sorted((c for c in comps if comps[c] >= 0.25), key=lambda c: -comps[c])
-    return "+".join(big) + "-heavy" if big else "mixed"
+        return None
+    out = class_shares(g, decoder)
+    for d in DECODER_DETAILS if decoder else ENCODER_DETAILS:
+        if d in g:
+            out[d] = g[d]
+    return out
 
 
-def name_clusters(profiles, names) -> list[str]:
-    """Unique type names for k cluster profiles (k × F member means over the features `names`)."""
+def _margin(vals: list[dict], i: int, others: list[int], keys) -> float:
+    return sum(vals[i][k] for k in keys) - max(sum(vals[j][k] for k in keys) for j in others)
+
+
+def _name_group(vals: list[dict], members: list[int], head: str, details: list[str], fmt) -> dict[int, str]:
+    """Names of the types `members` whose largest class is `head` (module docstring, "Rule")."""
+    order = sorted(members, key=lambda i: (-vals[i][head], i))
+    out = {order[0]: fmt(head)}
+    cand = [d for d in details if d != head]
+    for i in order[1:]:
+        others = [j for j in members if j != i]
+        name = None
+        for size in (1, 2):
+            best = max(((_margin(vals, i, others, keys), -n) for n, keys in
+                        enumerate(itertools.combinations(cand, size))), default=(0.0, 0))
+            if best[0] > 0:
+                keys = list(itertools.combinations(cand, size))[-best[1]]
+                name = "+".join([fmt(head), *keys])
+                break
+        if name is None:  # between the others on every detail: its share of the head class tells it apart
+            digits = 2
+            taken = set(out.values())
+            while (name := f"{fmt(head)} {vals[i][head]:.{digits}f}") in taken and digits < 8:
+                digits += 1
+        out[i] = name
+    return out
+
+
+def name_clusters(profiles, names, decoder: bool = False) -> list[str]:
+    """Unique type names for k cluster profiles (k × F member means over the features `names`); `decoder`: the
+    profiles are a decoder's (its classes name the types)."""
     profiles = np.asarray(profiles, dtype=np.float64)
     names = list(names)
-    groups = [profile_groups(p, names) if np.all(np.isfinite(p)) else None for p in profiles]
-    out: list[str | None] = [None] * len(profiles)
-    for name, test, score in RULES:
-        cands = [(score(g), -c) for c, g in enumerate(groups) if g is not None and out[c] is None and test(g)]
-        if cands:
-            out[-max(cands)[1]] = name
-    used = {n for n in out if n}
-    for c, g in enumerate(groups):
-        if out[c] is None:
-            base = descriptive_name(g, profiles[c], names) if np.all(np.isfinite(profiles[c])) else "empty"
-            name, i = base, 2
-            while name in used:
-                name, i = f"{base} #{i}", i + 1
+    k = len(profiles)
+    finite = [bool(np.all(np.isfinite(p))) for p in profiles]
+    vals = [type_values(p, names, decoder) if ok else None for p, ok in zip(profiles, finite)]
+    if any(ok and v is None for ok, v in zip(finite, vals)):  # no distance buckets: each feature is a class
+        classes = details = names
+        vals = [{n: float(x) for n, x in zip(names, p)} if ok else None for p, ok in zip(profiles, finite)]
+
+        def fmt(c):
+            return f"{c}-heavy"
+    else:
+        classes = list(DECODER_CLASSES if decoder else ENCODER_CLASSES)
+        details = [d for d in classes + list(DECODER_DETAILS if decoder else ENCODER_DETAILS)
+                   if all(v is None or d in v for v in vals)]
+
+        def fmt(c):
+            return c
+    out: list[str] = [""] * k
+    heads = {}
+    for c, v in enumerate(vals):
+        if v is not None:
+            heads.setdefault(max(classes, key=lambda x: (v[x], -classes.index(x))), []).append(c)
+    for head, members in heads.items():
+        for c, name in _name_group(vals, members, head, list(details), fmt).items():
             out[c] = name
-            used.add(name)
-    return [str(n) for n in out]
+    empty = [c for c in range(k) if vals[c] is None]
+    for c in empty:  # clusters without members: nothing tells them apart but their label
+        out[c] = "empty" if len(empty) == 1 else f"empty {c}"
+    return out
 
 
-__all__ = ["name_clusters", "profile_groups", "rule_names", "RULE_NAMES", "RULES"]
+__all__ = ["name_clusters", "profile_groups", "class_shares", "type_values", "ENCODER_CLASSES", "DECODER_CLASSES",
+           "ENCODER_DETAILS", "DECODER_DETAILS"]

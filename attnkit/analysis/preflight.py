@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError
-from ..features import resolve_subset
-from ..run.files import CLUSTERS_FILE, REPORT_FILE
+from ..features import resolve_subset, weighting_of
+from ..run.files import CLUSTERS_FILE, META_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
+from ..run.identity import model_mismatch, recorded_identity
 from ..run.locking import lock_owner
+from ..run.model_dir import is_decoder_meta
 from ..run.overwrite import claim_outputs
 
 
@@ -27,13 +29,43 @@ def check_heads(features: HeadFeatures, run_dir) -> None:
                            "record as removed: the report cannot place them on maps")
 
 
+def load_run(run_dir) -> HeadFeatures:
+    """The features of the run that a report describes, refused (AttnkitError) when its meta.json is missing (the
+    run's record: model, corpus, counts, removed heads; without it the page would describe a model it cannot
+    name) or its means hold NaN for heads it does not record as removed (`check_heads`)."""
+    run_dir = Path(run_dir)
+    features = HeadFeatures.load(run_dir)
+    if not (run_dir / META_FILE).is_file():
+        raise AttnkitError(f"{run_dir / META_FILE} is missing: the report needs the run's record (model, corpus, "
+                           "counts, removed heads); restore it, or extract the run again")
+    check_heads(features, run_dir)
+    return features
+
+
+def check_clusters_of_run(data: dict, features: HeadFeatures, path) -> None:
+    """Refuse clusters.json (`data`, read from `path`) made from another run than that of `features`: its `run`
+    records another model, another number of samples or another weighting (a shape that differs is refused where it
+    is read, attnkit/run/clusters.py)."""
+    run = data.get("run") or {}
+    why = model_mismatch(recorded_identity(features.meta, features.n_layers, features.n_heads),
+                         recorded_identity({"model": run.get("model")}, run.get("n_layers"), run.get("n_heads")))
+    if not why and run.get("n_samples") and features.n_samples and run["n_samples"] != features.n_samples:
+        why = f"it clustered a run of {run['n_samples']} samples, this run measured {features.n_samples}"
+    if not why and run.get("weighting") and run["weighting"] != weighting_of(features.meta):
+        why = (f"it clustered {run['weighting']}-weighted features, this run's are "
+               f"{weighting_of(features.meta)}-weighted")
+    if why:
+        raise AttnkitError(f"{path} is another run's ({why}): cluster this run again with "
+                           "`attnkit cluster RUN --overwrite`")
+
+
 def preflight_cluster(run, features: str | None, overwrite: bool) -> None:
     """`attnkit cluster`'s refusals before scikit-learn loads (skipped while another command holds the run: its
     lock names the holder)."""
     run = Path(run)
     if lock_owner(run) is None:
         feats = HeadFeatures.load(run)
-        resolve_subset(feats.names, features)
+        resolve_subset(feats.names, features, decoder=is_decoder_meta(feats.meta))
         claim_outputs([run / CLUSTERS_FILE], overwrite, stale=[run / REPORT_FILE])
 
 
@@ -41,9 +73,8 @@ def preflight_report(run, overwrite: bool) -> None:
     """`attnkit report`'s refusals before matplotlib, scikit-learn or a model load."""
     run = Path(run)
     if lock_owner(run) is None:
-        features = HeadFeatures.load(run)
+        load_run(run)
         claim_outputs([run / REPORT_FILE], overwrite)
-        check_heads(features, run)
 
 
-__all__ = ["check_heads", "preflight_cluster", "preflight_report"]
+__all__ = ["check_clusters_of_run", "check_heads", "load_run", "preflight_cluster", "preflight_report"]

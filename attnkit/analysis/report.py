@@ -31,20 +31,28 @@ import numpy as np
 from markupsafe import Markup
 
 from ..errors import AttnkitError
-from ..features import describe_feature, weighting_of
+from ..features import describe_feature, shown_features, weighting_of
 from ..plotting import save_figure
 from ..run.clusters import label_grid, load_clusters, run_stability
 from ..run.distances import HeadDistances
 from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, PER_SAMPLE_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
-from ..run.model_dir import DECODER_TYPES
+from ..run.identity import IDENTITY_FIELD
+from ..run.model_dir import is_decoder_meta
 from ..run.outputs import atomic_write
 from ..run.schemas import LOWER_IS_BETTER
 from . import figures as figs
 from .attached import Attached, find_attached
 from .clustering import STABILITY_WARN, cluster, distance_feature_names, head_matrix, stability_over_seeds, sweep
 from .head_panel import extremes, panel_data, texts_of_rows
-from .preflight import check_heads
+from .naming import (
+    DECODER_CLASSES,
+    DECODER_DETAILS,
+    ENCODER_CLASSES,
+    ENCODER_DETAILS,
+    class_shares,
+)
+from .preflight import check_clusters_of_run, check_heads, load_run
 from .report_html import anchor, figure, fmt, glossary_rows, macros, page, part, value_html
 from .results import save_clusters
 
@@ -66,7 +74,7 @@ THRESHOLD_NAMES = 12  # heads named per threshold of the papers (the largest fir
 def is_decoder_run(features: HeadFeatures) -> bool:
     """Whether the run measured a decoder (meta.json `model_type`; causal rows: `cls` is the first position's mass,
     no row sees a next token)."""
-    return features.meta.get("model_type") in DECODER_TYPES
+    return is_decoder_meta(features.meta)
 
 
 def report_figures(run_dir) -> list[Path]:
@@ -171,6 +179,7 @@ def _clusters(run_dir: Path, features: HeadFeatures, k: int, method: str, seed: 
     if (run_dir / CLUSTERS_FILE).is_file():
         data = load_clusters(run_dir, (features.n_layers, features.n_heads), complete=True,
                              feature_names=features.names)
+        check_clusters_of_run(data, features, run_dir / CLUSTERS_FILE)
         return data, []
     c = cluster(features, k=k, method=method, seed=seed)
     rows = sweep(features, method=method, seed=seed, progress=progress) if do_sweep else None
@@ -204,6 +213,7 @@ class Report:
         self.run_dir, self.features, self.data, self.save, self.seed = run_dir, features, data, save, seed
         self.attached, self.n_examples, self.texts, self.model = attached, examples, texts, model
         self.decoder = is_decoder_run(features)
+        self.shown = shown_features(features.names, self.decoder)  # the features the page shows (glossary, tables)
         self.type_names = [c["type"] for c in data["clusters"]]
         self.colors = figs.type_colors(self.type_names)
         L, H = features.n_layers, features.n_heads
@@ -246,17 +256,24 @@ def _types_finding(r: Report) -> Markup:
     st = r.data["stability"]
     rows = []
     n_kept = int(r.kept.sum())
+    # the shares the names are made of (attnkit/analysis/naming.py): the classes of the run's kind, and the details
+    # that a name of this run claims
+    classes = list(DECODER_CLASSES if r.decoder else ENCODER_CLASSES)
+    claimed = {word for t in r.type_names for word in t.split("+")[1:]}
+    details = [d for d in (DECODER_DETAILS if r.decoder else ENCODER_DETAILS) if d in claimed]
     for c in r.data["clusters"]:
         p = c["profile"] or {}
+        if p and all(key in p for key in ("cls", "sep", "punct", "self", "near", "mid", "far", "special")):
+            p = {**p, **class_shares(p, r.decoder)}  # clusters.json of any version: from the group shares
         n, share = c["n_heads"], c["share"]
         if r.n_removed:  # counted over the heads that remain, whatever clusters.json counted
             n = int((r.labels == c["label"]).sum())
             share = n / n_kept if n_kept else float("nan")
         rows.append((macros().typed(r.colors[c["type"]], c["type"]), n, fmt(share),
-                     fmt(p.get("special")), fmt(p.get("near_r")), fmt(p.get("far_r"))))
+                     *[fmt(p.get(x)) for x in classes + details]))
     return part("types_finding", n_types=len(r.type_names), st=st, over=st.get("over_seeds"),
                 judged=run_stability(r.data), warn_below=STABILITY_WARN, rows=rows, removed=r.n_removed,
-                decoder=r.decoder)
+                decoder=r.decoder, header=["type", "heads", "share", *classes, *details])
 
 
 def _sink_finding(r: Report) -> Markup:
@@ -440,7 +457,7 @@ def findings(r: Report) -> Section:
 def explorer(r: Report) -> Section:
     removed = ", ".join(r.head_ids[m] for m in np.flatnonzero(~r.kept)) if r.n_removed else ""
     return Section("explorer", "Head explorer", part(
-        "explorer", L=r.features.n_layers, H=r.features.n_heads, names=r.features.names,
+        "explorer", L=r.features.n_layers, H=r.features.n_heads, names=r.shown,
         types=[(r.colors[t], t) for t in r.type_names], removed=removed,
         detected=r.attached.detected["kinds"] if r.attached.detected else ()))
 
@@ -630,7 +647,7 @@ def tables(r: Report) -> Section:
     features, names = r.features, r.features.names
     L, H = features.n_layers, features.n_heads
     show = [n for n in ("cls", "sep", "comma", "period", "self", "prev", "next", "entropy", "max", "intra",
-                        "inter", "cls_entropy") if n in names]
+                        "inter", "cls_entropy") if n in r.shown]
     wins = distance_feature_names(names)
     mark = macros().doc_mark
     trows, drows = [], []
@@ -643,12 +660,13 @@ def tables(r: Report) -> Section:
             trows.append([l, h, t] + [fmt(float(features.mean[l, h, names.index(n)])) for n in show])
             drows.append([l, h] + [fmt(float(features.mean[l, h, names.index(n)])) for n in wins])
     return Section("tables", "Features per head", part(
-        "tables", n=L * H, show=[mark(n, describe_feature(n)) for n in show], trows=trows,
-        wins=[mark(n, describe_feature(n)) for n in wins], drows=drows))
+        "tables", n=L * H, show=[mark(n, describe_feature(n, r.decoder)) for n in show], trows=trows,
+        wins=[mark(n, describe_feature(n, r.decoder)) for n in wins], drows=drows))
 
 
 def glossary_section(r: Report) -> Section:
-    return Section("glossary", "Glossary of features", part("glossary", rows=glossary_rows(r.features.names)))
+    return Section("glossary", "Glossary of features", part("glossary", rows=[
+        (n, describe_feature(n, r.decoder), where) for n, _, where in glossary_rows(r.shown)]))
 
 
 def settings(r: Report) -> Section:
@@ -683,6 +701,20 @@ def per_sample_problem(run_dir: Path, features: HeadFeatures) -> str | None:
     return f"{PER_SAMPLE_FILE} is damaged and was not used: it does not fit the run's features"
 
 
+def examples_problem(run_dir: Path, features: HeadFeatures) -> str | None:
+    """Why the head panel shows no top and bottom examples although the run has per_sample.npy: the file is
+    damaged (`per_sample_problem`), or per_sample_rows.csv, which says which text each row is, is missing or cut
+    short (the examples are left out rather than shown without their texts, or with another run's); None when
+    they are shown or the run has no per_sample.npy."""
+    from ..run.per_sample import rows_table_problem
+
+    damaged = per_sample_problem(run_dir, features)
+    if damaged or features.per_sample is None:
+        return damaged
+    rows = rows_table_problem(run_dir, len(features.per_sample))
+    return f"{rows}: the top and bottom examples are left out" if rows else None
+
+
 def _example_maps(r: Report) -> None:
     """The maps of the example inputs (the shortest of the texts, within MAPS_BUDGET_BYTES): one forward each with
     `attnkit.attention_maps`, as `attnkit report --corpus` reads the texts."""
@@ -704,8 +736,8 @@ def _panel(r: Report) -> dict:
     """The head panel's data (attnkit/analysis/head_panel.py)."""
     per_sample = r.features.per_sample
     row_texts, notes, ext = {}, {}, None
-    damaged = per_sample_problem(r.run_dir, r.features)
-    if per_sample is not None:
+    damaged = examples_problem(r.run_dir, r.features)
+    if per_sample is not None and not damaged:
         ext = extremes(per_sample, r.features.names)
         rows = {int(x) for e in ext.values() for side in ("top", "bottom") for x in e[side].ravel()}
         row_texts, why = texts_of_rows(r.run_dir, r.features.meta, rows)
@@ -719,11 +751,11 @@ def _panel(r: Report) -> dict:
     notes["maps"] = ("No example maps: `attnkit report RUN --examples N` embeds every head's maps of N short inputs "
                      "of the run's corpus (it needs the run's model and corpus).")
     notes["removed"] = "This head was removed from the model (pruned): it has no attention and no features."
-    docs = {"links": {n: f"#glossary-{anchor(n)}" for n in r.features.names},
-            "defs": {n: describe_feature(n) for n in r.features.names}}
+    docs = {"links": {n: f"#glossary-{anchor(n)}" for n in r.shown},
+            "defs": {n: describe_feature(n, r.decoder) for n in r.shown}}
     return panel_data(r.features, r.data, r.colors, distances=r.distances, extremes=ext,
                       row_texts=row_texts, maps=r.maps, attached=r.attached, docs=docs, notes=notes,
-                      removed=r.removed)
+                      removed=r.removed, shown=r.shown)
 
 
 def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, examples: int = 0,
@@ -737,8 +769,7 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
     results to show beside the run's own. `svg=False` skips the SVG copies of the figures. `progress` shows a bar on
     stderr, one step per figure."""
     run_dir = Path(run_dir)
-    features = HeadFeatures.load(run_dir)
-    check_heads(features, run_dir)
+    features = load_run(run_dir)
     attached = find_attached(run_dir, (features.n_layers, features.n_heads), include, features)
     save = _FigureSaver(run_dir / FIGURES_DIR, svg, progress)
     try:
@@ -755,6 +786,13 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
         save.close()
     if weighting_of(features.meta) == "norm":
         notes.insert(0, NORM_NOTE)
+    if attached.partial:  # older files (or an older run): compared by what they record
+        files, one = ", ".join(_shown_path(report, p) for p in attached.partial), len(attached.partial) == 1
+        how = "by layers × heads, model type and model name only (docs/files.md, \"Which model a file comes from\")."
+        notes.append(f"This run's meta.json records no model identity (made before attnkit recorded it): {files} "
+                     f"{'was' if one else 'were'} compared with it {how}" if IDENTITY_FIELD not in features.meta else
+                     f"{files} {'records' if one else 'record'} no model identity (made before attnkit recorded it): "
+                     f"{'it was' if one else 'they were'} compared with the run {how}")
     if report.n_removed:
         notes.append(f"{report.n_removed} head(s) were removed from this model (pruned; meta.json removed_heads): "
                      "they are greyed out in the grid and left out of every type count, average, map and finding.")
@@ -772,4 +810,5 @@ def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, 
 
 __all__ = ["DEFAULT_EXAMPLES", "FIGURES_DIR", "MAPS_BUDGET_BYTES", "REPORT_FIGURES", "REPORT_FILE", "SECTIONS",
            "Report", "Section", "build_report", "example_inputs", "example_maps", "is_decoder_run",
-           "pick_example_heads", "per_sample_problem", "report_figures", "check_heads", "within_budget"]
+           "pick_example_heads", "examples_problem", "per_sample_problem", "report_figures", "check_heads",
+           "within_budget"]

@@ -18,7 +18,7 @@ from importlib import resources
 import numpy as np
 from markupsafe import Markup
 
-from ..features import describe_feature, feature_section
+from ..features import describe_feature, feature_section_title
 
 _COLOR = re.compile(r"^(#[0-9a-fA-F]{3,8}|rgba?\([0-9., ]+\))$")
 
@@ -115,7 +115,7 @@ def feature_link(name: str, base=None) -> Markup:
 
 def glossary_rows(names) -> list[tuple[str, str, str]]:
     """(feature, one-line definition, where docs/features.md defines it) for every feature of the run."""
-    return [(n, describe_feature(n), f"docs/features.md § {feature_section(n).replace('-', ' ')}") for n in names]
+    return [(n, describe_feature(n), f"docs/features.md § {feature_section_title(n)}") for n in names]
 
 
 def _asset(name: str) -> str:

@@ -25,7 +25,7 @@ from ..run.clusters import (
 )
 from ..run.outputs import ensure_writable_dir, json_float, write_json
 from .clustering import STABILITY_WARN, stability_assessment
-from .naming import profile_groups
+from .naming import class_shares, profile_groups
 
 
 def clusters_dict(clusterer, features=None, sweep_rows=None, seeds=None) -> dict:
@@ -43,6 +43,8 @@ def clusters_dict(clusterer, features=None, sweep_rows=None, seeds=None) -> dict
     clusters = []
     for c, name in enumerate(names):
         g = profile_groups(clusterer.profiles_[c], clusterer.profile_names_)
+        if g is not None:  # and the classes its name is made of
+            g.update(class_shares(g, getattr(clusterer, "decoder_", False)))
         clusters.append({
             "label": c, "type": name, "n_heads": int(np.sum(clusterer.labels_ == c)),
             "share": float(clusterer.shares_[c]),

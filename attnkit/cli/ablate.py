@@ -37,6 +37,8 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.option("--sample", type=int_range("sample"), default=None,
               help="Use N examples spread evenly over the file (data files are often sorted by genre, so the "
                    "first N can be a biased sample). Applied after --limit.")
+@shared("max-length", max_length="128, squad 384; a language model's loss depends on it; cut to the positions "
+                                "of a model with fewer, and said so")
 @shared("batch-size", batch_size=32)
 @click.option("--glue-task", default=None, help="GLUE task of --data when it cannot be told from the header.")
 @click.option("--step", type=float, default=0.1, show_default=True, help="importance: share pruned per step.")
@@ -50,21 +52,24 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @cli_errors
 def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metric, resamples, stack, limit, sample,
-           batch_size, glue_task, step, no_layer_norm, renormalize, device, out, overwrite, quiet):
-    """Disable heads, layers or head types of MODEL (a local model directory, or `default` for the embedded
-    MiniLM), or patch its heads from clean into corrupted inputs, and measure the task metric; writes
-    CSV/JSON/Markdown tables, every setting's per-example outputs and a PNG figure."""
+           max_length, batch_size, glue_task, step, no_layer_norm, renormalize, device, out, overwrite, quiet):
+    """Disable heads, layers or head types of MODEL (a local model directory, `default` for the embedded MiniLM,
+    or `smollm2` for the embedded decoder SmolLM2-135M-Instruct, its install: docs/decoders.md), or patch its
+    heads from clean into corrupted inputs, and measure the task metric; writes CSV/JSON/Markdown tables, every
+    setting's per-example outputs and a PNG figure."""
     from ..ablation.options import AblateOptions, output_paths, preflight_ablate
 
     opts = AblateOptions(
         model=model, task_name=task_name, data=data, experiment=experiment, clusters=clusters, mode=mode,
         limit=limit, sample=sample, batch_size=batch_size, glue_task=glue_task, step=step,
         no_layer_norm=no_layer_norm, renormalize=renormalize, device=device, out=out, quiet=quiet, metric=metric,
-        mean_corpus=tuple(mean_corpus), resamples=resamples, stack=stack, overwrite=overwrite)
+        mean_corpus=tuple(mean_corpus), resamples=resamples, stack=stack, overwrite=overwrite, max_length=max_length)
     preflight_ablate(opts)  # refusals that need no model come before torch is imported
     from ..ablation.job import run_ablation
 
     res = run_ablation(opts)
+    if res.note and not quiet:  # (-q: meta.json records it, max_length_cut_from)
+        echo_for()(res.note, err=True)
     table = res.table
     click.echo(f"{res.model_name} · {task_name} · {experiment} (mode {res.mode}) · {table.rows[0].get('n')} examples"
                + (f" · types {res.type_counts}" if res.type_counts is not None else "")

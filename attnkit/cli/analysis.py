@@ -56,7 +56,8 @@ def _run_shape(run: Path) -> tuple[int, int] | None:
 def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep, n_seeds, overwrite, quiet):
     """Group the heads of RUN into types; writes RUN/clusters.json.
 
-    Types are named from their centroids (dense, diagonal, dense+vertical, vertical; see
+    Types are named from their centroids by their largest class (vertical, diagonal, dense; on a decoder's
+    run first-token, previous-token, local, broad, ...) and what tells them apart (vertical+dense; see
     attnkit.analysis.naming). Stability follows Guan et al. 2020: the share of heads that get the same
     label in all fits on random 50% subsets of the heads, labels matched by the Hungarian method.
     """
@@ -195,11 +196,16 @@ def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit,
     preflight_report(run, overwrite)  # refusals come before matplotlib, scikit-learn or the model is imported
     from ..analysis.jobs import report_run
     from ..analysis.report import report_figures
+    from ..run.clusters import clusters_path
 
+    had_clusters = clusters_path(run).is_file()
     path = report_run(run, examples=examples, include=include, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs,
                       columns=columns, limit=limit, k=k, method=method, seed=seed, device=device, svg=svg, quiet=quiet,
                       overwrite=overwrite, echo=echo_for())
     figures = report_figures(run)
+    if not had_clusters and clusters_path(run).is_file():  # the report clustered the run: say so, it is a new file
+        click.echo(f"wrote {clusters_path(run)} (the run had no head types: clustered now with k = {k}, method "
+                   f"{method}, seed {seed}; `attnkit cluster` chooses others)")
     click.echo(f"wrote {path}" + (f" and {len(figures)} figure files in {figures[0].parent}" if figures else ""))
 
 

@@ -33,6 +33,7 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
     import numpy as np
 
     from ..corpus import open_corpus
+    from ..embedded import check_model_max_length
     from ..run.files import FIGURES_DIR, compare_models_outputs
     from ..run.locking import output_directory
     from ..run.model_dir import check_model_dir
@@ -49,6 +50,7 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
         for m in (model_a, model_b):
             if _model_arg(m) is not None:
                 check_model_dir(m)
+            check_model_max_length(_model_arg(m), max_length)  # config.json is enough
         from ..engine.compare import compare_models
         res = compare_models(texts, _model_arg(model_a), _model_arg(model_b), max_length=max_length,
                              batch_size=batch_size, num_windows=num_windows, split_sentences=sentences,

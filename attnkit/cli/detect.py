@@ -40,12 +40,13 @@ def _kinds(ctx, param, value):
 def detect_heads_cmd(model, out, kinds, length, n_sequences, seed, corpus, device, overwrite, quiet, top):
     """Score every head of MODEL (a local causal language model, or smollm2) as a previous-token, duplicate-token,
     induction or retrieval head; writes OUT/detected_heads.csv (layer, head, one column per kind) and
-    OUT/detected_heads.json (the settings). It shows no progress, so -q changes nothing; what --overwrite removed
-    is said on stderr either way."""
+    OUT/detected_heads.json (the settings). MODEL `default` is the embedded MiniLM, as for every command (an
+    encoder: refused, detection needs causal attention). A bar counts the sequences scored (-q: none); what
+    --overwrite removed is said on stderr either way."""
     from ..engine.detect_options import DetectOptions, preflight_detect
 
     opts = DetectOptions(model=model, out=out, kinds=kinds, length=length, n_sequences=n_sequences, seed=seed,
-                         corpus=corpus, device=device, overwrite=overwrite)
+                         corpus=corpus, device=device, overwrite=overwrite, quiet=quiet)
     preflight_detect(opts)  # refusals that need no model come before torch is imported
     from ..engine.detect import run_detect_heads
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..features import DEFAULT_WINDOW
-from .options import OutputPath, cli_errors, echo_for, int_range, shared
+from .options import OutputPath, cli_errors, command_line, echo_for, int_range, shared
 
 
 @click.command()
@@ -29,8 +29,8 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
               help="Tokenisation processes running ahead of the model (0: tokenise between forwards) "
                    "[default: with GPUs the CPU cores − 1, at most 8; on the CPU 0].")
 @shared("dtype", "num-windows", "sentences", "limit", "backend", "engine", "ray-address")
-@click.option("-o", "--out", "out", default="attnkit-run", show_default=True, type=OutputPath(path_type=Path),
-              help="Run directory to write.")
+@click.option("-o", "--out", "out", default="attnkit-run", show_default=True,
+              type=OutputPath(file_okay=False, path_type=Path), help="Run directory to write.")
 @click.option("--resume", is_flag=True, help="Continue the interrupted run in --out from its last checkpoint.")
 @click.option("--overwrite", is_flag=True, help="Replace a finished run in --out (only once the new one finishes).")
 @click.option("--checkpoint-every", default=20, show_default=True, type=int_range("checkpoint_every"),
@@ -75,6 +75,7 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
         if exc.saved_after is None:
             click.echo("\ninterrupted before the first batch finished; nothing saved.", err=True)
         else:
-            click.echo(f"\ninterrupted after {exc.saved_after} segments; checkpoint saved. "
-                       f"Continue with: attnkit extract ... -o {out} --resume", err=True)
+            again = command_line(add=("--resume",), drop=("--overwrite",)) or f"attnkit extract ... -o {out} --resume"
+            click.echo(f"\ninterrupted after {exc.saved_after} segments; checkpoint saved. Continue with: {again}",
+                       err=True)
         sys.exit(128 + exc.signum)  # the shell's status for the signal: 130 after Ctrl-C, 143 after SIGTERM

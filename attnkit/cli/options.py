@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
+import shlex
+import signal
+import sys
+import time
 from pathlib import Path
 
 import click
@@ -28,11 +33,15 @@ def int_range(name: str) -> click.IntRange:
 
 class OutputPath(click.Path):
     """A path to write to (-o, --json): like click.Path, but an empty one is refused (it would silently mean
-    the current directory)."""
+    the current directory), and so is, for a directory (`file_okay=False`), any existing path that is not one:
+    click refuses a regular file only, and /dev/null, a pipe or a socket would fail later as an error of the run
+    instead of a usage error (exit 2)."""
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value.strip():
             self.fail("the path is empty", param, ctx)
+        if not self.file_okay and os.path.exists(value) and not os.path.isdir(value):
+            self.fail(f"{os.fsdecode(value)!r} exists and is not a directory", param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -126,20 +135,112 @@ def _shield_negative_values(command: click.Command | None, args: list[str]) -> l
     return out
 
 
-class CommandLine(click.Group):
-    """The `attnkit` group: its own and its commands' usage errors are one line (OneLineUsageError)."""
+ARGV = "attnkit.argv"  # ctx.meta key: the arguments the command line was given, as given
+PROGRESS_EVERY_S = 30.0  # at most one progress line per bar this often on a stderr that is no terminal
 
-    def make_context(self, *args, **kwargs):
+
+class ProgressLines:
+    """stderr when it is a file or a pipe, not a terminal: a progress bar's frames (tqdm redraws its line in
+    place, "\r" + the bar, many times a second) become whole lines, one when a bar starts, then at most one per
+    `every` seconds, and the last one when it ends, instead of thousands of "\r" frames in a log. Everything
+    else passes through as written."""
+
+    def __init__(self, stream, every: float = PROGRESS_EVERY_S, clock=time.monotonic):
+        self._stream, self._every, self._clock = stream, every, clock
+        self._pending: str | None = None  # the latest frame, not written yet
+        self._last: float | None = None  # when the bar under way last wrote a line; None: no bar under way
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):  # a text stream, as the one it wraps (click probes with bytes)
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        head, *frames = text.replace("\x1b[A", "").split("\r")  # cursor-up: nested bars, meaningless here
+        if head:
+            bar_end = self._last is not None and not head.strip("\n")  # the newline a bar ends with
+            self.end_bar()
+            if not bar_end:
+                self._stream.write(head)
+        for frame in frames:
+            frame = frame.rstrip()
+            if not frame:  # a bar cleared at its end
+                self.end_bar()
+            elif self._last is None or self._clock() - self._last >= self._every:
+                self._stream.write(frame + "\n")
+                self._last, self._pending = self._clock(), None
+            else:
+                self._pending = frame
+        return len(text)
+
+    def end_bar(self) -> None:
+        """Write the bar's last frame, if not written yet: the line a log ends the bar with."""
+        if self._pending is not None:
+            self._stream.write(self._pending + "\n")
+        self._pending = self._last = None
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name):  # encoding, errors, fileno, ...: the stream's
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def progress_as_lines():
+    """While the block runs, progress bars written to a stderr that is not a terminal are `ProgressLines`."""
+    stderr = sys.stderr
+    is_tty = getattr(stderr, "isatty", lambda: False)
+    if stderr is None or isinstance(stderr, ProgressLines) or is_tty():
+        yield
+        return
+    sys.stderr = lines = ProgressLines(stderr)
+    try:
+        yield
+    finally:
+        lines.end_bar()
+        sys.stderr = stderr
+
+
+class CommandLine(click.Group):
+    """The `attnkit` group: its own and its commands' usage errors are one line (OneLineUsageError); Ctrl-C ends
+    any command with the shell's status for SIGINT, 130 (click would print "Aborted!" and exit 1), also during
+    start-up, before a command's own interruption handling runs; progress on a stderr that is no terminal is a
+    line now and then (`ProgressLines`); the arguments as given are kept for `command_line`."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        given = list(args)
         with _one_line_usage():
-            return super().make_context(*args, **kwargs)
+            ctx = super().make_context(info_name, args, parent=parent, **extra)
+        ctx.meta[ARGV] = given
+        return ctx
 
     def resolve_command(self, ctx, args):
         name, command, rest = super().resolve_command(ctx, args)
         return name, command, _shield_negative_values(command, rest)
 
     def invoke(self, ctx):
-        with _one_line_usage():
-            return super().invoke(ctx)
+        try:
+            with _one_line_usage(), progress_as_lines():
+                return super().invoke(ctx)
+        except KeyboardInterrupt as exc:  # a job that turned SIGTERM into one says so (its signum)
+            click.echo("\ninterrupted.", err=True)
+            sys.exit(128 + int(getattr(exc, "signum", signal.SIGINT)))
+
+
+def command_line(add: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> str | None:
+    """The running command as the user typed it (program name and arguments, shell-quoted), without the flags in
+    `drop` and with those in `add` appended when absent: a command to copy and run again. None outside the
+    `attnkit` command group."""
+    ctx = click.get_current_context(silent=True)
+    root = ctx.find_root() if ctx is not None else None
+    given = root.meta.get(ARGV) if root is not None else None
+    if given is None:
+        return None
+    args = [a for a in given if a not in drop]
+    args += [a for a in add if a not in args]
+    program = (root.info_name or "attnkit").split()  # "python -m attnkit.cli" when run so: three words
+    return shlex.join([*program, *args])
 
 
 # --- the one --columns parser --------------------------------------------------------------------------------
@@ -193,11 +294,17 @@ def model_option(fn):
                              "(6 layers × 12 heads).")(fn)
 
 
-def max_length_option(fn):
+MAX_LENGTH_HELP = ("Tokens per sample, special tokens included; longer segments are truncated (and counted). At "
+                   "most the model's positions.")
+
+
+def max_length_option(fn=None, *, default_note: str | None = None):
+    """--max-length; `default_note` (with no default value): what a command without one of its own does."""
+    if default_note is not None:
+        return click.option("--max-length", default=None, type=int_range("max_length"),
+                            help=f"{MAX_LENGTH_HELP} [default: {default_note}]")
     return click.option("--max-length", default=DEFAULT_MAX_LENGTH, show_default=True,
-                        type=int_range("max_length"),
-                        help="Tokens per sample, special tokens included; longer segments are truncated (and "
-                             "counted).")(fn)
+                        type=int_range("max_length"), help=MAX_LENGTH_HELP)(fn)
 
 
 def batch_size_option(default: int | None = None):
@@ -264,9 +371,10 @@ SHARED = {"model": model_option, "format": corpus_format_option, "columns": colu
 
 def shared(*names, **defaults):
     """Add the shared options `names` (keys of SHARED, in --help order) to a command; `defaults` gives another
-    default where a command has one (`batch_size=16`)."""
+    default where a command has one (`batch_size=16`; `max_length="..."`: none, what the command does instead)."""
     decorators = [batch_size_option(defaults["batch_size"]) if name == "batch-size" and "batch_size" in defaults
-                  else SHARED[name] for name in names]
+                  else max_length_option(default_note=defaults["max_length"])
+                  if name == "max-length" and "max_length" in defaults else SHARED[name] for name in names]
 
     def deco(fn):
         for d in reversed(decorators):
@@ -276,5 +384,6 @@ def shared(*names, **defaults):
     return deco
 
 
-__all__ = ["RUN", "SEED", "SHARED", "CommandLine", "OneLineUsageError", "OutputPath", "cli_errors", "echo_for",
-           "int_range", "option_names", "parse_columns", "run_argument", "shared"]
+__all__ = ["ARGV", "RUN", "SEED", "SHARED", "CommandLine", "command_line", "OneLineUsageError", "OutputPath",
+           "ProgressLines", "progress_as_lines",
+           "cli_errors", "echo_for", "int_range", "option_names", "parse_columns", "run_argument", "shared"]

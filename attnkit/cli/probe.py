@@ -44,6 +44,10 @@ def probe(corpus, out, model_path, parser, fmt, columns, limit, max_length, batc
     parsed separately. See docs/probes.md."""
     from ..probe.options import ProbeOptions, preflight_probe
 
+    source = click.get_current_context().get_parameter_source("max_length")
+    if source is click.core.ParameterSource.DEFAULT:  # not asked for: cut to a model with fewer positions
+        max_length = None
+
     opts = ProbeOptions(paths=list(corpus), out=out, model_path=model_path, parser=parser, fmt=fmt,
                         columns=columns, limit=limit, max_length=max_length, batch_size=batch_size, device=device,
                         dtype=dtype, backend=backend, min_count=min_count, relation=relation,

@@ -154,10 +154,13 @@
       g.fillStyle = "rgb(" + Math.round(255 - 255 * v) + "," + Math.round(255 - 200 * v) + "," + Math.round(255 - 120 * v) + ")";
       g.fillRect(pad + t * cell, pad + s * cell, cell, cell);
     }
-    g.fillStyle = "#333"; g.font = font; g.textAlign = "right"; g.textBaseline = "middle";
+    g.fillStyle = "#333"; g.font = font; g.textBaseline = "middle";
     for (var i = 0; i < n; i++) {  // the whole label fits in the margin measured above (rows and columns)
-      g.fillText(labels[i], pad - 3, pad + i * cell + cell / 2);
-      g.save(); g.translate(pad + i * cell + cell / 2, pad - 3); g.rotate(-Math.PI / 2); g.fillText(labels[i], 0, 0); g.restore();
+      g.textAlign = "right"; g.fillText(labels[i], pad - 3, pad + i * cell + cell / 2);  // rows: ends left of the map
+      // columns: turned a quarter to the left, a label runs upwards from just above the map (left-aligned: it
+      // starts there; right-aligned, it would run down over the first rows)
+      g.save(); g.translate(pad + i * cell + cell / 2, pad - 3); g.rotate(-Math.PI / 2); g.textAlign = "left";
+      g.fillText(labels[i], 0, 0); g.restore();
     }
   }
   function mapBytes(i, m) {  // the map of example input i and head m: n × n bytes (weight / max · 255)

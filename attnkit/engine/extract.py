@@ -29,6 +29,7 @@ from ..kernels.statistics import max_logits
 from ..models import attention_modules, check_max_length, model_feature_names, observing, resolve_model
 from ..ops import BACKENDS, backend_label, resolve_backend
 from ..run.head_features import FeatureAccumulator, HeadFeatures
+from ..run.identity import IDENTITY_FIELD, model_identity
 from ..tokens import Encoder, Segment
 from .devices import parse_devices, replicate
 from .forward import default_batch_size, device_forward, measuring
@@ -249,7 +250,8 @@ def extract(
     if devices is not None:
         devs = parse_devices(",".join(map(str, devices)) if isinstance(devices, (list, tuple)) else devices)
         device = device if device is not None else devs[0]
-    model, tokenizer = resolve_model(model, tokenizer, device, dtype)
+    model, tokenizer = resolve_model(model, tokenizer, device, dtype, max_length=settings.max_length,
+                                     function="attnkit.extract")
     replicas = replicate(model, devs)[1:] if devs is not None else []
     rows: dict[int, object] = {}
 
@@ -269,6 +271,7 @@ def extract(
     meta = {
         "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
         "model_type": model.config.model_type,
+        IDENTITY_FIELD: model_identity(model, getattr(model.config, "_name_or_path", "") or type(model).__name__),
         "max_length": max_length,
         "num_windows": num_windows,
         "split_sentences": split_sentences,

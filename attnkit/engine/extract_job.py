@@ -25,7 +25,6 @@ import torch
 
 from ..arch.pruning import removed_heads
 from ..errors import AttnkitError, arg, print_message
-from ..features import DEFAULT_WEIGHTING
 from ..models import (
     attention_modules,
     check_max_length,
@@ -37,6 +36,7 @@ from ..models import (
 )
 from ..ops import backend_label
 from ..run.files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
+from ..run.identity import IDENTITY_FIELD, model_identity
 from ..run.locking import output_directory
 from ..run.outputs import check_output_path
 from ..run.per_sample import PerSampleWriter
@@ -45,7 +45,7 @@ from ..run.versions import versions
 from .devices import parse_devices, replicate
 from .extract import ExtractionState, run_extraction
 from .forward import default_batch_size
-from .job_options import ENGINES, ExtractOptions, check_extract_options
+from .job_options import ENGINES, ExtractOptions, check_extract_options, extract_inputs, option_settings
 from .local import BatchResult, check_workers, default_workers
 
 # what describes an input's bytes (compared through corpus_sha256 and named when it differs), not how it is read
@@ -74,7 +74,7 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
     if opts.workers is not None:
         check_workers(opts.workers)
     run = RunDir(check_output_path(opts.out))
-    inputs = [("the model", opts.model_path), *(("a corpus input", p, True) for p in opts.paths or ())]
+    inputs = extract_inputs(opts)
     # the one write path: the output checked against the inputs, created, then locked before anything else (a
     # second command is told that the directory is in use, whatever it holds); removed again if it was created
     # here and the run never got anywhere
@@ -111,20 +111,11 @@ class _Job:
             "reading": {"paths": [s.path if s.is_stream else str(Path(s.path).resolve()) for s in corpus.sources],
                         "format": opts.fmt, "text_unit": opts.text_unit,
                         "columns": list(opts.columns) if opts.columns else None, "squad_pairs": opts.squad_pairs},
-            "limit": opts.limit,
-            "max_length": opts.max_length,
-            "batch_size": None,
-            "window": opts.window,
-            "dtype": opts.dtype,
-            "num_windows": opts.num_windows,
-            "split_sentences": opts.sentences,
+            **option_settings(opts),  # the settings the options give, also compared before the model loads
+            "batch_size": None,  # set by the engine
             "backend": None,
             "device_type": None,
-            "engine": opts.engine,
-            "per_sample": opts.per_sample,
         }
-        if opts.weighting != DEFAULT_WEIGHTING:  # absent for attention runs, as in runs made before norm weighting
-            self.settings["weighting"] = opts.weighting
 
     def say(self, text: str) -> None:
         """A stage message on stderr (unless quiet)."""
@@ -151,6 +142,7 @@ class _Job:
             "status": "complete",
             "model": self.settings["model"],
             "model_type": model_type,
+            IDENTITY_FIELD: model_identity(config, opts.model_path),
             "inputs": inputs,
             "corpus": ", ".join(d["path"] for d in inputs),
             "n_segments": acc.n_samples,

@@ -23,7 +23,7 @@ import torch
 from ..caching import cache_heads
 from ..errors import AttnkitError, check_int
 from ..features import DEFAULT_MAX_LENGTH
-from ..models import attention_modules, check_max_length, resolve_model, runtime_of
+from ..models import attention_modules, resolve_model, runtime_of
 from ..run.head_means import HeadMeans
 from ..tokens import Encoder
 from .extract import check_texts
@@ -80,8 +80,8 @@ def head_means(texts, model=None, *, tokenizer=None, max_length: int = DEFAULT_M
     if not isinstance(texts, Corpus):
         texts = check_texts(texts)
     check_workers(workers)
-    model, tokenizer = resolve_model(model, tokenizer, device, dtype)
-    check_max_length(model, max_length)
+    model, tokenizer = resolve_model(model, tokenizer, device, dtype, max_length=max_length,
+                                     function="attnkit.head_means")
     dev = next(model.parameters()).device
     batch_size = default_batch_size(dev) if batch_size is None else check_int(batch_size, "batch_size")
     n_layers, n_heads = len(attention_modules(model)), model.config.num_attention_heads

@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..embedded import check_model_max_length
 from ..errors import AttnkitError, arg, check_int
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING, DEFAULT_WINDOW
 from ..run.model_dir import check_model_dir
-from ..run.outputs import check_output_path
+from ..run.outputs import check_no_file_in_the_way, check_output_path, check_output_place
 from .ray.session import check_ray_address
 
 ENGINES = ("local", "ray")
@@ -55,6 +56,19 @@ class ExtractOptions:
                                weighting=self.weighting)
 
 
+def option_settings(opts: ExtractOptions) -> dict:
+    """The settings of a run (meta.json "settings", what a resume must match) that its options alone give: those
+    `preflight_extract` compares before a model loads. batch_size None: the device's default, which the local job
+    records once it knows the device. weighting only when not the default (runs made before norm weighting have
+    none)."""
+    settings = {"limit": opts.limit, "max_length": opts.max_length, "batch_size": opts.batch_size,
+                "window": opts.window, "dtype": opts.dtype, "num_windows": opts.num_windows,
+                "split_sentences": opts.sentences, "engine": opts.engine, "per_sample": opts.per_sample}
+    if opts.weighting != DEFAULT_WEIGHTING:
+        settings["weighting"] = opts.weighting
+    return settings
+
+
 def check_engine(engine: str) -> None:
     if engine not in ENGINES:
         raise AttnkitError(f"unknown {arg('engine')} {engine!r}: use local or ray")
@@ -88,28 +102,41 @@ def check_extract_options(opts: ExtractOptions) -> None:
     check_output_path(opts.out)
 
 
+def extract_inputs(opts: ExtractOptions) -> list:
+    """What `attnkit extract` reads, as the write path names them (attnkit.run.outputs.check_output_place)."""
+    return [("the model", opts.model_path), *(("a corpus input", p, True) for p in opts.paths or ())]
+
+
 def preflight_extract(opts: ExtractOptions) -> None:
     """Everything `attnkit extract` can refuse without a model, checked before torch is imported, in the job's
     order: the options, what the output directory already holds (the job checks it again under its lock, and
     says first that another command holds it), the corpus paths and formats (read up to the first text, which
-    names a file in a wrong format; standard input is left for the job), and the model directory (local engine:
-    on a Ray cluster it may exist only on the workers)."""
+    names a file in a wrong format; standard input is left for the job), and the model directory with
+    `max_length` against its positions (local engine: on a Ray cluster it may exist only on the workers)."""
     from ..corpus import open_corpus
     from ..run.locking import lock_owner
     from ..run.rundir import RunDir
 
     check_extract_options(opts)
-    run = RunDir(opts.out)
+    run = RunDir(check_no_file_in_the_way(opts.out, "run directory"))  # the job's make_run_dir would refuse it
     if lock_owner(run.path) is None:  # in use: the job's lock names the holder first
         if run.path.is_dir() and not opts.resume:
             run.check_new(opts.overwrite, opts.per_sample)
         elif opts.resume and opts.engine == "local":
             run.check_resumable()
+            now = option_settings(opts)
+            if opts.batch_size is None:  # the default depends on the device: the job compares it
+                del now["batch_size"]
+            now.setdefault("weighting", None)  # an attention run records none: a norm run's is then named
+            run.check_resume_settings(now)
     if "-" not in [str(p) for p in opts.paths]:
         open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
                     squad_pairs=opts.squad_pairs, limit=opts.limit).check_has_text()
-    if opts.model_path and opts.engine == "local":
-        check_model_dir(str(opts.model_path))
+    if opts.engine == "local":
+        if opts.model_path:
+            check_model_dir(str(opts.model_path))
+        check_output_place(opts.out, extract_inputs(opts))  # (the job checks it again, under its lock)
+        check_model_max_length(opts.model_path, opts.max_length)  # config.json is enough
 
 
 @dataclass
@@ -164,4 +191,4 @@ def preflight_distances(opts: DistancesOptions):
 
 
 __all__ = ["ENGINES", "DistancesOptions", "ExtractOptions", "check_distances_options", "check_engine",
-           "check_extract_options", "preflight_distances", "preflight_extract"]
+           "check_extract_options", "extract_inputs", "option_settings", "preflight_distances", "preflight_extract"]

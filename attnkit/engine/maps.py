@@ -15,8 +15,8 @@ from ..corpus.sources import is_blank
 from ..errors import AttnkitError, arg
 from ..features import DEFAULT_MAX_LENGTH
 from ..interventions import Intervention, intervene
-from ..models import check_max_length, resolve_model
-from ..tokens import Encoder
+from ..models import resolve_model
+from ..tokens import Encoder, shown_token, to_str_tokens
 
 
 @dataclass
@@ -25,7 +25,8 @@ class AttentionMaps:
 
     `weights`: float32 array layers × heads × n × n (`weights[l, h, s, t]`: the weight query token `s` gives key
     token `t` in head `h` of layer `l`; rows sum to 1 unless an intervention changed them); `tokens`: the n
-    tokens, special tokens included; `text`: the text (a str or a (str, str) pair).
+    tokens as readable text (`attnkit.to_str_tokens`: byte-level BPE's 'Ġis' is ' is', 'Ċ' a newline), special tokens
+    included, shown with ↵ for a newline in `repr` and `to_pandas`; `text`: the text (a str or a (str, str) pair).
     """
 
     text: object
@@ -52,11 +53,11 @@ class AttentionMaps:
         tokens repeat)."""
         import pandas as pd
 
-        labels = [f"{i}:{t}" for i, t in enumerate(self.tokens)]
+        labels = [f"{i}:{shown_token(t)}" for i, t in enumerate(self.tokens)]
         return pd.DataFrame(self.head(layer, head), index=labels, columns=labels)
 
     def __repr__(self) -> str:
-        shown = " ".join(self.tokens[:12]) + (" …" if len(self.tokens) > 12 else "")
+        shown = " ".join(shown_token(t) for t in self.tokens[:12]) + (" …" if len(self.tokens) > 12 else "")
         return f"AttentionMaps({self.n_layers} layers × {self.n_heads} heads, {len(self.tokens)} tokens: {shown})"
 
 
@@ -84,8 +85,8 @@ def attention_maps(text, model=None, *, tokenizer=None, max_length: int = DEFAUL
     head in mode uniform).
     """
     segment = _check_text(text)
-    model, tokenizer = resolve_model(model, tokenizer, device)
-    check_max_length(model, max_length)
+    model, tokenizer = resolve_model(model, tokenizer, device, max_length=max_length,
+                                     function="attnkit.attention_maps")
     dev = next(model.parameters()).device
     enc = {k: v.to(dev) for k, v in Encoder(tokenizer, max_length=max_length)([segment]).inputs.items()}
     with torch.inference_mode():
@@ -98,7 +99,7 @@ def attention_maps(text, model=None, *, tokenizer=None, max_length: int = DEFAUL
     if not maps:
         raise AttnkitError(f"{type(model).__name__} returned no attention maps for output_attentions=True")
     weights = torch.stack([m[0] for m in maps]).float().cpu().numpy()
-    tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
+    tokens = to_str_tokens(tokenizer, enc["input_ids"][0].tolist())
     return AttentionMaps(text if isinstance(text, str) else tuple(text), tokens, weights)
 
 

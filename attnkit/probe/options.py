@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import AttnkitError, arg, check_int
-from ..features import DEFAULT_MAX_LENGTH
 from .conllu import check_conllu_path
 from .scoring import check_baseline
 
@@ -27,7 +26,7 @@ class ProbeOptions:
     fmt: str = "auto"
     columns: tuple | None = None
     limit: int | None = None
-    max_length: int = DEFAULT_MAX_LENGTH
+    max_length: int | None = None  # None: DEFAULT_MAX_LENGTH, cut to the model's positions where it has fewer
     batch_size: int = 16
     device: str | None = None
     dtype: str = "float32"
@@ -85,15 +84,17 @@ def probe_outputs(out) -> list[Path]:
 def check_probe_options(opts: ProbeOptions) -> None:
     for value, name in ((opts.min_count, "min_count"), (opts.seed, "seed"), (opts.batch_size, "batch_size"),
                         (opts.max_length, "max_length")):
-        check_int(value, name)
+        if value is not None or name != "max_length":
+            check_int(value, name)
     check_baseline(opts.baseline)
 
 
 def preflight_probe(opts: ProbeOptions) -> None:
     """What `attnkit probe` can refuse without a model, before torch is imported: the options, the inputs (their
-    paths, and for spaCy that it is installed), the model directory and earlier results in the output
-    directory that only `overwrite` replaces."""
+    paths, and for spaCy that it is installed), the model directory with `max_length` against its positions, and
+    earlier results in the output directory that only `overwrite` replaces."""
     from ..corpus import open_corpus
+    from ..embedded import check_model_max_length
     from ..run.files import REPORT_FILE
     from ..run.model_dir import check_model_dir
     from ..run.outputs import check_output_path
@@ -109,6 +110,8 @@ def preflight_probe(opts: ProbeOptions) -> None:
             open_corpus(opts.paths, opts.fmt, columns=opts.columns, text_unit="line")
     if opts.model_path:
         check_model_dir(str(opts.model_path))
+    if opts.max_length is not None:  # a length asked for: config.json is enough (a default is fitted to the model)
+        check_model_max_length(opts.model_path, opts.max_length)
     out = Path(check_output_path(opts.out))
     claim_outputs(probe_outputs(out), opts.overwrite, stale=[out / REPORT_FILE])
 

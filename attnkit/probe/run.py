@@ -13,9 +13,11 @@ import torch
 from ..arch.pruning import pruned_head_grid
 from ..errors import AttnkitError, arg, print_message
 from ..features import DEFAULT_MAX_LENGTH
-from ..models import attention_modules, load_model, observing
+from ..models import attention_modules, check_max_length, load_model, observing
 from ..run.files import PROBE_CSV, PROBE_HEATMAP, PROBE_JSON, PROBE_TABLE, REPORT_FILE
+from ..run.identity import IDENTITY_FIELD, model_identity
 from ..run.locking import output_directory
+from ..run.model_dir import fitted_length
 from ..run.outputs import atomic_write, check_output_path, os_errors, write_json
 from ..run.overwrite import claim_outputs
 from ..run.versions import attnkit_version
@@ -141,12 +143,16 @@ def word_attention_batch(model, inputs: dict, aligns: list[Alignment], num_words
     return torch.stack([got[i] for i in range(n_layers)])
 
 
-def score_sentences(model, tokenizer, sentences, *, max_length=DEFAULT_MAX_LENGTH, batch_size=16, backend="auto",
+def score_sentences(model, tokenizer, sentences, *, max_length=None, batch_size=16, backend="auto",
                     keep_pairs=True, quiet=True, count_root=False, baseline="any") -> tuple[ProbeScores, dict]:
     """Run the model over parsed sentences and score every head; returns (scores, alignment counts).
-    `count_root` and `baseline` as in `ProbeScores`."""
+    `count_root` and `baseline` as in `ProbeScores`. `max_length`: tokens per sentence, refused past the model's
+    positions; None: DEFAULT_MAX_LENGTH, or the model's positions where it has fewer."""
     from tqdm import tqdm
 
+    if max_length is None:
+        max_length = fitted_length(model, DEFAULT_MAX_LENGTH)
+    check_max_length(model, max_length)
     mods = attention_modules(model)
     n_heads = int(model.config.num_attention_heads)
     scores = ProbeScores(len(mods), n_heads, keep_pairs=keep_pairs, count_root=count_root, baseline=baseline,
@@ -259,8 +265,12 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
     with output_directory(out, "attnkit probe", inputs=inputs):  # the one write path: checked, created, locked
         claim = claim_outputs(probe_outputs(out), opts.overwrite, stale=[out / REPORT_FILE])
         sentences, parser = load_sentences(opts)
-        model, tokenizer = load_model(opts.model_path, device=opts.device, dtype=opts.dtype)
-        scores, counts = score_sentences(model, tokenizer, sentences, max_length=opts.max_length,
+        model, tokenizer = load_model(opts.model_path, device=opts.device, dtype=opts.dtype, max_length=opts.max_length)
+        max_length = opts.max_length or fitted_length(model, DEFAULT_MAX_LENGTH)
+        if max_length < DEFAULT_MAX_LENGTH and opts.max_length is None and not opts.quiet:
+            echo(f"attnkit probe: sentences cut to the model's {max_length} positions (the default "
+                 f"{arg('max_length')} is {DEFAULT_MAX_LENGTH})", err=True)
+        scores, counts = score_sentences(model, tokenizer, sentences, max_length=max_length,
                                          batch_size=opts.batch_size, backend=opts.backend, quiet=opts.quiet,
                                          count_root=opts.count_root, baseline=opts.baseline)
         if ALL not in scores.rel:
@@ -274,6 +284,7 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
         wa_backend = f"fused-{dev_type}" if opts.backend != "reference" and op_available(dev_type) else "reference"
         summary = {
             "model": opts.model_path or "default (embedded MiniLM)",
+            IDENTITY_FIELD: model_identity(model, opts.model_path),
             "inputs": [str(p) for p in opts.paths], "parser": parser,
             "parser_model": SPACY_MODEL if parser == "spacy" else None,
             "layers": scores.n_layers, "heads": scores.n_heads,
@@ -286,7 +297,7 @@ def run_probe(opts: ProbeOptions, echo=print_message) -> dict:
             "skipped_dependencies": scores.n_skipped,
             "relations": {r: scores.best(r) for r in scores.relations()},
             "attention_only_probe": probe,
-            "settings": {"max_length": opts.max_length, "batch_size": opts.batch_size, "dtype": opts.dtype,
+            "settings": {"max_length": max_length, "batch_size": opts.batch_size, "dtype": opts.dtype,
                          "min_count": opts.min_count, "relation": opts.relation, "backend": opts.backend,
                          "count_root": opts.count_root, "baseline": opts.baseline,
                          "word_attention_backend": wa_backend},

@@ -9,6 +9,7 @@
     shards           the Ray engine's shard files
     schemas          the schemas every file is checked against, the one .npz loader, the one JSON Schema formatter
     settings         saved settings against this run's settings
+    identity         which model a file was made from, recorded by every command that runs one, compared by the report
     outputs          atomic writes, writable directories, one-line OS errors
     locking          one command at a time per run directory
 

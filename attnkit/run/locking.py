@@ -11,10 +11,15 @@ RUN/.attnkit.lock.owner, so a second command is refused with one line that names
 
     RUN is in use by `attnkit extract` (pid 1234); wait for it to finish or choose another directory
 
-A lock stays valid as long as it is held: nothing removes the lock file of a holder. The only code that
-removes a lock file is `remove_if_only_lock`, which a command calls for a directory it created itself
-(`make_run_dir`) and which first takes the lock itself, so it never removes a directory another command
-holds. Whoever takes the lock also removes what writers killed by SIGKILL left behind: the pid-named
+A lock stays valid as long as it is held: nothing removes the lock file of another holder. A command removes
+its own lock file when it ends, while it still holds the lock (a finished run keeps no empty .attnkit.lock), and
+`remove_if_only_lock` removes a directory a command created itself (`make_run_dir`) after taking the lock
+itself, so it never removes a directory another command holds. Removing a locked file is safe only because
+every command checks, once it has the lock, that the file it locked is still the one at the path (`_acquire`):
+a command that opened the file just before its holder removed it, and locked it just after, holds a lock on
+a file that no longer exists, and tries again at the path instead of believing it holds the directory (the
+OS lock is on the file, not on its name; filelock's documentation warns of exactly this, and leaves Unix lock
+files in place for it). Whoever takes the lock also removes what writers killed by SIGKILL left behind: the pid-named
 temporary files of `atomic_write` (`.NAME.PID.tmp`) whose process no longer runs.
 """
 from __future__ import annotations
@@ -58,20 +63,57 @@ def lock_owner(directory) -> dict | None:
     return data
 
 
-def _acquire(directory: Path) -> FileLock:
-    """The held lock of `directory`, or AttnkitError naming its holder."""
-    lock = FileLock(str(directory / LOCK_FILE), timeout=0, thread_local=False)
+_LOCK_TRIES = 20  # takes of a lock whose file its holder removed meanwhile (each is at once: the lock never waits)
+
+
+def _locked_file(lock: FileLock) -> int | None:
+    """The descriptor of the file `lock` holds locked (filelock keeps it in its context, in 3.x and 4.x alike), or
+    None where this filelock does not say: then nothing may remove a lock file (see `_remove_own_lock_file`)."""
+    fd = getattr(getattr(lock, "_context", None), "lock_file_fd", None)
+    return fd if isinstance(fd, int) else None
+
+
+def _holds_the_file_at(lock: FileLock, path: Path) -> bool:
+    """Whether the file `lock` holds is the one at `path` now (not one its holder removed before it was taken)."""
+    fd = _locked_file(lock)
+    if fd is None:
+        return True  # cannot tell: lock files are then never removed, so the file is the one at the path
     try:
-        lock.acquire()
-    except Timeout:
-        owner = lock_owner(directory) or {}
-        who = f"`{owner['command']}` (pid {owner['pid']})" if "pid" in owner and "command" in owner \
-            else "another process"
-        raise AttnkitError(f"{directory} is in use by {who}; wait for it to finish or choose another directory") \
-            from None
-    except OSError as exc:
-        raise AttnkitError(f"cannot lock run directory {directory}: {exc.strerror or exc}") from None
-    return lock
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _acquire(directory: Path) -> FileLock:
+    """The held lock of `directory`, or AttnkitError naming its holder. The lock is taken on the file at the path
+    (a lock taken on a file its holder removed in between is given back and taken again)."""
+    path = directory / LOCK_FILE
+    for _ in range(_LOCK_TRIES):
+        lock = FileLock(str(path), timeout=0, thread_local=False)
+        try:
+            lock.acquire()
+        except Timeout:
+            owner = lock_owner(directory) or {}
+            who = f"`{owner['command']}` (pid {owner['pid']})" if "pid" in owner and "command" in owner \
+                else "another process"
+            raise AttnkitError(f"{directory} is in use by {who}; wait for it to finish or choose another "
+                               "directory") from None
+        except OSError as exc:
+            raise AttnkitError(f"cannot lock run directory {directory}: {exc.strerror or exc}") from None
+        if _holds_the_file_at(lock, path):
+            return lock
+        lock.release()
+    raise AttnkitError(f"cannot lock run directory {directory}: its lock file keeps being replaced")
+
+
+def _remove_own_lock_file(directory: Path, lock: FileLock) -> None:
+    """Remove the lock file of `directory` while `lock` (this command's, on that file) still holds it, so a
+    finished command leaves no empty .attnkit.lock; whoever opened the file meanwhile finds it removed once it
+    has it, and takes the lock at the path again (`_acquire`). Only where filelock tells which file it locked:
+    elsewhere the lock file stays, as filelock itself leaves it."""
+    if _locked_file(lock) is not None and _holds_the_file_at(lock, directory / LOCK_FILE):
+        with contextlib.suppress(OSError):
+            (directory / LOCK_FILE).unlink()
 
 
 def remove_stale_temporaries(directory) -> list[Path]:
@@ -114,6 +156,7 @@ def run_lock(directory, command: str):
     finally:
         with contextlib.suppress(OSError):
             owner_path.unlink()
+        _remove_own_lock_file(directory, lock)
         lock.release()
 
 
@@ -197,7 +240,8 @@ def remove_if_only_lock(path) -> bool:
             return False
         with contextlib.suppress(FileNotFoundError):
             (path / OWNER_FILE).unlink()
-        (path / LOCK_FILE).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (path / LOCK_FILE).unlink()
         path.rmdir()
         return True
     except OSError:

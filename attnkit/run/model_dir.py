@@ -3,9 +3,10 @@ directory must hold, checked without importing torch or transformers, so that th
 model path at once (attnkit/models.py loads the model)."""
 from __future__ import annotations
 
+import json
 import os
 
-from ..errors import AttnkitError
+from ..errors import AttnkitError, arg, check_int
 
 
 def default_model_path() -> str:
@@ -23,6 +24,12 @@ def default_model_path() -> str:
 # other facts about model directories, so that reading it imports no torch.
 DECODER_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3_text", "gpt_oss", "gpt2",
                            "gpt_neox", "phi3"})
+
+
+def is_decoder_meta(meta) -> bool:
+    """Whether a run's meta.json records a decoder's `model_type` (causal rows: `cls` is the first position's mass,
+    no row sees a next token, row 0 sees only itself)."""
+    return isinstance(meta, dict) and meta.get("model_type") in DECODER_TYPES
 
 
 # The embedded models a name stands for (attnkit/embedded converts them; docs/decoders.md).
@@ -82,10 +89,71 @@ def check_model_dir(path: str) -> None:
                            + (f" (it holds: {some_names(sorted(present))})" if present else " (it is empty)"))
 
 
+# Models whose position ids start after the padding index (max usable length = positions − pad − 1).
+OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert", "longformer", "xlm-roberta-xl", "data2vec-text"})
+
+
+def _config_get(model_or_config):
+    """A getter of the fields of a model's config: the model, its config, or the dict of its config.json."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    if isinstance(cfg, dict):
+        return cfg.get
+    return lambda key: getattr(cfg, key, None)
+
+
+def max_positions(model_or_config) -> int | None:
+    """How many tokens the position embeddings of a model allow (None: no limit known): the model, its config,
+    or the dict of its config.json (`max_position_embeddings`, GPT-2's `n_positions`; RoBERTa's family counts its
+    positions after the padding index). For rotary models, the context they were trained for."""
+    get = _config_get(model_or_config)
+    n = get("max_position_embeddings")
+    if n is None:
+        n = get("n_positions")
+    if not isinstance(n, int) or isinstance(n, bool):
+        return None
+    if get("model_type") in OFFSET_POSITIONS and isinstance(get("pad_token_id"), int):
+        n -= get("pad_token_id") + 1
+    return int(n)
+
+
+def check_max_length(model_or_config, max_length, name: str = "max_length") -> int:
+    """`max_length` when it is an integer of at least 2 that the position embeddings of a model (the model, its
+    config, or its config.json as a dict) allow; else an AttnkitError. The one check of a length against a model:
+    every command and API that runs a model makes it, before the model loads where it is given by its directory
+    (attnkit.embedded.check_model_max_length), so that no text runs past the model's positions (learned positions
+    fail deep inside, rotary ones are measured beyond the context the model was trained for)."""
+    check_int(max_length, name, minimum=2)
+    limit = max_positions(model_or_config)
+    if limit is not None and max_length > limit:
+        raise AttnkitError(f"{arg(name)} {max_length} exceeds the model's {limit} positions "
+                           f"({_config_get(model_or_config)('model_type')}): give at most {limit}")
+    return max_length
+
+
+def fitted_length(model_or_config, default: int) -> int:
+    """A command's default length (one nobody asked for) cut to the model's positions where it has fewer; a length
+    asked for is checked instead (`check_max_length`)."""
+    limit = max_positions(model_or_config)
+    return default if limit is None else min(default, limit)
+
+
+def read_config(path) -> dict | None:
+    """The config.json of the model directory `path` as a dict, read without loading the model; None where there
+    is none or it is not a JSON object (loading the model then names the problem)."""
+    try:
+        with open(os.path.join(str(path), "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
 def some_names(names: list[str], n: int = 10) -> str:
     """At most `n` names, then how many more."""
     return ", ".join(names[:n]) + (f", … and {len(names) - n} more" if len(names) > n else "")
 
 
-__all__ = ["CONFIG_FILES", "DECODER_TYPES", "EMBEDDED", "TOKENIZER_FILES", "WEIGHT_FILES", "check_model_dir",
-           "default_model_path", "is_embedded_name", "looks_like_hub_id", "some_names"]
+__all__ = ["CONFIG_FILES", "DECODER_TYPES", "EMBEDDED", "OFFSET_POSITIONS", "TOKENIZER_FILES", "WEIGHT_FILES",
+           "check_max_length", "check_model_dir", "default_model_path", "fitted_length", "is_decoder_meta",
+           "is_embedded_name",
+           "looks_like_hub_id", "max_positions", "read_config", "some_names"]

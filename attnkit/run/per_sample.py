@@ -300,6 +300,40 @@ def read_rows(run_dir, rows=None):
     return df if rows is None else df.loc[list(rows)]
 
 
+def rows_table_problem(run_dir, n_rows: int) -> str | None:
+    """Why RUN/per_sample_rows.csv cannot say where the `n_rows` rows of per_sample.npy came from: missing although
+    per_sample.json lists it (the writer lists it when it writes it), or cut short (fewer complete lines than rows,
+    a last line without all its columns). None when it describes every row, or when the run never had one (runs of
+    attnkit 0.1: their texts are read again from the corpus). A file that is no rows table at all (other columns,
+    a row that is not a number) is left to its reader, which names it (AttnkitError)."""
+    path = _npy_path(run_dir).with_name(PER_SAMPLE_ROWS)
+    meta_path = path.with_name(PER_SAMPLE_META)
+    if not path.is_file():
+        try:
+            listed = json.loads(meta_path.read_text(encoding="utf-8")).get("rows") == PER_SAMPLE_ROWS
+        except (OSError, ValueError, AttributeError):
+            listed = False
+        return f"{PER_SAMPLE_ROWS} is missing ({PER_SAMPLE_META} lists it)" if listed else None
+    complete, expect = 0, len(_RowsTable.COLUMNS)
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            if next(reader, None) != list(_RowsTable.COLUMNS):
+                return None  # no rows table: its reader names the problem
+            for record in reader:
+                if len(record) != expect or record[0] != str(complete):
+                    break
+                complete += 1
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return None
+    if complete < n_rows:
+        return (f"{PER_SAMPLE_ROWS} is cut short or damaged: it describes {complete} of the {n_rows} rows of "
+                f"{PER_SAMPLE_FILE} in order")
+    if complete > n_rows:
+        return f"{PER_SAMPLE_ROWS} describes {complete} rows, {PER_SAMPLE_FILE} holds {n_rows}: it is another run's"
+    return None
+
+
 def load_per_sample(run_dir) -> tuple[np.ndarray, list[str]]:
     """(memory-mapped N × layers × heads × F array, feature names) of a run: float32, or float16 in files of
     attnkit 0.1 (read as they are; callers that compare with thresholds convert rows to float32 first)."""
@@ -351,5 +385,5 @@ def check_matches_run(run_dir, arr: np.ndarray, names: list[str], run) -> None:
                            "values differ); run `attnkit extract --per-sample` again")
 
 
-__all__ = ["PerSampleWriter", "check_matches_run", "load_per_sample", "npy_header", "read_rows", "PER_SAMPLE_FILE",
-           "PER_SAMPLE_META", "PER_SAMPLE_ROWS", "HEADER_BYTES"]
+__all__ = ["PerSampleWriter", "check_matches_run", "load_per_sample", "npy_header", "read_rows", "rows_table_problem",
+           "PER_SAMPLE_FILE", "PER_SAMPLE_META", "PER_SAMPLE_ROWS", "HEADER_BYTES"]

@@ -83,18 +83,14 @@ class RunDir:
         given) and that the checkpoint's numbers are possible. `inputs` (Corpus.describe()) name the input
         that changed when the corpus differs."""
         self.check_resumable(finished=False)
-        state = load_npz(self.checkpoint_path, what="checkpoint",
-                         corrupt=f"start over with {arg('overwrite', True)}")
+        state, saved = self._checkpoint()
         try:
-            saved = json.loads(str(state["settings"]))
             saved_inputs = json.loads(str(state["inputs"])) if "inputs" in state else None
             acc = FeatureAccumulator.from_state(state)
             next_index, n_truncated = int(state["next_index"]), int(state["n_truncated"])
             lengths = np.asarray(state["lengths"], dtype=np.int64) if "lengths" in state else None
         except Exception as exc:
             raise AttnkitError(f"checkpoint {self.checkpoint_path} is corrupt: {type(exc).__name__}: {exc}") from None
-        if not isinstance(saved, dict):
-            raise AttnkitError(f"checkpoint {self.checkpoint_path} is corrupt: its settings are not a mapping")
         self.check_settings(saved, settings, saved_inputs, inputs)
         arrays = {"sum": acc.sum.shape, "m2": acc.m2.shape}
         wrong = {k: v for k, v in arrays.items() if shape is not None and tuple(v) != tuple(shape)}
@@ -108,6 +104,25 @@ class RunDir:
             raise AttnkitError(f"checkpoint {self.checkpoint_path} is impossible ({problem}); start over with "
                                f"{arg('overwrite', True)}")
         return acc, next_index, n_truncated, lengths
+
+    def _checkpoint(self) -> tuple[dict, dict]:
+        """The checkpoint's arrays and its settings (a mapping), or AttnkitError naming it corrupt."""
+        state = load_npz(self.checkpoint_path, what="checkpoint",
+                         corrupt=f"start over with {arg('overwrite', True)}")
+        try:
+            saved = json.loads(str(state["settings"]))
+        except Exception as exc:
+            raise AttnkitError(f"checkpoint {self.checkpoint_path} is corrupt: {type(exc).__name__}: {exc}") from None
+        if not isinstance(saved, dict):
+            raise AttnkitError(f"checkpoint {self.checkpoint_path} is corrupt: its settings are not a mapping")
+        return state, saved
+
+    def check_resume_settings(self, settings: dict) -> None:
+        """Refuse a resume whose `settings` (some of a run's settings: those known before a model loads) differ
+        from the run's, its checkpoint's or else its finished meta.json's, naming each that differs; the settings
+        that `settings` leaves out are the job's to check."""
+        saved = self._checkpoint()[1] if self.has_checkpoint() else self.finished_meta().get("settings", {})
+        self.check_settings({k: saved[k] for k in settings if k in saved}, settings)
 
     @staticmethod
     def check_settings(saved: dict, settings: dict, saved_inputs: list | None = None,

@@ -25,6 +25,11 @@ _INT1 = {"type": "integer", "minimum": 1}
 _STR_OR_NULL = {"type": ["string", "null"]}
 _NUM_OR_NULL = {"type": ["number", "null"]}
 _HEAD_PAIRS = {"type": "array", "items": {"type": "array", "items": _INT0, "minItems": 2, "maxItems": 2}}  # [[l, h]]
+# `model_identity`: which model a file was made from (attnkit/run/identity.py); absent in files made before it was
+# recorded, which the report compares by what they have
+_MODEL_IDENTITY = {"type": "object", "required": ["name", "n_layers", "n_heads"], "properties": {
+    "name": {"type": "string"}, "path": _STR_OR_NULL, "model_type": _STR_OR_NULL, "n_layers": _INT1, "n_heads": _INT1,
+    "config_sha256": {"type": ["string", "null"], "pattern": "^[0-9a-f]{64}$"}}}
 
 # RUN/meta.json, written by `attnkit extract` (HeadFeatures.save). Every field is optional (a run saved
 # from Python may carry only the counts), but a field that is there must have its type.
@@ -44,6 +49,7 @@ META_SCHEMA = {
         "weighting": {"enum": ["attention", "norm"]},
         "model": _STR_OR_NULL,
         "model_type": _STR_OR_NULL,
+        "model_identity": _MODEL_IDENTITY,
         "corpus": _STR_OR_NULL,
         "format": _STR_OR_NULL,
         "text_unit": _STR_OR_NULL,
@@ -181,8 +187,8 @@ PROBE_SCHEMA = {
     "type": "object",
     "required": ["layers", "heads"],
     "properties": {
-        "model": _STR_OR_NULL,
-        "layers": _INT1, "heads": _INT1,
+        "model": _STR_OR_NULL, "model_identity": _MODEL_IDENTITY,
+        "layers": _INT1, "heads": _INT1, "removed_heads": _HEAD_PAIRS,
         "settings": {"type": "object", "properties": {"min_count": _INT1}},
         "relations": {"type": "object", "additionalProperties": {"type": ["object", "null"], "properties": {
             "baseline_offset": {"type": ["integer", "string", "null"]}}}},
@@ -196,7 +202,7 @@ ABLATION_META_SCHEMA = {
     "required": ["experiment"],
     "properties": {
         "experiment": {"type": "string", "pattern": "^[a-z][a-z_]*$"},
-        "model": _STR_OR_NULL, "task": _STR_OR_NULL, "mode": _STR_OR_NULL,
+        "model": _STR_OR_NULL, "task": _STR_OR_NULL, "mode": _STR_OR_NULL, "model_identity": _MODEL_IDENTITY,
     },
 }
 
@@ -207,7 +213,7 @@ DETECTED_HEADS_SCHEMA = {
     "required": ["kinds", "n_layers", "n_heads"],
     "properties": {
         "kinds": {"type": "array", "minItems": 1, "items": {"type": "string", "pattern": "^[a-z][a-z_]*$"}},
-        "model": _STR_OR_NULL, "model_type": _STR_OR_NULL, "corpus": _STR_OR_NULL,
+        "model": _STR_OR_NULL, "model_type": _STR_OR_NULL, "corpus": _STR_OR_NULL, "model_identity": _MODEL_IDENTITY,
         "length": _INT1, "n_sequences": _INT1, "seed": _INT0, "bos": {"type": ["integer", "null"]},
         "n_layers": _INT1, "n_heads": _INT1, "seconds": _NUM_OR_NULL,
     },
