@@ -39,6 +39,8 @@ _LAZY = {
     "load_model": "models",
     "register_attention": ("hf_attention", "register"),
     "sentences": "interventions",
+    "track": "training",
+    "qk_clip": "training",
     "to_str_tokens": "tokens",
 }
 
@@ -100,5 +102,6 @@ elif not any(isinstance(f, _RegisterWhenTransformersLoads) for f in sys.meta_pat
 __all__ = [
     "AttnkitError", "HeadFeatures", "Intervention", "attention_maps", "backend_info", "cache_heads", "cluster",
     "detect_heads",
-    "extract", "feature_names", "head_means", "instrument", "intervene", "load_model", "sentences", "to_str_tokens",
+    "extract", "feature_names", "head_means", "instrument", "intervene", "load_model", "qk_clip", "sentences",
+    "to_str_tokens", "track",
 ]

@@ -73,7 +73,7 @@ from .arch.architectures import output_matrix
 from .arch.norms import key_norms
 from .arch.pruning import KV_HEAD_ATTR, kept_heads, to_kept, to_unpruned
 from .errors import AttnkitError
-from .features import DEFAULT_NUM_WINDOWS, num_features
+from .features import CLS, DEFAULT_NUM_WINDOWS, num_features
 from .ops import attention
 from .reference import attention_weights, replace_head_outputs
 from .tokens import sentence_ids as segment_sentence_ids
@@ -162,6 +162,8 @@ class Runtime:
     _outer_inputs: list = field(default_factory=list)  # inputs of enclosing forwards (nested calls)
     # attnkit.caching.HeadCache objects that keep each layer's per-head outputs (attnkit.cache_heads)
     head_caches: list = field(default_factory=list)
+    # attnkit.training.Tracker (attnkit.track): per-head statistics of every forward, accumulated on the device
+    tracker: object | None = None
 
     def enter_forward(self, inputs: ModelInputs) -> None:
         self._outer_inputs.append(self.inputs)
@@ -405,7 +407,8 @@ def decoder_arguments(module, H: int, Hkv: int, kwargs: dict, kept, device) -> d
         out["softcap"] = float(kwargs["softcap"])
     sink = kwargs.get("s_aux")
     if sink is not None:
-        sink = sink.detach().to(device, torch.float32)
+        # not detached: a model in training learns its sink logits through the op's backward (attnkit.ops)
+        sink = sink.to(device, torch.float32)
         # pruning keeps the sink logits of the heads kept; a layer that names them for the unpruned heads gets those
         out["sink"] = sink if kept is None or sink.shape[0] == H else to_kept(sink, kept)
     kv_head = getattr(module, KV_HEAD_ATTR, None)
@@ -465,6 +468,15 @@ def unshift(t: torch.Tensor, offsets: torch.Tensor, dims, row_dim: int, first_ro
     return t.masked_fill(pad.view(shape), 0)
 
 
+def first_token_classes(B: int, L: int, device) -> torch.Tensor:
+    """B×L token classes for a forward without attnkit's own batch (attnkit.track): the first token of each sample
+    is CLS (after left padding is moved to the front, position 0 holds it), every other token OTHER, so the feature
+    `cls` is each row's weight on the first token (a decoder's BOS or attention sink)."""
+    classes = torch.zeros(B, L, dtype=torch.int32, device=device)
+    classes[:, 0] = CLS
+    return classes
+
+
 def attnkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     if _callers is not None:
         _callers.append(module)
@@ -476,6 +488,10 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             "cross-attention is not supported")
     # a step of generation with a KV cache: the L queries are the last L of the Lk keys (attnkit/reference.py)
     decode = Lk > L
+    if torch.is_autocast_enabled(query.device.type):  # mixed precision: attention in the autocast dtype, as eager's
+        # matmuls run under autocast (q and k may arrive in fp32 from the rotary embedding, v in the autocast dtype)
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     rt: Runtime | None = getattr(module, RUNTIME_ATTR, None)
     # model(..., output_attentions=True): return the maps (transformers passes the flag on, except GPT-2's module)
     want_maps = bool(kwargs.get("output_attentions")) or bool(rt is not None and rt.inputs is not None
@@ -514,9 +530,17 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             return unshift(t, offsets, [d for d in dims if d != row_dim], row_dim, first_row=Lk - L)
         return unshift(t, offsets, dims, row_dim)
 
+    tracker = rt.tracker if rt is not None and not decode else None  # a generation step is no training forward
+    if tracker is not None and H > 0:
+        track_classes = first_token_classes(B, L, query.device) if info is None else info.token_class
     if dropout and module.training:
         if decode:
             raise AttnkitError("attnkit does not run a KV-cache step with attention dropout on: call model.eval()")
+        if tracker is not None and H > 0:  # the statistics of the weights before dropout (docs/training.md)
+            with torch.no_grad():
+                _, feats = attention(query, key, value, lengths, track_classes, None, scaling=scaling,
+                                     num_windows=rt.num_windows, want_features=True, backend=rt.backend, **dec)
+            tracker.record(module.layer_idx, feats, query, key, lengths, scale, dec, kept)
         if rt is not None and rt.active:
             raise AttnkitError("attnkit cannot measure or intervene while attention dropout is on: call model.eval()")
         if want_maps or dec or offsets is not None:
@@ -579,6 +603,9 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             key_scale = key_norms(per_query_head(value, kv_index(H, Hkv, dec, query.device)),
                                   output_matrix(rt.out_proj[module.layer_idx]))
     token_class = info.token_class if info is not None else None
+    tracked = tracker is not None and H > 0
+    if tracked and not want:  # the tracker's statistics come from the same call of the op
+        want, token_class = True, track_classes
     parts = parts or [LayerPart(0, B)]
     if kept is not None:  # a pruned layer: the intervention's settings of the heads it kept
         # the probe forward of attnkit.models.instrument runs before DistilBERT's layers are numbered
@@ -625,10 +652,14 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     out = own_frame(out, (1,), 1)  # rows of left padding: 0
     for p in parts:
         out = replace_head_outputs(out, p.outputs, slice(p.start, p.stop))
-    if want:  # a pruned layer's removed heads have no attention, hence no features: NaN (docs/pruning.md)
+    if want:
         # every feature is a mass or an entropy, never negative: a backend's rounding (win_15 = -1.96e-11) is
         # clamped here, where the features of every backend and engine enter the runtime (docs/features.md §3)
         feats = feats.clamp(min=0.0)
+    if tracked:
+        tracker.record(module.layer_idx, feats, query, key, lengths, scale, dec, kept)
+    if want and rt.want_features and info is not None:
+        # a pruned layer's removed heads have no attention, hence no features: NaN (docs/pruning.md)
         rt.features[module.layer_idx] = feats if kept is None else to_unpruned(feats, kept, float("nan"))
     if rt is not None and rt.head_caches:  # caches hold the unpruned heads (removed ones output 0)
         heads_out = out if kept is None else to_unpruned(out.transpose(1, 2), kept).transpose(1, 2)

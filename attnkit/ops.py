@@ -4,9 +4,10 @@
 Here we register what PyTorch needs around it (a fake kernel for torch.compile / meta tensors, and
 autograd), and `attention()` picks the fused op or the pure-PyTorch reference.
 
-Autograd: the gradient w.r.t. q, k, v and gates (head importance, Michel et al.) is computed by
-re-running the differentiable reference in the backward pass. That costs the reference's L×L memory,
-but only when gradients are asked for; extraction runs without them. The features output is not
+Autograd: the gradient w.r.t. q, k, v, gates (head importance, Michel et al.) and sink logits comes, without an
+intervention, from attnkit.kernels.backward, which never builds an L×L map (ATen's CPU flash backward, or a
+query-tiled backward in PyTorch; docs/training.md). Under an intervention (mode, region, renormalize) it is
+computed by re-running the differentiable reference, at the reference's L×L memory. The features output is not
 differentiable (it has no grad_fn): a loss on features raises instead of getting zero gradients.
 
 torch.compile: which kernels exist is decided once per (device type, op) outside the traced path
@@ -415,7 +416,28 @@ def _setup_context(ctx, inputs, output):
     # backward differentiates the attention output only: the features get no grad_fn
     ctx.mark_non_differentiable(output[1])
 
+
 def _backward(ctx, grad_out, grad_feats):
+    """The gradients of the op's output (docs/training.md, "The backward"): without an intervention (mode, region,
+    renormalize) by attnkit.kernels.backward, which never builds an L×L map; with one, or with fewer queries than
+    keys (a KV-cache step), by re-running the differentiable reference (L×L maps)."""
+    q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    result = [None] * ctx.n_inputs
+    if mode is None and region is None and not ctx.renormalize and q.shape[2] == k.shape[2]:
+        from .kernels.backward import attention_backward
+
+        dq, dk, dv, dg, ds = attention_backward(grad_out, q, k, v, lengths, scaling=ctx.scaling, gates=gates,
+                                                kv_head=kv_head, sink=sink, **ctx.decoder)
+        for i, g in ((0, dq), (1, dk), (2, dv), (_GATES, dg), (_SINK, ds)):
+            if i < len(needs) and needs[i]:
+                result[i] = g
+        return tuple(result)
+    return tuple(_reference_backward(ctx, grad_out, result))
+
+
+def _reference_backward(ctx, grad_out, result: list) -> list:
+    """The gradients under an intervention: autograd through the reference, which materialises the L×L weights."""
     q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = ctx.saved_tensors
     needs = ctx.needs_input_grad
     leaves = {}
@@ -431,10 +453,9 @@ def _backward(ctx, grad_out, grad_feats):
             if t is not None and needs[i]:
                 leaves[i] = t
         grads = torch.autograd.grad(out, list(leaves.values()), grad_out, allow_unused=True)
-    result = [None] * ctx.n_inputs
     for i, g in zip(leaves, grads):
         result[i] = g
-    return tuple(result)
+    return result
 
 
 torch.library.register_autograd(_TRITON_OP, _backward, setup_context=_setup_context)

@@ -229,6 +229,18 @@ def attention_weights(
     return (weights, sink_w) if return_sink else weights
 
 
+def max_logits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling: float, *,
+               kv_head: torch.Tensor | None = None, causal: bool = False,
+               sliding_window: int | None = None) -> torch.Tensor:
+    """B×H fp32: each head's max logit per sample (docs/features.md, "Max logit"): the largest q_s·k_t·scaling over
+    the valid query rows s < n and the keys t each sees, before any soft-cap; NaN scores propagate."""
+    B, H, L, _ = q.shape
+    lengths = lengths.to(q.device).long()
+    scores = attention_scores(q, k, scaling, kv_head=kv_head)
+    seen = visible_keys(lengths, L, causal, sliding_window) & _key_mask(lengths, L)[:, None, :, None]
+    return scores.masked_fill(~seen, float("-inf")).amax((-1, -2))
+
+
 def bucket_index(token_class: torch.Tensor, lengths: torch.Tensor, num_windows: int,
                  Lq: int | None = None) -> torch.Tensor:
     """B×Lq×L int64 (Lq defaults to L): the distance-feature bucket of key t for query row i at position
@@ -520,6 +532,7 @@ __all__ = [
     "reference_js_distances",
     "attention_weights",
     "attention_scores",
+    "max_logits",
     "visible_keys",
     "resolve_kv_head",
     "intervene_weights",

@@ -16,7 +16,7 @@ LAYERS = [
     ("ops", ["attnkit.reference", "attnkit.ops", "attnkit.words", "attnkit.kernels"]),
     ("files", ["attnkit.run", "attnkit.corpus"]),
     ("model", ["attnkit.tokens", "attnkit.hf_attention", "attnkit.models", "attnkit.interventions", "attnkit.arch",
-               "attnkit.caching", "attnkit.embedded"]),
+               "attnkit.caching", "attnkit.embedded", "attnkit.training"]),
     ("plotting", ["attnkit.plotting"]),
     ("engine", ["attnkit.engine"]),
     ("analyses", ["attnkit.analysis", "attnkit.ablation", "attnkit.probe"]),

@@ -179,5 +179,64 @@ def attention_layers(model, purpose: str = "this") -> list[AttentionLayer]:
     return out
 
 
+@dataclass
+class QueryKeyUnits:
+    """Where the q and k of each head come from in one layer: the projection computing q and the index (H × D) of
+    its output units that make head h's q, and likewise for k (Hkv × D; one projection for both where q, k and v are
+    fused). Scaling those units (rows of an nn.Linear's weight and bias, columns of a Conv1D's weight) scales q or k
+    of that head exactly: the rotary embeddings that follow are linear."""
+
+    query: nn.Module
+    query_units: torch.Tensor
+    key: nn.Module
+    key_units: torch.Tensor
+
+
+def query_key_units(layer: AttentionLayer, n_heads: int, n_kv_heads: int) -> QueryKeyUnits:
+    """The output units of each head's q and k in `layer` (docs/training.md, "QK-Clip"), from the layout: separate
+    projections (head h: units h·D … (h+1)·D − 1 of W_Q, KV head g: those of W_K), GPT-2's `c_attn` ([q | k | v],
+    each H·D wide), GPT-NeoX's `query_key_value` (per head [q_h | k_h | v_h]) and Phi-3's `qkv_proj` ([q (H heads) |
+    k (Hkv heads) | v]). A model that normalises q or k per head after the projection (Qwen3's and Gemma 3's
+    `q_norm`/`k_norm`) is refused: the norm would undo the scale."""
+    D = layer.head_size
+    mod = layer.module
+    for name in ("q_norm", "k_norm", "query_layernorm", "key_layernorm"):
+        if getattr(mod, name, None) is not None:
+            raise AttnkitError(f"this {type(mod).__name__} normalises q and k after their projections ({name}): "
+                               "scaling rows of W_Q and W_K would be undone by the norm, so QK-Clip does not apply")
+    heads = torch.arange(n_heads)[:, None] * D + torch.arange(D)[None, :]
+    kv = torch.arange(n_kv_heads)[:, None] * D + torch.arange(D)[None, :]
+    fused = layer.layout.fused
+    if fused is None:
+        return QueryKeyUnits(layer.query, heads, layer.key, kv)
+    proj = getattr(mod, fused)
+    if fused == "c_attn":  # GPT-2: [q | k | v], each n_heads · D wide
+        return QueryKeyUnits(proj, heads, proj, heads + n_heads * D)
+    if fused == "query_key_value":  # GPT-NeoX: per head [q_h | k_h | v_h]
+        base = torch.arange(n_heads)[:, None] * 3 * D + torch.arange(D)[None, :]
+        return QueryKeyUnits(proj, base, proj, base + D)
+    if fused == "qkv_proj":  # Phi-3: [q (H heads) | k (Hkv heads) | v (Hkv heads)]
+        return QueryKeyUnits(proj, heads, proj, kv + n_heads * D)
+    raise AttnkitError(f"attnkit does not know where the fused projection {fused!r} keeps each head's q and k")
+
+
+def scale_output_units(proj: nn.Module, units: torch.Tensor, factors: torch.Tensor) -> None:
+    """Multiply the output units `units` (n × D) of a projection by `factors` (n, one per row of `units`), in
+    place: rows of an nn.Linear's weight and bias, columns of a Conv1D's weight (input × output) and its bias."""
+    from transformers.pytorch_utils import Conv1D
+
+    idx = units.reshape(-1).to(proj.weight.device)
+    f = factors.to(proj.weight.device, proj.weight.dtype).repeat_interleave(units.shape[1])
+    with torch.no_grad():
+        if isinstance(proj, Conv1D):
+            proj.weight[:, idx] *= f[None, :]
+        elif isinstance(proj, nn.Linear):
+            proj.weight[idx] *= f[:, None]
+        else:
+            raise AttnkitError(f"a projection must be an nn.Linear or a Conv1D, got {type(proj).__name__}")
+        if proj.bias is not None:
+            proj.bias[idx] *= f
+
+
 __all__ = ["AttentionLayer", "BERT_LIKE", "DISTILBERT", "GPT2", "GPT_NEOX", "LAYOUTS", "LLAMA_LIKE", "Layout", "PHI3",
-           "attention_layers", "layout_of", "output_matrix"]
+           "QueryKeyUnits", "attention_layers", "layout_of", "output_matrix", "query_key_units", "scale_output_units"]

@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import torch
 
-from ..arch.pruning import removed_heads
+from ..arch.pruning import pruned_head_grid, removed_heads
 from ..corpus.sources import is_blank
 from ..errors import AttnkitError, arg, check_int
 from ..features import (
@@ -24,6 +25,7 @@ from ..features import (
     check_num_windows,
     check_weighting,
 )
+from ..kernels.statistics import max_logits
 from ..models import attention_modules, check_max_length, model_feature_names, observing, resolve_model
 from ..ops import BACKENDS, backend_label, resolve_backend
 from ..run.head_features import FeatureAccumulator, HeadFeatures
@@ -224,6 +226,7 @@ def extract(
     per_sample: bool = False,
     label: str = "extract",
     weighting: str = DEFAULT_WEIGHTING,
+    max_logit: bool = False,
 ) -> HeadFeatures:
     """Per-head features of `texts` (a list of str or of (str, str) pairs, or an attnkit.corpus.Corpus, which
     is streamed) under `model`.
@@ -241,6 +244,8 @@ def extract(
     features float32 in the order of `texts`; `.save(dir)` writes them as per_sample.npy, docs/patterns.md).
     `weighting`: "attention" (the features describe the attention weights) or "norm" (the weights scaled per key
     by the norm of the transformed key vector, Kobayashi et al. 2020: docs/features.md).
+    `max_logit`: also each head's max logit over the corpus (`HeadFeatures.max_logit`, layers × heads; docs/features.md,
+    "Max logit"), from one more blocked q·kᵀ pass per layer (not saved in a run directory).
     """
     from ..corpus import Corpus
 
@@ -260,6 +265,12 @@ def extract(
     def keep_rows(_state, res: BatchResult) -> None:
         rows.update(zip(res.planned.positions, res.features.astype(np.float32, copy=False)))
 
+    collector = None
+    if max_logit:
+        if replicas:
+            raise AttnkitError(f"{arg('max_logit')} runs on one device only")
+        collector = MaxLogitCollector(len(attention_modules(model)), model.config.num_attention_heads)
+        observers = [*observers, collector]
     state = run_extraction(model, tokenizer, texts, settings, replicas=replicas, workers=workers, threads=threads,
                            observers=observers, progress=progress, on_batch=keep_rows if per_sample else None,
                            label=label)
@@ -283,7 +294,30 @@ def extract(
     features = state.accumulator.result(meta)
     if per_sample:
         features.per_sample = np.stack([rows[i] for i in range(len(rows))])
+    if collector is not None:
+        features.max_logit = np.where(pruned_head_grid(model), collector.result(), np.nan)
     return features
+
+
+class MaxLogitCollector:
+    """An observer of q and k (encoders and decoders) that keeps each head's max logit over every forward
+    (attnkit.kernels.statistics.max_logits: by blocks of query rows, no L×L map)."""
+
+    decoder_arguments = True
+
+    def __init__(self, n_layers: int, n_heads: int):
+        self.max = [None] * n_layers
+        self.n_heads = n_heads
+
+    def __call__(self, layer, query, key, lengths, scaling, *, kv_head=None, causal=False, sliding_window=None,
+                 softcap=None, sink=None):
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        m = max_logits(query, key, lengths, scale, kv_head=kv_head, causal=causal,
+                       sliding_window=sliding_window).amax(0)
+        self.max[layer] = m if self.max[layer] is None else torch.maximum(self.max[layer], m)
+
+    def result(self) -> np.ndarray:
+        return np.stack([np.full(self.n_heads, np.nan) if m is None else m.double().cpu().numpy() for m in self.max])
 
 
 __all__ = ["ExtractSettings", "ExtractionState", "check_replicas", "check_texts", "extract", "run_extraction"]

@@ -69,6 +69,9 @@ class HeadFeatures:
     n_tokens: int
     meta: dict = field(default_factory=dict)
     per_sample: np.ndarray | None = None
+    # n_layers × n_heads: each head's max logit over the corpus (docs/features.md, "Max logit"), when
+    # `extract(..., max_logit=True)` measured it (not saved in a run directory); None otherwise
+    max_logit: np.ndarray | None = None
 
     @property
     def n_layers(self) -> int:

@@ -1,0 +1,41 @@
+"""Per-head statistics of training computed without an L×L map (docs/training.md, "Statistics while training").
+
+`max_logits` is attnkit.reference.max_logits by blocks of query rows: each block's scores (block × L) exist at
+once, never the whole map. It costs one more q·kᵀ product (about a third of an attention forward's work), which is
+why it runs only where a max logit is asked for.
+"""
+from __future__ import annotations
+
+import torch
+
+TILE_ELEMENTS = 1 << 20  # scores per block
+
+
+def max_logits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling: float, *, kv_head=None,
+               causal: bool = False, sliding_window: int | None = None) -> torch.Tensor:
+    """B×H fp32, equal to attnkit.reference.max_logits, by blocks of query rows (no grad)."""
+    B, H, L, _ = q.shape
+    Hkv = k.shape[1]
+    with torch.no_grad():
+        kf = k.float()
+        if kv_head is not None or Hkv != H:
+            index = (kv_head.to(q.device, torch.long) if kv_head is not None
+                     else torch.arange(H, device=q.device) // (H // Hkv))
+            kf = kf.index_select(1, index)
+        lengths = lengths.to(q.device).long()
+        pos = torch.arange(L, device=q.device)
+        key_ok = (pos[None, :] < lengths[:, None])[:, None, None, :]  # B×1×1×L
+        best = torch.full((B, H), float("-inf"), device=q.device)
+        blk = max(1, min(L, TILE_ELEMENTS // max(1, B * H * L)))
+        for i0 in range(0, L, blk):
+            i1 = min(L, i0 + blk)
+            s = torch.matmul(q[:, :, i0:i1].float(), kf.transpose(-1, -2)) * scaling  # B×H×b×L
+            offset = pos[i0:i1, None] - pos[None, :]
+            seen = key_ok & (pos[i0:i1, None] < lengths[:, None, None])[:, None]  # valid rows only
+            if causal:
+                seen = seen & (offset >= 0)
+            if sliding_window is not None:
+                seen = seen & (offset < sliding_window)
+            best = torch.maximum(best, s.masked_fill(~seen, float("-inf")).amax((-1, -2)))
+            # torch.maximum propagates NaN, as the reference's amax does
+    return best

@@ -1,0 +1,156 @@
+"""Per-head statistics while a model trains (docs/training.md, "Statistics while training").
+
+    with attnkit.track(model, features=("entropy", "max_logit", "cls")) as tracker:
+        for step, batch in enumerate(loader):
+            loss = model(**batch).loss
+            loss.backward(); opt.step(); opt.zero_grad()
+            if step % 100 == 0:
+                stats = tracker.read()      # {"entropy": layers × heads, ...} on the model's device
+
+Every forward of the model inside the block adds its statistics to sums kept on the device: the op computes the
+features in the same call that computes the output (attnkit.hf_attention reads `Runtime.tracker`), and the max logit
+comes from a blocked q·kᵀ pass (attnkit.kernels.statistics) only when it is asked for. Nothing is read on the host:
+`read()` returns device tensors (moving them to the host is the caller's one sync).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..arch.pruning import to_unpruned
+from ..errors import AttnkitError
+from ..features import DEFAULT_NUM_WINDOWS
+from ..kernels.statistics import max_logits
+from ..models import attention_modules, instrument, model_feature_names, runtime_of
+
+MAX_LOGIT = "max_logit"
+DEFAULT_FEATURES = ("entropy", MAX_LOGIT, "cls")
+
+
+class Tracker:
+    """Sums of per-head statistics since the last `read()`, per layer, on the device.
+
+    A feature of docs/features.md is a mean over the samples the model saw (each sample's value being the mean over
+    its valid rows, as in extraction); `max_logit` is the maximum over them (docs/features.md, "Max logit")."""
+
+    def __init__(self, n_layers: int, n_heads: int, names: list[str], features: tuple[str, ...], device=None):
+        self.n_layers, self.n_heads = n_layers, n_heads
+        self.features = tuple(features)
+        self._index = [names.index(f) for f in self.features if f != MAX_LOGIT]
+        self._mean_names = [f for f in self.features if f != MAX_LOGIT]
+        self.want_max = MAX_LOGIT in self.features
+        self.device = device
+        self._paused = False
+        self._reset()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Forwards inside this block add nothing (e.g. an evaluation between training steps)."""
+        self._paused = True
+        try:
+            yield self
+        finally:
+            self._paused = False
+
+    def _reset(self) -> None:
+        self._sums: dict[int, torch.Tensor] = {}
+        self._counts: dict[int, int] = {}
+        self._max: dict[int, torch.Tensor] = {}
+        self.samples = 0  # samples seen by the first layer since the last read
+
+    def record(self, layer: int, feats: torch.Tensor, query, key, lengths, scaling: float, dec: dict, kept) -> None:
+        """Called by attnkit attention for every layer of every forward: B×h×F features of the heads the layer has
+        (`kept`: a pruned layer's heads) and the q, k, lengths and decoder arguments of the call."""
+        if torch.compiler.is_compiling():
+            raise AttnkitError("attnkit.track does not run inside torch.compile: track the uncompiled model, or "
+                               "compile it without attnkit.track")
+        if self._paused or torch._C._current_graph_task_id() != -1:
+            return  # paused, or a forward re-run by gradient checkpointing inside backward (counted once)
+        # normal tensors even when the forward runs under inference mode (an evaluation inside the block)
+        with torch.inference_mode(False), torch.no_grad():
+            f = feats[..., self._index].float()
+            if kept is not None:
+                f = to_unpruned(f, kept, float("nan"))
+            s = f.sum(0)
+            if layer in self._sums:
+                self._sums[layer] += s
+                self._counts[layer] += f.shape[0]
+            else:
+                self._sums[layer], self._counts[layer] = s, f.shape[0]
+            if layer == 0:
+                self.samples += f.shape[0]
+            if self.want_max:
+                m = max_logits(query, key, lengths, scaling, kv_head=dec.get("kv_head"),
+                               causal=dec.get("causal", False), sliding_window=dec.get("sliding_window")).amax(0)
+                if kept is not None:
+                    m = to_unpruned(m[None], kept, float("nan"))[0]
+                self._max[layer] = m if layer not in self._max else torch.maximum(self._max[layer], m)
+
+    def read(self, features=None, reset: bool = True) -> dict[str, torch.Tensor]:
+        """{feature: layers × heads fp32 tensor} for `features` (None: all tracked ones): the mean since the last
+        read of them (`max_logit`: the maximum), NaN for a layer no forward reached. No host sync. Reading resets
+        what it read (the means together, the max logit on its own), unless `reset` is False."""
+        names = self.features if features is None else tuple([features] if isinstance(features, str) else features)
+        unknown = [f for f in names if f not in self.features]
+        if unknown:
+            raise AttnkitError(f"{unknown[0]!r} is not tracked here; tracked: {', '.join(self.features)}")
+        sample = next(iter(self._sums.values()), None)
+        dev = sample.device if sample is not None else (self.device or "cpu")
+        nan = torch.full((self.n_heads,), float("nan"), device=dev)
+        out = {}
+        means = [name for name in names if name != MAX_LOGIT]
+        if means:
+            per_layer = [self._sums[i] / self._counts[i] if i in self._sums
+                         else nan[:, None].expand(-1, len(self._index)) for i in range(self.n_layers)]
+            stacked = torch.stack(per_layer) if per_layer else torch.zeros(0, self.n_heads, len(self._index))
+            for name in means:
+                out[name] = stacked[..., self._mean_names.index(name)]
+        if MAX_LOGIT in names:
+            out[MAX_LOGIT] = torch.stack([self._max.get(i, nan) for i in range(self.n_layers)])
+        if reset:
+            if means:
+                self._sums, self._counts, self.samples = {}, {}, 0
+            if MAX_LOGIT in names:
+                self._max = {}
+        return {f: out[f] for f in names}
+
+
+def trackable_features(model, num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
+    """The names `track` accepts for `model`: its features (docs/features.md; `sink` for a model with sink logits)
+    and `max_logit`."""
+    return model_feature_names(model, num_windows) + [MAX_LOGIT]
+
+
+@contextlib.contextmanager
+def track(model, features=DEFAULT_FEATURES, *, num_windows: int = DEFAULT_NUM_WINDOWS):
+    """Within the block, every forward of `model` (switched to attnkit attention if it is not) accumulates the
+    per-head `features` on the device; yields the `Tracker` whose `read()` returns them (module docstring)."""
+    if isinstance(features, str):
+        features = (features,)
+    features = tuple(features)
+    if not features:
+        raise AttnkitError("attnkit.track needs at least one feature to track")
+    if len(set(features)) != len(features):
+        raise AttnkitError(f"attnkit.track names a feature twice: {list(features)}")
+    instrument(model)
+    rt = runtime_of(model)
+    names = model_feature_names(model, num_windows)
+    unknown = [f for f in features if f != MAX_LOGIT and f not in names]
+    if unknown:
+        raise AttnkitError(f"attnkit.track cannot track {unknown[0]!r}; known: {', '.join(names + [MAX_LOGIT])}")
+    if rt.tracker is not None:
+        raise AttnkitError("this model is already tracked: nest no attnkit.track blocks on one model")
+    cfg = model.config
+    n_layers = len(attention_modules(model))
+    n_heads = int(getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "n_head", 0))
+    device = next(model.parameters()).device
+    tracker = Tracker(n_layers, n_heads, names, features, device)
+    saved = rt.num_windows
+    rt.num_windows = num_windows
+    rt.tracker = tracker
+    try:
+        yield tracker
+    finally:
+        rt.tracker = None
+        rt.num_windows = saved
