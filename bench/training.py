@@ -27,17 +27,12 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from extract import rss_kb  # noqa: E402  (bench/extract.py: a field of /proc/self/status)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ("sdpa", "attnkit", "tracked")
 MODELS = {"bert": 512, "smollm2": 2048}
-
-
-def rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def build(model_name: str, impl: str):
