@@ -6,8 +6,9 @@ attnkit/ops.py). Two ways, chosen by what a call uses:
 
 * ATen's CPU flash-attention backward (`_scaled_dot_product_flash_attention_for_cpu_backward`) for CPU tensors
   without a sliding window, soft-cap or sink. It needs the output and the per-row log-sum-exp of the scaled scores
-  (natural log, fp32, B×H×L: the convention of ATen's forward, which `stats` recomputes with ATen's own CPU
-  flash forward — O(L) memory — until the op returns them). Padding goes in as an additive B×1×1×L key mask,
+  (natural log, fp32, B×H×L: the convention of ATen's forward): the forward's own, saved by
+  attnkit::fused_attention_lse (`saved`, attnkit/ops.py `saves_lse`), or else — gates, old builds — recomputed by
+  `stats` with ATen's own CPU flash forward (O(L) memory). Padding goes in as an additive B×1×1×L key mask,
   causal rows as `is_causal`; grouped K/V are repeated per query head (B×H×L×D, never L×L) and their gradients
   summed over each KV head's query heads.
 * `tiled_backward` everywhere else (sliding windows, soft-capping, sinks, CUDA): the flash derivation in PyTorch,
