@@ -447,25 +447,26 @@ def _backward(ctx, grad_out, grad_feats, grad_lse=None):
     renormalize) by attnkit.kernels.backward, which never builds an L×L map; with one, or with fewer queries than
     keys (a KV-cache step), by re-running the differentiable reference (L×L maps). After `_LSE_OP` without gates
     the saved output and log-sum-exp go to the backward (with gates the saved output is gated: recomputed)."""
-    q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = ctx.saved_tensors[:11]
+    tensors = ctx.saved_tensors  # unpacked once: gradient checkpointing allows one unpack per backward
+    q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = tensors[:11]
     needs = ctx.needs_input_grad
     result = [None] * ctx.n_inputs
     if mode is None and region is None and not ctx.renormalize and q.shape[2] == k.shape[2]:
         from .kernels.backward import attention_backward
 
-        saved = tuple(ctx.saved_tensors[11:]) if gates is None and len(ctx.saved_tensors) == 13 else None
+        saved = tuple(tensors[11:]) if gates is None and len(tensors) == 13 else None
         dq, dk, dv, dg, ds = attention_backward(grad_out, q, k, v, lengths, scaling=ctx.scaling, gates=gates,
                                                 kv_head=kv_head, sink=sink, saved=saved, **ctx.decoder)
         for i, g in ((0, dq), (1, dk), (2, dv), (_GATES, dg), (_SINK, ds)):
             if i < len(needs) and needs[i]:
                 result[i] = g
         return tuple(result)
-    return tuple(_reference_backward(ctx, grad_out, result))
+    return tuple(_reference_backward(ctx, tensors, grad_out, result))
 
 
-def _reference_backward(ctx, grad_out, result: list) -> list:
+def _reference_backward(ctx, tensors, grad_out, result: list) -> list:
     """The gradients under an intervention: autograd through the reference, which materialises the L×L weights."""
-    q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = ctx.saved_tensors[:11]
+    q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = tensors[:11]
     needs = ctx.needs_input_grad
     leaves = {}
     with torch.enable_grad():
