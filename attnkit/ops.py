@@ -299,6 +299,15 @@ def attention(
             sink=sink,
         )
     try:
+        if saves_lse(q, k, v, gates, sink, mode, region, renormalize, sliding_window, softcap):
+            # training: the op also returns each row's log-sum-exp, which its backward uses instead of recomputing
+            # the attention forward (docs/training.md, "The backward"); only the first two outputs go back
+            out, feats, _lse = torch.ops.attnkit.fused_attention_lse(
+                q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
+                bool(renormalize), gates, bool(want_features), key_scale, kv_head, causal, sliding_window, softcap,
+                sink,
+            )
+            return out, feats
         if not _FUSED_DECODER:
             return torch.ops.attnkit.fused_attention(
                 q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
@@ -314,6 +323,20 @@ def attention(
         if "fused_attention" in msg:
             raise AttnkitError(msg) from None
         raise
+
+
+def saves_lse(q, k, v, gates, sink, mode, region, renormalize, sliding_window, softcap) -> bool:
+    """Whether a fused CPU call runs `_LSE_OP` so that its backward reuses the saved output and log-sum-exp: a
+    gradient is wanted, the extension has the op, and the backward is ATen's with nothing between the softmax and
+    the output — no intervention (mode, region, renormalize), no gates (the op's output is gated; ATen wants the
+    ungated one), as many queries as keys, and ATen's case (`kernels.backward.uses_aten`: no sliding window,
+    soft-cap or sink). Every other call keeps `_OP`, and its backward recomputes what it needs."""
+    from .kernels.backward import uses_aten
+
+    return (q.device.type == "cpu" and torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (q, k, v, gates, sink))
+            and mode is None and region is None and not renormalize and gates is None and q.shape[2] == k.shape[2]
+            and uses_aten(q, sliding_window, softcap, sink) and _FUSED_DECODER and has_kernel("cpu", _LSE_OP))
 
 
 def _plain_step(q, k, v, want_features, mode, region, gates, kv_head, softcap, sink) -> bool:
@@ -408,37 +431,42 @@ def _setup_context(ctx, inputs, output):
      gates, want_features, _key_scale) = inputs[:14]  # the key scale changes features only
     kv_head, causal, sliding_window, softcap, sink = (tuple(inputs[14:]) + (None, False, None, None, None)[
         len(inputs) - 14:])
-    ctx.save_for_backward(q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink)
+    # _LSE_OP's outputs (out, features, lse): its backward reuses out and lse instead of recomputing them
+    saved = (output[0], output[2]) if len(output) == 3 else ()
+    ctx.save_for_backward(q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink, *saved)
     ctx.scaling = scaling
     ctx.renormalize = renormalize
     ctx.n_inputs = len(inputs)
     ctx.decoder = dict(causal=bool(causal), sliding_window=sliding_window, softcap=softcap)
-    # backward differentiates the attention output only: the features get no grad_fn
-    ctx.mark_non_differentiable(output[1])
+    # backward differentiates the attention output only: the features (and the lse) get no grad_fn
+    ctx.mark_non_differentiable(*output[1:])
 
 
-def _backward(ctx, grad_out, grad_feats):
+def _backward(ctx, grad_out, grad_feats, grad_lse=None):
     """The gradients of the op's output (docs/training.md, "The backward"): without an intervention (mode, region,
     renormalize) by attnkit.kernels.backward, which never builds an L×L map; with one, or with fewer queries than
-    keys (a KV-cache step), by re-running the differentiable reference (L×L maps)."""
-    q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = ctx.saved_tensors
+    keys (a KV-cache step), by re-running the differentiable reference (L×L maps). After `_LSE_OP` without gates
+    the saved output and log-sum-exp go to the backward (with gates the saved output is gated: recomputed)."""
+    tensors = ctx.saved_tensors  # unpacked once: gradient checkpointing allows one unpack per backward
+    q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = tensors[:11]
     needs = ctx.needs_input_grad
     result = [None] * ctx.n_inputs
     if mode is None and region is None and not ctx.renormalize and q.shape[2] == k.shape[2]:
         from .kernels.backward import attention_backward
 
+        saved = tuple(tensors[11:]) if gates is None and len(tensors) == 13 else None
         dq, dk, dv, dg, ds = attention_backward(grad_out, q, k, v, lengths, scaling=ctx.scaling, gates=gates,
-                                                kv_head=kv_head, sink=sink, **ctx.decoder)
+                                                kv_head=kv_head, sink=sink, saved=saved, **ctx.decoder)
         for i, g in ((0, dq), (1, dk), (2, dv), (_GATES, dg), (_SINK, ds)):
             if i < len(needs) and needs[i]:
                 result[i] = g
         return tuple(result)
-    return tuple(_reference_backward(ctx, grad_out, result))
+    return tuple(_reference_backward(ctx, tensors, grad_out, result))
 
 
-def _reference_backward(ctx, grad_out, result: list) -> list:
+def _reference_backward(ctx, tensors, grad_out, result: list) -> list:
     """The gradients under an intervention: autograd through the reference, which materialises the L×L weights."""
-    q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = ctx.saved_tensors
+    q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = tensors[:11]
     needs = ctx.needs_input_grad
     leaves = {}
     with torch.enable_grad():
@@ -476,3 +504,5 @@ if extension_loaded():
             out, feats = _fused_attention_fake(q, *args)
             B, H, L, _ = q.shape
             return out, feats, q.new_empty((B, H, L), dtype=torch.float32)
+
+        torch.library.register_autograd(_LSE_OP, _backward, setup_context=_setup_context)

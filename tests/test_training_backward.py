@@ -305,3 +305,131 @@ def test_a_tiny_encoder_trains_like_eager():
     assert a.keys() == b.keys() and a
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# --- the forward's saved output and log-sum-exp (attnkit::fused_attention_lse; docs/training.md, "The backward") ---
+HAS_LSE = len(BACKENDS) > 1 and ops.has_kernel("cpu", ops._LSE_OP)
+needs_lse = pytest.mark.skipif(not HAS_LSE, reason="the compiled op has no fused_attention_lse")
+
+
+def _spy_aten(monkeypatch) -> list:
+    """Make the recompute (`stats`) raise and record, per ATen backward, whether it got the forward's saved pair."""
+    def no_recompute(*a, **kw):
+        raise AssertionError("the backward recomputed O and lse although the forward saved them")
+
+    calls = []
+    real = bw._aten_backward
+
+    def spy(*a, saved=None, **kw):
+        calls.append(saved is not None)
+        return real(*a, saved=saved, **kw)
+
+    monkeypatch.setattr(bw, "stats", no_recompute)
+    monkeypatch.setattr(bw, "_aten_backward", spy)
+    return calls
+
+
+@needs_lse
+@pytest.mark.parametrize("lengths", [(23, 11, 1), (23, 23, 23)])
+@pytest.mark.parametrize("case", ["encoder", "causal", "causal_gqa", "gqa_kv_head"])
+def test_saved_lse_gradients_equal_eager(case, lengths, monkeypatch):
+    """No gates, no window/soft-cap/sink, fused CPU: the backward uses the forward's out and lse (the recompute
+    raises here) and its gradients equal eager's to 1e-5 — padded rows, causal, GQA (even and uneven groups)."""
+    leaves, lengths, kw, w = make(case, lengths=lengths)
+    calls = _spy_aten(monkeypatch)
+    got = grads_of(op_fn(lengths, kw, "fused"), leaves, w, torch.float32)
+    assert calls == [True]
+    want = grads_of(eager_fn(lengths, kw), leaves, w, torch.float64)
+    for name, a, b in zip("q k v".split(), got[:3], want[:3]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@needs_lse
+def test_saved_lse_bf16_within_twice_pytorchs_own_error(monkeypatch):
+    leaves, lengths, kw, w = make("causal_gqa", L=40, lengths=(40, 17, 3))
+    leaves = [None if t is None else t.to(torch.bfloat16).to(torch.float64) for t in leaves]
+    exact = grads_of(eager_fn(lengths, kw), leaves, w, torch.float64)
+    own = grads_of(eager_fn(lengths, kw), leaves, w, torch.bfloat16)
+    calls = _spy_aten(monkeypatch)
+    got = grads_of(op_fn(lengths, kw, "fused"), leaves, w, torch.bfloat16)
+    assert calls == [True]
+    for name, g, o, x in zip("q k v".split(), got, own, exact):
+        err, err_own = (g - x).abs().max().item(), (o - x).abs().max().item()
+        assert err <= 2 * err_own + 1e-3, (name, err, err_own)
+
+
+@needs_lse
+def test_gates_and_inference_keep_their_paths(monkeypatch):
+    """With gates the op's output is gated, so the backward recomputes the ungated one (`stats`); without a
+    gradient (inference, extraction) the forward never takes the lse op."""
+    leaves, lengths, kw, w = make("encoder_gates")
+    counted = []
+    real = bw.stats
+    monkeypatch.setattr(bw, "stats", lambda *a: counted.append(1) or real(*a))
+    got = grads_of(op_fn(lengths, kw, "fused"), leaves, w, torch.float32)
+    assert counted == [1]
+    want = grads_of(eager_fn(lengths, kw), leaves, w, torch.float64)
+    for a, b in zip(got[:4], want[:4]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    q, k, v = (t.float() for t in leaves[:3])
+    args = (None, None, None, None, False, None, None)  # gates, sink, mode, region, renormalize, window, softcap
+    assert not ops.saves_lse(q, k, v, *args)  # no tensor requires grad
+    qg = q.clone().requires_grad_()
+    assert ops.saves_lse(qg, k, v, *args)
+    with torch.no_grad():
+        assert not ops.saves_lse(qg, k, v, *args)
+    assert not ops.saves_lse(qg, k, v, torch.ones(6), *args[1:])  # gates
+    assert not ops.saves_lse(qg, k, v, None, None, torch.zeros(6, dtype=torch.int32), *args[3:])  # a mode
+    assert not ops.saves_lse(qg, k, v, *args[:5], 4, None)  # a sliding window
+    assert not ops.saves_lse(qg[:, :, :5], k, v, *args)  # fewer queries than keys
+    with torch.no_grad():  # inference: the plain op's outputs, as before
+        a = ops.attention(q, k, v, lengths, scaling=0.3, want_features=True, backend="fused")
+    b = torch.ops.attnkit.fused_attention(q, k, v, lengths, None, None, 0.3, ops.DEFAULT_NUM_WINDOWS, None, None,
+                                          False, None, True, None, None, False, None, None, None)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@needs_lse
+def test_opcheck_of_the_lse_op_with_its_backward():
+    leaves, lengths, kw, _ = make("causal_gqa", B=2, L=9, lengths=(9, 5))
+    q, k, v = (t.float() for t in leaves[:3])
+    op = torch.ops.attnkit.fused_attention_lse.default
+    args = (q.clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_(), lengths, None, None,
+            0.3, 4, None, None, False, None, False, None, None, True, None, None, None)
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                                 "test_aot_dispatch_static"))
+
+
+@needs_lse
+def test_torch_compile_through_the_saved_lse(monkeypatch):
+    leaves, lengths, kw, w = make("causal_gqa")
+    fn = op_fn(lengths, kw, "fused")
+    want = grads_of(eager_fn(lengths, kw), leaves, w, torch.float64)
+    calls = _spy_aten(monkeypatch)
+    torch._dynamo.reset()
+    got = grads_of(torch.compile(fn, fullgraph=True, backend="aot_eager"), leaves, w, torch.float32)
+    assert calls and all(calls)
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@needs_lse
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_tiny_llama_trains_like_eager_on_the_saved_lse(side, monkeypatch):
+    """Left and right padding through a model: every layer's backward takes the saved pair, none recomputes."""
+    import copy
+
+    import attnkit
+
+    eager_model = tiny_decoder("llama")
+    ours = attnkit.instrument(copy.deepcopy(eager_model))
+    ids = torch.randint(3, 120, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = (torch.arange(9)[None] < torch.tensor([9, 6, 3])[:, None]).long()
+    if side == "left":
+        mask = mask.flip(1)
+    a = _param_grads(eager_model, input_ids=ids, attention_mask=mask)
+    calls = _spy_aten(monkeypatch)
+    b = _param_grads(ours, input_ids=ids, attention_mask=mask)
+    assert calls and all(calls)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")

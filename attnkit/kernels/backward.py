@@ -6,8 +6,9 @@ attnkit/ops.py). Two ways, chosen by what a call uses:
 
 * ATen's CPU flash-attention backward (`_scaled_dot_product_flash_attention_for_cpu_backward`) for CPU tensors
   without a sliding window, soft-cap or sink. It needs the output and the per-row log-sum-exp of the scaled scores
-  (natural log, fp32, B×H×L: the convention of ATen's forward, which `stats` recomputes with ATen's own CPU
-  flash forward — O(L) memory — until the op returns them). Padding goes in as an additive B×1×1×L key mask,
+  (natural log, fp32, B×H×L: the convention of ATen's forward): the forward's own, saved by
+  attnkit::fused_attention_lse (`saved`, attnkit/ops.py `saves_lse`), or else — gates, old builds — recomputed by
+  `stats` with ATen's own CPU flash forward (O(L) memory). Padding goes in as an additive B×1×1×L key mask,
   causal rows as `is_causal`; grouped K/V are repeated per query head (B×H×L×D, never L×L) and their gradients
   summed over each KV head's query heads.
 * `tiled_backward` everywhere else (sliding windows, soft-capping, sinks, CUDA): the flash derivation in PyTorch,
@@ -59,20 +60,23 @@ def _valid_keys(lengths: torch.Tensor, L: int) -> torch.Tensor:
 
 
 def stats(q, k, v, mask, causal: bool, scaling: float):
-    """(O B×H×L×D in q's dtype, lse B×H×L fp32) as ATen's CPU flash forward computes them: the one place the
-    backward obtains them. When the forward saves its own output and log-sum-exp, return those here instead."""
+    """(O B×H×L×D in q's dtype, lse B×H×L fp32) recomputed by ATen's CPU flash forward: the backward's way to them
+    when the forward did not save them (`saved` of `attention_backward`: old builds, gates)."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
                                                                       scale=scaling)
 
 
-def _aten_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal):
+def _aten_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal, saved=None):
     B, H, L, D = q.shape
     valid = _valid_keys(lengths, L)
     mask = torch.zeros(B, 1, 1, L, dtype=q.dtype, device=q.device).masked_fill(~valid[:, None, None, :],
                                                                                 float("-inf"))
     ke = _per_query_head(k, index).contiguous()
     ve = _per_query_head(v, index).contiguous()
-    o, lse = stats(q.contiguous(), ke, ve, mask, causal, scaling)
+    if saved is not None:  # the forward's own output (B×L×H×D, ungated) and log-sum-exp (attnkit/ops.py)
+        o, lse = saved[0].transpose(1, 2), saved[1]
+    else:
+        o, lse = stats(q.contiguous(), ke, ve, mask, causal, scaling)
     go = grad_out.transpose(1, 2)  # B×H×L×D
     grad_gates = None
     if gates is not None:
@@ -145,9 +149,10 @@ def tiled_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal, sl
 
 
 def attention_backward(grad_out, q, k, v, lengths, *, scaling: float, gates=None, kv_head=None, causal=False,
-                       sliding_window=None, softcap=None, sink=None):
+                       sliding_window=None, softcap=None, sink=None, saved=None):
     """(dq, dk, dv, d gates or None, d sink or None) of the op's output (B×L×H×D) without interventions, in the
-    dtypes of q, k, v, gates and sink; see the module docstring for which way computes them."""
+    dtypes of q, k, v, gates and sink; see the module docstring for which way computes them. `saved`: the
+    forward's (out B×L×H×D, lse B×H×L fp32), ungated, which ATen's backward then uses instead of `stats`."""
     B, H, L, D = q.shape
     Hkv = k.shape[1]
     lengths = lengths.to(device=q.device, dtype=torch.long)
@@ -156,7 +161,8 @@ def attention_backward(grad_out, q, k, v, lengths, *, scaling: float, gates=None
     k = torch.where(valid, k, 0).to(k.dtype)  # padded keys never reach a valid row (the reference drops them)
     v = torch.where(valid, v, 0).to(v.dtype)
     if uses_aten(q, sliding_window, softcap, sink):
-        dq, dke, dve, dg, ds = _aten_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal)
+        dq, dke, dve, dg, ds = _aten_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal,
+                                                  saved=saved if gates is None else None)
     else:
         dq, dke, dve, dg, ds = tiled_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal,
                                               sliding_window, softcap, sink)
