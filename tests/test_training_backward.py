@@ -266,11 +266,26 @@ def _param_grads(model, **inputs):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _assert_grads_like_eager(eager, ours, **inputs):
+    """Every weight's gradient through attnkit against eager's, both fp32: within 1e-5 plus 1e-3 of the largest
+    gradient of that weight. The blocked CPU kernel sums scores in another order than eager (key blocks, online
+    rescaling), which moves single elements by about 1e-5 where the weight's gradients reach 0.05 (seen: Gemma 3's
+    o_proj, 1.6e-5); a wrong gradient is off by the gradient's own size. (A float64 eager is no truth here: its
+    masks give NaN rows under left padding, and gpt-oss's grouped matmul takes no float64.)"""
+    a = _param_grads(eager, **inputs)
+    b = _param_grads(ours, **inputs)
+    assert a.keys() == b.keys() and a
+    for name in a:
+        scale = float(a[name].abs().max())
+        torch.testing.assert_close(b[name], a[name], atol=1e-5 + 1e-3 * scale, rtol=0,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("kind", DECODER_KINDS)
 def test_tiny_decoders_train_like_eager(kind, side):
     """Every weight's gradient of a tiny decoder (causal, GQA, windows, soft-caps, sinks as the kind has them)
-    through attnkit equals eager's, with right and left padding."""
+    through attnkit equals eager's (`_assert_grads_like_eager`), with right and left padding."""
     import copy
 
     import attnkit
@@ -283,11 +298,7 @@ def test_tiny_decoders_train_like_eager(kind, side):
     mask = (torch.arange(9)[None] < torch.tensor(lengths)[:, None]).long()
     if side == "left":
         mask = mask.flip(1)
-    a = _param_grads(eager, input_ids=ids, attention_mask=mask)
-    b = _param_grads(ours, input_ids=ids, attention_mask=mask)
-    assert a.keys() == b.keys() and a
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_grads_like_eager(eager, ours, input_ids=ids, attention_mask=mask)
 
 
 def test_a_tiny_encoder_trains_like_eager():
@@ -300,11 +311,7 @@ def test_a_tiny_encoder_trains_like_eager():
     ours = attnkit.instrument(copy.deepcopy(eager))
     ids = torch.randint(9, eager.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(2))
     mask = (torch.arange(11)[None] < torch.tensor([11, 7, 2])[:, None]).long()
-    a = _param_grads(eager, input_ids=ids, attention_mask=mask)
-    b = _param_grads(ours, input_ids=ids, attention_mask=mask)
-    assert a.keys() == b.keys() and a
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_grads_like_eager(eager, ours, input_ids=ids, attention_mask=mask)
 
 
 # --- the forward's saved output and log-sum-exp (attnkit::fused_attention_lse; docs/training.md, "The backward") ---
