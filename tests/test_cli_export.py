@@ -48,3 +48,19 @@ def test_export_to_stdout_and_bad_outputs(run, tmp_path):
     assert r.exit_code == 1 and "meta.json: field n_samples: expected an integer" in r.output
 
 
+
+
+def test_export_writes_max_logit_last_when_the_run_holds_it(feats, tmp_path):
+    import dataclasses
+
+    m = np.arange(8, dtype=np.float64).reshape(2, 4) * 1.5 - 3.0
+    m[0, 1] = np.nan  # a removed head's: an empty cell
+    dataclasses.replace(feats, max_logit=m).save(tmp_path / "run")
+    r = invoke(export_cmd, [tmp_path / "run", "-o", tmp_path / "t.csv"])
+    assert r.exit_code == 0 and "stds, max_logit;" in r.output, r.output
+    df = pd.read_csv(tmp_path / "t.csv")
+    assert list(df.columns) == ["layer", "head"] + feats.names + [f"{n}_std" for n in feats.names] + ["max_logit"]
+    np.testing.assert_array_equal(df["max_logit"].to_numpy().reshape(2, 4), m)
+    r = invoke(export_cmd, [tmp_path / "run", "-o", tmp_path / "t.parquet"])
+    assert r.exit_code == 0, r.output
+    np.testing.assert_array_equal(pd.read_parquet(tmp_path / "t.parquet")["max_logit"].to_numpy().reshape(2, 4), m)

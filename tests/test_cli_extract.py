@@ -436,3 +436,102 @@ def test_a_fresh_run_names_no_file_it_did_not_replace(corpus, tmp_path):
                      "--max-length", 16, "--backend", "reference", "-q")
     assert code == 0 and "note:" not in text and "checkpoint" not in text and "removed" not in text, text
     assert not (tmp_path / "run" / "checkpoint.npz").exists()
+
+
+def _eager_max_logits(texts, max_length):
+    """Each head's max logit over `texts`, independently of attnkit's kernels: the embedded MiniLM under
+    transformers' eager attention, its query and key projections taken by hooks, every sample alone (no padding),
+    the scores q·kᵀ/√d of every row and key in float64."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from attnkit.models import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
+    H = model.config.num_attention_heads
+    out = np.full((model.config.num_hidden_layers, H), -np.inf)
+    seen = {}
+    hooks = []
+    for i, layer in enumerate(model.encoder.layer):
+        for name in ("query", "key"):
+            hooks.append(getattr(layer.attention.self, name).register_forward_hook(
+                lambda mod, args, res, i=i, name=name: seen.__setitem__((i, name), res.detach())))
+    with torch.no_grad():
+        for text in texts:
+            enc = tok(text, truncation=True, max_length=max_length, return_tensors="pt")
+            model(**enc)
+            for i in range(out.shape[0]):
+                q, k = (seen[i, n][0].double() for n in ("query", "key"))
+                n, d = q.shape[0], q.shape[1] // H
+                q, k = q.view(n, H, d).transpose(0, 1), k.view(n, H, d).transpose(0, 1)
+                s = q @ k.transpose(1, 2) * d**-0.5
+                out[i] = np.maximum(out[i], s.amax((1, 2)).numpy())
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def test_max_logit_is_measured_saved_recorded_and_exported(corpus, tmp_path):
+    out = tmp_path / "run"
+    code, text = run("extract", corpus, "-o", out, "--max-length", 16, "--limit", 12, "--batch-size", 5, "-q",
+                     "--backend", "reference", "--max-logit")
+    assert code == 0, text
+    feats = HeadFeatures.load(out)
+    texts = corpus.read_text().splitlines()[:12]
+    want = _eager_max_logits(texts, 16)
+    assert feats.max_logit.shape == (6, 12)
+    np.testing.assert_allclose(feats.max_logit, want, rtol=1e-5, atol=1e-5)
+    assert json.loads((out / "meta.json").read_text())["settings"]["max_logit"] is True
+    code, text = run("export", out, "-o", tmp_path / "t.csv")
+    assert code == 0, text
+    import pandas as pd
+
+    df = pd.read_csv(tmp_path / "t.csv")
+    assert df.columns[-1] == "max_logit"
+    np.testing.assert_allclose(df["max_logit"].to_numpy().reshape(6, 12), feats.max_logit, rtol=1e-12)
+    # a run without --max-logit has no such array, column or setting
+    plain = tmp_path / "plain"
+    assert run("extract", corpus, "-o", plain, "--max-length", 16, "--limit", 4, "-q", "--backend", "reference")[0] == 0
+    assert HeadFeatures.load(plain).max_logit is None
+    assert "max_logit" not in json.loads((plain / "meta.json").read_text())["settings"]
+    assert "max_logit" not in HeadFeatures.load(plain).to_pandas().columns
+
+
+def test_max_logit_resumes_to_the_same_max_and_a_resume_must_keep_the_choice(corpus, tmp_path, paused_extract):
+    full, part = tmp_path / "full", tmp_path / "part"
+    args = ["--batch-size", 1, "-q", "--backend", "reference", "--max-length", 24, "--max-logit"]
+    assert run("extract", corpus, "-o", full, *args)[0] == 0
+    proc = paused_extract(["extract", corpus, "-o", part, "--checkpoint-every", 1, *args])
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode == 130
+    with np.load(part / "checkpoint.npz") as z:
+        assert 0 < int(z["next_index"]) < 48
+        first = z["max_logit"]
+    assert first.shape == (6, 12) and np.isfinite(first).all()
+    # the choice is part of the run: a resume without it is refused, naming it
+    code, text = run("extract", corpus, "-o", part, *args[:-1], "--resume")
+    assert code != 0 and "max_logit" in text and "True then, None now" in text and len(text.strip().splitlines()) == 1
+    code, text = run("extract", corpus, "-o", part, *args, "--resume")
+    assert code == 0, text
+    a, b = HeadFeatures.load(full), HeadFeatures.load(part)
+    np.testing.assert_array_equal(a.max_logit, b.max_logit)
+    np.testing.assert_array_equal(a.mean, b.mean)
+    assert np.all(b.max_logit >= first)
+    # a run made without it cannot be resumed with it either
+    plain = tmp_path / "plain"
+    proc = paused_extract(["extract", corpus, "-o", plain, "--checkpoint-every", 1, *args[:-1]])
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    code, text = run("extract", corpus, "-o", plain, *args, "--resume")
+    assert code != 0 and "max_logit: None then, True now" in text
+
+
+def test_max_logit_refuses_engines_and_devices_that_cannot_measure_it(corpus, tmp_path):
+    code, text = run("extract", corpus, "-o", tmp_path / "r", "--engine", "ray", "--max-logit", "-q")
+    assert code == 1 and "--max-logit is measured by the local engine only (drop --engine ray)" in text
+    code, text = run("extract", corpus, "-o", tmp_path / "d", "--devices", "cpu,cpu", "--max-logit", "-q",
+                     "--limit", 2)
+    assert code != 0 and "--max-logit is measured on one device only" in text

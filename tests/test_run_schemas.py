@@ -52,11 +52,39 @@ def test_meta_json_valid_fields_load(run, feats):
     (dict(mean=np.zeros((1, 1, 2)), std=np.zeros((1, 1, 2)), names=np.array([1.5, 2.5])), "'names' must hold strings"),
     (dict(mean=np.zeros((1, 1, 2)), std=np.zeros((1, 1, 2)), names=np.array(["a", "a"])), "names repeat"),
     (dict(mean=np.zeros((1, 1, 1)), std=-np.ones((1, 1, 1)), names=np.array(["a"])), "negative standard dev"),
+    (dict(mean=np.zeros((2, 3, 1)), std=np.zeros((2, 3, 1)), names=np.array(["a"]), max_logit=np.zeros((3, 2))),
+     r"'max_logit' has shape \(3, 2\), but 'mean' holds 2 layers × 3 heads"),
+    (dict(mean=np.zeros((2, 3, 1)), std=np.zeros((2, 3, 1)), names=np.array(["a"]), max_logit=np.zeros(6)),
+     "'max_logit' must have 2 dimension"),
+    (dict(mean=np.zeros((2, 3, 1)), std=np.zeros((2, 3, 1)), names=np.array(["a"]),
+          max_logit=np.array([["x"] * 3] * 2)), "'max_logit' must hold numbers"),
 ])
 def test_features_npz_is_validated(tmp_path, arrays, problem):
     np.savez(tmp_path / "features.npz", **arrays)
     with pytest.raises(AttnkitError, match=problem):
         HeadFeatures.load(tmp_path)
+
+
+def test_max_logit_round_trips_and_older_runs_load_without_it(tmp_path, feats):
+    """HeadFeatures.save writes max_logit (layers × heads, NaN kept for a removed head) into features.npz and load
+    reads it back; a run saved without it (as every run before it was saved) loads with max_logit None."""
+    import dataclasses
+
+    m = np.arange(feats.n_layers * feats.n_heads, dtype=np.float64).reshape(feats.n_layers, feats.n_heads) / 7
+    m[1, 2] = np.nan
+    with_max = dataclasses.replace(feats, max_logit=m)
+    with_max.save(tmp_path / "with")
+    got = HeadFeatures.load(tmp_path / "with")
+    np.testing.assert_array_equal(got.max_logit, m)
+    np.testing.assert_array_equal(got.mean, feats.mean)
+    with np.load(tmp_path / "with" / "features.npz") as z:
+        assert set(z.files) == {"mean", "std", "names", "max_logit"}
+    feats.save(tmp_path / "without")
+    with np.load(tmp_path / "without" / "features.npz") as z:
+        assert set(z.files) == {"mean", "std", "names"}
+    assert HeadFeatures.load(tmp_path / "without").max_logit is None
+    with pytest.raises(AttnkitError, match="max_logit has shape"):
+        dataclasses.replace(feats, max_logit=m.T).save(tmp_path / "bad")
 
 
 # --- clusters.json ----------------------------------------------------------------------------------------

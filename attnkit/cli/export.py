@@ -39,6 +39,8 @@ def export_cmd(run, fmt, out, overwrite, quiet):
                            intra, inter, cls_entropy)
       <feature>_std        then the standard deviation over samples of each feature,
                            in the same order
+      max_logit            last, only when RUN was extracted with --max-logit: each
+                           head's max logit over the corpus
     A head removed by pruning has no features: its cells are empty (NaN).
     """
     from ..run.files import FEATURES_FILE, META_FILE
@@ -67,7 +69,8 @@ def export_cmd(run, fmt, out, overwrite, quiet):
         removed = (f"; {feats.n_removed} head(s) removed by pruning have empty (NaN) cells" if feats.n_removed
                    else "")
         click.echo(f"wrote {out} ({len(df)} rows, one per head × {df.shape[1]} columns: layer, head, "
-                   f"{n_feats} feature means and their {n_feats} stds; {fmt}{removed})")
+                   f"{n_feats} feature means and their {n_feats} stds"
+                   + (", max_logit" if feats.max_logit is not None else "") + f"; {fmt}{removed})")
         if claim.removed_message():
             echo_for()(claim.removed_message(), err=True)
 

@@ -46,18 +46,24 @@ from .options import OutputPath, cli_errors, command_line, echo_for, int_range, 
               help="What the features describe: the attention weights, or the weights scaled per key by the norm of "
                    "the key's transformed vector ‖f_h(x_t)‖ (Kobayashi et al. 2020; docs/features.md). Part of the "
                    "run: resume with the same value.")
+@click.option("--max-logit", "max_logit", is_flag=True,
+              help="Also measure each head's max logit over the corpus (the largest scaled pre-softmax score a "
+                   "query sees; docs/features.md §9), from one more blocked q·kᵀ pass per layer: array max_logit "
+                   "(layers × heads) in OUT/features.npz. Local engine, one device. Part of the run: resume with the "
+                   "same choice.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
 def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length, batch_size, window, device,
             devices, workers, threads, dtype, num_windows, sentences, limit, backend, engine, ray_address, out, resume,
-            overwrite, checkpoint_every, per_sample, weighting, quiet):
+            overwrite, checkpoint_every, per_sample, weighting, max_logit, quiet):
     """Measure per-head attention features over CORPUS (default: a small built-in English corpus).
 
     CORPUS is any number of files, directories (searched recursively for corpus files), shell globs, or '-'
     for standard input; files may be gzip or zstd compressed. Segments are streamed: memory stays bounded
     whatever the corpus size.
 
-    Writes OUT/features.npz (arrays mean, std: layers × heads × features; names) and OUT/meta.json
+    Writes OUT/features.npz (arrays mean, std: layers × heads × features; names; with --max-logit, max_logit:
+    layers × heads) and OUT/meta.json
     (model, inputs with their formats and content hashes, counts, settings, versions, backend). Interrupted
     runs (Ctrl-C, kill) keep a checkpoint; `--resume` continues them to the same numbers as an
     uninterrupted run.
@@ -69,7 +75,8 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
         squad_pairs=squad_pairs, max_length=max_length, batch_size=batch_size, window=window, device=device,
         devices=devices, dtype=dtype, num_windows=num_windows, sentences=sentences, limit=limit, backend=backend,
         workers=workers, threads=threads, engine=engine, ray_address=ray_address, out=out, resume=resume,
-        overwrite=overwrite, checkpoint_every=checkpoint_every, per_sample=per_sample, quiet=quiet, weighting=weighting)
+        overwrite=overwrite, checkpoint_every=checkpoint_every, per_sample=per_sample, quiet=quiet, weighting=weighting,
+        max_logit=max_logit)
     preflight_extract(opts)  # refusals that need no model come before torch is imported
     from ..engine.extract_job import Interrupted, run_extract_job
 

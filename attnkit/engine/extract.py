@@ -245,7 +245,7 @@ def extract(
     `weighting`: "attention" (the features describe the attention weights) or "norm" (the weights scaled per key
     by the norm of the transformed key vector, Kobayashi et al. 2020: docs/features.md).
     `max_logit`: also each head's max logit over the corpus (`HeadFeatures.max_logit`, layers × heads; docs/features.md,
-    "Max logit"), from one more blocked q·kᵀ pass per layer (not saved in a run directory).
+    "Max logit"), from one more blocked q·kᵀ pass per layer (`.save(dir)` writes it into features.npz).
     """
     from ..corpus import Corpus
 
@@ -295,19 +295,26 @@ def extract(
     if per_sample:
         features.per_sample = np.stack([rows[i] for i in range(len(rows))])
     if collector is not None:
-        features.max_logit = np.where(pruned_head_grid(model), collector.result(), np.nan)
+        features.max_logit = collector.head_max(model)
     return features
 
 
 class MaxLogitCollector:
     """An observer of q and k (encoders and decoders) that keeps each head's max logit over every forward
-    (attnkit.kernels.statistics.max_logits: by blocks of query rows, no L×L map)."""
+    (attnkit.kernels.statistics.max_logits: by blocks of query rows, no L×L map). `start`: the maximum of an earlier
+    part of the run (a checkpoint's, layers × heads, NaN where none was seen), which the result includes: a maximum
+    accumulates exactly across parts, and a part measured twice (a resume re-measures what its checkpoint may
+    already hold) leaves it unchanged."""
 
     decoder_arguments = True
 
-    def __init__(self, n_layers: int, n_heads: int):
+    def __init__(self, n_layers: int, n_heads: int, start: np.ndarray | None = None):
         self.max = [None] * n_layers
         self.n_heads = n_heads
+        if start is not None and np.shape(start) != (n_layers, n_heads):
+            raise AttnkitError(f"a saved max_logit of shape {np.shape(start)} belongs to another model "
+                               f"({n_layers} layers × {n_heads} heads here)")
+        self.start = None if start is None else np.asarray(start, dtype=np.float64)
 
     def __call__(self, layer, query, key, lengths, scaling, *, kv_head=None, causal=False, sliding_window=None,
                  softcap=None, sink=None):
@@ -317,7 +324,13 @@ class MaxLogitCollector:
         self.max[layer] = m if self.max[layer] is None else torch.maximum(self.max[layer], m)
 
     def result(self) -> np.ndarray:
-        return np.stack([np.full(self.n_heads, np.nan) if m is None else m.double().cpu().numpy() for m in self.max])
+        now = np.stack([np.full(self.n_heads, np.nan) if m is None else m.double().cpu().numpy() for m in self.max])
+        return now if self.start is None else np.fmax(self.start, now)  # fmax: NaN (nothing seen) gives way
+
+    def head_max(self, model) -> np.ndarray:
+        """`result()` with NaN for the heads a pruning removed from `model` (`HeadFeatures.max_logit`)."""
+        return np.where(pruned_head_grid(model), self.result(), np.nan)
 
 
-__all__ = ["ExtractSettings", "ExtractionState", "check_replicas", "check_texts", "extract", "run_extraction"]
+__all__ = ["ExtractSettings", "ExtractionState", "MaxLogitCollector", "check_replicas", "check_texts", "extract",
+           "run_extraction"]

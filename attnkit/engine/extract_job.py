@@ -42,7 +42,7 @@ from ..run.per_sample import PerSampleWriter
 from ..run.rundir import RunDir
 from ..run.versions import versions
 from .devices import parse_devices, replicate
-from .extract import ExtractionState, run_extraction
+from .extract import ExtractionState, MaxLogitCollector, run_extraction
 from .forward import default_batch_size
 from .job_options import ENGINES, ExtractOptions, check_extract_options, extract_inputs, option_settings
 from .local import BatchResult, check_workers
@@ -132,9 +132,10 @@ class _Job:
 
     def finish(self, acc, n_truncated: int, elapsed: float, engine_info: dict, config, *,
                lengths: LengthHistogram | None = None, limit: int | None = None,
-               writer: PerSampleWriter | None = None) -> None:
+               writer: PerSampleWriter | None = None, max_logit: np.ndarray | None = None) -> None:
         """Write features.npz and meta.json (and close the per-sample file), and say what was measured. `config`:
-        the model's config (its type, and the heads a pruning removed)."""
+        the model's config (its type, and the heads a pruning removed); `max_logit`: each head's max logit over the
+        corpus (`--max-logit`), saved in features.npz."""
         opts, inputs = self.opts, self.corpus.describe()
         model_type, pruned = config.model_type, removed_heads(config)
         if self.settings["corpus_sha256"] is None:  # streams, read to their end now
@@ -160,6 +161,7 @@ class _Job:
             "elapsed_s": round(elapsed, 3),
         }
         features = acc.result(meta)
+        features.max_logit = max_logit
         # Whatever later steps derived (clusters.json, per_sample.npy, ...) describes older features, also when this
         # run was resumed: an interrupted --overwrite resumed ends like an uninterrupted one. Close the per-sample
         # file after, so the replaced run's per_sample.npy goes and this run's stays.
@@ -193,6 +195,8 @@ class _LocalJob(_Job):
         self.batch_size = opts.batch_size or default_batch_size(self.devices[0])
         self.settings.update(batch_size=self.batch_size, backend=backend_label(opts.backend, self.devices[0]),
                              device_type=self.devices[0].type)
+        if opts.max_logit and len(self.devices) > 1:
+            raise AttnkitError(f"{arg('max_logit')} is measured on one device only: drop it, or give one device")
 
     def run(self) -> None:
         opts = self.opts
@@ -203,7 +207,7 @@ class _LocalJob(_Job):
         threads = AUTO if opts.threads is None else opts.threads
         shape = (len(attention_modules(model)), model.config.num_attention_heads,
                  len(model_feature_names(model, opts.num_windows)))
-        state, lengths = None, None
+        state, lengths, max_start = None, None, None
         inputs = self.corpus.describe()
         if opts.resume:
             if not self.run_dir.has_checkpoint() and self.run_dir.is_finished():
@@ -211,6 +215,11 @@ class _LocalJob(_Job):
                 return
             acc, start, n_truncated, lengths = self.run_dir.load_checkpoint(self.settings, shape, inputs)
             state = ExtractionState(acc, start, n_truncated)
+            if opts.max_logit:  # the settings matched: a --max-logit checkpoint holds its max so far
+                max_start = self.run_dir.checkpoint_max_logit(shape[:2])
+        # --max-logit: an observer of every forward's q and k; the checkpoint holds its maximum so far (a maximum,
+        # not a sum: it accumulates exactly, and what a resume measures again leaves it unchanged)
+        collector = MaxLogitCollector(*shape[:2], start=max_start) if opts.max_logit else None
         start = state.next_index if state else 0
         self.say("attnkit extract: " + self.corpus.summary())
         self.say(f"model {model.config.model_type} ({len(attention_modules(model))} layers × "
@@ -223,7 +232,7 @@ class _LocalJob(_Job):
                                      model.config.num_attention_heads, model_feature_names(model, opts.num_windows),
                                      resume_after=start if opts.resume else None)
         checkpoints = Checkpoints(self.run_dir, self.settings, opts.checkpoint_every, LengthHistogram(lengths),
-                                  writer, inputs=inputs)
+                                  writer, inputs=inputs, max_logit=collector)
         chosen = []
 
         def on_choice(choice) -> None:  # one line at the start: what the run uses and why (tuning.py)
@@ -234,6 +243,7 @@ class _LocalJob(_Job):
         with checkpoints.on_interrupt(state):
             state = run_extraction(models[0], tokenizer, self.corpus, opts.extract_settings(self.batch_size),
                                    replicas=models[1:], workers=workers, threads=threads, resume=state,
+                                   observers=[collector] if collector is not None else (),
                                    on_batch=checkpoints.after_batch, progress=not opts.quiet, on_choice=on_choice)
         choice = chosen[0]
         self.finish(state.accumulator, state.n_truncated, time.perf_counter() - t0,
@@ -242,7 +252,7 @@ class _LocalJob(_Job):
                      "threads": choice.threads,  # CPU numbers can depend on it (docs/pipeline.md §3)
                      "pipeline": choice.meta(), "waits": wait_regime()},
                     model.config, lengths=checkpoints.lengths, limit=max_positions(model),
-                    writer=writer)
+                    writer=writer, max_logit=collector.head_max(model) if collector is not None else None)
 
 
 class _RayJob(_Job):
@@ -307,12 +317,14 @@ class Checkpoints:
     """The local job's checkpoints: after every `every` batches (and at least every CHECKPOINT_SECONDS) the
     state is saved to RUN/checkpoint.npz, with the token-length histogram; per-sample rows are flushed to disk
     first, so a checkpoint never counts rows that are not written. On an interruption or an error the last
-    state is saved too."""
+    state is saved too. `max_logit`: the run's MaxLogitCollector (--max-logit), whose maximum so far each checkpoint
+    holds."""
 
     def __init__(self, run: RunDir, settings: dict, every: int, lengths: LengthHistogram,
-                 writer: PerSampleWriter | None, inputs: list | None = None):
+                 writer: PerSampleWriter | None, inputs: list | None = None, max_logit=None):
         self.run, self.settings, self.every, self.lengths, self.writer = run, settings, every, lengths, writer
         self.inputs = inputs  # each input's path, sha256, size and mtime: a resume names the one that changed
+        self.max_logit = max_logit
         self.state: ExtractionState | None = None
         self.batches = 0
         self.saved_at = time.monotonic()
@@ -321,7 +333,8 @@ class Checkpoints:
         if self.writer is not None:
             self.writer.flush()
         self.run.save_checkpoint(state.accumulator, state.next_index, state.n_truncated, self.settings,
-                                 lengths=self.lengths.counts, inputs=self.inputs)
+                                 lengths=self.lengths.counts, inputs=self.inputs,
+                                 max_logit=self.max_logit.result() if self.max_logit is not None else None)
         self.saved_at = time.monotonic()
 
     def after_batch(self, state: ExtractionState, res: BatchResult) -> None:

@@ -48,6 +48,7 @@ class ExtractOptions:
     quiet: bool = False
     per_sample: bool = False
     weighting: str = DEFAULT_WEIGHTING
+    max_logit: bool = False
 
     def extract_settings(self, batch_size: int | None):
         from .extract import ExtractSettings
@@ -61,12 +62,14 @@ def option_settings(opts: ExtractOptions) -> dict:
     """The settings of a run (meta.json "settings", what a resume must match) that its options alone give: those
     `preflight_extract` compares before a model loads. batch_size None: the device's default, which the local job
     records once it knows the device. weighting only when not the default (runs made before norm weighting have
-    none)."""
+    none). max_logit only when asked for (runs without it, and runs made before it existed, have none)."""
     settings = {"limit": opts.limit, "max_length": opts.max_length, "batch_size": opts.batch_size,
                 "window": opts.window, "dtype": opts.dtype, "num_windows": opts.num_windows,
                 "split_sentences": opts.sentences, "engine": opts.engine, "per_sample": opts.per_sample}
     if opts.weighting != DEFAULT_WEIGHTING:
         settings["weighting"] = opts.weighting
+    if opts.max_logit:
+        settings["max_logit"] = True
     return settings
 
 
@@ -92,6 +95,8 @@ def check_extract_options(opts: ExtractOptions) -> None:
     if opts.threads is not None:
         check_int(opts.threads, "threads")
     if opts.engine == "ray":
+        if opts.max_logit:
+            raise AttnkitError(f"{arg('max_logit')} is measured by the local engine only (drop {arg('engine')} ray)")
         if opts.per_sample:
             raise AttnkitError(f"{arg('per_sample')} is written by the local engine only (drop {arg('engine')} ray)")
         if opts.workers is not None:
@@ -134,6 +139,7 @@ def preflight_extract(opts: ExtractOptions) -> None:
             if opts.batch_size is None:  # the default depends on the device: the job compares it
                 del now["batch_size"]
             now.setdefault("weighting", None)  # an attention run records none: a norm run's is then named
+            now.setdefault("max_logit", None)  # so does a run without max logits
             run.check_resume_settings(now)
     if "-" not in [str(p) for p in opts.paths]:
         open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,

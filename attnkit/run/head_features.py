@@ -69,8 +69,9 @@ class HeadFeatures:
     n_tokens: int
     meta: dict = field(default_factory=dict)
     per_sample: np.ndarray | None = None
-    # n_layers × n_heads: each head's max logit over the corpus (docs/features.md, "Max logit"), when
-    # `extract(..., max_logit=True)` measured it (not saved in a run directory); None otherwise
+    # n_layers × n_heads: each head's max logit over the corpus (docs/features.md, "Max logit"; NaN for a removed
+    # head), when `extract(..., max_logit=True)` or `attnkit extract --max-logit` measured it (saved in
+    # features.npz); None otherwise
     max_logit: np.ndarray | None = None
 
     @property
@@ -105,14 +106,18 @@ class HeadFeatures:
     def to_pandas(self):
         """One row per (layer, head): columns `layer`, `head`, then one column per feature mean (named as the
         feature) and `<name>_std` per standard deviation, in the order of `names` (what `attnkit export`
-        writes). A removed head's row holds NaN (empty cells in a CSV)."""
+        writes), and last `max_logit` when the run measured it. A removed head's row holds NaN (empty cells in a
+        CSV)."""
         import pandas as pd
 
         L, H, F = self.mean.shape
         heads = pd.DataFrame({"layer": np.repeat(np.arange(L), H), "head": np.tile(np.arange(H), L)})
         df = pd.DataFrame(self.mean.reshape(L * H, F), columns=self.names)
         std = pd.DataFrame(self.std.reshape(L * H, F), columns=[f"{n}_std" for n in self.names])
-        return pd.concat([heads, df, std], axis=1)
+        parts = [heads, df, std]
+        if self.max_logit is not None:
+            parts.append(pd.DataFrame({"max_logit": np.asarray(self.max_logit, dtype=np.float64).reshape(L * H)}))
+        return pd.concat(parts, axis=1)
 
     def grid(self, feature: str = "cls", stat: str = "mean") -> HeadGrid:
         """One feature as a layer × head grid that a notebook shows as a coloured table (`_repr_html_`)."""
@@ -138,7 +143,7 @@ class HeadFeatures:
         directory = ensure_writable_dir(directory, "run directory")
         atomic_write(
             directory / FEATURES_FILE,
-            lambda f: np.savez(f, mean=self.mean, std=self.std, names=np.array(self.names)),
+            lambda f: np.savez(f, mean=self.mean, std=self.std, names=np.array(self.names), **self._optional_arrays()),
         )
         meta = dict(self.meta)
         meta.update(n_samples=int(self.n_samples), n_tokens=int(self.n_tokens),
@@ -153,6 +158,16 @@ class HeadFeatures:
                 writer.add(np.arange(i, i + len(rows)), rows)
             writer.close()
         return directory
+
+    def _optional_arrays(self) -> dict:
+        """The arrays of features.npz that a run holds only when it measured them (docs/files.md)."""
+        if self.max_logit is None:
+            return {}
+        m = np.asarray(self.max_logit, dtype=np.float64)
+        if m.shape != self.mean.shape[:2]:
+            raise AttnkitError(f"max_logit has shape {m.shape}, the features {self.n_layers} layers × "
+                               f"{self.n_heads} heads")
+        return {"max_logit": m}
 
     @classmethod
     def load(cls, directory) -> HeadFeatures:
@@ -171,6 +186,12 @@ class HeadFeatures:
             raise AttnkitError(f"{fpath}: feature names repeat: {names}")
         if np.any(std < 0):
             raise AttnkitError(f"{fpath}: array 'std' holds negative standard deviations")
+        max_logit = arrays.get("max_logit")  # absent: a run that did not measure it, or one made before it was saved
+        if max_logit is not None:
+            max_logit = max_logit.astype(np.float64)
+            if max_logit.shape != mean.shape[:2]:
+                raise AttnkitError(f"{fpath}: array 'max_logit' has shape {max_logit.shape}, but 'mean' holds "
+                                   f"{mean.shape[0]} layers × {mean.shape[1]} heads")
         meta = {}
         mpath = directory / META_FILE
         if mpath.is_file():
@@ -193,7 +214,8 @@ class HeadFeatures:
                     per_sample = None
             except AttnkitError:
                 per_sample = None
-        return cls(mean, std, names, int(meta.get("n_samples", 0)), int(meta.get("n_tokens", 0)), meta, per_sample)
+        return cls(mean, std, names, int(meta.get("n_samples", 0)), int(meta.get("n_tokens", 0)), meta, per_sample,
+                   max_logit)
 
 
 def removed_grid(meta: dict, mean: np.ndarray) -> np.ndarray:

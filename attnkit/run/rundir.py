@@ -105,6 +105,18 @@ class RunDir:
                                f"{arg('overwrite', True)}")
         return acc, next_index, n_truncated, lengths
 
+    def checkpoint_max_logit(self, shape: tuple[int, int]) -> np.ndarray:
+        """The checkpoint's max logits so far (layers × heads, NaN where none was seen) of a --max-logit run (whose
+        settings `load_checkpoint` has matched); AttnkitError naming the checkpoint when it lacks them or they do
+        not have `shape`."""
+        state, _ = self._checkpoint()
+        m = state.get("max_logit")
+        if m is None or m.dtype.kind != "f" or m.shape != tuple(shape):
+            got = "no max_logit" if m is None else f"max_logit of shape {m.shape}"
+            raise AttnkitError(f"checkpoint {self.checkpoint_path} holds {got}, but the run measures max logits of "
+                               f"{shape[0]} layers × {shape[1]} heads; start over with {arg('overwrite', True)}")
+        return m.astype(np.float64)
+
     def _checkpoint(self) -> tuple[dict, dict]:
         """The checkpoint's arrays and its settings (a mapping), or AttnkitError naming it corrupt."""
         state = load_npz(self.checkpoint_path, what="checkpoint",
@@ -142,7 +154,8 @@ class RunDir:
         return HeadFeatures.load(self.path).meta
 
     def save_checkpoint(self, acc: FeatureAccumulator, next_index: int, n_truncated: int, settings: dict,
-                        lengths: np.ndarray | None = None, inputs: list | None = None) -> None:
+                        lengths: np.ndarray | None = None, inputs: list | None = None,
+                        max_logit: np.ndarray | None = None) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         state = acc.state()
         state.update(next_index=np.int64(next_index), n_truncated=np.int64(n_truncated),
@@ -151,6 +164,8 @@ class RunDir:
             state["inputs"] = np.array(json.dumps(inputs, sort_keys=True, default=str))
         if lengths is not None:
             state["lengths"] = np.asarray(lengths, dtype=np.int64)
+        if max_logit is not None:  # --max-logit: each head's maximum so far (NaN: not seen yet)
+            state["max_logit"] = np.asarray(max_logit, dtype=np.float64)
         atomic_write(self.checkpoint_path, lambda f: np.savez(f, **state))
 
     def finish(self, features: HeadFeatures, fresh: bool = True) -> str | None:

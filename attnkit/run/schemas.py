@@ -337,14 +337,20 @@ def load_json(path, schema: dict, what: str = ""):
 @dataclass(frozen=True)
 class ArraySpec:
     """An array an .npz file must hold: `kind` "float", "int" or "str"; `ndim` its number of dimensions;
-    `finite`: no NaN or infinity allowed."""
+    `finite`: no NaN or infinity allowed; `optional`: a file may lack it (files made before it existed), but one
+    it holds must follow the spec."""
 
     kind: str
     ndim: int
     finite: bool = False
+    optional: bool = False
 
 
-FEATURES_ARRAYS = {"mean": ArraySpec("float", 3), "std": ArraySpec("float", 3), "names": ArraySpec("str", 1)}
+# max_logit: layers × heads, each head's max logit over the corpus (`attnkit extract --max-logit`; NaN for a pruned
+# head); absent in runs that did not measure it, and in runs made before it was saved. Its shape against mean's is
+# checked by HeadFeatures.load.
+FEATURES_ARRAYS = {"mean": ArraySpec("float", 3), "std": ArraySpec("float", 3), "names": ArraySpec("str", 1),
+                   "max_logit": ArraySpec("float", 2, optional=True)}
 DISTANCES_ARRAYS = {"total": ArraySpec("float", 2, finite=True), "n_rows": ArraySpec("int", 0),
                     "n_layers": ArraySpec("int", 0),
                     "n_heads": ArraySpec("int", 0)}
@@ -380,6 +386,8 @@ def validate_arrays(arrays: dict, spec: dict[str, ArraySpec], path) -> None:
     the right kind and number of dimensions (and finite values where the spec says so)."""
     for name, s in spec.items():
         if name not in arrays:
+            if s.optional:
+                continue
             raise AttnkitError(f"{path}: array {name!r} is missing (has: {', '.join(sorted(arrays)) or 'none'})")
         a = np.asarray(arrays[name])
         if a.dtype.kind not in _KINDS[s.kind]:
