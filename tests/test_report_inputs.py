@@ -467,18 +467,25 @@ def test_the_commands_record_the_identity_the_report_compares(tmp_path, decoder_
 
     run("extract", corpus, "--model", tmp_path / "llama", "--max-length", 32, "-o", tmp_path / "run", "-q")
     run("detect-heads", tmp_path / "llama", "-o", tmp_path / "run", "--length", 8, "--sequences", 2)
+    run("distances", tmp_path / "run", "-q")
     for model, out in (("llama", "run"), ("other-model", "other")):
         run("ablate", tmp_path / model, "--task", "lm", "--data", corpus, "--experiment", "layers", "--mode", "zero",
             "--resamples", 50, "-o", tmp_path / out, "-q")
     ids = [json.loads((tmp_path / "run" / f).read_text())["model_identity"]
            for f in ("meta.json", "detected_heads.json", "layers.meta.json")]
     assert ids[0] == ids[1] == ids[2] and ids[0]["path"] == str((tmp_path / "llama").resolve())
+    from attnkit.run import HeadDistances
+
+    dist = HeadDistances.load(tmp_path / "run")  # distances record the model and corpus that extract recorded
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert dist.meta["model_identity"] == ids[0] and dist.meta["corpus_sha256"] == meta["settings"]["corpus_sha256"]
     other = json.loads((tmp_path / "other" / "layers.meta.json").read_text())["model_identity"]
     assert other["config_sha256"] == ids[0]["config_sha256"] and other["path"] != ids[0]["path"]
     run("report", tmp_path / "run", "--include", tmp_path / "other", "--examples", 0, "-q", "-k", 2)
     page = (tmp_path / "run" / "report.html").read_text()
     assert [a["source"] for a in _page_data(page)["ablation"]] == ["layers.json"]
     assert _page_data(page)["detected"] is not None and "no model identity" not in page
+    assert _page_data(page)["near"]["js"] is not None
     elsewhere = _visible(page.split('<section id="elsewhere">')[1].split("</section>")[0])
     assert f"other/layers.meta.json made with the model in {tmp_path.resolve() / 'other'}" in elsewhere
 

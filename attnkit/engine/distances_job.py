@@ -95,7 +95,10 @@ def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_
         if opts.engine == "ray":  # the actors loaded the run's model (meta.json `model`), checked by its shape
             identity = meta.get(IDENTITY_FIELD)
         # which model and corpus the sums come from: the report shows them only beside the heads of that run
-        dist.meta.update({IDENTITY_FIELD: identity, "corpus_sha256": texts.fingerprint()})
+        # (the run's own inputs were read again and checked to be its bytes, `corpus_of_run`: the run's corpus, even
+        # with another --limit; a corpus given with --corpus is named by its own fingerprint, its limit included)
+        corpus = (meta.get("settings") or {}).get("corpus_sha256") if opts.corpus is None else None
+        dist.meta.update({IDENTITY_FIELD: identity, "corpus_sha256": corpus or texts.fingerprint()})
         removed = run_feats.removed
         if removed.any():  # a removed head has no attention: its distances are left out (docs/pruning.md)
             dist.meta["removed_heads"] = [[int(l), int(h)] for l, h in np.argwhere(removed)]
