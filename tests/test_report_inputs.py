@@ -423,8 +423,8 @@ def test_an_older_run_compares_every_result_by_what_it_has(clean, tmp_path, fewe
     _set(run / "meta.json", lambda d: d.pop("model_identity"))
     page = build_report(run, svg=False, do_sweep=False).read_text()
     assert _page_data(page)["detected"] is not None
-    assert ("This run's meta.json records no model identity (made before attnkit recorded it): probe.json, "
-            "detected_heads.json, heads.meta.json were compared with it by layers × heads") in _visible(page)
+    assert ("This run's meta.json records no model identity (made before attnkit recorded it): distances.npz, "
+            "probe.json, detected_heads.json, heads.meta.json were compared with it by layers × heads") in _visible(page)
 
 
 def test_identity_does_not_depend_on_the_head_a_model_is_loaded_with(tmp_path, decoder_tokenizer):
