@@ -519,3 +519,25 @@ def test_the_glossary_names_the_section_that_defines_each_feature(clean, tmp_pat
             section = [h for lvl, h in headings[:found[0]] if lvl == "##"][-1]
             assert section == parents[0]
         assert _slug(headings[found[0]][1]) == feature_section(name)  # the anchor it stands for
+
+
+def test_distances_refuse_a_model_directory_replaced_since_the_run(tmp_path, decoder_tokenizer):
+    """The distances job records the model it loaded; one that is no longer the run's (its directory now holds
+    another configuration) is refused by name, not recorded as the run's."""
+    from attnkit.cli.main import main
+
+    from .conftest import SENTENCES
+
+    model = tmp_path / "llama"
+    tiny_decoder("llama", vocab=len(decoder_tokenizer), n_layers=2, seed=0).save_pretrained(model)
+    decoder_tokenizer.save_pretrained(model)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(s.lower() for s in SENTENCES[:4]) + "\n")
+    r = CliRunner().invoke(main, ["extract", str(corpus), "--model", str(model), "--max-length", "32", "-o",
+                                  str(tmp_path / "run"), "-q"])
+    assert r.exit_code == 0, r.output
+    tiny_decoder("llama", vocab=len(decoder_tokenizer) + 8, n_layers=2, seed=0).save_pretrained(model)
+    r = CliRunner().invoke(main, ["distances", str(tmp_path / "run"), "-q"])
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert "is not the one it measured: made with another model" in r.output, r.output
+    assert not (tmp_path / "run" / "distances.npz").exists()
