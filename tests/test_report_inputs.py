@@ -59,7 +59,11 @@ def clean(tmp_path_factory) -> Path:
     for name in ("probe.json", "heads.meta.json"):
         _set(run / name, lambda d: d.update(model="A", model_identity=RUN_MODEL))
     _detected(run)
-    from attnkit.run import HeadFeatures
+    from attnkit.run import HeadDistances, HeadFeatures
+
+    dist = HeadDistances.load(run)  # the run's distances, of its model and corpus
+    dist.meta.update(model_identity=RUN_MODEL, corpus_sha256="c" * 64)
+    dist.save(run)
 
     HeadFeatures(f.mean * 0.5, f.std, f.names, f.n_samples, f.n_tokens,
                  {**json.loads((run / "meta.json").read_text()), "weighting": "norm"}).save(root / "norm")
@@ -150,7 +154,7 @@ CASES = {
     ("clusters.json", "another model's"): ("error", "clusters.json is another run's (made with the model B"),
     ("distances.npz", "missing"): ("gone", "near"),  # no nearest heads by divergence (the MDS map's note: below)
     ("distances.npz", "damaged"): ("error", "distances.npz is unreadable or corrupt"),
-    ("distances.npz", "another model's"): ("error", "distances.npz"),
+    ("distances.npz", "another model's"): ("elsewhere", "made with a model of 2 layers × 4 heads, the run's has 3 × 4"),
     ("per_sample.npy", "missing"): ("note", "No per_sample.npy in this run"),
     ("per_sample.npy", "damaged"): ("note", "per_sample.npy is damaged and was not used"),
     ("per_sample.npy", "another model's"): ("note", "per_sample.npy is damaged and was not used"),
@@ -259,6 +263,8 @@ def test_every_file_the_report_reads(name, how, clean, tmp_path, fewer_figures):
             assert data["detected"] is None and '<section id="detected">' not in page
         if base.startswith("probe"):
             assert data["probe"] is None and '<section id="probe">' not in page
+        if base == "distances.npz":
+            assert data["near"]["js"] is None
         if base == "patterns.json":
             assert data["patterns"] is None and '<section id="patterns">' not in page
         if name.startswith("norm/"):
@@ -284,6 +290,7 @@ def test_the_clean_run_shows_everything_it_has(clean, tmp_path, fewer_figures):
     text = page.read_text()
     data = _page_data(text)
     assert data["probe"] and data["patterns"] and data["detected"] and data["ablation"] and data["examples"]
+    assert data["near"]["js"]
     assert '<section id="elsewhere">' not in text and "survives" in _visible(text)
     assert "no model identity" not in _visible(text)
 
@@ -312,6 +319,67 @@ def test_another_models_ablation_of_the_same_shape_is_not_shown_as_this_runs(cle
     (run / "report.html").unlink()
     page = build_report(run, svg=False, do_sweep=False, include=[other]).read_text()
     assert "disabling L0H2 alone raises loss the most" in _visible(page)
+
+
+def _with_distances(run: Path, **meta) -> None:
+    """Rewrite RUN/distances.npz with `meta` (model_identity, corpus_sha256; None: not recorded, as older files)."""
+    from attnkit.run import HeadDistances
+
+    dist = HeadDistances.load(run)
+    dist.meta.update(meta)
+    dist.save(run)
+
+
+@pytest.mark.parametrize("meta, why", [
+    ({"model_identity": OTHER_MODEL}, "made with the model in /models/B, the run with the one in /models/A"),
+    ({"model_identity": {**RUN_MODEL, "path": None, "name": "B", "config_sha256": "b" * 64}},
+     "made with another model (B: its configuration differs from that of the run's model, /models/A)"),
+    ({"corpus_sha256": "d" * 64}, "measured over another corpus than the run's (corpus_sha256 differ)"),
+])
+def test_another_models_distances_of_the_same_shape_are_not_shown(meta, why, clean, tmp_path, fewer_figures):
+    """distances.npz copied from another model's run (or measured over another corpus) of the run's layers × heads:
+    listed under "Results not shown here" with the reason; no MDS map and no nearest heads by divergence."""
+    from attnkit.cli.analysis import report_cmd
+
+    shutil.copytree(clean, tmp_path / "c")
+    run = tmp_path / "c" / "run"
+    _with_distances(run, **meta)
+    page = build_report(run, svg=False, do_sweep=False).read_text()
+    elsewhere = _visible(page.split('<section id="elsewhere">')[1].split("</section>")[0])
+    assert f"Jensen-Shannon distances distances.npz {why}" in elsewhere
+    assert _page_data(page)["near"]["js"] is None
+    # the command line too (its checks before the page read the same file)
+    r = CliRunner().invoke(report_cmd, [str(run), "--no-svg", "-q", "--examples", "0", "--overwrite", "-k", "2"])
+    assert r.exit_code == 0 and why in _visible((run / "report.html").read_text()), r.output
+
+
+def test_older_distances_without_identity_are_compared_by_their_shape(clean, tmp_path, fewer_figures):
+    shutil.copytree(clean, tmp_path / "c")
+    run = tmp_path / "c" / "run"
+    _with_distances(run, model_identity=None, corpus_sha256=None)
+    assert set(np.load(run / "distances.npz").files).isdisjoint({"model_identity", "corpus_sha256"})
+    page = build_report(run, svg=False, do_sweep=False).read_text()
+    assert _page_data(page)["near"]["js"] and '<section id="elsewhere">' not in page
+    assert ("distances.npz records no model identity (made before attnkit recorded it): it was compared with the "
+            "run by layers × heads") in _visible(page)
+
+
+def test_distances_record_their_model_and_corpus(tmp_path):
+    from attnkit.run import HeadDistances
+
+    meta = {"model_identity": RUN_MODEL, "corpus_sha256": "c" * 64, "smoothing": 0.0, "removed_heads": [],
+            "rows_per_sample": None}
+    HeadDistances(np.ones((12, 12)) - np.eye(12), 10, 3, 4, meta).save(tmp_path)
+    assert HeadDistances.load(tmp_path).meta == meta
+    arrays = dict(np.load(tmp_path / "distances.npz"))
+    arrays["model_identity"] = np.array('{"name": "A", "n_layers": 0, "n_heads": 4}')
+    np.savez(tmp_path / "distances.npz", **arrays)
+    with pytest.raises(AttnkitError, match=r"array 'model_identity': field n_layers: "):
+        HeadDistances.load(tmp_path)
+    arrays["model_identity"] = np.array("{not json")
+    np.savez(tmp_path / "distances.npz", **arrays)
+    with pytest.raises(AttnkitError, match="array 'model_identity' is not valid JSON"):
+        HeadDistances.load(tmp_path)
 
 
 def test_an_included_directory_of_nothing_is_named(clean, tmp_path, fewer_figures):
@@ -355,8 +423,8 @@ def test_an_older_run_compares_every_result_by_what_it_has(clean, tmp_path, fewe
     _set(run / "meta.json", lambda d: d.pop("model_identity"))
     page = build_report(run, svg=False, do_sweep=False).read_text()
     assert _page_data(page)["detected"] is not None
-    assert ("This run's meta.json records no model identity (made before attnkit recorded it): probe.json, "
-            "detected_heads.json, heads.meta.json were compared with it by layers × heads") in _visible(page)
+    assert ("This run's meta.json records no model identity (made before attnkit recorded it): distances.npz, "
+            "probe.json, detected_heads.json, heads.meta.json were compared with it by layers × heads") in _visible(page)
 
 
 def test_identity_does_not_depend_on_the_head_a_model_is_loaded_with(tmp_path, decoder_tokenizer):
@@ -399,18 +467,25 @@ def test_the_commands_record_the_identity_the_report_compares(tmp_path, decoder_
 
     run("extract", corpus, "--model", tmp_path / "llama", "--max-length", 32, "-o", tmp_path / "run", "-q")
     run("detect-heads", tmp_path / "llama", "-o", tmp_path / "run", "--length", 8, "--sequences", 2)
+    run("distances", tmp_path / "run", "-q")
     for model, out in (("llama", "run"), ("other-model", "other")):
         run("ablate", tmp_path / model, "--task", "lm", "--data", corpus, "--experiment", "layers", "--mode", "zero",
             "--resamples", 50, "-o", tmp_path / out, "-q")
     ids = [json.loads((tmp_path / "run" / f).read_text())["model_identity"]
            for f in ("meta.json", "detected_heads.json", "layers.meta.json")]
     assert ids[0] == ids[1] == ids[2] and ids[0]["path"] == str((tmp_path / "llama").resolve())
+    from attnkit.run import HeadDistances
+
+    dist = HeadDistances.load(tmp_path / "run")  # distances record the model and corpus that extract recorded
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert dist.meta["model_identity"] == ids[0] and dist.meta["corpus_sha256"] == meta["settings"]["corpus_sha256"]
     other = json.loads((tmp_path / "other" / "layers.meta.json").read_text())["model_identity"]
     assert other["config_sha256"] == ids[0]["config_sha256"] and other["path"] != ids[0]["path"]
     run("report", tmp_path / "run", "--include", tmp_path / "other", "--examples", 0, "-q", "-k", 2)
     page = (tmp_path / "run" / "report.html").read_text()
     assert [a["source"] for a in _page_data(page)["ablation"]] == ["layers.json"]
     assert _page_data(page)["detected"] is not None and "no model identity" not in page
+    assert _page_data(page)["near"]["js"] is not None
     elsewhere = _visible(page.split('<section id="elsewhere">')[1].split("</section>")[0])
     assert f"other/layers.meta.json made with the model in {tmp_path.resolve() / 'other'}" in elsewhere
 
@@ -444,3 +519,25 @@ def test_the_glossary_names_the_section_that_defines_each_feature(clean, tmp_pat
             section = [h for lvl, h in headings[:found[0]] if lvl == "##"][-1]
             assert section == parents[0]
         assert _slug(headings[found[0]][1]) == feature_section(name)  # the anchor it stands for
+
+
+def test_distances_refuse_a_model_directory_replaced_since_the_run(tmp_path, decoder_tokenizer):
+    """The distances job records the model it loaded; one that is no longer the run's (its directory now holds
+    another configuration) is refused by name, not recorded as the run's."""
+    from attnkit.cli.main import main
+
+    from .conftest import SENTENCES
+
+    model = tmp_path / "llama"
+    tiny_decoder("llama", vocab=len(decoder_tokenizer), n_layers=2, seed=0).save_pretrained(model)
+    decoder_tokenizer.save_pretrained(model)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(s.lower() for s in SENTENCES[:4]) + "\n")
+    r = CliRunner().invoke(main, ["extract", str(corpus), "--model", str(model), "--max-length", "32", "-o",
+                                  str(tmp_path / "run"), "-q"])
+    assert r.exit_code == 0, r.output
+    tiny_decoder("llama", vocab=len(decoder_tokenizer) + 8, n_layers=2, seed=0).save_pretrained(model)
+    r = CliRunner().invoke(main, ["distances", str(tmp_path / "run"), "-q"])
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert "is not the one it measured: made with another model" in r.output, r.output
+    assert not (tmp_path / "run" / "distances.npz").exists()

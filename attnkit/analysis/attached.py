@@ -17,9 +17,11 @@ import numpy as np
 from ..engine.detect_options import KINDS
 from ..errors import AttnkitError
 from ..features import weighting_of
+from ..run.distances import HeadDistances
 from ..run.files import (
     DETECTED_HEADS_FILE,
     DETECTED_HEADS_META,
+    DISTANCES_FILE,
     FEATURES_FILE,
     LEGACY_DETECTED_HEADS,
     META_FILE,
@@ -53,7 +55,8 @@ class Attached:
     `attnkit.analysis.weighting.compare_weightings`, with `other`: that run's directory), `links` ((label,
     path, why) of results that are not shown: another model's, or unreadable beside a readable file) and `partial`
     (the files shown whose model could be compared with the run's only in part: made before attnkit recorded the
-    model's identity, attnkit/run/identity.py)."""
+    model's identity, attnkit/run/identity.py); `distances` (RUN/distances.npz, `read_distances`, when it is the
+    run's)."""
 
     patterns: dict | None = None
     probe: dict | None = None
@@ -62,6 +65,7 @@ class Attached:
     weighting: dict | None = None
     links: list = field(default_factory=list)
     partial: list = field(default_factory=list)
+    distances: HeadDistances | None = None
 
 
 class _Elsewhere(Exception):
@@ -82,6 +86,23 @@ def _same_model(run: dict | None, record: dict, path: Path, partial: list | None
         raise _Elsewhere(why)
     if partial is not None and partial_identity(run, theirs):
         partial.append(path)
+
+
+def read_distances(path: Path, shape: tuple[int, int], meta: dict, run: dict | None = None,
+                   partial: list | None = None) -> HeadDistances:
+    """RUN/distances.npz (`HeadDistances.load`), when it was measured with the run's model (`run`, `partial`: as
+    `_same_model`'s; a file without `model_identity` is compared by its layers × heads) over the run's corpus
+    (`meta`: the run's meta.json, whose settings.corpus_sha256 is compared when both record one)."""
+    dist = HeadDistances.load(path.parent)
+    _same_model(run, {"model_identity": dist.meta["model_identity"]} if dist.meta.get("model_identity") else {},
+                path, partial, dist.n_layers, dist.n_heads)
+    if (dist.n_layers, dist.n_heads) != tuple(shape):  # (also when the run is not compared: its shape must fit)
+        raise _Elsewhere(f"it covers {dist.n_layers} layers × {dist.n_heads} heads, the run {shape[0]} × {shape[1]}")
+    theirs, ours = dist.meta.get("corpus_sha256"), (meta.get("settings") or {}).get("corpus_sha256")
+    if theirs and ours and theirs != ours:
+        raise _Elsewhere("measured over another corpus than the run's (corpus_sha256 differ): run `attnkit "
+                         "distances RUN --overwrite`")
+    return dist
 
 
 def read_patterns(path: Path, shape: tuple[int, int], features: HeadFeatures | None = None) -> dict:
@@ -304,6 +325,11 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
         load_json(run_dir / META_FILE, META_SCHEMA) if (run_dir / META_FILE).is_file() else {}
     run = recorded_identity(meta, *shape)  # what every result is compared with before it is shown
     partial: list[Path] = []
+    if (run_dir / DISTANCES_FILE).is_file():
+        try:
+            found.distances = read_distances(run_dir / DISTANCES_FILE, shape, meta, run, partial)
+        except _Elsewhere as exc:
+            found.links.append(("Jensen-Shannon distances", run_dir / DISTANCES_FILE, str(exc)))
     if (run_dir / PATTERNS_FILE).is_file():
         try:
             found.patterns = read_patterns(run_dir / PATTERNS_FILE, shape, features)
@@ -361,10 +387,12 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
             found.links.append(("directory", place, "it holds no result attnkit report can show (of attnkit probe, "
                                                     "ablate or detect-heads, or a run of the other weighting)"))
     shown = {found.probe and found.probe["path"] / PROBE_JSON, found.detected and found.detected["meta_path"],
-             found.weighting and found.weighting["other"] / META_FILE} | {a["meta_path"] for a in found.ablations}
+             found.weighting and found.weighting["other"] / META_FILE,
+             found.distances and run_dir / DISTANCES_FILE} | {a["meta_path"] for a in found.ablations}
     found.partial = [p for p in dict.fromkeys(partial) if p in shown]
     return found
 
 
-__all__ = ["Attached", "find_attached", "is_legacy_detection", "read_ablation", "read_detected", "read_patterns",
+__all__ = ["Attached", "find_attached", "is_legacy_detection", "read_ablation", "read_detected", "read_distances",
+           "read_patterns",
            "read_probe"]

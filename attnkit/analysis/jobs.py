@@ -13,8 +13,7 @@ from pathlib import Path
 
 from ..errors import AttnkitError, check_int, print_message
 from ..run.clusters import load_clusters
-from ..run.distances import HeadDistances
-from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, REPORT_FILE
+from ..run.files import CLUSTERS_FILE, FIGURES_DIR, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.locking import output_directory
 from ..run.model_dir import is_decoder_meta
@@ -109,9 +108,8 @@ def report_run(run, *, examples: int | None = None, include=(), corpus=None, fmt
         if (run / CLUSTERS_FILE).is_file():
             check_clusters_of_run(load_clusters(run, shape, complete=True, feature_names=feats.names), feats,
                                   run / CLUSTERS_FILE)
-        if (run / DISTANCES_FILE).is_file():
-            HeadDistances.load(run, shape)
-        find_attached(run, shape, include, feats)  # a damaged patterns, probe, ablation or detection file is named now
+        # a damaged distances, patterns, probe, ablation or detection file is named now
+        find_attached(run, shape, include, feats)
         damaged = examples_problem(run, feats)
         if damaged:  # a warning, shown even with quiet
             echo(f"attnkit report: {damaged}", err=True)

@@ -223,9 +223,8 @@ class Report:
         self.grid = np.where(self.removed, -1, label_grid(data))  # -1: removed (in no type)
         self.labels = self.grid.ravel()
         self.head_ids = [f"L{m // H}H{m % H}" for m in range(L * H)]
-        self.distances = HeadDistances.load(run_dir) if (run_dir / DISTANCES_FILE).is_file() else None
-        if self.distances is not None and self.distances.total.shape[0] != L * H:
-            raise AttnkitError(f"{run_dir / DISTANCES_FILE} has {self.distances.total.shape[0]} heads, the run {L * H}")
+        # distances.npz when it is this run's (another model's or corpus's is listed as not shown: attached.py)
+        self.distances: HeadDistances | None = attached.distances
         self.maps = []  # AttentionMaps of the example inputs, shortest first
         self.example_idx: list[int] = []  # their indices in texts
         self.notes: list[str] = []
@@ -500,6 +499,10 @@ def head_maps(r: Report) -> Section:
     figures = [r.img(figs.tsne_scatter(tsne(X, seed=r.seed), r.labels[kept], r.type_names, ids), "tsne_types",
                      "t-SNE of the clustered features, coloured by type (cf. Guan et al. Fig. 2)." + removed)]
     dist = r.distances
+    if dist is None and (r.run_dir / DISTANCES_FILE).is_file():  # another model's: listed as not shown, with why
+        return Section("maps", "Maps of heads", part("figures_and_notes", figs=figures, notes=[
+            f"{DISTANCES_FILE} is not this run's (see \"Results not shown here\"): the MDS map of Jensen-Shannon "
+            f"distances needs `attnkit distances RUN --overwrite`."]))
     if dist is None:
         return Section("maps", "Maps of heads", part("figures_and_notes", figs=figures, notes=[
             f"No {DISTANCES_FILE} in this run: the MDS map of Jensen-Shannon distances (and the nearest heads by "

@@ -18,6 +18,7 @@ from ..models import attention_modules, load_model
 from ..run.distances import HeadDistances
 from ..run.files import DISTANCES_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
+from ..run.identity import IDENTITY_FIELD, model_identity, model_mismatch, recorded_identity
 from ..run.locking import output_directory
 from ..run.outputs import os_errors
 from ..run.overwrite import claim_outputs
@@ -32,6 +33,22 @@ def _check_shape(run, meta: dict, n_layers: int, n_heads: int) -> None:
     if (n_layers, n_heads) != want:
         raise AttnkitError(f"the model has {n_layers} × {n_heads} heads but {run} was measured "
                            f"with {want[0]} × {want[1]}")
+
+
+def _run_model_name(meta: dict):
+    """The model's name as the run recorded it (its `model_identity`), so that both identities name it alike."""
+    ident = meta.get(IDENTITY_FIELD)
+    return ident.get("name") if isinstance(ident, dict) else meta.get("model") or None
+
+
+def _check_model(run, meta: dict, identity: dict) -> dict:
+    """`identity` (of the model just loaded), after checking that it is the model the run measured (the one
+    comparison, attnkit/run/identity.py): a model directory replaced since `extract` is refused."""
+    why = model_mismatch(recorded_identity(meta, meta.get("n_layers"), meta.get("n_heads")),
+                         {**identity, "partial": False})
+    if why:
+        raise AttnkitError(f"the model loaded for {run} is not the one it measured: {why}")
+    return identity
 
 
 def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_message,
@@ -66,6 +83,7 @@ def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_
             say(f"attnkit distances: loading the model of {run}")
             model = load_model(meta.get("model") or None, device=opts.device, max_length=max_length)
             _check_shape(run, meta, len(attention_modules(model[0])), int(model[0].config.num_attention_heads))
+            identity = _check_model(run, meta, model_identity(model[0], _run_model_name(meta)))
             say(f"attnkit distances: {texts.summary()}; "
                 f"{len(attention_modules(model[0])) * model[0].config.num_attention_heads} heads")
             workers = default_workers(next(model[0].parameters()).device.type)
@@ -74,6 +92,13 @@ def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_
                                             batch_size=opts.batch_size, num_windows=num_windows,
                                             progress=not opts.quiet)
             n_samples = feats.n_samples
+        if opts.engine == "ray":  # the actors loaded the run's model (meta.json `model`), checked by its shape
+            identity = meta.get(IDENTITY_FIELD)
+        # which model and corpus the sums come from: the report shows them only beside the heads of that run
+        # (the run's own inputs were read again and checked to be its bytes, `corpus_of_run`: the run's corpus, even
+        # with another --limit; a corpus given with --corpus is named by its own fingerprint, its limit included)
+        corpus = (meta.get("settings") or {}).get("corpus_sha256") if opts.corpus is None else None
+        dist.meta.update({IDENTITY_FIELD: identity, "corpus_sha256": corpus or texts.fingerprint()})
         removed = run_feats.removed
         if removed.any():  # a removed head has no attention: its distances are left out (docs/pruning.md)
             dist.meta["removed_heads"] = [[int(l), int(h)] for l, h in np.argwhere(removed)]

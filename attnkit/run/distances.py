@@ -2,21 +2,25 @@
 the measure: docs/analysis.md). Written by `attnkit distances` (attnkit/engine/distances.py collects them)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import AttnkitError
 from .files import DISTANCES_FILE
+from .identity import IDENTITY_FIELD
 from .outputs import atomic_write, ensure_writable_dir
-from .schemas import DISTANCES_ARRAYS, load_npz
+from .schemas import DISTANCES_ARRAYS, MODEL_IDENTITY_SCHEMA, load_npz, validate
 
 
 class HeadDistances:
     """Jensen-Shannon divergence sums between heads (M×M, M = n_layers·n_heads), rows counted, and settings
     (`meta["smoothing"]`: ε of the smoothing applied before the divergence, 0 for none; `meta["removed_heads"]`:
     [[layer, head], ...] removed by pruning, whose rows and columns of `per_token` are NaN: a removed head has
-    no attention to compare)."""
+    no attention to compare; `meta["model_identity"]`: the model they were measured with, as
+    attnkit/run/identity.py records it, and `meta["corpus_sha256"]`: the corpus's fingerprint, both None in files
+    made before they were recorded)."""
 
     def __init__(self, total: np.ndarray, n_rows: int, n_layers: int, n_heads: int, meta: dict | None = None):
         total = np.asarray(total, dtype=np.float64)
@@ -54,8 +58,19 @@ class HeadDistances:
             n_layers=np.int64(self.n_layers), n_heads=np.int64(self.n_heads),
             rows_per_sample=np.int64(-1 if self.meta.get("rows_per_sample") is None else self.meta["rows_per_sample"]),
             smoothing=np.float64(self.meta.get("smoothing", 0.0)), measure=np.array("jensen-shannon divergence"),
-            removed_heads=np.array(self.meta.get("removed_heads") or [], dtype=np.int64).reshape(-1, 2)))
+            removed_heads=np.array(self.meta.get("removed_heads") or [], dtype=np.int64).reshape(-1, 2),
+            **self._provenance()))
         return directory / DISTANCES_FILE
+
+    def _provenance(self) -> dict:
+        """The arrays that say which model and corpus the sums come from (those that are known): `model_identity`
+        as JSON text, `corpus_sha256` as text."""
+        out = {}
+        if self.meta.get(IDENTITY_FIELD) is not None:
+            out[IDENTITY_FIELD] = np.array(json.dumps(self.meta[IDENTITY_FIELD], sort_keys=True))
+        if self.meta.get("corpus_sha256") is not None:
+            out["corpus_sha256"] = np.array(str(self.meta["corpus_sha256"]))
+        return out
 
     @classmethod
     def load(cls, directory, shape: tuple[int, int] | None = None) -> HeadDistances:
@@ -83,7 +98,32 @@ class HeadDistances:
         if removed.ndim != 2 or removed.shape[1] != 2 or ((removed < 0) | (removed >= [L, H])).any():
             raise AttnkitError(f"{path}: array 'removed_heads' is not a list of heads of {L} layers × {H} heads")
         return cls(total, n_rows, L, H, {"rows_per_sample": None if rps < 0 else rps, "smoothing": smoothing,
-                                         "removed_heads": removed.astype(int).tolist()})
+                                         "removed_heads": removed.astype(int).tolist(),
+                                         IDENTITY_FIELD: _identity(arrays, path),
+                                         "corpus_sha256": _text(arrays, "corpus_sha256", path)})
+
+
+def _text(arrays: dict, name: str, path) -> str | None:
+    """The text array `name` (a 0-d array of a string), None when the file has none (made before it was recorded)."""
+    if name not in arrays:
+        return None
+    a = arrays[name]
+    if a.dtype.kind != "U" or a.ndim != 0:
+        raise AttnkitError(f"{path}: array {name!r} must be one string, got dtype {a.dtype} and shape {a.shape}")
+    return str(a)
+
+
+def _identity(arrays: dict, path) -> dict | None:
+    """The model identity the file records (`model_identity`: JSON text of attnkit/run/identity.py's object)."""
+    text = _text(arrays, IDENTITY_FIELD, path)
+    if text is None:
+        return None
+    try:
+        ident = json.loads(text)
+    except ValueError as exc:
+        raise AttnkitError(f"{path}: array {IDENTITY_FIELD!r} is not valid JSON: {exc}") from None
+    validate(ident, MODEL_IDENTITY_SCHEMA, f"{path}: array {IDENTITY_FIELD!r}")
+    return ident
 
 
 __all__ = ["DISTANCES_FILE", "HeadDistances"]

@@ -30,6 +30,7 @@ _HEAD_PAIRS = {"type": "array", "items": {"type": "array", "items": _INT0, "minI
 _MODEL_IDENTITY = {"type": "object", "required": ["name", "n_layers", "n_heads"], "properties": {
     "name": {"type": "string"}, "path": _STR_OR_NULL, "model_type": _STR_OR_NULL, "n_layers": _INT1, "n_heads": _INT1,
     "config_sha256": {"type": ["string", "null"], "pattern": "^[0-9a-f]{64}$"}}}
+MODEL_IDENTITY_SCHEMA = _MODEL_IDENTITY  # also the JSON text of distances.npz's array `model_identity`
 
 # RUN/meta.json, written by `attnkit extract` (HeadFeatures.save). Every field is optional (a run saved
 # from Python may carry only the counts), but a field that is there must have its type.
@@ -400,5 +401,6 @@ def validate_arrays(arrays: dict, spec: dict[str, ArraySpec], path) -> None:
 
 __all__ = ["validate", "load_json", "load_npz", "validate_arrays", "ArraySpec", "META_SCHEMA", "CLUSTERS_SCHEMA",
            "CLUSTERS_REPORT_SCHEMA", "PER_SAMPLE_SCHEMA", "SQUAD_SCHEMA", "IMPORTANCE_SCHEMA", "FEATURES_ARRAYS",
-           "DISTANCES_ARRAYS", "PATTERNS_SCHEMA", "PROBE_SCHEMA", "ABLATION_META_SCHEMA", "ABLATION_TABLE_SCHEMA",
+           "DISTANCES_ARRAYS",
+           "MODEL_IDENTITY_SCHEMA", "PATTERNS_SCHEMA", "PROBE_SCHEMA", "ABLATION_META_SCHEMA", "ABLATION_TABLE_SCHEMA",
            "DETECTED_HEADS_SCHEMA", "LOWER_IS_BETTER"]
