@@ -60,8 +60,8 @@ def test_the_per_sample_dtype_and_the_arrays_that_help_and_docs_state_are_those_
     row = next(line for line in files.splitlines() if line.startswith("| `per_sample.npy`"))
     assert f"features, {dtype}," in row
     assert f"`RUN/per_sample.npy`, {dtype}" in README
-    # "Writes OUT/features.npz (arrays mean, std: layers × heads × features; names)"
-    assert "OUT/features.npz (arrays mean, std: layers × heads × features; names)" in text
+    # "Writes OUT/features.npz (arrays mean, std: layers × heads × features; names; with --max-logit, max_logit: ...)"
+    assert "OUT/features.npz (arrays mean, std: layers × heads × features; names; with --max-logit, max_logit:" in text
     with np.load(tmp_path / "features.npz") as z:
         assert sorted(z.files) == ["mean", "names", "std"] and z["mean"].shape == (2, 3, len(feats.names))
 
