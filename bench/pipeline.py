@@ -179,15 +179,16 @@ def padding(args) -> dict:
 
 
 # --- memory ----------------------------------------------------------------------------------------------
-def tiny_model(path: Path) -> Path:
+def tiny_model(path: Path, hidden: int = 64, layers: int = 2, heads: int = 4, intermediate: int = 128) -> Path:
+    """A random BERT with MiniLM's tokenizer, saved to `path`."""
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     from attnkit.models import default_model_path
 
     tok = AutoTokenizer.from_pretrained(default_model_path())
     torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=128)).save_pretrained(path)
+    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, intermediate_size=intermediate)).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
@@ -303,16 +304,7 @@ def workers(args) -> dict:
 def tiny_bert16(path: Path) -> Path:
     """A 1-layer random BERT with hidden size 16 (2 heads) and MiniLM's tokenizer: forwards so cheap that
     tokenising bounds a run."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from attnkit.models import default_model_path
-
-    tok = AutoTokenizer.from_pretrained(default_model_path())
-    torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=64)).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return tiny_model(path, hidden=16, layers=1, heads=2, intermediate=64)
 
 
 def _alone(model_dir: Path, corpus: Path, batch_size: int, max_length: int) -> tuple[float, float]:
