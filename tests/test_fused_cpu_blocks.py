@@ -94,6 +94,20 @@ def test_block_edges(capability, monkeypatch, case, blocks, L):
     check(*make(B=B, L=L, seed=L, lengths=lengths), **CASES[case])
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dense_special_keys(capability, monkeypatch, case):
+    """Half of the keys special (four classes), key blocks of 48: each row's block holds more special keys than one
+    vector of them (their class sums go 16 keys per gather, the last vector partial), and causal and windowed rows
+    see only part of a block's special keys."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "9x48")
+    q, k, v, lengths, tc, sid = make(B=2, L=130, seed=21, lengths=[130, 77], specials=0.5)
+    tc[:, 60:70] = SEP
+    out, feats = check(q, k, v, lengths, tc, sid, **CASES[case])
+    names = feature_names(N, sink="sink" in CASES[case])
+    for cls in ("cls", "sep", "comma", "period"):
+        assert (feats[..., names.index(cls)] > 0).any(), cls
+
+
 def test_block_sizes_agree_and_are_deterministic(monkeypatch):
     q, k, v, lengths, tc, sid = make(L=50, lengths=[50, 31], seed=3)
     kw = CASES["everything"]

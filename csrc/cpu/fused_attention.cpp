@@ -327,12 +327,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.sink = sink.empty() ? nullptr : sink.data();
   p.n = nlen.data(), p.special_at = special_at.data();
   p.special_pos = special_pos.data(), p.special_cls = special_cls.data();
+  const std::vector<float> special_clsf(special_cls.begin(), special_cls.end());
+  p.special_clsf = special_clsf.data();
   p.sidf = need_sid ? sidf.data() : nullptr;
   p.one_sentence = one_sentence.data();
   p.token_class = (want_features && tc.defined()) ? tc.data_ptr<int32_t>() : nullptr;
   at::Tensor class_code;
   if (p.token_class != nullptr) class_code = tc.to(at::kFloat);
   p.class_code = p.token_class != nullptr ? class_code.data_ptr<float>() : nullptr;
+  at::Tensor other_mask;
+  if (p.token_class != nullptr) other_mask = (tc == kOther).to(at::kFloat);
+  p.other_mask = p.token_class != nullptr ? other_mask.data_ptr<float>() : nullptr;
   p.win_of = want_features ? win_of.data() : nullptr;
   p.win_lo = want_features ? win_lo.data() : nullptr;
   p.key_scale = key_scale.defined() ? key_scale.data_ptr<float>() : nullptr;
