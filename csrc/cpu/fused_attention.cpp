@@ -249,6 +249,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   std::vector<SampleInfo> info(B);
   std::vector<int64_t> nlen(B), special_at(B + 1, 0);
   std::vector<int32_t> special_pos, special_cls;
+  // the token classes of the keys as floats, and 1 where OTHER (for the tasks' vectorised sums; keys < n only)
+  const bool want_classes = want_features && tc.defined();
+  std::vector<float> class_code(want_classes ? B * L : 0, 0.f), other_mask(want_classes ? B * L : 0, 0.f);
   // distance windows: win_of[b·L + d] = ⌊d·N/n⌋, window j holds d in [win_lo[j], win_lo[j + 1]) = [⌈j·n/N⌉, ...)
   std::vector<int32_t> win_of(want_features ? B * L : 0);
   std::vector<int64_t> win_lo(want_features ? B * (N + 1) : 0);
@@ -264,11 +267,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       for (int64_t t = 0; t < L; ++t)
         sidf[b * L + t] = static_cast<float>(std::lower_bound(ids.begin(), ids.end(), sp[t]) - ids.begin());
     }
-    if (want_features && tc.defined()) {
+    if (want_classes) {
       const int32_t* cp = tc.data_ptr<int32_t>() + b * L;
       for (int64_t t = 0; t < si.n; ++t) {
         ATTNKIT_CHECK(cp[t] >= kOther && cp[t] <= kPeriod, "fused_attention: token_class codes must be 0..4, got ",
                     cp[t], " at [", b, ", ", t, "]");
+        class_code[b * L + t] = static_cast<float>(cp[t]);
+        other_mask[b * L + t] = cp[t] == kOther ? 1.f : 0.f;
         if (cp[t] != kOther) {
           special_pos.push_back(static_cast<int32_t>(t));
           special_cls.push_back(cp[t]);
@@ -331,13 +336,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.special_clsf = special_clsf.data();
   p.sidf = need_sid ? sidf.data() : nullptr;
   p.one_sentence = one_sentence.data();
-  p.token_class = (want_features && tc.defined()) ? tc.data_ptr<int32_t>() : nullptr;
-  at::Tensor class_code;
-  if (p.token_class != nullptr) class_code = tc.to(at::kFloat);
-  p.class_code = p.token_class != nullptr ? class_code.data_ptr<float>() : nullptr;
-  at::Tensor other_mask;
-  if (p.token_class != nullptr) other_mask = (tc == kOther).to(at::kFloat);
-  p.other_mask = p.token_class != nullptr ? other_mask.data_ptr<float>() : nullptr;
+  p.token_class = want_classes ? tc.data_ptr<int32_t>() : nullptr;
+  p.class_code = p.token_class != nullptr ? class_code.data() : nullptr;
+  p.other_mask = p.token_class != nullptr ? other_mask.data() : nullptr;
   p.win_of = want_features ? win_of.data() : nullptr;
   p.win_lo = want_features ? win_lo.data() : nullptr;
   p.key_scale = key_scale.defined() ? key_scale.data_ptr<float>() : nullptr;
