@@ -248,10 +248,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   std::vector<uint8_t> one_sentence(B, 1);
   std::vector<SampleInfo> info(B);
   std::vector<int64_t> nlen(B), special_at(B + 1, 0);
-  std::vector<int32_t> special_pos, special_cls;
-  // the token classes of the keys as floats, and 1 where OTHER (for the tasks' vectorised sums; keys < n only)
+  std::vector<int32_t> special_pos;
+  std::vector<float> special_cls;  // (floats: the tasks compare them in vectors)
+  // 1 where a key's token class is OTHER (for the tasks' vectorised sums; keys < n only)
   const bool want_classes = want_features && tc.defined();
-  std::vector<float> class_code(want_classes ? B * L : 0, 0.f), other_mask(want_classes ? B * L : 0, 0.f);
+  std::vector<float> other_mask(want_classes ? B * L : 0, 0.f);
   // distance windows: win_of[b·L + d] = ⌊d·N/n⌋, window j holds d in [win_lo[j], win_lo[j + 1]) = [⌈j·n/N⌉, ...)
   std::vector<int32_t> win_of(want_features ? B * L : 0);
   std::vector<int64_t> win_lo(want_features ? B * (N + 1) : 0);
@@ -272,11 +273,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       for (int64_t t = 0; t < si.n; ++t) {
         ATTNKIT_CHECK(cp[t] >= kOther && cp[t] <= kPeriod, "fused_attention: token_class codes must be 0..4, got ",
                     cp[t], " at [", b, ", ", t, "]");
-        class_code[b * L + t] = static_cast<float>(cp[t]);
         other_mask[b * L + t] = cp[t] == kOther ? 1.f : 0.f;
         if (cp[t] != kOther) {
           special_pos.push_back(static_cast<int32_t>(t));
-          special_cls.push_back(cp[t]);
+          special_cls.push_back(static_cast<float>(cp[t]));
         }
         if (cp[t] == kCls && t >= off) si.n_cls_rows++;  // the CLS rows among the query rows
       }
@@ -288,7 +288,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       for (int64_t j = 0; j <= N; ++j) win_lo[b * (N + 1) + j] = (j * n + N - 1) / N;
     }
   }
-  if (special_pos.empty()) special_pos.push_back(0), special_cls.push_back(0);  // valid pointers
+  if (special_pos.empty()) special_pos.push_back(0), special_cls.push_back(0.f);  // valid pointers
 
   // fp32 operands; BLAS needs unit stride along D (transformers' transposed views have it).
   auto prep = [](const at::Tensor& t) {
@@ -332,12 +332,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.sink = sink.empty() ? nullptr : sink.data();
   p.n = nlen.data(), p.special_at = special_at.data();
   p.special_pos = special_pos.data(), p.special_cls = special_cls.data();
-  const std::vector<float> special_clsf(special_cls.begin(), special_cls.end());
-  p.special_clsf = special_clsf.data();
   p.sidf = need_sid ? sidf.data() : nullptr;
   p.one_sentence = one_sentence.data();
   p.token_class = want_classes ? tc.data_ptr<int32_t>() : nullptr;
-  p.class_code = p.token_class != nullptr ? class_code.data() : nullptr;
   p.other_mask = p.token_class != nullptr ? other_mask.data() : nullptr;
   p.win_of = want_features ? win_of.data() : nullptr;
   p.win_lo = want_features ? win_lo.data() : nullptr;

@@ -38,13 +38,11 @@ struct FusedCpuParams {
   // is the same (then intra is the row's whole mass)
   const int64_t* n;
   const int32_t* special_pos;
-  const int32_t* special_cls;
-  const float* special_clsf;  // special_cls as floats
+  const float* special_cls;  // class codes as floats
   const int64_t* special_at;
   const float* sidf;
   const uint8_t* one_sentence;
   const int32_t* token_class;  // B×L or nullptr
-  const float* class_code;     // the token classes as floats (B×L; for vectorised compares), or nullptr
   const float* other_mask;     // B×L: 1 where the token class is OTHER, 0 for a special key; nullptr with token_class
   // distance windows of sample b: win_of[b·L + d] = ⌊d·N/n⌋ for d in [0, n), and window j holds the
   // distances [win_lo[b·(N+1) + j], win_lo[b·(N+1) + j + 1])

@@ -16,9 +16,11 @@
 //   * one vectorised pass: e = exp(s − m) in place (uniform mode: 1; the region zeroes dropped keys), with
 //     Z, the kept mass, A, the max weight and the intra-sentence mass; with a key scale g (norm weighting) the
 //     feature weights are e·g (A gains ln g, precomputed per key) in a row of their own;
-//   * the distance windows as range sums of the row over each window's keys (bounds from a per-sample table,
-//     no division per key), the special keys the row sees moved from their window to their class bucket,
-//     self / prev / next read at the diagonal;
+//   * the distance windows as range sums of the row's OTHER keys (times a 0/1 mask) over each window's keys
+//     (bounds from a per-sample table, no division per key; a task whose keys fit one block adds its rows to
+//     per-offset sums instead and folds them once), the special keys the row sees summed per class by gathers
+//     (about 10% of a text's keys: cheaper than a compare per class and key), self / prev / next read at the
+//     diagonal;
 //   * O_blk += E · V_blk with BLAS (beta = 1 after the first key block).
 // At the end each row's factor c (1/Z, or 1/Σkept with renormalize; the sink's numerator counts in both)
 // scales the output (with the head's gate) and the features, which are summed per task in a fixed order
@@ -197,47 +199,20 @@ inline void class_sums(const float* w, int64_t k0, const int32_t* pos, const flo
 }
 
 // One key block holds every key of the task's rows (L <= BK, the short texts): each row's weights are final after
-// their one block, so the OTHER keys' weights, normalised (fc), go to diag[t − s] and the task folds diag into the
-// distance windows once (2N range sums per task, not per row: narrow windows cost nothing per row); the classes
-// present (NC) by one compare per class and key (NC a template argument: the accumulators stay in registers).
-template <int NC>
-void diag_pass_n(const float* w, const float* code, int64_t len, float fc, float* diag, const float* cls_code,
-                 Vec* cls_acc) {
-  const Vec zero(0.f), fcv(fc);
-  Vec c0(0.f), c1(0.f), c2(0.f), c3(0.f);
-  Vec k0v(NC > 0 ? cls_code[0] : 0.f), k1v(NC > 1 ? cls_code[1] : 0.f), k2v(NC > 2 ? cls_code[2] : 0.f),
-      k3v(NC > 3 ? cls_code[3] : 0.f);
+// their one block, so the OTHER keys' weights (mask: 1 for OTHER, 0 for a special key; nullptr: all OTHER),
+// normalised (fc), go to diag[t − s], and the task folds diag into the distance windows once (2N range sums per
+// task, not per row: narrow windows cost nothing per row).
+inline void diag_pass(const float* w, const float* mask, int64_t len, float fc, float* diag) {
+  const Vec fcv(fc);
   for (int64_t i = 0; i < len; i += kW) {
     const int64_t cnt = std::min<int64_t>(kW, len - i);
     const Vec wv = cnt == kW ? Vec::loadu(w + i) : Vec::loadu(w + i, cnt);
     const Vec dv = cnt == kW ? Vec::loadu(diag + i) : Vec::loadu(diag + i, cnt);
     Vec add = wv * fcv;
-    if constexpr (NC > 0) {
-      const Vec cv = cnt == kW ? Vec::loadu(code + i) : Vec::loadu(code + i, cnt);
-      add = add * cv.eq(zero);
-      c0 = at::vec::fmadd(wv, cv.eq(k0v), c0);
-      if constexpr (NC > 1) c1 = at::vec::fmadd(wv, cv.eq(k1v), c1);
-      if constexpr (NC > 2) c2 = at::vec::fmadd(wv, cv.eq(k2v), c2);
-      if constexpr (NC > 3) c3 = at::vec::fmadd(wv, cv.eq(k3v), c3);
-    }
+    if (mask != nullptr) add = add * (cnt == kW ? Vec::loadu(mask + i) : Vec::loadu(mask + i, cnt));
     const Vec nd = dv + add;
     if (cnt == kW) nd.store(diag + i);
     else nd.store(diag + i, cnt);
-  }
-  if constexpr (NC > 0) cls_acc[0] = cls_acc[0] + c0;
-  if constexpr (NC > 1) cls_acc[1] = cls_acc[1] + c1;
-  if constexpr (NC > 2) cls_acc[2] = cls_acc[2] + c2;
-  if constexpr (NC > 3) cls_acc[3] = cls_acc[3] + c3;
-}
-
-inline void diag_pass(const float* w, const float* code, int64_t len, float fc, float* diag, int ncls,
-                      const float* cls_code, Vec* cls_acc) {
-  switch (ncls) {
-    case 0: return diag_pass_n<0>(w, code, len, fc, diag, cls_code, cls_acc);
-    case 1: return diag_pass_n<1>(w, code, len, fc, diag, cls_code, cls_acc);
-    case 2: return diag_pass_n<2>(w, code, len, fc, diag, cls_code, cls_acc);
-    case 3: return diag_pass_n<3>(w, code, len, fc, diag, cls_code, cls_acc);
-    default: return diag_pass_n<4>(w, code, len, fc, diag, cls_code, cls_acc);
   }
 }
 
@@ -300,13 +275,11 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     const PassFn pass_feat = pick_pass(p.want_features, region, g != nullptr, sid_feat);
     const PassFn pass_plain = pick_pass(false, region, false, false);
     const int32_t* sp_pos = p.special_pos + p.special_at[b];
-    const int32_t* sp_cls = p.special_cls + p.special_at[b];
-    const float* sp_clsf = p.special_clsf + p.special_at[b];
+    const float* sp_cls = p.special_cls + p.special_at[b];
     const int64_t n_special = p.special_at[b + 1] - p.special_at[b];
     const int32_t* win_of = p.win_of == nullptr ? nullptr : p.win_of + b * L;
     const int64_t* win_lo = p.win_lo == nullptr ? nullptr : p.win_lo + b * (N + 1);
     const int32_t* tcls = p.token_class == nullptr ? nullptr : p.token_class + b * L;
-    const float* codef = p.class_code == nullptr ? nullptr : p.class_code + b * L;
     // the rows' state: base m (the sink logit, uniform 0), every sum 0
     for (int64_t r = 0; r < bq; ++r) {
       float* st = w.state + r * RS;
@@ -328,14 +301,6 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       // the special keys of this block
       const int64_t j0 = std::lower_bound(sp_pos, sp_pos + n_special, static_cast<int32_t>(k0)) - sp_pos;
       const int64_t j1 = std::lower_bound(sp_pos + j0, sp_pos + n_special, static_cast<int32_t>(k0 + kb)) - sp_pos;
-      int ncls = 0, cls_slot[4];
-      float cls_code[4];
-      {
-        bool present[5] = {false, false, false, false, false};
-        for (int64_t j = j0; j < j1; ++j) present[sp_cls[j]] = true;
-        for (int c = kClassCls; c <= kClassPeriod; ++c)
-          if (present[c]) cls_slot[ncls] = class_slot(c) - kSlotCls, cls_code[ncls++] = static_cast<float>(c);
-      }
       for (int64_t r = 0; r < bq; ++r) {
         const int64_t s = s0 + r;
         float* row = S + r * kb;
@@ -388,32 +353,15 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         // distance windows (d = |t − s| ≥ 1): sums of the OTHER keys' weights over each window's keys, left of
         // s then right; the special keys' weights go to their class bucket in the same pass
         float* win = st + sWin;
-        Vec cls_acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
-        const float* cd = codef == nullptr ? nullptr : codef + k0;
         const float* other = p.other_mask == nullptr ? nullptr : p.other_mask + b * L + k0;  // indexed by t − k0
-        int n_red = ncls;  // class accumulators to reduce
+        const float* om = other == nullptr ? nullptr : other + (lo - k0);                       // indexed by t − lo
         if (one_block) {  // the row's sums are final: normalise now (as the epilogue does) and add to diag
           const float Es = (uniform || p.sink == nullptr) ? 0.f : std::exp(sink - m);
           const float den = p.renormalize ? st[sZk] + Es : st[sZ] + Es;
           float fc = den > 0.f ? 1.f / den : 0.f;
           if (g != nullptr) fc = st[sZf] > 0.f ? 1.f / st[sZf] : 0.f;
-          if (j1 - j0 <= 32) {  // few special keys (short rows): every key to diag, then each special key moved
-            n_red = 0;
-            diag_pass(fw + (lo - k0), nullptr, len, fc, diag + (lo - s - dbase), 0, cls_code, cls_acc);
-            for (int64_t j = j0; j < j1; ++j) {
-              const int64_t t = sp_pos[j];
-              if (t < lo) continue;
-              if (t >= hi) break;
-              const float wt = fw[t - k0];
-              st[sCls0 + class_slot(sp_cls[j]) - kSlotCls] += wt;
-              diag[t - s - dbase] -= fc * wt;  // (offset 0, the row's own key, is never folded)
-            }
-          } else {
-            diag_pass(fw + (lo - k0), cd == nullptr ? nullptr : cd + (lo - k0), len, fc, diag + (lo - s - dbase),
-                      ncls, cls_code, cls_acc);
-          }
+          diag_pass(fw + (lo - k0), om, len, fc, diag + (lo - s - dbase));  // (offset 0, the own key: never folded)
         } else {
-          const float* om = other == nullptr ? nullptr : other + (lo - k0);  // indexed by t − lo
           for (int64_t t_hi = std::min(hi, s); t_hi > lo;) {
             const int32_t j = win_of[s - (t_hi - 1)];
             const int64_t t_lo = std::max(lo, s - win_lo[j + 1] + 1);
@@ -426,17 +374,13 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
             win[j] += masked_sum(fw + (t_lo - k0), om == nullptr ? nullptr : om + (t_lo - lo), t_hi - t_lo);
             t_lo = t_hi;
           }
-          // the special keys the row sees (its own key too) to their class buckets
-          const int32_t* ja = lo > k0 ? std::lower_bound(sp_pos + j0, sp_pos + j1, static_cast<int32_t>(lo)) : sp_pos + j0;
-          const int32_t* jb = hi < k0 + kb ? std::lower_bound(ja, sp_pos + j1, static_cast<int32_t>(hi)) : sp_pos + j1;
-          static_assert(sCls1 == sCls0 + 1 && sCls3 == sCls0 + 3 && kSlotCls == 0 && kSlotPeriod == 3,
-                        "class buckets in class order");
-          if (jb > ja) class_sums(fw, k0, ja, sp_clsf + (ja - sp_pos), jb - ja, st + sCls0);
-          n_red = 0;
         }
-        for (int c = 0; c < n_red; ++c)
-          st[sCls0 + cls_slot[c]] +=
-              at::vec::vec_reduce_all<float>([](Vec& x1, Vec& x2) { return x1 + x2; }, cls_acc[c]);
+        // the special keys the row sees (its own key too) to their class buckets
+        const int32_t* ja = lo > k0 ? std::lower_bound(sp_pos + j0, sp_pos + j1, static_cast<int32_t>(lo)) : sp_pos + j0;
+        const int32_t* jb = hi < k0 + kb ? std::lower_bound(ja, sp_pos + j1, static_cast<int32_t>(hi)) : sp_pos + j1;
+        static_assert(sCls1 == sCls0 + 1 && sCls3 == sCls0 + 3 && kSlotCls == 0 && kSlotPeriod == 3,
+                      "class buckets in class order");
+        if (jb > ja) class_sums(fw, k0, ja, sp_cls + (ja - sp_pos), jb - ja, st + sCls0);
         if (s >= lo && s < hi) {  // the row's own key: self, or its class bucket
           if (tcls == nullptr || tcls[s] == kClassOther) st[sSelf] += fw[s - k0];  // (else: in its class bucket)
         }
@@ -500,7 +444,8 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       const double dc = fc;
       for (int j = 0; j < 4; ++j) a[kSlotCls + j] += dc * st[sCls0 + j];
       a[kSlotSelf] += dc * st[sSelf];
-      for (int64_t j = 0; j < N; ++j) a[kSlotFirstWindow + j] += dc * st[sWin + j];
+      if (!one_block)  // (one_block: the windows are in diag, folded above)
+        for (int64_t j = 0; j < N; ++j) a[kSlotFirstWindow + j] += dc * st[sWin + j];
       const float T = fc * fZ;
       const float H_ent = fc > 0.f ? std::max(0.f, -fc * st[sA] - fc * std::log(fc) * fZ) : 0.f;
       const float intra = sid_feat ? fc * st[sI] : T;
