@@ -269,10 +269,11 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     const float* qt = p.q + b * p.qs0 + h * p.qs1 + r0 * p.qs2;
     const float* sidf = p.sidf == nullptr ? nullptr : p.sidf + b * L;
     const bool sid_feat = sidf != nullptr && !p.one_sentence[b];
+    const bool sid_run = sid_feat && p.sid_runs[b];  // intra by a range sum over the row's sentence
     const float sink = p.sink == nullptr ? neg_inf : p.sink[h];
     const float* g = p.key_scale == nullptr ? nullptr : p.key_scale + (b * H + h) * L;
     const float* lg = p.key_scale == nullptr ? nullptr : p.log_key_scale + (b * H + h) * L;
-    const PassFn pass_feat = pick_pass(p.want_features, region, g != nullptr, sid_feat);
+    const PassFn pass_feat = pick_pass(p.want_features, region, g != nullptr, sid_feat && !sid_run);
     const PassFn pass_plain = pick_pass(false, region, false, false);
     const int32_t* sp_pos = p.special_pos + p.special_at[b];
     const float* sp_cls = p.special_cls + p.special_at[b];
@@ -350,6 +351,10 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         st[sI] += bs.I;
         // the feature weights of this block's keys, indexed by t − k0
         const float* fw = pc != nullptr ? pc : row;
+        if (sid_run) {
+          const int64_t i0 = std::max<int64_t>(lo, p.sent_lo[b * L + s]), i1 = std::min<int64_t>(hi, p.sent_hi[b * L + s]);
+          if (i1 > i0) st[sI] += range_sum(fw + (i0 - k0), i1 - i0);
+        }
         // distance windows (d = |t − s| ≥ 1): sums of the OTHER keys' weights over each window's keys, left of
         // s then right; the special keys' weights go to their class bucket in the same pass
         float* win = st + sWin;
