@@ -94,6 +94,38 @@ def test_block_edges(capability, monkeypatch, case, blocks, L):
     check(*make(B=B, L=L, seed=L, lengths=lengths), **CASES[case])
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dense_special_keys(capability, monkeypatch, case):
+    """Half of the keys special (four classes), key blocks of 48: each row's block holds more special keys than one
+    vector of them (their class sums go 16 keys per gather, the last vector partial), and causal and windowed rows
+    see only part of a block's special keys."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "9x48")
+    q, k, v, lengths, tc, sid = make(B=2, L=130, seed=21, lengths=[130, 77], specials=0.5)
+    tc[:, 60:70] = SEP
+    out, feats = check(q, k, v, lengths, tc, sid, **CASES[case])
+    names = feature_names(N, sink="sink" in CASES[case])
+    for cls in ("cls", "sep", "comma", "period"):
+        assert (feats[..., names.index(cls)] > 0).any(), cls
+
+
+@pytest.mark.parametrize("case", ["full", "everything"])
+def test_sentence_runs_and_scattered_sentences(capability, monkeypatch, case):
+    """The intra/inter masses where each sentence is one run of keys (a range sum over the row's run; ids in any
+    order, padding with another id) and where a sentence comes back later in the sample (a compare per key), in one
+    batch, across key blocks."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "7x16")
+    q, k, v, lengths, tc, _ = make(B=3, L=70, seed=8, lengths=[70, 52, 61])
+    sid = torch.zeros(3, 70, dtype=torch.int32)
+    sid[0] = torch.tensor([5] * 20 + [2] * 30 + [9] * 20)  # runs, ids not increasing
+    sid[1, :52] = torch.tensor([1] * 10 + [0] * 25 + [3] * 17)
+    sid[1, 52:] = 7  # padding: another id
+    sid[2] = torch.tensor(([0] * 9 + [1] * 6) * 4 + [2] * 10)  # sentences 0 and 1 come back: not runs
+    out, feats = check(q, k, v, lengths, tc, sid, **CASES[case])
+    names = feature_names(N, sink="sink" in CASES[case])
+    intra = feats[..., names.index("intra")]
+    assert ((intra > 0.05) & (intra < 0.95)).all()  # every sample has several sentences
+
+
 def test_block_sizes_agree_and_are_deterministic(monkeypatch):
     q, k, v, lengths, tc, sid = make(L=50, lengths=[50, 31], seed=3)
     kw = CASES["everything"]

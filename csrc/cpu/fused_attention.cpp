@@ -245,10 +245,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   // Sentence ids as dense per-sample ranks (0, 1, ... by value; zeros when none), as floats for the
   // vectorised comparisons: exact for any int32 id (a float holds every integer below 2^24).
   std::vector<float> sidf(need_sid ? B * L : 0, 0.f);
-  std::vector<uint8_t> one_sentence(B, 1);
+  std::vector<uint8_t> one_sentence(B, 1), sid_runs(B, 0);
+  // sid_runs[b]: sample b's sentences are contiguous runs of keys (as tokenised texts have them); key t's run is
+  // [sent_lo[b·L + t], sent_hi[b·L + t]) (keys < n)
+  std::vector<int32_t> sent_lo(want_features && sid.defined() ? B * L : 0), sent_hi(sent_lo.size());
   std::vector<SampleInfo> info(B);
   std::vector<int64_t> nlen(B), special_at(B + 1, 0);
-  std::vector<int32_t> special_pos, special_cls;
+  std::vector<int32_t> special_pos;
+  std::vector<float> special_cls;  // (floats: the tasks compare them in vectors)
+  // 1 where a key's token class is OTHER (for the tasks' vectorised sums; keys < n only)
+  const bool want_classes = want_features && tc.defined();
+  std::vector<float> other_mask(want_classes ? B * L : 0, 0.f);
   // distance windows: win_of[b·L + d] = ⌊d·N/n⌋, window j holds d in [win_lo[j], win_lo[j + 1]) = [⌈j·n/N⌉, ...)
   std::vector<int32_t> win_of(want_features ? B * L : 0);
   std::vector<int64_t> win_lo(want_features ? B * (N + 1) : 0);
@@ -263,15 +270,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       one_sentence[b] = ids.size() <= 1;
       for (int64_t t = 0; t < L; ++t)
         sidf[b * L + t] = static_cast<float>(std::lower_bound(ids.begin(), ids.end(), sp[t]) - ids.begin());
+      if (want_features && !one_sentence[b]) {
+        const float* r = sidf.data() + b * L;
+        std::vector<uint8_t> seen(ids.size(), 0);
+        bool runs = true;
+        for (int64_t t = 0, u; t < si.n && runs; t = u) {
+          for (u = t; u < si.n && r[u] == r[t]; ++u) {}
+          runs = !seen[static_cast<size_t>(r[t])];
+          seen[static_cast<size_t>(r[t])] = 1;
+          std::fill(sent_lo.begin() + b * L + t, sent_lo.begin() + b * L + u, static_cast<int32_t>(t));
+          std::fill(sent_hi.begin() + b * L + t, sent_hi.begin() + b * L + u, static_cast<int32_t>(u));
+        }
+        sid_runs[b] = runs;
+      }
     }
-    if (want_features && tc.defined()) {
+    if (want_classes) {
       const int32_t* cp = tc.data_ptr<int32_t>() + b * L;
       for (int64_t t = 0; t < si.n; ++t) {
         ATTNKIT_CHECK(cp[t] >= kOther && cp[t] <= kPeriod, "fused_attention: token_class codes must be 0..4, got ",
                     cp[t], " at [", b, ", ", t, "]");
+        other_mask[b * L + t] = cp[t] == kOther ? 1.f : 0.f;
         if (cp[t] != kOther) {
           special_pos.push_back(static_cast<int32_t>(t));
-          special_cls.push_back(cp[t]);
+          special_cls.push_back(static_cast<float>(cp[t]));
         }
         if (cp[t] == kCls && t >= off) si.n_cls_rows++;  // the CLS rows among the query rows
       }
@@ -283,7 +304,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       for (int64_t j = 0; j <= N; ++j) win_lo[b * (N + 1) + j] = (j * n + N - 1) / N;
     }
   }
-  if (special_pos.empty()) special_pos.push_back(0), special_cls.push_back(0);  // valid pointers
+  if (special_pos.empty()) special_pos.push_back(0), special_cls.push_back(0.f);  // valid pointers
 
   // fp32 operands; BLAS needs unit stride along D (transformers' transposed views have it).
   auto prep = [](const at::Tensor& t) {
@@ -329,10 +350,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.special_pos = special_pos.data(), p.special_cls = special_cls.data();
   p.sidf = need_sid ? sidf.data() : nullptr;
   p.one_sentence = one_sentence.data();
-  p.token_class = (want_features && tc.defined()) ? tc.data_ptr<int32_t>() : nullptr;
-  at::Tensor class_code;
-  if (p.token_class != nullptr) class_code = tc.to(at::kFloat);
-  p.class_code = p.token_class != nullptr ? class_code.data_ptr<float>() : nullptr;
+  p.sid_runs = sid_runs.data();
+  p.sent_lo = sent_lo.empty() ? nullptr : sent_lo.data(), p.sent_hi = sent_hi.empty() ? nullptr : sent_hi.data();
+  p.token_class = want_classes ? tc.data_ptr<int32_t>() : nullptr;
+  p.other_mask = p.token_class != nullptr ? other_mask.data() : nullptr;
   p.win_of = want_features ? win_of.data() : nullptr;
   p.win_lo = want_features ? win_lo.data() : nullptr;
   p.key_scale = key_scale.defined() ? key_scale.data_ptr<float>() : nullptr;

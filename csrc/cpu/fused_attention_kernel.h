@@ -38,12 +38,16 @@ struct FusedCpuParams {
   // is the same (then intra is the row's whole mass)
   const int64_t* n;
   const int32_t* special_pos;
-  const int32_t* special_cls;
+  const float* special_cls;  // class codes as floats
   const int64_t* special_at;
   const float* sidf;
   const uint8_t* one_sentence;
+  // sid_runs[b]: the sentences of sample b are contiguous runs of keys, key t's being [sent_lo[b·L + t],
+  // sent_hi[b·L + t]) (keys < n): the intra-sentence mass is then a range sum, not a compare per key
+  const uint8_t* sid_runs;
+  const int32_t *sent_lo, *sent_hi;
   const int32_t* token_class;  // B×L or nullptr
-  const float* class_code;     // the token classes as floats (B×L; for vectorised compares), or nullptr
+  const float* other_mask;     // B×L: 1 where the token class is OTHER, 0 for a special key; nullptr with token_class
   // distance windows of sample b: win_of[b·L + d] = ⌊d·N/n⌋ for d in [0, n), and window j holds the
   // distances [win_lo[b·(N+1) + j], win_lo[b·(N+1) + j + 1])
   const int32_t* win_of;

@@ -16,9 +16,11 @@
 //   * one vectorised pass: e = exp(s − m) in place (uniform mode: 1; the region zeroes dropped keys), with
 //     Z, the kept mass, A, the max weight and the intra-sentence mass; with a key scale g (norm weighting) the
 //     feature weights are e·g (A gains ln g, precomputed per key) in a row of their own;
-//   * the distance windows as range sums of the row over each window's keys (bounds from a per-sample table,
-//     no division per key), the special keys the row sees moved from their window to their class bucket,
-//     self / prev / next read at the diagonal;
+//   * the distance windows as range sums of the row's OTHER keys (times a 0/1 mask) over each window's keys
+//     (bounds from a per-sample table, no division per key; a task whose keys fit one block adds its rows to
+//     per-offset sums instead and folds them once), the special keys the row sees summed per class by gathers
+//     (about 10% of a text's keys: cheaper than a compare per class and key), self / prev / next read at the
+//     diagonal;
 //   * O_blk += E · V_blk with BLAS (beta = 1 after the first key block).
 // At the end each row's factor c (1/Z, or 1/Σkept with renormalize; the sink's numerator counts in both)
 // scales the output (with the head's gate) and the features, which are summed per task in a fixed order
@@ -53,23 +55,23 @@ static_assert(sWin == 16, "kRowStateSlots counts 16 slots before the windows");
 
 struct BlockSums {
   float Z, Zk, Zf, A, Mx, I;
-  bool nan;
 };
 
 // One pass over the len scores a row sees in a block (x, in place → kept numerators e). m: the row's base
-// (finite). REGION: kAll, kNoIntra, kNoInter (needs sidf). FEAT: the feature sums; KS: feature weights e·g
-// written to pc (g, lg = ln g aligned with x); SID: intra-sentence mass by comparing sidf with sid_s (dense
-// ranks as floats: exact).
+// (finite); the caller has checked the scores (range_max: no NaN, no +inf). REGION: kAll, kNoIntra, kNoInter
+// (needs sidf). FEAT: the feature sums; KS: feature weights e·g written to pc (g, lg = ln g aligned with x); SID:
+// intra-sentence mass by comparing sidf with sid_s (dense ranks as floats: exact). The max weight Mx is summed
+// only where weights are not plain e (a region or a key scale): otherwise it is exp(block max − m), which the
+// caller knows (MX).
 template <bool FEAT, int REGION, bool KS, bool SID>
 BlockSums exp_pass(float* x, int64_t len, bool uniform, float m, const float* sidf, float sid_s, const float* g,
                    const float* lg, float* pc) {
+  constexpr bool MX = REGION != kAll || KS;
   const Vec mv(m), one(1.f), zero(0.f), sv(sid_s), floor_v(-1e30f);
-  Vec Zv(0.f), Zkv(0.f), Zfv(0.f), Av(0.f), Mxv(0.f), Iv(0.f), NaNv(0.f);
+  Vec Zv(0.f), Zkv(0.f), Zfv(0.f), Av(0.f), Mxv(0.f), Iv(0.f);
   int64_t i = 0;
   for (; i + kW <= len; i += kW) {
-    const Vec xv = Vec::loadu(x + i);
-    if (!uniform) NaNv = NaNv | xv.isnan();  // all-ones lanes where a score is NaN
-    const Vec y = uniform ? zero : xv - mv;
+    const Vec y = uniform ? zero : Vec::loadu(x + i) - mv;
     Vec e = uniform ? one : y.exp_u20();
     Zv = Zv + e;
     Vec same = one;
@@ -89,23 +91,22 @@ BlockSums exp_pass(float* x, int64_t len, bool uniform, float m, const float* si
       } else {
         Av = at::vec::fmadd(w, yc, Av);
       }
-      Mxv = at::vec::maximum(Mxv, w);
+      if constexpr (MX) Mxv = at::vec::maximum(Mxv, w);
       if constexpr (SID) Iv = at::vec::fmadd(w, same, Iv);
     }
     e.store(x + i);
   }
   auto sum = [](Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); };
-  BlockSums r{sum(Zv), 0.f, 0.f, 0.f, 0.f, 0.f, NaNv.zero_mask() != (1 << kW) - 1};
+  BlockSums r{sum(Zv), 0.f, 0.f, 0.f, 0.f, 0.f};
   if constexpr (REGION != kAll) r.Zk = sum(Zkv);
   if constexpr (FEAT) {
     if constexpr (KS) r.Zf = sum(Zfv);
     r.A = sum(Av);
-    r.Mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, Mxv);
+    if constexpr (MX) r.Mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, Mxv);
     if constexpr (SID) r.I = sum(Iv);
   }
   for (; i < len; ++i) {
     const float y = uniform ? 0.f : x[i] - m;
-    if (!uniform && std::isnan(x[i])) r.nan = true;
     float e = uniform ? 1.f : std::exp(y);
     r.Z += e;
     float same = 1.f;
@@ -124,7 +125,7 @@ BlockSums exp_pass(float* x, int64_t len, bool uniform, float m, const float* si
       } else {
         r.A += w * yc;
       }
-      r.Mx = std::max(r.Mx, w);
+      if constexpr (MX) r.Mx = std::max(r.Mx, w);
       if constexpr (SID) r.I += w * same;
     }
     x[i] = e;
@@ -133,6 +134,9 @@ BlockSums exp_pass(float* x, int64_t len, bool uniform, float m, const float* si
   if constexpr (!KS) r.Zf = r.Zk;
   return r;
 }
+
+// Whether exp_pass sums the max weight itself (else it is exp(block max − m)).
+inline bool pass_sums_max(int region, bool ks) { return region != kAll || ks; }
 
 using PassFn = BlockSums (*)(float*, int64_t, bool, float, const float*, float, const float*, const float*, float*);
 
@@ -158,89 +162,57 @@ void softcap_inplace(float* x, int64_t len, float c) {
   for (; i < len; ++i) x[i] = c * std::tanh(x[i] * inv);
 }
 
-// Σ w[0..len) over the keys of class OTHER (code 0), the tail by a partial load; with NC > 0 classes also Σ w over
-// the keys of class cls_code[c] into cls_acc[c] (codes: the keys' token classes as floats). NC is a template
-// argument so that the class accumulators stay in registers.
-template <int NC>
-float window_sum_n(const float* w, const float* code, int64_t len, const float* cls_code, Vec* cls_acc) {
-  const Vec zero(0.f);
-  Vec acc(0.f), c0(0.f), c1(0.f), c2(0.f), c3(0.f);
-  Vec k0v(NC > 0 ? cls_code[0] : 0.f), k1v(NC > 1 ? cls_code[1] : 0.f), k2v(NC > 2 ? cls_code[2] : 0.f),
-      k3v(NC > 3 ? cls_code[3] : 0.f);
+// Σ w[i]·mask[i] over [0, len) (mask nullptr: Σ w[i]), the tail by a partial load: a distance window's mass of the
+// OTHER keys (mask: 1 for OTHER, 0 for a special key).
+inline float masked_sum(const float* w, const float* mask, int64_t len) {
+  Vec acc(0.f);
   for (int64_t i = 0; i < len; i += kW) {
     const int64_t cnt = std::min<int64_t>(kW, len - i);
     const Vec wv = cnt == kW ? Vec::loadu(w + i) : Vec::loadu(w + i, cnt);
-    if constexpr (NC == 0) {
-      acc = acc + wv;
-    } else {
-      const Vec cv = cnt == kW ? Vec::loadu(code + i) : Vec::loadu(code + i, cnt);
-      acc = at::vec::fmadd(wv, cv.eq(zero), acc);
-      c0 = at::vec::fmadd(wv, cv.eq(k0v), c0);
-      if constexpr (NC > 1) c1 = at::vec::fmadd(wv, cv.eq(k1v), c1);
-      if constexpr (NC > 2) c2 = at::vec::fmadd(wv, cv.eq(k2v), c2);
-      if constexpr (NC > 3) c3 = at::vec::fmadd(wv, cv.eq(k3v), c3);
-    }
+    if (mask == nullptr) acc = acc + wv;
+    else acc = at::vec::fmadd(wv, cnt == kW ? Vec::loadu(mask + i) : Vec::loadu(mask + i, cnt), acc);
   }
-  if constexpr (NC > 0) cls_acc[0] = cls_acc[0] + c0;
-  if constexpr (NC > 1) cls_acc[1] = cls_acc[1] + c1;
-  if constexpr (NC > 2) cls_acc[2] = cls_acc[2] + c2;
-  if constexpr (NC > 3) cls_acc[3] = cls_acc[3] + c3;
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
 }
 
-inline float window_sum(const float* w, const float* code, int64_t len, int ncls, const float* cls_code,
-                        Vec* cls_acc) {
-  switch (ncls) {
-    case 0: return window_sum_n<0>(w, code, len, cls_code, cls_acc);
-    case 1: return window_sum_n<1>(w, code, len, cls_code, cls_acc);
-    case 2: return window_sum_n<2>(w, code, len, cls_code, cls_acc);
-    case 3: return window_sum_n<3>(w, code, len, cls_code, cls_acc);
-    default: return window_sum_n<4>(w, code, len, cls_code, cls_acc);
+// The special keys at positions pos[0..cnt) (increasing, all in [k0, k0 + len of w)), of classes cls[0..cnt) (as
+// floats): their weights w[t − k0] summed per class into out[0..4) (CLS, SEP, COMMA, PERIOD), 16 keys per gather.
+inline void class_sums(const float* w, int64_t k0, const int32_t* pos, const float* cls, int64_t cnt, float* out) {
+  using IVec = at::vec::Vectorized<int32_t>;
+  const IVec base(static_cast<int32_t>(k0)), izero(0);
+  const Vec c1(1.f), c2(2.f), c3(3.f), c4(4.f);
+  Vec a1(0.f), a2(0.f), a3(0.f), a4(0.f);
+  for (int64_t j = 0; j < cnt; j += kW) {
+    const int64_t m = std::min<int64_t>(kW, cnt - j);
+    // a partial load fills the lanes past cnt with position 0 (clamped to offset 0: a valid address) and class 0
+    // (OTHER: no bucket)
+    const IVec idx = at::vec::maximum((m == kW ? IVec::loadu(pos + j) : IVec::loadu(pos + j, m)) - base, izero);
+    const Vec cv = m == kW ? Vec::loadu(cls + j) : Vec::loadu(cls + j, m);
+    const Vec wv = at::vec::gather<sizeof(float)>(w, idx);
+    a1 = at::vec::fmadd(wv, cv.eq(c1), a1);
+    a2 = at::vec::fmadd(wv, cv.eq(c2), a2);
+    a3 = at::vec::fmadd(wv, cv.eq(c3), a3);
+    a4 = at::vec::fmadd(wv, cv.eq(c4), a4);
   }
+  auto sum = [](Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); };
+  out[0] += sum(a1), out[1] += sum(a2), out[2] += sum(a3), out[3] += sum(a4);
 }
 
 // One key block holds every key of the task's rows (L <= BK, the short texts): each row's weights are final after
-// their one block, so the OTHER keys' weights, normalised (fc), go to diag[t − s] and the task folds diag into the
-// distance windows once (2N range sums per task, not per row: narrow windows cost nothing per row); the classes
-// present (NC) are summed as in window_sum_n.
-template <int NC>
-void diag_pass_n(const float* w, const float* code, int64_t len, float fc, float* diag, const float* cls_code,
-                 Vec* cls_acc) {
-  const Vec zero(0.f), fcv(fc);
-  Vec c0(0.f), c1(0.f), c2(0.f), c3(0.f);
-  Vec k0v(NC > 0 ? cls_code[0] : 0.f), k1v(NC > 1 ? cls_code[1] : 0.f), k2v(NC > 2 ? cls_code[2] : 0.f),
-      k3v(NC > 3 ? cls_code[3] : 0.f);
+// their one block, so the OTHER keys' weights (mask: 1 for OTHER, 0 for a special key; nullptr: all OTHER),
+// normalised (fc), go to diag[t − s], and the task folds diag into the distance windows once (2N range sums per
+// task, not per row: narrow windows cost nothing per row).
+inline void diag_pass(const float* w, const float* mask, int64_t len, float fc, float* diag) {
+  const Vec fcv(fc);
   for (int64_t i = 0; i < len; i += kW) {
     const int64_t cnt = std::min<int64_t>(kW, len - i);
     const Vec wv = cnt == kW ? Vec::loadu(w + i) : Vec::loadu(w + i, cnt);
     const Vec dv = cnt == kW ? Vec::loadu(diag + i) : Vec::loadu(diag + i, cnt);
     Vec add = wv * fcv;
-    if constexpr (NC > 0) {
-      const Vec cv = cnt == kW ? Vec::loadu(code + i) : Vec::loadu(code + i, cnt);
-      add = add * cv.eq(zero);
-      c0 = at::vec::fmadd(wv, cv.eq(k0v), c0);
-      if constexpr (NC > 1) c1 = at::vec::fmadd(wv, cv.eq(k1v), c1);
-      if constexpr (NC > 2) c2 = at::vec::fmadd(wv, cv.eq(k2v), c2);
-      if constexpr (NC > 3) c3 = at::vec::fmadd(wv, cv.eq(k3v), c3);
-    }
+    if (mask != nullptr) add = add * (cnt == kW ? Vec::loadu(mask + i) : Vec::loadu(mask + i, cnt));
     const Vec nd = dv + add;
     if (cnt == kW) nd.store(diag + i);
     else nd.store(diag + i, cnt);
-  }
-  if constexpr (NC > 0) cls_acc[0] = cls_acc[0] + c0;
-  if constexpr (NC > 1) cls_acc[1] = cls_acc[1] + c1;
-  if constexpr (NC > 2) cls_acc[2] = cls_acc[2] + c2;
-  if constexpr (NC > 3) cls_acc[3] = cls_acc[3] + c3;
-}
-
-inline void diag_pass(const float* w, const float* code, int64_t len, float fc, float* diag, int ncls,
-                      const float* cls_code, Vec* cls_acc) {
-  switch (ncls) {
-    case 0: return diag_pass_n<0>(w, code, len, fc, diag, cls_code, cls_acc);
-    case 1: return diag_pass_n<1>(w, code, len, fc, diag, cls_code, cls_acc);
-    case 2: return diag_pass_n<2>(w, code, len, fc, diag, cls_code, cls_acc);
-    case 3: return diag_pass_n<3>(w, code, len, fc, diag, cls_code, cls_acc);
-    default: return diag_pass_n<4>(w, code, len, fc, diag, cls_code, cls_acc);
   }
 }
 
@@ -297,18 +269,18 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     const float* qt = p.q + b * p.qs0 + h * p.qs1 + r0 * p.qs2;
     const float* sidf = p.sidf == nullptr ? nullptr : p.sidf + b * L;
     const bool sid_feat = sidf != nullptr && !p.one_sentence[b];
+    const bool sid_run = sid_feat && p.sid_runs[b];  // intra by a range sum over the row's sentence
     const float sink = p.sink == nullptr ? neg_inf : p.sink[h];
     const float* g = p.key_scale == nullptr ? nullptr : p.key_scale + (b * H + h) * L;
     const float* lg = p.key_scale == nullptr ? nullptr : p.log_key_scale + (b * H + h) * L;
-    const PassFn pass_feat = pick_pass(p.want_features, region, g != nullptr, sid_feat);
+    const PassFn pass_feat = pick_pass(p.want_features, region, g != nullptr, sid_feat && !sid_run);
     const PassFn pass_plain = pick_pass(false, region, false, false);
     const int32_t* sp_pos = p.special_pos + p.special_at[b];
-    const int32_t* sp_cls = p.special_cls + p.special_at[b];
+    const float* sp_cls = p.special_cls + p.special_at[b];
     const int64_t n_special = p.special_at[b + 1] - p.special_at[b];
     const int32_t* win_of = p.win_of == nullptr ? nullptr : p.win_of + b * L;
     const int64_t* win_lo = p.win_lo == nullptr ? nullptr : p.win_lo + b * (N + 1);
     const int32_t* tcls = p.token_class == nullptr ? nullptr : p.token_class + b * L;
-    const float* codef = p.class_code == nullptr ? nullptr : p.class_code + b * L;
     // the rows' state: base m (the sink logit, uniform 0), every sum 0
     for (int64_t r = 0; r < bq; ++r) {
       float* st = w.state + r * RS;
@@ -330,14 +302,6 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       // the special keys of this block
       const int64_t j0 = std::lower_bound(sp_pos, sp_pos + n_special, static_cast<int32_t>(k0)) - sp_pos;
       const int64_t j1 = std::lower_bound(sp_pos + j0, sp_pos + n_special, static_cast<int32_t>(k0 + kb)) - sp_pos;
-      int ncls = 0, cls_slot[4];
-      float cls_code[4];
-      {
-        bool present[5] = {false, false, false, false, false};
-        for (int64_t j = j0; j < j1; ++j) present[sp_cls[j]] = true;
-        for (int c = kClassCls; c <= kClassPeriod; ++c)
-          if (present[c]) cls_slot[ncls] = class_slot(c) - kSlotCls, cls_code[ncls++] = static_cast<float>(c);
-      }
       for (int64_t r = 0; r < bq; ++r) {
         const int64_t s = s0 + r;
         float* row = S + r * kb;
@@ -352,9 +316,10 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         float* x = row + (lo - k0);
         const int64_t len = hi - lo;
         float m = st[sM];
+        float mb = 0.f;  // the block's max score (uniform: all scores taken as 0)
         if (!uniform) {
           if (p.softcap > 0.f) softcap_inplace(x, len, p.softcap);
-          const float mb = range_max(x, len);
+          mb = range_max(x, len);
           if (std::isnan(mb) || mb == pos_inf) {  // the softmax is undefined (numerics policy of the reference)
             st[sBad] = 1.f;
             std::fill(x, x + len, 0.f);
@@ -377,68 +342,52 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         const BlockSums bs = (feat_row ? pass_feat : pass_plain)(
             x, len, uniform, m, sidf == nullptr ? nullptr : sidf + lo, sidf == nullptr ? 0.f : sidf[s],
             g == nullptr ? nullptr : g + lo, lg == nullptr ? nullptr : lg + lo, pc == nullptr ? nullptr : pc + koff);
-        if (bs.nan) {
-          st[sBad] = 1.f;
-          std::fill(x, x + len, 0.f);
-          continue;
-        }
         st[sZ] += bs.Z;
         st[sZk] += bs.Zk;
         if (!feat_row) continue;
         st[sZf] += bs.Zf;
         st[sA] += bs.A;
-        st[sMx] = std::max(st[sMx], bs.Mx);
+        st[sMx] = std::max(st[sMx], pass_sums_max(region, g != nullptr) ? bs.Mx : std::exp(mb - m));
         st[sI] += bs.I;
         // the feature weights of this block's keys, indexed by t − k0
         const float* fw = pc != nullptr ? pc : row;
+        if (sid_run) {
+          const int64_t i0 = std::max<int64_t>(lo, p.sent_lo[b * L + s]), i1 = std::min<int64_t>(hi, p.sent_hi[b * L + s]);
+          if (i1 > i0) st[sI] += range_sum(fw + (i0 - k0), i1 - i0);
+        }
         // distance windows (d = |t − s| ≥ 1): sums of the OTHER keys' weights over each window's keys, left of
         // s then right; the special keys' weights go to their class bucket in the same pass
         float* win = st + sWin;
-        Vec cls_acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
-        const float* cd = codef == nullptr ? nullptr : codef + k0;
-        int n_red = ncls;  // class accumulators to reduce
+        const float* other = p.other_mask == nullptr ? nullptr : p.other_mask + b * L + k0;  // indexed by t − k0
+        const float* om = other == nullptr ? nullptr : other + (lo - k0);                       // indexed by t − lo
         if (one_block) {  // the row's sums are final: normalise now (as the epilogue does) and add to diag
           const float Es = (uniform || p.sink == nullptr) ? 0.f : std::exp(sink - m);
           const float den = p.renormalize ? st[sZk] + Es : st[sZ] + Es;
           float fc = den > 0.f ? 1.f / den : 0.f;
           if (g != nullptr) fc = st[sZf] > 0.f ? 1.f / st[sZf] : 0.f;
-          if (j1 - j0 <= 32) {  // few special keys (short rows): every key to diag, then each special key moved
-            n_red = 0;
-            diag_pass(fw + (lo - k0), nullptr, len, fc, diag + (lo - s - dbase), 0, cls_code, cls_acc);
-            for (int64_t j = j0; j < j1; ++j) {
-              const int64_t t = sp_pos[j];
-              if (t < lo) continue;
-              if (t >= hi) break;
-              const float wt = fw[t - k0];
-              st[sCls0 + class_slot(sp_cls[j]) - kSlotCls] += wt;
-              diag[t - s - dbase] -= fc * wt;  // (offset 0, the row's own key, is never folded)
-            }
-          } else {
-            diag_pass(fw + (lo - k0), cd == nullptr ? nullptr : cd + (lo - k0), len, fc, diag + (lo - s - dbase),
-                      ncls, cls_code, cls_acc);
-          }
+          diag_pass(fw + (lo - k0), om, len, fc, diag + (lo - s - dbase));  // (offset 0, the own key: never folded)
         } else {
           for (int64_t t_hi = std::min(hi, s); t_hi > lo;) {
             const int32_t j = win_of[s - (t_hi - 1)];
             const int64_t t_lo = std::max(lo, s - win_lo[j + 1] + 1);
-            win[j] += window_sum(fw + (t_lo - k0), cd == nullptr ? nullptr : cd + (t_lo - k0), t_hi - t_lo, ncls,
-                                 cls_code, cls_acc);
+            win[j] += masked_sum(fw + (t_lo - k0), om == nullptr ? nullptr : om + (t_lo - lo), t_hi - t_lo);
             t_hi = t_lo;
           }
           for (int64_t t_lo = std::max(lo, s + 1); t_lo < hi;) {
             const int32_t j = win_of[t_lo - s];
             const int64_t t_hi = std::min(hi, s + win_lo[j + 1]);
-            win[j] += window_sum(fw + (t_lo - k0), cd == nullptr ? nullptr : cd + (t_lo - k0), t_hi - t_lo, ncls,
-                                 cls_code, cls_acc);
+            win[j] += masked_sum(fw + (t_lo - k0), om == nullptr ? nullptr : om + (t_lo - lo), t_hi - t_lo);
             t_lo = t_hi;
           }
         }
-        for (int c = 0; c < n_red; ++c)
-          st[sCls0 + cls_slot[c]] +=
-              at::vec::vec_reduce_all<float>([](Vec& x1, Vec& x2) { return x1 + x2; }, cls_acc[c]);
+        // the special keys the row sees (its own key too) to their class buckets
+        const int32_t* ja = lo > k0 ? std::lower_bound(sp_pos + j0, sp_pos + j1, static_cast<int32_t>(lo)) : sp_pos + j0;
+        const int32_t* jb = hi < k0 + kb ? std::lower_bound(ja, sp_pos + j1, static_cast<int32_t>(hi)) : sp_pos + j1;
+        static_assert(sCls1 == sCls0 + 1 && sCls3 == sCls0 + 3 && kSlotCls == 0 && kSlotPeriod == 3,
+                      "class buckets in class order");
+        if (jb > ja) class_sums(fw, k0, ja, sp_cls + (ja - sp_pos), jb - ja, st + sCls0);
         if (s >= lo && s < hi) {  // the row's own key: self, or its class bucket
-          if (tcls == nullptr || tcls[s] == kClassOther) st[sSelf] += fw[s - k0];
-          else if (!one_block) st[sCls0 + class_slot(tcls[s]) - kSlotCls] += fw[s - k0];  // (one_block: in diag_pass)
+          if (tcls == nullptr || tcls[s] == kClassOther) st[sSelf] += fw[s - k0];  // (else: in its class bucket)
         }
         if (s - 1 >= lo && s - 1 < hi) st[sPrev] += fw[s - 1 - k0];
         if (s + 1 >= lo && s + 1 < hi) st[sNext] += fw[s + 1 - k0];
@@ -500,7 +449,8 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       const double dc = fc;
       for (int j = 0; j < 4; ++j) a[kSlotCls + j] += dc * st[sCls0 + j];
       a[kSlotSelf] += dc * st[sSelf];
-      for (int64_t j = 0; j < N; ++j) a[kSlotFirstWindow + j] += dc * st[sWin + j];
+      if (!one_block)  // (one_block: the windows are in diag, folded above)
+        for (int64_t j = 0; j < N; ++j) a[kSlotFirstWindow + j] += dc * st[sWin + j];
       const float T = fc * fZ;
       const float H_ent = fc > 0.f ? std::max(0.f, -fc * st[sA] - fc * std::log(fc) * fZ) : 0.f;
       const float intra = sid_feat ? fc * st[sI] : T;

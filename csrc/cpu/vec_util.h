@@ -49,15 +49,24 @@ inline float clipped_sum(const float* p, int64_t lo, int64_t hi, int64_t n) {
   return hi > lo ? range_sum(p + lo, hi - lo) : 0.f;
 }
 
+// Max of p[0..len), NaN when any element is NaN (the callers rely on it to find undefined rows). Four
+// accumulators: one would wait on the latency of each max.
 inline float range_max(const float* p, int64_t len) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
   if (len >= kW) {
-    Vec acc = Vec::loadu(p);
-    for (i = kW; i + kW <= len; i += kW) acc = at::vec::maximum(acc, Vec::loadu(p + i));
-    m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, acc);
+    Vec a0 = Vec::loadu(p), a1 = a0, a2 = a0, a3 = a0;
+    for (i = kW; i + 4 * kW <= len; i += 4 * kW) {
+      a0 = at::vec::maximum(a0, Vec::loadu(p + i));
+      a1 = at::vec::maximum(a1, Vec::loadu(p + i + kW));
+      a2 = at::vec::maximum(a2, Vec::loadu(p + i + 2 * kW));
+      a3 = at::vec::maximum(a3, Vec::loadu(p + i + 3 * kW));
+    }
+    for (; i + kW <= len; i += kW) a0 = at::vec::maximum(a0, Vec::loadu(p + i));
+    a0 = at::vec::maximum(at::vec::maximum(a0, a1), at::vec::maximum(a2, a3));
+    m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, a0);
   }
-  for (; i < len; ++i) m = std::max(m, p[i]);
+  for (; i < len; ++i) m = (p[i] > m || std::isnan(p[i])) ? p[i] : m;  // (once NaN, m stays NaN)
   return m;
 }
 
