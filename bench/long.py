@@ -5,7 +5,8 @@
 
 For each length L, one sample of L tokens of real English (the built-in corpus, repeated), batch 1, fp32, on
 the CPU with `--threads` threads (default 2):
-  sdpa      the plain forward, transformers' sdpa attention (no statistics)
+  sdpa      the plain forward, transformers' sdpa attention (no statistics), without a KV cache (as extraction
+            runs it: `use_cache=False`; a decoder otherwise keeps 46 KB per token that nobody reads)
   attnkit   attnkit extraction: the instrumented model under `measuring` (attnkit.engine.forward_features), the
             features of every head; the backend attnkit picks (`--backend`)
   eager     eager attention with output_attentions=True (the maps of every layer: 30 × 9 × L × L floats)
@@ -79,7 +80,7 @@ def child(config: str, L: int, threads: int, backend: str) -> dict:
     from transformers import AutoModel
 
     import attnkit
-    from attnkit.engine.forward import forward_features, measuring
+    from attnkit.engine.forward import forward_features, measuring, no_cache
     from attnkit.models import model_dir
 
     torch.set_num_threads(threads)
@@ -94,7 +95,7 @@ def child(config: str, L: int, threads: int, backend: str) -> dict:
             if config == "attnkit":
                 with measuring(model, backend=backend):
                     return forward_features(model, batch)
-            out = model(**batch.inputs, output_attentions=config == "eager")
+            out = model(**batch.inputs, **no_cache(model), output_attentions=config == "eager")
             return out.last_hidden_state
 
     run(inputs(tok, 64))  # warm-up
