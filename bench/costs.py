@@ -25,7 +25,8 @@ medians of interleaved repeats, as that bench's command line runs it), one row a
 At the end one table: case | what it measures | measured (and the command that reproduces it) | target | met? |
 load (`uptime`) before → after the row, headed by the CPU (`lscpu`), torch, its threads and how they wait. The
 machine may be shared: only ratios within a row mean anything, and the load says how busy it was. --quick shrinks
-every row to seconds (tiny sizes, one round); its "met?" column says n/a. --json PATH writes the table.
+every row to seconds (tiny sizes, one round); its "met?" column says n/a. --repeats N runs N rounds in every row
+instead of its own (short 5, minilm 3, lengths 5, plan 3, long 3, busy 1). --json PATH writes the table.
 A row that fails says why in its line, the others still run, and the exit status is 1.
 """
 from __future__ import annotations
