@@ -79,6 +79,60 @@ def special_classes(B: int, L: int, g: torch.Generator) -> torch.Tensor:
     return tc
 
 
+def op_inputs(B, H, L, D, g: torch.Generator, Hkv=None):
+    """q, k, v (B×H×L×D, k and v with Hkv heads), lengths and token classes (`special_classes`)."""
+    q = torch.randn(B, L, H, D, generator=g).transpose(1, 2)
+    k, v = (torch.randn(B, L, Hkv or H, D, generator=g).transpose(1, 2) for _ in range(2))
+    return q, k, v, torch.full((B,), L), special_classes(B, L, g)
+
+
+def lengths(lens, rounds: int, budget_s: float, g: torch.Generator | None = None) -> list[tuple]:
+    """The op with features against sdpa at SmolLM2-135M's shapes, causal GQA and bidirectional, per length (the
+    module docstring). Returns [(L, "causal" | "full", wall op/sdpa, cpu op/sdpa)], medians."""
+    g = g if g is not None else torch.Generator().manual_seed(0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    summary = []
+    with torch.inference_mode():
+        for L in lens:
+            q, k, v, n, tc = op_inputs(1, 9, L, 64, g, Hkv=3)
+            for causal in (True, False):
+                mask = "causal" if causal else "full"
+                def op(q=q, k=k, v=v, n=n, tc=tc, causal=causal):
+                    return ops.attention(q, k, v, n, tc, want_features=True, causal=causal, backend="fused")
+
+                res = timed({
+                    "sdpa": lambda q=q, k=k, v=v, causal=causal: sdpa(q, k, v, is_causal=causal, enable_gqa=True),
+                    "attnkit+features": op,
+                }, rounds, f"L={L} {mask} GQA B=1 H=9 Hkv=3 D=64", budget_s=budget_s)
+                (ws, cs), (wo, co) = res["sdpa"], res["attnkit+features"]
+                summary.append((L, mask, wo / ws, co / cs))
+    print(f"-- summary: op with features / sdpa (medians; {load()})")
+    print(f"{'L':>6s} {'mask':6s} {'wall op/sdpa':>12s} {'cpu op/sdpa':>12s}")
+    for L, mask, w, c in summary:
+        print(f"{L:6d} {mask:6s} {w:12.3f} {c:12.3f}")
+    return summary
+
+
+def minilm(rounds: int, caps=None) -> dict:
+    """attnkit extraction on MiniLM, B=16, L=128, per build of `caps` (default: every build this CPU runs; "" is
+    torch's choice), against the plain sdpa forward. Returns timed()'s {case: (wall s, cpu s)}: "plain-sdpa" and
+    "extract <cap>"."""
+    from bench.extract import build_model, make_batch, make_runner
+
+    dev = torch.device("cpu")
+    model = build_model("minilm", 128, dev, torch.float32)
+    batch = make_batch(model, 16, 128, dev)
+    cfgs = {"plain-sdpa": make_runner("plain-sdpa", model, batch)}
+    fused = make_runner("fused", model, batch)
+    for c in (ops.cpu_capabilities() if caps is None else caps):
+        cfgs["extract " + (c or "(torch's choice)")] = forced(c, fused)
+    cfgs["plain-sdpa"] = forced("", cfgs["plain-sdpa"])  # (no attnkit op inside; the last row forced one)
+    try:
+        return timed(cfgs, rounds, "MiniLM B=16 L=128: attnkit extraction vs the plain sdpa forward")
+    finally:
+        os.environ.pop("ATTNKIT_CPU_CAPABILITY", None)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=["op", "causal", "minilm", "lengths"], default=None)
@@ -92,43 +146,20 @@ def main(argv=None) -> int:
     print(f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; builds timed: {', '.join(caps)}")
     g = torch.Generator().manual_seed(0)
 
-    def op_inputs(B, H, L, D, Hkv=None):
-        q = torch.randn(B, L, H, D, generator=g).transpose(1, 2)
-        k, v = (torch.randn(B, L, Hkv or H, D, generator=g).transpose(1, 2) for _ in range(2))
-        return q, k, v, torch.full((B,), L), special_classes(B, L, g)
-
     with torch.inference_mode():
         if args.only in (None, "op"):
-            q, k, v, lengths, tc = op_inputs(16, 12, 128, 32)
+            q, k, v, n, tc = op_inputs(16, 12, 128, 32, g)
             cfgs = {"sdpa (no features)": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)}
             for c in caps:
-                cfgs[f"attnkit {c}"] = forced(c, lambda: ops.attention(q, k, v, lengths, tc, want_features=True,
+                cfgs[f"attnkit {c}"] = forced(c, lambda: ops.attention(q, k, v, n, tc, want_features=True,
                                                                        backend="fused"))
             timed(cfgs, args.rounds * 3, "op, B=16 H=12 L=128 D=32, features")
         if args.only == "lengths":
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            print(f"{'L':>6s} {'mask':6s} {'wall op/sdpa':>12s} {'cpu op/sdpa':>12s}")
-            summary = []
-            for L in args.lengths:
-                q, k, v, lengths, tc = op_inputs(1, 9, L, 64, Hkv=3)
-                for causal in (True, False):
-                    mask = "causal" if causal else "full"
-                    def op(q=q, k=k, v=v, lengths=lengths, tc=tc, causal=causal):
-                        return ops.attention(q, k, v, lengths, tc, want_features=True, causal=causal, backend="fused")
-
-                    res = timed({
-                        "sdpa": lambda q=q, k=k, v=v, causal=causal: sdpa(q, k, v, is_causal=causal, enable_gqa=True),
-                        "attnkit+features": op,
-                    }, args.rounds, f"L={L} {mask} GQA B=1 H=9 Hkv=3 D=64", budget_s=args.budget)
-                    (ws, cs), (wo, co) = res["sdpa"], res["attnkit+features"]
-                    summary.append((L, mask, wo / ws, co / cs))
-            print(f"-- summary: op with features / sdpa (medians; {load()})")
-            for L, mask, w, c in summary:
-                print(f"{L:6d} {mask:6s} {w:12.3f} {c:12.3f}")
+            lengths(args.lengths, args.rounds, args.budget, g)
         if args.only in (None, "causal"):
-            q, k, v, lengths, tc = op_inputs(1, 9, 2048, 64)
+            q, k, v, n, tc = op_inputs(1, 9, 2048, 64, g)
             def run(causal):  # torch's choice of build
-                return forced("", lambda: ops.attention(q, k, v, lengths, tc, want_features=True, causal=causal,
+                return forced("", lambda: ops.attention(q, k, v, n, tc, want_features=True, causal=causal,
                                                         backend="fused"))
 
             sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -136,18 +167,7 @@ def main(argv=None) -> int:
                    "sdpa full": lambda: sdpa(q, k, v), "sdpa causal": lambda: sdpa(q, k, v, is_causal=True)},
                   args.rounds, "causal vs full, B=1 H=9 L=2048 D=64 (SmolLM2-like), features for attnkit")
     if args.only in (None, "minilm"):
-        from bench.extract import build_model, make_batch, make_runner
-
-        dev = torch.device("cpu")
-        model = build_model("minilm", 128, dev, torch.float32)
-        batch = make_batch(model, 16, 128, dev)
-        cfgs = {"plain-sdpa": make_runner("plain-sdpa", model, batch)}
-        fused = make_runner("fused", model, batch)
-        for c in caps:
-            cfgs[f"extract {c}"] = forced(c, fused)
-        cfgs["plain-sdpa"] = forced("", cfgs["plain-sdpa"])  # (no attnkit op inside; the last row forced one)
-        timed(cfgs, max(3, args.rounds // 2), "MiniLM B=16 L=128: attnkit extraction vs the plain sdpa forward")
-    os.environ.pop("ATTNKIT_CPU_CAPABILITY", None)
+        minilm(max(3, args.rounds // 2), caps)
     return 0
 
 

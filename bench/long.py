@@ -5,7 +5,8 @@
 
 For each length L, one sample of L tokens of real English (the built-in corpus, repeated), batch 1, fp32, on
 the CPU with `--threads` threads (default 2):
-  sdpa      the plain forward, transformers' sdpa attention (no statistics)
+  sdpa      the plain forward, transformers' sdpa attention (no statistics), without a KV cache (as extraction
+            runs it: `use_cache=False`; a decoder otherwise keeps 46 KB per token that nobody reads)
   attnkit   attnkit extraction: the instrumented model under `measuring` (attnkit.engine.forward_features), the
             features of every head; the backend attnkit picks (`--backend`)
   eager     eager attention with output_attentions=True (the maps of every layer: 30 × 9 × L × L floats)
@@ -79,7 +80,7 @@ def child(config: str, L: int, threads: int, backend: str) -> dict:
     from transformers import AutoModel
 
     import attnkit
-    from attnkit.engine.forward import forward_features, measuring
+    from attnkit.engine.forward import forward_features, measuring, no_cache
     from attnkit.models import model_dir
 
     torch.set_num_threads(threads)
@@ -94,7 +95,7 @@ def child(config: str, L: int, threads: int, backend: str) -> dict:
             if config == "attnkit":
                 with measuring(model, backend=backend):
                     return forward_features(model, batch)
-            out = model(**batch.inputs, output_attentions=config == "eager")
+            out = model(**batch.inputs, **no_cache(model), output_attentions=config == "eager")
             return out.last_hidden_state
 
     run(inputs(tok, 64))  # warm-up
@@ -113,26 +114,14 @@ def child(config: str, L: int, threads: int, backend: str) -> dict:
             "delta_mb": max(0, peak - before) / 1024, "backend": attnkit.backend_info()}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", default="1024,2048,4096,8192")
-    p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--backend", default="auto", help="attnkit's backend (auto, fused, reference)")
-    p.add_argument("--memory-share", type=float, default=0.6)
-    p.add_argument("--json", default=None)
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    if a.child:
-        config, L = a.child.split(":")
-        print(json.dumps(child(config, int(L), a.threads, a.backend)))
-        return 0
-    lengths = [int(x) for x in a.lengths.split(",")]
-    configs = [c for c in a.configs.split(",") if c]
+def measure(lengths, configs=CONFIGS, rounds: int = 3, threads: int = 2, backend: str = "auto",
+            memory_share: float = 0.6) -> dict:
+    """The rounds of the module docstring, each (configuration, L, round) in a fresh process, printing every run and
+    the medians. Returns {"runs": [...], "medians": [{"L", "config", "tokens_per_s", "peak_mb", "delta_mb"}],
+    "decoder_backend", "skipped": [...]}."""
     from attnkit.ops import resolve_backend
 
-    op_backend = resolve_backend(a.backend, "cpu")
+    op_backend = resolve_backend(backend, "cpu")
     # decoder arguments (causal, GQA) run on the reference until the compiled op takes them (attnkit.ops)
     try:
         import torch
@@ -145,19 +134,19 @@ def main(argv=None) -> int:
     except Exception:
         decoder_backend = "reference"
     avail = mem_available_bytes()
-    print(f"SmolLM2-135M, fp32, {a.threads} threads, batch 1; MemAvailable {avail / 2**30:.1f} GiB; attnkit's "
+    print(f"SmolLM2-135M, fp32, {threads} threads, batch 1; MemAvailable {avail / 2**30:.1f} GiB; attnkit's "
           f"decoder backend: {decoder_backend}", flush=True)
     results, skipped = [], {}
-    for r in range(a.rounds):
+    for r in range(rounds):
         for L in lengths:
             for config in configs:
                 need = estimate_bytes(config, L, decoder_backend)
-                if need > a.memory_share * avail:
+                if need > memory_share * avail:
                     skipped[(config, L)] = need
                     continue
-                env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
+                env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f"{config}:{L}",
-                                       "--threads", str(a.threads), "--backend", a.backend],
+                                       "--threads", str(threads), "--backend", backend],
                                       capture_output=True, text=True, env=env)
                 if proc.returncode != 0:
                     tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
@@ -181,7 +170,7 @@ def main(argv=None) -> int:
         for config in configs:
             if (config, L) in skipped:
                 print(f"{L:6d} {config:8} skipped: estimated {skipped[(config, L)] / 2**30:.1f} GiB > "
-                      f"{a.memory_share:.0%} of MemAvailable")
+                      f"{memory_share:.0%} of MemAvailable")
                 continue
             if config not in row:
                 print(f"{L:6d} {config:8} failed (out of memory?)")
@@ -191,11 +180,30 @@ def main(argv=None) -> int:
                    if base else "")
             print(f"{L:6d} {config:8} {m['tokens_per_s']:9.1f} {m['peak_mb']:9.0f} {m['delta_mb']:8.0f} {rel}")
             table.append({"L": L, "config": config, **m})
+    return {"runs": results, "medians": table, "decoder_backend": decoder_backend,
+            "skipped": [{"config": c, "L": L, "estimate_bytes": n} for (c, L), n in skipped.items()]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="1024,2048,4096,8192")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--backend", default="auto", help="attnkit's backend (auto, fused, reference)")
+    p.add_argument("--memory-share", type=float, default=0.6)
+    p.add_argument("--json", default=None)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        config, L = a.child.split(":")
+        print(json.dumps(child(config, int(L), a.threads, a.backend)))
+        return 0
+    out = measure([int(x) for x in a.lengths.split(",")], [c for c in a.configs.split(",") if c], a.rounds, a.threads,
+                  a.backend, a.memory_share)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"runs": results, "medians": table, "decoder_backend": decoder_backend,
-                       "skipped": [{"config": c, "L": L, "estimate_bytes": n} for (c, L), n in skipped.items()]},
-                      f, indent=1)
+            json.dump(out, f, indent=1)
     return 0
 
 

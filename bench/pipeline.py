@@ -7,6 +7,7 @@
     python bench/pipeline.py gpu      [--corpus FILE]                    (GPU) extraction vs plain sdpa forward
     python bench/pipeline.py workers  [--trees OLD,NEW]                  --workers 0 vs N, main thread vs a thread
     python bench/pipeline.py plan     [--plan-size-mb 8] [--stsb PATH]    the chosen pipeline vs fixed ones (issue 38)
+                                      [--plan-cases tokenise-bound,forward-bound]
 
 overlap: the model is replaced by a stand-in that takes, per batch, the time a device would need at R tokens/s
   and leaves the CPU idle (it sleeps). T, one worker's tokenisation rate (one process, the Rust tokenizer's
@@ -330,34 +331,46 @@ def _alone(model_dir: Path, corpus: Path, batch_size: int, max_length: int) -> t
     return tokenise, forward
 
 
+PLAN_CASES = ("tokenise-bound", "forward-bound")
+
+
 def plan(args) -> dict:
+    return measure_plan(args.plan_size_mb, args.stsb, args.configs, args.repeats, args.max_length, args.plan_cases)
+
+
+def measure_plan(plan_size_mb: float, stsb: str, fixed: list[str], repeats: int, max_length: int = 128,
+                 which=PLAN_CASES) -> dict:
+    """`plan` (the module docstring) on the cases of `which`: the default options against the `fixed`
+    workers/threads. Returns {case: {"seconds": {config: median s}, "default_over_best_fixed", "choice", and for
+    the tokenise-bound case "tokenise_s", "forward_s", "limit_s", "share_of_limit"}}."""
     import csv
 
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-plan-"))
     cases = {}
-    tiny = tiny_bert16(tmp / "bert16")
-    gen = tmp / "generated.txt"
-    with open(gen, "w") as f:
-        f.writelines(generated_lines(int(args.plan_size_mb * 10**6), seed=5))
-    cases["tokenise-bound"] = (tiny, gen)
-    if Path(args.stsb).exists():
-        with open(args.stsb, newline="") as f:
+    if "tokenise-bound" in which:
+        tiny = tiny_bert16(tmp / "bert16")
+        gen = tmp / "generated.txt"
+        with open(gen, "w") as f:
+            f.writelines(generated_lines(int(plan_size_mb * 10**6), seed=5))
+        cases["tokenise-bound"] = (tiny, gen)
+    if "forward-bound" in which and Path(stsb).exists():
+        with open(stsb, newline="") as f:
             rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
         sts = tmp / "stsb.txt"
         sts.write_text("\n".join(r[c] for r in rows for c in ("sentence1", "sentence2")) + "\n")
         from attnkit.models import default_model_path
 
         cases["forward-bound"] = (Path(default_model_path()), sts)
-    else:
-        print(f"no {args.stsb}: the forward-bound case is left out")
-    configs = ["default"] + args.configs
+    elif "forward-bound" in which:
+        print(f"no {stsb}: the forward-bound case is left out")
+    configs = ["default"] + list(fixed)
     times = {(c, k): [] for c in cases for k in configs}
     lines = {}
     limits = {}
-    for r in range(args.repeats):
+    for r in range(repeats):
         for case, (model_dir, corpus) in cases.items():
             if case == "tokenise-bound":
-                tok_s, fwd_s = _alone(model_dir, corpus, 16, args.max_length)
+                tok_s, fwd_s = _alone(model_dir, corpus, 16, max_length)
                 limits.setdefault(case, []).append((tok_s, fwd_s))
             order = configs[r % len(configs):] + configs[:r % len(configs)]
             for k in order:
@@ -365,7 +378,7 @@ def plan(args) -> dict:
                 subprocess.run(["rm", "-rf", str(run)], check=True)
                 extra = [] if k == "default" else ["--workers", k.split("/")[0], "--threads", k.split("/")[1]]
                 res = subprocess.run([sys.executable, "-m", "attnkit.cli", "extract", str(corpus), "--model",
-                                      str(model_dir), "-o", str(run), "--max-length", str(args.max_length), *extra],
+                                      str(model_dir), "-o", str(run), "--max-length", str(max_length), *extra],
                                      env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
                                      check=True, capture_output=True, text=True)
                 times[(case, k)].append(float(re.search(r" in ([0-9.]+)s", res.stdout).group(1)))
@@ -374,7 +387,7 @@ def plan(args) -> dict:
             print(f"  round {r + 1} {case}: " + ", ".join(f"{k} {times[(case, k)][-1]:.2f} s" for k in configs)
                   + f" ({os.getloadavg()[0]:.2f} load)", flush=True)
     out = {}
-    print(f"medians of {args.repeats} (load {' '.join(f'{x:.2f}' for x in os.getloadavg())}), configurations "
+    print(f"medians of {repeats} (load {' '.join(f'{x:.2f}' for x in os.getloadavg())}), configurations "
           "workers/threads:")
     for case in cases:
         med = {k: statistics.median(times[(case, k)]) for k in configs}
@@ -500,6 +513,8 @@ def main() -> None:
     ap.add_argument("--plan-size-mb", type=float, default=8.0, help="plan: the tokenise-bound corpus")
     ap.add_argument("--configs", default="0/2,1/1,1/2,2/1,2/2", type=lambda s: s.split(","),
                     help="plan: fixed workers/threads to compare with the default")
+    ap.add_argument("--plan-cases", default=",".join(PLAN_CASES), type=lambda s: s.split(","),
+                    help="plan: which cases (tokenise-bound, forward-bound)")
     ap.add_argument("--stsb", default=str(Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "stsb"
                                           / "dev.tsv"), help="plan: STS-B dev (the forward-bound case)")
     args = ap.parse_args()

@@ -35,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 REGIMES = ("auto", "default", "passive", "30000", "10000")
+STSB = ROOT.parent / "shared" / "data" / "stsb" / "dev.tsv"  # GLUE STS-B dev beside the repository
+CONDITIONS = {"no": ("quiet",), "yes": ("neighbour",), "both": ("quiet", "neighbour")}
 
 EXTRACT_CHILD = """
 import csv, sys, time
@@ -88,15 +90,16 @@ def regime_env(regime: str) -> dict:
     return env
 
 
-def run_case(case: str, regime: str, args, tmp: Path) -> tuple[float, float]:
+def run_case(case: str, regime: str, tmp: Path, n: int = 1000, ablate_limit: int = 16,
+             stsb: str | Path = STSB) -> tuple[float, float]:
     """(wall seconds, CPU seconds) of one case in one regime, in a fresh process."""
     env = regime_env(regime)
     if case == "extract":
-        cmd = [sys.executable, "-c", EXTRACT_CHILD, args.stsb, str(args.n), str(ROOT)]
+        cmd = [sys.executable, "-c", EXTRACT_CHILD, str(stsb), str(n), str(ROOT)]
     elif case == "ablate":
         cmd = [sys.executable, "-m", "attnkit.cli", "ablate", "smollm2", "--task", "lm", "--data",
                str(ROOT / "attnkit" / "data" / "default_corpus.txt"), "--experiment", "layers", "--limit",
-               str(args.ablate_limit), "-o", str(tmp / "ablate"), "--overwrite", "-q"]
+               str(ablate_limit), "-o", str(tmp / "ablate"), "--overwrite", "-q"]
     elif case == "detect":
         cmd = [sys.executable, "-m", "attnkit.cli", "detect-heads", "smollm2", "--sequences", "4", "--length", "50",
                "-o", str(tmp / "detect"), "--overwrite", "-q"]
@@ -116,22 +119,17 @@ def run_case(case: str, regime: str, args, tmp: Path) -> tuple[float, float]:
     return wall, cpu
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="extract,ablate,detect")
-    ap.add_argument("--regimes", default=",".join(REGIMES))
-    ap.add_argument("--neighbour", choices=["no", "yes", "both"], default="both")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--n", type=int, default=1000, help="extract: STS-B sentences")
-    ap.add_argument("--ablate-limit", type=int, default=16)
-    ap.add_argument("--stsb", default=str(ROOT.parent / "shared" / "data" / "stsb" / "dev.tsv"))
-    args = ap.parse_args()
-    cases, regimes = args.cases.split(","), args.regimes.split(",")
-    conditions = {"no": ["quiet"], "yes": ["neighbour"], "both": ["quiet", "neighbour"]}[args.neighbour]
+def measure(cases, regimes=REGIMES, neighbour: str = "both", repeats: int = 3, n: int = 1000, ablate_limit: int = 16,
+            stsb: str | Path = STSB) -> dict:
+    """Every (condition, case, regime) of the module docstring, `repeats` interleaved rounds, printing every run and
+    the table of medians. Returns {condition: {case: {regime: {"wall", "cpu", "over_best"}}}} (medians; over_best:
+    the regime's wall time over the best regime's of that condition and case)."""
+    cases, regimes = list(cases), list(regimes)
+    conditions = CONDITIONS[neighbour]
     print(f"{cpu_model()}, {os.cpu_count()} CPUs, {load()}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-regimes-"))
     times: dict = {}
-    for r in range(args.repeats):
+    for r in range(repeats):
         for cond in conditions:
             nb = None
             if cond == "neighbour":
@@ -141,7 +139,7 @@ def main() -> None:
                 for case in cases:
                     order = regimes[r % len(regimes):] + regimes[:r % len(regimes)]
                     for regime in order:
-                        wall, cpu = run_case(case, regime, args, tmp)
+                        wall, cpu = run_case(case, regime, tmp, n, ablate_limit, stsb)
                         times.setdefault((cond, case, regime), []).append((wall, cpu))
                         print(f"  round {r + 1} {cond:9s} {case:8s} {regime:8s} {wall:7.2f} s wall {cpu:7.2f} s CPU "
                               f"({load()})", flush=True)
@@ -149,18 +147,34 @@ def main() -> None:
                 if nb is not None:
                     nb.kill()
                     nb.wait()
-    print(f"medians of {args.repeats} ({cpu_model()}, {load()}):")
+    out: dict = {}
+    print(f"medians of {repeats} ({cpu_model()}, {load()}):")
     print("| condition | case | " + " | ".join(regimes) + " |")
     print("|---|---|" + "---|" * len(regimes))
     for cond in conditions:
         for case in cases:
-            cells = []
-            best = min(statistics.median(w for w, _ in times[(cond, case, g)]) for g in regimes)
-            for g in regimes:
-                w = statistics.median(x for x, _ in times[(cond, case, g)])
-                c = statistics.median(x for _, x in times[(cond, case, g)])
-                cells.append(f"{w:.2f} s ({w / best:.2f}×; CPU {c:.2f} s)")
-            print(f"| {cond} | {case} | " + " | ".join(cells) + " |")
+            med = {g: (statistics.median(w for w, _ in times[(cond, case, g)]),
+                       statistics.median(c for _, c in times[(cond, case, g)])) for g in regimes}
+            best = min(w for w, _ in med.values())
+            out.setdefault(cond, {})[case] = {g: {"wall": w, "cpu": c, "over_best": w / best}
+                                              for g, (w, c) in med.items()}
+            print(f"| {cond} | {case} | " + " | ".join(f"{w:.2f} s ({w / best:.2f}×; CPU {c:.2f} s)"
+                                                      for w, c in med.values()) + " |")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="extract,ablate,detect")
+    ap.add_argument("--regimes", default=",".join(REGIMES))
+    ap.add_argument("--neighbour", choices=sorted(CONDITIONS), default="both")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--n", type=int, default=1000, help="extract: STS-B sentences")
+    ap.add_argument("--ablate-limit", type=int, default=16)
+    ap.add_argument("--stsb", default=str(STSB))
+    args = ap.parse_args()
+    measure(args.cases.split(","), args.regimes.split(","), args.neighbour, args.repeats, args.n, args.ablate_limit,
+            args.stsb)
 
 
 if __name__ == "__main__":

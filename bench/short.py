@@ -52,6 +52,7 @@ import torch  # noqa: E402
 
 CONFIGS = ("sdpa", "sdpa-pre", "naive", "extract", "cli")  # and "thread"
 ROOT = Path(__file__).resolve().parent.parent
+STSB = ROOT.parent / "shared" / "data" / "stsb" / "dev.tsv"  # GLUE STS-B dev beside the repository
 
 
 def load() -> str:
@@ -94,18 +95,17 @@ def stsb_sentences(path: Path, n: int) -> list[str]:
     return [r["sentence1"] for r in rows][:n]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--texts", choices=["held-out", "stsb"], default="stsb")
-    ap.add_argument("--stsb", default=str(ROOT.parent / "shared" / "data" / "stsb" / "dev.tsv"))
-    ap.add_argument("--n", type=int, default=1000)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--workers", type=int, default=None, help="cli: --workers (default: the command's default)")
-    args = ap.parse_args()
-    configs = args.configs.split(",")
+def texts_for(kind: str, stsb: str | Path, n: int) -> list[str]:
+    """The `n` texts of --texts `kind`: STS-B dev's first sentences, or held-out sentences of the built-in corpus."""
+    return held_out_sentences(n) if kind == "held-out" else stsb_sentences(Path(stsb), n)
 
+
+def measure(texts: list[str], kind: str = "stsb", batch: int = 16, repeats: int = 5, configs=CONFIGS,
+            workers: int | None = None) -> dict:
+    """Time `configs` on `texts` (the module docstring), interleaved, printing every round. Returns the medians:
+    {"n_texts", "n_tokens", "max_abs_diff" (naive vs attnkit mean features), "wall": {config: s},
+    "cpu": {config: s}}."""
+    configs = list(configs)
     from extract import naive_features  # bench/extract.py
     from transformers import AutoModel, AutoTokenizer
 
@@ -115,23 +115,22 @@ def main() -> None:
     from attnkit.models import default_model_path
     from attnkit.tokens import Encoder
 
-    texts = held_out_sentences(args.n) if args.texts == "held-out" else stsb_sentences(Path(args.stsb), args.n)
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
     model, _ = attnkit.load_model(None, device="cpu")
     sdpa = AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
     eager = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
     enc = Encoder(tok, max_length=128)
-    batches = [enc(pb.segments) for pb in plan_batches(texts, args.batch, 4096)]
+    batches = [enc(pb.segments) for pb in plan_batches(texts, batch, 4096)]
     n_tokens = sum(b.n_tokens for b in batches)
     ids = {"cls": tok.cls_token_id, "sep": tok.sep_token_id, "comma": tok.convert_tokens_to_ids(","),
            "period": tok.convert_tokens_to_ids(".")}
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-short-"))
     corpus = tmp / "texts.txt"
     corpus.write_text("\n".join(texts) + "\n")
-    print(f"{cpu_model()}; waits: {REGIME}; {len(texts)} {args.texts} texts, {n_tokens} tokens "
+    print(f"{cpu_model()}; waits: {REGIME}; {len(texts)} {kind} texts, {n_tokens} tokens "
           f"({n_tokens / len(texts):.1f} per text), "
-          f"{len(batches)} batches of {args.batch}, torch threads {torch.get_num_threads()}, "
+          f"{len(batches)} batches of {batch}, torch threads {torch.get_num_threads()}, "
           f"{torch.backends.cpu.get_cpu_capability()}, {load()}")
 
     def run_sdpa_pre():
@@ -142,16 +141,16 @@ def main() -> None:
     def run_sdpa():
         order = sorted(texts, key=len, reverse=True)
         with torch.inference_mode():
-            for i in range(0, len(order), args.batch):
-                sdpa(**tok(order[i:i + args.batch], padding=True, truncation=True, max_length=128,
+            for i in range(0, len(order), batch):
+                sdpa(**tok(order[i:i + batch], padding=True, truncation=True, max_length=128,
                            return_tensors="pt"))
 
     def run_naive():
         order = sorted(texts, key=len, reverse=True)
         total = None
         with torch.inference_mode():
-            for i in range(0, len(order), args.batch):
-                x = tok(order[i:i + args.batch], padding=True, truncation=True, max_length=128, return_tensors="pt")
+            for i in range(0, len(order), batch):
+                x = tok(order[i:i + batch], padding=True, truncation=True, max_length=128, return_tensors="pt")
                 out = eager(**x, output_attentions=True)
                 x_ids = x["input_ids"]
                 cls = torch.zeros_like(x_ids, dtype=torch.int32)
@@ -163,12 +162,12 @@ def main() -> None:
         return total / len(order)
 
     def run_extract():
-        return attnkit.extract(texts, (model, tok), batch_size=args.batch)
+        return attnkit.extract(texts, (model, tok), batch_size=batch)
 
     def run_cli():
         msgs = []
-        run_extract_job(ExtractOptions(paths=[str(corpus)], batch_size=args.batch, out=tmp / "run", overwrite=True,
-                                       quiet=True, workers=args.workers), echo=lambda t, err=False: msgs.append(t))
+        run_extract_job(ExtractOptions(paths=[str(corpus)], batch_size=batch, out=tmp / "run", overwrite=True,
+                                       quiet=True, workers=workers), echo=lambda t, err=False: msgs.append(t))
         return float(re.search(r" in ([0-9.]+)s", " ".join(msgs)).group(1))
 
     def run_thread():
@@ -186,7 +185,7 @@ def main() -> None:
         runs[c]()
     times: dict = {c: [] for c in configs}
     cpu: dict = {c: [] for c in configs}
-    for r in range(args.repeats):
+    for r in range(repeats):
         order = configs[r % len(configs):] + configs[:r % len(configs)]
         for c in order:
             t0, c0 = time.perf_counter(), time.process_time()
@@ -198,11 +197,26 @@ def main() -> None:
               flush=True)
     med = {c: statistics.median(v) for c, v in times.items()}
     mcpu = {c: statistics.median(v) for c, v in cpu.items()}
-    print(f"medians of {args.repeats} ({cpu_model()}, {load()}; wall, then CPU time of both threads):")
+    print(f"medians of {repeats} ({cpu_model()}, {load()}; wall, then CPU time of both threads):")
     for c in configs:
         rel = [f"{med[c] / med[b]:.2f}x {b} (CPU {mcpu[c] / mcpu[b]:.2f}x)" for b in ("naive", "sdpa")
                if b in med and b != c]
         print(f"  {c:8s} {med[c]:6.2f} s (CPU {mcpu[c]:6.2f} s) {n_tokens / med[c]:8,.0f} tok/s  " + ", ".join(rel))
+    return {"n_texts": len(texts), "n_tokens": n_tokens, "max_abs_diff": diff, "wall": med, "cpu": mcpu}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--texts", choices=["held-out", "stsb"], default="stsb")
+    ap.add_argument("--stsb", default=str(STSB))
+    ap.add_argument("--n", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--workers", type=int, default=None, help="cli: --workers (default: the command's default)")
+    args = ap.parse_args()
+    measure(texts_for(args.texts, args.stsb, args.n), args.texts, args.batch, args.repeats, args.configs.split(","),
+            args.workers)
 
 
 if __name__ == "__main__":
