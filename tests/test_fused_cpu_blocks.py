@@ -273,8 +273,9 @@ def test_lse_op_fake_and_schema():
     q, k, v, lengths, tc, sid = make(L=12, seed=13, lengths=[12, 7])
     op = torch.ops.attnkit.fused_attention_lse.default
     for extra in ((KV, True, 4, 2.0, SINK), (None, False, None, None, None)):
-        torch.library.opcheck(op, (q, k, v, lengths, tc, sid, 0.25, N, None, None, False, None, True, None) + extra,
-                              test_utils=("test_schema", "test_faketensor"))
+        for tail in [(), (True,)] if ops.fused_max_logit("cpu") else [()]:  # want_max_logit: a B×H 4th output
+            torch.library.opcheck(op, (q, k, v, lengths, tc, sid, 0.25, N, None, None, False, None, True, None) + extra
+                                  + tail, test_utils=("test_schema", "test_faketensor"))
 
 
 # --- each head's max logit from the kernel's own pass (attnkit::fused_attention_lse, want_max_logit) ----------
