@@ -396,6 +396,27 @@ def test_gates_save_the_ungated_output_and_skip_the_recompute(case, monkeypatch)
 
 
 @needs_lse
+def test_an_unpadded_batch_gives_aten_no_key_mask(monkeypatch):
+    """No sample padded: ATen's backward gets no key mask (its mask-free path, as sdpa's) and the gradients are
+    eager's; with padding it gets the additive mask."""
+    real = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    masks = []
+
+    def spy(*a, attn_mask=None, **kw):
+        masks.append(attn_mask)
+        return real(*a, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", spy)
+    for lengths in ((23, 23, 23), (23, 11, 1)):
+        leaves, lengths, kw, w = make("causal_gqa_gates", lengths=lengths)
+        got = grads_of(op_fn(lengths, kw, "fused"), leaves, w, torch.float32)
+        want = grads_of(eager_fn(lengths, kw), leaves, w, torch.float64)
+        for a, b in zip(got[:4], want[:4]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert masks[0] is None and masks[1] is not None and len(masks) == 2
+
+
+@needs_lse
 def test_inference_keeps_the_plain_op():
     """Which calls take the lse op (`saves_lse`); without a gradient (inference, extraction) the forward never
     takes it."""
