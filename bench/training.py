@@ -14,8 +14,10 @@ Configurations:
   tracked  attnkit under attnkit.track(features=("entropy", "max_logit", "cls")), read after every step
 Each (model, configuration, round) runs in a fresh process: build the model, one warm-up step, reset the peak RSS
 (/proc/self/clear_refs), time `--steps` steps (forward, backward, AdamW step), read the peak (VmHWM). Reported:
-seconds per step and the peak RSS rise over the steps, medians over rounds run interleaved (sdpa, attnkit, tracked,
-sdpa, ...), and each configuration's ratio to sdpa.
+seconds per step (wall clock), the process's CPU seconds per step (user + system, time.process_time: on a machine
+shared with other jobs the wall clock also counts the waits for a core, the CPU time only the work done; with
+OMP_WAIT_POLICY=PASSIVE idle threads do not spin) and the peak RSS rise over the steps, medians over rounds run
+interleaved (sdpa, attnkit, tracked, sdpa, ...), and each configuration's ratio to sdpa.
 """
 from __future__ import annotations
 
@@ -85,12 +87,14 @@ def one(model_name: str, config: str, steps: int) -> dict:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         before = rss_kb("VmRSS")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             step(tracker)
         dt = (time.perf_counter() - t0) / steps
+        cpu = (time.process_time() - c0) / steps
         peak = rss_kb("VmHWM")
-    return {"model": model_name, "config": config, "s_per_step": dt, "rise_mb": (peak - before) / 1024,
+    return {"model": model_name, "config": config, "s_per_step": dt, "cpu_s_per_step": cpu,
+            "rise_mb": (peak - before) / 1024,
             "peak_mb": peak / 1024}
 
 
@@ -125,17 +129,19 @@ def main(argv=None):
                 results.append(res)
                 print(json.dumps(res), flush=True)
     print(f"\nload: {os.getloadavg()}")
-    print("| model | L | config | s / step | × sdpa | peak RSS rise (MB) | × sdpa |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | L | config | s / step | × sdpa | CPU s / step | × sdpa | peak RSS rise (MB) | × sdpa |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for model_name in a.models.split(","):
         med = {}
         for config in CONFIGS:
             rs = [x for x in results if x["model"] == model_name and x["config"] == config]
-            med[config] = (statistics.median(x["s_per_step"] for x in rs), statistics.median(x["rise_mb"] for x in rs))
+            fields = ("s_per_step", "cpu_s_per_step", "rise_mb")
+            med[config] = tuple(statistics.median(x[f] for x in rs) for f in fields)
         for config in CONFIGS:
-            t, m = med[config]
-            print(f"| {model_name} | {MODELS[model_name]} | {config} | {t:.2f} | {t / med['sdpa'][0]:.2f} | {m:.0f} | "
-                  f"{m / med['sdpa'][1]:.2f} |")
+            t, c, m = med[config]
+            t0, c0, m0 = med["sdpa"]
+            print(f"| {model_name} | {MODELS[model_name]} | {config} | {t:.2f} | {t / t0:.2f} | {c:.2f} | "
+                  f"{c / c0:.2f} | {m:.0f} | {m / m0:.2f} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
