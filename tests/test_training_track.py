@@ -143,6 +143,27 @@ def test_tracked_max_logit_comes_from_the_op_without_a_second_pass(kind, side, m
     torch.testing.assert_close(inferred, want, atol=1e-5, rtol=1e-5)
 
 
+def test_max_logit_of_a_pruned_model_is_nan_for_removed_heads():
+    """A pruned layer (one head of a grouped KV pair removed): the tracker and extraction's MaxLogitCollector give
+    the kept heads the observer's max logit (from the op's own call) and the removed head NaN."""
+    from attnkit.arch import prune_heads
+    from attnkit.engine.extract import MaxLogitCollector
+
+    model = attnkit.instrument(prune_heads(tiny_decoder("llama"), [(1, 2)]))
+    ids, mask = batch("left")
+    obs, collector = QKObserver(), MaxLogitCollector(2, 4)
+    with track(model, features=("max_logit",)) as tracker, observing(model, [obs, collector]):
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        got = tracker.read()["max_logit"]
+    want = torch.stack([obs.max[i] for i in range(2)])
+    kept = torch.ones(2, 4, dtype=torch.bool)
+    kept[1, 2] = False
+    for m in (got, torch.from_numpy(collector.result()).float()):
+        assert m[1, 2].isnan() and not m[kept].isnan().any()
+        torch.testing.assert_close(m[kept], want[kept], atol=1e-5, rtol=1e-5)
+
+
 def test_tracking_in_training_with_gradients_and_dropout():
     """A training step under track: with attention dropout the output is eager's (the same dropout mask), the
     statistics describe the weights before dropout (those of eval mode), and gradients reach the weights."""

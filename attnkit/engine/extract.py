@@ -244,7 +244,8 @@ def extract(
     `weighting`: "attention" (the features describe the attention weights) or "norm" (the weights scaled per key
     by the norm of the transformed key vector, Kobayashi et al. 2020: docs/features.md).
     `max_logit`: also each head's max logit over the corpus (`HeadFeatures.max_logit`, layers × heads; docs/features.md,
-    "Max logit"), from one more blocked q·kᵀ pass per layer (`.save(dir)` writes it into features.npz).
+    "Max logit"), measured by the fused CPU kernel in the attention call itself, elsewhere by one more blocked q·kᵀ
+    pass per layer (`.save(dir)` writes it into features.npz).
     """
     from ..corpus import Corpus
 
