@@ -533,14 +533,18 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
     tracker = rt.tracker if rt is not None and not decode else None  # a generation step is no training forward
     if tracker is not None and H > 0:
         track_classes = first_token_classes(B, L, query.device) if info is None else info.token_class
+    # observers that take each head's max logit from the op's call (extraction's --max-logit), not q and k
+    ml_observers = [o for o in rt.observers if getattr(o, "takes_max_logit", False)] if rt is not None else []
+    want_ml = H > 0 and (bool(ml_observers) or (tracker is not None and tracker.want_max))
     if dropout and module.training:
         if decode:
             raise AttnkitError("attnkit does not run a KV-cache step with attention dropout on: call model.eval()")
         if tracker is not None and H > 0:  # the statistics of the weights before dropout (docs/training.md)
             with torch.no_grad():
-                _, feats = attention(query, key, value, lengths, track_classes, None, scaling=scaling,
-                                     num_windows=rt.num_windows, want_features=True, backend=rt.backend, **dec)
-            tracker.record(module.layer_idx, feats, query, key, lengths, scale, dec, kept)
+                _, feats, *ml = attention(query, key, value, lengths, track_classes, None, scaling=scaling,
+                                          num_windows=rt.num_windows, want_features=True, backend=rt.backend,
+                                          want_max_logit=tracker.want_max, **dec)
+            tracker.record(module.layer_idx, feats, ml[0] if ml else None, kept)
         if rt is not None and rt.active:
             raise AttnkitError("attnkit cannot measure or intervene while attention dropout is on: call model.eval()")
         if want_maps or dec or offsets is not None:
@@ -585,6 +589,8 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         if rt.observers:  # observers see the unpruned heads (`observed`)
             obs_q, obs_k, obs_dec = observed(query, key, kept, dec)
             for obs in rt.observers:
+                if getattr(obs, "takes_max_logit", False):
+                    continue  # called after the op, with its max logit
                 if not obs_dec:
                     obs(module.layer_idx, obs_q, obs_k, lengths, scaling)
                 elif getattr(obs, "decoder_arguments", False):  # it computes a decoder's attention as the op does
@@ -624,7 +630,7 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         return groups
 
     def call(p: LayerPart, rows: slice):
-        if H == 0:  # a layer whose heads were all pruned: nothing to attend with
+        if H == 0:  # a layer whose heads were all pruned: nothing to attend with (want_ml is False)
             n = query[rows].shape[0]
             return query.new_zeros(n, L, 0, D), query.new_zeros((n, 0, num_features(num_windows, "sink" in dec)),
                                                                 dtype=torch.float32)
@@ -641,14 +647,17 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
             None if token_class is None else token_class[rows], None if sentence_id is None else sentence_id[rows],
             scaling=scaling, num_windows=num_windows, mode=p.mode, region=p.region,
             renormalize=p.renormalize, gates=p.gates, want_features=want,
-            key_scale=None if key_scale is None else key_scale[rows], backend=backend, **dec,
+            key_scale=None if key_scale is None else key_scale[rows], backend=backend, want_max_logit=want_ml, **dec,
         )
 
+    # with want_ml, each head's max logit per sample (B×H) from the same call (attnkit.ops.attention)
     if len(parts) == 1:  # one call of the op for the whole batch
-        out, feats = call(parts[0], slice(None))
+        out, feats, *ml = call(parts[0], slice(None))
+        max_logit = ml[0] if want_ml else None
     else:  # stacked interventions: one call per block of samples
-        outs, feats = zip(*(call(p, slice(p.start, p.stop)) for p in parts))
-        out, feats = torch.cat(outs), torch.cat(feats)
+        results = [call(p, slice(p.start, p.stop)) for p in parts]
+        out, feats = torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
+        max_logit = torch.cat([r[2] for r in results]) if want_ml else None
     out = own_frame(out, (1,), 1)  # rows of left padding: 0
     for p in parts:
         out = replace_head_outputs(out, p.outputs, slice(p.start, p.stop))
@@ -657,7 +666,9 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         # clamped here, where the features of every backend and engine enter the runtime (docs/features.md §3)
         feats = feats.clamp(min=0.0)
     if tracked:
-        tracker.record(module.layer_idx, feats, query, key, lengths, scale, dec, kept)
+        tracker.record(module.layer_idx, feats, max_logit, kept)
+    for obs in ml_observers:  # the unpruned heads; a removed head's max logit NaN
+        obs.add_max_logit(module.layer_idx, max_logit if kept is None else to_unpruned(max_logit, kept, float("nan")))
     if want and rt.want_features and info is not None:
         # a pruned layer's removed heads have no attention, hence no features: NaN (docs/pruning.md)
         rt.features[module.layer_idx] = feats if kept is None else to_unpruned(feats, kept, float("nan"))

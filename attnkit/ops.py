@@ -97,6 +97,29 @@ def _schema_has_decoder_args() -> bool:
 _FUSED_DECODER = _schema_has_decoder_args()
 
 
+def _lse_op_has_max_logit() -> bool:
+    """Whether the compiled `_LSE_OP` takes `want_max_logit` and returns each head's max logit (csrc/ops.cpp): the
+    CPU kernel then measures it while it runs. An extension built before it returns (out, features, lse) only."""
+    if not has_kernel("cpu", _LSE_OP):
+        return False
+    try:
+        names = {a.name for a in torch.ops.attnkit.fused_attention_lse.default._schema.arguments}
+    except (AttributeError, RuntimeError):
+        return False
+    return "want_max_logit" in names
+
+
+_LSE_MAX_LOGIT = _lse_op_has_max_logit()
+
+
+def fused_max_logit(device_type: str) -> bool:
+    """Whether the compiled kernel for `device_type` returns each head's max logit from the attention call itself
+    (docs/features.md §9): the CPU kernel of a build whose `attnkit::fused_attention_lse` takes `want_max_logit`.
+    Elsewhere (CUDA, Triton, the reference, older builds) `attention(..., want_max_logit=True)` computes it by
+    `attnkit.kernels.statistics.max_logits`, one more blocked q·kᵀ pass."""
+    return device_type == "cpu" and _LSE_MAX_LOGIT
+
+
 def fused_decoder() -> bool:
     """True when the compiled op takes the decoder arguments (kv_head, causal, sliding_window, softcap, sink)."""
     return _FUSED_DECODER
@@ -240,15 +263,42 @@ def attention(
     softcap: float | None = None,
     sink: torch.Tensor | None = None,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    want_max_logit: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Attention with optional interventions and features; see `attnkit.reference` for semantics.
 
     `key_scale` (B×H×L, ≥ 0): the features describe the weights each scaled by its key's factor and
     renormalised per row (norm weighting, docs/features.md); the output is unchanged.
     Decoder arguments: k and v may have fewer heads (`kv_head`: the KV head of each query head), `causal`,
     `sliding_window`, `softcap`, `sink` (a logit per head; adds the feature `sink`).
-    Returns (out B×L×H×D, features B×H×F fp32 — B×H×0 when `want_features` is false).
+    Returns (out B×L×H×D, features B×H×F fp32 — B×H×0 when `want_features` is false); with `want_max_logit`, also
+    each head's max logit per sample (B×H fp32, no gradient; docs/features.md §9, `attnkit.reference.max_logits`):
+    from the CPU kernel's own pass where it measures it (`fused_max_logit`: no intervention mode, as many queries as
+    keys), else from `attnkit.kernels.statistics.max_logits` (one more blocked q·kᵀ pass).
     """
+    if not want_max_logit:
+        return _attention(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
+                          mode=mode, region=region, renormalize=renormalize, gates=gates, want_features=want_features,
+                          key_scale=key_scale, kv_head=kv_head, causal=causal, sliding_window=sliding_window,
+                          softcap=softcap, sink=sink, backend=backend)
+    res = _attention(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows, mode=mode,
+                     region=region, renormalize=renormalize, gates=gates, want_features=want_features,
+                     key_scale=key_scale, kv_head=kv_head, causal=causal, sliding_window=sliding_window,
+                     softcap=softcap, sink=sink, backend=backend, _max_logit=True)
+    if len(res) == 3:
+        return res
+    from .kernels.statistics import max_logits
+
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    kvh = None if kv_head is None else kv_head.to(q.device)
+    return (*res, max_logits(q, k, lengths, scale, kv_head=kvh, causal=causal, sliding_window=sliding_window))
+
+
+def _attention(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling, num_windows, mode, region,
+               renormalize, gates, want_features, key_scale, kv_head, causal, sliding_window, softcap, sink, backend,
+               _max_logit=False) -> tuple[torch.Tensor, ...]:
+    """`attention` without `want_max_logit`; `_max_logit`: where the fused CPU kernel measures the max logit, it is
+    returned as a third output (else the caller computes it)."""
     # shapes and dtypes as the reference checks them, before anything is converted: the backends agree on
     # every input the reference accepts, and refuse (not round) what it refuses, e.g. float lengths or D = 0
     check_layout(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows, mode=mode,
@@ -299,15 +349,22 @@ def attention(
             sink=sink,
         )
     try:
-        if saves_lse(q, k, v, gates, sink, mode, region, renormalize, sliding_window, softcap):
+        lse = saves_lse(q, k, v, gates, sink, mode, region, renormalize, sliding_window, softcap)
+        in_op = _max_logit and mode is None and not fewer_queries and fused_max_logit(dev.type)
+        if lse or in_op:
             # training: the op also returns each row's log-sum-exp, which its backward uses instead of recomputing
-            # the attention forward (docs/training.md, "The backward"); only the first two outputs go back
-            out, feats, _lse = torch.ops.attnkit.fused_attention_lse(
+            # the attention forward (docs/training.md, "The backward"); with `in_op`, each head's max logit too.
+            # Gates multiply the op's ungated output here, so that the saved output is the one ATen's backward
+            # wants and autograd gives the gate Σ dO ∘ O_h (no recompute)
+            res = torch.ops.attnkit.fused_attention_lse(
                 q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
-                bool(renormalize), gates, bool(want_features), key_scale, kv_head, causal, sliding_window, softcap,
-                sink,
+                bool(renormalize), None if lse else gates, bool(want_features), key_scale, kv_head, causal,
+                sliding_window, softcap, sink, *((True,) if in_op else ()),
             )
-            return out, feats
+            out = res[0]
+            if lse and gates is not None:
+                out = (out.float() * gates.float().view(1, 1, -1, 1)).to(out.dtype)
+            return (out, res[1], res[3]) if in_op else (out, res[1])
         if not _FUSED_DECODER:
             return torch.ops.attnkit.fused_attention(
                 q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
@@ -328,14 +385,15 @@ def attention(
 def saves_lse(q, k, v, gates, sink, mode, region, renormalize, sliding_window, softcap) -> bool:
     """Whether a fused CPU call runs `_LSE_OP` so that its backward reuses the saved output and log-sum-exp: a
     gradient is wanted, the extension has the op, and the backward is ATen's with nothing between the softmax and
-    the output — no intervention (mode, region, renormalize), no gates (the op's output is gated; ATen wants the
-    ungated one), as many queries as keys, and ATen's case (`kernels.backward.uses_aten`: no sliding window,
-    soft-cap or sink). Every other call keeps `_OP`, and its backward recomputes what it needs."""
+    the output — no intervention (mode, region, renormalize), as many queries as keys, and ATen's case
+    (`kernels.backward.uses_aten`: no sliding window, soft-cap or sink). Gates are allowed: the op then runs
+    ungated, which is the output ATen's backward wants, and `attention` multiplies by the gates outside it. Every
+    other call keeps `_OP`, and its backward recomputes what it needs."""
     from .kernels.backward import uses_aten
 
     return (q.device.type == "cpu" and torch.is_grad_enabled()
             and any(t is not None and t.requires_grad for t in (q, k, v, gates, sink))
-            and mode is None and region is None and not renormalize and gates is None and q.shape[2] == k.shape[2]
+            and mode is None and region is None and not renormalize and q.shape[2] == k.shape[2]
             and uses_aten(q, sliding_window, softcap, sink) and _FUSED_DECODER and has_kernel("cpu", _LSE_OP))
 
 
@@ -429,10 +487,10 @@ _GATES, _SINK = 11, 18
 def _setup_context(ctx, inputs, output):
     (q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region, renormalize,
      gates, want_features, _key_scale) = inputs[:14]  # the key scale changes features only
-    kv_head, causal, sliding_window, softcap, sink = (tuple(inputs[14:]) + (None, False, None, None, None)[
-        len(inputs) - 14:])
-    # _LSE_OP's outputs (out, features, lse): its backward reuses out and lse instead of recomputing them
-    saved = (output[0], output[2]) if len(output) == 3 else ()
+    kv_head, causal, sliding_window, softcap, sink = (tuple(inputs[14:19]) + (None, False, None, None, None)[
+        len(inputs[14:19]):])
+    # _LSE_OP's outputs (out, features, lse[, max_logit]): its backward reuses out and lse instead of recomputing them
+    saved = (output[0], output[2]) if len(output) >= 3 else ()
     ctx.save_for_backward(q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink, *saved)
     ctx.scaling = scaling
     ctx.renormalize = renormalize
@@ -442,7 +500,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
 
 
-def _backward(ctx, grad_out, grad_feats, grad_lse=None):
+def _backward(ctx, grad_out, grad_feats, *_grad_lse_and_max_logit):
     """The gradients of the op's output (docs/training.md, "The backward"): without an intervention (mode, region,
     renormalize) by attnkit.kernels.backward, which never builds an L×L map; with one, or with fewer queries than
     keys (a KV-cache step), by re-running the differentiable reference (L×L maps). After `_LSE_OP` without gates
@@ -500,9 +558,14 @@ if extension_loaded():
 
     if has_kernel("cpu", _LSE_OP):  # an extension built before the op has no such schema
         @torch.library.register_fake(_LSE_OP)
-        def _fused_attention_lse_fake(q, *args):
+        def _fused_attention_lse_fake(q, *args, want_max_logit=False):
+            if len(args) > 18:  # want_max_logit given by position
+                args, want_max_logit = args[:18], args[18]
             out, feats = _fused_attention_fake(q, *args)
             B, H, L, _ = q.shape
-            return out, feats, q.new_empty((B, H, L), dtype=torch.float32)
+            lse = q.new_empty((B, H, L), dtype=torch.float32)
+            if not _LSE_MAX_LOGIT:  # an extension built before the max logit: three outputs
+                return out, feats, lse
+            return out, feats, lse, q.new_empty((B, H if want_max_logit else 0), dtype=torch.float32)
 
         torch.library.register_autograd(_LSE_OP, _backward, setup_context=_setup_context)

@@ -14,8 +14,17 @@ Configurations:
   tracked  attnkit under attnkit.track(features=("entropy", "max_logit", "cls")), read after every step
 Each (model, configuration, round) runs in a fresh process: build the model, one warm-up step, reset the peak RSS
 (/proc/self/clear_refs), time `--steps` steps (forward, backward, AdamW step), read the peak (VmHWM). Reported:
-seconds per step and the peak RSS rise over the steps, medians over rounds run interleaved (sdpa, attnkit, tracked,
-sdpa, ...), and each configuration's ratio to sdpa.
+seconds per step (wall clock), the process's CPU seconds per step (user + system, time.process_time: on a machine
+shared with other jobs the wall clock also counts the waits for a core, the CPU time only the work done; with
+OMP_WAIT_POLICY=PASSIVE idle threads do not spin) and the peak RSS rise over the steps, medians over rounds run
+interleaved (sdpa, attnkit, tracked, sdpa, ...), and each configuration's ratio to sdpa.
+
+--same-process instead builds every configuration's model (--configs: which) in one fresh process and interleaves
+their steps (sdpa, attnkit, tracked, sdpa, ...) after a warm-up step each, `--steps` timed steps per configuration:
+a change of the machine's load then hits every configuration alike (on a shared machine the only ratios that mean
+much); it reports no memory (the process holds every model).
+
+    python bench/training.py --models bert --same-process --steps 6
 """
 from __future__ import annotations
 
@@ -51,7 +60,10 @@ def build(model_name: str, impl: str):
     return LlamaForCausalLM(cfg)
 
 
-def one(model_name: str, config: str, steps: int) -> dict:
+def setup(model_name: str, config: str):
+    """(step, context): one training step of `model_name` under `config` (forward, backward, AdamW step; the tracked
+    configuration reads its tracker after every step), and the context it runs in (attnkit.track or nothing), which
+    yields the tracker `step` takes."""
     import contextlib
 
     import torch
@@ -80,18 +92,51 @@ def one(model_name: str, config: str, steps: int) -> dict:
         if tracker is not None:
             tracker.read()
 
+    return step, ctx
+
+
+def one(model_name: str, config: str, steps: int) -> dict:
+    step, ctx = setup(model_name, config)
     with ctx as tracker:
         step(tracker)  # warm-up (optimizer state allocated)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         before = rss_kb("VmRSS")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             step(tracker)
         dt = (time.perf_counter() - t0) / steps
+        cpu = (time.process_time() - c0) / steps
         peak = rss_kb("VmHWM")
-    return {"model": model_name, "config": config, "s_per_step": dt, "rise_mb": (peak - before) / 1024,
+    return {"model": model_name, "config": config, "s_per_step": dt, "cpu_s_per_step": cpu,
+            "rise_mb": (peak - before) / 1024,
             "peak_mb": peak / 1024}
+
+
+def same_process(model_name: str, steps: int, configs=CONFIGS) -> list[dict]:
+    """Every configuration's model in this one process, their steps interleaved (sdpa, attnkit, tracked, sdpa, ...)
+    after one warm-up step each: a change of the machine's load hits every configuration alike. One dict per
+    (configuration, step); no memory (the process holds every model)."""
+    import contextlib
+
+    out = []
+    with contextlib.ExitStack() as stack:
+        runs = {}
+        for config in configs:
+            step, ctx = setup(model_name, config)
+            runs[config] = (step, stack.enter_context(ctx))
+        for config in configs:  # warm-up (optimizer state allocated)
+            runs[config][0](runs[config][1])
+        for r in range(steps):
+            for config in configs:
+                step, tracker = runs[config]
+                t0, c0 = time.perf_counter(), time.process_time()
+                step(tracker)
+                res = {"model": model_name, "config": config, "s_per_step": time.perf_counter() - t0,
+                       "cpu_s_per_step": time.process_time() - c0, "round": r}
+                out.append(res)
+                print(json.dumps(res), flush=True)
+    return out
 
 
 def main(argv=None):
@@ -101,7 +146,12 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json")
+    p.add_argument("--same-process", action="store_true",
+                   help="time every configuration in one process, steps interleaved (--steps each after a warm-up "
+                        "step; no memory figures), instead of a fresh process per (configuration, round)")
     p.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="with --same-process: which of them (sdpa first)")
+    p.add_argument("--same-process-of", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one:
         import torch
@@ -109,9 +159,29 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
         print(json.dumps(one(a.one[0], a.one[1], a.steps)))
         return
+    if a.same_process_of:
+        import torch
+
+        torch.set_num_threads(a.threads)
+        same_process(a.same_process_of, a.steps, tuple(a.configs.split(",")))
+        return
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", MALLOC_MMAP_THRESHOLD_="131072",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     results = []
+    if a.same_process:
+        for model_name in a.models.split(","):
+            out = subprocess.run([sys.executable, __file__, "--same-process-of", model_name, "--steps", str(a.steps),
+                                  "--threads", str(a.threads), "--configs", a.configs], capture_output=True, text=True,
+                                 env=env)
+            if out.returncode:
+                print(out.stderr[-2000:], file=sys.stderr)
+                raise SystemExit(f"{model_name} failed")
+            for line in out.stdout.strip().splitlines():
+                if line.startswith("{"):
+                    results.append(json.loads(line))
+                    print(line, flush=True)
+        report(results, a.json, memory=False)
+        return
     for model_name in a.models.split(","):
         for r in range(a.rounds):
             for config in CONFIGS:
@@ -124,20 +194,28 @@ def main(argv=None):
                 res["round"] = r
                 results.append(res)
                 print(json.dumps(res), flush=True)
+    report(results, a.json)
+
+
+def report(results: list[dict], json_path=None, memory: bool = True) -> None:
+    """The table of medians per (model, configuration) and their ratios to sdpa."""
     print(f"\nload: {os.getloadavg()}")
-    print("| model | L | config | s / step | × sdpa | peak RSS rise (MB) | × sdpa |")
-    print("|---|---|---|---|---|---|---|")
-    for model_name in a.models.split(","):
+    print("| model | L | config | s / step | × sdpa | CPU s / step | × sdpa | peak RSS rise (MB) | × sdpa |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for model_name in dict.fromkeys(x["model"] for x in results):
         med = {}
-        for config in CONFIGS:
+        configs = list(dict.fromkeys(x["config"] for x in results if x["model"] == model_name))
+        for config in configs:
             rs = [x for x in results if x["model"] == model_name and x["config"] == config]
-            med[config] = (statistics.median(x["s_per_step"] for x in rs), statistics.median(x["rise_mb"] for x in rs))
-        for config in CONFIGS:
-            t, m = med[config]
-            print(f"| {model_name} | {MODELS[model_name]} | {config} | {t:.2f} | {t / med['sdpa'][0]:.2f} | {m:.0f} | "
-                  f"{m / med['sdpa'][1]:.2f} |")
-    if a.json:
-        with open(a.json, "w") as f:
+            fields = ("s_per_step", "cpu_s_per_step") + (("rise_mb",) if memory else ())
+            med[config] = tuple(statistics.median(x[f] for x in rs) for f in fields) + (float("nan"),) * (not memory)
+        for config in configs:
+            t, c, m = med[config]
+            t0, c0, m0 = med["sdpa"]
+            print(f"| {model_name} | {MODELS[model_name]} | {config} | {t:.2f} | {t / t0:.2f} | {c:.2f} | "
+                  f"{c / c0:.2f} | {m:.0f} | {m / m0:.2f} |")
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(results, f, indent=1)
 
 

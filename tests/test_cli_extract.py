@@ -499,6 +499,28 @@ def test_max_logit_is_measured_saved_recorded_and_exported(corpus, tmp_path):
     assert "max_logit" not in HeadFeatures.load(plain).to_pandas().columns
 
 
+def test_max_logit_on_the_fused_cpu_op_takes_no_second_pass(corpus, tmp_path, monkeypatch):
+    """--max-logit on the fused CPU kernel: the op measures it while it runs (the blocked q·kᵀ pass of
+    attnkit.kernels.statistics raises here), and it is eager's."""
+    from attnkit import ops
+    from attnkit.kernels import statistics
+
+    if not ops.fused_max_logit("cpu"):
+        pytest.skip("a build whose CPU op has no max logit")
+
+    def no_second_pass(*_a, **_k):
+        raise AssertionError("a second q·kᵀ pass")
+
+    monkeypatch.setattr(statistics, "max_logits", no_second_pass)
+    monkeypatch.setattr("attnkit.engine.extract.max_logits", no_second_pass, raising=False)  # (its earlier import)
+    out = tmp_path / "run"
+    code, text = run("extract", corpus, "-o", out, "--max-length", 16, "--limit", 12, "--batch-size", 5, "-q",
+                     "--backend", "fused", "--max-logit")
+    assert code == 0, text
+    want = _eager_max_logits(corpus.read_text().splitlines()[:12], 16)
+    np.testing.assert_allclose(HeadFeatures.load(out).max_logit, want, rtol=1e-5, atol=1e-5)
+
+
 def test_max_logit_resumes_to_the_same_max_and_a_resume_must_keep_the_choice(corpus, tmp_path, paused_extract):
     full, part = tmp_path / "full", tmp_path / "part"
     args = ["--batch-size", 1, "-q", "--backend", "reference", "--max-length", 24, "--max-logit"]

@@ -233,7 +233,7 @@ def test_lse_matches_aten_flash_attention(capability, monkeypatch):
     kk, vv = k[:, KV.long()], v[:, KV.long()]
     for causal in (False, True):
         out, _, lse = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, None, None, 0.25, N, None, None, False,
-                                                            None, False, None, KV, causal)
+                                                            None, False, None, KV, causal)[:3]
         a_out, a_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kk, vv, is_causal=causal,
                                                                                   scale=0.25)[:2]
         torch.testing.assert_close(lse, a_lse, atol=1e-5, rtol=1e-6)
@@ -245,7 +245,7 @@ def test_lse_reconstructs_the_weights_with_decoder_arguments():
     with renormalize the kept keys); padded rows outside the window (no key) +inf, mode zero +inf."""
     q, k, v, lengths, tc, sid = make(L=24, seed=10, lengths=[24, 3])
     out, _, lse = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, None, None, 0.25, N, None, None, False,
-                                                        None, False, None, KV, True, 4, 2.0, SINK)
+                                                        None, False, None, KV, True, 4, 2.0, SINK)[:3]
     kk, vv = k[:, KV.long()], v[:, KV.long()]
     s = 2.0 * torch.tanh(q @ kk.transpose(-1, -2) * 0.25 / 2.0)
     pos = torch.arange(24)
@@ -259,7 +259,7 @@ def test_lse_reconstructs_the_weights_with_decoder_arguments():
     assert torch.isinf(lse[1, :, 7:]).all() and (lse[1, :, 7:] > 0).all()  # padded rows s >= 3 + 4: no key
     mode = torch.tensor([1, 0, 0, 0, 0, 0], dtype=torch.int32)
     _, _, lse0 = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, None, None, 0.25, N, mode, None, False,
-                                                       None, False, None, KV, True)
+                                                       None, False, None, KV, True)[:3]
     assert (lse0[:, 0] == math.inf).all() and torch.isfinite(lse0[0, 1:]).all()
 
 
@@ -286,7 +286,7 @@ def test_fewer_queries_are_the_last_rows_of_a_full_call(capability, monkeypatch,
 
     def call(qq):
         return torch.ops.attnkit.fused_attention_lse(qq, k, v, lengths, tc, sid, 0.25, N, None, None, False, None,
-                                                     True, None, *args)
+                                                     True, None, *args)[:3]
 
     full_out, _, full_lse = call(q)
     out, feats, lse = call(q[:, :, L - Lq:])
@@ -305,5 +305,89 @@ def test_lse_op_fake_and_schema():
     q, k, v, lengths, tc, sid = make(L=12, seed=13, lengths=[12, 7])
     op = torch.ops.attnkit.fused_attention_lse.default
     for extra in ((KV, True, 4, 2.0, SINK), (None, False, None, None, None)):
-        torch.library.opcheck(op, (q, k, v, lengths, tc, sid, 0.25, N, None, None, False, None, True, None) + extra,
-                              test_utils=("test_schema", "test_faketensor"))
+        for tail in [(), (True,)] if ops.fused_max_logit("cpu") else [()]:  # want_max_logit: a B×H 4th output
+            torch.library.opcheck(op, (q, k, v, lengths, tc, sid, 0.25, N, None, None, False, None, True, None) + extra
+                                  + tail, test_utils=("test_schema", "test_faketensor"))
+
+
+# --- each head's max logit from the kernel's own pass (attnkit::fused_attention_lse, want_max_logit) ----------
+needs_max_logit = pytest.mark.skipif(not ops.fused_max_logit("cpu"), reason="a build whose op has no max logit")
+
+
+def _loop_max_logit(q, k, lengths, scaling, kv, causal=False, window=None):
+    """B×H by explicit loops over the valid rows and the keys each sees, in float64 (independent of the reference)."""
+    B, H, L, _ = q.shape
+    out = torch.full((B, H), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        n = int(lengths[b])
+        i = torch.arange(n)
+        ok = torch.ones(n, n, dtype=torch.bool)
+        if causal:
+            ok &= i[:, None] >= i[None, :]
+        if window is not None:
+            ok &= i[:, None] - i[None, :] < window
+        for h in range(H):
+            s = q[b, h, :n].double() @ k[b, int(kv[h]), :n].double().T * scaling
+            out[b, h] = s[ok].max()
+    return out
+
+
+MAX_CASES = {"full": dict(), "causal": dict(causal=True), "causal_gqa": dict(causal=True, kv_head=KV),
+             "window": dict(causal=True, sliding_window=5), "window_not_causal": dict(sliding_window=9),
+             "softcap": dict(causal=True, softcap=0.5), "sink": dict(causal=True, sink=SINK + 10),
+             "everything": CASES["everything"]}
+
+
+@needs_max_logit
+@pytest.mark.parametrize("blocks", [None, "4x8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(MAX_CASES))
+def test_max_logit_of_the_op_equals_the_reference(case, dtype, blocks, monkeypatch, capability):
+    """want_max_logit: B×H, the largest scaled score over the valid rows (s < n) and the keys each sees, before the
+    soft-cap, the sink no key (docs/features.md §9): attnkit.reference.max_logits and explicit loops, with padding
+    (n = 1 included), across key and query blocks, fp32 and bf16 (scores in fp32 from the bf16 values)."""
+    from attnkit.reference import max_logits
+
+    if blocks:
+        monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", blocks)
+    kw = MAX_CASES[case]
+    kv = kw.get("kv_head", torch.arange(6, dtype=torch.int32))
+    q, k, v, lengths, tc, sid = make(B=3, Hkv=3 if "kv_head" in kw else 6, lengths=[37, 20, 1], seed=21)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    causal, window = kw.get("causal", False), kw.get("sliding_window")
+    args = (q, k, v, lengths, tc, sid, 0.3, N, None, None, False, None, True, None, kw.get("kv_head"), causal, window,
+            kw.get("softcap"), kw.get("sink"))
+    out, feats, lse, ml = torch.ops.attnkit.fused_attention_lse(*args, True)
+    assert ml.shape == (3, 6) and ml.dtype == torch.float32
+    want = max_logits(q.float(), k.float(), lengths, 0.3, kv_head=kw.get("kv_head"), causal=causal,
+                      sliding_window=window)
+    torch.testing.assert_close(ml, want, atol=1e-5, rtol=1e-6)
+    loops = _loop_max_logit(q.float(), k.float(), lengths, 0.3, kv, causal, window)
+    torch.testing.assert_close(ml.double(), loops, atol=1e-5, rtol=1e-6)
+    if kw.get("softcap"):  # before the cap: above it where a score passes c
+        assert (ml > kw["softcap"]).any()
+    # the other outputs are the op's without it; without it the max logit is B×0
+    out0, feats0, lse0, ml0 = torch.ops.attnkit.fused_attention_lse(*args)
+    assert ml0.shape == (3, 0)
+    assert torch.equal(out, out0) and torch.equal(feats, feats0) and torch.equal(lse, lse0)
+
+
+@needs_max_logit
+def test_max_logit_of_heads_the_tasks_do_not_measure():
+    """Heads in mode zero or uniform compute no scores, and a row whose softmax is undefined (a NaN sink, a +inf or
+    NaN score) stops reading its keys: their max logit comes from the head's scores, exactly as defined (NaN scores
+    propagate; a NaN sink is no key)."""
+    q, k, v, lengths, tc, sid = make(Hkv=6, lengths=[37, 9], seed=22)
+    mode = torch.tensor([1, 2, 0, 0, 0, 0], dtype=torch.int32)
+    sink = torch.tensor([0.0, 0.0, float("nan"), 0.0, 0.0, 0.0])
+    q = q.clone()
+    q[0, 3, 5, 0] = float("inf")  # row 5 of head 3, sample 0: +inf (and −inf) scores
+    q[1, 4, 2, :] = float("nan")  # a NaN row of a valid query
+    q[1, 5, 20, :] = float("nan")  # a NaN in a padded row (s >= n = 9): not counted
+    ml = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, None, None, 0.3, N, mode, None, False, None, False,
+                                               None, None, True, None, None, sink, True)[3]
+    from attnkit.reference import max_logits
+
+    want = max_logits(q, k, lengths, 0.3, causal=True)
+    assert torch.equal(ml.isnan(), want.isnan()) and ml[1, 4].isnan() and not ml[1, 5].isnan()
+    torch.testing.assert_close(ml.nan_to_num(), want.nan_to_num(), atol=1e-5, rtol=1e-6)

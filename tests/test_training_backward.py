@@ -57,6 +57,7 @@ CASES = {
     "encoder_gates": dict(gates=True),
     "causal": dict(causal=True),
     "causal_gqa": dict(causal=True, hkv=2),
+    "causal_gqa_gates": dict(causal=True, hkv=2, gates=True),
     "gqa_kv_head": dict(causal=True, hkv=3, kv_head=KV),
     "window": dict(causal=True, sliding_window=5, hkv=3),
     "softcap": dict(causal=True, softcap=2.0),
@@ -374,18 +375,52 @@ def test_saved_lse_bf16_within_twice_pytorchs_own_error(monkeypatch):
 
 
 @needs_lse
-def test_gates_and_inference_keep_their_paths(monkeypatch):
-    """With gates the op's output is gated, so the backward recomputes the ungated one (`stats`); without a
-    gradient (inference, extraction) the forward never takes the lse op."""
-    leaves, lengths, kw, w = make("encoder_gates")
-    counted = []
-    real = bw.stats
-    monkeypatch.setattr(bw, "stats", lambda *a: counted.append(1) or real(*a))
+@pytest.mark.parametrize("case", ["encoder_gates", "causal_gqa_gates"])
+def test_gates_save_the_ungated_output_and_skip_the_recompute(case, monkeypatch):
+    """Gates (a zero gate included): the op runs ungated and the gates multiply its output outside it, so the saved
+    output is the one ATen's backward wants (the recompute raises here) and autograd gives each gate Σ dO ∘ O_h; the
+    gradients of q, k, v and the gates equal eager's to 1e-5; without gradients the output equals the gated op's."""
+    leaves, lengths, kw, w = make(case)
+    calls = _spy_aten(monkeypatch)
     got = grads_of(op_fn(lengths, kw, "fused"), leaves, w, torch.float32)
-    assert counted == [1]
+    assert calls == [True]
     want = grads_of(eager_fn(lengths, kw), leaves, w, torch.float64)
-    for a, b in zip(got[:4], want[:4]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for name, a, b in zip("q k v gates".split(), got[:4], want[:4]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert got[3][1] != 0  # the zero gate's gradient: the head's output before the gate
+    q, k, v, gates = (t.float() for t in leaves[:4])
+    with torch.no_grad():
+        plain = ops.attention(q, k, v, lengths, scaling=0.3, gates=gates, backend="fused", **kw)[0]
+    trained = ops.attention(q.requires_grad_(), k, v, lengths, scaling=0.3, gates=gates, backend="fused", **kw)[0]
+    torch.testing.assert_close(trained.detach(), plain, atol=1e-6, rtol=1e-6)
+
+
+@needs_lse
+def test_an_unpadded_batch_gives_aten_no_key_mask(monkeypatch):
+    """No sample padded: ATen's backward gets no key mask (its mask-free path, as sdpa's) and the gradients are
+    eager's; with padding it gets the additive mask."""
+    real = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    masks = []
+
+    def spy(*a, attn_mask=None, **kw):
+        masks.append(attn_mask)
+        return real(*a, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", spy)
+    for lengths in ((23, 23, 23), (23, 11, 1)):
+        leaves, lengths, kw, w = make("causal_gqa_gates", lengths=lengths)
+        got = grads_of(op_fn(lengths, kw, "fused"), leaves, w, torch.float32)
+        want = grads_of(eager_fn(lengths, kw), leaves, w, torch.float64)
+        for a, b in zip(got[:4], want[:4]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert masks[0] is None and masks[1] is not None and len(masks) == 2
+
+
+@needs_lse
+def test_inference_keeps_the_plain_op():
+    """Which calls take the lse op (`saves_lse`); without a gradient (inference, extraction) the forward never
+    takes it."""
+    leaves, lengths, kw, w = make("encoder_gates")
     q, k, v = (t.float() for t in leaves[:3])
     args = (None, None, None, None, False, None, None)  # gates, sink, mode, region, renormalize, window, softcap
     assert not ops.saves_lse(q, k, v, *args)  # no tensor requires grad
@@ -393,7 +428,7 @@ def test_gates_and_inference_keep_their_paths(monkeypatch):
     assert ops.saves_lse(qg, k, v, *args)
     with torch.no_grad():
         assert not ops.saves_lse(qg, k, v, *args)
-    assert not ops.saves_lse(qg, k, v, torch.ones(6), *args[1:])  # gates
+    assert ops.saves_lse(qg, k, v, torch.ones(6), *args[1:])  # gates: multiplied outside the op
     assert not ops.saves_lse(qg, k, v, None, None, torch.zeros(6, dtype=torch.int32), *args[3:])  # a mode
     assert not ops.saves_lse(qg, k, v, *args[:5], 4, None)  # a sliding window
     assert not ops.saves_lse(qg[:, :, :5], k, v, *args)  # fewer queries than keys

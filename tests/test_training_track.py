@@ -4,6 +4,7 @@ separate, GQA and fused projections (the max logits of the same batch after the 
 from __future__ import annotations
 
 import copy
+import sys
 
 import numpy as np
 import pytest
@@ -111,6 +112,56 @@ def test_tracked_statistics_equal_eager_maps(kind, side):
     torch.testing.assert_close(got["max_logit"], want_max, atol=1e-5, rtol=1e-5)
     again = tracker.read()  # nothing since the last read
     assert all(t.isnan().all() for t in again.values())
+
+
+def _no_second_pass(*_a, **_k):
+    raise AssertionError("the max logit took a second q·kᵀ pass although the fused op measures it")
+
+
+@pytest.mark.skipif(not attnkit.ops.fused_max_logit("cpu"), reason="a build whose CPU op has no max logit")
+@pytest.mark.parametrize("kind, side", [("llama", "right"), ("mistral", "left"), ("gemma2", "right"),
+                                        ("gpt_oss", "left")])
+def test_tracked_max_logit_comes_from_the_op_without_a_second_pass(kind, side, monkeypatch):
+    """On the fused CPU path the tracked max logit is the op's own (attnkit.kernels.statistics.max_logits raises
+    here), in training (gradients: the lse op) and without gradients, and equals the observer's loops over q and k:
+    GQA, left padding, Gemma 2's soft-cap and window, gpt-oss's sinks and window (the op's cases, the max logit
+    before the cap among them: tests/test_fused_cpu_blocks.py)."""
+    model = attnkit.instrument(tiny_decoder(kind))
+    ids, mask = batch(side)
+    obs = QKObserver()
+    monkeypatch.setattr(statistics, "max_logits", _no_second_pass)
+    # (and under its earlier name in the module, attnkit.training.track being the function)
+    monkeypatch.setattr(sys.modules["attnkit.training.track"], "max_logits", _no_second_pass, raising=False)
+    with track(model, features=("max_logit",)) as tracker, observing(model, [obs]):
+        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+        trained = tracker.read()["max_logit"]
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        inferred = tracker.read()["max_logit"]
+    want = torch.stack([obs.max[i] for i in range(len(obs.max))])
+    torch.testing.assert_close(trained, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(inferred, want, atol=1e-5, rtol=1e-5)
+
+
+def test_max_logit_of_a_pruned_model_is_nan_for_removed_heads():
+    """A pruned layer (one head of a grouped KV pair removed): the tracker and extraction's MaxLogitCollector give
+    the kept heads the observer's max logit (from the op's own call) and the removed head NaN."""
+    from attnkit.arch import prune_heads
+    from attnkit.engine.extract import MaxLogitCollector
+
+    model = attnkit.instrument(prune_heads(tiny_decoder("llama"), [(1, 2)]))
+    ids, mask = batch("left")
+    obs, collector = QKObserver(), MaxLogitCollector(2, 4)
+    with track(model, features=("max_logit",)) as tracker, observing(model, [obs, collector]):
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        got = tracker.read()["max_logit"]
+    want = torch.stack([obs.max[i] for i in range(2)])
+    kept = torch.ones(2, 4, dtype=torch.bool)
+    kept[1, 2] = False
+    for m in (got, torch.from_numpy(collector.result()).float()):
+        assert m[1, 2].isnan() and not m[kept].isnan().any()
+        torch.testing.assert_close(m[kept], want[kept], atol=1e-5, rtol=1e-5)
 
 
 def test_tracking_in_training_with_gradients_and_dropout():

@@ -48,7 +48,8 @@ from .options import OutputPath, cli_errors, command_line, echo_for, int_range, 
                    "run: resume with the same value.")
 @click.option("--max-logit", "max_logit", is_flag=True,
               help="Also measure each head's max logit over the corpus (the largest scaled pre-softmax score a "
-                   "query sees; docs/features.md §9), from one more blocked q·kᵀ pass per layer: array max_logit "
+                   "query sees; docs/features.md §9), measured by the fused CPU kernel in its own pass (other "
+                   "backends: one more blocked q·kᵀ pass per layer): array max_logit "
                    "(layers × heads) in OUT/features.npz. Local engine, one device. Part of the run: resume with the "
                    "same choice.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")

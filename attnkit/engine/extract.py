@@ -25,7 +25,6 @@ from ..features import (
     check_num_windows,
     check_weighting,
 )
-from ..kernels.statistics import max_logits
 from ..models import attention_modules, check_max_length, model_feature_names, observing, resolve_model
 from ..ops import BACKENDS, backend_label, resolve_backend
 from ..run.head_features import FeatureAccumulator, HeadFeatures
@@ -245,7 +244,8 @@ def extract(
     `weighting`: "attention" (the features describe the attention weights) or "norm" (the weights scaled per key
     by the norm of the transformed key vector, Kobayashi et al. 2020: docs/features.md).
     `max_logit`: also each head's max logit over the corpus (`HeadFeatures.max_logit`, layers × heads; docs/features.md,
-    "Max logit"), from one more blocked q·kᵀ pass per layer (`.save(dir)` writes it into features.npz).
+    "Max logit"), measured by the fused CPU kernel in the attention call itself, elsewhere by one more blocked q·kᵀ
+    pass per layer (`.save(dir)` writes it into features.npz).
     """
     from ..corpus import Corpus
 
@@ -300,13 +300,16 @@ def extract(
 
 
 class MaxLogitCollector:
-    """An observer of q and k (encoders and decoders) that keeps each head's max logit over every forward
-    (attnkit.kernels.statistics.max_logits: by blocks of query rows, no L×L map). `start`: the maximum of an earlier
+    """An observer (encoders and decoders) that keeps each head's max logit over every forward. It takes the max
+    logit from the attention call itself (`takes_max_logit`: attnkit.hf_attention asks attnkit.ops.attention for it,
+    which the fused CPU kernel measures while it runs and other backends by attnkit.kernels.statistics.max_logits,
+    blocks of query rows; no L×L map either way), not q and k. `start`: the maximum of an earlier
     part of the run (a checkpoint's, layers × heads, NaN where none was seen), which the result includes: a maximum
     accumulates exactly across parts, and a part measured twice (a resume re-measures what its checkpoint may
     already hold) leaves it unchanged."""
 
     decoder_arguments = True
+    takes_max_logit = True  # `add_max_logit` after the op, instead of a call with q and k before it
 
     def __init__(self, n_layers: int, n_heads: int, start: np.ndarray | None = None):
         self.max = [None] * n_layers
@@ -316,12 +319,13 @@ class MaxLogitCollector:
                                f"({n_layers} layers × {n_heads} heads here)")
         self.start = None if start is None else np.asarray(start, dtype=np.float64)
 
-    def __call__(self, layer, query, key, lengths, scaling, *, kv_head=None, causal=False, sliding_window=None,
-                 softcap=None, sink=None):
-        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        m = max_logits(query, key, lengths, scale, kv_head=kv_head, causal=causal,
-                       sliding_window=sliding_window).amax(0)
+    def add_max_logit(self, layer: int, max_logit: torch.Tensor) -> None:
+        """One forward's B×H max logits of `layer` (NaN for a removed head)."""
+        m = max_logit.amax(0)
         self.max[layer] = m if self.max[layer] is None else torch.maximum(self.max[layer], m)
+
+    def __call__(self, *_args, **_kwargs):  # an observer is callable (attnkit.models.observing); never called
+        raise AttnkitError("MaxLogitCollector takes the max logit from the attention call (add_max_logit)")
 
     def result(self) -> np.ndarray:
         now = np.stack([np.full(self.n_heads, np.nan) if m is None else m.double().cpu().numpy() for m in self.max])

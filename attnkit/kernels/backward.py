@@ -7,10 +7,10 @@ attnkit/ops.py). Two ways, chosen by what a call uses:
 * ATen's CPU flash-attention backward (`_scaled_dot_product_flash_attention_for_cpu_backward`) for CPU tensors
   without a sliding window, soft-cap or sink. It needs the output and the per-row log-sum-exp of the scaled scores
   (natural log, fp32, B×H×L: the convention of ATen's forward): the forward's own, saved by
-  attnkit::fused_attention_lse (`saved`, attnkit/ops.py `saves_lse`), or else — gates, old builds — recomputed by
-  `stats` with ATen's own CPU flash forward (O(L) memory). Padding goes in as an additive B×1×1×L key mask,
-  causal rows as `is_causal`; grouped K/V are repeated per query head (B×H×L×D, never L×L) and their gradients
-  summed over each KV head's query heads.
+  attnkit::fused_attention_lse (`saved`, attnkit/ops.py `saves_lse`; gated calls run it ungated), or else — old
+  builds, the reference — recomputed by `stats` with ATen's own CPU flash forward (O(L) memory). Padding goes in as
+  an additive B×1×1×L key mask (none when no sample is padded: `unpadded`), causal rows as `is_causal`; grouped
+  K/V are repeated per query head (B×H×L×D, never L×L) and their gradients summed over each KV head's query heads.
 * `tiled_backward` everywhere else (sliding windows, soft-capping, sinks, CUDA): the flash derivation in PyTorch,
   one block of query rows at a time. A tile holds its rows' full scores (block × L), so its softmax needs no saved
   log-sum-exp: P = softmax(S), O = P V, D = rowsum(dO ∘ O), dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − D), through the
@@ -59,18 +59,28 @@ def _valid_keys(lengths: torch.Tensor, L: int) -> torch.Tensor:
     return torch.arange(L, device=lengths.device)[None, :] < lengths[:, None]  # B×L
 
 
+def unpadded(lengths: torch.Tensor, L: int) -> bool:
+    """Every sample is L long: no key is padding, so the backward needs no key mask (ATen's kernels then take their
+    mask-free path, as sdpa's do) and zeroes nothing. Read on the host, only for real lengths on the CPU (no device
+    sync), never while compiling or tracing (fake or functional tensors: the general path traces)."""
+    return (type(lengths) is torch.Tensor and lengths.device.type == "cpu" and not torch.compiler.is_compiling()
+            and bool((lengths == L).all()))
+
+
 def stats(q, k, v, mask, causal: bool, scaling: float):
     """(O B×H×L×D in q's dtype, lse B×H×L fp32) recomputed by ATen's CPU flash forward: the backward's way to them
-    when the forward did not save them (`saved` of `attention_backward`: old builds, gates)."""
+    when the forward did not save them (`saved` of `attention_backward`: old builds, a gated output)."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
                                                                       scale=scaling)
 
 
-def _aten_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal, saved=None):
+def _aten_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal, saved=None, full=False):
     B, H, L, D = q.shape
-    valid = _valid_keys(lengths, L)
-    mask = torch.zeros(B, 1, 1, L, dtype=q.dtype, device=q.device).masked_fill(~valid[:, None, None, :],
-                                                                                float("-inf"))
+    mask = None  # full: no padded key
+    if not full:
+        valid = _valid_keys(lengths, L)
+        mask = torch.zeros(B, 1, 1, L, dtype=q.dtype, device=q.device).masked_fill(~valid[:, None, None, :],
+                                                                                    float("-inf"))
     ke = _per_query_head(k, index).contiguous()
     ve = _per_query_head(v, index).contiguous()
     if saved is not None:  # the forward's own output (B×L×H×D, ungated) and log-sum-exp (attnkit/ops.py)
@@ -157,18 +167,21 @@ def attention_backward(grad_out, q, k, v, lengths, *, scaling: float, gates=None
     Hkv = k.shape[1]
     lengths = lengths.to(device=q.device, dtype=torch.long)
     index = _kv_index(H, Hkv, kv_head, q.device)
+    full = unpadded(lengths, L)
     valid = _valid_keys(lengths, L)[:, None, :, None]
-    k = torch.where(valid, k, 0).to(k.dtype)  # padded keys never reach a valid row (the reference drops them)
-    v = torch.where(valid, v, 0).to(v.dtype)
+    if not full:
+        k = torch.where(valid, k, 0).to(k.dtype)  # padded keys never reach a valid row (the reference drops them)
+        v = torch.where(valid, v, 0).to(v.dtype)
     if uses_aten(q, sliding_window, softcap, sink):
         dq, dke, dve, dg, ds = _aten_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal,
-                                                  saved=saved if gates is None else None)
+                                              saved=saved if gates is None else None, full=full)
     else:
         dq, dke, dve, dg, ds = tiled_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal,
                                               sliding_window, softcap, sink)
     dk = _sum_per_kv_head(dke.float() if index is not None else dke, index, Hkv)
     dv = _sum_per_kv_head(dve.float() if index is not None else dve, index, Hkv)
-    dk = torch.where(valid, dk, 0)
-    dv = torch.where(valid, dv, 0)
+    if not full:
+        dk = torch.where(valid, dk, 0)
+        dv = torch.where(valid, dv, 0)
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None if dg is None else dg.to(gates.dtype),
             None if ds is None else ds.to(sink.dtype))

@@ -8,8 +8,9 @@
                 stats = tracker.read()      # {"entropy": layers × heads, ...} on the model's device
 
 Every forward of the model inside the block adds its statistics to sums kept on the device: the op computes the
-features in the same call that computes the output (attnkit.hf_attention reads `Runtime.tracker`), and the max logit
-comes from a blocked q·kᵀ pass (attnkit.kernels.statistics) only when it is asked for. Nothing is read on the host:
+features in the same call that computes the output (attnkit.hf_attention reads `Runtime.tracker`), and so does the
+max logit where the kernel measures it (the fused CPU op; elsewhere a blocked q·kᵀ pass, attnkit.kernels.statistics,
+only when it is asked for). Nothing is read on the host:
 `read()` returns device tensors (moving them to the host is the caller's one sync).
 """
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 from ..arch.pruning import to_unpruned
 from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS
-from ..kernels.statistics import max_logits
 from ..models import attention_modules, instrument, model_feature_names, runtime_of
 
 MAX_LOGIT = "max_logit"
@@ -59,9 +59,10 @@ class Tracker:
         self._max: dict[int, torch.Tensor] = {}
         self.samples = 0  # samples seen by the first layer since the last read
 
-    def record(self, layer: int, feats: torch.Tensor, query, key, lengths, scaling: float, dec: dict, kept) -> None:
+    def record(self, layer: int, feats: torch.Tensor, max_logit: torch.Tensor | None, kept) -> None:
         """Called by attnkit attention for every layer of every forward: B×h×F features of the heads the layer has
-        (`kept`: a pruned layer's heads) and the q, k, lengths and decoder arguments of the call."""
+        (`kept`: a pruned layer's heads) and, when `max_logit` is tracked, their B×h max logits from the same call
+        of the op (attnkit.ops.attention(..., want_max_logit=True))."""
         if torch.compiler.is_compiling():
             raise AttnkitError("attnkit.track does not run inside torch.compile: track the uncompiled model, or "
                                "compile it without attnkit.track")
@@ -81,8 +82,7 @@ class Tracker:
             if layer == 0:
                 self.samples += f.shape[0]
             if self.want_max:
-                m = max_logits(query, key, lengths, scaling, kv_head=dec.get("kv_head"),
-                               causal=dec.get("causal", False), sliding_window=dec.get("sliding_window")).amax(0)
+                m = max_logit.amax(0)
                 if kept is not None:
                     m = to_unpruned(m[None], kept, float("nan"))[0]
                 self._max[layer] = m if layer not in self._max else torch.maximum(self._max[layer], m)

@@ -142,15 +142,34 @@ void check_opt(const c10::optional<at::Tensor>& t, const char* name, at::ScalarT
               t->sizes());
 }
 
-// The op's CPU kernel; want_lse: also the per-row log-sum-exp (attnkit::fused_attention_lse).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
+// Head (b, h)'s max logit by its scores (docs/features.md §9, the definition of attnkit.reference.max_logits): the
+// largest q_s · k_t · scaling over the valid query rows s < n and the keys t each sees, before any soft-cap; NaN
+// propagates. Builds that head's Lq × n scores: only for the heads the tasks do not measure (a head in mode zero
+// or uniform computes no scores) or measured as NaN (a row whose softmax is undefined stops reading its keys).
+float head_max_logit(const at::Tensor& q, const at::Tensor& k, int64_t b, int64_t h, int64_t kvh, int64_t n,
+                     int64_t off, double scaling, bool causal, int64_t window) {
+  const int64_t Lq = q.size(2);
+  const int64_t rows = std::max<int64_t>(0, std::min(n - off, Lq));  // the valid query rows s = off + i < n
+  if (rows == 0) return -std::numeric_limits<float>::infinity();
+  auto s = at::matmul(q[b][h].narrow(0, 0, rows), k[b][kvh].narrow(0, 0, n).t()) * scaling;  // rows × n
+  auto pos_s = at::arange(off, off + rows, q.options().dtype(at::kLong)).unsqueeze(1);
+  auto pos_t = at::arange(0, n, q.options().dtype(at::kLong)).unsqueeze(0);
+  auto hidden = at::zeros({rows, n}, q.options().dtype(at::kBool));
+  if (causal) hidden = hidden.logical_or(pos_t > pos_s);
+  if (window > 0) hidden = hidden.logical_or(pos_s - pos_t >= window);
+  return s.masked_fill(hidden, -std::numeric_limits<float>::infinity()).amax().item<float>();
+}
+
+// The op's CPU kernel; want_lse: also the per-row log-sum-exp (attnkit::fused_attention_lse); want_max_logit:
+// also each head's max logit per sample (B×H, docs/features.md §9), else B×0.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& lengths_in,
     const c10::optional<at::Tensor>& token_class_in, const c10::optional<at::Tensor>& sentence_id_in,
     double scaling, int64_t num_windows, const c10::optional<at::Tensor>& mode_in,
     const c10::optional<at::Tensor>& region_in, bool renormalize, const c10::optional<at::Tensor>& gates_in,
     bool want_features, const c10::optional<at::Tensor>& key_scale_in, const c10::optional<at::Tensor>& kv_head_in,
     bool causal, c10::optional<int64_t> sliding_window, c10::optional<double> softcap,
-    const c10::optional<at::Tensor>& sink_in, bool want_lse) {
+    const c10::optional<at::Tensor>& sink_in, bool want_lse, bool want_max_logit) {
   ATTNKIT_CHECK(q_in.dim() == 4, "fused_attention: q must be 4-D (B, H, L, D), got shape ", q_in.sizes());
   // Lq query rows, L keys: Lq < L is a KV-cache step (the queries are the last Lq key positions: row i is key
   // position s = L − Lq + i; docs of attnkit/reference.py, "Fewer queries than keys")
@@ -366,6 +385,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   const int64_t n_tasks = B * H * p.n_qblk;
   std::vector<double> partial(want_features ? n_tasks * p.FA : 0, 0.0);
   p.partial = want_features ? partial.data() : nullptr;
+  std::vector<float> task_max(want_max_logit ? n_tasks : 0, -std::numeric_limits<float>::infinity());
+  p.max_logit = want_max_logit ? task_max.data() : nullptr;
   const FusedTasksFn tasks = current_build().fn;
   // per-thread scratch, fixed in size: one allocation per thread and call
   const int64_t RS = kRowStateSlots(N);
@@ -404,7 +425,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       }
     }
   }
-  return {out, feats, lse};
+  at::Tensor max_logit = at::empty({B, want_max_logit ? H : 0}, q_in.options().dtype(at::kFloat));
+  if (want_max_logit) {  // the maximum over each (sample, head)'s query blocks, NaN propagating
+    float* mp = max_logit.data_ptr<float>();
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < p.n_qblk; ++t) {
+        const float x = task_max[bh * p.n_qblk + t];
+        m = (std::isnan(m) || std::isnan(x)) ? std::numeric_limits<float>::quiet_NaN() : std::max(m, x);
+      }
+      const int64_t b = bh / H, h = bh % H;
+      if (std::isnan(m) || mode[h] != kModeKeep)  // not measured by the tasks: from the head's scores
+        m = head_max_logit(q, k, b, h, kv_head[h], nlen[b], off, scaling, causal, sliding_window.value_or(0));
+      mp[bh] = m;
+    }
+  }
+  return {out, feats, lse, max_logit};
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
@@ -414,22 +450,24 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
     bool renormalize, const c10::optional<at::Tensor>& gates, bool want_features,
     const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& kv_head, bool causal,
     c10::optional<int64_t> sliding_window, c10::optional<double> softcap, const c10::optional<at::Tensor>& sink) {
-  auto [out, feats, lse] =
+  auto [out, feats, lse, max_logit] =
       fused_attention_impl(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region, renormalize,
-                           gates, want_features, key_scale, kv_head, causal, sliding_window, softcap, sink, false);
+                           gates, want_features, key_scale, kv_head, causal, sliding_window, softcap, sink, false,
+                           false);
   return {out, feats};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attention_lse_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_lse_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
     const c10::optional<at::Tensor>& token_class, const c10::optional<at::Tensor>& sentence_id, double scaling,
     int64_t num_windows, const c10::optional<at::Tensor>& mode, const c10::optional<at::Tensor>& region,
     bool renormalize, const c10::optional<at::Tensor>& gates, bool want_features,
     const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& kv_head, bool causal,
-    c10::optional<int64_t> sliding_window, c10::optional<double> softcap, const c10::optional<at::Tensor>& sink) {
+    c10::optional<int64_t> sliding_window, c10::optional<double> softcap, const c10::optional<at::Tensor>& sink,
+    bool want_max_logit) {
   return fused_attention_impl(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region,
                               renormalize, gates, want_features, key_scale, kv_head, causal, sliding_window, softcap,
-                              sink, true);
+                              sink, true, want_max_logit);
 }
 
 }  // namespace

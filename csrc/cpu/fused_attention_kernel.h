@@ -29,6 +29,9 @@ struct FusedCpuParams {
   int64_t qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2;
   float* out;  // fp32 B×Lq×H×D
   float* lse;  // fp32 B×H×Lq natural-log log-sum-exp of each row (nullptr: not wanted)
+  // fp32 per task: the max logit of its valid rows (NaN where a row's softmax is undefined: the host recomputes
+  // those heads), written by every task except a zeroed head's (nullptr: not wanted)
+  float* max_logit;
   // per head: mode, region, gate, KV head, sink logit (sink nullptr: none)
   const int32_t *mode, *region, *kv_head;
   const float *gate, *sink;

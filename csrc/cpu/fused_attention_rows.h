@@ -47,7 +47,8 @@ constexpr int kAll = kRegionAll, kNoIntra = kRegionNoIntra, kNoInter = kRegionNo
 //   m: running max (sink included); Z: Σe over the keys seen; Zk: Σe over the kept keys (region);
 //   Zf: Σw, w the feature weights (e kept, times g under a key scale); A: Σ w·(s − m + ln g);
 //   Mx: max w; I: Σ w over the row's own sentence; self, prev, next; cls[4]; bad: the row's softmax is
-//   undefined (a NaN or +inf score, a NaN sink); win[N].
+//   undefined (a NaN or +inf score, a NaN sink); ML (slot sPad): the largest score the row saw, before any
+//   soft-cap (its max logit, docs/features.md §9); win[N].
 enum : int64_t {
   sM = 0, sZ, sZk, sZf, sA, sMx, sI, sSelf, sPrev, sNext, sCls0, sCls1, sCls2, sCls3, sBad, sPad, sWin
 };
@@ -287,6 +288,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       std::fill(st, st + RS, 0.f);
       st[sM] = uniform ? 0.f : sink;
       st[sBad] = (!uniform && std::isnan(sink)) ? 1.f : 0.f;
+      st[sPad] = neg_inf;  // the row's max logit so far
     }
     bool first = true;
     for (int64_t k0 = klo; k0 < khi; k0 += BK) {
@@ -318,8 +320,10 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         float m = st[sM];
         float mb = 0.f;  // the block's max score (uniform: all scores taken as 0)
         if (!uniform) {
+          if (p.softcap > 0.f && p.max_logit != nullptr) st[sPad] = std::max(st[sPad], range_max(x, len));
           if (p.softcap > 0.f) softcap_inplace(x, len, p.softcap);
           mb = range_max(x, len);
+          if (p.softcap <= 0.f) st[sPad] = std::max(st[sPad], mb);  // the max logit (NaN: the row is bad, below)
           if (std::isnan(mb) || mb == pos_inf) {  // the softmax is undefined (numerics policy of the reference)
             st[sBad] = 1.f;
             std::fill(x, x + len, 0.f);
@@ -416,6 +420,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
 
     // --- epilogue: output rows, log-sum-exp, features
     bool task_undefined = false;
+    float task_max = neg_inf;  // the max logit of the block's valid rows (NaN: a bad row; the host recomputes it)
     for (int64_t r = 0; r < bq; ++r) {
       const int64_t s = s0 + r;
       float* orow = o + r * os_row;
@@ -434,6 +439,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       const float cg = c * p.gate[h];
       for (int64_t d = 0; d < D; ++d) orow[d] = arow[d] * cg;
       if (lse != nullptr) lse[r] = bad ? nan : (den > 0.f ? m + std::log(den) : pos_inf);
+      if (s < n && !std::isnan(task_max)) task_max = bad ? nan : std::max(task_max, st[sPad]);
       if (!p.want_features || s >= n) continue;
       if (bad) {  // NaN features for the whole (sample, head)
         task_undefined = true;
@@ -464,6 +470,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       a[F0 + 1] += fsink;
     }
     if (task_undefined) std::fill(a, a + p.FA, std::numeric_limits<double>::quiet_NaN());
+    if (p.max_logit != nullptr) p.max_logit[task] = task_max;
   }
 }
 
