@@ -70,13 +70,18 @@ BlockSums exp_pass(float* x, int64_t len, bool uniform, float m, const float* si
   constexpr bool MX = REGION != kAll || KS;
   const Vec mv(m), one(1.f), zero(0.f), sv(sid_s), floor_v(-1e30f);
   Vec Zv(0.f), Zkv(0.f), Zfv(0.f), Av(0.f), Mxv(0.f), Iv(0.f);
-  int64_t i = 0;
-  for (; i + kW <= len; i += kW) {
-    const Vec y = uniform ? zero : Vec::loadu(x + i) - mv;
+  // full vectors, then the tail by partial loads with its missing lanes' weights set to 0 (short rows are all
+  // tail: no scalar exp)
+  for (int64_t i = 0; i < len; i += kW) {
+    const int64_t cnt = std::min<int64_t>(kW, len - i);
+    const bool full = cnt == kW;
+    auto load = [&](const float* ptr) { return full ? Vec::loadu(ptr + i) : Vec::loadu(ptr + i, cnt); };
+    const Vec y = uniform ? zero : load(x) - mv;
     Vec e = uniform ? one : y.exp_u20();
+    if (!full) e = Vec::set(zero, e, cnt);
     Zv = Zv + e;
     Vec same = one;
-    if constexpr (REGION != kAll || (FEAT && SID)) same = Vec::loadu(sidf + i).eq(sv);
+    if constexpr (REGION != kAll || (FEAT && SID)) same = load(sidf).eq(sv);
     if constexpr (REGION == kNoIntra) e = e * (one - same);
     if constexpr (REGION == kNoInter) e = e * same;
     if constexpr (REGION != kAll) Zkv = Zkv + e;
@@ -85,17 +90,19 @@ BlockSums exp_pass(float* x, int64_t len, bool uniform, float m, const float* si
       const Vec yc = at::vec::maximum(y, floor_v);
       Vec w = e;
       if constexpr (KS) {
-        w = e * Vec::loadu(g + i);
-        w.store(pc + i);
+        w = e * load(g);
+        if (full) w.store(pc + i);
+        else w.store(pc + i, cnt);
         Zfv = Zfv + w;
-        Av = at::vec::fmadd(w, yc + Vec::loadu(lg + i), Av);
+        Av = at::vec::fmadd(w, yc + load(lg), Av);
       } else {
         Av = at::vec::fmadd(w, yc, Av);
       }
       if constexpr (MX) Mxv = at::vec::maximum(Mxv, w);
       if constexpr (SID) Iv = at::vec::fmadd(w, same, Iv);
     }
-    e.store(x + i);
+    if (full) e.store(x + i);
+    else e.store(x + i, cnt);
   }
   auto sum = [](Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); };
   BlockSums r{sum(Zv), 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -105,31 +112,6 @@ BlockSums exp_pass(float* x, int64_t len, bool uniform, float m, const float* si
     r.A = sum(Av);
     if constexpr (MX) r.Mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, Mxv);
     if constexpr (SID) r.I = sum(Iv);
-  }
-  for (; i < len; ++i) {
-    const float y = uniform ? 0.f : x[i] - m;
-    float e = uniform ? 1.f : std::exp(y);
-    r.Z += e;
-    float same = 1.f;
-    if constexpr (REGION != kAll || (FEAT && SID)) same = sidf[i] == sid_s ? 1.f : 0.f;
-    if constexpr (REGION == kNoIntra) e *= 1.f - same;
-    if constexpr (REGION == kNoInter) e *= same;
-    if constexpr (REGION != kAll) r.Zk += e;
-    if constexpr (FEAT) {
-      const float yc = std::max(y, -1e30f);
-      float w = e;
-      if constexpr (KS) {
-        w = e * g[i];
-        pc[i] = w;
-        r.Zf += w;
-        r.A += w * (yc + lg[i]);
-      } else {
-        r.A += w * yc;
-      }
-      if constexpr (MX) r.Mx = std::max(r.Mx, w);
-      if constexpr (SID) r.I += w * same;
-    }
-    x[i] = e;
   }
   if constexpr (REGION == kAll) r.Zk = r.Z;
   if constexpr (!KS) r.Zf = r.Zk;

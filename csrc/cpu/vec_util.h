@@ -49,25 +49,23 @@ inline float clipped_sum(const float* p, int64_t lo, int64_t hi, int64_t n) {
   return hi > lo ? range_sum(p + lo, hi - lo) : 0.f;
 }
 
-// Max of p[0..len), NaN when any element is NaN (the callers rely on it to find undefined rows). Four
-// accumulators: one would wait on the latency of each max.
+// Max of p[0..len) (−inf when empty), NaN when any element is NaN (the callers rely on it to find undefined rows).
+// Four accumulators: one would wait on the latency of each max. The tail is one partial load, its missing lanes
+// −inf: short rows (a sentence of 15 tokens) are all tail.
 inline float range_max(const float* p, int64_t len) {
-  float m = -std::numeric_limits<float>::infinity();
+  const Vec ninf(-std::numeric_limits<float>::infinity());
+  Vec a0 = ninf, a1 = ninf, a2 = ninf, a3 = ninf;
   int64_t i = 0;
-  if (len >= kW) {
-    Vec a0 = Vec::loadu(p), a1 = a0, a2 = a0, a3 = a0;
-    for (i = kW; i + 4 * kW <= len; i += 4 * kW) {
-      a0 = at::vec::maximum(a0, Vec::loadu(p + i));
-      a1 = at::vec::maximum(a1, Vec::loadu(p + i + kW));
-      a2 = at::vec::maximum(a2, Vec::loadu(p + i + 2 * kW));
-      a3 = at::vec::maximum(a3, Vec::loadu(p + i + 3 * kW));
-    }
-    for (; i + kW <= len; i += kW) a0 = at::vec::maximum(a0, Vec::loadu(p + i));
-    a0 = at::vec::maximum(at::vec::maximum(a0, a1), at::vec::maximum(a2, a3));
-    m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, a0);
+  for (; i + 4 * kW <= len; i += 4 * kW) {
+    a0 = at::vec::maximum(a0, Vec::loadu(p + i));
+    a1 = at::vec::maximum(a1, Vec::loadu(p + i + kW));
+    a2 = at::vec::maximum(a2, Vec::loadu(p + i + 2 * kW));
+    a3 = at::vec::maximum(a3, Vec::loadu(p + i + 3 * kW));
   }
-  for (; i < len; ++i) m = (p[i] > m || std::isnan(p[i])) ? p[i] : m;  // (once NaN, m stays NaN)
-  return m;
+  for (; i + kW <= len; i += kW) a0 = at::vec::maximum(a0, Vec::loadu(p + i));
+  if (i < len) a1 = at::vec::maximum(a1, Vec::set(ninf, Vec::loadu(p + i, len - i), len - i));
+  a0 = at::vec::maximum(at::vec::maximum(a0, a1), at::vec::maximum(a2, a3));
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, a0);
 }
 
 inline void scale_inplace(float* p, int64_t len, float c) {
