@@ -84,14 +84,17 @@ def has_kernel(device_type: str, op: str = _OP) -> bool:
     return _KERNELS[key]
 
 
-def _schema_has_decoder_args() -> bool:
-    if not extension_loaded():
-        return False
+def _op_takes(op: str, argument: str) -> bool:
+    """Whether the compiled `torch.ops.attnkit.<op>` has `argument` in its schema (older builds lack later ones)."""
     try:
-        names = {a.name for a in torch.ops.attnkit.fused_attention.default._schema.arguments}
+        names = {a.name for a in getattr(torch.ops.attnkit, op).default._schema.arguments}
     except (AttributeError, RuntimeError):
         return False
-    return "causal" in names
+    return argument in names
+
+
+def _schema_has_decoder_args() -> bool:
+    return extension_loaded() and _op_takes("fused_attention", "causal")
 
 
 _FUSED_DECODER = _schema_has_decoder_args()
@@ -100,13 +103,7 @@ _FUSED_DECODER = _schema_has_decoder_args()
 def _lse_op_has_max_logit() -> bool:
     """Whether the compiled `_LSE_OP` takes `want_max_logit` and returns each head's max logit (csrc/ops.cpp): the
     CPU kernel then measures it while it runs. An extension built before it returns (out, features, lse) only."""
-    if not has_kernel("cpu", _LSE_OP):
-        return False
-    try:
-        names = {a.name for a in torch.ops.attnkit.fused_attention_lse.default._schema.arguments}
-    except (AttributeError, RuntimeError):
-        return False
-    return "want_max_logit" in names
+    return has_kernel("cpu", _LSE_OP) and _op_takes("fused_attention_lse", "want_max_logit")
 
 
 _LSE_MAX_LOGIT = _lse_op_has_max_logit()
