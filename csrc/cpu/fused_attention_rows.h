@@ -58,6 +58,10 @@ struct BlockSums {
   float Z, Zk, Zf, A, Mx, I;
 };
 
+// Whether exp_pass sums the max weight itself (a region or a key scale: the weights are not plain e); else it is
+// exp(block max − m).
+constexpr bool pass_sums_max(int region, bool ks) { return region != kAll || ks; }
+
 // One pass over the len scores a row sees in a block (x, in place → kept numerators e). m: the row's base
 // (finite); the caller has checked the scores (range_max: no NaN, no +inf). REGION: kAll, kNoIntra, kNoInter
 // (needs sidf). FEAT: the feature sums; KS: feature weights e·g written to pc (g, lg = ln g aligned with x); SID:
@@ -67,7 +71,7 @@ struct BlockSums {
 template <bool FEAT, int REGION, bool KS, bool SID>
 BlockSums exp_pass(float* x, int64_t len, bool uniform, float m, const float* sidf, float sid_s, const float* g,
                    const float* lg, float* pc) {
-  constexpr bool MX = REGION != kAll || KS;
+  constexpr bool MX = pass_sums_max(REGION, KS);
   const Vec mv(m), one(1.f), zero(0.f), sv(sid_s), floor_v(-1e30f);
   Vec Zv(0.f), Zkv(0.f), Zfv(0.f), Av(0.f), Mxv(0.f), Iv(0.f);
   // full vectors, then the tail by partial loads with its missing lanes' weights set to 0 (short rows are all
@@ -117,9 +121,6 @@ BlockSums exp_pass(float* x, int64_t len, bool uniform, float m, const float* si
   if constexpr (!KS) r.Zf = r.Zk;
   return r;
 }
-
-// Whether exp_pass sums the max weight itself (else it is exp(block max − m)).
-inline bool pass_sums_max(int region, bool ks) { return region != kAll || ks; }
 
 using PassFn = BlockSums (*)(float*, int64_t, bool, float, const float*, float, const float*, const float*, float*);
 
