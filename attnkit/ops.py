@@ -273,16 +273,11 @@ def attention(
     from the CPU kernel's own pass where it measures it (`fused_max_logit`: no intervention mode, as many queries as
     keys), else from `attnkit.kernels.statistics.max_logits` (one more blocked q·kᵀ pass).
     """
-    if not want_max_logit:
-        return _attention(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
-                          mode=mode, region=region, renormalize=renormalize, gates=gates, want_features=want_features,
-                          key_scale=key_scale, kv_head=kv_head, causal=causal, sliding_window=sliding_window,
-                          softcap=softcap, sink=sink, backend=backend)
     res = _attention(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows, mode=mode,
                      region=region, renormalize=renormalize, gates=gates, want_features=want_features,
                      key_scale=key_scale, kv_head=kv_head, causal=causal, sliding_window=sliding_window,
-                     softcap=softcap, sink=sink, backend=backend, _max_logit=True)
-    if len(res) == 3:
+                     softcap=softcap, sink=sink, backend=backend, _max_logit=want_max_logit)
+    if not want_max_logit or len(res) == 3:
         return res
     from .kernels.statistics import max_logits
 
