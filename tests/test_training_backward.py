@@ -345,19 +345,25 @@ def _spy_aten(monkeypatch) -> list:
     return calls
 
 
+def _saved_pair_grads_equal_eager(leaves, lengths, kw, w, names, monkeypatch):
+    """The fused op's fp32 gradients of `names` (in the order of `leaves`), taken by ATen's backward on the
+    forward's saved out and lse (the recompute raises), equal eager's fp64 ones to 1e-5; returns them."""
+    calls = _spy_aten(monkeypatch)
+    got = grads_of(op_fn(lengths, kw, "fused"), leaves, w, torch.float32)
+    assert calls == [True]
+    want = grads_of(eager_fn(lengths, kw), leaves, w, torch.float64)
+    for name, a, b in zip(names, got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    return got
+
+
 @needs_lse
 @pytest.mark.parametrize("lengths", [(23, 11, 1), (23, 23, 23)])
 @pytest.mark.parametrize("case", ["encoder", "causal", "causal_gqa", "gqa_kv_head"])
 def test_saved_lse_gradients_equal_eager(case, lengths, monkeypatch):
     """No gates, no window/soft-cap/sink, fused CPU: the backward uses the forward's out and lse (the recompute
     raises here) and its gradients equal eager's to 1e-5 — padded rows, causal, GQA (even and uneven groups)."""
-    leaves, lengths, kw, w = make(case, lengths=lengths)
-    calls = _spy_aten(monkeypatch)
-    got = grads_of(op_fn(lengths, kw, "fused"), leaves, w, torch.float32)
-    assert calls == [True]
-    want = grads_of(eager_fn(lengths, kw), leaves, w, torch.float64)
-    for name, a, b in zip("q k v".split(), got[:3], want[:3]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    _saved_pair_grads_equal_eager(*make(case, lengths=lengths), "q k v".split(), monkeypatch)
 
 
 @needs_lse
@@ -381,12 +387,7 @@ def test_gates_save_the_ungated_output_and_skip_the_recompute(case, monkeypatch)
     output is the one ATen's backward wants (the recompute raises here) and autograd gives each gate Σ dO ∘ O_h; the
     gradients of q, k, v and the gates equal eager's to 1e-5; without gradients the output equals the gated op's."""
     leaves, lengths, kw, w = make(case)
-    calls = _spy_aten(monkeypatch)
-    got = grads_of(op_fn(lengths, kw, "fused"), leaves, w, torch.float32)
-    assert calls == [True]
-    want = grads_of(eager_fn(lengths, kw), leaves, w, torch.float64)
-    for name, a, b in zip("q k v gates".split(), got[:4], want[:4]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    got = _saved_pair_grads_equal_eager(leaves, lengths, kw, w, "q k v gates".split(), monkeypatch)
     assert got[3][1] != 0  # the zero gate's gradient: the head's output before the gate
     q, k, v, gates = (t.float() for t in leaves[:4])
     with torch.no_grad():
