@@ -14,9 +14,9 @@ import torch
 
 from ..arch.architectures import attention_layers
 from ..errors import AttnkitError
-from ..features import DEFAULT_NUM_WINDOWS, check_weighting
+from ..features import DEFAULT_NUM_WINDOWS, check_weighting, num_features
+from ..hf_attention import LayerFeatures
 from ..models import attention_modules, runtime_of
-from .heap import limit_heap_retention
 
 DEFAULT_BATCH_SIZE = {"cpu": 16, "cuda": 64}
 
@@ -43,9 +43,7 @@ def output_projections(model) -> dict:
 @contextlib.contextmanager
 def measuring(model, *, backend: str = "auto", num_windows: int = DEFAULT_NUM_WINDOWS, weighting: str = "attention"):
     """Inside the block, forwards of `model` record per-layer features into its runtime, weighted as `weighting`
-    says ("norm": by the norms of the transformed keys, which needs an architecture attnkit knows). The first
-    call fixes glibc's mmap threshold (attnkit/engine/heap.py), so freed buffers do not stay in the process."""
-    limit_heap_retention()
+    says ("norm": by the norms of the transformed keys, which needs an architecture attnkit knows)."""
     rt = runtime_of(model)
     out_proj = output_projections(model) if check_weighting(weighting) == "norm" else {}
     saved = (rt.backend, rt.num_windows, rt.want_features, rt.weighting, rt.out_proj)
@@ -75,15 +73,16 @@ def forward_features(model, batch, rt=None, *, to_cpu: bool = True) -> torch.Ten
     """One forward of `batch` (already on the model's device), without a KV cache; returns B × layers × heads ×
     F (on the CPU unless `to_cpu` is false)."""
     rt = rt or runtime_of(model)
-    rt.features = {}
+    n_layers = len(attention_modules(model))
+    shape = (len(batch.lengths), model.config.num_attention_heads, num_features(rt.num_windows, rt.sink))
+    rt.features = LayerFeatures(n_layers, shape, batch.lengths.device)
     try:
         with rt.batch_of(batch), torch.inference_mode():
             model(**batch.inputs, **no_cache(model))
-        n_layers = len(attention_modules(model))
         missing = [i for i in range(n_layers) if i not in rt.features]
         if missing:
             raise AttnkitError(f"layers {missing} produced no features: their attention bypassed attnkit")
-        feats = torch.stack([rt.features[i] for i in range(n_layers)], dim=1)
+        feats = rt.features.stacked()
         return feats.cpu() if to_cpu else feats
     finally:
         rt.features = {}
