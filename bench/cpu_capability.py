@@ -6,12 +6,16 @@ side by side in ONE process (ATTNKIT_CPU_CAPABILITY is read at every call), inte
   lengths  the op with features against sdpa (ATen's CPU flash kernel: is_causal, enable_gqa) at SmolLM2-135M's
            shapes (B=1, H=9, Hkv=3, D=64), causal GQA and bidirectional, L = 128 ... 8192 (--lengths), wall and
            CPU-time ratios (CPU time: what the process used, the fairer figure on a shared machine)
+  products the op with the tile's two products in place (the default for tiles of up to 2^19 multiply-adds, BQ·BK·D)
+           against the same op with every product through BLAS (ATTNKIT_CPU_SMALL_PRODUCTS=0) and sdpa, from
+           sentences (B=16, L=20-40) to SmolLM2's L=512, one thread (--threads)
   minilm   attnkit extraction on the embedded MiniLM (bench/extract.py's "fused") per capability, against the
            plain sdpa forward ("plain-sdpa"), B=16, L=128
 
     python bench/cpu_capability.py                 # all three
     python bench/cpu_capability.py --only op --rounds 50
     python bench/cpu_capability.py --only lengths --lengths 128 512 2048 4096 8192
+    python bench/cpu_capability.py --only products --threads 1
 """
 from __future__ import annotations
 
@@ -113,6 +117,43 @@ def lengths(lens, rounds: int, budget_s: float, g: torch.Generator | None = None
     return summary
 
 
+PRODUCT_SHAPES = ((16, 2, 36, 8), (16, 12, 20, 32), (16, 12, 40, 32), (16, 12, 64, 32), (16, 12, 128, 32),
+                  (4, 12, 128, 64), (2, 12, 256, 64), (1, 9, 512, 64))
+
+
+def blas_products(fn):
+    def run():
+        os.environ["ATTNKIT_CPU_SMALL_PRODUCTS"] = "0"
+        try:
+            return fn()
+        finally:
+            os.environ.pop("ATTNKIT_CPU_SMALL_PRODUCTS", None)
+    return run
+
+
+def products(rounds: int, g: torch.Generator) -> list[tuple]:
+    """The op (features, lengths B/2..L) with its default products against every product through BLAS and sdpa,
+    per shape of PRODUCT_SHAPES (B, H, L, D). Returns [(shape, in place / BLAS, in place / sdpa)], medians."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = []
+    for B, H, L, D in PRODUCT_SHAPES:
+        q, k, v, _, tc = op_inputs(B, H, L, D, g)
+        n = torch.randint(L // 2, L + 1, (B,), generator=g)
+        n[0] = L
+        mask = (torch.arange(L)[None] < n[:, None])[:, None, None, :]
+
+        def op(q=q, k=k, v=v, n=n, tc=tc):
+            return ops.attention(q, k, v, n, tc, want_features=True, backend="fused")
+
+        res = timed({"in place": op, "BLAS": blas_products(op), "sdpa": lambda q=q, k=k, v=v, m=mask: sdpa(q, k, v, m)},
+                    rounds, f"products B={B} H={H} L={L} D={D}", budget_s=10.0)
+        out.append(((B, H, L, D), res["in place"][0] / res["BLAS"][0], res["in place"][0] / res["sdpa"][0]))
+    print(f"-- summary: the op with products in place / with BLAS products, and / sdpa (wall medians; {load()})")
+    for shape, rb, rs in out:
+        print(f"  B={shape[0]:2d} H={shape[1]:2d} L={shape[2]:4d} D={shape[3]:2d}: {rb:5.2f}  {rs:5.2f}")
+    return out
+
+
 def minilm(rounds: int, caps=None) -> dict:
     """attnkit extraction on MiniLM, B=16, L=128, per build of `caps` (default: every build this CPU runs; "" is
     torch's choice), against the plain sdpa forward. Returns timed()'s {case: (wall s, cpu s)}: "plain-sdpa" and
@@ -135,7 +176,7 @@ def minilm(rounds: int, caps=None) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["op", "causal", "minilm", "lengths"], default=None)
+    p.add_argument("--only", choices=["op", "causal", "minilm", "lengths", "products"], default=None)
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 4096, 8192])
     p.add_argument("--budget", type=float, default=60.0, help="seconds per length and mask (lengths)")
     p.add_argument("--rounds", type=int, default=21)
@@ -156,6 +197,8 @@ def main(argv=None) -> int:
             timed(cfgs, args.rounds * 3, "op, B=16 H=12 L=128 D=32, features")
         if args.only == "lengths":
             lengths(args.lengths, args.rounds, args.budget, g)
+        if args.only == "products":
+            products(args.rounds, g)
         if args.only in (None, "causal"):
             q, k, v, n, tc = op_inputs(1, 9, 2048, 64, g)
             def run(causal):  # torch's choice of build

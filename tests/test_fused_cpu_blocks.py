@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from attnkit import ops
+from attnkit.errors import AttnkitError
 from attnkit.features import CLS, COMMA, NO_INTER, NO_INTRA, PERIOD, SEP, feature_names
 from attnkit.reference import reference_attention
 
@@ -124,6 +125,29 @@ def test_sentence_runs_and_scattered_sentences(capability, monkeypatch, case):
     names = feature_names(N, sink="sink" in CASES[case])
     intra = feats[..., names.index("intra")]
     assert ((intra > 0.05) & (intra < 0.95)).all()  # every sample has several sentences
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("blocks,L,D", [("13x21", 40, 13), ("7x16", 37, 40), ("64x512", 45, 8), ("9x48", 130, 33)])
+def test_products_in_place_and_through_blas(capability, monkeypatch, case, blocks, L, D):
+    """The tile's two products computed in place (small tiles, csrc/cpu/vec_util.h small_qk/small_pv: 8, 4 and single
+    rows, key and head-size tails shorter than a vector) and through BLAS (ATTNKIT_CPU_SMALL_PRODUCTS=0): each
+    against the reference, and the two within float32 rounding of each other (they sum in another order)."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", blocks)
+    inputs = make(B=3, L=L, D=D, seed=D, lengths=[L, L - 9, 1])
+    results = {}
+    for products in ("0", "1000000000"):
+        monkeypatch.setenv("ATTNKIT_CPU_SMALL_PRODUCTS", products)
+        results[products] = check(*inputs, **CASES[case])
+    (out0, feats0), (out1, feats1) = results.values()
+    torch.testing.assert_close(out1, out0, atol=2e-6, rtol=1e-5, equal_nan=True)
+    torch.testing.assert_close(feats1, feats0, atol=1e-5, rtol=0, equal_nan=True)
+
+
+def test_small_products_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("ATTNKIT_CPU_SMALL_PRODUCTS", "-3")
+    with pytest.raises(AttnkitError, match="ATTNKIT_CPU_SMALL_PRODUCTS must be an integer >= 0, got -3"):
+        run(*make(B=1, L=8))
 
 
 def test_block_sizes_agree_and_are_deterministic(monkeypatch):

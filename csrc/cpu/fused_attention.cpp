@@ -353,6 +353,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   }
   BQ = std::max<int64_t>(1, std::min(BQ, Lq));
   BK = std::max<int64_t>(1, std::min(BK, L));
+  int64_t small_products = kSmallProducts;
+  if (const char* env = std::getenv("ATTNKIT_CPU_SMALL_PRODUCTS"); env != nullptr && *env != '\0') {
+    long n = -1;
+    ATTNKIT_CHECK(std::sscanf(env, "%ld", &n) == 1 && n >= 0,
+                  "fused_attention: ATTNKIT_CPU_SMALL_PRODUCTS must be an integer >= 0, got ", env);
+    small_products = n;
+  }
 
   FusedCpuParams p{};
   p.B = B, p.H = H, p.L = L, p.D = D, p.N = N, p.BQ = BQ, p.BK = BK, p.n_qblk = (Lq + BQ - 1) / BQ;
@@ -382,6 +389,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.softcap = softcap.has_value() ? static_cast<float>(*softcap) : 0.f;
   p.FA = kPartialSlots(F0);
   p.gemm = gemm;
+  p.small_products = BQ * BK * D <= small_products;
   const int64_t n_tasks = B * H * p.n_qblk;
   std::vector<double> partial(want_features ? n_tasks * p.FA : 0, 0.0);
   p.partial = want_features ? partial.data() : nullptr;
@@ -390,7 +398,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   const FusedTasksFn tasks = current_build().fn;
   // per-thread scratch, fixed in size: one allocation per thread and call
   const int64_t RS = kRowStateSlots(N);
-  const int64_t scratch = BQ * BK + BQ * D + BK + BQ * RS + BQ + BK;
+  const int64_t scratch = BQ * BK + BQ * D + BK + BQ * RS + BQ + BK + (p.small_products ? BK * D : 0);
 
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(static_cast<size_t>(scratch), 0.f);
@@ -399,7 +407,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
     float* pc = acc + BQ * D;
     float* state = pc + BK;
     float* diag = state + BQ * RS;
-    tasks(p, begin, end, FusedCpuScratch{S, acc, pc, state, diag});
+    float* kt = p.small_products ? diag + BQ + BK : nullptr;
+    tasks(p, begin, end, FusedCpuScratch{S, acc, pc, state, diag, kt});
   });
 
   if (!out_f32) out.copy_(out32);

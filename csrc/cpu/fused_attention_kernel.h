@@ -65,15 +65,25 @@ struct FusedCpuParams {
   double* partial;
   int64_t FA;
   GemmFn gemm;
+  // the tile's two products computed in place (small_qk, small_pv in vec_util.h) instead of by `gemm`: a BLAS
+  // call costs about a microsecond before any arithmetic, more than a tile of a sentence (36 × 36 keys, D = 8)
+  bool small_products;
 };
+
+// Tiles of at most this many multiply-adds per product (BQ · BK · D) use the products in place by default: up to
+// 64 rows × 128 keys at D = 64 they took 0.6–0.95× the op's time with MKL (B = 16 sentences of 20–40 tokens at
+// D = 32: 0.65–0.85×), at 64 × 256 × 64 and beyond 1.0–1.15× (bench/cpu_capability.py --only products).
+// $ATTNKIT_CPU_SMALL_PRODUCTS overrides it (0: always BLAS).
+constexpr int64_t kSmallProducts = int64_t(1) << 19;
 
 // The per-row online state of the tasks (floats): see fused_attention_rows.h.
 constexpr int64_t kRowStateSlots(int64_t num_windows) { return 16 + num_windows; }
 
 // Per-thread scratch, fixed in size (independent of L): S BQ×BK scores, acc BQ×D output accumulator, pc BK
-// feature weights, state BQ × kRowStateSlots(N), diag BQ + BK per-offset window sums (zero between tasks).
+// feature weights, state BQ × kRowStateSlots(N), diag BQ + BK per-offset window sums (zero between tasks), kt
+// D×BK the key block transposed (small_products only, else nullptr).
 struct FusedCpuScratch {
-  float *S, *acc, *pc, *state, *diag;
+  float *S, *acc, *pc, *state, *diag, *kt;
 };
 
 // The slots of the per-task feature sums (FA = F0 + 2 doubles, F0 = kNumFeatures(N)): [0, F0 − 1) the

@@ -281,7 +281,10 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         const float* kt = p.k + b * p.ks0 + kvh * p.ks1 + k0 * p.ks2;
         // BLAS skips the product when alpha is 0; scaling by 0 afterwards keeps NaN/inf scores NaN.
         const float alpha = p.scaling != 0.0 ? static_cast<float>(p.scaling) : 1.f;
-        p.gemm('T', 'N', kb, bq, D, alpha, kt, p.ks2, qt, p.qs2, 0.f, S, kb);
+        if (p.small_products)
+          small_qk(qt, p.qs2, kt, p.ks2, bq, kb, D, alpha, S, w.kt);
+        else
+          p.gemm('T', 'N', kb, bq, D, alpha, kt, p.ks2, qt, p.qs2, 0.f, S, kb);
         if (p.scaling == 0.0) scale_inplace(S, bq * kb, 0.f);
       }
       // the special keys of this block
@@ -381,7 +384,10 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       }
       // O_blk (column-major D×bq, ld D) (+)= V_blkᵀ (D×kb) · Eᵀ (kb×bq)
       const float* vt = p.v + b * p.vs0 + kvh * p.vs1 + k0 * p.vs2;
-      p.gemm('N', 'N', D, bq, kb, 1.f, vt, p.vs2, S, kb, first ? 0.f : 1.f, acc, D);
+      if (p.small_products)
+        small_pv(S, kb, vt, p.vs2, bq, D, !first, acc);
+      else
+        p.gemm('N', 'N', D, bq, kb, 1.f, vt, p.vs2, S, kb, first ? 0.f : 1.f, acc, D);
       first = false;
     }
     if (first) std::fill(acc, acc + bq * D, 0.f);  // no key for any row of the block

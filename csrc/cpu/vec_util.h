@@ -83,5 +83,62 @@ inline void axpy(float a, const float* x, float* y, int64_t len) {
   for (; i < len; ++i) y[i] += a * x[i];
 }
 
+// The tile's products in place, for tiles too small for a BLAS call to pay (FusedCpuParams::small_products).
+// Vectors run along the keys (scores) and along D (output), R rows at a time so that R independent chains of
+// multiply-adds share each load; partial loads and stores cover the tails.
+
+// Rows [r0, r0 + R) of small_qk.
+template <int R>
+inline void small_qk_rows(const float* q, int64_t qs, const float* kt, int64_t kb, int64_t D, float alpha, float* S,
+                          int64_t r0) {
+  const Vec av(alpha);
+  for (int64_t j0 = 0; j0 < kb; j0 += kW) {
+    const int64_t n = std::min(kW, kb - j0);
+    Vec acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = Vec(0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const Vec kv = Vec::loadu(kt + d * kb + j0, n);
+      for (int i = 0; i < R; ++i) acc[i] = at::vec::fmadd(Vec(q[(r0 + i) * qs + d]), kv, acc[i]);
+    }
+    for (int i = 0; i < R; ++i) (acc[i] * av).store(S + (r0 + i) * kb + j0, n);
+  }
+}
+
+// S[r·kb + j] = alpha · Σ_d q[r·qs + d] · k[j·ks + d]  (r < bq, j < kb); kt: D·kb floats of scratch.
+inline void small_qk(const float* q, int64_t qs, const float* k, int64_t ks, int64_t bq, int64_t kb, int64_t D,
+                     float alpha, float* S, float* kt) {
+  for (int64_t j = 0; j < kb; ++j)
+    for (int64_t d = 0; d < D; ++d) kt[d * kb + j] = k[j * ks + d];
+  int64_t r = 0;
+  for (; r + 8 <= bq; r += 8) small_qk_rows<8>(q, qs, kt, kb, D, alpha, S, r);
+  for (; r + 4 <= bq; r += 4) small_qk_rows<4>(q, qs, kt, kb, D, alpha, S, r);
+  for (; r < bq; ++r) small_qk_rows<1>(q, qs, kt, kb, D, alpha, S, r);
+}
+
+// Rows [r0, r0 + R) of small_pv.
+template <int R>
+inline void small_pv_rows(const float* S, int64_t kb, const float* v, int64_t vs, int64_t D, bool accumulate,
+                          float* o, int64_t r0) {
+  for (int64_t d0 = 0; d0 < D; d0 += kW) {
+    const int64_t n = std::min(kW, D - d0);
+    Vec acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = accumulate ? Vec::loadu(o + (r0 + i) * D + d0, n) : Vec(0.f);
+    for (int64_t j = 0; j < kb; ++j) {
+      const Vec vv = Vec::loadu(v + j * vs + d0, n);
+      for (int i = 0; i < R; ++i) acc[i] = at::vec::fmadd(Vec(S[(r0 + i) * kb + j]), vv, acc[i]);
+    }
+    for (int i = 0; i < R; ++i) acc[i].store(o + (r0 + i) * D + d0, n);
+  }
+}
+
+// o[r·D + d] (+)= Σ_j S[r·kb + j] · v[j·vs + d]  (r < bq, d < D); `accumulate` false: o is not read.
+inline void small_pv(const float* S, int64_t kb, const float* v, int64_t vs, int64_t bq, int64_t D, bool accumulate,
+                     float* o) {
+  int64_t r = 0;
+  for (; r + 8 <= bq; r += 8) small_pv_rows<8>(S, kb, v, vs, D, accumulate, o, r);
+  for (; r + 4 <= bq; r += 4) small_pv_rows<4>(S, kb, v, vs, D, accumulate, o, r);
+  for (; r < bq; ++r) small_pv_rows<1>(S, kb, v, vs, D, accumulate, o, r);
+}
+
 }  // namespace CPU_CAPABILITY
 }  // namespace attnkit::cpu
