@@ -415,3 +415,23 @@ def test_max_logit_of_heads_the_tasks_do_not_measure():
     want = max_logits(q, k, lengths, 0.3, causal=True)
     assert torch.equal(ml.isnan(), want.isnan()) and ml[1, 4].isnan() and not ml[1, 5].isnan()
     torch.testing.assert_close(ml.nan_to_num(), want.nan_to_num(), atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(sliding_window=12), dict(sliding_window=12, causal=True, kv_head=KV),
+                                dict(sliding_window=12, key_scale="random")])
+def test_keys_before_a_rows_window_with_minus_inf_scores(capability, monkeypatch, kw):
+    """A task of 32 rows streams keys from its first row's window: its later rows do not see the first keys,
+    which score −inf. Their class buckets gather only the special keys they see (a vector's unused lanes must
+    not read a score outside the row, where 0 · −inf would be NaN)."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "32x64")
+    q, k, v, lengths, tc, sid = make(L=40, seed=6, lengths=[40, 33], specials=0.3)
+    q, k = q.clone(), k.clone()
+    q[..., 0] = 1.0
+    k[:, :, :2, 0] = -math.inf
+    if kw.get("key_scale") == "random":
+        kw = dict(kw, key_scale=torch.rand(2, 6, 40, generator=torch.Generator().manual_seed(2)) + 0.05)
+    out, feats = check(q, k, v, lengths, tc, sid, **kw)
+    if kw.get("causal"):  # causal rows 0 and 1 see only −inf keys: undefined (NaN) as in the reference
+        assert torch.isfinite(out[:, 2:]).all()
+    else:
+        assert torch.isfinite(out).all() and torch.isfinite(feats).all()

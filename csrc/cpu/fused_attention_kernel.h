@@ -71,8 +71,9 @@ struct FusedCpuParams {
 };
 
 // Tiles of at most this many multiply-adds per product (BQ · BK · D) use the products in place by default: up to
-// 64 rows × 128 keys at D = 64 they took 0.6–0.95× the op's time with MKL (B = 16 sentences of 20–40 tokens at
-// D = 32: 0.65–0.85×), at 64 × 256 × 64 and beyond 1.0–1.15× (bench/cpu_capability.py --only products).
+// 64 rows × 128 keys at D = 64 the op took 0.79–0.96× its time with MKL for sentences (bench/cpu_capability.py
+// --only products), about even at the limit itself (B=4, L=128, D=64: 0.82–1.10 over six runs, B=8: 0.95), and
+// at 64 × 256 × 64 forced in place 0.95–1.14×, no gain.
 // $ATTNKIT_CPU_SMALL_PRODUCTS overrides it (0: always BLAS).
 constexpr int64_t kSmallProducts = int64_t(1) << 19;
 

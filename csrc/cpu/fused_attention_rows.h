@@ -78,11 +78,10 @@ BlockSums exp_pass(float* x, int64_t len, bool uniform, float m, const float* si
   // tail: no scalar exp)
   for (int64_t i = 0; i < len; i += kW) {
     const int64_t cnt = std::min<int64_t>(kW, len - i);
-    const bool full = cnt == kW;
-    auto load = [&](const float* ptr) { return full ? Vec::loadu(ptr + i) : Vec::loadu(ptr + i, cnt); };
+    auto load = [&](const float* ptr) { return Vec::loadu(ptr + i, cnt); };  // (a full count loads a whole vector)
     const Vec y = uniform ? zero : load(x) - mv;
     Vec e = uniform ? one : y.exp_u20();
-    if (!full) e = Vec::set(zero, e, cnt);
+    if (cnt < kW) e = Vec::set(zero, e, cnt);
     Zv = Zv + e;
     Vec same = one;
     if constexpr (REGION != kAll || (FEAT && SID)) same = load(sidf).eq(sv);
@@ -95,8 +94,7 @@ BlockSums exp_pass(float* x, int64_t len, bool uniform, float m, const float* si
       Vec w = e;
       if constexpr (KS) {
         w = e * load(g);
-        if (full) w.store(pc + i);
-        else w.store(pc + i, cnt);
+        w.store(pc + i, cnt);
         Zfv = Zfv + w;
         Av = at::vec::fmadd(w, yc + load(lg), Av);
       } else {
@@ -105,8 +103,7 @@ BlockSums exp_pass(float* x, int64_t len, bool uniform, float m, const float* si
       if constexpr (MX) Mxv = at::vec::maximum(Mxv, w);
       if constexpr (SID) Iv = at::vec::fmadd(w, same, Iv);
     }
-    if (full) e.store(x + i);
-    else e.store(x + i, cnt);
+    e.store(x + i, cnt);
   }
   auto sum = [](Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); };
   BlockSums r{sum(Zv), 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -147,14 +144,15 @@ void softcap_inplace(float* x, int64_t len, float c) {
 }
 
 // Σ w[i]·mask[i] over [0, len) (mask nullptr: Σ w[i]), the tail by a partial load: a distance window's mass of the
-// OTHER keys (mask: 1 for OTHER, 0 for a special key).
+// OTHER keys (mask: 1 for OTHER, 0 for a special key). (at::vec's loadu(p, count) loads a whole vector when count
+// is its size, here and below.)
 inline float masked_sum(const float* w, const float* mask, int64_t len) {
   Vec acc(0.f);
   for (int64_t i = 0; i < len; i += kW) {
     const int64_t cnt = std::min<int64_t>(kW, len - i);
-    const Vec wv = cnt == kW ? Vec::loadu(w + i) : Vec::loadu(w + i, cnt);
+    const Vec wv = Vec::loadu(w + i, cnt);
     if (mask == nullptr) acc = acc + wv;
-    else acc = at::vec::fmadd(wv, cnt == kW ? Vec::loadu(mask + i) : Vec::loadu(mask + i, cnt), acc);
+    else acc = at::vec::fmadd(wv, Vec::loadu(mask + i, cnt), acc);
   }
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
 }
@@ -168,10 +166,11 @@ inline void class_sums(const float* w, int64_t k0, const int32_t* pos, const flo
   Vec a1(0.f), a2(0.f), a3(0.f), a4(0.f);
   for (int64_t j = 0; j < cnt; j += kW) {
     const int64_t m = std::min<int64_t>(kW, cnt - j);
-    // a partial load fills the lanes past cnt with position 0 (clamped to offset 0: a valid address) and class 0
-    // (OTHER: no bucket)
-    const IVec idx = at::vec::maximum((m == kW ? IVec::loadu(pos + j) : IVec::loadu(pos + j, m)) - base, izero);
-    const Vec cv = m == kW ? Vec::loadu(cls + j) : Vec::loadu(cls + j, m);
+    // a partial load fills the lanes past cnt with class 0 (OTHER: no bucket) and with position 1 (AVX-512) or 0,
+    // clamped to offset ≥ 0: an address in the block's weights, finite there (the score row is 0 outside the
+    // row's keys), so the lane adds 0
+    const IVec idx = at::vec::maximum(IVec::loadu(pos + j, m) - base, izero);
+    const Vec cv = Vec::loadu(cls + j, m);
     const Vec wv = at::vec::gather<sizeof(float)>(w, idx);
     a1 = at::vec::fmadd(wv, cv.eq(c1), a1);
     a2 = at::vec::fmadd(wv, cv.eq(c2), a2);
@@ -190,13 +189,9 @@ inline void diag_pass(const float* w, const float* mask, int64_t len, float fc, 
   const Vec fcv(fc);
   for (int64_t i = 0; i < len; i += kW) {
     const int64_t cnt = std::min<int64_t>(kW, len - i);
-    const Vec wv = cnt == kW ? Vec::loadu(w + i) : Vec::loadu(w + i, cnt);
-    const Vec dv = cnt == kW ? Vec::loadu(diag + i) : Vec::loadu(diag + i, cnt);
-    Vec add = wv * fcv;
-    if (mask != nullptr) add = add * (cnt == kW ? Vec::loadu(mask + i) : Vec::loadu(mask + i, cnt));
-    const Vec nd = dv + add;
-    if (cnt == kW) nd.store(diag + i);
-    else nd.store(diag + i, cnt);
+    Vec add = Vec::loadu(w + i, cnt) * fcv;
+    if (mask != nullptr) add = add * Vec::loadu(mask + i, cnt);
+    (Vec::loadu(diag + i, cnt) + add).store(diag + i, cnt);
   }
 }
 
