@@ -32,11 +32,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from attnkit import ops  # noqa: E402
 
 
-def forced(cap, fn):
+def with_env(var: str, value: str, fn):
+    """fn, called with the environment variable `var` set to `value` (the kernel reads its settings at every call),
+    then restored."""
     def run():
-        os.environ["ATTNKIT_CPU_CAPABILITY"] = cap
-        return fn()
+        old = os.environ.get(var)
+        os.environ[var] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = old
     return run
+
+
+def forced(cap, fn):
+    """fn on the build `cap` ("": torch's choice)."""
+    return with_env("ATTNKIT_CPU_CAPABILITY", cap, fn)
 
 
 def load() -> str:
@@ -121,18 +135,8 @@ PRODUCT_SHAPES = ((16, 2, 36, 8), (16, 12, 20, 32), (16, 12, 40, 32), (16, 12, 6
                   (4, 12, 128, 64), (2, 12, 256, 64), (1, 9, 512, 64))
 
 
-def blas_products(fn):
-    def run():
-        os.environ["ATTNKIT_CPU_SMALL_PRODUCTS"] = "0"
-        try:
-            return fn()
-        finally:
-            os.environ.pop("ATTNKIT_CPU_SMALL_PRODUCTS", None)
-    return run
-
-
 def products(rounds: int, g: torch.Generator) -> list[tuple]:
-    """The op (features, lengths B/2..L) with its default products against every product through BLAS and sdpa,
+    """The op (features, lengths L/2..L) with its default products against every product through BLAS and sdpa,
     per shape of PRODUCT_SHAPES (B, H, L, D). Returns [(shape, in place / BLAS, in place / sdpa)], medians."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
     out = []
@@ -145,7 +149,8 @@ def products(rounds: int, g: torch.Generator) -> list[tuple]:
         def op(q=q, k=k, v=v, n=n, tc=tc):
             return ops.attention(q, k, v, n, tc, want_features=True, backend="fused")
 
-        res = timed({"in place": op, "BLAS": blas_products(op), "sdpa": lambda q=q, k=k, v=v, m=mask: sdpa(q, k, v, m)},
+        res = timed({"in place": op, "BLAS": with_env("ATTNKIT_CPU_SMALL_PRODUCTS", "0", op),
+                     "sdpa": lambda q=q, k=k, v=v, m=mask: sdpa(q, k, v, m)},
                     rounds, f"products B={B} H={H} L={L} D={D}", budget_s=10.0)
         out.append(((B, H, L, D), res["in place"][0] / res["BLAS"][0], res["in place"][0] / res["sdpa"][0]))
     print(f"-- summary: the op with products in place / with BLAS products, and / sdpa (wall medians; {load()})")
@@ -167,11 +172,7 @@ def minilm(rounds: int, caps=None) -> dict:
     fused = make_runner("fused", model, batch)
     for c in (ops.cpu_capabilities() if caps is None else caps):
         cfgs["extract " + (c or "(torch's choice)")] = forced(c, fused)
-    cfgs["plain-sdpa"] = forced("", cfgs["plain-sdpa"])  # (no attnkit op inside; the last row forced one)
-    try:
-        return timed(cfgs, rounds, "MiniLM B=16 L=128: attnkit extraction vs the plain sdpa forward")
-    finally:
-        os.environ.pop("ATTNKIT_CPU_CAPABILITY", None)
+    return timed(cfgs, rounds, "MiniLM B=16 L=128: attnkit extraction vs the plain sdpa forward")
 
 
 def main(argv=None) -> int:
