@@ -309,7 +309,8 @@ def tiny_bert16(path: Path) -> Path:
 
 
 def _alone(model_dir: Path, corpus: Path, batch_size: int, max_length: int) -> tuple[float, float]:
-    """(seconds tokenising the corpus on this thread, seconds of the forwards of its batches, pre-tokenised)."""
+    """(seconds tokenising the corpus on this thread alone, the Rust tokenizer's own threads off as in a run on the
+    CPU, seconds of the forwards of its batches, pre-tokenised)."""
     import attnkit
     from attnkit.engine.forward import device_forward, measuring
     from attnkit.engine.plan import plan_batches
@@ -319,9 +320,15 @@ def _alone(model_dir: Path, corpus: Path, batch_size: int, max_length: int) -> t
     segs = [ln for ln in corpus.read_text().splitlines() if ln.strip()]
     enc = Encoder(tok, max_length=max_length)
     planned = list(plan_batches(segs, batch_size, 4096))
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     t = time.perf_counter()
     arrays = [enc.encode_arrays(pb.segments) for pb in planned]
     tokenise = time.perf_counter() - t
+    if old is None:
+        del os.environ["TOKENIZERS_PARALLELISM"]
+    else:
+        os.environ["TOKENIZERS_PARALLELISM"] = old
     with measuring(model):
         device_forward(model, Batch.from_arrays(arrays[0]))
         t = time.perf_counter()

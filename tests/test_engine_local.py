@@ -243,8 +243,8 @@ def test_workers_are_bounded_by_the_cores_and_by_the_plan():
     assert check_workers(10**11) == 10**11  # accepted; a run uses at most one per core, and says so (tuning.py)
     with pytest.raises(AttnkitError, match=r"^workers must be an integer of at least 0, got -1$"):
         check_workers(-1)
-    plan = list(plan_batches([f"s{i}" for i in range(10)], 1, 4))  # 10 batches: 3 tasks of TASK_BATCHES
-    assert TASK_BATCHES == 4
+    n_batches = 2 * TASK_BATCHES + 2  # 3 tasks
+    plan = list(plan_batches([f"s{i}" for i in range(n_batches)], 1, 4))
     for asked, used in ((8, 3), (2, 2), (0, 0)):
         n, again = workers_for_plan(iter(plan), asked)
         assert n == used and list(again) == plan  # read ahead, then given back whole
@@ -309,3 +309,102 @@ def test_gpus_and_several_replicas_get_a_thread_each(minilm, segments, monkeypat
     run_extraction(model, tok, segments[:40], ExtractSettings(max_length=16, batch_size=8, backend="reference"),
                    replicas=replicate(model, [torch.device("cpu")] * 2)[1:])
     assert idents and threading.get_ident() not in idents
+
+
+# --- issue 38: the caller tokenises while it waits; tasks; the tokenizer's own threads ---------------------------
+def _arrays_equal(a, b) -> bool:
+    return (a.inputs.keys() == b.inputs.keys() and all(np.array_equal(a.inputs[k], b.inputs[k]) for k in a.inputs)
+            and np.array_equal(a.lengths, b.lengths) and np.array_equal(a.token_class, b.token_class)
+            and np.array_equal(a.sentence_id, b.sentence_id) and a.n_tokens == b.n_tokens)
+
+
+@pytest.mark.parametrize("help_here", [True, False])
+def test_the_caller_tokenises_while_a_worker_is_busy_and_batches_stay_in_plan_order(minilm, segments, tmp_path,
+                                                                                    monkeypatch, help_here):
+    """A worker that cannot go on until the caller has tokenised 3 batches itself: with `help_here` the caller does
+    so instead of waiting, and the batches still come out in plan order with the arrays of the plain loop. Without
+    it the caller only waits (the worker is released at once)."""
+    from attnkit.engine.local import TokenizerPool
+    from attnkit.tokens import Encoder
+
+    _, tok = minilm
+    parent, release = os.getpid(), tmp_path / "release"
+    original = Encoder.encode_arrays
+    calls = {"here": 0}
+
+    def gated(self, segs):
+        if os.getpid() != parent:  # a worker: wait for the caller
+            deadline = time.monotonic() + 60
+            while not release.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the caller never tokenised a batch itself")
+                time.sleep(0.005)
+        else:
+            calls["here"] += 1
+            if calls["here"] == 3:
+                release.touch()
+        return original(self, segs)
+
+    if not help_here:
+        release.touch()
+    monkeypatch.setattr(Encoder, "encode_arrays", gated)  # the worker forks after this
+    encoder = Encoder(tok, max_length=24)
+    plan = list(plan_batches(segments[:120], 4, 40))
+    with TokenizerPool(encoder, workers=1, help_here=help_here) as pool:
+        got = list(pool.map(iter(plan)))
+        helped = pool.helped
+    monkeypatch.setattr(Encoder, "encode_arrays", original)
+    assert [pb.index for pb, _ in got] == [pb.index for pb in plan]
+    plain = [encoder.encode_arrays(pb.segments) for pb in plan]
+    assert all(_arrays_equal(a, b) for (_, a), b in zip(got, plain))
+    assert helped >= 3 if help_here else helped == 0
+    assert helped == calls["here"]
+
+
+def test_a_task_holds_fewer_batches_where_their_text_is_long(minilm):
+    from attnkit.engine.local import TASK_BATCHES, TASK_CHARS, TokenizerPool
+    from attnkit.tokens import Encoder
+
+    pool = TokenizerPool(Encoder(minilm[1], max_length=24), workers=1)
+    short = iter(plan_batches(["a short line"] * (3 * TASK_BATCHES), 1, 10**6))
+    assert len(pool._next_task(short)) == TASK_BATCHES
+    long_text = "word " * (TASK_CHARS // 10)  # two of them pass TASK_CHARS
+    long = iter(plan_batches([long_text] * 6, 1, 10**6))
+    assert len(pool._next_task(long)) == 2 and len(pool._next_task(long)) == 2
+    pairs = iter(plan_batches([(long_text, long_text)] * 3, 1, 10**6))  # a pair counts both sides
+    assert len(pool._next_task(pairs)) == 1
+
+
+def test_a_cpu_run_turns_the_tokenizers_own_threads_off_and_back(minilm, segments, monkeypatch):
+    """Torch's threads have the cores: the caller tokenises with the Rust tokenizer's threads off during the run,
+    as the workers do, and the caller's setting comes back after it (also after a failure)."""
+    from attnkit.tokens import Encoder
+
+    model, tok = minilm
+    original = Encoder.encode_arrays
+    seen = []
+
+    fail = []
+
+    def recording(self, segs):
+        seen.append(os.environ.get("TOKENIZERS_PARALLELISM"))
+        if fail and len(seen) > 5:
+            raise AttnkitError("the tokenizer failed")
+        return original(self, segs)
+
+    monkeypatch.setattr(Encoder, "encode_arrays", recording)
+    for before in (None, "true"):
+        if before is None:
+            monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+        else:
+            monkeypatch.setenv("TOKENIZERS_PARALLELISM", before)
+        seen.clear()
+        run_extraction(model, tok, segments[:12], ExtractSettings(max_length=24, batch_size=4, backend="reference"),
+                       workers=0)
+        assert seen and set(seen) == {"false"}
+        assert os.environ.get("TOKENIZERS_PARALLELISM") == before
+    fail.append(True)
+    with pytest.raises(AttnkitError, match="the tokenizer failed"):
+        run_extraction(model, tok, segments[:40], ExtractSettings(max_length=24, batch_size=4, backend="reference"),
+                       workers=0)
+    assert os.environ.get("TOKENIZERS_PARALLELISM") == "true"

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import itertools
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import signal
@@ -28,9 +29,12 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 import numpy as np
 import torch
@@ -39,7 +43,7 @@ from ..errors import AttnkitError, check_int
 from ..tokens import Batch, EncodedArrays, Encoder
 from .devices import device_labels
 from .openmp import available_cores
-from .plan import PlannedBatch
+from .plan import PlannedBatch, segment_chars
 from .tuning import AUTO, PipelineChoice, calibrate, check_threads, clamp_workers
 
 
@@ -66,7 +70,7 @@ def check_workers(workers) -> int | str:
 
 
 # --- tokenisation in worker processes ---------------------------------------------------------------------
-_worker_encoder: Encoder | None = None
+TOKENIZER_THREADS = "TOKENIZERS_PARALLELISM"  # the Rust tokenizer reads it before every batch
 
 
 def _die_with_parent(parent: int) -> None:
@@ -92,20 +96,47 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="attnkit-parent-watch", daemon=True).start()
 
 
-def _init_worker(tokenizer, max_length: int, split_sentences: bool, parent: int) -> None:
-    global _worker_encoder
+def _worker_main(tasks, results, tokenizer, max_length: int, split_sentences: bool, parent: int) -> None:
+    """A tokenisation worker process: tasks (lists of batches' segments) from `tasks`, in order, and for each one
+    ("ok", its arrays) or ("error", which batch, the failure) to `results`, in the same order. A thread of its own
+    sends them, so the worker goes on with the next task while the parent is inside a forward and has not read
+    the last one yet. None or the end of `tasks` ends it."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it saves a checkpoint)
     # A forked worker inherits the parent's Python handlers: the parent's SIGTERM handler (which turns SIGTERM
     # into KeyboardInterrupt to save a checkpoint) would make a worker that the pool terminates print a
     # traceback. A worker just ends on SIGTERM.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker_encoder = Encoder(tokenizer, max_length=max_length, split_sentences=split_sentences)
+    os.environ[TOKENIZER_THREADS] = "false"
+    encoder = Encoder(tokenizer, max_length=max_length, split_sentences=split_sentences)
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
 
+    def send() -> None:
+        with contextlib.suppress(OSError):  # the parent has gone: nobody to tell
+            while (item := outbox.get()) is not None:
+                results.send(item)
 
-def _encode_in_worker(batches: list) -> list:
-    return [_worker_encoder.encode_arrays(segments) for segments in batches]
+    sender = threading.Thread(target=send, name="attnkit-send", daemon=True)
+    sender.start()
+    outbox.put(("ready",))
+    while True:
+        try:
+            task = tasks.recv()
+        except (EOFError, OSError):
+            break
+        if task is None:
+            break
+        out = []
+        for j, segments in enumerate(task):
+            try:
+                out.append(encoder.encode_arrays(segments))
+            except Exception as exc:
+                outbox.put(("error", j, f"{type(exc).__name__}: {exc}"))
+                break
+        else:
+            outbox.put(("ok", out))
+    outbox.put(None)
+    sender.join()
 
 
 def _mp_context():
@@ -118,20 +149,54 @@ def _mp_context():
     return multiprocessing.get_context("spawn")
 
 
-@contextlib.contextmanager
-def _worker_errors(pb: PlannedBatch):
-    """A dead worker or a failure inside one becomes a one-line AttnkitError naming the batch."""
-    try:
-        yield
-    except BrokenProcessPool:
-        raise AttnkitError("a tokenisation worker process died (killed, or out of memory)") from None
-    except AttnkitError:
-        raise
-    except Exception as exc:
-        raise AttnkitError(f"tokenising batch {pb.index} failed in a worker: {type(exc).__name__}: {exc}") from None
+PIPE_BYTES = 1 << 20  # a task pipe's buffer where the system lets it grow (Linux: up to /proc/sys/fs/pipe-max-size)
 
 
-TASK_BATCHES = 4  # planned batches per task sent to a tokenisation worker
+class _Worker:
+    """One tokenisation process and its two pipes. The parent sends tasks and reads their results itself, in
+    order, on the calling thread: no pool manager thread or queue feeder thread competing with the forwards for
+    the GIL and the cores."""
+
+    def __init__(self, ctx, encoder: Encoder):
+        tasks_end, self.tasks = ctx.Pipe(duplex=False)
+        self.results, results_end = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_worker_main, name="attnkit-tokenise", daemon=True,
+                                   args=(tasks_end, results_end, encoder.tokenizer, encoder.max_length,
+                                         encoder.split_sentences, os.getpid()))
+        self.process.start()
+        tasks_end.close()  # the worker holds the other ends alone: its death is an end of file here
+        results_end.close()
+        set_size = getattr(fcntl, "F_SETPIPE_SZ", None) if fcntl is not None else None
+        if set_size is not None:  # room for the tasks in flight: sending them never waits for the worker
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(self.tasks.fileno(), set_size, PIPE_BYTES)
+
+    def ready(self) -> bool:
+        """Whether the next result (or the worker's end) can be read without waiting."""
+        return self.results.poll()
+
+    def receive(self) -> tuple:
+        """The next message from the worker (waiting for it); an AttnkitError when the worker has died."""
+        ready = multiprocessing.connection.wait([self.results, self.process.sentinel])
+        if self.results in ready:  # a message the worker sent before it ended is still read
+            with contextlib.suppress(EOFError, OSError):
+                return self.results.recv()
+        raise AttnkitError("a tokenisation worker process died (killed, or out of memory)")
+
+    def stop(self) -> None:
+        """End the worker now: it holds nothing worth waiting for (SIGTERM ends it without a traceback)."""
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        self.tasks.close()
+        self.results.close()
+
+
+TASK_BATCHES = 8  # planned batches per task sent to a tokenisation worker
+TASK_CHARS = 200_000  # and at most about this much text (a task pipe holds the tasks in flight)
 
 
 def workers_for_plan(planned: Iterable[PlannedBatch], workers: int,
@@ -148,65 +213,106 @@ def workers_for_plan(planned: Iterable[PlannedBatch], workers: int,
 
 class TokenizerPool:
     """Tokenise planned batches in `workers` processes, in order, with at most `prefetch` tasks of `group`
-    batches in flight. `workers=0` tokenises on the calling thread. A task carries several batches because each
-    round trip to a worker costs the parent process CPU time (pickling, thread wake-ups) that a small batch
-    would pay alone."""
+    batches in flight; task k goes to worker k mod `workers`, so each worker's results come back in plan order.
+    `workers=0` tokenises on the calling thread. A task carries several batches because each round trip to a
+    worker costs the parent process CPU time (pickling, a wake-up) that a small batch would pay alone.
 
-    def __init__(self, encoder: Encoder, workers: int, prefetch: int | None = None, group: int = TASK_BATCHES):
+    `help_here`: while the task the caller waits for is not done, the caller tokenises the next planned batch
+    itself instead of waiting (at most `prefetch` × `group` such batches ahead), so a run bound by tokenising keeps
+    every core busy with one worker fewer than cores (workers + the caller, never more processes than cores).
+    Batches still come out in plan order."""
+
+    def __init__(self, encoder: Encoder, workers: int, prefetch: int | None = None, group: int = TASK_BATCHES,
+                 help_here: bool = False):
         check_workers(workers)
         self.encoder = encoder
         self.workers = workers
         self.group = max(1, group)
         self.prefetch = prefetch or max(2, 3 * workers)
-        self._executor: ProcessPoolExecutor | None = None
+        self.help_here = help_here
+        self.helped = 0  # batches the caller tokenised while waiting for a worker
+        self._procs: list[_Worker] = []
 
     def __enter__(self) -> TokenizerPool:
-        if self.workers:
-            enc = self.encoder
+        try:
             with warnings.catch_warnings():  # Python >= 3.12 warns about fork in a threaded process
                 warnings.simplefilter("ignore", DeprecationWarning)
-                self._executor = ProcessPoolExecutor(
-                    self.workers, mp_context=_mp_context(), initializer=_init_worker,
-                    initargs=(enc.tokenizer, enc.max_length, enc.split_sentences, os.getpid()))
-            # start every worker now, before any device thread exists (fork copies only this thread)
-            self._executor.submit(int).result()
+                for _ in range(self.workers):  # every worker starts now, before any device thread exists
+                    self._procs.append(_Worker(_mp_context(), self.encoder))
+            for w in self._procs:
+                w.receive()  # "ready": its tokenizer is loaded
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def close(self) -> None:
-        ex, self._executor = self._executor, None
-        if ex is None:
-            return
-        procs = list(getattr(ex, "_processes", {}).values())
-        ex.shutdown(wait=False, cancel_futures=True)
-        for p in procs:  # a worker stuck in a long batch must not keep the run from ending
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
+        procs, self._procs = self._procs, []
+        for w in procs:
+            w.stop()
+
+    def _next_task(self, it: Iterator[PlannedBatch]) -> list[PlannedBatch]:
+        """The next planned batches for one worker: `group` of them, fewer where their text passes TASK_CHARS
+        (estimated from each batch's first segment, its longest in the plan's order)."""
+        task, chars = [], 0
+        for pb in it:
+            task.append(pb)
+            chars += segment_chars(pb.segments[0]) * len(pb.segments)
+            if len(task) >= self.group or chars >= TASK_CHARS:
+                break
+        return task
 
     def map(self, planned: Iterable[PlannedBatch]) -> Iterator[tuple[PlannedBatch, EncodedArrays]]:
-        if self._executor is None:
+        if not self._procs:
             for pb in planned:
                 yield pb, self.encoder.encode_arrays(pb.segments)
             return
-        pending: collections.deque = collections.deque()  # (planned batches, future of their arrays)
+        # in plan order: (planned batches, the worker tokenising them, or their arrays made here)
+        slots: collections.deque = collections.deque()
         it = iter(planned)
         exhausted = False
+        sent = in_flight = here = 0  # tasks sent; tasks sent and not yet read; batches made here, not yet taken
         while True:
-            while not exhausted and len(pending) < self.prefetch:
-                task = list(itertools.islice(it, self.group))
+            while not exhausted and in_flight < self.prefetch:
+                task = self._next_task(it)
                 if not task:
                     exhausted = True
                     break
-                with _worker_errors(task[0]):
-                    pending.append((task, self._executor.submit(_encode_in_worker, [pb.segments for pb in task])))
-            if not pending:
+                worker = self._procs[sent % len(self._procs)]
+                try:
+                    worker.tasks.send([pb.segments for pb in task])
+                except OSError:  # its end of the pipe is closed: the worker has died
+                    raise AttnkitError("a tokenisation worker process died (killed, or out of memory)") from None
+                slots.append((task, worker))
+                sent += 1
+                in_flight += 1
+            if not slots:
                 return
-            task, fut = pending.popleft()
-            with _worker_errors(task[0]):
-                arrays = fut.result()
+            task, source = slots[0]
+            waiting = isinstance(source, _Worker) and not source.ready()
+            if waiting and self.help_here and not exhausted and here < self.prefetch * self.group:
+                pb = next(it, None)
+                if pb is None:
+                    exhausted = True
+                else:
+                    slots.append(([pb], [self.encoder.encode_arrays(pb.segments)]))
+                    here += 1
+                    self.helped += 1
+                continue
+            slots.popleft()
+            if isinstance(source, _Worker):
+                in_flight -= 1
+                message = source.receive()
+                if message[0] == "error":
+                    raise AttnkitError(f"tokenising batch {task[message[1]].index} failed in a worker: "
+                                       f"{message[2]}")
+                arrays = message[1]
+            else:
+                here -= 1
+                arrays = source
             yield from zip(task, arrays)
 
 
@@ -308,8 +414,12 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
     devices = [next(m.parameters()).device for m in models]
     replicas = [Replica(lab, m, forward) for lab, m in zip(device_labels(devices), models)]
     before = torch.get_num_threads()
+    here = runs_on_caller(devices)
+    stack = contextlib.ExitStack()
+    if here:
+        stack.enter_context(_tokenizer_threads_off())
     try:
-        if runs_on_caller(devices):
+        if here:
             choice, probe, planned = calibrate(lambda pb: encoder.encode_arrays(pb.segments),
                                                lambda pb, arrays: _measure_here(replicas[0], pb, arrays),
                                                planned, workers, threads, max_workers())
@@ -323,7 +433,8 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
             on_choice(choice)
         torch.set_num_threads(choice.threads)
         n_workers, planned = workers_for_plan(planned, choice.workers)
-        with TokenizerPool(encoder, n_workers, prefetch) as pool:  # workers start before any result is delivered
+        # workers start before any result is delivered; a caller running the forwards tokenises too while it waits
+        with TokenizerPool(encoder, n_workers, prefetch, help_here=here) as pool:
             encoded = pool.map(planned)
             if probe is not None:
                 redo = probe.threads != choice.threads  # a run's numbers are those of its thread count (§3)
@@ -331,7 +442,7 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
                     on_result(_measure_here(replicas[0], pb, arrays) if redo else res)
                     if on_progress is not None:
                         on_progress([replicas[0]])
-            if runs_on_caller(devices):
+            if here:
                 _run_here(replicas[0], encoded, on_result, on_progress)
             else:
                 # Every batch the workers may hold can also wait for a device: the workers are never held back by
@@ -340,7 +451,24 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
                               on_progress)
     finally:
         torch.set_num_threads(before)
+        stack.close()
     return choice
+
+
+@contextlib.contextmanager
+def _tokenizer_threads_off():
+    """The Rust tokenizer's own thread pool off while torch's threads run on this machine's cores, as in the
+    workers: its threads spin after each batch the caller tokenises and took 0.35-0.4 s of CPU time from the
+    forwards and the workers in a 4 s run (issue 38's tokenise-bound case). The caller's setting comes back after."""
+    old = os.environ.get(TOKENIZER_THREADS)
+    os.environ[TOKENIZER_THREADS] = "false"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(TOKENIZER_THREADS, None)
+        else:
+            os.environ[TOKENIZER_THREADS] = old
 
 
 def _measure_here(replica: Replica, planned: PlannedBatch, arrays: EncodedArrays) -> BatchResult:
@@ -352,11 +480,26 @@ def _measure_here(replica: Replica, planned: PlannedBatch, arrays: EncodedArrays
         raise AttnkitError(f"the model on one device failed: {type(exc).__name__}: {exc}") from exc
 
 
+RUN_BATCHES = 16  # batches in one run of `_run_here`: at most this many
+RUN_SECONDS = 0.05  # and about this much forward time
+
+
 def _run_here(replica: Replica, encoded, on_result, on_progress) -> None:
-    for planned, arrays in encoded:
-        on_result(_measure_here(replica, planned, arrays))
-        if on_progress is not None:
-            on_progress([replica])
+    """The batches on the calling thread, in runs: a run's batches are tokenised (or received) together, their
+    forwards run back to back, and their results are delivered together. Each kind of work then keeps its code and
+    data in the core's caches: a small model's forward right after tokenising a batch takes 20-40% longer than
+    one right after another forward. A run holds at most RUN_BATCHES batches and about RUN_SECONDS of forwards, so
+    a large model's progress and checkpoints still follow every batch."""
+    size = 1
+    while items := list(itertools.islice(encoded, size)):
+        t = time.perf_counter()
+        results = [_measure_here(replica, planned, arrays) for planned, arrays in items]
+        per_batch = (time.perf_counter() - t) / len(items)
+        for res in results:
+            on_result(res)
+            if on_progress is not None:
+                on_progress([replica])
+        size = max(1, min(RUN_BATCHES, int(RUN_SECONDS / max(per_batch, 1e-9))))
 
 
 def _run_threaded(replicas, encoded, max_in_flight, on_result, on_progress) -> None:

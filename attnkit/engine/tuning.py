@@ -3,7 +3,9 @@ machine's CPU, how many tokenisation worker processes and how many torch threads
 its first batches tokenise and run forwards, as a user with a stopwatch would.
 
     first batches: tokenised on the calling thread (timed) ─► forwards with the process's threads (timed), and
-                   one with a single thread when tokenising is not negligible ─► `choose` ─► the rest of the run
+                   again with a single thread when tokenising is not negligible ─► `choose` ─► the rest of the run
+
+Each rate is that of the fastest timed batch: a batch the system held up says nothing about the configuration.
 
 The first batches' results are kept when the chosen thread count is the one they ran with; otherwise they are
 measured again with the chosen count, so a run's numbers are those of a run with the chosen settings given by hand
@@ -70,12 +72,14 @@ def check_threads(threads) -> int | str:
 
 def seconds_per_token(workers: int, threads: int, tokenise: float, forward: dict, cores: int) -> float:
     """The estimated time per token of a run with `workers` and `threads`, from the rates (tokens/s): without
-    workers the calling thread tokenises and runs forwards in turn; with workers the slower of the two stages,
-    and at least the CPU time of both spread over the cores. More busy threads than cores costs `OVERSUBSCRIBED`."""
+    workers the calling thread tokenises and runs forwards in turn; with workers, the calling thread runs the
+    forwards and tokenises in the time they leave it (attnkit/engine/local.py's TokenizerPool `help_here`), so
+    the run takes the longer of the forwards, the tokenising shared by the workers and the caller, and the CPU
+    time of both spread over the cores. More busy threads than cores costs `OVERSUBSCRIBED`."""
     f = forward[threads]
     if workers == 0:
         return 1 / tokenise + 1 / f
-    t = max(1 / (workers * tokenise), 1 / f, (1 / tokenise + threads / f) / cores)
+    t = max(1 / f, (1 / tokenise + 1 / f) / (workers + 1), (1 / tokenise + threads / f) / cores)
     return t * (OVERSUBSCRIBED if workers + threads > cores else 1.0)
 
 
@@ -158,17 +162,17 @@ def calibrate(encode: Callable, measure: Callable, planned: Iterable, workers=AU
         encoded.append((pb, arrays))
         results.append(res)
         if i:  # the first batch warms up
-            tok_s.append((arrays.n_tokens, dt))
-            fwd_s.append((arrays.n_tokens, df))
-    tokenise = sum(n for n, _ in tok_s) / max(sum(d for _, d in tok_s), 1e-9)
-    rates = {probe_threads: sum(n for n, _ in fwd_s) / max(sum(d for _, d in fwd_s), 1e-9)}
+            tok_s.append(dt / arrays.n_tokens)
+            fwd_s.append(df / arrays.n_tokens)
+    tokenise = 1 / max(min(tok_s), 1e-12)
+    rates = {probe_threads: 1 / max(min(fwd_s), 1e-12)}
     if threads == AUTO and probe_threads > 1 and rates[probe_threads] / tokenise > NEGLIGIBLE:
-        pb, arrays = encoded[-1]  # one forward with a single thread, for its time only
-        torch.set_num_threads(1)
+        torch.set_num_threads(1)  # the probe's batches again with a single thread, for their time only
         try:
-            rates[1] = arrays.n_tokens / max(_timed(measure, pb, arrays)[1], 1e-9)
+            one = [_timed(measure, pb, arrays)[1] / arrays.n_tokens for pb, arrays in encoded]
         finally:
             torch.set_num_threads(probe_threads)
+        rates[1] = 1 / max(min(one[1:]), 1e-12)  # the first warms up the new thread count
     w, n = choose(tokenise, forward_rates(rates, cores), cores, workers, threads)
     choice = PipelineChoice(w, n, "measured", cores, tokenise, rates, note)
     return choice, Probe(encoded, results, probe_threads), rest
