@@ -15,7 +15,7 @@ A tokenizer without a padding token pads with its EOS token (the attention mask 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -71,10 +71,10 @@ class EncodedArrays:
     sentence_id: np.ndarray  # int32 B×L
     n_truncated: int
     full_lengths: np.ndarray | None = None  # int64 B: tokens before truncation
+    n_tokens: int = field(init=False)  # real tokens, counted once (the pipeline reads it several times a batch)
 
-    @property
-    def n_tokens(self) -> int:
-        return int(self.lengths.sum())
+    def __post_init__(self):
+        self.n_tokens = int(self.lengths.sum())
 
 
 def _ids(tokenizer, *names) -> set[int]:

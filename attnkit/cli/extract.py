@@ -37,8 +37,9 @@ from .options import OutputPath, cli_errors, command_line, echo_for, int_range, 
               type=OutputPath(file_okay=False, path_type=Path), help="Run directory to write.")
 @click.option("--resume", is_flag=True, help="Continue the interrupted run in --out from its last checkpoint.")
 @click.option("--overwrite", is_flag=True, help="Replace a finished run in --out (only once the new one finishes).")
-@click.option("--checkpoint-every", default=20, show_default=True, type=int_range("checkpoint_every"),
-              help="Write a checkpoint every N batches (also every 2 minutes, and always on interruption).")
+@click.option("--checkpoint-every", default=None, type=int_range("checkpoint_every"), metavar="N",
+              help="Also write a checkpoint every N batches. By default one is written every 30 seconds of the "
+                   "run, and always when it is interrupted (Ctrl-C, SIGTERM) or fails.")
 @click.option("--per-sample", is_flag=True,
               help="Also keep every sample's features: OUT/per_sample.npy (float32, samples × layers × heads × "
                    "features, input order; memory-mapped) for `attnkit patterns`.")

@@ -51,7 +51,9 @@ from .tuning import AUTO
 
 # what describes an input's bytes (compared through corpus_sha256 and named when it differs), not how it is read
 INPUT_STATE = ("n_segments", "sha256", "size", "mtime")
-CHECKPOINT_SECONDS = 120.0  # also checkpoint at least this often, whatever checkpoint_every says
+# a checkpoint at least this often, and after every `checkpoint_every` batches where one is given: by time, a run
+# of small batches does not spend its time writing checkpoints, and a kill -9 loses at most this much
+CHECKPOINT_SECONDS = 30.0
 TRUNCATION_WARN_SHARE = 0.10
 
 
@@ -314,13 +316,13 @@ class LengthHistogram:
 
 
 class Checkpoints:
-    """The local job's checkpoints: after every `every` batches (and at least every CHECKPOINT_SECONDS) the
+    """The local job's checkpoints: every CHECKPOINT_SECONDS, and after every `every` batches where given, the
     state is saved to RUN/checkpoint.npz, with the token-length histogram; per-sample rows are flushed to disk
     first, so a checkpoint never counts rows that are not written. On an interruption or an error the last
     state is saved too. `max_logit`: the run's MaxLogitCollector (--max-logit), whose maximum so far each checkpoint
     holds."""
 
-    def __init__(self, run: RunDir, settings: dict, every: int, lengths: LengthHistogram,
+    def __init__(self, run: RunDir, settings: dict, every: int | None, lengths: LengthHistogram,
                  writer: PerSampleWriter | None, inputs: list | None = None, max_logit=None):
         self.run, self.settings, self.every, self.lengths, self.writer = run, settings, every, lengths, writer
         self.inputs = inputs  # each input's path, sha256, size and mtime: a resume names the one that changed
@@ -344,7 +346,7 @@ class Checkpoints:
         if res.full_lengths is not None:
             self.lengths.add(res.full_lengths)
         self.batches += 1
-        if self.batches % self.every == 0 or time.monotonic() - self.saved_at > CHECKPOINT_SECONDS:
+        if (self.every and self.batches % self.every == 0) or time.monotonic() - self.saved_at > CHECKPOINT_SECONDS:
             self.save(state)
 
     @contextlib.contextmanager

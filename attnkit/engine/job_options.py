@@ -44,7 +44,7 @@ class ExtractOptions:
     out: Path = Path("attnkit-run")
     resume: bool = False
     overwrite: bool = False
-    checkpoint_every: int = 20
+    checkpoint_every: int | None = None  # None: by time alone (extract_job.CHECKPOINT_SECONDS)
     quiet: bool = False
     per_sample: bool = False
     weighting: str = DEFAULT_WEIGHTING
@@ -89,7 +89,8 @@ def check_extract_options(opts: ExtractOptions) -> None:
     if opts.device and opts.devices:
         raise AttnkitError(f"give {arg('device')} or {arg('devices')}, not both")
     check_engine(opts.engine)
-    check_int(opts.checkpoint_every, "checkpoint_every")
+    if opts.checkpoint_every is not None:
+        check_int(opts.checkpoint_every, "checkpoint_every")
     if opts.limit is not None:
         check_int(opts.limit, "limit")
     if opts.threads is not None:
