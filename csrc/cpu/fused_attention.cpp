@@ -28,6 +28,9 @@ extern "C" {
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
             const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
             const float* beta, float* c, const int* ldc) __attribute__((weak));
+// MKL's per-thread thread count, its C interface (the lowercase symbol is the Fortran one, taking a pointer);
+// exported by MKL builds of libtorch_cpu, absent elsewhere.
+int MKL_Set_Num_Threads_Local(int nt) __attribute__((weak));  // mkl_service.h: mkl_set_num_threads_local
 }
 
 namespace attnkit::cpu {
@@ -35,6 +38,26 @@ namespace {
 
 constexpr int kOther = kClassOther, kCls = kClassCls, kPeriod = kClassPeriod;
 constexpr int kAll = kRegionAll;
+
+// The tasks' products on MKL's sequential path while the guard lives: MKL's threaded driver, called from inside
+// at::parallel_for, opens a nested OpenMP region per call, and libgomp mallocs (1,560 bytes) and frees a team for
+// each one: 455,000 small allocations in a SmolLM2 forward at 8k, from both threads, whose order varied from run
+// to run and with it how the glibc heap around the activations fragmented (peak RSS 1187-1380 MB).
+class SequentialBlas {
+ public:
+  SequentialBlas() : set_(MKL_Set_Num_Threads_Local != nullptr) {
+    if (set_) saved_ = MKL_Set_Num_Threads_Local(1);
+  }
+  ~SequentialBlas() {
+    if (set_) MKL_Set_Num_Threads_Local(saved_);  // 0: back to MKL's global setting
+  }
+  SequentialBlas(const SequentialBlas&) = delete;
+  SequentialBlas& operator=(const SequentialBlas&) = delete;
+
+ private:
+  bool set_;
+  int saved_ = 0;
+};
 
 // Column-major C(m×n) = alpha · op(A) · op(B) + beta · C, BLAS conventions (beta = 0: C is not read).
 void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
@@ -401,6 +424,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   const int64_t scratch = BQ * BK + BQ * D + BK + BQ * RS + BQ + BK + (p.small_products ? BK * D : 0);
 
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
+    const SequentialBlas sequential;
     std::vector<float> buf(static_cast<size_t>(scratch), 0.f);
     float* S = buf.data();
     float* acc = S + BQ * BK;
