@@ -1,8 +1,9 @@
 """One machine's extraction pipeline: planned batches → tokenisation workers → model replicas → results in order.
 
-    planned batches ──► TokenizerPool (worker processes, at most `prefetch` batches in flight; workers=0: in turn
-                        with the forwards, on the calling thread)
-                    ──► one CPU replica: forwards on the calling thread
+    planned batches ──► TokenizerPool (worker processes on pipes of their own, at most `prefetch` tasks in flight;
+                        a CPU run's caller tokenises the next batches itself while the task it needs is not
+                        ready; workers=0: in turn with the forwards, on the calling thread)
+                    ──► one CPU replica: forwards on the calling thread, in runs of batches
                         GPUs, several replicas: one DeviceRunner thread each (pinned memory, non-blocking copies)
                     ──► results put back in plan order on the calling thread
 
