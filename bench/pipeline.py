@@ -313,6 +313,7 @@ def _alone(model_dir: Path, corpus: Path, batch_size: int, max_length: int) -> t
     CPU, seconds of the forwards of its batches, pre-tokenised)."""
     import attnkit
     from attnkit.engine.forward import device_forward, measuring
+    from attnkit.engine.local import tokenizer_threads_off
     from attnkit.engine.plan import plan_batches
     from attnkit.tokens import Batch, Encoder
 
@@ -320,15 +321,10 @@ def _alone(model_dir: Path, corpus: Path, batch_size: int, max_length: int) -> t
     segs = [ln for ln in corpus.read_text().splitlines() if ln.strip()]
     enc = Encoder(tok, max_length=max_length)
     planned = list(plan_batches(segs, batch_size, 4096))
-    old = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    t = time.perf_counter()
-    arrays = [enc.encode_arrays(pb.segments) for pb in planned]
-    tokenise = time.perf_counter() - t
-    if old is None:
-        del os.environ["TOKENIZERS_PARALLELISM"]
-    else:
-        os.environ["TOKENIZERS_PARALLELISM"] = old
+    with tokenizer_threads_off():
+        t = time.perf_counter()
+        arrays = [enc.encode_arrays(pb.segments) for pb in planned]
+        tokenise = time.perf_counter() - t
     with measuring(model):
         device_forward(model, Batch.from_arrays(arrays[0]))
         t = time.perf_counter()

@@ -167,7 +167,7 @@ class _Worker:
         self.process.start()
         tasks_end.close()  # the worker holds the other ends alone: its death is an end of file here
         results_end.close()
-        set_size = getattr(fcntl, "F_SETPIPE_SZ", None) if fcntl is not None else None
+        set_size = getattr(fcntl, "F_SETPIPE_SZ", None)  # (None where fcntl is: Windows)
         if set_size is not None:  # room for the tasks in flight: sending them never waits for the worker
             with contextlib.suppress(OSError):
                 fcntl.fcntl(self.tasks.fileno(), set_size, PIPE_BYTES)
@@ -414,13 +414,12 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
     threads = torch.get_num_threads() if threads is None else check_threads(threads)
     devices = [next(m.parameters()).device for m in models]
     replicas = [Replica(lab, m, forward) for lab, m in zip(device_labels(devices), models)]
-    before = torch.get_num_threads()
     here = runs_on_caller(devices)
-    stack = contextlib.ExitStack()
-    if here:
-        stack.enter_context(_tokenizer_threads_off())
-    try:
+    before = torch.get_num_threads()
+    with contextlib.ExitStack() as restore:  # the caller's thread count, and its tokenizer setting on the CPU
+        restore.callback(torch.set_num_threads, before)
         if here:
+            restore.enter_context(tokenizer_threads_off())
             choice, probe, planned = calibrate(lambda pb: encoder.encode_arrays(pb.segments),
                                                lambda pb, arrays: _measure_here(replicas[0], pb, arrays),
                                                planned, workers, threads, max_workers())
@@ -450,14 +449,11 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
                 # a full device queue, and a device never waits while tokenised batches sit in a finished task.
                 _run_threaded(replicas, encoded, pool.prefetch * pool.group + 2 * len(replicas), on_result,
                               on_progress)
-    finally:
-        torch.set_num_threads(before)
-        stack.close()
     return choice
 
 
 @contextlib.contextmanager
-def _tokenizer_threads_off():
+def tokenizer_threads_off():
     """The Rust tokenizer's own thread pool off while torch's threads run on this machine's cores, as in the
     workers: its threads spin after each batch the caller tokenises and took 0.35-0.4 s of CPU time from the
     forwards and the workers in a 4 s run (issue 38's tokenise-bound case). The caller's setting comes back after."""
