@@ -143,6 +143,40 @@ def fused_fewer_queries(device_type: str) -> bool:
     return device_type == "cpu" and _CPU_FEWER_QUERIES
 
 
+def _has_cpu_allocator() -> bool:
+    """Whether the extension has attnkit's CPU allocator (csrc/cpu/block_allocator.cpp; builds before it do not)."""
+    if not extension_loaded():
+        return False
+    try:
+        torch.ops.attnkit.hold_cpu_allocator
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+_CPU_ALLOCATOR = _has_cpu_allocator()
+
+
+def hold_cpu_allocator() -> bool:
+    """Put attnkit's CPU allocator in c10's place for CPU tensors until the matching `release_cpu_allocator` (holds
+    are counted; the last release restores c10's). Every block is a plain malloc aligned inside, so the hole a freed
+    activation leaves fits the next one of its size (csrc/cpu/block_allocator.cpp; docs/decoders.md §7, "Memory").
+    attnkit.models holds it over each forward of an instrumented model on the CPU. False, and nothing to release,
+    where it stays out: no extension or one built before it, c10's NUMA or huge-page allocation on, or another
+    allocator registered with a higher priority."""
+    return _CPU_ALLOCATOR and bool(torch.ops.attnkit.hold_cpu_allocator())
+
+
+def release_cpu_allocator() -> None:
+    """Give back one hold that `hold_cpu_allocator` returned True for."""
+    torch.ops.attnkit.release_cpu_allocator()
+
+
+def cpu_allocator_holders() -> int:
+    """How many holds of attnkit's CPU allocator are outstanding (0 without it)."""
+    return int(torch.ops.attnkit.cpu_allocator_holders()) if _CPU_ALLOCATOR else 0
+
+
 def cpu_capability() -> str | None:
     """The build of the CPU kernel that runs now: "default", "avx2" or "avx512" (docs/cuda.md, "CPU capability":
     torch's CPU capability, or $ATTNKIT_CPU_CAPABILITY); None without a compiled CPU kernel that reports it."""
