@@ -145,13 +145,7 @@ def fused_fewer_queries(device_type: str) -> bool:
 
 def _has_cpu_allocator() -> bool:
     """Whether the extension has attnkit's CPU allocator (csrc/cpu/block_allocator.cpp; builds before it do not)."""
-    if not extension_loaded():
-        return False
-    try:
-        torch.ops.attnkit.hold_cpu_allocator
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+    return extension_loaded() and hasattr(torch.ops.attnkit, "hold_cpu_allocator")
 
 
 _CPU_ALLOCATOR = _has_cpu_allocator()
