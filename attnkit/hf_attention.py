@@ -136,6 +136,11 @@ class ModelInputs:
     holds_cpu_allocator: bool = False
 
 
+class FeaturesComplete(Exception):
+    """Raised by the attention function when every layer's features are in and the forward only measures
+    (Runtime.stop_when_measured): the rest of the forward would compute what nobody reads."""
+
+
 class LayerFeatures:
     """layer → the B×H×F features of the forward under way, written into one B × layers × H × F buffer.
 
@@ -164,6 +169,10 @@ class LayerFeatures:
 
     def __contains__(self, layer: int) -> bool:
         return 0 <= layer < self.n_layers and self._written[layer]
+
+    def complete(self) -> bool:
+        """Whether every layer's features are in."""
+        return all(self._written)
 
     def __getitem__(self, layer: int) -> torch.Tensor:
         if layer not in self:
@@ -202,6 +211,10 @@ class Runtime:
     sink: bool = False  # the model has a learned sink logit per head: its features end with `sink`
     segment_types: bool = True  # whether token_type_ids mark segments (the model has > 1 type)
     _outer_inputs: list = field(default_factory=list)  # inputs of enclosing forwards (nested calls)
+    # True inside attnkit.engine.forward.forward_features, which reads only the features: the forward ends (the
+    # attention function raises FeaturesComplete) once every layer's are in, and what follows the last attention
+    # layer (its output projection and MLP, the final norm) does not run
+    stop_when_measured: bool = False
     # attnkit.caching.HeadCache objects that keep each layer's per-head outputs (attnkit.cache_heads)
     head_caches: list = field(default_factory=list)
     # attnkit.training.Tracker (attnkit.track): per-head statistics of every forward, accumulated on the device
@@ -719,6 +732,9 @@ def attnkit_attention(module, query, key, value, attention_mask, scaling=None, d
         for cache in rt.head_caches:
             cache.record(module.layer_idx, heads_out)
     if not want_maps:
+        if rt is not None and rt.stop_when_measured and isinstance(rt.features, LayerFeatures) \
+                and rt.features.complete():
+            raise FeaturesComplete  # caught by attnkit.engine.forward.forward_features
         return out, None
     # the weights this forward used, interventions included (their definition: attnkit.reference); a pruned
     # layer's maps cover the unpruned heads, a removed head's map all zeros (as its features)

@@ -4,7 +4,7 @@ reuses the holes freed activations leave (docs/decoders.md §7, "Memory: what gl
 from __future__ import annotations
 
 import ctypes
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -91,24 +91,15 @@ def test_the_numbers_do_not_depend_on_the_allocator():
 
 
 def test_holds_from_several_threads():
-    errors = []
+    def work(_):
+        for _ in range(200):
+            assert ops.hold_cpu_allocator()
+            x = torch.randn(64, 64)
+            (x @ x).sum()
+            ops.release_cpu_allocator()
 
-    def work():
-        try:
-            for _ in range(200):
-                assert ops.hold_cpu_allocator()
-                x = torch.randn(64, 64)
-                (x @ x).sum()
-                ops.release_cpu_allocator()
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(work, range(4)))  # re-raises a worker's exception
     assert not from_block_allocator(torch.empty(1000))
 
 

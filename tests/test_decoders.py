@@ -15,7 +15,7 @@ import torch
 import attnkit
 from attnkit.errors import AttnkitError
 from attnkit.features import CLS, OTHER, SEP
-from attnkit.models import runtime_of
+from attnkit.models import attention_modules, runtime_of
 from attnkit.tokens import Batch
 
 from .synthetic import DECODER_KINDS, features_from_maps, tiny_decoder
@@ -301,19 +301,28 @@ def test_distances_use_the_decoders_attention_and_other_observers_are_refused():
 
 def test_extraction_builds_no_kv_cache(pair):
     """A decoder's forward keeps a KV cache by default (2 tensors per layer); extraction never reads it, so its
-    forward asks for none (use_cache=False), which the output the model returns shows."""
+    forward asks for none (use_cache=False): no attention layer is handed a cache to fill. (The forward ends at the
+    last attention layer, so the model's output, which would show the cache, is never made.)"""
     _, ours = pair
+    from transformers.cache_utils import Cache
+
     from attnkit.engine.forward import forward_features, measuring
 
     seen = []
-    hook = ours.register_forward_hook(lambda mod, args, out: seen.append(getattr(out, "past_key_values", None)))
+
+    def record(mod, args, kwargs):  # the cache's keyword is named differently across transformers versions
+        seen.append(next((v for v in (*args, *kwargs.values()) if isinstance(v, Cache)), None))
+
+    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in attention_modules(ours)]
     try:
         ids, mask = inputs("right")
         with torch.no_grad():
             default = ours(input_ids=ids, attention_mask=mask).past_key_values
+        n = len(seen)
         with measuring(ours, backend="auto"):
             forward_features(ours, batch_of(ids, mask))
     finally:
-        hook.remove()
-    assert default is not None  # the model would build one
-    assert seen[-1] is None
+        for h in hooks:
+            h.remove()
+    assert default is not None and all(c is default for c in seen[:n])  # the model would build one, for each layer
+    assert len(seen) == 2 * n and seen[n:] == [None] * n

@@ -67,3 +67,30 @@ def test_a_first_layer_of_another_shape_remakes_the_buffer():
     out = lf.stacked()
     assert out.shape == (2, 2, 3, 6)
     assert torch.equal(out[:, 0], torch.full((2, 3, 6), 2.0)) and torch.equal(out[:, 1], torch.full((2, 3, 6), 3.0))
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_the_forward_ends_once_the_last_attention_layer_has_measured(kind):
+    """forward_features reads only the features: the last layer's output projection and MLP and the model's final
+    norm do not run (attnkit.hf_attention.Runtime.stop_when_measured); a plain forward afterwards runs whole."""
+    from attnkit import ops
+    from attnkit.caching import encoder_layers
+    from attnkit.engine.forward import forward_features, measuring
+
+    model = attnkit.instrument(tiny_bert()[0] if kind == "bert" else tiny_decoder(kind))
+    rt = runtime_of(model)
+    last = encoder_layers(model)[-1]
+    calls = []
+    hooks = [last.register_forward_pre_hook(lambda *_: calls.append("enter")),
+             last.register_forward_hook(lambda *_: calls.append("leave"))]
+    batch = _batch(model)
+    with measuring(model, num_windows=4):
+        feats = forward_features(model, batch)
+    assert calls == ["enter"]
+    assert feats.shape[1] == len(attention_modules(model)) and torch.isfinite(feats).all()
+    assert not rt.stop_when_measured and rt.inputs is None and ops.cpu_allocator_holders() == 0
+    with torch.inference_mode():
+        model(**batch.inputs)
+    assert calls == ["enter", "enter", "leave"]
+    for h in hooks:
+        h.remove()

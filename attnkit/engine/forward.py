@@ -15,7 +15,7 @@ import torch
 from ..arch.architectures import attention_layers
 from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS, check_weighting, num_features
-from ..hf_attention import LayerFeatures
+from ..hf_attention import FeaturesComplete, LayerFeatures
 from ..models import attention_modules, runtime_of
 
 DEFAULT_BATCH_SIZE = {"cpu": 16, "cuda": 64}
@@ -71,14 +71,22 @@ def no_cache(model) -> dict:
 
 def forward_features(model, batch, rt=None, *, to_cpu: bool = True) -> torch.Tensor:
     """One forward of `batch` (already on the model's device), without a KV cache; returns B × layers × heads ×
-    F (on the CPU unless `to_cpu` is false)."""
+    F (on the CPU unless `to_cpu` is false).
+
+    The forward stops once the last attention layer has measured (`Runtime.stop_when_measured`): that layer's
+    output projection and MLP and the model's final norm would compute an output nobody reads (MiniLM's six
+    layers: an eighth of the forward's matrix products). Hooks on those modules therefore do not run here."""
     rt = rt or runtime_of(model)
     n_layers = len(attention_modules(model))
     shape = (len(batch.lengths), model.config.num_attention_heads, num_features(rt.num_windows, rt.sink))
     rt.features = LayerFeatures(n_layers, shape, batch.lengths.device)
+    rt.stop_when_measured = True
     try:
         with rt.batch_of(batch), torch.inference_mode():
-            model(**batch.inputs, **no_cache(model))
+            try:
+                model(**batch.inputs, **no_cache(model))
+            except FeaturesComplete:
+                pass
         missing = [i for i in range(n_layers) if i not in rt.features]
         if missing:
             raise AttnkitError(f"layers {missing} produced no features: their attention bypassed attnkit")
@@ -86,6 +94,7 @@ def forward_features(model, batch, rt=None, *, to_cpu: bool = True) -> torch.Ten
         return feats.cpu() if to_cpu else feats
     finally:
         rt.features = {}
+        rt.stop_when_measured = False
 
 
 def device_forward(model, batch) -> torch.Tensor:
