@@ -28,6 +28,10 @@ DEFAULT_WEIGHTING = "attention"
 DEFAULT_NUM_WINDOWS = 16
 DEFAULT_MAX_LENGTH = 128  # tokens per sample, special tokens included, when none is given
 DEFAULT_WINDOW = 4096  # segments read ahead and sorted by length together (docs/pipeline.md)
+# How a run's forwards are cut from its segments (docs/pipeline.md §2: windows by characters, units by tokens), in
+# the settings of every resumable run (meta.json, checkpoints, Ray shard files): a run planned otherwise (by
+# characters alone, as attnkit did before units) is not resumed with this plan
+PLAN = "units by tokens"
 ROW_FEATURES = ("prev", "next", "entropy", "max", "intra", "inter")
 
 

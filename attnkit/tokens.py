@@ -76,6 +76,19 @@ class EncodedArrays:
     def __post_init__(self):
         self.n_tokens = int(self.lengths.sum())
 
+    def rows(self, index: np.ndarray) -> EncodedArrays:
+        """The samples `index` (in that order) as a batch of their own, padded to the longest of them: the arrays
+        `Encoder.encode_arrays` gives for those segments alone."""
+        lengths = self.lengths[index]
+        width = int(lengths.max()) if len(lengths) else 0
+
+        def take(a: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(a[index, :width])
+
+        full = None if self.full_lengths is None else self.full_lengths[index]
+        return EncodedArrays({k: take(v) for k, v in self.inputs.items()}, lengths, take(self.token_class),
+                             take(self.sentence_id), 0 if full is None else int((full > lengths).sum()), full)
+
 
 def _ids(tokenizer, *names) -> set[int]:
     out = set()

@@ -3,6 +3,7 @@ import json
 import os
 import re
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,6 +96,31 @@ def test_interrupted_run_resumes_to_identical_numbers(corpus, tmp_path, sig, pau
     np.testing.assert_array_equal(a.mean, b.mean)
     np.testing.assert_array_equal(a.std, b.std)
     assert not (part / "checkpoint.npz").exists()
+
+
+def test_an_interrupted_run_of_units_resumes_at_a_unit_to_identical_numbers(corpus, tmp_path, paused_extract):
+    """Batches of several samples are planned in units (attnkit/engine/plan.py): a checkpoint falls at the end of a
+    unit, and the resumed run cuts the rest of the plan into the same units and forwards."""
+    from attnkit.engine.plan import plan_batches
+
+    args = ["--batch-size", 2, "-q", "--backend", "reference", "--max-length", 24]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run("extract", corpus, "-o", full, *args)[0] == 0
+    proc = paused_extract(["extract", corpus, "-o", part, "--checkpoint-every", 1, *args])
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode == 130
+    segments = [ln for ln in Path(corpus).read_text().splitlines() if ln.strip()]
+    units = list(plan_batches(segments, 2, 4096, grouped=True))
+    assert max(pb.n_forwards for pb in units) > 1
+    with np.load(part / "checkpoint.npz") as z:
+        assert int(z["next_index"]) in {pb.end for pb in units[:-1]}
+    code, text = run("extract", corpus, "-o", part, *args, "--resume")
+    assert code == 0, text
+    a, b = HeadFeatures.load(full), HeadFeatures.load(part)
+    assert b.n_samples == a.n_samples == len(segments) and b.n_tokens == a.n_tokens
+    np.testing.assert_allclose(b.mean, a.mean, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(b.std, a.std, rtol=1e-9, atol=1e-12)
 
 
 def _resume_hint(stderr: str) -> list[str]:

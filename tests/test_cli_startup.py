@@ -151,6 +151,9 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
     interrupted = tmp_path / "interrupted"  # a checkpoint made with --batch-size 16, the other options as given
     RunDir(interrupted).save_checkpoint(FeatureAccumulator(2, 4, ["f0"]), 1, 0,
                                         option_settings(ExtractOptions(batch_size=16)))
+    older = tmp_path / "older"  # a checkpoint of a run planned by characters alone (before attnkit cut units)
+    RunDir(older).save_checkpoint(FeatureAccumulator(2, 4, ["f0"]), 1, 0, {
+        k: v for k, v in option_settings(ExtractOptions(batch_size=16)).items() if k != "plan"})
     cases = [
         (["extract", missing, "-o", str(tmp_path / "o")], f"corpus file '{missing}' does not exist"),
         (["extract", str(corpus), "-o", str(run)], "already holds a finished run: give --overwrite"),
@@ -163,6 +166,8 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
          f"cannot create run directory '{existing / 'x' / 'sub'}': '{existing / 'x'}' is a file, not a directory"),
         (["extract", str(corpus), "-o", str(interrupted), "--resume", "--batch-size", "8"],
          "cannot resume: the run directory was made with other settings (batch_size: 16 then, 8 now)"),
+        (["extract", str(corpus), "-o", str(older), "--resume", "--batch-size", "16"],
+         "cannot resume: the run directory was made with other settings (plan: None then, 'units by tokens' now)"),
         (["ablate", "default", *stsb, "--experiment", "types"], "--experiment types needs --clusters RUN"),
         (["ablate", "default", *stsb, "--experiment", "importance", "--mode", "mean"], "--mode mean applies to"),
         (["ablate", str(tmp_path / "m"), *stsb, "--experiment", "heads"], "not found"),

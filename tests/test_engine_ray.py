@@ -173,7 +173,7 @@ def test_killing_a_model_actor_mid_run_changes_nothing(cluster, corpus, in_proce
     run_dir = tmp_path / "run"
     shards = shard_dir(run_dir)
     n_shards = -(-len(corpus) // WINDOW)
-    n_batches = sum(1 for _ in plan_batches(corpus, BATCH, WINDOW))
+    n_batches = sum(1 for _ in plan_batches(corpus, BATCH, WINDOW, grouped=True))  # planned units, as Ray runs them
     (pid_dir / HOLD_FILE).write_text(str(n_batches - 1))
     out: dict = {}
 

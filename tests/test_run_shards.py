@@ -1,5 +1,6 @@
 """attnkit/run/shards.py and the Ray driver's shard settings: shard files written by earlier versions stay valid,
-so the settings fingerprint of a shard must stay the same bytes for the same settings."""
+so the settings fingerprint of a shard must stay the same bytes for the same settings (and change when the same
+settings no longer give the same numbers, as when the plan began cutting units by tokens)."""
 import pytest
 
 from attnkit.engine import ExtractSettings
@@ -8,9 +9,13 @@ from attnkit.errors import AttnkitError
 from attnkit.run.shards import ShardStore, shard_dir
 
 RUN_SETTINGS = {"corpus": "c", "max_length": 40}
-# computed by attnkit 0.1.0 before the engine moved into attnkit/engine/ray/ (distributed.py's ShardStore)
-FEATURES_FINGERPRINT = "fdda823dcc1ea6f07dc7fbf49c213d3cd9493ca295afcff53325c265a306345c"
-DISTANCES_FINGERPRINT = "8883d2da3da2b5cc0930d0083ff660cd9d845ff75029cc7c948c84a6b4d13d4a"
+# computed when the plan began cutting units by tokens (attnkit/engine/plan.py; the engine settings gained "plan")
+FEATURES_FINGERPRINT = "55b9d3187acd7095d23507962907d60270e7e6917e512a3429a6a8f3997711e1"
+DISTANCES_FINGERPRINT = "6f2bcce9498bf75dea8292a66f0d42a02541e84bf1820dba5dd684254eb45c1c"
+# those of the same settings before it (attnkit 0.1.0 to the character plan): such shard files hold the sums of
+# other forwards, so a resume must refuse them
+CHARACTER_PLAN_FINGERPRINTS = ("fdda823dcc1ea6f07dc7fbf49c213d3cd9493ca295afcff53325c265a306345c",
+                               "8883d2da3da2b5cc0930d0083ff660cd9d845ff75029cc7c948c84a6b4d13d4a")
 
 
 def _store(kind, tmp_path, **extra):
@@ -26,6 +31,7 @@ def test_shard_fingerprints_are_those_of_earlier_versions(tmp_path):
     assert store.fingerprint == FEATURES_FINGERPRINT and finished == set()
     store, _ = _store("distances", tmp_path, rows_per_sample=3, seed=7)
     assert store.fingerprint == DISTANCES_FINGERPRINT
+    assert not {FEATURES_FINGERPRINT, DISTANCES_FINGERPRINT} & set(CHARACTER_PLAN_FINGERPRINTS)
 
 
 def test_a_corrupt_shard_file_is_refused_by_name(tmp_path):

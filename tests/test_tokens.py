@@ -1,5 +1,7 @@
 """Token classes and sentence ids from real tokenizer output (BERT- and RoBERTa-style vocabularies)."""
 
+import numpy as np
+
 from attnkit.features import CLS, COMMA, OTHER, PERIOD, SEP
 from attnkit.tokens import Encoder
 
@@ -66,3 +68,30 @@ def test_encoder_refuses_slow_tokenizer():
 
     with pytest.raises(AttnkitError, match="fast"):
         Encoder(Slow())
+
+
+def _assert_same_arrays(got, want):
+    assert got.inputs.keys() == want.inputs.keys()
+    for k in want.inputs:
+        np.testing.assert_array_equal(got.inputs[k], want.inputs[k], err_msg=k)
+    for name in ("lengths", "token_class", "sentence_id", "full_lengths"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert got.n_truncated == want.n_truncated and got.n_tokens == want.n_tokens
+
+
+def test_rows_of_a_batch_are_the_batch_of_those_segments_alone(minilm, decoder_tokenizer):
+    """A planned unit is tokenised once and its forwards take its rows (attnkit/engine/plan.py): each set of rows
+    must be exactly what tokenising those segments alone gives, padding width, truncation counts and the
+    padding's token classes (a decoder pads with EOS) included."""
+    _, tok = minilm
+    long = "one two three four five six seven eight nine ten eleven twelve"
+    segments = ["Hi, there. Bye!", ("a b", "c d e"), long, "x", (long, "and a second side."), "Short one."]
+    for enc in (Encoder(tok, max_length=10, split_sentences=True), Encoder(tok, max_length=64)):
+        whole = enc.encode_arrays(segments)
+        for index in ([3], [5, 3], [2, 4, 0], [1, 0, 3, 5], list(range(len(segments)))[::-1]):
+            _assert_same_arrays(whole.rows(np.array(index)), enc.encode_arrays([segments[i] for i in index]))
+    dec = Encoder(decoder_tokenizer, max_length=12)
+    texts = ["A longer text of the decoder, with a comma.", "Short.", "Mid length text here."]
+    whole = dec.encode_arrays(texts)
+    for index in ([1], [2, 1], [1, 2, 0]):
+        _assert_same_arrays(whole.rows(np.array(index)), dec.encode_arrays([texts[i] for i in index]))

@@ -38,8 +38,10 @@ from .options import OutputPath, cli_errors, command_line, echo_for, int_range, 
 @click.option("--resume", is_flag=True, help="Continue the interrupted run in --out from its last checkpoint.")
 @click.option("--overwrite", is_flag=True, help="Replace a finished run in --out (only once the new one finishes).")
 @click.option("--checkpoint-every", default=None, type=int_range("checkpoint_every"), metavar="N",
-              help="Also write a checkpoint every N batches. By default one is written every 30 seconds of the "
-                   "run, and always when it is interrupted (Ctrl-C, SIGTERM) or fails.")
+              help="Also write a checkpoint once N batches were measured since the last one (at the end of the "
+                   "planned unit that reaches N: short texts are planned 8 batches at a time). By default one is "
+                   "written every 30 seconds of the run, and always when it is interrupted (Ctrl-C, SIGTERM) or "
+                   "fails.")
 @click.option("--per-sample", is_flag=True,
               help="Also keep every sample's features: OUT/per_sample.npy (float32, samples × layers × heads × "
                    "features, input order; memory-mapped) for `attnkit patterns`.")

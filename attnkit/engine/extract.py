@@ -163,7 +163,8 @@ def run_extraction(
     if state.accumulator.names != names or state.accumulator.sum.shape[:2] != shape:
         raise AttnkitError("the accumulated features belong to another model or feature set")
     encoder = Encoder(tokenizer, max_length=settings.max_length, split_sentences=settings.split_sentences)
-    planned = plan_batches(segments, settings.batch_size, settings.window, skip_segments=state.next_index)
+    planned = plan_batches(segments, settings.batch_size, settings.window, skip_segments=state.next_index,
+                           grouped=True)
     bar = _ProgressBar(label, segments, total, state.next_index, state.accumulator.n_tokens) if progress else None
 
     def deliver(res: BatchResult) -> None:

@@ -316,7 +316,8 @@ class LengthHistogram:
 
 
 class Checkpoints:
-    """The local job's checkpoints: every CHECKPOINT_SECONDS, and after every `every` batches where given, the
+    """The local job's checkpoints: every CHECKPOINT_SECONDS, and once `every` batches (forwards) were measured since
+    the last one where given (at the end of the planned unit that reaches them: attnkit/engine/plan.py), the
     state is saved to RUN/checkpoint.npz, with the token-length histogram; per-sample rows are flushed to disk
     first, so a checkpoint never counts rows that are not written. On an interruption or an error the last
     state is saved too. `max_logit`: the run's MaxLogitCollector (--max-logit), whose maximum so far each checkpoint
@@ -328,7 +329,7 @@ class Checkpoints:
         self.inputs = inputs  # each input's path, sha256, size and mtime: a resume names the one that changed
         self.max_logit = max_logit
         self.state: ExtractionState | None = None
-        self.batches = 0
+        self.forwards = 0  # since the last checkpoint
         self.saved_at = time.monotonic()
 
     def save(self, state: ExtractionState) -> None:
@@ -338,6 +339,7 @@ class Checkpoints:
                                  lengths=self.lengths.counts, inputs=self.inputs,
                                  max_logit=self.max_logit.result() if self.max_logit is not None else None)
         self.saved_at = time.monotonic()
+        self.forwards = 0
 
     def after_batch(self, state: ExtractionState, res: BatchResult) -> None:
         self.state = state
@@ -345,8 +347,8 @@ class Checkpoints:
             self.writer.add(res.planned.positions, res.features, res.planned.segments)
         if res.full_lengths is not None:
             self.lengths.add(res.full_lengths)
-        self.batches += 1
-        if (self.every and self.batches % self.every == 0) or time.monotonic() - self.saved_at > CHECKPOINT_SECONDS:
+        self.forwards += res.planned.n_forwards
+        if (self.every and self.forwards >= self.every) or time.monotonic() - self.saved_at > CHECKPOINT_SECONDS:
             self.save(state)
 
     @contextlib.contextmanager

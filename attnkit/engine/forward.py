@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ..arch.architectures import attention_layers
@@ -17,6 +19,7 @@ from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS, check_weighting, num_features
 from ..hf_attention import FeaturesComplete, LayerFeatures
 from ..models import attention_modules, runtime_of
+from ..tokens import Batch, EncodedArrays
 
 DEFAULT_BATCH_SIZE = {"cpu": 16, "cuda": 64}
 
@@ -102,5 +105,27 @@ def device_forward(model, batch) -> torch.Tensor:
     return forward_features(model, batch, to_cpu=False)
 
 
-__all__ = ["DEFAULT_BATCH_SIZE", "default_batch_size", "device_forward", "forward_features", "measuring",
-           "no_cache", "output_projections"]
+def length_batches(lengths: np.ndarray, batch_size: int | None) -> list[np.ndarray] | None:
+    """The forwards of a planned unit (attnkit/engine/plan.py, "grouped"): its samples sorted by token count,
+    longest first (ties in plan order), `batch_size` at a time; None when the unit is a single forward, which then
+    runs its samples as planned."""
+    if batch_size is None or len(lengths) <= batch_size:
+        return None
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def unit_features(forward: Callable, model, arrays: EncodedArrays, batch_size: int | None,
+                  to_device: Callable[[Batch], Batch]) -> torch.Tensor:
+    """`forward(model, batch)` (per-sample rows, on the device) over a planned unit, run as `length_batches`
+    cuts it; the rows come back in the unit's order. `to_device` moves a batch to the model's device."""
+    parts = length_batches(arrays.lengths, batch_size)
+    if parts is None:
+        return forward(model, to_device(Batch.from_arrays(arrays)))
+    rows = torch.cat([forward(model, to_device(Batch.from_arrays(arrays.rows(p)))) for p in parts])
+    where = torch.from_numpy(np.argsort(np.concatenate(parts), kind="stable")).to(rows.device)
+    return rows.index_select(0, where)
+
+
+__all__ = ["DEFAULT_BATCH_SIZE", "default_batch_size", "device_forward", "forward_features", "length_batches",
+           "measuring", "no_cache", "output_projections", "unit_features"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..embedded import check_model_max_length
 from ..errors import AttnkitError, arg, check_int
-from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING, DEFAULT_WINDOW
+from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING, DEFAULT_WINDOW, PLAN
 from ..run.model_dir import check_model_dir
 from ..run.outputs import check_no_file_in_the_way, check_output_path, check_output_place
 from .ray.session import check_ray_address
@@ -65,7 +65,7 @@ def option_settings(opts: ExtractOptions) -> dict:
     none). max_logit only when asked for (runs without it, and runs made before it existed, have none)."""
     settings = {"limit": opts.limit, "max_length": opts.max_length, "batch_size": opts.batch_size,
                 "window": opts.window, "dtype": opts.dtype, "num_windows": opts.num_windows,
-                "split_sentences": opts.sentences, "engine": opts.engine, "per_sample": opts.per_sample}
+                "split_sentences": opts.sentences, "engine": opts.engine, "per_sample": opts.per_sample, "plan": PLAN}
     if opts.weighting != DEFAULT_WEIGHTING:
         settings["weighting"] = opts.weighting
     if opts.max_logit:

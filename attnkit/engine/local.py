@@ -43,6 +43,7 @@ import torch
 from ..errors import AttnkitError, check_int
 from ..tokens import Batch, EncodedArrays, Encoder
 from .devices import device_labels
+from .forward import unit_features
 from .openmp import available_cores
 from .plan import PlannedBatch, segment_chars
 from .tuning import AUTO, PipelineChoice, calibrate, check_threads, clamp_workers
@@ -196,7 +197,7 @@ class _Worker:
         self.results.close()
 
 
-TASK_BATCHES = 8  # planned batches per task sent to a tokenisation worker
+TASK_BATCHES = 8  # forwards' worth of planned batches per task sent to a tokenisation worker
 TASK_CHARS = 200_000  # and at most about this much text (a task pipe holds the tasks in flight)
 
 
@@ -208,8 +209,11 @@ def workers_for_plan(planned: Iterable[PlannedBatch], workers: int,
     it = iter(planned)
     if workers <= 0:
         return 0, it
-    head = list(itertools.islice(it, workers * group))
-    return min(workers, max(1, -(-len(head) // group))), itertools.chain(head, it)
+    head, n = [], 0
+    while n < workers * group and (pb := next(it, None)) is not None:
+        head.append(pb)
+        n += pb.n_forwards
+    return min(workers, max(1, -(-n // group))), itertools.chain(head, it)
 
 
 class TokenizerPool:
@@ -256,13 +260,14 @@ class TokenizerPool:
             w.stop()
 
     def _next_task(self, it: Iterator[PlannedBatch]) -> list[PlannedBatch]:
-        """The next planned batches for one worker: `group` of them, fewer where their text passes TASK_CHARS
-        (estimated from each batch's first segment, its longest in the plan's order)."""
-        task, chars = [], 0
+        """The next planned batches for one worker: `group` forwards' worth of them, fewer where their text passes
+        TASK_CHARS (estimated from each batch's first segment, its longest in the plan's order)."""
+        task, chars, n = [], 0, 0
         for pb in it:
             task.append(pb)
             chars += segment_chars(pb.segments[0]) * len(pb.segments)
-            if len(task) >= self.group or chars >= TASK_CHARS:
+            n += pb.n_forwards
+            if n >= self.group or chars >= TASK_CHARS:
                 break
         return task
 
@@ -275,7 +280,7 @@ class TokenizerPool:
         slots: collections.deque = collections.deque()
         it = iter(planned)
         exhausted = False
-        sent = in_flight = here = 0  # tasks sent; tasks sent and not yet read; batches made here, not yet taken
+        sent = in_flight = here = 0  # tasks sent; tasks sent and not yet read; forwards made here, not yet taken
         while True:
             while not exhausted and in_flight < self.prefetch:
                 task = self._next_task(it)
@@ -300,7 +305,7 @@ class TokenizerPool:
                     exhausted = True
                 else:
                     slots.append(([pb], [self.encoder.encode_arrays(pb.segments)]))
-                    here += 1
+                    here += pb.n_forwards
                     self.helped += 1
                 continue
             slots.popleft()
@@ -312,7 +317,7 @@ class TokenizerPool:
                                        f"{message[2]}")
                 arrays = message[1]
             else:
-                here -= 1
+                here -= task[0].n_forwards
                 arrays = source
             yield from zip(task, arrays)
 
@@ -343,9 +348,13 @@ class Replica:
         return BatchResult(planned, feats.numpy(), arrays.n_tokens, arrays.n_truncated, self.label,
                            arrays.full_lengths)
 
+    def features(self, planned: PlannedBatch, arrays: EncodedArrays, to_device: Callable[[Batch], Batch]):
+        """The per-sample rows of a planned batch (or unit: attnkit/engine/plan.py) on the device."""
+        return unit_features(self.forward, self.model, arrays, planned.batch_size, to_device)
+
     def measure(self, planned: PlannedBatch, arrays: EncodedArrays) -> BatchResult:
         """One batch, synchronously, on the calling thread (a CPU replica)."""
-        return self.result(planned, self.forward(self.model, Batch.from_arrays(arrays).to(self.device)), arrays)
+        return self.result(planned, self.features(planned, arrays, lambda b: b.to(self.device)), arrays)
 
 
 class DeviceRunner(threading.Thread):
@@ -373,8 +382,7 @@ class DeviceRunner(threading.Thread):
                 if not cuda:
                     self.outbox.put(rep.measure(planned, arrays))
                     continue
-                batch = Batch.from_arrays(arrays).pin_memory().to(rep.device, non_blocking=True)
-                feats = rep.forward(rep.model, batch)
+                feats = rep.features(planned, arrays, lambda b: b.pin_memory().to(rep.device, non_blocking=True))
                 host = torch.empty(feats.shape, dtype=feats.dtype, pin_memory=True)
                 host.copy_(feats, non_blocking=True)
                 event = torch.cuda.Event()

@@ -24,8 +24,9 @@ from ..errors import check_int
 from .openmp import available_cores
 
 AUTO = "auto"
-PROBE_BATCHES = 4  # batches tokenised and run before choosing; the first of them warms up and is not timed
-MIN_BATCHES = 8  # a plan shorter than this is not worth measuring: workers 0, the process's threads
+PROBE_BATCHES = 4  # forwards tokenised and run before choosing (at least 2 planned batches: the first of them
+#                   warms up and is not timed; a unit of a grouped plan runs several forwards)
+MIN_BATCHES = 8  # a plan of fewer forwards is not worth measuring: workers 0, the process's threads
 NEGLIGIBLE = 0.1  # tokenising below this share of a forward's time: more workers or fewer threads cannot help
 OVERSUBSCRIBED = 1.1  # the estimate of a configuration with more busy threads than cores is this much worse
 
@@ -120,6 +121,15 @@ def clamp_workers(workers, cores: int) -> tuple:
     return workers, ""
 
 
+def _first(planned: Iterator, forwards: int) -> list:
+    """The next planned batches of `planned` up to `forwards` forwards, and at least 2 of them (where it has)."""
+    out, n = [], 0
+    while (n < forwards or len(out) < 2) and (pb := next(planned, None)) is not None:
+        out.append(pb)
+        n += pb.n_forwards
+    return out
+
+
 def _timed(fn, *args):
     t = time.perf_counter()
     out = fn(*args)
@@ -146,17 +156,18 @@ def calibrate(encode: Callable, measure: Callable, planned: Iterable, workers=AU
     if workers != AUTO and threads != AUTO:
         return PipelineChoice(workers, threads, "given", cores, note=note), None, iter(planned)
     it = iter(planned)
-    head = list(itertools.islice(it, MIN_BATCHES))
-    rest = itertools.chain(head[PROBE_BATCHES:], it)
-    if len(head) < MIN_BATCHES or cores == 1:
+    head = _first(it, MIN_BATCHES)
+    if sum(pb.n_forwards for pb in head) < MIN_BATCHES or len(head) < 2 or cores == 1:
         how = "one core" if cores == 1 else "short run"
         w = 0 if workers == AUTO else workers
         n = (cores if cores == 1 else now) if threads == AUTO else threads
         return PipelineChoice(w, n, how, cores, note=note), None, itertools.chain(head, it)
+    probe = _first(iter(head), PROBE_BATCHES)
+    rest = itertools.chain(head[len(probe):], it)
     probe_threads = now if threads == AUTO else threads
     torch.set_num_threads(probe_threads)
     encoded, results, tok_s, fwd_s = [], [], [], []
-    for i, pb in enumerate(head[:PROBE_BATCHES]):
+    for i, pb in enumerate(probe):
         arrays, dt = _timed(encode, pb)
         res, df = _timed(measure, pb, arrays)
         encoded.append((pb, arrays))

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import AttnkitError, check_int
-from ...features import feature_names, num_features
+from ...features import PLAN, feature_names, num_features
 from ...models import check_max_length, model_dir
 from ...run.distances import HeadDistances
 from ...run.head_features import FeatureAccumulator
@@ -130,7 +130,8 @@ class ShardedRun:
         s = self.settings
         engine = {"kind": self.kind, "model": self.model_path, "dtype": self.dtype, "max_length": s.max_length,
                   "batch_size": batch_size, "window": s.window, "num_windows": s.num_windows,
-                  "split_sentences": s.split_sentences, "backend": s.backend, "cpus_per_actor": self.cpus_per_actor}
+                  "split_sentences": s.split_sentences, "backend": s.backend, "cpus_per_actor": self.cpus_per_actor,
+                  "plan": PLAN}
         if self.kind == "distances":
             engine |= {"rows_per_sample": self.rows_per_sample, "seed": self.seed}
         store = ShardStore(shard_dir(self.run_dir, self.kind), {"settings": self.run_settings, "engine": engine},
@@ -187,6 +188,8 @@ class ShardedRun:
         pending = 0
         for k, chunk in enumerate(windows(self.segments, self.settings.window)):
             self.n_shards += 1
+            planned = plan_window(chunk, self.batch_size, window_index=k, first_batch=self.n_batches,
+                                  start=self.n_segments, grouped=True)
             if k in self.finished:
                 red.done[k] = self.shards.load(k, len(chunk))
                 self.n_skipped += 1
@@ -197,8 +200,6 @@ class ShardedRun:
                     self._run_group(rows)
                     rows, pending = [], 0
             else:
-                planned = plan_window(chunk, self.batch_size, window_index=k, first_batch=self.n_batches,
-                                      start=self.n_segments)
                 red.expect(k, [pb.index for pb in planned], len(chunk))
                 rows.extend({"shard": k, "batch": pb.index, "n_segments": len(pb.segments),
                              "segments": json.dumps([s if isinstance(s, str) else list(s) for s in pb.segments],
@@ -208,7 +209,7 @@ class ShardedRun:
                     self._run_group(rows)
                     rows, pending = [], 0
             self.n_segments += len(chunk)
-            self.n_batches += -(-len(chunk) // self.batch_size)
+            self.n_batches += len(planned)
         if rows:
             self._run_group(rows)
 
@@ -220,7 +221,8 @@ class ShardedRun:
         actor_args = {"kind": self.kind, "model_path": self.model_path, "dtype": self.dtype,
                       "max_length": s.max_length, "backend": s.backend, "num_windows": s.num_windows,
                       "rows_per_sample": self.rows_per_sample, "seed": self.seed, "threads": self.cpus_per_actor,
-                      "pid_dir": os.environ.get(PID_DIR_ENV) or None, "weighting": s.weighting}
+                      "pid_dir": os.environ.get(PID_DIR_ENV) or None, "weighting": s.weighting,
+                      "batch_size": self.batch_size}
         ray = self.ray
         ds = ray.data.from_items(rows, override_num_blocks=len(rows))  # one planned batch per block
         ds = ds.map_batches(tokenise, fn_kwargs=tokenise_args, batch_size=1, batch_format="numpy", num_cpus=1)

@@ -61,7 +61,7 @@ class ModelActor:
     """Ray Data stage held by each actor of the pool: the instrumented model; per batch, its sums."""
 
     def __init__(self, *, kind, model_path, dtype, max_length, backend, num_windows, rows_per_sample, seed,
-                 threads, pid_dir=None, weighting="attention"):
+                 threads, pid_dir=None, weighting="attention", batch_size=None):
         import torch
 
         torch.set_num_threads(threads)  # the CPUs the actor holds (see the module docstring)
@@ -81,6 +81,7 @@ class ModelActor:
         self.device = next(self.model.parameters()).device
         self.kind, self.backend, self.num_windows, self.weighting = kind, backend, num_windows, weighting
         self.rows_per_sample, self.seed = rows_per_sample, seed
+        self.batch_size = batch_size  # samples per forward: a planned unit runs several (attnkit/engine/plan.py)
         self.n_layers = len(attention_modules(self.model))
         self.n_heads = self.model.config.num_attention_heads
         self.pid_dir, self.n_calls = (Path(pid_dir) if pid_dir else None), 0
@@ -125,15 +126,14 @@ class ModelActor:
     def _measure(self, arrays, batch_index: int) -> dict:
         from ...models import observing
         from ...run.head_features import batch_moments
-        from ...tokens import Batch
-        from ..forward import forward_features, measuring
+        from ..forward import forward_features, measuring, unit_features
 
-        batch = Batch.from_arrays(arrays).to(self.device)
         collector = self._collector(batch_index) if self.kind == "distances" else None
         with measuring(self.model, backend=self.backend, num_windows=self.num_windows,
                        weighting=self.weighting if self.kind == "features" else "attention") as rt, \
                 observing(rt, [collector] if collector is not None else []):
-            feats = forward_features(self.model, batch, rt).numpy()
+            feats = unit_features(lambda m, b: forward_features(m, b, rt), self.model, arrays, self.batch_size,
+                                  lambda b: b.to(self.device)).numpy()
         common = {"n_samples": np.int64(feats.shape[0]), "n_tokens": np.int64(arrays.n_tokens),
                   "n_truncated": np.int64(arrays.n_truncated)}
         if collector is not None:
