@@ -16,7 +16,8 @@ overlap: the model is replaced by a stand-in that takes, per batch, the time a d
   T·R/(T+R) = 0.6·T = 0.4·R) and --workers 1, 2 (tokenisation ahead of the device in worker processes). Medians of
   --repeats runs, interleaved.
 padding: padded tokens / real tokens when batches are cut from length-sorted windows of W segments, for several
-  W, against one global sort (the old loop), with the embedded MiniLM's tokenizer at --max-length.
+  W, against one global sort (the old loop), with the embedded MiniLM's tokenizer at --max-length; and of the
+  forwards extraction runs (the units of the grouped plan, each cut by tokens: attnkit/engine/plan.py).
 memory: `attnkit extract` with a tiny random BERT over generated corpora of the given sizes (MB), each in a fresh
   process; peak RSS of the largest process (resource.getrusage of the children).
 ray: the same corpus through `--engine ray` on a local cluster and through the in-process loop (tokens/s).
@@ -146,7 +147,8 @@ def padding(args) -> dict:
     from transformers import AutoTokenizer
 
     from attnkit.corpus import read_corpus
-    from attnkit.engine.plan import batches_of_window, windows
+    from attnkit.engine.forward import length_batches
+    from attnkit.engine.plan import batches_of_window, plan_window, windows
     from attnkit.models import default_model_path
 
     tok = AutoTokenizer.from_pretrained(default_model_path())
@@ -165,6 +167,16 @@ def padding(args) -> dict:
                     total += len(b) * max(length_of[id(s)] for s in b)
             return total
 
+        def forwards(window: int) -> int:
+            """What extraction runs: the units of the grouped plan, each cut by tokens (attnkit/engine/plan.py)."""
+            total = 0
+            for k, w in enumerate(windows(segs, window)):
+                for pb in plan_window(w, args.batch_size, window_index=k, first_batch=0, start=0, grouped=True):
+                    n = np.array([length_of[id(s)] for s in pb.segments])
+                    for part in length_batches(n, args.batch_size) or [np.arange(len(n))]:
+                        total += len(part) * int(n[part].max())
+            return total
+
         glob = padded(len(segs))
         unsorted = sum(len(b) * max(length_of[id(s)] for s in b)
                        for b in (segs[i:i + args.batch_size] for i in range(0, len(segs), args.batch_size)))
@@ -174,7 +186,10 @@ def padding(args) -> dict:
         for w in args.windows:
             p = padded(w)
             row[f"window_{w}"] = p / real
-            print(f"  window {w:>6}: {p / real:.3f}  ({(p - glob) / glob:+.1%} vs global sort)")
+            u = forwards(w)
+            row[f"units_{w}"] = u / real
+            print(f"  window {w:>6}: {p / real:.3f}  ({(p - glob) / glob:+.1%} vs global sort); the forwards of its "
+                  f"units, cut by tokens: {u / real:.3f}")
         out[path] = row
     return out
 
@@ -310,26 +325,31 @@ def tiny_bert16(path: Path) -> Path:
 
 def _alone(model_dir: Path, corpus: Path, batch_size: int, max_length: int) -> tuple[float, float]:
     """(seconds tokenising the corpus on this thread alone, the Rust tokenizer's own threads off as in a run on the
-    CPU, seconds of the forwards of its batches, pre-tokenised)."""
+    CPU, seconds of the forwards a run makes of it, pre-tokenised): the units of the plan, each tokenised as one
+    and run in forwards cut by tokens, as `attnkit extract` does (attnkit/engine/plan.py)."""
     import attnkit
-    from attnkit.engine.forward import device_forward, measuring
+    from attnkit.engine.forward import device_forward, measuring, unit_features
     from attnkit.engine.local import tokenizer_threads_off
     from attnkit.engine.plan import plan_batches
-    from attnkit.tokens import Batch, Encoder
+    from attnkit.tokens import Encoder
 
     model, tok = attnkit.load_model(str(model_dir), device="cpu")
     segs = [ln for ln in corpus.read_text().splitlines() if ln.strip()]
     enc = Encoder(tok, max_length=max_length)
-    planned = list(plan_batches(segs, batch_size, 4096))
+    planned = list(plan_batches(segs, batch_size, 4096, grouped=True))
     with tokenizer_threads_off():
         t = time.perf_counter()
         arrays = [enc.encode_arrays(pb.segments) for pb in planned]
         tokenise = time.perf_counter() - t
+
+    def run(a):
+        return unit_features(device_forward, model, a, batch_size, lambda b: b)
+
     with measuring(model):
-        device_forward(model, Batch.from_arrays(arrays[0]))
+        run(arrays[0])
         t = time.perf_counter()
         for a in arrays:
-            device_forward(model, Batch.from_arrays(a))
+            run(a)
         forward = time.perf_counter() - t
     return tokenise, forward
 

@@ -6,7 +6,8 @@ Configurations, interleaved (the order rotates every round), medians after one w
 thread of this process, MiniLM (the embedded model) loaded before the clock starts. Tokenisation is inside every
 timing except sdpa-pre's:
   sdpa      the texts sorted by length, each batch tokenised by the tokenizer, the plain sdpa forward: no features
-  sdpa-pre  the plain sdpa forward of the batches attnkit plans, tokenised before the clock starts
+  sdpa-pre  the plain sdpa forward of the batches attnkit runs (its plan's units cut by tokens), tokenised before
+            the clock starts
   naive     a user's first script: texts sorted by length, each batch tokenised, an eager forward with
             output_attentions=True and the features computed from the returned maps in plain PyTorch
             (bench/extract.py's `naive_features`), summed over the samples
@@ -111,9 +112,10 @@ def measure(texts: list[str], kind: str = "stsb", batch: int = 16, repeats: int 
 
     import attnkit
     from attnkit.engine.extract_job import ExtractOptions, run_extract_job
+    from attnkit.engine.forward import length_batches
     from attnkit.engine.plan import plan_batches
     from attnkit.models import default_model_path
-    from attnkit.tokens import Encoder
+    from attnkit.tokens import Batch, Encoder
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
@@ -121,7 +123,11 @@ def measure(texts: list[str], kind: str = "stsb", batch: int = 16, repeats: int 
     sdpa = AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
     eager = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
     enc = Encoder(tok, max_length=128)
-    batches = [enc(pb.segments) for pb in plan_batches(texts, batch, 4096)]
+    batches = []  # the forwards attnkit runs: the units of its plan, each cut by tokens (attnkit/engine/plan.py)
+    for pb in plan_batches(texts, batch, 4096, grouped=True):
+        arrays = enc.encode_arrays(pb.segments)
+        parts = length_batches(arrays.lengths, batch) or [np.arange(len(pb.segments))]
+        batches += [Batch.from_arrays(arrays.rows(p)) for p in parts]
     n_tokens = sum(b.n_tokens for b in batches)
     ids = {"cls": tok.cls_token_id, "sep": tok.sep_token_id, "comma": tok.convert_tokens_to_ids(","),
            "period": tok.convert_tokens_to_ids(".")}
