@@ -79,6 +79,13 @@ class EncodedArrays:
     def rows(self, index: np.ndarray) -> EncodedArrays:
         """The samples `index` (in that order) as a batch of their own, padded to the longest of them: the arrays
         `Encoder.encode_arrays` gives for those segments alone."""
+        return self._batch_of(index)
+
+    def span(self, start: int, stop: int) -> EncodedArrays:
+        """`rows(range(start, stop))`, from slices (a planned unit sorted once runs its forwards as spans)."""
+        return self._batch_of(slice(start, stop))
+
+    def _batch_of(self, index) -> EncodedArrays:
         lengths = self.lengths[index]
         width = int(lengths.max()) if len(lengths) else 0
 
@@ -86,8 +93,10 @@ class EncodedArrays:
             return np.ascontiguousarray(a[index, :width])
 
         full = None if self.full_lengths is None else self.full_lengths[index]
-        return EncodedArrays({k: take(v) for k, v in self.inputs.items()}, lengths, take(self.token_class),
-                             take(self.sentence_id), 0 if full is None else int((full > lengths).sum()), full)
+        return EncodedArrays({k: take(v) for k, v in self.inputs.items()}, np.ascontiguousarray(lengths),
+                             take(self.token_class), take(self.sentence_id),
+                             0 if full is None else int((full > lengths).sum()),
+                             None if full is None else np.ascontiguousarray(full))
 
 
 def _ids(tokenizer, *names) -> set[int]:

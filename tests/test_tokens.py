@@ -90,6 +90,8 @@ def test_rows_of_a_batch_are_the_batch_of_those_segments_alone(minilm, decoder_t
         whole = enc.encode_arrays(segments)
         for index in ([3], [5, 3], [2, 4, 0], [1, 0, 3, 5], list(range(len(segments)))[::-1]):
             _assert_same_arrays(whole.rows(np.array(index)), enc.encode_arrays([segments[i] for i in index]))
+        for start, stop in ((0, 1), (1, 4), (3, 6)):  # spans: what a unit sorted once runs
+            _assert_same_arrays(whole.span(start, stop), enc.encode_arrays(segments[start:stop]))
     dec = Encoder(decoder_tokenizer, max_length=12)
     texts = ["A longer text of the decoder, with a comma.", "Short.", "Mid length text here."]
     whole = dec.encode_arrays(texts)

@@ -122,9 +122,12 @@ def unit_features(forward: Callable, model, arrays: EncodedArrays, batch_size: i
     parts = length_batches(arrays.lengths, batch_size)
     if parts is None:
         return forward(model, to_device(Batch.from_arrays(arrays)))
-    rows = torch.cat([forward(model, to_device(Batch.from_arrays(arrays.rows(p)))) for p in parts])
-    where = torch.from_numpy(np.argsort(np.concatenate(parts), kind="stable")).to(rows.device)
-    return rows.index_select(0, where)
+    order = np.concatenate(parts)
+    ordered = arrays.rows(order)  # sorted once; each forward then takes a span of it
+    bounds = np.cumsum([0] + [len(p) for p in parts])
+    rows = torch.cat([forward(model, to_device(Batch.from_arrays(ordered.span(int(a), int(b)))))
+                      for a, b in zip(bounds[:-1], bounds[1:])])
+    return rows.index_select(0, torch.from_numpy(np.argsort(order, kind="stable")).to(rows.device))
 
 
 __all__ = ["DEFAULT_BATCH_SIZE", "default_batch_size", "device_forward", "forward_features", "length_batches",

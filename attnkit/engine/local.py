@@ -485,26 +485,37 @@ def _measure_here(replica: Replica, planned: PlannedBatch, arrays: EncodedArrays
         raise AttnkitError(f"the model on one device failed: {type(exc).__name__}: {exc}") from exc
 
 
-RUN_BATCHES = 16  # batches in one run of `_run_here`: at most this many
+RUN_BATCHES = 16  # forwards in one run of `_run_here`: at most this many
 RUN_SECONDS = 0.05  # and about this much forward time
+
+
+def _take(encoded: Iterator, forwards: int) -> list:
+    """The next (planned, arrays) of `encoded` up to `forwards` forwards (at least one of them)."""
+    items, n = [], 0
+    while n < forwards and (item := next(encoded, None)) is not None:
+        items.append(item)
+        n += item[0].n_forwards
+    return items
 
 
 def _run_here(replica: Replica, encoded, on_result, on_progress) -> None:
     """The batches on the calling thread, in runs: a run's batches are tokenised (or received) together, their
     forwards run back to back, and their results are delivered together. Each kind of work then keeps its code and
     data in the core's caches: a small model's forward right after tokenising a batch takes 20-40% longer than
-    one right after another forward. A run holds at most RUN_BATCHES batches and about RUN_SECONDS of forwards, so
-    a large model's progress and checkpoints still follow every batch."""
+    one right after another forward. A run holds at most RUN_BATCHES forwards and about RUN_SECONDS of them, so
+    a large model's progress and checkpoints still follow every batch, and a worker's queued tasks outlast a run
+    (counted in forwards, not in units: a run of 16 units would leave a tokenise-bound run's worker idle)."""
     size = 1
-    while items := list(itertools.islice(encoded, size)):
+    encoded = iter(encoded)
+    while items := _take(encoded, size):
         t = time.perf_counter()
         results = [_measure_here(replica, planned, arrays) for planned, arrays in items]
-        per_batch = (time.perf_counter() - t) / len(items)
+        per_forward = (time.perf_counter() - t) / sum(planned.n_forwards for planned, _ in items)
         for res in results:
             on_result(res)
             if on_progress is not None:
                 on_progress([replica])
-        size = max(1, min(RUN_BATCHES, int(RUN_SECONDS / max(per_batch, 1e-9))))
+        size = max(1, min(RUN_BATCHES, int(RUN_SECONDS / max(per_forward, 1e-9))))
 
 
 def _run_threaded(replicas, encoded, max_in_flight, on_result, on_progress) -> None:
