@@ -124,9 +124,8 @@ def unit_features(forward: Callable, model, arrays: EncodedArrays, batch_size: i
         return forward(model, to_device(Batch.from_arrays(arrays)))
     order = np.concatenate(parts)
     ordered = arrays.rows(order)  # sorted once; each forward then takes a span of it
-    bounds = np.cumsum([0] + [len(p) for p in parts])
-    rows = torch.cat([forward(model, to_device(Batch.from_arrays(ordered.span(int(a), int(b)))))
-                      for a, b in zip(bounds[:-1], bounds[1:])])
+    rows = torch.cat([forward(model, to_device(Batch.from_arrays(ordered.span(i, i + batch_size))))
+                      for i in range(0, len(order), batch_size)])
     return rows.index_select(0, torch.from_numpy(np.argsort(order, kind="stable")).to(rows.device))
 
 

@@ -45,7 +45,7 @@ from ..tokens import Batch, EncodedArrays, Encoder
 from .devices import device_labels
 from .forward import unit_features
 from .openmp import available_cores
-from .plan import PlannedBatch, segment_chars
+from .plan import PlannedBatch, segment_chars, take_forwards
 from .tuning import AUTO, PipelineChoice, calibrate, check_threads, clamp_workers
 
 
@@ -209,10 +209,8 @@ def workers_for_plan(planned: Iterable[PlannedBatch], workers: int,
     it = iter(planned)
     if workers <= 0:
         return 0, it
-    head, n = [], 0
-    while n < workers * group and (pb := next(it, None)) is not None:
-        head.append(pb)
-        n += pb.n_forwards
+    head = take_forwards(it, workers * group)
+    n = sum(pb.n_forwards for pb in head)
     return min(workers, max(1, -(-n // group))), itertools.chain(head, it)
 
 
@@ -489,15 +487,6 @@ RUN_BATCHES = 16  # forwards in one run of `_run_here`: at most this many
 RUN_SECONDS = 0.05  # and about this much forward time
 
 
-def _take(encoded: Iterator, forwards: int) -> list:
-    """The next (planned, arrays) of `encoded` up to `forwards` forwards (at least one of them)."""
-    items, n = [], 0
-    while n < forwards and (item := next(encoded, None)) is not None:
-        items.append(item)
-        n += item[0].n_forwards
-    return items
-
-
 def _run_here(replica: Replica, encoded, on_result, on_progress) -> None:
     """The batches on the calling thread, in runs: a run's batches are tokenised (or received) together, their
     forwards run back to back, and their results are delivered together. Each kind of work then keeps its code and
@@ -507,7 +496,7 @@ def _run_here(replica: Replica, encoded, on_result, on_progress) -> None:
     (counted in forwards, not in units: a run of 16 units would leave a tokenise-bound run's worker idle)."""
     size = 1
     encoded = iter(encoded)
-    while items := _take(encoded, size):
+    while items := take_forwards(encoded, size, planned=lambda item: item[0]):
         t = time.perf_counter()
         results = [_measure_here(replica, planned, arrays) for planned, arrays in items]
         per_forward = (time.perf_counter() - t) / sum(planned.n_forwards for planned, _ in items)

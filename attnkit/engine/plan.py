@@ -11,9 +11,8 @@ tokens, sorted by tokens 1-2%. The tokens are only known after tokenising, and t
 order into units (`group_batches`: at most GROUP_BATCHES batches and about GROUP_CHARS characters; batches of
 one sample are not joined, having no padding to save); a unit is tokenised as one, and its forwards run its
 samples sorted by tokens, `batch_size` at a time (`attnkit.engine.forward.length_batches`): STS-B dev then
-pads 5%. The unit is what the engines plan, tokenise,
-sum and checkpoint; which samples share a forward depends only on the unit's text, so every engine still runs
-the same forwards.
+pads 5%. The unit is what the engines plan, tokenise, sum and checkpoint; which samples share a forward depends
+only on the unit's text, so every engine still runs the same forwards.
 
 The plan is a pure function of the segment stream, `batch_size` and `window`: every engine (the in-process
 loop, tokenisation workers, several devices, Ray) measures exactly the same batches, so per-sample features —
@@ -52,6 +51,16 @@ class PlannedBatch:
     def n_forwards(self) -> int:
         """The forwards it runs: several for a unit of a grouped plan."""
         return 1 if self.batch_size is None else -(-len(self.segments) // self.batch_size)
+
+
+def take_forwards(items: Iterator, forwards: int, *, at_least: int = 1, planned=lambda item: item) -> list:
+    """The next items of `items` until their forwards (`PlannedBatch.n_forwards` of `planned(item)`) reach
+    `forwards`, and at least `at_least` of them; fewer where `items` ends first."""
+    out, n = [], 0
+    while (n < forwards or len(out) < at_least) and (item := next(items, None)) is not None:
+        out.append(item)
+        n += planned(item).n_forwards
+    return out
 
 
 def segment_chars(segment: Segment) -> int:

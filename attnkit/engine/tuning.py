@@ -22,6 +22,7 @@ import torch
 
 from ..errors import check_int
 from .openmp import available_cores
+from .plan import take_forwards
 
 AUTO = "auto"
 PROBE_BATCHES = 4  # forwards tokenised and run before choosing (at least 2 planned batches: the first of them
@@ -121,15 +122,6 @@ def clamp_workers(workers, cores: int) -> tuple:
     return workers, ""
 
 
-def _first(planned: Iterator, forwards: int) -> list:
-    """The next planned batches of `planned` up to `forwards` forwards, and at least 2 of them (where it has)."""
-    out, n = [], 0
-    while (n < forwards or len(out) < 2) and (pb := next(planned, None)) is not None:
-        out.append(pb)
-        n += pb.n_forwards
-    return out
-
-
 def _timed(fn, *args):
     t = time.perf_counter()
     out = fn(*args)
@@ -156,13 +148,13 @@ def calibrate(encode: Callable, measure: Callable, planned: Iterable, workers=AU
     if workers != AUTO and threads != AUTO:
         return PipelineChoice(workers, threads, "given", cores, note=note), None, iter(planned)
     it = iter(planned)
-    head = _first(it, MIN_BATCHES)
+    head = take_forwards(it, MIN_BATCHES, at_least=2)
     if sum(pb.n_forwards for pb in head) < MIN_BATCHES or len(head) < 2 or cores == 1:
         how = "one core" if cores == 1 else "short run"
         w = 0 if workers == AUTO else workers
         n = (cores if cores == 1 else now) if threads == AUTO else threads
         return PipelineChoice(w, n, how, cores, note=note), None, itertools.chain(head, it)
-    probe = _first(iter(head), PROBE_BATCHES)
+    probe = take_forwards(iter(head), PROBE_BATCHES, at_least=2)
     rest = itertools.chain(head[len(probe):], it)
     probe_threads = now if threads == AUTO else threads
     torch.set_num_threads(probe_threads)
