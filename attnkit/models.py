@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
+from .attention.consumers import observer_consumer
 from .embedded import check_model_max_length, embedded_path, is_embedded_name, model_config
 from .errors import AttnkitError, arg, one_line
 from .features import feature_names
@@ -110,17 +111,17 @@ def runtime_of(model) -> Runtime:
 def observing(model_or_runtime, observers: Sequence[Callable]):
     """Attach `observers` (callables (layer, query, key, lengths, scaling)) to the runtime of a model for the
     block, and always detach them again."""
-    rt = model_or_runtime if hasattr(model_or_runtime, "observers") else runtime_of(model_or_runtime)
+    rt = model_or_runtime if isinstance(model_or_runtime, Runtime) else runtime_of(model_or_runtime)
     observers = list(observers or ())
     bad = [o for o in observers if not callable(o)]
     if bad:
         raise AttnkitError(f"observers must be callables (layer, query, key, lengths, scaling), got {bad[0]!r}")
-    rt.observers.extend(observers)
+    consumers = [rt.attach(observer_consumer(obs)) for obs in observers]  # attnkit/attention/consumers/observers.py
     try:
         yield rt
     finally:
-        for obs in observers:
-            rt.observers.remove(obs)
+        for consumer in consumers:
+            rt.detach(consumer)
 
 
 _LAST_MODEL: dict[str, str | None] = {"name": None}  # the model attnkit was last given in this session, by name

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from ..attention.consumers import HeadCaching
 from ..errors import AttnkitError, arg
 from ..models import attention_modules, runtime_of
 
@@ -92,11 +93,11 @@ def cache_heads(model, layers: Iterable[int] | int | None = None, *, keep_grad: 
             raise AttnkitError(f"{arg('layers')} must be layer numbers 0 … {n_layers - 1}, got {bad[0]!r}")
     cache = cache if cache is not None else HeadCache(n_layers, layers, keep_grad)
     rt = runtime_of(model)
-    rt.head_caches.append(cache)
+    consumer = rt.attach(HeadCaching(cache))  # attnkit/attention/consumers/head_cache.py
     try:
         yield cache
     finally:
-        rt.head_caches.remove(cache)
+        rt.detach(consumer)
 
 
 __all__ = ["HeadCache", "cache_heads"]

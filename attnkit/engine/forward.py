@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from ..arch.architectures import attention_layers
+from ..attention.consumers import EarlyStop, Features, FeaturesComplete, LayerFeatures
 from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS, check_weighting, num_features
-from ..hf_attention import FeaturesComplete, LayerFeatures
 from ..models import attention_modules, runtime_of
 from ..tokens import Batch, EncodedArrays
 
@@ -49,15 +49,14 @@ def measuring(model, *, backend: str = "auto", num_windows: int = DEFAULT_NUM_WI
     says ("norm": by the norms of the transformed keys, which needs an architecture attnkit knows)."""
     rt = runtime_of(model)
     out_proj = output_projections(model) if check_weighting(weighting) == "norm" else {}
-    saved = (rt.backend, rt.num_windows, rt.want_features, rt.weighting, rt.out_proj)
-    rt.backend, rt.num_windows, rt.want_features, rt.weighting, rt.out_proj = (backend, num_windows, True, weighting,
-                                                                               out_proj)
+    saved = (rt.backend, rt.num_windows)
+    rt.backend, rt.num_windows = backend, num_windows
     try:
-        yield rt
+        with rt.attached(Features(weighting, out_proj)):  # attnkit/attention/consumers/features.py
+            yield rt
     finally:
-        rt.backend, rt.num_windows, rt.want_features, rt.weighting, rt.out_proj = saved
+        rt.backend, rt.num_windows = saved
         rt.batch = None
-        rt.features = {}
 
 
 @functools.cache
@@ -76,28 +75,29 @@ def forward_features(model, batch, rt=None, *, to_cpu: bool = True) -> torch.Ten
     """One forward of `batch` (already on the model's device), without a KV cache; returns B × layers × heads ×
     F (on the CPU unless `to_cpu` is false).
 
-    The forward stops once the last attention layer has measured (`Runtime.stop_when_measured`): that layer's
+    The forward stops once the last attention layer has measured (attnkit.attention.consumers.EarlyStop): that layer's
     output projection and MLP and the model's final norm would compute an output nobody reads (MiniLM's six
     layers: an eighth of the forward's matrix products). Hooks on those modules therefore do not run here."""
     rt = rt or runtime_of(model)
     n_layers = len(attention_modules(model))
+    features = next((c for c in reversed(rt.consumers) if isinstance(c, Features)), None)
+    if features is None:
+        raise AttnkitError("forward_features measures inside attnkit.engine.forward.measuring(model)")
     shape = (len(batch.lengths), model.config.num_attention_heads, num_features(rt.num_windows, rt.sink))
-    rt.features = LayerFeatures(n_layers, shape, batch.lengths.device)
-    rt.stop_when_measured = True
+    features.store = LayerFeatures(n_layers, shape, batch.lengths.device)
     try:
-        with rt.batch_of(batch), torch.inference_mode():
+        with rt.attached(EarlyStop(features)), rt.batch_of(batch), torch.inference_mode():
             try:
                 model(**batch.inputs, **no_cache(model))
             except FeaturesComplete:
                 pass
-        missing = [i for i in range(n_layers) if i not in rt.features]
+        missing = [i for i in range(n_layers) if i not in features.store]
         if missing:
             raise AttnkitError(f"layers {missing} produced no features: their attention bypassed attnkit")
-        feats = rt.features.stacked()
+        feats = features.store.stacked()
         return feats.cpu() if to_cpu else feats
     finally:
-        rt.features = {}
-        rt.stop_when_measured = False
+        features.store = {}
 
 
 def device_forward(model, batch) -> torch.Tensor:

@@ -8,7 +8,7 @@
                 stats = tracker.read()      # {"entropy": layers × heads, ...} on the model's device
 
 Every forward of the model inside the block adds its statistics to sums kept on the device: the op computes the
-features in the same call that computes the output (attnkit.hf_attention reads `Runtime.tracker`), and so does the
+features in the same call that computes the output (attnkit/attention/consumers/tracker.py), and so does the
 max logit where the kernel measures it (the fused CPU op; elsewhere a blocked q·kᵀ pass, attnkit.kernels.statistics,
 only when it is asked for). Nothing is read on the host:
 `read()` returns device tensors (moving them to the host is the caller's one sync).
@@ -20,6 +20,7 @@ import contextlib
 import torch
 
 from ..arch.pruning import to_unpruned
+from ..attention.consumers import Tracking
 from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS
 from ..models import attention_modules, instrument, model_feature_names, runtime_of
@@ -148,9 +149,9 @@ def track(model, features=DEFAULT_FEATURES, *, num_windows: int = DEFAULT_NUM_WI
     tracker = Tracker(n_layers, n_heads, names, features, device)
     saved = rt.num_windows
     rt.num_windows = num_windows
-    rt.tracker = tracker
+    consumer = rt.attach(Tracking(tracker))  # attnkit/attention/consumers/tracker.py
     try:
         yield tracker
     finally:
-        rt.tracker = None
+        rt.detach(consumer)
         rt.num_windows = saved

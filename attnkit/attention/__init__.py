@@ -1,0 +1,11 @@
+"""The attention path of `attn_implementation="attnkit"` as steps (attnkit/hf_attention.py runs them):
+
+- `runtime`: what an instrumented model carries (`Runtime`: settings, attnkit's own batch, the intervention, the
+  consumers attached, the inputs of the forward under way) and the records passed around (`LayerPart`, ...);
+- `layout`: lengths and left padding from the 2-D mask;
+- `call`: reading one call of the attention function into a frozen `AttentionCall` (and the decoder arguments);
+- `sentences`: the sentence ids of a plain forward, for region interventions;
+- `plan`: the parts of the intervention, the kept heads, what the consumers want of the op (`Plan`);
+- `deliver`: the results back in the batch's positions, replaced head outputs, then the consumers;
+- `consumers/`: what is done with the op's results, one consumer per module behind one protocol.
+"""

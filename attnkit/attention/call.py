@@ -1,0 +1,253 @@
+"""Reading one call of the attention function: what transformers passed (q, k, v, the mask, scaling, dropout, its
+keyword arguments) read once into a frozen `AttentionCall` that every later step takes: the batch's layout (lengths,
+left padding moved to the front), the op's decoder arguments, a pruned layer's kept heads, whether maps are asked
+for, whether it is a KV-cache step.
+
+What it reads is self-attention over one sequence with 1-D positions. Other inputs (2-D positions of vision models,
+queries and keys from two sequences in cross-attention) would be other readers that give an AttentionCall, not
+branches of the steps after it.
+
+Decoder language models (docs/decoders.md): what transformers passes decides the op's decoder arguments
+(`decoder_arguments`: the module's `is_causal`, K/V with fewer heads than Q, the `sliding_window`, `softcap` and
+`s_aux` arguments); an argument attnkit does not know is refused by name.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..arch.pruning import KV_HEAD_ATTR, kept_heads, to_kept, to_unpruned
+from ..errors import AttnkitError
+from .layout import padding_of, rolled, unshift
+from .runtime import RUNTIME_ATTR, BatchInfo, Runtime, note_caller
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One call of the attention function, read (`read_call`). `query`, `key`, `value` are as the op takes them:
+    in the autocast dtype, a left-padded batch's tokens moved to the front (`offsets`, None without left padding);
+    `lengths` the tokens per sample; `info` the batch of attnkit's own forwards (None in a plain forward); `kept` a
+    pruned layer's heads (attnkit/arch/pruning.py); `dec` the op's decoder arguments ({} for an encoder)."""
+
+    module: object
+    rt: Runtime | None
+    query: torch.Tensor  # B×H×L×D
+    key: torch.Tensor  # B×Hkv×Lk×D
+    value: torch.Tensor  # B×Hkv×Lk×D
+    attention_mask: torch.Tensor | None
+    scaling: float | None
+    dropout: float
+    want_maps: bool
+    kept: tuple | None
+    dec: dict
+    info: BatchInfo | None
+    lengths: torch.Tensor
+    offsets: torch.Tensor | None
+
+    @property
+    def layer(self):
+        """The module's layer number (None before attnkit.models.instrument numbers DistilBERT's)."""
+        return getattr(self.module, "layer_idx", None)
+
+    @property
+    def B(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def H(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def L(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def D(self) -> int:
+        return self.query.shape[3]
+
+    @property
+    def Hkv(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def Lk(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def decode(self) -> bool:
+        """A step of generation with a KV cache: the L queries are the last L of the Lk keys
+        (attnkit/reference.py, "Fewer queries than keys")."""
+        return self.Lk > self.L
+
+    @property
+    def scale(self) -> float:
+        return self.D**-0.5 if self.scaling is None else self.scaling
+
+    @property
+    def device(self):
+        return self.query.device
+
+    def own_frame(self, t: torch.Tensor, dims, row_dim: int) -> torch.Tensor:
+        """A result computed with the tokens at the front put back in the batch's own positions along `dims`; rows
+        of left padding 0. A KV-cache step's rows were not moved: only its keys go back."""
+        if self.offsets is None:
+            return t
+        if self.decode:
+            return unshift(t, self.offsets, [d for d in dims if d != row_dim], row_dim, first_row=self.Lk - self.L)
+        return unshift(t, self.offsets, dims, row_dim)
+
+    @property
+    def grouped_by_length(self) -> bool:
+        """A left-padded KV-cache step: its samples go to the op in groups of one length (`length_groups`)."""
+        return self.decode and self.offsets is not None
+
+    def length_groups(self, rows: slice) -> list:
+        """A left-padded KV-cache step, its keys moved to the front: sample b's queries are the last of its own
+        n_b keys, so the samples of one length n go to the op together, with their first n keys and their last
+        min(L, n) queries (the rows before are padding). [(positions in `rows`, sample indices, n, rows taken)]."""
+        ns = self.lengths[rows].tolist()
+        first = range(self.B)[rows].start
+        groups = []
+        for n in sorted(set(ns)):
+            where = [i for i, m in enumerate(ns) if m == n]
+            groups.append((where, torch.tensor([first + i for i in where], device=self.device), n, min(self.L, n)))
+        return groups
+
+    @functools.cached_property
+    def observed(self) -> tuple:
+        """(q, k, decoder arguments) as observers of q and k see them (`observed`)."""
+        return observed(self.query, self.key, self.kept, self.dec)
+
+
+def read_call(module, query, key, value, attention_mask, scaling, dropout, kwargs: dict) -> AttentionCall:
+    """Read a call of the attention function (module docstring) into an AttentionCall."""
+    B, H, L, D = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    if Lk < L:
+        raise AttnkitError(
+            f"attnkit attention computes self-attention over one sequence, but got {L} queries and {Lk} keys: "
+            "cross-attention is not supported")
+    if torch.is_autocast_enabled(query.device.type):  # mixed precision: attention in the autocast dtype, as eager's
+        # matmuls run under autocast (q and k may arrive in fp32 from the rotary embedding, v in the autocast dtype)
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    rt: Runtime | None = getattr(module, RUNTIME_ATTR, None)
+    # model(..., output_attentions=True): return the maps (transformers passes the flag on, except GPT-2's module)
+    want_maps = bool(kwargs.get("output_attentions")) or bool(rt is not None and rt.inputs is not None
+                                                              and rt.inputs.output_attentions)
+    kept = kept_heads(module)  # a pruned layer: its heads in the unpruned numbering (attnkit/arch/pruning.py)
+    dec = decoder_arguments(module, H, Hkv, kwargs, kept, query.device)
+    note_caller(module, "sink" in dec)
+    info, lengths, offsets = read_layout(rt, attention_mask, B, L, Lk, query.device)
+    if offsets is not None and Lk > L:
+        # left padding in generation: the keys' tokens to the front; the queries are already each sample's last
+        # tokens, where every sample's tokens must end
+        if not bool(((offsets + lengths) == Lk).all()):
+            raise AttnkitError("a KV-cache step needs each sample's tokens to end at the last key (left padding, as "
+                               "generate pads decoders); this attention mask has padding after a sample's tokens")
+        key, value = (rolled(t, offsets, 2) for t in (key, value))
+    elif offsets is not None:  # left padding: each sample's tokens to the front, computed there, put back after
+        query, key, value = (rolled(t, offsets, 2) for t in (query, key, value))
+    return AttentionCall(module, rt, query, key, value, attention_mask, scaling, dropout, want_maps, kept, dec, info,
+                         lengths, offsets)
+
+
+def read_layout(rt: Runtime | None, attention_mask, B: int, L: int, Lk: int, device) -> tuple:
+    """(attnkit's batch or None, lengths, offsets of left padding or None): attnkit's own batches are right-padded
+    and whole sequences; a plain forward's layout comes from its 2-D mask (`padding_of`)."""
+    if rt is None or rt.batch is None:
+        return (None, *padding_of(attention_mask, B, Lk, device))
+    if Lk > L:
+        raise AttnkitError(f"attnkit's own batches run whole sequences, but this forward has {L} queries and "
+                           f"{Lk} keys (a KV cache): run them without past_key_values")
+    lengths = rt.batch.lengths
+    if lengths.shape[0] != B:
+        raise AttnkitError(f"runtime batch has {lengths.shape[0]} samples but the model got {B}")
+    return rt.batch, lengths, None
+
+
+# The keyword arguments transformers passes to an attention function besides `scaling` and `dropout`: those attnkit
+# reads, and those that do not change what attention computes (positions are already in q and k; caches, router
+# logits, the loss's token count and return flags are the model's business; DistilBERT hands the model's inputs on
+# to its attention function, so `token_type_ids` the tokenizer made arrive there, where no attention implementation
+# reads them: segments reach attnkit through the recorded inputs, `Runtime.inputs`). Any other argument that has a
+# value is refused by name: it might change attention, and attnkit would silently ignore it.
+READ_KWARGS = frozenset({"output_attentions", "is_causal", "sliding_window", "softcap", "s_aux"})
+HARMLESS_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits",
+                             "output_hidden_states", "return_dict", "past_key_values", "position_embeddings",
+                             "token_type_ids", "num_items_in_batch"})
+
+
+def decoder_arguments(module, H: int, Hkv: int, kwargs: dict, kept, device) -> dict:
+    """The op's decoder arguments (docs/decoders.md, "What attnkit reads from transformers") for one call of the
+    attention function: `causal` from the module's `is_causal` (or an `is_causal` argument), `sliding_window`
+    and `softcap` from the arguments of the same names, `sink` from gpt-oss's `s_aux`, `kv_head` where the module
+    names one (KV_HEAD_ATTR). Only what differs from the op's defaults is returned: an encoder gets {}. An
+    argument attnkit does not know is refused by name (READ_KWARGS, HARMLESS_KWARGS)."""
+    unknown = sorted(k for k, v in kwargs.items() if k not in READ_KWARGS and k not in HARMLESS_KWARGS
+                     and v is not None)
+    name = type(module).__name__
+    if unknown:
+        raise AttnkitError(f"{name} passes {unknown[0]!r} to its attention function, which attnkit does not know: it "
+                           "may change what attention computes, so attnkit refuses it rather than ignore it")
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", False)) if causal is None else bool(causal)
+    out: dict = {"causal": True} if causal else {}
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        if not causal:
+            raise AttnkitError(f"{name} asks for a sliding window of {window} tokens in bidirectional attention; "
+                               "attnkit's sliding windows are causal (row s sees keys s − W < t ≤ s)")
+        out["sliding_window"] = int(window)
+    if kwargs.get("softcap") is not None:
+        out["softcap"] = float(kwargs["softcap"])
+    sink = kwargs.get("s_aux")
+    if sink is not None:
+        # not detached: a model in training learns its sink logits through the op's backward (attnkit.ops)
+        sink = sink.to(device, torch.float32)
+        # pruning keeps the sink logits of the heads kept; a layer that names them for the unpruned heads gets those
+        out["sink"] = sink if kept is None or sink.shape[0] == H else to_kept(sink, kept)
+    kv_head = getattr(module, KV_HEAD_ATTR, None)
+    if kv_head is not None:
+        out["kv_head"] = kv_head.to(device, torch.int32)
+    elif Hkv != H and (Hkv == 0 or H % Hkv):
+        raise AttnkitError(f"{name} has {H} query heads and {Hkv} KV heads, which do not form even groups, and "
+                           f"names no KV head of each query head ({KV_HEAD_ATTR})")
+    return out
+
+
+def kv_index(H: int, Hkv: int, dec: dict, device) -> torch.Tensor | None:
+    """The KV head of each query head (int64 H), or None when there is one KV head per query head."""
+    if "kv_head" in dec:
+        return dec["kv_head"].long()
+    if Hkv == H:
+        return None
+    return torch.arange(H, device=device) // (H // Hkv)
+
+
+def observed(query, key, kept, dec: dict) -> tuple:
+    """(q, k, decoder arguments) as observers see them: the unpruned heads, a removed head with q = 0 (and, where
+    K/V have a head per query head, k = 0). Where the layer's query heads read shared KV heads, k keeps its KV heads
+    and `kv_head` maps every unpruned query head (a removed one to KV head 0). An encoder's observers get no
+    decoder arguments (dec is {}), so observers written for encoders keep working."""
+    if kept is None:
+        return query, key, dec
+    q = to_unpruned(query, kept)
+    H, Hkv = query.shape[1], key.shape[1]
+    if Hkv == H and "kv_head" not in dec:
+        return q, to_unpruned(key, kept), dec
+    index = kv_index(H, Hkv, dec, query.device)
+    full = torch.zeros(kept[1], dtype=torch.int32, device=query.device)
+    full[list(kept[0])] = (torch.arange(H, device=query.device) if index is None else index).to(torch.int32)
+    dec = dict(dec, kv_head=full)
+    if "sink" in dec:
+        dec["sink"] = to_unpruned(dec["sink"][None], kept)[0]
+    return q, key, dec
+
+
+def per_query_head(value: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """B × Hkv × L × D values as B × H × L × D, each query head with its KV head's (a copy; only for what needs
+    them per query head: norm weighting, and the maps path of training)."""
+    return value if index is None else value.index_select(1, index)

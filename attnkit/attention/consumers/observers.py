@@ -1,0 +1,70 @@
+"""Observers (attnkit.models.observing): callables that see each layer's q and k before the op (`QKObserver`:
+statistics that need q and k themselves, e.g. the Jensen-Shannon distances between heads), or each head's max logit
+from the op's own call (`MaxLogitObserver`: an observer with a true `takes_max_logit`, e.g. extraction's
+--max-logit, which has `add_max_logit(layer, max_logit)`).
+
+Observers see the unpruned heads (attnkit.attention.call.observed): a removed head with q = k = 0, its max logit
+NaN. On a decoder, an observer of q and k is called only when it has a true attribute `decoder_arguments`, with the
+op's decoder arguments as keywords (causal, kv_head, sliding_window, softcap, sink; k then with its KV heads); the
+others are refused by name. Observers take whole sequences: a step of generation with a KV cache is refused."""
+from __future__ import annotations
+
+from ...arch.pruning import to_unpruned
+from ...errors import AttnkitError
+from ..call import AttentionCall
+from .base import BaseConsumer, Result, Wants
+
+
+def _refuse_steps(call: AttentionCall) -> None:
+    if call.decode:
+        raise AttnkitError("observers of q and k (e.g. JS distances) take whole sequences, not a step of "
+                           "generation with a KV cache: run the forward without past_key_values")
+
+
+class QKObserver(BaseConsumer):
+    """Calls `observer(layer, query, key, lengths, scaling[, **decoder arguments])` before the op."""
+
+    role = "observer"
+
+    def __init__(self, observer):
+        self.observer = observer
+
+    def wants(self, call: AttentionCall) -> Wants | None:
+        _refuse_steps(call)
+        return Wants()
+
+    def before(self, call: AttentionCall) -> None:
+        obs = self.observer
+        q, k, dec = call.observed
+        if not dec:
+            obs(call.layer, q, k, call.lengths, call.scaling)
+        elif getattr(obs, "decoder_arguments", False):  # it computes a decoder's attention as the op does
+            obs(call.layer, q, k, call.lengths, call.scaling, **dec)
+        else:
+            name = getattr(obs, "__qualname__", type(obs).__name__)
+            raise AttnkitError(
+                f"an observer of q and k ({name}) does not take a decoder's attention arguments (causal, KV "
+                "heads, sliding window, soft cap, sink): it would measure attention this model does not "
+                "compute, so this analysis does not support decoder models yet")
+
+
+class MaxLogitObserver(BaseConsumer):
+    """Gives `observer.add_max_logit(layer, B×H max logits)` after the op (computed in the same call)."""
+
+    role = "observer"
+
+    def __init__(self, observer):
+        self.observer = observer
+
+    def wants(self, call: AttentionCall) -> Wants | None:
+        _refuse_steps(call)
+        return Wants(max_logit=True)
+
+    def after(self, call: AttentionCall, result: Result) -> None:
+        ml = result.max_logit
+        self.observer.add_max_logit(call.layer, ml if call.kept is None else to_unpruned(ml, call.kept, float("nan")))
+
+
+def observer_consumer(observer) -> QKObserver | MaxLogitObserver:
+    """The consumer of an observer: MaxLogitObserver when it `takes_max_logit`, else QKObserver."""
+    return MaxLogitObserver(observer) if getattr(observer, "takes_max_logit", False) else QKObserver(observer)

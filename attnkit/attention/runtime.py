@@ -1,0 +1,195 @@
+"""What an instrumented model carries for its attention: the `Runtime` (settings, the batch of attnkit's own
+forwards, the intervention in force, the consumers attached, the inputs of the forward under way), and the small
+records the attention path passes around (`BatchInfo`, `ModelInputs`, `LayerPart`).
+
+The Runtime holds no per-consumer field: what is done with the op's results is a consumer
+(attnkit/attention/consumers/) attached for a block with `attach` and taken off with `detach`.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from ..arch.pruning import to_kept
+from ..errors import AttnkitError
+from ..features import DEFAULT_NUM_WINDOWS
+
+# The attribute of an instrumented model, its base model and its attention modules that holds their Runtime
+# (attached by attnkit.models.instrument; a deep copy of the model carries its own).
+RUNTIME_ATTR = "_attnkit_runtime"
+
+
+@dataclass
+class BatchInfo:
+    """What the op needs to know about the batch beyond q, k, v (on the model's device)."""
+
+    lengths: torch.Tensor  # int64 B
+    token_class: torch.Tensor | None = None  # int32 B×L
+    sentence_id: torch.Tensor | None = None  # int32 B×L
+
+
+@dataclass
+class LayerPart:
+    """What the attention of one layer does to samples `start` … `stop` − 1 of a forward: the op's per-head mode,
+    region and gates codes (None: unchanged), renormalize, and `outputs`, head → the tensor that replaces the
+    head's output after the op (patch and mean; broadcast to the samples × tokens × head size). An intervention's
+    `layer_plan` gives one part for the whole batch, stacked interventions one per block of samples."""
+
+    start: int
+    stop: int
+    mode: torch.Tensor | None = None
+    region: torch.Tensor | None = None
+    gates: torch.Tensor | None = None
+    renormalize: bool = False
+    outputs: dict = field(default_factory=dict)
+
+
+def kept_part(p: LayerPart, kept, layer: int) -> LayerPart:
+    """`p` for a pruned layer that kept the heads `kept` (attnkit/arch/pruning.py): the per-head codes and the
+    replaced outputs of those heads, renumbered as the layer numbers them. Codes of removed heads drop out (a
+    removed head is a zeroed head); a patch or mean value for one is refused, as it would silently do nothing."""
+    index = {h: i for i, h in enumerate(kept[0])}
+    gone = sorted(h for h in p.outputs if h not in index)
+    if gone:
+        raise AttnkitError(f"head L{layer}H{gone[0]} was pruned from this model: it has no output to patch or "
+                           "replace by its mean")
+    return LayerPart(p.start, p.stop, to_kept(p.mode, kept), to_kept(p.region, kept), to_kept(p.gates, kept),
+                     p.renormalize, {index[h]: v for h, v in p.outputs.items() if h in index})
+
+
+@dataclass
+class ModelInputs:
+    """What the current forward of the instrumented model was given (recorded by attnkit.models' hooks)."""
+
+    input_ids: torch.Tensor | None
+    token_type_ids: torch.Tensor | None
+    # whether the forward asked for attention maps: GPT-2's attention module takes `output_attentions` itself and
+    # does not hand it on to the attention function
+    output_attentions: bool = False
+    sentence_id: torch.Tensor | None = None  # B×L int32, derived once per forward when first needed
+    # whether this forward holds attnkit's CPU allocator (attnkit.ops.hold_cpu_allocator), given back at its end
+    holds_cpu_allocator: bool = False
+
+
+@dataclass
+class Runtime:
+    """Per-model state read by the attention function during a forward pass: settings, the batch of attnkit's own
+    forwards, the intervention, the consumers of the op's results, the inputs of the forward under way."""
+
+    backend: str = "auto"
+    num_windows: int = DEFAULT_NUM_WINDOWS
+    batch: BatchInfo | None = None
+    intervention: object | None = None  # attnkit.interventions.Intervention (or StackedInterventions)
+    # what is done with the op's results, in the order attached (attnkit/attention/consumers/)
+    consumers: list = field(default_factory=list)
+    calls: int = 0
+    sentences: torch.Tensor | None = None  # user-given B×L sentence ids (attnkit.sentences)
+    inputs: ModelInputs | None = None  # the inputs of the forward under way, None outside one
+    separator_ids: tuple[int, ...] = ()  # sep/eos token ids, to find segments in input_ids
+    sink: bool = False  # the model has a learned sink logit per head: its features end with `sink`
+    segment_types: bool = True  # whether token_type_ids mark segments (the model has > 1 type)
+    _outer_inputs: list = field(default_factory=list)  # inputs of enclosing forwards (nested calls)
+
+    def enter_forward(self, inputs: ModelInputs) -> None:
+        self._outer_inputs.append(self.inputs)
+        self.inputs = inputs
+
+    def exit_forward(self) -> None:
+        self.inputs = self._outer_inputs.pop() if self._outer_inputs else None
+
+    def attach(self, consumer):
+        """Add `consumer` (attnkit.attention.consumers.Consumer) after those attached; returns it."""
+        self.consumers.append(consumer)
+        return consumer
+
+    def detach(self, consumer) -> None:
+        self.consumers.remove(consumer)
+
+    @contextlib.contextmanager
+    def attached(self, consumer):
+        """`consumer` attached for the block, and always detached again."""
+        self.attach(consumer)
+        try:
+            yield consumer
+        finally:
+            self.detach(consumer)
+
+    def _of_role(self, role: str) -> list:
+        return [c for c in self.consumers if getattr(c, "role", None) == role]
+
+    @property
+    def observers(self) -> list:
+        """The observers of q and k and of the max logit attached (attnkit.models.observing), in order."""
+        return [c.observer for c in self._of_role("observer")]
+
+    @property
+    def tracker(self):
+        """The attnkit.training.Tracker attached (attnkit.track), or None."""
+        found = self._of_role("tracker")
+        return found[0].tracker if found else None
+
+    @property
+    def features(self):
+        """layer → the features of the forward under way (a dict, or a LayerFeatures): those of the extraction
+        consumer attached (attnkit.engine.forward.measuring); {} without one."""
+        found = self._of_role("features")
+        return found[-1].store if found else {}
+
+    @features.setter
+    def features(self, store) -> None:
+        found = self._of_role("features")
+        if not found:
+            raise AttnkitError("features are recorded only inside attnkit.engine.forward.measuring(model)")
+        found[-1].store = store
+
+    @property
+    def stop_when_measured(self) -> bool:
+        """Whether the forward ends once every layer's features are in (attnkit.engine.forward.forward_features)."""
+        return bool(self._of_role("early_stop"))
+
+    @property
+    def active(self) -> bool:
+        """Whether something measures or changes attention (refused while attention dropout is on); a consumer that
+        takes training forwards (`in_training`: the tracker) does not count."""
+        return self.intervention is not None or any(not getattr(c, "in_training", False) for c in self.consumers)
+
+    @contextlib.contextmanager
+    def batch_of(self, batch):
+        """Within the block, forwards use `batch`'s lengths, token classes and sentence ids
+        (an `attnkit.tokens.Batch` on the model's device)."""
+        self.batch = BatchInfo(batch.lengths, batch.token_class, batch.sentence_id)
+        try:
+            yield self
+        finally:
+            self.batch = None
+
+
+class Callers(list):
+    """The modules that called attnkit attention, in call order; `sink`: whether one of them has a learned sink
+    logit per head (gpt-oss), which adds the feature `sink` (docs/features.md)."""
+
+    sink: bool = False
+
+
+_callers: Callers | None = None  # while `recording_callers` runs: the modules that called attnkit attention
+
+
+@contextlib.contextmanager
+def recording_callers():
+    """Yield a `Callers` list that collects, in call order, the modules that call attnkit attention inside the
+    block (`attnkit.models.instrument` runs its probe forward under it)."""
+    global _callers
+    _callers = seen = Callers()
+    try:
+        yield seen
+    finally:
+        _callers = None
+
+
+def note_caller(module, sink: bool) -> None:
+    """Record `module` (and whether it has a sink logit) when `recording_callers` runs."""
+    if _callers is not None:
+        _callers.append(module)
+        _callers.sink = _callers.sink or sink
