@@ -234,11 +234,21 @@ def padding_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **
     """transformers' mask function for attnkit: the 2-D padding mask (None when the batch has no
     padding). While compiling or capturing a CUDA graph, the mask is handed over even without padding:
     deciding "no padding" needs its values on the host (a graph break, or a sync that a capture
-    forbids), and lengths_from_mask handles a full mask just as well."""
+    forbids), and lengths_from_mask handles a full mask just as well.
+
+    A static cache has `kv_length` slots, of which only the first hold tokens: the mask then covers those
+    (flash_attention_mask hands over a given mask shorter than the slots; without one, a mask of ones over the
+    tokens seen, `q_offset` + `q_length`), and the attention function takes the keys it covers (attention.call.filled).
+    """
+    compiling = torch.compiler.is_compiling()
     if attention_mask is not None and (
-        torch.compiler.is_compiling() or (attention_mask.is_cuda and torch.cuda.is_current_stream_capturing())
+        compiling or (attention_mask.is_cuda and torch.cuda.is_current_stream_capturing())
     ):
         return attention_mask[:, -kv_length:]
+    if attention_mask is None and not compiling and kwargs.get("q_offset") is not None:
+        seen = int(kwargs["q_offset"]) + q_length  # a static layer's offset is a tensor (one host read)
+        if seen < kv_length:
+            return torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device"))
     return flash_attention_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, **kwargs)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
 from .attention.consumers import observer_consumer
+from .attention.shared import shared_layers_error
 from .embedded import check_model_max_length, embedded_path, is_embedded_name, model_config
 from .errors import AttnkitError, arg, one_line
 from .features import feature_names
@@ -268,10 +269,7 @@ def _probe_attention_modules(model):
     seen = type(callers)(dict.fromkeys(callers))  # unique, in call order
     if len(seen) < len(callers):  # ALBERT: one shared layer run N times; attnkit numbers layers by module
         mod = next(m for m in seen if callers.count(m) > 1)
-        mtype = getattr(model.config, "model_type", type(model).__name__)
-        raise AttnkitError(f"model type {mtype!r} runs one attention module ({type(mod).__name__}) for "
-                           f"{callers.count(mod)} layers (shared layers): attnkit measures and changes each layer's "
-                           "own attention module, so it cannot tell these layers apart")
+        raise shared_layers_error(model, mod, callers.count(mod))
     seen.sink = callers.sink
     return seen
 

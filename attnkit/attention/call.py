@@ -21,7 +21,8 @@ import torch
 from ..arch.pruning import KV_HEAD_ATTR, kept_heads, to_kept, to_unpruned
 from ..errors import AttnkitError
 from .layout import padding_of, rolled, unshift
-from .runtime import RUNTIME_ATTR, BatchInfo, Runtime, note_caller
+from .runtime import RUNTIME_ATTR, BatchInfo, Runtime, note_caller, recording
+from .shared import check_not_shared
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class AttentionCall:
 
 def read_call(module, query, key, value, attention_mask, scaling, dropout, kwargs: dict) -> AttentionCall:
     """Read a call of the attention function (module docstring) into an AttentionCall."""
+    key, value = filled(attention_mask, query.shape[2], key, value)
     B, H, L, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
     if Lk < L:
@@ -134,6 +136,8 @@ def read_call(module, query, key, value, attention_mask, scaling, dropout, kwarg
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     rt: Runtime | None = getattr(module, RUNTIME_ATTR, None)
+    if rt is None and not recording():  # loaded with attn_implementation="attnkit", not instrumented (yet)
+        check_not_shared(module)
     # model(..., output_attentions=True): return the maps (transformers passes the flag on, except GPT-2's module)
     want_maps = bool(kwargs.get("output_attentions")) or bool(rt is not None and rt.inputs is not None
                                                               and rt.inputs.output_attentions)
@@ -152,6 +156,16 @@ def read_call(module, query, key, value, attention_mask, scaling, dropout, kwarg
         query, key, value = (rolled(t, offsets, 2) for t in (query, key, value))
     return AttentionCall(module, rt, query, key, value, attention_mask, scaling, dropout, want_maps, kept, dec, info,
                          lengths, offsets)
+
+
+def filled(attention_mask, L: int, key, value) -> tuple:
+    """The keys and values of the sequence's tokens. A static cache (`generate(..., cache_implementation="static")`)
+    hands over all its slots, those after the tokens not filled yet, and transformers' mask function the 2-D mask of
+    the filled ones, shorter than the keys (as for flash attention; `padding_mask`): the keys are those it covers."""
+    n = attention_mask.shape[-1] if attention_mask is not None and attention_mask.dim() == 2 else None
+    if n is None or not L <= n < key.shape[2]:
+        return key, value
+    return key[:, :, :n], value[:, :, :n]
 
 
 def read_layout(rt: Runtime | None, attention_mask, B: int, L: int, Lk: int, device) -> tuple:

@@ -139,10 +139,34 @@ class Runtime:
 
     @features.setter
     def features(self, store) -> None:
+        self._measuring("features").store = store
+
+    @property
+    def weighting(self) -> str:
+        """How extraction's features are weighted ("attention", or "norm": docs/features.md): the extraction
+        consumer's; "attention" without one."""
+        found = self._of_role("features")
+        return found[-1].weighting if found else "attention"
+
+    @weighting.setter
+    def weighting(self, weighting: str) -> None:
+        self._measuring("weighting").weighting = weighting
+
+    @property
+    def out_proj(self) -> dict:
+        """layer → the output projection that norm weighting reads (the extraction consumer's)."""
+        found = self._of_role("features")
+        return found[-1].out_proj if found else {}
+
+    @out_proj.setter
+    def out_proj(self, out_proj: dict) -> None:
+        self._measuring("out_proj").out_proj = out_proj
+
+    def _measuring(self, what: str):
         found = self._of_role("features")
         if not found:
-            raise AttnkitError("features are recorded only inside attnkit.engine.forward.measuring(model)")
-        found[-1].store = store
+            raise AttnkitError(f"{what} is set only inside attnkit.engine.forward.measuring(model)")
+        return found[-1]
 
     @property
     def stop_when_measured(self) -> bool:
@@ -186,6 +210,11 @@ def recording_callers():
         yield seen
     finally:
         _callers = None
+
+
+def recording() -> bool:
+    """Whether `recording_callers` runs (the probe forward of attnkit.models.instrument)."""
+    return _callers is not None
 
 
 def note_caller(module, sink: bool) -> None:
