@@ -217,6 +217,42 @@ def measure_memory(args) -> dict:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def time_configs(runners: dict, device, args) -> tuple[dict, set]:
+    """({configuration: its timed rounds' seconds}, the configurations that ran out of memory)."""
+    times = {c: [] for c in runners}
+    oom = set()
+    for rnd in range(args.warmup + args.repeats):
+        for c in runners:  # interleaved: every round runs every configuration, so load drifts hit all alike
+            if c in oom:
+                continue
+            sync(device)
+            t = time.perf_counter()
+            try:
+                runners[c]()
+                sync(device)
+            except torch.OutOfMemoryError:  # naive extraction at long lengths: recorded, not fatal
+                oom.add(c)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            if rnd >= args.warmup:
+                times[c].append(time.perf_counter() - t)
+    return times, oom
+
+
+def memory_of(c: str, args) -> dict | None:
+    """The memory of configuration `c`, measured in a subprocess of its own (None when it failed)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--_memory", c, "--model", args.model, "--length",
+           str(args.length), "--batch", str(args.batch), "--dtype", args.dtype, "--device", args.device,
+           "--threads", str(args.threads)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        print(res.stderr[-2000:], file=sys.stderr)
+        return None
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=MODELS, default="minilm")
@@ -252,40 +288,11 @@ def main(argv=None) -> int:
     model = build_model(args.model, args.length, device, DTYPES[args.dtype])
     batch = make_batch(model, args.batch, args.length, device)
     runners = {c: make_runner(c, model, batch) for c in cfgs}
-    times = {c: [] for c in cfgs}
-    oom = set()
-    for rnd in range(args.warmup + args.repeats):
-        for c in cfgs:  # interleaved: every round runs every configuration, so load drifts hit all alike
-            if c in oom:
-                continue
-            sync(device)
-            t = time.perf_counter()
-            try:
-                runners[c]()
-                sync(device)
-            except torch.OutOfMemoryError:  # naive extraction at long lengths: recorded, not fatal
-                oom.add(c)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                continue
-            if rnd >= args.warmup:
-                times[c].append(time.perf_counter() - t)
+    times, oom = time_configs(runners, device, args)
     n_tokens = int(batch.lengths.sum())
-    mem = {}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the subprocesses below need the memory this process cached while timing
-    if not args.no_memory:
-        for c in cfgs:
-            cmd = [sys.executable, os.path.abspath(__file__), "--_memory", c, "--model", args.model, "--length",
-                   str(args.length), "--batch", str(args.batch), "--dtype", args.dtype, "--device", args.device,
-                   "--threads", str(args.threads)]
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-            res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if res.returncode != 0:
-                print(res.stderr[-2000:], file=sys.stderr)
-                mem[c] = None
-            else:
-                mem[c] = json.loads(res.stdout.strip().splitlines()[-1])
+    mem = {} if args.no_memory else {c: memory_of(c, args) for c in cfgs}
     rows = {}
     for c in cfgs:
         if c in oom:

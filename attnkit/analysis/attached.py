@@ -313,6 +313,61 @@ def _count(found: Attached) -> int:
         + len(found.ablations) + len(found.links)
 
 
+def _read_place(found: Attached, place: Path, run_dir: Path, shape: tuple[int, int], run, partial: list,
+                features: HeadFeatures | None) -> None:
+    """Add to `found` the results in directory `place` (the run directory, or one `include` names)."""
+    before = _count(found)
+    if (place / PROBE_JSON).is_file():
+        try:
+            probe = read_probe(place, shape, run, partial)
+            if found.probe is None:
+                found.probe = probe
+            else:
+                found.links.append(("syntax probe", place / PROBE_JSON, "a second probe result (the report "
+                                                                        f"shows {found.probe['path'].name})"))
+        except _Elsewhere as exc:
+            found.links.append(("syntax probe", place / PROBE_JSON, str(exc)))
+    detections = [(place / DETECTED_HEADS_FILE, place / DETECTED_HEADS_META)]
+    legacy = place / LEGACY_DETECTED_HEADS[1]
+    legacy_is_detection = is_legacy_detection(legacy)  # else an ablation's heads.meta.json, read below
+    if legacy_is_detection:
+        detections.append((place / LEGACY_DETECTED_HEADS[0], legacy))
+    for table, meta_path in detections:
+        if not meta_path.is_file():
+            continue
+        try:
+            if found.detected is None:
+                found.detected = read_detected(table, meta_path, shape, run, partial)
+            else:
+                found.links.append(("detected heads", meta_path, "a second detect-heads result (the report "
+                                    f"shows {found.detected['source']})"))
+        except _Elsewhere as exc:
+            found.links.append(("detected heads", meta_path, str(exc)))
+    for meta_path in sorted(place.glob("*" + ABLATION_META_SUFFIX)):
+        if legacy_is_detection and meta_path == legacy:
+            continue
+        try:
+            found.ablations.append(read_ablation(meta_path, shape, run, partial))
+        except _Elsewhere as exc:
+            found.links.append(("ablation", meta_path, str(exc)))
+    if features is not None and place != run_dir and (place / FEATURES_FILE).is_file() \
+            and not (place / META_FILE).is_file():
+        found.links.append(("run", place / FEATURES_FILE, f"{META_FILE} is missing beside {FEATURES_FILE}: "
+                                                           "which model and corpus it measured is unknown"))
+    elif features is not None and place != run_dir and (place / FEATURES_FILE).is_file():
+        try:
+            if found.weighting is None:
+                found.weighting = _other_weighting(place, features, run, partial)
+            else:
+                found.links.append(("run", place / META_FILE, "a second run of the other weighting (the report "
+                                                               f"shows {found.weighting['other'].name})"))
+        except _Elsewhere as exc:
+            found.links.append(("run", place / META_FILE, str(exc)))
+    if place != run_dir and _count(found) == before:  # a directory given to --include that holds nothing
+        found.links.append(("directory", place, "it holds no result attnkit report can show (of attnkit probe, "
+                                                "ablate or detect-heads, or a run of the other weighting)"))
+
+
 def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFeatures | None = None) -> Attached:
     """Patterns, probe, ablation and detect-heads results of a run: in `run_dir` and in the directories `include`
     names; and, with the run's `features`, an included run directory of the other weighting. A damaged file (not
@@ -336,56 +391,7 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
         except _Elsewhere as exc:
             found.links.append(("pattern classes", run_dir / PATTERNS_FILE, str(exc)))
     for place in dict.fromkeys(places):
-        before = _count(found)
-        if (place / PROBE_JSON).is_file():
-            try:
-                probe = read_probe(place, shape, run, partial)
-                if found.probe is None:
-                    found.probe = probe
-                else:
-                    found.links.append(("syntax probe", place / PROBE_JSON, "a second probe result (the report "
-                                                                            f"shows {found.probe['path'].name})"))
-            except _Elsewhere as exc:
-                found.links.append(("syntax probe", place / PROBE_JSON, str(exc)))
-        detections = [(place / DETECTED_HEADS_FILE, place / DETECTED_HEADS_META)]
-        legacy = place / LEGACY_DETECTED_HEADS[1]
-        legacy_is_detection = is_legacy_detection(legacy)  # else an ablation's heads.meta.json, read below
-        if legacy_is_detection:
-            detections.append((place / LEGACY_DETECTED_HEADS[0], legacy))
-        for table, meta_path in detections:
-            if not meta_path.is_file():
-                continue
-            try:
-                if found.detected is None:
-                    found.detected = read_detected(table, meta_path, shape, run, partial)
-                else:
-                    found.links.append(("detected heads", meta_path, "a second detect-heads result (the report "
-                                        f"shows {found.detected['source']})"))
-            except _Elsewhere as exc:
-                found.links.append(("detected heads", meta_path, str(exc)))
-        for meta_path in sorted(place.glob("*" + ABLATION_META_SUFFIX)):
-            if legacy_is_detection and meta_path == legacy:
-                continue
-            try:
-                found.ablations.append(read_ablation(meta_path, shape, run, partial))
-            except _Elsewhere as exc:
-                found.links.append(("ablation", meta_path, str(exc)))
-        if features is not None and place != run_dir and (place / FEATURES_FILE).is_file() \
-                and not (place / META_FILE).is_file():
-            found.links.append(("run", place / FEATURES_FILE, f"{META_FILE} is missing beside {FEATURES_FILE}: "
-                                                               "which model and corpus it measured is unknown"))
-        elif features is not None and place != run_dir and (place / FEATURES_FILE).is_file():
-            try:
-                if found.weighting is None:
-                    found.weighting = _other_weighting(place, features, run, partial)
-                else:
-                    found.links.append(("run", place / META_FILE, "a second run of the other weighting (the report "
-                                                                   f"shows {found.weighting['other'].name})"))
-            except _Elsewhere as exc:
-                found.links.append(("run", place / META_FILE, str(exc)))
-        if place != run_dir and _count(found) == before:  # a directory given to --include that holds nothing
-            found.links.append(("directory", place, "it holds no result attnkit report can show (of attnkit probe, "
-                                                    "ablate or detect-heads, or a run of the other weighting)"))
+        _read_place(found, place, run_dir, shape, run, partial, features)
     shown = {found.probe and found.probe["path"] / PROBE_JSON, found.detected and found.detected["meta_path"],
              found.weighting and found.weighting["other"] / META_FILE,
              found.distances and run_dir / DISTANCES_FILE} | {a["meta_path"] for a in found.ablations}

@@ -127,8 +127,20 @@ def expand_glob(pattern: str) -> list[str]:
         base, parts = os.sep, parts[1:]
     while parts and not glob.has_magic(parts[0]) and len(parts) > 1:
         base, parts = os.path.join(base, parts[0]) if base else parts[0], parts[1:]
-    found: dict[str, None] = {}
+    walk = _GlobWalk(base)
+    walk.walk(base, parts)
+    return list(walk.found)
 
+
+class _GlobWalk:
+    """The search of `expand_glob` below the pattern's fixed `base`; `found` the matches in order (a dict: once
+    each)."""
+
+    def __init__(self, base: str):
+        self.base = base
+        self.found: dict[str, None] = {}
+
+    @staticmethod
     def entries(folder: str):
         try:
             with os.scandir(folder or os.curdir) as it:
@@ -140,47 +152,52 @@ def expand_glob(pattern: str) -> list[str]:
         except OSError as exc:
             raise unreadable(folder or os.curdir, exc) from None
 
+    @staticmethod
     def join(folder: str, name: str) -> str:
         return os.path.join(folder, name) if folder else name
 
-    def walk(folder: str, rest: list[str]) -> None:
+    def walk(self, folder: str, rest: list[str]) -> None:
         if not rest:
-            found[folder] = None
-            return
-        head, tail = rest[0], rest[1:]
-        if head == "**":
-            if tail:
-                walk(folder, tail)
-            else:  # "x/**" matches x/ itself, then everything below it
-                found[join(folder, "") if folder == base else folder] = None
-            for e in entries(folder):
-                if e.name.startswith("."):
-                    continue
-                if e.is_dir(follow_symlinks=False):
-                    walk(e.path if folder else e.name, rest)
-                elif not tail:
-                    found[join(folder, e.name)] = None
-            return
-        if not glob.has_magic(head):
-            path = join(folder, head)
-            if tail:
-                if os.path.isdir(path):
-                    walk(path, tail)
-            elif os.path.lexists(path):
-                found[path] = None
-            return
-        for e in entries(folder):
+            self.found[folder] = None
+        elif rest[0] == "**":
+            self.any_depth(folder, rest)
+        elif not glob.has_magic(rest[0]):
+            self.named(folder, rest[0], rest[1:])
+        else:
+            self.matching(folder, rest[0], rest[1:])
+
+    def any_depth(self, folder: str, rest: list[str]) -> None:
+        tail = rest[1:]
+        if tail:
+            self.walk(folder, tail)
+        else:  # "x/**" matches x/ itself, then everything below it
+            self.found[self.join(folder, "") if folder == self.base else folder] = None
+        for e in self.entries(folder):
+            if e.name.startswith("."):
+                continue
+            if e.is_dir(follow_symlinks=False):
+                self.walk(e.path if folder else e.name, rest)
+            elif not tail:
+                self.found[self.join(folder, e.name)] = None
+
+    def named(self, folder: str, head: str, tail: list[str]) -> None:
+        path = self.join(folder, head)
+        if tail:
+            if os.path.isdir(path):
+                self.walk(path, tail)
+        elif os.path.lexists(path):
+            self.found[path] = None
+
+    def matching(self, folder: str, head: str, tail: list[str]) -> None:
+        for e in self.entries(folder):
             if e.name.startswith(".") and not head.startswith("."):
                 continue
             if fnmatch.fnmatchcase(e.name, head):
-                path = join(folder, e.name)
+                path = self.join(folder, e.name)
                 if not tail:
-                    found[path] = None
+                    self.found[path] = None
                 elif e.is_dir():
-                    walk(path, tail)
-
-    walk(base, parts)
-    return list(found)
+                    self.walk(path, tail)
 
 
 def _glob_inputs(pattern: str) -> list[tuple[str, str]]:
