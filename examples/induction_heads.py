@@ -9,9 +9,10 @@ training forwards; every `--every` steps, on held-out sequences (a span of 32 re
 head's induction score (the op's mass on the target key s − R + 1, `attnkit.detect_heads`) and previous-token
 mass, and the in-context-learning score: the mean loss over the second copy's tokens minus that over the first
 copy's (Olsson et al.'s "late minus early" loss). It prints the step at which each curve passes halfway between
-its first and last value, and writes a CSV of every head at every log step and a figure.
+its first and last value, and writes a CSV of every head at every log step and a figure, into runs/induction_heads/
+by default (runs/ is left out of git by .gitignore).
 
-    python examples/induction_heads.py --out induction_run
+    python examples/induction_heads.py [--out DIR]
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="induction_run")
+    p.add_argument("--out", default="runs/induction_heads")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     out = Path(a.out)

@@ -246,7 +246,23 @@ def test_resume_refuses_impossible_checkpoints_and_other_backends(corpus, tmp_pa
     RunDir(ck).save_checkpoint(acc, 8, 0, settings_full)
     code, text = run("extract", corpus, "-o", ck, "--max-length", 16, "-q", "--batch-size", 8, "--backend",
                      "reference", "--resume")
-    assert code == 1 and "not finite" in text
+    assert code == 1 and f"checkpoint {ck / 'checkpoint.npz'} is impossible (array 'sum' holds NaN or infinite " \
+        "values for 1 of the model's 72 heads (L0H0))" in text
+    # issue 46 item 6: every head's sums NaN were taken for heads removed by pruning, and resumed (exit 0) into an
+    # all-NaN features.npz; the model's own pruned heads are the only ones that may be NaN
+    acc.sum[:] = np.nan
+    RunDir(ck).save_checkpoint(acc, 8, 0, settings_full)
+    code, text = run("extract", corpus, "-o", ck, "--max-length", 16, "-q", "--batch-size", 8, "--backend",
+                     "reference", "--resume")
+    assert code == 1 and "array 'sum' holds NaN or infinite values for 72 of the model's 72 heads (L0H0, L0H1, " \
+        "L0H2, L0H3, L0H4 ...)); start over with --overwrite" in text, text
+    assert not (ck / "features.npz").exists()
+    acc.sum[:] = 0.5
+    acc.m2[2, 3] = np.inf
+    RunDir(ck).save_checkpoint(acc, 8, 0, settings_full)
+    code, text = run("extract", corpus, "-o", ck, "--max-length", 16, "-q", "--batch-size", 8, "--backend",
+                     "reference", "--resume")
+    assert code == 1 and "array 'm2' holds NaN or infinite values for 1 of the model's 72 heads (L2H3)" in text
 
 
 def test_output_problems_are_found_before_the_work(corpus, tmp_path):

@@ -264,3 +264,76 @@ def test_a_missing_spacy_model_is_refused_before_spacy_or_torch_is_imported(tmp_
                              "--parser conllu)"), res
     assert res["heavy"] == [], res
     assert not (tmp_path / "o").exists()
+
+
+def _refusals(tmp_path, cases, probe=REFUSALS_PROBE):
+    """Run `cases` (argument lists) in one fresh interpreter (REFUSALS_PROBE); their results, in order."""
+    out = subprocess.run([sys.executable, "-c", probe, json.dumps(cases)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path,
+                         env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    line = [x for x in out.stdout.splitlines() if x.startswith("REFUSALS ")]
+    assert line, out.stdout[-2000:] + out.stderr[-2000:]
+    return json.loads(line[-1][9:])
+
+
+def test_a_directory_in_use_is_refused_before_the_heavy_imports(tmp_path, lock_held):
+    """Issue 46 item 4: a second writer into a run directory another command holds was refused by the job's lock,
+    after torch, transformers (and the model) had loaded: 9.9 s on a loaded machine. Every command that writes
+    into a directory now says it is in use before anything heavy is imported."""
+    from tests.synthetic import layered_truth, make_features
+
+    run = tmp_path / "run"
+    make_features(layered_truth(2, 4)).save(run)
+    corpus, dev, conllu = tmp_path / "c.txt", tmp_path / "dev.tsv", tmp_path / "s.conllu"
+    corpus.write_text("the cat sat\n")
+    dev.write_text("index\tgenre\tsentence1\tsentence2\tscore\n0\tx\ta b\tc d\t1.0\n1\tx\ta c\tb d\t2.0\n")
+    conllu.write_text("1\tcats\tcat\t_\t_\t_\t2\tnsubj\t_\t_\n2\tsleep\tsleep\t_\t_\t_\t0\troot\t_\t_\n\n")
+    r = str(run)
+    cases = [["extract", str(corpus), "-o", r], ["extract", str(corpus), "-o", r, "--resume"], ["cluster", r],
+             ["distances", r], ["report", r], ["patterns", r], ["detect-heads", "smollm2", "-o", r],
+             ["ablate", "default", "--task", "stsb", "--data", str(dev), "--experiment", "heads", "-o", r],
+             ["probe", str(conllu), "-o", r], ["prune", "default", "--heads", "L0H1", "-o", r],
+             ["compare-models", "default", "default", str(corpus), "-o", r]]
+    with lock_held(run, "attnkit extract") as pid:
+        results = _refusals(tmp_path, cases)
+    for args, res in zip(cases, results):
+        assert res["code"] == 1 and res["output"] == (f"Error: {run} is in use by `attnkit extract` (pid {pid}); wait "
+                                                      "for it to finish or choose another directory"), (args, res)
+        assert res["heavy"] == [], f"attnkit {' '.join(args)} imported {res['heavy']} before refusing"
+
+
+def test_a_cuda_device_without_cuda_is_refused_before_the_heavy_imports(tmp_path):
+    """Issue 46 item 4: `--device cuda` on a machine without CUDA was refused once torch had loaded, after 6-18 s.
+    Where CUDA cannot be available (here made so: attnkit.cli.options.cuda_missing says why), every command that
+    takes a device refuses it before anything heavy is imported, naming why."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat\n")
+    o = str(tmp_path / "o")
+    cases = [["extract", str(corpus), "-o", o, "--device", "cuda"],
+             ["extract", str(corpus), "-o", o, "--devices", "cpu, cuda:1"],
+             ["detect-heads", "smollm2", "-o", o, "--device", "cuda:0"],
+             ["compare-models", "default", "default", str(corpus), "-o", o, "--device", "cuda"]]
+    probe = REFUSALS_PROBE.replace("from attnkit.cli.main import main",
+                                   "from attnkit.cli.main import main\nimport attnkit.cli.options as o\n"
+                                   "o.cuda_missing = lambda: 'torch 0.0+cpu is built without CUDA'")
+    for args, res in zip(cases, _refusals(tmp_path, cases, probe)):
+        device = args[-1].split(",")[-1].strip()
+        assert res["code"] == 1 and res["output"] == (f"Error: device {device!r} requested but CUDA is not available "
+                                                      "on this machine: torch 0.0+cpu is built without CUDA"), res
+        assert res["heavy"] == [], f"attnkit {' '.join(args)} imported {res['heavy']} before refusing"
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_torch_build_is_read_without_importing_torch():
+    """What `--device cuda` is refused by before torch loads: the installed torch's own version.py, as torch
+    itself reports it once imported."""
+    import torch
+
+    from attnkit.cli.options import cuda_missing, torch_cuda_build
+
+    gpu = torch.version.cuda is not None or torch.version.hip is not None
+    assert torch_cuda_build() == (torch.__version__, gpu)
+    if not gpu:
+        assert cuda_missing() == f"torch {torch.__version__} is built without CUDA"
+    if cuda_missing() is not None:
+        assert not torch.cuda.is_available()

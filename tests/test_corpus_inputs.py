@@ -660,3 +660,29 @@ def test_a_folder_is_a_run_directory_by_its_files_not_by_a_name(tmp_path):
     HeadFeatures(np.zeros((1, 2, 3)), np.zeros((1, 2, 3)), ["a", "b", "c"], 1, 2).save(run)
     write(run / "notes.txt", "a run's file, not corpus text\n")
     assert sorted(read_corpus(root)) == ["alpha", "beta", "gamma"]
+
+
+def test_a_pair_with_one_empty_side_is_refused_by_file_and_row(tmp_path):
+    """Issue 46 item 7: a TSV pair with one side empty was measured as (text, "") without a word; it is refused as a
+    null side is, naming the file, the row and the column, in every reader of pairs from columns (TSV/CSV, JSON
+    Lines with named fields, Parquet). A row empty on both sides is a blank segment, skipped as before."""
+    tsv = write(tmp_path / "d.tsv", "sentence1\tsentence2\nA cat.\tA dog.\n\t\nA bird.\t \nlast\tone\n")
+    with pytest.raises(AttnkitError) as e:
+        list(open_corpus([tsv]))
+    assert str(e.value) == (f"{tsv}:4: the pair column 'sentence2' is empty; drop or fill such rows (or name one text "
+                            "column with columns)")
+    assert read_corpus(tsv, columns=("sentence1",)) == ["A cat.", "A bird.", "last"]
+    csv_ = write(tmp_path / "d.csv", "a,b\nx,y\n,z\n")
+    with pytest.raises(AttnkitError, match=r"d.csv:3: the pair column 'a' is empty"):
+        list(open_corpus([csv_], columns=("a", "b")))
+    jsonl = write(tmp_path / "d.jsonl", '{"q": "x", "s": "y"}\n{"q": "x", "s": ""}\n')
+    with pytest.raises(AttnkitError, match=r"d.jsonl:2: the pair column 's' is empty"):
+        list(open_corpus([jsonl], columns=("q", "s")))
+    optional = write(tmp_path / "o.jsonl", '{"text": "x", "text_pair": "y"}\n{"text": "z", "text_pair": ""}\n')
+    assert list(open_corpus([optional])) == [("x", "y"), "z"]  # text_pair "" is no pair, as documented
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"question": ["q0", "q1"], "sentence": ["s0", "  "]}), tmp_path / "p.parquet")
+    with pytest.raises(AttnkitError, match=r"p.parquet: row 2: the pair column 'sentence' is empty"):
+        list(open_corpus([tmp_path / "p.parquet"]))

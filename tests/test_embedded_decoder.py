@@ -197,3 +197,25 @@ def test_extract_a_whole_file_with_model_smollm2(smollm2_cache, tmp_path):
     feats = HeadFeatures.load(out)
     assert feats.n_samples == 1 and feats.mean.shape == (30, 9, len(attnkit.feature_names()))
     assert json.loads((out / "meta.json").read_text())["settings"]["model"] == "smollm2"
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_every_file_of_the_copy_gets_the_mode_of_the_umask(tmp_path, umask, mode):
+    """Issue 46 item 2: safetensors writes model.safetensors 0600 (through a temporary file) where the copy's other
+    files are 0644: the copy gets the umask's mode throughout. A conversion that writes as safetensors does."""
+    import os
+    import stat
+
+    def convert(out):
+        (out / "config.json").write_text('{"a": 1}')
+        fd = os.open(out / "model.safetensors", os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, b"weights")
+        os.close(fd)
+
+    old = os.umask(umask)
+    try:
+        where = ensure_copy(tmp_path / "m", convert)
+    finally:
+        os.umask(old)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in where.iterdir()} == {
+        "config.json": mode, "model.safetensors": mode, "manifest.json": mode}

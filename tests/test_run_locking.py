@@ -208,3 +208,84 @@ def test_temporary_files_of_killed_writers_are_removed_by_the_next_holder(tmp_pa
         with run_lock(run, "attnkit extract"):
             assert not any(p.exists() for p in stale)
             assert all(p.exists() for p in kept)
+
+
+# --- lock files on every exit, and what a killed holder leaves (issue 46 item 5) ---------------------------------
+def test_a_command_interrupted_after_it_wrote_leaves_no_lock_files(tmp_path):
+    """Ctrl-C once a command that created its directory has written into it (a checkpoint): the directory stays
+    with what was written, and without lock files (the cleanup of a directory it created took the lock again and
+    left an empty .attnkit.lock)."""
+    from attnkit.run.locking import output_directory
+
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        with output_directory(run, "attnkit extract") as out:
+            (out / "checkpoint.npz").write_bytes(b"a checkpoint")
+            raise KeyboardInterrupt
+    assert sorted(os.listdir(run)) == ["checkpoint.npz"]
+    with pytest.raises(KeyboardInterrupt):  # and into a directory that was there before
+        with output_directory(run, "attnkit extract"):
+            raise KeyboardInterrupt
+    assert sorted(os.listdir(run)) == ["checkpoint.npz"]
+
+
+def test_an_extract_interrupted_with_a_checkpoint_leaves_no_lock_files(tmp_path, monkeypatch):
+    """The command line's Ctrl-C after the first checkpoint (raised where the checkpoint was just saved, as
+    tests/paused_extract.py's SIGINT is): exit 130, the checkpoint kept, no lock file left."""
+    from click.testing import CliRunner
+
+    from attnkit.cli.main import main
+    from attnkit.engine import extract_job
+
+    real_save, saved = extract_job.Checkpoints.save, []
+
+    def save(self, state):
+        real_save(self, state)
+        if not saved:  # (the interruption saves once more)
+            saved.append(state.next_index)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(extract_job.Checkpoints, "save", save)
+    corpus, run = tmp_path / "c.txt", tmp_path / "run"
+    corpus.write_text("".join(f"Line {i} of a small corpus.\n" for i in range(40)))
+    r = CliRunner().invoke(main, ["extract", str(corpus), "-o", str(run), "-q", "--batch-size", "4",
+                                  "--checkpoint-every", "1", "--workers", "0"])
+    assert r.exit_code == 130, r.output
+    assert f"interrupted after {saved[0]} segments; checkpoint saved" in r.stderr
+    assert sorted(os.listdir(run)) == ["checkpoint.npz"]
+
+
+def test_what_a_killed_holder_left_neither_blocks_nor_names_anyone(tmp_path, lock_held):
+    """A holder killed by SIGKILL leaves its lock file and owner record: the next command is not refused, the check
+    a command line makes first removes both (holding the lock), and so does a command that takes the lock."""
+    from attnkit.run.locking import check_not_in_use
+
+    run = tmp_path / "run"
+    with lock_held(run, "attnkit extract"):
+        pass  # killed
+    assert sorted(os.listdir(run)) == [LOCK_FILE, OWNER_FILE]
+    assert lock_owner(run) is None  # its pid no longer runs
+    check_not_in_use(run)
+    assert os.listdir(run) == []
+    with lock_held(run, "attnkit extract"):
+        pass
+    with run_lock(run, "attnkit cluster"):
+        assert lock_owner(run)["command"] == "attnkit cluster"
+    assert os.listdir(run) == []
+    # a record naming a pid that runs again (reused), with no lock held: no refusal, and it goes
+    (run / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "command": "attnkit extract"}) + "\n")
+    check_not_in_use(run)
+    assert os.listdir(run) == []
+    check_not_in_use(tmp_path / "missing")  # creates nothing
+    assert not (tmp_path / "missing").exists()
+
+
+def test_the_first_check_refuses_a_held_directory_and_leaves_its_lock_alone(tmp_path, lock_held):
+    from attnkit.run.locking import check_not_in_use
+
+    run = tmp_path / "run"
+    with lock_held(run, "attnkit extract") as pid:
+        with pytest.raises(AttnkitError, match=f"is in use by `attnkit extract` \\(pid {pid}\\)"):
+            check_not_in_use(run)
+        assert sorted(os.listdir(run)) == [LOCK_FILE, OWNER_FILE]
+        assert lock_owner(run)["pid"] == pid

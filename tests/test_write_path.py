@@ -335,3 +335,34 @@ def test_a_refusal_after_overwrite_removes_nothing(w, command):
     code, text = cli(*args)
     refused(code, text, words)
     assert tree(w.root) == before
+
+
+def test_what_readme_s_commands_and_the_examples_write_in_the_checkout_is_left_out_of_git():
+    """Issue 46 item 3: README's SmolLM2 command and examples/induction_heads.py wrote into the repository root
+    where .gitignore did not reach. Every output README's command blocks name (-o, --out), the commands' own
+    default outputs (extract, probe, ablate) and the examples' default --out, made in the checkout, are ignored
+    by git (asked of git itself: `git check-ignore`)."""
+    import ast
+    import re
+    import subprocess
+
+    from attnkit.ablation.options import AblateOptions, ablate_out
+
+    root = Path(__file__).resolve().parent.parent
+    if shutil.which("git") is None or subprocess.run(["git", "-C", str(root), "rev-parse", "--is-inside-work-tree"],
+                                                     capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    blocks = re.findall(r"```bash\n(.*?)```", (root / "README.md").read_text(), re.S)
+    outputs = {m for block in blocks for m in re.findall(r"(?:^|\s)(?:-o|--out)\s+([^\s;&|]+)", block)}
+    assert "attnkit-run" in outputs  # README's first command
+    outputs |= {str(p.default) for command in ("extract", "probe") for p in main.commands[command].params
+                if p.name == "out"}
+    outputs.add(ablate_out(AblateOptions(model="default", task_name="stsb", data="d", experiment="heads")))
+    for example in sorted((root / "examples").glob("*.py")):
+        for node in ast.walk(ast.parse(example.read_text())):
+            if isinstance(node, ast.Call) and node.args and getattr(node.args[0], "value", None) == "--out":
+                outputs |= {kw.value.value for kw in node.keywords if kw.arg == "default"}
+    assert "runs/induction_heads" in outputs
+    for out in sorted(outputs):
+        made = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", "--no-index", f"{out}/features.npz"])
+        assert made.returncode == 0, f"{out}/ (written by a command README shows) is not ignored by git"

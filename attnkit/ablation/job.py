@@ -18,12 +18,12 @@ from ..models import load_model
 from ..run.files import HEAD_MEANS_FILE, REPORT_FILE
 from ..run.identity import IDENTITY_FIELD, model_identity
 from ..run.locking import output_directory
-from ..run.outputs import check_output_path, write_json
+from ..run.outputs import write_json
 from ..run.overwrite import claim_outputs
 from .experiments import ResultTable, TaskEvaluator, run_experiment
 from .figures import save_figure
 from .names import task_max_length
-from .options import DEFAULT_MODES, AblateOptions, check_ablate_options, output_paths
+from .options import DEFAULT_MODES, AblateOptions, ablate_out, check_ablate_options, output_paths
 from .patching import PatchingTask
 from .tasks import get_task
 
@@ -74,7 +74,7 @@ def run_ablation(opts: AblateOptions) -> Ablation:
     (attnkit.run.locking.output_directory: locked, never an input, removed again if this call created it and
     failed), and --overwrite removes nothing before the new results are written."""
     check_ablate_options(opts)  # also checked by the command line before torch loads
-    out = check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
+    out = ablate_out(opts)
     if opts.experiment == "patching":
         task = PatchingTask(opts.data, opts.task_name, opts.metric)
         task.max_length = task_max_length(opts.task_name, opts.max_length)

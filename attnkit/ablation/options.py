@@ -83,6 +83,13 @@ def output_paths(out, experiment: str) -> list[str]:
             for ext in ("csv", "json", "md", "examples.csv", "png", "meta.json")]
 
 
+def ablate_out(opts: AblateOptions) -> str:
+    """Where `attnkit ablate` writes: `opts.out`, else ablation-<task>-<experiment> in the working directory."""
+    from ..run.outputs import check_output_path
+
+    return check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
+
+
 def preflight_ablate(opts: AblateOptions) -> None:
     """What `attnkit ablate` can refuse without a model, before torch is imported: the options, the model
     directory and the tokens per input against its positions (its config.json), the data (read and checked as its
@@ -92,11 +99,11 @@ def preflight_ablate(opts: AblateOptions) -> None:
     from ..corpus import open_corpus
     from ..run.clusters import load_clusters
     from ..run.files import REPORT_FILE
-    from ..run.outputs import check_no_file_in_the_way, check_output_path
+    from ..run.outputs import check_no_file_in_the_way
     from ..run.overwrite import claim_outputs
 
     check_ablate_options(opts)
-    out = check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
+    out = ablate_out(opts)
     check_no_file_in_the_way(out)
     read_task_data(opts.task_name, opts.data, experiment=opts.experiment, glue_task=opts.glue_task,
                    metric=opts.metric)
@@ -186,6 +193,6 @@ def preflight_prune(opts: PruneOptions) -> None:
     check_out(Path(opts.out), path, opts.overwrite)
 
 
-__all__ = ["DEFAULT_MODES", "MEAN_EXPERIMENTS", "AblateOptions", "PruneOptions", "check_ablate_options",
+__all__ = ["DEFAULT_MODES", "MEAN_EXPERIMENTS", "AblateOptions", "PruneOptions", "ablate_out", "check_ablate_options",
            "check_fraction", "check_out", "check_prune_options", "output_paths", "prune_inputs", "preflight_ablate",
            "preflight_prune"]

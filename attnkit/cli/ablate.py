@@ -57,13 +57,15 @@ def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metr
     or `smollm2` for the embedded decoder SmolLM2-135M-Instruct, its install: docs/decoders.md), or patch its
     heads from clean into corrupted inputs, and measure the task metric; writes CSV/JSON/Markdown tables, every
     setting's per-example outputs and a PNG figure."""
-    from ..ablation.options import AblateOptions, output_paths, preflight_ablate
+    from ..ablation.options import AblateOptions, ablate_out, output_paths, preflight_ablate
+    from ..run.locking import check_not_in_use
 
     opts = AblateOptions(
         model=model, task_name=task_name, data=data, experiment=experiment, clusters=clusters, mode=mode,
         limit=limit, sample=sample, batch_size=batch_size, glue_task=glue_task, step=step,
         no_layer_norm=no_layer_norm, renormalize=renormalize, device=device, out=out, quiet=quiet, metric=metric,
         mean_corpus=tuple(mean_corpus), resamples=resamples, stack=stack, overwrite=overwrite, max_length=max_length)
+    check_not_in_use(ablate_out(opts))  # a directory another command holds is refused first, as the job's lock would
     preflight_ablate(opts)  # refusals that need no model come before torch is imported
     from ..ablation.job import run_ablation
 

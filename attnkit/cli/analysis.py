@@ -62,7 +62,9 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
     label in all fits on random 50% subsets of the heads, labels matched by the Hungarian method.
     """
     from ..analysis.preflight import preflight_cluster
+    from ..run.locking import check_not_in_use
 
+    check_not_in_use(run)  # a directory another command holds is refused first, as the job's lock would
     preflight_cluster(run, features, overwrite)  # refusals come before scikit-learn is imported
     from ..analysis.clustering import STABILITY_WARN, stability_assessment
     from ..analysis.jobs import cluster_run
@@ -143,7 +145,9 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
     import numpy as np
 
     from ..engine.job_options import DistancesOptions, preflight_distances
+    from ..run.locking import check_not_in_use
 
+    check_not_in_use(run)  # a directory another command holds is refused first, as the job's lock would
     opts = DistancesOptions(
         run=run, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs, columns=columns, limit=limit,
         rows_per_sample=rows_per_sample, batch_size=batch_size, device=device, seed=seed, smooth=smooth,
@@ -192,7 +196,9 @@ def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit,
     SVG in RUN/figures/. Uses RUN/clusters.json (or clusters now, with -k/--method/--seed), RUN/distances.npz,
     RUN/per_sample.npy and RUN/patterns.json when present."""
     from ..analysis.preflight import preflight_report
+    from ..run.locking import check_not_in_use
 
+    check_not_in_use(run)  # a directory another command holds is refused first, as the job's lock would
     preflight_report(run, overwrite)  # refusals come before matplotlib, scikit-learn or the model is imported
     from ..analysis.jobs import report_run
     from ..analysis.report import report_figures

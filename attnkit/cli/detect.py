@@ -44,7 +44,9 @@ def detect_heads_cmd(model, out, kinds, length, n_sequences, seed, corpus, devic
     encoder: refused, detection needs causal attention). A bar counts the sequences scored (-q: none); what
     --overwrite removed is said on stderr either way."""
     from ..engine.detect_options import DetectOptions, preflight_detect
+    from ..run.locking import check_not_in_use
 
+    check_not_in_use(out)  # a directory another command holds is refused first, as the job's lock would
     opts = DetectOptions(model=model, out=out, kinds=kinds, length=length, n_sequences=n_sequences, seed=seed,
                          corpus=corpus, device=device, overwrite=overwrite, quiet=quiet)
     preflight_detect(opts)  # refusals that need no model come before torch is imported

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..features import DEFAULT_WINDOW
-from .options import OutputPath, cli_errors, command_line, echo_for, int_range, shared
+from .options import OutputPath, check_devices, cli_errors, command_line, echo_for, int_range, shared
 
 
 @click.command()
@@ -22,7 +22,7 @@ from .options import OutputPath, cli_errors, command_line, echo_for, int_range, 
               help="Segments read ahead and sorted by length together: memory stays bounded by one window, padding "
                    "stays low. Part of the plan: resume with the same value.")
 @shared("device")
-@click.option("--devices", default=None, metavar="LIST",
+@click.option("--devices", default=None, metavar="LIST", callback=check_devices,
               help="One model replica per device: 'all' (every GPU), or a list such as cuda:0,cuda:1 (cpu,cpu runs "
                    "two CPU replicas).")
 @click.option("--workers", default=None, type=int_range("workers"),
@@ -73,7 +73,9 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
     uninterrupted run.
     """
     from ..engine.job_options import ExtractOptions, preflight_extract
+    from ..run.locking import check_not_in_use
 
+    check_not_in_use(out)  # a directory another command holds is refused first, as the job's lock would
     opts = ExtractOptions(
         paths=list(corpus), model_path=model_path, fmt=fmt, text_unit=text_unit, columns=columns,
         squad_pairs=squad_pairs, max_length=max_length, batch_size=batch_size, window=window, device=device,

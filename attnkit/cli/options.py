@@ -7,8 +7,11 @@ command line reads about flags and a user of Python about arguments.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
+import ctypes
 import functools
+import importlib.util
 import os
 import re
 import shlex
@@ -313,8 +316,65 @@ def batch_size_option(default: int | None = None):
                         type=int_range("batch_size"), help=help_)
 
 
+def torch_cuda_build() -> tuple[str, bool] | None:
+    """(torch's version, whether it is built for GPUs: CUDA, or ROCm, which torch.cuda drives too), read from the
+    installed torch's version.py without importing torch, whose start-up is what the check spares a refused
+    command; None when it cannot be read."""
+    spec = importlib.util.find_spec("torch")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    try:
+        tree = ast.parse((Path(folders[0]) / "version.py").read_text())
+    except (IndexError, OSError, SyntaxError, ValueError):
+        return None
+    values = {}
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else \
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
+        if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
+            values[target.id] = node.value.value
+    if "__version__" not in values or "cuda" not in values:
+        return None
+    return str(values["__version__"]), values["cuda"] is not None or values.get("hip") is not None
+
+
+def cuda_missing() -> str | None:
+    """Why CUDA cannot be available on this machine, found without importing torch: the installed torch is built
+    without it, or (a CUDA build) no NVIDIA driver library loads. None when it may be available (torch decides)."""
+    build = torch_cuda_build()
+    if build is None:
+        return None
+    version, gpu = build
+    if not gpu:
+        return f"torch {version} is built without CUDA"
+    if "+rocm" in version:
+        return None
+    try:
+        ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")  # loading it starts nothing on a GPU
+    except OSError:
+        return "no NVIDIA driver is installed (libcuda does not load)"
+    return None
+
+
+CUDA_NAME = re.compile(r"\s*cuda(:\d+)?\s*")
+
+
+def check_devices(ctx, param, value):
+    """click callback of --device and --devices: a CUDA device on a machine where CUDA cannot be available is
+    refused now (exit status 1), before the command imports torch and loads its model; everything else is checked
+    by the library once torch is there (attnkit.models.resolve_device)."""
+    if value is None:
+        return value
+    asked = [part for part in str(value).split(",") if CUDA_NAME.fullmatch(part)]
+    why = cuda_missing() if asked else None
+    if why is not None:
+        raise click.ClickException(f"device {asked[0].strip()!r} requested but CUDA is not available on this machine: "
+                                   f"{why}")
+    return value
+
+
 def device_option(fn):
-    return click.option("--device", default=None, help="cpu, cuda or cuda:N [default: cuda if available].")(fn)
+    return click.option("--device", default=None, callback=check_devices,
+                        help="cpu, cuda or cuda:N [default: cuda if available].")(fn)
 
 
 def dtype_option(fn):

@@ -46,8 +46,11 @@ def patterns_cmd(run, pairs, structured_min, mix_part_min, block_intra_min, list
     vertical+diagonal, block, heterogeneous) by the rules in docs/patterns.md; needs RUN/per_sample.npy
     (`attnkit extract --per-sample`). Writes RUN/patterns.json (shares), RUN/pattern_labels.npy (the class of
     every example and head) and RUN/figures/pattern_types.png (and .svg)."""
+    from ..run.locking import check_not_in_use, output_directory
+
+    if listing is None:  # (--list writes nothing)
+        check_not_in_use(run)  # a directory another command holds is refused first, as the job's lock would
     from ..analysis.patterns import CLASSES, Rules, examples_of, run_patterns
-    from ..run.locking import output_directory
     from ..run.outputs import os_errors
 
     flag = {"auto": None, "yes": True, "no": False}[pairs]

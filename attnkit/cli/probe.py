@@ -43,7 +43,9 @@ def probe(corpus, out, model_path, parser, fmt, columns, limit, max_length, batc
     is read as `attnkit extract` reads it; each line or text column value is one text, both sides of a pair are
     parsed separately. See docs/probes.md."""
     from ..probe.options import ProbeOptions, preflight_probe
+    from ..run.locking import check_not_in_use
 
+    check_not_in_use(out)  # a directory another command holds is refused first, as the job's lock would
     source = click.get_current_context().get_parameter_source("max_length")
     if source is click.core.ParameterSource.DEFAULT:  # not asked for: cut to a model with fewer positions
         max_length = None

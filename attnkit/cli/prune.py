@@ -30,7 +30,9 @@ def prune_cmd(model, heads, importance, fraction, out, overwrite, quiet):
     hidden states equal those of MODEL with the same heads zeroed. Load it with attnkit.load_model(OUT) (every
     attnkit command takes it), or with transformers through attnkit.arch.load_pruned_model(OUT)."""
     from ..ablation.options import PruneOptions, preflight_prune
+    from ..run.locking import check_not_in_use
 
+    check_not_in_use(out)  # a directory another command holds is refused first, as the job's lock would
     opts = PruneOptions(model=model, out=out, heads=heads, importance=importance, fraction=fraction,
                         overwrite=overwrite)
     preflight_prune(opts)  # refusals that need no model come before torch is imported

@@ -40,6 +40,18 @@ def is_blank(segment) -> bool:
     return not segment.strip() if isinstance(segment, str) else not any(x.strip() for x in segment)
 
 
+def check_pair(a: str, b: str, cols, where: str) -> tuple[str, str]:
+    """(a, b), a text pair from columns (or fields) `cols`, unless exactly one side is blank: refused as a null
+    side is (`columns_to_segments`), since measuring (text, "") would be a silent answer about another input than
+    the pair the data meant. A pair blank on both sides is a blank segment, skipped as every blank one is.
+    `where`: the input and row, as messages name them."""
+    if (not a.strip()) != (not b.strip()):
+        col = cols[0] if not a.strip() else cols[1]
+        raise AttnkitError(f"{where}: the pair column {col!r} is empty; drop or fill such rows (or name one text "
+                           f"column with {arg('columns')})")
+    return a, b
+
+
 def check_text(text: str, where: str) -> str:
     """`text`, refused when a JSON escape left a lone surrogate in it (not text; tokenizers fail on it)."""
     try:
@@ -351,7 +363,10 @@ class JsonlSource(Source):
                     raise AttnkitError(f"{self.name}:{lineno}: \"{second}\" must be a string")
                 else:
                     check_text(pair, f"{self.name}:{lineno}: field \"{second}\"")
-                    yield (text, pair) if (pair or not optional) else text
+                    if optional and not pair:  # a text_pair "" is no pair: the text alone, as without the field
+                        yield text
+                    else:
+                        yield check_pair(text, pair, plan["columns"], f"{self.name}:{lineno}")
 
     def _how(self):
         plan = self.plan()
@@ -491,7 +506,8 @@ class TableSource(Source):
                     continue
                 if len(row) <= need:
                     raise AttnkitError(f"{self.name}:{rowno}: row has {len(row)} fields, expected at least {need + 1}")
-                yield row[idx[0]] if len(idx) == 1 else (row[idx[0]], row[idx[1]])
+                yield row[idx[0]] if len(idx) == 1 else \
+                    check_pair(row[idx[0]], row[idx[1]], plan["columns"], f"{self.name}:{rowno}")
 
     def settings(self):
         return {**super().settings(), "delimiter": self.delimiter}
@@ -530,7 +546,7 @@ def columns_to_segments(values: list[list], cols: list[str], name: str, first_ro
             col = cols[0] if a is None else cols[1]
             raise AttnkitError(f"{name}: row {first_row + i + 1}: the pair column {col!r} is null; drop or fill such "
                                f"rows (or name one text column with {arg('columns')})")
-        yield a, b
+        yield check_pair(a, b, cols, f"{name}: row {first_row + i + 1}")
 
 
 class ParquetSource(Source):

@@ -10,7 +10,8 @@ so in one line on stderr as it starts), and later loads read that copy:
     the copy       <cache>/smollm2-<package version>-<GGUF size>/: config.json, model.safetensors (float32),
                    the tokenizer files, and manifest.json
 
-`manifest.json` records the size and sha256 of every other file of the copy and is written last. Each load checks
+`manifest.json` records the size and sha256 of every other file of the copy and is written last. Every file of the
+copy gets the mode the umask gives a new file (0644 under the usual 022). Each load checks
 the copy against it: a copy without one (a conversion that died) or whose files differ from it (corrupted, truncated
 or edited) is converted again. One process converts at a time: a file lock (`<cache>/<copy>.lock`, released by the
 OS when its holder dies) makes the others wait, and they then find the copy made. A copy is built beside its place
@@ -24,6 +25,7 @@ import importlib.util
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,6 +81,22 @@ def copy_problem(directory: Path) -> str | None:
     return None
 
 
+def umask_modes(directory: Path) -> None:
+    """Give every file of `directory` the mode a file created there gets under the process's umask (0644 under the
+    usual 022), as the copy's config and tokenizer files have: safetensors writes model.safetensors 0600 (through a
+    temporary file), which would keep the shared copy from other users the rest of it is open to. The mode is
+    read from a file created here, not from os.umask(), which can only be read by setting it."""
+    probe = directory / ".mode"
+    probe.touch()
+    try:
+        mode = stat.S_IMODE(probe.stat().st_mode)
+    finally:
+        probe.unlink()
+    for path in directory.iterdir():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
+
+
 def ensure_copy(directory: Path, convert: Callable[[Path], None], source: str = "",
                 announce: Callable[[], str] | None = None) -> Path:
     """`directory`, an intact copy (`copy_problem`), made by `convert(tmp)` (which fills the empty folder `tmp`)
@@ -102,6 +120,7 @@ def ensure_copy(directory: Path, convert: Callable[[Path], None], source: str = 
             tmp.mkdir()
             try:
                 convert(tmp)
+                umask_modes(tmp)
                 write_manifest(tmp, source)
                 if directory.exists():  # a damaged copy: replaced whole
                     old = directory.parent / f".{directory.name}.{os.getpid()}.old"

@@ -215,7 +215,8 @@ class _LocalJob(_Job):
             if not self.run_dir.has_checkpoint() and self.run_dir.is_finished():
                 self.resume_finished()
                 return
-            acc, start, n_truncated, lengths = self.run_dir.load_checkpoint(self.settings, shape, inputs)
+            acc, start, n_truncated, lengths = self.run_dir.load_checkpoint(self.settings, shape, inputs,
+                                                                            removed=removed_heads(model.config))
             state = ExtractionState(acc, start, n_truncated)
             if opts.max_logit:  # the settings matched: a --max-logit checkpoint holds its max so far
                 max_start = self.run_dir.checkpoint_max_logit(shape[:2])

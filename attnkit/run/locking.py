@@ -12,15 +12,18 @@ RUN/.attnkit.lock.owner, so a second command is refused with one line that names
     RUN is in use by `attnkit extract` (pid 1234); wait for it to finish or choose another directory
 
 A lock stays valid as long as it is held: nothing removes the lock file of another holder. A command removes
-its own lock file when it ends, while it still holds the lock (a finished run keeps no empty .attnkit.lock), and
+its lock files when it ends, however it ends (Ctrl-C included), while it still holds the lock (a run keeps no
+empty .attnkit.lock), and
 `remove_if_only_lock` removes a directory a command created itself (`make_run_dir`) after taking the lock
 itself, so it never removes a directory another command holds. Removing a locked file is safe only because
 every command checks, once it has the lock, that the file it locked is still the one at the path (`_acquire`):
 a command that opened the file just before its holder removed it, and locked it just after, holds a lock on
 a file that no longer exists, and tries again at the path instead of believing it holds the directory (the
 OS lock is on the file, not on its name; filelock's documentation warns of exactly this, and leaves Unix lock
-files in place for it). Whoever takes the lock also removes what writers killed by SIGKILL left behind: the pid-named
-temporary files of `atomic_write` (`.NAME.PID.tmp`) whose process no longer runs.
+files in place for it). Whoever takes the lock also removes what writers killed by SIGKILL left behind: their lock
+files, and the pid-named temporary files of `atomic_write` (`.NAME.PID.tmp`) whose process no longer runs.
+`check_not_in_use` gives a command line the refusal of a directory in use before the command imports anything
+heavy or loads a model.
 """
 from __future__ import annotations
 
@@ -63,12 +66,21 @@ def lock_owner(directory) -> dict | None:
     return data
 
 
+def in_use_error(directory) -> AttnkitError:
+    """The refusal of a command whose run directory another process holds, naming the holder as it recorded
+    itself."""
+    owner = lock_owner(directory) or {}
+    who = f"`{owner['command']}` (pid {owner['pid']})" if "pid" in owner and "command" in owner \
+        else "another process"
+    return AttnkitError(f"{directory} is in use by {who}; wait for it to finish or choose another directory")
+
+
 _LOCK_TRIES = 20  # takes of a lock whose file its holder removed meanwhile (each is at once: the lock never waits)
 
 
 def _locked_file(lock: FileLock) -> int | None:
     """The descriptor of the file `lock` holds locked (filelock keeps it in its context, in 3.x and 4.x alike), or
-    None where this filelock does not say: then nothing may remove a lock file (see `_remove_own_lock_file`)."""
+    None where this filelock does not say: then nothing may remove a lock file (see `_let_go`)."""
     fd = getattr(getattr(lock, "_context", None), "lock_file_fd", None)
     return fd if isinstance(fd, int) else None
 
@@ -84,20 +96,17 @@ def _holds_the_file_at(lock: FileLock, path: Path) -> bool:
         return False
 
 
-def _acquire(directory: Path) -> FileLock:
-    """The held lock of `directory`, or AttnkitError naming its holder. The lock is taken on the file at the path
-    (a lock taken on a file its holder removed in between is given back and taken again)."""
+def _take(directory: Path) -> FileLock | None:
+    """The held lock of `directory`, or None when another process holds it; AttnkitError when it cannot be taken
+    at all. The lock is taken on the file at the path (a lock taken on a file its holder removed in between is
+    given back and taken again)."""
     path = directory / LOCK_FILE
     for _ in range(_LOCK_TRIES):
         lock = FileLock(str(path), timeout=0, thread_local=False)
         try:
             lock.acquire()
         except Timeout:
-            owner = lock_owner(directory) or {}
-            who = f"`{owner['command']}` (pid {owner['pid']})" if "pid" in owner and "command" in owner \
-                else "another process"
-            raise AttnkitError(f"{directory} is in use by {who}; wait for it to finish or choose another "
-                               "directory") from None
+            return None
         except OSError as exc:
             raise AttnkitError(f"cannot lock run directory {directory}: {exc.strerror or exc}") from None
         if _holds_the_file_at(lock, path):
@@ -106,14 +115,47 @@ def _acquire(directory: Path) -> FileLock:
     raise AttnkitError(f"cannot lock run directory {directory}: its lock file keeps being replaced")
 
 
-def _remove_own_lock_file(directory: Path, lock: FileLock) -> None:
-    """Remove the lock file of `directory` while `lock` (this command's, on that file) still holds it, so a
-    finished command leaves no empty .attnkit.lock; whoever opened the file meanwhile finds it removed once it
-    has it, and takes the lock at the path again (`_acquire`). Only where filelock tells which file it locked:
-    elsewhere the lock file stays, as filelock itself leaves it."""
-    if _locked_file(lock) is not None and _holds_the_file_at(lock, directory / LOCK_FILE):
+def _acquire(directory: Path) -> FileLock:
+    """The held lock of `directory` (`_take`), or AttnkitError naming its holder."""
+    lock = _take(directory)
+    if lock is None:
+        raise in_use_error(directory)
+    return lock
+
+
+def _let_go(directory: Path, lock: FileLock) -> None:
+    """Release `lock` (held, on `directory`'s lock file) leaving no lock files behind, on any exit (Ctrl-C
+    included): the owner record (this command's, or a stale one a killed holder left: while the lock is held no
+    other holder has written one) and the lock file are removed while the lock is still held, so a command leaves
+    no empty .attnkit.lock; whoever opened the file meanwhile finds it removed once it has it, and takes the lock
+    at the path again (`_take`). The lock file stays only where filelock does not tell which file it locked, as
+    filelock itself leaves it."""
+    try:
         with contextlib.suppress(OSError):
-            (directory / LOCK_FILE).unlink()
+            (directory / OWNER_FILE).unlink()
+        if _locked_file(lock) is not None and _holds_the_file_at(lock, directory / LOCK_FILE):
+            with contextlib.suppress(OSError):
+                (directory / LOCK_FILE).unlink()
+    finally:
+        lock.release()
+
+
+def check_not_in_use(directory) -> None:
+    """Refuse at once, as `run_lock` would (AttnkitError naming the holder), when another process holds the lock
+    of `directory`: for a command line, which checks this before its imports and its model load (the command's
+    own lock checks it again). Lock files that a killed holder left behind (an empty .attnkit.lock, a stale
+    .attnkit.lock.owner) are removed on the way, the lock held meanwhile. Creates nothing: a directory without
+    lock files is free, and one whose lock cannot be taken (not writable, ...) is left to the command's checks."""
+    directory = Path(directory)
+    if not any(os.path.lexists(directory / name) for name in (LOCK_FILE, OWNER_FILE)):
+        return
+    try:
+        lock = _take(directory)
+    except AttnkitError:
+        return
+    if lock is None:
+        raise in_use_error(directory)
+    _let_go(directory, lock)
 
 
 def remove_stale_temporaries(directory) -> list[Path]:
@@ -154,10 +196,7 @@ def run_lock(directory, command: str):
         with writing_into(directory):  # nothing is written outside it, not even through a symbolic link
             yield directory
     finally:
-        with contextlib.suppress(OSError):
-            owner_path.unlink()
-        _remove_own_lock_file(directory, lock)
-        lock.release()
+        _let_go(directory, lock)
 
 
 def make_run_dir(path) -> bool:
@@ -226,14 +265,16 @@ def output_file(path, command: str, *, inputs=(), name: str = "out"):
 def remove_if_only_lock(path) -> bool:
     """Remove directory `path` when nothing but the lock files is in it and no other process holds its lock
     (a command that created it and then failed leaves nothing behind). The lock is taken first and the lock
-    file removed while held, so a lock another command holds, or takes meanwhile, is never removed. True when
-    the directory was removed."""
+    file removed while held, so a lock another command holds, or takes meanwhile, is never removed; a directory
+    that holds more keeps no lock file of this call either (`_let_go`). True when the directory was removed."""
     path = Path(path)
     if not path.is_dir():
         return False
     try:
-        lock = _acquire(path)
+        lock = _take(path)
     except AttnkitError:
+        return False
+    if lock is None:
         return False  # in use: not ours to remove
     try:
         if {p.name for p in path.iterdir()} - {LOCK_FILE, OWNER_FILE}:
@@ -247,9 +288,9 @@ def remove_if_only_lock(path) -> bool:
     except OSError:
         return False
     finally:
-        lock.release()
+        _let_go(path, lock)
 
 
-__all__ = ["LOCK_FILE", "OWNER_FILE", "lock_if_run", "lock_owner", "make_run_dir", "output_directory", "output_file",
-           "process_alive",
-           "remove_if_only_lock", "remove_stale_temporaries", "run_lock"]
+__all__ = ["LOCK_FILE", "OWNER_FILE", "check_not_in_use", "in_use_error", "lock_if_run", "lock_owner", "make_run_dir",
+           "output_directory", "output_file", "process_alive", "remove_if_only_lock", "remove_stale_temporaries",
+           "run_lock"]

@@ -77,11 +77,13 @@ class RunDir:
         return claim_outputs([self.path / FEATURES_FILE, self.path / META_FILE], overwrite, stale=stale, what=what)
 
     def load_checkpoint(self, settings: dict, shape: tuple[int, int, int] | None = None,
-                        inputs: list | None = None) -> tuple[FeatureAccumulator, int, int, np.ndarray | None]:
+                        inputs: list | None = None, removed: list | None = None,
+                        ) -> tuple[FeatureAccumulator, int, int, np.ndarray | None]:
         """(accumulator, next segment index, truncated so far, histogram of full token lengths) after checking
         that the settings match, that its arrays have `shape` (the model's layers × heads × features, when
-        given) and that the checkpoint's numbers are possible. `inputs` (Corpus.describe()) name the input
-        that changed when the corpus differs."""
+        given) and that the checkpoint's numbers are possible (`checkpoint_problem`; `removed`: the [layer, head]
+        pairs the model lost to pruning, the only heads whose sums may be NaN). `inputs` (Corpus.describe()) name
+        the input that changed when the corpus differs."""
         self.check_resumable(finished=False)
         state, saved = self._checkpoint()
         try:
@@ -99,7 +101,7 @@ class RunDir:
             raise AttnkitError(f"checkpoint {self.checkpoint_path} holds sums of shape {tuple(got)} ({name}), but "
                                f"the model measures {shape[0]} layers × {shape[1]} heads × {shape[2]} features: it "
                                f"belongs to another model or feature set; start over with {arg('overwrite', True)}")
-        problem = checkpoint_problem(acc, next_index, n_truncated)
+        problem = checkpoint_problem(acc, next_index, n_truncated, removed)
         if problem:
             raise AttnkitError(f"checkpoint {self.checkpoint_path} is impossible ({problem}); start over with "
                                f"{arg('overwrite', True)}")
@@ -213,9 +215,14 @@ def is_run_dir(path) -> bool:
     return False
 
 
-def checkpoint_problem(acc: FeatureAccumulator, next_index: int, n_truncated: int) -> str | None:
+def checkpoint_problem(acc: FeatureAccumulator, next_index: int, n_truncated: int,
+                       removed: list | None = None) -> str | None:
     """What makes a checkpoint's numbers impossible, or None. Every segment is one sample with at least one
-    token, and sums of squared deviations cannot be negative."""
+    token, sums of squared deviations cannot be negative, and the sums of every head the model has are finite:
+    only a head removed by pruning has NaN features, so NaN sums. `removed`: those heads ([layer, head] pairs);
+    None: every head whose sums are all NaN is taken for one (a caller that does not know the model). A NaN
+    feature of a measured head (a non-finite attention score: docs/features.md) would make the run's means
+    NaN: refused by array and heads rather than resumed into NaN features."""
     if next_index < 1:
         return f"next segment {next_index} < 1"
     if acc.n_samples != next_index:
@@ -224,9 +231,19 @@ def checkpoint_problem(acc: FeatureAccumulator, next_index: int, n_truncated: in
         return f"{n_truncated} truncated of {next_index} segments"
     if acc.n_tokens < acc.n_samples:
         return f"{acc.n_tokens} tokens for {acc.n_samples} samples"
-    measured = ~np.isnan(acc.sum).all(axis=-1)  # a head removed by pruning has NaN features, so NaN sums
-    if not (np.isfinite(acc.sum[measured]).all() and np.isfinite(acc.m2[measured]).all()):
-        return "sums that are not finite"
+    if removed is None:
+        measured = ~np.isnan(acc.sum).all(axis=-1)
+    else:
+        measured = np.ones(acc.sum.shape[:2], dtype=bool)
+        for layer, head in removed:
+            if 0 <= layer < measured.shape[0] and 0 <= head < measured.shape[1]:
+                measured[layer, head] = False
+    for name, array in (("sum", acc.sum), ("m2", acc.m2)):
+        bad = measured & ~np.isfinite(array).all(axis=-1)
+        if bad.any():
+            heads = [f"L{l}H{h}" for l, h in np.argwhere(bad)]
+            return (f"array {name!r} holds NaN or infinite values for {len(heads)} of the model's "
+                    f"{int(measured.sum())} heads ({', '.join(heads[:5])}{' ...' if len(heads) > 5 else ''})")
     if (acc.m2 < -1e-9 * (1.0 + np.square(acc.sum) / acc.n_samples)).any():
         return "negative sums of squared deviations"
     return None
