@@ -105,3 +105,90 @@ def test_a_keyboard_interrupt_inside_a_tracked_forward_detaches_the_tracker():
     got, want = tracked(model), tracked(fresh)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=0, rtol=0)
+
+
+# -- StatsLogger ------------------------------------------------------------------------------------------------------
+
+def test_stats_logger_refuses_a_missing_folder_a_directory_and_other_types_by_name(tmp_path):
+    with pytest.raises(AttnkitError, match="missing"):
+        StatsLogger(tmp_path / "missing" / "heads.csv")
+    assert not (tmp_path / "missing").exists()
+    (tmp_path / "d.csv").mkdir()
+    with pytest.raises(AttnkitError, match="directory"):
+        StatsLogger(tmp_path / "d.csv")
+    with pytest.raises(AttnkitError, match="path"):
+        StatsLogger(5)
+    with pytest.raises(AttnkitError, match="csv or .parquet"):
+        StatsLogger(tmp_path / "s.txt")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(AttnkitError, match="tensorboard"):
+        StatsLogger(tensorboard=tmp_path / "file")
+
+
+def test_stats_logger_suffixes_are_case_insensitive(tmp_path):
+    import pandas as pd
+
+    with StatsLogger(tmp_path / "X.CSV") as log:
+        log.log(1, STATS)
+    with StatsLogger(tmp_path / "Y.Parquet") as log:
+        log.log(1, STATS)
+    assert len(read_csv(tmp_path / "X.CSV")) == 8 and len(pd.read_parquet(tmp_path / "Y.Parquet")) == 8
+
+
+def test_stats_logger_steps_are_integers(tmp_path):
+    with StatsLogger(tmp_path / "s.csv") as log:
+        for bad in (1.7, 2.0, True, "3", torch.tensor(1.5), torch.tensor([1, 2]), -1):
+            with pytest.raises(AttnkitError, match="step"):
+                log.log(bad, STATS)
+        log.log(np.int64(3), STATS)
+        log.log(torch.tensor(4), STATS)
+        log.log(np.array(5), STATS)
+    df = read_csv(tmp_path / "s.csv")
+    assert sorted(set(df.step)) == [3, 4, 5] and len(df) == 24
+
+
+def test_stats_logger_refuses_statistics_that_are_no_layers_by_heads_table(tmp_path):
+    with StatsLogger(tmp_path / "s.csv") as log:
+        for bad, message in ((list(STATS.values()), "dict"), ({"entropy": torch.tensor([0.5, 1.0])}, "layers × heads"),
+                             ({"entropy": [[0.5]]}, "tensor"), ({3: torch.zeros(1, 1)}, "feature names"),
+                             ({"entropy": torch.zeros(1, 1, 1)}, "layers × heads")):
+            with pytest.raises(AttnkitError, match=message):
+                log.log(1, bad)
+        log.log(1, {"entropy": np.array([[0.25, 0.5]])})  # a numpy table is one too
+    df = read_csv(tmp_path / "s.csv")
+    assert df.value.tolist() == [0.25, 0.5]
+
+
+def test_a_csv_that_holds_another_table_is_refused_and_left_as_it_was(tmp_path):
+    other = tmp_path / "other.csv"
+    other.write_text("epoch,loss\n1,0.5\n")
+    with pytest.raises(AttnkitError, match="another table"):
+        StatsLogger(other)
+    assert other.read_text() == "epoch,loss\n1,0.5\n"
+    ours = tmp_path / "ours.csv"  # a file this logger wrote is appended to
+    with StatsLogger(ours) as log:
+        log.log(1, STATS)
+    with StatsLogger(ours) as log:
+        log.log(2, STATS)
+    df = read_csv(ours)
+    assert list(df.columns) == ["step", "feature", "layer", "head", "value"] and sorted(set(df.step)) == [1, 2]
+    other_parquet = tmp_path / "other.parquet"
+    import pandas as pd
+
+    pd.DataFrame({"epoch": [1]}).to_parquet(other_parquet)
+    with pytest.raises(AttnkitError, match="another table"):
+        StatsLogger(other_parquet)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_rows_logged_after_close_are_written(tmp_path, suffix):
+    import pandas as pd
+
+    path = tmp_path / f"s{suffix}"
+    log = StatsLogger(path)
+    log.log(1, STATS)
+    log.close()
+    log.log(2, STATS)
+    log.close()
+    df = pd.read_csv(path) if suffix == ".csv" else pd.read_parquet(path)
+    assert sorted(df.step.tolist()) == [1] * 8 + [2] * 8
