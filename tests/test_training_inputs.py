@@ -192,3 +192,39 @@ def test_rows_logged_after_close_are_written(tmp_path, suffix):
     log.close()
     df = pd.read_csv(path) if suffix == ".csv" else pd.read_parquet(path)
     assert sorted(df.step.tolist()) == [1] * 8 + [2] * 8
+
+
+# -- qk_clip ----------------------------------------------------------------------------------------------------------
+
+def test_qk_clip_takes_any_real_scalar_tau_and_refuses_others_by_name():
+    model = attnkit.instrument(tiny_decoder("llama", n_layers=1))
+    m = torch.tensor([[8.0, 2.0, 3.0, 1.0]])
+    want = [p.clone() for p in model.parameters()]
+    base = copy.deepcopy(model)
+    qk_clip(base, m, 5.0)
+    for tau in (np.float32(5), np.int64(5), torch.tensor(5.0), torch.tensor(5)):
+        clipped = copy.deepcopy(model)
+        fq, fk = qk_clip(clipped, m, tau)
+        assert float(fq[0, 0]) == pytest.approx(math.sqrt(5 / 8))
+        for a, b in zip(clipped.parameters(), base.parameters()):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for bad in (True, np.bool_(True), float("nan"), float("inf"), 0, -1.0, "5", torch.tensor([5.0]), None):
+        with pytest.raises(AttnkitError, match="tau"):
+            qk_clip(model, m, bad)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), want))
+
+
+def test_qk_clip_leaves_a_head_with_a_non_finite_max_logit_alone():
+    """An infinite max logit has no finite factor that brings it to tau (sqrt(tau / inf) is 0, which would erase the
+    head's q and its KV group's k): such a head, like a NaN one, changes nothing, and its KV group is scaled by its
+    finite heads only."""
+    model = attnkit.instrument(tiny_decoder("llama", n_layers=1))  # 4 heads, KV groups {0, 1} and {2, 3}
+    q = model.model.layers[0].self_attn.q_proj.weight
+    k = model.model.layers[0].self_attn.k_proj.weight
+    q0, k0 = q.detach().clone(), k.detach().clone()
+    fq, fk = qk_clip(model, torch.tensor([[float("inf"), 2.0, float("-inf"), 8.0]]), 5.0)
+    assert fq[0].tolist() == pytest.approx([1.0, 1.0, 1.0, math.sqrt(5 / 8)])
+    assert fk[0].tolist() == pytest.approx([1.0, math.sqrt(5 / 8)])
+    torch.testing.assert_close(q[:8], q0[:8], atol=0, rtol=0)  # head 0: inf, untouched
+    torch.testing.assert_close(k[:8], k0[:8], atol=0, rtol=0)  # KV group 0: no finite head over tau
+    torch.testing.assert_close(k[8:], k0[8:] * math.sqrt(5 / 8))
