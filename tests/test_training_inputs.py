@@ -228,3 +228,134 @@ def test_qk_clip_leaves_a_head_with_a_non_finite_max_logit_alone():
     torch.testing.assert_close(q[:8], q0[:8], atol=0, rtol=0)  # head 0: inf, untouched
     torch.testing.assert_close(k[:8], k0[:8], atol=0, rtol=0)  # KV group 0: no finite head over tau
     torch.testing.assert_close(k[8:], k0[8:] * math.sqrt(5 / 8))
+
+
+# -- AttnkitCallback --------------------------------------------------------------------------------------------------
+
+def test_callback_checks_its_arguments_in_its_constructor(tmp_path):
+    from attnkit.training import AttnkitCallback
+
+    assert AttnkitCallback(features="entropy").features == ("entropy",)
+    assert AttnkitCallback(features="entropy", qk_clip_tau=5.0).features == ("entropy", "max_logit")
+    assert AttnkitCallback(features=None).features == DEFAULT_FEATURES
+    assert AttnkitCallback(qk_clip_tau=np.float32(5)).tau == 5.0
+    assert AttnkitCallback(qk_clip_tau=torch.tensor(5.0)).tau == 5.0
+    for bad in (-1.0, 0, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(AttnkitError, match="qk_clip_tau"):
+            AttnkitCallback(qk_clip_tau=bad)
+    for bad in (0, 1.5, True):
+        with pytest.raises(AttnkitError, match="every"):
+            AttnkitCallback(every=bad)
+    with pytest.raises(AttnkitError, match="features"):
+        AttnkitCallback(features=[1])
+    with pytest.raises(AttnkitError, match="missing"):
+        AttnkitCallback(path=tmp_path / "missing" / "heads.csv")
+
+
+def trainer(model, cb, tmp_path, data, steps=2, **kwargs):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, max_steps=steps,
+                             learning_rate=0.0, report_to=[], use_cpu=True, logging_strategy="no",
+                             save_strategy="no", disable_tqdm=True, **kwargs.pop("args", {}))
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=[cb], **kwargs)
+
+
+def test_the_callback_counts_only_training_forwards(tmp_path):
+    """With an evaluation at the start and after every step (other texts, in eval mode), the statistics logged are
+    those of a training without evaluation: only the training steps' forwards count."""
+    from attnkit.training import AttnkitCallback
+
+    model = attnkit.instrument(tiny_decoder("llama"))
+    train = samples(*batch())
+    held_out = samples(*batch(seed=7))
+    plain = AttnkitCallback(features=("entropy", "max_logit"), every=1)
+    trainer(copy.deepcopy(model), plain, tmp_path, train).train()
+    evaluated = AttnkitCallback(features=("entropy", "max_logit"), every=1)
+    trainer(model, evaluated, tmp_path, train, eval_dataset=held_out,
+            args=dict(eval_strategy="steps", eval_steps=1, eval_on_start=True, per_device_eval_batch_size=3)).train()
+    assert [s for s, _ in evaluated.history] == [1, 2]
+    for (_, a), (_, b) in zip(plain.history, evaluated.history):
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], atol=0, rtol=0)
+
+
+def test_the_callback_refuses_a_model_qk_clip_cannot_scale_before_the_first_step(tmp_path):
+    from attnkit.training import AttnkitCallback
+
+    model = attnkit.instrument(tiny_decoder("qwen3"))
+    before = [p.detach().clone() for p in model.parameters()]
+    cb = AttnkitCallback(features="entropy", qk_clip_tau=1.0)
+    with pytest.raises(AttnkitError, match="q_norm"):
+        trainer(model, cb, tmp_path, samples(*batch())).train()
+    assert cb.history == [] and runtime_of(model).tracker is None
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+# -- cleanup of the callback when training raises (issue 47) ----------------------------------------------------------
+
+def test_a_keyboard_interrupt_inside_a_trainer_step_leaves_nothing_attached(tmp_path):
+    """KeyboardInterrupt from a forward hook in the second training step: afterwards the model is not tracked (its
+    forwards add nothing to the callback's tracker), `track` works on it, and `train()` again with the same callback
+    gives the statistics of a fresh copy of the model (learning rate 0: the weights do not move)."""
+    from attnkit.training import AttnkitCallback
+
+    model = attnkit.instrument(tiny_decoder("llama"))
+    fresh = copy.deepcopy(model)
+    ids, mask = batch()
+    data = samples(ids, mask)
+    cb = AttnkitCallback(features=("entropy", "max_logit", "cls"), every=1, path=tmp_path / "heads.csv")
+    hook = model.model.layers[1].mlp.register_forward_hook(InterruptOnCall(2))
+    with pytest.raises(KeyboardInterrupt):
+        trainer(model, cb, tmp_path, data, steps=3).train()
+    hook.remove()
+    assert [s for s, _ in cb.history] == [1]
+    assert len(read_csv(tmp_path / "heads.csv")) == 3 * 2 * 4  # the first step's rows are on disk
+    assert_nothing_attached(model)
+    seen = cb.tracker.samples
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)  # a forward outside training: not recorded
+    assert cb.tracker.samples == seen
+    assert_nothing_attached(model)
+
+    with track(model, features=("entropy",)) as t, torch.no_grad():  # track is not refused
+        model(input_ids=ids, attention_mask=mask)
+        assert t.samples == 3
+    assert_nothing_attached(model)
+
+    trainer(model, cb, tmp_path, data, steps=2).train()
+    again = AttnkitCallback(features=("entropy", "max_logit", "cls"), every=1)
+    trainer(fresh, again, tmp_path, data, steps=2).train()
+    assert [s for s, _ in cb.history] == [1, 1, 2]
+    for (_, got), (_, want) in zip(cb.history[1:], again.history):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=0, rtol=0)
+    assert_nothing_attached(model)
+    assert len(read_csv(tmp_path / "heads.csv")) == 3 * 3 * 2 * 4  # the second training appended its rows
+
+
+def test_an_exception_outside_the_forwards_of_a_step_leaves_the_model_untracked(tmp_path):
+    """An error raised between the forwards of a step (here by another callback after the optimiser step): the
+    model's later forwards outside training are not recorded, and the next training works."""
+    from transformers import TrainerCallback
+
+    from attnkit.training import AttnkitCallback
+
+    class Fails(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            raise RuntimeError("a failing callback")
+
+    model = attnkit.instrument(tiny_decoder("llama"))
+    ids, mask = batch()
+    cb = AttnkitCallback(features="entropy", every=1)
+    t = trainer(model, cb, tmp_path, samples(ids, mask))
+    t.add_callback(Fails())
+    with pytest.raises(RuntimeError, match="a failing callback"):
+        t.train()
+    seen = cb.tracker.samples
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert cb.tracker.samples == seen
+    assert_nothing_attached(model)
+    trainer(model, cb, tmp_path, samples(ids, mask)).train()
+    assert [s for s, _ in cb.history] == [1, 2]
