@@ -3,10 +3,12 @@ max logit passed τ gets its W_q and W_k rows scaled so that its max logit comes
 
 For head h with max logit m_h > τ, q_h's units are multiplied by sqrt(τ / m_h). A KV head is shared by its query
 heads (grouped-query attention), so it is scaled once, by sqrt(τ / M_g), M_g the largest max logit of its query heads
-(when M_g > τ): afterwards every head's max logit (on the batches measured) is at most τ, and the largest of each
-group exactly τ. Without GQA each head has its own k, and both factors are sqrt(τ / m_h). Where q and k come from is
-attnkit/arch's knowledge of each architecture (separate projections, GPT-2's c_attn, GPT-NeoX's query_key_value,
-Phi-3's qkv_proj): nothing is guessed, and an unknown architecture is refused by name.
+(when M_g > τ): afterwards each layer's max logits computed from the inputs that layer had when measured are at most
+τ, the largest of each group exactly τ. That holds on the same batch for the lowest layer scaled; the layers above it
+then see other inputs (the clip changed the layers below), so nothing bounds their max logit on that batch. Without
+GQA each head has its own k, and both factors are sqrt(τ / m_h). Where q and k come from is attnkit/arch's knowledge
+of each architecture (separate projections, GPT-2's c_attn, GPT-NeoX's query_key_value, Phi-3's qkv_proj): nothing
+is guessed, and an unknown architecture is refused by name.
 """
 from __future__ import annotations
 
