@@ -292,6 +292,35 @@ def test_the_callback_refuses_a_model_qk_clip_cannot_scale_before_the_first_step
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
 
 
+def test_a_subclass_of_the_callback_tracks_the_same_steps(tmp_path):
+    """The step's forwards are those made by the code that called the callback event: a subclass's own frames in
+    between (its on_step_begin calling the callback's) do not hide the Trainer's loop."""
+    from attnkit.training import AttnkitCallback
+
+    class Sub(AttnkitCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            return super().on_step_begin(args, state, control, **kwargs)
+
+    model = attnkit.instrument(tiny_decoder("llama"))
+    data = samples(*batch())
+    plain, sub = AttnkitCallback(features="entropy", every=1), Sub(features="entropy", every=1)
+    trainer(copy.deepcopy(model), plain, tmp_path, data, steps=1).train()
+    trainer(model, sub, tmp_path, data, steps=1).train()
+    assert not sub.history[0][1]["entropy"].isnan().any()
+    torch.testing.assert_close(sub.history[0][1]["entropy"], plain.history[0][1]["entropy"])
+
+
+def test_the_callback_refuses_data_parallel_by_name():
+    from types import SimpleNamespace
+
+    from attnkit.training import AttnkitCallback
+
+    model = attnkit.instrument(tiny_decoder("llama"))
+    with pytest.raises(AttnkitError, match="DataParallel"):
+        AttnkitCallback(features="entropy").on_train_begin(SimpleNamespace(n_gpu=2), None, None, model=model)
+    assert_nothing_attached(model)
+
+
 # -- cleanup of the callback when training raises (issue 47) ----------------------------------------------------------
 
 def test_a_keyboard_interrupt_inside_a_trainer_step_leaves_nothing_attached(tmp_path):

@@ -24,24 +24,32 @@ from types import FrameType
 import torch
 from transformers import TrainerCallback
 
-from ..errors import check_int
+from ..errors import AttnkitError, check_int
 from ..models import runtime_of
 from .checks import feature_list, positive_real
 from .qk_clip import clip_plan, qk_clip
 from .stats_log import StatsLogger
 from .track import DEFAULT_FEATURES, MAX_LOGIT, attached, forward_depth, new_tracker, unwind_forwards
 
-# Frames of these modules are the machinery that calls a callback event, not the code that runs the training step
-_EVENT_MODULES = (__name__, "transformers.trainer_callback")
+_HANDLER = "transformers.trainer_callback"  # the module whose CallbackHandler calls a callback's events
 
 
 def _step_frame() -> FrameType | None:
-    """The frame of the code that called the callback event under way (the Trainer's training loop): it runs
-    until the step is over, and every forward of the step is made from inside it."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__") in _EVENT_MODULES:
+    """The frame of the code that called the callback event under way (the Trainer's training loop): it runs until
+    the step is over, and every forward of the step is made from inside it. That is the frame above transformers'
+    callback handler (whatever subclasses of the callback run in between); called by hand, the first frame outside
+    this module."""
+    frame, outside = sys._getframe(1), None
+    while frame is not None:
+        name = frame.f_globals.get("__name__")
+        if name == _HANDLER:
+            while frame is not None and frame.f_globals.get("__name__") == _HANDLER:
+                frame = frame.f_back
+            return frame
+        if outside is None and name != __name__:
+            outside = frame
         frame = frame.f_back
-    return frame
+    return outside
 
 
 def _runs_inside(frame: FrameType) -> bool:
@@ -120,6 +128,10 @@ class AttnkitCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.end_step()  # a step that an exception left
+        if getattr(args, "n_gpu", 1) > 1:  # Trainer wraps the model in nn.DataParallel, whose replicas run in threads
+            raise AttnkitError("AttnkitCallback does not track a model that Trainer replicates over several GPUs in "
+                               "one process (nn.DataParallel): launch one process per GPU (torchrun, accelerate "
+                               "launch)")
         tracker = new_tracker(model, self.features, purpose="AttnkitCallback")
         if self.tau is not None:
             clip_plan(model)  # a model QK-Clip cannot scale is refused now, not after the first optimiser step
