@@ -48,7 +48,7 @@ def test_track_takes_none_as_the_default_features_and_refuses_bad_arguments_by_n
     with track(model, features=None) as t:
         model(input_ids=ids, attention_mask=mask)
         assert t.features == DEFAULT_FEATURES and set(t.read()) == set(DEFAULT_FEATURES)
-    for features, message in ((5, "features"), ([1], "features"), ((), "at least one"),
+    for features, message in ((5, "features"), ([1], "features"), ((), "no feature"),
                               (("entropy", "entropy"), "twice")):
         with pytest.raises(AttnkitError, match=message):
             with track(model, features=features):
@@ -364,19 +364,23 @@ def test_a_keyboard_interrupt_inside_a_trainer_step_leaves_nothing_attached(tmp_
 
 
 def test_an_exception_outside_the_forwards_of_a_step_leaves_the_model_untracked(tmp_path):
-    """An error raised between the forwards of a step (here by another callback after the optimiser step): the
-    model's later forwards outside training are not recorded, and the next training works."""
+    """An error raised between the forwards of a step (here by another callback after the second optimiser step):
+    the model's later forwards outside training are not recorded, the rows logged so far are written (Parquet, kept
+    until the logger closes), and the next training works."""
     from transformers import TrainerCallback
 
     from attnkit.training import AttnkitCallback
 
     class Fails(TrainerCallback):
         def on_optimizer_step(self, args, state, control, **kwargs):
-            raise RuntimeError("a failing callback")
+            if state.global_step == 1:  # the second step
+                raise RuntimeError("a failing callback")
+
+    import pandas as pd
 
     model = attnkit.instrument(tiny_decoder("llama"))
     ids, mask = batch()
-    cb = AttnkitCallback(features="entropy", every=1)
+    cb = AttnkitCallback(features="entropy", every=1, path=tmp_path / "heads.parquet")
     t = trainer(model, cb, tmp_path, samples(ids, mask))
     t.add_callback(Fails())
     with pytest.raises(RuntimeError, match="a failing callback"):
@@ -386,5 +390,7 @@ def test_an_exception_outside_the_forwards_of_a_step_leaves_the_model_untracked(
         model(input_ids=ids, attention_mask=mask)
     assert cb.tracker.samples == seen
     assert_nothing_attached(model)
+    assert pd.read_parquet(tmp_path / "heads.parquet").step.tolist() == [1] * 8  # the step logged, written
     trainer(model, cb, tmp_path, samples(ids, mask)).train()
-    assert [s for s, _ in cb.history] == [1, 2]
+    assert [s for s, _ in cb.history] == [1, 1, 2]
+    assert pd.read_parquet(tmp_path / "heads.parquet").step.tolist() == [1] * 16 + [2] * 8

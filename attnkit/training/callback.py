@@ -75,7 +75,7 @@ class _Step:
         @functools.wraps(original)
         def forward(*args, **kwargs):
             if self.frame is None or not _runs_inside(self.frame):  # the step was left by an exception
-                callback.end_step(unwind=False)  # this forward is open: only the step's are exited
+                callback.end_step(failed=True, unwind=False)  # this forward is open: it is not exited
                 return original(*args, **kwargs)
             try:
                 with attached(model, callback.tracker):
@@ -139,6 +139,8 @@ class AttnkitCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         self.end_step()
+        if self.tracker is None:
+            raise AttnkitError("AttnkitCallback.on_step_begin before on_train_begin: the Trainer calls them in order")
         self._step = _Step(self, model)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):

@@ -76,7 +76,7 @@ def feature_list(features, default: tuple[str, ...], name: str = "features") -> 
     if bad:
         raise AttnkitError(f"{arg(name)} must be feature names (strings), got {bad[0]!r}")
     if not features:
-        raise AttnkitError(f"{arg(name)}: track at least one feature")
+        raise AttnkitError(f"{arg(name)} names no feature: give at least one")
     if len(set(features)) != len(features):
         raise AttnkitError(f"{arg(name)} names a feature twice: {list(features)}")
     return features

@@ -94,7 +94,7 @@ class Tracker:
         """{feature: layers × heads fp32 tensor} for `features` (None: all tracked ones): the mean since the last
         read of them (`max_logit`: the maximum), NaN for a layer no forward reached. No host sync. Reading resets
         what it read (the means together, the max logit on its own), unless `reset` is False."""
-        names = self.features if features is None else tuple([features] if isinstance(features, str) else features)
+        names = feature_list(features, self.features)
         unknown = [f for f in names if f not in self.features]
         if unknown:
             raise AttnkitError(f"{unknown[0]!r} is not tracked here; tracked: {', '.join(self.features)}")
