@@ -280,6 +280,23 @@ def test_the_callback_counts_only_training_forwards(tmp_path):
             torch.testing.assert_close(b[name], a[name], atol=0, rtol=0)
 
 
+def test_the_callback_under_gradient_checkpointing_gives_the_same_statistics(tmp_path):
+    """The forward that checkpointing re-runs inside the backward takes the tracked path again (torch checks that
+    it saves what the first run saved) and is counted once."""
+    from attnkit.training import AttnkitCallback
+
+    model = attnkit.instrument(tiny_decoder("llama"))
+    data = samples(*batch())
+    plain = AttnkitCallback(features=("entropy", "max_logit"), every=1)
+    trainer(copy.deepcopy(model), plain, tmp_path, data).train()
+    checkpointed = AttnkitCallback(features=("entropy", "max_logit"), every=1)
+    trainer(model, checkpointed, tmp_path, data, args=dict(gradient_checkpointing=True)).train()
+    assert model.model.gradient_checkpointing
+    for (_, a), (_, b) in zip(plain.history, checkpointed.history):
+        for name in a:
+            torch.testing.assert_close(b[name], a[name])
+
+
 def test_the_callback_refuses_a_model_qk_clip_cannot_scale_before_the_first_step(tmp_path):
     from attnkit.training import AttnkitCallback
 
@@ -365,8 +382,8 @@ def test_a_keyboard_interrupt_inside_a_trainer_step_leaves_nothing_attached(tmp_
 
 def test_an_exception_outside_the_forwards_of_a_step_leaves_the_model_untracked(tmp_path):
     """An error raised between the forwards of a step (here by another callback after the second optimiser step):
-    the model's later forwards outside training are not recorded, the rows logged so far are written (Parquet, kept
-    until the logger closes), and the next training works."""
+    `track` replaces the tracker the step left, the model's later forwards outside training are not recorded, the
+    rows logged so far are written (Parquet, kept until the logger closes), and the next training works."""
     from transformers import TrainerCallback
 
     from attnkit.training import AttnkitCallback
@@ -386,6 +403,9 @@ def test_an_exception_outside_the_forwards_of_a_step_leaves_the_model_untracked(
     with pytest.raises(RuntimeError, match="a failing callback"):
         t.train()
     seen = cb.tracker.samples
+    with track(model, features="entropy") as mine, torch.no_grad():  # the tracker left behind is replaced
+        model(input_ids=ids, attention_mask=mask)
+        assert mine.samples == 3
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
     assert cb.tracker.samples == seen

@@ -3,20 +3,22 @@
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[AttnkitCallback(every=50, path="heads.csv", qk_clip_tau=100.0)])
 
-Only the forwards of the training steps count: from `on_step_begin` to `on_step_end` the model's forward is wrapped
-so that each call of it made by the code that began the step (the Trainer's loop) is tracked, the tracker attached
-for that call only (`attached`). Evaluations, which the Trainer runs between steps, and anything else are not.
-Every `every` optimiser steps the means since the last log (the max logit: the maximum) go to the StatsLogger and to
-`history`. With `qk_clip_tau`, QK-Clip runs after every optimiser step on the max logits of that step's forwards.
+Only the forwards of the training steps count: the tracker is attached (`attached`) from `on_step_begin` to
+`on_step_end`, so the evaluations that the Trainer runs between steps add nothing, and the forward that gradient
+checkpointing re-runs inside the backward takes the path it took (the tracker counts it once). Every `every`
+optimiser steps the means since the last log (the max logit: the maximum) go to the StatsLogger and to `history`.
+With `qk_clip_tau`, QK-Clip runs after every optimiser step on the max logits of that step's forwards.
 
-The Trainer calls no callback when `train()` raises, so nothing of the callback may outlive a step unattended: the
-tracker is attached only while a forward runs; an exception or KeyboardInterrupt raised inside a forward ends the
-step there (the wrapper removed, the forwards it left open exited, the logger's rows written); a step that an
-exception elsewhere left (in the backward, the optimiser, another callback) ends at the first forward made outside
-the code that began it, or at the next `on_train_begin` or `on_step_begin`.
+The Trainer calls no callback when `train()` raises, so the step guards itself: while it runs, the model's forward is
+wrapped. An exception or KeyboardInterrupt raised inside a forward ends the step there (the tracker detached, the
+forward put back, the forwards the interrupt left open exited, the logger's rows written). A step that an exception
+elsewhere left (the backward, the optimiser, another callback) ends at the first forward of the model made outside
+the code that began it (the Trainer's loop is no longer on the stack), or when `track` or the next `on_train_begin`
+finds its tracker: it is replaced, not refused.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from types import FrameType
@@ -63,34 +65,42 @@ def _runs_inside(frame: FrameType) -> bool:
 
 
 class _Step:
-    """One training step under way: the model's forward wrapped, so that its calls from inside `frame` are
-    tracked; `end()` puts the forward back and exits the forwards an interrupt left open."""
+    """One training step under way: the tracker attached to the model and its forward wrapped, so that an exception
+    inside a forward (KeyboardInterrupt too, after which the Trainer calls no callback) ends the step there, and a
+    forward made outside `frame` (the step was left by an exception elsewhere) ends it before it runs. `end()`
+    detaches the tracker and puts the forward back."""
 
     def __init__(self, callback: AttnkitCallback, model):
-        self.callback, self.model, self.frame = callback, model, _step_frame()
+        self.model, self.frame = model, _step_frame()
         self.depth = forward_depth(runtime_of(model))
+        self._attachment = contextlib.ExitStack()
+        self._attachment.enter_context(attached(model, callback.tracker))
         self.saved = vars(model).get("forward")  # an instance attribute (accelerate's, say), else the class's
         original = model.forward
 
         @functools.wraps(original)
         def forward(*args, **kwargs):
-            if self.frame is None or not _runs_inside(self.frame):  # the step was left by an exception
+            if not self.live():
                 callback.end_step(failed=True, unwind=False)  # this forward is open: it is not exited
                 return original(*args, **kwargs)
             try:
-                with attached(model, callback.tracker):
-                    return original(*args, **kwargs)
-            except BaseException:  # noqa: B036 (KeyboardInterrupt too: the Trainer calls no callback then)
+                return original(*args, **kwargs)
+            except BaseException:  # noqa: B036 (KeyboardInterrupt too)
                 callback.end_step(failed=True)
                 raise
 
         model.forward = forward
+
+    def live(self) -> bool:
+        """Whether the code that began the step is still running around the caller."""
+        return self.frame is not None and _runs_inside(self.frame)
 
     def end(self, unwind: bool = True) -> None:
         if self.saved is None:
             vars(self.model).pop("forward", None)
         else:
             self.model.forward = self.saved
+        self._attachment.close()
         if unwind:
             unwind_forwards(runtime_of(self.model), self.depth)
         self.frame = None
@@ -126,6 +136,10 @@ class AttnkitCallback(TrainerCallback):
         if failed and self.logger is not None:
             self.logger.close()
 
+    def _release_if_left(self) -> None:
+        if self._step is not None and not self._step.live():  # its training raised outside a forward
+            self.end_step(failed=True, unwind=False)
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.end_step()  # a step that an exception left
         if getattr(args, "n_gpu", 1) > 1:  # Trainer wraps the model in nn.DataParallel, whose replicas run in threads
@@ -133,6 +147,7 @@ class AttnkitCallback(TrainerCallback):
                                "one process (nn.DataParallel): launch one process per GPU (torchrun, accelerate "
                                "launch)")
         tracker = new_tracker(model, self.features, purpose="AttnkitCallback")
+        tracker.release_if_left = self._release_if_left
         if self.tau is not None:
             clip_plan(model)  # a model QK-Clip cannot scale is refused now, not after the first optimiser step
         self.tracker, self._max = tracker, None

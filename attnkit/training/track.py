@@ -44,6 +44,7 @@ class Tracker:
         self._mean_names = [f for f in self.features if f != MAX_LOGIT]
         self.want_max = MAX_LOGIT in self.features
         self.device = device
+        self.release_if_left = None  # AttnkitCallback's: lets go of a tracker its training left when it raised
         self._paused = False
         self._reset()
 
@@ -145,6 +146,11 @@ def new_tracker(model, features=DEFAULT_FEATURES, num_windows: int = DEFAULT_NUM
 
 
 def refuse_if_tracked(rt) -> None:
+    """An AttnkitError when the model of runtime `rt` is tracked, after letting go of a tracker that a training which
+    raised left behind (`Tracker.release_if_left`, set by AttnkitCallback): that one is replaced, not refused."""
+    release = getattr(rt.tracker, "release_if_left", None)
+    if release is not None:
+        release()
     if rt.tracker is not None:
         raise AttnkitError("this model is already tracked: nest no attnkit.track blocks (or AttnkitCallback "
                            "trainings) on one model")
@@ -170,17 +176,16 @@ def unwind_forwards(rt, depth: int) -> None:
 @contextlib.contextmanager
 def attached(model, tracker: Tracker):
     """Within the block every forward of `model` adds its statistics to `tracker`: the one place a tracker is
-    attached to the model's runtime (attnkit.hf_attention reads `Runtime.tracker`) and detached again, on any
-    BaseException too, with the forwards an interrupt left open exited (`unwind_forwards`)."""
+    attached to the model's runtime (attnkit.hf_attention reads `Runtime.tracker`) and detached again, whatever
+    ends the block (any BaseException too)."""
     rt = runtime_of(model)
     refuse_if_tracked(rt)
-    saved, depth = rt.num_windows, forward_depth(rt)
+    saved = rt.num_windows
     rt.tracker, rt.num_windows = tracker, tracker.num_windows
     try:
         yield tracker
     finally:
         rt.tracker, rt.num_windows = None, saved
-        unwind_forwards(rt, depth)
 
 
 @contextlib.contextmanager
@@ -188,7 +193,12 @@ def track(model, features=DEFAULT_FEATURES, *, num_windows: int = DEFAULT_NUM_WI
     """Within the block, every forward of `model` (switched to attnkit attention if it is not) accumulates the
     per-head `features` (a name, a sequence of names; None: DEFAULT_FEATURES) on the device; yields the `Tracker`
     whose `read()` returns them (module docstring). However the block ends, KeyboardInterrupt included, the model
-    is left untracked."""
+    is left untracked, with the forwards an interrupt left open exited (`unwind_forwards`)."""
     tracker = new_tracker(model, features, num_windows)
-    with attached(model, tracker):
-        yield tracker
+    rt = runtime_of(model)
+    depth = forward_depth(rt)
+    try:
+        with attached(model, tracker):
+            yield tracker
+    finally:
+        unwind_forwards(rt, depth)
