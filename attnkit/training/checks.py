@@ -24,7 +24,8 @@ def _is_bool(value) -> bool:
 
 
 def _scalar(value):
-    """`value` unless it is a tensor or array of more than zero dimensions (AttnkitError caught by the callers)."""
+    """`value` unless it is a tensor or array of more than zero dimensions (a TypeError, which the callers turn into
+    the AttnkitError naming the argument)."""
     if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim != 0:
         raise TypeError
     return value
