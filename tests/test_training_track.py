@@ -247,6 +247,38 @@ def test_qk_clip_brings_the_max_logits_to_tau(kind):
             assert float(after[kv]) == pytest.approx(float(before[kv]), rel=1e-5)
 
 
+def test_qk_clip_bounds_each_layer_on_the_inputs_it_measured():
+    """What QK-Clip guarantees with several layers (docs/training.md): each layer's max logit computed from the inputs
+    it had when measured is at most tau afterwards (the largest of each KV group exactly tau), so the first layer it
+    scales is bounded on the same batch; a later layer's inputs are changed by the clip of those below, and on the
+    same batch it is bounded only when its measured inputs are given back to it."""
+    model = attnkit.instrument(tiny_decoder("llama", n_layers=2))
+    ids, mask = batch()
+    layer1 = model.model.layers[1]
+
+    def measure():
+        with track(model, features=("max_logit",)) as t, torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+            return t.read()["max_logit"]
+
+    saved = {}
+    hook = layer1.register_forward_pre_hook(lambda m, args: saved.update(h=args[0].clone()))
+    before = measure()
+    hook.remove()
+    tau = float(before.min())  # every head of both layers passes it
+    qk_clip(model, before, tau)
+    after = measure()
+    hook = layer1.register_forward_pre_hook(lambda m, args: (saved["h"],) + args[1:])
+    replayed = measure()  # layer 1 on the hidden states it had when measured
+    hook.remove()
+    group = torch.arange(4) // 2
+    for got in (after[0], replayed[1]):
+        assert (got <= tau * (1 + 1e-5)).all()
+        for kv in range(2):
+            assert float(got[group == kv].max()) == pytest.approx(tau, rel=1e-5)
+    assert not torch.allclose(after[1], replayed[1])  # on the same batch, layer 1 sees other inputs
+
+
 def test_qk_clip_refuses_per_head_norms_and_bad_input():
     model = attnkit.instrument(tiny_decoder("qwen3"))
     m = torch.full((model.config.num_hidden_layers, model.config.num_attention_heads), 100.0)

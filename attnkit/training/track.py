@@ -21,9 +21,11 @@ import torch
 
 from ..arch.pruning import to_unpruned
 from ..attention.consumers import Tracking
-from ..errors import AttnkitError
+from ..errors import AttnkitError, check_int
 from ..features import DEFAULT_NUM_WINDOWS
 from ..models import attention_modules, instrument, model_feature_names, runtime_of
+from ..ops import release_cpu_allocator
+from .checks import feature_list, model_to_track
 
 MAX_LOGIT = "max_logit"
 DEFAULT_FEATURES = ("entropy", MAX_LOGIT, "cls")
@@ -35,13 +37,15 @@ class Tracker:
     A feature of docs/features.md is a mean over the samples the model saw (each sample's value being the mean over
     its valid rows, as in extraction); `max_logit` is the maximum over them (docs/features.md, "Max logit")."""
 
-    def __init__(self, n_layers: int, n_heads: int, names: list[str], features: tuple[str, ...], device=None):
-        self.n_layers, self.n_heads = n_layers, n_heads
+    def __init__(self, n_layers: int, n_heads: int, names: list[str], features: tuple[str, ...], device=None,
+                 num_windows: int = DEFAULT_NUM_WINDOWS):
+        self.n_layers, self.n_heads, self.num_windows = n_layers, n_heads, num_windows
         self.features = tuple(features)
         self._index = [names.index(f) for f in self.features if f != MAX_LOGIT]
         self._mean_names = [f for f in self.features if f != MAX_LOGIT]
         self.want_max = MAX_LOGIT in self.features
         self.device = device
+        self.release_if_left = None  # AttnkitCallback's: lets go of a tracker its training left when it raised
         self._paused = False
         self._reset()
 
@@ -92,7 +96,7 @@ class Tracker:
         """{feature: layers × heads fp32 tensor} for `features` (None: all tracked ones): the mean since the last
         read of them (`max_logit`: the maximum), NaN for a layer no forward reached. No host sync. Reading resets
         what it read (the means together, the max logit on its own), unless `reset` is False."""
-        names = self.features if features is None else tuple([features] if isinstance(features, str) else features)
+        names = feature_list(features, self.features)
         unknown = [f for f in names if f not in self.features]
         if unknown:
             raise AttnkitError(f"{unknown[0]!r} is not tracked here; tracked: {', '.join(self.features)}")
@@ -123,35 +127,81 @@ def trackable_features(model, num_windows: int = DEFAULT_NUM_WINDOWS) -> list[st
     return model_feature_names(model, num_windows) + [MAX_LOGIT]
 
 
-@contextlib.contextmanager
-def track(model, features=DEFAULT_FEATURES, *, num_windows: int = DEFAULT_NUM_WINDOWS):
-    """Within the block, every forward of `model` (switched to attnkit attention if it is not) accumulates the
-    per-head `features` on the device; yields the `Tracker` whose `read()` returns them (module docstring)."""
-    if isinstance(features, str):
-        features = (features,)
-    features = tuple(features)
-    if not features:
-        raise AttnkitError("attnkit.track needs at least one feature to track")
-    if len(set(features)) != len(features):
-        raise AttnkitError(f"attnkit.track names a feature twice: {list(features)}")
+def new_tracker(model, features=DEFAULT_FEATURES, num_windows: int = DEFAULT_NUM_WINDOWS,
+                purpose: str = "attnkit.track") -> Tracker:
+    """A Tracker of `features` for `model` (switched to attnkit attention), every argument checked first
+    (attnkit/training/checks.py): what `track` and `AttnkitCallback` build before anything runs."""
+    model_to_track(model, purpose)
+    features = feature_list(features, DEFAULT_FEATURES)
+    num_windows = check_int(num_windows, "num_windows")
     instrument(model)
-    rt = runtime_of(model)
     names = model_feature_names(model, num_windows)
     unknown = [f for f in features if f != MAX_LOGIT and f not in names]
     if unknown:
-        raise AttnkitError(f"attnkit.track cannot track {unknown[0]!r}; known: {', '.join(names + [MAX_LOGIT])}")
-    if rt.tracker is not None:
-        raise AttnkitError("this model is already tracked: nest no attnkit.track blocks on one model")
+        raise AttnkitError(f"{purpose} cannot track {unknown[0]!r}; known: {', '.join(names + [MAX_LOGIT])}")
+    refuse_if_tracked(runtime_of(model))
     cfg = model.config
-    n_layers = len(attention_modules(model))
     n_heads = int(getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "n_head", 0))
     device = next(model.parameters()).device
-    tracker = Tracker(n_layers, n_heads, names, features, device)
+    return Tracker(len(attention_modules(model)), n_heads, names, features, device, num_windows=num_windows)
+
+
+def refuse_if_tracked(rt) -> None:
+    """An AttnkitError when the model of runtime `rt` is tracked, after letting go of a tracker that a training which
+    raised left behind (`Tracker.release_if_left`, set by AttnkitCallback): that one is replaced, not refused."""
+    release = getattr(rt.tracker, "release_if_left", None)
+    if release is not None:
+        release()
+    if rt.tracker is not None:
+        raise AttnkitError("this model is already tracked: nest no attnkit.track blocks (or AttnkitCallback "
+                           "trainings) on one model")
+
+
+def forward_depth(rt) -> int:
+    """How many forwards of the model are under way (attnkit.models' hooks enter and exit them)."""
+    return len(rt._outer_inputs)
+
+
+def unwind_forwards(rt, depth: int) -> None:
+    """Exit the forwards that an exception left open above `depth`, giving back their hold of the CPU allocator.
+    attnkit.models exits a forward in a forward hook with `always_call`, which torch runs for an Exception but not
+    for a KeyboardInterrupt (or another BaseException): without this, such an interrupt inside a tracked forward
+    leaves the runtime's per-forward inputs and the allocator's hold behind."""
+    while forward_depth(rt) > depth:
+        held = rt.inputs is not None and rt.inputs.holds_cpu_allocator
+        rt.exit_forward()
+        if held:
+            release_cpu_allocator()
+
+
+@contextlib.contextmanager
+def attached(model, tracker: Tracker):
+    """Within the block every forward of `model` adds its statistics to `tracker`: the one place a tracker is
+    attached to the model's runtime (attnkit.hf_attention reads `Runtime.tracker`) and detached again, whatever
+    ends the block (any BaseException too)."""
+    rt = runtime_of(model)
+    refuse_if_tracked(rt)
     saved = rt.num_windows
-    rt.num_windows = num_windows
+    rt.num_windows = tracker.num_windows
     consumer = rt.attach(Tracking(tracker))  # attnkit/attention/consumers/tracker.py
     try:
         yield tracker
     finally:
         rt.detach(consumer)
         rt.num_windows = saved
+
+
+@contextlib.contextmanager
+def track(model, features=DEFAULT_FEATURES, *, num_windows: int = DEFAULT_NUM_WINDOWS):
+    """Within the block, every forward of `model` (switched to attnkit attention if it is not) accumulates the
+    per-head `features` (a name, a sequence of names; None: DEFAULT_FEATURES) on the device; yields the `Tracker`
+    whose `read()` returns them (module docstring). However the block ends, KeyboardInterrupt included, the model
+    is left untracked, with the forwards an interrupt left open exited (`unwind_forwards`)."""
+    tracker = new_tracker(model, features, num_windows)
+    rt = runtime_of(model)
+    depth = forward_depth(rt)
+    try:
+        with attached(model, tracker):
+            yield tracker
+    finally:
+        unwind_forwards(rt, depth)
