@@ -92,11 +92,22 @@ def cache_heads(model, layers: Iterable[int] | int | None = None, *, keep_grad: 
             raise AttnkitError(f"{arg('layers')} must be layer numbers 0 … {n_layers - 1}, got {bad[0]!r}")
     cache = cache if cache is not None else HeadCache(n_layers, layers, keep_grad)
     rt = runtime_of(model)
-    rt.head_caches.append(cache)
+    _attach(rt, cache)
     try:
         yield cache
-    finally:
-        rt.head_caches.remove(cache)
+    finally:  # KeyboardInterrupt included; blocks may be left in any order
+        _detach(rt, cache)
+
+
+def _attach(rt, cache: HeadCache) -> None:
+    """Make every forward of the runtime's model record into `cache` (from any thread: a cache is the model's state,
+    as interventions are; docs/interventions.md, "Blocks, threads and interruptions")."""
+    rt.head_caches.append(cache)
+
+
+def _detach(rt, cache: HeadCache) -> None:
+    """Undo one `_attach` of `cache` (the same cache may be in force in two blocks)."""
+    rt.head_caches.remove(cache)
 
 
 __all__ = ["HeadCache", "cache_heads"]
