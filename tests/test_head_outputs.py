@@ -132,17 +132,19 @@ def test_caches_leave_in_any_order_and_on_ctrl_c(tokenizer):  # noqa: F811
     import contextlib
 
     _, model = make("bert", tokenizer)
-    rt = attnkit.models.runtime_of(model)
-    enc = encode(tokenizer, "bert")
+    enc, other = encode(tokenizer, "bert"), encode(tokenizer, "bert", PAIRS[::-1])
     first, second = contextlib.ExitStack(), contextlib.ExitStack()
     a = first.enter_context(attnkit.cache_heads(model, layers=[0]))
     b = second.enter_context(attnkit.cache_heads(model, layers=[2]))
     first.close()  # the outer block first
     with torch.no_grad():
         model(**enc)
-    assert a.keys() == [] and b.keys() == [2] and rt.head_caches == [b]
+    assert a.keys() == [] and b.keys() == [2]
     second.close()
-    assert rt.head_caches == []
+    kept = b[2]
+    with torch.no_grad():
+        model(**other)
+    assert a.keys() == [] and b[2] is kept  # neither records any more
 
     def interrupt(module, args, output):
         raise KeyboardInterrupt
@@ -153,10 +155,15 @@ def test_caches_leave_in_any_order_and_on_ctrl_c(tokenizer):  # noqa: F811
             model(**enc)
     finally:
         handle.remove()
-    assert rt.head_caches == [] and cache.keys() == [0, 1]  # layer 1's attention ran before its hook
+    assert cache.keys() == [0, 1]  # layer 1's attention ran before its hook raised
+    kept = cache[1]
     with torch.no_grad(), attnkit.cache_heads(model) as again:
         model(**enc)
-    assert rt.head_caches == [] and torch.equal(again[1], cache[1])
+        model(**other)
+    assert cache[1] is kept  # detached by the interruption
+    with torch.no_grad(), attnkit.cache_heads(model) as once:
+        model(**enc)
+    assert torch.equal(once[1], kept) and not torch.equal(again[1], kept)
 
 
 def test_patch_and_mean_equal_the_eager_replacement(models, tokenizer):  # noqa: F811

@@ -412,5 +412,4 @@ def test_blocks_are_the_models_state_in_every_thread_and_a_copy_has_its_own(bert
         assert_same(forward(model, enc), want_b)  # the other thread left first: this block's settings alone
     assert_same(forward(model, enc), plain)
     assert caught[0][1].shape[:2] == enc["input_ids"].shape  # the cache recorded this thread's forwards
-    rt = runtime_of(model)
-    assert rt.intervention is None and not rt.head_caches and attnkit.interventions.open_blocks(model) == 0
+    assert runtime_of(model).intervention is None and attnkit.interventions.open_blocks(model) == 0
