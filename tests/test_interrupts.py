@@ -49,9 +49,10 @@ def held(model, allocator_holds: int = 0) -> dict[str, object]:
     """What attnkit holds on `model` beyond an idle model, by name (empty: nothing): every field of its runtime that
     differs from the Runtime's default (what a block or a forward puts there: intervention, sentences, head caches,
     tracker, observers, batch, features, the inputs of a forward under way, ...), open intervene/sentences blocks,
-    forward hooks and replaced `forward` methods other than the two input hooks attnkit keeps on every instrumented
-    model, and holds of attnkit's CPU allocator beyond `allocator_holds` (they are the process's: a case compares
-    with the count before it, so that one case's leak does not show in the next)."""
+    forward hooks and replaced `forward` methods other than those attnkit keeps on every instrumented model (marked
+    `_attnkit_hook`: the hooks that record a forward's inputs), and holds of attnkit's CPU allocator beyond
+    `allocator_holds` (they are the process's: a case compares with the count before it, so that one case's leak does
+    not show in the next)."""
     rt = runtime_of(model)
     out: dict[str, object] = {}
     for f in dataclasses.fields(rt):
@@ -68,7 +69,7 @@ def held(model, allocator_holds: int = 0) -> dict[str, object]:
                  for h in d.values() if not getattr(h, "_attnkit_hook", False)]
         if hooks:
             out[f"hooks on {name or 'the model'}"] = hooks
-        if "forward" in vars(mod):
+        if "forward" in vars(mod) and not getattr(vars(mod)["forward"], "_attnkit_hook", False):
             out[f"forward of {name or 'the model'} replaced"] = vars(mod)["forward"]
     if cpu_allocator_holders() != allocator_holds:
         out["cpu allocator holds"] = cpu_allocator_holders() - allocator_holds
