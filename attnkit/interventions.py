@@ -20,7 +20,8 @@ interventions in one forward, one per block of samples (the ablation sweeps batc
 
 Nested `intervene` blocks compose: the inner block adds its settings to those in force (`merged`; a head both
 set differently is refused by name), and leaving it restores the enclosing block's intervention. `only` puts one
-intervention alone in force (attnkit's ablation runners evaluate their settings so).
+intervention alone in force (attnkit's ablation runners evaluate their settings so). Blocks are the model's state,
+for every thread, and may be left in any order ("Open blocks" below).
 
 Regions (no_intra / no_inter) need each token's sentence: in a plain forward they are the segments of
 a text pair (token_type_ids or separator tokens), or ids given with `sentences(model, ids)` /
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -493,31 +495,6 @@ def _as_sentence_ids(sentence_ids) -> torch.Tensor:
     return ids.detach().to("cpu", torch.int32)
 
 
-@contextlib.contextmanager
-def _given_sentences(model, sentence_ids):
-    rt = runtime_of(model)
-    ids = _as_sentence_ids(sentence_ids)
-    previous = rt.sentences
-    if previous is not None and not (previous.shape == ids.shape and torch.equal(previous, ids)):
-        raise AttnkitError("sentence ids are already given by an enclosing block (attnkit.sentences or intervene's "
-                           f"{arg('sentences')}), and these differ: a batch has one set of sentences, so a nested "
-                           "block may repeat them but not replace them")
-    rt.sentences = ids
-    try:
-        yield model
-    finally:
-        rt.sentences = previous
-
-
-def sentences(model, sentence_ids):
-    """Inside the block, plain forwards of `model` use these sentence ids (batch × length integers,
-    one per token of the padded batch; equal ids = same sentence) for region interventions, instead
-    of the segments found from token_type_ids or separator tokens. attnkit's own runners (extract,
-    ablate) still use their own. A batch of another shape is refused, and so are other ids than those
-    an enclosing block gave."""
-    return _given_sentences(model, sentence_ids)
-
-
 def _same_value(a: HeadValue, b: HeadValue) -> bool:
     """Whether two patch or mean values are the same: the same cache, or equal tensors."""
     if a.mode != b.mode or a.cache is not b.cache:
@@ -593,38 +570,140 @@ def _checked(model, intervention):
     return intervention
 
 
-@contextlib.contextmanager
-def _in_force(model, intervention):
-    rt = runtime_of(model)
-    previous = rt.intervention
+# --- Open blocks: what is in force on a model ------------------------------------------------------------------
+#
+# `intervene`, `only` and `sentences` blocks are state of the model, as `model.eval()` is: every forward of the model
+# sees them, whichever thread runs it (docs/interventions.md, "Blocks, threads and interruptions"). What is in force
+# follows from the blocks still open, in the order they were entered, so blocks may be left in any order (by hand,
+# through an ExitStack, or by two threads whose blocks overlap): leaving the innermost block puts back exactly what
+# was in force when it was entered; leaving another one recomposes the blocks entered after it without it.
+
+_OPEN_BLOCKS = "_attnkit_open_blocks"  # attribute of a Runtime while blocks are open on its model: an _OpenBlocks
+_lock = threading.Lock()  # entering and leaving blocks, from any thread
+
+
+@dataclass(eq=False)
+class _Block:
+    """One open block: its intervention (`sets`: it has one; `alone`: `only`, in force whatever the blocks before it
+    set), its sentence ids, and the intervention in force while it is the innermost open block."""
+
+    intervention: object | None
+    sets: bool
+    alone: bool
+    sentences: torch.Tensor | None
+    in_force: object | None = None
+
+
+@dataclass
+class _OpenBlocks:
+    """The open blocks of a model in the order they were entered, and what was in force before the first."""
+
+    intervention: object | None
+    sentences: torch.Tensor | None
+    blocks: list[_Block]
+
+
+def _attach(rt, intervention, sentence_ids) -> None:
+    """Put `intervention` and `sentence_ids` in force for the attention function (None: none)."""
     rt.intervention = intervention
+    rt.sentences = sentence_ids
+
+
+def _on_top(below, block: _Block):
+    """The intervention in force inside `block` when `below` is in force outside it."""
+    if not block.sets:
+        return below
+    return block.intervention if block.alone else composed(below, block.intervention)
+
+
+def _enter(model, intervention, sentence_ids, *, sets: bool, alone: bool = False):
+    """Open a block on `model` (checked first: a refusal changes nothing) and put it in force; returns the runtime and
+    the block, for `_leave`."""
+    rt = runtime_of(model)
+    with _lock:
+        state = getattr(rt, _OPEN_BLOCKS, None) or _OpenBlocks(rt.intervention, rt.sentences, [])
+        ids = rt.sentences
+        if sentence_ids is not None and ids is not None and not (
+                ids.shape == sentence_ids.shape and torch.equal(ids, sentence_ids)):
+            raise AttnkitError("sentence ids are already given by an enclosing block (attnkit.sentences or "
+                               f"intervene's {arg('sentences')}), and these differ: a batch has one set of sentences, "
+                               "so a nested block may repeat them but not replace them")
+        block = _Block(intervention, sets, alone, sentence_ids)
+        block.in_force = _on_top(state.blocks[-1].in_force if state.blocks else state.intervention, block)
+        state.blocks.append(block)
+        setattr(rt, _OPEN_BLOCKS, state)
+        _attach(rt, block.in_force, ids if sentence_ids is None else sentence_ids)
+    return rt, block
+
+
+def _leave(rt, block: _Block) -> None:
+    """Close `block`, in whatever order blocks are left, and put in force what the blocks still open make."""
+    with _lock:
+        state = getattr(rt, _OPEN_BLOCKS, None)
+        where = [i for i, b in enumerate(state.blocks) if b is block] if state is not None else []
+        if not where:  # already closed: a refused recomposition (below) closed it
+            return
+        i = where[0]
+        del state.blocks[i]
+        below = state.blocks[i - 1].in_force if i else state.intervention
+        refused = None
+        for j, b in enumerate(state.blocks[i:], start=i):  # blocks entered after it, recomposed without it
+            try:
+                below = b.in_force = _on_top(below, b)
+            except AttnkitError as exc:  # an Intervention changed in place since: restore, and say so
+                refused = exc
+                del state.blocks[j:]
+                break
+        ids = next((b.sentences for b in reversed(state.blocks) if b.sentences is not None), state.sentences)
+        if not state.blocks:
+            delattr(rt, _OPEN_BLOCKS)
+        _attach(rt, below, ids)
+    if refused is not None:
+        raise AttnkitError(f"an intervene block was left before a block entered inside it, and the blocks still open "
+                           f"no longer compose ({refused}); they are closed, and the model has what was in force "
+                           "before them") from None
+
+
+def open_blocks(model) -> int:
+    """How many `intervene`, `only` and `sentences` blocks are open on `model` (0: attnkit holds none)."""
+    state = getattr(runtime_of(model), _OPEN_BLOCKS, None)
+    return 0 if state is None else len(state.blocks)
+
+
+@contextlib.contextmanager
+def _block(model, intervention, sentence_ids, *, sets: bool, alone: bool = False):
+    rt, block = _enter(model, intervention, sentence_ids, sets=sets, alone=alone)
     try:
         yield model
-    finally:
-        rt.intervention = previous
+    finally:  # KeyboardInterrupt included
+        _leave(rt, block)
 
 
-@contextlib.contextmanager
+def sentences(model, sentence_ids):
+    """Inside the block, plain forwards of `model` use these sentence ids (batch × length integers,
+    one per token of the padded batch; equal ids = same sentence) for region interventions, instead
+    of the segments found from token_type_ids or separator tokens. attnkit's own runners (extract,
+    ablate) still use their own. A batch of another shape is refused, and so are other ids than those
+    an enclosing block gave."""
+    return _block(model, None, _as_sentence_ids(sentence_ids), sets=False)
+
+
 def intervene(model, intervention: Intervention, sentences=None):
     """Apply `intervention` to an instrumented model inside the block; always restores the model.
 
     Nested in another `intervene` block, it adds its settings to those in force (`merged`; a head both set
-    differently is refused by name), and leaving it restores exactly the enclosing block's intervention.
+    differently is refused by name), and leaving it restores exactly the enclosing block's intervention. Blocks may
+    be left in any order (docs/interventions.md, "Blocks, threads and interruptions").
 
     Region interventions (no_intra / no_inter) take each forward's sentences from its token_type_ids
     or separator tokens (attnkit/hf_attention.py says how), or from `sentences` (batch × length ids)."""
     if intervention is None:
         raise AttnkitError("intervene() needs an attnkit.Intervention, got NoneType")
-    intervention = _checked(model, intervention)
-    in_force = composed(runtime_of(model).intervention, intervention)
-    with contextlib.ExitStack() as stack:
-        if sentences is not None:
-            stack.enter_context(_given_sentences(model, sentences))
-        stack.enter_context(_in_force(model, in_force))
-        yield model
+    ids = None if sentences is None else _as_sentence_ids(sentences)
+    return _block(model, _checked(model, intervention), ids, sets=True)
 
 
 def only(model, intervention):
     """Inside the block, exactly `intervention` (None: none) is in force, whatever an enclosing block set:
     attnkit's ablation runners evaluate their settings, and their unchanged baseline, this way."""
-    return _in_force(model, _checked(model, intervention))
+    return _block(model, _checked(model, intervention), None, sets=True, alone=True)

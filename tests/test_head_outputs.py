@@ -125,6 +125,47 @@ def test_cache_keeps_gradients_when_asked(tokenizer):  # noqa: F811
     assert grad.abs().sum() > 0
 
 
+def test_caches_leave_in_any_order_and_on_ctrl_c(tokenizer):  # noqa: F811
+    """A cache is in force from entering its block to leaving it, whatever the order blocks are left in; Ctrl-C
+    inside a forward (KeyboardInterrupt from a forward hook on layer 1) detaches it, and it keeps what the layers
+    before the interruption recorded (docs/interventions.md, "Blocks, threads and interruptions")."""
+    import contextlib
+
+    _, model = make("bert", tokenizer)
+    enc, other = encode(tokenizer, "bert"), encode(tokenizer, "bert", PAIRS[::-1])
+    first, second = contextlib.ExitStack(), contextlib.ExitStack()
+    a = first.enter_context(attnkit.cache_heads(model, layers=[0]))
+    b = second.enter_context(attnkit.cache_heads(model, layers=[2]))
+    first.close()  # the outer block first
+    with torch.no_grad():
+        model(**enc)
+    assert a.keys() == [] and b.keys() == [2]
+    second.close()
+    kept = b[2]
+    with torch.no_grad():
+        model(**other)
+    assert a.keys() == [] and b[2] is kept  # neither records any more
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    handle = model.encoder.layer[1].register_forward_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt), torch.no_grad(), attnkit.cache_heads(model) as cache:
+            model(**enc)
+    finally:
+        handle.remove()
+    assert cache.keys() == [0, 1]  # layer 1's attention ran before its hook raised
+    kept = cache[1]
+    with torch.no_grad(), attnkit.cache_heads(model) as again:
+        model(**enc)
+        model(**other)
+    assert cache[1] is kept  # detached by the interruption
+    with torch.no_grad(), attnkit.cache_heads(model) as once:
+        model(**enc)
+    assert torch.equal(once[1], kept) and not torch.equal(again[1], kept)
+
+
 def test_patch_and_mean_equal_the_eager_replacement(models, tokenizer):  # noqa: F811
     kind, plain, model = models
     clean = encode(tokenizer, kind, [("a man is riding the horse", "the dog is eating")] * 2

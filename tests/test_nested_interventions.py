@@ -289,3 +289,127 @@ def test_ablation_runners_evaluate_exactly_their_settings(bert):
         with only(model, iv):
             got = forward(model, enc)
     assert_same(got, at_once(model, enc, iv))
+
+
+def test_blocks_left_out_of_order_leave_the_model_as_it_was(case):
+    """Issue 46: the outer block left first (an ExitStack per block, or `__exit__` by hand) used to leave its
+    intervention on the model. What is in force follows from the blocks still open, in the order they were entered."""
+    import contextlib
+
+    model, enc = case
+    rt = runtime_of(model)
+    plain = forward(model, enc)
+    a = Intervention.from_heads(model, "L0H1", mode="zero")
+    b = Intervention.from_heads(model, "L2H2", mode="uniform")
+    outer, inner = contextlib.ExitStack(), contextlib.ExitStack()
+    outer.enter_context(attnkit.intervene(model, a))
+    inner.enter_context(attnkit.intervene(model, b))
+    outer.close()  # the outer block first
+    assert_same(forward(model, enc), at_once(model, enc, b))  # the inner block's settings alone
+    inner.close()
+    assert rt.intervention is None and attnkit.interventions.open_blocks(model) == 0
+    assert_same(forward(model, enc), plain)
+
+    # three blocks by hand, the middle one left first: the other two compose as if it had never been entered
+    c = Intervention.from_heads(model, "L1H0", mode="zero")
+    blocks = [attnkit.intervene(model, iv) for iv in (a, b, c)]
+    for blk in blocks:
+        blk.__enter__()
+    blocks[1].__exit__(None, None, None)
+    want = Intervention.from_heads(model, "L0H1", mode="zero").set(1, 0, mode="zero")
+    assert_same(forward(model, enc), at_once(model, enc, want))
+    blocks[2].__exit__(None, None, None)
+    assert rt.intervention is a  # leaving the innermost block: exactly what was in force when it was entered
+    blocks[0].__exit__(None, None, None)
+    assert rt.intervention is None
+    assert_same(forward(model, enc), plain)
+
+
+def test_blocks_left_out_of_order_keep_only_and_sentences_straight(bert):
+    """`only` blocks and given sentence ids follow the same rule: an `only` block left before a block entered inside
+    it lets that block compose with what is outside; ids stay while a block that gave them is open."""
+    from attnkit.interventions import only
+
+    model, enc = bert
+    rt = runtime_of(model)
+    a = Intervention.from_heads(model, "L0H1", mode="zero")
+    x = Intervention.from_heads(model, "L1H1", mode="uniform")
+    c = Intervention.from_heads(model, "L2H0", mode="zero")
+    blocks = [attnkit.intervene(model, a), only(model, x), attnkit.intervene(model, c)]
+    for blk in blocks:
+        blk.__enter__()
+    assert_same(forward(model, enc), at_once(model, enc, Intervention.from_heads(model, "L1H1", mode="uniform")
+                                             .set(2, 0, mode="zero")))
+    blocks[1].__exit__(None, None, None)
+    assert_same(forward(model, enc), at_once(model, enc, Intervention.from_heads(model, "L0H1", mode="zero")
+                                             .set(2, 0, mode="zero")))
+    blocks[0].__exit__(None, None, None)
+    blocks[2].__exit__(None, None, None)
+    assert rt.intervention is None
+
+    ids = torch.zeros(enc["input_ids"].shape, dtype=torch.int32)
+    given, inner = attnkit.sentences(model, ids), attnkit.intervene(model, a, sentences=ids)
+    given.__enter__()
+    inner.__enter__()
+    given.__exit__(None, None, None)
+    assert torch.equal(rt.sentences, ids)  # the inner block gave them too
+    inner.__exit__(None, None, None)
+    assert rt.sentences is None and rt.intervention is None and attnkit.interventions.open_blocks(model) == 0
+
+
+def test_blocks_that_no_longer_compose_after_an_out_of_order_exit_are_closed_by_name(bert):
+    """Leaving a block recomposes the blocks entered after it from their Interventions as they are now; one changed in
+    place to set a head an outer block sets is refused as on entry, and those blocks close, the model keeping what
+    was in force before them."""
+    model, enc = bert
+    rt = runtime_of(model)
+    a = Intervention.from_heads(model, "L0H1", mode="zero")
+    c = Intervention.from_heads(model, "L1H0", mode="zero")
+    blocks = [attnkit.intervene(model, iv) for iv in (a, Intervention.from_heads(model, "L2H2", mode="zero"), c)]
+    for blk in blocks:
+        blk.__enter__()
+    c.set(0, 1, mode="uniform")
+    with pytest.raises(AttnkitError, match="no longer compose.*head L0H1: zero in the enclosing block, uniform"):
+        blocks[1].__exit__(None, None, None)
+    assert rt.intervention is a and attnkit.interventions.open_blocks(model) == 1
+    blocks[2].__exit__(None, None, None)  # already closed: nothing to do
+    assert rt.intervention is a
+    blocks[0].__exit__(None, None, None)
+    assert rt.intervention is None and attnkit.interventions.open_blocks(model) == 0
+
+
+def test_blocks_are_the_models_state_in_every_thread_and_a_copy_has_its_own(bert):
+    """Issue 47: `intervene`, `sentences` and `cache_heads` blocks are state of the model, as `model.eval()` is: a
+    block open in one thread applies to the forwards other threads run, blocks of two threads compose and may be left
+    in any order, and a deep copy of the model (made outside any block) is untouched by the original's blocks.
+    The threads take turns through events, so the order is fixed."""
+    import threading
+
+    model, enc = bert
+    twin = copy.deepcopy(model)
+    a = Intervention.from_heads(model, "L0H1", mode="zero")
+    b = Intervention.from_heads(model, "L2H2", mode="uniform")
+    plain, want_a, want_b = forward(model, enc), at_once(model, enc, a), at_once(model, enc, b)
+    want_ab = at_once(model, enc, Intervention.from_heads(model, "L0H1", mode="zero").set(2, 2, mode="uniform"))
+    entered, leave, caught = threading.Event(), threading.Event(), []
+
+    def other_thread():
+        with attnkit.intervene(model, a), attnkit.cache_heads(model, layers=[1]) as cache:
+            entered.set()
+            assert leave.wait(60)
+        caught.append(cache)
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    assert entered.wait(60)
+    assert_same(forward(model, enc), want_a)  # the other thread's block applies to this thread's forward
+    assert_same(forward(twin, enc), plain)  # not to a copy
+    with attnkit.intervene(model, b):
+        assert_same(forward(model, enc), want_ab)  # the two threads' blocks compose
+        leave.set()
+        worker.join(60)
+        assert not worker.is_alive()
+        assert_same(forward(model, enc), want_b)  # the other thread left first: this block's settings alone
+    assert_same(forward(model, enc), plain)
+    assert caught[0][1].shape[:2] == enc["input_ids"].shape  # the cache recorded this thread's forwards
+    assert runtime_of(model).intervention is None and attnkit.interventions.open_blocks(model) == 0

@@ -93,11 +93,22 @@ def cache_heads(model, layers: Iterable[int] | int | None = None, *, keep_grad: 
             raise AttnkitError(f"{arg('layers')} must be layer numbers 0 … {n_layers - 1}, got {bad[0]!r}")
     cache = cache if cache is not None else HeadCache(n_layers, layers, keep_grad)
     rt = runtime_of(model)
-    consumer = rt.attach(HeadCaching(cache))  # attnkit/attention/consumers/head_cache.py
+    handle = _attach(rt, cache)
     try:
         yield cache
-    finally:
-        rt.detach(consumer)
+    finally:  # KeyboardInterrupt included; blocks may be left in any order
+        _detach(rt, handle)
+
+
+def _attach(rt, cache: HeadCache):
+    """Make every forward of the runtime's model record into `cache` (from any thread: a cache is the model's state,
+    as interventions are; docs/interventions.md, "Blocks, threads and interruptions"); returns what `_detach` takes."""
+    return rt.attach(HeadCaching(cache))  # attnkit/attention/consumers/head_cache.py
+
+
+def _detach(rt, handle) -> None:
+    """Undo one `_attach` (the same cache may be in force in two blocks, each attached once)."""
+    rt.detach(handle)
 
 
 __all__ = ["HeadCache", "cache_heads"]
