@@ -13,6 +13,8 @@ import torch
 from attnkit.engine import local, tuning
 from attnkit.engine.extract import ExtractSettings, run_extraction
 from attnkit.engine.tuning import AUTO, PipelineChoice, Replanner, choose
+from attnkit.errors import AttnkitError
+from attnkit.run.schemas import META_SCHEMA, validate
 
 
 class Machine(tuning.Stopwatch):
@@ -79,6 +81,9 @@ def test_a_plan_measured_in_a_spike_is_measured_again_and_changed():
     assert change["seconds"] == 2 * tuning.REPLAN_SECONDS
     meta = choice.meta()
     assert meta["initial"] == {"workers": 1, "threads": 1} and meta["replans"] == [change]
+    validate({"pipeline": meta}, META_SCHEMA, "meta.json")  # what meta.json's readers check
+    with pytest.raises(AttnkitError, match=r"meta.json: field pipeline.replans\[0\].threads"):
+        validate({"pipeline": dict(meta, replans=[dict(change, threads=0)])}, META_SCHEMA, "meta.json")
     assert meta["threads"] == 2  # the final choice: the count the numbers are those of
     assert "re-planned after 100 segment(s), 2.0 s: tokenising 333,726 tok/s" in choice.line()
 
