@@ -205,3 +205,23 @@ def test_a_quiet_run_is_not_replanned_and_delivers_every_result_once(minilm, mac
     machine([(0.0, 300, {1: 100, 2: 180})])
     acc, chosen = run(minilm, workers=AUTO, threads=AUTO)
     assert not chosen[0].replans and len(chosen) == 1 and acc.n_samples == len(TEXTS)
+
+
+def test_an_interrupted_run_delivers_what_it_held(minilm, machine, monkeypatch):
+    """Ctrl-C while the results are held back: they are delivered as they ran, in plan order, so the checkpoint
+    keeps them (raised from the forward itself, at a known unit: no signal races the run)."""
+    machine([(0.0, 300, {1: 100, 2: 180})])
+    calls = []
+    unit_features = local.unit_features
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 20:  # the probe's 4 units ran twice (2 threads, then 1); 11 more units since
+            raise KeyboardInterrupt
+        return unit_features(*a, **k)
+
+    monkeypatch.setattr(local, "unit_features", interrupted)
+    delivered = []
+    with pytest.raises(KeyboardInterrupt):
+        run(minilm, workers=AUTO, threads=AUTO, on_batch=lambda state, res: delivered.append(res.planned.index))
+    assert delivered == list(range(15))

@@ -507,6 +507,14 @@ class _Held:
         else:
             self._deliver(res)
 
+    def flush(self) -> None:
+        """Deliver what is held as it ran: the run was interrupted or failed, and its checkpoint keeps this work (a
+        resumed run's numbers depend on the thread count the resume runs with anyway: docs/pipeline.md §4)."""
+        self.holding = False
+        items, self.items, self.bytes = self.items, [], 0
+        for _, _, res, _ in items:
+            self._deliver(res)
+
     def release(self, threads: int) -> None:
         self.holding = False
         items, self.items, self.bytes = self.items, [], 0
@@ -547,6 +555,17 @@ def _run_on_caller(replica: Replica, encoder: Encoder, planned: Iterator, probe,
         replan.observe("forward", arrays.n_tokens, seconds, n)
         return pb, arrays, res, n
 
+    try:
+        _replanned_runs(replica, encoder, planned, replan, held, prefetch, encode, on_task, measure, on_choice)
+    except BaseException:
+        held.flush()
+        raise
+    held.release(choice.threads)
+
+
+def _replanned_runs(replica, encoder, planned, replan, held, prefetch, encode, on_task, measure, on_choice) -> None:
+    """`_run_on_caller`'s runs of forwards, a tokenisation pool for each choice of workers."""
+    choice = replan.choice
     it = iter(planned)
     while (first := next(it, None)) is not None:
         gate = _Gate(itertools.chain([first], it))
@@ -569,7 +588,6 @@ def _run_on_caller(replica: Replica, encoder: Encoder, planned: Iterator, probe,
         n_workers, src = workers_for_plan(gate, choice.workers)
         with TokenizerPool(encoder, n_workers, prefetch, help_here=True, encode=encode, on_task=on_task) as pool:
             _run_here(pool.map(src), measure, held.add, after_run)
-    held.release(choice.threads)
 
 
 @contextlib.contextmanager
