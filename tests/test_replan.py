@@ -115,6 +115,23 @@ def test_a_machine_that_becomes_quiet_takes_back_both_cores():
     assert choice.threads == 2 and choice.replans[-1]["forward_tokens_per_s"] == {"1": 210_000.0, "2": 400_000.0}
 
 
+def test_a_machine_whose_load_keeps_changing_changes_the_thread_count_twice_at_most():
+    """Busy, quiet, busy, quiet...: each change of the thread count measures the held results again, so after the
+    second the count is fixed (the results are delivered) and only the workers follow."""
+    watch = Machine([])
+    choice = measured(330_000, {2: 105_000, 1: 105_000})
+    plan = Replanner(choice, watch)
+    interval(plan, watch, tokenise=1_000_000, forward=210_000)  # quiet
+    interval(plan, watch, forward=400_000, threads=2)
+    assert choice.threads == 2 and plan.threads_open
+    interval(plan, watch, tokenise=330_000, forward=105_000)  # busy again: a second thread buys nothing
+    interval(plan, watch, forward=105_000, threads=1)
+    assert choice.threads == 1 and not plan.threads_open and plan.exploring is None
+    interval(plan, watch, tokenise=1_000_000, forward=210_000)  # quiet again: no exploring, the threads stay
+    assert plan.exploring is None and choice.threads == 1
+    assert [r["threads"] for r in choice.replans] == [2, 1]
+
+
 def test_once_the_threads_are_fixed_a_replan_changes_the_workers_only():
     """After SETTLE_SECONDS of a plan that holds, the results are no longer held back: a later change of the
     thread count would change numbers already delivered, so only the workers follow the machine."""

@@ -44,6 +44,8 @@ DRIFT = 1.5  # a rate this many times faster or slower than the plan's: the plan
 GAIN = 0.9  # a new choice is taken when its estimated time per token is below this share of the current one's
 SETTLE_SECONDS = 4.0  # the thread count stays open this long after the start and after each change of it
 HOLD_BYTES = 64 << 20  # and only while the results held back meanwhile take less memory than this
+MAX_THREAD_CHANGES = 2  # and for this many changes at most: a machine whose load keeps changing would otherwise keep
+#                         the results held and measure them again at every change
 
 
 @dataclass
@@ -238,9 +240,10 @@ class Replanner:
     estimated from a busy one's); then `choose` decides again, and a choice whose estimate is below GAIN of the
     current one's is taken and recorded (`PipelineChoice.replans`).
 
-    The thread count is open from the start until SETTLE_SECONDS after its last change pass with the plan holding
-    (or the caller's held results reach HOLD_BYTES: `fix_threads`): its results are held back meanwhile and those
-    of another count measured again (attnkit/engine/local.py), so that no number changes. After that, re-plans
+    The thread count is open from the start until a re-check finds the plan holding SETTLE_SECONDS or more after
+    the count last changed (or the caller's held results reach HOLD_BYTES: `fix_threads`): the results are held
+    back meanwhile, and those of another count measured again (attnkit/engine/local.py), so that no number changes.
+    It closes at once after its MAX_THREAD_CHANGES-th change. After that, re-plans
     change the workers only. A machine that stays busy keeps its busy plan (its rates hold); one that becomes quiet
     measures faster and is planned again."""
 
@@ -253,6 +256,7 @@ class Replanner:
         self.rates = dict(choice.forward)  # forward rates of the thread counts measured
         self.t0 = self.last = self.threads_since = stopwatch.now()
         self.exploring: int | None = None  # a thread count the next run of forwards measures
+        self.thread_changes = 0
         self._best: dict = {}  # ("tokenise",) or ("forward", threads) -> the fastest rate since the last re-check
 
     @property
@@ -319,6 +323,9 @@ class Replanner:
         changed = w != c.workers
         if n != c.threads:
             self.threads_since = now
+            self.thread_changes += 1
+            if self.thread_changes >= MAX_THREAD_CHANGES:
+                self.fix_threads()
         c.workers, c.threads = w, n
         c.replans.append({"after_segments": done, "seconds": round(now - self.t0, 2), "workers": w, "threads": n,
                           "tokenise_tokens_per_s": round(self.tokenise, 1),
