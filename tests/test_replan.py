@@ -242,3 +242,18 @@ def test_an_interrupted_run_delivers_what_it_held(minilm, machine, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run(minilm, workers=AUTO, threads=AUTO, on_batch=lambda state, res: delivered.append(res.planned.index))
     assert delivered == list(range(15))
+
+
+def test_a_run_whose_tokenising_slows_takes_a_worker_midway_in_plan_order(minilm, machine, tmp_path):
+    """Tokenising negligible at the start (no workers), fifty times slower from the second second: the run starts a
+    worker for the rest of the plan (the first pool finishes what it was given) and delivers every result once, in
+    plan order: its features.npz is the one of `--workers 1 --threads 2`."""
+    machine([(0.0, 10_000, {1: 100, 2: 180}), (2.0, 200, {1: 100, 2: 180})])
+    auto, chosen = run(minilm, workers=AUTO, threads=AUTO)
+    choice = chosen[0]
+    assert choice.initial == (0, 2) and [(r["workers"], r["threads"]) for r in choice.replans] == [(1, 2)]
+    given, _ = run(minilm, workers=1, threads=2)
+    a, b = npz(auto, tmp_path / "auto"), npz(given, tmp_path / "given")
+    for k in a:
+        assert np.array_equal(a[k], b[k], equal_nan=a[k].dtype.kind == "f"), k
+    assert auto.n_samples == len(TEXTS)
