@@ -257,3 +257,16 @@ def test_a_run_whose_tokenising_slows_takes_a_worker_midway_in_plan_order(minilm
     for k in a:
         assert np.array_equal(a[k], b[k], equal_nan=a[k].dtype.kind == "f"), k
     assert auto.n_samples == len(TEXTS)
+
+
+def test_the_page_states_the_rule_the_code_applies():
+    """docs/pipeline.md §4 gives the re-plan's figures in words: they are tuning.py's."""
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parent.parent / "docs" / "pipeline.md").read_text().split())
+    assert tuning.REPLAN_SECONDS == 1.0 and "every second of the run" in text
+    assert f"Within {tuning.DRIFT:g}× of the plan's" in text
+    assert f"estimate is below {tuning.GAIN:g} of the current one's" in text
+    assert f"has held for {tuning.SETTLE_SECONDS:g} s since the last change of threads" in text
+    assert f"take less than {tuning.HOLD_BYTES >> 20} MiB" in text
+    assert tuning.MAX_THREAD_CHANGES == 2 and "for two changes at most" in text
