@@ -556,14 +556,14 @@ def _run_on_caller(replica: Replica, encoder: Encoder, planned: Iterator, probe,
         return pb, arrays, res, n
 
     try:
-        _replanned_runs(replica, encoder, planned, replan, held, prefetch, encode, on_task, measure, on_choice)
+        _replanned_runs(encoder, planned, replan, held, prefetch, encode, on_task, measure, on_choice)
     except BaseException:
         held.flush()
         raise
     held.release(choice.threads)
 
 
-def _replanned_runs(replica, encoder, planned, replan, held, prefetch, encode, on_task, measure, on_choice) -> None:
+def _replanned_runs(encoder, planned, replan, held, prefetch, encode, on_task, measure, on_choice) -> None:
     """`_run_on_caller`'s runs of forwards, a tokenisation pool for each choice of workers."""
     choice = replan.choice
     it = iter(planned)
