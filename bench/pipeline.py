@@ -8,6 +8,8 @@
     python bench/pipeline.py workers  [--trees OLD,NEW]                  --workers 0 vs N, main thread vs a thread
     python bench/pipeline.py plan     [--plan-size-mb 8] [--stsb PATH]    the chosen pipeline vs fixed ones (issue 38)
                                       [--plan-cases tokenise-bound,forward-bound]
+    python bench/pipeline.py spike    [--plan-size-mb 48] [--spike-seconds 4]  a neighbour busy for the first
+                                      [--stop-share 0.11]                      seconds only, and a resume under it
 
 overlap: the model is replaced by a stand-in that takes, per batch, the time a device would need at R tokens/s
   and leaves the CPU idle (it sleeps). T, one worker's tokenisation rate (one process, the Rust tokenizer's
@@ -32,6 +34,12 @@ plan: `attnkit extract` with its own choice of workers and threads (default opti
   alone on one core + the forwards alone, pre-tokenised, with every thread) / 2. Figures are the seconds each run
   reports (start-up and model loading excluded), medians of --repeats; the line each run printed about its choice
   is shown once per case.
+spike: the tokenise-bound case of `plan` (default options) on the machine as it is, then beside a 2-thread torch
+  process that is busy for --spike-seconds from the moment the run has loaded its model (its "attnkit extract:"
+  line: the spike covers the plan's measuring) and then exits (issue 46); then the same run interrupted (SIGINT)
+  --stop-share of its quiet time into it, and its checkpoint resumed twice, quiet and under the same spike. Each
+  ratio is to the quiet run (the quiet resume for the resume); meta.json's `pipeline` of each run says what was
+  chosen and each change of plan. Seconds are those the run reports, medians of --repeats, interleaved.
 """
 from __future__ import annotations
 
@@ -429,6 +437,116 @@ def measure_plan(plan_size_mb: float, stsb: str, fixed: list[str], repeats: int,
     return out
 
 
+# --- spike: a neighbour busy for the first seconds only (issue 46) -------------------------------------------
+NEIGHBOUR = """
+import sys, time, torch
+torch.set_num_threads(2)
+a = torch.randn(384, 384)
+print("ready", flush=True)
+sys.stdin.readline()
+t = time.perf_counter()
+while time.perf_counter() - t < float(sys.argv[1]):
+    a @ a
+"""
+
+
+def _extract(corpus: Path, model_dir: Path, run: Path, max_length: int, resume: bool = False,
+             spike: float | None = None, stop_after: float | None = None) -> tuple[float | None, dict | None]:
+    """One `attnkit extract` (default options) in a fresh process: (the seconds it reports, meta.json's `pipeline`).
+    `spike`: a 2-thread torch neighbour busy for that many seconds from the run's "attnkit extract:" line (model
+    loaded, the plan about to be measured); `stop_after`: SIGINT that many seconds after the line (a checkpoint)."""
+    import signal
+    import threading
+
+    neighbour = None
+    if spike:
+        neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(spike)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        neighbour.stdout.readline()  # torch loaded: it starts the moment it is told
+    cmd = [sys.executable, "-m", "attnkit.cli", "extract", str(corpus), "--model", str(model_dir), "-o", str(run),
+           "--max-length", str(max_length)] + (["--resume"] if resume else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
+    timer = None
+    for line in proc.stderr:
+        if line.startswith("attnkit extract:"):
+            if neighbour is not None:
+                neighbour.stdin.write("go\n")
+                neighbour.stdin.flush()
+            if stop_after is not None:
+                timer = threading.Timer(stop_after, proc.send_signal, [signal.SIGINT])
+                timer.start()
+            break
+    out, err = proc.communicate()
+    if timer is not None:
+        timer.cancel()
+    if neighbour is not None:
+        neighbour.stdin.close()
+        neighbour.wait()
+    if stop_after is not None:
+        if proc.returncode != 130:
+            raise SystemExit(f"the run to interrupt ended with {proc.returncode} (--stop-share too late?): "
+                             f"{err[-500:]}")
+        return None, None
+    if proc.returncode != 0:
+        raise SystemExit(f"attnkit extract failed ({proc.returncode}): {err[-2000:]}")
+    seconds = float(re.search(r" in ([0-9.]+)s", out).group(1))
+    return seconds, json.loads((run / "meta.json").read_text()).get("pipeline")
+
+
+def _plan_story(pipeline: dict | None) -> str:
+    """workers/threads chosen, and each change of plan with its second."""
+    if not pipeline:
+        return "?"
+    text = f"{pipeline['workers']}/{pipeline['threads']}"
+    if pipeline.get("replans"):
+        first = pipeline["initial"]
+        text = f"{first['workers']}/{first['threads']} -> " + " -> ".join(
+            f"{r['workers']}/{r['threads']} ({r['seconds']:.1f} s)" for r in pipeline["replans"])
+    return text
+
+
+def spike(args) -> dict:
+    import shutil
+
+    tmp = Path(tempfile.mkdtemp(prefix="attnkit-spike-"))
+    model_dir = tiny_bert16(tmp / "bert16")
+    corpus = tmp / "generated.txt"
+    with open(corpus, "w") as f:
+        f.writelines(generated_lines(int(args.plan_size_mb * 10**6), seed=5))
+    ml = args.max_length
+    cases = ("quiet", "neighbour", "resume quiet", "resume spike")
+    times: dict = {k: [] for k in cases}
+    plans: dict = {k: [] for k in cases}
+    for r in range(args.repeats):
+        order = [("quiet", None), ("neighbour", args.spike_seconds)]
+        for name, busy in (order if r % 2 == 0 else order[::-1]):
+            shutil.rmtree(tmp / "run", ignore_errors=True)
+            s, p = _extract(corpus, model_dir, tmp / "run", ml, spike=busy)
+            times[name].append(s)
+            plans[name].append(_plan_story(p))
+        shutil.rmtree(tmp / "stopped", ignore_errors=True)
+        _extract(corpus, model_dir, tmp / "stopped", ml, stop_after=args.stop_share * times["quiet"][-1])
+        order = [("resume quiet", None), ("resume spike", args.spike_seconds)]
+        for name, busy in (order if r % 2 == 0 else order[::-1]):
+            shutil.rmtree(tmp / "run", ignore_errors=True)
+            shutil.copytree(tmp / "stopped", tmp / "run")
+            s, p = _extract(corpus, model_dir, tmp / "run", ml, resume=True, spike=busy)
+            times[name].append(s)
+            plans[name].append(_plan_story(p))
+        print(f"  round {r + 1}: " + ", ".join(f"{k} {times[k][-1]:.2f} s ({plans[k][-1]})" for k in cases)
+              + f" (load {os.getloadavg()[0]:.2f})", flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {"seconds": med, "plans": plans, "neighbour_over_quiet": med["neighbour"] / med["quiet"],
+           "resume_spike_over_quiet": med["resume spike"] / med["resume quiet"]}
+    print(f"medians of {args.repeats} ({args.plan_size_mb} MB, neighbour busy {args.spike_seconds} s; load "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}): " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items()))
+    print(f"  beside the neighbour / quiet: {out['neighbour_over_quiet']:.2f}; resume under it / quiet resume: "
+          f"{out['resume_spike_over_quiet']:.2f} (the bar: 1.3)")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 # --- ray -------------------------------------------------------------------------------------------------
 def ray_vs_local(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-bench-"))
@@ -516,7 +634,7 @@ def gpu(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["overlap", "padding", "memory", "ray", "gpu", "workers", "plan"])
+    ap.add_argument("what", choices=["overlap", "padding", "memory", "ray", "gpu", "workers", "plan", "spike"])
     ap.add_argument("files", nargs="*", help="padding: corpus files")
     ap.add_argument("--corpus", default=None, help="a corpus file (default: generated English-like lines)")
     ap.add_argument("--segments", type=int, default=40000)
@@ -540,11 +658,14 @@ def main() -> None:
                     help="plan: which cases (tokenise-bound, forward-bound)")
     ap.add_argument("--stsb", default=str(Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "stsb"
                                           / "dev.tsv"), help="plan: STS-B dev (the forward-bound case)")
+    ap.add_argument("--spike-seconds", type=float, default=4.0, help="spike: how long the neighbour is busy")
+    ap.add_argument("--stop-share", type=float, default=0.11,
+                    help="spike: where the run to resume is interrupted, as a share of the quiet run's seconds")
     args = ap.parse_args()
     if args.what == "memory":
         args.workers = args.workers[-1]
     what = {"overlap": overlap, "padding": padding, "memory": memory, "ray": ray_vs_local, "gpu": gpu,
-            "workers": workers, "plan": plan}
+            "workers": workers, "plan": plan, "spike": spike}
     result = what[args.what](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))

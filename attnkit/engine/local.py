@@ -46,7 +46,7 @@ from .devices import device_labels
 from .forward import unit_features
 from .openmp import available_cores
 from .plan import PlannedBatch, segment_chars, take_forwards
-from .tuning import AUTO, PipelineChoice, calibrate, check_threads, clamp_workers
+from .tuning import AUTO, HOLD_BYTES, PipelineChoice, Replanner, Stopwatch, calibrate, check_threads, clamp_workers
 
 
 def default_workers(device_type: str = "cuda") -> int:
@@ -100,9 +100,10 @@ def _die_with_parent(parent: int) -> None:
 
 def _worker_main(tasks, results, tokenizer, max_length: int, split_sentences: bool, parent: int) -> None:
     """A tokenisation worker process: tasks (lists of batches' segments) from `tasks`, in order, and for each one
-    ("ok", its arrays) or ("error", which batch, the failure) to `results`, in the same order. A thread of its own
-    sends them, so the worker goes on with the next task while the parent is inside a forward and has not read
-    the last one yet. None or the end of `tasks` ends it."""
+    ("ok", its arrays, the seconds tokenising them took: the run re-measures its plan with them) or ("error", which
+    batch, the failure) to `results`, in the same order. A thread of its own sends them, so the worker goes on with
+    the next task while the parent is inside a forward and has not read the last one yet. None or the end of
+    `tasks` ends it."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it saves a checkpoint)
     # A forked worker inherits the parent's Python handlers: the parent's SIGTERM handler (which turns SIGTERM
@@ -128,7 +129,7 @@ def _worker_main(tasks, results, tokenizer, max_length: int, split_sentences: bo
             break
         if task is None:
             break
-        out = []
+        out, t = [], time.perf_counter()
         for j, segments in enumerate(task):
             try:
                 out.append(encoder.encode_arrays(segments))
@@ -136,7 +137,7 @@ def _worker_main(tasks, results, tokenizer, max_length: int, split_sentences: bo
                 outbox.put(("error", j, f"{type(exc).__name__}: {exc}"))
                 break
         else:
-            outbox.put(("ok", out))
+            outbox.put(("ok", out, time.perf_counter() - t))
     outbox.put(None)
     sender.join()
 
@@ -223,12 +224,17 @@ class TokenizerPool:
     `help_here`: while the task the caller waits for is not done, the caller tokenises the next planned batch
     itself instead of waiting (at most `prefetch` × `group` such batches ahead), so a run bound by tokenising keeps
     every core busy with one worker fewer than cores (workers + the caller, never more processes than cores).
-    Batches still come out in plan order."""
+    Batches still come out in plan order.
+
+    `encode(planned)`: how the caller tokenises a batch (by default `encoder.encode_arrays` of its segments);
+    `on_task(n_tokens, seconds)` hears how long each worker task took (a re-planning run times its tokenising)."""
 
     def __init__(self, encoder: Encoder, workers: int, prefetch: int | None = None, group: int = TASK_BATCHES,
-                 help_here: bool = False):
+                 help_here: bool = False, encode: Callable | None = None, on_task: Callable | None = None):
         check_workers(workers)
         self.encoder = encoder
+        self.encode = encode or (lambda pb: encoder.encode_arrays(pb.segments))
+        self.on_task = on_task
         self.workers = workers
         self.group = max(1, group)
         self.prefetch = prefetch or max(2, 3 * workers)
@@ -272,7 +278,7 @@ class TokenizerPool:
     def map(self, planned: Iterable[PlannedBatch]) -> Iterator[tuple[PlannedBatch, EncodedArrays]]:
         if not self._procs:
             for pb in planned:
-                yield pb, self.encoder.encode_arrays(pb.segments)
+                yield pb, self.encode(pb)
             return
         # in plan order: (planned batches, the worker tokenising them, or their arrays made here)
         slots: collections.deque = collections.deque()
@@ -302,7 +308,7 @@ class TokenizerPool:
                 if pb is None:
                     exhausted = True
                 else:
-                    slots.append(([pb], [self.encoder.encode_arrays(pb.segments)]))
+                    slots.append(([pb], [self.encode(pb)]))
                     here += pb.n_forwards
                     self.helped += 1
                 continue
@@ -314,6 +320,8 @@ class TokenizerPool:
                     raise AttnkitError(f"tokenising batch {task[message[1]].index} failed in a worker: "
                                        f"{message[2]}")
                 arrays = message[1]
+                if self.on_task is not None:
+                    self.on_task(sum(a.n_tokens for a in arrays), message[2])
             else:
                 here -= task[0].n_forwards
                 arrays = source
@@ -409,11 +417,14 @@ def runs_on_caller(devices: Sequence) -> bool:
 def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBatch], forward: Callable, *,
                  workers: int | str = 0, threads: int | str | None = None, prefetch: int | None = None,
                  on_result: Callable[[BatchResult], None], on_progress: Callable[[list], None] | None = None,
-                 on_choice: Callable[[PipelineChoice], None] | None = None) -> PipelineChoice:
+                 on_choice: Callable[[PipelineChoice], None] | None = None,
+                 stopwatch: Stopwatch | None = None) -> PipelineChoice:
     """Measure every planned batch on the replicas in `models`; `on_result` sees the results in plan order.
-    `workers`/`threads` "auto": chosen from the first batches' rates (attnkit/engine/tuning.py; a single CPU
-    replica; with GPUs "auto" workers is `default_workers`); `threads` None keeps torch's thread count; the run
-    sets the count it uses and restores the caller's at the end. `on_choice` sees the choice before the run."""
+    `workers`/`threads` "auto": chosen from the first batches' rates and chosen again as the run goes
+    (attnkit/engine/tuning.py; a single CPU replica; with GPUs "auto" workers is `default_workers`); `threads` None
+    keeps torch's thread count; the run sets the count it uses and restores the caller's at the end. `on_choice`
+    sees the choice before the run and again after each change of it (the same object, changed). `stopwatch`: how
+    the work is timed (tests script a machine with one)."""
     if not models:
         raise AttnkitError("no model replica to run")
     check_workers(workers)
@@ -426,36 +437,157 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
         restore.callback(torch.set_num_threads, before)
         if here:
             restore.enter_context(tokenizer_threads_off())
+            watch = stopwatch or Stopwatch()
             choice, probe, planned = calibrate(lambda pb: encoder.encode_arrays(pb.segments),
                                                lambda pb, arrays: _measure_here(replicas[0], pb, arrays),
-                                               planned, workers, threads, max_workers())
-        else:
-            w = default_workers(devices[0].type) if workers == AUTO else workers
-            w, note = clamp_workers(w, max_workers())
-            n = before if threads == AUTO else threads
-            choice, probe = PipelineChoice(w, n, "default" if workers == AUTO else "given", max_workers(),
-                                           note=note), None
+                                               planned, workers, threads, max_workers(), watch)
+            if on_choice is not None:
+                on_choice(choice)
+            _run_on_caller(replicas[0], encoder, planned, probe, Replanner(choice, watch, workers, threads),
+                           prefetch, on_result, on_progress, on_choice)
+            return choice
+        w = default_workers(devices[0].type) if workers == AUTO else workers
+        w, note = clamp_workers(w, max_workers())
+        n = before if threads == AUTO else threads
+        choice = PipelineChoice(w, n, "default" if workers == AUTO else "given", max_workers(), note=note)
         if on_choice is not None:
             on_choice(choice)
         torch.set_num_threads(choice.threads)
         n_workers, planned = workers_for_plan(planned, choice.workers)
-        # workers start before any result is delivered; a caller running the forwards tokenises too while it waits
-        with TokenizerPool(encoder, n_workers, prefetch, help_here=here) as pool:
-            encoded = pool.map(planned)
-            if probe is not None:
-                redo = probe.threads != choice.threads  # a run's numbers are those of its thread count (§3)
-                for (pb, arrays), res in zip(probe.encoded, probe.results):
-                    on_result(_measure_here(replicas[0], pb, arrays) if redo else res)
-                    if on_progress is not None:
-                        on_progress([replicas[0]])
-            if here:
-                _run_here(replicas[0], encoded, on_result, on_progress)
-            else:
-                # Every batch the workers may hold can also wait for a device: the workers are never held back by
-                # a full device queue, and a device never waits while tokenised batches sit in a finished task.
-                _run_threaded(replicas, encoded, pool.prefetch * pool.group + 2 * len(replicas), on_result,
-                              on_progress)
+        with TokenizerPool(encoder, n_workers, prefetch) as pool:
+            # Every batch the workers may hold can also wait for a device: the workers are never held back by
+            # a full device queue, and a device never waits while tokenised batches sit in a finished task.
+            _run_threaded(replicas, pool.map(planned), pool.prefetch * pool.group + 2 * len(replicas), on_result,
+                          on_progress)
     return choice
+
+
+class _Gate:
+    """The planned batches one tokenisation pool takes: all of them, or those read before `close` (a re-plan that
+    changes the workers lets the pool finish what it was given, and a new pool takes the rest, in plan order)."""
+
+    def __init__(self, it: Iterator):
+        self.it, self.open = it, True
+
+    def __iter__(self) -> _Gate:
+        return self
+
+    def __next__(self):
+        if not self.open:
+            raise StopIteration
+        return next(self.it)
+
+    def close(self) -> None:
+        self.open = False
+
+
+def _nbytes(arrays: EncodedArrays, res: BatchResult) -> int:
+    return res.features.nbytes + sum(a.nbytes for a in (*arrays.inputs.values(), arrays.token_class,
+                                                        arrays.sentence_id) if hasattr(a, "nbytes"))
+
+
+class _Held:
+    """A CPU run's results on their way to `on_result`, in plan order. While the run's thread count may still
+    change (`holding`), they are held back with their arrays and the count they ran with; `release` delivers them,
+    measuring again with the final count those that ran with another (numbers can depend on the count:
+    docs/pipeline.md §3), so a re-planned run gives the numbers of the same run with its final choice given."""
+
+    def __init__(self, replica: Replica, on_result, on_progress, holding: bool):
+        self.replica, self.on_result, self.on_progress = replica, on_result, on_progress
+        self.holding = holding
+        self.items: list = []
+        self.bytes = 0
+        self.done = 0  # segments of the plan measured (held or delivered)
+
+    def add(self, planned: PlannedBatch, arrays: EncodedArrays, res: BatchResult, threads: int) -> None:
+        self.done = planned.end
+        if self.holding:
+            self.items.append((planned, arrays, res, threads))
+            self.bytes += _nbytes(arrays, res)
+        else:
+            self._deliver(res)
+
+    def flush(self) -> None:
+        """Deliver what is held as it ran: the run was interrupted or failed, and its checkpoint keeps this work (a
+        resumed run's numbers depend on the thread count the resume runs with anyway: docs/pipeline.md §4)."""
+        self.holding = False
+        items, self.items, self.bytes = self.items, [], 0
+        for _, _, res, _ in items:
+            self._deliver(res)
+
+    def release(self, threads: int) -> None:
+        self.holding = False
+        items, self.items, self.bytes = self.items, [], 0
+        if any(n != threads for *_, n in items):
+            torch.set_num_threads(threads)
+        for planned, arrays, res, n in items:
+            self._deliver(res if n == threads else _measure_here(self.replica, planned, arrays))
+
+    def _deliver(self, res: BatchResult) -> None:
+        self.on_result(res)
+        if self.on_progress is not None:
+            self.on_progress([self.replica])
+
+
+def _run_on_caller(replica: Replica, encoder: Encoder, planned: Iterator, probe, replan: Replanner, prefetch,
+                   on_result, on_progress, on_choice) -> None:
+    """A single CPU replica's run: forwards on the calling thread, tokenising in `choice.workers` processes and on
+    the calling thread while it waits for them; every REPLAN_SECONDS `replan` compares what the run measures with
+    the plan and may change the workers (this pool finishes the tasks it was given, a new one takes the rest) and,
+    while the results are held, the threads (attnkit/engine/tuning.py)."""
+    choice, watch = replan.choice, replan.watch
+    held = _Held(replica, on_result, on_progress, replan.threads_open)
+    if probe is not None:
+        for (pb, arrays), res in zip(probe.encoded, probe.results):
+            held.add(pb, arrays, res, probe.threads)
+
+    def encode(pb: PlannedBatch) -> EncodedArrays:
+        arrays, seconds = watch.time("tokenise", lambda a: a.n_tokens, encoder.encode_arrays, pb.segments)
+        replan.observe("tokenise", arrays.n_tokens, seconds)
+        return arrays
+
+    def on_task(n_tokens: int, seconds: float) -> None:
+        replan.observe("tokenise", n_tokens, watch.took("tokenise", n_tokens, seconds))
+
+    def measure(pb: PlannedBatch, arrays: EncodedArrays) -> tuple:
+        n = torch.get_num_threads()
+        res, seconds = watch.time("forward", arrays.n_tokens, _measure_here, replica, pb, arrays, threads=n)
+        replan.observe("forward", arrays.n_tokens, seconds, n)
+        return pb, arrays, res, n
+
+    try:
+        _replanned_runs(encoder, planned, replan, held, prefetch, encode, on_task, measure, on_choice)
+    except BaseException:
+        held.flush()
+        raise
+    held.release(choice.threads)
+
+
+def _replanned_runs(encoder, planned, replan, held, prefetch, encode, on_task, measure, on_choice) -> None:
+    """`_run_on_caller`'s runs of forwards, a tokenisation pool for each choice of workers."""
+    choice = replan.choice
+    it = iter(planned)
+    while (first := next(it, None)) is not None:
+        gate = _Gate(itertools.chain([first], it))
+
+        def after_run(gate=gate) -> None:
+            if held.holding and held.bytes >= HOLD_BYTES:
+                replan.fix_threads()
+            if replan.due():
+                was = (choice.workers, choice.threads)
+                if replan.recheck(held.done):
+                    gate.close()  # this pool finishes the tasks it was given; a new one takes the rest
+                if (choice.workers, choice.threads) != was and on_choice is not None:
+                    on_choice(choice)
+            if held.holding and not replan.threads_open:
+                held.release(choice.threads)
+            if torch.get_num_threads() != replan.threads_now():
+                torch.set_num_threads(replan.threads_now())
+
+        torch.set_num_threads(replan.threads_now())
+        n_workers, src = workers_for_plan(gate, choice.workers)
+        with TokenizerPool(encoder, n_workers, prefetch, help_here=True, encode=encode, on_task=on_task) as pool:
+            _run_here(pool.map(src), measure, held.add, after_run)
 
 
 @contextlib.contextmanager
@@ -487,23 +619,24 @@ RUN_BATCHES = 16  # forwards in one run of `_run_here`: at most this many
 RUN_SECONDS = 0.05  # and about this much forward time
 
 
-def _run_here(replica: Replica, encoded, on_result, on_progress) -> None:
+def _run_here(encoded, measure: Callable, deliver: Callable, after_run: Callable | None = None) -> None:
     """The batches on the calling thread, in runs: a run's batches are tokenised (or received) together, their
-    forwards run back to back, and their results are delivered together. Each kind of work then keeps its code and
-    data in the core's caches: a small model's forward right after tokenising a batch takes 20-40% longer than
-    one right after another forward. A run holds at most RUN_BATCHES forwards and about RUN_SECONDS of them, so
-    a large model's progress and checkpoints still follow every batch, and a worker's queued tasks outlast a run
-    (counted in forwards, not in units: a run of 16 units would leave a tokenise-bound run's worker idle)."""
+    forwards run back to back (`measure`), and their results are delivered together (`deliver`). Each kind of work
+    then keeps its code and data in the core's caches: a small model's forward right after tokenising a batch takes
+    20-40% longer than one right after another forward. A run holds at most RUN_BATCHES forwards and about
+    RUN_SECONDS of them, so a large model's progress and checkpoints still follow every batch, and a worker's queued
+    tasks outlast a run (counted in forwards, not in units: a run of 16 units would leave a tokenise-bound run's
+    worker idle). `after_run` follows each run (the re-plan's turn)."""
     size = 1
     encoded = iter(encoded)
     while items := take_forwards(encoded, size, planned=lambda item: item[0]):
         t = time.perf_counter()
-        results = [_measure_here(replica, planned, arrays) for planned, arrays in items]
+        results = [measure(planned, arrays) for planned, arrays in items]
         per_forward = (time.perf_counter() - t) / sum(planned.n_forwards for planned, _ in items)
         for res in results:
-            on_result(res)
-            if on_progress is not None:
-                on_progress([replica])
+            deliver(*res)
+        if after_run is not None:
+            after_run()
         size = max(1, min(RUN_BATCHES, int(RUN_SECONDS / max(per_forward, 1e-9))))
 
 

@@ -4,12 +4,21 @@ its first batches tokenise and run forwards, as a user with a stopwatch would.
 
     first batches: tokenised on the calling thread (timed) ─► forwards with the process's threads (timed), and
                    again with a single thread when tokenising is not negligible ─► `choose` ─► the rest of the run
+    the rest of the run: every REPLAN_SECONDS its own tokenising and forwards (timed as they run) are compared with
+                   the plan's rates; when one is off by more than DRIFT, the plan is measured again and chosen again
+                   (`Replanner`)
 
 Each rate is that of the fastest timed batch: a batch the system held up says nothing about the configuration.
+Yet a plan measured on one timed unit (the first warms up; a unit of 8 forwards of short texts is tokenised in a
+few milliseconds) can be measured during a moment the machine gave to others, and would hold for the whole run: so
+the run keeps measuring.
 
 The first batches' results are kept when the chosen thread count is the one they ran with; otherwise they are
 measured again with the chosen count, so a run's numbers are those of a run with the chosen settings given by hand
 (docs/pipeline.md §3). `--workers`/`--threads` given by the user are kept as given (workers at most the cores).
+A re-plan never changes a number either: workers only tokenise, and the thread count may change only while the
+results measured since the run's start are held back (attnkit/engine/local.py measures again those of another
+count before they are delivered); once it has held for SETTLE_SECONDS, only the workers change.
 """
 from __future__ import annotations
 
@@ -30,6 +39,13 @@ PROBE_BATCHES = 4  # forwards tokenised and run before choosing (at least 2 plan
 MIN_BATCHES = 8  # a plan of fewer forwards is not worth measuring: workers 0, the process's threads
 NEGLIGIBLE = 0.1  # tokenising below this share of a forward's time: more workers or fewer threads cannot help
 OVERSUBSCRIBED = 1.1  # the estimate of a configuration with more busy threads than cores is this much worse
+REPLAN_SECONDS = 1.0  # how often a run compares the rates it measures as it goes with its plan's
+DRIFT = 1.5  # a rate this many times faster or slower than the plan's: the plan no longer holds
+GAIN = 0.9  # a new choice is taken when its estimated time per token is below this share of the current one's
+SETTLE_SECONDS = 4.0  # the thread count stays open this long after the start and after each change of it
+HOLD_BYTES = 64 << 20  # and only while the results held back meanwhile take less memory than this
+MAX_THREAD_CHANGES = 2  # and for this many changes at most: a machine whose load keeps changing would otherwise keep
+#                         the results held and measure them again at every change
 
 
 @dataclass
@@ -44,11 +60,18 @@ class PipelineChoice:
     tokenise: float | None = None
     forward: dict = field(default_factory=dict)
     note: str = ""
+    replans: list = field(default_factory=list)  # each change made during the run (`Replanner`), for meta.json
+    initial: tuple | None = None  # (workers, threads) chosen at the start, once a re-plan changed them
 
     def line(self) -> str:
-        """The one line a run prints at its start."""
+        """The one line a run prints at its start, and after each change of plan."""
         text = (f"pipeline: {self.workers} tokenisation worker(s), {self.threads} torch thread(s) on {self.cores} "
                 f"core(s)")
+        if self.replans:
+            last = self.replans[-1]
+            rates = ", ".join(f"{float(r):,.0f} at {n} thread(s)" for n, r in last["forward_tokens_per_s"].items())
+            return text + (f" (re-planned after {last['after_segments']:,} segment(s), {last['seconds']:.1f} s: "
+                           f"tokenising {last['tokenise_tokens_per_s']:,.0f} tok/s per process, forward {rates})")
         if self.how == "measured":
             rates = ", ".join(f"{r:,.0f} at {n} thread(s)" for n, r in sorted(self.forward.items()))
             text += f" (measured: tokenising {self.tokenise:,.0f} tok/s per process, forward {rates})"
@@ -64,6 +87,9 @@ class PipelineChoice:
             out["forward_tokens_per_s"] = {str(n): round(r, 1) for n, r in sorted(self.forward.items())}
         if self.note:
             out["note"] = self.note
+        if self.replans:
+            out["initial"] = {"workers": self.initial[0], "threads": self.initial[1]}
+            out["replans"] = [dict(r) for r in self.replans]
         return out
 
 
@@ -122,10 +148,25 @@ def clamp_workers(workers, cores: int) -> tuple:
     return workers, ""
 
 
-def _timed(fn, *args):
-    t = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t
+class Stopwatch:
+    """How the pipeline times its work (tokenising, forwards) and reads the time between re-checks. This one reads
+    the process's clock; a test gives its own, whose `took` says how long each piece of work took on the machine it
+    scripts (busy, then quiet, ...) and whose `now` advances with it: the decisions then never race a real clock."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def took(self, kind: str, n_tokens: int, seconds: float, threads: int | None = None) -> float:
+        """The seconds `kind` ("tokenise": one process; "forward": with `threads`) took for `n_tokens` tokens;
+        `seconds` is what the clock measured."""
+        return seconds
+
+    def time(self, kind: str, n_tokens, fn, *args, threads: int | None = None):
+        """(fn(*args), its seconds); `n_tokens` may be a function of the result."""
+        t = time.perf_counter()
+        out = fn(*args)
+        dt = time.perf_counter() - t
+        return out, self.took(kind, n_tokens(out) if callable(n_tokens) else n_tokens, dt, threads)
 
 
 @dataclass
@@ -137,12 +178,18 @@ class Probe:
     threads: int
 
 
+def _tokens(arrays) -> int:
+    return arrays.n_tokens
+
+
 def calibrate(encode: Callable, measure: Callable, planned: Iterable, workers=AUTO, threads=AUTO,
-              cores: int | None = None) -> tuple[PipelineChoice, Probe | None, Iterator]:
+              cores: int | None = None, stopwatch: Stopwatch | None = None
+              ) -> tuple[PipelineChoice, Probe | None, Iterator]:
     """Decide (workers, threads) for a run whose batches run on the calling thread. `encode(planned)` tokenises
     a planned batch, `measure(planned, arrays)` runs its forward and returns its result. Returns the choice, the
     probe (results of the first batches with `probe.threads`, or None) and the planned batches not yet read."""
     cores = cores or available_cores()
+    watch = stopwatch or Stopwatch()
     workers, note = clamp_workers(workers, cores)
     now = torch.get_num_threads()
     if workers != AUTO and threads != AUTO:
@@ -160,8 +207,8 @@ def calibrate(encode: Callable, measure: Callable, planned: Iterable, workers=AU
     torch.set_num_threads(probe_threads)
     encoded, results, tok_s, fwd_s = [], [], [], []
     for i, pb in enumerate(probe):
-        arrays, dt = _timed(encode, pb)
-        res, df = _timed(measure, pb, arrays)
+        arrays, dt = watch.time("tokenise", _tokens, encode, pb)
+        res, df = watch.time("forward", arrays.n_tokens, measure, pb, arrays, threads=probe_threads)
         encoded.append((pb, arrays))
         results.append(res)
         if i:  # the first batch warms up
@@ -172,7 +219,8 @@ def calibrate(encode: Callable, measure: Callable, planned: Iterable, workers=AU
     if threads == AUTO and probe_threads > 1 and rates[probe_threads] / tokenise > NEGLIGIBLE:
         torch.set_num_threads(1)  # the probe's batches again with a single thread, for their time only
         try:
-            one = [_timed(measure, pb, arrays)[1] / arrays.n_tokens for pb, arrays in encoded]
+            one = [watch.time("forward", arrays.n_tokens, measure, pb, arrays, threads=1)[1] / arrays.n_tokens
+                   for pb, arrays in encoded]
         finally:
             torch.set_num_threads(probe_threads)
         rates[1] = 1 / max(min(one[1:]), 1e-12)  # the first warms up the new thread count
@@ -181,5 +229,109 @@ def calibrate(encode: Callable, measure: Callable, planned: Iterable, workers=AU
     return choice, Probe(encoded, results, probe_threads), rest
 
 
-__all__ = ["AUTO", "PipelineChoice", "Probe", "calibrate", "check_threads", "choose", "clamp_workers", "forward_rates",
-           "seconds_per_token"]
+class Replanner:
+    """Re-measures a measured plan as the run goes (docs/pipeline.md §4, "... and measured again as the run goes").
+
+    The run reports its work as it does it (`observe`: tokenising by the calling thread and by each worker task,
+    forwards by planned unit), and every REPLAN_SECONDS asks `recheck`. When the fastest rate of the interval, of
+    tokenising or of the forwards at the current thread count, is off by more than DRIFT from the plan's, the plan
+    no longer holds: its rates become the measured ones, and while the thread count is open the next run of
+    forwards is measured with the other measured count (`exploring`: a quiet machine's second thread cannot be
+    estimated from a busy one's); then `choose` decides again, and a choice whose estimate is below GAIN of the
+    current one's is taken and recorded (`PipelineChoice.replans`).
+
+    The thread count is open from the start until a re-check finds the plan holding SETTLE_SECONDS or more after
+    the count last changed (or the caller's held results reach HOLD_BYTES: `fix_threads`): the results are held
+    back meanwhile, and those of another count measured again (attnkit/engine/local.py), so that no number changes.
+    It closes at once after its MAX_THREAD_CHANGES-th change. After that, re-plans
+    change the workers only. A machine that stays busy keeps its busy plan (its rates hold); one that becomes quiet
+    measures faster and is planned again."""
+
+    def __init__(self, choice: PipelineChoice, stopwatch: Stopwatch, workers=AUTO, threads=AUTO):
+        self.choice, self.watch = choice, stopwatch
+        self.active = choice.how == "measured" and (workers == AUTO or threads == AUTO)
+        self.workers_given, self.threads_given = workers, threads
+        self.threads_open = self.active and threads == AUTO
+        self.tokenise = choice.tokenise
+        self.rates = dict(choice.forward)  # forward rates of the thread counts measured
+        self.t0 = self.last = self.threads_since = stopwatch.now()
+        self.exploring: int | None = None  # a thread count the next run of forwards measures
+        self.thread_changes = 0
+        self._best: dict = {}  # ("tokenise",) or ("forward", threads) -> the fastest rate since the last re-check
+
+    @property
+    def forward(self) -> dict:
+        return forward_rates(self.rates, self.choice.cores)
+
+    def threads_now(self) -> int:
+        """The thread count the next forwards run with."""
+        return self.exploring or self.choice.threads
+
+    def observe(self, kind: str, n_tokens: int, seconds: float, threads: int | None = None) -> None:
+        if self.active and n_tokens > 0 and seconds > 0:
+            key = (kind,) if kind == "tokenise" else (kind, threads)
+            self._best[key] = max(self._best.get(key, 0.0), n_tokens / seconds)
+
+    def due(self) -> bool:
+        return self.active and (self.exploring is not None or self.watch.now() - self.last >= REPLAN_SECONDS)
+
+    def fix_threads(self) -> None:
+        self.threads_open = False
+        self.exploring = None
+
+    def recheck(self, done: int) -> bool:
+        """Compare what the run measured since the last re-check with the plan, and choose again when it no longer
+        holds (`done`: segments of the plan measured so far, for the record). Whether the workers changed."""
+        now = self.watch.now()
+        best, self._best, self.last = self._best, {}, now
+        current = self.choice.threads
+        if self.exploring is not None:  # the run just measured at another thread count
+            n, self.exploring = self.exploring, None
+            if ("forward", n) in best:
+                self.rates[n] = best[("forward", n)]
+            return self._choose(done, now)
+        tok, fwd = best.get(("tokenise",)), best.get(("forward", current))
+        if not any(r is not None and not 1 / DRIFT <= r / plan <= DRIFT
+                   for r, plan in ((tok, self.tokenise), (fwd, self.forward.get(current)))):
+            if self.threads_open and now - self.threads_since >= SETTLE_SECONDS:
+                self.fix_threads()
+            return False
+        if tok is not None:
+            self.tokenise = tok
+        if fwd is not None:  # the other counts as measured before, scaled alike until measured again
+            scale = fwd / self.forward[current]
+            self.rates = {n: r * scale for n, r in self.rates.items()}
+        others = [n for n in (min(self.rates), max(self.rates)) if n != current]
+        if self.threads_open and self.threads_given == AUTO and others:
+            self.exploring = others[0]
+            return False
+        return self._choose(done, now)
+
+    def _choose(self, done: int, now: float) -> bool:
+        c = self.choice
+        threads = self.threads_given if not self.threads_open else AUTO
+        threads = c.threads if threads == AUTO and not self.threads_open else threads
+        forward = self.forward
+        w, n = choose(self.tokenise, forward, c.cores, self.workers_given, threads)
+        if (w, n) == (c.workers, c.threads) or c.threads not in forward or n not in forward:
+            return False
+        if (seconds_per_token(w, n, self.tokenise, forward, c.cores)
+                >= GAIN * seconds_per_token(c.workers, c.threads, self.tokenise, forward, c.cores)):
+            return False
+        if c.initial is None:
+            c.initial = (c.workers, c.threads)
+        changed = w != c.workers
+        if n != c.threads:
+            self.threads_since = now
+            self.thread_changes += 1
+            if self.thread_changes >= MAX_THREAD_CHANGES:
+                self.fix_threads()
+        c.workers, c.threads = w, n
+        c.replans.append({"after_segments": done, "seconds": round(now - self.t0, 2), "workers": w, "threads": n,
+                          "tokenise_tokens_per_s": round(self.tokenise, 1),
+                          "forward_tokens_per_s": {str(k): round(r, 1) for k, r in sorted(self.rates.items())}})
+        return changed
+
+
+__all__ = ["AUTO", "PipelineChoice", "Probe", "Replanner", "Stopwatch", "calibrate", "check_threads", "choose",
+           "clamp_workers", "forward_rates", "seconds_per_token"]

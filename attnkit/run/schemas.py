@@ -81,6 +81,18 @@ META_SCHEMA = {
         "inputs": {"type": "array", "items": {"type": "object"}},
         "versions": {"type": "object"},
         "elapsed_s": {"type": "number"},
+        # how the local engine decided its workers and threads (docs/files.md); `initial` and `replans` only when
+        # the run changed its plan as it went (attnkit/engine/tuning.py, Replanner)
+        "pipeline": {"type": "object", "properties": {
+            "workers": _INT0, "threads": _INT1, "how": {"type": "string"}, "cores": _INT1,
+            "initial": {"type": "object", "required": ["workers", "threads"],
+                        "properties": {"workers": _INT0, "threads": _INT1}},
+            "replans": {"type": "array", "items": {
+                "type": "object", "required": ["after_segments", "seconds", "workers", "threads"],
+                "properties": {"after_segments": _INT0, "seconds": {"type": "number", "minimum": 0},
+                               "workers": _INT0, "threads": _INT1, "tokenise_tokens_per_s": {"type": "number"},
+                               "forward_tokens_per_s": {"type": "object",
+                                                        "additionalProperties": {"type": "number"}}}}}}},
     },
 }
 
