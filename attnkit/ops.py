@@ -298,8 +298,9 @@ def attention(
     `sliding_window`, `softcap`, `sink` (a logit per head; adds the feature `sink`).
     Returns (out B×L×H×D, features B×H×F fp32 — B×H×0 when `want_features` is false); with `want_max_logit`, also
     each head's max logit per sample (B×H fp32, no gradient; docs/features.md §9, `attnkit.reference.max_logits`):
-    from the CPU kernel's own pass where it measures it (`fused_max_logit`: no intervention mode, as many queries as
-    keys), else from `attnkit.kernels.statistics.max_logits` (one more blocked q·kᵀ pass).
+    from the CPU kernel's own pass where it measures it (`fused_max_logit`: no intervention mode; KV-cache steps
+    included), else from `attnkit.kernels.statistics.max_logits` (one more blocked q·kᵀ pass). A step's rows count
+    at their true positions; a sample with no valid row has −inf.
     """
     res = _attention(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows, mode=mode,
                      region=region, renormalize=renormalize, gates=gates, want_features=want_features,
@@ -370,7 +371,7 @@ def _attention(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling,
         )
     try:
         lse = saves_lse(q, k, v, gates, sink, mode, region, renormalize, sliding_window, softcap)
-        in_op = _max_logit and mode is None and not fewer_queries and fused_max_logit(dev.type)
+        in_op = _max_logit and mode is None and fused_max_logit(dev.type)  # (a step here: the kernel takes it)
         if lse or in_op:
             # training: the op also returns each row's log-sum-exp, which its backward uses instead of recomputing
             # the attention forward (docs/training.md, "The backward"); with `in_op`, each head's max logit too.

@@ -233,11 +233,14 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling:
                kv_head: torch.Tensor | None = None, causal: bool = False,
                sliding_window: int | None = None) -> torch.Tensor:
     """B×H fp32: each head's max logit per sample (docs/features.md, "Max logit"): the largest q_s·k_t·scaling over
-    the valid query rows s < n and the keys t each sees, before any soft-cap; NaN scores propagate."""
-    B, H, L, _ = q.shape
+    the valid query rows s < n and the keys t each sees, before any soft-cap; NaN scores propagate. q has Lq ≤ L
+    rows, at their true positions s = L − Lq + i (`query_positions`); a sample with no valid row (a KV-cache step
+    past its length) has −inf, the maximum of nothing, which leaves any maximum taken over samples unchanged."""
+    Lq, L = q.shape[2], k.shape[2]
     lengths = lengths.to(q.device).long()
     scores = attention_scores(q, k, scaling, kv_head=kv_head)
-    seen = visible_keys(lengths, L, causal, sliding_window) & _key_mask(lengths, L)[:, None, :, None]
+    valid_rows = query_positions(Lq, L, q.device)[None, :] < lengths[:, None]  # B×Lq
+    seen = visible_keys(lengths, L, causal, sliding_window, Lq) & valid_rows[:, None, :, None]
     return scores.masked_fill(~seen, float("-inf")).amax((-1, -2))
 
 
