@@ -278,7 +278,8 @@ def visible_keys(lengths: torch.Tensor, L: int, causal: bool = False,
 
 def resolve_kv_head(H: int, Hkv: int, kv_head: torch.Tensor | None, device=None) -> torch.Tensor:
     """The KV head of each of the H query heads (int64 H): `kv_head` itself, or by default the identity
-    (Hkv == H) or even groups h // (H // Hkv). check_layout has refused any other Hkv without kv_head."""
+    (Hkv == H) or even groups h // (H // Hkv). AttentionParams.check_layout has refused any other Hkv without
+    kv_head."""
     if kv_head is not None:
         return kv_head.to(device=device, dtype=torch.long)
     return torch.arange(H, device=device) // (H // Hkv)

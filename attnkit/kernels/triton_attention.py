@@ -393,10 +393,7 @@ def fused_attention(q, k, v, lengths, *args, block_m: int | None = None, block_n
     Hkv = k.shape[1]
     if D < 16 or D & (D - 1):
         raise AttnkitError(f"the Triton kernel needs a head dim that is a power of two >= 16, got {D}")
-    if sliding_window is not None and sliding_window < 1:
-        raise AttnkitError(f"sliding_window must be >= 1, got {sliding_window}")
-    if softcap is not None and not softcap > 0:
-        raise AttnkitError(f"softcap must be > 0, got {softcap}")
+    p.check_layout(q, k, v, lengths)  # the op's contract, as every backend checks it
     dev = q.device
     scaling = D ** -0.5 if p.scaling is None else p.scaling
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
