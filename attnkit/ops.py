@@ -25,6 +25,7 @@ scaled_dot_product_attention. The fake kernel's shapes hold for them (out B×Lq�
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -33,8 +34,8 @@ import threading
 import torch
 
 from .errors import AttnkitError, arg
-from .features import DEFAULT_NUM_WINDOWS, num_features
-from .reference import check_layout, reference_attention, visible_keys
+from .features import num_features
+from .reference import AttentionParams, params_attention, takes_params, visible_keys
 
 log = logging.getLogger("attnkit")
 
@@ -200,13 +201,6 @@ def cpu_capabilities() -> list[str]:
     return caps[::-1]
 
 
-def _decoder_args_given(q, k, kv_head, causal, sliding_window, softcap, sink) -> list[str]:
-    """The decoder arguments a call uses (grouped K/V counts as kv_head)."""
-    given = {"kv_head": kv_head is not None or k.shape[1] != q.shape[1], "causal": bool(causal),
-             "sliding_window": sliding_window is not None, "softcap": softcap is not None, "sink": sink is not None}
-    return [name for name, used in given.items() if used]
-
-
 CUDA_KERNELS = ("v1", "v2", "triton")
 
 
@@ -266,31 +260,12 @@ def _as(t: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> tor
     return None if t is None else t.to(device=device, dtype=dtype)
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lengths: torch.Tensor,
-    token_class: torch.Tensor | None = None,
-    sentence_id: torch.Tensor | None = None,
-    *,
-    scaling: float | None = None,
-    num_windows: int = DEFAULT_NUM_WINDOWS,
-    mode: torch.Tensor | None = None,
-    region: torch.Tensor | None = None,
-    renormalize: bool = False,
-    gates: torch.Tensor | None = None,
-    want_features: bool = False,
-    key_scale: torch.Tensor | None = None,
-    kv_head: torch.Tensor | None = None,
-    causal: bool = False,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sink: torch.Tensor | None = None,
-    backend: str = "auto",
-    want_max_logit: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """Attention with optional interventions and features; see `attnkit.reference` for semantics.
+@takes_params
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+              token_class: torch.Tensor | None = None, sentence_id: torch.Tensor | None = None, *,
+              backend: str = "auto", want_max_logit: bool = False, **params) -> tuple[torch.Tensor, ...]:
+    """Attention with optional interventions and features; see `attnkit.reference` for semantics. `params`: the
+    op's other arguments, by keyword (the fields of `attnkit.reference.AttentionParams`).
 
     `key_scale` (B×H×L, ≥ 0): the features describe the weights each scaled by its key's factor and
     renormalised per row (norm weighting, docs/features.md); the output is unchanged.
@@ -298,54 +273,54 @@ def attention(
     `sliding_window`, `softcap`, `sink` (a logit per head; adds the feature `sink`).
     Returns (out B×L×H×D, features B×H×F fp32 — B×H×0 when `want_features` is false); with `want_max_logit`, also
     each head's max logit per sample (B×H fp32, no gradient; docs/features.md §9, `attnkit.reference.max_logits`):
-    from the CPU kernel's own pass where it measures it (`fused_max_logit`: no intervention mode, as many queries as
-    keys), else from `attnkit.kernels.statistics.max_logits` (one more blocked q·kᵀ pass).
+    from the CPU kernel's own pass where it measures it (`fused_max_logit`: no intervention mode; KV-cache steps
+    included), else from `attnkit.kernels.statistics.max_logits` (one more blocked q·kᵀ pass). A step's rows count
+    at their true positions; a sample with no valid row has −inf.
     """
-    res = _attention(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows, mode=mode,
-                     region=region, renormalize=renormalize, gates=gates, want_features=want_features,
-                     key_scale=key_scale, kv_head=kv_head, causal=causal, sliding_window=sliding_window,
-                     softcap=softcap, sink=sink, backend=backend, _max_logit=want_max_logit)
+    p = AttentionParams(token_class, sentence_id, **params)
+    res = _attention(q, k, v, lengths, p, backend, _max_logit=want_max_logit)
     if not want_max_logit or len(res) == 3:
         return res
     from .kernels.statistics import max_logits
 
-    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    kvh = None if kv_head is None else kv_head.to(q.device)
-    return (*res, max_logits(q, k, lengths, scale, kv_head=kvh, causal=causal, sliding_window=sliding_window))
+    scale = q.shape[-1] ** -0.5 if p.scaling is None else p.scaling
+    kvh = None if p.kv_head is None else p.kv_head.to(q.device)
+    return (*res, max_logits(q, k, lengths, scale, kv_head=kvh, causal=p.causal, sliding_window=p.sliding_window))
 
 
-def _attention(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling, num_windows, mode, region,
-               renormalize, gates, want_features, key_scale, kv_head, causal, sliding_window, softcap, sink, backend,
-               _max_logit=False) -> tuple[torch.Tensor, ...]:
+def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
+    """The arguments in the dtypes the compiled op's schema takes, on q's device (scaling resolved); gates and
+    sink that need a gradient keep their dtype, so that autograd reaches them."""
+    dev = q.device
+    return dataclasses.replace(
+        p, scaling=q.shape[-1] ** -0.5 if p.scaling is None else p.scaling,
+        token_class=_as(p.token_class, torch.int32, dev), sentence_id=_as(p.sentence_id, torch.int32, dev),
+        mode=_as(p.mode, torch.int32, dev), region=_as(p.region, torch.int32, dev),
+        gates=_as(p.gates, torch.float32, dev) if p.gates is None or not p.gates.requires_grad else p.gates.to(dev),
+        key_scale=_as(p.key_scale, torch.float32, dev), kv_head=_as(p.kv_head, torch.int32, dev),
+        sink=_as(p.sink, torch.float32, dev) if p.sink is None or not p.sink.requires_grad else p.sink.to(dev),
+        causal=bool(p.causal), softcap=None if p.softcap is None else float(p.softcap))
+
+
+# the op's arguments before the decoder ones: all that a build before them takes
+_BEFORE_DECODER = AttentionParams.position("kv_head") - 4
+
+
+def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=False) -> tuple[torch.Tensor, ...]:
     """`attention` without `want_max_logit`; `_max_logit`: where the fused CPU kernel measures the max logit, it is
     returned as a third output (else the caller computes it)."""
     # shapes and dtypes as the reference checks them, before anything is converted: the backends agree on
     # every input the reference accepts, and refuse (not round) what it refuses, e.g. float lengths or D = 0
-    check_layout(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows, mode=mode,
-                 region=region, gates=gates, key_scale=key_scale, kv_head=kv_head, sliding_window=sliding_window,
-                 softcap=softcap, sink=sink)
+    p.check_layout(q, k, v, lengths)
     dev = q.device
-    if scaling is None:
-        scaling = q.shape[-1] ** -0.5
     lengths = lengths.to(device=dev, dtype=torch.int64)
-    token_class = _as(token_class, torch.int32, dev)
-    sentence_id = _as(sentence_id, torch.int32, dev)
-    mode = _as(mode, torch.int32, dev)
-    region = _as(region, torch.int32, dev)
-    gates = _as(gates, torch.float32, dev) if gates is None or not gates.requires_grad else gates.to(dev)
-    key_scale = _as(key_scale, torch.float32, dev)
-    kv_head = _as(kv_head, torch.int32, dev)
-    sink = _as(sink, torch.float32, dev) if sink is None or not sink.requires_grad else sink.to(dev)
-    causal = bool(causal)
-    softcap = None if softcap is None else float(softcap)
-    decoder = _decoder_args_given(q, k, kv_head, causal, sliding_window, softcap, sink)
+    p = _for_kernels(p, q)
+    decoder = p.decoder_used(q.shape[1], k.shape[1])
     fewer_queries = q.shape[2] < k.shape[2]  # a KV-cache step: the queries are the last positions of the keys
     if (backend in ("auto", "fused") and dev.type == "cuda" and q.dtype in _TRITON_DTYPES and cuda_kernel() == "triton"
             and not fewer_queries):
         # the Triton kernel takes every argument, the decoder ones included, and needs no compiled extension
-        return torch.ops.attnkit.fused_attention_triton(
-            q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
-            bool(renormalize), gates, bool(want_features), key_scale, kv_head, causal, sliding_window, softcap, sink)
+        return torch.ops.attnkit.fused_attention_triton(q, k, v, lengths, *p.op_args())
     chosen = resolve_backend(backend, dev)
     if chosen == "fused" and decoder and not _FUSED_DECODER:
         if backend == "fused":
@@ -358,43 +333,28 @@ def _attention(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling,
                                f"keys ({q.shape[2]} queries, {k.shape[2]} keys: a KV-cache step); use backend "
                                "'auto' or 'reference'")
         chosen = "reference"  # a decode step costs the reference O(keys) per head and query row (exact, no warning)
-    if chosen == "reference" and fewer_queries and backend == "auto" and _plain_step(
-            q, k, v, want_features, mode, region, gates, kv_head, softcap, sink):
-        return plain_step(q, k, v, lengths, scaling, causal, sliding_window)
+    if chosen == "reference" and fewer_queries and backend == "auto" and _plain_step(q, k, v, p):
+        return plain_step(q, k, v, lengths, p.scaling, p.causal, p.sliding_window)
     if chosen == "reference":
-        return reference_attention(
-            q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
-            mode=mode, region=region, renormalize=renormalize, gates=gates, want_features=want_features,
-            key_scale=key_scale, kv_head=kv_head, causal=causal, sliding_window=sliding_window, softcap=softcap,
-            sink=sink,
-        )
+        return params_attention(q, k, v, lengths, p)
     try:
-        lse = saves_lse(q, k, v, gates, sink, mode, region, renormalize, sliding_window, softcap)
-        in_op = _max_logit and mode is None and not fewer_queries and fused_max_logit(dev.type)
+        lse = saves_lse(q, k, v, p)
+        in_op = _max_logit and p.mode is None and fused_max_logit(dev.type)  # (a step here: the kernel takes it)
         if lse or in_op:
             # training: the op also returns each row's log-sum-exp, which its backward uses instead of recomputing
             # the attention forward (docs/training.md, "The backward"); with `in_op`, each head's max logit too.
             # Gates multiply the op's ungated output here, so that the saved output is the one ATen's backward
             # wants and autograd gives the gate Σ dO ∘ O_h (no recompute)
-            res = torch.ops.attnkit.fused_attention_lse(
-                q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
-                bool(renormalize), None if lse else gates, bool(want_features), key_scale, kv_head, causal,
-                sliding_window, softcap, sink, *((True,) if in_op else ()),
-            )
+            ungated = dataclasses.replace(p, gates=None) if lse else p
+            res = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *ungated.op_args(),
+                                                        *((True,) if in_op else ()))
             out = res[0]
-            if lse and gates is not None:
-                out = (out.float() * gates.float().view(1, 1, -1, 1)).to(out.dtype)
+            if lse and p.gates is not None:
+                out = (out.float() * p.gates.float().view(1, 1, -1, 1)).to(out.dtype)
             return (out, res[1], res[3]) if in_op else (out, res[1])
-        if not _FUSED_DECODER:
-            return torch.ops.attnkit.fused_attention(
-                q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
-                bool(renormalize), gates, bool(want_features), key_scale,
-            )
-        return torch.ops.attnkit.fused_attention(
-            q, k, v, lengths, token_class, sentence_id, float(scaling), int(num_windows), mode, region,
-            bool(renormalize), gates, bool(want_features), key_scale, kv_head, causal, sliding_window, softcap,
-            sink,
-        )
+        args = p.op_args()
+        return torch.ops.attnkit.fused_attention(q, k, v, lengths, *(args if _FUSED_DECODER else
+                                                                      args[:_BEFORE_DECODER]))
     except RuntimeError as exc:  # the kernels' argument checks (TORCH_CHECK) name the bad argument
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         if "fused_attention" in msg:
@@ -402,7 +362,7 @@ def _attention(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling,
         raise
 
 
-def saves_lse(q, k, v, gates, sink, mode, region, renormalize, sliding_window, softcap) -> bool:
+def saves_lse(q, k, v, p: AttentionParams) -> bool:
     """Whether a fused CPU call runs `_LSE_OP` so that its backward reuses the saved output and log-sum-exp: a
     gradient is wanted, the extension has the op, and the backward is ATen's with nothing between the softmax and
     the output — no intervention (mode, region, renormalize), as many queries as keys, and ATen's case
@@ -412,16 +372,16 @@ def saves_lse(q, k, v, gates, sink, mode, region, renormalize, sliding_window, s
     from .kernels.backward import uses_aten
 
     return (q.device.type == "cpu" and torch.is_grad_enabled()
-            and any(t is not None and t.requires_grad for t in (q, k, v, gates, sink))
-            and mode is None and region is None and not renormalize and q.shape[2] == k.shape[2]
-            and uses_aten(q, sliding_window, softcap, sink) and _FUSED_DECODER and has_kernel("cpu", _LSE_OP))
+            and any(t is not None and t.requires_grad for t in (q, k, v, p.gates, p.sink))
+            and p.mode is None and p.region is None and not p.renormalize and q.shape[2] == k.shape[2]
+            and uses_aten(q, p.sliding_window, p.softcap, p.sink) and _FUSED_DECODER and has_kernel("cpu", _LSE_OP))
 
 
-def _plain_step(q, k, v, want_features, mode, region, gates, kv_head, softcap, sink) -> bool:
+def _plain_step(q, k, v, p: AttentionParams) -> bool:
     """Whether a call with fewer queries than keys is plain attention (`plain_step` computes it): fp32, no
     features, no intervention, even KV groups, no soft cap, no sink, no gradients."""
-    return (q.dtype == torch.float32 and not want_features and mode is None and region is None and gates is None
-            and kv_head is None and softcap is None and sink is None
+    return (q.dtype == torch.float32 and not p.want_features and p.mode is None and p.region is None
+            and p.gates is None and p.kv_head is None and p.softcap is None and p.sink is None
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 
@@ -469,9 +429,7 @@ _LIB.define(
     "int? sliding_window=None, float? softcap=None, Tensor? sink=None) -> (Tensor, Tensor)")
 
 
-def _fused_attention_triton(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region,
-                            renormalize, gates, want_features, key_scale=None, kv_head=None, causal=False,
-                            sliding_window=None, softcap=None, sink=None):
+def _fused_attention_triton(q, k, v, lengths, *args):
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise AttnkitError("the Triton kernel runs on CUDA tensors (on CPU tensors only under TRITON_INTERPRET=1)")
     try:  # imported on first use: importing triton costs seconds
@@ -479,21 +437,18 @@ def _fused_attention_triton(q, k, v, lengths, token_class, sentence_id, scaling,
     except ImportError as exc:
         raise AttnkitError(f"ATTNKIT_CUDA_KERNEL=triton needs the triton package ({exc}); install attnkit's "
                            "'gpu-triton' extra") from None
-    return triton_attention.fused_attention(
-        q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region, renormalize, gates,
-        want_features, key_scale, kv_head, causal, sliding_window, softcap, sink)
+    return triton_attention.fused_attention(q, k, v, lengths, *args)
 
 
 _LIB.impl("fused_attention_triton", _fused_attention_triton, "CUDA")
 _LIB.impl("fused_attention_triton", _fused_attention_triton, "CPU")
 
 
-def _fused_attention_fake(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode,
-                          region, renormalize, gates, want_features, key_scale=None, kv_head=None,
-                          causal=False, sliding_window=None, softcap=None, sink=None):
+def _fused_attention_fake(q, k, v, lengths, *args):
+    p = AttentionParams(*args)
     B, H, Lq, D = q.shape  # Lq <= the keys' length: a KV-cache step has one row per new token
     out = q.new_empty((B, Lq, H, D))
-    nf = num_features(num_windows, sink=sink is not None) if want_features else 0
+    nf = num_features(p.num_windows, sink=p.sink is not None) if p.want_features else 0
     feats = q.new_empty((B, H, nf), dtype=torch.float32)
     return out, feats
 
@@ -501,23 +456,30 @@ def _fused_attention_fake(q, k, v, lengths, token_class, sentence_id, scaling, n
 
 torch.library.register_fake(_TRITON_OP)(_fused_attention_fake)
 
-# positions of the op's inputs (csrc/ops.cpp); the decoder arguments come last, absent from older builds
-_GATES, _SINK = 11, 18
+# positions of the op's inputs that get gradients besides q, k and v (csrc/ops.cpp)
+_GATES, _SINK = AttentionParams.position("gates"), AttentionParams.position("sink")
+_N_PARAMS = len(dataclasses.fields(AttentionParams))
+
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region, renormalize,
-     gates, want_features, _key_scale) = inputs[:14]  # the key scale changes features only
-    kv_head, causal, sliding_window, softcap, sink = (tuple(inputs[14:19]) + (None, False, None, None, None)[
-        len(inputs[14:19]):])
+    q, k, v, lengths = inputs[:4]
+    # the decoder arguments come last, absent from older builds (their defaults); the lse op's want_max_logit after
+    p = AttentionParams(*inputs[4:4 + _N_PARAMS])
     # _LSE_OP's outputs (out, features, lse[, max_logit]): its backward reuses out and lse instead of recomputing them
     saved = (output[0], output[2]) if len(output) >= 3 else ()
-    ctx.save_for_backward(q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink, *saved)
-    ctx.scaling = scaling
-    ctx.renormalize = renormalize
+    ctx.save_for_backward(q, k, v, lengths, *p.tensors(), *saved)
+    ctx.params = p.with_tensors((None,) * len(p.tensors()))  # the tensors are saved above
     ctx.n_inputs = len(inputs)
-    ctx.decoder = dict(causal=bool(causal), sliding_window=sliding_window, softcap=softcap)
     # backward differentiates the attention output only: the features (and the lse) get no grad_fn
     ctx.mark_non_differentiable(*output[1:])
+
+
+def _saved(ctx) -> tuple:
+    """(q, k, v, lengths, the op's AttentionParams, the saved (out, lse) or ()), unpacked once: gradient
+    checkpointing allows one unpack per backward."""
+    tensors = ctx.saved_tensors
+    n = 4 + len(ctx.params.tensors())
+    return (*tensors[:4], ctx.params.with_tensors(tensors[4:n]), tuple(tensors[n:]))
 
 
 def _backward(ctx, grad_out, grad_feats, *_grad_lse_and_max_logit):
@@ -525,36 +487,33 @@ def _backward(ctx, grad_out, grad_feats, *_grad_lse_and_max_logit):
     renormalize) by attnkit.kernels.backward, which never builds an L×L map; with one, or with fewer queries than
     keys (a KV-cache step), by re-running the differentiable reference (L×L maps). After `_LSE_OP` without gates
     the saved output and log-sum-exp go to the backward (with gates the saved output is gated: recomputed)."""
-    tensors = ctx.saved_tensors  # unpacked once: gradient checkpointing allows one unpack per backward
-    q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = tensors[:11]
+    q, k, v, lengths, p, saved = _saved(ctx)
     needs = ctx.needs_input_grad
     result = [None] * ctx.n_inputs
-    if mode is None and region is None and not ctx.renormalize and q.shape[2] == k.shape[2]:
+    if p.mode is None and p.region is None and not p.renormalize and q.shape[2] == k.shape[2]:
         from .kernels.backward import attention_backward
 
-        saved = tuple(tensors[11:]) if gates is None and len(tensors) == 13 else None
-        dq, dk, dv, dg, ds = attention_backward(grad_out, q, k, v, lengths, scaling=ctx.scaling, gates=gates,
-                                                kv_head=kv_head, sink=sink, saved=saved, **ctx.decoder)
+        saved = saved if p.gates is None and len(saved) == 2 else None
+        dq, dk, dv, dg, ds = attention_backward(grad_out, q, k, v, lengths, scaling=p.scaling, gates=p.gates,
+                                                saved=saved, **p.decoder())
         for i, g in ((0, dq), (1, dk), (2, dv), (_GATES, dg), (_SINK, ds)):
             if i < len(needs) and needs[i]:
                 result[i] = g
         return tuple(result)
-    return tuple(_reference_backward(ctx, tensors, grad_out, result))
+    return tuple(_reference_backward(ctx, q, k, v, lengths, p, grad_out, result))
 
 
-def _reference_backward(ctx, tensors, grad_out, result: list) -> list:
+def _reference_backward(ctx, q, k, v, lengths, p: AttentionParams, grad_out, result: list) -> list:
     """The gradients under an intervention: autograd through the reference, which materialises the L×L weights."""
-    q, k, v, lengths, token_class, sentence_id, mode, region, gates, kv_head, sink = tensors[:11]
     needs = ctx.needs_input_grad
     leaves = {}
     with torch.enable_grad():
         qd, kd, vd = (t.detach().requires_grad_(needs[i]) for i, t in enumerate((q, k, v)))
-        gd = None if gates is None else gates.detach().requires_grad_(needs[_GATES])
-        sd = None if sink is None else sink.detach().requires_grad_(needs[_SINK])
-        out, _ = reference_attention(
-            qd, kd, vd, lengths, token_class, sentence_id, scaling=ctx.scaling, mode=mode,
-            region=region, renormalize=ctx.renormalize, gates=gd, kv_head=kv_head, sink=sd, **ctx.decoder,
-        )
+        gd = None if p.gates is None else p.gates.detach().requires_grad_(needs[_GATES])
+        sd = None if p.sink is None else p.sink.detach().requires_grad_(needs[_SINK])
+        # the output only: no features (as the op's backward differentiates the output only)
+        out, _ = params_attention(qd, kd, vd, lengths, dataclasses.replace(p, gates=gd, sink=sd, want_features=False,
+                                                                           key_scale=None))
         for i, t in ((0, qd), (1, kd), (2, vd), (_GATES, gd), (_SINK, sd)):
             if t is not None and needs[i]:
                 leaves[i] = t
@@ -578,10 +537,10 @@ if extension_loaded():
 
     if has_kernel("cpu", _LSE_OP):  # an extension built before the op has no such schema
         @torch.library.register_fake(_LSE_OP)
-        def _fused_attention_lse_fake(q, *args, want_max_logit=False):
-            if len(args) > 18:  # want_max_logit given by position
-                args, want_max_logit = args[:18], args[18]
-            out, feats = _fused_attention_fake(q, *args)
+        def _fused_attention_lse_fake(q, k, v, lengths, *args, want_max_logit=False):
+            if len(args) > _N_PARAMS:  # want_max_logit given by position
+                args, want_max_logit = args[:_N_PARAMS], args[_N_PARAMS]
+            out, feats = _fused_attention_fake(q, k, v, lengths, *args)
             B, H, L, _ = q.shape
             lse = q.new_empty((B, H, L), dtype=torch.float32)
             if not _LSE_MAX_LOGIT:  # an extension built before the max logit: three outputs

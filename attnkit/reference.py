@@ -63,6 +63,8 @@ the tiles those rows do not see).
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 
 import torch
@@ -82,6 +84,171 @@ from .features import (
     ZERO,
     num_features,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionParams:
+    """The op's arguments after q, k, v and lengths, defined once (as FlashAttention's Flash_fwd_params): the fields
+    are in the order of the schema of `attnkit::fused_attention` (csrc/ops.cpp), so `AttentionParams(*args)` reads
+    the op's positional arguments after lengths and `op_args()` gives them back. `attnkit.ops.attention`,
+    `reference_attention`, the fake kernels, the autograd functions and the Triton wrapper all take their arguments
+    through it; the contract (module docstring, "Arguments") is checked by `check_layout` and `check`.
+
+    token_class, sentence_id: B×L (None: all OTHER / one sentence); scaling (None: D^-1/2); num_windows; mode,
+    region: H codes; renormalize; gates: H floats; want_features; key_scale: B×H×L (norm weighting); the decoder
+    arguments kv_head, causal, sliding_window, softcap, sink (module docstring)."""
+
+    token_class: torch.Tensor | None = None
+    sentence_id: torch.Tensor | None = None
+    scaling: float | None = None
+    num_windows: int = DEFAULT_NUM_WINDOWS
+    mode: torch.Tensor | None = None
+    region: torch.Tensor | None = None
+    renormalize: bool = False
+    gates: torch.Tensor | None = None
+    want_features: bool = False
+    key_scale: torch.Tensor | None = None
+    kv_head: torch.Tensor | None = None
+    causal: bool = False
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sink: torch.Tensor | None = None
+
+    @classmethod
+    def position(cls, name: str) -> int:
+        """The position of argument `name` in the op's schema (q, k, v and lengths come first)."""
+        return 4 + [f.name for f in dataclasses.fields(cls)].index(name)
+
+    def op_args(self) -> tuple:
+        """The arguments after lengths, in the schema's order and types, for a call of the compiled op."""
+        return (self.token_class, self.sentence_id, float(self.scaling), int(self.num_windows), self.mode,
+                self.region, bool(self.renormalize), self.gates, bool(self.want_features), self.key_scale,
+                self.kv_head, bool(self.causal), self.sliding_window, self.softcap, self.sink)
+
+    def tensors(self) -> tuple:
+        """The tensor arguments (None where not given), in field order: what autograd saves."""
+        return tuple(getattr(self, name) for name in TENSOR_ARGUMENTS)
+
+    def with_tensors(self, tensors) -> AttentionParams:
+        """These arguments with the tensor ones replaced by `tensors` (`tensors()`'s order)."""
+        return dataclasses.replace(self, **dict(zip(TENSOR_ARGUMENTS, tensors)))
+
+    def decoder(self) -> dict:
+        """The decoder arguments as keywords (`attention_weights`, `visible_keys`' callers, the backward)."""
+        return {name: getattr(self, name) for name in DECODER_ARGUMENTS}
+
+    def decoder_used(self, heads: int, kv_heads: int) -> list[str]:
+        """The decoder arguments a call uses (grouped K/V counts as kv_head): what a build without them refuses."""
+        used = {"kv_head": self.kv_head is not None or kv_heads != heads, "causal": bool(self.causal),
+                "sliding_window": self.sliding_window is not None, "softcap": self.softcap is not None,
+                "sink": self.sink is not None}
+        return [name for name, given in used.items() if given]
+
+    def check_layout(self, q, k, v, lengths) -> None:
+        """The part of the contract that reads no tensor values (shapes, dtypes, head dim, scaling, num_windows):
+        cheap, and run by every backend before it converts anything (so lengths of a float dtype are refused by
+        the fused op as by the reference, not rounded)."""
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise AttnkitError(f"q must be 4-D (B, H, L, D), got shape {tuple(getattr(q, 'shape', ()))}")
+        B, H, Lq, D = q.shape
+        if (not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or k.shape != v.shape
+                or (k.shape[0], k.shape[3]) != (B, D) or k.shape[2] < Lq or k.shape[1] < 1):
+            raise AttnkitError(f"k and v must have q's shape {tuple(q.shape)} (or B×Hkv×L×D with Hkv KV heads and "
+                               f"L >= q's {Lq} rows: a KV-cache step), got k {tuple(getattr(k, 'shape', ()))} and "
+                               f"v {tuple(getattr(v, 'shape', ()))}")
+        L = k.shape[2]  # the keys: lengths, token classes, sentence ids and key scales are over them
+        Hkv = k.shape[1]
+        kv_head, sliding_window, softcap, sink = self.kv_head, self.sliding_window, self.softcap, self.sink
+        if kv_head is not None:
+            _int_tensor(kv_head, "kv_head", (H,))
+        elif Hkv != H and (Hkv > H or H % Hkv):
+            raise AttnkitError(f"k and v have {Hkv} heads and q {H}: give kv_head (the KV head of each query head) "
+                               f"unless {Hkv} divides {H}")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise AttnkitError(f"sliding_window must be an integer >= 1, got {sliding_window!r}")
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                    or not math.isfinite(softcap) or softcap <= 0):
+            raise AttnkitError(f"softcap must be a finite number > 0, got {softcap!r}")
+        if sink is not None:
+            if not isinstance(sink, torch.Tensor) or not sink.is_floating_point():
+                raise AttnkitError(f"sink must be a floating-point tensor, got {getattr(sink, 'dtype', type(sink))}")
+            if tuple(sink.shape) != (H,):
+                raise AttnkitError(f"sink must have shape [{H}], got {list(sink.shape)}")
+        if D < 1:
+            raise AttnkitError(f"head dim (q.size(3)) must be >= 1, got {D}")
+        if self.scaling is not None and not math.isfinite(float(self.scaling)):
+            raise AttnkitError(f"scaling must be a finite number, got {self.scaling}")
+        num_windows = self.num_windows
+        if isinstance(num_windows, bool) or not isinstance(num_windows, int) or num_windows < 1:
+            raise AttnkitError(f"num_windows must be an integer >= 1, got {num_windows!r}")
+        if num_windows > MAX_NUM_WINDOWS:  # the limit of every backend (attnkit.errors.INT_RANGES)
+            raise AttnkitError(f"num_windows must be at most {MAX_NUM_WINDOWS}, got {num_windows!r}")
+        _int_tensor(lengths, "lengths", (B,))
+        for t, name in ((self.mode, "mode"), (self.region, "region")):
+            if t is not None:
+                _int_tensor(t, name, (H,))
+        if self.sentence_id is not None:
+            _int_tensor(self.sentence_id, "sentence_id", (B, L))
+        if self.token_class is not None:
+            _int_tensor(self.token_class, "token_class", (B, L))
+        if self.gates is not None and tuple(self.gates.shape) != (H,):
+            raise AttnkitError(f"gates must have shape [{H}], got {list(self.gates.shape)}")
+        key_scale = self.key_scale
+        if key_scale is not None:
+            if not key_scale.is_floating_point():
+                raise AttnkitError(f"key_scale must be a floating-point tensor, got {key_scale.dtype}")
+            if tuple(key_scale.shape) != (B, H, L):
+                raise AttnkitError(f"key_scale must have shape [{B}, {H}, {L}], got {list(key_scale.shape)}")
+
+    def check(self, q, k, v, lengths) -> None:
+        """The argument contract every backend enforces (module docstring); AttnkitError names the argument."""
+        self.check_layout(q, k, v, lengths)
+        L = k.shape[2]
+        kv_head, token_class, key_scale = self.kv_head, self.token_class, self.key_scale
+        if kv_head is not None:
+            Hkv = k.shape[1]
+            bad_kv = (kv_head < 0) | (kv_head >= Hkv)
+            _require(~bad_kv.any(), lambda: f"kv_head must lie in [0, Hkv) = [0, {Hkv}), got "
+                                            f"{kv_head[bad_kv][0].item()} at head {bad_kv.nonzero()[0].item()}")
+        _require(((lengths >= 1) & (lengths <= L)).all(),
+                 lambda: f"lengths must lie in [1, L] = [1, {L}], got "
+                         f"lengths{_first_bad((lengths < 1) | (lengths > L))} = "
+                         f"{lengths[(lengths < 1) | (lengths > L)][0].item()}")
+        for t, name, names in ((self.mode, "mode", "0 (keep), 1 (zero) or 2 (uniform)"),
+                               (self.region, "region", "0 (all), 1 (no_intra) or 2 (no_inter)")):
+            if t is None:
+                continue
+            bad_code = (t < 0) | (t > 2)
+            _require(~bad_code.any(), lambda: f"{name} codes must be {names}, got {t[bad_code][0].item()} at head "  # noqa: B023
+                                              f"{bad_code.nonzero()[0].item()}")  # noqa: B023 (called at once)
+        if token_class is not None and self.want_features:
+            valid = _key_mask(lengths.to(token_class.device).long(), L)
+            bad_cls = valid & ((token_class < OTHER) | (token_class > PERIOD))
+            _require(~bad_cls.any(), lambda: f"token_class codes must be 0..4 at valid positions, got "
+                                             f"{token_class[bad_cls][0].item()} at {_first_bad(bad_cls)}")
+        if key_scale is not None and self.want_features:
+            valid = _key_mask(lengths.to(key_scale.device).long(), L)[:, None, :]
+            bad = valid & ~(torch.isfinite(key_scale) & (key_scale >= 0))
+            _require(~bad.any(), lambda: f"key_scale must be finite and >= 0 at valid keys, got "
+                                         f"{key_scale[bad][0].item()} at {_first_bad(bad)}")
+
+
+TENSOR_ARGUMENTS = ("token_class", "sentence_id", "mode", "region", "gates", "key_scale", "kv_head", "sink")
+DECODER_ARGUMENTS = ("kv_head", "causal", "sliding_window", "softcap", "sink")
+
+
+def takes_params(fn):
+    """`fn`, whose `**params` are AttentionParams' fields, with a signature that lists them as keyword-only
+    arguments with their defaults (for help() and editors; the fields stay written once)."""
+    sig = inspect.signature(fn)
+    own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    named = {p.name for p in own}
+    fields = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+              for f in dataclasses.fields(AttentionParams) if f.name not in named]
+    ordered = sorted(own + fields, key=lambda p: p.kind)  # keyword-only arguments after the positional ones
+    fn.__signature__ = sig.replace(parameters=ordered)
+    return fn
 
 
 def _key_mask(lengths: torch.Tensor, L: int) -> torch.Tensor:
@@ -111,7 +278,8 @@ def visible_keys(lengths: torch.Tensor, L: int, causal: bool = False,
 
 def resolve_kv_head(H: int, Hkv: int, kv_head: torch.Tensor | None, device=None) -> torch.Tensor:
     """The KV head of each of the H query heads (int64 H): `kv_head` itself, or by default the identity
-    (Hkv == H) or even groups h // (H // Hkv). check_layout has refused any other Hkv without kv_head."""
+    (Hkv == H) or even groups h // (H // Hkv). AttentionParams.check_layout has refused any other Hkv without
+    kv_head."""
     if kv_head is not None:
         return kv_head.to(device=device, dtype=torch.long)
     return torch.arange(H, device=device) // (H // Hkv)
@@ -179,33 +347,33 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, *, kv_hea
     return scores
 
 
-def attention_weights(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    lengths: torch.Tensor,
-    scaling: float,
-    sentence_id: torch.Tensor | None = None,
-    mode: torch.Tensor | None = None,
-    region: torch.Tensor | None = None,
-    renormalize: bool = False,
-    *,
-    kv_head: torch.Tensor | None = None,
-    causal: bool = False,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sink: torch.Tensor | None = None,
-    return_sink: bool = False,
-):
+def attention_weights(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling: float,
+                      sentence_id: torch.Tensor | None = None, mode: torch.Tensor | None = None,
+                      region: torch.Tensor | None = None, renormalize: bool = False, *, return_sink: bool = False,
+                      **decoder):
     """B×H×Lq×L fp32 weights after softmax and interventions (keys a row does not see 0; NaN policy above; q has
-    Lq ≤ L rows, the last Lq key positions: module docstring, "Fewer queries than keys").
+    Lq ≤ L rows, the last Lq key positions: module docstring, "Fewer queries than keys"). `decoder`: the decoder
+    arguments of AttentionParams (kv_head, causal, sliding_window, softcap, sink).
     With a sink, a row's weights sum to 1 − its sink mass (the map transformers' eager gpt-oss returns);
     `return_sink` returns (weights, B×H×L sink mass per row, or None without `sink`)."""
+    unknown = set(decoder) - set(DECODER_ARGUMENTS)
+    if unknown:
+        raise TypeError(f"attention_weights() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+    p = AttentionParams(sentence_id=sentence_id, scaling=scaling, mode=mode, region=region, renormalize=renormalize,
+                        **decoder)
+    return params_weights(q, k, lengths, p, return_sink=return_sink)
+
+
+def params_weights(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, p: AttentionParams, *,
+                   return_sink: bool = False):
+    """`attention_weights` of the arguments `p` (its scaling given)."""
     B, H, Lq, _ = q.shape
     L = k.shape[2]
     lengths = lengths.to(q.device).long()
-    scores = attention_scores(q, k, scaling, kv_head=kv_head, softcap=softcap)
-    visible = visible_keys(lengths, L, causal, sliding_window, Lq)
+    scores = attention_scores(q, k, p.scaling, kv_head=p.kv_head, softcap=p.softcap)
+    visible = visible_keys(lengths, L, p.causal, p.sliding_window, Lq)
     scores = scores.masked_fill(~visible, float("-inf"))
+    sink, mode = p.sink, p.mode
     sink_w = None
     if sink is None:
         weights = torch.softmax(scores, dim=-1)
@@ -217,9 +385,9 @@ def attention_weights(
         weights, sink_w = both[..., :L], both[..., L]
     undefined = weights.isnan().any(-1, keepdim=True)  # B×H×L×1: NaN / +inf score, or all −inf
     if sink_w is None:
-        weights = intervene_weights(weights, lengths, sentence_id, mode, region, renormalize, visible=visible)
+        weights = intervene_weights(weights, lengths, p.sentence_id, mode, p.region, p.renormalize, visible=visible)
     else:
-        weights, sink_w = intervene_weights(weights, lengths, sentence_id, mode, region, renormalize,
+        weights, sink_w = intervene_weights(weights, lengths, p.sentence_id, mode, p.region, p.renormalize,
                                             visible=visible, sink_weights=sink_w)
     uses_scores = undefined if mode is None else undefined & (mode.to(q.device).view(1, H, 1, 1) == KEEP)
     nan_row = torch.where(visible, float("nan"), 0.0)
@@ -233,11 +401,14 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling:
                kv_head: torch.Tensor | None = None, causal: bool = False,
                sliding_window: int | None = None) -> torch.Tensor:
     """B×H fp32: each head's max logit per sample (docs/features.md, "Max logit"): the largest q_s·k_t·scaling over
-    the valid query rows s < n and the keys t each sees, before any soft-cap; NaN scores propagate."""
-    B, H, L, _ = q.shape
+    the valid query rows s < n and the keys t each sees, before any soft-cap; NaN scores propagate. q has Lq ≤ L
+    rows, at their true positions s = L − Lq + i (`query_positions`); a sample with no valid row (a KV-cache step
+    past its length) has −inf, the maximum of nothing, which leaves any maximum taken over samples unchanged."""
+    Lq, L = q.shape[2], k.shape[2]
     lengths = lengths.to(q.device).long()
     scores = attention_scores(q, k, scaling, kv_head=kv_head)
-    seen = visible_keys(lengths, L, causal, sliding_window) & _key_mask(lengths, L)[:, None, :, None]
+    valid_rows = query_positions(Lq, L, q.device)[None, :] < lengths[:, None]  # B×Lq
+    seen = visible_keys(lengths, L, causal, sliding_window, Lq) & valid_rows[:, None, :, None]
     return scores.masked_fill(~seen, float("-inf")).amax((-1, -2))
 
 
@@ -326,69 +497,51 @@ def row_features(
     return out
 
 
-def reference_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lengths: torch.Tensor,
-    token_class: torch.Tensor | None = None,
-    sentence_id: torch.Tensor | None = None,
-    *,
-    scaling: float | None = None,
-    num_windows: int = DEFAULT_NUM_WINDOWS,
-    mode: torch.Tensor | None = None,
-    region: torch.Tensor | None = None,
-    renormalize: bool = False,
-    gates: torch.Tensor | None = None,
-    want_features: bool = False,
-    key_scale: torch.Tensor | None = None,
-    kv_head: torch.Tensor | None = None,
-    causal: bool = False,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sink: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@takes_params
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                        token_class: torch.Tensor | None = None, sentence_id: torch.Tensor | None = None,
+                        **params) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention + interventions + features, computed in fp32.
 
     q: B×H×Lq×D; k, v: B×Hkv×L×D with L ≥ Lq (Lq < L: the queries are the last Lq positions, module docstring).
-    lengths: B (int, over the keys). token_class, sentence_id: B×L ints (None: all OTHER / one
-    sentence). mode, region: H ints (codes in `attnkit.features`). gates: H floats. key_scale: B×H×L
-    floats (norm weighting of the features; None: plain weights). kv_head, causal, sliding_window, softcap,
-    sink: the decoder arguments (module docstring).
+    lengths: B (int, over the keys). The other arguments are those of AttentionParams, by keyword.
     Returns (out B×Lq×H×D in q's dtype, features B×H×F fp32 — F = num_features(num_windows, sink=sink is not
     None) — or B×H×0 when not wanted).
     """
+    return params_attention(q, k, v, lengths, AttentionParams(token_class, sentence_id, **params))
+
+
+def params_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                     p: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference_attention` of the arguments `p` (checked here)."""
     B, H, L, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
-    if scaling is None and q.dim() == 4 and D >= 1:
-        scaling = D**-0.5
-    check_arguments(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows,
-                    mode=mode, region=region, gates=gates, want_features=want_features, key_scale=key_scale,
-                    kv_head=kv_head, sliding_window=sliding_window, softcap=softcap, sink=sink)
+    if p.scaling is None and q.dim() == 4 and D >= 1:
+        p = dataclasses.replace(p, scaling=D**-0.5)
+    p.check(q, k, v, lengths)
     L = k.shape[2]  # the keys; q has Lq <= L rows
     lengths = lengths.to(q.device).long()
-    weights, sink_w = attention_weights(q, k, lengths, scaling, sentence_id, mode, region, renormalize,
-                                        kv_head=kv_head, causal=causal, sliding_window=sliding_window,
-                                        softcap=softcap, sink=sink, return_sink=True)
+    weights, sink_w = params_weights(q, k, lengths, p, return_sink=True)
     # padded keys of v are dropped, not multiplied by 0 (0 · NaN would leak garbage into valid rows)
     v_valid = v.float().masked_fill(~_key_mask(lengths, L)[:, None, :, None], 0.0)
-    if v.shape[1] != H or kv_head is not None:
-        v_valid = v_valid.index_select(1, resolve_kv_head(H, v.shape[1], kv_head, q.device))
+    if v.shape[1] != H or p.kv_head is not None:
+        v_valid = v_valid.index_select(1, resolve_kv_head(H, v.shape[1], p.kv_head, q.device))
     out = torch.matmul(weights, v_valid)  # B×H×L×D
-    if gates is not None:
-        out = out * gates.to(out.device, torch.float32).view(1, H, 1, 1)
-    if mode is not None:  # a zeroed head outputs exactly 0, whatever v and the gate hold
-        out = torch.where(mode.to(out.device).view(1, H, 1, 1) == ZERO, 0.0, out)
+    if p.gates is not None:
+        out = out * p.gates.to(out.device, torch.float32).view(1, H, 1, 1)
+    if p.mode is not None:  # a zeroed head outputs exactly 0, whatever v and the gate hold
+        out = torch.where(p.mode.to(out.device).view(1, H, 1, 1) == ZERO, 0.0, out)
     out = out.transpose(1, 2).to(q.dtype)
-    if want_features:
+    if p.want_features:
+        token_class = p.token_class
         if token_class is None:
             token_class = torch.full((B, L), OTHER, dtype=torch.int32, device=q.device)
         fw = weights.detach()
         sw = None if sink_w is None else sink_w.detach()
-        if key_scale is not None:
-            fw = norm_weighted(fw, lengths, key_scale)
+        if p.key_scale is not None:
+            fw = norm_weighted(fw, lengths, p.key_scale)
             if sw is not None:  # the sink adds no value vector: weight 0 under norm weighting (NaN stays NaN)
                 sw = sw * 0.0
-        feats = row_features(fw, lengths, token_class, sentence_id, num_windows, sw)
+        feats = row_features(fw, lengths, token_class, p.sentence_id, p.num_windows, sw)
     else:
         feats = q.new_zeros((B, H, 0), dtype=torch.float32)
     return out, feats
@@ -428,107 +581,18 @@ def _int_tensor(t, name, shape) -> None:
         raise AttnkitError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
 
 
-def check_layout(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling=None,
-                 num_windows=DEFAULT_NUM_WINDOWS, mode=None, region=None, gates=None, key_scale=None,
-                 kv_head=None, sliding_window=None, softcap=None, sink=None) -> None:
-    """The part of the contract that reads no tensor values (shapes, dtypes, head dim, scaling, num_windows):
-    cheap, and run by every backend before it converts anything (so lengths of a float dtype are refused by
-    the fused op as by the reference, not rounded)."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise AttnkitError(f"q must be 4-D (B, H, L, D), got shape {tuple(getattr(q, 'shape', ()))}")
-    B, H, Lq, D = q.shape
-    if (not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or k.shape != v.shape
-            or (k.shape[0], k.shape[3]) != (B, D) or k.shape[2] < Lq or k.shape[1] < 1):
-        raise AttnkitError(f"k and v must have q's shape {tuple(q.shape)} (or B×Hkv×L×D with Hkv KV heads and "
-                           f"L >= q's {Lq} rows: a KV-cache step), got k {tuple(getattr(k, 'shape', ()))} and v "
-                           f"{tuple(getattr(v, 'shape', ()))}")
-    L = k.shape[2]  # the keys: lengths, token classes, sentence ids and key scales are over them
-    Hkv = k.shape[1]
-    if kv_head is not None:
-        _int_tensor(kv_head, "kv_head", (H,))
-    elif Hkv != H and (Hkv > H or H % Hkv):
-        raise AttnkitError(f"k and v have {Hkv} heads and q {H}: give kv_head (the KV head of each query head) "
-                           f"unless {Hkv} divides {H}")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        raise AttnkitError(f"sliding_window must be an integer >= 1, got {sliding_window!r}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not math.isfinite(softcap) or softcap <= 0):
-        raise AttnkitError(f"softcap must be a finite number > 0, got {softcap!r}")
-    if sink is not None:
-        if not isinstance(sink, torch.Tensor) or not sink.is_floating_point():
-            raise AttnkitError(f"sink must be a floating-point tensor, got {getattr(sink, 'dtype', type(sink))}")
-        if tuple(sink.shape) != (H,):
-            raise AttnkitError(f"sink must have shape [{H}], got {list(sink.shape)}")
-    if D < 1:
-        raise AttnkitError(f"head dim (q.size(3)) must be >= 1, got {D}")
-    if scaling is not None and not math.isfinite(float(scaling)):
-        raise AttnkitError(f"scaling must be a finite number, got {scaling}")
-    if isinstance(num_windows, bool) or not isinstance(num_windows, int) or num_windows < 1:
-        raise AttnkitError(f"num_windows must be an integer >= 1, got {num_windows!r}")
-    if num_windows > MAX_NUM_WINDOWS:  # the limit of every backend (attnkit.errors.INT_RANGES)
-        raise AttnkitError(f"num_windows must be at most {MAX_NUM_WINDOWS}, got {num_windows!r}")
-    _int_tensor(lengths, "lengths", (B,))
-    for t, name in ((mode, "mode"), (region, "region")):
-        if t is not None:
-            _int_tensor(t, name, (H,))
-    if sentence_id is not None:
-        _int_tensor(sentence_id, "sentence_id", (B, L))
-    if token_class is not None:
-        _int_tensor(token_class, "token_class", (B, L))
-    if gates is not None and tuple(gates.shape) != (H,):
-        raise AttnkitError(f"gates must have shape [{H}], got {list(gates.shape)}")
-    if key_scale is not None:
-        if not key_scale.is_floating_point():
-            raise AttnkitError(f"key_scale must be a floating-point tensor, got {key_scale.dtype}")
-        if tuple(key_scale.shape) != (B, H, L):
-            raise AttnkitError(f"key_scale must have shape [{B}, {H}, {L}], got {list(key_scale.shape)}")
-
-
-def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, *, scaling=None,
-                    num_windows=DEFAULT_NUM_WINDOWS, mode=None, region=None, gates=None,
-                    want_features=False, key_scale=None, kv_head=None, sliding_window=None, softcap=None,
-                    sink=None) -> None:
-    """The argument contract every backend enforces (module docstring); AttnkitError names the argument."""
-    check_layout(q, k, v, lengths, token_class, sentence_id, scaling=scaling, num_windows=num_windows, mode=mode,
-                 region=region, gates=gates, key_scale=key_scale, kv_head=kv_head, sliding_window=sliding_window,
-                 softcap=softcap, sink=sink)
-    B, H, _, D = q.shape
-    L = k.shape[2]
-    if kv_head is not None:
-        Hkv = k.shape[1]
-        bad_kv = (kv_head < 0) | (kv_head >= Hkv)
-        _require(~bad_kv.any(), lambda: f"kv_head must lie in [0, Hkv) = [0, {Hkv}), got "
-                                        f"{kv_head[bad_kv][0].item()} at head {bad_kv.nonzero()[0].item()}")
-    _require(((lengths >= 1) & (lengths <= L)).all(),
-             lambda: f"lengths must lie in [1, L] = [1, {L}], got lengths{_first_bad((lengths < 1) | (lengths > L))}"
-                     f" = {lengths[(lengths < 1) | (lengths > L)][0].item()}")
-    for t, name, names in ((mode, "mode", "0 (keep), 1 (zero) or 2 (uniform)"),
-                           (region, "region", "0 (all), 1 (no_intra) or 2 (no_inter)")):
-        if t is None:
-            continue
-        bad_code = (t < 0) | (t > 2)
-        _require(~bad_code.any(), lambda: f"{name} codes must be {names}, got {t[bad_code][0].item()} at head "  # noqa: B023
-                                          f"{bad_code.nonzero()[0].item()}")  # noqa: B023 (called at once)
-    if token_class is not None:
-        if want_features:
-            valid = _key_mask(lengths.to(token_class.device).long(), L)
-            bad_cls = valid & ((token_class < OTHER) | (token_class > PERIOD))
-            _require(~bad_cls.any(), lambda: f"token_class codes must be 0..4 at valid positions, got "
-                                             f"{token_class[bad_cls][0].item()} at {_first_bad(bad_cls)}")
-    if key_scale is not None:
-        if want_features:
-            valid = _key_mask(lengths.to(key_scale.device).long(), L)[:, None, :]
-            bad = valid & ~(torch.isfinite(key_scale) & (key_scale >= 0))
-            _require(~bad.any(), lambda: f"key_scale must be finite and >= 0 at valid keys, got "
-                                         f"{key_scale[bad][0].item()} at {_first_bad(bad)}")
+def check_arguments(q, k, v, lengths, token_class=None, sentence_id=None, **params) -> None:
+    """`AttentionParams.check` for arguments given as keywords."""
+    AttentionParams(token_class, sentence_id, **params).check(q, k, v, lengths)
 
 
 __all__ = [
     "reference_attention",
+    "params_attention",
+    "params_weights",
     "norm_weighted",
     "check_arguments",
-    "check_layout",
+    "AttentionParams",
     "reference_js_distances",
     "attention_weights",
     "attention_scores",

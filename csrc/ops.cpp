@@ -1,6 +1,8 @@
 // Operator schemas for the `attnkit` namespace. Kernels live in csrc/cpu and csrc/cuda and register
 // themselves with TORCH_LIBRARY_IMPL; fake (meta) kernels and autograd are registered from Python
-// (attnkit/ops.py). Keeping the schemas here, in one place, is what makes every backend agree.
+// (attnkit/ops.py). Keeping the schemas here, in one place, is what makes every backend agree: the kernels of
+// fused_attention and fused_attention_lse are boxed and read these arguments by name into one FusedAttentionArgs
+// (csrc/attention_args.h), and Python reads them into attnkit.reference.AttentionParams (fields in this order).
 #include <Python.h>
 #include <torch/library.h>
 

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from attnkit import ops
+from attnkit.features import DEFAULT_NUM_WINDOWS
 from attnkit.kernels import backward as bw
-from attnkit.reference import reference_attention
+from attnkit.reference import AttentionParams, reference_attention
 
 BACKENDS = ["reference"] + (["fused"] if ops.has_kernel("cpu") and ops.fused_decoder() else [])
 
@@ -423,19 +424,19 @@ def test_inference_keeps_the_plain_op():
     takes it."""
     leaves, lengths, kw, w = make("encoder_gates")
     q, k, v = (t.float() for t in leaves[:3])
-    args = (None, None, None, None, False, None, None)  # gates, sink, mode, region, renormalize, window, softcap
-    assert not ops.saves_lse(q, k, v, *args)  # no tensor requires grad
+    plain = AttentionParams()
+    assert not ops.saves_lse(q, k, v, plain)  # no tensor requires grad
     qg = q.clone().requires_grad_()
-    assert ops.saves_lse(qg, k, v, *args)
+    assert ops.saves_lse(qg, k, v, plain)
     with torch.no_grad():
-        assert not ops.saves_lse(qg, k, v, *args)
-    assert ops.saves_lse(qg, k, v, torch.ones(6), *args[1:])  # gates: multiplied outside the op
-    assert not ops.saves_lse(qg, k, v, None, None, torch.zeros(6, dtype=torch.int32), *args[3:])  # a mode
-    assert not ops.saves_lse(qg, k, v, *args[:5], 4, None)  # a sliding window
-    assert not ops.saves_lse(qg[:, :, :5], k, v, *args)  # fewer queries than keys
+        assert not ops.saves_lse(qg, k, v, plain)
+    assert ops.saves_lse(qg, k, v, AttentionParams(gates=torch.ones(6)))  # gates: multiplied outside the op
+    assert not ops.saves_lse(qg, k, v, AttentionParams(mode=torch.zeros(6, dtype=torch.int32)))  # a mode
+    assert not ops.saves_lse(qg, k, v, AttentionParams(sliding_window=4))  # a sliding window
+    assert not ops.saves_lse(qg[:, :, :5], k, v, plain)  # fewer queries than keys
     with torch.no_grad():  # inference: the plain op's outputs, as before
         a = ops.attention(q, k, v, lengths, scaling=0.3, want_features=True, backend="fused")
-    b = torch.ops.attnkit.fused_attention(q, k, v, lengths, None, None, 0.3, ops.DEFAULT_NUM_WINDOWS, None, None,
+    b = torch.ops.attnkit.fused_attention(q, k, v, lengths, None, None, 0.3, DEFAULT_NUM_WINDOWS, None, None,
                                           False, None, True, None, None, False, None, None, None)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
 

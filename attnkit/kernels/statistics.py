@@ -8,30 +8,32 @@ from __future__ import annotations
 
 import torch
 
+from ..reference import query_positions, resolve_kv_head
+
 TILE_ELEMENTS = 1 << 20  # scores per block
 
 
 def max_logits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling: float, *, kv_head=None,
                causal: bool = False, sliding_window: int | None = None) -> torch.Tensor:
-    """B×H fp32, equal to attnkit.reference.max_logits, by blocks of query rows (no grad)."""
-    B, H, L, _ = q.shape
-    Hkv = k.shape[1]
+    """B×H fp32, equal to attnkit.reference.max_logits, by blocks of query rows (no grad). q may have fewer rows
+    than k has keys (a KV-cache step: the last positions); a sample with no valid row gets −inf."""
+    B, H, Lq, _ = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
     with torch.no_grad():
         kf = k.float()
         if kv_head is not None or Hkv != H:
-            index = (kv_head.to(q.device, torch.long) if kv_head is not None
-                     else torch.arange(H, device=q.device) // (H // Hkv))
-            kf = kf.index_select(1, index)
+            kf = kf.index_select(1, resolve_kv_head(H, Hkv, kv_head, q.device))
         lengths = lengths.to(q.device).long()
-        pos = torch.arange(L, device=q.device)
-        key_ok = (pos[None, :] < lengths[:, None])[:, None, None, :]  # B×1×1×L
+        keys = torch.arange(L, device=q.device)
+        key_ok = (keys[None, :] < lengths[:, None])[:, None, None, :]  # B×1×1×L
+        rows = query_positions(Lq, L, q.device)  # the true position of each query row
         best = torch.full((B, H), float("-inf"), device=q.device)
-        blk = max(1, min(L, TILE_ELEMENTS // max(1, B * H * L)))
-        for i0 in range(0, L, blk):
-            i1 = min(L, i0 + blk)
+        blk = max(1, min(Lq, TILE_ELEMENTS // max(1, B * H * L)))
+        for i0 in range(0, Lq, blk):
+            i1 = min(Lq, i0 + blk)
             s = torch.matmul(q[:, :, i0:i1].float(), kf.transpose(-1, -2)) * scaling  # B×H×b×L
-            offset = pos[i0:i1, None] - pos[None, :]
-            seen = key_ok & (pos[i0:i1, None] < lengths[:, None, None])[:, None]  # valid rows only
+            offset = rows[i0:i1, None] - keys[None, :]  # s − t
+            seen = key_ok & (rows[i0:i1][None, :] < lengths[:, None])[:, None, :, None]  # valid rows only
             if causal:
                 seen = seen & (offset >= 0)
             if sliding_window is not None:

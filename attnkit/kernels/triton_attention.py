@@ -36,6 +36,7 @@ import triton.language as tl
 
 from ..errors import AttnkitError
 from ..features import num_features
+from ..reference import AttentionParams
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
@@ -376,31 +377,27 @@ def _opt(t, dtype, device):
     return None if t is None else t.to(device=device, dtype=dtype).contiguous()
 
 
-def fused_attention(q, k, v, lengths, token_class=None, sentence_id=None, scaling=None, num_windows=16,
-                    mode=None, region=None, renormalize=False, gates=None, want_features=False, key_scale=None,
-                    kv_head=None, causal=False, sliding_window=None, softcap=None, sink=None,
-                    *, block_m: int | None = None, block_n: int | None = None):
+def fused_attention(q, k, v, lengths, *args, block_m: int | None = None, block_n: int | None = None, **params):
     """The op's Triton implementation: (out B×L×H×D in q's dtype, features B×H×F fp32 or B×H×0).
 
-    q: B×H×L×D fp16/bf16 (D a power of two ≥ 16); k, v: B×Hkv×L×D. Argument values are those the op's other
+    q: B×H×L×D fp16/bf16 (D a power of two ≥ 16); k, v: B×Hkv×L×D. The other arguments are the op's (by position
+    in the schema's order, or by keyword: `attnkit.reference.AttentionParams`); their values are those the op's other
     backends take (checked by `attnkit.ops.attention` before it gets here). With `sink`, the features end with
     one more column, `sink` (its mass per row, averaged like the others; 0 under a key scale).
     """
+    p = AttentionParams(*args, **params)
+    num_windows, want_features, sliding_window, softcap = p.num_windows, p.want_features, p.sliding_window, p.softcap
     if q.dtype not in _DTYPES:
         raise AttnkitError(f"the Triton kernel takes float16 or bfloat16 inputs, got {q.dtype}")
     B, H, L, D = q.shape
     Hkv = k.shape[1]
     if D < 16 or D & (D - 1):
         raise AttnkitError(f"the Triton kernel needs a head dim that is a power of two >= 16, got {D}")
-    if sliding_window is not None and sliding_window < 1:
-        raise AttnkitError(f"sliding_window must be >= 1, got {sliding_window}")
-    if softcap is not None and not softcap > 0:
-        raise AttnkitError(f"softcap must be > 0, got {softcap}")
+    p.check_layout(q, k, v, lengths)  # the op's contract, as every backend checks it
     dev = q.device
-    if scaling is None:
-        scaling = D ** -0.5
+    scaling = D ** -0.5 if p.scaling is None else p.scaling
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    F = num_features(num_windows) + (1 if sink is not None else 0)
+    F = num_features(num_windows) + (1 if p.sink is not None else 0)
     out = torch.empty((B, L, H, D), dtype=q.dtype, device=dev)
     if B == 0 or H == 0 or L == 0:
         return out, torch.zeros((B, H, F if want_features else 0), dtype=torch.float32, device=dev)
@@ -410,14 +407,14 @@ def fused_attention(q, k, v, lengths, token_class=None, sentence_id=None, scalin
     pf = F + 2  # + the CLS-row count and the undefined-row count
     part = torch.empty((B, H, nblk, pf) if want_features else (1,), dtype=torch.float32, device=dev)
     lengths = lengths.to(device=dev, dtype=torch.int64).contiguous()
-    tc = _opt(token_class, torch.int32, dev)
-    sid = _opt(sentence_id, torch.int32, dev)
-    md = _opt(mode, torch.int32, dev)
-    rg = _opt(region, torch.int32, dev)
-    gt = _opt(gates, torch.float32, dev)
-    ks = _opt(key_scale, torch.float32, dev) if want_features else None
-    sk = _opt(sink, torch.float32, dev)
-    kvh = _kv_heads(kv_head, H, Hkv, dev)
+    tc = _opt(p.token_class, torch.int32, dev)
+    sid = _opt(p.sentence_id, torch.int32, dev)
+    md = _opt(p.mode, torch.int32, dev)
+    rg = _opt(p.region, torch.int32, dev)
+    gt = _opt(p.gates, torch.float32, dev)
+    ks = _opt(p.key_scale, torch.float32, dev) if want_features else None
+    sk = _opt(p.sink, torch.float32, dev)
+    kvh = _kv_heads(p.kv_head, H, Hkv, dev)
     dummy = lengths  # a pointer for the arguments a constexpr flag switches off
     in_dtype = _DTYPES[q.dtype]
     num_windows = int(num_windows)
@@ -432,8 +429,8 @@ def fused_attention(q, k, v, lengths, token_class=None, sentence_id=None, scalin
         D=D, BM=bm, BN=bn, WB=triton.next_power_of_2(num_windows + 1),
         FEATURES=bool(want_features), HAS_TC=tc is not None, HAS_SID=sid is not None, HAS_MODE=md is not None,
         HAS_REGION=rg is not None, HAS_GATES=gt is not None, HAS_KS=ks is not None, HAS_SINK=sk is not None,
-        CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        RENORM=bool(renormalize), IN_DTYPE=in_dtype, DOT_DTYPE=tl.float32 if INTERPRET else in_dtype,
+        CAUSAL=bool(p.causal), HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        RENORM=bool(p.renormalize), IN_DTYPE=in_dtype, DOT_DTYPE=tl.float32 if INTERPRET else in_dtype,
         DOT_PRECISION="ieee" if INTERPRET else None, TAU=TAU,
         **({} if INTERPRET else {"num_warps": GPU_WARPS, "num_stages": GPU_STAGES}),
     )

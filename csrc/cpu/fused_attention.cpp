@@ -4,6 +4,7 @@
 // set and chosen here at run time (csrc/cpu/fused_attention_kernel.h, "CPU capability" in docs/cuda.md).
 #include "fused_attention_kernel.h"
 
+#include "../attention_args.h"
 #include "../check.h"
 
 #include "../feature_slots.h"
@@ -185,80 +186,74 @@ float head_max_logit(const at::Tensor& q, const at::Tensor& k, int64_t b, int64_
 
 // The op's CPU kernel; want_lse: also the per-row log-sum-exp (attnkit::fused_attention_lse); want_max_logit:
 // also each head's max logit per sample (B×H, docs/features.md §9), else B×0.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
-    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& lengths_in,
-    const c10::optional<at::Tensor>& token_class_in, const c10::optional<at::Tensor>& sentence_id_in,
-    double scaling, int64_t num_windows, const c10::optional<at::Tensor>& mode_in,
-    const c10::optional<at::Tensor>& region_in, bool renormalize, const c10::optional<at::Tensor>& gates_in,
-    bool want_features, const c10::optional<at::Tensor>& key_scale_in, const c10::optional<at::Tensor>& kv_head_in,
-    bool causal, c10::optional<int64_t> sliding_window, c10::optional<double> softcap,
-    const c10::optional<at::Tensor>& sink_in, bool want_lse, bool want_max_logit) {
-  ATTNKIT_CHECK(q_in.dim() == 4, "fused_attention: q must be 4-D (B, H, L, D), got shape ", q_in.sizes());
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(const FusedAttentionArgs& a,
+                                                                                bool want_lse) {
+  ATTNKIT_CHECK(a.q.dim() == 4, "fused_attention: q must be 4-D (B, H, L, D), got shape ", a.q.sizes());
   // Lq query rows, L keys: Lq < L is a KV-cache step (the queries are the last Lq key positions: row i is key
   // position s = L − Lq + i; docs of attnkit/reference.py, "Fewer queries than keys")
-  const int64_t B = q_in.size(0), H = q_in.size(1), Lq = q_in.size(2), D = q_in.size(3);
-  ATTNKIT_CHECK(k_in.dim() == 4 && k_in.sizes() == v_in.sizes() && k_in.size(0) == B && k_in.size(2) >= Lq &&
-                    k_in.size(3) == D && k_in.size(1) >= 1,
-                "fused_attention: k and v must have q's shape ", q_in.sizes(),
-                " (or B×Hkv×L×D with Hkv KV heads and L >= q's length), got k ", k_in.sizes(), " and v ",
-                v_in.sizes());
-  const int64_t L = k_in.size(2), off = L - Lq;
-  const int64_t Hkv = k_in.size(1);
-  const auto dt = q_in.scalar_type();
+  const int64_t B = a.q.size(0), H = a.q.size(1), Lq = a.q.size(2), D = a.q.size(3);
+  ATTNKIT_CHECK(a.k.dim() == 4 && a.k.sizes() == a.v.sizes() && a.k.size(0) == B && a.k.size(2) >= Lq &&
+                    a.k.size(3) == D && a.k.size(1) >= 1,
+                "fused_attention: k and v must have q's shape ", a.q.sizes(),
+                " (or B×Hkv×L×D with Hkv KV heads and L >= q's length), got k ", a.k.sizes(), " and v ",
+                a.v.sizes());
+  const int64_t L = a.k.size(2), off = L - Lq;
+  const int64_t Hkv = a.k.size(1);
+  const auto dt = a.q.scalar_type();
   ATTNKIT_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
               "fused_attention: q must be float32, bfloat16 or float16, got ", dt);
-  ATTNKIT_CHECK(k_in.scalar_type() == dt && v_in.scalar_type() == dt, "fused_attention: k and v must have q's dtype ",
-              dt, ", got k ", k_in.scalar_type(), " and v ", v_in.scalar_type());
-  ATTNKIT_CHECK(q_in.device().is_cpu() && k_in.device().is_cpu() && v_in.device().is_cpu(),
+  ATTNKIT_CHECK(a.k.scalar_type() == dt && a.v.scalar_type() == dt, "fused_attention: k and v must have q's dtype ",
+              dt, ", got k ", a.k.scalar_type(), " and v ", a.v.scalar_type());
+  ATTNKIT_CHECK(a.q.device().is_cpu() && a.k.device().is_cpu() && a.v.device().is_cpu(),
               "fused_attention: q, k and v must be on the CPU for this kernel");
-  ATTNKIT_CHECK(num_windows >= 1, "fused_attention: num_windows must be >= 1, got ", num_windows);
+  ATTNKIT_CHECK(a.num_windows >= 1, "fused_attention: num_windows must be >= 1, got ", a.num_windows);
   ATTNKIT_CHECK(D >= 1, "fused_attention: head dim (q.size(3)) must be >= 1, got ", D);
-  ATTNKIT_CHECK(std::isfinite(scaling), "fused_attention: scaling must be a finite number, got ", scaling);
-  ATTNKIT_CHECK(lengths_in.device().is_cpu(), "fused_attention: lengths must be on the CPU like q");
-  ATTNKIT_CHECK(lengths_in.scalar_type() == at::kLong && lengths_in.dim() == 1 && lengths_in.size(0) == B,
-              "fused_attention: lengths must be int64 of shape [B] = [", B, "], got ", lengths_in.scalar_type(),
-              " of shape ", lengths_in.sizes());
-  check_opt(token_class_in, "token_class", at::kInt, {B, L}, "[B, L]");
-  check_opt(sentence_id_in, "sentence_id", at::kInt, {B, L}, "[B, L]");
-  check_opt(mode_in, "mode", at::kInt, {H}, "[H]");
-  check_opt(region_in, "region", at::kInt, {H}, "[H]");
-  check_opt(gates_in, "gates", at::kFloat, {H}, "[H]");
-  check_opt(key_scale_in, "key_scale", at::kFloat, {B, H, L}, "[B, H, L]");
-  check_opt(kv_head_in, "kv_head", at::kInt, {H}, "[H]");
-  check_opt(sink_in, "sink", at::kFloat, {H}, "[H]");
-  ATTNKIT_CHECK(!sliding_window.has_value() || *sliding_window >= 1,
-                "fused_attention: sliding_window must be an integer >= 1, got ", sliding_window.value_or(0));
-  ATTNKIT_CHECK(!softcap.has_value() || (std::isfinite(*softcap) && *softcap > 0),
-                "fused_attention: softcap must be a finite number > 0, got ", softcap.value_or(0.0));
+  ATTNKIT_CHECK(std::isfinite(a.scaling), "fused_attention: scaling must be a finite number, got ", a.scaling);
+  ATTNKIT_CHECK(a.lengths.device().is_cpu(), "fused_attention: lengths must be on the CPU like q");
+  ATTNKIT_CHECK(a.lengths.scalar_type() == at::kLong && a.lengths.dim() == 1 && a.lengths.size(0) == B,
+              "fused_attention: lengths must be int64 of shape [B] = [", B, "], got ", a.lengths.scalar_type(),
+              " of shape ", a.lengths.sizes());
+  check_opt(a.token_class, "token_class", at::kInt, {B, L}, "[B, L]");
+  check_opt(a.sentence_id, "sentence_id", at::kInt, {B, L}, "[B, L]");
+  check_opt(a.mode, "mode", at::kInt, {H}, "[H]");
+  check_opt(a.region, "region", at::kInt, {H}, "[H]");
+  check_opt(a.gates, "gates", at::kFloat, {H}, "[H]");
+  check_opt(a.key_scale, "key_scale", at::kFloat, {B, H, L}, "[B, H, L]");
+  check_opt(a.kv_head, "kv_head", at::kInt, {H}, "[H]");
+  check_opt(a.sink, "sink", at::kFloat, {H}, "[H]");
+  ATTNKIT_CHECK(!a.sliding_window.has_value() || *a.sliding_window >= 1,
+                "fused_attention: sliding_window must be an integer >= 1, got ", a.sliding_window.value_or(0));
+  ATTNKIT_CHECK(!a.softcap.has_value() || (std::isfinite(*a.softcap) && *a.softcap > 0),
+                "fused_attention: softcap must be a finite number > 0, got ", a.softcap.value_or(0.0));
 
-  const auto lengths = lengths_in.contiguous();
+  const auto lengths = a.lengths.contiguous();
   const int64_t* len = lengths.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     ATTNKIT_CHECK(len[b] >= 1 && len[b] <= L, "fused_attention: lengths must lie in [1, L] = [1, ", L,
                 "], got lengths[", b, "] = ", len[b]);
   std::vector<int32_t> mode(H, kModeKeep), region(H, kAll), kv_head(H);
   std::vector<float> gate(H, 1.f), sink;
-  if (mode_in) {
-    auto t = mode_in->contiguous();
+  if (a.mode) {
+    auto t = a.mode->contiguous();
     for (int64_t h = 0; h < H; ++h) {
       mode[h] = t.data_ptr<int32_t>()[h];
       ATTNKIT_CHECK(mode[h] >= 0 && mode[h] <= 2, "fused_attention: mode codes must be 0, 1 or 2, got ", mode[h]);
     }
   }
-  if (region_in) {
-    auto t = region_in->contiguous();
+  if (a.region) {
+    auto t = a.region->contiguous();
     for (int64_t h = 0; h < H; ++h) {
       region[h] = t.data_ptr<int32_t>()[h];
       ATTNKIT_CHECK(region[h] >= 0 && region[h] <= 2, "fused_attention: region codes must be 0, 1 or 2, got ",
                   region[h]);
     }
   }
-  if (gates_in) {
-    auto t = gates_in->contiguous();
+  if (a.gates) {
+    auto t = a.gates->contiguous();
     for (int64_t h = 0; h < H; ++h) gate[h] = t.data_ptr<float>()[h];
   }
-  if (kv_head_in) {
-    auto t = kv_head_in->contiguous();
+  if (a.kv_head) {
+    auto t = a.kv_head->contiguous();
     for (int64_t h = 0; h < H; ++h) {
       kv_head[h] = t.data_ptr<int32_t>()[h];
       ATTNKIT_CHECK(kv_head[h] >= 0 && kv_head[h] < Hkv, "fused_attention: kv_head must lie in [0, Hkv) = [0, ",
@@ -269,20 +264,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
                   ": give kv_head (the KV head of each query head) unless ", Hkv, " divides ", H);
     for (int64_t h = 0; h < H; ++h) kv_head[h] = static_cast<int32_t>(h / (H / Hkv));
   }
-  if (sink_in) {
-    auto t = sink_in->contiguous();
+  if (a.sink) {
+    auto t = a.sink->contiguous();
     sink.assign(t.data_ptr<float>(), t.data_ptr<float>() + H);
   }
-  const int64_t N = num_windows;
+  const int64_t N = a.num_windows;
   const int64_t F0 = kNumFeatures(int(N));
-  const int64_t F = F0 + (sink_in ? 1 : 0);  // with a sink: the feature `sink` comes last
+  const int64_t F = F0 + (a.sink ? 1 : 0);  // with a sink: the feature `sink` comes last
   at::Tensor key_scale;
-  if (want_features && key_scale_in) key_scale = key_scale_in->contiguous();
+  if (a.want_features && a.key_scale) key_scale = a.key_scale->contiguous();
   at::Tensor tc, sid;
-  if (token_class_in) tc = token_class_in->contiguous();
-  if (sentence_id_in) sid = sentence_id_in->contiguous();
+  if (a.token_class) tc = a.token_class->contiguous();
+  if (a.sentence_id) sid = a.sentence_id->contiguous();
 
-  const bool need_sid = want_features || std::any_of(region.begin(), region.end(), [](int r) { return r != kAll; });
+  const bool need_sid = a.want_features || std::any_of(region.begin(), region.end(), [](int r) { return r != kAll; });
 
   // Sentence ids as dense per-sample ranks (0, 1, ... by value; zeros when none), as floats for the
   // vectorised comparisons: exact for any int32 id (a float holds every integer below 2^24).
@@ -290,17 +285,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   std::vector<uint8_t> one_sentence(B, 1), sid_runs(B, 0);
   // sid_runs[b]: sample b's sentences are contiguous runs of keys (as tokenised texts have them); key t's run is
   // [sent_lo[b·L + t], sent_hi[b·L + t]) (keys < n)
-  std::vector<int32_t> sent_lo(want_features && sid.defined() ? B * L : 0), sent_hi(sent_lo.size());
+  std::vector<int32_t> sent_lo(a.want_features && sid.defined() ? B * L : 0), sent_hi(sent_lo.size());
   std::vector<SampleInfo> info(B);
   std::vector<int64_t> nlen(B), special_at(B + 1, 0);
   std::vector<int32_t> special_pos;
   std::vector<float> special_cls;  // (floats: the tasks compare them in vectors)
   // 1 where a key's token class is OTHER (for the tasks' vectorised sums; keys < n only)
-  const bool want_classes = want_features && tc.defined();
+  const bool want_classes = a.want_features && tc.defined();
   std::vector<float> other_mask(want_classes ? B * L : 0, 0.f);
   // distance windows: win_of[b·L + d] = ⌊d·N/n⌋, window j holds d in [win_lo[j], win_lo[j + 1]) = [⌈j·n/N⌉, ...)
-  std::vector<int32_t> win_of(want_features ? B * L : 0);
-  std::vector<int64_t> win_lo(want_features ? B * (N + 1) : 0);
+  std::vector<int32_t> win_of(a.want_features ? B * L : 0);
+  std::vector<int64_t> win_lo(a.want_features ? B * (N + 1) : 0);
   for (int64_t b = 0; b < B; ++b) {
     auto& si = info[b];
     si.n = nlen[b] = len[b];
@@ -312,7 +307,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       one_sentence[b] = ids.size() <= 1;
       for (int64_t t = 0; t < L; ++t)
         sidf[b * L + t] = static_cast<float>(std::lower_bound(ids.begin(), ids.end(), sp[t]) - ids.begin());
-      if (want_features && !one_sentence[b]) {
+      if (a.want_features && !one_sentence[b]) {
         const float* r = sidf.data() + b * L;
         std::vector<uint8_t> seen(ids.size(), 0);
         bool runs = true;
@@ -340,7 +335,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       }
     }
     special_at[b + 1] = static_cast<int64_t>(special_pos.size());
-    if (want_features) {
+    if (a.want_features) {
       const int64_t n = si.n;
       for (int64_t d = 0; d < n; ++d) win_of[b * L + d] = static_cast<int32_t>((d * N) / n);
       for (int64_t j = 0; j <= N; ++j) win_lo[b * (N + 1) + j] = (j * n + N - 1) / N;
@@ -354,20 +349,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
     if (f.stride(3) != 1 || f.stride(2) < f.size(3)) f = f.contiguous();
     return f;
   };
-  const at::Tensor q = prep(q_in), k = prep(k_in), v = prep(v_in);
+  const at::Tensor q = prep(a.q), k = prep(a.k), v = prep(a.v);
   // norm weighting: ln g once per key (0 where g = 0: its weight is 0 anyway)
   at::Tensor log_key_scale;
   if (key_scale.defined()) log_key_scale = at::where(key_scale > 0, key_scale.log(), at::zeros_like(key_scale));
 
   const bool out_f32 = dt == at::kFloat;
-  at::Tensor out = at::empty({B, Lq, H, D}, q_in.options().dtype(dt));
-  at::Tensor out32 = out_f32 ? out : at::empty({B, Lq, H, D}, q_in.options().dtype(at::kFloat));
-  at::Tensor lse = at::empty({B, H, want_lse ? Lq : 0}, q_in.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({B, Lq, H, D}, a.q.options().dtype(dt));
+  at::Tensor out32 = out_f32 ? out : at::empty({B, Lq, H, D}, a.q.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({B, H, want_lse ? Lq : 0}, a.q.options().dtype(at::kFloat));
 
   // Blocks (as ATen's CPU flash attention): BQ query rows × BK keys, the score tile in L2 whatever L is.
   // $ATTNKIT_CPU_BLOCKS="BQxBK" overrides them (tests use small blocks to reach every path at small L).
   // full rows: 256 as ATen (more reuse of each K/V block); causal / windowed rows: 128 (less waste at the diagonal)
-  int64_t BQ = L < 768 ? 64 : (causal || sliding_window.has_value()) ? 128 : 256, BK = 512;
+  int64_t BQ = L < 768 ? 64 : (a.causal || a.sliding_window.has_value()) ? 128 : 256, BK = 512;
   if (const char* env = std::getenv("ATTNKIT_CPU_BLOCKS"); env != nullptr && *env != '\0') {
     long bq = 0, bk = 0;
     ATTNKIT_CHECK(std::sscanf(env, "%ldx%ld", &bq, &bk) == 2 && bq >= 1 && bk >= 1,
@@ -403,21 +398,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.sent_lo = sent_lo.empty() ? nullptr : sent_lo.data(), p.sent_hi = sent_hi.empty() ? nullptr : sent_hi.data();
   p.token_class = want_classes ? tc.data_ptr<int32_t>() : nullptr;
   p.other_mask = p.token_class != nullptr ? other_mask.data() : nullptr;
-  p.win_of = want_features ? win_of.data() : nullptr;
-  p.win_lo = want_features ? win_lo.data() : nullptr;
+  p.win_of = a.want_features ? win_of.data() : nullptr;
+  p.win_lo = a.want_features ? win_lo.data() : nullptr;
   p.key_scale = key_scale.defined() ? key_scale.data_ptr<float>() : nullptr;
   p.log_key_scale = key_scale.defined() ? log_key_scale.data_ptr<float>() : nullptr;
-  p.scaling = scaling, p.renormalize = renormalize, p.want_features = want_features, p.causal = causal;
-  p.window = sliding_window.value_or(0);
-  p.softcap = softcap.has_value() ? static_cast<float>(*softcap) : 0.f;
+  p.scaling = a.scaling, p.renormalize = a.renormalize, p.want_features = a.want_features, p.causal = a.causal;
+  p.window = a.sliding_window.value_or(0);
+  p.softcap = a.softcap.has_value() ? static_cast<float>(*a.softcap) : 0.f;
   p.FA = kPartialSlots(F0);
   p.gemm = gemm;
   p.small_products = BQ * BK * D <= small_products;
   const int64_t n_tasks = B * H * p.n_qblk;
-  std::vector<double> partial(want_features ? n_tasks * p.FA : 0, 0.0);
-  p.partial = want_features ? partial.data() : nullptr;
-  std::vector<float> task_max(want_max_logit ? n_tasks : 0, -std::numeric_limits<float>::infinity());
-  p.max_logit = want_max_logit ? task_max.data() : nullptr;
+  std::vector<double> partial(a.want_features ? n_tasks * p.FA : 0, 0.0);
+  p.partial = a.want_features ? partial.data() : nullptr;
+  std::vector<float> task_max(a.want_max_logit ? n_tasks : 0, -std::numeric_limits<float>::infinity());
+  p.max_logit = a.want_max_logit ? task_max.data() : nullptr;
   const FusedTasksFn tasks = current_build().fn;
   // per-thread scratch, fixed in size: one allocation per thread and call
   const int64_t RS = kRowStateSlots(N);
@@ -436,8 +431,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   });
 
   if (!out_f32) out.copy_(out32);
-  at::Tensor feats = at::zeros({B, H, want_features ? F : 0}, q_in.options().dtype(at::kFloat));
-  if (want_features) {  // per-task sums reduced in task order: the same bits whatever the threads
+  at::Tensor feats = at::zeros({B, H, a.want_features ? F : 0}, a.q.options().dtype(at::kFloat));
+  if (a.want_features) {  // per-task sums reduced in task order: the same bits whatever the threads
     float* fp = feats.data_ptr<float>();
     const int64_t FA = p.FA, n_qblk = p.n_qblk;
     for (int64_t b = 0; b < B; ++b) {
@@ -458,8 +453,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       }
     }
   }
-  at::Tensor max_logit = at::empty({B, want_max_logit ? H : 0}, q_in.options().dtype(at::kFloat));
-  if (want_max_logit) {  // the maximum over each (sample, head)'s query blocks, NaN propagating
+  at::Tensor max_logit = at::empty({B, a.want_max_logit ? H : 0}, a.q.options().dtype(at::kFloat));
+  if (a.want_max_logit) {  // the maximum over each (sample, head)'s query blocks, NaN propagating
     float* mp = max_logit.data_ptr<float>();
     for (int64_t bh = 0; bh < B * H; ++bh) {
       float m = -std::numeric_limits<float>::infinity();
@@ -469,38 +464,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       }
       const int64_t b = bh / H, h = bh % H;
       if (std::isnan(m) || mode[h] != kModeKeep)  // not measured by the tasks: from the head's scores
-        m = head_max_logit(q, k, b, h, kv_head[h], nlen[b], off, scaling, causal, sliding_window.value_or(0));
+        m = head_max_logit(q, k, b, h, kv_head[h], nlen[b], off, a.scaling, a.causal, a.sliding_window.value_or(0));
       mp[bh] = m;
     }
   }
   return {out, feats, lse, max_logit};
 }
 
-std::tuple<at::Tensor, at::Tensor> fused_attention_cpu(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
-    const c10::optional<at::Tensor>& token_class, const c10::optional<at::Tensor>& sentence_id, double scaling,
-    int64_t num_windows, const c10::optional<at::Tensor>& mode, const c10::optional<at::Tensor>& region,
-    bool renormalize, const c10::optional<at::Tensor>& gates, bool want_features,
-    const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& kv_head, bool causal,
-    c10::optional<int64_t> sliding_window, c10::optional<double> softcap, const c10::optional<at::Tensor>& sink) {
-  auto [out, feats, lse, max_logit] =
-      fused_attention_impl(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region, renormalize,
-                           gates, want_features, key_scale, kv_head, causal, sliding_window, softcap, sink, false,
-                           false);
-  return {out, feats};
+// The op's kernels, boxed: their arguments come off the dispatcher's stack into one FusedAttentionArgs
+// (csrc/attention_args.h), and their outputs go back on it.
+void fused_attention_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  auto [out, feats, lse, max_logit] = fused_attention_impl(pop_fused_attention_args(op, stack), false);
+  torch::jit::push(*stack, std::move(out), std::move(feats));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_lse_cpu(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
-    const c10::optional<at::Tensor>& token_class, const c10::optional<at::Tensor>& sentence_id, double scaling,
-    int64_t num_windows, const c10::optional<at::Tensor>& mode, const c10::optional<at::Tensor>& region,
-    bool renormalize, const c10::optional<at::Tensor>& gates, bool want_features,
-    const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& kv_head, bool causal,
-    c10::optional<int64_t> sliding_window, c10::optional<double> softcap, const c10::optional<at::Tensor>& sink,
-    bool want_max_logit) {
-  return fused_attention_impl(q, k, v, lengths, token_class, sentence_id, scaling, num_windows, mode, region,
-                              renormalize, gates, want_features, key_scale, kv_head, causal, sliding_window, softcap,
-                              sink, true, want_max_logit);
+void fused_attention_lse_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  auto [out, feats, lse, max_logit] = fused_attention_impl(pop_fused_attention_args(op, stack), true);
+  torch::jit::push(*stack, std::move(out), std::move(feats), std::move(lse), std::move(max_logit));
 }
 
 }  // namespace
@@ -509,8 +489,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_lse_c
 std::string cpu_capability() { return current_build().name; }
 
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
-  m.impl("fused_attention", &fused_attention_cpu);
-  m.impl("fused_attention_lse", &fused_attention_lse_cpu);
+  m.impl("fused_attention", torch::CppFunction::makeFromBoxedFunction<&fused_attention_cpu>());
+  m.impl("fused_attention_lse", torch::CppFunction::makeFromBoxedFunction<&fused_attention_lse_cpu>());
 }
 
 }  // namespace attnkit::cpu

@@ -41,6 +41,7 @@
 #include <optional>
 #include <tuple>
 
+#include "../attention_args.h"
 #include "../check.h"
 #include "fused_attention_params.h"
 #include "fused_attention_traits.h"
@@ -275,48 +276,42 @@ void dispatch_head_dim(int head_dim, const FusedParams& params, cudaStream_t str
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
-    const std::optional<at::Tensor>& token_class, const std::optional<at::Tensor>& sentence_id, double scaling,
-    int64_t num_windows, const std::optional<at::Tensor>& mode, const std::optional<at::Tensor>& region,
-    bool renormalize, const std::optional<at::Tensor>& gates, bool want_features,
-    const std::optional<at::Tensor>& key_scale, const std::optional<at::Tensor>& kv_head, bool causal,
-    std::optional<int64_t> sliding_window, std::optional<double> softcap, const std::optional<at::Tensor>& sink) {
-  ATTNKIT_CHECK(q.is_cuda(), kOp, "q must be a CUDA tensor, got ", q.device());
-  ATTNKIT_CHECK(q.dim() == 4, kOp, "q must be B×H×L×D, got shape ", q.sizes());
-  ATTNKIT_CHECK(k.dim() == 4 && k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3) &&
-                    k.size(1) >= 1,
-                kOp, "k must have q's shape ", q.sizes(), " (or B×Hkv×L×D), got ", k.sizes());
-  ATTNKIT_CHECK(v.sizes() == k.sizes(), kOp, "v must have k's shape ", k.sizes(), ", got ", v.sizes());
-  const int64_t Hkv = k.size(1);
-  ATTNKIT_CHECK(kv_head.has_value() || (Hkv <= q.size(1) && q.size(1) % Hkv == 0), kOp, "k and v have ", Hkv,
-                " heads and q ", q.size(1), ": give kv_head (the KV head of each query head) unless ", Hkv,
-                " divides ", q.size(1));
-  ATTNKIT_CHECK(!sliding_window.has_value() || *sliding_window >= 1, kOp,
-                "sliding_window must be an integer >= 1, got ", sliding_window.value_or(0));
-  ATTNKIT_CHECK(!softcap.has_value() || (std::isfinite(*softcap) && *softcap > 0), kOp,
-                "softcap must be a finite number > 0, got ", softcap.value_or(0.0));
-  const at::Device device = q.device();
-  ATTNKIT_CHECK(k.device() == device, kOp, "k must be on ", device, " like q, got ", k.device());
-  ATTNKIT_CHECK(v.device() == device, kOp, "v must be on ", device, " like q, got ", v.device());
-  const auto dtype = q.scalar_type();
+std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(const FusedAttentionArgs& a) {
+  ATTNKIT_CHECK(a.q.is_cuda(), kOp, "q must be a CUDA tensor, got ", a.q.device());
+  ATTNKIT_CHECK(a.q.dim() == 4, kOp, "q must be B×H×L×D, got shape ", a.q.sizes());
+  ATTNKIT_CHECK(a.k.dim() == 4 && a.k.size(0) == a.q.size(0) && a.k.size(2) == a.q.size(2) && a.k.size(3) == a.q.size(3) &&
+                    a.k.size(1) >= 1,
+                kOp, "k must have q's shape ", a.q.sizes(), " (or B×Hkv×L×D), got ", a.k.sizes());
+  ATTNKIT_CHECK(a.v.sizes() == a.k.sizes(), kOp, "v must have k's shape ", a.k.sizes(), ", got ", a.v.sizes());
+  const int64_t Hkv = a.k.size(1);
+  ATTNKIT_CHECK(a.kv_head.has_value() || (Hkv <= a.q.size(1) && a.q.size(1) % Hkv == 0), kOp, "k and v have ", Hkv,
+                " heads and q ", a.q.size(1), ": give kv_head (the KV head of each query head) unless ", Hkv,
+                " divides ", a.q.size(1));
+  ATTNKIT_CHECK(!a.sliding_window.has_value() || *a.sliding_window >= 1, kOp,
+                "sliding_window must be an integer >= 1, got ", a.sliding_window.value_or(0));
+  ATTNKIT_CHECK(!a.softcap.has_value() || (std::isfinite(*a.softcap) && *a.softcap > 0), kOp,
+                "softcap must be a finite number > 0, got ", a.softcap.value_or(0.0));
+  const at::Device device = a.q.device();
+  ATTNKIT_CHECK(a.k.device() == device, kOp, "k must be on ", device, " like q, got ", a.k.device());
+  ATTNKIT_CHECK(a.v.device() == device, kOp, "v must be on ", device, " like q, got ", a.v.device());
+  const auto dtype = a.q.scalar_type();
   ATTNKIT_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, kOp,
               "q must be float32, float16 or bfloat16, got ", dtype);
-  ATTNKIT_CHECK(k.scalar_type() == dtype, kOp, "k must have q's dtype ", dtype, ", got ", k.scalar_type());
-  ATTNKIT_CHECK(v.scalar_type() == dtype, kOp, "v must have q's dtype ", dtype, ", got ", v.scalar_type());
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  ATTNKIT_CHECK(a.k.scalar_type() == dtype, kOp, "k must have q's dtype ", dtype, ", got ", a.k.scalar_type());
+  ATTNKIT_CHECK(a.v.scalar_type() == dtype, kOp, "v must have q's dtype ", dtype, ", got ", a.v.scalar_type());
+  const int64_t B = a.q.size(0), H = a.q.size(1), L = a.q.size(2), D = a.q.size(3);
   ATTNKIT_CHECK(D == 32 || D == 64 || D == 128, kOp, "head dim (q.size(3)) must be 32, 64 or 128, got ", D);
   ATTNKIT_CHECK(L <= (int64_t(1) << 20), kOp, "sequence length ", L, " is too long");
   ATTNKIT_CHECK(B <= 65535 && H <= 65535, kOp, "batch (", B, ") and heads (", H, ") must be at most 65535");
-  ATTNKIT_CHECK(lengths.dim() == 1 && lengths.size(0) == B, kOp, "lengths must have shape [", B, "], got ",
-              lengths.sizes());
-  ATTNKIT_CHECK(!at::isFloatingType(lengths.scalar_type()) && lengths.scalar_type() != at::kBool, kOp,
-              "lengths must be an integer tensor, got ", lengths.scalar_type());
-  ATTNKIT_CHECK(num_windows >= 1, kOp, "num_windows must be >= 1, got ", num_windows);
-  ATTNKIT_CHECK(std::isfinite(scaling), kOp, "scaling must be a finite number, got ", scaling);
-  ATTNKIT_CHECK(!want_features || num_windows <= kMaxNumWindows, kOp, "num_windows must be at most ",
-              kMaxNumWindows, " on CUDA, got ", num_windows);
-  ATTNKIT_CHECK(!want_features || (L - 1) * num_windows < (int64_t(1) << 31), kOp,
+  ATTNKIT_CHECK(a.lengths.dim() == 1 && a.lengths.size(0) == B, kOp, "lengths must have shape [", B, "], got ",
+              a.lengths.sizes());
+  ATTNKIT_CHECK(!at::isFloatingType(a.lengths.scalar_type()) && a.lengths.scalar_type() != at::kBool, kOp,
+              "lengths must be an integer tensor, got ", a.lengths.scalar_type());
+  ATTNKIT_CHECK(a.num_windows >= 1, kOp, "num_windows must be >= 1, got ", a.num_windows);
+  ATTNKIT_CHECK(std::isfinite(a.scaling), kOp, "scaling must be a finite number, got ", a.scaling);
+  ATTNKIT_CHECK(!a.want_features || a.num_windows <= kMaxNumWindows, kOp, "num_windows must be at most ",
+              kMaxNumWindows, " on CUDA, got ", a.num_windows);
+  ATTNKIT_CHECK(!a.want_features || (L - 1) * a.num_windows < (int64_t(1) << 31), kOp,
               "num_windows × L is too large for the window arithmetic");
 
   c10::cuda::CUDAGuard guard(device);
@@ -324,35 +319,35 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
     ATTNKIT_CHECK(compute_capability_major(device.index()) >= 8, kOp,
                 "float16/bfloat16 need a GPU of compute capability 8.0 or newer (tensor-core path)");
   }
-  const int64_t F = kNumFeatures(int(num_windows)) + (sink.has_value() ? 1 : 0);  // `sink` last
-  at::Tensor out = at::empty({B, L, H, D}, q.options());
-  at::Tensor features = want_features ? at::zeros({B, H, F}, q.options().dtype(at::kFloat))
-                                      : at::empty({B, H, 0}, q.options().dtype(at::kFloat));
+  const int64_t F = kNumFeatures(int(a.num_windows)) + (a.sink.has_value() ? 1 : 0);  // `sink` last
+  at::Tensor out = at::empty({B, L, H, D}, a.q.options());
+  at::Tensor features = a.want_features ? at::zeros({B, H, F}, a.q.options().dtype(at::kFloat))
+                                      : at::empty({B, H, 0}, a.q.options().dtype(at::kFloat));
   if (B == 0 || H == 0 || L == 0) return {out, features};
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   const bool capturing = is_capturing(stream);
-  const at::Tensor qk = kernel_operand(q), kk = kernel_operand(k), vk = kernel_operand(v);
+  const at::Tensor qk = kernel_operand(a.q), kk = kernel_operand(a.k), vk = kernel_operand(a.v);
   // lengths may arrive on the CPU (a small host tensor): checked there and copied, which a CUDA graph
   // cannot capture. The kernel reads them on the device.
-  const bool host_lengths = lengths.is_cpu();
+  const bool host_lengths = a.lengths.is_cpu();
   if (host_lengths) {
     ATTNKIT_CHECK(!capturing, kOp, "lengths are on the CPU while a CUDA graph is being captured; pass them on ",
                 device, " (a host-to-device copy cannot be captured)");
-    check_host_lengths(lengths, L);
+    check_host_lengths(a.lengths, L);
   } else {
-    ATTNKIT_CHECK(lengths.device() == device, kOp, "lengths must be on ", device, " like q (or on the CPU), got ",
-                lengths.device());
+    ATTNKIT_CHECK(a.lengths.device() == device, kOp, "lengths must be on ", device, " like q (or on the CPU), got ",
+                a.lengths.device());
   }
-  const at::Tensor len = lengths.to(device, at::kLong).contiguous();
-  const auto tc = side_input(token_class, "token_class", at::kInt, {B, L}, device);
-  const auto sid = side_input(sentence_id, "sentence_id", at::kInt, {B, L}, device);
-  const auto md = side_input(mode, "mode", at::kInt, {H}, device);
-  const auto rg = side_input(region, "region", at::kInt, {H}, device);
-  const auto gt = side_input(gates, "gates", at::kFloat, {H}, device);
-  const auto sk = side_input(sink, "sink", at::kFloat, {H}, device);
+  const at::Tensor len = a.lengths.to(device, at::kLong).contiguous();
+  const auto tc = side_input(a.token_class, "token_class", at::kInt, {B, L}, device);
+  const auto sid = side_input(a.sentence_id, "sentence_id", at::kInt, {B, L}, device);
+  const auto md = side_input(a.mode, "mode", at::kInt, {H}, device);
+  const auto rg = side_input(a.region, "region", at::kInt, {H}, device);
+  const auto gt = side_input(a.gates, "gates", at::kFloat, {H}, device);
+  const auto sk = side_input(a.sink, "sink", at::kFloat, {H}, device);
   // the KV head of each query head: given, or even groups h / (H / Hkv) (none when Hkv == H)
-  std::optional<at::Tensor> kv = side_input(kv_head, "kv_head", at::kInt, {H}, device);
+  std::optional<at::Tensor> kv = side_input(a.kv_head, "kv_head", at::kInt, {H}, device);
   if (!kv.has_value() && Hkv != H) {
     ATTNKIT_CHECK(!capturing, kOp, "k and v have ", Hkv, " heads while a CUDA graph is being captured: pass kv_head");
     at::Tensor groups = at::empty({H}, at::TensorOptions().dtype(at::kInt));
@@ -360,10 +355,10 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
     kv = groups.to(device);
   }
   // the key scale only changes features: without them it is not read
-  const auto ks = want_features ? side_input(key_scale, "key_scale", at::kFloat, {B, H, L}, device)
+  const auto ks = a.want_features ? side_input(a.key_scale, "key_scale", at::kFloat, {B, H, L}, device)
                                 : std::optional<at::Tensor>();
   if (!capturing) {
-    check_device_arguments(len, !host_lengths, want_features ? tc : std::optional<at::Tensor>(), md, rg, kv, B, H, L,
+    check_device_arguments(len, !host_lengths, a.want_features ? tc : std::optional<at::Tensor>(), md, rg, kv, B, H, L,
                            Hkv, stream);
   }
 
@@ -382,31 +377,31 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
   p.region = ptr_or_null<int32_t>(rg);
   p.gates = ptr_or_null<float>(gt);
   p.key_scale = ptr_or_null<float>(ks);
-  p.features = want_features ? features.data_ptr<float>() : nullptr;
+  p.features = a.want_features ? features.data_ptr<float>() : nullptr;
   p.B = int(B), p.H = int(H), p.L = int(L);
-  p.num_windows = int(num_windows);
-  p.num_features = want_features ? int(F) : 0;
-  p.scaling = float(scaling);
-  p.renormalize = renormalize;
+  p.num_windows = int(a.num_windows);
+  p.num_features = a.want_features ? int(F) : 0;
+  p.scaling = float(a.scaling);
+  p.renormalize = a.renormalize;
   p.kv_head = ptr_or_null<int32_t>(kv);
   p.Hkv = int(Hkv);
   p.sink = ptr_or_null<float>(sk);
-  p.causal = causal;
-  p.window = int(std::min<int64_t>(sliding_window.value_or(0), L));  // a window of L or more limits nothing
-  p.softcap = softcap.has_value() ? float(*softcap) : 0.f;
+  p.causal = a.causal;
+  p.window = int(std::min<int64_t>(a.sliding_window.value_or(0), L));  // a window of L or more limits nothing
+  p.softcap = a.softcap.has_value() ? float(*a.softcap) : 0.f;
 
   // The decoder arguments run on v1 (docs/cuda.md); v2, asked for by name, refuses them by name.
   std::string decoder;
-  for (const auto& [given, name] : {std::pair{kv_head.has_value() || Hkv != H, "kv_head"}, {causal, "causal"},
-                                    {sliding_window.has_value(), "sliding_window"}, {softcap.has_value(), "softcap"},
-                                    {sink.has_value(), "sink"}}) {
+  for (const auto& [given, name] : {std::pair{a.kv_head.has_value() || Hkv != H, "kv_head"}, {a.causal, "causal"},
+                                    {a.sliding_window.has_value(), "sliding_window"}, {a.softcap.has_value(), "softcap"},
+                                    {a.sink.has_value(), "sink"}}) {
     if (given) decoder += (decoder.empty() ? "" : ", ") + std::string(name);
   }
   const KernelChoice choice = requested_kernel();
   ATTNKIT_CHECK(decoder.empty() || choice != KernelChoice::kV2 || dtype == at::kFloat, kOp,
                 "the v2 kernel (ATTNKIT_CUDA_KERNEL=v2) does not take ", decoder, ": use v1 (unset ATTNKIT_CUDA_KERNEL)");
   const bool use_v2 = choice == KernelChoice::kV2 && dtype != at::kFloat && decoder.empty() &&
-                      (!want_features || num_windows <= kMaxWindowsV2);
+                      (!a.want_features || a.num_windows <= kMaxWindowsV2);
   switch (dtype) {
     case at::kFloat:
       dispatch_head_dim<float>(int(D), p, stream, device.index(), "float32", false);
@@ -419,11 +414,18 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(
       break;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (want_features) {
+  if (a.want_features) {
     run_finalize_features(p, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {out, features};
+}
+
+// The op's kernel, boxed: its arguments come off the dispatcher's stack into one FusedAttentionArgs
+// (csrc/attention_args.h), and its outputs go back on it.
+void fused_attention_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  auto [out, features] = fused_attention_cuda(pop_fused_attention_args(op, stack));
+  torch::jit::push(*stack, std::move(out), std::move(features));
 }
 
 at::Tensor js_distances_cuda(const at::Tensor& attn, const at::Tensor& lengths) {
@@ -513,7 +515,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> word_attention_cuda(const at::Ten
 }  // namespace attnkit
 
 TORCH_LIBRARY_IMPL(attnkit, CUDA, m) {
-  m.impl("fused_attention", TORCH_FN(attnkit::cuda::fused_attention_cuda));
+  m.impl("fused_attention", torch::CppFunction::makeFromBoxedFunction<&attnkit::cuda::fused_attention_boxed>());
   m.impl("js_distances", TORCH_FN(attnkit::cuda::js_distances_cuda));
   m.impl("word_attention", TORCH_FN(attnkit::cuda::word_attention_cuda));
 }
