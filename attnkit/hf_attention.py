@@ -132,8 +132,6 @@ class ModelInputs:
     # does not hand it on to the attention function
     output_attentions: bool = False
     sentence_id: torch.Tensor | None = None  # B×L int32, derived once per forward when first needed
-    # whether this forward holds attnkit's CPU allocator (attnkit.ops.hold_cpu_allocator), given back at its end
-    holds_cpu_allocator: bool = False
 
 
 class FeaturesComplete(Exception):
