@@ -13,12 +13,11 @@ works after `import attnkit` all the same: the attention function is registered 
 transformers is imported (at once when it already is).
 """
 import importlib
-import importlib.abc
-import importlib.machinery
 import sys
 
 from .errors import AttnkitError
 from .features import feature_names
+from .process import after_import
 from .run.versions import attnkit_version
 
 __version__ = attnkit_version()
@@ -37,6 +36,7 @@ _LAZY = {
     "instrument": "models",
     "intervene": "interventions",
     "load_model": "models",
+    "process_changes": "process",
     "register_attention": ("hf_attention", "register"),
     "sentences": "interventions",
     "track": "training",
@@ -72,36 +72,19 @@ def _register_attention() -> None:
         logging.getLogger("attnkit").warning("attnkit could not register its attention with transformers: %s", exc)
 
 
-class _RegisterWhenTransformersLoads(importlib.abc.MetaPathFinder):
-    """Registers attnkit attention right after `transformers` is imported (a post-import hook that removes
-    itself): `AutoModel.from_pretrained(path, attn_implementation="attnkit")` then works after `import attnkit`,
-    in whichever order the two are imported, without `import attnkit` paying for transformers itself."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "transformers":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_register(module):
-            exec_module(module)
-            _register_attention()
-
-        spec.loader.exec_module = exec_and_register
-        return spec
-
-
 if "transformers" in sys.modules:
     _register_attention()
-elif not any(isinstance(f, _RegisterWhenTransformersLoads) for f in sys.meta_path):
-    sys.meta_path.insert(0, _RegisterWhenTransformersLoads())
+elif not any(getattr(f, "module", None) == "transformers" for f in sys.meta_path):
+    # Registers attnkit attention right after `transformers` is imported (a finder that removes itself at that
+    # import; attnkit.process lists it meanwhile, ATTNKIT_IMPORT_HOOK=0 leaves it out and instrument() registers
+    # instead): `AutoModel.from_pretrained(path, attn_implementation="attnkit")` then works after `import attnkit`,
+    # in whichever order the two are imported, without `import attnkit` paying for transformers itself.
+    after_import("import_hook", "transformers", _register_attention,
+                 'a finder in sys.meta_path that registers attn_implementation="attnkit" when transformers loads')
 
 __all__ = [
     "AttnkitError", "HeadFeatures", "Intervention", "attention_maps", "backend_info", "cache_heads", "cluster",
     "detect_heads",
-    "extract", "feature_names", "head_means", "instrument", "intervene", "load_model", "qk_clip", "sentences",
-    "to_str_tokens", "track",
+    "extract", "feature_names", "head_means", "instrument", "intervene", "load_model", "process_changes", "qk_clip",
+    "sentences", "to_str_tokens", "track",
 ]

@@ -674,7 +674,8 @@ def open_blocks(model) -> int:
 def _block(model, intervention, sentence_ids, *, sets: bool, alone: bool = False):
     rt, block = _enter(model, intervention, sentence_ids, sets=sets, alone=alone)
     try:
-        yield model
+        with rt.closing_forwards():  # a forward Ctrl-C left open is exited
+            yield model
     finally:  # KeyboardInterrupt included
         _leave(rt, block)
 

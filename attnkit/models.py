@@ -24,7 +24,6 @@ from .embedded import check_model_max_length, embedded_path, is_embedded_name, m
 from .errors import AttnkitError, arg, one_line
 from .features import feature_names
 from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
-from .ops import hold_cpu_allocator, release_cpu_allocator
 from .run.model_dir import (  # checked without torch
     TOKENIZER_FILES,
     check_max_length,
@@ -119,7 +118,8 @@ def observing(model_or_runtime, observers: Sequence[Callable]):
         raise AttnkitError(f"observers must be callables (layer, query, key, lengths, scaling), got {bad[0]!r}")
     consumers = [rt.attach(observer_consumer(obs)) for obs in observers]  # attnkit/attention/consumers/observers.py
     try:
-        yield rt
+        with rt.closing_forwards():  # a forward Ctrl-C left open is exited
+            yield rt
     finally:
         for consumer in consumers:
             rt.detach(consumer)
@@ -212,9 +212,9 @@ def _separator_ids(model, tokenizer=None) -> tuple[int, ...]:
 
 def _record_inputs(model, runtime: Runtime) -> None:
     """Hooks on the base model (which every task head calls with the inputs) that put the forward's
-    input_ids and token_type_ids into `runtime.inputs` and take them out again, also on an exception. A forward on
-    the CPU holds attnkit's CPU allocator meanwhile (attnkit.ops.hold_cpu_allocator: its peak memory no longer
-    depends on how glibc's heap happened to fragment).
+    input_ids and token_type_ids into `runtime.inputs` and take them out again, also on an exception. (A user's
+    forward, training step or generate() runs on the process's own CPU allocator: attnkit's is held only around
+    attnkit's own measuring forwards, attnkit.process.measuring_forward.)
     The hooks find the runtime on the module, so a deep copy of the model records into its own, and
     instrumenting a model again keeps the hooks it has."""
     base = getattr(model, "base_model", None) or model
@@ -233,20 +233,11 @@ def _record_inputs(model, runtime: Runtime) -> None:
         maps = given.get("output_attentions")  # as transformers decides whether to record attentions
         if maps is None:
             maps = getattr(getattr(module, "config", None), "output_attentions", False)
-        held = False
-        if not torch.compiler.is_compiling():  # a compiled graph has no Python call to make
-            weight = next(module.parameters(), None)
-            held = weight is not None and weight.device.type == "cpu" and hold_cpu_allocator()
         getattr(module, RUNTIME_ATTR).enter_forward(
-            ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids")), bool(maps),
-                        holds_cpu_allocator=held))
+            ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids")), bool(maps)))
 
     def after(module, args, kwargs, output):
-        runtime = getattr(module, RUNTIME_ATTR)
-        held = runtime.inputs is not None and runtime.inputs.holds_cpu_allocator
-        runtime.exit_forward()
-        if held:
-            release_cpu_allocator()
+        getattr(module, RUNTIME_ATTR).exit_forward()
 
     before._attnkit_hook = after._attnkit_hook = True
     base.register_forward_pre_hook(before, with_kwargs=True)

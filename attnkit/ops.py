@@ -153,23 +153,29 @@ _CPU_ALLOCATOR = _has_cpu_allocator()
 
 
 def hold_cpu_allocator() -> bool:
-    """Put attnkit's CPU allocator in c10's place for CPU tensors until the matching `release_cpu_allocator` (holds
-    are counted; the last release restores c10's). Every block is a plain malloc aligned inside, so the hole a freed
-    activation leaves fits the next one of its size (csrc/cpu/block_allocator.cpp; docs/decoders.md §7, "Memory").
-    attnkit.models holds it over each forward of an instrumented model on the CPU. False, and nothing to release,
-    where it stays out: no extension or one built before it, c10's NUMA or huge-page allocation on, or another
-    allocator registered with a higher priority."""
+    """The calling thread's CPU tensors come from attnkit's CPU allocator until the matching
+    `release_cpu_allocator` on the same thread (holds are counted per thread). Every block is a plain malloc
+    aligned inside, so the hole a freed activation leaves fits the next one of its size
+    (csrc/cpu/block_allocator.cpp: why, and how it sits in c10's slot without a swap racing other threads).
+    attnkit.process.measuring_forward holds it around attnkit's own measuring forwards on the CPU. False, and
+    nothing to release, where it cannot: no extension or one built before it, c10's NUMA or huge-page allocation
+    on, or another allocator registered with a higher priority."""
     return _CPU_ALLOCATOR and bool(torch.ops.attnkit.hold_cpu_allocator())
 
 
 def release_cpu_allocator() -> None:
-    """Give back one hold that `hold_cpu_allocator` returned True for."""
+    """Give back one hold of this thread that `hold_cpu_allocator` returned True for."""
     torch.ops.attnkit.release_cpu_allocator()
 
 
 def cpu_allocator_holders() -> int:
-    """How many holds of attnkit's CPU allocator are outstanding (0 without it)."""
+    """How many holds of attnkit's CPU allocator all threads have outstanding (0 without it)."""
     return int(torch.ops.attnkit.cpu_allocator_holders()) if _CPU_ALLOCATOR else 0
+
+
+def cpu_allocator_registered() -> bool:
+    """Whether attnkit's routing allocator is in c10's CPU slot (it stays there from the first hold on)."""
+    return _CPU_ALLOCATOR and bool(torch.ops.attnkit.cpu_allocator_registered())
 
 
 def cpu_capability() -> str | None:

@@ -10,6 +10,11 @@ the CPU with `--threads` threads (default 2):
   attnkit   attnkit extraction: the instrumented model under `measuring` (attnkit.engine.forward_features), the
             features of every head; the backend attnkit picks (`--backend`)
   eager     eager attention with output_attentions=True (the maps of every layer: 30 × 9 × L × L floats)
+and attnkit's extraction under other CPU allocators (`--configs`; docs/process.md, "The CPU allocator"):
+  attnkit-c10       c10's own allocator (ATTNKIT_CPU_ALLOCATOR=0: posix_memalign over glibc's malloc)
+  attnkit-jemalloc  c10's allocator over jemalloc (LD_PRELOAD of Debian's libjemalloc2)
+  attnkit-mimalloc  c10's allocator over mimalloc (LD_PRELOAD of Debian's libmimalloc2.0)
+A preloaded allocator that is not installed is skipped, and the table says so.
 Each (configuration, L, round) runs in a fresh process: it loads the model, warms up on 64 tokens, resets the
 peak RSS (/proc/self/clear_refs), times one forward and reads the peak (VmHWM). Reported: tokens/s and the peak
 RSS of the process (model included) and its rise over the forward ("Δ"), medians over `--rounds` rounds, the
@@ -38,6 +43,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from extract import rss_kb  # noqa: E402  (bench/extract.py: a field of /proc/self/status)
 
 CONFIGS = ("sdpa", "attnkit", "eager")
+# attnkit's extraction under another allocator: the environment of its process (docs/process.md)
+ALLOCATORS = {
+    "attnkit-c10": {"ATTNKIT_CPU_ALLOCATOR": "0"},
+    "attnkit-jemalloc": {"ATTNKIT_CPU_ALLOCATOR": "0", "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"},
+    "attnkit-mimalloc": {"ATTNKIT_CPU_ALLOCATOR": "0", "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libmimalloc.so.2"},
+}
 LAYERS, HEADS = 30, 9  # SmolLM2-135M
 
 
@@ -53,7 +64,7 @@ def estimate_bytes(config: str, L: int, backend: str) -> int:
     """A rough upper estimate of what the forward adds at length L (see the module docstring)."""
     if config == "eager":
         return LAYERS * HEADS * L * L * 4 + 3 * HEADS * L * L * 4
-    if config == "attnkit" and backend == "reference":
+    if config.startswith("attnkit") and backend == "reference":
         return 8 * HEADS * L * L * 4
     return 64 * L * 576 * 4 * 4  # activations, linear in L
 
@@ -84,7 +95,7 @@ def child(config: str, L: int, threads: int, backend: str) -> dict:
     from attnkit.models import model_dir
 
     torch.set_num_threads(threads)
-    if config == "attnkit":
+    if config.startswith("attnkit"):
         model, tok = attnkit.load_model("smollm2", device="cpu")
     else:
         tok = attnkit.load_model("smollm2", device="cpu")[1]  # converts the copy if needed; the model is freed
@@ -92,7 +103,7 @@ def child(config: str, L: int, threads: int, backend: str) -> dict:
 
     def run(batch):
         with torch.inference_mode():
-            if config == "attnkit":
+            if config.startswith("attnkit"):
                 with measuring(model, backend=backend):
                     return forward_features(model, batch)
             out = model(**batch.inputs, **no_cache(model), output_attentions=config == "eager")
@@ -142,9 +153,13 @@ def measure(lengths, configs=CONFIGS, rounds: int = 3, threads: int = 2, backend
             for config in configs:
                 need = estimate_bytes(config, L, decoder_backend)
                 if need > memory_share * avail:
-                    skipped[(config, L)] = need
+                    skipped[(config, L)] = f"estimated {need / 2**30:.1f} GiB > {memory_share:.0%} of MemAvailable"
                     continue
-                env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+                env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                           **ALLOCATORS.get(config, {}))
+                if not os.path.exists(env.get("LD_PRELOAD", os.devnull)):
+                    skipped[(config, L)] = f"{env['LD_PRELOAD']} is not installed"
+                    continue
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f"{config}:{L}",
                                        "--threads", str(threads), "--backend", backend],
                                       capture_output=True, text=True, env=env)
@@ -169,8 +184,7 @@ def measure(lengths, configs=CONFIGS, rounds: int = 3, threads: int = 2, backend
                 row[config] = {k: statistics.median(x[k] for x in ok) for k in ("tokens_per_s", "peak_mb", "delta_mb")}
         for config in configs:
             if (config, L) in skipped:
-                print(f"{L:6d} {config:8} skipped: estimated {skipped[(config, L)] / 2**30:.1f} GiB > "
-                      f"{memory_share:.0%} of MemAvailable")
+                print(f"{L:6d} {config:8} skipped: {skipped[(config, L)]}")
                 continue
             if config not in row:
                 print(f"{L:6d} {config:8} failed (out of memory?)")
@@ -181,7 +195,7 @@ def measure(lengths, configs=CONFIGS, rounds: int = 3, threads: int = 2, backend
             print(f"{L:6d} {config:8} {m['tokens_per_s']:9.1f} {m['peak_mb']:9.0f} {m['delta_mb']:8.0f} {rel}")
             table.append({"L": L, "config": config, **m})
     return {"runs": results, "medians": table, "decoder_backend": decoder_backend,
-            "skipped": [{"config": c, "L": L, "estimate_bytes": n} for (c, L), n in skipped.items()]}
+            "skipped": [{"config": c, "L": L, "why": why} for (c, L), why in skipped.items()]}
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ import pytest
 # spinning, at load 3.5 on 2 cores). The regime changes no number; a value in the environment wins.
 from attnkit.engine.openmp import configure  # noqa: E402  (imports no torch)
 
-configure()
+configure(os.environ)  # for the whole session and its subprocesses (the suite asks for it)
 
 # The Triton kernel's real code runs on the CPU under Triton's interpreter (tests/test_triton_attention.py). Triton
 # decides at definition which of its own @triton.jit functions (tl.zeros, ...) are interpreted, so the variable must be

@@ -69,8 +69,6 @@ class ModelInputs:
     # does not hand it on to the attention function
     output_attentions: bool = False
     sentence_id: torch.Tensor | None = None  # B×L int32, derived once per forward when first needed
-    # whether this forward holds attnkit's CPU allocator (attnkit.ops.hold_cpu_allocator), given back at its end
-    holds_cpu_allocator: bool = False
 
 
 @dataclass
@@ -99,6 +97,28 @@ class Runtime:
     def exit_forward(self) -> None:
         self.inputs = self._outer_inputs.pop() if self._outer_inputs else None
 
+    @contextlib.contextmanager
+    def closing_forwards(self):
+        """When the block ends, however it ends, the forwards of the model begun inside it that are still open are
+        exited. attnkit.models exits a forward in a forward hook with `always_call`, which torch runs for an Exception
+        but not for a KeyboardInterrupt (nor any other BaseException): without this, Ctrl-C inside a forward leaves
+        that forward's inputs on the runtime. Every block attnkit puts on a model (consumers, interventions) is one."""
+        depth = self.open_forwards
+        try:
+            yield self
+        finally:
+            self.exit_forwards(depth)
+
+    @property
+    def open_forwards(self) -> int:
+        """How many forwards of the model are under way (entered and not yet exited)."""
+        return len(self._outer_inputs)
+
+    def exit_forwards(self, depth: int) -> None:
+        """Exit the forwards open above `depth` (`open_forwards` when the caller began)."""
+        while len(self._outer_inputs) > depth:
+            self.exit_forward()
+
     def attach(self, consumer):
         """Add `consumer` (attnkit.attention.consumers.Consumer) after those attached; returns it."""
         self.consumers.append(consumer)
@@ -109,10 +129,11 @@ class Runtime:
 
     @contextlib.contextmanager
     def attached(self, consumer):
-        """`consumer` attached for the block, and always detached again."""
+        """`consumer` attached for the block, and always detached again (with the forwards it left open closed)."""
         self.attach(consumer)
         try:
-            yield consumer
+            with self.closing_forwards():
+                yield consumer
         finally:
             self.detach(consumer)
 

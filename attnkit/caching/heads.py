@@ -95,7 +95,8 @@ def cache_heads(model, layers: Iterable[int] | int | None = None, *, keep_grad: 
     rt = runtime_of(model)
     handle = _attach(rt, cache)
     try:
-        yield cache
+        with rt.closing_forwards():  # a forward Ctrl-C left open is exited
+            yield cache
     finally:  # KeyboardInterrupt included; blocks may be left in any order
         _detach(rt, handle)
 

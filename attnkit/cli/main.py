@@ -10,6 +10,7 @@ import sys
 import click
 
 from ..engine.openmp import configure as configure_waits
+from ..process import end_environ_until_torch
 from .ablate import ablate
 from .analysis import cluster_cmd, compare_cmd, distances_cmd, report_cmd
 from .compare_models import compare_models_cmd
@@ -46,8 +47,11 @@ def main():
     Models are local directories (no hub downloads); the default is the embedded MiniLM.
     """
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    # how torch's threads wait, for every command, before any of them imports torch (libgomp reads it once)
+    # how torch's threads wait, for every command, before any of them imports torch (libgomp reads it once); the
+    # variables leave the environment when torch has loaded, or when a command that never loads it ends
+    # (attnkit.process, docs/process.md)
     configure_waits()
+    click.get_current_context().call_on_close(end_environ_until_torch)
     # transformers and huggingface_hub read these when they are imported, which happens only once a command's
     # work starts (never for --help or a usage error): attnkit shows its own progress, and only its warnings
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

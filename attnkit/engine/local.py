@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import AttnkitError, check_int
+from ..process import TOKENIZER_THREADS, allowed, tokenizer_threads_off, torch_threads
 from ..tokens import Batch, EncodedArrays, Encoder
 from .devices import device_labels
 from .forward import unit_features
@@ -72,7 +73,6 @@ def check_workers(workers) -> int | str:
 
 
 # --- tokenisation in worker processes ---------------------------------------------------------------------
-TOKENIZER_THREADS = "TOKENIZERS_PARALLELISM"  # the Rust tokenizer reads it before every batch
 
 
 def _die_with_parent(parent: int) -> None:
@@ -429,12 +429,13 @@ def run_pipeline(models: Sequence, encoder: Encoder, planned: Iterable[PlannedBa
         raise AttnkitError("no model replica to run")
     check_workers(workers)
     threads = torch.get_num_threads() if threads is None else check_threads(threads)
+    if not allowed("torch_threads"):  # ATTNKIT_TORCH_THREADS=0: the caller's count, whatever was asked
+        threads = torch.get_num_threads()
     devices = [next(m.parameters()).device for m in models]
     replicas = [Replica(lab, m, forward) for lab, m in zip(device_labels(devices), models)]
     here = runs_on_caller(devices)
-    before = torch.get_num_threads()
     with contextlib.ExitStack() as restore:  # the caller's thread count, and its tokenizer setting on the CPU
-        restore.callback(torch.set_num_threads, before)
+        before = restore.enter_context(torch_threads())
         if here:
             restore.enter_context(tokenizer_threads_off())
             watch = stopwatch or Stopwatch()
@@ -588,22 +589,6 @@ def _replanned_runs(encoder, planned, replan, held, prefetch, encode, on_task, m
         n_workers, src = workers_for_plan(gate, choice.workers)
         with TokenizerPool(encoder, n_workers, prefetch, help_here=True, encode=encode, on_task=on_task) as pool:
             _run_here(pool.map(src), measure, held.add, after_run)
-
-
-@contextlib.contextmanager
-def tokenizer_threads_off():
-    """The Rust tokenizer's own thread pool off while torch's threads run on this machine's cores, as in the
-    workers: its threads spin after each batch the caller tokenises and took 0.35-0.4 s of CPU time from the
-    forwards and the workers in a 4 s run (issue 38's tokenise-bound case). The caller's setting comes back after."""
-    old = os.environ.get(TOKENIZER_THREADS)
-    os.environ[TOKENIZER_THREADS] = "false"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(TOKENIZER_THREADS, None)
-        else:
-            os.environ[TOKENIZER_THREADS] = old
 
 
 def _measure_here(replica: Replica, planned: PlannedBatch, arrays: EncodedArrays) -> BatchResult:

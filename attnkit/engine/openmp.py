@@ -20,29 +20,92 @@ and no tokeniser), and
     regions of one forward), then sleep: a machine that becomes busy during the run costs less than with
     libgomp's 300,000 rounds.
 The command line calls it for every command (before any imports torch); a script may call it before its first
-`import torch`. A value the user set wins. In a process that has already loaded torch (a notebook) nothing can
-change any more, and the library runs in that process's regime. The regime changes no number: the same
-operations run on the same threads.
+`import torch`. A value the user set wins. The variables stay in the environment only until torch has loaded
+(attnkit.process.environ_until_torch), so a subprocess started later does not inherit them; ATTNKIT_OPENMP_WAITS=0
+keeps attnkit from setting them (docs/process.md). meta.json records what libgomp read
+(attnkit.process.openmp_in_effect), not what the environment says after it loaded. In a process that has already
+loaded torch (a notebook) nothing can change any more, and the library runs in that process's regime. The regime
+changes no number: the same operations run on the same threads.
+
+The cores a process may use (`available_cores`) are those of its CPU affinity (a container's cpuset) and of its
+cgroup's CPU quota (cgroup v2 cpu.max, v1 cpu.cfs_quota_us / cpu.cfs_period_us), whichever is fewer: a container
+limited to 2 CPUs' time on a 64-core host runs no faster with 64 threads, only slower. (The busy sample below reads
+the host's run queue, which a container does not see as its own; docs/process.md.)
 
 This module imports nothing heavy (the command line calls it before torch is imported).
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+from ..process import OPENMP_VARIABLES, environ_until_torch, openmp_in_effect, watch_torch_import
 
 SPINCOUNT = 10000  # rounds a waiting thread spins on a quiet machine before it sleeps (libgomp: 300,000)
 BUSY_OTHERS = 0.5  # other runnable tasks, on average over the samples, from which the machine counts as busy
 SAMPLE_SECONDS = 0.05
 SAMPLES = 10
-VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+VARIABLES = OPENMP_VARIABLES
+CGROUP = Path("/sys/fs/cgroup")
 
 
-def available_cores() -> int:
-    """The CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def cgroup_dirs(root: Path = CGROUP, proc_cgroup: Path = Path("/proc/self/cgroup")) -> list[Path]:
+    """The directories that may hold this process's CPU limits, most specific first: its own cgroup (from
+    /proc/self/cgroup: v2's "0::/path", v1's cpu controller), then the mount's root (what a container with a
+    cgroup namespace sees as its own)."""
+    out = []
+    for line in (_read(proc_cgroup) or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3 or parts[2] in ("", "/"):
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            out.append(root / parts[2].lstrip("/"))
+        elif "cpu" in parts[1].split(","):
+            out += [root / parts[1] / parts[2].lstrip("/"), root / "cpu" / parts[2].lstrip("/")]
+    return out + [root, root / "cpu", root / "cpu,cpuacct"]
+
+
+def cpu_quota(dirs: list[Path] | None = None) -> float | None:
+    """The CPUs' worth of time the cgroup may use (quota / period), or None where it is not limited: the first of
+    `dirs` with cgroup v2's cpu.max ("max 100000": none; "200000 100000": 2.0) or v1's cpu.cfs_quota_us (-1: none)
+    and cpu.cfs_period_us."""
+    for d in cgroup_dirs() if dirs is None else dirs:
+        v2 = _read(d / "cpu.max")
+        if v2 is not None:
+            quota, _, period = v2.partition(" ")
+            if quota == "max":
+                return None
+            try:
+                return int(quota) / int(period or 100000)
+            except (ValueError, ZeroDivisionError):
+                return None
+        quota, period = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+        if quota is not None and period is not None:
+            try:
+                q, p = int(quota), int(period)
+            except ValueError:
+                return None
+            return q / p if q > 0 and p > 0 else None
+    return None
+
+
+def available_cores(quota: Callable[[], float | None] = cpu_quota) -> int:
+    """The CPU cores this process may use: those of its affinity (the cpuset), no more than its cgroup's CPU quota
+    (rounded up: a quota of 1.5 CPUs keeps two threads busy part of the time), at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    q = quota()
+    return max(1, min(cores, math.ceil(q))) if q else max(1, cores)
 
 
 def runnable_others(samples: int = SAMPLES, seconds: float = SAMPLE_SECONDS) -> float | None:
@@ -61,10 +124,11 @@ def runnable_others(samples: int = SAMPLES, seconds: float = SAMPLE_SECONDS) -> 
 
 
 def wait_regime(environ=None) -> str:
-    """How this process's OpenMP threads wait, as recorded in meta.json: the variables that decide it, or
-    libgomp's default."""
-    environ = os.environ if environ is None else environ
-    set_ = [f"{k}={environ[k]}" for k in VARIABLES if environ.get(k)]
+    """How this process's OpenMP threads wait, as recorded in meta.json: the variables that decided it (those
+    libgomp read when torch loaded, attnkit.process.openmp_in_effect; of `environ` when given), or libgomp's
+    default."""
+    values = openmp_in_effect()[0] if environ is None else {k: environ[k] for k in VARIABLES if environ.get(k)}
+    set_ = [f"{k}={v}" for k, v in values.items()]
     return ", ".join(set_) if set_ else "libgomp default (GOMP_SPINCOUNT=300000)"
 
 
@@ -72,18 +136,27 @@ def configure(environ=None, modules=None, others: Callable[[], float | None] = r
     """Choose how torch's threads wait, before torch is imported: OMP_WAIT_POLICY=PASSIVE when `others()` (other
     runnable tasks) is at least `BUSY_OTHERS`, else GOMP_SPINCOUNT=`SPINCOUNT`; nothing when the user set
     OMP_WAIT_POLICY or GOMP_SPINCOUNT (theirs wins) or torch is already loaded (libgomp has read its variables
-    and the process keeps its regime). Returns `wait_regime()` of the process."""
-    environ = os.environ if environ is None else environ
+    and the process keeps its regime). Returns the regime as `wait_regime` words it.
+    `environ` None: the process's environment, which holds the variables only until torch has loaded
+    (attnkit.process.environ_until_torch; nothing where ATTNKIT_OPENMP_WAITS=0); a mapping (os.environ itself, a
+    test's dict) gets them for good."""
+    target = os.environ if environ is None else environ
     modules = sys.modules if modules is None else modules
     if "torch" in modules:
-        return wait_regime(environ) + " (torch was already loaded)"
-    if not any(environ.get(k) for k in VARIABLES):
+        return wait_regime(target) + " (torch was already loaded)"
+    if not any(target.get(k) for k in VARIABLES):
         busy = others()
-        if busy is not None and busy >= BUSY_OTHERS:
-            environ["OMP_WAIT_POLICY"] = "PASSIVE"
-        else:
-            environ["GOMP_SPINCOUNT"] = str(SPINCOUNT)
-    return wait_regime(environ)
+        values = {"OMP_WAIT_POLICY": "PASSIVE"} if busy is not None and busy >= BUSY_OTHERS else {
+            "GOMP_SPINCOUNT": str(SPINCOUNT)}
+        if environ is not None:
+            environ.update(values)
+            if environ is os.environ:
+                watch_torch_import("the OpenMP variables set for good (the caller passed os.environ)")
+        elif not environ_until_torch(values):
+            return wait_regime(target)  # opted out
+        return wait_regime(values)
+    return wait_regime(target)
 
 
-__all__ = ["BUSY_OTHERS", "SPINCOUNT", "available_cores", "configure", "runnable_others", "wait_regime"]
+__all__ = ["BUSY_OTHERS", "SPINCOUNT", "available_cores", "cgroup_dirs", "configure", "cpu_quota", "runnable_others",
+           "wait_regime"]

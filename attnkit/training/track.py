@@ -24,7 +24,6 @@ from ..attention.consumers import Tracking
 from ..errors import AttnkitError, check_int
 from ..features import DEFAULT_NUM_WINDOWS
 from ..models import attention_modules, instrument, model_feature_names, runtime_of
-from ..ops import release_cpu_allocator
 from .checks import feature_list, model_to_track
 
 MAX_LOGIT = "max_logit"
@@ -159,19 +158,13 @@ def refuse_if_tracked(rt) -> None:
 
 def forward_depth(rt) -> int:
     """How many forwards of the model are under way (attnkit.models' hooks enter and exit them)."""
-    return len(rt._outer_inputs)
+    return rt.open_forwards
 
 
 def unwind_forwards(rt, depth: int) -> None:
-    """Exit the forwards that an exception left open above `depth`, giving back their hold of the CPU allocator.
-    attnkit.models exits a forward in a forward hook with `always_call`, which torch runs for an Exception but not
-    for a KeyboardInterrupt (or another BaseException): without this, such an interrupt inside a tracked forward
-    leaves the runtime's per-forward inputs and the allocator's hold behind."""
-    while forward_depth(rt) > depth:
-        held = rt.inputs is not None and rt.inputs.holds_cpu_allocator
-        rt.exit_forward()
-        if held:
-            release_cpu_allocator()
+    """Exit the forwards that an exception left open above `depth` (as `Runtime.closing_forwards` does for a
+    block; AttnkitCallback ends a step outside the forward that found it left over, so it says which depth)."""
+    rt.exit_forwards(depth)
 
 
 @contextlib.contextmanager

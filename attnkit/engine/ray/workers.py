@@ -26,6 +26,11 @@ PID_DIR_ENV = "ATTNKIT_RAY_PID_DIR"
 # however fast the run would otherwise finish.
 HOLD_FILE = "hold"
 
+# The environment of attnkit's tasks and actors, given to Ray with them (driver.py: runtime_env): a pooled worker
+# process that runs other tasks later does not keep it, as it would keep an os.environ write (docs/process.md).
+# The Rust tokenizer's own threads stay off beside the actors' torch threads.
+WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false"}
+
 _encoders: dict = {}  # (model path, max_length, split_sentences) -> the Encoder of this worker process
 
 
@@ -34,7 +39,6 @@ def worker_encoder(model_path: str | None, max_length: int, split_sentences: boo
     key = (model_path, max_length, split_sentences)
     if key not in _encoders:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
         from transformers import AutoTokenizer
 
         from ...models import model_dir
