@@ -271,3 +271,19 @@ def test_report_shows_summaries_and_stability_warning(tmp_path):
     assert "Over 10 seeds" in page and "Warning:</b> stability" in page
     assert "Per-layer summaries (Clark et al.)" in page and "What differs from the papers" in page
     assert (tmp_path / "figures" / "layer_summaries.png").is_file()
+
+
+def test_report_bar_starts_with_its_figures(tmp_path, capsys):
+    """The report's progress bar appears once it knows how many figures it draws: none for no figures (it printed
+    `report: 0 figures [00:00, ? figures/s]` when made before that), and a bar counting to the total otherwise."""
+    from attnkit.analysis.report import _FigureSaver
+
+    save = _FigureSaver(tmp_path, svg=False, progress=True)
+    save.expect(0)
+    save.close()
+    assert capsys.readouterr().err == ""
+    save = _FigureSaver(tmp_path, svg=False, progress=True)
+    save.expect(2)
+    save.close()
+    err = capsys.readouterr().err
+    assert "0/2" in err and "0 figures [" not in err

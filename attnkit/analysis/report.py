@@ -150,27 +150,31 @@ def within_budget(maps, budget: int = MAPS_BUDGET_BYTES) -> list:
 
 
 class _FigureSaver:
-    """Saves the report's figures into RUN/figures (PNG, and SVG unless told not to), one progress step each."""
+    """Saves the report's figures into RUN/figures (PNG, and SVG unless told not to), one progress step each. The bar
+    starts when the report knows how many figures it draws (`expect`): a bar made before, with no total, would print
+    an empty "0 figures" line, and a report that draws none shows no bar."""
 
     def __init__(self, directory, svg: bool, progress: bool):
-        from tqdm.auto import tqdm
-
-        self.directory, self.svg = directory, svg
-        self.bar = tqdm(desc="report", unit=" figures", disable=not progress, dynamic_ncols=True)
+        self.directory, self.svg, self.progress = directory, svg, progress
+        self.bar = None
 
     def expect(self, n: int) -> None:
         """The number of figures the report will draw (the bar's total)."""
-        self.bar.total = n
-        self.bar.refresh()
+        from tqdm.auto import tqdm
+
+        if self.progress and n > 0 and self.bar is None:
+            self.bar = tqdm(total=n, desc="report", unit=" figures", dynamic_ncols=True)
 
     def __call__(self, fig, stem: str) -> dict:
         saved = save_figure(fig, self.directory, stem, svg=self.svg)
-        self.bar.set_postfix_str(stem, refresh=False)
-        self.bar.update(1)
+        if self.bar is not None:
+            self.bar.set_postfix_str(stem, refresh=False)
+            self.bar.update(1)
         return saved
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _clusters(run_dir: Path, features: HeadFeatures, k: int, method: str, seed: int, do_sweep: bool,
