@@ -20,8 +20,9 @@ from ..run.model_dir import is_decoder_meta
 from ..run.outputs import ensure_writable_dir, os_errors
 from ..run.overwrite import claim_outputs
 from .attached import find_attached
-from .clustering import STABILITY_WARN, HeadClusterer, cluster, resolve_subset, stability_over_seeds, sweep
+from .clustering import HeadClusterer, fit_types
 from .head_panel import unverifiable_corpus
+from .naming import cluster_features
 from .preflight import check_clusters_of_run, load_run
 from .report import (
     DEFAULT_EXAMPLES,
@@ -46,34 +47,30 @@ class Clustering:
     path: Path
 
 
-def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None = None,
+def cluster_run(run, *, k: int | None = None, method: str = "kmeans", features: str | None = None,
                 standardize: bool = False, seed: int = 0, n_stability: int = 10, do_sweep: bool = False,
                 n_seeds: int = 10, quiet: bool = False, overwrite: bool = False,
                 echo: Callable[..., None] = print_message) -> Clustering:
     """Group the heads of `run` into types and write RUN/clusters.json (the arguments as `attnkit.cluster`'s;
     `n_seeds` > 1 repeats the stability measure with that many seeds, `do_sweep` adds k = 2..8; the sweep is
-    also made when the types at `k` are not stable, to say which k is). An earlier clusters.json is replaced
+    also made when the types at `k` are not stable, to say which k is; `k` None chooses the most stable k,
+    `fit_types`). An earlier clusters.json is replaced
     only with `overwrite` (the report drawn from it goes with it)."""
     run = Path(run)
     for value, name in ((k, "k"), (seed, "seed"), (n_stability, "n_stability"), (n_seeds, "n_seeds")):
-        check_int(value, name)  # before the lock and the first fit
+        if value is not None:
+            check_int(value, name)  # before the lock and the first fit
     with output_directory(run, "attnkit cluster"), os_errors(f"write into {run}"):
         feats = HeadFeatures.load(run)
-        resolve_subset(feats.names, features, decoder=is_decoder_meta(feats.meta))  # a bad feature name: at once
+        cluster_features(feats.names, features, decoder=is_decoder_meta(feats.meta))  # a bad feature name: at once
         claim = claim_outputs([run / CLUSTERS_FILE], overwrite, stale=[run / REPORT_FILE])
         if not quiet:
-            echo(f"attnkit cluster: {feats.n_layers} × {feats.n_heads} heads of {run}, {method}, k = {k}, "
+            echo(f"attnkit cluster: {feats.n_layers} × {feats.n_heads} heads of {run}, {method}, "
+                 f"{'k chosen by stability' if k is None else f'k = {k}'}, "
                  f"{n_stability} stability fits", err=True)
-        c = cluster(feats, k=k, method=method, features_subset=features, standardize=standardize, seed=seed,
-                    n_stability=n_stability)
-        over = None
-        if n_stability and n_seeds > 1:
-            over = stability_over_seeds(feats, n_seeds=n_seeds, seed=seed, first=c, k=k, method=method,
-                                        features_subset=features, standardize=standardize, n_stability=n_stability)
-        judged = over["mean"] if over is not None else c.stability_
-        unstable = judged == judged and judged < STABILITY_WARN  # then the sweep says which k is (or that none is)
-        rows = sweep(feats, method=method, features_subset=features, standardize=standardize, seed=seed,
-                     n_stability=n_stability, progress=not quiet, n_seeds=n_seeds) if do_sweep or unstable else None
+        c, over, rows = fit_types(feats, k=k, n_seeds=n_stability and n_seeds, do_sweep=do_sweep,
+                                  progress=not quiet, method=method, features_subset=features,
+                                  standardize=standardize, seed=seed, n_stability=n_stability)
         path = save_clusters(run, c, feats, rows, over)
         claim.remove_stale()
     if claim.removed_message():
@@ -82,9 +79,9 @@ def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None
 
 
 def report_run(run, *, examples: int | None = None, include=(), corpus=None, fmt: str = "auto",
-               squad_pairs: bool = False, columns=None, limit: int | None = None, k: int = 4, method: str = "kmeans",
-               seed: int = 0, device=None, svg: bool = True, quiet: bool = False, overwrite: bool = False,
-               echo: Callable[..., None] = print_message) -> Path:
+               squad_pairs: bool = False, columns=None, limit: int | None = None, k: int | None = None,
+               method: str = "kmeans", seed: int = 0, device=None, svg: bool = True, quiet: bool = False,
+               overwrite: bool = False, echo: Callable[..., None] = print_message) -> Path:
     """Write RUN/report.html (`build_report`) after checking, before drawing anything, every file it reads;
     `examples` embeds the maps of that many short inputs of the run's corpus (or `corpus`), made with the run's
     model (None: DEFAULT_EXAMPLES when the run records its model and corpus and both can be read, else none, with

@@ -34,6 +34,9 @@ import itertools
 
 import numpy as np
 
+from ..errors import AttnkitError
+from ..features import resolve_subset
+
 ENCODER_CLASSES = ("vertical", "diagonal", "dense")
 DECODER_CLASSES = ("first-token", "previous-token", "local", "broad", "eos", "punctuation")
 ENCODER_DETAILS = ("cls", "sep", "punct", "self", "prev", "next")
@@ -77,6 +80,38 @@ def class_shares(g: dict, decoder: bool = False) -> dict:
         return {"first-token": g["cls"], "previous-token": prev, "local": g["self"] + g["near"] - prev,
                 "broad": g["mid"] + g["far"], "eos": g["sep"], "punctuation": g["punct"]}
     return {"vertical": g["special"], "diagonal": g["self"] + g["near"], "dense": g["mid"] + g["far"]}
+
+
+def class_names(decoder: bool = False) -> list[str]:
+    """The classes of a model's kind, in order: the default features `attnkit cluster` clusters on."""
+    return list(DECODER_CLASSES if decoder else ENCODER_CLASSES)
+
+
+def cluster_features(names, features_subset=None, decoder: bool = False) -> list[str]:
+    """The features a clustering works on: None or "classes" → the class shares of the run's kind
+    (`class_names`, computed from the distance buckets by `class_matrix`); "distance" → the distance buckets
+    themselves (Guan et al.'s 21-dim feature); anything else as `attnkit.features.resolve_subset` reads it."""
+    buckets = resolve_subset(names, "distance" if features_subset in (None, "classes") else features_subset,
+                             decoder=decoder)
+    if features_subset in (None, "classes"):
+        if profile_groups(np.ones(len(names)), names) is None:
+            raise AttnkitError("the features hold no distance buckets (cls, sep, ..., win_*) to compute the class "
+                               "shares from")
+        return class_names(decoder)
+    return buckets
+
+
+def class_matrix(mean, names, decoder: bool = False) -> dict[str, np.ndarray]:
+    """{class: its share for every row of `mean` (rows × features over `names`)}: the classes of a model's kind
+    (`class_shares`) of each row taken as a profile; NaN for a row with NaN (a removed head)."""
+    mean = np.asarray(mean, dtype=np.float64)
+    out = {c: np.full(len(mean), np.nan) for c in class_names(decoder)}
+    for i, row in enumerate(mean):
+        g = profile_groups(row, names) if np.all(np.isfinite(row)) else None
+        if g is not None:
+            for c, v in class_shares(g, decoder).items():
+                out[c][i] = v
+    return out
 
 
 def type_values(profile, names, decoder: bool = False) -> dict | None:
@@ -154,5 +189,5 @@ def name_clusters(profiles, names, decoder: bool = False) -> list[str]:
     return out
 
 
-__all__ = ["name_clusters", "profile_groups", "class_shares", "type_values", "ENCODER_CLASSES", "DECODER_CLASSES",
-           "ENCODER_DETAILS", "DECODER_DETAILS"]
+__all__ = ["class_matrix", "class_names", "cluster_features", "name_clusters", "profile_groups", "class_shares",
+           "type_values", "ENCODER_CLASSES", "DECODER_CLASSES", "ENCODER_DETAILS", "DECODER_DETAILS"]

@@ -9,13 +9,14 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError
-from ..features import resolve_subset, weighting_of
+from ..features import weighting_of
 from ..run.files import CLUSTERS_FILE, META_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.identity import model_mismatch, recorded_identity
 from ..run.locking import lock_owner
 from ..run.model_dir import is_decoder_meta
 from ..run.overwrite import claim_outputs
+from .naming import cluster_features
 
 
 def check_heads(features: HeadFeatures, run_dir) -> None:
@@ -65,7 +66,7 @@ def preflight_cluster(run, features: str | None, overwrite: bool) -> None:
     run = Path(run)
     if lock_owner(run) is None:
         feats = HeadFeatures.load(run)
-        resolve_subset(feats.names, features, decoder=is_decoder_meta(feats.meta))
+        cluster_features(feats.names, features, decoder=is_decoder_meta(feats.meta))
         claim_outputs([run / CLUSTERS_FILE], overwrite, stale=[run / REPORT_FILE])
 
 

@@ -43,7 +43,7 @@ from ..run.outputs import atomic_write
 from ..run.schemas import LOWER_IS_BETTER
 from . import figures as figs
 from .attached import Attached, find_attached
-from .clustering import STABILITY_WARN, cluster, distance_feature_names, head_matrix, stability_over_seeds, sweep
+from .clustering import STABILITY_WARN, distance_feature_names, fit_types, head_matrix
 from .head_panel import extremes, panel_data, texts_of_rows
 from .naming import (
     DECODER_CLASSES,
@@ -177,7 +177,7 @@ class _FigureSaver:
             self.bar.close()
 
 
-def _clusters(run_dir: Path, features: HeadFeatures, k: int, method: str, seed: int, do_sweep: bool,
+def _clusters(run_dir: Path, features: HeadFeatures, k: int | None, method: str, seed: int, do_sweep: bool,
               progress: bool) -> tuple[dict, list[str]]:
     """RUN/clusters.json's content, clustering now (and saving it) when the run has none; and notes on it."""
     if (run_dir / CLUSTERS_FILE).is_file():
@@ -185,11 +185,10 @@ def _clusters(run_dir: Path, features: HeadFeatures, k: int, method: str, seed: 
                              feature_names=features.names)
         check_clusters_of_run(data, features, run_dir / CLUSTERS_FILE)
         return data, []
-    c = cluster(features, k=k, method=method, seed=seed)
-    rows = sweep(features, method=method, seed=seed, progress=progress) if do_sweep else None
-    over = stability_over_seeds(features, seed=seed, first=c, k=k, method=method)
+    c, over, rows = fit_types(features, k=k, do_sweep=do_sweep, progress=progress, method=method, seed=seed)
     save_clusters(run_dir, c, features, rows, over)
-    return load_clusters(run_dir), [f"{CLUSTERS_FILE} was missing; clustered now with k = {k}, method {method}, "
+    chosen = f"k = {c.k}" + (" (the most stable from 2 to 8)" if k is None else "")
+    return load_clusters(run_dir), [f"{CLUSTERS_FILE} was missing; clustered now with {chosen}, method {method}, "
                                     f"seed {seed}."]
 
 
@@ -765,11 +764,11 @@ def _panel(r: Report) -> dict:
                       removed=r.removed, shown=r.shown)
 
 
-def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, examples: int = 0,
+def build_report(run_dir, *, k: int | None = None, method: str = "kmeans", seed: int = 0, examples: int = 0,
                  texts=None, model=None, do_sweep: bool = True, title: str | None = None, svg: bool = True,
                  progress: bool = False, include=()) -> Path:
     """Write RUN/report.html (and RUN/figures/*.png|svg). Clusters come from RUN/clusters.json when it
-    exists (otherwise they are computed with k/method/seed and saved, with a k = 2..8 sweep);
+    exists (otherwise they are computed with k/method/seed, k None: the most stable, and saved, with a k = 2..8 sweep);
     the MDS map needs RUN/distances.npz. `examples` > 0 embeds the maps of that many of the shortest `texts` (the
     run's corpus) made with `model` (a (model, tokenizer) pair): the head view of example inputs, every head's maps
     in its panel, and the example maps of each type. `include`: directories of `attnkit probe` / `attnkit ablate`
