@@ -39,6 +39,7 @@ from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, PER_SAMPLE_F
 from ..run.head_features import HeadFeatures
 from ..run.identity import IDENTITY_FIELD
 from ..run.model_dir import is_decoder_meta
+from ..run.opened import Run
 from ..run.outputs import atomic_write
 from ..run.schemas import LOWER_IS_BETTER
 from . import figures as figs
@@ -52,7 +53,7 @@ from .naming import (
     ENCODER_DETAILS,
     class_shares,
 )
-from .preflight import check_clusters_of_run, check_heads, load_run
+from .preflight import check_heads, load_run
 from .report_html import anchor, figure, fmt, glossary_rows, macros, page, part, value_html
 from .results import save_clusters
 
@@ -177,19 +178,17 @@ class _FigureSaver:
             self.bar.close()
 
 
-def _clusters(run_dir: Path, features: HeadFeatures, k: int | None, method: str, seed: int, do_sweep: bool,
-              progress: bool) -> tuple[dict, list[str]]:
-    """RUN/clusters.json's content, clustering now (and saving it) when the run has none; and notes on it."""
-    if (run_dir / CLUSTERS_FILE).is_file():
-        data = load_clusters(run_dir, (features.n_layers, features.n_heads), complete=True,
-                             feature_names=features.names)
-        check_clusters_of_run(data, features, run_dir / CLUSTERS_FILE)
+def _clusters(run_dir: Path, features: HeadFeatures, data: dict | None, k: int | None, method: str, seed: int,
+              do_sweep: bool, progress: bool) -> tuple[dict, list[str]]:
+    """The run's clusters.json content as it was read (`data`, attnkit.analysis.preflight.load_run), clustering now
+    (and saving it) when the run has none; and notes on it."""
+    if data is not None:
         return data, []
     c, over, rows = fit_types(features, k=k, do_sweep=do_sweep, progress=progress, method=method, seed=seed)
     save_clusters(run_dir, c, features, rows, over)
+    data = load_clusters(run_dir)  # as the file holds it (JSON's types), as a later report reads it
     chosen = f"k = {c.k}" + (" (the most stable from 2 to 8)" if k is None else "")
-    return load_clusters(run_dir), [f"{CLUSTERS_FILE} was missing; clustered now with {chosen}, method {method}, "
-                                    f"seed {seed}."]
+    return data, [f"{CLUSTERS_FILE} was missing; clustered now with {chosen}, method {method}, seed {seed}."]
 
 
 @dataclass
@@ -766,20 +765,24 @@ def _panel(r: Report) -> dict:
 
 def build_report(run_dir, *, k: int | None = None, method: str = "kmeans", seed: int = 0, examples: int = 0,
                  texts=None, model=None, do_sweep: bool = True, title: str | None = None, svg: bool = True,
-                 progress: bool = False, include=()) -> Path:
+                 progress: bool = False, include=(), opened: Run | None = None,
+                 attached: Attached | None = None) -> Path:
     """Write RUN/report.html (and RUN/figures/*.png|svg). Clusters come from RUN/clusters.json when it
     exists (otherwise they are computed with k/method/seed, k None: the most stable, and saved, with a k = 2..8 sweep);
     the MDS map needs RUN/distances.npz. `examples` > 0 embeds the maps of that many of the shortest `texts` (the
     run's corpus) made with `model` (a (model, tokenizer) pair): the head view of example inputs, every head's maps
     in its panel, and the example maps of each type. `include`: directories of `attnkit probe` / `attnkit ablate`
     results to show beside the run's own. `svg=False` skips the SVG copies of the figures. `progress` shows a bar on
-    stderr, one step per figure."""
+    stderr, one step per figure. `opened` (attnkit.analysis.preflight.load_run) and `attached` (`find_attached`):
+    the run and its attached results as the command already read them; None reads them here, once."""
     run_dir = Path(run_dir)
-    features = load_run(run_dir)
-    attached = find_attached(run_dir, (features.n_layers, features.n_heads), include, features)
+    opened = opened or load_run(run_dir)
+    features = opened.features
+    if attached is None:
+        attached = find_attached(run_dir, opened.shape, include, features)
     save = _FigureSaver(run_dir / FIGURES_DIR, svg, progress)
     try:
-        data, notes = _clusters(run_dir, features, k, method, seed, do_sweep, progress)
+        data, notes = _clusters(run_dir, features, opened.clusters, k, method, seed, do_sweep, progress)
         report = Report(run_dir, features, data, save, seed=seed, attached=attached, examples=examples, texts=texts,
                         model=model)
         _example_maps(report)

@@ -65,13 +65,13 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
     """
     from ..analysis.preflight import preflight_cluster
 
-    preflight_cluster(run, features, overwrite)  # refusals come before scikit-learn is imported
+    feats = preflight_cluster(run, features, overwrite)  # refusals come before scikit-learn is imported
     from ..analysis.clustering import STABILITY_WARN, stability_assessment
     from ..analysis.jobs import cluster_run
 
     res = cluster_run(run, k=k, method=method, features=features, standardize=standardize, seed=seed,
                       n_stability=n_stability, do_sweep=sweep, n_seeds=n_seeds, quiet=quiet, overwrite=overwrite,
-                      echo=echo_for())
+                      echo=echo_for(), feats=feats)
     c, over, rows, feats, path = res.clusterer, res.over_seeds, res.sweep, res.features, res.path
     chosen = k is None
     k = int(c.k)
@@ -197,7 +197,7 @@ def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit,
     RUN/per_sample.npy and RUN/patterns.json when present."""
     from ..analysis.preflight import preflight_report
 
-    preflight_report(run, overwrite)  # refusals come before matplotlib, scikit-learn or the model is imported
+    opened = preflight_report(run, overwrite)  # refusals come before matplotlib, scikit-learn or the model load
     from ..analysis.jobs import report_run
     from ..analysis.report import report_figures
     from ..run.clusters import clusters_path
@@ -205,7 +205,7 @@ def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit,
     had_clusters = clusters_path(run).is_file()
     path = report_run(run, examples=examples, include=include, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs,
                       columns=columns, limit=limit, k=k, method=method, seed=seed, device=device, svg=svg, quiet=quiet,
-                      overwrite=overwrite, echo=echo_for())
+                      overwrite=overwrite, echo=echo_for(), opened=opened)
     figures = report_figures(run)
     if not had_clusters and clusters_path(run).is_file():  # the report clustered the run: say so, it is a new file
         click.echo(f"wrote {clusters_path(run)} (the run had no head types: clustered now with "
