@@ -433,8 +433,10 @@ def stability_assessment(clusterer, over: dict | None = None, sweep_rows: list |
             help_.append("more text: a larger corpus makes the features less noisy")
         help_.append("per-sample features (extract --per-sample): how much each head varies from text to text, "
                      "to tell noisy heads from real types")
-        help_.append(f"fewer features: {len(clusterer.feature_names_in_)} are clustered now; a few that tell the "
-                     "types apart (--features cls,sep,self,...) give steadier clusters")
+        n_features = len(getattr(clusterer, "feature_names_in_", []))
+        if n_features > len(class_names(getattr(clusterer, "decoder_", False))):
+            help_.append(f"fewer features: {n_features} are clustered now; the class shares the names are made of "
+                         "(the default, --features classes) give steadier clusters")
         out["what_would_help"] = help_
     return out
 
