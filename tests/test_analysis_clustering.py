@@ -28,7 +28,7 @@ def fitted(structured):
     return cluster(structured, k=4, seed=0)
 
 
-def test_kmeans_recovers_known_types_with_high_stability(truth, fitted):
+def test_kmeans_recovers_known_types_with_high_stability(truth, fitted, structured):
     assert adjusted_rand_score(truth.ravel(), fitted.labels_) == pytest.approx(1.0)
     assert fitted.stability_ >= 0.95
     assert np.all(fitted.head_stability_ >= 0.9)

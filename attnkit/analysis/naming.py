@@ -154,6 +154,33 @@ def _name_group(vals: list[dict], members: list[int], head: str, details: list[s
     return out
 
 
+# the short forms of the words names are made of (classes and details of both kinds), for the layer × head grid
+SHORT = {"vertical": "vert", "diagonal": "diag", "dense": "dens", "first-token": "1st", "previous-token": "prev",
+         "local": "loc", "broad": "brd", "eos": "eos", "punctuation": "pct", "cls": "cls", "sep": "sep",
+         "punct": "pct", "self": "self", "prev": "prev", "next": "next", "empty": "emp"}
+
+
+def short_names(type_names) -> list[str]:
+    """Short labels of type names for a layer × head grid's cells, one per name and all different: every word of a
+    name in its short form (`SHORT`; another word by its first 4 letters, `-heavy` left out), joined as the name
+    joins them (`first-token+previous-token` → `1st+prev`, `dense 0.68` → `dens .68`). So names that share a first
+    word keep what tells them apart (three first-token types are `1st`, `1st+prev`, `1st+brd`, not `fir` three
+    times); two labels that would still read the same get the type's number after them."""
+    def word(w: str) -> str:
+        w = w.removesuffix("-heavy")
+        return SHORT.get(w, w[:4])
+
+    out = []
+    for name in type_names:
+        head, _, share = str(name).partition(" ")
+        label = "+".join(word(w) for w in head.split("+"))
+        if share:
+            label += " " + (share[1:] if share.startswith("0.") else share)
+        out.append(label)
+    repeated = {x for x in out if out.count(x) > 1}
+    return [f"{x}{i}" if x in repeated else x for i, x in enumerate(out)]
+
+
 def name_clusters(profiles, names, decoder: bool = False) -> list[str]:
     """Unique type names for k cluster profiles (k × F member means over the features `names`); `decoder`: the
     profiles are a decoder's (its classes name the types)."""
@@ -189,5 +216,5 @@ def name_clusters(profiles, names, decoder: bool = False) -> list[str]:
     return out
 
 
-__all__ = ["class_matrix", "class_names", "cluster_features", "name_clusters", "profile_groups", "class_shares",
-           "type_values", "ENCODER_CLASSES", "DECODER_CLASSES", "ENCODER_DETAILS", "DECODER_DETAILS"]
+__all__ = ["class_matrix", "class_names", "cluster_features", "name_clusters", "profile_groups", "short_names",
+           "class_shares", "type_values", "ENCODER_CLASSES", "DECODER_CLASSES", "ENCODER_DETAILS", "DECODER_DETAILS"]
