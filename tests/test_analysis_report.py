@@ -125,7 +125,7 @@ def test_report_without_clusters_or_distances_nests_settings(tmp_path):
     feats.meta.update(settings={"max_length": 128, "dtype": "float32", "columns": None},
                       versions={"torch": "2.13.0", "python": "3.11"}, split_sentences=True)
     feats.save(run)
-    page = build_report(run, svg=False, do_sweep=False).read_text()
+    page = build_report(run, svg=False, do_sweep=False, k=4).read_text()
     assert "No distances.npz" in page and "clusters.json was missing" in page
     assert load_clusters(run)["stability"]["sweep"] is None
     assert not list((run / "figures").glob("*.svg"))
@@ -137,7 +137,7 @@ def test_report_without_clusters_or_distances_nests_settings(tmp_path):
     assert '<td class="l">torch</td><td class="l">2.13.0</td>' in settings
     assert '<td class="l">split_sentences</td><td class="l">yes</td>' in settings
     # lists of names read as lists, not Python reprs
-    assert "cls, sep, comma, period, self, win_0" in settings and "['" not in settings
+    assert "vertical, diagonal, dense" in settings and "['" not in settings
 
 
 def test_head_maps_name_few_heads_without_overlap(truth):

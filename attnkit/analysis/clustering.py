@@ -378,13 +378,13 @@ def most_stable(rows: list) -> tuple[int, float] | None:
     return k, v
 
 
-def fit_types(features, *, k: int | None = None, n_seeds: int = DEFAULT_SEEDS, do_sweep: bool = False,
+def fit_types(features, *, k: int | None = None, n_seeds: int = DEFAULT_SEEDS, do_sweep: bool | None = None,
               progress: bool = False, **kwargs) -> tuple[HeadClusterer, dict | None, list | None]:
     """(clusterer, stability over seeds or None, sweep rows or None): how `attnkit cluster` and the report fit the
     types. `k` None chooses k by stability: the most stable k of SWEEP_KS (`most_stable`, the mean over `n_seeds`
     seeds), so the default types are the steadiest the heads give, and a run where no k is stable is still called
-    unreliable. With a k given, the sweep is made when asked for or when the types at k are not stable (to say
-    which k is). `kwargs`: the other arguments of `cluster`."""
+    unreliable. With a k given, the sweep is made when asked for (`do_sweep` True), or, with `do_sweep` None, when
+    the types at k are not stable (to say which k is). `kwargs`: the other arguments of `cluster`."""
     measured = bool(kwargs.get("n_stability", 10))
     rows = None
     if k is None:
@@ -396,7 +396,7 @@ def fit_types(features, *, k: int | None = None, n_seeds: int = DEFAULT_SEEDS, d
     if measured and n_seeds > 1:
         over = stability_over_seeds(features, n_seeds=n_seeds, first=c, k=k, **kwargs)
     judged = over["mean"] if over is not None else c.stability_
-    if rows is None and (do_sweep or (judged == judged and judged < STABILITY_WARN)):
+    if rows is None and (do_sweep or (do_sweep is None and judged == judged and judged < STABILITY_WARN)):
         rows = sweep(features, ks=SWEEP_KS, progress=progress, n_seeds=n_seeds, **kwargs)
     return c, over, rows
 

@@ -69,7 +69,7 @@ def cluster_run(run, *, k: int | None = None, method: str = "kmeans", features: 
             echo(f"attnkit cluster: {feats.n_layers} × {feats.n_heads} heads of {run}, {method}, "
                  f"{'k chosen by stability' if k is None else f'k = {k}'}, "
                  f"{n_stability} stability fits", err=True)
-        c, over, rows = fit_types(feats, k=k, n_seeds=n_stability and n_seeds, do_sweep=do_sweep,
+        c, over, rows = fit_types(feats, k=k, n_seeds=n_stability and n_seeds, do_sweep=do_sweep or None,
                                   progress=not quiet, method=method, features_subset=features,
                                   standardize=standardize, seed=seed, n_stability=n_stability)
         path = save_clusters(run, c, feats, rows, over)
