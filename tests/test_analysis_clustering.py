@@ -28,7 +28,7 @@ def fitted(structured):
     return cluster(structured, k=4, seed=0)
 
 
-def test_kmeans_recovers_known_types_with_high_stability(truth, fitted):
+def test_kmeans_recovers_known_types_with_high_stability(truth, fitted, structured):
     assert adjusted_rand_score(truth.ravel(), fitted.labels_) == pytest.approx(1.0)
     assert fitted.stability_ >= 0.95
     assert np.all(fitted.head_stability_ >= 0.9)
@@ -40,8 +40,11 @@ def test_kmeans_recovers_known_types_with_high_stability(truth, fitted):
     assert fitted.type_of(2, 3) == KINDS[truth[2, 3]]
     # shares and centroids in feature units
     assert fitted.shares_.sum() == pytest.approx(1.0)
-    assert np.allclose(fitted.centroids_.sum(1), 1.0, atol=1e-9)  # distance buckets of a cluster sum to 1
-    assert list(fitted.feature_names_in_) == bucket_names(16)
+    assert np.allclose(fitted.centroids_.sum(1), 1.0, atol=1e-9)  # the class shares of a cluster sum to 1
+    assert list(fitted.feature_names_in_) == list(ENCODER_CLASSES)  # by default: the classes names are made of
+    buckets = cluster(structured, k=4, seed=0, features_subset="distance", n_stability=2)
+    assert list(buckets.feature_names_in_) == bucket_names(16)  # Guan et al.'s 21-dim feature, when asked for
+    assert adjusted_rand_score(truth.ravel(), buckets.labels_) == pytest.approx(1.0)
 
 
 def test_gmm_recovers_known_types(truth, structured):
@@ -55,7 +58,9 @@ def test_structureless_features_have_low_stability(truth):
     flat = make_features(truth, noise=0.01, seed=2, structureless=True)
     c = cluster(flat, k=4, seed=0)
     assert c.stability_ < 0.5
-    assert c.silhouette_ < 0.2
+    c = cluster(flat, k=4, seed=0, features_subset="distance")
+    assert c.stability_ < 0.5
+    assert c.silhouette_ < 0.2  # isotropic noise in 21 dimensions
 
 
 def test_sweep_reports_every_k_and_prefers_the_true_k(structured):

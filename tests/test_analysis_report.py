@@ -125,7 +125,7 @@ def test_report_without_clusters_or_distances_nests_settings(tmp_path):
     feats.meta.update(settings={"max_length": 128, "dtype": "float32", "columns": None},
                       versions={"torch": "2.13.0", "python": "3.11"}, split_sentences=True)
     feats.save(run)
-    page = build_report(run, svg=False, do_sweep=False).read_text()
+    page = build_report(run, svg=False, do_sweep=False, k=4).read_text()
     assert "No distances.npz" in page and "clusters.json was missing" in page
     assert load_clusters(run)["stability"]["sweep"] is None
     assert not list((run / "figures").glob("*.svg"))
@@ -137,7 +137,7 @@ def test_report_without_clusters_or_distances_nests_settings(tmp_path):
     assert '<td class="l">torch</td><td class="l">2.13.0</td>' in settings
     assert '<td class="l">split_sentences</td><td class="l">yes</td>' in settings
     # lists of names read as lists, not Python reprs
-    assert "cls, sep, comma, period, self, win_0" in settings and "['" not in settings
+    assert "vertical, diagonal, dense" in settings and "['" not in settings
 
 
 def test_head_maps_name_few_heads_without_overlap(truth):
@@ -271,3 +271,19 @@ def test_report_shows_summaries_and_stability_warning(tmp_path):
     assert "Over 10 seeds" in page and "Warning:</b> stability" in page
     assert "Per-layer summaries (Clark et al.)" in page and "What differs from the papers" in page
     assert (tmp_path / "figures" / "layer_summaries.png").is_file()
+
+
+def test_report_bar_starts_with_its_figures(tmp_path, capsys):
+    """The report's progress bar appears once it knows how many figures it draws: none for no figures (it printed
+    `report: 0 figures [00:00, ? figures/s]` when made before that), and a bar counting to the total otherwise."""
+    from attnkit.analysis.report import _FigureSaver
+
+    save = _FigureSaver(tmp_path, svg=False, progress=True)
+    save.expect(0)
+    save.close()
+    assert capsys.readouterr().err == ""
+    save = _FigureSaver(tmp_path, svg=False, progress=True)
+    save.expect(2)
+    save.close()
+    err = capsys.readouterr().err
+    assert "0/2" in err and "0 figures [" not in err

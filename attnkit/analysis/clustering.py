@@ -30,17 +30,24 @@ from ..features import distance_feature_names, resolve_subset  # re-exported: ch
 from ..run.clusters import REMOVED
 from ..run.head_features import HeadFeatures
 from ..run.model_dir import is_decoder_meta
+from .naming import class_matrix, class_names, cluster_features
 
 METHODS = ("kmeans", "gmm")
 STABILITY_WARN = 0.8  # below this mean stability over seeds, head types are called unreliable
 DEFAULT_SEEDS = 10  # seeds for the mean and range of the stability
+SWEEP_KS = range(2, 9)  # the k a sweep, and the default k chosen by stability, range over
 
 
 def head_matrix(features: HeadFeatures, subset: list[str]) -> np.ndarray:
-    """(n_layers·n_heads) × len(subset) rows in (layer, head) order."""
-    idx = [features.names.index(n) for n in subset]
-    L, H, _ = features.mean.shape
-    return np.asarray(features.mean[:, :, idx], dtype=np.float64).reshape(L * H, len(idx))
+    """(n_layers·n_heads) × len(subset) rows in (layer, head) order; a class name of the run's kind (`vertical`,
+    ...; attnkit.analysis.naming.class_matrix) is that class's share of each head's distance buckets."""
+    L, H, F = features.mean.shape
+    mean = np.asarray(features.mean, dtype=np.float64).reshape(L * H, F)
+    decoder = is_decoder_meta(features.meta)
+    shares = (class_matrix(mean, features.names, decoder) if any(n in class_names(decoder) for n in subset)
+              else {})
+    cols = [shares[n] if n in shares else mean[:, features.names.index(n)] for n in subset]
+    return np.stack(cols, axis=1) if cols else np.zeros((L * H, 0))
 
 
 def canonical_numbering(labels: np.ndarray, k: int) -> np.ndarray:
@@ -113,7 +120,9 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
     method : "kmeans" (sklearn KMeans, n_init=10) or "gmm" (sklearn GaussianMixture, diagonal covariance:
         a model has too few heads for full 21×21 covariances (72 heads, 231 parameters per component);
         small `reg_covar`, n_init=3).
-    features_subset : None for the distance buckets (cls, sep, comma, period, self, win_0..win_{N-1}),
+    features_subset : None (or "classes") for the class shares of the run's kind that the type names are made of
+        (`vertical`, `diagonal`, `dense`; a decoder's six; attnkit.analysis.naming.class_matrix), "distance" for the
+        distance buckets (cls, sep, comma, period, self, win_0..win_{N-1}: Guan et al.'s 21-dim feature),
         "all", a comma-separated string or a list of feature names. Only used when fitting a
         `HeadFeatures`; a plain array is clustered as given. On a decoder's run "all" leaves out the features
         that are 0 for every head (`attnkit.features.DECODER_CONSTANT`).
@@ -179,7 +188,7 @@ class HeadClusterer(ClusterMixin, BaseEstimator):
     def _prepare(self, X):
         if isinstance(X, HeadFeatures):
             self.decoder_ = is_decoder_meta(X.meta)  # names by a decoder's classes (attnkit.analysis.naming)
-            subset = resolve_subset(X.names, self.features_subset, decoder=self.decoder_)
+            subset = cluster_features(X.names, self.features_subset, decoder=self.decoder_)
             self.grid_shape_ = X.mean.shape[:2]
             self.kept_ = X.kept.reshape(-1)  # a removed head has no features: it is no member of any type
             self.n_removed_ = int((~self.kept_).sum())
@@ -324,7 +333,7 @@ def seed_summary(seeds, values) -> dict:
             "mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())}
 
 
-def sweep(features, ks=range(2, 9), progress: bool = False, n_seeds: int = 1, **kwargs) -> list[dict]:
+def sweep(features, ks=SWEEP_KS, progress: bool = False, n_seeds: int = 1, **kwargs) -> list[dict]:
     """Stability and silhouette for every k in `ks` (same settings otherwise); `progress` shows a bar
     on stderr (one step per k). Values of k that the number of heads cannot support (k clusters need
     more than k heads, and a stability subset of at least k heads) are left out. With `n_seeds` > 1 each
@@ -355,6 +364,43 @@ def sweep(features, ks=range(2, 9), progress: bool = False, n_seeds: int = 1, **
     return out
 
 
+def most_stable(rows: list) -> tuple[int, float] | None:
+    """(k, stability) of the most stable row of a sweep, judged by the mean over seeds when measured (else the one
+    value); ties: the smaller k. None when no row has a stability."""
+    def judged(r):
+        v = r.get("stability_mean", r.get("stability"))
+        return None if v is None or v != v else float(v)
+
+    scored = [(judged(r), int(r["k"])) for r in rows if judged(r) is not None]
+    if not scored:
+        return None
+    v, k = max(scored, key=lambda t: (t[0], -t[1]))
+    return k, v
+
+
+def fit_types(features, *, k: int | None = None, n_seeds: int = DEFAULT_SEEDS, do_sweep: bool | None = None,
+              progress: bool = False, **kwargs) -> tuple[HeadClusterer, dict | None, list | None]:
+    """(clusterer, stability over seeds or None, sweep rows or None): how `attnkit cluster` and the report fit the
+    types. `k` None chooses k by stability: the most stable k of SWEEP_KS (`most_stable`, the mean over `n_seeds`
+    seeds), so the default types are the steadiest the heads give, and a run where no k is stable is still called
+    unreliable. With a k given, the sweep is made when asked for (`do_sweep` True), or, with `do_sweep` None, when
+    the types at k are not stable (to say which k is). `kwargs`: the other arguments of `cluster`."""
+    measured = bool(kwargs.get("n_stability", 10))
+    rows = None
+    if k is None:
+        rows = sweep(features, ks=SWEEP_KS, progress=progress, n_seeds=n_seeds, **kwargs)
+        best = most_stable(rows) if measured else None
+        k = best[0] if best is not None else 4
+    c = cluster(features, k=k, **kwargs)
+    over = None
+    if measured and n_seeds > 1:
+        over = stability_over_seeds(features, n_seeds=n_seeds, first=c, k=k, **kwargs)
+    judged = over["mean"] if over is not None else c.stability_
+    if rows is None and (do_sweep or (do_sweep is None and judged == judged and judged < STABILITY_WARN)):
+        rows = sweep(features, ks=SWEEP_KS, progress=progress, n_seeds=n_seeds, **kwargs)
+    return c, over, rows
+
+
 def stability_assessment(clusterer, over: dict | None = None, sweep_rows: list | None = None,
                          n_samples: int | None = None) -> dict:
     """Whether the head types are stable, judged as `attnkit cluster`, the report and `attnkit compare` judge
@@ -372,12 +418,11 @@ def stability_assessment(clusterer, over: dict | None = None, sweep_rows: list |
             v = r.get("stability_mean", r.get("stability"))
             return None if v is None or v != v else float(v)
 
-        scored = [(judged(r), int(r["k"])) for r in sweep_rows if judged(r) is not None]
         out["sweep_judged_by"] = "mean over seeds" if any("stability_mean" in r for r in sweep_rows) else "one seed"
-        out["stable_ks"] = [kk for v, kk in scored if v >= STABILITY_WARN]
-        if scored:
-            best_v, best_k = max(scored, key=lambda t: (t[0], -t[1]))  # ties: the smaller k
-            out["most_stable_k"], out["most_stable_value"] = best_k, best_v
+        out["stable_ks"] = [int(r["k"]) for r in sweep_rows if (judged(r) or 0.0) >= STABILITY_WARN]
+        best = most_stable(sweep_rows)
+        if best is not None:
+            out["most_stable_k"], out["most_stable_value"] = best
         out["any_k_stable"] = bool(out["stable_ks"])
     if out["stable"] is False:
         help_ = []
@@ -388,12 +433,14 @@ def stability_assessment(clusterer, over: dict | None = None, sweep_rows: list |
             help_.append("more text: a larger corpus makes the features less noisy")
         help_.append("per-sample features (extract --per-sample): how much each head varies from text to text, "
                      "to tell noisy heads from real types")
-        help_.append(f"fewer features: {len(clusterer.feature_names_in_)} are clustered now; a few that tell the "
-                     "types apart (--features cls,sep,self,...) give steadier clusters")
+        n_features = len(getattr(clusterer, "feature_names_in_", []))
+        if n_features > len(class_names(getattr(clusterer, "decoder_", False))):
+            help_.append(f"fewer features: {n_features} are clustered now; the class shares the names are made of "
+                         "(the default, --features classes) give steadier clusters")
         out["what_would_help"] = help_
     return out
 
 
-__all__ = ["HeadClusterer", "cluster", "stability_assessment", "sweep", "stability_over_seeds", "seed_summary",
-           "STABILITY_WARN", "match_labels", "canonical_numbering", "resolve_subset", "distance_feature_names",
-           "head_matrix", "clone"]
+__all__ = ["HeadClusterer", "SWEEP_KS", "cluster", "fit_types", "most_stable", "stability_assessment", "sweep",
+           "stability_over_seeds", "seed_summary", "STABILITY_WARN", "match_labels", "canonical_numbering",
+           "resolve_subset", "distance_feature_names", "head_matrix", "clone"]

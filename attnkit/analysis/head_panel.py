@@ -17,6 +17,7 @@ from ..run.files import PER_SAMPLE_ROWS
 from ..run.schemas import LOWER_IS_BETTER
 from .attached import Attached
 from .clustering import head_matrix
+from .naming import short_names
 
 EXAMPLE_FEATURES = ("cls", "sep", "prev", "next", "self", "entropy", "intra")
 N_EXAMPLES = 3  # top and bottom examples per head and feature
@@ -185,7 +186,7 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
                      "scale": [feature_scales(features)[j] for j in cols],
                      "docs": docs["links"], "defs": docs["defs"]},
         "types": {"names": type_names, "colors": [colors[t] for t in type_names],
-                  "short": [t[:3] for t in type_names],
+                  "short": short_names(type_names),
                   "label": [int(label.get((m // H, m % H), -1)) for m in range(M)],
                   "agreement": None if all(a is None for a in agreement) else agreement},
         "near": {"js": nearest(distances.per_token, removed=gone) if distances is not None else None,

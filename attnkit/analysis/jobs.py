@@ -12,17 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import AttnkitError, check_int, print_message
-from ..run.clusters import load_clusters
 from ..run.files import CLUSTERS_FILE, FIGURES_DIR, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.locking import output_directory
 from ..run.model_dir import is_decoder_meta
+from ..run.opened import Run
 from ..run.outputs import ensure_writable_dir, os_errors
 from ..run.overwrite import claim_outputs
 from .attached import find_attached
-from .clustering import STABILITY_WARN, HeadClusterer, cluster, resolve_subset, stability_over_seeds, sweep
+from .clustering import HeadClusterer, fit_types
 from .head_panel import unverifiable_corpus
-from .preflight import check_clusters_of_run, load_run
+from .naming import cluster_features
+from .preflight import load_run
 from .report import (
     DEFAULT_EXAMPLES,
     build_report,
@@ -46,34 +47,31 @@ class Clustering:
     path: Path
 
 
-def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None = None,
+def cluster_run(run, *, k: int | None = None, method: str = "kmeans", features: str | None = None,
                 standardize: bool = False, seed: int = 0, n_stability: int = 10, do_sweep: bool = False,
                 n_seeds: int = 10, quiet: bool = False, overwrite: bool = False,
-                echo: Callable[..., None] = print_message) -> Clustering:
+                echo: Callable[..., None] = print_message, feats: HeadFeatures | None = None) -> Clustering:
     """Group the heads of `run` into types and write RUN/clusters.json (the arguments as `attnkit.cluster`'s;
     `n_seeds` > 1 repeats the stability measure with that many seeds, `do_sweep` adds k = 2..8; the sweep is
-    also made when the types at `k` are not stable, to say which k is). An earlier clusters.json is replaced
-    only with `overwrite` (the report drawn from it goes with it)."""
+    also made when the types at `k` are not stable, to say which k is; `k` None chooses the most stable k,
+    `fit_types`). An earlier clusters.json is replaced
+    only with `overwrite` (the report drawn from it goes with it). `feats`: the run's features as the command read
+    them before (preflight); None reads them here, once."""
     run = Path(run)
     for value, name in ((k, "k"), (seed, "seed"), (n_stability, "n_stability"), (n_seeds, "n_seeds")):
-        check_int(value, name)  # before the lock and the first fit
+        if value is not None:
+            check_int(value, name)  # before the lock and the first fit
     with output_directory(run, "attnkit cluster"), os_errors(f"write into {run}"):
-        feats = HeadFeatures.load(run)
-        resolve_subset(feats.names, features, decoder=is_decoder_meta(feats.meta))  # a bad feature name: at once
+        feats = feats or HeadFeatures.load(run)
+        cluster_features(feats.names, features, decoder=is_decoder_meta(feats.meta))  # a bad feature name: at once
         claim = claim_outputs([run / CLUSTERS_FILE], overwrite, stale=[run / REPORT_FILE])
         if not quiet:
-            echo(f"attnkit cluster: {feats.n_layers} × {feats.n_heads} heads of {run}, {method}, k = {k}, "
+            echo(f"attnkit cluster: {feats.n_layers} × {feats.n_heads} heads of {run}, {method}, "
+                 f"{'k chosen by stability' if k is None else f'k = {k}'}, "
                  f"{n_stability} stability fits", err=True)
-        c = cluster(feats, k=k, method=method, features_subset=features, standardize=standardize, seed=seed,
-                    n_stability=n_stability)
-        over = None
-        if n_stability and n_seeds > 1:
-            over = stability_over_seeds(feats, n_seeds=n_seeds, seed=seed, first=c, k=k, method=method,
-                                        features_subset=features, standardize=standardize, n_stability=n_stability)
-        judged = over["mean"] if over is not None else c.stability_
-        unstable = judged == judged and judged < STABILITY_WARN  # then the sweep says which k is (or that none is)
-        rows = sweep(feats, method=method, features_subset=features, standardize=standardize, seed=seed,
-                     n_stability=n_stability, progress=not quiet, n_seeds=n_seeds) if do_sweep or unstable else None
+        c, over, rows = fit_types(feats, k=k, n_seeds=n_stability and n_seeds, do_sweep=do_sweep or None,
+                                  progress=not quiet, method=method, features_subset=features,
+                                  standardize=standardize, seed=seed, n_stability=n_stability)
         path = save_clusters(run, c, feats, rows, over)
         claim.remove_stale()
     if claim.removed_message():
@@ -82,14 +80,15 @@ def cluster_run(run, *, k: int = 4, method: str = "kmeans", features: str | None
 
 
 def report_run(run, *, examples: int | None = None, include=(), corpus=None, fmt: str = "auto",
-               squad_pairs: bool = False, columns=None, limit: int | None = None, k: int = 4, method: str = "kmeans",
-               seed: int = 0, device=None, svg: bool = True, quiet: bool = False, overwrite: bool = False,
-               echo: Callable[..., None] = print_message) -> Path:
+               squad_pairs: bool = False, columns=None, limit: int | None = None, k: int | None = None,
+               method: str = "kmeans", seed: int = 0, device=None, svg: bool = True, quiet: bool = False,
+               overwrite: bool = False, echo: Callable[..., None] = print_message, opened: Run | None = None) -> Path:
     """Write RUN/report.html (`build_report`) after checking, before drawing anything, every file it reads;
     `examples` embeds the maps of that many short inputs of the run's corpus (or `corpus`), made with the run's
     model (None: DEFAULT_EXAMPLES when the run records its model and corpus and both can be read, else none, with
     a note; 0: none); `include` names directories of probe or ablation results to show. An earlier report (and
-    its figures) is replaced only with `overwrite`."""
+    its figures) is replaced only with `overwrite`. `opened`: the run as the command read it before (preflight), used
+    as it is; None reads it here, once."""
     run = Path(run)
     wanted = examples is not None
     examples = DEFAULT_EXAMPLES if examples is None else examples
@@ -102,14 +101,12 @@ def report_run(run, *, examples: int | None = None, include=(), corpus=None, fmt
 
     inputs = [("the corpus", corpus, True)]  # only read; the run is where the report goes
     with output_directory(run, "attnkit report", inputs=inputs), os_errors(f"write the report into {run}"):
-        feats = load_run(run)
+        opened = opened or load_run(run)  # what the command read before the lock, or the run read now, once
+        feats = opened.features
         claim = claim_outputs([run / REPORT_FILE] + report_figures(run), overwrite)
-        shape = (feats.n_layers, feats.n_heads)
-        if (run / CLUSTERS_FILE).is_file():
-            check_clusters_of_run(load_clusters(run, shape, complete=True, feature_names=feats.names), feats,
-                                  run / CLUSTERS_FILE)
+        shape = opened.shape
         # a damaged distances, patterns, probe, ablation or detection file is named now
-        find_attached(run, shape, include, feats)
+        attached = find_attached(run, shape, include, feats)
         damaged = examples_problem(run, feats)
         if damaged:  # a warning, shown even with quiet
             echo(f"attnkit report: {damaged}", err=True)
@@ -120,7 +117,8 @@ def report_run(run, *, examples: int | None = None, include=(), corpus=None, fmt
                                             columns=columns, limit=limit, device=device)
         say(f"attnkit report: {shape[0]} × {shape[1]} heads of {run}")
         path = build_report(run, k=k, method=method, seed=seed, examples=examples if model else 0, texts=texts,
-                            model=model, svg=svg, progress=not quiet, include=include)
+                            model=model, svg=svg, progress=not quiet, include=include, opened=opened,
+                            attached=attached)
     if claim.removed_message():
         echo(claim.removed_message(), err=True)
     return path

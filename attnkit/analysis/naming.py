@@ -34,6 +34,9 @@ import itertools
 
 import numpy as np
 
+from ..errors import AttnkitError
+from ..features import resolve_subset
+
 ENCODER_CLASSES = ("vertical", "diagonal", "dense")
 DECODER_CLASSES = ("first-token", "previous-token", "local", "broad", "eos", "punctuation")
 ENCODER_DETAILS = ("cls", "sep", "punct", "self", "prev", "next")
@@ -79,6 +82,38 @@ def class_shares(g: dict, decoder: bool = False) -> dict:
     return {"vertical": g["special"], "diagonal": g["self"] + g["near"], "dense": g["mid"] + g["far"]}
 
 
+def class_names(decoder: bool = False) -> list[str]:
+    """The classes of a model's kind, in order: the default features `attnkit cluster` clusters on."""
+    return list(DECODER_CLASSES if decoder else ENCODER_CLASSES)
+
+
+def cluster_features(names, features_subset=None, decoder: bool = False) -> list[str]:
+    """The features a clustering works on: None or "classes" → the class shares of the run's kind
+    (`class_names`, computed from the distance buckets by `class_matrix`); "distance" → the distance buckets
+    themselves (Guan et al.'s 21-dim feature); anything else as `attnkit.features.resolve_subset` reads it."""
+    buckets = resolve_subset(names, "distance" if features_subset in (None, "classes") else features_subset,
+                             decoder=decoder)
+    if features_subset in (None, "classes"):
+        if profile_groups(np.ones(len(names)), names) is None:
+            raise AttnkitError("the features hold no distance buckets (cls, sep, ..., win_*) to compute the class "
+                               "shares from")
+        return class_names(decoder)
+    return buckets
+
+
+def class_matrix(mean, names, decoder: bool = False) -> dict[str, np.ndarray]:
+    """{class: its share for every row of `mean` (rows × features over `names`)}: the classes of a model's kind
+    (`class_shares`) of each row taken as a profile; NaN for a row with NaN (a removed head)."""
+    mean = np.asarray(mean, dtype=np.float64)
+    out = {c: np.full(len(mean), np.nan) for c in class_names(decoder)}
+    for i, row in enumerate(mean):
+        g = profile_groups(row, names) if np.all(np.isfinite(row)) else None
+        if g is not None:
+            for c, v in class_shares(g, decoder).items():
+                out[c][i] = v
+    return out
+
+
 def type_values(profile, names, decoder: bool = False) -> dict | None:
     """Every share a type name may claim (classes, then details) of one profile; None without distance buckets."""
     g = profile_groups(profile, names)
@@ -119,6 +154,33 @@ def _name_group(vals: list[dict], members: list[int], head: str, details: list[s
     return out
 
 
+# the short forms of the words names are made of (classes and details of both kinds), for the layer × head grid
+SHORT = {"vertical": "vert", "diagonal": "diag", "dense": "dens", "first-token": "1st", "previous-token": "prev",
+         "local": "loc", "broad": "brd", "eos": "eos", "punctuation": "pct", "cls": "cls", "sep": "sep",
+         "punct": "pct", "self": "self", "prev": "prev", "next": "next", "empty": "emp"}
+
+
+def short_names(type_names) -> list[str]:
+    """Short labels of type names for a layer × head grid's cells, one per name and all different: every word of a
+    name in its short form (`SHORT`; another word by its first 4 letters, `-heavy` left out), joined as the name
+    joins them (`first-token+previous-token` → `1st+prev`, `dense 0.68` → `dens .68`). So names that share a first
+    word keep what tells them apart (three first-token types are `1st`, `1st+prev`, `1st+brd`, not `fir` three
+    times); two labels that would still read the same get the type's number after them."""
+    def word(w: str) -> str:
+        w = w.removesuffix("-heavy")
+        return SHORT.get(w, w[:4])
+
+    out = []
+    for name in type_names:
+        head, _, share = str(name).partition(" ")
+        label = "+".join(word(w) for w in head.split("+"))
+        if share:
+            label += " " + (share[1:] if share.startswith("0.") else share)
+        out.append(label)
+    repeated = {x for x in out if out.count(x) > 1}
+    return [f"{x}{i}" if x in repeated else x for i, x in enumerate(out)]
+
+
 def name_clusters(profiles, names, decoder: bool = False) -> list[str]:
     """Unique type names for k cluster profiles (k × F member means over the features `names`); `decoder`: the
     profiles are a decoder's (its classes name the types)."""
@@ -154,5 +216,5 @@ def name_clusters(profiles, names, decoder: bool = False) -> list[str]:
     return out
 
 
-__all__ = ["name_clusters", "profile_groups", "class_shares", "type_values", "ENCODER_CLASSES", "DECODER_CLASSES",
-           "ENCODER_DETAILS", "DECODER_DETAILS"]
+__all__ = ["class_matrix", "class_names", "cluster_features", "name_clusters", "profile_groups", "short_names",
+           "class_shares", "type_values", "ENCODER_CLASSES", "DECODER_CLASSES", "ENCODER_DETAILS", "DECODER_DETAILS"]

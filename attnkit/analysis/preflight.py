@@ -9,13 +9,16 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import AttnkitError
-from ..features import resolve_subset, weighting_of
+from ..features import weighting_of
+from ..run.clusters import load_clusters
 from ..run.files import CLUSTERS_FILE, META_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.identity import model_mismatch, recorded_identity
 from ..run.locking import lock_owner
 from ..run.model_dir import is_decoder_meta
+from ..run.opened import Run
 from ..run.overwrite import claim_outputs
+from .naming import class_names, cluster_features
 
 
 def check_heads(features: HeadFeatures, run_dir) -> None:
@@ -29,17 +32,29 @@ def check_heads(features: HeadFeatures, run_dir) -> None:
                            "record as removed: the report cannot place them on maps")
 
 
-def load_run(run_dir) -> HeadFeatures:
-    """The features of the run that a report describes, refused (AttnkitError) when its meta.json is missing (the
-    run's record: model, corpus, counts, removed heads; without it the page would describe a model it cannot
-    name) or its means hold NaN for heads it does not record as removed (`check_heads`)."""
+def clustered_names(features: HeadFeatures) -> list[str]:
+    """The names a clusters.json of this run may have clustered on: the run's features and the class shares of its
+    kind (attnkit.analysis.naming.cluster_features)."""
+    return list(features.names) + class_names(is_decoder_meta(features.meta))
+
+
+def load_run(run_dir, *, clusters: bool = True) -> Run:
+    """The run that a report (or a clustering) describes, read once: its features, refused (AttnkitError) when its
+    meta.json is missing (the run's record: model, corpus, counts, removed heads; without it the page would describe
+    a model it cannot name) or its means hold NaN for heads it does not record as removed (`check_heads`); with
+    `clusters`, its clusters.json when there is one, checked against the run (`check_clusters_of_run`)."""
     run_dir = Path(run_dir)
     features = HeadFeatures.load(run_dir)
     if not (run_dir / META_FILE).is_file():
         raise AttnkitError(f"{run_dir / META_FILE} is missing: the report needs the run's record (model, corpus, "
                            "counts, removed heads); restore it, or extract the run again")
     check_heads(features, run_dir)
-    return features
+    data = None
+    if clusters and (run_dir / CLUSTERS_FILE).is_file():
+        data = load_clusters(run_dir, (features.n_layers, features.n_heads), complete=True,
+                             feature_names=clustered_names(features))
+        check_clusters_of_run(data, features, run_dir / CLUSTERS_FILE)
+    return Run(run_dir, features, data)
 
 
 def check_clusters_of_run(data: dict, features: HeadFeatures, path) -> None:
@@ -59,22 +74,28 @@ def check_clusters_of_run(data: dict, features: HeadFeatures, path) -> None:
                            "`attnkit cluster RUN --overwrite`")
 
 
-def preflight_cluster(run, features: str | None, overwrite: bool) -> None:
-    """`attnkit cluster`'s refusals before scikit-learn loads (skipped while another command holds the run: its
-    lock names the holder)."""
+def preflight_cluster(run, features: str | None, overwrite: bool) -> HeadFeatures | None:
+    """`attnkit cluster`'s refusals before scikit-learn loads, and the features read for them, which the job then
+    uses (None while another command holds the run: its lock names the holder, and the job reads the run)."""
     run = Path(run)
-    if lock_owner(run) is None:
-        feats = HeadFeatures.load(run)
-        resolve_subset(feats.names, features, decoder=is_decoder_meta(feats.meta))
-        claim_outputs([run / CLUSTERS_FILE], overwrite, stale=[run / REPORT_FILE])
+    if lock_owner(run) is not None:
+        return None
+    feats = HeadFeatures.load(run)
+    cluster_features(feats.names, features, decoder=is_decoder_meta(feats.meta))
+    claim_outputs([run / CLUSTERS_FILE], overwrite, stale=[run / REPORT_FILE])
+    return feats
 
 
-def preflight_report(run, overwrite: bool) -> None:
-    """`attnkit report`'s refusals before matplotlib, scikit-learn or a model load."""
+def preflight_report(run, overwrite: bool) -> Run | None:
+    """`attnkit report`'s refusals before matplotlib, scikit-learn or a model load, and the run read for them, which
+    the job then uses (None while another command holds the run)."""
     run = Path(run)
-    if lock_owner(run) is None:
-        load_run(run)
-        claim_outputs([run / REPORT_FILE], overwrite)
+    if lock_owner(run) is not None:
+        return None
+    opened = load_run(run)
+    claim_outputs([run / REPORT_FILE], overwrite)
+    return opened
 
 
-__all__ = ["check_clusters_of_run", "check_heads", "load_run", "preflight_cluster", "preflight_report"]
+__all__ = ["check_clusters_of_run", "check_heads", "clustered_names", "load_run", "preflight_cluster",
+           "preflight_report"]

@@ -39,11 +39,12 @@ from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, PER_SAMPLE_F
 from ..run.head_features import HeadFeatures
 from ..run.identity import IDENTITY_FIELD
 from ..run.model_dir import is_decoder_meta
+from ..run.opened import Run
 from ..run.outputs import atomic_write
 from ..run.schemas import LOWER_IS_BETTER
 from . import figures as figs
 from .attached import Attached, find_attached
-from .clustering import STABILITY_WARN, cluster, distance_feature_names, head_matrix, stability_over_seeds, sweep
+from .clustering import STABILITY_WARN, distance_feature_names, fit_types, head_matrix
 from .head_panel import extremes, panel_data, texts_of_rows
 from .naming import (
     DECODER_CLASSES,
@@ -52,7 +53,7 @@ from .naming import (
     ENCODER_DETAILS,
     class_shares,
 )
-from .preflight import check_clusters_of_run, check_heads, load_run
+from .preflight import check_heads, load_run
 from .report_html import anchor, figure, fmt, glossary_rows, macros, page, part, value_html
 from .results import save_clusters
 
@@ -150,43 +151,44 @@ def within_budget(maps, budget: int = MAPS_BUDGET_BYTES) -> list:
 
 
 class _FigureSaver:
-    """Saves the report's figures into RUN/figures (PNG, and SVG unless told not to), one progress step each."""
+    """Saves the report's figures into RUN/figures (PNG, and SVG unless told not to), one progress step each. The bar
+    starts when the report knows how many figures it draws (`expect`): a bar made before, with no total, would print
+    an empty "0 figures" line, and a report that draws none shows no bar."""
 
     def __init__(self, directory, svg: bool, progress: bool):
-        from tqdm.auto import tqdm
-
-        self.directory, self.svg = directory, svg
-        self.bar = tqdm(desc="report", unit=" figures", disable=not progress, dynamic_ncols=True)
+        self.directory, self.svg, self.progress = directory, svg, progress
+        self.bar = None
 
     def expect(self, n: int) -> None:
         """The number of figures the report will draw (the bar's total)."""
-        self.bar.total = n
-        self.bar.refresh()
+        from tqdm.auto import tqdm
+
+        if self.progress and n > 0 and self.bar is None:
+            self.bar = tqdm(total=n, desc="report", unit=" figures", dynamic_ncols=True)
 
     def __call__(self, fig, stem: str) -> dict:
         saved = save_figure(fig, self.directory, stem, svg=self.svg)
-        self.bar.set_postfix_str(stem, refresh=False)
-        self.bar.update(1)
+        if self.bar is not None:
+            self.bar.set_postfix_str(stem, refresh=False)
+            self.bar.update(1)
         return saved
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
-def _clusters(run_dir: Path, features: HeadFeatures, k: int, method: str, seed: int, do_sweep: bool,
-              progress: bool) -> tuple[dict, list[str]]:
-    """RUN/clusters.json's content, clustering now (and saving it) when the run has none; and notes on it."""
-    if (run_dir / CLUSTERS_FILE).is_file():
-        data = load_clusters(run_dir, (features.n_layers, features.n_heads), complete=True,
-                             feature_names=features.names)
-        check_clusters_of_run(data, features, run_dir / CLUSTERS_FILE)
+def _clusters(run_dir: Path, features: HeadFeatures, data: dict | None, k: int | None, method: str, seed: int,
+              do_sweep: bool, progress: bool) -> tuple[dict, list[str]]:
+    """The run's clusters.json content as it was read (`data`, attnkit.analysis.preflight.load_run), clustering now
+    (and saving it) when the run has none; and notes on it."""
+    if data is not None:
         return data, []
-    c = cluster(features, k=k, method=method, seed=seed)
-    rows = sweep(features, method=method, seed=seed, progress=progress) if do_sweep else None
-    over = stability_over_seeds(features, seed=seed, first=c, k=k, method=method)
+    c, over, rows = fit_types(features, k=k, do_sweep=do_sweep, progress=progress, method=method, seed=seed)
     save_clusters(run_dir, c, features, rows, over)
-    return load_clusters(run_dir), [f"{CLUSTERS_FILE} was missing; clustered now with k = {k}, method {method}, "
-                                    f"seed {seed}."]
+    data = load_clusters(run_dir)  # as the file holds it (JSON's types), as a later report reads it
+    chosen = f"k = {c.k}" + (" (the most stable from 2 to 8)" if k is None else "")
+    return data, [f"{CLUSTERS_FILE} was missing; clustered now with {chosen}, method {method}, seed {seed}."]
 
 
 @dataclass
@@ -761,22 +763,26 @@ def _panel(r: Report) -> dict:
                       removed=r.removed, shown=r.shown)
 
 
-def build_report(run_dir, *, k: int = 4, method: str = "kmeans", seed: int = 0, examples: int = 0,
+def build_report(run_dir, *, k: int | None = None, method: str = "kmeans", seed: int = 0, examples: int = 0,
                  texts=None, model=None, do_sweep: bool = True, title: str | None = None, svg: bool = True,
-                 progress: bool = False, include=()) -> Path:
+                 progress: bool = False, include=(), opened: Run | None = None,
+                 attached: Attached | None = None) -> Path:
     """Write RUN/report.html (and RUN/figures/*.png|svg). Clusters come from RUN/clusters.json when it
-    exists (otherwise they are computed with k/method/seed and saved, with a k = 2..8 sweep);
+    exists (otherwise they are computed with k/method/seed, k None: the most stable, and saved, with a k = 2..8 sweep);
     the MDS map needs RUN/distances.npz. `examples` > 0 embeds the maps of that many of the shortest `texts` (the
     run's corpus) made with `model` (a (model, tokenizer) pair): the head view of example inputs, every head's maps
     in its panel, and the example maps of each type. `include`: directories of `attnkit probe` / `attnkit ablate`
     results to show beside the run's own. `svg=False` skips the SVG copies of the figures. `progress` shows a bar on
-    stderr, one step per figure."""
+    stderr, one step per figure. `opened` (attnkit.analysis.preflight.load_run) and `attached` (`find_attached`):
+    the run and its attached results as the command already read them; None reads them here, once."""
     run_dir = Path(run_dir)
-    features = load_run(run_dir)
-    attached = find_attached(run_dir, (features.n_layers, features.n_heads), include, features)
+    opened = opened or load_run(run_dir)
+    features = opened.features
+    if attached is None:
+        attached = find_attached(run_dir, opened.shape, include, features)
     save = _FigureSaver(run_dir / FIGURES_DIR, svg, progress)
     try:
-        data, notes = _clusters(run_dir, features, k, method, seed, do_sweep, progress)
+        data, notes = _clusters(run_dir, features, opened.clusters, k, method, seed, do_sweep, progress)
         report = Report(run_dir, features, data, save, seed=seed, attached=attached, examples=examples, texts=texts,
                         model=model)
         _example_maps(report)

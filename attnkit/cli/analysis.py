@@ -11,8 +11,8 @@ import click
 
 from .options import SEED, OutputPath, cli_errors, echo_for, int_range, run_argument, shared
 
-k_option = click.option("-k", "--k", "k", default=4, show_default=True, type=int_range("k"),
-                        help="Number of head types (clusters).")
+k_option = click.option("-k", "--k", "k", default=None, type=int_range("k"),
+                        help="Number of head types (clusters) [default: the most stable k from 2 to 8].")
 
 
 def corpus_options(fn):
@@ -39,8 +39,10 @@ def _run_shape(run: Path) -> tuple[int, int] | None:
 @click.option("--method", type=click.Choice(["kmeans", "gmm"]), default="kmeans", show_default=True,
               help="scikit-learn KMeans or GaussianMixture.")
 @click.option("--features", default=None, metavar="NAMES",
-              help="Comma-separated features to cluster on, or 'all' [default: the distance buckets cls, sep, "
-                   "comma, period, self, win_0..win_N-1 (Guan et al.'s 21-dim distance feature)].")
+              help="Comma-separated features to cluster on, 'distance' (the distance buckets cls, sep, comma, "
+                   "period, self, win_0..win_N-1: Guan et al.'s 21-dim distance feature) or 'all' [default: "
+                   "'classes', the class shares the type names are made of: vertical, diagonal, dense; a decoder's "
+                   "six].")
 @click.option("--standardize/--no-standardize", default=False, show_default=True,
               help="Scale every feature to unit variance first.")
 @click.option("--seed", default=0, show_default=True, type=SEED, help="Random seed (fits and stability subsets).")
@@ -65,14 +67,16 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
     from ..run.locking import check_not_in_use
 
     check_not_in_use(run)  # a directory another command holds is refused first, as the job's lock would
-    preflight_cluster(run, features, overwrite)  # refusals come before scikit-learn is imported
+    feats = preflight_cluster(run, features, overwrite)  # refusals come before scikit-learn is imported
     from ..analysis.clustering import STABILITY_WARN, stability_assessment
     from ..analysis.jobs import cluster_run
 
     res = cluster_run(run, k=k, method=method, features=features, standardize=standardize, seed=seed,
                       n_stability=n_stability, do_sweep=sweep, n_seeds=n_seeds, quiet=quiet, overwrite=overwrite,
-                      echo=echo_for())
+                      echo=echo_for(), feats=feats)
     c, over, rows, feats, path = res.clusterer, res.over_seeds, res.sweep, res.features, res.path
+    chosen = k is None
+    k = int(c.k)
     verdict = stability_assessment(c, over, rows, feats.n_samples)
     norm = " (norm-weighted)" if feats.meta.get("weighting") == "norm" else ""
     left_out = f" ({c.n_removed_} removed by pruning left out)" if c.n_removed_ else ""
@@ -104,7 +108,7 @@ def cluster_cmd(run, k, method, features, standardize, seed, n_stability, sweep,
         for line in verdict["what_would_help"]:
             click.echo(f"  - {line}")
     click.echo(f"{feats.n_layers} layers × {feats.n_heads} heads{left_out}, {len(c.feature_names_in_)} features{norm}, "
-               f"{method}, k = {k}: {stab}, silhouette {c.silhouette_:.3f}")
+               f"{method}, k = {k}{' (the most stable)' if chosen else ''}: {stab}, silhouette {c.silhouette_:.3f}")
     if verdict["stable"] is False:
         click.echo(f"warning: stability {verdict['value']:.3f} is below {STABILITY_WARN}: these head types are not "
                    "reliable", err=True)
@@ -199,7 +203,7 @@ def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit,
     from ..run.locking import check_not_in_use
 
     check_not_in_use(run)  # a directory another command holds is refused first, as the job's lock would
-    preflight_report(run, overwrite)  # refusals come before matplotlib, scikit-learn or the model is imported
+    opened = preflight_report(run, overwrite)  # refusals come before matplotlib, scikit-learn or the model load
     from ..analysis.jobs import report_run
     from ..analysis.report import report_figures
     from ..run.clusters import clusters_path
@@ -207,10 +211,11 @@ def report_cmd(run, examples, include, corpus, fmt, squad_pairs, columns, limit,
     had_clusters = clusters_path(run).is_file()
     path = report_run(run, examples=examples, include=include, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs,
                       columns=columns, limit=limit, k=k, method=method, seed=seed, device=device, svg=svg, quiet=quiet,
-                      overwrite=overwrite, echo=echo_for())
+                      overwrite=overwrite, echo=echo_for(), opened=opened)
     figures = report_figures(run)
     if not had_clusters and clusters_path(run).is_file():  # the report clustered the run: say so, it is a new file
-        click.echo(f"wrote {clusters_path(run)} (the run had no head types: clustered now with k = {k}, method "
+        click.echo(f"wrote {clusters_path(run)} (the run had no head types: clustered now with "
+                   f"{'the most stable k' if k is None else f'k = {k}'}, method "
                    f"{method}, seed {seed}; `attnkit cluster` chooses others)")
     click.echo(f"wrote {path}" + (f" and {len(figures)} figure files in {figures[0].parent}" if figures else ""))
 
