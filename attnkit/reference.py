@@ -144,20 +144,8 @@ class AttentionParams:
                 "sink": self.sink is not None}
         return [name for name, given in used.items() if given]
 
-    def check_layout(self, q, k, v, lengths) -> None:
-        """The part of the contract that reads no tensor values (shapes, dtypes, head dim, scaling, num_windows):
-        cheap, and run by every backend before it converts anything (so lengths of a float dtype are refused by
-        the fused op as by the reference, not rounded)."""
-        if not isinstance(q, torch.Tensor) or q.dim() != 4:
-            raise AttnkitError(f"q must be 4-D (B, H, L, D), got shape {tuple(getattr(q, 'shape', ()))}")
-        B, H, Lq, D = q.shape
-        if (not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or k.shape != v.shape
-                or (k.shape[0], k.shape[3]) != (B, D) or k.shape[2] < Lq or k.shape[1] < 1):
-            raise AttnkitError(f"k and v must have q's shape {tuple(q.shape)} (or B×Hkv×L×D with Hkv KV heads and "
-                               f"L >= q's {Lq} rows: a KV-cache step), got k {tuple(getattr(k, 'shape', ()))} and "
-                               f"v {tuple(getattr(v, 'shape', ()))}")
-        L = k.shape[2]  # the keys: lengths, token classes, sentence ids and key scales are over them
-        Hkv = k.shape[1]
+    def _check_decoder(self, H: int, Hkv: int) -> None:
+        """`check_layout`'s part for the decoder arguments (kv_head, sliding_window, softcap, sink)."""
         kv_head, sliding_window, softcap, sink = self.kv_head, self.sliding_window, self.softcap, self.sink
         if kv_head is not None:
             _int_tensor(kv_head, "kv_head", (H,))
@@ -175,6 +163,21 @@ class AttentionParams:
                 raise AttnkitError(f"sink must be a floating-point tensor, got {getattr(sink, 'dtype', type(sink))}")
             if tuple(sink.shape) != (H,):
                 raise AttnkitError(f"sink must have shape [{H}], got {list(sink.shape)}")
+
+    def check_layout(self, q, k, v, lengths) -> None:
+        """The part of the contract that reads no tensor values (shapes, dtypes, head dim, scaling, num_windows):
+        cheap, and run by every backend before it converts anything (so lengths of a float dtype are refused by
+        the fused op as by the reference, not rounded)."""
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise AttnkitError(f"q must be 4-D (B, H, L, D), got shape {tuple(getattr(q, 'shape', ()))}")
+        B, H, Lq, D = q.shape
+        if (not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or k.shape != v.shape
+                or (k.shape[0], k.shape[3]) != (B, D) or k.shape[2] < Lq or k.shape[1] < 1):
+            raise AttnkitError(f"k and v must have q's shape {tuple(q.shape)} (or B×Hkv×L×D with Hkv KV heads and "
+                               f"L >= q's {Lq} rows: a KV-cache step), got k {tuple(getattr(k, 'shape', ()))} and "
+                               f"v {tuple(getattr(v, 'shape', ()))}")
+        L = k.shape[2]  # the keys: lengths, token classes, sentence ids and key scales are over them
+        self._check_decoder(H, k.shape[1])
         if D < 1:
             raise AttnkitError(f"head dim (q.size(3)) must be >= 1, got {D}")
         if self.scaling is not None and not math.isfinite(float(self.scaling)):
