@@ -111,9 +111,9 @@ def measure(texts: list[str], kind: str = "stsb", batch: int = 16, repeats: int 
     from transformers import AutoModel, AutoTokenizer
 
     import attnkit
-    from attnkit.engine.extract_job import ExtractOptions, run_extract_job
     from attnkit.engine.forward import length_batches
     from attnkit.engine.plan import plan_batches
+    from attnkit.jobs.extract_job import ExtractOptions, run_extract_job
     from attnkit.models import default_model_path
     from attnkit.tokens import Batch, Encoder
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from attnkit.cli.main import main
-from attnkit.engine import extract_job
+from attnkit.jobs import extract_job
 
 
 def start_paused(args, **popen) -> subprocess.Popen:

@@ -7,8 +7,8 @@ from click.testing import CliRunner
 
 from attnkit.cli.main import main
 from attnkit.corpus import open_corpus
-from attnkit.engine.extract_job import ExtractOptions, run_extract_job
 from attnkit.errors import AttnkitError, arg, spell
+from attnkit.jobs.extract_job import ExtractOptions, run_extract_job
 
 SHARED = ("--format", "--device", "--batch-size", "--backend", "--max-length", "--dtype", "--columns", "--limit",
           "--num-windows", "--sentences", "--squad-pairs", "--engine", "--ray-address", "--model")

@@ -144,7 +144,7 @@ def test_refusals_that_need_no_model_come_before_the_heavy_imports(tmp_path):
     short = str(short)
     no_text_column = tmp_path / "n.csv"
     no_text_column.write_text("x\n1\n")
-    from attnkit.engine.job_options import ExtractOptions, option_settings
+    from attnkit.jobs.job_options import ExtractOptions, option_settings
     from attnkit.run.head_features import FeatureAccumulator
     from attnkit.run.rundir import RunDir
 

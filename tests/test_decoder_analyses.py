@@ -193,7 +193,7 @@ def test_compare_models_of_two_decoders_and_a_pruned_one(llama_dir, corpus, deco
 def test_compare_models_of_a_decoder_with_sinks(decoder_tokenizer):
     """gpt-oss (sink logits, windows, grouped KV heads): compare-models' cosines are those of eager's maps (whose
     rows sum to 1 − the sink's mass)."""
-    from attnkit.engine.compare import compare_models
+    from attnkit.jobs.compare import compare_models
 
     tok = decoder_tokenizer
     a, b = (tiny_decoder("gpt_oss", vocab=len(tok), window=3, seed=s) for s in (0, 1))
@@ -208,7 +208,7 @@ def test_compare_models_of_a_decoder_with_sinks(decoder_tokenizer):
 
 
 def test_a_decoder_is_not_compared_with_an_encoder(decoder_tokenizer):
-    from attnkit.engine.compare import PairedCollector
+    from attnkit.jobs.compare import PairedCollector
 
     coll = PairedCollector(1, 2)
     q = torch.randn(1, 2, 3, 4)

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import attnkit
 from attnkit import AttnkitError
 from attnkit.cli.main import main
-from attnkit.engine.detect import repeat_targets, repeated_tokens, retrieval_inputs
+from attnkit.jobs.detect import repeat_targets, repeated_tokens, retrieval_inputs
 
 from .test_ablation_tasks import tokenizer  # noqa: F401
 

@@ -84,7 +84,7 @@ def test_the_heatmap_scale_is_fitted_to_the_values():
     """A perturbed layer at 0.92–0.99 must not look like identical layers: the colours span the values."""
     import matplotlib.pyplot as plt
 
-    from attnkit.engine.compare import cosine_heatmaps
+    from attnkit.jobs.compare import cosine_heatmaps
 
     cos = np.array([[1.0, 1.0, 1.0], [0.92, 0.97, 0.99], [0.995, 0.996, 0.999]])
     fig = cosine_heatmaps(map_cosine=cos, row_cosine=np.clip(cos + 0.001, 0, 1))
@@ -131,7 +131,7 @@ def test_command_and_bad_pairs(tmp_path):
 
 
 def test_figure_plots_what_its_titles_say():
-    from attnkit.engine.compare import cosine_heatmaps
+    from attnkit.jobs.compare import cosine_heatmaps
     from attnkit.plotting import plt
 
     rng = np.random.default_rng(0)

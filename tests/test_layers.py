@@ -19,6 +19,7 @@ LAYERS = [
                "attnkit.arch", "attnkit.caching", "attnkit.embedded", "attnkit.training"]),
     ("plotting", ["attnkit.plotting"]),
     ("engine", ["attnkit.engine"]),
+    ("jobs", ["attnkit.jobs"]),
     ("analyses", ["attnkit.analysis", "attnkit.ablation", "attnkit.probe"]),
     ("cli", ["attnkit.cli"]),
     ("root", ["attnkit", "attnkit.compare", "attnkit.per_sample"]),  # the package and its re-export modules

@@ -141,7 +141,7 @@ def test_the_python_apis_refuse_a_length_past_the_positions(dirs):
         attnkit.head_means(TEXTS, broken, max_length=17)
     with pytest.raises(AttnkitError, match=past):
         attnkit.load_model(broken, max_length=17)
-    from attnkit.engine.compare import compare_models
+    from attnkit.jobs.compare import compare_models
 
     with pytest.raises(AttnkitError, match=past):
         compare_models(TEXTS, str(dirs["llama"]), broken, max_length=17)
@@ -217,7 +217,7 @@ def test_other_commands_within_the_positions_truncate(dirs, tmp_path):
 
 # --- detect-heads: sizes, progress, inputs --------------------------------------------------------------------
 def test_sequences_are_drawn_in_blocks_equal_to_one_draw():
-    from attnkit.engine.detect import BATCH, repeated_chunks
+    from attnkit.jobs.detect import BATCH, repeated_chunks
 
     tok = decoder_tokenizer()
     blocks = list(repeated_chunks(tok, 5, 2 * BATCH + 3, seed=4))
@@ -234,7 +234,7 @@ def test_sequences_are_drawn_in_blocks_equal_to_one_draw():
 def test_detect_heads_memory_does_not_grow_with_the_sequences(dirs, monkeypatch):
     """`--sequences 2000000000 --length 8` tried 119 GiB at once: now one block is drawn at a time. The forward is
     stopped after the third block (a model that raises): by then three blocks were drawn, not all."""
-    import attnkit.engine.detect as detect
+    import attnkit.jobs.detect as detect
 
     model, tok = attnkit.load_model(str(dirs["llama"]), task="causal-lm")
     seen = []

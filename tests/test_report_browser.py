@@ -191,7 +191,7 @@ def examples_report(tmp_path_factory):
 def test_clicking_a_token_shows_where_the_head_attends(browser, examples_report):
     from selenium.webdriver.support.ui import Select
 
-    from attnkit.engine.maps import attention_maps
+    from attnkit.jobs.maps import attention_maps
 
     page, texts, model = examples_report
     _open(browser, page)
@@ -279,7 +279,7 @@ def test_no_script_from_a_file_runs(browser, tmp_path):
     for field, inject in FIELDS.items():
         if field != "clusters.json sweep type_names":
             inject(run, P)
-    import attnkit.engine.maps as maps_module
+    import attnkit.jobs.maps as maps_module
 
     def fake_maps(text, model, max_length=64):
         toks = ["[CLS]", PAYLOADS[1], PAYLOADS[0], PAYLOADS[2], "[SEP]"]

@@ -132,7 +132,7 @@ def test_no_script_from_the_decoder_fields_or_the_included_runs_runs(browser, po
 @pytest.fixture(scope="module")
 def blank_maps_report(tmp_path_factory):
     """Example maps of no weight at all (every cell white), with tokens of various lengths."""
-    import attnkit.engine.maps as maps_module
+    import attnkit.jobs.maps as maps_module
 
     run = tmp_path_factory.mktemp("blank") / "run"
     rich_run(run, n_samples=8)

@@ -17,7 +17,7 @@ from attnkit.analysis.report import (
     example_inputs,
     within_budget,
 )
-from attnkit.engine.maps import AttentionMaps, attention_maps
+from attnkit.jobs.maps import AttentionMaps, attention_maps
 
 from .synthetic import WORDS, rich_run, tiny_bert
 

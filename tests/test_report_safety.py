@@ -206,7 +206,7 @@ def test_example_tokens_are_data_not_markup(clean, tmp_path, monkeypatch):
     """Tokens of the example inputs go into the JSON data (escaped) and are drawn as text by report.js."""
     import shutil
 
-    import attnkit.engine.maps as maps_module
+    import attnkit.jobs.maps as maps_module
 
     run = tmp_path / "run"
     shutil.copytree(clean, run)

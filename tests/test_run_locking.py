@@ -235,7 +235,7 @@ def test_an_extract_interrupted_with_a_checkpoint_leaves_no_lock_files(tmp_path,
     from click.testing import CliRunner
 
     from attnkit.cli.main import main
-    from attnkit.engine import extract_job
+    from attnkit.jobs import extract_job
 
     real_save, saved = extract_job.Checkpoints.save, []
 

@@ -61,7 +61,7 @@ def _means(opts: AblateOptions, corpus, task, model, tokenizer, out: str, quiet:
     """The heads' mean outputs for --mode mean, over --mean-corpus or the evaluated inputs, kept (and resumed)
     in OUT/head_means.npz; with --overwrite measured again (the old file is replaced only by the new one's first
     save: a refused or failed command leaves it)."""
-    from ..engine.head_means import head_means
+    from ..jobs.head_means import head_means
 
     texts = corpus if corpus is not None else task.segments(opts.sample)
     return head_means(texts, (model, tokenizer), max_length=task.max_length, batch_size=opts.batch_size,

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engine.detect_options import KINDS
 from ..errors import AttnkitError
 from ..features import weighting_of
+from ..jobs.detect_options import KINDS
 from ..run.distances import HeadDistances
 from ..run.files import (
     DETECTED_HEADS_FILE,

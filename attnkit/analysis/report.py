@@ -94,7 +94,7 @@ def example_maps(model, tokenizer, texts, picks, *, max_length: int = 64) -> lis
     """Attention maps of chosen heads for a few texts (`attnkit.attention_maps`: the maps the model uses).
 
     `picks`: list of (type name, layer, head, text index). One forward per distinct text."""
-    from ..engine.maps import attention_maps
+    from ..jobs.maps import attention_maps
 
     maps = {ti: attention_maps(texts[ti], (model, tokenizer), max_length=max_length) for ti in {p[3] for p in picks}}
     return _picked_maps(maps, picks)
@@ -725,7 +725,7 @@ def _example_maps(r: Report) -> None:
     `attnkit.attention_maps`, as `attnkit report --corpus` reads the texts."""
     if not (r.n_examples and r.texts is not None and r.model is not None):
         return
-    from ..engine.maps import attention_maps
+    from ..jobs.maps import attention_maps
 
     max_length = min(EXAMPLE_MAX_LENGTH, int(r.features.meta.get("max_length") or EXAMPLE_MAX_LENGTH))
     idx = example_inputs(r.texts, r.n_examples, r.model[1], max_length=max_length)

@@ -1,7 +1,7 @@
 """`attnkit cluster`, `distances`, `report` and `compare`: the analysis of a run directory (docs/analysis.md).
 
 Click only: each command parses its options, calls the library (attnkit/analysis/, and the distances job in
-attnkit/engine/distances_job.py) and prints what it found.
+attnkit/jobs/distances_job.py) and prints what it found.
 """
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
     """
     import numpy as np
 
-    from ..engine.job_options import DistancesOptions, preflight_distances
+    from ..jobs.job_options import DistancesOptions, preflight_distances
     from ..run.locking import check_not_in_use
 
     check_not_in_use(run)  # a directory another command holds is refused first, as the job's lock would
@@ -157,7 +157,7 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
         rows_per_sample=rows_per_sample, batch_size=batch_size, device=device, seed=seed, smooth=smooth,
         engine=engine, ray_address=ray_address, quiet=quiet, overwrite=overwrite)
     texts = preflight_distances(opts)  # refusals that need no model come before torch is imported
-    from ..engine.distances_job import run_distances_job
+    from ..jobs.distances_job import run_distances_job
 
     dist, n_samples, path = run_distances_job(opts, echo=echo_for(), texts=texts)
     pt = dist.per_token

@@ -51,7 +51,7 @@ def compare_models_cmd(model_a, model_b, corpus, fmt, columns, squad_pairs, limi
             if _model_arg(m) is not None:
                 check_model_dir(m)
             check_model_max_length(_model_arg(m), max_length)  # config.json is enough
-        from ..engine.compare import compare_models
+        from ..jobs.compare import compare_models
         res = compare_models(texts, _model_arg(model_a), _model_arg(model_b), max_length=max_length,
                              batch_size=batch_size, num_windows=num_windows, split_sentences=sentences,
                              backend=backend, device=device, progress=not quiet)

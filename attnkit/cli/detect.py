@@ -1,5 +1,5 @@
 """`attnkit detect-heads MODEL -o RUN`: previous-token, duplicate-token, induction and retrieval heads of a decoder
-(docs/analysis.md, "Detecting heads of decoders"; the library: attnkit/engine/detect.py)."""
+(docs/analysis.md, "Detecting heads of decoders"; the library: attnkit/jobs/detect.py)."""
 from __future__ import annotations
 
 import click
@@ -43,14 +43,14 @@ def detect_heads_cmd(model, out, kinds, length, n_sequences, seed, corpus, devic
     OUT/detected_heads.json (the settings). MODEL `default` is the embedded MiniLM, as for every command (an
     encoder: refused, detection needs causal attention). A bar counts the sequences scored (-q: none); what
     --overwrite removed is said on stderr either way."""
-    from ..engine.detect_options import DetectOptions, preflight_detect
+    from ..jobs.detect_options import DetectOptions, preflight_detect
     from ..run.locking import check_not_in_use
 
     check_not_in_use(out)  # a directory another command holds is refused first, as the job's lock would
     opts = DetectOptions(model=model, out=out, kinds=kinds, length=length, n_sequences=n_sequences, seed=seed,
                          corpus=corpus, device=device, overwrite=overwrite, quiet=quiet)
     preflight_detect(opts)  # refusals that need no model come before torch is imported
-    from ..engine.detect import run_detect_heads
+    from ..jobs.detect import run_detect_heads
 
     df, paths, removed = run_detect_heads(opts)
     for kind in kinds:

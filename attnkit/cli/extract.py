@@ -1,4 +1,4 @@
-"""`attnkit extract`: per-head features of a corpus into a run directory (the job: attnkit/engine/extract_job.py)."""
+"""`attnkit extract`: per-head features of a corpus into a run directory (the job: attnkit/jobs/extract_job.py)."""
 from __future__ import annotations
 
 import sys
@@ -72,7 +72,7 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
     runs (Ctrl-C, kill) keep a checkpoint; `--resume` continues them to the same numbers as an
     uninterrupted run.
     """
-    from ..engine.job_options import ExtractOptions, preflight_extract
+    from ..jobs.job_options import ExtractOptions, preflight_extract
     from ..run.locking import check_not_in_use
 
     check_not_in_use(out)  # a directory another command holds is refused first, as the job's lock would
@@ -84,7 +84,7 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
         overwrite=overwrite, checkpoint_every=checkpoint_every, per_sample=per_sample, quiet=quiet, weighting=weighting,
         max_logit=max_logit)
     preflight_extract(opts)  # refusals that need no model come before torch is imported
-    from ..engine.extract_job import Interrupted, run_extract_job
+    from ..jobs.extract_job import Interrupted, run_extract_job
 
     try:
         run_extract_job(opts, echo=echo_for())

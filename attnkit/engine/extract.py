@@ -1,7 +1,7 @@
 """Corpus → batches → instrumented forward passes → feature sums → `HeadFeatures`.
 
 `extract()` is the Python entry point (a stable interface: see README.md). `run_extraction()` is the loop
-it shares with the `attnkit extract` job (attnkit/engine/extract_job.py), which adds checkpoints so an
+it shares with the `attnkit extract` job (attnkit/jobs/extract_job.py), which adds checkpoints so an
 interrupted run resumes where it stopped. What decides the numbers is one `ExtractSettings`; the plan of
 batches is attnkit/engine/plan.py, the engine that runs them attnkit/engine/local.py (docs/pipeline.md).
 """

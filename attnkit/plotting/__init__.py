@@ -3,7 +3,7 @@
 Every module that draws imports pyplot from here (`from attnkit.plotting import plt`), so the Agg backend is
 chosen before pyplot loads, whoever imports first. The figures themselves live with what they show:
 attnkit/analysis/figures.py (head types, maps), attnkit/ablation/figures.py (ablation tables),
-attnkit/probe/run.py (probe accuracies), attnkit/engine/compare.py (two models).
+attnkit/probe/run.py (probe accuracies), attnkit/jobs/compare.py (two models).
 """
 from __future__ import annotations
 

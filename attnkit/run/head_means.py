@@ -1,5 +1,5 @@
 """head_means.npz: the mean output of every head over a corpus, finished or in progress (docs/files.md,
-"head_means.npz"; computed by attnkit/engine/head_means.py, used for mean ablation: docs/interventions.md).
+"head_means.npz"; computed by attnkit/jobs/head_means.py, used for mean ablation: docs/interventions.md).
 
 One file serves as result and as checkpoint: the sums of every head's outputs over the valid tokens measured so
 far, their number, how many segments of the plan are done, whether the corpus is finished, and the settings that

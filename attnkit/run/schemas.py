@@ -219,7 +219,7 @@ ABLATION_META_SCHEMA = {
     },
 }
 
-# OUT/detected_heads.json, written by `attnkit detect-heads` (attnkit/engine/detect.py) beside detected_heads.csv;
+# OUT/detected_heads.json, written by `attnkit detect-heads` (attnkit/jobs/detect.py) beside detected_heads.csv;
 # read by the report (attnkit/analysis/attached.py checks the kinds and the table after the schema).
 DETECTED_HEADS_SCHEMA = {
     "type": "object",

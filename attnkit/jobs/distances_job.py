@@ -12,6 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from ..corpus import corpus_of_run
+from ..engine.distances import check_smoothing, collect_distances
+from ..engine.extract import ExtractSettings
+from ..engine.local import default_workers
 from ..errors import AttnkitError, print_message
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, weighting_of
 from ..models import attention_modules, load_model
@@ -22,10 +25,7 @@ from ..run.identity import IDENTITY_FIELD, model_identity, model_mismatch, recor
 from ..run.locking import output_directory
 from ..run.outputs import os_errors
 from ..run.overwrite import claim_outputs
-from .distances import check_smoothing, collect_distances
-from .extract import ExtractSettings
 from .job_options import DistancesOptions, check_distances_options
-from .local import default_workers
 
 
 def _check_shape(run, meta: dict, n_layers: int, n_heads: int) -> None:
@@ -115,7 +115,7 @@ def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_
 
 def _on_ray(run, meta, texts, opts: DistancesOptions, max_length: int, num_windows: int, say):
     """The same sums, measured by model actors on a Ray cluster; resumable by shards (RUN/distance-shards)."""
-    from .ray import run_ray_distances
+    from ..engine.ray import run_ray_distances
 
     settings = {"corpus_sha256": texts.fingerprint(), "model": meta.get("model"), "max_length": max_length,
                 "batch_size": opts.batch_size, "rows_per_sample": opts.rows_per_sample, "seed": opts.seed}

@@ -21,17 +21,17 @@ import numpy as np
 import torch
 
 from ..caching import cache_heads
+from ..engine.extract import check_texts
+from ..engine.forward import default_batch_size
+from ..engine.local import BatchResult, check_workers, run_pipeline
+from ..engine.plan import DEFAULT_WINDOW, plan_batches
+from ..engine.progress import segment_bar
 from ..errors import AttnkitError, check_int
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import attention_modules, resolve_model, runtime_of
 from ..process import measuring_forward
 from ..run.head_means import HeadMeans
 from ..tokens import Encoder
-from .extract import check_texts
-from .forward import default_batch_size
-from .local import BatchResult, check_workers, run_pipeline
-from .plan import DEFAULT_WINDOW, plan_batches
-from .progress import segment_bar
 
 CHECKPOINT_SECONDS = 60.0  # a checkpoint is saved at least this often, and when the run stops
 

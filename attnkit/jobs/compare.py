@@ -23,6 +23,9 @@ import torch
 
 from ..arch.pruning import pruned_head_grid
 from ..corpus import Corpus
+from ..engine.distances import check_decoder_arguments
+from ..engine.forward import default_batch_size, forward_features, measuring
+from ..engine.plan import DEFAULT_WINDOW, plan_batches
 from ..errors import AttnkitError
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, check_num_windows
 from ..models import (
@@ -37,9 +40,6 @@ from ..run.files import COMPARE_JSON, COMPARE_NPZ, FIGURES_DIR, compare_models_o
 from ..run.head_features import FeatureAccumulator
 from ..run.outputs import atomic_write, ensure_writable_dir, json_float, write_json
 from ..tokens import Batch, Encoder
-from .distances import check_decoder_arguments
-from .forward import default_batch_size, forward_features, measuring
-from .plan import DEFAULT_WINDOW, plan_batches
 
 SUM_NAMES = ("row_cos", "ab", "aa", "bb")
 
@@ -329,7 +329,7 @@ def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=Non
     encoder = Encoder(tok_a, max_length=max_length, split_sentences=split_sentences)
     bar = None
     if progress:
-        from .progress import segment_bar
+        from ..engine.progress import segment_bar
 
         bar = segment_bar("compare-models", texts)
     with measuring(model_a, backend=backend, num_windows=num_windows) as rt_a, \

@@ -215,7 +215,7 @@ def _check_corpus(corpus, kinds) -> list[str] | None:
 def _bar(progress: bool, total: int):
     if not progress:
         return None
-    from .progress import FIRST_DRAW_S, bar_class
+    from ..engine.progress import FIRST_DRAW_S, bar_class
 
     return bar_class()(total=total, unit="seq", desc="detect-heads", dynamic_ncols=True, delay=FIRST_DRAW_S)
 

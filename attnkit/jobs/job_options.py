@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..embedded import check_model_max_length
+from ..engine.ray.session import check_ray_address
 from ..errors import AttnkitError, arg, check_int
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING, DEFAULT_WINDOW, PLAN
 from ..run.model_dir import check_model_dir
 from ..run.outputs import check_no_file_in_the_way, check_output_path, check_output_place
-from .ray.session import check_ray_address
 
 ENGINES = ("local", "ray")
 
@@ -51,7 +51,7 @@ class ExtractOptions:
     max_logit: bool = False
 
     def extract_settings(self, batch_size: int | None):
-        from .extract import ExtractSettings
+        from ..engine.extract import ExtractSettings
 
         return ExtractSettings(max_length=self.max_length, batch_size=batch_size, window=self.window,
                                num_windows=self.num_windows, split_sentences=self.sentences, backend=self.backend,

@@ -23,6 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from ..arch.pruning import removed_heads
+from ..engine.devices import parse_devices, replicate
+from ..engine.extract import ExtractionState, MaxLogitCollector, run_extraction
+from ..engine.forward import default_batch_size
+from ..engine.local import BatchResult, check_workers
+from ..engine.openmp import wait_regime
+from ..engine.tuning import AUTO
 from ..errors import AttnkitError, arg, print_message
 from ..models import (
     attention_modules,
@@ -41,13 +47,7 @@ from ..run.outputs import check_output_path
 from ..run.per_sample import PerSampleWriter
 from ..run.rundir import RunDir
 from ..run.versions import versions
-from .devices import parse_devices, replicate
-from .extract import ExtractionState, MaxLogitCollector, run_extraction
-from .forward import default_batch_size
 from .job_options import ENGINES, ExtractOptions, check_extract_options, extract_inputs, option_settings
-from .local import BatchResult, check_workers
-from .openmp import wait_regime
-from .tuning import AUTO
 
 # what describes an input's bytes (compared through corpus_sha256 and named when it differs), not how it is read
 INPUT_STATE = ("n_segments", "sha256", "size", "mtime")
@@ -270,8 +270,8 @@ class _RayJob(_Job):
     def run(self) -> None:
         from transformers import AutoConfig
 
+        from ..engine.ray import run_ray_extraction
         from ..run.shards import remove_shards, shard_dir
-        from .ray import run_ray_extraction
 
         opts, run = self.opts, self.run_dir
         if opts.overwrite:
