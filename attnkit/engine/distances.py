@@ -114,7 +114,7 @@ def js_from_rows(rows: torch.Tensor, max_elems: int = 1 << 24) -> torch.Tensor:
             for r0 in range(0, R, r_chunk):
                 r1 = min(R, r0 + r_chunk)
                 # Σ m log m with m = (p + q)/2 = ½ Σ s log s − ½ ln2 (Σp + Σq), s = p + q; in place,
-                # with log(max(s, tiny)) so that s = 0 gives 0 (1.7x faster than xlogy on (p+q)/2)
+                # with log(max(s, tiny)) so that s = 0 gives 0 (cheaper than xlogy on (p+q)/2)
                 S = rows[r0:r1, a0:a1, None, :] + rows[r0:r1, None, b0:b1, :]
                 slogs = S.clamp_min(1e-30).log_().mul_(S).sum(-1)  # r×a×b
                 del S

@@ -67,7 +67,7 @@ def _takes_use_cache(cls) -> bool:
 
 def no_cache(model) -> dict:
     """Keyword arguments that keep a forward of `model` from building a KV cache: a decoder otherwise keeps
-    2 tensors per layer (SmolLM2: 46 KB per token, 360 MB at 8k tokens) that extraction never reads
+    2 tensors per layer (hundreds of MB for a long input) that extraction never reads
     (shared/design/cpu-kernel-review.md §6). Empty for a model whose forward takes no `use_cache`."""
     return {"use_cache": False} if _takes_use_cache(type(model)) else {}
 

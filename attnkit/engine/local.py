@@ -608,7 +608,7 @@ def _run_here(encoded, measure: Callable, deliver: Callable, after_run: Callable
     """The batches on the calling thread, in runs: a run's batches are tokenised (or received) together, their
     forwards run back to back (`measure`), and their results are delivered together (`deliver`). Each kind of work
     then keeps its code and data in the core's caches: a small model's forward right after tokenising a batch takes
-    20-40% longer than one right after another forward. A run holds at most RUN_BATCHES forwards and about
+    markedly longer than one right after another forward. A run holds at most RUN_BATCHES forwards and about
     RUN_SECONDS of them, so a large model's progress and checkpoints still follow every batch, and a worker's queued
     tasks outlast a run (counted in forwards, not in units: a run of 16 units would leave a tokenise-bound run's
     worker idle). `after_run` follows each run (the re-plan's turn)."""

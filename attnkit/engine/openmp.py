@@ -6,19 +6,20 @@ libgomp. Between two regions a team's threads wait for the next one. libgomp rea
 torch is imported): OMP_WAIT_POLICY and GOMP_SPINCOUNT. Its default spins about 300,000 rounds (a few
 milliseconds) before a waiting thread sleeps in the kernel; PASSIVE sleeps at once.
   - On free cores a region starts and ends in microseconds while the waits spin; sleeping waits pay a wake-up per
-    region (GELU of 192×1536: 48 µs spinning, 129-139 µs sleeping), and short inputs run thousands of regions.
+    region, and short inputs run thousands of regions.
   - On an oversubscribed machine (another torch process, a test suite) a spinning thread burns the time slice its
-    partner needs to reach the barrier: short inputs became 5-20× slower, ablate and detect-heads 2-4×.
+    partner needs to reach the barrier, and short inputs, ablate and detect-heads slow down several times
+    (docs/pipeline.md §4 has the measurements).
 So the regime is chosen from what the machine is doing when the process starts: `configure()` samples the
 kernel's count of runnable tasks (/proc/loadavg, an instantaneous figure, unlike the load averages, which lag a run
 of a few seconds by tens of seconds) for `SAMPLE_SECONDS`, before torch loads (this process then runs one thread
 and no tokeniser), and
   - when other work is runnable beside this process (on average `BUSY_OTHERS` tasks or more), threads sleep at once
-    (OMP_WAIT_POLICY=PASSIVE): measured beside another 2-thread torch process, short inputs ran 10-27× faster
-    than with libgomp's spinning, and ablate and detect-heads 2-4× (docs/pipeline.md §4);
-  - otherwise they spin a bounded `SPINCOUNT` rounds (about 0.1-0.3 ms, far longer than the gaps between the
-    regions of one forward), then sleep: a machine that becomes busy during the run costs less than with
-    libgomp's 300,000 rounds.
+    (OMP_WAIT_POLICY=PASSIVE), which beside another torch process is far faster than libgomp's spinning
+    (docs/pipeline.md §4);
+  - otherwise they spin a bounded `SPINCOUNT` rounds (far longer than the gaps between the regions of one
+    forward, far shorter than libgomp's default), then sleep: a machine that becomes busy during the run costs
+    less than with libgomp's 300,000 rounds.
 The command line calls it for every command (before any imports torch); a script may call it before its first
 `import torch`. A value the user set wins. The variables stay in the environment only until torch has loaded
 (attnkit.process.environ_until_torch), so a subprocess started later does not inherit them; ATTNKIT_OPENMP_WAITS=0

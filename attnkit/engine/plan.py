@@ -5,14 +5,14 @@ cut into consecutive windows of `window` segments; each window is sorted longest
 and cut into batches. Memory is bounded by one window, and padding stays close to a global sort once a window
 holds a few thousand segments (bench/pipeline.py measures it).
 
-Characters are a rough measure of tokens: sentences of STS-B dev sorted by characters pad 25-28% of their
-tokens, sorted by tokens 1-2%. The tokens are only known after tokenising, and tokenising happens after the plan
-(in worker processes, on Ray workers). So a `grouped` plan joins consecutive batches of a window's character
-order into units (`group_batches`: at most GROUP_BATCHES batches and about GROUP_CHARS characters; batches of
-one sample are not joined, having no padding to save); a unit is tokenised as one, and its forwards run its
-samples sorted by tokens, `batch_size` at a time (`attnkit.engine.forward.length_batches`): STS-B dev then
-pads 5%. The unit is what the engines plan, tokenise, sum and checkpoint; which samples share a forward depends
-only on the unit's text, so every engine still runs the same forwards.
+Characters are a rough measure of tokens: short sentences sorted by characters pad far more than sorted by tokens
+(docs/pipeline.md has the figures). The tokens are only known after tokenising, and tokenising happens after the
+plan (in worker processes, on Ray workers). So a `grouped` plan joins consecutive batches of a window's character
+order into units (`group_batches`: at most GROUP_BATCHES batches and about GROUP_CHARS characters; batches of one
+sample are not joined, having no padding to save); a unit is tokenised as one, and its forwards run its samples
+sorted by tokens, `batch_size` at a time (`attnkit.engine.forward.length_batches`), which pads little more than a
+sort by tokens. The unit is what the engines plan, tokenise, sum and checkpoint; which samples share a forward
+depends only on the unit's text, so every engine still runs the same forwards.
 
 The plan is a pure function of the segment stream, `batch_size` and `window`: every engine (the in-process
 loop, tokenisation workers, several devices, Ray) measures exactly the same batches, so per-sample features —

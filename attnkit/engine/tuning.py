@@ -9,8 +9,8 @@ its first batches tokenise and run forwards, as a user with a stopwatch would.
                    (`Replanner`)
 
 Each rate is that of the fastest timed batch: a batch the system held up says nothing about the configuration.
-Yet a plan measured on one timed unit (the first warms up; a unit of 8 forwards of short texts is tokenised in a
-few milliseconds) can be measured during a moment the machine gave to others, and would hold for the whole run: so
+Yet a plan measured on one timed unit (the first warms up; a unit of short texts is tokenised in a few
+milliseconds) can be measured during a moment the machine gave to others, and would hold for the whole run: so
 the run keeps measuring.
 
 The first batches' results are kept when the chosen thread count is the one they ran with; otherwise they are

@@ -24,7 +24,7 @@ class LayerFeatures:
 
     Why one buffer, made before the forward: a small tensor kept per layer until the forward ends is carved by
     glibc out of the hole a large freed activation left, so the next activation of that size no longer fits there
-    and the heap grows instead (SmolLM2 at 8k tokens: 210 MB more than sdpa's forward, one 1 KB tensor per layer).
+    and the heap grows instead (at long inputs the peak memory then exceeds sdpa's forward: docs/decoders.md §7).
     `shape` (B, H, F) and `device`: the buffer is made here, before the forward's activations exist; None: at
     the first layer's features (also when they do not have that shape)."""
 
