@@ -92,7 +92,7 @@ def test_extract_distances_cluster_compare_export_on_a_decoder_run(llama_dir, co
     np.testing.assert_allclose(dist.total, js_sums(maps, lengths), atol=1e-5)
     # cluster each run, then compare their types; export the features
     for r in runs.values():
-        code, out = run("cluster", r, "-k", 2, "--stability", 2, "-q")
+        code, out = run("cluster", r, "-k", 2, "--stability", 2, "--features", "distance", "-q")
         assert code == 0, out
     code, out = run("compare", runs["a"], runs["b"], "--json", tmp_path / "cmp.json", "-q")
     assert code == 0, out
