@@ -71,6 +71,12 @@ def poisoned(tmp_path_factory):
     meta = json.loads((run / "meta.json").read_text())
     meta.update(model=P, model_type="llama", model_identity=_identity(P), corpus=P)
     _write(run / "meta.json", meta)
+    # clustered again as the decoder run it now is (its types are named from a decoder's class shares)
+    from attnkit.analysis.clustering import cluster
+    from attnkit.analysis.results import save_clusters
+
+    decoder_run = HeadFeatures.load(run)
+    save_clusters(run, cluster(decoder_run, k=4, n_stability=3), decoder_run)
     clusters = json.loads((run / "clusters.json").read_text())
     clusters["run"]["model"] = P
     _write(run / "clusters.json", clusters)

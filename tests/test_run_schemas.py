@@ -135,8 +135,11 @@ def test_complete_clusters_schema_requires_what_the_report_reads(tmp_path, clust
         load_clusters(tmp_path, complete=True)
 
 
-def test_clustered_features_must_be_the_runs(tmp_path, clusters_data, feats):
-    (tmp_path / "clusters.json").write_text(json.dumps(clusters_data))
+def test_clustered_features_must_be_the_runs(tmp_path, feats):
+    from attnkit.analysis.clustering import distance_feature_names
+
+    save_clusters(tmp_path, cluster(feats, k=3, n_stability=2, features_subset=distance_feature_names(feats.names)),
+                  feats)
     assert load_clusters(tmp_path, feature_names=feats.names)
     names = [n for n in feats.names if n != "win_3"]
     with pytest.raises(AttnkitError, match="field settings.features: win_3 not among the run's features"):
