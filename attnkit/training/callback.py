@@ -31,7 +31,7 @@ from ..models import runtime_of
 from .checks import feature_list, positive_real
 from .qk_clip import clip_plan, qk_clip
 from .stats_log import StatsLogger
-from .track import DEFAULT_FEATURES, MAX_LOGIT, attached, forward_depth, new_tracker, unwind_forwards
+from .track import DEFAULT_FEATURES, MAX_LOGIT, attached, new_tracker
 
 _HANDLER = "transformers.trainer_callback"  # the module whose CallbackHandler calls a callback's events
 
@@ -72,7 +72,7 @@ class _Step:
 
     def __init__(self, callback: AttnkitCallback, model):
         self.model, self.frame = model, _step_frame()
-        self.depth = forward_depth(runtime_of(model))
+        self.depth = runtime_of(model).open_forwards
         self._attachment = contextlib.ExitStack()
         self._attachment.enter_context(attached(model, callback.tracker))
         self.saved = vars(model).get("forward")  # an instance attribute (accelerate's, say), else the class's
@@ -102,7 +102,7 @@ class _Step:
             self.model.forward = self.saved
         self._attachment.close()
         if unwind:
-            unwind_forwards(runtime_of(self.model), self.depth)
+            runtime_of(self.model).exit_forwards(self.depth)
         self.frame = None
 
 

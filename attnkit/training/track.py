@@ -156,17 +156,6 @@ def refuse_if_tracked(rt) -> None:
                            "trainings) on one model")
 
 
-def forward_depth(rt) -> int:
-    """How many forwards of the model are under way (attnkit.models' hooks enter and exit them)."""
-    return rt.open_forwards
-
-
-def unwind_forwards(rt, depth: int) -> None:
-    """Exit the forwards that an exception left open above `depth` (as `Runtime.closing_forwards` does for a
-    block; AttnkitCallback ends a step outside the forward that found it left over, so it says which depth)."""
-    rt.exit_forwards(depth)
-
-
 @contextlib.contextmanager
 def attached(model, tracker: Tracker):
     """Within the block every forward of `model` adds its statistics to `tracker`: the one place a tracker is
@@ -189,12 +178,7 @@ def track(model, features=DEFAULT_FEATURES, *, num_windows: int = DEFAULT_NUM_WI
     """Within the block, every forward of `model` (switched to attnkit attention if it is not) accumulates the
     per-head `features` (a name, a sequence of names; None: DEFAULT_FEATURES) on the device; yields the `Tracker`
     whose `read()` returns them (module docstring). However the block ends, KeyboardInterrupt included, the model
-    is left untracked, with the forwards an interrupt left open exited (`unwind_forwards`)."""
+    is left untracked, with the forwards an interrupt left open exited (`Runtime.closing_forwards`)."""
     tracker = new_tracker(model, features, num_windows)
-    rt = runtime_of(model)
-    depth = forward_depth(rt)
-    try:
-        with attached(model, tracker):
-            yield tracker
-    finally:
-        unwind_forwards(rt, depth)
+    with attached(model, tracker), runtime_of(model).closing_forwards():
+        yield tracker
