@@ -240,3 +240,47 @@ def test_the_process_own_cgroup_is_read_first(tmp_path):
     assert dirs[:3] == [tmp_path / "fs" / "cpu,cpuacct" / "box/1", tmp_path / "fs" / "cpu" / "box/1",
                         tmp_path / "fs" / "box/1"]
     assert dirs[-3:] == [tmp_path / "fs", tmp_path / "fs" / "cpu", tmp_path / "fs" / "cpu,cpuacct"]
+
+
+# --- whether the machine is busy, as a container sees it ------------------------------------------------------
+def _stat(proc, tid: int, state: str, name: str = "python (x) y") -> None:
+    (proc / str(tid)).mkdir(parents=True)
+    (proc / str(tid) / "stat").write_text(f"{tid} ({name}) {state} 1 2 3\n")
+
+
+def test_a_cgroup_lists_its_threads_v2_before_v1(tmp_path):
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir()
+    v1.mkdir()
+    (v1 / "tasks").write_text("7\n8\n")
+    assert openmp.cgroup_threads([tmp_path / "missing", v1]) == [7, 8]
+    (v2 / "cgroup.threads").write_text("3\n4\n5\n")
+    assert openmp.cgroup_threads([v2, v1]) == [3, 4, 5]
+    (v2 / "cgroup.threads").write_text("")  # an empty list says nothing: the next directory's
+    assert openmp.cgroup_threads([v2, v1]) == [7, 8]
+    assert openmp.cgroup_threads([tmp_path / "missing"]) is None
+
+
+def test_runnable_threads_read_each_state_and_skip_exited_ones(tmp_path):
+    _stat(tmp_path, 10, "R")
+    _stat(tmp_path, 11, "S")
+    _stat(tmp_path, 12, "R", name="a) R (b")  # a command name with parentheses and an R: the state is after the last
+    _stat(tmp_path, 13, "D")
+    assert openmp.runnable_threads([10, 11, 12, 13, 99], proc=tmp_path) == 2  # 99 has exited
+
+
+def test_a_limited_container_counts_its_own_cgroup_not_the_host(tmp_path):
+    _stat(tmp_path, 1, "R")  # this thread, reading
+    _stat(tmp_path, 2, "R")
+    _stat(tmp_path, 3, "R")
+    _stat(tmp_path, 4, "S")
+
+    def count(tids):
+        return openmp.runnable_threads(tids, proc=tmp_path)
+
+    # two other runnable threads in the container, whatever the host's run queue says
+    assert openmp.runnable_others(samples=2, seconds=0.0, threads=lambda: [1, 2, 3, 4], count=count) == 2.0
+    # a cgroup that lists no threads: the host's run queue, as outside a container
+    host = openmp.host_runnable()
+    others = openmp.runnable_others(samples=1, seconds=0.0, threads=lambda: None, count=count)
+    assert (others is None) == (host is None) and (others is None or others >= 0)
