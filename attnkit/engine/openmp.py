@@ -53,6 +53,7 @@ SAMPLE_SECONDS = 0.05
 SAMPLES = 10
 VARIABLES = OPENMP_VARIABLES
 CGROUP = Path("/sys/fs/cgroup")
+MAX_THREADS_READ = 2048  # threads of a cgroup read per sample at most (each a /proc/<tid>/stat)
 
 
 def _read(path: Path) -> str | None:
@@ -153,6 +154,8 @@ def runnable_others(samples: int = SAMPLES, seconds: float = SAMPLE_SECONDS,
     if threads is None:
         threads = cgroup_threads if available_cores() < (os.cpu_count() or 1) else (lambda: None)
     tids = threads()
+    if tids and len(tids) > MAX_THREADS_READ:  # a cgroup as big as a host (its root): the host's figure is as good
+        tids = None
     counts = []
     for i in range(samples):
         running = count(tids) if tids else host_runnable()
