@@ -284,3 +284,12 @@ def test_a_limited_container_counts_its_own_cgroup_not_the_host(tmp_path):
     host = openmp.host_runnable()
     others = openmp.runnable_others(samples=1, seconds=0.0, threads=lambda: None, count=count)
     assert (others is None) == (host is None) and (others is None or others >= 0)
+
+
+def test_ray_workers_are_told_the_regime_only_on_this_machine(monkeypatch):
+    pytest.importorskip("ray")
+    from attnkit.engine.ray import workers
+
+    monkeypatch.setattr(process, "openmp_in_effect", lambda: ({"OMP_WAIT_POLICY": "PASSIVE"}, "read at torch's import"))
+    assert workers.worker_env(local=True) == {"TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert workers.worker_env(local=False) == {"TOKENIZERS_PARALLELISM": "false"}
