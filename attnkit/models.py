@@ -212,9 +212,7 @@ def _separator_ids(model, tokenizer=None) -> tuple[int, ...]:
 
 def _record_inputs(model, runtime: Runtime) -> None:
     """Hooks on the base model (which every task head calls with the inputs) that put the forward's
-    input_ids and token_type_ids into `runtime.inputs` and take them out again, also on an exception. (A user's
-    forward, training step or generate() runs on the process's own CPU allocator: attnkit's is held only around
-    attnkit's own measuring forwards, attnkit.process.measuring_forward.)
+    input_ids and token_type_ids into `runtime.inputs` and take them out again, also on an exception.
     The hooks find the runtime on the module, so a deep copy of the model records into its own, and
     instrumenting a model again keeps the hooks it has."""
     base = getattr(model, "base_model", None) or model

@@ -144,40 +144,6 @@ def fused_fewer_queries(device_type: str) -> bool:
     return device_type == "cpu" and _CPU_FEWER_QUERIES
 
 
-def _has_cpu_allocator() -> bool:
-    """Whether the extension has attnkit's CPU allocator (csrc/cpu/block_allocator.cpp; builds before it do not)."""
-    return extension_loaded() and hasattr(torch.ops.attnkit, "hold_cpu_allocator")
-
-
-_CPU_ALLOCATOR = _has_cpu_allocator()
-
-
-def hold_cpu_allocator() -> bool:
-    """The calling thread's CPU tensors come from attnkit's CPU allocator until the matching
-    `release_cpu_allocator` on the same thread (holds are counted per thread). Every block is a plain malloc
-    aligned inside, so the hole a freed activation leaves fits the next one of its size
-    (csrc/cpu/block_allocator.cpp: why, and how it sits in c10's slot without a swap racing other threads).
-    attnkit.process.measuring_forward holds it around attnkit's own measuring forwards on the CPU. False, and
-    nothing to release, where it cannot: no extension or one built before it, c10's NUMA or huge-page allocation
-    on, or another allocator registered with a higher priority."""
-    return _CPU_ALLOCATOR and bool(torch.ops.attnkit.hold_cpu_allocator())
-
-
-def release_cpu_allocator() -> None:
-    """Give back one hold of this thread that `hold_cpu_allocator` returned True for."""
-    torch.ops.attnkit.release_cpu_allocator()
-
-
-def cpu_allocator_holders() -> int:
-    """How many holds of attnkit's CPU allocator all threads have outstanding (0 without it)."""
-    return int(torch.ops.attnkit.cpu_allocator_holders()) if _CPU_ALLOCATOR else 0
-
-
-def cpu_allocator_registered() -> bool:
-    """Whether attnkit's routing allocator is in c10's CPU slot (it stays there from the first hold on)."""
-    return _CPU_ALLOCATOR and bool(torch.ops.attnkit.cpu_allocator_registered())
-
-
 def cpu_capability() -> str | None:
     """The build of the CPU kernel that runs now: "default", "avx2" or "avx512" (docs/cuda.md, "CPU capability":
     torch's CPU capability, or $ATTNKIT_CPU_CAPABILITY); None without a compiled CPU kernel that reports it."""
@@ -457,7 +423,6 @@ def _fused_attention_fake(q, k, v, lengths, *args):
     nf = num_features(p.num_windows, sink=p.sink is not None) if p.want_features else 0
     feats = q.new_empty((B, H, nf), dtype=torch.float32)
     return out, feats
-
 
 
 torch.library.register_fake(_TRITON_OP)(_fused_attention_fake)

@@ -10,10 +10,6 @@
 
 namespace attnkit::cpu {
 std::string cpu_capability();  // csrc/cpu/fused_attention.cpp
-bool hold_cpu_allocator();       // csrc/cpu/block_allocator.cpp
-void release_cpu_allocator();
-int64_t cpu_allocator_holders();
-bool cpu_allocator_registered();
 }
 
 TORCH_LIBRARY(attnkit, m) {
@@ -57,16 +53,6 @@ TORCH_LIBRARY(attnkit, m) {
   m.def("cpu_fewer_queries() -> bool", []() { return true; });
   // Which build of the CPU kernel runs (csrc/cpu/fused_attention_kernel.h): "default", "avx2" or "avx512".
   m.def("cpu_capability() -> str", &attnkit::cpu::cpu_capability);
-  // attnkit's CPU allocator (csrc/cpu/block_allocator.cpp: why and how), for the calling thread while attnkit runs
-  // its own measuring forwards (attnkit/process.py). hold: true when the calling thread's CPU allocations are now
-  // blocks (counted per thread; each true needs one release on the same thread), false where the routing allocator
-  // could not be registered (NUMA or huge-page allocation on, or an allocator of higher priority registered);
-  // holders: how many holds all threads have outstanding; registered: whether the routing allocator is in c10's
-  // slot (it stays there once the first hold put it there).
-  m.def("hold_cpu_allocator() -> bool", &attnkit::cpu::hold_cpu_allocator);
-  m.def("release_cpu_allocator() -> ()", &attnkit::cpu::release_cpu_allocator);
-  m.def("cpu_allocator_holders() -> int", &attnkit::cpu::cpu_allocator_holders);
-  m.def("cpu_allocator_registered() -> bool", &attnkit::cpu::cpu_allocator_registered);
   // Clark et al.'s Jensen-Shannon distances between every pair of M heads of one batch:
   //   attn: fp32 B×M×L×L attention rows (padded keys 0); lengths: int64[B].
   // Returns fp64 M×M: Σ_b Σ_{s<n_b} JS(attn[b,i,s,:], attn[b,j,s,:]), natural logs.
