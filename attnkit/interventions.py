@@ -148,8 +148,13 @@ class HeadTypes:
 
 def load_clusters(run_or_file, shape: tuple[int, int] | None = None) -> HeadTypes:
     """Head types from a run's clusters.json (written by `attnkit cluster`), checked against `shape`."""
+    return head_types_of(read_clusters(run_or_file), run_or_file, shape)
+
+
+def head_types_of(data: dict, run_or_file, shape: tuple[int, int] | None = None) -> HeadTypes:
+    """Head types from clusters.json content already read from `run_or_file` (attnkit.run.clusters.load_clusters;
+    a command reads the file once), checked against `shape`."""
     path = Path(run_or_file)
-    data = read_clusters(path)
     grid = type_grid(data)
     grid[grid == REMOVED] = ""  # a head a pruning removed has no type: no type's ablation names it
     if shape is not None and grid.shape != tuple(shape):
