@@ -19,11 +19,12 @@ import torch
 
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
 from .attention.consumers import observer_consumer
+from .attention.runtime import RUNTIME_ATTR, ModelInputs, Runtime, recording_callers
 from .attention.shared import shared_layers_error
 from .embedded import check_model_max_length, embedded_path, is_embedded_name, model_config
 from .errors import AttnkitError, arg, one_line
 from .features import feature_names
-from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
+from .hf_attention import NAME, register
 from .run.model_dir import (  # checked without torch
     TOKENIZER_FILES,
     check_max_length,
@@ -246,7 +247,7 @@ def _record_inputs(model, runtime: Runtime) -> None:
 
 def _probe_attention_modules(model):
     """Run a two-token forward and return the modules that called attnkit attention, in order (a
-    `hf_attention.Callers`, which also says whether one has a learned sink logit)."""
+    `attnkit.attention.runtime.Callers`, which also says whether one has a learned sink logit)."""
     device = next(model.parameters()).device
     ids = torch.full((1, 2), 1, dtype=torch.long, device=device)
     sig_kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

@@ -6,6 +6,8 @@
 - `call`: reading one call of the attention function into a frozen `AttentionCall` (and the decoder arguments);
 - `sentences`: the sentence ids of a plain forward, for region interventions;
 - `plan`: the parts of the intervention, the kept heads, what the consumers want of the op (`Plan`);
-- `deliver`: the results back in the batch's positions, replaced head outputs, then the consumers;
+- `run`: running the op for a plan (and a forward in training with attention dropout);
+- `deliver`: the results back in the batch's positions, replaced head outputs, the maps (`maps`), then the
+  consumers;
 - `consumers/`: what is done with the op's results, one consumer per module behind one protocol.
 """
