@@ -4,17 +4,21 @@ transformers calls `attnkit_attention(module, q, k, v, mask, scaling=..., dropou
 self-attention layer. With nothing active it is plain attention (equal to eager). This module holds that function,
 its registration and the mask function; the call goes through four steps, each in its own module of
 attnkit/attention/:
-1. read the call (`call.read_call` → a frozen `AttentionCall`): layout and padding, decoder arguments, kept heads;
+1. read the call (`call.read_call` → a frozen `AttentionCall`): the context of the forward it belongs to
+   (`context.Forward`: the forward's inputs, and attnkit's batch, the sentence ids and the intervention given when
+   it began), layout and padding, decoder arguments, kept heads;
 2. plan it (`plan.plan_call` → `Plan`): the intervention's parts, sentence ids, what the consumers want of the op;
 3. run the op (`run.run_op`; a forward in training with attention dropout is not planned: `run.run_training`);
 4. deliver (`deliver.deliver` → `Result`): the replaced head outputs, the maps when asked for (`maps.maps`), then
    each consumer's `after`.
 What is done with the op's results is a consumer (attnkit/attention/consumers/: extraction's features and the early
 stop, observers of q and k and of the max logit, head caches, the training tracker), attached to the model's
-`Runtime` for a block; what the Runtime holds (settings, attnkit's own batch, the intervention, the inputs of the
-forward under way) is in attnkit/attention/runtime.py. `attnkit.models.instrument` attaches a Runtime to each
-attention module; context managers in `attnkit.engine.forward`, `attnkit.models.observing`, `attnkit.interventions`,
-`attnkit.cache_heads` and `attnkit.track` attach what they need and always take it off again.
+`Runtime` for a block. The Runtime (attnkit/attention/runtime.py) holds settings, the consumers, what the blocks
+open on the model give the next forwards (`Runtime.given`) and the stack of forwards under way; a forward's own
+data is its `Forward`, made when it begins (attnkit.models' hooks on the base model) and dropped when it ends.
+`attnkit.models.instrument` attaches a Runtime to each attention module; context managers in
+`attnkit.engine.forward`, `attnkit.models.observing`, `attnkit.interventions`, `attnkit.cache_heads` and
+`attnkit.track` attach or give what they need and always take it off again.
 
 Asked for maps (`model(**inputs, output_attentions=True)`, which transformers passes on to the attention
 function), it also returns each layer's B×H×L×L weights, equal to eager attention's, and under an intervention
@@ -55,14 +59,16 @@ function with empty q, k, v and gets an empty output.
 
 Sentence ids (docs/features.md, "Token classes" and "Sentence ids") matter only to region interventions
 (`no_intra`/`no_inter`). For each forward they come from, in this order:
-1. attnkit's own batches (`extract`, `ablate`: `Runtime.batch_of`), computed by `attnkit.tokens.Encoder`;
+1. attnkit's own batches (`extract`, `ablate`: `Runtime.batch_of`, read into the forward's `Forward` when it
+   begins), computed by `attnkit.tokens.Encoder`;
 2. ids the user gave (`attnkit.sentences(model, ids)` or `intervene(model, iv, sentences=ids)`), B×L;
 3. the inputs of a plain forward, which hooks from `attnkit.models.instrument` record for its duration
-   (`Runtime.inputs`), per sample: `token_type_ids` when they take more than one value over the sample's
-   tokens (segments A and B of BERT, ELECTRA); else separator tokens in `input_ids`: a run of
-   separators before the end closes a segment (RoBERTa's `</s></s>`, BERT's middle `[SEP]`), and with
-   no such run the sample is a single text, one sentence; else (no separator token known for the
-   model) `token_type_ids` that take one value: a single text again, as the tokenizer marks pairs.
+   (`Forward.inputs`; the ids are derived once per forward, when the first layer needs them), per sample:
+   `token_type_ids` when they take more than one value over the sample's tokens (segments A and B of BERT,
+   ELECTRA); else separator tokens in `input_ids`: a run of separators before the end closes a segment
+   (RoBERTa's `</s></s>`, BERT's middle `[SEP]`), and with no such run the sample is a single text, one
+   sentence; else (no separator token known for the model) `token_type_ids` that take one value: a single text
+   again, as the tokenizer marks pairs.
 Segments become sentences by `attnkit.tokens.sentence_ids` ([CLS] in the first, a [SEP] in the one it
 closes). Where none of this applies — the forward's inputs were not seen, or a sample has neither
 separating `token_type_ids` nor `input_ids` with a known separator token (e.g. `inputs_embeds`) — a
@@ -76,11 +82,11 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 
 from .attention.call import read_call
 from .attention.consumers import LayerFeatures  # noqa: F401 (re-exported: where tests import it)
+from .attention.context import BatchInfo  # noqa: F401 (re-exported: where tests import it)
 from .attention.deliver import deliver
 from .attention.layout import lengths_from_mask, padding_of, rolled  # noqa: F401 (re-exported: where tests import them)
 from .attention.plan import plan_call
 from .attention.run import run_op, run_training
-from .attention.runtime import BatchInfo  # noqa: F401 (re-exported: where tests import it)
 from .attention.sentences import sentence_ids_from_inputs  # noqa: F401 (re-exported: where tests import it)
 
 NAME = "attnkit"

@@ -604,9 +604,9 @@ class _OpenBlocks:
 
 
 def _attach(rt, intervention, sentence_ids) -> None:
-    """Put `intervention` and `sentence_ids` in force for the attention function (None: none)."""
-    rt.intervention = intervention
-    rt.sentences = sentence_ids
+    """Put `intervention` and `sentence_ids` in force (None: none) for the forwards that begin from now on (each
+    reads them into its context when it begins: attnkit/attention/context.py)."""
+    rt.give(intervention=intervention, sentences=sentence_ids)
 
 
 def _on_top(below, block: _Block):

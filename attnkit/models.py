@@ -19,7 +19,8 @@ import torch
 
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
 from .attention.consumers import observer_consumer
-from .attention.runtime import RUNTIME_ATTR, ModelInputs, Runtime, recording_callers
+from .attention.context import ModelInputs
+from .attention.runtime import RUNTIME_ATTR, Runtime, recording_callers
 from .attention.shared import shared_layers_error
 from .embedded import check_model_max_length, embedded_path, is_embedded_name, model_config
 from .errors import AttnkitError, arg, one_line
@@ -212,8 +213,10 @@ def _separator_ids(model, tokenizer=None) -> tuple[int, ...]:
 
 
 def _record_inputs(model, runtime: Runtime) -> None:
-    """Hooks on the base model (which every task head calls with the inputs) that put the forward's
-    input_ids and token_type_ids into `runtime.inputs` and take them out again, also on an exception. (A user's
+    """Hooks on the base model (which every task head calls with the inputs) that begin the forward's context on
+    the runtime (`Runtime.enter_forward`: its input_ids and token_type_ids, and what the blocks give it) and end it
+    again, also on an exception (a KeyboardInterrupt, which torch's `always_call` hooks do not see, is handled by
+    `Runtime.closing_forwards` around attnkit's blocks). (A user's
     forward, training step or generate() runs on the process's own CPU allocator: attnkit's is held only around
     attnkit's own measuring forwards, attnkit.process.measuring_forward.)
     The hooks find the runtime on the module, so a deep copy of the model records into its own, and

@@ -81,7 +81,7 @@ def assert_nothing_attached(model):
 
     rt = runtime_of(model)
     assert rt.tracker is None
-    assert rt.inputs is None and rt._outer_inputs == []
+    assert rt.open_forwards == 0
     assert "forward" not in vars(model)  # no wrapper of the forward left behind
     assert cpu_allocator_holders() == 0
 

@@ -58,6 +58,14 @@ def run_part(call: AttentionCall, plan: Plan, p: LayerPart, rows: slice) -> tupl
     )
 
 
+def measures_or_changes(call: AttentionCall) -> bool:
+    """Whether something measures or changes this call's attention (refused while attention dropout is on): the
+    forward's intervention, or a consumer attached that does not take training forwards (as the tracker does)."""
+    rt = call.rt
+    return rt is not None and (call.forward.intervention is not None
+                               or any(not getattr(c, "in_training", False) for c in rt.consumers))
+
+
 def run_training(call: AttentionCall) -> tuple:
     """A forward in training with attention dropout on. Consumers that take training forwards (the tracker) get the
     statistics of the weights before dropout (docs/training.md), from a call without gradients; anything else that
@@ -77,7 +85,7 @@ def run_training(call: AttentionCall) -> tuple:
                                       **call.dec)
         for c, _ in taking:
             c.after(call, Result(None, feats, ml[0] if ml else None))
-    if rt is not None and rt.active:
+    if measures_or_changes(call):
         raise AttnkitError("attnkit cannot measure or intervene while attention dropout is on: call model.eval()")
     if call.want_maps or call.dec or call.offsets is not None:
         q = call.query
