@@ -216,11 +216,10 @@ def _record_inputs(model, runtime: Runtime) -> None:
     """Hooks on the base model (which every task head calls with the inputs) that begin the forward's context on
     the runtime (`Runtime.enter_forward`: its input_ids and token_type_ids, and what the blocks give it) and end it
     again, also on an exception (a KeyboardInterrupt, which torch's `always_call` hooks do not see, is handled by
-    `Runtime.closing_forwards` around attnkit's blocks). (A user's
-    forward, training step or generate() runs on the process's own CPU allocator: attnkit's is held only around
-    attnkit's own measuring forwards, attnkit.process.measuring_forward.)
-    The hooks find the runtime on the module, so a deep copy of the model records into its own, and
-    instrumenting a model again keeps the hooks it has."""
+    `Runtime.closing_forwards` around attnkit's blocks). (A user's forward, training step or generate() runs on
+    the process's own CPU allocator: attnkit's is held only around attnkit's own measuring forwards,
+    attnkit.process.measuring_forward.) The hooks find the runtime on the module, so a deep copy of the model
+    records into its own, and instrumenting a model again keeps the hooks it has."""
     base = getattr(model, "base_model", None) or model
     setattr(base, RUNTIME_ATTR, runtime)
     if any(getattr(hook, "_attnkit_hook", False) for hook in base._forward_pre_hooks.values()):
