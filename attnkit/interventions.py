@@ -42,9 +42,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .attention.runtime import LayerPart
 from .errors import AttnkitError, arg, check_int
 from .features import ALL, KEEP, MODES, REGIONS, is_index, read_heads
-from .hf_attention import LayerPart
 from .models import attention_modules, runtime_of
 from .run.clusters import CLUSTERS_FILE, REMOVED, type_grid
 from .run.clusters import load_clusters as read_clusters
@@ -373,7 +373,7 @@ class Intervention:
         return out
 
     def layer_plan(self, layer: int, B: int, L: int, D: int, device, dtype) -> list:
-        """What the attention of `layer` does to a forward of B samples (`attnkit.hf_attention.LayerPart`s)."""
+        """What the attention of `layer` does to a forward of B samples (`attnkit.attention.runtime.LayerPart`s)."""
         mode, region, gates = self.for_layer(layer, device)
         return [LayerPart(0, B, mode, region, gates, self.renormalize,
                           self.outputs_for_layer(layer, B, L, D, device, dtype))]
@@ -609,9 +609,9 @@ class _OpenBlocks:
 
 
 def _attach(rt, intervention, sentence_ids) -> None:
-    """Put `intervention` and `sentence_ids` in force for the attention function (None: none)."""
-    rt.intervention = intervention
-    rt.sentences = sentence_ids
+    """Put `intervention` and `sentence_ids` in force (None: none) for the forwards that begin from now on (each
+    reads them into its context when it begins: attnkit/attention/context.py)."""
+    rt.give(intervention=intervention, sentences=sentence_ids)
 
 
 def _on_top(below, block: _Block):

@@ -19,11 +19,13 @@ import torch
 
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
 from .attention.consumers import observer_consumer
+from .attention.context import ModelInputs
+from .attention.runtime import RUNTIME_ATTR, Runtime, recording_callers
 from .attention.shared import shared_layers_error
 from .embedded import check_model_max_length, embedded_path, is_embedded_name, model_config
 from .errors import AttnkitError, arg, one_line
 from .features import feature_names
-from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
+from .hf_attention import NAME, register
 from .run.model_dir import (  # checked without torch
     TOKENIZER_FILES,
     check_max_length,
@@ -211,10 +213,11 @@ def _separator_ids(model, tokenizer=None) -> tuple[int, ...]:
 
 
 def _record_inputs(model, runtime: Runtime) -> None:
-    """Hooks on the base model (which every task head calls with the inputs) that put the forward's
-    input_ids and token_type_ids into `runtime.inputs` and take them out again, also on an exception.
-    The hooks find the runtime on the module, so a deep copy of the model records into its own, and
-    instrumenting a model again keeps the hooks it has."""
+    """Hooks on the base model (which every task head calls with the inputs) that begin the forward's context on
+    the runtime (`Runtime.enter_forward`: its input_ids and token_type_ids, and what the blocks give it) and end it
+    again, also on an exception (a KeyboardInterrupt, which torch's `always_call` hooks do not see, is handled by
+    `Runtime.closing_forwards` around attnkit's blocks). The hooks find the runtime on the module, so a deep copy of
+    the model records into its own, and instrumenting a model again keeps the hooks it has."""
     base = getattr(model, "base_model", None) or model
     setattr(base, RUNTIME_ATTR, runtime)
     if any(getattr(hook, "_attnkit_hook", False) for hook in base._forward_pre_hooks.values()):
@@ -244,7 +247,7 @@ def _record_inputs(model, runtime: Runtime) -> None:
 
 def _probe_attention_modules(model):
     """Run a two-token forward and return the modules that called attnkit attention, in order (a
-    `hf_attention.Callers`, which also says whether one has a learned sink logit)."""
+    `attnkit.attention.runtime.Callers`, which also says whether one has a learned sink logit)."""
     device = next(model.parameters()).device
     ids = torch.full((1, 2), 1, dtype=torch.long, device=device)
     sig_kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

@@ -334,3 +334,25 @@ def tiny_decoder(kind: str, vocab: int = 120, n_layers: int = 2, window: int = 5
             elif name.endswith(".sinks"):
                 p.copy_(torch.randn_like(p))
     return model
+
+
+class CallCounter:
+    """A consumer (attnkit/attention/consumers/base.py's protocol) that counts the calls of attnkit attention an
+    instrumented model plans (every call outside training with attention dropout) and takes part in none:
+    `with runtime_of(model).attached(CallCounter()) as counter: ...; counter.calls`."""
+
+    role = "call counter"
+    in_training = False
+
+    def __init__(self):
+        self.calls = 0
+
+    def wants(self, call):
+        self.calls += 1
+        return None
+
+    def before(self, call):
+        return None
+
+    def after(self, call, result):
+        return None

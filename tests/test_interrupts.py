@@ -27,8 +27,8 @@ from .conftest import SENTENCES
 from .synthetic import tiny_decoder
 
 DECODER_TEXTS = ["the cat sat on the mat", "bread needs time"]  # words of the decoder tokenizer (tests/conftest.py)
-# Runtime fields that describe the model rather than what runs on it (set when it is instrumented; a counter)
-MODEL_FIELDS = {"separator_ids", "sink", "segment_types", "calls"}
+# Runtime fields that describe the model rather than what runs on it (set when it is instrumented)
+MODEL_FIELDS = {"separator_ids", "sink", "segment_types"}
 
 
 def _at_rest(value, rest) -> bool:
@@ -46,8 +46,9 @@ def _at_rest(value, rest) -> bool:
 
 def held(model) -> dict[str, object]:
     """What attnkit holds on `model` beyond an idle model, by name (empty: nothing): every field of its runtime that
-    differs from the Runtime's default (what a block or a forward puts there: intervention, sentences, head caches,
-    tracker, observers, batch, features, the inputs of a forward under way, ...), open intervene/sentences blocks,
+    differs from the Runtime's default (what a block or a forward puts there: what is given to the next forwards
+    (intervention, sentences, batch), the consumers (head caches, tracker, observers, features), the forwards under
+    way, ...), open intervene/sentences blocks,
     forward hooks and replaced `forward` methods other than those attnkit keeps on every instrumented model (marked
     `_attnkit_hook`: the hooks that record a forward's inputs), and every change to the process attnkit still holds
     (`attnkit.process_changes()`: threads, environment variables, ...)."""
@@ -258,7 +259,7 @@ def test_held_sees_what_attnkit_holds(encoder):
     model, tok = copy.deepcopy(encoder[0]), encoder[1]
     assert held(model) == {}
     with attnkit.intervene(model, Intervention.for_model(model)):
-        assert set(held(model)) == {"runtime.intervention", "open blocks"}
+        assert set(held(model)) == {"runtime.given", "open blocks"}
     for block in (attnkit.cache_heads(model), attnkit.track(model)):
         with block:
             assert len(held(model)) == 1  # the runtime's field that holds the cache, the tracker
@@ -271,5 +272,5 @@ def test_held_sees_what_attnkit_holds(encoder):
     with torch.no_grad():
         model(**_enc(tok))
     handle.remove()
-    assert "runtime.inputs" in seen[0] and "hooks on encoder.layer.0" in seen[0]
+    assert "runtime.forwards" in seen[0] and "hooks on encoder.layer.0" in seen[0]
     assert held(model) == {}

@@ -79,7 +79,7 @@ class InterruptOnCall:
 def assert_nothing_attached(model):
     rt = runtime_of(model)
     assert rt.tracker is None
-    assert rt.inputs is None and rt._outer_inputs == []
+    assert rt.open_forwards == 0
     assert "forward" not in vars(model)  # no wrapper of the forward left behind
     assert attnkit.process_changes() == []
 

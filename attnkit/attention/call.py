@@ -20,8 +20,9 @@ import torch
 
 from ..arch.pruning import KV_HEAD_ATTR, kept_heads, to_kept, to_unpruned
 from ..errors import AttnkitError
+from .context import BatchInfo, Forward
 from .layout import padding_of, rolled, unshift
-from .runtime import RUNTIME_ATTR, BatchInfo, Runtime, note_caller, recording
+from .runtime import RUNTIME_ATTR, Runtime, note_caller, recording
 from .shared import check_not_shared
 
 
@@ -29,11 +30,14 @@ from .shared import check_not_shared
 class AttentionCall:
     """One call of the attention function, read (`read_call`). `query`, `key`, `value` are as the op takes them:
     in the autocast dtype, a left-padded batch's tokens moved to the front (`offsets`, None without left padding);
-    `lengths` the tokens per sample; `info` the batch of attnkit's own forwards (None in a plain forward); `kept` a
-    pruned layer's heads (attnkit/arch/pruning.py); `dec` the op's decoder arguments ({} for an encoder)."""
+    `lengths` the tokens per sample; `forward` the context of the forward the call belongs to (its inputs, the
+    intervention and sentence ids given: attnkit/attention/context.py); `info` the batch of attnkit's own forwards
+    (None in a plain forward); `kept` a pruned layer's heads (attnkit/arch/pruning.py); `dec` the op's decoder
+    arguments ({} for an encoder)."""
 
     module: object
     rt: Runtime | None
+    forward: Forward
     query: torch.Tensor  # B×H×L×D
     key: torch.Tensor  # B×Hkv×Lk×D
     value: torch.Tensor  # B×Hkv×Lk×D
@@ -138,13 +142,13 @@ def read_call(module, query, key, value, attention_mask, scaling, dropout, kwarg
     rt: Runtime | None = getattr(module, RUNTIME_ATTR, None)
     if rt is None and not recording():  # loaded with attn_implementation="attnkit", not instrumented (yet)
         check_not_shared(module)
+    forward = Forward() if rt is None else rt.context()
     # model(..., output_attentions=True): return the maps (transformers passes the flag on, except GPT-2's module)
-    want_maps = bool(kwargs.get("output_attentions")) or bool(rt is not None and rt.inputs is not None
-                                                              and rt.inputs.output_attentions)
+    want_maps = bool(kwargs.get("output_attentions")) or forward.output_attentions
     kept = kept_heads(module)  # a pruned layer: its heads in the unpruned numbering (attnkit/arch/pruning.py)
     dec = decoder_arguments(module, H, Hkv, kwargs, kept, query.device)
     note_caller(module, "sink" in dec)
-    info, lengths, offsets = read_layout(rt, attention_mask, B, L, Lk, query.device)
+    info, lengths, offsets = read_layout(forward.batch, attention_mask, B, L, Lk, query.device)
     if offsets is not None and Lk > L:
         # left padding in generation: the keys' tokens to the front; the queries are already each sample's last
         # tokens, where every sample's tokens must end
@@ -154,8 +158,8 @@ def read_call(module, query, key, value, attention_mask, scaling, dropout, kwarg
         key, value = (rolled(t, offsets, 2) for t in (key, value))
     elif offsets is not None:  # left padding: each sample's tokens to the front, computed there, put back after
         query, key, value = (rolled(t, offsets, 2) for t in (query, key, value))
-    return AttentionCall(module, rt, query, key, value, attention_mask, scaling, dropout, want_maps, kept, dec, info,
-                         lengths, offsets)
+    return AttentionCall(module, rt, forward, query, key, value, attention_mask, scaling, dropout, want_maps, kept,
+                         dec, info, lengths, offsets)
 
 
 def filled(attention_mask, L: int, key, value) -> tuple:
@@ -168,25 +172,26 @@ def filled(attention_mask, L: int, key, value) -> tuple:
     return key[:, :, :n], value[:, :, :n]
 
 
-def read_layout(rt: Runtime | None, attention_mask, B: int, L: int, Lk: int, device) -> tuple:
-    """(attnkit's batch or None, lengths, offsets of left padding or None): attnkit's own batches are right-padded
-    and whole sequences; a plain forward's layout comes from its 2-D mask (`padding_of`)."""
-    if rt is None or rt.batch is None:
+def read_layout(batch: BatchInfo | None, attention_mask, B: int, L: int, Lk: int, device) -> tuple:
+    """(attnkit's batch or None, lengths, offsets of left padding or None): attnkit's own batches (`batch`, the
+    forward's) are right-padded and whole sequences; a plain forward's layout comes from its 2-D mask
+    (`padding_of`)."""
+    if batch is None:
         return (None, *padding_of(attention_mask, B, Lk, device))
     if Lk > L:
         raise AttnkitError(f"attnkit's own batches run whole sequences, but this forward has {L} queries and "
                            f"{Lk} keys (a KV cache): run them without past_key_values")
-    lengths = rt.batch.lengths
+    lengths = batch.lengths
     if lengths.shape[0] != B:
         raise AttnkitError(f"runtime batch has {lengths.shape[0]} samples but the model got {B}")
-    return rt.batch, lengths, None
+    return batch, lengths, None
 
 
 # The keyword arguments transformers passes to an attention function besides `scaling` and `dropout`: those attnkit
 # reads, and those that do not change what attention computes (positions are already in q and k; caches, router
 # logits, the loss's token count and return flags are the model's business; DistilBERT hands the model's inputs on
 # to its attention function, so `token_type_ids` the tokenizer made arrive there, where no attention implementation
-# reads them: segments reach attnkit through the recorded inputs, `Runtime.inputs`). Any other argument that has a
+# reads them: segments reach attnkit through the recorded inputs, `Forward.inputs`). Any other argument that has a
 # value is refused by name: it might change attention, and attnkit would silently ignore it.
 READ_KWARGS = frozenset({"output_attentions", "is_causal", "sliding_window", "softcap", "s_aux"})
 HARMLESS_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits",

@@ -37,9 +37,8 @@ def plan_call(call: AttentionCall) -> Plan:
     rt = call.rt
     if rt is None:  # not instrumented (the probe forward): plain attention
         return Plan(kept_parts(call, [LayerPart(0, call.B)]), None, None, None, False, False)
-    rt.calls += 1
     if call.info is None:
-        check_sentences_shape(rt, call.B, call.L)
+        check_sentences_shape(call.forward.sentences, call.B, call.L)
     parts, sentence_id = intervention_parts(call)
     taking = [(c, w) for c in rt.consumers if (w := c.wants(call)) is not None]
     for c, _ in taking:
@@ -56,19 +55,21 @@ def plan_call(call: AttentionCall) -> Plan:
 
 
 def intervention_parts(call: AttentionCall) -> tuple[list, torch.Tensor | None]:
-    """(the parts of the intervention in force, or one unchanged part; the sentence ids they need)."""
-    rt = call.rt
+    """(the parts of the intervention in force for the forward, or one unchanged part; the sentence ids they
+    need)."""
+    intervention = call.forward.intervention
     sentence_id = call.info.sentence_id if call.info is not None else None
-    if rt.intervention is None:
+    if intervention is None:
         return [LayerPart(0, call.B)], sentence_id
-    parts = rt.intervention.layer_plan(call.module.layer_idx, call.B, call.L, call.D, call.device, call.query.dtype)
+    parts = intervention.layer_plan(call.module.layer_idx, call.B, call.L, call.D, call.device, call.query.dtype)
     if any(p.region is not None for p in parts):
         if call.decode:
             raise AttnkitError("region interventions need the sentence of every key, which a step of generation "
                                "with a KV cache does not see (only its new tokens): generate with "
                                "use_cache=False under a region intervention")
         if sentence_id is None:
-            sentence_id = forward_sentence_ids(rt, call.B, call.L, call.lengths, call.device, call.offsets)
+            sentence_id = forward_sentence_ids(call.rt, call.forward, call.B, call.L, call.lengths, call.device,
+                                               call.offsets)
     return parts or [LayerPart(0, call.B)], sentence_id
 
 

@@ -56,7 +56,6 @@ def measuring(model, *, backend: str = "auto", num_windows: int = DEFAULT_NUM_WI
             yield rt
     finally:
         rt.backend, rt.num_windows = saved
-        rt.batch = None
 
 
 @functools.cache
