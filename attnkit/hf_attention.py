@@ -84,7 +84,9 @@ from .attention.call import (  # noqa: F401 (re-exported: where other modules an
     read_call,
 )
 from .attention.consumers import FeaturesComplete, LayerFeatures, Result  # noqa: F401 (re-exported)
+from .attention.cross import read_cross_call
 from .attention.deliver import deliver
+from .attention.kinds import CROSS, kind_of
 from .attention.layout import (  # noqa: F401 (re-exported)
     first_token_classes,
     lengths_from_mask,
@@ -117,7 +119,8 @@ NAME = "attnkit"
 
 
 def attnkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    call = read_call(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+    reader = read_cross_call if kind_of(module) == CROSS else read_call  # an encoder–decoder's cross-attention
+    call = reader(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     if dropout and module.training:
         return run_training(call)
     plan = plan_call(call)
@@ -146,7 +149,7 @@ def run_part(call: AttentionCall, plan: Plan, p: LayerPart, rows: slice) -> tupl
                                                           dtype=torch.float32)
     if call.grouped_by_length:  # no features (attnkit's own batches are refused by the reader)
         out = q.new_zeros(q[rows].shape[0], L, H, call.D)
-        for where, idx, n, r in call.length_groups(rows):
+        for where, idx, n, r in call.length_groups(rows):  # (no bias: refused by the reader)
             out[where, L - r:] = attention(
                 q[idx, :, L - r:], k[idx, :, :n], v[idx, :, :n], call.lengths[idx], scaling=call.scaling,
                 num_windows=plan.num_windows, mode=p.mode, region=p.region, renormalize=p.renormalize, gates=p.gates,
@@ -159,7 +162,7 @@ def run_part(call: AttentionCall, plan: Plan, p: LayerPart, rows: slice) -> tupl
         scaling=call.scaling, num_windows=plan.num_windows, mode=p.mode, region=p.region,
         renormalize=p.renormalize, gates=p.gates, want_features=plan.want_features,
         key_scale=None if plan.key_scale is None else plan.key_scale[rows], backend=plan.backend,
-        want_max_logit=plan.want_max_logit, **call.dec,
+        want_max_logit=plan.want_max_logit, **call.dec, **call.sample_args(rows, plan.key_class),
     )
 
 
@@ -183,7 +186,7 @@ def part_weights(call: AttentionCall, plan: Plan, p: LayerPart) -> torch.Tensor:
     if not call.grouped_by_length:
         return attention_weights(q[rows], k[rows], call.lengths[rows], call.scale,
                                  None if plan.sentence_id is None else plan.sentence_id[rows], p.mode, p.region,
-                                 p.renormalize, **call.dec)
+                                 p.renormalize, **call.dec, **call.sample_args(rows))
     w = q.new_zeros(q[rows].shape[0], call.H, L, call.Lk, dtype=torch.float32)
     for where, idx, n, r in call.length_groups(rows):  # as `run_part` computes them
         w[where, :, L - r:, :n] = attention_weights(q[idx, :, L - r:], k[idx, :, :n], call.lengths[idx], call.scale,
@@ -207,15 +210,16 @@ def run_training(call: AttentionCall) -> tuple:
             _, feats, *ml = attention(call.query, call.key, call.value, call.lengths, classes, None,
                                       scaling=call.scaling, num_windows=rt.num_windows, want_features=True,
                                       backend=rt.backend, want_max_logit=any(w.max_logit for _, w in taking),
-                                      **call.dec)
+                                      **call.dec, **call.sample_args(slice(None), call.key_classes(True)))
         for c, _ in taking:
             c.after(call, Result(None, feats, ml[0] if ml else None))
     if rt is not None and rt.active:
         raise AttnkitError("attnkit cannot measure or intervene while attention dropout is on: call model.eval()")
-    if call.want_maps or call.dec or call.offsets is not None:
+    per_sample = call.sample_args(slice(None))  # a bias, cross-attention's key lengths
+    if call.want_maps or call.dec or call.offsets is not None or per_sample:
         q = call.query
         weights = torch.nn.functional.dropout(
-            attention_weights(q, call.key, call.lengths, call.scale, **call.dec).to(q.dtype),
+            attention_weights(q, call.key, call.lengths, call.scale, **call.dec, **per_sample).to(q.dtype),
             p=call.dropout, training=True)
         out = torch.matmul(weights, per_query_head(call.value, kv_index(call.H, call.Hkv, call.dec, call.device)))
         out = call.own_frame(out.transpose(1, 2).contiguous(), (1,), 1)

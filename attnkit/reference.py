@@ -589,7 +589,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengt
     """Attention + interventions + features, computed in fp32.
 
     q: B×H×Lq×D; k, v: B×Hkv×L×D with L ≥ Lq (Lq < L: the queries are the last Lq positions, module docstring;
-    any L with `key_lengths`: cross-attention). lengths: B (int, over the keys; cross-attention: over the queries). The other arguments are those of AttentionParams, by keyword.
+    any L with `key_lengths`: cross-attention). lengths: B (int, over the keys; cross-attention: over the queries).
+    The other arguments are those of AttentionParams, by keyword.
     Returns (out B×Lq×H×D in q's dtype, features B×H×F fp32 — F = num_features(num_windows, sink=sink is not
     None) — or B×H×0 when not wanted).
     """

@@ -1,7 +1,7 @@
 """Cross-attention in the op (attnkit/reference.py, "Cross-attention"; docs/seq2seq.md): queries from one sequence,
 keys and values from another, each sample with its own query and key lengths, and T5's additive bias. Against an
 independent eager computation here (an explicit key mask, a plain softmax) and features counted from its maps
-(`cross_features_from_maps`, written from the definition in docs/features.md): outputs, weights, interventions, the
+(tests/synthetic.py: `cross_features_from_maps`, written from the definition in docs/features.md): outputs, weights, interventions, the
 max logit, the backward, every backend on the CPU, and the argument checks."""
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from attnkit import ops
 from attnkit.errors import AttnkitError
 from attnkit.features import CLS, COMMA, OTHER, PERIOD, SEP, UNIFORM, ZERO
 from attnkit.reference import attention_weights, max_logits, reference_attention
+
+from .synthetic import cross_features_from_maps
 
 B, H, D, NW = 3, 4, 8, 4
 
@@ -26,41 +28,6 @@ def eager_cross(q, k, v, key_lengths, scaling, bias=None):
     s = s.masked_fill(~keys[:, None, None, :], float("-inf"))
     p = torch.softmax(s, -1)
     return torch.matmul(p, v.double()).transpose(1, 2), p
-
-
-def cross_features_from_maps(p, q_lengths, k_lengths, q_classes, k_classes, nw):
-    """docs/features.md's features of cross-attention maps (B × H × Lq × Lk), by loops: row i is position i, valid
-    when i < n; keys t < nk of classes k_classes; self t == i; window min(N − 1, |i − t|·N // nk); the CLS rows
-    (cls_entropy) by the queries' classes."""
-    Bn, Hn = p.shape[:2]
-    out = np.zeros((Bn, Hn, 5 + nw + 7))
-    for b in range(Bn):
-        n, nk = int(q_lengths[b]), int(k_lengths[b])
-        for h in range(Hn):
-            rows, cls_ent = [], []
-            for i in range(n):
-                A = p[b, h, i, :nk]
-                r = np.zeros(5 + nw + 6)
-                for t in range(nk):
-                    c = int(k_classes[b][t])
-                    if c in (CLS, SEP, COMMA, PERIOD):
-                        r[c - 1] += A[t]
-                    elif t == i:
-                        r[4] += A[t]
-                    else:
-                        r[5 + min(nw - 1, abs(i - t) * nw // nk)] += A[t]
-                f = 5 + nw
-                r[f] = A[i - 1] if 0 <= i - 1 < nk else 0.0
-                r[f + 1] = A[i + 1] if i + 1 < nk else 0.0
-                pos = A[A > 0]
-                r[f + 2] = -(pos * np.log(pos)).sum()
-                r[f + 3] = A.max()
-                r[f + 4] = A.sum()
-                rows.append(r)
-                if int(q_classes[b][i]) == CLS:
-                    cls_ent.append(r[f + 2])
-            out[b, h] = np.concatenate([np.mean(rows, 0), [np.mean(cls_ent) if cls_ent else 0.0]])
-    return out
 
 
 def tensors(Lq=5, Lk=7, seed=0, dtype=torch.float32, q_lengths=(5, 3, 1), k_lengths=(7, 4, 6)):

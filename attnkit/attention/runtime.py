@@ -28,6 +28,8 @@ class BatchInfo:
     lengths: torch.Tensor  # int64 B
     token_class: torch.Tensor | None = None  # int32 B×L
     sentence_id: torch.Tensor | None = None  # int32 B×L
+    # an encoder–decoder's batch (docs/seq2seq.md): the decoder's side, its target (the fields above: the source's)
+    target: BatchInfo | None = None
 
 
 @dataclass
@@ -69,6 +71,8 @@ class ModelInputs:
     # does not hand it on to the attention function
     output_attentions: bool = False
     sentence_id: torch.Tensor | None = None  # B×L int32, derived once per forward when first needed
+    # an encoder–decoder's `decoder_attention_mask`: the layout of cross-attention's queries (docs/seq2seq.md)
+    decoder_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -203,8 +207,11 @@ class Runtime:
     @contextlib.contextmanager
     def batch_of(self, batch):
         """Within the block, forwards use `batch`'s lengths, token classes and sentence ids
-        (an `attnkit.tokens.Batch` on the model's device)."""
-        self.batch = BatchInfo(batch.lengths, batch.token_class, batch.sentence_id)
+        (an `attnkit.tokens.Batch` on the model's device; an encoder–decoder's also those of its `target`)."""
+        target = getattr(batch, "target", None)
+        self.batch = BatchInfo(batch.lengths, batch.token_class, batch.sentence_id,
+                               None if target is None else BatchInfo(target.lengths, target.token_class,
+                                                                     target.sentence_id))
         try:
             yield self
         finally:
