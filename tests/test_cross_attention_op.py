@@ -187,3 +187,27 @@ def test_fake_kernel_shapes():
             fq, fk, fv, mode.from_tensor(ql), None, None, 1.0, NW, None, None, False, None, True, None, None, False,
             None, None, None, mode.from_tensor(kl), None, None)
     assert tuple(out.shape) == (B, 5, H, D) and tuple(feats.shape) == (B, H, 5 + NW + 7)
+
+
+def test_worked_example_of_seq2seq_md():
+    """docs/seq2seq.md, "Worked example": N = 4, source [CLS] le chat . [SEP], a target of 7 rows."""
+    from attnkit.features import feature_names
+    from attnkit.reference import bucket_index, row_features
+
+    key_class = torch.tensor([[CLS, OTHER, OTHER, PERIOD, SEP]], dtype=torch.int32)
+    nk = torch.tensor([5])
+    names = ["cls", "sep", "comma", "period", "self", "win_0", "win_1", "win_2", "win_3"]
+    idx = bucket_index(key_class, nk, 4, 7, 0)[0]
+    table = {0: ["cls", "win_0", "win_1", "period", "sep"], 1: ["cls", "self", "win_0", "period", "sep"],
+             2: ["cls", "win_0", "self", "period", "sep"], 6: ["cls", "win_3", "win_3", "period", "sep"]}
+    assert {i: [names[j] for j in idx[i].tolist()] for i in table} == table
+    w = torch.zeros(1, 1, 7, 5)
+    w[0, 0, 1] = torch.tensor([0.10, 0.30, 0.40, 0.15, 0.05])
+    # row 1 alone: the other rows (valid, weight 0) add 0 to every feature; undo the mean over the 7 rows
+    got = dict(zip(feature_names(4), (row_features(w, torch.tensor([7]), None, None, 4, key_lengths=nk,
+                                                   key_class=key_class)[0, 0] * 7).tolist()))
+    row1 = {"cls": 0.10, "sep": 0.05, "comma": 0.0, "period": 0.15, "self": 0.30, "win_0": 0.40, "win_1": 0.0,
+            "win_2": 0.0, "win_3": 0.0, "prev": 0.10, "next": 0.40, "entropy": 1.392, "max": 0.40, "intra": 1.0,
+            "inter": 0.0}
+    for k, v in row1.items():
+        assert got[k] == pytest.approx(v, abs=5e-4), k
