@@ -1,9 +1,10 @@
 """attnkit as a transformers 5 attention implementation (`attn_implementation="attnkit"`).
 
 transformers calls `attnkit_attention(module, q, k, v, mask, scaling=..., dropout=...)` from every
-self-attention layer. With nothing active it is plain attention (equal to eager). The call goes through four
+attention layer. With nothing active it is plain attention (equal to eager). The call goes through four
 steps, each in its own module of attnkit/attention/:
 1. read the call (`call.read_call` → a frozen `AttentionCall`): layout and padding, decoder arguments, kept heads;
+   an encoder–decoder's cross-attention by its own reader (`cross.read_cross_call`, docs/seq2seq.md);
 2. plan it (`plan.plan_call` → `Plan`): the intervention's parts, sentence ids, what the consumers want of the op;
 3. run the op (here: `run_op`, and the maps `op_weights`; in training with dropout `run_training`);
 4. deliver (`deliver.deliver`): the replaced head outputs, then each consumer's `after`.

@@ -211,3 +211,25 @@ def test_worked_example_of_seq2seq_md():
             "inter": 0.0}
     for k, v in row1.items():
         assert got[k] == pytest.approx(v, abs=5e-4), k
+
+
+@pytest.mark.skipif(not ops.fused_cross("cpu"), reason="the compiled CPU kernel of this build takes no cross-attention")
+@pytest.mark.parametrize("blocks", ["", "2x3", "1x1", "4x64"])
+@pytest.mark.parametrize("Lq,Lk", [(5, 7), (11, 4), (1, 9), (6, 1)])
+def test_the_cpu_kernel_equals_the_reference_in_every_block_layout(monkeypatch, blocks, Lq, Lk):
+    """The compiled kernel's cross-attention (csrc/cpu: one key block per task, or several; rows past the source's end)
+    against the reference: outputs, features (with a key scale too) and the max logit."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", blocks)
+    q, k, v, ql, kl, qc, kc = tensors(Lq, Lk, q_lengths=(Lq, max(1, Lq - 2), 1), k_lengths=(Lk, max(1, Lk - 3), 1))
+    mode = torch.tensor([0, ZERO, UNIFORM, 0], dtype=torch.int32)
+    for extra in (dict(), dict(mode=mode, gates=torch.tensor([1.0, 1.0, 0.5, 2.0])),
+                  dict(key_scale=torch.rand(B, H, Lk) + 0.1), dict(kv_head=torch.tensor([0, 0, 1, 1], dtype=torch.int32))):
+        kk, vv = (k[:, :2], v[:, :2]) if "kv_head" in extra else (k, v)
+        args = dict(key_lengths=kl, key_class=kc, want_features=True, num_windows=NW, **extra)
+        out, feats, ml = ops.attention(q, kk, vv, ql, qc, backend="fused", want_max_logit=True, **args)
+        ref, rfeats, rml = ops.attention(q, kk, vv, ql, qc, backend="reference", want_max_logit=True, **args)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(feats, rfeats, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(ml, rml, atol=1e-5, rtol=1e-5)
+    with pytest.raises(AttnkitError, match="does not take an additive bias"):
+        ops.attention(q, k, v, ql, key_lengths=kl, bias=torch.zeros(1, H, Lq, Lk), backend="fused")

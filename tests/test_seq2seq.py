@@ -240,3 +240,60 @@ def test_an_encoder_decoder_not_instrumented_is_refused_by_name():
     x = inputs("bart", "right")
     with pytest.raises(AttnkitError, match="not instrumented: call attnkit.instrument"):
         model(**x)
+
+
+def test_gate_gradients_of_every_kind_equal_eagers(pair):
+    """Michel et al.'s importance on an encoder–decoder: the gradient of a loss with respect to each head's gate, on
+    all three kinds, equals eager's with the same gates multiplied into the heads' outputs (hooks on the output
+    projections)."""
+    kind, eager, ours = pair
+    x = inputs(kind, "right")
+    tv = x["decoder_attention_mask"].bool()
+    g = torch.Generator().manual_seed(4)
+    start = torch.rand(6, H, generator=g) + 0.5
+    iv = attnkit.Intervention.for_model(ours).with_gates(start)
+    with attnkit.intervene(ours, iv):
+        ours(**x).logits[tv].logsumexp(-1).sum().backward()
+    gates = start.clone().requires_grad_(True)
+    names = {id(m): name for name, m in ours.named_modules()}
+    theirs = dict(eager.named_modules())
+    hooks = []
+    for layer, mod in enumerate(attention_modules(ours)):
+        def gate(module, args, layer=layer):
+            h = args[0].unflatten(-1, (H, D)) * gates[layer].view(H, 1)
+            return (h.flatten(-2),)
+
+        hooks.append(output_projection(theirs[names[id(mod)]]).register_forward_pre_hook(gate))
+    try:
+        eager(**x).logits[tv].logsumexp(-1).sum().backward()
+    finally:
+        for h in hooks:
+            h.remove()
+        eager.zero_grad()
+        ours.zero_grad()
+    torch.testing.assert_close(iv.gates.grad, gates.grad, atol=1e-4, rtol=1e-4)
+    assert float(iv.gates.grad[4:].abs().sum()) > 0  # cross-attention heads matter
+
+
+def test_tracking_a_plain_forward_counts_every_kind(pair):
+    """attnkit.track on an encoder–decoder: a plain forward (each sample's first token CLS; the target's rows from its
+    decoder_attention_mask) gives every layer of every kind the features counted from eager's maps."""
+    kind, eager, ours = pair
+    x = inputs(kind, "right")
+    with attnkit.track(ours, features=("entropy", "cls", "self", "max")) as tracker, torch.no_grad():
+        ours(**x)
+        got = {k: v.numpy() for k, v in tracker.read().items()}
+    with torch.no_grad():
+        e = eager(**x, output_attentions=True)
+    src, tgt = source_lengths(kind), TARGET
+    nw = 16
+    first = np.zeros((3, max(max(src), max(tgt))), dtype=np.int32)
+    first[:, 0] = CLS
+    sc, tc = first[:, :max(src)], first[:, :max(tgt)]
+    want = np.concatenate([
+        features_from_maps([a.numpy() for a in e.encoder_attentions], src, sc, np.zeros_like(sc), nw),
+        features_from_maps([a.numpy() for a in e.decoder_attentions], tgt, tc, np.zeros_like(tc), nw),
+        np.stack([cross_features_from_maps(a.numpy(), tgt, src, tc, sc, nw) for a in e.cross_attentions], 1)], 1)
+    names = attnkit.feature_names(nw)
+    for name, values in got.items():
+        np.testing.assert_allclose(values, want[..., names.index(name)].mean(0), atol=1e-5, err_msg=name)
