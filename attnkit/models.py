@@ -305,6 +305,8 @@ def _probe_inputs(model, seq2seq: bool, device) -> dict:
     else:
         src = torch.full((1, 3), 1, dtype=torch.long, device=device)
         source = {"input_ids": src, "attention_mask": torch.ones_like(src)}
+    if "decoder_input_ids" not in inspect.signature(model.forward).parameters:  # its encoder alone (T5EncoderModel)
+        return source
     start = getattr(cfg, "decoder_start_token_id", None)
     return {**source, "decoder_input_ids": torch.full((1, 2), start if isinstance(start, int) else 0,
                                                       dtype=torch.long, device=device)}

@@ -177,7 +177,7 @@ def read_call(module, query, key, value, attention_mask, scaling, dropout, kwarg
     if kwargs.get("position_bias") is not None and offsets is not None and Lk > L:
         raise AttnkitError("a left-padded KV-cache step with an additive position bias (T5) is not supported: "
                            "generate without left padding in the decoder")
-    bias = read_bias(kwargs.get("position_bias"), B, offsets, offsets)
+    bias = read_bias(kwargs.get("position_bias"), B, offsets, offsets, Lk)
     return AttentionCall(module, rt, query, key, value, attention_mask, scaling, dropout, want_maps, kept, dec, info,
                          lengths, offsets, bias)
 
@@ -191,7 +191,7 @@ def check_kind_known(module) -> None:
                            "first, which tells its encoder, decoder and cross-attention layers apart")
 
 
-def read_bias(bias, B: int, row_offsets, key_offsets) -> torch.Tensor | None:
+def read_bias(bias, B: int, row_offsets, key_offsets, Lk: int | None = None) -> torch.Tensor | None:
     """T5's `position_bias` ((1 or B)×H×L×Lk, added to the scores) as the op takes it: B×H×L×Lk (a view), rows and
     keys moved as the queries and keys were (left padding to the front); None when none is given, or when it is all
     zeros (T5's layers without a relative bias, cross-attention among them, pass zeros: the op runs them as plain
@@ -203,6 +203,8 @@ def read_bias(bias, B: int, row_offsets, key_offsets) -> torch.Tensor | None:
                            f"{getattr(bias, 'shape', type(bias).__name__)}")
     if not bias.requires_grad and not torch.compiler.is_compiling() and not bool(bias.any()):
         return None
+    if Lk is not None:  # a static cache's keys cut to the filled ones (`filled`): the bias's columns too
+        bias = bias[..., :Lk]
     bias = bias.expand(B, *bias.shape[1:])
     if row_offsets is not None:
         bias = rolled(bias, row_offsets, 2)
