@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ..arch.architectures import attention_layers
-from ..attention.kinds import layer_of
 from ..attention.consumers import EarlyStop, Features, FeaturesComplete, LayerFeatures
+from ..attention.kinds import layer_of
 from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS, check_weighting, num_features
 from ..models import attention_modules, runtime_of
