@@ -298,7 +298,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   at::Tensor key_scale;
   if (a.want_features && a.key_scale) key_scale = a.key_scale->contiguous();
   at::Tensor tc, sid, qc;  // tc: the keys' token classes; qc: cross-attention's queries' (the CLS rows)
-  if (cross ? a.key_class.has_value() : a.token_class.has_value()) tc = (cross ? a.key_class : a.token_class)->contiguous();
+  const std::optional<at::Tensor>& key_classes = cross ? a.key_class : a.token_class;
+  if (key_classes.has_value()) tc = key_classes->contiguous();
   if (cross && a.token_class) qc = a.token_class->contiguous();
   if (a.sentence_id) sid = a.sentence_id->contiguous();
 

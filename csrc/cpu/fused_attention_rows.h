@@ -4,8 +4,9 @@
 //
 // Flash-style blocking, as ATen's CPU flash attention and the Triton kernel (attnkit/kernels/triton_attention.py)
 // do it. A task is (sample b, head h, block of BQ query rows; query row i is key position s = off + i, off = L − Lq
-// being 0 except in a KV-cache step). Row s sees the keys [lo_s, hi_s): hi_s = n, the sample's keys (cross-attention:
-// nk, the other sequence's; its rows s < n are the valid ones) (causal: min(n, s + 1)), lo_s = 0 (sliding window W: max(0, s − W + 1)); both bounds grow with s, so the
+// being 0 except in a KV-cache step). Row s sees the keys [lo_s, hi_s): hi_s = n, the sample's keys
+// (cross-attention: nk, the other sequence's; its rows s < n are the valid ones) (causal: min(n, s + 1)), lo_s = 0
+// (sliding window W: max(0, s − W + 1)); both bounds grow with s, so the
 // block's rows see only keys [lo of its first row, hi of its last row), which the task streams in key blocks
 // of BK (never the keys outside: a causal forward skips the blocks above the diagonal). Per key block:
 //   * S = Q_blk · K_blkᵀ with BLAS into a fixed per-thread tile (BQ × BK floats);
