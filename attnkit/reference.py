@@ -63,7 +63,9 @@ softcap a finite number > 0; sink H floats; lengths B integers in [1, L]; token_
 (0..4) at valid positions when features are wanted; sentence_id B×L integers, compared as integers (any int32
 value); mode H codes KEEP/ZERO/UNIFORM (0..2); region H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats;
 key_scale B×H×L floats, finite and >= 0 at valid keys (checked here; the compiled kernels trust it);
-num_windows from 1 to 1024 (MAX_NUM_WINDOWS); scaling a finite number (inf or NaN is refused).
+num_windows from 1 to 1024 (MAX_NUM_WINDOWS); scaling a finite number (inf or NaN is refused). Cross-attention:
+key_lengths B integers in [1, Lk] (then lengths in [1, Lq], token_class B×Lq), key_class B×Lk codes 0..4 at valid
+keys, no sentence_id, region, causal or sliding_window; bias (1 or B)×H×Lq×Lk floats.
 
 Numerics policy (NaN propagates, as in torch.softmax and scaled_dot_product_attention): a query row
 whose softmax is undefined — a NaN score among the keys it sees, a +inf score, or every score −inf (with

@@ -233,3 +233,16 @@ def test_the_cpu_kernel_equals_the_reference_in_every_block_layout(monkeypatch, 
         torch.testing.assert_close(ml, rml, atol=1e-5, rtol=1e-5)
     with pytest.raises(AttnkitError, match="does not take an additive bias"):
         ops.attention(q, k, v, ql, key_lengths=kl, bias=torch.zeros(1, H, Lq, Lk), backend="fused")
+
+
+@pytest.mark.skipif(not ops.fused_cross("cpu"), reason="the compiled CPU kernel of this build takes no cross-attention")
+def test_the_compiled_op_passes_opcheck_and_refuses_a_bias_by_name():
+    q, k, v, ql, kl, qc, kc = tensors(5, 7)
+    args = (q, k, v, ql, qc, None, D**-0.5, NW, None, None, False, None, True, None, None, False, None, None, None,
+            kl, kc, None)
+    torch.library.opcheck(torch.ops.attnkit.fused_attention.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    with pytest.raises(RuntimeError, match="takes no bias"):
+        torch.ops.attnkit.fused_attention(*args[:-1], torch.zeros(1, H, 5, 7))
+    with pytest.raises(RuntimeError, match="takes no sentence_id, region, causal"):
+        torch.ops.attnkit.fused_attention(*args[:15], True, *args[16:])
