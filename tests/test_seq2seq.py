@@ -275,16 +275,33 @@ def test_gate_gradients_of_every_kind_equal_eagers(pair):
     assert float(iv.gates.grad[4:].abs().sum()) > 0  # cross-attention heads matter
 
 
-def test_tracking_a_plain_forward_counts_every_kind(pair):
+def tokens_first(maps, row_mask, key_mask):
+    """Eager's maps (B × H × rows × keys) with each sample's tokens moved to the front along rows and keys (left
+    padding), as features_from_maps reads them."""
+    out = maps.clone()
+    for b in range(maps.shape[0]):
+        r, k = int((~row_mask[b]).sum()), int((~key_mask[b]).sum())
+        out[b] = maps[b].roll((-r, -k), (1, 2)) if row_mask[b, 0] == 0 or key_mask[b, 0] == 0 else maps[b]
+    return out
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_tracking_a_plain_forward_counts_every_kind(pair, side):
     """attnkit.track on an encoder–decoder: a plain forward (each sample's first token CLS; the target's rows from its
-    decoder_attention_mask) gives every layer of every kind the features counted from eager's maps."""
+    decoder_attention_mask) gives every layer of every kind the features counted from eager's maps, with sources and
+    targets padded on either side."""
     kind, eager, ours = pair
-    x = inputs(kind, "right")
-    with attnkit.track(ours, features=("entropy", "cls", "self", "max")) as tracker, torch.no_grad():
+    x = inputs(kind, side)
+    with attnkit.track(ours, features=("entropy", "cls", "self", "max", "win_0", "next")) as tracker, torch.no_grad():
         ours(**x)
         got = {k: v.numpy() for k, v in tracker.read().items()}
     with torch.no_grad():
         e = eager(**x, output_attentions=True)
+    tm = x["decoder_attention_mask"].bool()
+    sm = x["attention_mask"].bool() if "attention_mask" in x else torch.ones(len(TARGET), FRAMES, dtype=torch.bool)
+    e.encoder_attentions = [tokens_first(a, sm, sm) for a in e.encoder_attentions]
+    e.decoder_attentions = [tokens_first(a, tm, tm) for a in e.decoder_attentions]
+    e.cross_attentions = [tokens_first(a, tm, sm) for a in e.cross_attentions]
     src, tgt = source_lengths(kind), TARGET
     nw = 16
     first = np.zeros((3, max(max(src), max(tgt))), dtype=np.int32)
