@@ -6,7 +6,8 @@ its registration and the mask function; the call goes through four steps, each i
 attnkit/attention/:
 1. read the call (`call.read_call` → a frozen `AttentionCall`): the context of the forward it belongs to
    (`context.Forward`: the forward's inputs, and attnkit's batch, the sentence ids and the intervention given when
-   it began), layout and padding, decoder arguments, kept heads;
+   it began), layout and padding, decoder arguments, kept heads; an encoder–decoder's cross-attention by its own
+   reader (`cross.read_cross_call`, docs/seq2seq.md);
 2. plan it (`plan.plan_call` → `Plan`): the intervention's parts, sentence ids, what the consumers want of the op;
 3. run the op (`run.run_op`; a forward in training with attention dropout is not planned: `run.run_training`);
 4. deliver (`deliver.deliver` → `Result`): the replaced head outputs, the maps when asked for (`maps.maps`), then
@@ -83,7 +84,9 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from .attention.call import read_call
 from .attention.consumers import LayerFeatures  # noqa: F401 (re-exported: where tests import it)
 from .attention.context import BatchInfo  # noqa: F401 (re-exported: where tests import it)
+from .attention.cross import read_cross_call
 from .attention.deliver import deliver
+from .attention.kinds import CROSS, kind_of
 from .attention.layout import lengths_from_mask, padding_of, rolled  # noqa: F401 (re-exported: where tests import them)
 from .attention.plan import plan_call
 from .attention.run import run_op, run_training
@@ -93,7 +96,8 @@ NAME = "attnkit"
 
 
 def attnkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    call = read_call(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+    reader = read_cross_call if kind_of(module) == CROSS else read_call  # an encoder–decoder's cross-attention
+    call = reader(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     if dropout and module.training:
         return run_training(call)
     plan = plan_call(call)

@@ -67,11 +67,19 @@ def _shape_of(model_or_shape) -> tuple[int, int]:
     cfg = getattr(model_or_shape, "config", None)
     if cfg is None:
         raise AttnkitError(f"cannot tell the number of layers and heads of {type(model_or_shape).__name__}")
-    n_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layers", None)
+    n_layers = _attnkit_layers(model_or_shape) or getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layers",
+                                                                                                    None)
     n_heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads", None)
     if not n_layers or not n_heads:
         raise AttnkitError(f"model config {type(cfg).__name__} names no layer/head counts")
     return int(n_layers), int(n_heads)
+
+
+def _attnkit_layers(model) -> int | None:
+    """The layers attnkit numbers in an instrumented model (an encoder–decoder's encoder, decoder and cross-attention
+    layers: docs/seq2seq.md), or None before attnkit.models.instrument."""
+    mods = getattr(model, "_attnkit_modules", None)
+    return len(mods) if mods else None
 
 
 def parse_heads(spec, shape: tuple[int, int] | None = None) -> list[tuple[int, int]]:
@@ -201,7 +209,7 @@ class Intervention:
     @classmethod
     def for_model(cls, model) -> Intervention:
         cfg = model.config
-        n_layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layers
+        n_layers = _attnkit_layers(model) or getattr(cfg, "num_hidden_layers", None) or cfg.n_layers
         n_heads = getattr(cfg, "num_attention_heads", None) or cfg.n_heads
         return cls.identity(n_layers, n_heads)
 

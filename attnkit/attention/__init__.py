@@ -6,6 +6,8 @@
   intervention given when it began), set once per forward;
 - `layout`: lengths and left padding from the 2-D mask;
 - `call`: reading one call of the attention function into a frozen `AttentionCall` (and the decoder arguments);
+- `cross`, `kinds`: an encoder–decoder's cross-attention read into a `CrossAttentionCall`; the kinds of its layers
+  (encoder, decoder, cross) and attnkit's numbering of them (docs/seq2seq.md);
 - `sentences`: the sentence ids of a plain forward, for region interventions;
 - `plan`: the parts of the intervention, the kept heads, what the consumers want of the op (`Plan`);
 - `run`: running the op for a plan (and a forward in training with attention dropout);

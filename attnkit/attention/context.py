@@ -23,6 +23,8 @@ class BatchInfo:
     lengths: torch.Tensor  # int64 B
     token_class: torch.Tensor | None = None  # int32 B×L
     sentence_id: torch.Tensor | None = None  # int32 B×L
+    # an encoder–decoder's batch (docs/seq2seq.md): the decoder's side, its target (the fields above: the source's)
+    target: BatchInfo | None = None
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class ModelInputs:
     # whether the forward asked for attention maps: GPT-2's attention module takes `output_attentions` itself and
     # does not hand it on to the attention function
     output_attentions: bool = False
+    # an encoder–decoder's `decoder_attention_mask`: the layout of cross-attention's queries (docs/seq2seq.md)
+    decoder_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def part_weights(call: AttentionCall, plan: Plan, p: LayerPart) -> torch.Tensor:
     if not call.grouped_by_length:
         return attention_weights(q[rows], k[rows], call.lengths[rows], call.scale,
                                  None if plan.sentence_id is None else plan.sentence_id[rows], p.mode, p.region,
-                                 p.renormalize, **call.dec)
+                                 p.renormalize, **call.dec, **call.sample_args(rows))
     w = q.new_zeros(q[rows].shape[0], call.H, L, call.Lk, dtype=torch.float32)
     for where, idx, n, r in call.length_groups(rows):  # as attnkit.attention.run.run_part computes them
         w[where, :, L - r:, :n] = attention_weights(q[idx, :, L - r:], k[idx, :, :n], call.lengths[idx], call.scale,

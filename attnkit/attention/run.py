@@ -41,7 +41,7 @@ def run_part(call: AttentionCall, plan: Plan, p: LayerPart, rows: slice) -> tupl
                                                           dtype=torch.float32)
     if call.grouped_by_length:  # no features (attnkit's own batches are refused by the reader)
         out = q.new_zeros(q[rows].shape[0], L, H, call.D)
-        for where, idx, n, r in call.length_groups(rows):
+        for where, idx, n, r in call.length_groups(rows):  # (no bias: refused by the reader)
             out[where, L - r:] = attention(
                 q[idx, :, L - r:], k[idx, :, :n], v[idx, :, :n], call.lengths[idx], scaling=call.scaling,
                 num_windows=plan.num_windows, mode=p.mode, region=p.region, renormalize=p.renormalize, gates=p.gates,
@@ -54,7 +54,7 @@ def run_part(call: AttentionCall, plan: Plan, p: LayerPart, rows: slice) -> tupl
         scaling=call.scaling, num_windows=plan.num_windows, mode=p.mode, region=p.region,
         renormalize=p.renormalize, gates=p.gates, want_features=plan.want_features,
         key_scale=None if plan.key_scale is None else plan.key_scale[rows], backend=plan.backend,
-        want_max_logit=plan.want_max_logit, **call.dec,
+        want_max_logit=plan.want_max_logit, **call.dec, **call.sample_args(rows, plan.key_class),
     )
 
 
@@ -82,15 +82,16 @@ def run_training(call: AttentionCall) -> tuple:
             _, feats, *ml = attention(call.query, call.key, call.value, call.lengths, classes, None,
                                       scaling=call.scaling, num_windows=rt.num_windows, want_features=True,
                                       backend=rt.backend, want_max_logit=any(w.max_logit for _, w in taking),
-                                      **call.dec)
+                                      **call.dec, **call.sample_args(slice(None), call.key_classes(True)))
         for c, _ in taking:
             c.after(call, Result(None, feats, ml[0] if ml else None))
     if measures_or_changes(call):
         raise AttnkitError("attnkit cannot measure or intervene while attention dropout is on: call model.eval()")
-    if call.want_maps or call.dec or call.offsets is not None:
+    per_sample = call.sample_args(slice(None))  # a bias, cross-attention's key lengths
+    if call.want_maps or call.dec or call.offsets is not None or per_sample:
         q = call.query
         weights = torch.nn.functional.dropout(
-            attention_weights(q, call.key, call.lengths, call.scale, **call.dec).to(q.dtype),
+            attention_weights(q, call.key, call.lengths, call.scale, **call.dec, **per_sample).to(q.dtype),
             p=call.dropout, training=True)
         out = torch.matmul(weights, per_query_head(call.value, kv_index(call.H, call.Hkv, call.dec, call.device)))
         out = call.own_frame(out.transpose(1, 2).contiguous(), (1,), 1)

@@ -210,8 +210,12 @@ class Runtime:
     @contextlib.contextmanager
     def batch_of(self, batch):
         """Within the block, the forwards that begin use `batch`'s lengths, token classes and sentence ids (an
-        `attnkit.tokens.Batch`, or a BatchInfo, on the model's device); afterwards none."""
-        self.give(batch=BatchInfo(batch.lengths, batch.token_class, batch.sentence_id))
+        `attnkit.tokens.Batch`, or a BatchInfo, on the model's device; an encoder–decoder's also those of its
+        `target`); afterwards none."""
+        target = getattr(batch, "target", None)
+        self.give(batch=BatchInfo(batch.lengths, batch.token_class, batch.sentence_id,
+                                  None if target is None else BatchInfo(target.lengths, target.token_class,
+                                                                        target.sentence_id)))
         try:
             yield self
         finally:

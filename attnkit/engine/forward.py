@@ -16,6 +16,7 @@ import torch
 
 from ..arch.architectures import attention_layers
 from ..attention.consumers import EarlyStop, Features, FeaturesComplete, LayerFeatures
+from ..attention.kinds import layer_of
 from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS, check_weighting, num_features
 from ..models import attention_modules, runtime_of
@@ -37,9 +38,9 @@ def output_projections(model) -> dict:
     out = {}
     for mod in attention_modules(model):
         if id(mod) not in layers:
-            raise AttnkitError(f"norm weighting: the attention module {type(mod).__name__} of layer {mod.layer_idx} "
+            raise AttnkitError(f"norm weighting: the attention module {type(mod).__name__} of layer {layer_of(mod)} "
                                f"is not where the {model.config.model_type} layout expects it")
-        out[mod.layer_idx] = layers[id(mod)].output
+        out[layer_of(mod)] = layers[id(mod)].output
     return out
 
 
