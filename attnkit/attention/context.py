@@ -54,8 +54,28 @@ class Given:
 NOTHING_GIVEN = Given()
 
 
+class ReadsGiven:
+    """The fields of a `Given`, read off the `given` of what holds one: a Forward (what its forward began with) and
+    the Runtime (what the next forwards get)."""
+
+    @property
+    def batch(self) -> BatchInfo | None:
+        """attnkit's own batch (`Runtime.batch_of`), or None."""
+        return self.given.batch
+
+    @property
+    def sentences(self) -> torch.Tensor | None:
+        """The user's sentence ids (attnkit.sentences), or None."""
+        return self.given.sentences
+
+    @property
+    def intervention(self):
+        """The intervention in force (attnkit.intervene), or None."""
+        return self.given.intervention
+
+
 @dataclass(frozen=True)
-class Forward:
+class Forward(ReadsGiven):
     """One forward of the instrumented model: its inputs (None: attention ran outside a forward of the model, whose
     inputs attnkit did not see) and what was given when it began. `derived`: what the steps derive once per forward
     and keep for its later calls (the sentence ids of region interventions, attnkit.attention.sentences)."""
@@ -63,18 +83,6 @@ class Forward:
     inputs: ModelInputs | None = None
     given: Given = NOTHING_GIVEN
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-
-    @property
-    def batch(self) -> BatchInfo | None:
-        return self.given.batch
-
-    @property
-    def sentences(self) -> torch.Tensor | None:
-        return self.given.sentences
-
-    @property
-    def intervention(self):
-        return self.given.intervention
 
     @property
     def output_attentions(self) -> bool:

@@ -20,7 +20,7 @@ import torch
 from ..arch.pruning import to_kept
 from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS
-from .context import NOTHING_GIVEN, BatchInfo, Forward, Given, ModelInputs
+from .context import NOTHING_GIVEN, BatchInfo, Forward, Given, ModelInputs, ReadsGiven
 
 # The attribute of an instrumented model, its base model and its attention modules that holds their Runtime
 # (attached by attnkit.models.instrument; a deep copy of the model carries its own).
@@ -59,7 +59,7 @@ def kept_part(p: LayerPart, kept, layer: int) -> LayerPart:
 
 
 @dataclass
-class Runtime:
+class Runtime(ReadsGiven):
     """Per-model state read by the attention function: settings, the consumers of the op's results, what the blocks
     open on the model give the next forwards (`given`), and the forwards under way (`forwards`, innermost last)."""
 
@@ -78,21 +78,6 @@ class Runtime:
         keep what they began with."""
         with _giving:
             self.given = dataclasses.replace(self.given, **changes)
-
-    @property
-    def batch(self) -> BatchInfo | None:
-        """attnkit's own batch that the next forwards get (`batch_of`), or None."""
-        return self.given.batch
-
-    @property
-    def sentences(self) -> torch.Tensor | None:
-        """The user's sentence ids that the next forwards get (attnkit.sentences), or None."""
-        return self.given.sentences
-
-    @property
-    def intervention(self):
-        """The intervention in force for the next forwards (attnkit.intervene), or None."""
-        return self.given.intervention
 
     def enter_forward(self, inputs: ModelInputs) -> Forward:
         """A forward of the model begins with `inputs`: its Forward, with what is given now, goes on the stack."""
