@@ -17,6 +17,11 @@ Decoder arguments (kv_head, causal, sliding_window, softcap, sink; attnkit/refer
 the op's schema with defaults. An extension built before them has no such arguments (`fused_decoder()` is
 False): `backend="auto"` then runs such calls on the reference, and `backend="fused"` refuses them by name.
 
+A bidirectional sliding window (`symmetric_window`, ModernBERT's local layers; attnkit/reference.py) runs on the
+compiled CPU kernel of a build that takes it (`fused_symmetric_window`); on CUDA, the Triton kernel included, and on
+older builds, `backend="auto"` runs it on the reference (exact, no warning: docs/cuda.md) and `backend="fused"`
+refuses it by name.
+
 Fewer queries than keys (a KV-cache step, attnkit/reference.py): `backend="auto"` runs them on the compiled CPU
 kernel only where it says it takes them (`fused_fewer_queries`), else on the reference; on CUDA, the Triton kernel
 included, always on the reference until a GPU has tested a kernel (docs/cuda.md). A plain one (no features, no
@@ -99,12 +104,21 @@ def _schema_has_decoder_args() -> bool:
 
 
 _FUSED_DECODER = _schema_has_decoder_args()
+# the compiled op takes `symmetric_window`, the last argument of AttentionParams: its schema is then the whole of it
+_FUSED_SYMMETRIC = extension_loaded() and _op_takes("fused_attention", "symmetric_window")
 
 
 def _lse_op_has_max_logit() -> bool:
     """Whether the compiled `_LSE_OP` takes `want_max_logit` and returns each head's max logit (csrc/ops.cpp): the
     CPU kernel then measures it while it runs. An extension built before it returns (out, features, lse) only."""
     return has_kernel("cpu", _LSE_OP) and _op_takes("fused_attention_lse", "want_max_logit")
+
+
+def fused_symmetric_window(device_type: str) -> bool:
+    """Whether the compiled kernel for `device_type` takes a bidirectional sliding window (`symmetric_window`): the
+    CPU kernel of a build that has the argument. On CUDA (and the Triton kernel) no: such calls run on the reference
+    until a GPU has tested a kernel (docs/cuda.md)."""
+    return device_type == "cpu" and _FUSED_SYMMETRIC
 
 
 _LSE_MAX_LOGIT = _lse_op_has_max_logit()
@@ -115,7 +129,9 @@ def fused_max_logit(device_type: str) -> bool:
     (docs/features.md §9): the CPU kernel of a build whose `attnkit::fused_attention_lse` takes `want_max_logit`.
     Elsewhere (CUDA, Triton, the reference, older builds) `attention(..., want_max_logit=True)` computes it by
     `attnkit.kernels.statistics.max_logits`, one more blocked q·kᵀ pass."""
-    return device_type == "cpu" and _LSE_MAX_LOGIT
+    # (and only a build whose schema has every argument of AttentionParams: autograd reads the lse op's inputs back
+    # by position, and want_max_logit follows the last of them)
+    return device_type == "cpu" and _LSE_MAX_LOGIT and _FUSED_SYMMETRIC
 
 
 def fused_decoder() -> bool:
@@ -291,7 +307,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.
 
     scale = q.shape[-1] ** -0.5 if p.scaling is None else p.scaling
     kvh = None if p.kv_head is None else p.kv_head.to(q.device)
-    return (*res, max_logits(q, k, lengths, scale, kv_head=kvh, causal=p.causal, sliding_window=p.sliding_window))
+    return (*res, max_logits(q, k, lengths, scale, kv_head=kvh, causal=p.causal, sliding_window=p.sliding_window,
+                             symmetric_window=p.symmetric_window))
 
 
 def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
@@ -312,6 +329,15 @@ def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
 _BEFORE_DECODER = AttentionParams.position("kv_head") - 4
 
 
+def _compiled_args(p: AttentionParams) -> tuple:
+    """`p.op_args()` cut to what the compiled op's schema takes (an older build lacks the later arguments; the
+    caller has sent calls that use them elsewhere)."""
+    args = p.op_args()
+    if not _FUSED_DECODER:
+        return args[:_BEFORE_DECODER]
+    return args if _FUSED_SYMMETRIC else args[:-1]
+
+
 def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=False) -> tuple[torch.Tensor, ...]:
     """`attention` without `want_max_logit`; `_max_logit`: where the fused CPU kernel measures the max logit, it is
     returned as a third output (else the caller computes it)."""
@@ -324,7 +350,7 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
     decoder = p.decoder_used(q.shape[1], k.shape[1])
     fewer_queries = q.shape[2] < k.shape[2]  # a KV-cache step: the queries are the last positions of the keys
     if (backend in ("auto", "fused") and dev.type == "cuda" and q.dtype in _TRITON_DTYPES and cuda_kernel() == "triton"
-            and not fewer_queries):
+            and not fewer_queries and not p.symmetric_window):
         # the Triton kernel takes every argument, the decoder ones included, and needs no compiled extension
         return torch.ops.attnkit.fused_attention_triton(q, k, v, lengths, *p.op_args())
     chosen = resolve_backend(backend, dev)
@@ -339,6 +365,13 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
                                f"keys ({q.shape[2]} queries, {k.shape[2]} keys: a KV-cache step); use backend "
                                "'auto' or 'reference'")
         chosen = "reference"  # a decode step costs the reference O(keys) per head and query row (exact, no warning)
+    if chosen == "fused" and p.symmetric_window and not fused_symmetric_window(dev.type):
+        if backend == "fused":
+            rebuild = ", or rebuild it (pip install --no-build-isolation -e .)" if dev.type == "cpu" else ""
+            raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel of this build does not take "
+                               f"symmetric_window (a bidirectional sliding window); use backend 'auto' or "
+                               f"'reference'{rebuild}")
+        chosen = "reference"  # (exact, no warning: docs/cuda.md)
     if chosen == "reference" and fewer_queries and backend == "auto" and _plain_step(q, k, v, p):
         return plain_step(q, k, v, lengths, p.scaling, p.causal, p.sliding_window)
     if chosen == "reference":
@@ -352,15 +385,13 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
             # Gates multiply the op's ungated output here, so that the saved output is the one ATen's backward
             # wants and autograd gives the gate Σ dO ∘ O_h (no recompute)
             ungated = dataclasses.replace(p, gates=None) if lse else p
-            res = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *ungated.op_args(),
+            res = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *_compiled_args(ungated),
                                                         *((True,) if in_op else ()))
             out = res[0]
             if lse and p.gates is not None:
                 out = (out.float() * p.gates.float().view(1, 1, -1, 1)).to(out.dtype)
             return (out, res[1], res[3]) if in_op else (out, res[1])
-        args = p.op_args()
-        return torch.ops.attnkit.fused_attention(q, k, v, lengths, *(args if _FUSED_DECODER else
-                                                                      args[:_BEFORE_DECODER]))
+        return torch.ops.attnkit.fused_attention(q, k, v, lengths, *_compiled_args(p))
     except RuntimeError as exc:  # the kernels' argument checks (TORCH_CHECK) name the bad argument
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         if "fused_attention" in msg:
@@ -380,7 +411,7 @@ def saves_lse(q, k, v, p: AttentionParams) -> bool:
     return (q.device.type == "cpu" and torch.is_grad_enabled()
             and any(t is not None and t.requires_grad for t in (q, k, v, p.gates, p.sink))
             and p.mode is None and p.region is None and not p.renormalize and q.shape[2] == k.shape[2]
-            and uses_aten(q, p.sliding_window, p.softcap, p.sink) and _FUSED_DECODER and has_kernel("cpu", _LSE_OP))
+            and uses_aten(q, p.sliding_window, p.softcap, p.sink) and _FUSED_SYMMETRIC and has_kernel("cpu", _LSE_OP))
 
 
 def _plain_step(q, k, v, p: AttentionParams) -> bool:
@@ -388,6 +419,7 @@ def _plain_step(q, k, v, p: AttentionParams) -> bool:
     features, no intervention, even KV groups, no soft cap, no sink, no gradients."""
     return (q.dtype == torch.float32 and not p.want_features and p.mode is None and p.region is None
             and p.gates is None and p.kv_head is None and p.softcap is None and p.sink is None
+            and not p.symmetric_window
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 
@@ -432,7 +464,8 @@ _LIB.define(
     "fused_attention_triton(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
     "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, bool renormalize, "
     "Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, bool causal=False, "
-    "int? sliding_window=None, float? softcap=None, Tensor? sink=None) -> (Tensor, Tensor)")
+    "int? sliding_window=None, float? softcap=None, Tensor? sink=None, bool symmetric_window=False) "
+    "-> (Tensor, Tensor)")
 
 
 def _fused_attention_triton(q, k, v, lengths, *args):

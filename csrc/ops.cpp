@@ -26,14 +26,17 @@ TORCH_LIBRARY(attnkit, m) {
   // Decoder arguments (docs/features.md, section 8), appended with defaults so older calls keep working:
   //   k, v may be B×Hkv×L×D; kv_head: int32[H] (the KV head of each query head) or None (Hkv == H, or even
   //   groups h / (H / Hkv)); causal: row s sees keys t <= s; sliding_window: also s − t < W; softcap: scores
-  //   c·tanh(score / c); sink: fp32[H], a logit per head in each row's softmax denominator (mass, no value).
+  //   c·tanh(score / c); sink: fp32[H], a logit per head in each row's softmax denominator (mass, no value);
+  //   symmetric_window (with sliding_window): also t − s < W, the bidirectional window |s − t| < W of ModernBERT's
+  //   local layers (CPU kernel only: CUDA refuses it, attnkit/ops.py sends it to the reference there).
   // Returns out: B×L×H×D (q's dtype) and features: fp32 B×H×F (F = kNumFeatures(num_windows),
   // csrc/feature_slots.h, plus one — `sink`, last — when sink is given), or B×H×0 when want_features is false.
   m.def(
       "fused_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
-      "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None) -> (Tensor, Tensor)");
+      "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, "
+      "bool symmetric_window=False) -> (Tensor, Tensor)");
   // The same op, also returning lse: fp32 B×H×L, per row the natural-log log-sum-exp of the scores it sees
   // (scaling·q·k, soft-capped when asked; the sink logit included), i.e. log of the denominator the output is
   // divided by (with renormalize: over the kept keys and the sink), as ATen's
@@ -50,7 +53,7 @@ TORCH_LIBRARY(attnkit, m) {
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
       "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, "
-      "bool want_max_logit=False) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool symmetric_window=False, bool want_max_logit=False) -> (Tensor, Tensor, Tensor, Tensor)");
   // True: the CPU kernel takes fewer queries than keys (q B×H×Lq×D, k/v B×Hkv×L×D, Lq <= L: a KV-cache step, the
   // queries are the last Lq key positions; attnkit/reference.py, "Fewer queries than keys"). attnkit/ops.py then
   // sends such calls on CPU to fused_attention instead of the reference.
