@@ -359,3 +359,20 @@ def test_modernbert_interventions_equal_eager_by_hand(modernbert, side):
         pos = torch.arange(n)
         sees = ((pos[:, None] - pos[None, :]).abs() <= half).float()
         torch.testing.assert_close(maps[b, o:o + n, o:o + n], sees / sees.sum(-1, keepdim=True))
+
+
+def test_modernbert_distances_use_its_windows(modernbert):
+    """The JS distance collector recomputes each layer's weights with the layer's window: its distances equal those
+    of eager's maps (global and local layers side by side)."""
+    from attnkit.engine.distances import DistanceCollector, js_distances
+
+    eager, ours = modernbert
+    enc = modernbert_inputs("right")
+    collector = DistanceCollector(N_LAYERS, use_op=False)
+    with attnkit.models.observing(ours, [collector]), torch.no_grad():
+        ours(**enc)
+    with torch.no_grad():
+        maps = eager(**enc, output_attentions=True).attentions
+    want, n = js_distances(torch.cat(maps, 1), enc["attention_mask"].sum(-1), use_op=False)
+    assert collector.result().n_rows == n == sum(LENGTHS)
+    np.testing.assert_allclose(collector.sum, want.numpy(), rtol=1e-5, atol=1e-6)
