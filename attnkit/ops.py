@@ -401,8 +401,9 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
 
 def saves_lse(q, k, v, p: AttentionParams) -> bool:
     """Whether a fused CPU call runs `_LSE_OP` so that its backward reuses the saved output and log-sum-exp: a
-    gradient is wanted, the extension has the op, and the backward is ATen's with nothing between the softmax and
-    the output — no intervention (mode, region, renormalize), as many queries as keys, and ATen's case
+    gradient is wanted, the extension has the op (in a build whose schema has every argument of AttentionParams:
+    `_setup_context` reads the op's inputs back by position), and the backward is ATen's with nothing between the
+    softmax and the output — no intervention (mode, region, renormalize), as many queries as keys, and ATen's case
     (`kernels.backward.uses_aten`: no sliding window, soft-cap or sink). Gates are allowed: the op then runs
     ungated, which is the output ATen's backward wants, and `attention` multiplies by the gates outside it. Every
     other call keeps `_OP`, and its backward recomputes what it needs."""

@@ -221,8 +221,12 @@ def test_gradients_match_reference(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
-    # a key farther than the window from every row of sample 2 (n = 1) gets no gradient
-    assert grads[0][1][2, :, 1:].abs().sum() == 0
+    # a loss on row 5 alone: only the keys of its window, 3 … 7, get a gradient
+    kl = k.detach().clone().requires_grad_()
+    out, _ = ops.attention(q, kl, v, lengths, sliding_window=3, symmetric_window=True, backend="fused")
+    out[0, 5].float().sum().backward()
+    reached = kl.grad[0].abs().sum((0, 2)) > 0
+    assert reached.tolist() == [3 <= t <= 7 for t in range(13)]
 
 
 @needs_kernel
