@@ -272,3 +272,20 @@ def test_an_old_build_runs_it_on_the_reference(monkeypatch):
     if ops.has_kernel("cpu"):
         with pytest.raises(AttnkitError, match="does not take symmetric_window"):
             ops.attention(q, k, v, lengths, backend="fused", **kw)
+
+
+def test_observers_weights_use_the_window():
+    """compare-models' blocked weights (attnkit.jobs.compare.similarity_sums) with the window ModernBERT's observers
+    pass equal sums over the reference's weights."""
+    from attnkit.jobs.compare import similarity_sums
+    from attnkit.reference import attention_weights
+
+    q, k, _, lengths, _, _ = make(B=2, H=4, Hkv=4, L=15, D=16, seed=13, lengths=[15, 6])
+    q2, k2 = q.flip(-1), k * 0.5
+    dec = dict(sliding_window=3, symmetric_window=True)
+    got = similarity_sums(q, k, q2, k2, lengths, 0.25, 0.25, max_elems=200, decoder_a=dec, decoder_b=dec)
+    a, b = (attention_weights(x, y, lengths, 0.25, **dec) for x, y in ((q, k), (q2, k2)))
+    rows = (torch.arange(15)[None, :] < lengths[:, None])[:, None, :]
+    torch.testing.assert_close(got["ab"], ((a * b).sum(-1) * rows).sum(-1).double(), atol=1e-5, rtol=1e-5)
+    plain = similarity_sums(q, k, q2, k2, lengths, 0.25, 0.25)
+    assert (plain["ab"] - got["ab"]).abs().max() > 1e-3  # the window changed the weights
