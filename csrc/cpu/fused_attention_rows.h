@@ -6,9 +6,9 @@
 // do it. A task is (sample b, head h, block of BQ query rows; query row i is key position s = off + i, off = L − Lq
 // being 0 except in a KV-cache step). Row s sees the keys [lo_s, hi_s): hi_s = n
 // (causal: min(n, s + 1); a symmetric window W: min(n, s + W)), lo_s = 0 (sliding window W: max(0, s − W + 1)); both
-// bounds grow with s, so the
-// block's rows see only keys [lo of its first row, hi of its last row), which the task streams in key blocks
-// of BK (never the keys outside: a causal forward skips the blocks above the diagonal). Per key block:
+// bounds grow with s, so the block's rows see only keys [lo of its first row, hi of its last row), which the task
+// streams in key blocks of BK (never the keys outside: a causal forward skips the blocks above the diagonal, a
+// window those outside it). Per key block:
 //   * S = Q_blk · K_blkᵀ with BLAS into a fixed per-thread tile (BQ × BK floats);
 //   * per row, over the keys it sees in the block: soft-capping, the block max, and when it exceeds the row's
 //     running max m (which starts at the sink logit, −inf without one), every running sum of the row — the
