@@ -2,7 +2,8 @@
 ModernBERT's local layers; attnkit/reference.py, docs/features.md section 8): the reference's keys against
 transformers' own mask function, then the fused CPU kernel against the reference — dtypes, n = 1, odd lengths,
 windows of 1 and of the whole sample, padding, several row and key tiles, features, interventions, norm weighting,
-the max logit, a KV-cache step and the backward — and the refusals (no window, CUDA and Triton, old builds).
+the max logit, a KV-cache step and the backward — and the refusals (no window, cross-attention, CUDA and Triton, old
+builds).
 
 Tolerances as tests/test_decoder_op.py: the fused output's error against the fp32 reference is at most twice
 PyTorch's own error in that dtype plus a tiny floor; features agree with the reference to 1e-5."""
@@ -233,11 +234,28 @@ def test_gradients_match_reference(dtype):
 def test_opcheck_with_a_symmetric_window():
     q, k, v, lengths, tc, sid = make(B=2, L=9, D=32, seed=1)
     op = torch.ops.attnkit.fused_attention.default
-    args = (q, k, v, lengths, tc, sid, 0.2, N, None, None, False, None, True, None, None, False, 3, None, None, True)
+    # symmetric_window comes after cross-attention's key_lengths, key_class and bias (None here)
+    args = (q, k, v, lengths, tc, sid, 0.2, N, None, None, False, None, True, None, None, False, 3, None, None,
+            None, None, None, True)
     torch.library.opcheck(op, args)
     with pytest.raises(RuntimeError, match="symmetric_window needs a sliding_window"):
         op(q, k, v, lengths, None, None, 0.2, N, None, None, False, None, False, None, None, False, None, None, None,
-           True)
+           None, None, None, True)
+    with pytest.raises(RuntimeError, match="takes no symmetric_window"):  # cross-attention: refused by name
+        op(q, k, v, lengths, None, None, 0.2, N, None, None, False, None, False, None, None, False, 3, None, None,
+           lengths, None, None, True)
+
+
+def test_a_symmetric_window_with_cross_attention_is_refused():
+    """A window over another sequence's keys is undefined: with key_lengths, symmetric_window is refused by name on
+    every backend (with a sliding window, and without one)."""
+    q, k, v, lengths, tc, sid = make(B=2, L=9, seed=3, lengths=[9, 4])
+    for backend in ("reference", "auto"):
+        with pytest.raises(AttnkitError, match="takes no symmetric_window"):
+            ops.attention(q, k, v, lengths, key_lengths=lengths, sliding_window=3, symmetric_window=True,
+                          backend=backend)
+        with pytest.raises(AttnkitError, match="symmetric_window"):
+            ops.attention(q, k, v, lengths, key_lengths=lengths, symmetric_window=True, backend=backend)
 
 
 def test_a_symmetric_window_without_a_window_is_refused():
