@@ -17,6 +17,11 @@ Decoder arguments (kv_head, causal, sliding_window, softcap, sink; attnkit/refer
 the op's schema with defaults. An extension built before them has no such arguments (`fused_decoder()` is
 False): `backend="auto"` then runs such calls on the reference, and `backend="fused"` refuses them by name.
 
+A bidirectional sliding window (`symmetric_window`, ModernBERT's local layers; attnkit/reference.py) runs on the
+compiled CPU kernel of a build that takes it (`fused_symmetric_window`); on CUDA, the Triton kernel included, and on
+older builds, `backend="auto"` runs it on the reference (exact, no warning: docs/cuda.md) and `backend="fused"`
+refuses it by name.
+
 Fewer queries than keys (a KV-cache step, attnkit/reference.py): `backend="auto"` runs them on the compiled CPU
 kernel only where it says it takes them (`fused_fewer_queries`), else on the reference; on CUDA, the Triton kernel
 included, always on the reference until a GPU has tested a kernel (docs/cuda.md). A plain one (no features, no
@@ -26,7 +31,9 @@ scaled_dot_product_attention. The fake kernel's shapes hold for them (out B×Lq�
 Cross-attention (`key_lengths`, attnkit/reference.py, "Cross-attention") runs on the compiled CPU kernel where it says
 it takes it (`fused_cross`), else on the reference; on CUDA and Triton always on the reference until a GPU has tested
 a kernel (docs/cuda.md). An additive `bias` (T5's position_bias) runs on the reference on every device. Their
-backward is the differentiable reference's (the bias gets a gradient). `fused_attention_lse` takes neither.
+backward is the differentiable reference's (the bias gets a gradient). `fused_attention_lse` takes neither (its
+schema: the arguments before key_lengths, then symmetric_window and want_max_logit). A bidirectional window with
+cross-attention is refused by name (a window over another sequence is undefined).
 """
 from __future__ import annotations
 
@@ -104,12 +111,21 @@ def _schema_has_decoder_args() -> bool:
 
 
 _FUSED_DECODER = _schema_has_decoder_args()
+# the compiled op takes `symmetric_window`, the last argument of AttentionParams: its schema is then the whole of it
+_FUSED_SYMMETRIC = extension_loaded() and _op_takes("fused_attention", "symmetric_window")
 
 
 def _lse_op_has_max_logit() -> bool:
     """Whether the compiled `_LSE_OP` takes `want_max_logit` and returns each head's max logit (csrc/ops.cpp): the
     CPU kernel then measures it while it runs. An extension built before it returns (out, features, lse) only."""
     return has_kernel("cpu", _LSE_OP) and _op_takes("fused_attention_lse", "want_max_logit")
+
+
+def fused_symmetric_window(device_type: str) -> bool:
+    """Whether the compiled kernel for `device_type` takes a bidirectional sliding window (`symmetric_window`): the
+    CPU kernel of a build that has the argument. On CUDA (and the Triton kernel) no: such calls run on the reference
+    until a GPU has tested a kernel (docs/cuda.md)."""
+    return device_type == "cpu" and _FUSED_SYMMETRIC
 
 
 _LSE_MAX_LOGIT = _lse_op_has_max_logit()
@@ -120,7 +136,9 @@ def fused_max_logit(device_type: str) -> bool:
     (docs/features.md §9): the CPU kernel of a build whose `attnkit::fused_attention_lse` takes `want_max_logit`.
     Elsewhere (CUDA, Triton, the reference, older builds) `attention(..., want_max_logit=True)` computes it by
     `attnkit.kernels.statistics.max_logits`, one more blocked q·kᵀ pass."""
-    return device_type == "cpu" and _LSE_MAX_LOGIT
+    # (and only a build whose schemas take symmetric_window: autograd reads the lse op's inputs back by position,
+    # and want_max_logit follows symmetric_window there)
+    return device_type == "cpu" and _LSE_MAX_LOGIT and _FUSED_SYMMETRIC
 
 
 def fused_decoder() -> bool:
@@ -283,7 +301,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.
     scale = q.shape[-1] ** -0.5 if p.scaling is None else p.scaling
     kvh = None if p.kv_head is None else p.kv_head.to(q.device)
     return (*res, max_logits(q, k, lengths, scale, kv_head=kvh, causal=p.causal, sliding_window=p.sliding_window,
-                             key_lengths=p.key_lengths))
+                             key_lengths=p.key_lengths, symmetric_window=p.symmetric_window))
 
 
 def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
@@ -303,10 +321,30 @@ def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
 
 
 # the op's arguments before the decoder ones: all that a build before them takes; those before cross-attention's:
-# all that a build before it takes, and all that `_LSE_OP` takes
+# all that a build before it takes, and the first of what `_LSE_OP` takes (then symmetric_window, want_max_logit);
+# those before symmetric_window: all that a build before it takes
 _BEFORE_DECODER = AttentionParams.position("kv_head") - 4
 _BEFORE_CROSS = _LSE_PARAMS = AttentionParams.position("key_lengths") - 4
+_BEFORE_SYMMETRIC = AttentionParams.position("symmetric_window") - 4
 _FUSED_CROSS = extension_loaded() and _op_takes("fused_attention", "key_lengths")
+
+
+def _compiled_args(p: AttentionParams) -> tuple:
+    """`p.op_args()` cut to what the compiled op's schema takes (an older build lacks the later arguments; the
+    caller has sent calls that use them elsewhere)."""
+    args = p.op_args()
+    if not _FUSED_DECODER:
+        return args[:_BEFORE_DECODER]
+    if not _FUSED_CROSS:
+        return args[:_BEFORE_CROSS]
+    return args if _FUSED_SYMMETRIC else args[:_BEFORE_SYMMETRIC]
+
+
+def _lse_args(p: AttentionParams) -> tuple:
+    """The arguments of `_LSE_OP` after lengths, before want_max_logit: those before key_lengths (cross-attention
+    and a bias never run on it), then symmetric_window (csrc/ops.cpp). Only for a build that takes symmetric_window
+    (`_FUSED_SYMMETRIC`: `saves_lse` and `fused_max_logit` ask for it)."""
+    return (*p.op_args()[:_LSE_PARAMS], bool(p.symmetric_window))
 
 
 def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=False) -> tuple[torch.Tensor, ...]:
@@ -322,7 +360,7 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
     # a KV-cache step: the queries are the last positions of the keys (cross-attention's are another sequence)
     fewer_queries = q.shape[2] < k.shape[2] and not p.cross
     if (backend in ("auto", "fused") and dev.type == "cuda" and q.dtype in _TRITON_DTYPES and cuda_kernel() == "triton"
-            and not fewer_queries and not p.cross and p.bias is None):
+            and not fewer_queries and not p.cross and p.bias is None and not p.symmetric_window):
         # the Triton kernel takes every argument, the decoder ones included, and needs no compiled extension
         return torch.ops.attnkit.fused_attention_triton(q, k, v, lengths, *p.op_args())
     chosen = resolve_backend(backend, dev)
@@ -343,6 +381,13 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
             raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel does not take {what}; use "
                                "backend 'auto' or 'reference'")
         chosen = "reference"  # exact, no warning (docs/cuda.md)
+    if chosen == "fused" and p.symmetric_window and not fused_symmetric_window(dev.type):
+        if backend == "fused":
+            rebuild = ", or rebuild it (pip install --no-build-isolation -e .)" if dev.type == "cpu" else ""
+            raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel of this build does not take "
+                               f"symmetric_window (a bidirectional sliding window); use backend 'auto' or "
+                               f"'reference'{rebuild}")
+        chosen = "reference"  # (exact, no warning: docs/cuda.md)
     if chosen == "reference" and fewer_queries and backend == "auto" and _plain_step(q, k, v, p):
         return plain_step(q, k, v, lengths, p.scaling, p.causal, p.sliding_window)
     if chosen == "reference":
@@ -357,18 +402,13 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
             # Gates multiply the op's ungated output here, so that the saved output is the one ATen's backward
             # wants and autograd gives the gate Σ dO ∘ O_h (no recompute)
             ungated = dataclasses.replace(p, gates=None) if lse else p
-            res = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *ungated.op_args()[:_LSE_PARAMS],
+            res = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *_lse_args(ungated),
                                                         *((True,) if in_op else ()))
             out = res[0]
             if lse and p.gates is not None:
                 out = (out.float() * p.gates.float().view(1, 1, -1, 1)).to(out.dtype)
             return (out, res[1], res[3]) if in_op else (out, res[1])
-        args = p.op_args()
-        if not _FUSED_DECODER:
-            args = args[:_BEFORE_DECODER]
-        elif not _FUSED_CROSS:
-            args = args[:_BEFORE_CROSS]
-        return torch.ops.attnkit.fused_attention(q, k, v, lengths, *args)
+        return torch.ops.attnkit.fused_attention(q, k, v, lengths, *_compiled_args(p))
     except RuntimeError as exc:  # the kernels' argument checks (TORCH_CHECK) name the bad argument
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         if "fused_attention" in msg:
@@ -378,8 +418,9 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
 
 def saves_lse(q, k, v, p: AttentionParams) -> bool:
     """Whether a fused CPU call runs `_LSE_OP` so that its backward reuses the saved output and log-sum-exp: a
-    gradient is wanted, the extension has the op, and the backward is ATen's with nothing between the softmax and
-    the output — no intervention (mode, region, renormalize), as many queries as keys, and ATen's case
+    gradient is wanted, the extension has the op (in a build whose schemas take symmetric_window: `_setup_context`
+    reads the op's inputs back by position), and the backward is ATen's with nothing between the
+    softmax and the output — no intervention (mode, region, renormalize), as many queries as keys, and ATen's case
     (`kernels.backward.uses_aten`: no sliding window, soft-cap or sink). Gates are allowed: the op then runs
     ungated, which is the output ATen's backward wants, and `attention` multiplies by the gates outside it. Every
     other call keeps `_OP`, and its backward recomputes what it needs."""
@@ -389,7 +430,7 @@ def saves_lse(q, k, v, p: AttentionParams) -> bool:
             and any(t is not None and t.requires_grad for t in (q, k, v, p.gates, p.sink))
             and p.mode is None and p.region is None and not p.renormalize and q.shape[2] == k.shape[2]
             and not p.cross and p.bias is None
-            and uses_aten(q, p.sliding_window, p.softcap, p.sink) and _FUSED_DECODER and has_kernel("cpu", _LSE_OP))
+            and uses_aten(q, p.sliding_window, p.softcap, p.sink) and _FUSED_SYMMETRIC and has_kernel("cpu", _LSE_OP))
 
 
 def _plain_step(q, k, v, p: AttentionParams) -> bool:
@@ -397,6 +438,7 @@ def _plain_step(q, k, v, p: AttentionParams) -> bool:
     features, no intervention, even KV groups, no soft cap, no sink, no gradients."""
     return (q.dtype == torch.float32 and not p.want_features and p.mode is None and p.region is None
             and p.gates is None and p.kv_head is None and p.softcap is None and p.sink is None
+            and not p.symmetric_window
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 
@@ -442,7 +484,7 @@ _LIB.define(
     "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, bool renormalize, "
     "Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, bool causal=False, "
     "int? sliding_window=None, float? softcap=None, Tensor? sink=None, Tensor? key_lengths=None, "
-    "Tensor? key_class=None, Tensor? bias=None) -> (Tensor, Tensor)")
+    "Tensor? key_class=None, Tensor? bias=None, bool symmetric_window=False) -> (Tensor, Tensor)")
 
 
 def _fused_attention_triton(q, k, v, lengths, *args):
@@ -479,8 +521,12 @@ _N_PARAMS = len(dataclasses.fields(AttentionParams))
 def _setup_context(ctx, inputs, output):
     q, k, v, lengths = inputs[:4]
     # the decoder arguments come last, absent from older builds (their defaults); the lse op (3 or 4 outputs) takes
-    # those before key_lengths, then want_max_logit
-    p = AttentionParams(*inputs[4:4 + (_LSE_PARAMS if len(output) >= 3 else _N_PARAMS)])
+    # those before key_lengths, then symmetric_window and want_max_logit (trailing defaults may be left out)
+    if len(output) >= 3:
+        tail = inputs[4 + _LSE_PARAMS:4 + _LSE_PARAMS + 1]
+        p = AttentionParams(*inputs[4:4 + _LSE_PARAMS], symmetric_window=bool(tail[0]) if tail else False)
+    else:
+        p = AttentionParams(*inputs[4:4 + _N_PARAMS])
     # _LSE_OP's outputs (out, features, lse[, max_logit]): its backward reuses out and lse instead of recomputing them
     saved = (output[0], output[2]) if len(output) >= 3 else ()
     ctx.save_for_backward(q, k, v, lengths, *p.tensors(), *saved)
@@ -556,8 +602,9 @@ if extension_loaded():
     if has_kernel("cpu", _LSE_OP):  # an extension built before the op has no such schema
         @torch.library.register_fake(_LSE_OP)
         def _fused_attention_lse_fake(q, k, v, lengths, *args, want_max_logit=False):
-            if len(args) > _LSE_PARAMS:  # want_max_logit given by position
-                args, want_max_logit = args[:_LSE_PARAMS], args[_LSE_PARAMS]
+            if len(args) > _LSE_PARAMS + 1:  # symmetric_window, then want_max_logit, given by position
+                want_max_logit = args[_LSE_PARAMS + 1]
+            args = args[:_LSE_PARAMS]  # (symmetric_window does not change a shape)
             out, feats = _fused_attention_fake(q, k, v, lengths, *args)
             B, H, L, _ = q.shape
             lse = q.new_empty((B, H, L), dtype=torch.float32)

@@ -19,10 +19,13 @@ Semantics (docs/features.md, docs/interventions.md):
     [0, Hkv)) names the KV head of each query head (None: Hkv == H, or even groups h // (H // Hkv) when Hkv
     divides H); K/V are never repeated in memory by the fused ops. The keys row s *sees* are t < n, and with
     `causal` t <= s, and with `sliding_window` W also s − t < W (transformers' `kv_idx > q_idx − W`; without
-    `causal` the window limits only the keys before s). Keys a row does not see are treated like padding: weight
-    0, and their scores (even NaN) are never read. `softcap` c: scores become c·tanh(q·k·scaling / c) (Gemma 2)
-    before the softmax. `sink` (H floats, gpt-oss's s_aux): a logit that joins each row's softmax denominator,
-    takes mass and adds no value; the weights of a row's keys then sum to 1 − its sink mass.
+    `causal` the window limits only the keys before s), and with `symmetric_window` also t − s < W: |s − t| < W,
+    the bidirectional window of ModernBERT's local layers (transformers' create_bidirectional_sliding_window_mask,
+    |q_idx − kv_idx| ≤ config.sliding_window, the module passing W = config.sliding_window + 1). Keys a row does
+    not see are treated like padding: weight 0, and their scores (even NaN) are never read. `softcap` c: scores
+    become c·tanh(q·k·scaling / c) (Gemma 2) before the softmax. `sink` (H floats, gpt-oss's s_aux): a logit that
+    joins each row's softmax denominator, takes mass and adds no value; the weights of a row's keys then sum to
+    1 − its sink mass.
   * Interventions on decoder rows: mode uniform puts 1/m on each of the m keys the row sees (sink mass 0); mode
     zero makes the sink mass 0 too; regions never drop the sink (it is in no sentence), and `renormalize`
     rescales the kept keys together with the sink mass to sum 1. A padded row that sees no key (only possible
@@ -59,13 +62,14 @@ Semantics (docs/features.md, docs/interventions.md):
 
 Arguments (checked by every backend, errors name the argument): q B×H×Lq×D with D >= 1 (Lq <= L); k and v of one
 shape B×Hkv×L×D (Hkv = H, or as `kv_head` says); kv_head H integers in [0, Hkv); sliding_window an integer >= 1;
-softcap a finite number > 0; sink H floats; lengths B integers in [1, L]; token_class B×L codes OTHER..PERIOD
-(0..4) at valid positions when features are wanted; sentence_id B×L integers, compared as integers (any int32
-value); mode H codes KEEP/ZERO/UNIFORM (0..2); region H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats;
-key_scale B×H×L floats, finite and >= 0 at valid keys (checked here; the compiled kernels trust it);
-num_windows from 1 to 1024 (MAX_NUM_WINDOWS); scaling a finite number (inf or NaN is refused). Cross-attention:
-key_lengths B integers in [1, Lk] (then lengths in [1, Lq], token_class B×Lq), key_class B×Lk codes 0..4 at valid
-keys, no sentence_id, region, causal or sliding_window; bias (1 or B)×H×Lq×Lk floats.
+symmetric_window a bool, true only with a sliding_window; softcap a finite number > 0; sink H floats; lengths B
+integers in [1, L]; token_class B×L codes OTHER..PERIOD (0..4) at valid positions when features are wanted;
+sentence_id B×L integers, compared as integers (any int32 value); mode H codes KEEP/ZERO/UNIFORM (0..2); region
+H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats; key_scale B×H×L floats, finite and >= 0 at valid keys
+(checked here; the compiled kernels trust it); num_windows from 1 to 1024 (MAX_NUM_WINDOWS); scaling a finite
+number (inf or NaN is refused). Cross-attention: key_lengths B integers in [1, Lk] (then lengths in [1, Lq],
+token_class B×Lq), key_class B×Lk codes 0..4 at valid keys, no sentence_id, region, causal, sliding_window or
+symmetric_window (a window over another sequence is undefined); bias (1 or B)×H×Lq×Lk floats.
 
 Numerics policy (NaN propagates, as in torch.softmax and scaled_dot_product_attention): a query row
 whose softmax is undefined — a NaN score among the keys it sees, a +inf score, or every score −inf (with
@@ -113,8 +117,8 @@ class AttentionParams:
     token_class, sentence_id: B×L (None: all OTHER / one sentence); scaling (None: D^-1/2); num_windows; mode,
     region: H codes; renormalize; gates: H floats; want_features; key_scale: B×H×L (norm weighting); the decoder
     arguments kv_head, causal, sliding_window, softcap, sink; cross-attention's key_lengths (B) and key_class (B×Lk),
-    and an additive bias ((1 or B)×H×Lq×Lk) (module docstring). `fused_attention_lse` takes the fields before
-    key_lengths (cross-attention and a bias never run on it)."""
+    and an additive bias ((1 or B)×H×Lq×Lk); symmetric_window (module docstring). `fused_attention_lse` takes the
+    fields before key_lengths, then symmetric_window (cross-attention and a bias never run on it)."""
 
     token_class: torch.Tensor | None = None
     sentence_id: torch.Tensor | None = None
@@ -134,6 +138,7 @@ class AttentionParams:
     key_lengths: torch.Tensor | None = None
     key_class: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    symmetric_window: bool = False
 
     @property
     def cross(self) -> bool:
@@ -150,7 +155,7 @@ class AttentionParams:
         return (self.token_class, self.sentence_id, float(self.scaling), int(self.num_windows), self.mode,
                 self.region, bool(self.renormalize), self.gates, bool(self.want_features), self.key_scale,
                 self.kv_head, bool(self.causal), self.sliding_window, self.softcap, self.sink, self.key_lengths,
-                self.key_class, self.bias)
+                self.key_class, self.bias, bool(self.symmetric_window))
 
     def tensors(self) -> tuple:
         """The tensor arguments (None where not given), in field order: what autograd saves."""
@@ -168,7 +173,7 @@ class AttentionParams:
         """The decoder arguments a call uses (grouped K/V counts as kv_head): what a build without them refuses."""
         used = {"kv_head": self.kv_head is not None or kv_heads != heads, "causal": bool(self.causal),
                 "sliding_window": self.sliding_window is not None, "softcap": self.softcap is not None,
-                "sink": self.sink is not None}
+                "sink": self.sink is not None, "symmetric_window": bool(self.symmetric_window)}
         return [name for name, given in used.items() if given]
 
     def _check_decoder(self, H: int, Hkv: int) -> None:
@@ -182,6 +187,11 @@ class AttentionParams:
         if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                            or sliding_window < 1):
             raise AttnkitError(f"sliding_window must be an integer >= 1, got {sliding_window!r}")
+        if not isinstance(self.symmetric_window, bool):
+            raise AttnkitError(f"symmetric_window must be a bool, got {self.symmetric_window!r}")
+        if self.symmetric_window and sliding_window is None:
+            raise AttnkitError("symmetric_window needs a sliding_window (it makes the window limit the keys after "
+                               "each row too)")
         if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
                                     or not math.isfinite(softcap) or softcap <= 0):
             raise AttnkitError(f"softcap must be a finite number > 0, got {softcap!r}")
@@ -197,6 +207,9 @@ class AttentionParams:
             _int_tensor(self.key_lengths, "key_lengths", (B,))
             if self.key_class is not None:
                 _int_tensor(self.key_class, "key_class", (B, Lk))
+            if self.symmetric_window:
+                raise AttnkitError("cross-attention (key_lengths given) takes no symmetric_window: a window over "
+                                   "another sequence's keys is undefined")
             refused = [name for name, given in (("sentence_id", self.sentence_id is not None),
                                                 ("region", self.region is not None), ("causal", bool(self.causal)),
                                                 ("sliding_window", self.sliding_window is not None)) if given]
@@ -300,7 +313,7 @@ def _check_lengths(lengths: torch.Tensor, name: str, top: int, top_name: str) ->
 
 TENSOR_ARGUMENTS = ("token_class", "sentence_id", "mode", "region", "gates", "key_scale", "kv_head", "sink",
                     "key_lengths", "key_class", "bias")
-DECODER_ARGUMENTS = ("kv_head", "causal", "sliding_window", "softcap", "sink")
+DECODER_ARGUMENTS = ("kv_head", "causal", "sliding_window", "softcap", "sink", "symmetric_window")
 # what `attention_weights` takes besides the interventions: the decoder arguments, cross-attention's key lengths and
 # the additive bias
 WEIGHT_ARGUMENTS = (*DECODER_ARGUMENTS, "key_lengths", "bias")
@@ -331,9 +344,11 @@ def query_positions(Lq: int, Lk: int, device=None) -> torch.Tensor:
 
 
 def visible_keys(lengths: torch.Tensor, L: int, causal: bool = False,
-                 sliding_window: int | None = None, Lq: int | None = None) -> torch.Tensor:
+                 sliding_window: int | None = None, Lq: int | None = None,
+                 symmetric_window: bool = False) -> torch.Tensor:
     """B×1×Lq×L bool (Lq defaults to L): True where query row i, at key position s = L − Lq + i
-    (`query_positions`), sees key t (t < n; with `causal` t <= s; with a sliding window W also s − t < W)."""
+    (`query_positions`), sees key t (t < n; with `causal` t <= s; with a sliding window W also s − t < W, and with
+    `symmetric_window` t − s < W)."""
     vis = _key_mask(lengths, L)[:, None, None, :]
     pos = torch.arange(L, device=lengths.device)
     offset = query_positions(L if Lq is None else Lq, L, lengths.device)[:, None] - pos[None, :]  # s − t
@@ -341,6 +356,8 @@ def visible_keys(lengths: torch.Tensor, L: int, causal: bool = False,
         vis = vis & (offset >= 0)
     if sliding_window is not None:
         vis = vis & (offset < sliding_window)
+        if symmetric_window:
+            vis = vis & (offset > -sliding_window)
     return vis
 
 
@@ -442,7 +459,7 @@ def params_weights(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, p: A
     L = k.shape[2]
     lengths = (p.key_lengths if p.cross else lengths).to(q.device).long()  # from here on: over the keys
     scores = attention_scores(q, k, p.scaling, kv_head=p.kv_head, softcap=p.softcap, bias=p.bias)
-    visible = visible_keys(lengths, L, p.causal, p.sliding_window, Lq)
+    visible = visible_keys(lengths, L, p.causal, p.sliding_window, Lq, p.symmetric_window)
     scores = scores.masked_fill(~visible, float("-inf"))
     sink, mode = p.sink, p.mode
     sink_w = None
@@ -470,7 +487,8 @@ def params_weights(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, p: A
 
 def max_logits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling: float, *,
                kv_head: torch.Tensor | None = None, causal: bool = False,
-               sliding_window: int | None = None, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, key_lengths: torch.Tensor | None = None,
+               symmetric_window: bool = False) -> torch.Tensor:
     """B×H fp32: each head's max logit per sample (docs/features.md, "Max logit"): the largest q_s·k_t·scaling over
     the valid query rows s < n and the keys t each sees, before any soft-cap; NaN scores propagate. q has Lq ≤ L
     rows, at their true positions s = L − Lq + i (`query_positions`); a sample with no valid row (a KV-cache step
@@ -482,7 +500,7 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling:
     cross = key_lengths is not None
     valid_rows = query_positions(Lq, Lq if cross else L, q.device)[None, :] < lengths[:, None]  # B×Lq
     keys = key_lengths.to(q.device).long() if cross else lengths
-    seen = visible_keys(keys, L, causal, sliding_window, Lq) & valid_rows[:, None, :, None]
+    seen = visible_keys(keys, L, causal, sliding_window, Lq, symmetric_window) & valid_rows[:, None, :, None]
     return scores.masked_fill(~seen, float("-inf")).amax((-1, -2))
 
 

@@ -30,6 +30,7 @@ struct FusedAttentionArgs {
   std::optional<at::Tensor> sink;
   // cross-attention (attnkit::fused_attention only; defaults: none): the keys' lengths and token classes; the bias
   std::optional<at::Tensor> key_lengths, key_class, bias;
+  bool symmetric_window = false;  // the window also limits the keys after each row: |s − t| < W (bidirectional)
   bool want_max_logit = false;  // attnkit::fused_attention_lse only
 };
 
@@ -54,7 +55,7 @@ inline FusedAttentionArgs pop_fused_attention_args(const c10::OperatorHandle& op
   read("mode", a.mode), read("region", a.region), read("renormalize", a.renormalize), read("gates", a.gates);
   read("want_features", a.want_features), read("key_scale", a.key_scale), read("kv_head", a.kv_head);
   read("causal", a.causal), read("sliding_window", a.sliding_window), read("softcap", a.softcap);
-  read("sink", a.sink), read("want_max_logit", a.want_max_logit);
+  read("sink", a.sink), read("symmetric_window", a.symmetric_window), read("want_max_logit", a.want_max_logit);
   read("key_lengths", a.key_lengths), read("key_class", a.key_class), read("bias", a.bias);
   torch::jit::drop(*stack, n);
   return a;

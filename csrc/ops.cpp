@@ -29,6 +29,10 @@ TORCH_LIBRARY(attnkit, m) {
   //   [1 or B, H, Lq, Lk], added to the scores (T5's position_bias). The CPU kernel takes key_lengths and key_class
   //   (cpu_cross_attention); no kernel takes bias (attnkit/ops.py runs it on the reference), nor the CUDA kernels
   //   cross-attention.
+  // symmetric_window, appended after them (with sliding_window): also t − s < W, the bidirectional window |s − t| < W
+  //   of ModernBERT's local layers (CPU kernel only: CUDA refuses it, attnkit/ops.py sends it to the reference
+  //   there; refused with key_lengths: a window over another sequence is undefined). fused_attention_lse takes it
+  //   after sink (it takes no cross-attention arguments), before want_max_logit.
   // Returns out: B×L×H×D (q's dtype) and features: fp32 B×H×F (F = kNumFeatures(num_windows),
   // csrc/feature_slots.h, plus one — `sink`, last — when sink is given), or B×H×0 when want_features is false.
   m.def(
@@ -36,7 +40,8 @@ TORCH_LIBRARY(attnkit, m) {
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
       "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, "
-      "Tensor? key_lengths=None, Tensor? key_class=None, Tensor? bias=None) -> (Tensor, Tensor)");
+      "Tensor? key_lengths=None, Tensor? key_class=None, Tensor? bias=None, bool symmetric_window=False) "
+      "-> (Tensor, Tensor)");
   // The same op, also returning lse: fp32 B×H×L, per row the natural-log log-sum-exp of the scores it sees
   // (scaling·q·k, soft-capped when asked; the sink logit included), i.e. log of the denominator the output is
   // divided by (with renormalize: over the kept keys and the sink), as ATen's
@@ -53,7 +58,7 @@ TORCH_LIBRARY(attnkit, m) {
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
       "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, "
-      "bool want_max_logit=False) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool symmetric_window=False, bool want_max_logit=False) -> (Tensor, Tensor, Tensor, Tensor)");
   // True: the CPU kernel takes fewer queries than keys (q B×H×Lq×D, k/v B×Hkv×L×D, Lq <= L: a KV-cache step, the
   // queries are the last Lq key positions; attnkit/reference.py, "Fewer queries than keys"). attnkit/ops.py then
   // sends such calls on CPU to fused_attention instead of the reference.

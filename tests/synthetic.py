@@ -92,7 +92,7 @@ def tiny_bert(n_layers: int = 2, n_heads: int = 2, seed: int = 0):
 
 
 # the encoder families attnkit names (README, attnkit/arch/architectures.py); XLM-R and CamemBERT run RoBERTa's code
-ENCODER_KINDS = ("bert", "roberta", "electra", "distilbert", "xlm-roberta", "camembert")
+ENCODER_KINDS = ("bert", "roberta", "electra", "distilbert", "xlm-roberta", "camembert", "modernbert")
 
 
 def tiny_config(n_layers: int = 2, vocab: int = 120) -> dict:
@@ -102,7 +102,9 @@ def tiny_config(n_layers: int = 2, vocab: int = 120) -> dict:
 
 
 def tiny_encoder(kind: str, n_layers: int = 2, vocab: int = 120):
-    """A random-weight encoder of `kind` (one of ENCODER_KINDS, seed 0) with tiny_config's sizes, in eval mode."""
+    """A random-weight encoder of `kind` (one of ENCODER_KINDS, seed 0) with tiny_config's sizes, in eval mode.
+    ModernBERT: global attention on layers 0, 2, …, local attention on the others with `local_attention` 4, i.e. the
+    bidirectional window |s − t| ≤ 2 (transformers passes sliding_window = 3 to the attention function)."""
     import torch
     from transformers import (
         BertConfig,
@@ -113,6 +115,8 @@ def tiny_encoder(kind: str, n_layers: int = 2, vocab: int = 120):
         DistilBertModel,
         ElectraConfig,
         ElectraModel,
+        ModernBertConfig,
+        ModernBertModel,
         RobertaConfig,
         RobertaModel,
         XLMRobertaConfig,
@@ -134,6 +138,11 @@ def tiny_encoder(kind: str, n_layers: int = 2, vocab: int = 120):
     elif kind == "distilbert":
         model = DistilBertModel(DistilBertConfig(vocab_size=vocab, dim=32, n_layers=n_layers, n_heads=4, hidden_dim=64,
                                                  max_position_embeddings=64))
+    elif kind == "modernbert":
+        model = ModernBertModel(ModernBertConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers, num_attention_heads=4,
+            max_position_embeddings=64, local_attention=4, global_attn_every_n_layers=2, pad_token_id=0,
+            bos_token_id=None, eos_token_id=None, cls_token_id=None, sep_token_id=None))
     else:
         raise ValueError(kind)
     return model.eval()
@@ -291,7 +300,8 @@ def features_from_maps(attn, lengths, classes, sentences, num_windows, sink: boo
     return np.array(out)
 
 
-DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "phi3", "gpt_oss")
+DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "phi3", "gpt_oss",
+                 "olmo2")
 
 
 def tiny_decoder(kind: str, vocab: int = 120, n_layers: int = 2, window: int = 5, seed: int = 0):
@@ -307,7 +317,7 @@ def tiny_decoder(kind: str, vocab: int = 120, n_layers: int = 2, window: int = 5
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **ids)
     extra = {
-        "llama": {}, "qwen3": {}, "phi3": {},
+        "llama": {}, "qwen3": {}, "phi3": {}, "olmo2": {},
         "qwen2": dict(use_sliding_window=True, sliding_window=window, max_window_layers=1),
         "mistral": dict(sliding_window=window),
         "gemma2": dict(sliding_window=window, attn_logit_softcapping=2.0, query_pre_attn_scalar=8),

@@ -1,8 +1,9 @@
 """Decoder language models through attnkit attention (docs/decoders.md), on tiny random-weight configs built here
-(tests/synthetic.py: Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, GPT-2, GPT-NeoX, Phi-3, gpt-oss): hidden
+(tests/synthetic.py: Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, GPT-2, GPT-NeoX, Phi-3, gpt-oss, OLMo 2): hidden
 states and maps on request against the same model with eager attention, with right and left padding; features
 against features computed here from eager's maps (tests/synthetic.py: features_from_maps); norm weighting against
-value vectors taken from the projections here; interventions, head caches, the refusals (unknown attention
+value vectors taken from the projections here; interventions (against eager with the same change made by hand, for
+the models whose attention differs most: q/k norms, windows, a fused projection), head caches, the refusals (unknown attention
 arguments, pruning, text pairs); generation with and without a KV cache."""
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ def output_weights(model):
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt_neox", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt_neox", "phi3", "qwen3", "gemma3_text", "olmo2"])
 def test_norm_weighting_uses_each_query_heads_kv_values_and_output_slice(kind):
     eager = tiny_decoder(kind)
     ours = attnkit.instrument(copy.deepcopy(eager))
@@ -190,6 +191,47 @@ def test_interventions_and_head_caches():
     out = cache[0]
     assert out.shape == (3, ids.shape[1], 4, 8)
     assert float(out[2, :ids.shape[1] - LENGTHS[2]].abs().sum()) == 0.0  # left padding rows: 0
+
+
+def visible(model, layer: int, n: int) -> torch.Tensor:
+    """n × n: the keys each row of `layer` sees in a sample of n tokens, from the layer's own settings (causal, and
+    the `sliding_window` of its attention module where it has one)."""
+    window = getattr(attention_modules(model)[layer], "sliding_window", None)
+    pos = torch.arange(n)
+    sees = pos[:, None] >= pos[None, :]
+    return sees & (pos[:, None] - pos[None, :] < window) if window else sees
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3_text", "olmo2", "phi3"])
+def test_interventions_equal_eager_by_hand(kind, side):
+    """A zeroed head equals eager with that head's columns of the output projection zeroed, a gate of 0.5 eager with
+    them halved; a uniform head's maps put 1/m on each of the m keys a row sees (Gemma 3's layer 0: a window)."""
+    eager = tiny_decoder(kind)
+    ours = attnkit.instrument(copy.deepcopy(eager))
+    ids, mask = inputs(side)
+    valid = mask.bool()
+    D = 8
+    for layer, head, factor in ((1, 2, 0.0), (0, 3, 0.5)):
+        cut = copy.deepcopy(eager)
+        with torch.no_grad():
+            output_weights(cut)[layer][:, head * D:(head + 1) * D] *= factor
+            want = cut(input_ids=ids, attention_mask=mask).logits
+        if factor == 0.0:
+            change = attnkit.Intervention.from_heads(ours, f"L{layer}H{head}", mode="zero")
+        else:
+            gates = torch.ones(2, 4)
+            gates[layer, head] = factor
+            change = attnkit.Intervention.identity(2, 4).with_gates(gates, requires_grad=False)
+        with attnkit.intervene(ours, change), torch.no_grad():
+            got = ours(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(got[valid], want[valid], atol=2e-5, rtol=1e-5)
+    with attnkit.intervene(ours, attnkit.Intervention.from_heads(ours, "L0H1", mode="uniform")), torch.no_grad():
+        maps = ours(input_ids=ids, attention_mask=mask, output_attentions=True).attentions[0][:, 1]
+    for b, n in enumerate(LENGTHS):
+        o = 0 if side == "right" else ids.shape[1] - n
+        sees = visible(ours, 0, n).float()
+        torch.testing.assert_close(maps[b, o:o + n, o:o + n], sees / sees.sum(-1, keepdim=True))
 
 
 def test_unknown_attention_arguments_are_refused_by_name():

@@ -1,11 +1,14 @@
 """Every encoder family attnkit names (tests/synthetic.py: ENCODER_KINDS: BERT, RoBERTa, ELECTRA, DistilBERT, XLM-R,
-CamemBERT), tiny and random, through attnkit attention, pruned and not: hidden states and maps on request against
+CamemBERT, ModernBERT), tiny and random, through attnkit attention, pruned and not (ModernBERT's fused projection is
+not prunable): hidden states and maps on request against
 the same model with eager attention; features against features computed here from eager's maps; norm-weighted
 features against value vectors and output projections taken from the eager model here. The inputs carry
 `token_type_ids` of a text pair, as a BERT tokenizer gives them, for every family: DistilBERT hands them on to its
 attention function (issue 34: it was refused there). Then the same through `attnkit.extract` with a WordPiece
 tokenizer and through the command line on a saved DistilBERT, and the refusals that stay: an attention argument that
-changes attention, and a model that runs one attention module for several layers (ALBERT)."""
+changes attention, and a model that runs one attention module for several layers (ALBERT). ModernBERT's local layers
+(a bidirectional sliding window) also with left padding, under interventions, and its windows as transformers'
+mask draws them."""
 from __future__ import annotations
 
 import copy
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 import attnkit
+from attnkit.arch.architectures import LAYOUTS
 from attnkit.errors import AttnkitError
 from attnkit.features import CLS, COMMA, OTHER, PERIOD, SEP
 from attnkit.models import runtime_of
@@ -43,7 +47,8 @@ def inputs() -> dict:
     return padded_inputs(VOCAB, LENGTHS, pair=True)
 
 
-@pytest.fixture(scope="module", params=[(k, p) for k in ENCODER_KINDS for p in (False, True)],
+@pytest.fixture(scope="module", params=[(k, p) for k in ENCODER_KINDS for p in (False, True)
+                                        if LAYOUTS[k].prunable or not p],
                 ids=lambda kp: f"{kp[0]}-{'pruned' if kp[1] else 'full'}")
 def pair(request):
     """(kind, pruned, eager model, the same weights with attnkit attention)"""
@@ -55,6 +60,8 @@ def pair(request):
         for name, p in eager.named_parameters():
             if name.endswith(("query.weight", "q_lin.weight")):
                 p.mul_(6.0)
+            elif name.endswith("Wqkv.weight"):  # ModernBERT: [q | k | v], the first hidden rows make q
+                p[:p.shape[1]].mul_(6.0)
     if pruned:
         prune_heads(eager, PRUNED)
     eager.set_attn_implementation("eager")
@@ -147,10 +154,14 @@ def test_features_equal_those_of_eager_maps(pair):
 
 
 def projections(model, kind):
-    """Per layer (value projection, output projection) of an encoder of `kind`, named here per family."""
+    """Per layer (the projection computing the values, the units of its output that are the values, output
+    projection) of an encoder of `kind`, named here per family."""
     if kind == "distilbert":
-        return [(lay.attention.v_lin, lay.attention.out_lin) for lay in model.transformer.layer]
-    return [(lay.attention.self.value, lay.attention.output.dense) for lay in model.encoder.layer]
+        return [(lay.attention.v_lin, slice(None), lay.attention.out_lin) for lay in model.transformer.layer]
+    if kind == "modernbert":  # one fused Wqkv: [q | k | v], each hidden wide
+        hidden = model.config.hidden_size
+        return [(lay.attn.Wqkv, slice(2 * hidden, 3 * hidden), lay.attn.Wo) for lay in model.layers]
+    return [(lay.attention.self.value, slice(None), lay.attention.output.dense) for lay in model.encoder.layer]
 
 
 def test_norm_weighting_equals_value_norms_of_eager(pair):
@@ -163,15 +174,16 @@ def test_norm_weighting_equals_value_norms_of_eager(pair):
         feats = forward_features(ours, batch).numpy()
     values = {}
     parts = projections(eager, kind)
-    hooks = [v.register_forward_hook(lambda m, i, o, layer=layer: values.__setitem__(layer, o.detach()))
-             for layer, (v, _) in enumerate(parts)]
+    hooks = [v.register_forward_hook(lambda m, i, o, layer=layer, units=units: values.__setitem__(layer,
+                                                                                                  o[..., units].detach()))
+             for layer, (v, units, _) in enumerate(parts)]
     with torch.no_grad():
         maps = eager_maps(eager(**enc, output_attentions=True).attentions, pruned)
     for h in hooks:
         h.remove()
     D = 32 // N_HEADS
     weighted = []
-    for layer, (a, (_, out)) in enumerate(zip(maps, parts)):
+    for layer, (a, (_, _, out)) in enumerate(zip(maps, parts)):
         h_kept = a.shape[1]
         if not h_kept:  # a layer with no head left computes no values
             weighted.append(a.numpy())
@@ -268,3 +280,97 @@ def test_one_attention_module_for_several_layers_is_refused():
                                      num_attention_heads=4, intermediate_size=64)).eval()
     with pytest.raises(AttnkitError, match="'albert' runs one attention module .*AlbertAttention.* for 3 layers"):
         attnkit.instrument(model)
+
+
+# --- ModernBERT: local layers attend through a bidirectional sliding window -----------------------------------------
+def modernbert_inputs(side: str) -> dict:
+    """The matrix's ids and lengths (9, 6, 1), padded on `side`; no token_type_ids (ModernBERT has no segments)."""
+    enc = padded_inputs(VOCAB, LENGTHS)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    if side == "left":
+        L = ids.shape[1]
+        mask = mask.flip(1)
+        ids = torch.stack([ids[b].roll(L - n) for b, n in enumerate(LENGTHS)])
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+def window_of(model, layer: int) -> int | None:
+    """The half-width of layer `layer`'s window as transformers' mask draws it (keys |s − t| ≤ that), None on a
+    global layer: the config's own terms (`layer_types`, `sliding_window` = local_attention // 2)."""
+    return model.config.sliding_window if model.config.layer_types[layer] == "sliding_attention" else None
+
+
+@pytest.fixture(scope="module")
+def modernbert():
+    eager = tiny_encoder("modernbert", n_layers=N_LAYERS, vocab=VOCAB)
+    eager.set_attn_implementation("eager")
+    return eager, attnkit.instrument(copy.deepcopy(eager))
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_modernbert_windows_equal_eager_with_either_padding(modernbert, side):
+    """Hidden states and maps equal eager's with right and left padding; each local layer's maps put weight only on
+    the keys within its window of the row (the window is narrower than the longest sample, so it cuts)."""
+    eager, ours = modernbert
+    enc = modernbert_inputs(side)
+    with torch.no_grad():
+        e = eager(**enc, output_attentions=True, output_hidden_states=True)
+        o = ours(**enc, output_attentions=True, output_hidden_states=True)
+    valid = enc["attention_mask"].bool()
+    for a, b in zip(e.hidden_states, o.hidden_states, strict=True):
+        torch.testing.assert_close(b[valid], a[valid], atol=1e-5, rtol=1e-5)
+    both = (valid[:, None, :, None] & valid[:, None, None, :]).expand_as(o.attentions[0])
+    pos = torch.arange(valid.shape[1])
+    local = 0
+    for layer, (a, b) in enumerate(zip(e.attentions, o.attentions, strict=True)):
+        torch.testing.assert_close(b[both], a[both], atol=1e-6, rtol=1e-5)
+        assert float(b[~valid[:, None, None, :].expand_as(b)].abs().sum()) == 0.0  # no weight on padding
+        half = window_of(eager, layer)
+        if half is not None:
+            local += 1
+            outside = ((pos[:, None] - pos[None, :]).abs() > half)[None, None].expand_as(b)
+            assert float(b[outside].abs().sum()) == 0.0 and float(b[~outside & both].min()) > 0
+    assert local >= 1 and 2 * window_of(eager, 1) + 1 < max(LENGTHS)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_modernbert_interventions_equal_eager_by_hand(modernbert, side):
+    """On a local layer: a zeroed head equals eager with that head's columns of Wo zeroed; a uniform head's maps put
+    1/m on each of the m keys of its window within the sample (written out here)."""
+    eager, ours = modernbert
+    enc = modernbert_inputs(side)
+    valid = enc["attention_mask"].bool()
+    cut = copy.deepcopy(eager)
+    D = eager.config.hidden_size // N_HEADS
+    with torch.no_grad():
+        cut.layers[1].attn.Wo.weight[:, 2 * D:3 * D] = 0
+        want = cut(**enc).last_hidden_state
+    with attnkit.intervene(ours, attnkit.Intervention.from_heads(ours, "L1H2", mode="zero")), torch.no_grad():
+        got = ours(**enc).last_hidden_state
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
+    assert (got[valid] - ours(**enc).last_hidden_state[valid]).abs().max() > 1e-3  # the head mattered
+    with attnkit.intervene(ours, attnkit.Intervention.from_heads(ours, "L1H1", mode="uniform")), torch.no_grad():
+        maps = ours(**enc, output_attentions=True).attentions[1][:, 1]
+    half = window_of(eager, 1)
+    for b, n in enumerate(LENGTHS):
+        o = 0 if side == "right" else valid.shape[1] - n
+        pos = torch.arange(n)
+        sees = ((pos[:, None] - pos[None, :]).abs() <= half).float()
+        torch.testing.assert_close(maps[b, o:o + n, o:o + n], sees / sees.sum(-1, keepdim=True))
+
+
+def test_modernbert_distances_use_its_windows(modernbert):
+    """The JS distance collector recomputes each layer's weights with the layer's window: its distances equal those
+    of eager's maps (global and local layers side by side)."""
+    from attnkit.engine.distances import DistanceCollector, js_distances
+
+    eager, ours = modernbert
+    enc = modernbert_inputs("right")
+    collector = DistanceCollector(N_LAYERS, use_op=False)
+    with attnkit.models.observing(ours, [collector]), torch.no_grad():
+        ours(**enc)
+    with torch.no_grad():
+        maps = eager(**enc, output_attentions=True).attentions
+    want, n = js_distances(torch.cat(maps, 1), enc["attention_mask"].sum(-1), use_op=False)
+    assert collector.result().n_rows == n == sum(LENGTHS)
+    np.testing.assert_allclose(collector.sum, want.numpy(), rtol=1e-5, atol=1e-6)

@@ -329,7 +329,8 @@ def test_lse_op_fake_and_schema():
     q, k, v, lengths, tc, sid = make(L=12, seed=13, lengths=[12, 7])
     op = torch.ops.attnkit.fused_attention_lse.default
     for extra in ((KV, True, 4, 2.0, SINK), (None, False, None, None, None)):
-        for tail in [(), (True,)] if ops.fused_max_logit("cpu") else [()]:  # want_max_logit: a B×H 4th output
+        # (symmetric_window, want_max_logit): a B×H 4th output
+        for tail in [(), (False, True)] if ops.fused_max_logit("cpu") else [()]:
             torch.library.opcheck(op, (q, k, v, lengths, tc, sid, 0.25, N, None, None, False, None, True, None) + extra
                                   + tail, test_utils=("test_schema", "test_faketensor"))
 
@@ -381,7 +382,7 @@ def test_max_logit_of_the_op_equals_the_reference(case, dtype, blocks, monkeypat
     causal, window = kw.get("causal", False), kw.get("sliding_window")
     args = (q, k, v, lengths, tc, sid, 0.3, N, None, None, False, None, True, None, kw.get("kv_head"), causal, window,
             kw.get("softcap"), kw.get("sink"))
-    out, feats, lse, ml = torch.ops.attnkit.fused_attention_lse(*args, True)
+    out, feats, lse, ml = torch.ops.attnkit.fused_attention_lse(*args, want_max_logit=True)
     assert ml.shape == (3, 6) and ml.dtype == torch.float32
     want = max_logits(q.float(), k.float(), lengths, 0.3, kv_head=kw.get("kv_head"), causal=causal,
                       sliding_window=window)
@@ -409,7 +410,7 @@ def test_max_logit_of_heads_the_tasks_do_not_measure():
     q[1, 4, 2, :] = float("nan")  # a NaN row of a valid query
     q[1, 5, 20, :] = float("nan")  # a NaN in a padded row (s >= n = 9): not counted
     ml = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, None, None, 0.3, N, mode, None, False, None, False,
-                                               None, None, True, None, None, sink, True)[3]
+                                               None, None, True, None, None, sink, want_max_logit=True)[3]
     from attnkit.reference import max_logits
 
     want = max_logits(q, k, lengths, 0.3, causal=True)

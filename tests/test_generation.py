@@ -16,7 +16,8 @@ from attnkit.errors import AttnkitError
 from .synthetic import tiny_decoder
 
 VOCAB = 120
-KINDS = ("llama", "qwen2", "gpt2", "mistral", "gemma2", "gpt_oss")  # qwen2, mistral, gemma2, gpt-oss: windows of 5
+# qwen2, mistral, gemma2, gemma3_text, gpt-oss: windows of 5; qwen3, gemma3_text, olmo2: q/k norms
+KINDS = ("llama", "qwen2", "qwen3", "gpt2", "mistral", "gemma2", "gemma3_text", "gpt_oss", "olmo2", "phi3")
 KW = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
 
 

@@ -135,5 +135,5 @@ def test_the_fused_cpu_op_measures_a_kv_cache_step_itself(monkeypatch):
     with mode:
         out, feats, lse, ml = torch.ops.attnkit.fused_attention_lse(
             fq, fk, fv, fl, None, None, SCALE, 4, None, None, False, None, False, None, None, True, 3, None, None,
-            True)
+            want_max_logit=True)
     assert (tuple(out.shape), tuple(lse.shape), tuple(ml.shape)) == ((B, 2, H, D), (B, H, 2), (B, H))

@@ -263,7 +263,7 @@ def test_backward_at_4096_rises_far_below_the_maps():
         assert rise["rise_mb"] < maps / 2, (how, rise, control)
 
 
-from .synthetic import DECODER_KINDS, tiny_bert, tiny_decoder  # noqa: E402
+from .synthetic import DECODER_KINDS, tiny_bert, tiny_decoder, tiny_encoder  # noqa: E402
 
 
 def _param_grads(model, **inputs):
@@ -321,6 +321,24 @@ def test_a_tiny_encoder_trains_like_eager():
     ours = attnkit.instrument(copy.deepcopy(eager))
     ids = torch.randint(9, eager.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(2))
     mask = (torch.arange(11)[None] < torch.tensor([11, 7, 2])[:, None]).long()
+    _assert_grads_like_eager(eager, ours, input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_tiny_modernbert_trains_like_eager(side):
+    """ModernBERT: global layers and a local one (a bidirectional sliding window, |s − t| ≤ 2), every weight's
+    gradient equal to eager's with right and left padding."""
+    import copy
+
+    import attnkit
+
+    eager = tiny_encoder("modernbert", n_layers=3)
+    eager.set_attn_implementation("eager")
+    ours = attnkit.instrument(copy.deepcopy(eager))
+    ids = torch.randint(5, 120, (3, 11), generator=torch.Generator().manual_seed(2))
+    mask = (torch.arange(11)[None] < torch.tensor([11, 7, 2])[:, None]).long()
+    if side == "left":
+        mask = mask.flip(1)
     _assert_grads_like_eager(eager, ours, input_ids=ids, attention_mask=mask)
 
 

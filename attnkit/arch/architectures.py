@@ -17,10 +17,14 @@ Decoder language models (docs/decoders.md) keep their output projection in the a
   in turn; the output projection is `dense`; the head size is `head_size`.
 - Phi-3: one fused `qkv_proj` computing [q (H heads) | k (Hkv heads) | v (Hkv heads)]; the output projection is
   `o_proj`.
+- OLMo 2: the Llama family's projections, but its `q_norm` and `k_norm` normalise q and k over all heads together
+  (RMSNorm over H·D), so removing a head would change the others' q and k: not prunable.
+ModernBERT (an encoder) holds one fused `Wqkv` computing [q | k | v], each H·D wide, and its output projection `Wo`
+in the attention module; the head size is `head_dim`.
 Head h's slice of the output projection is, in every one of them, the columns h·D … (h+1)·D − 1 of W_O as an
 `nn.Linear` holds it (hidden × H·D): `output_matrix` gives that matrix for a `Conv1D` too. Physical pruning
 (attnkit/arch/pruning.py) knows the separate projections of the encoders and of the Llama family, grouped-query
-attention included (`prunable`); it refuses the fused ones (GPT-2, GPT-NeoX, Phi-3) by name.
+attention included (`prunable`); it refuses the fused ones (GPT-2, GPT-NeoX, Phi-3, ModernBERT) and OLMo 2 by name.
 """
 from __future__ import annotations
 
@@ -59,11 +63,14 @@ LLAMA_LIKE = Layout("q_proj", "k_proj", "v_proj", "o_proj", False, None, None, "
 GPT2 = Layout(None, None, None, "c_proj", False, "num_heads", "embed_dim", "head_dim", fused="c_attn", prunable=False)
 GPT_NEOX = Layout(None, None, None, "dense", False, None, None, "head_size", fused="query_key_value", prunable=False)
 PHI3 = Layout(None, None, None, "o_proj", False, None, None, "head_dim", fused="qkv_proj", prunable=False)
+OLMO2 = Layout("q_proj", "k_proj", "v_proj", "o_proj", False, None, None, "head_dim", prunable=False)
+MODERNBERT = Layout(None, None, None, "Wo", False, None, None, "head_dim", fused="Wqkv", prunable=False)
 
 LAYOUTS = {"bert": BERT_LIKE, "roberta": BERT_LIKE, "electra": BERT_LIKE, "xlm-roberta": BERT_LIKE,
            "camembert": BERT_LIKE, "distilbert": DISTILBERT,
            "llama": LLAMA_LIKE, "qwen2": LLAMA_LIKE, "qwen3": LLAMA_LIKE, "mistral": LLAMA_LIKE, "gemma2": LLAMA_LIKE,
-           "gemma3_text": LLAMA_LIKE, "gpt_oss": LLAMA_LIKE, "gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3}
+           "gemma3_text": LLAMA_LIKE, "gpt_oss": LLAMA_LIKE, "gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3,
+           "olmo2": OLMO2, "modernbert": MODERNBERT}
 
 
 def projection_types() -> tuple:
@@ -238,5 +245,6 @@ def scale_output_units(proj: nn.Module, units: torch.Tensor, factors: torch.Tens
             proj.bias[idx] *= f
 
 
-__all__ = ["AttentionLayer", "BERT_LIKE", "DISTILBERT", "GPT2", "GPT_NEOX", "LAYOUTS", "LLAMA_LIKE", "Layout", "PHI3",
+__all__ = ["AttentionLayer", "BERT_LIKE", "DISTILBERT", "GPT2", "GPT_NEOX", "LAYOUTS", "LLAMA_LIKE", "Layout",
+           "MODERNBERT", "OLMO2", "PHI3",
            "QueryKeyUnits", "attention_layers", "layout_of", "output_matrix", "query_key_units", "scale_output_units"]

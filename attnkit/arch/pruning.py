@@ -226,7 +226,8 @@ def prune_heads(model, heads: Iterable[tuple[int, int]]):
     if not layers[0].layout.prunable:
         raise AttnkitError(f"pruning heads of a {model.config.model_type!r} model is not supported: attnkit prunes "
                            f"separate query, key and value projections "
-                           f"({', '.join(sorted(k for k, v in LAYOUTS.items() if v.prunable))}), not fused ones")
+                           f"({', '.join(sorted(k for k, v in LAYOUTS.items() if v.prunable))}), not fused ones, nor "
+                           f"those normalised over all heads together (OLMo 2's q_norm and k_norm)")
     L, H = len(layers), _n_heads(model)
     group = kv_group_size(model.config)
     current = current_heads(layers, H)

@@ -10,7 +10,8 @@ branches of the steps after it: cross-attention's is attnkit/attention/cross.py.
 
 Decoder language models (docs/decoders.md): what transformers passes decides the op's decoder arguments
 (`decoder_arguments`: the module's `is_causal`, K/V with fewer heads than Q, the `sliding_window`, `softcap` and
-`s_aux` arguments); an argument attnkit does not know is refused by name.
+`s_aux` arguments); an argument attnkit does not know is refused by name. A `sliding_window` in bidirectional
+attention (ModernBERT's local layers) is the op's bidirectional window (`symmetric_window`).
 """
 from __future__ import annotations
 
@@ -247,19 +248,22 @@ def read_layout(batch: BatchInfo | None, attention_mask, B: int, L: int, Lk: int
 # reads, and those that do not change what attention computes (positions are already in q and k; caches, router
 # logits, the loss's token count and return flags are the model's business; DistilBERT hands the model's inputs on
 # to its attention function, so `token_type_ids` the tokenizer made arrive there, where no attention implementation
-# reads them: segments reach attnkit through the recorded inputs, `Forward.inputs`). Any other argument that has a
-# value is refused by name: it might change attention, and attnkit would silently ignore it.
+# reads them: segments reach attnkit through the recorded inputs, `Forward.inputs`; ModernBERT passes
+# `deterministic`, flash-attn's choice of a deterministic backward for its dropout, which changes no weight and no
+# output: transformers' eager and sdpa functions ignore it too). Any other argument that has a value is refused by
+# name: it might change attention, and attnkit would silently ignore it.
 READ_KWARGS = frozenset({"output_attentions", "is_causal", "sliding_window", "softcap", "s_aux", "position_bias"})
 HARMLESS_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits",
                              "output_hidden_states", "return_dict", "past_key_values", "position_embeddings",
-                             "token_type_ids", "num_items_in_batch"})
+                             "token_type_ids", "num_items_in_batch", "deterministic"})
 
 
 def decoder_arguments(module, H: int, Hkv: int, kwargs: dict, kept, device) -> dict:
     """The op's decoder arguments (docs/decoders.md, "What attnkit reads from transformers") for one call of the
     attention function: `causal` from the module's `is_causal` (or an `is_causal` argument), `sliding_window`
-    and `softcap` from the arguments of the same names, `sink` from gpt-oss's `s_aux`, `kv_head` where the module
-    names one (KV_HEAD_ATTR). Only what differs from the op's defaults is returned: an encoder gets {}. An
+    and `softcap` from the arguments of the same names (a window in bidirectional attention with
+    `symmetric_window`: ModernBERT's local layers, |s − t| < W), `sink` from gpt-oss's `s_aux`, `kv_head` where the
+    module names one (KV_HEAD_ATTR). Only what differs from the op's defaults is returned: an encoder gets {}. An
     argument attnkit does not know is refused by name (READ_KWARGS, HARMLESS_KWARGS)."""
     unknown = sorted(k for k, v in kwargs.items() if k not in READ_KWARGS and k not in HARMLESS_KWARGS
                      and v is not None)
@@ -272,10 +276,11 @@ def decoder_arguments(module, H: int, Hkv: int, kwargs: dict, kept, device) -> d
     out: dict = {"causal": True} if causal else {}
     window = kwargs.get("sliding_window")
     if window is not None:
-        if not causal:
-            raise AttnkitError(f"{name} asks for a sliding window of {window} tokens in bidirectional attention; "
-                               "attnkit's sliding windows are causal (row s sees keys s − W < t ≤ s)")
+        # transformers' flash convention, which ModernBERT follows: W = its mask's inclusive half-width + 1, so the
+        # bidirectional mask |q_idx − kv_idx| ≤ W − 1 is the op's |s − t| < W
         out["sliding_window"] = int(window)
+        if not causal:
+            out["symmetric_window"] = True
     if kwargs.get("softcap") is not None:
         out["softcap"] = float(kwargs["softcap"])
     sink = kwargs.get("s_aux")

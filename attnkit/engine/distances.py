@@ -155,7 +155,7 @@ def js_distances(attn: torch.Tensor, lengths: torch.Tensor, *, rows_per_sample: 
 
 def check_decoder_arguments(decoder: dict, what: str) -> None:
     """Refuse, by name, a decoder argument an observer does not know (it might change the weights)."""
-    unknown = sorted(set(decoder) - {"causal", "kv_head", "sliding_window", "softcap", "sink"})
+    unknown = sorted(set(decoder) - {"causal", "kv_head", "sliding_window", "softcap", "sink", "symmetric_window"})
     if unknown:
         raise AttnkitError(f"{what}: unknown attention argument {unknown[0]!r}")
 
@@ -204,7 +204,8 @@ class DistanceCollector:
             w = attention_weights(query.detach(), key.detach(), lengths.long(), float(scaling), **decoder)
             if decoder and self.smoothing:  # ε over the keys each row sees (layers may differ in their window)
                 visible = visible_keys(lengths.long().to(w.device), w.shape[-1], decoder.get("causal", False),
-                                       decoder.get("sliding_window"))
+                                       decoder.get("sliding_window"),
+                                       symmetric_window=decoder.get("symmetric_window", False))
                 w = smooth_attention(w, lengths, self.smoothing, visible)
                 self._smoothed = True
         self._pending[int(layer)] = w

@@ -62,12 +62,13 @@ def grouped_scores(q_blk: torch.Tensor, k: torch.Tensor, kv_head: torch.Tensor |
 
 
 def _weights_block(q_blk, k, lengths, scaling, s0: int = 0, *, kv_head=None, causal: bool = False,
-                   sliding_window: int | None = None, softcap: float | None = None, sink=None):
+                   sliding_window: int | None = None, softcap: float | None = None, sink=None,
+                   symmetric_window: bool = False):
     """Softmax weights of query rows s0 … s0 + r − 1 (q_blk: B × H × r × D) over the keys each row sees: the valid
-    keys, with `causal` those t ≤ s, with a window W those s − t < W; scores soft-capped first; a learned sink
-    logit per head (`sink`, H) joins the denominator and takes its share (the keys' weights then sum to 1 − the
-    sink's mass, as in eager's maps) (docs/features.md, "Causal attention"). A row that sees no key (a padded row
-    outside a window) gives NaN without a sink: callers drop it."""
+    keys, with `causal` those t ≤ s, with a window W those s − t < W (and t − s < W with `symmetric_window`);
+    scores soft-capped first; a learned sink logit per head (`sink`, H) joins the denominator and takes its share
+    (the keys' weights then sum to 1 − the sink's mass, as in eager's maps) (docs/features.md, "Causal
+    attention"). A row that sees no key (a padded row outside a window) gives NaN without a sink: callers drop it."""
     scores = grouped_scores(q_blk, k, kv_head) * float(scaling)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
@@ -80,6 +81,8 @@ def _weights_block(q_blk, k, lengths, scaling, s0: int = 0, *, kv_head=None, cau
             visible = visible & (offset >= 0)
         if sliding_window is not None:
             visible = visible & (offset < sliding_window)
+            if symmetric_window:
+                visible = visible & (offset > -sliding_window)
     scores = scores.masked_fill(~visible, float("-inf"))
     if sink is None:
         return torch.softmax(scores, dim=-1)

@@ -101,7 +101,8 @@ def _block_rows(B: int, H: int, L: int) -> int:
     return max(1, min(L, TILE_ELEMENTS // max(1, B * H * L)))
 
 
-def tiled_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal, sliding_window, softcap, sink):
+def tiled_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal, sliding_window, softcap, sink, *,
+                   symmetric_window=False):
     """Gradients (fp32) by query-row tiles of full rows (module docstring); any device."""
     B, H, L, D = q.shape
     dev = q.device
@@ -133,6 +134,8 @@ def tiled_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal, sl
             vis = vis & (offset >= 0)
         if sliding_window is not None:
             vis = vis & (offset < sliding_window)
+            if symmetric_window:
+                vis = vis & (offset > -sliding_window)
         s = s.masked_fill(~vis, float("-inf"))
         lse = torch.logsumexp(s, -1)  # B×H×b
         if sink_logit is not None:
@@ -159,7 +162,7 @@ def tiled_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal, sl
 
 
 def attention_backward(grad_out, q, k, v, lengths, *, scaling: float, gates=None, kv_head=None, causal=False,
-                       sliding_window=None, softcap=None, sink=None, saved=None):
+                       sliding_window=None, softcap=None, sink=None, symmetric_window=False, saved=None):
     """(dq, dk, dv, d gates or None, d sink or None) of the op's output (B×L×H×D) without interventions, in the
     dtypes of q, k, v, gates and sink; see the module docstring for which way computes them. `saved`: the
     forward's (out B×L×H×D, lse B×H×L fp32), ungated, which ATen's backward then uses instead of `stats`."""
@@ -177,7 +180,7 @@ def attention_backward(grad_out, q, k, v, lengths, *, scaling: float, gates=None
                                               saved=saved if gates is None else None, full=full)
     else:
         dq, dke, dve, dg, ds = tiled_backward(grad_out, q, k, v, lengths, scaling, gates, index, causal,
-                                              sliding_window, softcap, sink)
+                                              sliding_window, softcap, sink, symmetric_window=symmetric_window)
     dk = _sum_per_kv_head(dke.float() if index is not None else dke, index, Hkv)
     dv = _sum_per_kv_head(dve.float() if index is not None else dve, index, Hkv)
     if not full:

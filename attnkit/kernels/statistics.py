@@ -15,7 +15,7 @@ TILE_ELEMENTS = 1 << 20  # scores per block
 
 def max_logits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling: float, *, kv_head=None,
                causal: bool = False, sliding_window: int | None = None,
-               key_lengths: torch.Tensor | None = None) -> torch.Tensor:
+               key_lengths: torch.Tensor | None = None, symmetric_window: bool = False) -> torch.Tensor:
     """B×H fp32, equal to attnkit.reference.max_logits, by blocks of query rows (no grad). q may have fewer rows
     than k has keys (a KV-cache step: the last positions); a sample with no valid row gets −inf. Cross-attention
     (`key_lengths`): rows i < lengths, keys t < key_lengths."""
@@ -42,6 +42,8 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling:
                 seen = seen & (offset >= 0)
             if sliding_window is not None:
                 seen = seen & (offset < sliding_window)
+                if symmetric_window:
+                    seen = seen & (offset > -sliding_window)
             best = torch.maximum(best, s.masked_fill(~seen, float("-inf")).amax((-1, -2)))
             # torch.maximum propagates NaN, as the reference's amax does
     return best

@@ -397,6 +397,9 @@ def fused_attention(q, k, v, lengths, *args, block_m: int | None = None, block_n
     if D < 16 or D & (D - 1):
         raise AttnkitError(f"the Triton kernel needs a head dim that is a power of two >= 16, got {D}")
     p.check_layout(q, k, v, lengths)  # the op's contract, as every backend checks it
+    if p.symmetric_window:  # untested on a GPU: attnkit.ops.attention runs it on the reference (docs/cuda.md)
+        raise AttnkitError("the Triton kernel does not take symmetric_window (a bidirectional sliding window); "
+                           "attnkit.ops.attention runs such calls on the reference")
     dev = q.device
     scaling = D ** -0.5 if p.scaling is None else p.scaling
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))

@@ -172,7 +172,7 @@ void check_opt(const c10::optional<at::Tensor>& t, const char* name, at::ScalarT
 // or uniform computes no scores) or measured as NaN (a row whose softmax is undefined stops reading its keys).
 // nk: the keys (cross-attention's key length; else n).
 float head_max_logit(const at::Tensor& q, const at::Tensor& k, int64_t b, int64_t h, int64_t kvh, int64_t n,
-                     int64_t nk, int64_t off, double scaling, bool causal, int64_t window) {
+                     int64_t nk, int64_t off, double scaling, bool causal, int64_t window, bool symmetric_window) {
   const int64_t Lq = q.size(2);
   const int64_t rows = std::max<int64_t>(0, std::min(n - off, Lq));  // the valid query rows s = off + i < n
   if (rows == 0) return -std::numeric_limits<float>::infinity();
@@ -182,6 +182,7 @@ float head_max_logit(const at::Tensor& q, const at::Tensor& k, int64_t b, int64_
   auto hidden = at::zeros({rows, nk}, q.options().dtype(at::kBool));
   if (causal) hidden = hidden.logical_or(pos_t > pos_s);
   if (window > 0) hidden = hidden.logical_or(pos_s - pos_t >= window);
+  if (window > 0 && symmetric_window) hidden = hidden.logical_or(pos_t - pos_s >= window);
   return s.masked_fill(hidden, -std::numeric_limits<float>::infinity()).amax().item<float>();
 }
 
@@ -206,6 +207,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
                 "on the reference)");
   ATTNKIT_CHECK(cross || !a.key_class.has_value(),
                 "fused_attention: key_class is the keys' token classes of cross-attention: give key_lengths too");
+  ATTNKIT_CHECK(!cross || !a.symmetric_window, "fused_attention: cross-attention (key_lengths given) takes no "
+                "symmetric_window: a window over another sequence's keys is undefined");
   ATTNKIT_CHECK(!cross || (!a.sentence_id.has_value() && !a.region.has_value() && !a.causal &&
                            !a.sliding_window.has_value()),
                 "fused_attention: cross-attention (key_lengths given) takes no sentence_id, region, causal or "
@@ -237,6 +240,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   check_opt(a.sink, "sink", at::kFloat, {H}, "[H]");
   ATTNKIT_CHECK(!a.sliding_window.has_value() || *a.sliding_window >= 1,
                 "fused_attention: sliding_window must be an integer >= 1, got ", a.sliding_window.value_or(0));
+  ATTNKIT_CHECK(!a.symmetric_window || a.sliding_window.has_value(),
+                "fused_attention: symmetric_window needs a sliding_window");
   ATTNKIT_CHECK(!a.softcap.has_value() || (std::isfinite(*a.softcap) && *a.softcap > 0),
                 "fused_attention: softcap must be a finite number > 0, got ", a.softcap.value_or(0.0));
 
@@ -448,6 +453,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.log_key_scale = key_scale.defined() ? log_key_scale.data_ptr<float>() : nullptr;
   p.scaling = a.scaling, p.renormalize = a.renormalize, p.want_features = a.want_features, p.causal = a.causal;
   p.window = a.sliding_window.value_or(0);
+  p.symmetric_window = a.symmetric_window;
   p.softcap = a.softcap.has_value() ? static_cast<float>(*a.softcap) : 0.f;
   p.FA = kPartialSlots(F0);
   p.gemm = gemm;
@@ -509,7 +515,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       const int64_t b = bh / H, h = bh % H;
       if (std::isnan(m) || mode[h] != kModeKeep)  // not measured by the tasks: from the head's scores
         m = head_max_logit(q, k, b, h, kv_head[h], nlen[b], klen[b], off, a.scaling, a.causal,
-                           a.sliding_window.value_or(0));
+                           a.sliding_window.value_or(0), a.symmetric_window);
       mp[bh] = m;
     }
   }

@@ -67,6 +67,7 @@ struct FusedCpuParams {
   double scaling;
   bool renormalize, want_features, causal;
   int64_t window;  // sliding window W, 0: none
+  bool symmetric_window;  // the window also limits the keys after s (t − s < W): bidirectional
   float softcap;   // 0: none
   // features: per task FA doubles (see fused_attention.cpp); nullptr when not wanted
   double* partial;

@@ -5,10 +5,10 @@
 // Flash-style blocking, as ATen's CPU flash attention and the Triton kernel (attnkit/kernels/triton_attention.py)
 // do it. A task is (sample b, head h, block of BQ query rows; query row i is key position s = off + i, off = L − Lq
 // being 0 except in a KV-cache step). Row s sees the keys [lo_s, hi_s): hi_s = n, the sample's keys
-// (cross-attention: nk, the other sequence's; its rows s < n are the valid ones) (causal: min(n, s + 1)), lo_s = 0
-// (sliding window W: max(0, s − W + 1)); both bounds grow with s, so the
-// block's rows see only keys [lo of its first row, hi of its last row), which the task streams in key blocks
-// of BK (never the keys outside: a causal forward skips the blocks above the diagonal). Per key block:
+// (cross-attention: nk, the other sequence's; its rows s < n are the valid ones) (causal: min(n, s + 1); a symmetric
+// window W: min(n, s + W)), lo_s = 0 (sliding window W: max(0, s − W + 1)); both bounds grow with s, so the block's
+// rows see only keys [lo of its first row, hi of its last row), which the task streams in key blocks of BK (never
+// the keys outside: a causal forward skips the blocks above the diagonal, a window those outside it). Per key block:
 //   * S = Q_blk · K_blkᵀ with BLAS into a fixed per-thread tile (BQ × BK floats);
 //   * per row, over the keys it sees in the block: soft-capping, the block max, and when it exceeds the row's
 //     running max m (which starts at the sink logit, −inf without one), every running sum of the row — the
@@ -240,7 +240,10 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     const int region = p.region[h];
     // the keys row s sees: [lo(s), hi(s)), both non-decreasing in s (empty when lo(s) >= hi(s))
     auto lo_of = [&](int64_t s) { return p.window > 0 ? std::max<int64_t>(0, s - p.window + 1) : int64_t(0); };
-    auto hi_of = [&](int64_t s) { return p.causal ? std::min(nk, s + 1) : nk; };
+    auto hi_of = [&](int64_t s) {
+      const int64_t hi = p.causal ? std::min(nk, s + 1) : nk;
+      return p.symmetric_window ? std::min(hi, s + p.window) : hi;
+    };
     const int64_t khi = hi_of(s0 + bq - 1), klo = std::min(lo_of(s0), khi);
     // one key block for the whole task: windows through diag (offset t − s, from dbase) folded once per task
     const bool one_block = p.want_features && khi - klo <= BK;

@@ -292,6 +292,9 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(const FusedAttentionArgs
                 " divides ", a.q.size(1));
   ATTNKIT_CHECK(!a.sliding_window.has_value() || *a.sliding_window >= 1, kOp,
                 "sliding_window must be an integer >= 1, got ", a.sliding_window.value_or(0));
+  // no CUDA kernel has been tested with a bidirectional window: attnkit.ops.attention runs it on the reference
+  ATTNKIT_CHECK(!a.symmetric_window, kOp, "the CUDA kernels do not take symmetric_window (a bidirectional sliding "
+                "window); attnkit.ops.attention runs such calls on the reference");
   ATTNKIT_CHECK(!a.softcap.has_value() || (std::isfinite(*a.softcap) && *a.softcap > 0), kOp,
                 "softcap must be a finite number > 0, got ", a.softcap.value_or(0.0));
   const at::Device device = a.q.device();

@@ -5,8 +5,9 @@ from the op's own call (`MaxLogitObserver`: an observer with a true `takes_max_l
 
 Observers see the unpruned heads (attnkit.attention.call.observed): a removed head with q = k = 0, its max logit
 NaN. On a decoder, an observer of q and k is called only when it has a true attribute `decoder_arguments`, with the
-op's decoder arguments as keywords (causal, kv_head, sliding_window, softcap, sink; k then with its KV heads); the
-others are refused by name. Observers take whole sequences: a step of generation with a KV cache is refused."""
+op's decoder arguments as keywords (causal, kv_head, sliding_window, softcap, sink, symmetric_window; k then with its
+KV heads); the others are refused by name. ModernBERT's local layers pass the window arguments too, so they count as
+such a layer here. Observers take whole sequences: a step of generation with a KV cache is refused."""
 from __future__ import annotations
 
 from ...arch.pruning import to_unpruned
@@ -53,7 +54,7 @@ class QKObserver(BaseConsumer):
             raise AttnkitError(
                 f"an observer of q and k ({name}) does not take a decoder's attention arguments (causal, KV "
                 "heads, sliding window, soft cap, sink): it would measure attention this model does not "
-                "compute, so this analysis does not support decoder models yet")
+                "compute, so this analysis does not support decoder models (nor ModernBERT's windowed layers) yet")
 
 
 class MaxLogitObserver(BaseConsumer):
