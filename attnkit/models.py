@@ -19,6 +19,7 @@ import torch
 
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
 from .attention.consumers import observer_consumer
+from .attention.positions import image_layout
 from .attention.shared import shared_layers_error
 from .embedded import check_model_max_length, embedded_path, is_embedded_name, model_config
 from .errors import AttnkitError, arg, one_line
@@ -96,9 +97,11 @@ def attention_modules(model) -> list:
 
 
 def model_feature_names(model, num_windows: int) -> list[str]:
-    """The names of the features an instrumented `model` gives: `feature_names`, with `sink` last for a model with
-    a learned sink logit per head (gpt-oss; docs/features.md)."""
-    return feature_names(num_windows, sink=runtime_of(model).sink)
+    """The names of the features an instrumented `model` gives: `feature_names`, with `sink` for a model with a
+    learned sink logit per head (gpt-oss) and `mean_attention_distance` last for a vision transformer
+    (docs/features.md)."""
+    rt = runtime_of(model)
+    return feature_names(num_windows, sink=rt.sink, grid=rt.image is not None)
 
 
 def runtime_of(model) -> Runtime:
@@ -170,6 +173,7 @@ def instrument(model, tokenizer=None):
     if getattr(cfg, "is_decoder", False):  # an encoder architecture set up as a decoder (BERT with is_decoder=True)
         raise AttnkitError(f"model type {mtype!r} is configured as a decoder (is_decoder=True); attnkit measures "
                            "encoders and the decoder language models of docs/decoders.md")
+    image = image_layout(cfg)  # a vision transformer's tokens (attnkit/attention/positions.py); None for text
     try:
         model.set_attn_implementation(NAME)
     except Exception as exc:
@@ -178,7 +182,7 @@ def instrument(model, tokenizer=None):
             "attnkit supports models whose attention goes through transformers' AttentionInterface "
             "(BERT, RoBERTa, ELECTRA, DistilBERT, Llama, Qwen, Mistral, Gemma, GPT-2, ...)"
         ) from None
-    seen = _probe_attention_modules(model)
+    seen = _probe_attention_modules(model, image)
     if not seen:
         raise AttnkitError(
             f"model type {mtype!r} does not route its attention through transformers' AttentionInterface, "
@@ -189,7 +193,7 @@ def instrument(model, tokenizer=None):
         if getattr(mod, "layer_idx", None) is None:
             mod.layer_idx = i
     runtime = Runtime(separator_ids=_separator_ids(model, tokenizer),
-                      segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1, sink=seen.sink)
+                      segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1, sink=seen.sink, image=image)
     for mod in seen:
         setattr(mod, RUNTIME_ATTR, runtime)
     _record_inputs(model, runtime)
@@ -233,8 +237,10 @@ def _record_inputs(model, runtime: Runtime) -> None:
         maps = given.get("output_attentions")  # as transformers decides whether to record attentions
         if maps is None:
             maps = getattr(getattr(module, "config", None), "output_attentions", False)
+        pixels = tensor(given.get("pixel_values"))
         getattr(module, RUNTIME_ATTR).enter_forward(
-            ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids")), bool(maps)))
+            ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids")), bool(maps),
+                        image_size=None if pixels is None else tuple(pixels.shape[-2:])))
 
     def after(module, args, kwargs, output):
         getattr(module, RUNTIME_ATTR).exit_forward()
@@ -244,12 +250,16 @@ def _record_inputs(model, runtime: Runtime) -> None:
     base.register_forward_hook(after, with_kwargs=True, always_call=True)
 
 
-def _probe_attention_modules(model):
-    """Run a two-token forward and return the modules that called attnkit attention, in order (a
-    `hf_attention.Callers`, which also says whether one has a learned sink logit)."""
-    device = next(model.parameters()).device
-    ids = torch.full((1, 2), 1, dtype=torch.long, device=device)
-    sig_kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+def _probe_attention_modules(model, image=None):
+    """Run a two-token forward (a vision transformer, `image` its ImageLayout: one tiny random image of the config's
+    size) and return the modules that called attnkit attention, in order (a `hf_attention.Callers`, which also says
+    whether one has a learned sink logit)."""
+    param = next(model.parameters())
+    if image is not None:
+        sig_kwargs = {"pixel_values": image.probe_pixels(param.device, param.dtype)}
+    else:
+        ids = torch.full((1, 2), 1, dtype=torch.long, device=param.device)
+        sig_kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     try:
         with torch.no_grad(), recording_callers() as callers:
             model(**sig_kwargs)

@@ -22,6 +22,10 @@ kernel only where it says it takes them (`fused_fewer_queries`), else on the ref
 included, always on the reference until a GPU has tested a kernel (docs/cuda.md). A plain one (no features, no
 intervention, no soft cap or sink: `plain_step`) the reference's definition computes in one call of torch's
 scaled_dot_product_attention. The fake kernel's shapes hold for them (out B×Lq×H×D).
+
+An image's patch grid (`grid`, attnkit/reference.py "Images"): only the compiled CPU kernel measures its feature;
+with features wanted, CUDA calls (the Triton kernel's too) and builds before it run on the reference, and
+`backend="fused"` refuses them by name; without features the grid is dropped (it changes nothing else).
 """
 from __future__ import annotations
 
@@ -116,6 +120,15 @@ def fused_max_logit(device_type: str) -> bool:
     Elsewhere (CUDA, Triton, the reference, older builds) `attention(..., want_max_logit=True)` computes it by
     `attnkit.kernels.statistics.max_logits`, one more blocked q·kᵀ pass."""
     return device_type == "cpu" and _LSE_MAX_LOGIT
+
+
+_FUSED_GRID = extension_loaded() and _op_takes("fused_attention", "grid")
+
+
+def fused_grid(device_type: str) -> bool:
+    """Whether the compiled kernel for `device_type` measures the features of an image's patch grid (`grid`): the
+    CPU kernel of a build that takes it. CUDA does not (docs/cuda.md): such calls run on the reference."""
+    return device_type == "cpu" and _FUSED_GRID
 
 
 def fused_decoder() -> bool:
@@ -305,7 +318,15 @@ def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
         gates=_as(p.gates, torch.float32, dev) if p.gates is None or not p.gates.requires_grad else p.gates.to(dev),
         key_scale=_as(p.key_scale, torch.float32, dev), kv_head=_as(p.kv_head, torch.int32, dev),
         sink=_as(p.sink, torch.float32, dev) if p.sink is None or not p.sink.requires_grad else p.sink.to(dev),
-        causal=bool(p.causal), softcap=None if p.softcap is None else float(p.softcap))
+        causal=bool(p.causal), softcap=None if p.softcap is None else float(p.softcap),
+        grid=_as(p.grid, torch.int32, dev) if p.want_features else None)  # (no features: the grid changes nothing)
+
+
+def _compiled_args(p: AttentionParams) -> tuple:
+    """`p.op_args()` as the compiled op's schema takes them: a build before `grid` has no such argument (`_attention`
+    has sent calls with a grid to the reference)."""
+    args = p.op_args()
+    return args if _FUSED_GRID else args[:-1]
 
 
 # the op's arguments before the decoder ones: all that a build before them takes
@@ -324,7 +345,7 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
     decoder = p.decoder_used(q.shape[1], k.shape[1])
     fewer_queries = q.shape[2] < k.shape[2]  # a KV-cache step: the queries are the last positions of the keys
     if (backend in ("auto", "fused") and dev.type == "cuda" and q.dtype in _TRITON_DTYPES and cuda_kernel() == "triton"
-            and not fewer_queries):
+            and not fewer_queries and p.grid is None):
         # the Triton kernel takes every argument, the decoder ones included, and needs no compiled extension
         return torch.ops.attnkit.fused_attention_triton(q, k, v, lengths, *p.op_args())
     chosen = resolve_backend(backend, dev)
@@ -339,6 +360,11 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
                                f"keys ({q.shape[2]} queries, {k.shape[2]} keys: a KV-cache step); use backend "
                                "'auto' or 'reference'")
         chosen = "reference"  # a decode step costs the reference O(keys) per head and query row (exact, no warning)
+    if chosen == "fused" and p.grid is not None and not fused_grid(dev.type):
+        if backend == "fused":
+            raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel of this build does not measure an "
+                               "image's patch grid (grid): use backend 'auto' or 'reference'")
+        chosen = "reference"  # exact, no warning (docs/cuda.md: the CUDA kernels do not take the grid)
     if chosen == "reference" and fewer_queries and backend == "auto" and _plain_step(q, k, v, p):
         return plain_step(q, k, v, lengths, p.scaling, p.causal, p.sliding_window)
     if chosen == "reference":
@@ -352,13 +378,13 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
             # Gates multiply the op's ungated output here, so that the saved output is the one ATen's backward
             # wants and autograd gives the gate Σ dO ∘ O_h (no recompute)
             ungated = dataclasses.replace(p, gates=None) if lse else p
-            res = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *ungated.op_args(),
+            res = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *_compiled_args(ungated),
                                                         *((True,) if in_op else ()))
             out = res[0]
             if lse and p.gates is not None:
                 out = (out.float() * p.gates.float().view(1, 1, -1, 1)).to(out.dtype)
             return (out, res[1], res[3]) if in_op else (out, res[1])
-        args = p.op_args()
+        args = _compiled_args(p)
         return torch.ops.attnkit.fused_attention(q, k, v, lengths, *(args if _FUSED_DECODER else
                                                                       args[:_BEFORE_DECODER]))
     except RuntimeError as exc:  # the kernels' argument checks (TORCH_CHECK) name the bad argument
@@ -432,7 +458,7 @@ _LIB.define(
     "fused_attention_triton(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
     "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, bool renormalize, "
     "Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, bool causal=False, "
-    "int? sliding_window=None, float? softcap=None, Tensor? sink=None) -> (Tensor, Tensor)")
+    "int? sliding_window=None, float? softcap=None, Tensor? sink=None, Tensor? grid=None) -> (Tensor, Tensor)")
 
 
 def _fused_attention_triton(q, k, v, lengths, *args):
@@ -454,7 +480,7 @@ def _fused_attention_fake(q, k, v, lengths, *args):
     p = AttentionParams(*args)
     B, H, Lq, D = q.shape  # Lq <= the keys' length: a KV-cache step has one row per new token
     out = q.new_empty((B, Lq, H, D))
-    nf = num_features(p.num_windows, sink=p.sink is not None) if p.want_features else 0
+    nf = num_features(p.num_windows, sink=p.sink is not None, grid=p.grid is not None) if p.want_features else 0
     feats = q.new_empty((B, H, nf), dtype=torch.float32)
     return out, feats
 
@@ -465,12 +491,17 @@ torch.library.register_fake(_TRITON_OP)(_fused_attention_fake)
 # positions of the op's inputs that get gradients besides q, k and v (csrc/ops.cpp)
 _GATES, _SINK = AttentionParams.position("gates"), AttentionParams.position("sink")
 _N_PARAMS = len(dataclasses.fields(AttentionParams))
+_N_OP_PARAMS = _N_PARAMS if _FUSED_GRID else _N_PARAMS - 1  # the compiled ops' (a build before `grid`: one fewer)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, lengths = inputs[:4]
-    # the decoder arguments come last, absent from older builds (their defaults); the lse op's want_max_logit after
-    p = AttentionParams(*inputs[4:4 + _N_PARAMS])
+    # the decoder arguments and the grid come last, absent from older builds (their defaults); the lse op's
+    # want_max_logit after them (a bool where a build before `grid` ends its params)
+    params = inputs[4:4 + _N_PARAMS]
+    if len(params) == _N_PARAMS and isinstance(params[-1], bool):
+        params = params[:-1]
+    p = AttentionParams(*params)
     # _LSE_OP's outputs (out, features, lse[, max_logit]): its backward reuses out and lse instead of recomputing them
     saved = (output[0], output[2]) if len(output) >= 3 else ()
     ctx.save_for_backward(q, k, v, lengths, *p.tensors(), *saved)
@@ -544,8 +575,8 @@ if extension_loaded():
     if has_kernel("cpu", _LSE_OP):  # an extension built before the op has no such schema
         @torch.library.register_fake(_LSE_OP)
         def _fused_attention_lse_fake(q, k, v, lengths, *args, want_max_logit=False):
-            if len(args) > _N_PARAMS:  # want_max_logit given by position
-                args, want_max_logit = args[:_N_PARAMS], args[_N_PARAMS]
+            if len(args) > _N_OP_PARAMS:  # want_max_logit given by position
+                args, want_max_logit = args[:_N_OP_PARAMS], args[_N_OP_PARAMS]
             out, feats = _fused_attention_fake(q, k, v, lengths, *args)
             B, H, L, _ = q.shape
             lse = q.new_empty((B, H, L), dtype=torch.float32)

@@ -3,9 +3,11 @@ keyword arguments) read once into a frozen `AttentionCall` that every later step
 left padding moved to the front), the op's decoder arguments, a pruned layer's kept heads, whether maps are asked
 for, whether it is a KV-cache step.
 
-What it reads is self-attention over one sequence with 1-D positions. Other inputs (2-D positions of vision models,
-queries and keys from two sequences in cross-attention) would be other readers that give an AttentionCall, not
-branches of the steps after it.
+What it reads is self-attention over one sequence. What each token is (`tokens`) comes from a reader of its own
+(attnkit/attention/positions.py): a text's tokens, or a vision transformer's [CLS], extra tokens and patches with
+their 2-D positions on the image's grid, which the plan hands to the op as they are (no branch of the steps after
+it). Other inputs (queries and keys from two sequences in cross-attention) would be other readers that give an
+AttentionCall.
 
 Decoder language models (docs/decoders.md): what transformers passes decides the op's decoder arguments
 (`decoder_arguments`: the module's `is_causal`, K/V with fewer heads than Q, the `sliding_window`, `softcap` and
@@ -21,6 +23,7 @@ import torch
 from ..arch.pruning import KV_HEAD_ATTR, kept_heads, to_kept, to_unpruned
 from ..errors import AttnkitError
 from .layout import padding_of, rolled, unshift
+from .positions import TEXT, read_tokens
 from .runtime import RUNTIME_ATTR, BatchInfo, Runtime, note_caller, recording
 from .shared import check_not_shared
 
@@ -30,7 +33,8 @@ class AttentionCall:
     """One call of the attention function, read (`read_call`). `query`, `key`, `value` are as the op takes them:
     in the autocast dtype, a left-padded batch's tokens moved to the front (`offsets`, None without left padding);
     `lengths` the tokens per sample; `info` the batch of attnkit's own forwards (None in a plain forward); `kept` a
-    pruned layer's heads (attnkit/arch/pruning.py); `dec` the op's decoder arguments ({} for an encoder)."""
+    pruned layer's heads (attnkit/arch/pruning.py); `dec` the op's decoder arguments ({} for an encoder); `tokens`
+    what each token is (attnkit/attention/positions.py)."""
 
     module: object
     rt: Runtime | None
@@ -46,6 +50,9 @@ class AttentionCall:
     info: BatchInfo | None
     lengths: torch.Tensor
     offsets: torch.Tensor | None
+    # what each token is in a forward without attnkit's batch: classes and, for an image, grid positions
+    # (attnkit/attention/positions.py: `token_class(B, L, device)`, `grid(B, L, device)`, None for a text)
+    tokens: object = TEXT
 
     @property
     def layer(self):
@@ -155,7 +162,7 @@ def read_call(module, query, key, value, attention_mask, scaling, dropout, kwarg
     elif offsets is not None:  # left padding: each sample's tokens to the front, computed there, put back after
         query, key, value = (rolled(t, offsets, 2) for t in (query, key, value))
     return AttentionCall(module, rt, query, key, value, attention_mask, scaling, dropout, want_maps, kept, dec, info,
-                         lengths, offsets)
+                         lengths, offsets, read_tokens(rt))
 
 
 def filled(attention_mask, L: int, key, value) -> tuple:

@@ -69,6 +69,7 @@ class ModelInputs:
     # does not hand it on to the attention function
     output_attentions: bool = False
     sentence_id: torch.Tensor | None = None  # B×L int32, derived once per forward when first needed
+    image_size: tuple | None = None  # a vision model's forward: (height, width) of its pixel_values
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Runtime:
     separator_ids: tuple[int, ...] = ()  # sep/eos token ids, to find segments in input_ids
     sink: bool = False  # the model has a learned sink logit per head: its features end with `sink`
     segment_types: bool = True  # whether token_type_ids mark segments (the model has > 1 type)
+    image: object | None = None  # a vision transformer's ImageLayout (attnkit/attention/positions.py)
     _outer_inputs: list = field(default_factory=list)  # inputs of enclosing forwards (nested calls)
 
     def enter_forward(self, inputs: ModelInputs) -> None:
