@@ -12,6 +12,10 @@ from .errors import AttnkitError, arg, check_int
 # Token classes (docs/features.md, "Token classes" and "Sentence ids").
 OTHER, CLS, SEP, COMMA, PERIOD = 0, 1, 2, 3, 4
 TOKEN_CLASS_NAMES = ("other", "cls", "sep", "comma", "period")
+# A vision transformer's tokens in the same scheme (docs/features.md, "Token classes"; attnkit/attention/positions.py):
+# [CLS] is CLS, the extra tokens that hold no part of the image (DeiT's distillation token, DINOv2's registers) SEP,
+# every patch OTHER
+IMAGE_CLS, IMAGE_DISTILLATION, IMAGE_REGISTER, IMAGE_PATCH = CLS, SEP, SEP, OTHER
 
 # Intervention modes and regions (docs/interventions.md).
 MODES = ("keep", "zero", "uniform")

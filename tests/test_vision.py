@@ -132,6 +132,9 @@ def test_vision_models_attnkit_does_not_take_are_refused_by_name():
                                     vision_config=dict(image_size=8, patch_size=2, **SMALL, intermediate_size=32)))
     with pytest.raises(AttnkitError, match="vision tower and a text tower"):
         attnkit.instrument(clip.eval())
+    swin = T.SwinModel(T.SwinConfig(image_size=8, patch_size=2, embed_dim=8, depths=[1], num_heads=[1], window_size=2))
+    with pytest.raises(AttnkitError, match="'swin' takes images, but attnkit does not know its tokens"):
+        attnkit.instrument(swin.eval())
 
 
 def test_a_forward_whose_tokens_are_not_the_images_is_refused_when_features_are_wanted():
@@ -248,3 +251,19 @@ def test_a_bad_grid_is_refused_by_name(backend):
     # without features the grid is not read
     out, feats = ops.attention(q, q, q, torch.tensor([5]), grid=grid, backend=backend)
     assert feats.shape == (1, 1, 0)
+
+
+@pytest.mark.parametrize("Lq", [1, 6])
+def test_fewer_queries_than_keys_with_a_grid(Lq):
+    """A KV-cache step's rows are the last Lq key positions: the fused kernel's distance equals the reference's."""
+    if "fused" not in backends():
+        pytest.skip("this build of the CPU kernel does not take the grid: rebuild the extension")
+    B, H, L, D = 2, 2, 13, 8
+    g = torch.Generator().manual_seed(Lq)
+    q = torch.randn(B, H, Lq, D, generator=g)
+    k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(2))
+    lengths = torch.tensor([13, 11])
+    grid = image_grid(B, L, 1, 3, 4)
+    _, fused = ops.attention(q, k, v, lengths, want_features=True, grid=grid, backend="fused")
+    _, ref = reference_attention(q, k, v, lengths, want_features=True, grid=grid)
+    torch.testing.assert_close(fused, ref, atol=1e-5, rtol=1e-5)

@@ -8,9 +8,9 @@ A vision transformer's forward (`ImageTokens`, docs/features.md "Image heads"): 
 ([CLS], DeiT's distillation token, DINOv2's registers; `ImageLayout.prefix`, from the model's config at
 `attnkit.instrument`), then the image's patches in row-major order, rows × columns of them: the image's height and
 width (recorded from the forward's `pixel_values`, so interpolated position embeddings at another size are
-followed) over the patch size. Token classes: [CLS] is CLS, the distillation token and the registers are SEP (the
-model's extra tokens, which carry no part of the image), every patch is OTHER; a patch's grid position is its (row,
-column), a token that is no patch has (−1, −1).
+followed) over the patch size. Token classes (attnkit/features.py, IMAGE_*): [CLS] is CLS, the distillation token
+and the registers are SEP (the model's extra tokens, which carry no part of the image), every patch is OTHER; a
+patch's grid position is its (row, column), a token that is no patch has (−1, −1).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import AttnkitError
-from ..features import CLS, OTHER, SEP
+from ..features import IMAGE_CLS, IMAGE_DISTILLATION, IMAGE_PATCH, IMAGE_REGISTER
 from .layout import first_token_classes
 
 
@@ -59,17 +59,17 @@ def _pair(x) -> tuple:
 
 
 def _registers(cfg) -> tuple:
-    return (CLS,) + (SEP,) * int(getattr(cfg, "num_register_tokens", 0) or 0)
+    return (IMAGE_CLS,) + (IMAGE_REGISTER,) * int(getattr(cfg, "num_register_tokens", 0) or 0)
 
 
 # The vision transformers attnkit knows the tokens of: model type → the classes of the tokens before the patches
 PREFIXES = {
-    "vit": lambda cfg: (CLS,),
-    "deit": lambda cfg: (CLS, SEP),  # [CLS], then the distillation token
-    "beit": lambda cfg: (CLS,),
-    "clip_vision_model": lambda cfg: (CLS,),
+    "vit": lambda cfg: (IMAGE_CLS,),
+    "deit": lambda cfg: (IMAGE_CLS, IMAGE_DISTILLATION),  # [CLS], then the distillation token
+    "beit": lambda cfg: (IMAGE_CLS,),
+    "clip_vision_model": lambda cfg: (IMAGE_CLS,),
     "siglip_vision_model": lambda cfg: (),  # patches only (SigLIP pools with an attention head of its own)
-    "dinov2": lambda cfg: (CLS,),
+    "dinov2": lambda cfg: (IMAGE_CLS,),
     "dinov2_with_registers": _registers,  # [CLS], the registers, then the patches
 }
 
@@ -125,7 +125,7 @@ def image_tokens(tokens: ImageTokens, L: int, device: str) -> tuple:
         raise AttnkitError(f"a {tokens.layout.model_type} forward of a {tokens.size[0]}×{tokens.size[1]} image should "
                            f"have {len(prefix)} tokens before its {rows}×{cols} patches ({len(prefix) + rows * cols} "
                            f"in all), but its attention got {L}")
-    classes = torch.full((1, L), OTHER, dtype=torch.int32)
+    classes = torch.full((1, L), IMAGE_PATCH, dtype=torch.int32)
     classes[0, :len(prefix)] = torch.tensor(prefix, dtype=torch.int32)
     grid = torch.full((1, L, 2), -1, dtype=torch.int32)
     patches = torch.arange(rows * cols, dtype=torch.int32)
