@@ -27,13 +27,18 @@ TORCH_LIBRARY(attnkit, m) {
   //   k, v may be B×Hkv×L×D; kv_head: int32[H] (the KV head of each query head) or None (Hkv == H, or even
   //   groups h / (H / Hkv)); causal: row s sees keys t <= s; sliding_window: also s − t < W; softcap: scores
   //   c·tanh(score / c); sink: fp32[H], a logit per head in each row's softmax denominator (mass, no value).
+  // Vision models (docs/features.md, "Image heads"): grid: int32[B, L, 2], each token's (row, col) on the image's
+  // patch grid, (−1, −1) for a token that is no patch ([CLS], registers); read only with want_features (the CPU
+  // kernel; CUDA calls with it run on the reference, attnkit/ops.py).
   // Returns out: B×L×H×D (q's dtype) and features: fp32 B×H×F (F = kNumFeatures(num_windows),
-  // csrc/feature_slots.h, plus one — `sink`, last — when sink is given), or B×H×0 when want_features is false.
+  // csrc/feature_slots.h, plus one — `sink` — when sink is given, then one — `mean_attention_distance`, last —
+  // when grid is given), or B×H×0 when want_features is false.
   m.def(
       "fused_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
-      "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None) -> (Tensor, Tensor)");
+      "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, Tensor? grid=None) "
+      "-> (Tensor, Tensor)");
   // The same op, also returning lse: fp32 B×H×L, per row the natural-log log-sum-exp of the scores it sees
   // (scaling·q·k, soft-capped when asked; the sink logit included), i.e. log of the denominator the output is
   // divided by (with renormalize: over the kept keys and the sink), as ATen's
@@ -49,7 +54,7 @@ TORCH_LIBRARY(attnkit, m) {
       "fused_attention_lse(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
-      "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, "
+      "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, Tensor? grid=None, "
       "bool want_max_logit=False) -> (Tensor, Tensor, Tensor, Tensor)");
   // True: the CPU kernel takes fewer queries than keys (q B×H×Lq×D, k/v B×Hkv×L×D, Lq <= L: a KV-cache step, the
   // queries are the last Lq key positions; attnkit/reference.py, "Fewer queries than keys"). attnkit/ops.py then
