@@ -323,10 +323,19 @@ def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
 
 
 def _compiled_args(p: AttentionParams) -> tuple:
-    """`p.op_args()` as the compiled op's schema takes them: a build before `grid` has no such argument (`_attention`
-    has sent calls with a grid to the reference)."""
+    """`p.op_args()` as the compiled `_OP`'s schema takes them by position: a build before `grid` has no such
+    argument (`_attention` has sent calls with a grid to the reference)."""
     args = p.op_args()
     return args if _FUSED_GRID else args[:-1]
+
+
+def _lse_call(q, k, v, lengths, p: AttentionParams, want_max_logit: bool):
+    """`_LSE_OP` on the arguments `p`: its schema takes want_max_logit after sink and grid after that (csrc/ops.cpp),
+    both by keyword here (a build before either has no such argument, and is not given it)."""
+    kw = {"want_max_logit": True} if want_max_logit else {}
+    if p.grid is not None:
+        kw["grid"] = p.grid
+    return torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *p.op_args()[:-1], **kw)
 
 
 # the op's arguments before the decoder ones: all that a build before them takes
@@ -378,8 +387,7 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
             # Gates multiply the op's ungated output here, so that the saved output is the one ATen's backward
             # wants and autograd gives the gate Σ dO ∘ O_h (no recompute)
             ungated = dataclasses.replace(p, gates=None) if lse else p
-            res = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *_compiled_args(ungated),
-                                                        *((True,) if in_op else ()))
+            res = _lse_call(q, k, v, lengths, ungated, in_op)
             out = res[0]
             if lse and p.gates is not None:
                 out = (out.float() * p.gates.float().view(1, 1, -1, 1)).to(out.dtype)
@@ -491,17 +499,15 @@ torch.library.register_fake(_TRITON_OP)(_fused_attention_fake)
 # positions of the op's inputs that get gradients besides q, k and v (csrc/ops.cpp)
 _GATES, _SINK = AttentionParams.position("gates"), AttentionParams.position("sink")
 _N_PARAMS = len(dataclasses.fields(AttentionParams))
-_N_OP_PARAMS = _N_PARAMS if _FUSED_GRID else _N_PARAMS - 1  # the compiled ops' (a build before `grid`: one fewer)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, lengths = inputs[:4]
-    # the decoder arguments and the grid come last, absent from older builds (their defaults); the lse op's
-    # want_max_logit after them (a bool where a build before `grid` ends its params)
-    params = inputs[4:4 + _N_PARAMS]
-    if len(params) == _N_PARAMS and isinstance(params[-1], bool):
-        params = params[:-1]
-    p = AttentionParams(*params)
+    # the decoder arguments come last, absent from older builds (their defaults); then the grid, which the lse op
+    # takes after its want_max_logit (a bool)
+    rest = inputs[4 + _N_PARAMS - 1:]
+    grid = next((x for x in rest if isinstance(x, torch.Tensor)), None)
+    p = AttentionParams(*inputs[4:4 + _N_PARAMS - 1], grid=grid)
     # _LSE_OP's outputs (out, features, lse[, max_logit]): its backward reuses out and lse instead of recomputing them
     saved = (output[0], output[2]) if len(output) >= 3 else ()
     ctx.save_for_backward(q, k, v, lengths, *p.tensors(), *saved)
@@ -574,10 +580,13 @@ if extension_loaded():
 
     if has_kernel("cpu", _LSE_OP):  # an extension built before the op has no such schema
         @torch.library.register_fake(_LSE_OP)
-        def _fused_attention_lse_fake(q, k, v, lengths, *args, want_max_logit=False):
-            if len(args) > _N_OP_PARAMS:  # want_max_logit given by position
-                args, want_max_logit = args[:_N_OP_PARAMS], args[_N_OP_PARAMS]
-            out, feats = _fused_attention_fake(q, k, v, lengths, *args)
+        def _fused_attention_lse_fake(q, k, v, lengths, *args, want_max_logit=False, grid=None):
+            n = _N_PARAMS - 1  # the arguments through sink; then want_max_logit and grid (csrc/ops.cpp)
+            if len(args) > n:  # given by position
+                want_max_logit = args[n]
+            if len(args) > n + 1:
+                grid = args[n + 1]
+            out, feats = _fused_attention_fake(q, k, v, lengths, *args[:n], grid)
             B, H, L, _ = q.shape
             lse = q.new_empty((B, H, L), dtype=torch.float32)
             if not _LSE_MAX_LOGIT:  # an extension built before the max logit: three outputs

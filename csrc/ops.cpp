@@ -49,13 +49,14 @@ TORCH_LIBRARY(attnkit, m) {
   // attnkit.reference.max_logits: the largest scaling·q·k over the valid rows s < n and the keys each sees, before any
   // soft-cap; the sink is no key; NaN propagates), measured by the kernel while it runs (no second q·kᵀ pass); else
   // B×0. CPU only (csrc/cpu/fused_attention.cpp); the training path's backward reads lse, attnkit.track and
-  // extraction's max logit read max_logit (issue 36).
+  // extraction's max logit read max_logit (issue 36). grid (as fused_attention's) comes after want_max_logit, so
+  // that callers passing want_max_logit by position keep working.
   m.def(
       "fused_attention_lse(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
-      "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, Tensor? grid=None, "
-      "bool want_max_logit=False) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, "
+      "bool want_max_logit=False, Tensor? grid=None) -> (Tensor, Tensor, Tensor, Tensor)");
   // True: the CPU kernel takes fewer queries than keys (q B×H×Lq×D, k/v B×Hkv×L×D, Lq <= L: a KV-cache step, the
   // queries are the last Lq key positions; attnkit/reference.py, "Fewer queries than keys"). attnkit/ops.py then
   // sends such calls on CPU to fused_attention instead of the reference.

@@ -267,3 +267,20 @@ def test_fewer_queries_than_keys_with_a_grid(Lq):
     _, fused = ops.attention(q, k, v, lengths, want_features=True, grid=grid, backend="fused")
     _, ref = reference_attention(q, k, v, lengths, want_features=True, grid=grid)
     torch.testing.assert_close(fused, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_training_forward_tracks_the_distance_and_the_max_logit_through_the_lse_op():
+    """With gradients wanted the CPU op runs as attnkit::fused_attention_lse (grid and want_max_logit by keyword):
+    the tracked distance is still eager's, the max logit is there, and backward runs."""
+    model, eager = tiny("vit")
+    model.train()
+    px = pixels(2, 8, 8, seed=5)
+    with torch.no_grad():
+        ref = eager(pixel_values=px, output_attentions=True)
+    with attnkit.track(model, features=("mean_attention_distance", "max_logit")) as tracker:
+        model(pixel_values=px).last_hidden_state.square().mean().backward()
+    stats = tracker.read()
+    want = expected_from_maps(ref.attentions, 1, 4, 4)["mean_attention_distance"]
+    torch.testing.assert_close(stats["mean_attention_distance"].double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(stats["max_logit"]).all()
+    assert model.embeddings.patch_embeddings.projection.weight.grad is not None
