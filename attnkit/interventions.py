@@ -42,9 +42,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .attention.runtime import LayerPart
 from .errors import AttnkitError, arg, check_int
 from .features import ALL, KEEP, MODES, REGIONS, is_index, read_heads
-from .hf_attention import LayerPart
 from .models import attention_modules, runtime_of
 from .run.clusters import CLUSTERS_FILE, REMOVED, type_grid
 from .run.clusters import load_clusters as read_clusters
@@ -67,11 +67,19 @@ def _shape_of(model_or_shape) -> tuple[int, int]:
     cfg = getattr(model_or_shape, "config", None)
     if cfg is None:
         raise AttnkitError(f"cannot tell the number of layers and heads of {type(model_or_shape).__name__}")
-    n_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layers", None)
+    n_layers = _attnkit_layers(model_or_shape) or getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layers",
+                                                                                                    None)
     n_heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads", None)
     if not n_layers or not n_heads:
         raise AttnkitError(f"model config {type(cfg).__name__} names no layer/head counts")
     return int(n_layers), int(n_heads)
+
+
+def _attnkit_layers(model) -> int | None:
+    """The layers attnkit numbers in an instrumented model (an encoder–decoder's encoder, decoder and cross-attention
+    layers: docs/seq2seq.md), or None before attnkit.models.instrument."""
+    mods = getattr(model, "_attnkit_modules", None)
+    return len(mods) if mods else None
 
 
 def parse_heads(spec, shape: tuple[int, int] | None = None) -> list[tuple[int, int]]:
@@ -148,8 +156,13 @@ class HeadTypes:
 
 def load_clusters(run_or_file, shape: tuple[int, int] | None = None) -> HeadTypes:
     """Head types from a run's clusters.json (written by `attnkit cluster`), checked against `shape`."""
+    return head_types_of(read_clusters(run_or_file), run_or_file, shape)
+
+
+def head_types_of(data: dict, run_or_file, shape: tuple[int, int] | None = None) -> HeadTypes:
+    """Head types from clusters.json content already read from `run_or_file` (attnkit.run.clusters.load_clusters;
+    a command reads the file once), checked against `shape`."""
     path = Path(run_or_file)
-    data = read_clusters(path)
     grid = type_grid(data)
     grid[grid == REMOVED] = ""  # a head a pruning removed has no type: no type's ablation names it
     if shape is not None and grid.shape != tuple(shape):
@@ -196,7 +209,7 @@ class Intervention:
     @classmethod
     def for_model(cls, model) -> Intervention:
         cfg = model.config
-        n_layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layers
+        n_layers = _attnkit_layers(model) or getattr(cfg, "num_hidden_layers", None) or cfg.n_layers
         n_heads = getattr(cfg, "num_attention_heads", None) or cfg.n_heads
         return cls.identity(n_layers, n_heads)
 
@@ -368,7 +381,7 @@ class Intervention:
         return out
 
     def layer_plan(self, layer: int, B: int, L: int, D: int, device, dtype) -> list:
-        """What the attention of `layer` does to a forward of B samples (`attnkit.hf_attention.LayerPart`s)."""
+        """What the attention of `layer` does to a forward of B samples (`attnkit.attention.runtime.LayerPart`s)."""
         mode, region, gates = self.for_layer(layer, device)
         return [LayerPart(0, B, mode, region, gates, self.renormalize,
                           self.outputs_for_layer(layer, B, L, D, device, dtype))]
@@ -604,9 +617,9 @@ class _OpenBlocks:
 
 
 def _attach(rt, intervention, sentence_ids) -> None:
-    """Put `intervention` and `sentence_ids` in force for the attention function (None: none)."""
-    rt.intervention = intervention
-    rt.sentences = sentence_ids
+    """Put `intervention` and `sentence_ids` in force (None: none) for the forwards that begin from now on (each
+    reads them into its context when it begins: attnkit/attention/context.py)."""
+    rt.give(intervention=intervention, sentences=sentence_ids)
 
 
 def _on_top(below, block: _Block):

@@ -6,6 +6,11 @@ numbers the layers for models such as DistilBERT whose attention has no `layer_i
 `Runtime` to them. A model whose attention does not go through the interface is refused by name.
 Hooks on the base model record each forward's `input_ids` and `token_type_ids` into the Runtime for
 the duration of that forward, so region interventions in a plain `model(**inputs)` find sentences.
+
+An encoder–decoder (BART, Marian, T5, Whisper; docs/seq2seq.md) runs its probe forward on a (source, target) pair;
+each attention module gets its kind (encoder, decoder, cross: attnkit/attention/kinds.py), told apart by what its
+forward is given (encoder states as `key_value_states`: cross-attention) and by `is_causal`, and attnkit's layer
+number: the encoder's layers, then the decoder's self-attention, then its cross-attention (`layer_kinds`).
 """
 from __future__ import annotations
 
@@ -19,12 +24,15 @@ import torch
 
 from .arch.pruning import CONFIG_HEADS, load_pruned_model
 from .attention.consumers import observer_consumer
+from .attention.context import ModelInputs
+from .attention.kinds import CROSS, DECODER, ENCODER, KIND_ATTR, KINDS, LAYER_ATTR, kind_of
 from .attention.positions import image_layout
+from .attention.runtime import RUNTIME_ATTR, Runtime, recording_callers
 from .attention.shared import shared_layers_error
 from .embedded import check_model_max_length, embedded_path, is_embedded_name, model_config
 from .errors import AttnkitError, arg, one_line
 from .features import feature_names
-from .hf_attention import NAME, RUNTIME_ATTR, ModelInputs, Runtime, recording_callers, register
+from .hf_attention import NAME, register
 from .run.model_dir import (  # checked without torch
     TOKENIZER_FILES,
     check_max_length,
@@ -167,10 +175,10 @@ def instrument(model, tokenizer=None):
         return model
     cfg = model.config
     mtype = getattr(cfg, "model_type", type(model).__name__)
-    if getattr(cfg, "is_encoder_decoder", False):
-        raise AttnkitError(f"model type {mtype!r} is an encoder-decoder; attnkit measures encoders and decoder "
-                           "language models (self-attention over one sequence)")
-    if getattr(cfg, "is_decoder", False):  # an encoder architecture set up as a decoder (BERT with is_decoder=True)
+    seq2seq = bool(getattr(cfg, "is_encoder_decoder", False))
+    if seq2seq:
+        _check_seq2seq_heads(cfg, mtype)
+    elif getattr(cfg, "is_decoder", False):  # an encoder architecture set up as a decoder (BERT with is_decoder=True)
         raise AttnkitError(f"model type {mtype!r} is configured as a decoder (is_decoder=True); attnkit measures "
                            "encoders and the decoder language models of docs/decoders.md")
     image = image_layout(cfg)  # a vision transformer's tokens (attnkit/attention/positions.py); None for text
@@ -182,13 +190,15 @@ def instrument(model, tokenizer=None):
             "attnkit supports models whose attention goes through transformers' AttentionInterface "
             "(BERT, RoBERTa, ELECTRA, DistilBERT, Llama, Qwen, Mistral, Gemma, GPT-2, ...)"
         ) from None
-    seen = _probe_attention_modules(model, image)
+    seen = _probe_attention_modules(model, seq2seq, image)
     if not seen:
         raise AttnkitError(
             f"model type {mtype!r} does not route its attention through transformers' AttentionInterface, "
             "so attnkit cannot measure it (supported: BERT, RoBERTa, ELECTRA, DistilBERT and other models "
             "that honour attn_implementation)"
         )
+    if seq2seq:
+        seen = _number_kinds(seen)
     for i, mod in enumerate(seen):
         if getattr(mod, "layer_idx", None) is None:
             mod.layer_idx = i
@@ -215,12 +225,11 @@ def _separator_ids(model, tokenizer=None) -> tuple[int, ...]:
 
 
 def _record_inputs(model, runtime: Runtime) -> None:
-    """Hooks on the base model (which every task head calls with the inputs) that put the forward's
-    input_ids and token_type_ids into `runtime.inputs` and take them out again, also on an exception. (A user's
-    forward, training step or generate() runs on the process's own CPU allocator: attnkit's is held only around
-    attnkit's own measuring forwards, attnkit.process.measuring_forward.)
-    The hooks find the runtime on the module, so a deep copy of the model records into its own, and
-    instrumenting a model again keeps the hooks it has."""
+    """Hooks on the base model (which every task head calls with the inputs) that begin the forward's context on
+    the runtime (`Runtime.enter_forward`: its input_ids and token_type_ids, and what the blocks give it) and end it
+    again, also on an exception (a KeyboardInterrupt, which torch's `always_call` hooks do not see, is handled by
+    `Runtime.closing_forwards` around attnkit's blocks). The hooks find the runtime on the module, so a deep copy of
+    the model records into its own, and instrumenting a model again keeps the hooks it has."""
     base = getattr(model, "base_model", None) or model
     setattr(base, RUNTIME_ATTR, runtime)
     if any(getattr(hook, "_attnkit_hook", False) for hook in base._forward_pre_hooks.values()):
@@ -240,6 +249,7 @@ def _record_inputs(model, runtime: Runtime) -> None:
         pixels = tensor(given.get("pixel_values"))
         getattr(module, RUNTIME_ATTR).enter_forward(
             ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids")), bool(maps),
+                        decoder_mask=tensor(given.get("decoder_attention_mask")),
                         image_size=None if pixels is None else tuple(pixels.shape[-2:])))
 
     def after(module, args, kwargs, output):
@@ -250,23 +260,95 @@ def _record_inputs(model, runtime: Runtime) -> None:
     base.register_forward_hook(after, with_kwargs=True, always_call=True)
 
 
-def _probe_attention_modules(model, image=None):
-    """Run a two-token forward (a vision transformer, `image` its ImageLayout: one tiny random image of the config's
-    size) and return the modules that called attnkit attention, in order (a `hf_attention.Callers`, which also says
-    whether one has a learned sink logit)."""
-    param = next(model.parameters())
+def layer_kinds(model) -> list[tuple[str, int]]:
+    """(kind, index among the layers of that kind) of each of attnkit's layers of an instrumented `model`, in
+    attnkit's order (docs/seq2seq.md): kind "encoder" (self-attention that sees every token), "decoder" (causal
+    self-attention) or "cross" (an encoder–decoder's decoder queries over the encoder's keys). A model of one stack
+    has one kind: a BERT's layers are [("encoder", 0), ...], a Llama's [("decoder", 0), ...]."""
+    counts = dict.fromkeys(KINDS, 0)
+    out = []
+    for mod in attention_modules(model):
+        kind = kind_of(mod) or (DECODER if getattr(mod, "is_causal", False) else ENCODER)
+        out.append((kind, counts[kind]))
+        counts[kind] += 1
+    return out
+
+
+def _check_seq2seq_heads(cfg, mtype: str) -> None:
+    """attnkit's features and interventions are layers × heads: an encoder–decoder's stacks need one head count."""
+    heads = {name: getattr(cfg, name) for name in ("encoder_attention_heads", "decoder_attention_heads")
+             if isinstance(getattr(cfg, name, None), int)}
+    if len(set(heads.values())) > 1:
+        raise AttnkitError(f"model type {mtype!r} has {heads['encoder_attention_heads']} heads in its encoder and "
+                           f"{heads['decoder_attention_heads']} in its decoder; attnkit measures encoder–decoders "
+                           "with one head count in every layer")
+
+
+def _number_kinds(seen):
+    """An encoder–decoder's attention modules (in call order, cross-attention marked by the probe) with their kind and
+    attnkit's layer number set (attnkit/attention/kinds.py): the encoder's, then the decoder's self-attention, then
+    its cross-attention layers, in that order."""
+    for mod in seen:
+        if kind_of(mod) is None:
+            setattr(mod, KIND_ATTR, DECODER if getattr(mod, "is_causal", False) else ENCODER)
+    ordered = type(seen)(m for kind in KINDS for m in seen if kind_of(m) == kind)
+    ordered.sink = seen.sink
+    for i, mod in enumerate(ordered):
+        setattr(mod, LAYER_ATTR, i)
+    return ordered
+
+
+def _probe_inputs(model, seq2seq: bool, device, image=None) -> dict:
+    """The probe forward's inputs: two tokens; an encoder–decoder's a source of three tokens (Whisper: silence of
+    the length its encoder takes) and a target of two; a vision transformer's (`image` its ImageLayout) one tiny
+    random image of the config's size."""
     if image is not None:
-        sig_kwargs = {"pixel_values": image.probe_pixels(param.device, param.dtype)}
+        return {"pixel_values": image.probe_pixels(device, next(model.parameters()).dtype)}
+    ids = torch.full((1, 2), 1, dtype=torch.long, device=device)
+    if not seq2seq:
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    cfg = model.config
+    if "input_features" in inspect.signature(model.forward).parameters:  # Whisper: log-mel frames
+        frames = 2 * int(getattr(cfg, "max_source_positions", 1500))
+        source = {"input_features": torch.zeros(1, int(cfg.num_mel_bins), frames, device=device,
+                                                dtype=next(model.parameters()).dtype)}
     else:
-        ids = torch.full((1, 2), 1, dtype=torch.long, device=param.device)
-        sig_kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        src = torch.full((1, 3), 1, dtype=torch.long, device=device)
+        source = {"input_ids": src, "attention_mask": torch.ones_like(src)}
+    if "decoder_input_ids" not in inspect.signature(model.forward).parameters:  # its encoder alone (T5EncoderModel)
+        return source
+    start = getattr(cfg, "decoder_start_token_id", None)
+    return {**source, "decoder_input_ids": torch.full((1, 2), start if isinstance(start, int) else 0,
+                                                      dtype=torch.long, device=device)}
+
+
+def _mark_cross_attention(model) -> list:
+    """Forward pre-hooks on every module of `model` that mark a module as cross-attention (attnkit/attention/kinds.py)
+    when its forward is given encoder states as `key_value_states` (BART, Marian, T5, Whisper); returns the hooks'
+    handles."""
+    def mark(module, args, kwargs):
+        if kwargs.get("key_value_states") is not None:
+            setattr(module, KIND_ATTR, CROSS)
+
+    return [m.register_forward_pre_hook(mark, with_kwargs=True) for m in model.modules()]
+
+
+def _probe_attention_modules(model, seq2seq: bool = False, image=None):
+    """Run a two-token forward (a vision transformer, `image` its ImageLayout: one tiny random image of the config's
+    size) and return the modules that called attnkit attention, in order (a `attnkit.attention.runtime.Callers`,
+    which also says whether one has a learned sink logit)."""
+    device = next(model.parameters()).device
+    hooks = _mark_cross_attention(model) if seq2seq else []
     try:
         with torch.no_grad(), recording_callers() as callers:
-            model(**sig_kwargs)
+            model(**_probe_inputs(model, seq2seq, device, image))
     except AttnkitError:
         raise
     except Exception as exc:
         raise AttnkitError(f"a probe forward of the model failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        for h in hooks:
+            h.remove()
     seen = type(callers)(dict.fromkeys(callers))  # unique, in call order
     if len(seen) < len(callers):  # ALBERT: one shared layer run N times; attnkit numbers layers by module
         mod = next(m for m in seen if callers.count(m) > 1)

@@ -25,7 +25,14 @@ scaled_dot_product_attention. The fake kernel's shapes hold for them (out BÃ—LqÃ
 
 An image's patch grid (`grid`, attnkit/reference.py "Images"): only the compiled CPU kernel measures its feature;
 with features wanted, CUDA calls (the Triton kernel's too) and builds before it run on the reference, and
-`backend="fused"` refuses them by name; without features the grid is dropped (it changes nothing else).
+`backend="fused"` refuses them by name; without features the grid is dropped (it changes nothing else). A grid
+with cross-attention is refused by name (attnkit/reference.py).
+
+Cross-attention (`key_lengths`, attnkit/reference.py, "Cross-attention") runs on the compiled CPU kernel where it says
+it takes it (`fused_cross`), else on the reference; on CUDA and Triton always on the reference until a GPU has tested
+a kernel (docs/cuda.md). An additive `bias` (T5's position_bias) runs on the reference on every device. Their
+backward is the differentiable reference's (the bias gets a gradient). `fused_attention_lse` takes neither (it
+takes the grid, after want_max_logit).
 """
 from __future__ import annotations
 
@@ -122,7 +129,9 @@ def fused_max_logit(device_type: str) -> bool:
     return device_type == "cpu" and _LSE_MAX_LOGIT
 
 
-_FUSED_GRID = extension_loaded() and _op_takes("fused_attention", "grid")
+# a build that takes grid after cross-attention's arguments (csrc/ops.cpp; grid comes last in `op_args`)
+_FUSED_GRID = (extension_loaded() and _op_takes("fused_attention", "grid")
+               and _op_takes("fused_attention", "key_lengths"))
 
 
 def fused_grid(device_type: str) -> bool:
@@ -151,44 +160,30 @@ def _cpu_fewer_queries() -> bool:
 _CPU_FEWER_QUERIES = _cpu_fewer_queries()
 
 
+def _cpu_cross() -> bool:
+    """Whether the compiled CPU kernel takes cross-attention (`key_lengths`, `key_class`): an extension says so with
+    the op `attnkit::cpu_cross_attention() -> bool`; one without it does not."""
+    if not (has_kernel("cpu") and _op_takes("fused_attention", "key_lengths")):
+        return False
+    try:
+        return bool(torch.ops.attnkit.cpu_cross_attention())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_CPU_CROSS = _cpu_cross()
+
+
+def fused_cross(device_type: str) -> bool:
+    """Whether the compiled kernel for `device_type` runs cross-attention. On CUDA (and the Triton kernel) no: those
+    run on the reference until a GPU has tested a kernel (docs/cuda.md)."""
+    return device_type == "cpu" and _CPU_CROSS
+
+
 def fused_fewer_queries(device_type: str) -> bool:
     """Whether the compiled kernel for `device_type` runs calls with fewer queries than keys (a KV-cache step). On
     CUDA (and the Triton kernel) no: those run on the reference until a GPU has tested a kernel (docs/cuda.md)."""
     return device_type == "cpu" and _CPU_FEWER_QUERIES
-
-
-def _has_cpu_allocator() -> bool:
-    """Whether the extension has attnkit's CPU allocator (csrc/cpu/block_allocator.cpp; builds before it do not)."""
-    return extension_loaded() and hasattr(torch.ops.attnkit, "hold_cpu_allocator")
-
-
-_CPU_ALLOCATOR = _has_cpu_allocator()
-
-
-def hold_cpu_allocator() -> bool:
-    """The calling thread's CPU tensors come from attnkit's CPU allocator until the matching
-    `release_cpu_allocator` on the same thread (holds are counted per thread). Every block is a plain malloc
-    aligned inside, so the hole a freed activation leaves fits the next one of its size
-    (csrc/cpu/block_allocator.cpp: why, and how it sits in c10's slot without a swap racing other threads).
-    attnkit.process.measuring_forward holds it around attnkit's own measuring forwards on the CPU. False, and
-    nothing to release, where it cannot: no extension or one built before it, c10's NUMA or huge-page allocation
-    on, or another allocator registered with a higher priority."""
-    return _CPU_ALLOCATOR and bool(torch.ops.attnkit.hold_cpu_allocator())
-
-
-def release_cpu_allocator() -> None:
-    """Give back one hold of this thread that `hold_cpu_allocator` returned True for."""
-    torch.ops.attnkit.release_cpu_allocator()
-
-
-def cpu_allocator_holders() -> int:
-    """How many holds of attnkit's CPU allocator all threads have outstanding (0 without it)."""
-    return int(torch.ops.attnkit.cpu_allocator_holders()) if _CPU_ALLOCATOR else 0
-
-
-def cpu_allocator_registered() -> bool:
-    """Whether attnkit's routing allocator is in c10's CPU slot (it stays there from the first hold on)."""
-    return _CPU_ALLOCATOR and bool(torch.ops.attnkit.cpu_allocator_registered())
 
 
 def cpu_capability() -> str | None:
@@ -304,7 +299,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.
 
     scale = q.shape[-1] ** -0.5 if p.scaling is None else p.scaling
     kvh = None if p.kv_head is None else p.kv_head.to(q.device)
-    return (*res, max_logits(q, k, lengths, scale, kv_head=kvh, causal=p.causal, sliding_window=p.sliding_window))
+    return (*res, max_logits(q, k, lengths, scale, kv_head=kvh, causal=p.causal, sliding_window=p.sliding_window,
+                             key_lengths=p.key_lengths))
 
 
 def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
@@ -319,27 +315,39 @@ def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
         key_scale=_as(p.key_scale, torch.float32, dev), kv_head=_as(p.kv_head, torch.int32, dev),
         sink=_as(p.sink, torch.float32, dev) if p.sink is None or not p.sink.requires_grad else p.sink.to(dev),
         causal=bool(p.causal), softcap=None if p.softcap is None else float(p.softcap),
+        key_lengths=_as(p.key_lengths, torch.int64, dev), key_class=_as(p.key_class, torch.int32, dev),
+        bias=_as(p.bias, torch.float32, dev) if p.bias is None or not p.bias.requires_grad else p.bias.to(dev),
         grid=_as(p.grid, torch.int32, dev) if p.want_features else None)  # (no features: the grid changes nothing)
 
 
 def _compiled_args(p: AttentionParams) -> tuple:
-    """`p.op_args()` as the compiled `_OP`'s schema takes them by position: a build before `grid` has no such
-    argument (`_attention` has sent calls with a grid to the reference)."""
+    """`p.op_args()` as the compiled `_OP`'s schema takes them by position: a build before the decoder arguments,
+    before cross-attention's or before `grid` has no such arguments (`_attention` has sent calls that use them to
+    the reference)."""
     args = p.op_args()
-    return args if _FUSED_GRID else args[:-1]
+    if not _FUSED_DECODER:
+        return args[:_BEFORE_DECODER]
+    if not _FUSED_CROSS:
+        return args[:_BEFORE_CROSS]
+    return args if _FUSED_GRID else args[:_BEFORE_GRID]
 
 
 def _lse_call(q, k, v, lengths, p: AttentionParams, want_max_logit: bool):
-    """`_LSE_OP` on the arguments `p`: its schema takes want_max_logit after sink and grid after that (csrc/ops.cpp),
-    both by keyword here (a build before either has no such argument, and is not given it)."""
+    """`_LSE_OP` on the arguments `p`: its schema takes the arguments before key_lengths, then want_max_logit, then
+    grid (csrc/ops.cpp), those two by keyword here (a build before either has no such argument, and is not given
+    it)."""
     kw = {"want_max_logit": True} if want_max_logit else {}
     if p.grid is not None:
         kw["grid"] = p.grid
-    return torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *p.op_args()[:-1], **kw)
+    return torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *p.op_args()[:_LSE_PARAMS], **kw)
 
 
-# the op's arguments before the decoder ones: all that a build before them takes
+# the op's arguments before the decoder ones: all that a build before them takes; those before cross-attention's:
+# all that a build before it takes, and all that `_LSE_OP` takes
 _BEFORE_DECODER = AttentionParams.position("kv_head") - 4
+_BEFORE_CROSS = _LSE_PARAMS = AttentionParams.position("key_lengths") - 4
+_FUSED_CROSS = extension_loaded() and _op_takes("fused_attention", "key_lengths")
+_BEFORE_GRID = AttentionParams.position("grid") - 4
 
 
 def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=False) -> tuple[torch.Tensor, ...]:
@@ -352,9 +360,10 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
     lengths = lengths.to(device=dev, dtype=torch.int64)
     p = _for_kernels(p, q)
     decoder = p.decoder_used(q.shape[1], k.shape[1])
-    fewer_queries = q.shape[2] < k.shape[2]  # a KV-cache step: the queries are the last positions of the keys
+    # a KV-cache step: the queries are the last positions of the keys (cross-attention's are another sequence)
+    fewer_queries = q.shape[2] < k.shape[2] and not p.cross
     if (backend in ("auto", "fused") and dev.type == "cuda" and q.dtype in _TRITON_DTYPES and cuda_kernel() == "triton"
-            and not fewer_queries and p.grid is None):
+            and not fewer_queries and not p.cross and p.bias is None and p.grid is None):
         # the Triton kernel takes every argument, the decoder ones included, and needs no compiled extension
         return torch.ops.attnkit.fused_attention_triton(q, k, v, lengths, *p.op_args())
     chosen = resolve_backend(backend, dev)
@@ -369,6 +378,12 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
                                f"keys ({q.shape[2]} queries, {k.shape[2]} keys: a KV-cache step); use backend "
                                "'auto' or 'reference'")
         chosen = "reference"  # a decode step costs the reference O(keys) per head and query row (exact, no warning)
+    if chosen == "fused" and (p.bias is not None or (p.cross and not fused_cross(dev.type))):
+        what = "an additive bias" if p.bias is not None else "cross-attention (key_lengths)"
+        if backend == "fused":
+            raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel does not take {what}; use "
+                               "backend 'auto' or 'reference'")
+        chosen = "reference"  # exact, no warning (docs/cuda.md)
     if chosen == "fused" and p.grid is not None and not fused_grid(dev.type):
         if backend == "fused":
             raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel of this build does not measure an "
@@ -380,7 +395,8 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
         return params_attention(q, k, v, lengths, p)
     try:
         lse = saves_lse(q, k, v, p)
-        in_op = _max_logit and p.mode is None and fused_max_logit(dev.type)  # (a step here: the kernel takes it)
+        # (a step here: the kernel takes it; cross-attention does not run on `_LSE_OP`)
+        in_op = _max_logit and p.mode is None and fused_max_logit(dev.type) and not p.cross
         if lse or in_op:
             # training: the op also returns each row's log-sum-exp, which its backward uses instead of recomputing
             # the attention forward (docs/training.md, "The backward"); with `in_op`, each head's max logit too.
@@ -392,9 +408,7 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
             if lse and p.gates is not None:
                 out = (out.float() * p.gates.float().view(1, 1, -1, 1)).to(out.dtype)
             return (out, res[1], res[3]) if in_op else (out, res[1])
-        args = _compiled_args(p)
-        return torch.ops.attnkit.fused_attention(q, k, v, lengths, *(args if _FUSED_DECODER else
-                                                                      args[:_BEFORE_DECODER]))
+        return torch.ops.attnkit.fused_attention(q, k, v, lengths, *_compiled_args(p))
     except RuntimeError as exc:  # the kernels' argument checks (TORCH_CHECK) name the bad argument
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         if "fused_attention" in msg:
@@ -414,6 +428,7 @@ def saves_lse(q, k, v, p: AttentionParams) -> bool:
     return (q.device.type == "cpu" and torch.is_grad_enabled()
             and any(t is not None and t.requires_grad for t in (q, k, v, p.gates, p.sink))
             and p.mode is None and p.region is None and not p.renormalize and q.shape[2] == k.shape[2]
+            and not p.cross and p.bias is None
             and uses_aten(q, p.sliding_window, p.softcap, p.sink) and _FUSED_DECODER and has_kernel("cpu", _LSE_OP))
 
 
@@ -466,7 +481,8 @@ _LIB.define(
     "fused_attention_triton(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
     "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, bool renormalize, "
     "Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, bool causal=False, "
-    "int? sliding_window=None, float? softcap=None, Tensor? sink=None, Tensor? grid=None) -> (Tensor, Tensor)")
+    "int? sliding_window=None, float? softcap=None, Tensor? sink=None, Tensor? key_lengths=None, "
+    "Tensor? key_class=None, Tensor? bias=None, Tensor? grid=None) -> (Tensor, Tensor)")
 
 
 def _fused_attention_triton(q, k, v, lengths, *args):
@@ -484,8 +500,8 @@ _LIB.impl("fused_attention_triton", _fused_attention_triton, "CUDA")
 _LIB.impl("fused_attention_triton", _fused_attention_triton, "CPU")
 
 
-def _fused_attention_fake(q, k, v, lengths, *args):
-    p = AttentionParams(*args)
+def _fused_attention_fake(q, k, v, lengths, *args, **params):
+    p = AttentionParams(*args, **params)
     B, H, Lq, D = q.shape  # Lq <= the keys' length: a KV-cache step has one row per new token
     out = q.new_empty((B, Lq, H, D))
     nf = num_features(p.num_windows, sink=p.sink is not None, grid=p.grid is not None) if p.want_features else 0
@@ -493,21 +509,20 @@ def _fused_attention_fake(q, k, v, lengths, *args):
     return out, feats
 
 
-
 torch.library.register_fake(_TRITON_OP)(_fused_attention_fake)
 
 # positions of the op's inputs that get gradients besides q, k and v (csrc/ops.cpp)
-_GATES, _SINK = AttentionParams.position("gates"), AttentionParams.position("sink")
+_GATES, _SINK, _BIAS = (AttentionParams.position(name) for name in ("gates", "sink", "bias"))
 _N_PARAMS = len(dataclasses.fields(AttentionParams))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, lengths = inputs[:4]
-    # the decoder arguments come last, absent from older builds (their defaults); then the grid, which the lse op
-    # takes after its want_max_logit (a bool)
-    rest = inputs[4 + _N_PARAMS - 1:]
-    grid = next((x for x in rest if isinstance(x, torch.Tensor)), None)
-    p = AttentionParams(*inputs[4:4 + _N_PARAMS - 1], grid=grid)
+    # the decoder arguments come last, absent from older builds (their defaults); the lse op (3 or 4 outputs) takes
+    # those before key_lengths, then want_max_logit (a bool) and grid; the op all the fields, grid last
+    n = _LSE_PARAMS if len(output) >= 3 else _N_PARAMS - 1
+    grid = next((x for x in inputs[4 + n:] if isinstance(x, torch.Tensor)), None)
+    p = AttentionParams(*inputs[4:4 + n], grid=grid)
     # _LSE_OP's outputs (out, features, lse[, max_logit]): its backward reuses out and lse instead of recomputing them
     saved = (output[0], output[2]) if len(output) >= 3 else ()
     ctx.save_for_backward(q, k, v, lengths, *p.tensors(), *saved)
@@ -533,7 +548,8 @@ def _backward(ctx, grad_out, grad_feats, *_grad_lse_and_max_logit):
     q, k, v, lengths, p, saved = _saved(ctx)
     needs = ctx.needs_input_grad
     result = [None] * ctx.n_inputs
-    if p.mode is None and p.region is None and not p.renormalize and q.shape[2] == k.shape[2]:
+    if (p.mode is None and p.region is None and not p.renormalize and q.shape[2] == k.shape[2] and not p.cross
+            and p.bias is None):
         from .kernels.backward import attention_backward
 
         saved = saved if p.gates is None and len(saved) == 2 else None
@@ -554,11 +570,12 @@ def _reference_backward(ctx, q, k, v, lengths, p: AttentionParams, grad_out, res
         qd, kd, vd = (t.detach().requires_grad_(needs[i]) for i, t in enumerate((q, k, v)))
         gd = None if p.gates is None else p.gates.detach().requires_grad_(needs[_GATES])
         sd = None if p.sink is None else p.sink.detach().requires_grad_(needs[_SINK])
+        bd = None if p.bias is None else p.bias.detach().requires_grad_(_BIAS < len(needs) and needs[_BIAS])
         # the output only: no features (as the op's backward differentiates the output only)
-        out, _ = params_attention(qd, kd, vd, lengths, dataclasses.replace(p, gates=gd, sink=sd, want_features=False,
-                                                                           key_scale=None))
-        for i, t in ((0, qd), (1, kd), (2, vd), (_GATES, gd), (_SINK, sd)):
-            if t is not None and needs[i]:
+        out, _ = params_attention(qd, kd, vd, lengths, dataclasses.replace(p, gates=gd, sink=sd, bias=bd,
+                                                                           want_features=False, key_scale=None))
+        for i, t in ((0, qd), (1, kd), (2, vd), (_GATES, gd), (_SINK, sd), (_BIAS, bd)):
+            if t is not None and i < len(needs) and needs[i]:
                 leaves[i] = t
         grads = torch.autograd.grad(out, list(leaves.values()), grad_out, allow_unused=True)
     for i, g in zip(leaves, grads):
@@ -581,12 +598,12 @@ if extension_loaded():
     if has_kernel("cpu", _LSE_OP):  # an extension built before the op has no such schema
         @torch.library.register_fake(_LSE_OP)
         def _fused_attention_lse_fake(q, k, v, lengths, *args, want_max_logit=False, grid=None):
-            n = _N_PARAMS - 1  # the arguments through sink; then want_max_logit and grid (csrc/ops.cpp)
+            n = _LSE_PARAMS  # the arguments before key_lengths; then want_max_logit and grid (csrc/ops.cpp)
             if len(args) > n:  # given by position
                 want_max_logit = args[n]
             if len(args) > n + 1:
                 grid = args[n + 1]
-            out, feats = _fused_attention_fake(q, k, v, lengths, *args[:n], grid)
+            out, feats = _fused_attention_fake(q, k, v, lengths, *args[:n], grid=grid)
             B, H, L, _ = q.shape
             lse = q.new_empty((B, H, L), dtype=torch.float32)
             if not _LSE_MAX_LOGIT:  # an extension built before the max logit: three outputs

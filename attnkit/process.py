@@ -5,9 +5,6 @@ made by one function of this module, undone when its scope ends (on any exceptio
 since every scope is a `finally`), listed by `process_changes()` while it holds, and kept from happening by its
 opt-out environment variable (`OPT_OUTS`; "0" opts out, "1" or unset lets attnkit make it):
 
-  cpu_allocator      the calling thread's CPU tensors come from attnkit's allocator during attnkit's own
-                     measuring forwards (`measuring_forward`); the routing allocator that makes this possible
-                     stays registered in c10's slot once the first measuring forward put it there
   openmp_waits       OMP_WAIT_POLICY / GOMP_SPINCOUNT in the environment from the command line's start until torch
                      has been imported (libgomp reads them then, once), then taken out (`environ_until_torch`)
   torch_threads      torch.set_num_threads during a run of the local engine (`torch_threads`)
@@ -36,7 +33,6 @@ from .errors import AttnkitError
 
 # change -> the environment variable that keeps attnkit from making it ("0")
 OPT_OUTS = {
-    "cpu_allocator": "ATTNKIT_CPU_ALLOCATOR",
     "openmp_waits": "ATTNKIT_OPENMP_WAITS",
     "torch_threads": "ATTNKIT_TORCH_THREADS",
     "tokenizer_threads": "ATTNKIT_TOKENIZER_THREADS",
@@ -97,58 +93,12 @@ def holding(name: str, what: str, scope: str) -> Iterator[None]:
         _end(token)
 
 
-_registered_since: list[float] = []  # when the first measuring forward registered the routing allocator
-
-
 def process_changes() -> list[ProcessChange]:
     """What attnkit has changed in this process now, oldest first: one record per change held (a change held by
-    several threads at once, such as two measuring forwards, once per holder). Empty while attnkit holds nothing:
-    before anything ran, and after every scope ended — except that the CPU allocator's routing allocator, once
-    registered, stays in c10's slot (it then forwards every allocation to c10's allocator unchanged) and is
-    listed for the rest of the process."""
+    several threads at once, once per holder). Empty while attnkit holds nothing: before anything ran, and after
+    every scope ended."""
     with _lock:
-        out = sorted(_held.values(), key=lambda c: c.since)
-    if _registered_since:
-        out.insert(0, ProcessChange(
-            "cpu_allocator", "c10's CPU allocator slot holds attnkit's routing allocator, which forwards every "
-                             "allocation to the allocator it replaced except those of a thread inside a measuring "
-                             "forward", "the rest of the process (a swap back would race with other threads' "
-                                        "allocations)", _registered_since[0], f"{OPT_OUTS['cpu_allocator']}=0"))
-    return out
-
-
-# --- the CPU allocator ----------------------------------------------------------------------------------------
-def _on_cpu(model) -> bool:
-    weight = next(model.parameters(), None)
-    return weight is not None and weight.device.type == "cpu"
-
-
-@contextlib.contextmanager
-def measuring_forward(model) -> Iterator[bool]:
-    """Around one of attnkit's own forwards of `model` (extraction, head means, detect-heads, the ablation
-    engines): on the CPU, the calling thread's tensors come from attnkit's CPU allocator (a plain malloc per
-    block, so the heap reuses the holes freed activations leave; csrc/cpu/block_allocator.cpp). Yields whether it
-    holds; released when the block ends, however it ends. Other threads, and this thread outside the block,
-    allocate as before. Nothing where ATTNKIT_CPU_ALLOCATOR=0, on a GPU, or where the extension cannot register
-    it (no extension, c10's NUMA or huge-page allocation on, another allocator of higher priority)."""
-    if not _on_cpu(model) or not allowed("cpu_allocator"):
-        yield False
-        return
-    from . import ops
-
-    held, token = False, None
-    try:
-        held = ops.hold_cpu_allocator()
-        if held:
-            if not _registered_since:
-                _registered_since.append(time.time())
-            token = _begin("cpu_allocator", "this thread's CPU tensors come from attnkit's allocator",
-                           f"a measuring forward on thread {threading.current_thread().name}")
-        yield held
-    finally:
-        _end(token)
-        if held:
-            ops.release_cpu_allocator()
+        return sorted(_held.values(), key=lambda c: c.since)
 
 
 # --- torch's threads and the tokenizer's --------------------------------------------------------------------
@@ -317,5 +267,5 @@ def openmp_in_effect(environ: Mapping[str, str] | None = None, modules=None,
 
 
 __all__ = ["OPENMP_VARIABLES", "OPT_OUTS", "ProcessChange", "after_import", "allowed", "end_environ_until_torch",
-           "environ_until_torch", "holding", "measuring_forward", "openmp_in_effect", "process_changes",
+           "environ_until_torch", "holding", "openmp_in_effect", "process_changes",
            "scoped_environ", "tokenizer_threads_off", "torch_threads", "watch_torch_import"]

@@ -36,7 +36,8 @@ Semantics (docs/features.md, docs/interventions.md):
     features wanted, one more feature comes last (after `sink`): `mean_attention_distance`, for each patch row s
     Σ_t w[s, t]·‖grid(s) − grid(t)‖ over the patch keys t (mass on keys that are no patch adds nothing: it is not
     renormalised away), averaged over the sample's valid patch rows (0 for a sample with none). Without features
-    `grid` is not read.
+    `grid` is not read. A grid is one sequence's tokens on one image: with cross-attention (`key_lengths`, two
+    sequences) it is refused by name.
 
   * Norm weighting (docs/features.md, "Norm-weighted features"): with a key scale g (B×H×L, ≥ 0) the
     features describe w'[s, t] = w[s, t]·g[t] / Σ_u w[s, u]·g[u] instead of the final weights w (a row
@@ -50,6 +51,20 @@ Semantics (docs/features.md, docs/interventions.md):
     the mean of the valid rows' features (each defined as in a full forward, windows by the same n), which is the
     mean over the n rows when Lq = L; a sample with no valid row gets 0. With Lq = L nothing changes.
 
+  * Cross-attention (`key_lengths` given; docs/seq2seq.md): queries from one sequence (a decoder's target), keys
+    and values from another (the encoder's source), Lq and Lk any sizes. `lengths` (n) are then the query lengths
+    (in [1, Lq]) and `key_lengths` (nk) the key lengths (in [1, Lk]); row i sees the keys t < nk (no causal mask,
+    no window); rows i >= n are padding (they attend as valid rows do, eager's way, and add no features).
+    `token_class` is then B×Lq, the queries' classes (only the CLS rows of `cls_entropy` read it), and `key_class`
+    B×Lk the keys' (the buckets cls/sep/comma/period). The row's own position is s = i, compared with the key
+    positions t of the other sequence: self is the key t == i (class OTHER), prev/next the keys i ∓ 1, distance
+    windows w = min(N − 1, floor(|i − t| · N / nk)): the features describe how close a head stays to the diagonal.
+    Sentence ids and regions need the row's sentence among the keys: refused (intra is the row's mass, inter 0).
+    key_scale is B×H×Lk.
+  * `bias` (T5's `position_bias`; self- or cross-attention): an additive float tensor (1 or B)×H×Lq×Lk added to
+    q·k·scaling before the soft cap and the softmax (−inf hides a key; the numerics policy holds with it). The
+    max logit stays q·k·scaling, without it.
+
 Arguments (checked by every backend, errors name the argument): q B×H×Lq×D with D >= 1 (Lq <= L); k and v of one
 shape B×Hkv×L×D (Hkv = H, or as `kv_head` says); kv_head H integers in [0, Hkv); sliding_window an integer >= 1;
 softcap a finite number > 0; sink H floats; lengths B integers in [1, L]; token_class B×L codes OTHER..PERIOD
@@ -57,7 +72,9 @@ softcap a finite number > 0; sink H floats; lengths B integers in [1, L]; token_
 value); mode H codes KEEP/ZERO/UNIFORM (0..2); region H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats;
 key_scale B×H×L floats, finite and >= 0 at valid keys (checked here; the compiled kernels trust it); grid B×L×2
 integers, (row, col) >= 0 or (−1, −1) at valid positions when features are wanted;
-num_windows from 1 to 1024 (MAX_NUM_WINDOWS); scaling a finite number (inf or NaN is refused).
+num_windows from 1 to 1024 (MAX_NUM_WINDOWS); scaling a finite number (inf or NaN is refused). Cross-attention:
+key_lengths B integers in [1, Lk] (then lengths in [1, Lq], token_class B×Lq), key_class B×Lk codes 0..4 at valid
+keys, no sentence_id, region, causal, sliding_window or grid; bias (1 or B)×H×Lq×Lk floats.
 
 Numerics policy (NaN propagates, as in torch.softmax and scaled_dot_product_attention): a query row
 whose softmax is undefined — a NaN score among the keys it sees, a +inf score, or every score −inf (with
@@ -104,8 +121,10 @@ class AttentionParams:
 
     token_class, sentence_id: B×L (None: all OTHER / one sentence); scaling (None: D^-1/2); num_windows; mode,
     region: H codes; renormalize; gates: H floats; want_features; key_scale: B×H×L (norm weighting); the decoder
-    arguments kv_head, causal, sliding_window, softcap, sink; grid: B×L×2, an image's patch grid (module
-    docstring)."""
+    arguments kv_head, causal, sliding_window, softcap, sink; cross-attention's key_lengths (B) and key_class (B×Lk),
+    and an additive bias ((1 or B)×H×Lq×Lk); grid: B×L×2, an image's patch grid (module docstring).
+    `fused_attention_lse` takes the fields before key_lengths, then want_max_logit, then grid (cross-attention and a
+    bias never run on it)."""
 
     token_class: torch.Tensor | None = None
     sentence_id: torch.Tensor | None = None
@@ -122,7 +141,15 @@ class AttentionParams:
     sliding_window: int | None = None
     softcap: float | None = None
     sink: torch.Tensor | None = None
+    key_lengths: torch.Tensor | None = None
+    key_class: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
     grid: torch.Tensor | None = None
+
+    @property
+    def cross(self) -> bool:
+        """Cross-attention: queries and keys from two sequences (module docstring)."""
+        return self.key_lengths is not None
 
     @classmethod
     def position(cls, name: str) -> int:
@@ -133,7 +160,8 @@ class AttentionParams:
         """The arguments after lengths, in the schema's order and types, for a call of the compiled op."""
         return (self.token_class, self.sentence_id, float(self.scaling), int(self.num_windows), self.mode,
                 self.region, bool(self.renormalize), self.gates, bool(self.want_features), self.key_scale,
-                self.kv_head, bool(self.causal), self.sliding_window, self.softcap, self.sink, self.grid)
+                self.kv_head, bool(self.causal), self.sliding_window, self.softcap, self.sink, self.key_lengths,
+                self.key_class, self.bias, self.grid)
 
     def tensors(self) -> tuple:
         """The tensor arguments (None where not given), in field order: what autograd saves."""
@@ -174,6 +202,31 @@ class AttentionParams:
             if tuple(sink.shape) != (H,):
                 raise AttnkitError(f"sink must have shape [{H}], got {list(sink.shape)}")
 
+    def _check_cross(self, B: int, H: int, Lq: int, Lk: int) -> None:
+        """`check_layout`'s part for cross-attention (key_lengths, key_class) and the bias."""
+        if self.cross:
+            _int_tensor(self.key_lengths, "key_lengths", (B,))
+            if self.key_class is not None:
+                _int_tensor(self.key_class, "key_class", (B, Lk))
+            refused = [name for name, given in (("sentence_id", self.sentence_id is not None),
+                                                ("region", self.region is not None), ("causal", bool(self.causal)),
+                                                ("sliding_window", self.sliding_window is not None)) if given]
+            if refused:
+                raise AttnkitError(f"cross-attention (key_lengths given) takes no {refused[0]}: its rows see every "
+                                   "key of the other sequence, and sentences (regions) are not defined across two "
+                                   "sequences")
+            if self.grid is not None:
+                raise AttnkitError("cross-attention (key_lengths given) takes no grid: a grid places the tokens of "
+                                   "one sequence on an image's patches (docs/features.md, \"Image heads\")")
+        elif self.key_class is not None:
+            raise AttnkitError("key_class is the keys' token classes of cross-attention: give key_lengths too")
+        bias = self.bias
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+                raise AttnkitError(f"bias must be a floating-point tensor, got {getattr(bias, 'dtype', type(bias))}")
+            if bias.dim() != 4 or bias.shape[0] not in (1, B) or tuple(bias.shape[1:]) != (H, Lq, Lk):
+                raise AttnkitError(f"bias must have shape [{B} or 1, {H}, {Lq}, {Lk}], got {list(bias.shape)}")
+
     def check_layout(self, q, k, v, lengths) -> None:
         """The part of the contract that reads no tensor values (shapes, dtypes, head dim, scaling, num_windows):
         cheap, and run by every backend before it converts anything (so lengths of a float dtype are refused by
@@ -182,12 +235,14 @@ class AttentionParams:
             raise AttnkitError(f"q must be 4-D (B, H, L, D), got shape {tuple(getattr(q, 'shape', ()))}")
         B, H, Lq, D = q.shape
         if (not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or k.shape != v.shape
-                or (k.shape[0], k.shape[3]) != (B, D) or k.shape[2] < Lq or k.shape[1] < 1):
+                or (k.shape[0], k.shape[3]) != (B, D) or (k.shape[2] < Lq and not self.cross) or k.shape[1] < 1
+                or k.shape[2] < 1):
             raise AttnkitError(f"k and v must have q's shape {tuple(q.shape)} (or B×Hkv×L×D with Hkv KV heads and "
-                               f"L >= q's {Lq} rows: a KV-cache step), got k {tuple(getattr(k, 'shape', ()))} and "
-                               f"v {tuple(getattr(v, 'shape', ()))}")
+                               f"L >= q's {Lq} rows: a KV-cache step; any L with key_lengths: cross-attention), got "
+                               f"k {tuple(getattr(k, 'shape', ()))} and v {tuple(getattr(v, 'shape', ()))}")
         L = k.shape[2]  # the keys: lengths, token classes, sentence ids and key scales are over them
         self._check_decoder(H, k.shape[1])
+        self._check_cross(B, H, Lq, L)
         if D < 1:
             raise AttnkitError(f"head dim (q.size(3)) must be >= 1, got {D}")
         if self.scaling is not None and not math.isfinite(float(self.scaling)):
@@ -204,7 +259,7 @@ class AttentionParams:
         if self.sentence_id is not None:
             _int_tensor(self.sentence_id, "sentence_id", (B, L))
         if self.token_class is not None:
-            _int_tensor(self.token_class, "token_class", (B, L))
+            _int_tensor(self.token_class, "token_class", (B, Lq if self.cross else L))
         if self.grid is not None:
             _int_tensor(self.grid, "grid", (B, L, 2))
         if self.gates is not None and tuple(self.gates.shape) != (H,):
@@ -226,10 +281,11 @@ class AttentionParams:
             bad_kv = (kv_head < 0) | (kv_head >= Hkv)
             _require(~bad_kv.any(), lambda: f"kv_head must lie in [0, Hkv) = [0, {Hkv}), got "
                                             f"{kv_head[bad_kv][0].item()} at head {bad_kv.nonzero()[0].item()}")
-        _require(((lengths >= 1) & (lengths <= L)).all(),
-                 lambda: f"lengths must lie in [1, L] = [1, {L}], got "
-                         f"lengths{_first_bad((lengths < 1) | (lengths > L))} = "
-                         f"{lengths[(lengths < 1) | (lengths > L)][0].item()}")
+        Lq, cross = q.shape[2], self.cross
+        _check_lengths(lengths, "lengths", Lq if cross else L, "Lq" if cross else "L")
+        if cross:
+            _check_lengths(self.key_lengths, "key_lengths", L, "Lk")
+        key_lengths = self.key_lengths if cross else lengths
         for t, name, names in ((self.mode, "mode", "0 (keep), 1 (zero) or 2 (uniform)"),
                                (self.region, "region", "0 (all), 1 (no_intra) or 2 (no_inter)")):
             if t is None:
@@ -237,11 +293,14 @@ class AttentionParams:
             bad_code = (t < 0) | (t > 2)
             _require(~bad_code.any(), lambda: f"{name} codes must be {names}, got {t[bad_code][0].item()} at head "  # noqa: B023
                                               f"{bad_code.nonzero()[0].item()}")  # noqa: B023 (called at once)
-        if token_class is not None and self.want_features:
-            valid = _key_mask(lengths.to(token_class.device).long(), L)
-            bad_cls = valid & ((token_class < OTHER) | (token_class > PERIOD))
-            _require(~bad_cls.any(), lambda: f"token_class codes must be 0..4 at valid positions, got "
-                                             f"{token_class[bad_cls][0].item()} at {_first_bad(bad_cls)}")
+        if self.want_features:
+            for classes, name, n in ((token_class, "token_class", lengths), (self.key_class, "key_class", key_lengths)):
+                if classes is None:
+                    continue
+                valid = _key_mask(n.to(classes.device).long(), classes.shape[1])
+                bad_cls = valid & ((classes < OTHER) | (classes > PERIOD))
+                _require(~bad_cls.any(), lambda: f"{name} codes must be 0..4 at valid positions, got "  # noqa: B023
+                                                 f"{classes[bad_cls][0].item()} at {_first_bad(bad_cls)}")  # noqa: B023
         if self.grid is not None and self.want_features:
             grid = self.grid
             valid = _key_mask(lengths.to(grid.device).long(), L)
@@ -251,14 +310,24 @@ class AttentionParams:
                                              f"another token, got {grid[bad_pos][0].tolist()} at "
                                              f"{_first_bad(bad_pos)}")
         if key_scale is not None and self.want_features:
-            valid = _key_mask(lengths.to(key_scale.device).long(), L)[:, None, :]
+            valid = _key_mask(key_lengths.to(key_scale.device).long(), L)[:, None, :]
             bad = valid & ~(torch.isfinite(key_scale) & (key_scale >= 0))
             _require(~bad.any(), lambda: f"key_scale must be finite and >= 0 at valid keys, got "
                                          f"{key_scale[bad][0].item()} at {_first_bad(bad)}")
 
 
-TENSOR_ARGUMENTS = ("token_class", "sentence_id", "mode", "region", "gates", "key_scale", "kv_head", "sink", "grid")
+def _check_lengths(lengths: torch.Tensor, name: str, top: int, top_name: str) -> None:
+    bad = (lengths < 1) | (lengths > top)
+    _require(~bad.any(), lambda: f"{name} must lie in [1, {top_name}] = [1, {top}], got {name}{_first_bad(bad)} = "
+                                 f"{lengths[bad][0].item()}")
+
+
+TENSOR_ARGUMENTS = ("token_class", "sentence_id", "mode", "region", "gates", "key_scale", "kv_head", "sink",
+                    "key_lengths", "key_class", "bias", "grid")
 DECODER_ARGUMENTS = ("kv_head", "causal", "sliding_window", "softcap", "sink")
+# what `attention_weights` takes besides the interventions: the decoder arguments, cross-attention's key lengths and
+# the additive bias
+WEIGHT_ARGUMENTS = (*DECODER_ARGUMENTS, "key_lengths", "bias")
 
 
 def takes_params(fn):
@@ -357,14 +426,16 @@ def intervene_weights(
 
 
 def attention_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, *, kv_head: torch.Tensor | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
-    """B×H×Lq×L fp32 scores q·kᵀ·scaling of each query head against its KV head's keys, soft-capped to
-    softcap·tanh(score / softcap) when `softcap` is given (before any mask)."""
+                     softcap: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """B×H×Lq×L fp32 scores q·kᵀ·scaling of each query head against its KV head's keys, plus `bias` where given,
+    soft-capped to softcap·tanh(score / softcap) when `softcap` is given (before any mask)."""
     H, Hkv = q.shape[1], k.shape[1]
     kf = k.float()
     if Hkv != H or kv_head is not None:
         kf = kf.index_select(1, resolve_kv_head(H, Hkv, kv_head, q.device))
     scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scaling
+    if bias is not None:
+        scores = scores + bias.to(scores.device, torch.float32)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     return scores
@@ -376,10 +447,11 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, s
                       **decoder):
     """B×H×Lq×L fp32 weights after softmax and interventions (keys a row does not see 0; NaN policy above; q has
     Lq ≤ L rows, the last Lq key positions: module docstring, "Fewer queries than keys"). `decoder`: the decoder
-    arguments of AttentionParams (kv_head, causal, sliding_window, softcap, sink).
+    arguments of AttentionParams (kv_head, causal, sliding_window, softcap, sink), and cross-attention's
+    key_lengths and the bias (`WEIGHT_ARGUMENTS`; with key_lengths, `lengths` are the query lengths).
     With a sink, a row's weights sum to 1 − its sink mass (the map transformers' eager gpt-oss returns);
     `return_sink` returns (weights, B×H×L sink mass per row, or None without `sink`)."""
-    unknown = set(decoder) - set(DECODER_ARGUMENTS)
+    unknown = set(decoder) - set(WEIGHT_ARGUMENTS)
     if unknown:
         raise TypeError(f"attention_weights() got an unexpected keyword argument {sorted(unknown)[0]!r}")
     p = AttentionParams(sentence_id=sentence_id, scaling=scaling, mode=mode, region=region, renormalize=renormalize,
@@ -392,8 +464,8 @@ def params_weights(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, p: A
     """`attention_weights` of the arguments `p` (its scaling given)."""
     B, H, Lq, _ = q.shape
     L = k.shape[2]
-    lengths = lengths.to(q.device).long()
-    scores = attention_scores(q, k, p.scaling, kv_head=p.kv_head, softcap=p.softcap)
+    lengths = (p.key_lengths if p.cross else lengths).to(q.device).long()  # from here on: over the keys
+    scores = attention_scores(q, k, p.scaling, kv_head=p.kv_head, softcap=p.softcap, bias=p.bias)
     visible = visible_keys(lengths, L, p.causal, p.sliding_window, Lq)
     scores = scores.masked_fill(~visible, float("-inf"))
     sink, mode = p.sink, p.mode
@@ -422,23 +494,26 @@ def params_weights(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, p: A
 
 def max_logits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling: float, *,
                kv_head: torch.Tensor | None = None, causal: bool = False,
-               sliding_window: int | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """B×H fp32: each head's max logit per sample (docs/features.md, "Max logit"): the largest q_s·k_t·scaling over
     the valid query rows s < n and the keys t each sees, before any soft-cap; NaN scores propagate. q has Lq ≤ L
     rows, at their true positions s = L − Lq + i (`query_positions`); a sample with no valid row (a KV-cache step
-    past its length) has −inf, the maximum of nothing, which leaves any maximum taken over samples unchanged."""
+    past its length) has −inf, the maximum of nothing, which leaves any maximum taken over samples unchanged.
+    Cross-attention (`key_lengths`): the rows i < lengths, the keys t < key_lengths."""
     Lq, L = q.shape[2], k.shape[2]
     lengths = lengths.to(q.device).long()
     scores = attention_scores(q, k, scaling, kv_head=kv_head)
-    valid_rows = query_positions(Lq, L, q.device)[None, :] < lengths[:, None]  # B×Lq
-    seen = visible_keys(lengths, L, causal, sliding_window, Lq) & valid_rows[:, None, :, None]
+    cross = key_lengths is not None
+    valid_rows = query_positions(Lq, Lq if cross else L, q.device)[None, :] < lengths[:, None]  # B×Lq
+    keys = key_lengths.to(q.device).long() if cross else lengths
+    seen = visible_keys(keys, L, causal, sliding_window, Lq) & valid_rows[:, None, :, None]
     return scores.masked_fill(~seen, float("-inf")).amax((-1, -2))
 
 
 def bucket_index(token_class: torch.Tensor, lengths: torch.Tensor, num_windows: int,
-                 Lq: int | None = None) -> torch.Tensor:
+                 Lq: int | None = None, first: int | None = None) -> torch.Tensor:
     """B×Lq×L int64 (Lq defaults to L): the distance-feature bucket of key t for query row i at position
-    s = L − Lq + i (docs/features.md).
+    s = first + i (`first` defaults to L − Lq; cross-attention: 0) (docs/features.md).
 
     0..3: key class cls/sep/comma/period; 4: self (t == s, class OTHER); 5 + w: window w of
     d = |s − t| ≥ 1, w = floor(d · N / n). Padded positions get a bucket too; callers mask them.
@@ -446,7 +521,9 @@ def bucket_index(token_class: torch.Tensor, lengths: torch.Tensor, num_windows: 
     B, L = token_class.shape
     Lq = L if Lq is None else Lq
     pos = torch.arange(L, device=token_class.device)
-    dist = (query_positions(Lq, L, token_class.device)[:, None] - pos[None, :]).abs()  # Lq×L
+    rows = query_positions(Lq, L, token_class.device) if first is None else torch.arange(
+        first, first + Lq, device=token_class.device)
+    dist = (rows[:, None] - pos[None, :]).abs()  # Lq×L
     n = lengths.clamp(min=1).view(B, 1, 1)
     window = torch.div(dist[None] * num_windows, n, rounding_mode="floor").clamp(max=num_windows - 1)
     idx = 5 + window
@@ -466,6 +543,9 @@ def row_features(
     num_windows: int,
     sink_weights: torch.Tensor | None = None,
     grid: torch.Tensor | None = None,
+    *,
+    key_lengths: torch.Tensor | None = None,
+    key_class: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-(sample, head) feature vectors B×H×F (fp32) from final B×H×Lq×L weights; with `sink_weights`
     (B×H×Lq, each row's sink mass) one more feature, `sink`, comes next (its mean over the rows); with `grid`
@@ -473,21 +553,28 @@ def row_features(
 
     Query row i is key position s = L − Lq + i (`query_positions`); it is valid when s < n. Each valid row's
     features are defined as in a full forward, with n = the sample's length over the keys; the result is their
-    mean over the sample's valid rows (n of them when Lq = L; a sample with none gets 0)."""
+    mean over the sample's valid rows (n of them when Lq = L; a sample with none gets 0).
+
+    Cross-attention (`key_lengths` given; module docstring): row i is position s = i, valid when i < lengths; the
+    keys t < key_lengths, of classes `key_class` (B×L); `token_class` (B×Lq) marks the CLS rows."""
     B, H, Lq, L = weights.shape
+    cross = key_lengths is not None
+    first = 0 if cross else L - Lq  # the position of row 0
+    n_keys = key_lengths if cross else lengths
+    classes = key_class if cross else token_class
+    if classes is None:
+        classes = torch.full((B, L), OTHER, dtype=torch.int32, device=weights.device)
     w = weights.float()
-    valid = _key_mask(lengths, L)  # B×L
+    valid = _key_mask(n_keys, L)  # B×L
     w = torch.where(valid[:, None, None, :], w, 0.0)  # padded keys contribute nothing
     nb = 5 + num_windows
-    idx = bucket_index(token_class, lengths, num_windows, Lq)[:, None].expand(B, H, Lq, L)
+    idx = bucket_index(classes, n_keys, num_windows, Lq, first)[:, None].expand(B, H, Lq, L)
     buckets = torch.zeros(B, H, Lq, nb, dtype=torch.float32, device=w.device).scatter_add_(-1, idx, w)
 
-    prev = torch.zeros(B, H, Lq, device=w.device)
-    nxt = torch.zeros(B, H, Lq, device=w.device)
-    if L > 1:  # row i (position s = L − Lq + i): w[i, s − 1] and w[i, s + 1], where those keys exist
-        first = 1 if Lq == L else 0  # the first row with a key before it
-        prev[..., first:] = torch.diagonal(w, offset=L - Lq - 1, dim1=-2, dim2=-1)
-        nxt[..., :-1] = torch.diagonal(w, offset=L - Lq + 1, dim1=-2, dim2=-1)
+    # row i (position s = first + i): w[i, s − 1] and w[i, s + 1], where those keys exist
+    s = torch.arange(first, first + Lq, device=w.device)
+    prev, nxt = (torch.where((t >= 0) & (t < L), w.gather(-1, t.clamp(0, L - 1).view(1, 1, Lq, 1).expand(
+        B, H, Lq, 1))[..., 0], 0.0) for t in (s - 1, s + 1))
     entropy = -torch.special.xlogy(w, w).sum(-1)
     mx = w.amax(-1)
     if sentence_id is None:
@@ -500,12 +587,13 @@ def row_features(
     rows = torch.cat(
         [buckets, torch.stack([prev, nxt, entropy, mx, intra, inter], dim=-1)], dim=-1
     )  # B×H×Lq×(F-1), without the sink
-    valid_rows = valid[:, L - Lq:]  # B×Lq
+    valid_rows = _key_mask(lengths, Lq) if cross else valid[:, L - Lq:]  # B×Lq
     row_valid = valid_rows[:, None, :, None]
     n = valid_rows.sum(-1).clamp(min=1).float().view(B, 1, 1)  # = lengths when Lq = L
     means = torch.where(row_valid, rows, 0.0).sum(2) / n  # padded rows (even NaN ones) add nothing
 
-    is_cls_row = (token_class[:, L - Lq:] == CLS) & valid_rows  # B×Lq
+    row_class = token_class if cross else classes[:, L - Lq:]  # B×Lq (cross: the queries' classes, or none)
+    is_cls_row = torch.zeros_like(valid_rows) if row_class is None else (row_class == CLS) & valid_rows
     n_cls = is_cls_row.sum(-1).float().view(B, 1)
     cls_ent = torch.where(is_cls_row[:, None, :], entropy, 0.0).sum(-1) / n_cls.clamp(min=1)
     parts = [means, cls_ent[..., None]]
@@ -547,8 +635,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengt
                         **params) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention + interventions + features, computed in fp32.
 
-    q: B×H×Lq×D; k, v: B×Hkv×L×D with L ≥ Lq (Lq < L: the queries are the last Lq positions, module docstring).
-    lengths: B (int, over the keys). The other arguments are those of AttentionParams, by keyword.
+    q: B×H×Lq×D; k, v: B×Hkv×L×D with L ≥ Lq (Lq < L: the queries are the last Lq positions, module docstring;
+    any L with `key_lengths`: cross-attention). lengths: B (int, over the keys; cross-attention: over the queries).
+    The other arguments are those of AttentionParams, by keyword.
     Returns (out B×Lq×H×D in q's dtype, features B×H×F fp32 — F = num_features(num_windows, sink=sink is not
     None, grid=grid is not None) — or B×H×0 when not wanted).
     """
@@ -562,11 +651,12 @@ def params_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     if p.scaling is None and q.dim() == 4 and D >= 1:
         p = dataclasses.replace(p, scaling=D**-0.5)
     p.check(q, k, v, lengths)
-    L = k.shape[2]  # the keys; q has Lq <= L rows
+    L = k.shape[2]  # the keys; q has Lq <= L rows (cross-attention: any Lq)
     lengths = lengths.to(q.device).long()
+    key_lengths = p.key_lengths.to(q.device).long() if p.cross else lengths
     weights, sink_w = params_weights(q, k, lengths, p, return_sink=True)
     # padded keys of v are dropped, not multiplied by 0 (0 · NaN would leak garbage into valid rows)
-    v_valid = v.float().masked_fill(~_key_mask(lengths, L)[:, None, :, None], 0.0)
+    v_valid = v.float().masked_fill(~_key_mask(key_lengths, L)[:, None, :, None], 0.0)
     if v.shape[1] != H or p.kv_head is not None:
         v_valid = v_valid.index_select(1, resolve_kv_head(H, v.shape[1], p.kv_head, q.device))
     out = torch.matmul(weights, v_valid)  # B×H×L×D
@@ -577,15 +667,16 @@ def params_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     out = out.transpose(1, 2).to(q.dtype)
     if p.want_features:
         token_class = p.token_class
-        if token_class is None:
+        if token_class is None and not p.cross:
             token_class = torch.full((B, L), OTHER, dtype=torch.int32, device=q.device)
         fw = weights.detach()
         sw = None if sink_w is None else sink_w.detach()
         if p.key_scale is not None:
-            fw = norm_weighted(fw, lengths, p.key_scale)
+            fw = norm_weighted(fw, key_lengths, p.key_scale)
             if sw is not None:  # the sink adds no value vector: weight 0 under norm weighting (NaN stays NaN)
                 sw = sw * 0.0
-        feats = row_features(fw, lengths, token_class, p.sentence_id, p.num_windows, sw, p.grid)
+        cross = {"key_lengths": key_lengths, "key_class": p.key_class} if p.cross else {}
+        feats = row_features(fw, lengths, token_class, p.sentence_id, p.num_windows, sw, p.grid, **cross)
     else:
         feats = q.new_zeros((B, H, 0), dtype=torch.float32)
     return out, feats

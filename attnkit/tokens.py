@@ -37,6 +37,10 @@ class Batch:
     token_class: torch.Tensor  # int32 B×L
     sentence_id: torch.Tensor  # int32 B×L
     n_truncated: int  # samples longer than max_length, cut to it
+    # an encoder–decoder's batch (docs/seq2seq.md): the decoder's side (its lengths, token classes and sentence
+    # ids; its ids and mask are `decoder_input_ids` and `decoder_attention_mask` in `inputs`); the fields above are
+    # the source's
+    target: Batch | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -47,12 +51,14 @@ class Batch:
             return t.to(device, non_blocking=non_blocking)
 
         return Batch({k: move(v) for k, v in self.inputs.items()}, move(self.lengths), move(self.token_class),
-                     move(self.sentence_id), self.n_truncated)
+                     move(self.sentence_id), self.n_truncated,
+                     None if self.target is None else self.target.to(device, non_blocking))
 
     def pin_memory(self) -> Batch:
         """Page-locked copies, so that `.to(cuda, non_blocking=True)` overlaps with the device's work."""
         return Batch({k: v.pin_memory() for k, v in self.inputs.items()}, self.lengths.pin_memory(),
-                     self.token_class.pin_memory(), self.sentence_id.pin_memory(), self.n_truncated)
+                     self.token_class.pin_memory(), self.sentence_id.pin_memory(), self.n_truncated,
+                     None if self.target is None else self.target.pin_memory())
 
     @classmethod
     def from_arrays(cls, arrays: EncodedArrays) -> Batch:

@@ -126,7 +126,6 @@ def naive_features(attentions, lengths, token_class, sentence_id, num_windows: i
 def make_runner(cfg: str, model, batch):
     import attnkit
     from attnkit.engine import forward_features, measuring
-    from attnkit.hf_attention import BatchInfo
     from attnkit.models import runtime_of
 
     inputs = batch.inputs
@@ -159,12 +158,10 @@ def make_runner(cfg: str, model, batch):
     def intervened():
         model.set_attn_implementation("attnkit")
         rt.backend = "fused"
-        rt.batch = BatchInfo(batch.lengths, batch.token_class, batch.sentence_id)
         try:
-            with attnkit.intervene(model, iv), torch.inference_mode():
+            with rt.batch_of(batch), attnkit.intervene(model, iv), torch.inference_mode():
                 return model(**inputs).last_hidden_state
         finally:
-            rt.batch = None
             rt.backend = "auto"
 
     return {"plain-eager": plain("eager"), "plain-sdpa": plain("sdpa"), "naive": naive, "fused": fused,

@@ -10,8 +10,7 @@ the CPU with `--threads` threads (default 2):
   attnkit   attnkit extraction: the instrumented model under `measuring` (attnkit.engine.forward_features), the
             features of every head; the backend attnkit picks (`--backend`)
   eager     eager attention with output_attentions=True (the maps of every layer: 30 × 9 × L × L floats)
-and attnkit's extraction under other CPU allocators (`--configs`; docs/process.md, "The CPU allocator"):
-  attnkit-c10       c10's own allocator (ATTNKIT_CPU_ALLOCATOR=0: posix_memalign over glibc's malloc)
+and attnkit's extraction with another allocator under c10's (`--configs`; docs/process.md, "Memory on the CPU"):
   attnkit-jemalloc  c10's allocator over jemalloc (LD_PRELOAD of Debian's libjemalloc2)
   attnkit-mimalloc  c10's allocator over mimalloc (LD_PRELOAD of Debian's libmimalloc2.0)
 A preloaded allocator that is not installed is skipped, and the table says so.
@@ -45,9 +44,8 @@ from extract import rss_kb  # noqa: E402  (bench/extract.py: a field of /proc/se
 CONFIGS = ("sdpa", "attnkit", "eager")
 # attnkit's extraction under another allocator: the environment of its process (docs/process.md)
 ALLOCATORS = {
-    "attnkit-c10": {"ATTNKIT_CPU_ALLOCATOR": "0"},
-    "attnkit-jemalloc": {"ATTNKIT_CPU_ALLOCATOR": "0", "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"},
-    "attnkit-mimalloc": {"ATTNKIT_CPU_ALLOCATOR": "0", "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libmimalloc.so.2"},
+    "attnkit-jemalloc": {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"},
+    "attnkit-mimalloc": {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libmimalloc.so.2"},
 }
 LAYERS, HEADS = 30, 9  # SmolLM2-135M
 

@@ -28,6 +28,8 @@ struct FusedAttentionArgs {
   std::optional<int64_t> sliding_window;
   std::optional<double> softcap;
   std::optional<at::Tensor> sink;
+  // cross-attention (attnkit::fused_attention only; defaults: none): the keys' lengths and token classes; the bias
+  std::optional<at::Tensor> key_lengths, key_class, bias;
   std::optional<at::Tensor> grid;  // int32 B×L×2: each token's (row, col) on an image's patch grid, −1 off it
   bool want_max_logit = false;  // attnkit::fused_attention_lse only
 };
@@ -53,7 +55,9 @@ inline FusedAttentionArgs pop_fused_attention_args(const c10::OperatorHandle& op
   read("mode", a.mode), read("region", a.region), read("renormalize", a.renormalize), read("gates", a.gates);
   read("want_features", a.want_features), read("key_scale", a.key_scale), read("kv_head", a.kv_head);
   read("causal", a.causal), read("sliding_window", a.sliding_window), read("softcap", a.softcap);
-  read("sink", a.sink), read("grid", a.grid), read("want_max_logit", a.want_max_logit);
+  read("sink", a.sink), read("want_max_logit", a.want_max_logit);
+  read("key_lengths", a.key_lengths), read("key_class", a.key_class), read("bias", a.bias);
+  read("grid", a.grid);
   torch::jit::drop(*stack, n);
   return a;
 }

@@ -10,10 +10,6 @@
 
 namespace attnkit::cpu {
 std::string cpu_capability();  // csrc/cpu/fused_attention.cpp
-bool hold_cpu_allocator();       // csrc/cpu/block_allocator.cpp
-void release_cpu_allocator();
-int64_t cpu_allocator_holders();
-bool cpu_allocator_registered();
 }
 
 TORCH_LIBRARY(attnkit, m) {
@@ -27,9 +23,16 @@ TORCH_LIBRARY(attnkit, m) {
   //   k, v may be B×Hkv×L×D; kv_head: int32[H] (the KV head of each query head) or None (Hkv == H, or even
   //   groups h / (H / Hkv)); causal: row s sees keys t <= s; sliding_window: also s − t < W; softcap: scores
   //   c·tanh(score / c); sink: fp32[H], a logit per head in each row's softmax denominator (mass, no value).
-  // Vision models (docs/features.md, "Image heads"): grid: int32[B, L, 2], each token's (row, col) on the image's
-  // patch grid, (−1, −1) for a token that is no patch ([CLS], registers); read only with want_features (the CPU
-  // kernel; CUDA calls with it run on the reference, attnkit/ops.py).
+  // Cross-attention (attnkit/reference.py, "Cross-attention"), appended likewise: key_lengths int64[B] (given:
+  //   q is B×H×Lq×D over another sequence than k and v, B×Hkv×Lk×D, any Lq and Lk; lengths are then the query
+  //   lengths, token_class int32[B, Lq] the queries' classes), key_class int32[B, Lk] or None; bias: fp32
+  //   [1 or B, H, Lq, Lk], added to the scores (T5's position_bias). The CPU kernel takes key_lengths and key_class
+  //   (cpu_cross_attention); no kernel takes bias (attnkit/ops.py runs it on the reference), nor the CUDA kernels
+  //   cross-attention.
+  // Vision models (docs/features.md, "Image heads"), appended after them: grid: int32[B, L, 2], each token's
+  //   (row, col) on the image's patch grid, (−1, −1) for a token that is no patch ([CLS], registers); read only with
+  //   want_features (the CPU kernel; CUDA calls with it run on the reference, attnkit/ops.py). A grid places the
+  //   tokens of one sequence on one image, so it is refused together with key_lengths (cross-attention).
   // Returns out: B×L×H×D (q's dtype) and features: fp32 B×H×F (F = kNumFeatures(num_windows),
   // csrc/feature_slots.h, plus one — `sink` — when sink is given, then one — `mean_attention_distance`, last —
   // when grid is given), or B×H×0 when want_features is false.
@@ -37,8 +40,8 @@ TORCH_LIBRARY(attnkit, m) {
       "fused_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
-      "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, Tensor? grid=None) "
-      "-> (Tensor, Tensor)");
+      "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, "
+      "Tensor? key_lengths=None, Tensor? key_class=None, Tensor? bias=None, Tensor? grid=None) -> (Tensor, Tensor)");
   // The same op, also returning lse: fp32 B×H×L, per row the natural-log log-sum-exp of the scores it sees
   // (scaling·q·k, soft-capped when asked; the sink logit included), i.e. log of the denominator the output is
   // divided by (with renormalize: over the kept keys and the sink), as ATen's
@@ -61,18 +64,11 @@ TORCH_LIBRARY(attnkit, m) {
   // queries are the last Lq key positions; attnkit/reference.py, "Fewer queries than keys"). attnkit/ops.py then
   // sends such calls on CPU to fused_attention instead of the reference.
   m.def("cpu_fewer_queries() -> bool", []() { return true; });
+  // True: the CPU kernel takes cross-attention (key_lengths, key_class); attnkit/ops.py then sends such calls on CPU
+  // to fused_attention instead of the reference.
+  m.def("cpu_cross_attention() -> bool", []() { return true; });
   // Which build of the CPU kernel runs (csrc/cpu/fused_attention_kernel.h): "default", "avx2" or "avx512".
   m.def("cpu_capability() -> str", &attnkit::cpu::cpu_capability);
-  // attnkit's CPU allocator (csrc/cpu/block_allocator.cpp: why and how), for the calling thread while attnkit runs
-  // its own measuring forwards (attnkit/process.py). hold: true when the calling thread's CPU allocations are now
-  // blocks (counted per thread; each true needs one release on the same thread), false where the routing allocator
-  // could not be registered (NUMA or huge-page allocation on, or an allocator of higher priority registered);
-  // holders: how many holds all threads have outstanding; registered: whether the routing allocator is in c10's
-  // slot (it stays there once the first hold put it there).
-  m.def("hold_cpu_allocator() -> bool", &attnkit::cpu::hold_cpu_allocator);
-  m.def("release_cpu_allocator() -> ()", &attnkit::cpu::release_cpu_allocator);
-  m.def("cpu_allocator_holders() -> int", &attnkit::cpu::cpu_allocator_holders);
-  m.def("cpu_allocator_registered() -> bool", &attnkit::cpu::cpu_allocator_registered);
   // Clark et al.'s Jensen-Shannon distances between every pair of M heads of one batch:
   //   attn: fp32 B×M×L×L attention rows (padded keys 0); lengths: int64[B].
   // Returns fp64 M×M: Σ_b Σ_{s<n_b} JS(attn[b,i,s,:], attn[b,j,s,:]), natural logs.

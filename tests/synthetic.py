@@ -334,3 +334,96 @@ def tiny_decoder(kind: str, vocab: int = 120, n_layers: int = 2, window: int = 5
             elif name.endswith(".sinks"):
                 p.copy_(torch.randn_like(p))
     return model
+
+
+class CallCounter:
+    """A consumer (attnkit/attention/consumers/base.py's protocol) that counts the calls of attnkit attention an
+    instrumented model plans (every call outside training with attention dropout) and takes part in none:
+    `with runtime_of(model).attached(CallCounter()) as counter: ...; counter.calls`."""
+
+    role = "call counter"
+    in_training = False
+
+    def __init__(self):
+        self.calls = 0
+
+    def wants(self, call):
+        self.calls += 1
+        return None
+
+    def before(self, call):
+        return None
+
+    def after(self, call, result):
+        return None
+
+
+def cross_features_from_maps(p, q_lengths, k_lengths, q_classes, k_classes, nw):
+    """docs/features.md's features of cross-attention maps (B × H × Lq × Lk, each sequence's tokens first), by loops,
+    written independently of attnkit.reference: B × H × features. Row i is position i, valid when i < n; the keys
+    t < nk of classes k_classes; self t == i; window min(N − 1, |i − t|·N // nk); intra the row's mass, inter 0; the
+    CLS rows (cls_entropy) by the queries' classes."""
+    Bn, Hn = p.shape[:2]
+    out = np.zeros((Bn, Hn, 5 + nw + 7))
+    for b in range(Bn):
+        n, nk = int(q_lengths[b]), int(k_lengths[b])
+        for h in range(Hn):
+            rows, cls_ent = [], []
+            for i in range(n):
+                A = np.asarray(p[b, h, i, :nk], dtype=np.float64)
+                r = np.zeros(5 + nw + 6)
+                for t in range(nk):
+                    c = int(k_classes[b][t])
+                    if c in (1, 2, 3, 4):
+                        r[c - 1] += A[t]
+                    elif t == i:
+                        r[4] += A[t]
+                    else:
+                        r[5 + min(nw - 1, abs(i - t) * nw // nk)] += A[t]
+                f = 5 + nw
+                r[f] = A[i - 1] if 0 <= i - 1 < nk else 0.0
+                r[f + 1] = A[i + 1] if i + 1 < nk else 0.0
+                pos = A[A > 0]
+                r[f + 2] = -(pos * np.log(pos)).sum()
+                r[f + 3] = A.max()
+                r[f + 4] = A.sum()
+                rows.append(r)
+                if int(q_classes[b][i]) == 1:
+                    cls_ent.append(r[f + 2])
+            out[b, h] = np.concatenate([np.mean(rows, 0), [np.mean(cls_ent) if cls_ent else 0.0]])
+    return out
+
+
+SEQ2SEQ_KINDS = ("bart", "marian", "t5", "whisper")
+
+
+def tiny_seq2seq(kind: str, vocab: int = 120, n_layers: int = 2, seed: int = 0):
+    """A random-weight encoder–decoder of `kind` (one of SEQ2SEQ_KINDS) with its language-model head, built offline:
+    hidden 32, 4 heads of size 8 in every layer, `n_layers` encoder and decoder layers, eager attention, eval mode,
+    queries sharpened so that heads differ. Padding 0, EOS 2 (T5: 1); Whisper takes 8 mel bins × 16 frames (an
+    encoder of 8 positions)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+
+    layers = dict(encoder_layers=n_layers, decoder_layers=n_layers, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, d_model=32)
+    if kind == "t5":
+        cfg = AutoConfig.for_model("t5", vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=n_layers,
+                                   num_decoder_layers=n_layers, num_heads=4, relative_attention_num_buckets=8,
+                                   relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1,
+                                   decoder_start_token_id=0)
+    elif kind == "whisper":
+        cfg = AutoConfig.for_model("whisper", vocab_size=vocab, num_mel_bins=8, max_source_positions=8,
+                                   max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                   decoder_start_token_id=1, **layers)
+    else:
+        cfg = AutoConfig.for_model(kind, vocab_size=vocab, max_position_embeddings=64, pad_token_id=0,
+                                   bos_token_id=1, eos_token_id=2, decoder_start_token_id=2, **layers)
+    torch.manual_seed(seed)
+    auto = AutoModelForSpeechSeq2Seq if kind == "whisper" else AutoModelForSeq2SeqLM
+    model = auto.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", ".q.weight")):
+                p.mul_(4.0)
+    return model

@@ -68,8 +68,8 @@ def _prev_scores(model, x):
     """Mean attention to the previous token per head, measured by attnkit."""
     n = len(feature_names())
     prev = feature_names().index("prev")
-    with measuring(model, backend="reference") as rt:
-        rt.batch = BatchInfo(torch.full((x.shape[0],), L), torch.zeros_like(x, dtype=torch.int32), None)
+    with measuring(model, backend="reference") as rt, \
+            rt.batch_of(BatchInfo(torch.full((x.shape[0],), L), torch.zeros_like(x, dtype=torch.int32), None)):
         with torch.no_grad():
             model(input_ids=x)
         feats = torch.stack([rt.features[i] for i in range(2)], 1).mean(0)  # layers × heads × F

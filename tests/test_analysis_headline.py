@@ -46,7 +46,8 @@ def simplex_heads(n_layers=6, n_heads=12, seed=0) -> HeadFeatures:
 
 def test_heads_without_types_are_still_unreliable(tmp_path):
     simplex_heads().save(tmp_path / "run")
-    res = CliRunner().invoke(main, ["cluster", str(tmp_path / "run"), "-q"], catch_exceptions=False)
+    # k chosen by stability as by default, over 3 seeds rather than 10: no seed of any k reaches 0.7 on these heads
+    res = CliRunner().invoke(main, ["cluster", str(tmp_path / "run"), "-q", "--seeds", "3"], catch_exceptions=False)
     assert res.exit_code == 0, res.output  # k chosen by stability: even the most stable k is not
     assert "no k from 2 to 8 gives stable head types" in res.output
     assert f"is below {STABILITY_WARN}: these head types are not reliable" in res.output

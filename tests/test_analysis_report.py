@@ -224,7 +224,7 @@ def test_commands(tmp_path):
     run = tmp_path / "run"
     make_run(run, layered_truth(L=3, H=6, seed=2))
     runner = CliRunner()
-    r = runner.invoke(cluster_cmd, [str(run), "--k", "3", "--stability", "3", "--sweep"])
+    r = runner.invoke(cluster_cmd, [str(run), "--k", "3", "--stability", "3", "--sweep", "--seeds", "2"])
     assert r.exit_code == 0, r.output
     assert "stability" in r.output and (run / "clusters.json").is_file()
     assert "k  stability  silhouette" in r.output

@@ -49,9 +49,9 @@ def test_features_are_never_negative_whatever_a_backend_rounds(monkeypatch):
     -1.96e-11): the features recorded from it, and their means, are clamped at 0."""
     import numpy as np
 
-    from attnkit import hf_attention
+    from attnkit.attention import run as run_step
 
-    real = hf_attention.attention
+    real = run_step.attention
 
     def rounding_backend(*args, **kwargs):
         out, feats = real(*args, **kwargs)
@@ -59,7 +59,7 @@ def test_features_are_never_negative_whatever_a_backend_rounds(monkeypatch):
             feats = feats - 2e-11  # every empty bucket (0) becomes slightly negative
         return out, feats
 
-    monkeypatch.setattr(hf_attention, "attention", rounding_backend)
+    monkeypatch.setattr(run_step, "attention", rounding_backend)
     model = attnkit.load_model()
     feats = attnkit.extract(["A short text.", "Another one here."], model, backend="reference", progress=False)
     win_15 = feats.feature("win_15")

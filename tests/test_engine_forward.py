@@ -72,8 +72,7 @@ def test_a_first_layer_of_another_shape_remakes_the_buffer():
 @pytest.mark.parametrize("kind", ["bert", "llama"])
 def test_the_forward_ends_once_the_last_attention_layer_has_measured(kind):
     """forward_features reads only the features: the last layer's output projection and MLP and the model's final
-    norm do not run (attnkit.hf_attention.Runtime.stop_when_measured); a plain forward afterwards runs whole."""
-    from attnkit import ops
+    norm do not run (attnkit.attention.runtime.Runtime.stop_when_measured); a plain forward afterwards runs whole."""
     from attnkit.caching import encoder_layers
     from attnkit.engine.forward import forward_features, measuring
 
@@ -88,7 +87,7 @@ def test_the_forward_ends_once_the_last_attention_layer_has_measured(kind):
         feats = forward_features(model, batch)
     assert calls == ["enter"]
     assert feats.shape[1] == len(attention_modules(model)) and torch.isfinite(feats).all()
-    assert not rt.stop_when_measured and rt.inputs is None and ops.cpu_allocator_holders() == 0
+    assert not rt.stop_when_measured and rt.open_forwards == 0 and attnkit.process_changes() == []
     with torch.inference_mode():
         model(**batch.inputs)
     assert calls == ["enter", "enter", "leave"]

@@ -81,7 +81,7 @@ def test_the_report_bar_knows_how_many_figures_it_draws(tmp_path, capsys):
     from attnkit.analysis.report import build_report
 
     make_features(layered_truth(L=3, H=4, seed=1)).save(tmp_path)
-    build_report(tmp_path, svg=False, do_sweep=False, progress=True)
+    build_report(tmp_path, svg=False, do_sweep=False, progress=True, k=3)  # (k given: no k sweep before the bar)
     err = capsys.readouterr().err.replace("\r", "\n")
     assert "report: 100%" in err and "5/5" in err
 

@@ -105,7 +105,7 @@ def test_refusals_by_name():
 
     mod = ours.model.layers[0].self_attn
     q, kv = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 2, 8)
-    with pytest.raises(AttnkitError, match="got 3 queries and 2 keys: cross-attention is not supported"):
+    with pytest.raises(AttnkitError, match="got 3 queries and 2 keys: attnkit measures cross-attention in the encoder–decoders"):
         attnkit_attention(mod, q, kv, kv, None, scaling=0.3)
     q, kv = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 4, 8)
     with pytest.raises(AttnkitError, match="each sample's tokens to end at the last key"):

@@ -4,7 +4,7 @@ interruptions"). For each way attnkit runs a model — extract, head means, dete
 `AttnkitCallback` — a forward hook on one transformer layer raises KeyboardInterrupt on its n-th call, as Ctrl-C
 would mid-forward (deterministic: no signal, no clock). Afterwards attnkit holds nothing on the model (`held`: no
 intervention, cache, sentence ids, tracker or observer, no per-forward state in its runtime, no hook or replaced
-forward, no hold of attnkit's CPU allocator), and the same call, then a plain forward, give exactly the numbers of a
+forward, no change to the process still held: `attnkit.process_changes()`), and the same call, then a plain forward, give exactly the numbers of a
 deep copy of the model made before the interruption.
 
 The embedded MiniLM for the encoder cases, a tiny random Llama (tests/synthetic.py) for the decoder ones."""
@@ -22,14 +22,13 @@ import attnkit
 from attnkit.caching import encoder_layers
 from attnkit.interventions import Intervention, open_blocks
 from attnkit.models import runtime_of
-from attnkit.ops import cpu_allocator_holders
 
 from .conftest import SENTENCES
 from .synthetic import tiny_decoder
 
 DECODER_TEXTS = ["the cat sat on the mat", "bread needs time"]  # words of the decoder tokenizer (tests/conftest.py)
-# Runtime fields that describe the model rather than what runs on it (set when it is instrumented; a counter)
-MODEL_FIELDS = {"separator_ids", "sink", "segment_types", "calls"}
+# Runtime fields that describe the model rather than what runs on it (set when it is instrumented)
+MODEL_FIELDS = {"separator_ids", "sink", "segment_types"}
 
 
 def _at_rest(value, rest) -> bool:
@@ -45,14 +44,14 @@ def _at_rest(value, rest) -> bool:
         return False
 
 
-def held(model, allocator_holds: int = 0) -> dict[str, object]:
+def held(model) -> dict[str, object]:
     """What attnkit holds on `model` beyond an idle model, by name (empty: nothing): every field of its runtime that
-    differs from the Runtime's default (what a block or a forward puts there: intervention, sentences, head caches,
-    tracker, observers, batch, features, the inputs of a forward under way, ...), open intervene/sentences blocks,
+    differs from the Runtime's default (what a block or a forward puts there: what is given to the next forwards
+    (intervention, sentences, batch), the consumers (head caches, tracker, observers, features), the forwards under
+    way, ...), open intervene/sentences blocks,
     forward hooks and replaced `forward` methods other than those attnkit keeps on every instrumented model (marked
-    `_attnkit_hook`: the hooks that record a forward's inputs), and holds of attnkit's CPU allocator beyond
-    `allocator_holds` (they are the process's: a case compares with the count before it, so that one case's leak does
-    not show in the next)."""
+    `_attnkit_hook`: the hooks that record a forward's inputs), and every change to the process attnkit still holds
+    (`attnkit.process_changes()`: threads, environment variables, ...)."""
     rt = runtime_of(model)
     out: dict[str, object] = {}
     for f in dataclasses.fields(rt):
@@ -71,8 +70,8 @@ def held(model, allocator_holds: int = 0) -> dict[str, object]:
             out[f"hooks on {name or 'the model'}"] = hooks
         if "forward" in vars(mod) and not getattr(vars(mod)["forward"], "_attnkit_hook", False):
             out[f"forward of {name or 'the model'} replaced"] = vars(mod)["forward"]
-    if cpu_allocator_holders() != allocator_holds:
-        out["cpu allocator holds"] = cpu_allocator_holders() - allocator_holds
+    if attnkit.process_changes():
+        out["process changes"] = attnkit.process_changes()
     return out
 
 
@@ -243,14 +242,13 @@ def test_ctrl_c_leaves_nothing_of_attnkit_on_the_model(case, encoder, decoder, s
         call = (lambda c, p: lambda model, tok: c(model, tok, p))(call, stsb_path if call is _ablate else tmp_path)
     model = copy.deepcopy(base)
     fresh = copy.deepcopy(model)
-    holds = cpu_allocator_holders()  # 0, unless an earlier case leaked one
-    assert held(model, holds) == {}
+    assert held(model) == {}
     try:
         with ctrl_c(encoder_layers(model)[1], n):
             call(model, tok)
-        assert held(model, holds) == {}
+        assert held(model) == {}
         same(call(model, tok), call(fresh, tok))
-        assert held(model, holds) == {}
+        assert held(model) == {}
         same(_plain_forward(model, tok), _plain_forward(fresh, tok))
     finally:
         ALIVE.clear()
@@ -259,21 +257,20 @@ def test_ctrl_c_leaves_nothing_of_attnkit_on_the_model(case, encoder, decoder, s
 def test_held_sees_what_attnkit_holds(encoder):
     """The helper above finds each thing a block or a forward leaves, so that an empty `held` means something."""
     model, tok = copy.deepcopy(encoder[0]), encoder[1]
-    holds = cpu_allocator_holders()
-    assert held(model, holds) == {}
+    assert held(model) == {}
     with attnkit.intervene(model, Intervention.for_model(model)):
-        assert set(held(model, holds)) == {"runtime.intervention", "open blocks"}
+        assert set(held(model)) == {"runtime.given", "open blocks"}
     for block in (attnkit.cache_heads(model), attnkit.track(model)):
         with block:
-            assert len(held(model, holds)) == 1  # the runtime's field that holds the cache, the tracker
+            assert len(held(model)) == 1  # the runtime's field that holds the cache, the tracker
     seen = []
 
     def inside(module, args, output):
-        seen.append(held(model, holds))
+        seen.append(held(model))
 
     handle = encoder_layers(model)[0].register_forward_hook(inside)
     with torch.no_grad():
         model(**_enc(tok))
     handle.remove()
-    assert "runtime.inputs" in seen[0] and "hooks on encoder.layer.0" in seen[0]
-    assert held(model, holds) == {}
+    assert "runtime.forwards" in seen[0] and "hooks on encoder.layer.0" in seen[0]
+    assert held(model) == {}

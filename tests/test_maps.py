@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModel
 
 import attnkit
-import attnkit.hf_attention as hf_attention
+import attnkit.attention.maps as maps_step
 from attnkit.errors import AttnkitError
 from attnkit.models import default_model_path
 
@@ -39,8 +39,8 @@ def test_output_attentions_equal_eager_with_padding(kind):
 def test_no_map_is_computed_unless_asked(monkeypatch):
     model = attnkit.instrument(tiny_encoder("bert"))
     calls = []
-    real = hf_attention.attention_weights
-    monkeypatch.setattr(hf_attention, "attention_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = maps_step.attention_weights
+    monkeypatch.setattr(maps_step, "attention_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
     with torch.no_grad():
         out = model(**padded_inputs(120, (9, 5, 1)))
     assert calls == [] and not out.attentions

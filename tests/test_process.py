@@ -1,6 +1,6 @@
 """Every change attnkit makes to the process (attnkit/process.py, docs/process.md): listed while it holds, undone
-when its scope ends (KeyboardInterrupt included), kept from happening by its opt-out variable; the CPU allocator
-held only around attnkit's own measuring forwards; the cores of a container read from its cgroup; meta.json's
+when its scope ends (KeyboardInterrupt included), kept from happening by its opt-out variable; no allocator of
+attnkit's in any forward; the cores of a container read from its cgroup; meta.json's
 OpenMP variables only those libgomp read."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import ops, process
+from attnkit import process
 from attnkit.engine import openmp
 from attnkit.engine.forward import forward_features, measuring
 from attnkit.errors import AttnkitError
@@ -23,7 +23,6 @@ from attnkit.tokens import Batch
 from tests.synthetic import tiny_bert, tiny_decoder
 
 ROOT = Path(__file__).resolve().parent.parent
-needs_allocator = pytest.mark.skipif(not ops._CPU_ALLOCATOR, reason="the extension has no CPU allocator (not built)")
 
 
 def batch_of(model, B=2, L=7):
@@ -35,70 +34,21 @@ def batch_of(model, B=2, L=7):
                  torch.zeros(B, L, dtype=torch.int32), 0)
 
 
-def held_changes(name):
-    return [c for c in attnkit.process_changes() if c.name == name and c.scope.startswith("a measuring forward")]
-
-
-@needs_allocator
 @pytest.mark.parametrize("kind", ["bert", "llama"])
-def test_the_allocator_is_held_in_attnkits_forwards_and_never_in_the_users(kind):
+def test_attnkits_forwards_and_the_users_leave_the_allocator_alone(kind):
+    """attnkit has no CPU allocator of its own (docs/process.md, "Memory on the CPU": jemalloc or mimalloc, preloaded,
+    reach the peak it reached): neither its measuring forwards nor a user's change anything in the process."""
     model = attnkit.instrument(tiny_bert()[0] if kind == "bert" else tiny_decoder(kind))
     seen = []
-    hook = attention_modules(model)[0].register_forward_pre_hook(
-        lambda *_: seen.append((ops.cpu_allocator_holders(), len(held_changes("cpu_allocator")))))
+    hook = attention_modules(model)[0].register_forward_pre_hook(lambda *_: seen.append(attnkit.process_changes()))
     batch = batch_of(model)
     with torch.inference_mode():
         model(**batch.inputs)  # the user's forward
     with measuring(model, num_windows=4):
         forward_features(model, batch)  # attnkit's
     hook.remove()
-    assert seen == [(0, 0), (1, 1)]
-    assert ops.cpu_allocator_holders() == 0 and held_changes("cpu_allocator") == []
-
-
-@needs_allocator
-def test_the_users_training_step_and_generate_run_on_c10s_allocator():
-    model = attnkit.instrument(tiny_decoder("llama"))
-    seen = []
-    hook = attention_modules(model)[0].register_forward_pre_hook(lambda *_: seen.append(ops.cpu_allocator_holders()))
-    ids = batch_of(model).inputs["input_ids"]
-    model.train()
-    with attnkit.track(model):
-        model(input_ids=ids, labels=ids).loss.backward()
-    model.eval()
-    model.generate(ids[:1, :3], max_new_tokens=2, do_sample=False)
-    hook.remove()
-    assert len(seen) >= 3 and set(seen) == {0}
-
-
-@needs_allocator
-def test_a_keyboard_interrupt_inside_a_measuring_forward_gives_the_allocator_back():
-    model = attnkit.instrument(tiny_bert()[0])
-
-    def interrupt(*_):
-        assert ops.cpu_allocator_holders() == 1
-        raise KeyboardInterrupt
-
-    hook = attention_modules(model)[0].register_forward_pre_hook(interrupt)
-    with measuring(model, num_windows=4), pytest.raises(KeyboardInterrupt):
-        forward_features(model, batch_of(model))
-    hook.remove()
-    assert ops.cpu_allocator_holders() == 0 and held_changes("cpu_allocator") == []
-    with measuring(model, num_windows=4):
-        forward_features(model, batch_of(model))
-    assert ops.cpu_allocator_holders() == 0
-
-
-@needs_allocator
-def test_the_opt_out_keeps_c10s_allocator(monkeypatch):
-    monkeypatch.setenv("ATTNKIT_CPU_ALLOCATOR", "0")
-    model = attnkit.instrument(tiny_bert()[0])
-    seen = []
-    hook = attention_modules(model)[0].register_forward_pre_hook(lambda *_: seen.append(ops.cpu_allocator_holders()))
-    with measuring(model, num_windows=4):
-        forward_features(model, batch_of(model))
-    hook.remove()
-    assert seen == [0]
+    assert seen == [[], []]
+    assert "cpu_allocator" not in process.OPT_OUTS and not hasattr(torch.ops.attnkit, "hold_cpu_allocator")
 
 
 def test_an_opt_out_takes_0_or_1_and_names_a_bad_value(monkeypatch):
@@ -240,3 +190,56 @@ def test_the_process_own_cgroup_is_read_first(tmp_path):
     assert dirs[:3] == [tmp_path / "fs" / "cpu,cpuacct" / "box/1", tmp_path / "fs" / "cpu" / "box/1",
                         tmp_path / "fs" / "box/1"]
     assert dirs[-3:] == [tmp_path / "fs", tmp_path / "fs" / "cpu", tmp_path / "fs" / "cpu,cpuacct"]
+
+
+# --- whether the machine is busy, as a container sees it ------------------------------------------------------
+def _stat(proc, tid: int, state: str, name: str = "python (x) y") -> None:
+    (proc / str(tid)).mkdir(parents=True)
+    (proc / str(tid) / "stat").write_text(f"{tid} ({name}) {state} 1 2 3\n")
+
+
+def test_a_cgroup_lists_its_threads_v2_before_v1(tmp_path):
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir()
+    v1.mkdir()
+    (v1 / "tasks").write_text("7\n8\n")
+    assert openmp.cgroup_threads([tmp_path / "missing", v1]) == [7, 8]
+    (v2 / "cgroup.threads").write_text("3\n4\n5\n")
+    assert openmp.cgroup_threads([v2, v1]) == [3, 4, 5]
+    (v2 / "cgroup.threads").write_text("")  # an empty list says nothing: the next directory's
+    assert openmp.cgroup_threads([v2, v1]) == [7, 8]
+    assert openmp.cgroup_threads([tmp_path / "missing"]) is None
+
+
+def test_runnable_threads_read_each_state_and_skip_exited_ones(tmp_path):
+    _stat(tmp_path, 10, "R")
+    _stat(tmp_path, 11, "S")
+    _stat(tmp_path, 12, "R", name="a) R (b")  # a command name with parentheses and an R: the state is after the last
+    _stat(tmp_path, 13, "D")
+    assert openmp.runnable_threads([10, 11, 12, 13, 99], proc=tmp_path) == 2  # 99 has exited
+
+
+def test_a_limited_container_counts_its_own_cgroup_not_the_host(tmp_path):
+    _stat(tmp_path, 1, "R")  # this thread, reading
+    _stat(tmp_path, 2, "R")
+    _stat(tmp_path, 3, "R")
+    _stat(tmp_path, 4, "S")
+
+    def count(tids):
+        return openmp.runnable_threads(tids, proc=tmp_path)
+
+    # two other runnable threads in the container, whatever the host's run queue says
+    assert openmp.runnable_others(samples=2, seconds=0.0, threads=lambda: [1, 2, 3, 4], count=count) == 2.0
+    # a cgroup that lists no threads: the host's run queue, as outside a container
+    host = openmp.host_runnable()
+    others = openmp.runnable_others(samples=1, seconds=0.0, threads=lambda: None, count=count)
+    assert (others is None) == (host is None) and (others is None or others >= 0)
+
+
+def test_ray_workers_are_told_the_regime_only_on_this_machine(monkeypatch):
+    pytest.importorskip("ray")
+    from attnkit.engine.ray import workers
+
+    monkeypatch.setattr(process, "openmp_in_effect", lambda: ({"OMP_WAIT_POLICY": "PASSIVE"}, "read at torch's import"))
+    assert workers.worker_env(local=True) == {"TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert workers.worker_env(local=False) == {"TOKENIZERS_PARALLELISM": "false"}

@@ -299,7 +299,7 @@ def test_user_sentences_are_checked(bert_tokenizer):
             model(**enc)
     assert "\n" not in str(err.value)
     rt = runtime_of(model)
-    assert rt.inputs is None and rt.sentences is None and rt.intervention is None  # all cleared
+    assert rt.open_forwards == 0 and rt.sentences is None and rt.intervention is None  # all cleared
     with pytest.raises(AttnkitError, match="batch × length"):
         attnkit.sentences(model, [0, 1, 1]).__enter__()
     with pytest.raises(AttnkitError, match="integers"):
@@ -346,7 +346,7 @@ def test_no_structure_is_refused(bert_tokenizer, roberta_tokenizer):
     # and the same inputs_embeds with the ids given by the user run
     with torch.no_grad(), attnkit.intervene(roberta, iv_for(roberta), sentences=segment_sentences(enc)):
         roberta(inputs_embeds=embeds, attention_mask=enc["attention_mask"])
-    assert runtime_of(roberta).inputs is None
+    assert runtime_of(roberta).open_forwards == 0
 
 
 # --- repr ----------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ def test_a_finished_command_leaves_no_lock_file(tmp_path, feats):
         assert (run / LOCK_FILE).is_file()  # held while the command runs
     assert sorted(os.listdir(run)) == []
     feats.save(run)
-    r = CliRunner().invoke(main, ["cluster", str(run), "-q"])
+    # (a given k and one short stability measure: the lock is the same whatever the clustering does)
+    r = CliRunner().invoke(main, ["cluster", str(run), "-q", "-k", "2", "--stability", "2", "--seeds", "1"])
     assert r.exit_code == 0, r.output
     assert not (run / LOCK_FILE).exists() and not (run / OWNER_FILE).exists()
     assert (run / "clusters.json").is_file()

@@ -253,6 +253,22 @@ def test_a_bad_grid_is_refused_by_name(backend):
     assert feats.shape == (1, 1, 0)
 
 
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_a_grid_with_cross_attention_is_refused_by_name(backend):
+    """A grid places one sequence's tokens on one image: with cross-attention (key_lengths, two sequences) every
+    backend refuses it by name, the compiled CPU kernel too when called directly."""
+    if backend not in backends():
+        pytest.skip("this build of the CPU kernel does not take the grid: rebuild the extension")
+    q, k = torch.randn(1, 1, 5, 4), torch.randn(1, 1, 7, 4)
+    with pytest.raises(AttnkitError, match="takes no grid"):
+        ops.attention(q, k, k, torch.tensor([5]), key_lengths=torch.tensor([7]), want_features=True,
+                      grid=image_grid(1, 7, 1, 2, 3), backend=backend)
+    if backend == "fused" and ops.fused_cross("cpu"):
+        with pytest.raises(RuntimeError, match="grid is not taken with key_lengths"):
+            torch.ops.attnkit.fused_attention(q, k, k, torch.tensor([5]), None, None, 0.5, 4, None, None, False, None,
+                                              True, key_lengths=torch.tensor([7]), grid=image_grid(1, 7, 1, 2, 3))
+
+
 @pytest.mark.parametrize("Lq", [1, 6])
 def test_fewer_queries_than_keys_with_a_grid(Lq):
     """A KV-cache step's rows are the last Lq key positions: the fused kernel's distance equals the reference's."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import arg
-from ..interventions import load_clusters
+from ..interventions import head_types_of, load_clusters
 from ..models import load_model
 from ..run.files import HEAD_MEANS_FILE, REPORT_FILE
 from ..run.identity import IDENTITY_FIELD, model_identity
@@ -68,11 +68,12 @@ def _means(opts: AblateOptions, corpus, task, model, tokenizer, out: str, quiet:
                       checkpoint=os.path.join(out, HEAD_MEANS_FILE), progress=not quiet, fresh=opts.overwrite)
 
 
-def run_ablation(opts: AblateOptions) -> Ablation:
+def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
     """Run `attnkit ablate` as `opts` says. Everything that can be checked (options, data, the mean corpus, the
     output's place) is checked before the output is created; the output goes through the one write path
     (attnkit.run.locking.output_directory: locked, never an input, removed again if this call created it and
-    failed), and --overwrite removes nothing before the new results are written."""
+    failed), and --overwrite removes nothing before the new results are written. `clusters`: the content of
+    `opts.clusters` as the command read it (`preflight_ablate`), used as it is; None reads it here, once."""
     check_ablate_options(opts)  # also checked by the command line before torch loads
     out = ablate_out(opts)
     if opts.experiment == "patching":
@@ -97,7 +98,10 @@ def run_ablation(opts: AblateOptions) -> Ablation:
         cut = task.fit_to(m)
         evaluate = TaskEvaluator(task, m, tok, limit=opts.sample, batch_size=opts.batch_size, stack=opts.stack)
         shape = (m.config.num_hidden_layers, m.config.num_attention_heads)
-        head_types = load_clusters(opts.clusters, shape) if opts.clusters else None
+        head_types = None
+        if opts.clusters:
+            head_types = (load_clusters(opts.clusters, shape) if clusters is None
+                          else head_types_of(clusters, opts.clusters, shape))
         mode = opts.mode or DEFAULT_MODES.get(opts.experiment, "zero")
         t0 = time.perf_counter()
         means = _means(opts, corpus, task, m, tok, out, opts.quiet) if mode == "mean" else None

@@ -90,12 +90,13 @@ def ablate_out(opts: AblateOptions) -> str:
     return check_output_path(opts.out) or f"ablation-{opts.task_name}-{opts.experiment}"
 
 
-def preflight_ablate(opts: AblateOptions) -> None:
+def preflight_ablate(opts: AblateOptions) -> dict | None:
     """What `attnkit ablate` can refuse without a model, before torch is imported: the options, the model
     directory and the tokens per input against its positions (its config.json), the data (read and checked as its
     task reads it: attnkit.ablation.data), the mean corpus (unless it
     is standard input, which can be read once only), the clusters file (its schema; the model's shape is checked
-    once it is loaded), and earlier results in the output directory that only `overwrite` replaces."""
+    once it is loaded), and earlier results in the output directory that only `overwrite` replaces. Returns the
+    content of the clusters file as read here (None: no --clusters), for the job to use as it is."""
     from ..corpus import open_corpus
     from ..run.clusters import load_clusters
     from ..run.files import REPORT_FILE
@@ -118,8 +119,7 @@ def preflight_ablate(opts: AblateOptions) -> None:
                            f"holds a {mtype!r} decoder: use {arg('task_name', 'lm')} for its next-token loss")
     if opts.max_length is not None:  # a length asked for: config.json is enough (a default is fitted to the model)
         check_model_max_length(opts.model, opts.max_length)
-    if opts.clusters is not None:
-        load_clusters(opts.clusters)
+    return None if opts.clusters is None else load_clusters(opts.clusters)
 
 
 @dataclass

@@ -35,7 +35,6 @@ import torch
 from ..errors import AttnkitError, check_int
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import check_max_length, instrument, max_positions, runtime_of
-from ..process import measuring_forward
 from ..tokens import Batch, Encoder
 from . import metrics
 from .data import (
@@ -57,7 +56,7 @@ def _device(model) -> torch.device:
 def forward(model, batch: Batch, **extra):
     """One forward of an instrumented model on a `Batch` (moved to the model's device)."""
     batch = batch.to(_device(model))
-    with runtime_of(model).batch_of(batch), measuring_forward(model):
+    with runtime_of(model).batch_of(batch):
         return model(**batch.inputs, **extra)
 
 

@@ -36,12 +36,20 @@ import numpy as np
 
 from ..errors import INT_RANGES, AttnkitError, arg, check_int
 from ..features import weighting_of
-from ..run.files import FIGURES_DIR, META_FILE, PATTERN_LABELS, PATTERNS_FILE, PER_SAMPLE_ROWS, REPORT_FILE
-from ..run.head_features import HeadFeatures
+from ..run.files import (
+    FIGURES_DIR,
+    META_FILE,
+    PATTERN_LABELS,
+    PATTERNS_FILE,
+    PER_SAMPLE_FILE,
+    PER_SAMPLE_ROWS,
+    REPORT_FILE,
+)
 from ..run.model_dir import DECODER_TYPES
+from ..run.opened import open_run
 from ..run.outputs import check_write_target, write_json
 from ..run.overwrite import claim_outputs
-from ..run.per_sample import check_matches_run, load_per_sample, read_rows
+from ..run.per_sample import check_matches_run, load_per_sample, per_sample_path, read_rows
 
 CLASSES = ("vertical", "diagonal", "vertical+diagonal", "block", "heterogeneous")
 VERTICAL, DIAGONAL, MIXED, BLOCK, HETEROGENEOUS = range(5)
@@ -218,12 +226,22 @@ def run_patterns(run_dir, *, pairs=None, svg: bool = True, rules: Rules | None =
     """Classify RUN/per_sample.npy and write RUN/patterns.json, RUN/pattern_labels.npy (the class id of every
     (example, head), int8 N × layers × heads) and RUN/figures/pattern_types.png (+ .svg). Earlier results are
     replaced only with `overwrite` (the report drawn from them goes with them). Returns (the paths written,
-    patterns.json's content, the message naming what `overwrite` removed or None)."""
+    patterns.json's content, the message naming what `overwrite` removed or None). The run is read once
+    (attnkit.run.opened.open_run): its meta.json says whether it is a decoder's, and the per_sample.npy it
+    attached is the one classified."""
     run_dir = Path(run_dir)
     rules = (rules or Rules()).check()
-    refuse_decoder_run(run_dir)
-    arr, names = load_per_sample(run_dir)
-    feats = HeadFeatures.load(run_dir if run_dir.is_dir() else run_dir.parent)
+    try:
+        feats = open_run(run_dir if run_dir.is_dir() else run_dir.parent).features
+    except AttnkitError:
+        per_sample_path(run_dir)  # a directory without one is first told how to make it
+        raise
+    refuse_decoder_run(run_dir, feats.meta)
+    per_sample_path(run_dir)
+    if feats.per_sample is not None and (run_dir.is_dir() or run_dir.name == PER_SAMPLE_FILE):
+        arr, names = feats.per_sample, feats.names
+    else:  # none attached (missing, damaged or not fitting the run): read it here for its own error
+        arr, names = load_per_sample(run_dir)
     check_matches_run(run_dir, arr, names, feats)
     figure = run_dir / FIGURES_DIR / "pattern_types"
     outputs = [run_dir / PATTERNS_FILE, run_dir / PATTERN_LABELS, figure.with_suffix(".png")]
@@ -258,16 +276,19 @@ STRENGTH = {"vertical": lambda m: m["v"], "diagonal": lambda m: m["d"],
             "heterogeneous": lambda m: -(m["v"] + m["d"])}
 
 
-def refuse_decoder_run(run_dir) -> None:
+def refuse_decoder_run(run_dir, meta: dict | None = None) -> None:
     """Kovaleva et al.'s pattern classes are defined for encoders (vertical = [CLS]/[SEP], diagonal = previous and
-    next token, block = a text pair's segments): a run of a decoder is refused, with that reason."""
+    next token, block = a text pair's segments): a run of a decoder is refused, with that reason. `meta`: the run's
+    meta.json as already read (None: read here)."""
     import json
 
     run_dir = Path(run_dir)
-    try:  # a missing or broken meta.json is for the run's own checks to name
-        meta = json.loads((run_dir if run_dir.is_dir() else run_dir.parent).joinpath(META_FILE).read_text("utf-8"))
-    except (OSError, ValueError):
-        return
+    if meta is None:
+        try:  # a missing or broken meta.json is for the run's own checks to name
+            meta = json.loads((run_dir if run_dir.is_dir() else run_dir.parent).joinpath(META_FILE)
+                              .read_text("utf-8"))
+        except (OSError, ValueError):
+            return
     mtype = meta.get("model_type") if isinstance(meta, dict) else None
     if mtype in DECODER_TYPES:
         raise AttnkitError(f"{run_dir} is a run of a decoder ({mtype}): Kovaleva et al.'s pattern classes are defined "

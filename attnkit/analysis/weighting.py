@@ -11,13 +11,12 @@ finding is that it is mostly small: [CLS], [SEP] and punctuation get large weigh
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from ..errors import AttnkitError
 from ..features import weighting_of
 from ..run.head_features import HeadFeatures
+from ..run.opened import Run
 from ..run.outputs import json_float
 from .summaries import SPECIAL_GROUPS, class_mass
 
@@ -77,15 +76,15 @@ def compare_weightings(attention: HeadFeatures, norm: HeadFeatures) -> dict:
     return {"groups": groups, "per_layer": per_layer, "heads": heads, "n_removed": int((~kept).sum())}
 
 
-def compare_run_weightings(run_a, run_b) -> dict | None:
-    """The comparison of two run directories that differ in weighting (one attention, one norm), with the runs
-    named; None when they have the same weighting."""
-    fa, fb = HeadFeatures.load(run_a), HeadFeatures.load(run_b)
-    wa, wb = weighting_of(fa.meta), weighting_of(fb.meta)
+def compare_run_weightings(run_a: Run, run_b: Run) -> dict | None:
+    """The comparison of two runs (as a command read them, attnkit.run.opened) that differ in weighting (one
+    attention, one norm), with the runs named; None when they have the same weighting."""
+    wa, wb = weighting_of(run_a.features.meta), weighting_of(run_b.features.meta)
     if wa == wb:
         return None
-    (ra, attention), (rn, norm) = ((run_a, fa), (run_b, fb)) if wa == "attention" else ((run_b, fb), (run_a, fa))
-    return {"attention_run": str(Path(ra)), "norm_run": str(Path(rn)), **compare_weightings(attention, norm)}
+    attention, norm = (run_a, run_b) if wa == "attention" else (run_b, run_a)
+    return {"attention_run": str(attention.path), "norm_run": str(norm.path),
+            **compare_weightings(attention.features, norm.features)}
 
 
 def weighting_lines(res: dict) -> list[str]:

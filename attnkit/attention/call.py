@@ -6,8 +6,9 @@ for, whether it is a KV-cache step.
 What it reads is self-attention over one sequence. What each token is (`tokens`) comes from a reader of its own
 (attnkit/attention/positions.py): a text's tokens, or a vision transformer's [CLS], extra tokens and patches with
 their 2-D positions on the image's grid, which the plan hands to the op as they are (no branch of the steps after
-it). Other inputs (queries and keys from two sequences in cross-attention) would be other readers that give an
-AttentionCall.
+it). Other inputs (queries and keys from two sequences in cross-attention) are other readers that give an
+AttentionCall, not branches of the steps after it: cross-attention's is attnkit/attention/cross.py. Both read T5's
+additive `position_bias` (`read_bias`).
 
 Decoder language models (docs/decoders.md): what transformers passes decides the op's decoder arguments
 (`decoder_arguments`: the module's `is_causal`, K/V with fewer heads than Q, the `sliding_window`, `softcap` and
@@ -22,9 +23,11 @@ import torch
 
 from ..arch.pruning import KV_HEAD_ATTR, kept_heads, to_kept, to_unpruned
 from ..errors import AttnkitError
+from .context import BatchInfo, Forward
+from .kinds import KIND_ATTR, layer_of, side_of
 from .layout import padding_of, rolled, unshift
 from .positions import TEXT, read_tokens
-from .runtime import RUNTIME_ATTR, BatchInfo, Runtime, note_caller, recording
+from .runtime import RUNTIME_ATTR, Runtime, note_caller, recording
 from .shared import check_not_shared
 
 
@@ -32,12 +35,15 @@ from .shared import check_not_shared
 class AttentionCall:
     """One call of the attention function, read (`read_call`). `query`, `key`, `value` are as the op takes them:
     in the autocast dtype, a left-padded batch's tokens moved to the front (`offsets`, None without left padding);
-    `lengths` the tokens per sample; `info` the batch of attnkit's own forwards (None in a plain forward); `kept` a
-    pruned layer's heads (attnkit/arch/pruning.py); `dec` the op's decoder arguments ({} for an encoder); `tokens`
-    what each token is (attnkit/attention/positions.py)."""
+    `lengths` the tokens per sample; `forward` the context of the forward the call belongs to (its inputs, the
+    intervention and sentence ids given: attnkit/attention/context.py); `info` the batch of attnkit's own forwards
+    (None in a plain forward); `kept` a pruned layer's heads (attnkit/arch/pruning.py); `dec` the op's decoder
+    arguments ({} for an encoder); `bias` an additive bias B×H×L×Lk in the op's frame (T5's position_bias; None:
+    none); `tokens` what each token is (attnkit/attention/positions.py)."""
 
     module: object
     rt: Runtime | None
+    forward: Forward
     query: torch.Tensor  # B×H×L×D
     key: torch.Tensor  # B×Hkv×Lk×D
     value: torch.Tensor  # B×Hkv×Lk×D
@@ -50,14 +56,30 @@ class AttentionCall:
     info: BatchInfo | None
     lengths: torch.Tensor
     offsets: torch.Tensor | None
+    bias: torch.Tensor | None = None
     # what each token is in a forward without attnkit's batch: classes and, for an image, grid positions
     # (attnkit/attention/positions.py: `token_class(B, L, device)`, `grid(B, L, device)`, None for a text)
     tokens: object = TEXT
 
     @property
     def layer(self):
-        """The module's layer number (None before attnkit.models.instrument numbers DistilBERT's)."""
-        return getattr(self.module, "layer_idx", None)
+        """The module's layer number among attnkit's layers (attnkit/attention/kinds.py; None before
+        attnkit.models.instrument numbers DistilBERT's)."""
+        return layer_of(self.module)
+
+    @property
+    def cross(self) -> bool:
+        """Cross-attention (attnkit/attention/cross.py): queries and keys from two sequences."""
+        return False
+
+    def sample_args(self, rows: slice, key_class: torch.Tensor | None = None) -> dict:
+        """The op's per-sample arguments besides lengths, token classes and sentence ids, for samples `rows`: the
+        bias (and cross-attention's key lengths and key classes)."""
+        return {} if self.bias is None else {"bias": self.bias[rows]}
+
+    def key_classes(self, want: bool) -> torch.Tensor | None:
+        """Cross-attention's key token classes (None: the keys are the queries' own tokens)."""
+        return None
 
     @property
     def B(self) -> int:
@@ -136,8 +158,8 @@ def read_call(module, query, key, value, attention_mask, scaling, dropout, kwarg
     Hkv, Lk = key.shape[1], key.shape[2]
     if Lk < L:
         raise AttnkitError(
-            f"attnkit attention computes self-attention over one sequence, but got {L} queries and {Lk} keys: "
-            "cross-attention is not supported")
+            f"attnkit attention computes self-attention over one sequence here, but got {L} queries and {Lk} keys: "
+            "attnkit measures cross-attention in the encoder–decoders attnkit.instrument marks (docs/seq2seq.md)")
     if torch.is_autocast_enabled(query.device.type):  # mixed precision: attention in the autocast dtype, as eager's
         # matmuls run under autocast (q and k may arrive in fp32 from the rotary embedding, v in the autocast dtype)
         dtype = torch.get_autocast_dtype(query.device.type)
@@ -145,13 +167,14 @@ def read_call(module, query, key, value, attention_mask, scaling, dropout, kwarg
     rt: Runtime | None = getattr(module, RUNTIME_ATTR, None)
     if rt is None and not recording():  # loaded with attn_implementation="attnkit", not instrumented (yet)
         check_not_shared(module)
+        check_kind_known(module)
+    forward = Forward() if rt is None else rt.context()
     # model(..., output_attentions=True): return the maps (transformers passes the flag on, except GPT-2's module)
-    want_maps = bool(kwargs.get("output_attentions")) or bool(rt is not None and rt.inputs is not None
-                                                              and rt.inputs.output_attentions)
+    want_maps = bool(kwargs.get("output_attentions")) or forward.output_attentions
     kept = kept_heads(module)  # a pruned layer: its heads in the unpruned numbering (attnkit/arch/pruning.py)
     dec = decoder_arguments(module, H, Hkv, kwargs, kept, query.device)
     note_caller(module, "sink" in dec)
-    info, lengths, offsets = read_layout(rt, attention_mask, B, L, Lk, query.device)
+    info, lengths, offsets = read_layout(forward.batch, attention_mask, B, L, Lk, query.device, module)
     if offsets is not None and Lk > L:
         # left padding in generation: the keys' tokens to the front; the queries are already each sample's last
         # tokens, where every sample's tokens must end
@@ -161,8 +184,43 @@ def read_call(module, query, key, value, attention_mask, scaling, dropout, kwarg
         key, value = (rolled(t, offsets, 2) for t in (key, value))
     elif offsets is not None:  # left padding: each sample's tokens to the front, computed there, put back after
         query, key, value = (rolled(t, offsets, 2) for t in (query, key, value))
-    return AttentionCall(module, rt, query, key, value, attention_mask, scaling, dropout, want_maps, kept, dec, info,
-                         lengths, offsets, read_tokens(rt))
+    if kwargs.get("position_bias") is not None and offsets is not None and Lk > L:
+        raise AttnkitError("a left-padded KV-cache step with an additive position bias (T5) is not supported: "
+                           "generate without left padding in the decoder")
+    bias = read_bias(kwargs.get("position_bias"), B, offsets, offsets, Lk)
+    return AttentionCall(module, rt, forward, query, key, value, attention_mask, scaling, dropout, want_maps, kept,
+                         dec, info, lengths, offsets, bias, read_tokens(rt, forward))
+
+
+def check_kind_known(module) -> None:
+    """An encoder–decoder's module that attnkit.models.instrument has not marked with its kind: a call of its
+    cross-attention cannot be told from a KV-cache step, so the model must be instrumented first."""
+    if getattr(getattr(module, "config", None), "is_encoder_decoder", False) and KIND_ATTR not in vars(module):
+        raise AttnkitError(f"{type(module).__name__} belongs to an encoder–decoder loaded with "
+                           "attn_implementation=\"attnkit\" but not instrumented: call attnkit.instrument(model) "
+                           "first, which tells its encoder, decoder and cross-attention layers apart")
+
+
+def read_bias(bias, B: int, row_offsets, key_offsets, Lk: int | None = None) -> torch.Tensor | None:
+    """T5's `position_bias` ((1 or B)×H×L×Lk, added to the scores) as the op takes it: B×H×L×Lk (a view), rows and
+    keys moved as the queries and keys were (left padding to the front); None when none is given, or when it is all
+    zeros (T5's layers without a relative bias, cross-attention among them, pass zeros: the op runs them as plain
+    attention)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.dim() != 4:
+        raise AttnkitError(f"position_bias must be a 4-D floating-point tensor, got "
+                           f"{getattr(bias, 'shape', type(bias).__name__)}")
+    if not bias.requires_grad and not torch.compiler.is_compiling() and not bool(bias.any()):
+        return None
+    if Lk is not None:  # a static cache's keys cut to the filled ones (`filled`): the bias's columns too
+        bias = bias[..., :Lk]
+    bias = bias.expand(B, *bias.shape[1:])
+    if row_offsets is not None:
+        bias = rolled(bias, row_offsets, 2)
+    if key_offsets is not None:
+        bias = rolled(bias, key_offsets, 3)
+    return bias
 
 
 def filled(attention_mask, L: int, key, value) -> tuple:
@@ -175,27 +233,29 @@ def filled(attention_mask, L: int, key, value) -> tuple:
     return key[:, :, :n], value[:, :, :n]
 
 
-def read_layout(rt: Runtime | None, attention_mask, B: int, L: int, Lk: int, device) -> tuple:
-    """(attnkit's batch or None, lengths, offsets of left padding or None): attnkit's own batches are right-padded
-    and whole sequences; a plain forward's layout comes from its 2-D mask (`padding_of`)."""
-    if rt is None or rt.batch is None:
+def read_layout(batch: BatchInfo | None, attention_mask, B: int, L: int, Lk: int, device, module=None) -> tuple:
+    """(attnkit's batch or None, lengths, offsets of left padding or None): attnkit's own batches (`batch`, the
+    forward's) are right-padded and whole sequences (an encoder–decoder's decoder layers read its target:
+    `side_of`); a plain forward's layout comes from its 2-D mask (`padding_of`)."""
+    if batch is None:
         return (None, *padding_of(attention_mask, B, Lk, device))
     if Lk > L:
         raise AttnkitError(f"attnkit's own batches run whole sequences, but this forward has {L} queries and "
                            f"{Lk} keys (a KV cache): run them without past_key_values")
-    lengths = rt.batch.lengths
+    batch = side_of(batch, module)
+    lengths = batch.lengths
     if lengths.shape[0] != B:
         raise AttnkitError(f"runtime batch has {lengths.shape[0]} samples but the model got {B}")
-    return rt.batch, lengths, None
+    return batch, lengths, None
 
 
 # The keyword arguments transformers passes to an attention function besides `scaling` and `dropout`: those attnkit
 # reads, and those that do not change what attention computes (positions are already in q and k; caches, router
 # logits, the loss's token count and return flags are the model's business; DistilBERT hands the model's inputs on
 # to its attention function, so `token_type_ids` the tokenizer made arrive there, where no attention implementation
-# reads them: segments reach attnkit through the recorded inputs, `Runtime.inputs`). Any other argument that has a
+# reads them: segments reach attnkit through the recorded inputs, `Forward.inputs`). Any other argument that has a
 # value is refused by name: it might change attention, and attnkit would silently ignore it.
-READ_KWARGS = frozenset({"output_attentions", "is_causal", "sliding_window", "softcap", "s_aux"})
+READ_KWARGS = frozenset({"output_attentions", "is_causal", "sliding_window", "softcap", "s_aux", "position_bias"})
 HARMLESS_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits",
                              "output_hidden_states", "return_dict", "past_key_values", "position_embeddings",
                              "token_type_ids", "num_items_in_batch"})

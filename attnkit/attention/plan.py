@@ -12,6 +12,7 @@ from ..arch.norms import key_norms
 from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS
 from .call import AttentionCall, kv_index, per_query_head
+from .kinds import DECODER, kind_of
 from .runtime import LayerPart, kept_part
 from .sentences import check_sentences_shape, forward_sentence_ids
 
@@ -29,6 +30,7 @@ class Plan:
     backend: str = "auto"
     num_windows: int = DEFAULT_NUM_WINDOWS
     consumers: tuple = ()
+    key_class: torch.Tensor | None = None  # cross-attention: the keys' token classes, int32 B×Lk
     grid: torch.Tensor | None = None  # int32 B×L×2: an image's patch grid (attnkit/attention/positions.py)
 
 
@@ -37,9 +39,8 @@ def plan_call(call: AttentionCall) -> Plan:
     rt = call.rt
     if rt is None:  # not instrumented (the probe forward): plain attention
         return Plan(kept_parts(call, [LayerPart(0, call.B)]), None, None, None, False, False)
-    rt.calls += 1
-    if call.info is None:
-        check_sentences_shape(rt, call.B, call.L)
+    if call.info is None and not call.cross:
+        check_sentences_shape(call.forward.sentences, call.B, call.L)
     parts, sentence_id = intervention_parts(call)
     taking = [(c, w) for c in rt.consumers if (w := c.wants(call)) is not None]
     for c, _ in taking:
@@ -53,23 +54,34 @@ def plan_call(call: AttentionCall) -> Plan:
     grid = call.tokens.grid(call.B, call.L, call.device) if want_features else None
     projection = next((w.out_proj for _, w in taking if w.out_proj is not None), None)
     return Plan(kept_parts(call, parts), token_class, sentence_id, key_scale(call, projection), want_features,
-                want_max_logit, rt.backend, rt.num_windows, tuple(c for c, _ in taking), grid)
+                want_max_logit, rt.backend, rt.num_windows, tuple(c for c, _ in taking),
+                call.key_classes(want_features), grid)
 
 
 def intervention_parts(call: AttentionCall) -> tuple[list, torch.Tensor | None]:
-    """(the parts of the intervention in force, or one unchanged part; the sentence ids they need)."""
-    rt = call.rt
-    sentence_id = call.info.sentence_id if call.info is not None else None
-    if rt.intervention is None:
+    """(the parts of the intervention in force for the forward, or one unchanged part; the sentence ids they
+    need)."""
+    intervention = call.forward.intervention
+    sentence_id = call.info.sentence_id if call.info is not None and not call.cross else None
+    if intervention is None:
         return [LayerPart(0, call.B)], sentence_id
-    parts = rt.intervention.layer_plan(call.module.layer_idx, call.B, call.L, call.D, call.device, call.query.dtype)
+    parts = intervention.layer_plan(call.layer, call.B, call.L, call.D, call.device, call.query.dtype)
     if any(p.region is not None for p in parts):
+        if call.cross:
+            raise AttnkitError(f"region interventions (no_intra, no_inter) are not defined on cross-attention (layer "
+                               f"{call.layer}): a target token's sentence is not among the source's; intervene on "
+                               "its heads with modes and gates (docs/seq2seq.md)")
         if call.decode:
             raise AttnkitError("region interventions need the sentence of every key, which a step of generation "
                                "with a KV cache does not see (only its new tokens): generate with "
                                "use_cache=False under a region intervention")
+        if sentence_id is None and kind_of(call.module) == DECODER:
+            raise AttnkitError(f"region interventions on an encoder–decoder's decoder layer ({call.layer}) need the "
+                               "target's sentence ids, which attnkit finds only in its own batches "
+                               "(attnkit.tokens.Batch.target); a plain forward's are the source's")
         if sentence_id is None:
-            sentence_id = forward_sentence_ids(rt, call.B, call.L, call.lengths, call.device, call.offsets)
+            sentence_id = forward_sentence_ids(call.rt, call.forward, call.B, call.L, call.lengths, call.device,
+                                               call.offsets)
     return parts or [LayerPart(0, call.B)], sentence_id
 
 

@@ -134,11 +134,12 @@ def image_tokens(tokens: ImageTokens, L: int, device: str) -> tuple:
     return classes.to(device), grid.to(device)
 
 
-def read_tokens(rt) -> TextTokens | ImageTokens:
-    """The tokens of the forward under way on Runtime `rt` (None: not instrumented): an image's when the model is a
-    vision transformer (its image's size from the forward's pixel_values, else the config's), else a text's."""
+def read_tokens(rt, forward) -> TextTokens | ImageTokens:
+    """The tokens of `forward` (attnkit/attention/context.py) on Runtime `rt` (None: not instrumented): an image's
+    when the model is a vision transformer (the Runtime's ImageLayout; the image's size from the forward's
+    pixel_values, else the config's), else a text's."""
     layout = None if rt is None else rt.image
     if layout is None:
         return TEXT
-    size = None if rt.inputs is None else rt.inputs.image_size
+    size = None if forward.inputs is None else forward.inputs.image_size
     return ImageTokens(layout, tuple(size) if size is not None else layout.image)

@@ -1,13 +1,18 @@
-"""What an instrumented model carries for its attention: the `Runtime` (settings, the batch of attnkit's own
-forwards, the intervention in force, the consumers attached, the inputs of the forward under way), and the small
-records the attention path passes around (`BatchInfo`, `ModelInputs`, `LayerPart`).
+"""What an instrumented model carries for its attention: the `Runtime` (settings, the consumers attached, what the
+blocks open on it give the next forwards, the stack of forwards under way), and `LayerPart`, what an intervention
+does to one layer.
 
 The Runtime holds no per-consumer field: what is done with the op's results is a consumer
-(attnkit/attention/consumers/) attached for a block with `attach` and taken off with `detach`.
+(attnkit/attention/consumers/) attached for a block with `attach` and taken off with `detach`. It holds no
+per-forward field either: a forward's own data (its inputs, attnkit's batch, the sentence ids, the intervention) is
+read once when it begins into a `Forward` (attnkit/attention/context.py), which its calls of the attention function
+read.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -15,19 +20,13 @@ import torch
 from ..arch.pruning import to_kept
 from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS
+from .context import NOTHING_GIVEN, BatchInfo, Forward, Given, ModelInputs
 
 # The attribute of an instrumented model, its base model and its attention modules that holds their Runtime
 # (attached by attnkit.models.instrument; a deep copy of the model carries its own).
 RUNTIME_ATTR = "_attnkit_runtime"
 
-
-@dataclass
-class BatchInfo:
-    """What the op needs to know about the batch beyond q, k, v (on the model's device)."""
-
-    lengths: torch.Tensor  # int64 B
-    token_class: torch.Tensor | None = None  # int32 B×L
-    sentence_id: torch.Tensor | None = None  # int32 B×L
+_giving = threading.Lock()  # `Runtime.give` from any thread (blocks may be entered by several)
 
 
 @dataclass
@@ -60,51 +59,66 @@ def kept_part(p: LayerPart, kept, layer: int) -> LayerPart:
 
 
 @dataclass
-class ModelInputs:
-    """What the current forward of the instrumented model was given (recorded by attnkit.models' hooks)."""
-
-    input_ids: torch.Tensor | None
-    token_type_ids: torch.Tensor | None
-    # whether the forward asked for attention maps: GPT-2's attention module takes `output_attentions` itself and
-    # does not hand it on to the attention function
-    output_attentions: bool = False
-    sentence_id: torch.Tensor | None = None  # B×L int32, derived once per forward when first needed
-    image_size: tuple | None = None  # a vision model's forward: (height, width) of its pixel_values
-
-
-@dataclass
 class Runtime:
-    """Per-model state read by the attention function during a forward pass: settings, the batch of attnkit's own
-    forwards, the intervention, the consumers of the op's results, the inputs of the forward under way."""
+    """Per-model state read by the attention function: settings, the consumers of the op's results, what the blocks
+    open on the model give the next forwards (`given`), and the forwards under way (`forwards`, innermost last)."""
 
     backend: str = "auto"
     num_windows: int = DEFAULT_NUM_WINDOWS
-    batch: BatchInfo | None = None
-    intervention: object | None = None  # attnkit.interventions.Intervention (or StackedInterventions)
     # what is done with the op's results, in the order attached (attnkit/attention/consumers/)
     consumers: list = field(default_factory=list)
-    calls: int = 0
-    sentences: torch.Tensor | None = None  # user-given B×L sentence ids (attnkit.sentences)
-    inputs: ModelInputs | None = None  # the inputs of the forward under way, None outside one
+    given: Given = NOTHING_GIVEN  # read by each forward when it begins (`enter_forward`)
     separator_ids: tuple[int, ...] = ()  # sep/eos token ids, to find segments in input_ids
     sink: bool = False  # the model has a learned sink logit per head: its features end with `sink`
     segment_types: bool = True  # whether token_type_ids mark segments (the model has > 1 type)
-    image: object | None = None  # a vision transformer's ImageLayout (attnkit/attention/positions.py)
-    _outer_inputs: list = field(default_factory=list)  # inputs of enclosing forwards (nested calls)
+    # a vision transformer's ImageLayout (attnkit/attention/positions.py): a setting of the model, read from its
+    # config at attnkit.instrument; the size of one forward's image is that forward's (ModelInputs.image_size)
+    image: object | None = None
+    forwards: list = field(default_factory=list)  # the Forward of each forward under way (nested calls), innermost last
 
-    def enter_forward(self, inputs: ModelInputs) -> None:
-        self._outer_inputs.append(self.inputs)
-        self.inputs = inputs
+    def give(self, **changes) -> None:
+        """Change what the next forwards get (the fields of `Given` named; the others stay): the forwards under way
+        keep what they began with."""
+        with _giving:
+            self.given = dataclasses.replace(self.given, **changes)
+
+    @property
+    def batch(self) -> BatchInfo | None:
+        """attnkit's own batch that the next forwards get (`batch_of`), or None."""
+        return self.given.batch
+
+    @property
+    def sentences(self) -> torch.Tensor | None:
+        """The user's sentence ids that the next forwards get (attnkit.sentences), or None."""
+        return self.given.sentences
+
+    @property
+    def intervention(self):
+        """The intervention in force for the next forwards (attnkit.intervene), or None."""
+        return self.given.intervention
+
+    def enter_forward(self, inputs: ModelInputs) -> Forward:
+        """A forward of the model begins with `inputs`: its Forward, with what is given now, goes on the stack."""
+        forward = Forward(inputs, self.given)
+        self.forwards.append(forward)
+        return forward
 
     def exit_forward(self) -> None:
-        self.inputs = self._outer_inputs.pop() if self._outer_inputs else None
+        """The innermost forward under way ends (nothing when none is)."""
+        if self.forwards:
+            self.forwards.pop()
+
+    def context(self) -> Forward:
+        """The Forward that a call of the attention function belongs to: the innermost forward under way, else (a
+        layer run outside a forward of the model) one with no inputs seen and what is given now."""
+        return self.forwards[-1] if self.forwards else Forward(None, self.given)
 
     @contextlib.contextmanager
     def closing_forwards(self):
         """When the block ends, however it ends, the forwards of the model begun inside it that are still open are
         exited. attnkit.models exits a forward in a forward hook with `always_call`, which torch runs for an Exception
         but not for a KeyboardInterrupt (nor any other BaseException): without this, Ctrl-C inside a forward leaves
-        that forward's inputs on the runtime. Every block attnkit puts on a model (consumers, interventions) is one."""
+        that forward on the runtime. Every block attnkit puts on a model (consumers, interventions) is one."""
         depth = self.open_forwards
         try:
             yield self
@@ -114,11 +128,11 @@ class Runtime:
     @property
     def open_forwards(self) -> int:
         """How many forwards of the model are under way (entered and not yet exited)."""
-        return len(self._outer_inputs)
+        return len(self.forwards)
 
     def exit_forwards(self, depth: int) -> None:
         """Exit the forwards open above `depth` (`open_forwards` when the caller began)."""
-        while len(self._outer_inputs) > depth:
+        while len(self.forwards) > depth:
             self.exit_forward()
 
     def attach(self, consumer):
@@ -196,21 +210,19 @@ class Runtime:
         """Whether the forward ends once every layer's features are in (attnkit.engine.forward.forward_features)."""
         return bool(self._of_role("early_stop"))
 
-    @property
-    def active(self) -> bool:
-        """Whether something measures or changes attention (refused while attention dropout is on); a consumer that
-        takes training forwards (`in_training`: the tracker) does not count."""
-        return self.intervention is not None or any(not getattr(c, "in_training", False) for c in self.consumers)
-
     @contextlib.contextmanager
     def batch_of(self, batch):
-        """Within the block, forwards use `batch`'s lengths, token classes and sentence ids
-        (an `attnkit.tokens.Batch` on the model's device)."""
-        self.batch = BatchInfo(batch.lengths, batch.token_class, batch.sentence_id)
+        """Within the block, the forwards that begin use `batch`'s lengths, token classes and sentence ids (an
+        `attnkit.tokens.Batch`, or a BatchInfo, on the model's device; an encoder–decoder's also those of its
+        `target`); afterwards none."""
+        target = getattr(batch, "target", None)
+        self.give(batch=BatchInfo(batch.lengths, batch.token_class, batch.sentence_id,
+                                  None if target is None else BatchInfo(target.lengths, target.token_class,
+                                                                        target.sentence_id)))
         try:
             yield self
         finally:
-            self.batch = None
+            self.give(batch=None)
 
 
 class Callers(list):

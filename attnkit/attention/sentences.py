@@ -1,11 +1,12 @@
 """Sentence ids of a forward without an attnkit batch (the rules: attnkit/hf_attention.py's docstring, "Sentence
-ids"): the user's (`attnkit.sentences`), else derived from the forward's recorded inputs."""
+ids"): the user's (`attnkit.sentences`), else derived once per forward from its recorded inputs (`Forward`)."""
 from __future__ import annotations
 
 import torch
 
 from ..errors import AttnkitError
 from ..tokens import sentence_ids as segment_sentence_ids
+from .context import Forward
 from .layout import rolled
 from .runtime import Runtime
 
@@ -58,31 +59,34 @@ def sentence_ids_from_inputs(input_ids, token_type_ids, lengths: list[int], L: i
 _HOW_TO_GIVE = "give them with attnkit.sentences(model, ids) or attnkit.intervene(model, iv, sentences=ids)"
 
 
-def forward_sentence_ids(rt: Runtime, B: int, L: int, lengths: torch.Tensor, device,
+def forward_sentence_ids(rt: Runtime, forward: Forward, B: int, L: int, lengths: torch.Tensor, device,
                          offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """Sentence ids for a forward without an attnkit batch: the user's, else from the model's inputs. With
-    `offsets` (a left-padded batch, see `padding_of`) they are those of the samples moved to the front."""
-    if rt.sentences is not None:
-        given = rt.sentences.to(device)
+    """Sentence ids for a forward without an attnkit batch: the user's, else from the forward's inputs (derived once
+    per forward, `Forward.derived`, with the model's separators `rt.separator_ids`). With `offsets` (a left-padded
+    batch, see `padding_of`) they are those of the samples moved to the front."""
+    if forward.sentences is not None:
+        given = forward.sentences.to(device)
         return given if offsets is None else rolled(given, offsets, 1)
-    inputs = rt.inputs
+    inputs = forward.inputs
     if inputs is None or any(t is not None and tuple(t.shape) != (B, L)
                              for t in (inputs.input_ids, inputs.token_type_ids)):
         raise AttnkitError(
             "region interventions need sentence ids, but attnkit did not see this forward's inputs "
             "(attention ran outside a forward of the instrumented model): " + _HOW_TO_GIVE)
-    if inputs.sentence_id is None:
+    ids = forward.derived.get("sentence_id")
+    if ids is None:
         types = inputs.token_type_ids if rt.segment_types else None
-        ids = inputs.input_ids
+        input_ids = inputs.input_ids
         if offsets is not None:  # the samples' tokens at the front, as the op sees them
-            ids, types = (None if t is None else rolled(t, offsets.to(t.device), 1) for t in (ids, types))
-        inputs.sentence_id = sentence_ids_from_inputs(ids, types, lengths.tolist(), L, rt.separator_ids)
-    inputs.sentence_id = inputs.sentence_id.to(device)
-    return inputs.sentence_id
+            input_ids, types = (None if t is None else rolled(t, offsets.to(t.device), 1) for t in (input_ids, types))
+        ids = sentence_ids_from_inputs(input_ids, types, lengths.tolist(), L, rt.separator_ids)
+    ids = forward.derived["sentence_id"] = ids.to(device)
+    return ids
 
 
-def check_sentences_shape(rt: Runtime, B: int, L: int) -> None:
-    if rt.sentences is not None and tuple(rt.sentences.shape) != (B, L):
+def check_sentences_shape(given: torch.Tensor | None, B: int, L: int) -> None:
+    """The user's sentence ids `given` (None: none) fit a batch of B × L tokens."""
+    if given is not None and tuple(given.shape) != (B, L):
         raise AttnkitError(
-            f"attnkit.sentences gave sentence ids of shape {tuple(rt.sentences.shape)}, but the model got a "
+            f"attnkit.sentences gave sentence ids of shape {tuple(given.shape)}, but the model got a "
             f"batch of {B} × {L} tokens: give one id per token of the padded batch")

@@ -66,10 +66,10 @@ def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metr
         no_layer_norm=no_layer_norm, renormalize=renormalize, device=device, out=out, quiet=quiet, metric=metric,
         mean_corpus=tuple(mean_corpus), resamples=resamples, stack=stack, overwrite=overwrite, max_length=max_length)
     check_not_in_use(ablate_out(opts))  # a directory another command holds is refused first, as the job's lock would
-    preflight_ablate(opts)  # refusals that need no model come before torch is imported
+    clusters = preflight_ablate(opts)  # refusals that need no model come before torch is imported
     from ..ablation.job import run_ablation
 
-    res = run_ablation(opts)
+    res = run_ablation(opts, clusters)
     if res.note and not quiet:  # (-q: meta.json records it, max_length_cut_from)
         echo_for()(res.note, err=True)
     table = res.table

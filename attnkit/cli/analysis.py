@@ -22,15 +22,12 @@ def corpus_options(fn):
                         help="Corpus file [default: the one recorded in RUN/meta.json].")(fn)
 
 
-def _run_shape(run: Path) -> tuple[int, int] | None:
-    """(n_layers, n_heads) of the run in `run`, or None when it holds no features.npz."""
+def _opened(run: Path):
+    """The run in `run` read once (attnkit.run.opened.Run), or None when it holds no features.npz."""
     from ..run.files import FEATURES_FILE
-    from ..run.head_features import HeadFeatures
+    from ..run.opened import open_run
 
-    if not (run / FEATURES_FILE).is_file():
-        return None
-    f = HeadFeatures.load(run)
-    return f.n_layers, f.n_heads
+    return open_run(run) if (run / FEATURES_FILE).is_file() else None
 
 
 @click.command("cluster")
@@ -156,10 +153,10 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
         run=run, corpus=corpus, fmt=fmt, squad_pairs=squad_pairs, columns=columns, limit=limit,
         rows_per_sample=rows_per_sample, batch_size=batch_size, device=device, seed=seed, smooth=smooth,
         engine=engine, ray_address=ray_address, quiet=quiet, overwrite=overwrite)
-    texts = preflight_distances(opts)  # refusals that need no model come before torch is imported
+    read = preflight_distances(opts)  # refusals that need no model come before torch is imported
     from ..jobs.distances_job import run_distances_job
 
-    dist, n_samples, path = run_distances_job(opts, echo=echo_for(), texts=texts)
+    dist, n_samples, path = run_distances_job(opts, echo=echo_for(), read=read)
     pt = dist.per_token
     kept = ~dist.removed
     off = pt[np.ix_(kept, kept)][~np.eye(int(kept.sum()), dtype=bool)]
@@ -255,8 +252,8 @@ def compare_cmd(run_a, run_b, json_out, overwrite, quiet):
         if claim.removed_message():
             echo_for()(claim.removed_message(), err=True)
 
-    shape_a, shape_b = _run_shape(run_a), _run_shape(run_b)
-    weighting = compare_run_weightings(run_a, run_b) if shape_a and shape_b else None
+    opened_a, opened_b = _opened(run_a), _opened(run_b)  # each run's files read once, used by all that follows
+    weighting = compare_run_weightings(opened_a, opened_b) if opened_a and opened_b else None
     if weighting is not None:
         for line in weighting_lines(weighting):
             click.echo(line)
@@ -265,7 +262,7 @@ def compare_cmd(run_a, run_b, json_out, overwrite, quiet):
             if json_out:
                 write({"weighting": weighting})
             return
-    a, b = load_clusters(run_a, shape_a), load_clusters(run_b, shape_b)
+    a, b = (load_clusters(r, o and o.shape) for r, o in ((run_a, opened_a), (run_b, opened_b)))
     from ..analysis.results import compare  # scikit-learn: only once both files have passed their checks
 
     res = compare(a, b)

@@ -164,7 +164,7 @@ class DistanceCollector:
     """Runtime observer that sums JS distances between all heads over every forward it sees.
 
     A decoder's layers pass the op's decoder arguments (causal, kv_head, sliding_window, softcap: see
-    attnkit.hf_attention.observed): the weights are then those the decoder really uses (each row over the keys it
+    attnkit.attention.call.observed): the weights are then those the decoder really uses (each row over the keys it
     sees, each query head against its KV head's keys, a learned sink (gpt-oss) taking its share of each row as in
     the maps eager attention returns: the row's key weights then sum to 1 − its sink mass), and smoothing spreads
     ε over the keys each row sees.

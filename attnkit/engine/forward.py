@@ -16,10 +16,10 @@ import torch
 
 from ..arch.architectures import attention_layers
 from ..attention.consumers import EarlyStop, Features, FeaturesComplete, LayerFeatures
+from ..attention.kinds import layer_of
 from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS, check_weighting, num_features
 from ..models import attention_modules, runtime_of
-from ..process import measuring_forward
 from ..tokens import Batch, EncodedArrays
 
 DEFAULT_BATCH_SIZE = {"cpu": 16, "cuda": 64}
@@ -38,9 +38,9 @@ def output_projections(model) -> dict:
     out = {}
     for mod in attention_modules(model):
         if id(mod) not in layers:
-            raise AttnkitError(f"norm weighting: the attention module {type(mod).__name__} of layer {mod.layer_idx} "
+            raise AttnkitError(f"norm weighting: the attention module {type(mod).__name__} of layer {layer_of(mod)} "
                                f"is not where the {model.config.model_type} layout expects it")
-        out[mod.layer_idx] = layers[id(mod)].output
+        out[layer_of(mod)] = layers[id(mod)].output
     return out
 
 
@@ -57,7 +57,6 @@ def measuring(model, *, backend: str = "auto", num_windows: int = DEFAULT_NUM_WI
             yield rt
     finally:
         rt.backend, rt.num_windows = saved
-        rt.batch = None
 
 
 @functools.cache
@@ -76,7 +75,6 @@ def forward_features(model, batch, rt=None, *, to_cpu: bool = True) -> torch.Ten
     """One forward of `batch` (already on the model's device), without a KV cache; returns B × layers × heads ×
     F (on the CPU unless `to_cpu` is false).
 
-    On the CPU the forward's tensors come from attnkit's CPU allocator (attnkit.process.measuring_forward).
     The forward stops once the last attention layer has measured (attnkit.attention.consumers.EarlyStop): that layer's
     output projection and MLP and the model's final norm would compute an output nobody reads (MiniLM's six
     layers: an eighth of the forward's matrix products). Hooks on those modules therefore do not run here."""
@@ -88,7 +86,7 @@ def forward_features(model, batch, rt=None, *, to_cpu: bool = True) -> torch.Ten
     shape = (len(batch.lengths), model.config.num_attention_heads, num_features(rt.num_windows, rt.sink))
     features.store = LayerFeatures(n_layers, shape, batch.lengths.device)
     try:
-        with rt.attached(EarlyStop(features)), rt.batch_of(batch), torch.inference_mode(), measuring_forward(model):
+        with rt.attached(EarlyStop(features)), rt.batch_of(batch), torch.inference_mode():
             try:
                 model(**batch.inputs, **no_cache(model))
             except FeaturesComplete:

@@ -12,8 +12,8 @@ milliseconds) before a waiting thread sleeps in the kernel; PASSIVE sleeps at on
     (docs/pipeline.md §4 has the measurements).
 So the regime is chosen from what the machine is doing when the process starts: `configure()` samples the
 kernel's count of runnable tasks (/proc/loadavg, an instantaneous figure, unlike the load averages, which lag a run
-of a few seconds by tens of seconds) for `SAMPLE_SECONDS`, before torch loads (this process then runs one thread
-and no tokeniser), and
+of a few seconds by tens of seconds; in a limited container, its own cgroup's: below) for `SAMPLE_SECONDS`,
+before torch loads (this process then runs one thread and no tokeniser), and
   - when other work is runnable beside this process (on average `BUSY_OTHERS` tasks or more), threads sleep at once
     (OMP_WAIT_POLICY=PASSIVE), which beside another torch process is far faster than libgomp's spinning
     (docs/pipeline.md §4);
@@ -30,8 +30,9 @@ changes no number: the same operations run on the same threads.
 
 The cores a process may use (`available_cores`) are those of its CPU affinity (a container's cpuset) and of its
 cgroup's CPU quota (cgroup v2 cpu.max, v1 cpu.cfs_quota_us / cpu.cfs_period_us), whichever is fewer: a container
-limited to 2 CPUs' time on a 64-core host runs no faster with 64 threads, only slower. (The busy sample below reads
-the host's run queue, which a container does not see as its own; docs/process.md.)
+limited to 2 CPUs' time on a 64-core host runs no faster with 64 threads, only slower. The busy sample reads, in a
+process so limited, the runnable threads of its own cgroup (v2 cgroup.threads, v1 tasks): /proc/loadavg counts the
+host's, which compete for the host's cores, not for the container's quota (docs/process.md).
 
 This module imports nothing heavy (the command line calls it before torch is imported).
 """
@@ -52,6 +53,7 @@ SAMPLE_SECONDS = 0.05
 SAMPLES = 10
 VARIABLES = OPENMP_VARIABLES
 CGROUP = Path("/sys/fs/cgroup")
+MAX_THREADS_READ = 2048  # threads of a cgroup read per sample at most (each a /proc/<tid>/stat)
 
 
 def _read(path: Path) -> str | None:
@@ -109,16 +111,57 @@ def available_cores(quota: Callable[[], float | None] = cpu_quota) -> int:
     return max(1, min(cores, math.ceil(q))) if q else max(1, cores)
 
 
-def runnable_others(samples: int = SAMPLES, seconds: float = SAMPLE_SECONDS) -> float | None:
-    """Tasks runnable on the machine besides the calling thread, averaged over `samples` readings of
-    /proc/loadavg's running count spread over `seconds`; None where the kernel does not say (not Linux)."""
+def cgroup_threads(dirs: list[Path] | None = None) -> list[int] | None:
+    """The thread ids of this process's cgroup (v2 cgroup.threads, v1 tasks), from the first of `dirs` (most
+    specific first: `cgroup_dirs`) that lists them; None where none does."""
+    for d in cgroup_dirs() if dirs is None else dirs:
+        text = _read(d / "cgroup.threads") or _read(d / "tasks")
+        if text:
+            try:
+                return [int(t) for t in text.split()]
+            except ValueError:
+                continue
+    return None
+
+
+def runnable_threads(tids: list[int], proc: Path = Path("/proc")) -> int:
+    """How many of the threads `tids` are runnable now (state R in /proc/<tid>/stat; one that has exited counts
+    as not)."""
+    n = 0
+    for tid in tids:
+        stat = _read(proc / str(tid) / "stat")
+        if stat and stat.rpartition(")")[2].split()[:1] == ["R"]:
+            n += 1
+    return n
+
+
+def host_runnable() -> int | None:
+    """The kernel's count of runnable tasks on the machine (/proc/loadavg's fourth field), or None where it does not
+    say (not Linux)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def runnable_others(samples: int = SAMPLES, seconds: float = SAMPLE_SECONDS,
+                    threads: Callable[[], list[int] | None] | None = None, count=runnable_threads) -> float | None:
+    """Tasks runnable besides the calling thread, averaged over `samples` readings spread over `seconds`; None
+    where the kernel does not say. Where the process is limited to fewer cores than the host has (`available_cores`:
+    a container's cpuset or CPU quota) and its cgroup lists its threads (`threads`, default `cgroup_threads`),
+    those of its own cgroup; otherwise the host's run queue (`host_runnable`)."""
+    if threads is None:
+        threads = cgroup_threads if available_cores() < (os.cpu_count() or 1) else (lambda: None)
+    tids = threads()
+    if tids and len(tids) > MAX_THREADS_READ:  # a cgroup as big as a host (its root): the host's figure is as good
+        tids = None
     counts = []
     for i in range(samples):
-        try:
-            with open("/proc/loadavg") as f:
-                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
-        except (OSError, ValueError, IndexError):
+        running = count(tids) if tids else host_runnable()
+        if running is None:
             return None
+        counts.append(running - 1)
         if i + 1 < samples:
             time.sleep(seconds / samples)
     return sum(counts) / len(counts)
@@ -159,5 +202,5 @@ def configure(environ=None, modules=None, others: Callable[[], float | None] = r
     return wait_regime(target)
 
 
-__all__ = ["BUSY_OTHERS", "SPINCOUNT", "available_cores", "cgroup_dirs", "configure", "cpu_quota", "runnable_others",
-           "wait_regime"]
+__all__ = ["BUSY_OTHERS", "SPINCOUNT", "available_cores", "cgroup_dirs", "cgroup_threads", "configure", "cpu_quota",
+           "host_runnable", "runnable_others", "runnable_threads", "wait_regime"]

@@ -96,7 +96,7 @@ def similarity_sums(q_a, k_a, q_b, k_b, lengths, scaling_a: float, scaling_b: fl
     q_*, k_*: B × H × L × D (D may differ between the models); lengths: B valid tokens per sample. Rows are
     processed in blocks so at most about `max_elems` weights per model exist at once (the pure-PyTorch
     reference of this computation). `decoder_a`, `decoder_b`: a decoder layer's arguments (causal, kv_head,
-    sliding_window, softcap; k then has its Hkv KV heads), as attnkit.hf_attention.observed gives them."""
+    sliding_window, softcap; k then has its Hkv KV heads), as attnkit.attention.call.observed gives them."""
     decoder_a, decoder_b = decoder_a or {}, decoder_b or {}
     for name, t in (("q_a", q_a), ("k_a", k_a), ("q_b", q_b), ("k_b", k_b)):
         if t.dim() != 4:

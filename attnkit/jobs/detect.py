@@ -31,7 +31,6 @@ from ..arch.pruning import pruned_head_grid
 from ..corpus import default_corpus_path
 from ..errors import AttnkitError, arg, check_int
 from ..models import attention_modules, max_positions, observing, resolve_model
-from ..process import measuring_forward
 from ..words import row_stats
 from .detect_options import (
     KINDS,
@@ -161,8 +160,7 @@ def _run(model, batches, kinds, n_layers, n_heads, bar=None) -> dict[str, np.nda
     with torch.inference_mode(), observing(model, [obs]):
         for ids, targets in batches:
             obs.targets = targets
-            with measuring_forward(model):
-                model(input_ids=ids.to(dev), attention_mask=torch.ones_like(ids).to(dev))
+            model(input_ids=ids.to(dev), attention_mask=torch.ones_like(ids).to(dev))
             if bar is not None:
                 bar.update(len(ids))
     return {k: obs.scores[k].mean() for k in kinds}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..corpus import corpus_of_run
+from ..corpus import Corpus, corpus_of_run
 from ..engine.distances import check_smoothing, collect_distances
 from ..engine.extract import ExtractSettings
 from ..engine.local import default_workers
@@ -20,9 +20,9 @@ from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, weighting_of
 from ..models import attention_modules, load_model
 from ..run.distances import HeadDistances
 from ..run.files import DISTANCES_FILE, REPORT_FILE
-from ..run.head_features import HeadFeatures
 from ..run.identity import IDENTITY_FIELD, model_identity, model_mismatch, recorded_identity
 from ..run.locking import output_directory
+from ..run.opened import Run, open_run
 from ..run.outputs import os_errors
 from ..run.overwrite import claim_outputs
 from .job_options import DistancesOptions, check_distances_options
@@ -52,10 +52,11 @@ def _check_model(run, meta: dict, identity: dict) -> dict:
 
 
 def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_message,
-                      texts=None) -> tuple[HeadDistances, int, Path]:
+                      read: tuple[Run, Corpus] | None = None) -> tuple[HeadDistances, int, Path]:
     """Measure and save the distances of `opts.run`; returns (the distances, the segments measured, the path
     written). Earlier distances are replaced only with `opts.overwrite` (the report drawn from them goes with
-    them; what was removed is said through `echo`)."""
+    them; what was removed is said through `echo`). `read`: (the run, its corpus) as the command read them before
+    (`preflight_distances`), used as they are; None reads them here, once."""
     check_distances_options(opts)  # also checked by the command line before torch loads
     check_smoothing(opts.smooth)
 
@@ -67,11 +68,14 @@ def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_
     command = "attnkit distances" + (" --engine ray" if opts.engine == "ray" else "")
     with output_directory(run, command, inputs=[("the corpus", opts.corpus, True)]), \
             os_errors(f"write into {run}"):
-        run_feats = HeadFeatures.load(run)
-        meta = run_feats.meta
-        if texts is None:  # (the command line read it already, in preflight_distances)
-            texts = corpus_of_run(run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs,
+        if read is None:
+            opened = open_run(run)
+            texts = corpus_of_run(run, opened.features.meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs,
                                   columns=opts.columns, limit=opts.limit)
+        else:
+            opened, texts = read
+        run_feats = opened.features
+        meta = run_feats.meta
         claim = claim_outputs([run / DISTANCES_FILE], opts.overwrite, stale=[run / REPORT_FILE])
         if weighting_of(meta) == "norm":
             say(f"attnkit distances: {run} holds norm-weighted features; the distances compare attention weights")

@@ -29,7 +29,6 @@ from ..engine.progress import segment_bar
 from ..errors import AttnkitError, check_int
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import attention_modules, resolve_model, runtime_of
-from ..process import measuring_forward
 from ..run.head_means import HeadMeans
 from ..tokens import Encoder
 
@@ -40,8 +39,7 @@ def head_sums(model, batch) -> torch.Tensor:
     """n_layers × n_heads × head size (float64): every head's outputs summed over the valid tokens of `batch` (an
     `attnkit.tokens.Batch` on the model's device)."""
     n_layers = len(attention_modules(model))
-    with cache_heads(model) as cache, runtime_of(model).batch_of(batch), torch.inference_mode(), \
-            measuring_forward(model):
+    with cache_heads(model) as cache, runtime_of(model).batch_of(batch), torch.inference_mode():
         model(**batch.inputs)
     L = batch.inputs["input_ids"].shape[1]
     valid = (torch.arange(L, device=batch.lengths.device)[None, :] < batch.lengths[:, None]).double()

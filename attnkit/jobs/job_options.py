@@ -185,22 +185,23 @@ def check_distances_options(opts: DistancesOptions) -> None:
 def preflight_distances(opts: DistancesOptions):
     """What `attnkit distances` can refuse without a model, before torch is imported, in the job's order: the
     options, the run directory's files, its corpus (read again and checked to be the bytes it measured), and
-    earlier distances that only `overwrite` replaces. Returns the corpus, for the job to read (its hashes are
-    then not computed twice), or None while another command holds the run (its lock names the holder)."""
+    earlier distances that only `overwrite` replaces. Returns (the run as read here, a `Run`; the corpus), for the
+    job to use as they are (the run's files are not read again, the corpus's hashes not computed twice), or None
+    while another command holds the run (its lock names the holder; the job reads both then)."""
     from ..corpus import corpus_of_run
     from ..run.files import DISTANCES_FILE
-    from ..run.head_features import HeadFeatures
     from ..run.locking import lock_owner
+    from ..run.opened import open_run
     from ..run.overwrite import claim_outputs
 
     check_distances_options(opts)
     if lock_owner(opts.run) is not None:
         return None
-    meta = HeadFeatures.load(opts.run).meta
-    texts = corpus_of_run(opts.run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs, columns=opts.columns,
-                          limit=opts.limit)
+    opened = open_run(opts.run)
+    texts = corpus_of_run(opts.run, opened.features.meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs,
+                          columns=opts.columns, limit=opts.limit)
     claim_outputs([Path(opts.run) / DISTANCES_FILE], opts.overwrite)
-    return texts
+    return opened, texts
 
 
 __all__ = ["ENGINES", "DistancesOptions", "ExtractOptions", "check_distances_options", "check_engine",

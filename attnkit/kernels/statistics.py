@@ -14,9 +14,11 @@ TILE_ELEMENTS = 1 << 20  # scores per block
 
 
 def max_logits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling: float, *, kv_head=None,
-               causal: bool = False, sliding_window: int | None = None) -> torch.Tensor:
+               causal: bool = False, sliding_window: int | None = None,
+               key_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """B×H fp32, equal to attnkit.reference.max_logits, by blocks of query rows (no grad). q may have fewer rows
-    than k has keys (a KV-cache step: the last positions); a sample with no valid row gets −inf."""
+    than k has keys (a KV-cache step: the last positions); a sample with no valid row gets −inf. Cross-attention
+    (`key_lengths`): rows i < lengths, keys t < key_lengths."""
     B, H, Lq, _ = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     with torch.no_grad():
@@ -25,8 +27,10 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scaling:
             kf = kf.index_select(1, resolve_kv_head(H, Hkv, kv_head, q.device))
         lengths = lengths.to(q.device).long()
         keys = torch.arange(L, device=q.device)
-        key_ok = (keys[None, :] < lengths[:, None])[:, None, None, :]  # B×1×1×L
-        rows = query_positions(Lq, L, q.device)  # the true position of each query row
+        n_keys = lengths if key_lengths is None else key_lengths.to(q.device).long()
+        key_ok = (keys[None, :] < n_keys[:, None])[:, None, None, :]  # B×1×1×L
+        # the true position of each query row (cross-attention: its own index)
+        rows = query_positions(Lq, L if key_lengths is None else Lq, q.device)
         best = torch.full((B, H), float("-inf"), device=q.device)
         blk = max(1, min(Lq, TILE_ELEMENTS // max(1, B * H * L)))
         for i0 in range(0, Lq, blk):

@@ -6,6 +6,7 @@
     per_sample       per_sample.npy, written row by row in input order
     distances        distances.npz (`HeadDistances`)
     clusters         clusters.json, read back and validated
+    opened           a run directory as one command read it, once (`Run`, `open_run`), handed down to its work
     shards           the Ray engine's shard files
     schemas          the schemas every file is checked against, the one .npz loader, the one JSON Schema formatter
     settings         saved settings against this run's settings

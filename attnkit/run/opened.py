@@ -14,7 +14,8 @@ from .head_features import HeadFeatures
 class Run:
     """A run directory as a command read it: `path`, its `features` (features.npz and meta.json, checked by
     `HeadFeatures.load`) and `clusters`, the content of clusters.json checked against the run (None: the run has none,
-    or the command does not read it). The analysis commands make one with `attnkit.analysis.preflight.load_run`."""
+    or the command does not read it). `open_run` makes one; the report and `attnkit cluster` with
+    `attnkit.analysis.preflight.load_run`, which adds their checks."""
 
     path: Path
     features: HeadFeatures
@@ -30,4 +31,11 @@ class Run:
         return self.path / CLUSTERS_FILE
 
 
-__all__ = ["Run"]
+def open_run(run_dir) -> Run:
+    """`run_dir` opened once: features.npz and meta.json read and checked (`HeadFeatures.load`, which also attaches
+    per_sample.npy when it fits), clusters.json not read. A command that needs more checks (the report's, the
+    clustering's: attnkit.analysis.preflight.load_run) makes its `Run` there."""
+    return Run(Path(run_dir), HeadFeatures.load(run_dir))
+
+
+__all__ = ["Run", "open_run"]

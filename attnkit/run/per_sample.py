@@ -334,13 +334,19 @@ def rows_table_problem(run_dir, n_rows: int) -> str | None:
     return None
 
 
+def per_sample_path(run_dir) -> Path:
+    """The per-sample file of a run directory (or `run_dir` itself, a .npy file), refused when it is missing."""
+    path = _npy_path(run_dir)
+    if not path.is_file():
+        raise AttnkitError(f"{path} is missing: run `attnkit extract --per-sample` first")
+    return path
+
+
 def load_per_sample(run_dir) -> tuple[np.ndarray, list[str]]:
     """(memory-mapped N × layers × heads × F array, feature names) of a run: float32, or float16 in files of
     attnkit 0.1 (read as they are; callers that compare with thresholds convert rows to float32 first)."""
-    path = _npy_path(run_dir)
+    path = per_sample_path(run_dir)
     meta_path = path.with_name(PER_SAMPLE_META)
-    if not path.is_file():
-        raise AttnkitError(f"{path} is missing: run `attnkit extract --per-sample` first")
     try:
         arr = np.load(path, mmap_mode="r")
     except (ValueError, OSError) as exc:

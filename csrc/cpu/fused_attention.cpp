@@ -171,15 +171,16 @@ void check_opt(const c10::optional<at::Tensor>& t, const char* name, at::ScalarT
 // largest q_s · k_t · scaling over the valid query rows s < n and the keys t each sees, before any soft-cap; NaN
 // propagates. Builds that head's Lq × n scores: only for the heads the tasks do not measure (a head in mode zero
 // or uniform computes no scores) or measured as NaN (a row whose softmax is undefined stops reading its keys).
+// nk: the keys (cross-attention's key length; else n).
 float head_max_logit(const at::Tensor& q, const at::Tensor& k, int64_t b, int64_t h, int64_t kvh, int64_t n,
-                     int64_t off, double scaling, bool causal, int64_t window) {
+                     int64_t nk, int64_t off, double scaling, bool causal, int64_t window) {
   const int64_t Lq = q.size(2);
   const int64_t rows = std::max<int64_t>(0, std::min(n - off, Lq));  // the valid query rows s = off + i < n
   if (rows == 0) return -std::numeric_limits<float>::infinity();
-  auto s = at::matmul(q[b][h].narrow(0, 0, rows), k[b][kvh].narrow(0, 0, n).t()) * scaling;  // rows × n
+  auto s = at::matmul(q[b][h].narrow(0, 0, rows), k[b][kvh].narrow(0, 0, nk).t()) * scaling;  // rows × nk
   auto pos_s = at::arange(off, off + rows, q.options().dtype(at::kLong)).unsqueeze(1);
-  auto pos_t = at::arange(0, n, q.options().dtype(at::kLong)).unsqueeze(0);
-  auto hidden = at::zeros({rows, n}, q.options().dtype(at::kBool));
+  auto pos_t = at::arange(0, nk, q.options().dtype(at::kLong)).unsqueeze(0);
+  auto hidden = at::zeros({rows, nk}, q.options().dtype(at::kBool));
   if (causal) hidden = hidden.logical_or(pos_t > pos_s);
   if (window > 0) hidden = hidden.logical_or(pos_s - pos_t >= window);
   return s.masked_fill(hidden, -std::numeric_limits<float>::infinity()).amax().item<float>();
@@ -192,13 +193,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   ATTNKIT_CHECK(a.q.dim() == 4, "fused_attention: q must be 4-D (B, H, L, D), got shape ", a.q.sizes());
   // Lq query rows, L keys: Lq < L is a KV-cache step (the queries are the last Lq key positions: row i is key
   // position s = L − Lq + i; docs of attnkit/reference.py, "Fewer queries than keys")
+  // Cross-attention (key_lengths given): the queries are another sequence, row i at position i (off = 0), lengths
+  // the query lengths, key_lengths the keys'; token_class the queries' classes, key_class the keys'.
+  const bool cross = a.key_lengths.has_value();
   const int64_t B = a.q.size(0), H = a.q.size(1), Lq = a.q.size(2), D = a.q.size(3);
-  ATTNKIT_CHECK(a.k.dim() == 4 && a.k.sizes() == a.v.sizes() && a.k.size(0) == B && a.k.size(2) >= Lq &&
-                    a.k.size(3) == D && a.k.size(1) >= 1,
+  ATTNKIT_CHECK(a.k.dim() == 4 && a.k.sizes() == a.v.sizes() && a.k.size(0) == B && (cross || a.k.size(2) >= Lq) &&
+                    a.k.size(2) >= 1 && a.k.size(3) == D && a.k.size(1) >= 1,
                 "fused_attention: k and v must have q's shape ", a.q.sizes(),
-                " (or B×Hkv×L×D with Hkv KV heads and L >= q's length), got k ", a.k.sizes(), " and v ",
-                a.v.sizes());
-  const int64_t L = a.k.size(2), off = L - Lq;
+                " (or B×Hkv×L×D with Hkv KV heads and L >= q's length; any L with key_lengths), got k ", a.k.sizes(),
+                " and v ", a.v.sizes());
+  const int64_t L = a.k.size(2), off = cross ? 0 : L - Lq;
+  ATTNKIT_CHECK(!a.bias.has_value(), "fused_attention: the CPU kernel takes no bias (attnkit.ops.attention runs it "
+                "on the reference)");
+  ATTNKIT_CHECK(cross || !a.key_class.has_value(),
+                "fused_attention: key_class is the keys' token classes of cross-attention: give key_lengths too");
+  ATTNKIT_CHECK(!cross || (!a.sentence_id.has_value() && !a.region.has_value() && !a.causal &&
+                           !a.sliding_window.has_value()),
+                "fused_attention: cross-attention (key_lengths given) takes no sentence_id, region, causal or "
+                "sliding_window");
+  // a grid places the tokens of one sequence on one image's patches; cross-attention's queries and keys are two
+  // sequences, so the two are not taken together (docs/features.md, "Image heads")
+  ATTNKIT_CHECK(!cross || !a.grid.has_value(),
+                "fused_attention: grid is not taken with key_lengths (cross-attention): a grid places the tokens of "
+                "one sequence on an image");
   const int64_t Hkv = a.k.size(1);
   const auto dt = a.q.scalar_type();
   ATTNKIT_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
@@ -214,7 +231,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   ATTNKIT_CHECK(a.lengths.scalar_type() == at::kLong && a.lengths.dim() == 1 && a.lengths.size(0) == B,
               "fused_attention: lengths must be int64 of shape [B] = [", B, "], got ", a.lengths.scalar_type(),
               " of shape ", a.lengths.sizes());
-  check_opt(a.token_class, "token_class", at::kInt, {B, L}, "[B, L]");
+  check_opt(a.token_class, "token_class", at::kInt, {B, cross ? Lq : L}, cross ? "[B, Lq]" : "[B, L]");
+  check_opt(a.key_class, "key_class", at::kInt, {B, L}, "[B, Lk]");
+  check_opt(a.key_lengths, "key_lengths", at::kLong, {B}, "[B]");
   check_opt(a.sentence_id, "sentence_id", at::kInt, {B, L}, "[B, L]");
   check_opt(a.mode, "mode", at::kInt, {H}, "[H]");
   check_opt(a.region, "region", at::kInt, {H}, "[H]");
@@ -231,8 +250,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   const auto lengths = a.lengths.contiguous();
   const int64_t* len = lengths.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    ATTNKIT_CHECK(len[b] >= 1 && len[b] <= L, "fused_attention: lengths must lie in [1, L] = [1, ", L,
-                "], got lengths[", b, "] = ", len[b]);
+    ATTNKIT_CHECK(len[b] >= 1 && len[b] <= (cross ? Lq : L), "fused_attention: lengths must lie in [1, ",
+                  cross ? "Lq" : "L", "] = [1, ", cross ? Lq : L, "], got lengths[", b, "] = ", len[b]);
+  // the keys each sample has: its length, or cross-attention's key lengths
+  std::vector<int64_t> klen(len, len + B);
+  if (cross) {
+    const auto kl = a.key_lengths->contiguous();
+    for (int64_t b = 0; b < B; ++b) {
+      klen[b] = kl.data_ptr<int64_t>()[b];
+      ATTNKIT_CHECK(klen[b] >= 1 && klen[b] <= L, "fused_attention: key_lengths must lie in [1, Lk] = [1, ", L,
+                    "], got key_lengths[", b, "] = ", klen[b]);
+    }
+  }
   std::vector<int32_t> mode(H, kModeKeep), region(H, kAll), kv_head(H);
   std::vector<float> gate(H, 1.f), sink;
   if (a.mode) {
@@ -277,11 +306,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   const int64_t F = F0 + (a.sink ? 1 : 0) + (want_grid ? 1 : 0);
   at::Tensor key_scale;
   if (a.want_features && a.key_scale) key_scale = a.key_scale->contiguous();
-  at::Tensor tc, sid;
-  if (a.token_class) tc = a.token_class->contiguous();
+  at::Tensor tc, sid, qc;  // tc: the keys' token classes; qc: cross-attention's queries' (the CLS rows)
+  const std::optional<at::Tensor>& key_classes = cross ? a.key_class : a.token_class;
+  if (key_classes.has_value()) tc = key_classes->contiguous();
+  if (cross && a.token_class) qc = a.token_class->contiguous();
   if (a.sentence_id) sid = a.sentence_id->contiguous();
 
-  const bool need_sid = a.want_features || std::any_of(region.begin(), region.end(), [](int r) { return r != kAll; });
+  const bool need_sid =
+      !cross && (a.want_features || std::any_of(region.begin(), region.end(), [](int r) { return r != kAll; }));
 
   // Sentence ids as dense per-sample ranks (0, 1, ... by value; zeros when none), as floats for the
   // vectorised comparisons: exact for any int32 id (a float holds every integer below 2^24).
@@ -297,8 +329,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   // 1 where a key's token class is OTHER (for the tasks' vectorised sums; keys < n only)
   const bool want_classes = a.want_features && tc.defined();
   std::vector<float> other_mask(want_classes ? B * L : 0, 0.f);
-  // distance windows: win_of[b·L + d] = ⌊d·N/n⌋, window j holds d in [win_lo[j], win_lo[j + 1]) = [⌈j·n/N⌉, ...)
-  std::vector<int32_t> win_of(a.want_features ? B * L : 0);
+  // distance windows: win_of[b·WL + d] = min(N − 1, ⌊d·N/n⌋) (n: the sample's keys), window j holds d in
+  // [win_lo[j], win_lo[j + 1]) = [⌈j·n/N⌉, ...); the last window holds every distance from its start on (a
+  // cross-attention row i may lie past the keys: distances up to WL − 1 = max(L, Lq) − 1)
+  const int64_t WL = std::max(L, Lq);
+  std::vector<int32_t> win_of(a.want_features ? B * WL : 0);
   std::vector<int64_t> win_lo(a.want_features ? B * (N + 1) : 0);
   // an image's patch grid as floats for the tasks' vectorised distances (grid_row, grid_col, grid_mask)
   std::vector<float> grid_row(want_grid ? B * L : 0, 0.f), grid_col(grid_row.size(), 0.f),
@@ -308,6 +343,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   for (int64_t b = 0; b < B; ++b) {
     auto& si = info[b];
     si.n = nlen[b] = len[b];
+    const int64_t n_keys = klen[b];
     if (need_sid && sid.defined()) {
       const int32_t* sp = sid.data_ptr<int32_t>() + b * L;
       std::vector<int32_t> ids(sp, sp + L);
@@ -332,15 +368,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
     }
     if (want_classes) {
       const int32_t* cp = tc.data_ptr<int32_t>() + b * L;
-      for (int64_t t = 0; t < si.n; ++t) {
-        ATTNKIT_CHECK(cp[t] >= kOther && cp[t] <= kPeriod, "fused_attention: token_class codes must be 0..4, got ",
-                    cp[t], " at [", b, ", ", t, "]");
+      for (int64_t t = 0; t < n_keys; ++t) {
+        ATTNKIT_CHECK(cp[t] >= kOther && cp[t] <= kPeriod, "fused_attention: ", cross ? "key_class" : "token_class",
+                      " codes must be 0..4, got ", cp[t], " at [", b, ", ", t, "]");
         other_mask[b * L + t] = cp[t] == kOther ? 1.f : 0.f;
         if (cp[t] != kOther) {
           special_pos.push_back(static_cast<int32_t>(t));
           special_cls.push_back(static_cast<float>(cp[t]));
         }
-        if (cp[t] == kCls && t >= off) si.n_cls_rows++;  // the CLS rows among the query rows
+        if (!cross && cp[t] == kCls && t >= off) si.n_cls_rows++;  // the CLS rows among the query rows
+      }
+    }
+    if (qc.defined() && a.want_features) {  // cross-attention: the CLS rows among the valid query rows
+      const int32_t* cp = qc.data_ptr<int32_t>() + b * Lq;
+      for (int64_t i = 0; i < si.n; ++i) {
+        ATTNKIT_CHECK(cp[i] >= kOther && cp[i] <= kPeriod, "fused_attention: token_class codes must be 0..4, got ",
+                      cp[i], " at [", b, ", ", i, "]");
+        if (cp[i] == kCls) si.n_cls_rows++;
       }
     }
     special_at[b + 1] = static_cast<int64_t>(special_pos.size());
@@ -358,9 +402,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       }
     }
     if (a.want_features) {
-      const int64_t n = si.n;
-      for (int64_t d = 0; d < n; ++d) win_of[b * L + d] = static_cast<int32_t>((d * N) / n);
+      const int64_t n = n_keys;
+      for (int64_t d = 0; d < (cross ? WL : n); ++d)
+        win_of[b * WL + d] = static_cast<int32_t>(std::min<int64_t>(N - 1, (d * N) / n));
       for (int64_t j = 0; j <= N; ++j) win_lo[b * (N + 1) + j] = (j * n + N - 1) / N;
+      if (cross) win_lo[b * (N + 1) + N] = WL;
     }
   }
   if (special_pos.empty()) special_pos.push_back(0), special_cls.push_back(0.f);  // valid pointers
@@ -403,7 +449,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
 
   FusedCpuParams p{};
   p.B = B, p.H = H, p.L = L, p.D = D, p.N = N, p.BQ = BQ, p.BK = BK, p.n_qblk = (Lq + BQ - 1) / BQ;
-  p.Lq = Lq, p.off = off;
+  p.Lq = Lq, p.off = off, p.WL = WL;
   p.q = q.data_ptr<float>(), p.k = k.data_ptr<float>(), p.v = v.data_ptr<float>();
   p.qs0 = q.stride(0), p.qs1 = q.stride(1), p.qs2 = q.stride(2);
   p.ks0 = k.stride(0), p.ks1 = k.stride(1), p.ks2 = k.stride(2);
@@ -413,12 +459,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.mode = mode.data(), p.region = region.data(), p.kv_head = kv_head.data(), p.gate = gate.data();
   p.sink = sink.empty() ? nullptr : sink.data();
   p.n = nlen.data(), p.special_at = special_at.data();
+  p.nk = cross ? klen.data() : nullptr;
   p.special_pos = special_pos.data(), p.special_cls = special_cls.data();
   p.sidf = need_sid ? sidf.data() : nullptr;
   p.one_sentence = one_sentence.data();
   p.sid_runs = sid_runs.data();
   p.sent_lo = sent_lo.empty() ? nullptr : sent_lo.data(), p.sent_hi = sent_hi.empty() ? nullptr : sent_hi.data();
   p.token_class = want_classes ? tc.data_ptr<int32_t>() : nullptr;
+  p.cross = cross;
+  p.query_class = qc.defined() && a.want_features ? qc.data_ptr<int32_t>() : nullptr;
   p.other_mask = p.token_class != nullptr ? other_mask.data() : nullptr;
   p.win_of = a.want_features ? win_of.data() : nullptr;
   p.win_lo = a.want_features ? win_lo.data() : nullptr;
@@ -491,7 +540,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       }
       const int64_t b = bh / H, h = bh % H;
       if (std::isnan(m) || mode[h] != kModeKeep)  // not measured by the tasks: from the head's scores
-        m = head_max_logit(q, k, b, h, kv_head[h], nlen[b], off, a.scaling, a.causal, a.sliding_window.value_or(0));
+        m = head_max_logit(q, k, b, h, kv_head[h], nlen[b], klen[b], off, a.scaling, a.causal,
+                           a.sliding_window.value_or(0));
       mp[bh] = m;
     }
   }

@@ -24,6 +24,13 @@ struct FusedCpuParams {
   int64_t B, H, L, D, N;  // N: distance windows
   int64_t BQ, BK, n_qblk;  // query rows per task, keys per block, query blocks per (sample, head)
   int64_t Lq, off;        // query rows; query row i is key position off + i (off = L − Lq: a KV-cache step)
+  int64_t WL;             // the per-sample stride of win_of: max(L, Lq)
+  // cross-attention (queries and keys from two sequences, off = 0): the keys of sample b are t < nk[b] (nullptr:
+  // not cross-attention, the keys are t < n[b]); query_class: the queries' token classes, B×Lq (nullptr: none), whose
+  // CLS rows cls_entropy averages (else token_class at the row's position)
+  bool cross;
+  const int64_t* nk;
+  const int32_t* query_class;
   // fp32 operands: q B×H×Lq×D, k and v B×Hkv×L×D (unit stride along D)
   const float *q, *k, *v;
   int64_t qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2;
@@ -51,8 +58,8 @@ struct FusedCpuParams {
   const int32_t *sent_lo, *sent_hi;
   const int32_t* token_class;  // B×L or nullptr
   const float* other_mask;     // B×L: 1 where the token class is OTHER, 0 for a special key; nullptr with token_class
-  // distance windows of sample b: win_of[b·L + d] = ⌊d·N/n⌋ for d in [0, n), and window j holds the
-  // distances [win_lo[b·(N+1) + j], win_lo[b·(N+1) + j + 1])
+  // distance windows of sample b: win_of[b·WL + d] = min(N − 1, ⌊d·N/n⌋) for d in [0, n) (cross-attention:
+  // [0, WL), n its keys), and window j holds the distances [win_lo[b·(N+1) + j], win_lo[b·(N+1) + j + 1])
   const int32_t* win_of;
   const int64_t* win_lo;
   // an image's patch grid (docs/features.md, "Image heads"), B×L each: key t's row and column (0 off the grid)

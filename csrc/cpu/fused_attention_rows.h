@@ -4,8 +4,9 @@
 //
 // Flash-style blocking, as ATen's CPU flash attention and the Triton kernel (attnkit/kernels/triton_attention.py)
 // do it. A task is (sample b, head h, block of BQ query rows; query row i is key position s = off + i, off = L − Lq
-// being 0 except in a KV-cache step). Row s sees the keys [lo_s, hi_s): hi_s = n
-// (causal: min(n, s + 1)), lo_s = 0 (sliding window W: max(0, s − W + 1)); both bounds grow with s, so the
+// being 0 except in a KV-cache step). Row s sees the keys [lo_s, hi_s): hi_s = n, the sample's keys
+// (cross-attention: nk, the other sequence's; its rows s < n are the valid ones) (causal: min(n, s + 1)), lo_s = 0
+// (sliding window W: max(0, s − W + 1)); both bounds grow with s, so the
 // block's rows see only keys [lo of its first row, hi of its last row), which the task streams in key blocks
 // of BK (never the keys outside: a causal forward skips the blocks above the diagonal). Per key block:
 //   * S = Q_blk · K_blkᵀ with BLAS into a fixed per-thread tile (BQ × BK floats);
@@ -241,7 +242,8 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     const int64_t i_blk = task % p.n_qblk, bh = task / p.n_qblk, h = bh % H, b = bh / H;
     const int64_t qblk = (i_blk % 2 == 0) ? i_blk / 2 : p.n_qblk - 1 - i_blk / 2;
     const int64_t r0 = qblk * BQ, bq = std::min(BQ, p.Lq - r0);
-    const int64_t n = p.n[b];
+    const int64_t n = p.n[b];  // the valid query rows are s < n
+    const int64_t nk = p.nk == nullptr ? n : p.nk[b];  // the keys (cross-attention: the other sequence's)
     float* o = p.out + b * p.Lq * os_row + r0 * os_row + h * D;
     float* lse = p.lse == nullptr ? nullptr : p.lse + (b * H + h) * p.Lq + r0;
     const int64_t s0 = p.off + r0;  // the key position of the block's first query row
@@ -255,7 +257,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     const int region = p.region[h];
     // the keys row s sees: [lo(s), hi(s)), both non-decreasing in s (empty when lo(s) >= hi(s))
     auto lo_of = [&](int64_t s) { return p.window > 0 ? std::max<int64_t>(0, s - p.window + 1) : int64_t(0); };
-    auto hi_of = [&](int64_t s) { return p.causal ? std::min(n, s + 1) : n; };
+    auto hi_of = [&](int64_t s) { return p.causal ? std::min(nk, s + 1) : nk; };
     const int64_t khi = hi_of(s0 + bq - 1), klo = std::min(lo_of(s0), khi);
     // one key block for the whole task: windows through diag (offset t − s, from dbase) folded once per task
     const bool one_block = p.want_features && khi - klo <= BK;
@@ -274,9 +276,12 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     const int32_t* sp_pos = p.special_pos + p.special_at[b];
     const float* sp_cls = p.special_cls + p.special_at[b];
     const int64_t n_special = p.special_at[b + 1] - p.special_at[b];
-    const int32_t* win_of = p.win_of == nullptr ? nullptr : p.win_of + b * L;
+    const int32_t* win_of = p.win_of == nullptr ? nullptr : p.win_of + b * p.WL;
     const int64_t* win_lo = p.win_lo == nullptr ? nullptr : p.win_lo + b * (N + 1);
     const int32_t* tcls = p.token_class == nullptr ? nullptr : p.token_class + b * L;
+    // the class of the row at position s (cross-attention: the queries' own classes)
+    const int32_t* qcls = !p.cross ? tcls : p.query_class == nullptr ? nullptr : p.query_class + b * p.Lq;
+    // an image's patch grid (never with cross-attention: fused_attention.cpp refuses grid with key_lengths)
     const float* g_row = p.grid_row == nullptr ? nullptr : p.grid_row + b * L;
     const float* g_col = p.grid_col == nullptr ? nullptr : p.grid_col + b * L;
     const float* g_mask = p.grid_mask == nullptr ? nullptr : p.grid_mask + b * L;
@@ -472,7 +477,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       a[R + kRowMax] += fc * st[sMx];
       a[R + kRowIntra] += intra;
       a[R + kRowInter] += std::max(0.f, T - intra);
-      if (tcls != nullptr && tcls[s] == kClassCls) a[F0] += H_ent;
+      if (qcls != nullptr && qcls[s] == kClassCls) a[F0] += H_ent;
       a[F0 + 1] += fsink;
       if (g_mask != nullptr && g_mask[s] != 0.f) a[F0 + 2] += dc * st[sDist];
     }

@@ -283,6 +283,9 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(const FusedAttentionArgs
                     a.k.size(1) >= 1,
                 kOp, "k must have q's shape ", a.q.sizes(), " (or B×Hkv×L×D), got ", a.k.sizes());
   ATTNKIT_CHECK(a.v.sizes() == a.k.sizes(), kOp, "v must have k's shape ", a.k.sizes(), ", got ", a.v.sizes());
+  ATTNKIT_CHECK(!a.key_lengths.has_value() && !a.key_class.has_value() && !a.bias.has_value(), kOp,
+                "the CUDA kernels take neither cross-attention (key_lengths, key_class) nor a bias: "
+                "attnkit.ops.attention runs those on the reference (docs/cuda.md)");
   const int64_t Hkv = a.k.size(1);
   ATTNKIT_CHECK(a.kv_head.has_value() || (Hkv <= a.q.size(1) && a.q.size(1) % Hkv == 0), kOp, "k and v have ", Hkv,
                 " heads and q ", a.q.size(1), ": give kv_head (the KV head of each query head) unless ", Hkv,

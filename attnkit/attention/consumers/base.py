@@ -29,12 +29,14 @@ class Wants:
 class Result:
     """The results of one call of the op, in the batch's own positions: `out` B×L×H×D after the intervention's
     replaced head outputs (None in training, where only the statistics are computed); `feats` B×H×F (clamped at
-    0 outside training) when a consumer wanted them; `max_logit` B×H when one wanted it. All cover the heads the
-    layer has (a pruned layer's kept heads: `AttentionCall.kept`)."""
+    0 outside training) when a consumer wanted them; `max_logit` B×H when one wanted it. These cover the heads the
+    layer has (a pruned layer's kept heads: `AttentionCall.kept`). `maps` B×H×L×Lk when the forward asked for
+    them (`AttentionCall.want_maps`; outside training), over the unpruned heads (attnkit/attention/maps.py)."""
 
     out: torch.Tensor | None
     feats: torch.Tensor | None
     max_logit: torch.Tensor | None
+    maps: torch.Tensor | None = None
 
 
 class Consumer(Protocol):

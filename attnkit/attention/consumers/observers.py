@@ -21,6 +21,13 @@ def _refuse_steps(call: AttentionCall) -> None:
                            "generation with a KV cache: run the forward without past_key_values")
 
 
+def _refuse_two_sequences(call: AttentionCall) -> None:
+    if call.cross or call.bias is not None:
+        raise AttnkitError(f"observers of q and k (e.g. JS distances) compute self-attention from q and k alone, but "
+                           f"layer {call.layer} is {'cross-attention' if call.cross else 'given an additive bias (T5)'}"
+                           ": this analysis does not support encoder–decoders yet")
+
+
 class QKObserver(BaseConsumer):
     """Calls `observer(layer, query, key, lengths, scaling[, **decoder arguments])` before the op."""
 
@@ -31,6 +38,7 @@ class QKObserver(BaseConsumer):
 
     def wants(self, call: AttentionCall) -> Wants | None:
         _refuse_steps(call)
+        _refuse_two_sequences(call)
         return Wants()
 
     def before(self, call: AttentionCall) -> None:

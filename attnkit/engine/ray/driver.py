@@ -22,7 +22,7 @@ from ..forward import DEFAULT_BATCH_SIZE
 from ..plan import plan_window, windows
 from .errors import ray_failure
 from .session import import_ray, plan_actors, quiet_ray_data, ray_logs_aside, ray_session
-from .workers import PID_DIR_ENV, WORKER_ENV, ModelActor, tokenise
+from .workers import PID_DIR_ENV, ModelActor, tokenise, worker_env
 
 
 def check_model_here(model_path: str | None, max_length: int, local: bool) -> None:
@@ -225,7 +225,8 @@ class ShardedRun:
                       "batch_size": self.batch_size}
         ray = self.ray
         ds = ray.data.from_items(rows, override_num_blocks=len(rows))  # one planned batch per block
-        env = {"runtime_env": {"env_vars": dict(WORKER_ENV)}}  # for these tasks only (workers.py: WORKER_ENV)
+        # for these tasks only (workers.py: worker_env); the cluster is this machine unless an address was given
+        env = {"runtime_env": {"env_vars": worker_env(local=self.address is None)}}
         ds = ds.map_batches(tokenise, fn_kwargs=tokenise_args, batch_size=1, batch_format="numpy", num_cpus=1, **env)
         # the actors of a pool restart and their tasks are retried: Ray Data's defaults (see the package docstring)
         ds = ds.map_batches(ModelActor, fn_constructor_kwargs=actor_args, batch_size=1, batch_format="numpy",

@@ -31,6 +31,19 @@ HOLD_FILE = "hold"
 # The Rust tokenizer's own threads stay off beside the actors' torch threads.
 WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 
+
+def worker_env(local: bool) -> dict[str, str]:
+    """The environment of attnkit's tasks and actors: WORKER_ENV, and on a local cluster the OpenMP wait regime
+    this process runs under (attnkit.process.openmp_in_effect), told explicitly: the workers share this machine and
+    its load, and the regime no longer reaches subprocesses through os.environ (docs/process.md). A remote
+    cluster's nodes are other machines: their workers keep their own environment."""
+    env = dict(WORKER_ENV)
+    if local:
+        from ...process import openmp_in_effect
+
+        env.update(openmp_in_effect()[0])
+    return env
+
 _encoders: dict = {}  # (model path, max_length, split_sentences) -> the Encoder of this worker process
 
 
