@@ -12,6 +12,10 @@ from .errors import AttnkitError, arg, check_int
 # Token classes (docs/features.md, "Token classes" and "Sentence ids").
 OTHER, CLS, SEP, COMMA, PERIOD = 0, 1, 2, 3, 4
 TOKEN_CLASS_NAMES = ("other", "cls", "sep", "comma", "period")
+# A vision transformer's tokens in the same scheme (docs/features.md, "Token classes"; attnkit/attention/positions.py):
+# [CLS] is CLS, the extra tokens that hold no part of the image (DeiT's distillation token, DINOv2's registers) SEP,
+# every patch OTHER
+IMAGE_CLS, IMAGE_DISTILLATION, IMAGE_REGISTER, IMAGE_PATCH = CLS, SEP, SEP, OTHER
 
 # Intervention modes and regions (docs/interventions.md).
 MODES = ("keep", "zero", "uniform")
@@ -33,6 +37,8 @@ DEFAULT_WINDOW = 4096  # segments read ahead and sorted by length together (docs
 # characters alone, as attnkit did before units) is not resumed with this plan
 PLAN = "units by tokens"
 ROW_FEATURES = ("prev", "next", "entropy", "max", "intra", "inter")
+# The feature of image heads (docs/features.md, "Image heads"): last, when the op is given the patch grid
+MEAN_ATTENTION_DISTANCE = "mean_attention_distance"
 
 
 def bucket_names(num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
@@ -40,19 +46,22 @@ def bucket_names(num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
     return ["cls", "sep", "comma", "period", "self"] + [f"win_{i}" for i in range(num_windows)]
 
 
-def feature_names(num_windows: int = DEFAULT_NUM_WINDOWS, sink: bool = False) -> list[str]:
+def feature_names(num_windows: int = DEFAULT_NUM_WINDOWS, sink: bool = False, grid: bool = False) -> list[str]:
     """All per-head features, in the order the ops emit them. With `sink` (a model with a learned sink logit
-    per head, e.g. gpt-oss), one more comes last: `sink`, the sink's mass (docs/features.md, "Decoder models")."""
-    return bucket_names(num_windows) + list(ROW_FEATURES) + ["cls_entropy"] + (["sink"] if sink else [])
+    per head, e.g. gpt-oss), one more comes next: `sink`, the sink's mass (docs/features.md, "Decoder models").
+    With `grid` (a vision model: the op is given its patch grid), `mean_attention_distance` comes last
+    (docs/features.md, "Image heads")."""
+    return (bucket_names(num_windows) + list(ROW_FEATURES) + ["cls_entropy"] + (["sink"] if sink else [])
+            + ([MEAN_ATTENTION_DISTANCE] if grid else []))
 
 
-def num_features(num_windows: int = DEFAULT_NUM_WINDOWS, sink: bool = False) -> int:
-    return 5 + num_windows + len(ROW_FEATURES) + 1 + (1 if sink else 0)
+def num_features(num_windows: int = DEFAULT_NUM_WINDOWS, sink: bool = False, grid: bool = False) -> int:
+    return 5 + num_windows + len(ROW_FEATURES) + 1 + (1 if sink else 0) + (1 if grid else 0)
 
 
-def windows_of(n_features: int, sink: bool = False) -> int:
+def windows_of(n_features: int, sink: bool = False, grid: bool = False) -> int:
     """The number of distance windows behind `n_features` features (the inverse of `num_features`)."""
-    return n_features - num_features(0, sink=sink)
+    return n_features - num_features(0, sink=sink, grid=grid)
 
 
 # Features that are 0 for every head of a decoder (a causal model, docs/features.md "Decoder models"): no row sees a
@@ -75,6 +84,8 @@ _DEFINITIONS = {
     "inter": "weight on keys in other sentences",
     "cls_entropy": "entropy of the [CLS] row alone",
     "sink": "mass on the learned sink logit of the head (no key, no value; with the buckets it sums to 1)",
+    MEAN_ATTENTION_DISTANCE: "for each patch query, Σ over patch keys of weight × distance on the patch grid "
+                             "(in patches), averaged over the image's patches",
 }
 # What differs on a decoder's run (causal rows): `cls` is the sample's first position, `sep` its EOS tokens.
 _DECODER_DEFINITIONS = {
@@ -85,11 +96,13 @@ _DECODER_DEFINITIONS = {
 # reader finds it (the numbered section, then the heading inside it, as the heading reads without its markup).
 _SECTIONS = {"bucket": "the-21-exclusive-distance-buckets-5--n-in-general", "row": "the-row-features",
              "cls_entropy": "3-from-rows-to-a-sample-from-samples-to-the-corpus",
-             "sink": "8-decoder-models-causal-rows-grouped-query-attention-windows-soft-capping-sinks"}
+             "sink": "8-decoder-models-causal-rows-grouped-query-attention-windows-soft-capping-sinks",
+             "image": "10-image-heads-vision-transformers"}
 _SECTION_TITLES = {"bucket": "2. Features of one query row › The 21 exclusive distance buckets (5 + N in general)",
                    "row": "2. Features of one query row › The row features",
                    "cls_entropy": "3. From rows to a sample, from samples to the corpus",
-                   "sink": "8. Decoder models: causal rows, grouped-query attention, windows, soft-capping, sinks"}
+                   "sink": "8. Decoder models: causal rows, grouped-query attention, windows, soft-capping, sinks",
+                   "image": "10. Image heads: vision transformers"}
 
 
 def describe_feature(name: str, decoder: bool = False) -> str:
@@ -111,6 +124,8 @@ def shown_features(names, decoder: bool = False) -> list[str]:
 def _section_of(name: str) -> str:
     if name in ("cls_entropy", "sink"):
         return name
+    if name == MEAN_ATTENTION_DISTANCE:
+        return "image"
     return "row" if name in ROW_FEATURES else "bucket"
 
 

@@ -26,6 +26,7 @@ from .arch.pruning import CONFIG_HEADS, load_pruned_model
 from .attention.consumers import observer_consumer
 from .attention.context import ModelInputs
 from .attention.kinds import CROSS, DECODER, ENCODER, KIND_ATTR, KINDS, LAYER_ATTR, kind_of
+from .attention.positions import image_layout
 from .attention.runtime import RUNTIME_ATTR, Runtime, recording_callers
 from .attention.shared import shared_layers_error
 from .embedded import check_model_max_length, embedded_path, is_embedded_name, model_config
@@ -104,9 +105,11 @@ def attention_modules(model) -> list:
 
 
 def model_feature_names(model, num_windows: int) -> list[str]:
-    """The names of the features an instrumented `model` gives: `feature_names`, with `sink` last for a model with
-    a learned sink logit per head (gpt-oss; docs/features.md)."""
-    return feature_names(num_windows, sink=runtime_of(model).sink)
+    """The names of the features an instrumented `model` gives: `feature_names`, with `sink` for a model with a
+    learned sink logit per head (gpt-oss) and `mean_attention_distance` last for a vision transformer
+    (docs/features.md)."""
+    rt = runtime_of(model)
+    return feature_names(num_windows, sink=rt.sink, grid=rt.image is not None)
 
 
 def runtime_of(model) -> Runtime:
@@ -178,6 +181,7 @@ def instrument(model, tokenizer=None):
     elif getattr(cfg, "is_decoder", False):  # an encoder architecture set up as a decoder (BERT with is_decoder=True)
         raise AttnkitError(f"model type {mtype!r} is configured as a decoder (is_decoder=True); attnkit measures "
                            "encoders and the decoder language models of docs/decoders.md")
+    image = image_layout(cfg)  # a vision transformer's tokens (attnkit/attention/positions.py); None for text
     try:
         model.set_attn_implementation(NAME)
     except Exception as exc:
@@ -186,7 +190,7 @@ def instrument(model, tokenizer=None):
             "attnkit supports models whose attention goes through transformers' AttentionInterface "
             "(BERT, RoBERTa, ELECTRA, DistilBERT, Llama, Qwen, Mistral, Gemma, GPT-2, ...)"
         ) from None
-    seen = _probe_attention_modules(model, seq2seq)
+    seen = _probe_attention_modules(model, seq2seq, image)
     if not seen:
         raise AttnkitError(
             f"model type {mtype!r} does not route its attention through transformers' AttentionInterface, "
@@ -199,7 +203,7 @@ def instrument(model, tokenizer=None):
         if getattr(mod, "layer_idx", None) is None:
             mod.layer_idx = i
     runtime = Runtime(separator_ids=_separator_ids(model, tokenizer),
-                      segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1, sink=seen.sink)
+                      segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1, sink=seen.sink, image=image)
     for mod in seen:
         setattr(mod, RUNTIME_ATTR, runtime)
     _record_inputs(model, runtime)
@@ -242,9 +246,11 @@ def _record_inputs(model, runtime: Runtime) -> None:
         maps = given.get("output_attentions")  # as transformers decides whether to record attentions
         if maps is None:
             maps = getattr(getattr(module, "config", None), "output_attentions", False)
+        pixels = tensor(given.get("pixel_values"))
         getattr(module, RUNTIME_ATTR).enter_forward(
             ModelInputs(tensor(given.get("input_ids")), tensor(given.get("token_type_ids")), bool(maps),
-                        decoder_mask=tensor(given.get("decoder_attention_mask"))))
+                        decoder_mask=tensor(given.get("decoder_attention_mask")),
+                        image_size=None if pixels is None else tuple(pixels.shape[-2:])))
 
     def after(module, args, kwargs, output):
         getattr(module, RUNTIME_ATTR).exit_forward()
@@ -292,9 +298,12 @@ def _number_kinds(seen):
     return ordered
 
 
-def _probe_inputs(model, seq2seq: bool, device) -> dict:
+def _probe_inputs(model, seq2seq: bool, device, image=None) -> dict:
     """The probe forward's inputs: two tokens; an encoder–decoder's a source of three tokens (Whisper: silence of
-    the length its encoder takes) and a target of two."""
+    the length its encoder takes) and a target of two; a vision transformer's (`image` its ImageLayout) one tiny
+    random image of the config's size."""
+    if image is not None:
+        return {"pixel_values": image.probe_pixels(device, next(model.parameters()).dtype)}
     ids = torch.full((1, 2), 1, dtype=torch.long, device=device)
     if not seq2seq:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -324,14 +333,15 @@ def _mark_cross_attention(model) -> list:
     return [m.register_forward_pre_hook(mark, with_kwargs=True) for m in model.modules()]
 
 
-def _probe_attention_modules(model, seq2seq: bool = False):
-    """Run a two-token forward and return the modules that called attnkit attention, in order (a
-    `attnkit.attention.runtime.Callers`, which also says whether one has a learned sink logit)."""
+def _probe_attention_modules(model, seq2seq: bool = False, image=None):
+    """Run a two-token forward (a vision transformer, `image` its ImageLayout: one tiny random image of the config's
+    size) and return the modules that called attnkit attention, in order (a `attnkit.attention.runtime.Callers`,
+    which also says whether one has a learned sink logit)."""
     device = next(model.parameters()).device
     hooks = _mark_cross_attention(model) if seq2seq else []
     try:
         with torch.no_grad(), recording_callers() as callers:
-            model(**_probe_inputs(model, seq2seq, device))
+            model(**_probe_inputs(model, seq2seq, device, image))
     except AttnkitError:
         raise
     except Exception as exc:

@@ -28,11 +28,16 @@ included, always on the reference until a GPU has tested a kernel (docs/cuda.md)
 intervention, no soft cap or sink: `plain_step`) the reference's definition computes in one call of torch's
 scaled_dot_product_attention. The fake kernel's shapes hold for them (out B×Lq×H×D).
 
+An image's patch grid (`grid`, attnkit/reference.py "Images"): only the compiled CPU kernel measures its feature;
+with features wanted, CUDA calls (the Triton kernel's too) and builds before it run on the reference, and
+`backend="fused"` refuses them by name; without features the grid is dropped (it changes nothing else). A grid
+with cross-attention is refused by name (attnkit/reference.py).
+
 Cross-attention (`key_lengths`, attnkit/reference.py, "Cross-attention") runs on the compiled CPU kernel where it says
 it takes it (`fused_cross`), else on the reference; on CUDA and Triton always on the reference until a GPU has tested
 a kernel (docs/cuda.md). An additive `bias` (T5's position_bias) runs on the reference on every device. Their
 backward is the differentiable reference's (the bias gets a gradient). `fused_attention_lse` takes neither (its
-schema: the arguments before key_lengths, then symmetric_window and want_max_logit). A bidirectional window with
+schema: the arguments before key_lengths, then symmetric_window, want_max_logit and grid). A bidirectional window with
 cross-attention is refused by name (a window over another sequence is undefined).
 """
 from __future__ import annotations
@@ -139,6 +144,17 @@ def fused_max_logit(device_type: str) -> bool:
     # (and only a build whose schemas take symmetric_window: autograd reads the lse op's inputs back by position,
     # and want_max_logit follows symmetric_window there)
     return device_type == "cpu" and _LSE_MAX_LOGIT and _FUSED_SYMMETRIC
+
+
+# a build that takes grid after cross-attention's arguments (csrc/ops.cpp; grid comes last in `op_args`)
+_FUSED_GRID = (extension_loaded() and _op_takes("fused_attention", "grid")
+               and _op_takes("fused_attention", "key_lengths"))
+
+
+def fused_grid(device_type: str) -> bool:
+    """Whether the compiled kernel for `device_type` measures the features of an image's patch grid (`grid`): the
+    CPU kernel of a build that takes it. CUDA does not (docs/cuda.md): such calls run on the reference."""
+    return device_type == "cpu" and _FUSED_GRID
 
 
 def fused_decoder() -> bool:
@@ -317,34 +333,44 @@ def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
         sink=_as(p.sink, torch.float32, dev) if p.sink is None or not p.sink.requires_grad else p.sink.to(dev),
         causal=bool(p.causal), softcap=None if p.softcap is None else float(p.softcap),
         key_lengths=_as(p.key_lengths, torch.int64, dev), key_class=_as(p.key_class, torch.int32, dev),
-        bias=_as(p.bias, torch.float32, dev) if p.bias is None or not p.bias.requires_grad else p.bias.to(dev))
+        bias=_as(p.bias, torch.float32, dev) if p.bias is None or not p.bias.requires_grad else p.bias.to(dev),
+        grid=_as(p.grid, torch.int32, dev) if p.want_features else None)  # (no features: the grid changes nothing)
 
 
 # the op's arguments before the decoder ones: all that a build before them takes; those before cross-attention's:
-# all that a build before it takes, and the first of what `_LSE_OP` takes (then symmetric_window, want_max_logit);
-# those before symmetric_window: all that a build before it takes
+# all that a build before it takes, and the first of what `_LSE_OP` takes (then symmetric_window, want_max_logit,
+# grid); those before symmetric_window and before grid: all that a build before each takes
 _BEFORE_DECODER = AttentionParams.position("kv_head") - 4
 _BEFORE_CROSS = _LSE_PARAMS = AttentionParams.position("key_lengths") - 4
 _BEFORE_SYMMETRIC = AttentionParams.position("symmetric_window") - 4
+_BEFORE_GRID = AttentionParams.position("grid") - 4
 _FUSED_CROSS = extension_loaded() and _op_takes("fused_attention", "key_lengths")
 
 
 def _compiled_args(p: AttentionParams) -> tuple:
-    """`p.op_args()` cut to what the compiled op's schema takes (an older build lacks the later arguments; the
-    caller has sent calls that use them elsewhere)."""
+    """`p.op_args()` as the compiled `_OP`'s schema takes them by position: a build before the decoder arguments,
+    before cross-attention's, before symmetric_window or before `grid` has no such arguments (`_attention` has sent
+    calls that use them to the reference)."""
     args = p.op_args()
     if not _FUSED_DECODER:
         return args[:_BEFORE_DECODER]
     if not _FUSED_CROSS:
         return args[:_BEFORE_CROSS]
-    return args if _FUSED_SYMMETRIC else args[:_BEFORE_SYMMETRIC]
+    if not _FUSED_SYMMETRIC:
+        return args[:_BEFORE_SYMMETRIC]
+    return args if _FUSED_GRID else args[:_BEFORE_GRID]
 
 
-def _lse_args(p: AttentionParams) -> tuple:
-    """The arguments of `_LSE_OP` after lengths, before want_max_logit: those before key_lengths (cross-attention
-    and a bias never run on it), then symmetric_window (csrc/ops.cpp). Only for a build that takes symmetric_window
+def _lse_call(q, k, v, lengths, p: AttentionParams, want_max_logit: bool):
+    """`_LSE_OP` on the arguments `p`: its schema takes the arguments before key_lengths (cross-attention and a bias
+    never run on it), then symmetric_window, want_max_logit and grid (csrc/ops.cpp), the last two by keyword here (a
+    build before either has no such argument, and is not given it). Only for a build that takes symmetric_window
     (`_FUSED_SYMMETRIC`: `saves_lse` and `fused_max_logit` ask for it)."""
-    return (*p.op_args()[:_LSE_PARAMS], bool(p.symmetric_window))
+    kw = {"want_max_logit": True} if want_max_logit else {}
+    if p.grid is not None:
+        kw["grid"] = p.grid
+    return torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *p.op_args()[:_LSE_PARAMS],
+                                                 bool(p.symmetric_window), **kw)
 
 
 def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=False) -> tuple[torch.Tensor, ...]:
@@ -360,7 +386,8 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
     # a KV-cache step: the queries are the last positions of the keys (cross-attention's are another sequence)
     fewer_queries = q.shape[2] < k.shape[2] and not p.cross
     if (backend in ("auto", "fused") and dev.type == "cuda" and q.dtype in _TRITON_DTYPES and cuda_kernel() == "triton"
-            and not fewer_queries and not p.cross and p.bias is None and not p.symmetric_window):
+            and not fewer_queries and not p.cross and p.bias is None and not p.symmetric_window
+            and p.grid is None):
         # the Triton kernel takes every argument, the decoder ones included, and needs no compiled extension
         return torch.ops.attnkit.fused_attention_triton(q, k, v, lengths, *p.op_args())
     chosen = resolve_backend(backend, dev)
@@ -388,6 +415,11 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
                                f"symmetric_window (a bidirectional sliding window); use backend 'auto' or "
                                f"'reference'{rebuild}")
         chosen = "reference"  # (exact, no warning: docs/cuda.md)
+    if chosen == "fused" and p.grid is not None and not fused_grid(dev.type):
+        if backend == "fused":
+            raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel of this build does not measure an "
+                               "image's patch grid (grid): use backend 'auto' or 'reference'")
+        chosen = "reference"  # exact, no warning (docs/cuda.md: the CUDA kernels do not take the grid)
     if chosen == "reference" and fewer_queries and backend == "auto" and _plain_step(q, k, v, p):
         return plain_step(q, k, v, lengths, p.scaling, p.causal, p.sliding_window)
     if chosen == "reference":
@@ -402,8 +434,7 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
             # Gates multiply the op's ungated output here, so that the saved output is the one ATen's backward
             # wants and autograd gives the gate Σ dO ∘ O_h (no recompute)
             ungated = dataclasses.replace(p, gates=None) if lse else p
-            res = torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *_lse_args(ungated),
-                                                        *((True,) if in_op else ()))
+            res = _lse_call(q, k, v, lengths, ungated, in_op)
             out = res[0]
             if lse and p.gates is not None:
                 out = (out.float() * p.gates.float().view(1, 1, -1, 1)).to(out.dtype)
@@ -484,7 +515,8 @@ _LIB.define(
     "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, bool renormalize, "
     "Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, bool causal=False, "
     "int? sliding_window=None, float? softcap=None, Tensor? sink=None, Tensor? key_lengths=None, "
-    "Tensor? key_class=None, Tensor? bias=None, bool symmetric_window=False) -> (Tensor, Tensor)")
+    "Tensor? key_class=None, Tensor? bias=None, bool symmetric_window=False, Tensor? grid=None) "
+    "-> (Tensor, Tensor)")
 
 
 def _fused_attention_triton(q, k, v, lengths, *args):
@@ -502,11 +534,11 @@ _LIB.impl("fused_attention_triton", _fused_attention_triton, "CUDA")
 _LIB.impl("fused_attention_triton", _fused_attention_triton, "CPU")
 
 
-def _fused_attention_fake(q, k, v, lengths, *args):
-    p = AttentionParams(*args)
+def _fused_attention_fake(q, k, v, lengths, *args, **params):
+    p = AttentionParams(*args, **params)
     B, H, Lq, D = q.shape  # Lq <= the keys' length: a KV-cache step has one row per new token
     out = q.new_empty((B, Lq, H, D))
-    nf = num_features(p.num_windows, sink=p.sink is not None) if p.want_features else 0
+    nf = num_features(p.num_windows, sink=p.sink is not None, grid=p.grid is not None) if p.want_features else 0
     feats = q.new_empty((B, H, nf), dtype=torch.float32)
     return out, feats
 
@@ -521,10 +553,11 @@ _N_PARAMS = len(dataclasses.fields(AttentionParams))
 def _setup_context(ctx, inputs, output):
     q, k, v, lengths = inputs[:4]
     # the decoder arguments come last, absent from older builds (their defaults); the lse op (3 or 4 outputs) takes
-    # those before key_lengths, then symmetric_window and want_max_logit (trailing defaults may be left out)
+    # those before key_lengths, then symmetric_window, want_max_logit and grid (the dispatcher fills in defaults)
     if len(output) >= 3:
-        tail = inputs[4 + _LSE_PARAMS:4 + _LSE_PARAMS + 1]
-        p = AttentionParams(*inputs[4:4 + _LSE_PARAMS], symmetric_window=bool(tail[0]) if tail else False)
+        tail = inputs[4 + _LSE_PARAMS:]
+        p = AttentionParams(*inputs[4:4 + _LSE_PARAMS], symmetric_window=bool(tail[0]) if tail else False,
+                            grid=tail[2] if len(tail) > 2 else None)
     else:
         p = AttentionParams(*inputs[4:4 + _N_PARAMS])
     # _LSE_OP's outputs (out, features, lse[, max_logit]): its backward reuses out and lse instead of recomputing them
@@ -601,11 +634,14 @@ if extension_loaded():
 
     if has_kernel("cpu", _LSE_OP):  # an extension built before the op has no such schema
         @torch.library.register_fake(_LSE_OP)
-        def _fused_attention_lse_fake(q, k, v, lengths, *args, want_max_logit=False):
-            if len(args) > _LSE_PARAMS + 1:  # symmetric_window, then want_max_logit, given by position
-                want_max_logit = args[_LSE_PARAMS + 1]
-            args = args[:_LSE_PARAMS]  # (symmetric_window does not change a shape)
-            out, feats = _fused_attention_fake(q, k, v, lengths, *args)
+        def _fused_attention_lse_fake(q, k, v, lengths, *args, symmetric_window=False, want_max_logit=False,
+                                      grid=None):
+            n = _LSE_PARAMS  # the arguments before key_lengths; then symmetric_window, want_max_logit, grid
+            if len(args) > n + 1:  # given by position (symmetric_window does not change a shape)
+                want_max_logit = args[n + 1]
+            if len(args) > n + 2:
+                grid = args[n + 2]
+            out, feats = _fused_attention_fake(q, k, v, lengths, *args[:n], grid=grid)
             B, H, L, _ = q.shape
             lse = q.new_empty((B, H, L), dtype=torch.float32)
             if not _LSE_MAX_LOGIT:  # an extension built before the max logit: three outputs

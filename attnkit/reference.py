@@ -34,6 +34,14 @@ Semantics (docs/features.md, docs/interventions.md):
     the n rows like the others (the 21 buckets plus `sink` sum to 1). Norm weighting gives the sink weight 0
     (it adds no value vector, so its ‖f‖ is 0).
 
+  * Images (docs/features.md, "Image heads"): `grid` (B×L×2 integers) gives each token's (row, column) on the
+    image's patch grid, (−1, −1) for a token that is no patch ([CLS], a distillation token, registers). With
+    features wanted, one more feature comes last (after `sink`): `mean_attention_distance`, for each patch row s
+    Σ_t w[s, t]·‖grid(s) − grid(t)‖ over the patch keys t (mass on keys that are no patch adds nothing: it is not
+    renormalised away), averaged over the sample's valid patch rows (0 for a sample with none). Without features
+    `grid` is not read. A grid is one sequence's tokens on one image: with cross-attention (`key_lengths`, two
+    sequences) it is refused by name.
+
   * Norm weighting (docs/features.md, "Norm-weighted features"): with a key scale g (B×H×L, ≥ 0) the
     features describe w'[s, t] = w[s, t]·g[t] / Σ_u w[s, u]·g[u] instead of the final weights w (a row
     whose Σ is 0 stays 0); the output is unchanged.
@@ -66,10 +74,11 @@ symmetric_window a bool, true only with a sliding_window; softcap a finite numbe
 integers in [1, L]; token_class B×L codes OTHER..PERIOD (0..4) at valid positions when features are wanted;
 sentence_id B×L integers, compared as integers (any int32 value); mode H codes KEEP/ZERO/UNIFORM (0..2); region
 H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats; key_scale B×H×L floats, finite and >= 0 at valid keys
-(checked here; the compiled kernels trust it); num_windows from 1 to 1024 (MAX_NUM_WINDOWS); scaling a finite
-number (inf or NaN is refused). Cross-attention: key_lengths B integers in [1, Lk] (then lengths in [1, Lq],
-token_class B×Lq), key_class B×Lk codes 0..4 at valid keys, no sentence_id, region, causal, sliding_window or
-symmetric_window (a window over another sequence is undefined); bias (1 or B)×H×Lq×Lk floats.
+(checked here; the compiled kernels trust it); grid B×L×2 integers, (row, col) >= 0 or (−1, −1) at valid positions
+when features are wanted; num_windows from 1 to 1024 (MAX_NUM_WINDOWS); scaling a finite number (inf or NaN is
+refused). Cross-attention: key_lengths B integers in [1, Lk] (then lengths in [1, Lq], token_class B×Lq), key_class
+B×Lk codes 0..4 at valid keys, no sentence_id, region, causal, sliding_window, symmetric_window (a window over another
+sequence is undefined) or grid; bias (1 or B)×H×Lq×Lk floats.
 
 Numerics policy (NaN propagates, as in torch.softmax and scaled_dot_product_attention): a query row
 whose softmax is undefined — a NaN score among the keys it sees, a +inf score, or every score −inf (with
@@ -117,8 +126,9 @@ class AttentionParams:
     token_class, sentence_id: B×L (None: all OTHER / one sentence); scaling (None: D^-1/2); num_windows; mode,
     region: H codes; renormalize; gates: H floats; want_features; key_scale: B×H×L (norm weighting); the decoder
     arguments kv_head, causal, sliding_window, softcap, sink; cross-attention's key_lengths (B) and key_class (B×Lk),
-    and an additive bias ((1 or B)×H×Lq×Lk); symmetric_window (module docstring). `fused_attention_lse` takes the
-    fields before key_lengths, then symmetric_window (cross-attention and a bias never run on it)."""
+    and an additive bias ((1 or B)×H×Lq×Lk); symmetric_window; grid: B×L×2, an image's patch grid (module
+    docstring). `fused_attention_lse` takes the fields before key_lengths, then symmetric_window, want_max_logit and
+    grid (cross-attention and a bias never run on it)."""
 
     token_class: torch.Tensor | None = None
     sentence_id: torch.Tensor | None = None
@@ -139,6 +149,7 @@ class AttentionParams:
     key_class: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     symmetric_window: bool = False
+    grid: torch.Tensor | None = None
 
     @property
     def cross(self) -> bool:
@@ -155,7 +166,7 @@ class AttentionParams:
         return (self.token_class, self.sentence_id, float(self.scaling), int(self.num_windows), self.mode,
                 self.region, bool(self.renormalize), self.gates, bool(self.want_features), self.key_scale,
                 self.kv_head, bool(self.causal), self.sliding_window, self.softcap, self.sink, self.key_lengths,
-                self.key_class, self.bias, bool(self.symmetric_window))
+                self.key_class, self.bias, bool(self.symmetric_window), self.grid)
 
     def tensors(self) -> tuple:
         """The tensor arguments (None where not given), in field order: what autograd saves."""
@@ -217,6 +228,9 @@ class AttentionParams:
                 raise AttnkitError(f"cross-attention (key_lengths given) takes no {refused[0]}: its rows see every "
                                    "key of the other sequence, and sentences (regions) are not defined across two "
                                    "sequences")
+            if self.grid is not None:
+                raise AttnkitError("cross-attention (key_lengths given) takes no grid: a grid places the tokens of "
+                                   "one sequence on an image's patches (docs/features.md, \"Image heads\")")
         elif self.key_class is not None:
             raise AttnkitError("key_class is the keys' token classes of cross-attention: give key_lengths too")
         bias = self.bias
@@ -259,6 +273,8 @@ class AttentionParams:
             _int_tensor(self.sentence_id, "sentence_id", (B, L))
         if self.token_class is not None:
             _int_tensor(self.token_class, "token_class", (B, Lq if self.cross else L))
+        if self.grid is not None:
+            _int_tensor(self.grid, "grid", (B, L, 2))
         if self.gates is not None and tuple(self.gates.shape) != (H,):
             raise AttnkitError(f"gates must have shape [{H}], got {list(self.gates.shape)}")
         key_scale = self.key_scale
@@ -298,6 +314,14 @@ class AttentionParams:
                 bad_cls = valid & ((classes < OTHER) | (classes > PERIOD))
                 _require(~bad_cls.any(), lambda: f"{name} codes must be 0..4 at valid positions, got "  # noqa: B023
                                                  f"{classes[bad_cls][0].item()} at {_first_bad(bad_cls)}")  # noqa: B023
+        if self.grid is not None and self.want_features:
+            grid = self.grid
+            valid = _key_mask(lengths.to(grid.device).long(), L)
+            r, c = grid[..., 0], grid[..., 1]
+            bad_pos = valid & ~(((r == -1) & (c == -1)) | ((r >= 0) & (c >= 0)))
+            _require(~bad_pos.any(), lambda: f"grid positions must be (row, col) >= 0 for a patch or (-1, -1) for "
+                                             f"another token, got {grid[bad_pos][0].tolist()} at "
+                                             f"{_first_bad(bad_pos)}")
         if key_scale is not None and self.want_features:
             valid = _key_mask(key_lengths.to(key_scale.device).long(), L)[:, None, :]
             bad = valid & ~(torch.isfinite(key_scale) & (key_scale >= 0))
@@ -312,7 +336,7 @@ def _check_lengths(lengths: torch.Tensor, name: str, top: int, top_name: str) ->
 
 
 TENSOR_ARGUMENTS = ("token_class", "sentence_id", "mode", "region", "gates", "key_scale", "kv_head", "sink",
-                    "key_lengths", "key_class", "bias")
+                    "key_lengths", "key_class", "bias", "grid")
 DECODER_ARGUMENTS = ("kv_head", "causal", "sliding_window", "softcap", "sink", "symmetric_window")
 # what `attention_weights` takes besides the interventions: the decoder arguments, cross-attention's key lengths and
 # the additive bias
@@ -536,12 +560,14 @@ def row_features(
     sentence_id: torch.Tensor | None,
     num_windows: int,
     sink_weights: torch.Tensor | None = None,
+    grid: torch.Tensor | None = None,
     *,
     key_lengths: torch.Tensor | None = None,
     key_class: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-(sample, head) feature vectors B×H×F (fp32) from final B×H×Lq×L weights; with `sink_weights`
-    (B×H×Lq, each row's sink mass) one more feature, `sink`, comes last (its mean over the rows).
+    (B×H×Lq, each row's sink mass) one more feature, `sink`, comes next (its mean over the rows); with `grid`
+    (B×L×2, an image's patch grid) `mean_attention_distance` comes last (`mean_attention_distance`).
 
     Query row i is key position s = L − Lq + i (`query_positions`); it is valid when s < n. Each valid row's
     features are defined as in a full forward, with n = the sample's length over the keys; the result is their
@@ -594,12 +620,31 @@ def row_features(
         sw = sink_weights.float()
         parts.append((torch.where(valid_rows[:, None, :], sw, 0.0).sum(-1) / n[..., 0])[..., None])
         nan_rows = nan_rows | sw.isnan()
+    if grid is not None:
+        parts.append(mean_attention_distance(w, lengths, grid)[..., None])
     out = torch.cat(parts, dim=-1)
     # NaN policy: a valid row with NaN weights makes every feature of its (sample, head) NaN
     nan_row = (nan_rows & valid_rows[:, None, :]).any(-1, keepdim=True)  # B×H×1
     out = torch.where(nan_row, float("nan"), out)
-    assert out.shape[-1] == num_features(num_windows, sink=sink_weights is not None)
+    assert out.shape[-1] == num_features(num_windows, sink=sink_weights is not None, grid=grid is not None)
     return out
+
+
+def mean_attention_distance(weights: torch.Tensor, lengths: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """B×H fp32: each head's mean attention distance in patch units (docs/features.md, "Image heads"): for each
+    valid patch row s (at key position L − Lq + s), Σ_t w[s, t]·‖grid(s) − grid(t)‖ over the patch keys t < n,
+    averaged over the sample's valid patch rows (0 when it has none). `weights` B×H×Lq×L, `grid` B×L×2 (row,
+    col; −1 off the grid)."""
+    B, H, Lq, L = weights.shape
+    valid = _key_mask(lengths, L)
+    pos = grid.to(weights.device).float()
+    patch = (grid[..., 0] >= 0).to(weights.device) & valid  # B×L
+    d = (pos[:, L - Lq:, None, :] - pos[:, None, :, :]).square().sum(-1).sqrt()  # B×Lq×L
+    d = torch.where(patch[:, None, :], d, 0.0)
+    per_row = (torch.where(patch[:, None, None, :], weights.float(), 0.0) * d[:, None]).sum(-1)  # B×H×Lq
+    rows = patch[:, L - Lq:]  # B×Lq: the valid patch rows
+    count = rows.sum(-1).clamp(min=1).float().view(B, 1)
+    return torch.where(rows[:, None, :], per_row, 0.0).sum(-1) / count
 
 
 @takes_params
@@ -612,7 +657,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengt
     any L with `key_lengths`: cross-attention). lengths: B (int, over the keys; cross-attention: over the queries).
     The other arguments are those of AttentionParams, by keyword.
     Returns (out B×Lq×H×D in q's dtype, features B×H×F fp32 — F = num_features(num_windows, sink=sink is not
-    None) — or B×H×0 when not wanted).
+    None, grid=grid is not None) — or B×H×0 when not wanted).
     """
     return params_attention(q, k, v, lengths, AttentionParams(token_class, sentence_id, **params))
 
@@ -649,7 +694,7 @@ def params_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
             if sw is not None:  # the sink adds no value vector: weight 0 under norm weighting (NaN stays NaN)
                 sw = sw * 0.0
         cross = {"key_lengths": key_lengths, "key_class": p.key_class} if p.cross else {}
-        feats = row_features(fw, lengths, token_class, p.sentence_id, p.num_windows, sw, **cross)
+        feats = row_features(fw, lengths, token_class, p.sentence_id, p.num_windows, sw, p.grid, **cross)
     else:
         feats = q.new_zeros((B, H, 0), dtype=torch.float32)
     return out, feats
@@ -709,6 +754,7 @@ __all__ = [
     "resolve_kv_head",
     "intervene_weights",
     "row_features",
+    "mean_attention_distance",
     "bucket_index",
     "KEEP",
     "SEP",

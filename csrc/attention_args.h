@@ -31,6 +31,7 @@ struct FusedAttentionArgs {
   // cross-attention (attnkit::fused_attention only; defaults: none): the keys' lengths and token classes; the bias
   std::optional<at::Tensor> key_lengths, key_class, bias;
   bool symmetric_window = false;  // the window also limits the keys after each row: |s − t| < W (bidirectional)
+  std::optional<at::Tensor> grid;  // int32 B×L×2: each token's (row, col) on an image's patch grid, −1 off it
   bool want_max_logit = false;  // attnkit::fused_attention_lse only
 };
 
@@ -57,6 +58,7 @@ inline FusedAttentionArgs pop_fused_attention_args(const c10::OperatorHandle& op
   read("causal", a.causal), read("sliding_window", a.sliding_window), read("softcap", a.softcap);
   read("sink", a.sink), read("symmetric_window", a.symmetric_window), read("want_max_logit", a.want_max_logit);
   read("key_lengths", a.key_lengths), read("key_class", a.key_class), read("bias", a.bias);
+  read("grid", a.grid);
   torch::jit::drop(*stack, n);
   return a;
 }

@@ -33,15 +33,20 @@ TORCH_LIBRARY(attnkit, m) {
   //   of ModernBERT's local layers (CPU kernel only: CUDA refuses it, attnkit/ops.py sends it to the reference
   //   there; refused with key_lengths: a window over another sequence is undefined). fused_attention_lse takes it
   //   after sink (it takes no cross-attention arguments), before want_max_logit.
+  // Vision models (docs/features.md, "Image heads"), appended after symmetric_window: grid: int32[B, L, 2], each token's
+  //   (row, col) on the image's patch grid, (−1, −1) for a token that is no patch ([CLS], registers); read only with
+  //   want_features (the CPU kernel; CUDA calls with it run on the reference, attnkit/ops.py). A grid places the
+  //   tokens of one sequence on one image, so it is refused together with key_lengths (cross-attention).
   // Returns out: B×L×H×D (q's dtype) and features: fp32 B×H×F (F = kNumFeatures(num_windows),
-  // csrc/feature_slots.h, plus one — `sink`, last — when sink is given), or B×H×0 when want_features is false.
+  // csrc/feature_slots.h, plus one — `sink` — when sink is given, then one — `mean_attention_distance`, last —
+  // when grid is given), or B×H×0 when want_features is false.
   m.def(
       "fused_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
       "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, "
-      "Tensor? key_lengths=None, Tensor? key_class=None, Tensor? bias=None, bool symmetric_window=False) "
-      "-> (Tensor, Tensor)");
+      "Tensor? key_lengths=None, Tensor? key_class=None, Tensor? bias=None, bool symmetric_window=False, "
+      "Tensor? grid=None) -> (Tensor, Tensor)");
   // The same op, also returning lse: fp32 B×H×L, per row the natural-log log-sum-exp of the scores it sees
   // (scaling·q·k, soft-capped when asked; the sink logit included), i.e. log of the denominator the output is
   // divided by (with renormalize: over the kept keys and the sink), as ATen's
@@ -52,13 +57,15 @@ TORCH_LIBRARY(attnkit, m) {
   // attnkit.reference.max_logits: the largest scaling·q·k over the valid rows s < n and the keys each sees, before any
   // soft-cap; the sink is no key; NaN propagates), measured by the kernel while it runs (no second q·kᵀ pass); else
   // B×0. CPU only (csrc/cpu/fused_attention.cpp); the training path's backward reads lse, attnkit.track and
-  // extraction's max logit read max_logit (issue 36).
+  // extraction's max logit read max_logit (issue 36). grid (as fused_attention's) comes after want_max_logit, so
+  // that callers passing want_max_logit by position keep working.
   m.def(
       "fused_attention_lse(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
       "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, "
-      "bool symmetric_window=False, bool want_max_logit=False) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool symmetric_window=False, bool want_max_logit=False, Tensor? grid=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   // True: the CPU kernel takes fewer queries than keys (q B×H×Lq×D, k/v B×Hkv×L×D, Lq <= L: a KV-cache step, the
   // queries are the last Lq key positions; attnkit/reference.py, "Fewer queries than keys"). attnkit/ops.py then
   // sends such calls on CPU to fused_attention instead of the reference.

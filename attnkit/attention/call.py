@@ -3,10 +3,12 @@ keyword arguments) read once into a frozen `AttentionCall` that every later step
 left padding moved to the front), the op's decoder arguments, a pruned layer's kept heads, whether maps are asked
 for, whether it is a KV-cache step.
 
-What it reads is self-attention over one sequence with 1-D positions. Other inputs (2-D positions of vision models,
-queries and keys from two sequences in cross-attention) would be other readers that give an AttentionCall, not
-branches of the steps after it: cross-attention's is attnkit/attention/cross.py. Both read T5's additive
-`position_bias` (`read_bias`).
+What it reads is self-attention over one sequence. What each token is (`tokens`) comes from a reader of its own
+(attnkit/attention/positions.py): a text's tokens, or a vision transformer's [CLS], extra tokens and patches with
+their 2-D positions on the image's grid, which the plan hands to the op as they are (no branch of the steps after
+it). Other inputs (queries and keys from two sequences in cross-attention) are other readers that give an
+AttentionCall, not branches of the steps after it: cross-attention's is attnkit/attention/cross.py. Both read T5's
+additive `position_bias` (`read_bias`).
 
 Decoder language models (docs/decoders.md): what transformers passes decides the op's decoder arguments
 (`decoder_arguments`: the module's `is_causal`, K/V with fewer heads than Q, the `sliding_window`, `softcap` and
@@ -25,6 +27,7 @@ from ..errors import AttnkitError
 from .context import BatchInfo, Forward
 from .kinds import KIND_ATTR, layer_of, side_of
 from .layout import padding_of, rolled, unshift
+from .positions import TEXT, read_tokens
 from .runtime import RUNTIME_ATTR, Runtime, note_caller, recording
 from .shared import check_not_shared
 
@@ -37,7 +40,7 @@ class AttentionCall:
     intervention and sentence ids given: attnkit/attention/context.py); `info` the batch of attnkit's own forwards
     (None in a plain forward); `kept` a pruned layer's heads (attnkit/arch/pruning.py); `dec` the op's decoder
     arguments ({} for an encoder); `bias` an additive bias B×H×L×Lk in the op's frame (T5's position_bias; None:
-    none)."""
+    none); `tokens` what each token is (attnkit/attention/positions.py)."""
 
     module: object
     rt: Runtime | None
@@ -55,6 +58,9 @@ class AttentionCall:
     lengths: torch.Tensor
     offsets: torch.Tensor | None
     bias: torch.Tensor | None = None
+    # what each token is in a forward without attnkit's batch: classes and, for an image, grid positions
+    # (attnkit/attention/positions.py: `token_class(B, L, device)`, `grid(B, L, device)`, None for a text)
+    tokens: object = TEXT
 
     @property
     def layer(self):
@@ -184,7 +190,7 @@ def read_call(module, query, key, value, attention_mask, scaling, dropout, kwarg
                            "generate without left padding in the decoder")
     bias = read_bias(kwargs.get("position_bias"), B, offsets, offsets, Lk)
     return AttentionCall(module, rt, forward, query, key, value, attention_mask, scaling, dropout, want_maps, kept,
-                         dec, info, lengths, offsets, bias)
+                         dec, info, lengths, offsets, bias, read_tokens(rt, forward))
 
 
 def check_kind_known(module) -> None:

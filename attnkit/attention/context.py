@@ -38,6 +38,7 @@ class ModelInputs:
     output_attentions: bool = False
     # an encoder–decoder's `decoder_attention_mask`: the layout of cross-attention's queries (docs/seq2seq.md)
     decoder_mask: torch.Tensor | None = None
+    image_size: tuple | None = None  # a vision model's forward: (height, width) of its pixel_values
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from .call import AttentionCall, decoder_arguments, read_bias
 from .context import BatchInfo, Forward
 from .kinds import layer_of, side_of
 from .layout import first_token_classes, padding_of, rolled, unshift
+from .positions import TEXT
 from .runtime import RUNTIME_ATTR, Runtime, note_caller
 
 
@@ -108,8 +109,10 @@ def read_cross_call(module, query, key, value, attention_mask, scaling, dropout,
     if key_offsets is not None:
         key, value = (rolled(t, key_offsets, 2) for t in (key, value))
     bias = read_bias(kwargs.get("position_bias"), B, offsets, key_offsets)
+    # the queries are a text's (a decoder's target: the first token CLS), never an image's: a grid is refused with
+    # cross-attention (attnkit/reference.py)
     return CrossAttentionCall(module, rt, forward, query, key, value, attention_mask, scaling, dropout, want_maps, kept,
-                              dec, info, lengths, offsets, bias, key_lengths, key_offsets, key_info)
+                              dec, info, lengths, offsets, bias, TEXT, key_lengths, key_offsets, key_info)
 
 
 def query_layout(forward: Forward, B: int, Lq: int, device) -> tuple:

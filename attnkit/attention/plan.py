@@ -13,7 +13,6 @@ from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS
 from .call import AttentionCall, kv_index, per_query_head
 from .kinds import DECODER, kind_of
-from .layout import first_token_classes
 from .runtime import LayerPart, kept_part
 from .sentences import check_sentences_shape, forward_sentence_ids
 
@@ -32,6 +31,7 @@ class Plan:
     num_windows: int = DEFAULT_NUM_WINDOWS
     consumers: tuple = ()
     key_class: torch.Tensor | None = None  # cross-attention: the keys' token classes, int32 B×Lk
+    grid: torch.Tensor | None = None  # int32 B×L×2: an image's patch grid (attnkit/attention/positions.py)
 
 
 def plan_call(call: AttentionCall) -> Plan:
@@ -49,12 +49,13 @@ def plan_call(call: AttentionCall) -> Plan:
     want_max_logit = call.H > 0 and any(w.max_logit for _, w in taking)
     if call.info is not None:
         token_class = call.info.token_class
-    else:  # features without attnkit's batch (attnkit.track): the first token is CLS
-        token_class = first_token_classes(call.B, call.L, call.device) if want_features else None
+    else:  # features without attnkit's batch (attnkit.track): the classes the reader found (attention/positions.py)
+        token_class = call.tokens.token_class(call.B, call.L, call.device) if want_features else None
+    grid = call.tokens.grid(call.B, call.L, call.device) if want_features else None
     projection = next((w.out_proj for _, w in taking if w.out_proj is not None), None)
     return Plan(kept_parts(call, parts), token_class, sentence_id, key_scale(call, projection), want_features,
                 want_max_logit, rt.backend, rt.num_windows, tuple(c for c, _ in taking),
-                call.key_classes(want_features))
+                call.key_classes(want_features), grid)
 
 
 def intervention_parts(call: AttentionCall) -> tuple[list, torch.Tensor | None]:

@@ -15,7 +15,6 @@ from ..ops import attention
 from ..reference import attention_weights
 from .call import AttentionCall, kv_index, per_query_head
 from .consumers.base import Result
-from .layout import first_token_classes
 from .plan import Plan
 from .runtime import LayerPart
 
@@ -37,8 +36,8 @@ def run_part(call: AttentionCall, plan: Plan, p: LayerPart, rows: slice) -> tupl
     q, k, v, L, H = call.query, call.key, call.value, call.L, call.H
     if H == 0:  # a layer whose heads were all pruned: nothing to attend with (no max logit is wanted)
         n = q[rows].shape[0]
-        return q.new_zeros(n, L, 0, call.D), q.new_zeros((n, 0, num_features(plan.num_windows, "sink" in call.dec)),
-                                                          dtype=torch.float32)
+        width = num_features(plan.num_windows, "sink" in call.dec, grid=plan.grid is not None)
+        return q.new_zeros(n, L, 0, call.D), q.new_zeros((n, 0, width), dtype=torch.float32)
     if call.grouped_by_length:  # no features (attnkit's own batches are refused by the reader)
         out = q.new_zeros(q[rows].shape[0], L, H, call.D)
         for where, idx, n, r in call.length_groups(rows):  # (no bias: refused by the reader)
@@ -54,7 +53,8 @@ def run_part(call: AttentionCall, plan: Plan, p: LayerPart, rows: slice) -> tupl
         scaling=call.scaling, num_windows=plan.num_windows, mode=p.mode, region=p.region,
         renormalize=p.renormalize, gates=p.gates, want_features=plan.want_features,
         key_scale=None if plan.key_scale is None else plan.key_scale[rows], backend=plan.backend,
-        want_max_logit=plan.want_max_logit, **call.dec, **call.sample_args(rows, plan.key_class),
+        want_max_logit=plan.want_max_logit, grid=None if plan.grid is None else plan.grid[rows], **call.dec,
+        **call.sample_args(rows, plan.key_class),
     )
 
 
@@ -77,11 +77,13 @@ def run_training(call: AttentionCall) -> tuple:
     rt = call.rt
     taking = [(c, w) for c in rt.consumers if c.in_training and (w := c.wants(call)) is not None] if rt else []
     if taking:
-        classes = first_token_classes(call.B, call.L, call.device) if call.info is None else call.info.token_class
+        B, L = call.B, call.L
+        classes = call.tokens.token_class(B, L, call.device) if call.info is None else call.info.token_class
         with torch.no_grad():
             _, feats, *ml = attention(call.query, call.key, call.value, call.lengths, classes, None,
                                       scaling=call.scaling, num_windows=rt.num_windows, want_features=True,
-                                      backend=rt.backend, want_max_logit=any(w.max_logit for _, w in taking),
+                                      grid=call.tokens.grid(B, L, call.device), backend=rt.backend,
+                                      want_max_logit=any(w.max_logit for _, w in taking),
                                       **call.dec, **call.sample_args(slice(None), call.key_classes(True)))
         for c, _ in taking:
             c.after(call, Result(None, feats, ml[0] if ml else None))

@@ -71,6 +71,9 @@ class Runtime(ReadsGiven):
     separator_ids: tuple[int, ...] = ()  # sep/eos token ids, to find segments in input_ids
     sink: bool = False  # the model has a learned sink logit per head: its features end with `sink`
     segment_types: bool = True  # whether token_type_ids mark segments (the model has > 1 type)
+    # a vision transformer's ImageLayout (attnkit/attention/positions.py): a setting of the model, read from its
+    # config at attnkit.instrument; the size of one forward's image is that forward's (ModelInputs.image_size)
+    image: object | None = None
     forwards: list = field(default_factory=list)  # the Forward of each forward under way (nested calls), innermost last
 
     def give(self, **changes) -> None:

@@ -390,6 +390,9 @@ def fused_attention(q, k, v, lengths, *args, block_m: int | None = None, block_n
     if p.cross or p.bias is not None:
         raise AttnkitError("the Triton kernel takes neither cross-attention (key_lengths) nor a bias: "
                            "attnkit.ops.attention runs those on the reference (docs/cuda.md)")
+    if p.grid is not None and p.want_features:
+        raise AttnkitError("the Triton kernel does not measure an image's patch grid (grid): attnkit.ops.attention "
+                           "runs such calls on the reference (docs/cuda.md)")
     if q.dtype not in _DTYPES:
         raise AttnkitError(f"the Triton kernel takes float16 or bfloat16 inputs, got {q.dtype}")
     B, H, L, D = q.shape

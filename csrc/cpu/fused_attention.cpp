@@ -155,6 +155,7 @@ const CapabilityBuild& current_build() {
 struct SampleInfo {
   int64_t n;
   int64_t n_cls_rows = 0;
+  int64_t n_patch_rows = 0;  // the patch rows among the query rows (a grid given)
 };
 
 void check_opt(const c10::optional<at::Tensor>& t, const char* name, at::ScalarType dt,
@@ -213,6 +214,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
                            !a.sliding_window.has_value()),
                 "fused_attention: cross-attention (key_lengths given) takes no sentence_id, region, causal or "
                 "sliding_window");
+  // a grid places the tokens of one sequence on one image's patches; cross-attention's queries and keys are two
+  // sequences, so the two are not taken together (docs/features.md, "Image heads")
+  ATTNKIT_CHECK(!cross || !a.grid.has_value(),
+                "fused_attention: grid is not taken with key_lengths (cross-attention): a grid places the tokens of "
+                "one sequence on an image");
   const int64_t Hkv = a.k.size(1);
   const auto dt = a.q.scalar_type();
   ATTNKIT_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
@@ -238,6 +244,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   check_opt(a.key_scale, "key_scale", at::kFloat, {B, H, L}, "[B, H, L]");
   check_opt(a.kv_head, "kv_head", at::kInt, {H}, "[H]");
   check_opt(a.sink, "sink", at::kFloat, {H}, "[H]");
+  check_opt(a.grid, "grid", at::kInt, {B, L, 2}, "[B, L, 2]");
   ATTNKIT_CHECK(!a.sliding_window.has_value() || *a.sliding_window >= 1,
                 "fused_attention: sliding_window must be an integer >= 1, got ", a.sliding_window.value_or(0));
   ATTNKIT_CHECK(!a.symmetric_window || a.sliding_window.has_value(),
@@ -299,7 +306,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   }
   const int64_t N = a.num_windows;
   const int64_t F0 = kNumFeatures(int(N));
-  const int64_t F = F0 + (a.sink ? 1 : 0);  // with a sink: the feature `sink` comes last
+  const bool want_grid = a.want_features && a.grid.has_value();
+  // with a sink the feature `sink` comes after them, with a grid `mean_attention_distance` last
+  const int64_t F = F0 + (a.sink ? 1 : 0) + (want_grid ? 1 : 0);
   at::Tensor key_scale;
   if (a.want_features && a.key_scale) key_scale = a.key_scale->contiguous();
   at::Tensor tc, sid, qc;  // tc: the keys' token classes; qc: cross-attention's queries' (the CLS rows)
@@ -331,6 +340,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   const int64_t WL = std::max(L, Lq);
   std::vector<int32_t> win_of(a.want_features ? B * WL : 0);
   std::vector<int64_t> win_lo(a.want_features ? B * (N + 1) : 0);
+  // an image's patch grid as floats for the tasks' vectorised distances (grid_row, grid_col, grid_mask)
+  std::vector<float> grid_row(want_grid ? B * L : 0, 0.f), grid_col(grid_row.size(), 0.f),
+      grid_mask(grid_row.size(), 0.f);
+  at::Tensor grid;
+  if (want_grid) grid = a.grid->contiguous();
   for (int64_t b = 0; b < B; ++b) {
     auto& si = info[b];
     si.n = nlen[b] = len[b];
@@ -379,6 +393,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       }
     }
     special_at[b + 1] = static_cast<int64_t>(special_pos.size());
+    if (want_grid) {
+      const int32_t* gp = grid.data_ptr<int32_t>() + b * L * 2;
+      for (int64_t t = 0; t < si.n; ++t) {
+        const int32_t r = gp[2 * t], c = gp[2 * t + 1];
+        ATTNKIT_CHECK((r == -1 && c == -1) || (r >= 0 && c >= 0), "fused_attention: grid positions must be "
+                      "(row, col) >= 0 for a patch or (-1, -1) for another token, got (", r, ", ", c, ") at [", b,
+                      ", ", t, "]");
+        if (r < 0) continue;
+        grid_row[b * L + t] = static_cast<float>(r), grid_col[b * L + t] = static_cast<float>(c);
+        grid_mask[b * L + t] = 1.f;
+        if (t >= off) si.n_patch_rows++;
+      }
+    }
     if (a.want_features) {
       const int64_t n = n_keys;
       for (int64_t d = 0; d < (cross ? WL : n); ++d)
@@ -449,6 +476,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.other_mask = p.token_class != nullptr ? other_mask.data() : nullptr;
   p.win_of = a.want_features ? win_of.data() : nullptr;
   p.win_lo = a.want_features ? win_lo.data() : nullptr;
+  p.grid_row = want_grid ? grid_row.data() : nullptr;
+  p.grid_col = want_grid ? grid_col.data() : nullptr;
+  p.grid_mask = want_grid ? grid_mask.data() : nullptr;
   p.key_scale = key_scale.defined() ? key_scale.data_ptr<float>() : nullptr;
   p.log_key_scale = key_scale.defined() ? log_key_scale.data_ptr<float>() : nullptr;
   p.scaling = a.scaling, p.renormalize = a.renormalize, p.want_features = a.want_features, p.causal = a.causal;
@@ -489,6 +519,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
       // the mean over the valid query rows s in [off, n) (all n rows when Lq == L); none: features 0
       const double inv_n = 1.0 / static_cast<double>(std::max<int64_t>(1, std::min(info[b].n - off, Lq)));
       const double inv_cls = 1.0 / static_cast<double>(std::max<int64_t>(info[b].n_cls_rows, 1));
+      const double inv_patch = 1.0 / static_cast<double>(std::max<int64_t>(info[b].n_patch_rows, 1));
       for (int64_t h = 0; h < H; ++h) {
         float* dst = fp + (b * H + h) * F;
         const double* part = partial.data() + (b * H + h) * n_qblk * FA;
@@ -499,7 +530,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
         };
         for (int64_t f = 0; f < F0 - 1; ++f) dst[f] = static_cast<float>(total(f) * inv_n);
         dst[F0 - 1] = static_cast<float>(total(F0) * inv_cls);
-        if (F > F0) dst[F0] = static_cast<float>(total(F0 + 1) * inv_n);
+        if (a.sink) dst[F0] = static_cast<float>(total(F0 + 1) * inv_n);
+        if (want_grid) dst[F - 1] = static_cast<float>(total(F0 + 2) * inv_patch);
       }
     }
   }

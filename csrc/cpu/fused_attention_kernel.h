@@ -62,6 +62,9 @@ struct FusedCpuParams {
   // [0, WL), n its keys), and window j holds the distances [win_lo[b·(N+1) + j], win_lo[b·(N+1) + j + 1])
   const int32_t* win_of;
   const int64_t* win_lo;
+  // an image's patch grid (docs/features.md, "Image heads"), B×L each: key t's row and column (0 off the grid)
+  // and grid_mask 1 where t is a patch and t < n, else 0; nullptr when no grid is given
+  const float *grid_row, *grid_col, *grid_mask;
   const float* key_scale;  // B×H×L or nullptr (norm weighting of the features)
   const float* log_key_scale;  // ln g (0 where g = 0), B×H×L, with key_scale
   double scaling;
@@ -86,7 +89,7 @@ struct FusedCpuParams {
 constexpr int64_t kSmallProducts = int64_t(1) << 19;
 
 // The per-row online state of the tasks (floats): see fused_attention_rows.h.
-constexpr int64_t kRowStateSlots(int64_t num_windows) { return 16 + num_windows; }
+constexpr int64_t kRowStateSlots(int64_t num_windows) { return 17 + num_windows; }
 
 // Per-thread scratch, fixed in size (independent of L): S BQ×BK scores, acc BQ×D output accumulator, pc BK
 // feature weights, state BQ × kRowStateSlots(N), diag BQ + BK per-offset window sums (zero between tasks), kt
@@ -95,9 +98,10 @@ struct FusedCpuScratch {
   float *S, *acc, *pc, *state, *diag, *kt;
 };
 
-// The slots of the per-task feature sums (FA = F0 + 2 doubles, F0 = kNumFeatures(N)): [0, F0 − 1) the
-// per-row feature sums, [F0 − 1] unused, [F0] the CLS rows' entropy sum, [F0 + 1] the sink mass sum.
-constexpr int64_t kPartialSlots(int64_t f0) { return f0 + 2; }
+// The slots of the per-task feature sums (FA = F0 + 3 doubles, F0 = kNumFeatures(N)): [0, F0 − 1) the
+// per-row feature sums, [F0 − 1] unused, [F0] the CLS rows' entropy sum, [F0 + 1] the sink mass sum, [F0 + 2] the
+// patch rows' attention distance sum.
+constexpr int64_t kPartialSlots(int64_t f0) { return f0 + 3; }
 
 using FusedTasksFn = void (*)(const FusedCpuParams&, int64_t begin, int64_t end, const FusedCpuScratch&);
 

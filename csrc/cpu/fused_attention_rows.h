@@ -49,11 +49,12 @@ constexpr int kAll = kRegionAll, kNoIntra = kRegionNoIntra, kNoInter = kRegionNo
 //   Zf: Σw, w the feature weights (e kept, times g under a key scale); A: Σ w·(s − m + ln g);
 //   Mx: max w; I: Σ w over the row's own sentence; self, prev, next; cls[4]; bad: the row's softmax is
 //   undefined (a NaN or +inf score, a NaN sink); ML (slot sPad): the largest score the row saw, before any
-//   soft-cap (its max logit, docs/features.md §9); win[N].
+//   soft-cap (its max logit, docs/features.md §9); Dist: Σ w·‖grid(s) − grid(t)‖ over the patch keys (a patch row
+//   of an image, docs/features.md "Image heads"); win[N].
 enum : int64_t {
-  sM = 0, sZ, sZk, sZf, sA, sMx, sI, sSelf, sPrev, sNext, sCls0, sCls1, sCls2, sCls3, sBad, sPad, sWin
+  sM = 0, sZ, sZk, sZf, sA, sMx, sI, sSelf, sPrev, sNext, sCls0, sCls1, sCls2, sCls3, sBad, sPad, sDist, sWin
 };
-static_assert(sWin == 16, "kRowStateSlots counts 16 slots before the windows");
+static_assert(sWin == 17, "kRowStateSlots counts 17 slots before the windows");
 
 struct BlockSums {
   float Z, Zk, Zf, A, Mx, I;
@@ -182,6 +183,21 @@ inline void class_sums(const float* w, int64_t k0, const int32_t* pos, const flo
   out[0] += sum(a1), out[1] += sum(a2), out[2] += sum(a3), out[3] += sum(a4);
 }
 
+// Σ w[i]·mask[i]·‖(row[i], col[i]) − (rs, cs)‖ over [0, len): a patch row's attention distance over the patch keys
+// (mask: 1 for a patch key, 0 otherwise; the missing lanes of the tail load as 0 and add 0).
+inline float grid_distance_sum(const float* w, const float* row, const float* col, const float* mask, int64_t len,
+                               float rs, float cs) {
+  const Vec rv(rs), cv(cs);
+  Vec acc(0.f);
+  for (int64_t i = 0; i < len; i += kW) {
+    const int64_t cnt = std::min<int64_t>(kW, len - i);
+    const Vec dr = Vec::loadu(row + i, cnt) - rv, dc = Vec::loadu(col + i, cnt) - cv;
+    const Vec d = at::vec::fmadd(dr, dr, dc * dc).sqrt();
+    acc = at::vec::fmadd(Vec::loadu(w + i, cnt) * Vec::loadu(mask + i, cnt), d, acc);
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+}
+
 // One key block holds every key of the task's rows (L <= BK, the short texts): each row's weights are final after
 // their one block, so the OTHER keys' weights (mask: 1 for OTHER, 0 for a special key; nullptr: all OTHER),
 // normalised (fc), go to diag[t − s], and the task folds diag into the distance windows once (2N range sums per
@@ -202,6 +218,7 @@ void rescale_row(float* st, float* o, int64_t D, int64_t N, float delta) {
   st[sA] = alpha * (st[sA] - delta * st[sZf]);
   for (int64_t j = sZ; j <= sCls3; ++j)
     if (j != sA) st[j] *= alpha;
+  st[sDist] *= alpha;
   scale_inplace(st + sWin, N, alpha);
   scale_inplace(o, D, alpha);
 }
@@ -267,6 +284,10 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     const int32_t* tcls = p.token_class == nullptr ? nullptr : p.token_class + b * L;
     // the class of the row at position s (cross-attention: the queries' own classes)
     const int32_t* qcls = !p.cross ? tcls : p.query_class == nullptr ? nullptr : p.query_class + b * p.Lq;
+    // an image's patch grid (never with cross-attention: fused_attention.cpp refuses grid with key_lengths)
+    const float* g_row = p.grid_row == nullptr ? nullptr : p.grid_row + b * L;
+    const float* g_col = p.grid_col == nullptr ? nullptr : p.grid_col + b * L;
+    const float* g_mask = p.grid_mask == nullptr ? nullptr : p.grid_mask + b * L;
     // the rows' state: base m (the sink logit, uniform 0), every sum 0
     for (int64_t r = 0; r < bq; ++r) {
       float* st = w.state + r * RS;
@@ -347,6 +368,8 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
           const int64_t i0 = std::max<int64_t>(lo, p.sent_lo[b * L + s]), i1 = std::min<int64_t>(hi, p.sent_hi[b * L + s]);
           if (i1 > i0) st[sI] += range_sum(fw + (i0 - k0), i1 - i0);
         }
+        if (g_mask != nullptr && g_mask[s] != 0.f)  // a patch row: its distance to the patch keys it sees
+          st[sDist] += grid_distance_sum(fw + (lo - k0), g_row + lo, g_col + lo, g_mask + lo, len, g_row[s], g_col[s]);
         // distance windows (d = |t − s| ≥ 1): sums of the OTHER keys' weights over each window's keys, left of
         // s then right; the special keys' weights go to their class bucket in the same pass
         float* win = st + sWin;
@@ -459,6 +482,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       a[R + kRowInter] += std::max(0.f, T - intra);
       if (qcls != nullptr && qcls[s] == kClassCls) a[F0] += H_ent;
       a[F0 + 1] += fsink;
+      if (g_mask != nullptr && g_mask[s] != 0.f) a[F0 + 2] += dc * st[sDist];
     }
     if (task_undefined) std::fill(a, a + p.FA, std::numeric_limits<double>::quiet_NaN());
     if (p.max_logit != nullptr) p.max_logit[task] = task_max;
