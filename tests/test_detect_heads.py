@@ -168,3 +168,22 @@ def test_inputs_longer_than_the_model_s_positions_are_refused(tokenizer):  # noq
     with pytest.raises(AttnkitError, match="needle-in-a-haystack inputs take .* the retrieval recipe needs a model"):
         attnkit.detect_heads((model, tokenizer), kinds=["retrieval"], n_sequences=1, haystack=300)
     assert len(attnkit.detect_heads((model, tokenizer), length=128, n_sequences=1)) == 8  # 256 tokens fit
+
+
+def test_the_observer_refuses_a_bidirectional_window_it_would_measure_as_one_sided():
+    """row_stats computes causal and one-sided windows; a layer with symmetric_window (ModernBERT's local layers) is
+    refused by name, not measured as a different attention than the model's."""
+    from attnkit.jobs.detect import _Observer
+
+    obs = _Observer(1, 2, ["previous"])
+    obs.targets = {"previous": torch.zeros(1, 4, dtype=torch.int64)}
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(AttnkitError, match="bidirectional sliding window"):
+        obs(0, q, q, torch.tensor([4]), 8 ** -0.5, causal=False, sliding_window=2, symmetric_window=True)
+    obs(0, q, q, torch.tensor([4]), 8 ** -0.5, causal=True, sliding_window=2)  # a one-sided window is measured
+    s = (q @ q.transpose(-1, -2)) * 8 ** -0.5
+    pos = torch.arange(4)
+    s = s.masked_fill((pos[None] > pos[:, None]) | (pos[:, None] - pos[None] >= 2), float("-inf"))
+    want = torch.softmax(s, -1)[..., 0].sum(-1)[0]  # each head's mass on key 0, summed over the rows
+    np.testing.assert_allclose(obs.scores["previous"].sums[0], want.numpy(), rtol=1e-5)
+    assert (obs.scores["previous"].rows[0] == 4.0).all()

@@ -127,7 +127,10 @@ class _Observer:
     decoder_arguments = True  # takes a decoder's attention arguments (attnkit.hf_attention: observers)
 
     def __call__(self, layer, query, key, lengths, scaling, *, kv_head=None, causal=True, sliding_window=None,
-                 softcap=None, sink=None, **_):
+                 softcap=None, sink=None, symmetric_window=False, **_):
+        if symmetric_window:  # (row_stats computes one-sided windows only; _check_model admits causal models)
+            raise AttnkitError(f"detect-heads: layer {layer} has a bidirectional sliding window (ModernBERT's local "
+                               "layers), which its row statistics do not compute")
         if query.shape[1] == 0:
             return
         with torch.no_grad():
