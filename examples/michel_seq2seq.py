@@ -275,7 +275,7 @@ def prune_each_kind(model, held: Pairs, importance_pairs: Pairs, group: int) -> 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--every", type=int, default=100)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
