@@ -397,7 +397,9 @@ def figure(checkpoints: list[dict], ablations: list[dict], summary: dict, path: 
         deltas = [r["delta_loss"] for r in alone if r["kind"] == kind]
         axes[1].scatter(np.full(len(deltas), i) + np.linspace(-0.2, 0.2, len(deltas)), deltas, s=12)
     axes[1].set_xticks(range(3), [KIND_NAMES[k] for k in KINDS])
+    lowest, highest = min(r["delta_loss"] for r in alone), max(r["delta_loss"] for r in alone)
     axes[1].set_yscale("symlog", linthresh=0.01)
+    axes[1].set_ylim(min(2 * lowest, -1e-3), max(2 * highest, 1e-2))
     axes[1].set_ylabel("Δ held-out loss (nats, symlog)")
     axes[1].set_title("each head masked alone", fontsize=10)
     steps = [c["step"] for c in checkpoints]
