@@ -14,7 +14,7 @@ The training loop is a plain one under `attnkit.track` (every head's entropy ove
 self-attention, the decoder's self-attention and cross-attention alike), normalised per layer. At the end:
 (a) each head masked alone: Δloss and Δaccuracy; (b) iterative pruning by importance of one kind of heads at a
 time (Enc-Enc, Dec-Dec, Enc-Dec: `iterative_pruning(..., among=...)`), accuracy against the share of that kind
-pruned (Michel's Figure 4); (c) the Spearman correlation of each checkpoint's importance with the final one
+pruned (Michel's per-kind pruning); (c) the Spearman correlation of each checkpoint's importance with the final one
 (Michel's "important heads are determined early"). Into runs/michel_seq2seq/ by default (runs/ is left out of
 git): heads.csv (every head at every checkpoint), ablation.csv (the masked-alone and pruning rows), summary.json
 and michel_seq2seq.png.
