@@ -273,6 +273,45 @@ def test_gate_gradients_of_every_kind_equal_eagers(pair):
     assert float(iv.gates.grad[4:].abs().sum()) > 0  # cross-attention heads matter
 
 
+def test_iterative_pruning_of_one_kind_prunes_only_that_kind_by_importance():
+    """Michel et al.'s per-kind pruning curves (examples/michel_seq2seq.py): `among` restricts iterative pruning to
+    the cross-attention heads of an encoder–decoder; each step zeroes the cross head of least importance under the
+    heads pruned so far (checked against head_importance itself), the shares are of the 8 cross heads, and the
+    encoder and decoder heads are never touched."""
+    from attnkit.ablation import head_importance, iterative_pruning
+    from attnkit.features import KEEP
+
+    ours = attnkit.instrument(tiny_seq2seq("marian"))
+    x = inputs("marian", "right")
+    losses = lambda: (ours(**{k: v[i:i + 1] for k, v in x.items()}).logits.logsumexp(-1).mean() for i in range(3))
+    among = np.array([k == "cross" for k, _ in layer_kinds(ours)])[:, None].repeat(H, 1)
+    seen = []
+
+    def evaluate(iv):
+        seen.append(iv.copy())
+        return {"zeroed": int((iv.mode != KEEP).sum())}
+
+    res = iterative_pruning(ours, evaluate, losses, step=0.25, among=among)
+    assert [s["pruned"] for s in res["steps"]] == [0, 2, 4, 6, 8]
+    assert [s["share"] for s in res["steps"]] == [0, 0.25, 0.5, 0.75, 1.0]
+    assert [s["metrics"]["zeroed"] for s in res["steps"]] == [0, 2, 4, 6, 8]
+    assert sorted(res["steps"][-1]["heads"]) == [(l, h) for l in (4, 5) for h in range(H)]
+    assert all((iv.mode[~among] == KEEP).all() for iv in seen)
+    before = attnkit.Intervention.for_model(ours)
+    for s in res["steps"][1:]:  # each step's two heads: the least important cross heads under the mask before it
+        imp = head_importance(ours, losses, before)["importance"]
+        expect = sorted(np.argsort(np.where(among & (before.mode == KEEP), imp, np.inf), axis=None, kind="stable")[:2])
+        new = [lh for lh in s["heads"] if before.mode[lh] == KEEP]
+        assert sorted(int(np.ravel_multi_index(lh, among.shape)) for lh in new) == [int(i) for i in expect]
+        before.set_heads(new, mode="zero")
+    with pytest.raises(AttnkitError, match="boolean array"):
+        iterative_pruning(ours, evaluate, losses, among=among[:2])
+    with pytest.raises(AttnkitError, match="boolean array"):
+        iterative_pruning(ours, evaluate, losses, among=among.astype(int))
+    with pytest.raises(AttnkitError, match="no head to prune"):
+        iterative_pruning(ours, evaluate, losses, among=np.zeros_like(among))
+
+
 def tokens_first(maps, row_mask, key_mask):
     """Eager's maps (B × H × rows × keys) with each sample's tokens moved to the front along rows and keys (left
     padding), as features_from_maps reads them."""

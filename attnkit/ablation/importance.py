@@ -11,7 +11,9 @@ flows to them through the reference attention (the fused op's backward re-runs t
 Iterative pruning: starting from the unpruned model, repeatedly recompute importance under the current
 mask and zero the least important still-active heads until 10%, 20%, ... of all heads are pruned,
 evaluating the task metric at each step. On a model already pruned physically (attnkit/arch/pruning.py) "all
-heads" are the heads it still has: a removed head is never a step of the curve.
+heads" are the heads it still has: a removed head is never a step of the curve. `among` restricts the pruning to
+some heads (Michel et al.'s Enc-Enc, Dec-Dec and Enc-Dec curves of an encoder–decoder, each pruning one kind); the
+shares are then of those heads.
 """
 from __future__ import annotations
 
@@ -64,6 +66,19 @@ def normalize_by_layer(scores: np.ndarray) -> np.ndarray:
     return np.where(norm > 0, scores / np.where(norm > 0, norm, 1.0), 0.0)
 
 
+def kept_head_grid(model, shape: tuple[int, int]) -> np.ndarray:
+    """layers × heads booleans of attnkit's numbering, True where the model still has the head. An encoder–decoder's
+    config counts its encoder's layers only (attnkit numbers encoder, decoder and cross layers: docs/seq2seq.md);
+    physical pruning of encoder–decoders is refused, so every one of its heads is there."""
+    grid = pruned_head_grid(model)
+    if grid.shape == tuple(shape):
+        return grid
+    if not grid.all():
+        raise AttnkitError(f"the model's pruned heads ({grid.shape[0]} layers) do not match attnkit's {shape[0]} "
+                           "layers")
+    return np.ones(shape, dtype=bool)
+
+
 def pruning_schedule(n_heads: int, step: float = 0.1, max_share: float = 1.0) -> list[int]:
     """Cumulative numbers of pruned heads at shares 0, step, 2·step, ... ≤ max_share."""
     if not 0 < step <= 1:
@@ -74,17 +89,26 @@ def pruning_schedule(n_heads: int, step: float = 0.1, max_share: float = 1.0) ->
 
 def iterative_pruning(model, evaluate: Callable[[Intervention], dict], losses: Callable[[], Iterable[torch.Tensor]],
                       *, mode: str = "zero", step: float = 0.1, max_share: float = 1.0,
-                      normalize_layers: bool = True, progress: bool = False) -> dict:
+                      normalize_layers: bool = True, progress: bool = False, among: np.ndarray | None = None) -> dict:
     """Prune heads by increasing importance (recomputed after each step) and evaluate at each share.
 
+    `among`: a layers × heads boolean array, True for the heads that may be pruned (default: every head).
     Returns {"steps": [{"pruned": k, "share": k/N, "metrics": {...}, "heads": [(l, h), ...]}],
-             "importance": the first (unpruned) importance dict}.
+             "importance": the first (unpruned) importance dict}, N the number of heads that may be pruned.
     """
     if mode not in MODES or mode == "keep":
         raise AttnkitError(f"pruning mode must be zero or uniform, got {mode!r}")
     iv = Intervention.for_model(model)
-    has = pruned_head_grid(model)  # False: a head an earlier pruning removed from the model
+    has = kept_head_grid(model, iv.shape)  # False: a head an earlier pruning removed from the model
+    if among is not None:
+        among = np.asarray(among)
+        if among.dtype != bool or among.shape != iv.shape:
+            raise AttnkitError(f"`among` must be a {iv.shape[0]} × {iv.shape[1]} boolean array (layers × heads), got "
+                               f"{among.dtype} of shape {among.shape}")
+        has = has & among
     n_total = int(has.sum())
+    if n_total == 0:
+        raise AttnkitError("no head to prune: `among` selects none of the model's heads")
     schedule = pruning_schedule(n_total, step, max_share)
     bar = None
     if progress:
