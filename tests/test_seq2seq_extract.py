@@ -281,3 +281,20 @@ def test_positions_and_model_kinds_are_refused_by_name(bart_dir, tmp_path, no_mo
     (whisper / "config.json").write_text(json.dumps({"model_type": "whisper", "is_encoder_decoder": True}))
     code, text = cli("extract", tsv, "--model", whisper, "-o", tmp_path / "run", "-q", "--max-length", 32)
     assert code != 0 and "encoder reads audio" in text, text
+
+
+def test_a_datasets_directory_of_pairs_equals_eager(bart_dir, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    pairs = PAIRS[:4]
+    data = tmp_path / "pairs"
+    datasets.Dataset.from_dict({"id": [str(i) for i in range(len(pairs))], "src": [s for s, _ in pairs],
+                                "tgt": [t for _, t in pairs]}).save_to_disk(str(data))
+    out = tmp_path / "run"
+    code, text = cli(*extract_args(data, bart_dir, out, "--columns", "src,tgt", "--per-sample", "--workers", 0))
+    assert code == 0, text
+    np.testing.assert_allclose(HeadFeatures.load(out).per_sample, eager_features(bart_dir, "bart", pairs), atol=1e-5)
+    datasets.Dataset.from_dict({"source": ["le chat", "un chien"], "target": ["the cat", None]}).save_to_disk(
+        str(tmp_path / "holes"))
+    code, text = cli(*extract_args(tmp_path / "holes", bart_dir, tmp_path / "run2", "--workers", 0))
+    assert code != 0 and "row 2: the pair column 'target' is null; drop or fill such rows" in text, text
+    assert "name one text column" not in text  # one column is no answer for an encoder–decoder

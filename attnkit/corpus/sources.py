@@ -42,15 +42,16 @@ def is_blank(segment) -> bool:
     return not segment.strip() if isinstance(segment, str) else not any(x.strip() for x in segment)
 
 
-def check_pair(a: str, b: str, cols, where: str) -> tuple[str, str]:
+def check_pair(a: str, b: str, cols, where: str, pairs: bool = False) -> tuple[str, str]:
     """(a, b), a text pair from columns (or fields) `cols`, unless exactly one side is blank: refused as a null
     side is (`columns_to_segments`), since measuring (text, "") would be a silent answer about another input than
     the pair the data meant. A pair blank on both sides is a blank segment, skipped as every blank one is.
-    `where`: the input and row, as messages name them."""
+    `where`: the input and row, as messages name them; `pairs`: an encoder–decoder's (source, target) pair, which
+    one column cannot replace."""
     if (not a.strip()) != (not b.strip()):
         col = cols[0] if not a.strip() else cols[1]
-        raise AttnkitError(f"{where}: the pair column {col!r} is empty; drop or fill such rows (or name one text "
-                           f"column with {arg('columns')})")
+        hint = "" if pairs else f" (or name one text column with {arg('columns')})"
+        raise AttnkitError(f"{where}: the pair column {col!r} is empty; drop or fill such rows{hint}")
     return a, b
 
 
@@ -408,7 +409,7 @@ class JsonlSource(Source):
                     if optional and not pair:  # a text_pair "" is no pair: the text alone, as without the field
                         yield text
                     else:
-                        yield check_pair(text, pair, plan["columns"], f"{self.name}:{lineno}")
+                        yield check_pair(text, pair, plan["columns"], f"{self.name}:{lineno}", self.pairs)
 
     def _how(self):
         plan = self.plan()
@@ -551,7 +552,7 @@ class TableSource(Source):
                 if len(row) <= need:
                     raise AttnkitError(f"{self.name}:{rowno}: row has {len(row)} fields, expected at least {need + 1}")
                 yield row[idx[0]] if len(idx) == 1 else \
-                    check_pair(row[idx[0]], row[idx[1]], plan["columns"], f"{self.name}:{rowno}")
+                    check_pair(row[idx[0]], row[idx[1]], plan["columns"], f"{self.name}:{rowno}", self.pairs)
 
     def settings(self):
         return {**super().settings(), "delimiter": self.delimiter}
@@ -584,19 +585,21 @@ def _plan_columns(fields: list, columns, name: str, is_text, pairs: bool = False
     return {"columns": [c for c in (first, second) if c]}
 
 
-def columns_to_segments(values: list[list], cols: list[str], name: str, first_row: int):
+def columns_to_segments(values: list[list], cols: list[str], name: str, first_row: int, pairs: bool = False):
     """Segments of a batch of column values (one list per chosen column; rows from `first_row`, 0-based). A
     null text is an empty text (a blank segment, skipped), but a null in a pair is refused: a pair with a
-    missing side is not the pair the data meant, and measuring it as (text, "") would be a silent answer."""
+    missing side is not the pair the data meant, and measuring it as (text, "") would be a silent answer.
+    `pairs`: an encoder–decoder's (source, target) columns (check_pair)."""
     if len(cols) == 1:
         yield from ("" if v is None else v for v in values[0])
         return
     for i, (a, b) in enumerate(zip(*values)):
         if a is None or b is None:
             col = cols[0] if a is None else cols[1]
+            hint = "" if pairs else f" (or name one text column with {arg('columns')})"
             raise AttnkitError(f"{name}: row {first_row + i + 1}: the pair column {col!r} is null; drop or fill such "
-                               f"rows (or name one text column with {arg('columns')})")
-        yield check_pair(a, b, cols, f"{name}: row {first_row + i + 1}")
+                               f"rows{hint}")
+        yield check_pair(a, b, cols, f"{name}: row {first_row + i + 1}", pairs)
 
 
 class ParquetSource(Source):
@@ -637,7 +640,8 @@ class ParquetSource(Source):
         try:
             row = 0
             for batch in pf.iter_batches(batch_size=self.batch_size, columns=cols):
-                yield from columns_to_segments([batch.column(c).to_pylist() for c in cols], cols, self.path, row)
+                yield from columns_to_segments([batch.column(c).to_pylist() for c in cols], cols, self.path, row,
+                                               self.pairs)
                 row += batch.num_rows
         except (pa.ArrowException, OSError) as exc:
             raise AttnkitError(f"{self.path}: cannot read Parquet data ({str(exc).splitlines()[0]})") from None
@@ -697,7 +701,7 @@ class DatasetSource(Source):
         try:
             row = 0
             for batch in ds.iter(batch_size=self.batch_size):
-                yield from columns_to_segments([batch[c] for c in cols], cols, self.path, row)
+                yield from columns_to_segments([batch[c] for c in cols], cols, self.path, row, self.pairs)
                 row += len(batch[cols[0]])
         except (pa.ArrowException, OSError) as exc:
             raise AttnkitError(f"{self.path}: cannot read the datasets directory ({str(exc).splitlines()[0]})") \
