@@ -62,9 +62,16 @@ class Batch:
 
     @classmethod
     def from_arrays(cls, arrays: EncodedArrays) -> Batch:
-        """Wrap the numpy arrays of `Encoder.encode_arrays` without copying them."""
-        return cls({k: torch.from_numpy(v) for k, v in arrays.inputs.items()}, torch.from_numpy(arrays.lengths),
-                   torch.from_numpy(arrays.token_class), torch.from_numpy(arrays.sentence_id), arrays.n_truncated)
+        """Wrap the numpy arrays of `Encoder.encode_arrays` without copying them (pairs: the target's ids and mask
+        become the model's `decoder_input_ids` and `decoder_attention_mask`)."""
+        inputs = {k: torch.from_numpy(v) for k, v in arrays.inputs.items()}
+        target = None
+        if arrays.target is not None:
+            target = cls.from_arrays(arrays.target)
+            inputs["decoder_input_ids"] = target.inputs.pop("input_ids")
+            inputs["decoder_attention_mask"] = target.inputs.pop("attention_mask")
+        return cls(inputs, torch.from_numpy(arrays.lengths), torch.from_numpy(arrays.token_class),
+                   torch.from_numpy(arrays.sentence_id), arrays.n_truncated, target)
 
 
 @dataclass
@@ -77,10 +84,13 @@ class EncodedArrays:
     sentence_id: np.ndarray  # int32 B×L
     n_truncated: int
     full_lengths: np.ndarray | None = None  # int64 B: tokens before truncation
+    # an encoder–decoder's pairs: the decoder's side (its `inputs` input_ids and attention_mask: the target shifted
+    # right, `Encoder.encode_arrays`); the fields above are the source's
+    target: EncodedArrays | None = None
     n_tokens: int = field(init=False)  # real tokens, counted once (the pipeline reads it several times a batch)
 
     def __post_init__(self):
-        self.n_tokens = int(self.lengths.sum())
+        self.n_tokens = int(self.lengths.sum()) + (0 if self.target is None else self.target.n_tokens)
 
     def rows(self, index: np.ndarray) -> EncodedArrays:
         """The samples `index` (in that order) as a batch of their own, padded to the longest of them: the arrays
@@ -99,10 +109,19 @@ class EncodedArrays:
             return np.ascontiguousarray(a[index, :width])
 
         full = None if self.full_lengths is None else self.full_lengths[index]
+        target = None if self.target is None else self.target._batch_of(index)
         return EncodedArrays({k: take(v) for k, v in self.inputs.items()}, np.ascontiguousarray(lengths),
                              take(self.token_class), take(self.sentence_id),
-                             0 if full is None else int((full > lengths).sum()),
-                             None if full is None else np.ascontiguousarray(full))
+                             int(cut_samples(full, lengths, target).sum()),
+                             None if full is None else np.ascontiguousarray(full), target)
+
+
+def cut_samples(full: np.ndarray | None, lengths: np.ndarray, target: EncodedArrays | None = None) -> np.ndarray:
+    """Which samples truncation cut (a pair: on either side), from the lengths before and after it."""
+    cut = np.zeros(len(lengths), dtype=bool) if full is None else full > lengths
+    if target is not None:
+        cut |= cut_samples(target.full_lengths, target.lengths)
+    return cut
 
 
 def _ids(tokenizer, *names) -> set[int]:
@@ -149,11 +168,14 @@ class Encoder:
     """Turns lists of segments (str or (str, str)) into `Batch`es for one tokenizer."""
 
     def __init__(self, tokenizer, max_length: int = DEFAULT_MAX_LENGTH, split_sentences: bool = False,
-                 causal: bool | None = None):
+                 causal: bool | None = None, decoder_start: int | None = None):
         if not getattr(tokenizer, "is_fast", False):
             raise AttnkitError("attnkit needs a fast (Rust) tokenizer to locate segments")
         check_int(max_length, "max_length", minimum=2)
         self.tokenizer = tokenizer
+        # an encoder–decoder's: the token its decoder starts with (`pair_decoder_start`); segments are then
+        # (source, target) pairs (`encode_pairs`)
+        self.decoder_start = decoder_start
         self.max_length = max_length
         self.split_sentences = split_sentences
         self.causal = is_decoder_tokenizer(tokenizer) if causal is None else bool(causal)
@@ -187,6 +209,8 @@ class Encoder:
         """Tokenise `segments` into numpy arrays (what worker processes run: no torch operations)."""
         if not segments:
             raise AttnkitError("cannot encode an empty batch")
+        if self.decoder_start is not None:
+            return self.encode_pairs(segments)
         items = [self.bounded(s) if isinstance(s, str) else [self.bounded(x) for x in s] for s in segments]
         if self.causal and any(not isinstance(x, str) for x in items):
             raise AttnkitError("text pairs need a model with a pair format ([CLS] A [SEP] B [SEP]); this is a "
@@ -233,6 +257,58 @@ class Encoder:
             return text  # words too long to be sure: tokenise it whole
         return prefix
 
+    def encode_pairs(self, segments: Sequence[Segment]) -> EncodedArrays:
+        """An encoder–decoder's (source, target) pairs, teacher-forced (docs/seq2seq.md, "Extracting over pairs"):
+        the sources tokenised as the model's inputs, the targets with the tokenizer's target side (`text_target=`),
+        each cut to `max_length` tokens as single texts are. The decoder reads the target shifted right, as
+        transformers' models do when given `labels`: `decoder_start` first, the target's last token dropped. The
+        target's token classes are the source's rules with its first position CLS (the start token, the decoder's
+        attention sink)."""
+        for j, s in enumerate(segments):
+            if isinstance(s, str) or len(s) != 2:
+                raise AttnkitError(f"segment {j} of the batch is a single text, but this model is an "
+                                   "encoder–decoder, which measures (source, target) pairs")
+        self._check_room(["x"])
+        source, _ = self._encode_side([self.bounded(s) for s, _ in segments], "text")
+        target, sequences = self._encode_side([self.bounded(t) for _, t in segments], "text_target")
+        ids, mask = target.inputs["input_ids"], target.inputs["attention_mask"]
+        shifted = np.full_like(ids, self.tokenizer.pad_token_id)
+        shifted[:, 0] = self.decoder_start
+        shifted[:, 1:] = ids[:, :-1]
+        shifted[mask == 0] = self.tokenizer.pad_token_id
+        target.inputs["input_ids"] = shifted
+        target.token_class = self.token_classes(shifted)
+        if shifted.shape[1]:
+            target.token_class[:, 0] = CLS
+        sentence = np.zeros(shifted.shape, dtype=np.int32)
+        for b, seq in enumerate(sequences):
+            n = int(target.lengths[b])
+            sentence[b, :n] = self.sentence_ids(shifted[b, :n].tolist(), [None] + seq[:n - 1])
+        target.sentence_id = sentence
+        return EncodedArrays(source.inputs, source.lengths, source.token_class, source.sentence_id,
+                             int(cut_samples(source.full_lengths, source.lengths, target).sum()), source.full_lengths,
+                             target)
+
+    def _encode_side(self, texts: list[str], side: str) -> tuple[EncodedArrays, list]:
+        """One side of a batch of pairs (`side`: the tokenizer's "text" or "text_target"), right-padded and cut to
+        `max_length`, and each sample's sequence ids (for the target's sentence ids after the shift)."""
+        enc = self.tokenizer(**{side: texts}, truncation=True, max_length=self.max_length, padding="longest",
+                             return_tensors="np", padding_side="right")
+        ids = np.ascontiguousarray(enc["input_ids"], dtype=np.int64)
+        lengths = np.asarray(enc["attention_mask"], dtype=np.int64).sum(-1)
+        full = lengths.copy()
+        cut = [i for i, e in enumerate(enc.encodings) if e.overflowing]
+        if cut:
+            again = self.tokenizer(**{side: [texts[i] for i in cut]}, truncation=False, verbose=False)["input_ids"]
+            full[cut] = [len(x) for x in again]
+        sequence = [enc.sequence_ids(b) for b in range(ids.shape[0])]
+        sentence = np.zeros(ids.shape, dtype=np.int32)
+        for b in range(ids.shape[0]):
+            n = int(lengths[b])
+            sentence[b, :n] = self.sentence_ids(ids[b, :n].tolist(), sequence[b][:n])
+        inputs = {"input_ids": ids, "attention_mask": np.ascontiguousarray(enc["attention_mask"], dtype=np.int64)}
+        return EncodedArrays(inputs, lengths, self.token_classes(ids), sentence, len(cut), full), sequence
+
     def _check_room(self, items: list) -> None:
         """Refuse a max length too short to keep a token of each text besides the special tokens (the
         tokenizer would silently return the pair untruncated)."""
@@ -245,6 +321,20 @@ class Encoder:
 
     def __call__(self, segments: Sequence[Segment]) -> Batch:
         return Batch.from_arrays(self.encode_arrays(segments))
+
+
+def pair_decoder_start(config) -> int | None:
+    """The token an encoder–decoder's decoder starts with (`decoder_start_token_id`; None for a model of one stack),
+    what `Encoder(decoder_start=)` takes to measure (source, target) pairs."""
+    if not getattr(config, "is_encoder_decoder", False):
+        return None
+    start = getattr(config, "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(getattr(config, "decoder", None), "decoder_start_token_id", None)
+    if not isinstance(start, int):
+        raise AttnkitError(f"the {config.model_type!r} encoder–decoder's config names no decoder_start_token_id: "
+                           "attnkit cannot build the decoder's teacher-forced input")
+    return start
 
 
 # How a token's text is drawn where whitespace would vanish (maps, the report's head view; `shown_token`).

@@ -36,9 +36,12 @@ def clusters_dict(clusterer, features=None, sweep_rows=None, seeds=None) -> dict
     names = clusterer.type_names_
     heads = []
     kept = clusterer.kept_ if clusterer.kept_ is not None else np.ones(L * H, dtype=bool)
+    kinds = getattr(features, "layer_kinds", None)
     for i, (m, lab) in enumerate(zip(np.flatnonzero(kept), clusterer.labels_)):
         heads.append({"layer": int(m // H), "head": int(m % H), "label": int(lab), "type": names[int(lab)],
                       "agreement": json_float(clusterer.head_stability_[i])})
+        if kinds is not None:  # an encoder–decoder's run: the head's kind and layer within its kind
+            heads[-1].update(kind=kinds[m // H][0], kind_layer=kinds[m // H][1])
     removed = [[int(m // H), int(m % H)] for m in np.flatnonzero(~kept)]
     clusters = []
     for c, name in enumerate(names):

@@ -16,6 +16,20 @@ KIND_ATTR = "attnkit_kind"
 LAYER_ATTR = "attnkit_layer"
 
 
+def seq2seq_layer_kinds(config) -> list[tuple[str, int]] | None:
+    """(kind, index in its kind) of each of attnkit's layers of an encoder–decoder, from its config alone (what
+    `attnkit.models.layer_kinds` finds on the instrumented model: E encoder layers, D decoder self-attention layers,
+    D cross-attention layers); None for a model of one stack. A run's meta.json records it as `layer_kinds`."""
+    if not getattr(config, "is_encoder_decoder", False):
+        return None
+    n_enc = getattr(config, "encoder_layers", None) or getattr(config, "num_layers", None)
+    n_dec = getattr(config, "decoder_layers", None) or getattr(config, "num_decoder_layers", None) or n_enc
+    if not isinstance(n_enc, int) or not isinstance(n_dec, int):
+        return None
+    return ([(ENCODER, i) for i in range(n_enc)] + [(DECODER, i) for i in range(n_dec)]
+            + [(CROSS, i) for i in range(n_dec)])
+
+
 def kind_of(module) -> str | None:
     """The kind of an encoder–decoder's attention module (None: a model of one stack, or not instrumented)."""
     return getattr(module, KIND_ATTR, None)

@@ -33,6 +33,9 @@ def export_cmd(run, fmt, out, overwrite, quiet):
     \b
     Columns, in order:
       layer, head          0-based layer and head of the row
+      kind, kind_layer     only for an encoder-decoder's run: the layer's kind
+                           (encoder, decoder, cross) and its layer within that
+                           kind (docs/seq2seq.md)
       <feature>            corpus mean of each feature, one column per feature in
                            the order of RUN/features.npz `names` (cls, sep, comma,
                            period, self, win_0..win_N-1, prev, next, entropy, max,

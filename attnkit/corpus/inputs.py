@@ -345,12 +345,14 @@ class Corpus:
 
 
 def open_corpus(paths=None, fmt: str = "auto", *, text_unit: str = "auto", columns=None, squad_pairs: bool = False,
-                limit: int | None = None, stdin=None) -> Corpus:
+                limit: int | None = None, stdin=None, pairs: bool = False) -> Corpus:
     """A `Corpus` over `paths` (None or [] means the built-in corpus): files, directories (searched
     recursively for known extensions, sorted by path), shell globs (recursive "**", sorted), "-" for standard
     input (`stdin`, a binary stream; default sys.stdin.buffer; text unless `fmt` says otherwise) and
     `datasets` directories written by save_to_disk. `fmt` other than auto applies to every file. Everything
-    is resolved and checked here; nothing is read until the corpus is iterated."""
+    is resolved and checked here; nothing is read until the corpus is iterated. `pairs`: an encoder–decoder's
+    corpus (docs/seq2seq.md): every segment a (source, target) pair, from two columns (or fields), guessed
+    `source`/`target` when `columns` names none; a format of single texts is refused by name."""
     if fmt not in FORMATS:
         raise AttnkitError(f"unknown corpus format {fmt!r} ({arg('fmt')}); use one of {', '.join(FORMATS)}")
     if text_unit not in TEXT_UNITS:
@@ -361,7 +363,7 @@ def open_corpus(paths=None, fmt: str = "auto", *, text_unit: str = "auto", colum
         paths = [paths]
     paths = list(paths or []) or [default_corpus_path()]
     columns = check_columns(columns)
-    options = dict(text_unit=text_unit, columns=columns, squad_pairs=squad_pairs)
+    options = dict(text_unit=text_unit, columns=columns, squad_pairs=squad_pairs, pairs=pairs)
     sources = []
     for kind, p in resolve_paths(paths):
         if kind == "stdin":

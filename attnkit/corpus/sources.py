@@ -31,6 +31,8 @@ from .streams import (
 # Text columns (or JSONL fields) tried, in order, when none are named: (first, second or None)
 TEXT_COLUMN_GUESSES = (("sentence1", "sentence2"), ("#1 String", "#2 String"), ("question1", "question2"),
                 ("question", "sentence"), ("premise", "hypothesis"), ("sentence", None), ("text", None))
+# An encoder–decoder's (source, target) columns (or fields) tried, in order, when none are named (docs/seq2seq.md)
+PAIR_COLUMN_GUESSES = (("source", "target"), ("src", "tgt")) + tuple(g for g in TEXT_COLUMN_GUESSES if g[1])
 # A quoted CSV field may hold newlines, but one that runs this many lines is an unclosed quote.
 CSV_MAX_ROW_LINES = 200
 STDIN_NAME = "<stdin>"
@@ -40,15 +42,16 @@ def is_blank(segment) -> bool:
     return not segment.strip() if isinstance(segment, str) else not any(x.strip() for x in segment)
 
 
-def check_pair(a: str, b: str, cols, where: str) -> tuple[str, str]:
+def check_pair(a: str, b: str, cols, where: str, pairs: bool = False) -> tuple[str, str]:
     """(a, b), a text pair from columns (or fields) `cols`, unless exactly one side is blank: refused as a null
     side is (`columns_to_segments`), since measuring (text, "") would be a silent answer about another input than
     the pair the data meant. A pair blank on both sides is a blank segment, skipped as every blank one is.
-    `where`: the input and row, as messages name them."""
+    `where`: the input and row, as messages name them; `pairs`: an encoder–decoder's (source, target) pair, which
+    one column cannot replace."""
     if (not a.strip()) != (not b.strip()):
         col = cols[0] if not a.strip() else cols[1]
-        raise AttnkitError(f"{where}: the pair column {col!r} is empty; drop or fill such rows (or name one text "
-                           f"column with {arg('columns')})")
+        hint = "" if pairs else f" (or name one text column with {arg('columns')})"
+        raise AttnkitError(f"{where}: the pair column {col!r} is empty; drop or fill such rows{hint}")
     return a, b
 
 
@@ -115,6 +118,25 @@ def choose_columns(available, columns, name: str, kind: str = "column", guesses=
                        f"({kind}s are: {_names(available)})")
 
 
+def choose_pair_columns(available, columns, name: str, kind: str = "column") -> tuple[str, str]:
+    """(source, target): an encoder–decoder's two columns (docs/seq2seq.md), the named `columns`, else the first
+    of PAIR_COLUMN_GUESSES present in `available`, else the only two there are. One column is refused by name: an
+    encoder–decoder measures pairs."""
+    available = list(available)
+    if columns is not None and len(columns) != 2:
+        raise AttnkitError(f"{name}: an encoder–decoder measures (source, target) pairs: name two {kind}s with "
+                           f"{arg('columns')} SOURCE,TARGET, not one")
+    if not columns and len(available) == 2 and not any(a in available and b in available
+                                                       for a, b in PAIR_COLUMN_GUESSES):
+        return _unique(available, tuple(available), name, kind)
+    try:
+        return choose_columns(available, columns, name, kind, guesses=PAIR_COLUMN_GUESSES)
+    except NoTextColumn:
+        raise NoTextColumn(f"{name}: an encoder–decoder measures (source, target) pairs, but no {kind}s are named "
+                           f"source and target: name them with {arg('columns')} SOURCE,TARGET ({kind}s are: "
+                           f"{_names(available)})") from None
+
+
 def _unique(available: list, chosen: tuple, name: str, kind: str) -> tuple:
     """`chosen` when each of its names occurs once in `available`: a header that names a column twice leaves
     open which one holds the text."""
@@ -137,8 +159,9 @@ class Source:
     lone_cr: bool | None = True  # a lone "\r" ends a line (old Mac text); see streams.raw_lines
 
     def __init__(self, path: str, compression: str | None = None, *, text_unit: str = "auto",
-                 columns=None, squad_pairs: bool = False, stdin=None, stream: bool = False):
+                 columns=None, squad_pairs: bool = False, pairs: bool = False, stdin=None, stream: bool = False):
         self.path = str(path)
+        self.pairs = pairs  # an encoder–decoder's corpus: every segment a (source, target) pair (docs/seq2seq.md)
         self.compression = compression
         self.text_unit, self.columns, self.squad_pairs = text_unit, columns, squad_pairs
         # Standard input (`stdin`, a binary stream) and files that are no regular files (`stream`: pipes, FIFOs,
@@ -171,6 +194,20 @@ class Source:
 
     def _make_plan(self) -> dict:
         return {}
+
+    def _choose(self, available, kind: str = "column") -> tuple:
+        """(first, second or None) of `available` columns (or fields): choose_columns, or with `pairs`
+        choose_pair_columns."""
+        if self.pairs:
+            return choose_pair_columns(available, self.columns, self.name, kind)
+        return choose_columns(available, self.columns, self.name, kind)
+
+    def refuse_single_texts(self, what: str) -> None:
+        """An encoder–decoder's corpus given a format of single texts (`what`)."""
+        if self.pairs:
+            raise AttnkitError(f"{self.name}: {what} holds single texts, but an encoder–decoder measures (source, "
+                               "target) pairs: give TSV/CSV, JSONL, Parquet or datasets input with source and "
+                               f"target columns (or name them with {arg('columns')} SOURCE,TARGET)")
 
     def segments(self):
         """The non-blank segments, streamed."""
@@ -270,6 +307,7 @@ class TextSource(Source):
     format = "text"
 
     def _make_plan(self):
+        self.refuse_single_texts("plain text")
         unit = self.text_unit
         if unit != "auto":
             return {"text_unit": unit, "text_unit_auto": False}
@@ -327,7 +365,7 @@ class JsonlSource(Source):
         return obj
 
     def _make_plan(self):
-        if self.columns:
+        if self.columns and not self.pairs:
             first, second = (list(self.columns) + [None])[:2]
             return {"columns": [c for c in (first, second) if c], "pair_optional": False}
         lines = self._lines()
@@ -335,6 +373,11 @@ class JsonlSource(Source):
             first_obj = lines.first(str.strip)
         finally:
             self._close_lines(lines)
+        if self.pairs:  # every line needs both fields (a line without one is refused by name when read)
+            if first_obj is None:
+                return {"columns": list(self.columns or ("source", "target")), "pair_optional": False}
+            source, target = self._choose(self._parse(*first_obj), kind="field")
+            return {"columns": [source, target], "pair_optional": False}
         if first_obj is None or "text" in self._parse(*first_obj):
             return {"columns": ["text", "text_pair"], "pair_optional": True}
         obj = self._parse(*first_obj)
@@ -366,7 +409,7 @@ class JsonlSource(Source):
                     if optional and not pair:  # a text_pair "" is no pair: the text alone, as without the field
                         yield text
                     else:
-                        yield check_pair(text, pair, plan["columns"], f"{self.name}:{lineno}")
+                        yield check_pair(text, pair, plan["columns"], f"{self.name}:{lineno}", self.pairs)
 
     def _how(self):
         plan = self.plan()
@@ -382,6 +425,8 @@ class SquadSource(Source):
     format = "squad"
 
     def _make_plan(self):
+        if not self.squad_pairs:
+            self.refuse_single_texts("SQuAD JSON without --squad-pairs")
         return {"squad_pairs": bool(self.squad_pairs)}
 
     def _read(self, plan):
@@ -491,7 +536,7 @@ class TableSource(Source):
             raise AttnkitError(f"{self.name} is empty")
         header = next(table_rows(iter(ahead), self.delimiter, self.name))[1]
         check_header(header, self.name)
-        first, second = choose_columns(header, self.columns, self.name)
+        first, second = self._choose(header)
         return {"columns": [c for c in (first, second) if c], "header": header}
 
     def _read(self, plan):
@@ -507,7 +552,7 @@ class TableSource(Source):
                 if len(row) <= need:
                     raise AttnkitError(f"{self.name}:{rowno}: row has {len(row)} fields, expected at least {need + 1}")
                 yield row[idx[0]] if len(idx) == 1 else \
-                    check_pair(row[idx[0]], row[idx[1]], plan["columns"], f"{self.name}:{rowno}")
+                    check_pair(row[idx[0]], row[idx[1]], plan["columns"], f"{self.name}:{rowno}", self.pairs)
 
     def settings(self):
         return {**super().settings(), "delimiter": self.delimiter}
@@ -519,13 +564,19 @@ class TableSource(Source):
         return _describe_columns("column", *(self.plan()["columns"] + [None])[:2])
 
 
-def _plan_columns(fields: list, columns, name: str, is_text) -> dict:
-    """Choose text columns among the (name, type) `fields`; the chosen ones must hold text."""
+def _plan_columns(fields: list, columns, name: str, is_text, pairs: bool = False) -> dict:
+    """Choose text columns among the (name, type) `fields` (with `pairs`, an encoder–decoder's source and target
+    columns); the chosen ones must hold text."""
     names_types = dict(fields)
     listing = [f"{_names([n])} ({t})" for n, t in fields]
     try:
-        first, second = choose_columns([n for n, _ in fields], columns, name)
+        if pairs:
+            first, second = choose_pair_columns([n for n, _ in fields], columns, name)
+        else:
+            first, second = choose_columns([n for n, _ in fields], columns, name)
     except NoTextColumn:
+        if pairs:
+            raise
         raise AttnkitError(f"{name}: no usable text column; name one with {arg('columns')} "
                            f"(columns are: {', '.join(listing) or 'none'})") from None
     for c in (first, second):
@@ -534,19 +585,21 @@ def _plan_columns(fields: list, columns, name: str, is_text) -> dict:
     return {"columns": [c for c in (first, second) if c]}
 
 
-def columns_to_segments(values: list[list], cols: list[str], name: str, first_row: int):
+def columns_to_segments(values: list[list], cols: list[str], name: str, first_row: int, pairs: bool = False):
     """Segments of a batch of column values (one list per chosen column; rows from `first_row`, 0-based). A
     null text is an empty text (a blank segment, skipped), but a null in a pair is refused: a pair with a
-    missing side is not the pair the data meant, and measuring it as (text, "") would be a silent answer."""
+    missing side is not the pair the data meant, and measuring it as (text, "") would be a silent answer.
+    `pairs`: an encoder–decoder's (source, target) columns (check_pair)."""
     if len(cols) == 1:
         yield from ("" if v is None else v for v in values[0])
         return
     for i, (a, b) in enumerate(zip(*values)):
         if a is None or b is None:
             col = cols[0] if a is None else cols[1]
+            hint = "" if pairs else f" (or name one text column with {arg('columns')})"
             raise AttnkitError(f"{name}: row {first_row + i + 1}: the pair column {col!r} is null; drop or fill such "
-                               f"rows (or name one text column with {arg('columns')})")
-        yield check_pair(a, b, cols, f"{name}: row {first_row + i + 1}")
+                               f"rows{hint}")
+        yield check_pair(a, b, cols, f"{name}: row {first_row + i + 1}", pairs)
 
 
 class ParquetSource(Source):
@@ -577,7 +630,7 @@ class ParquetSource(Source):
             return pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view",
                                                                                      lambda _: False)(t)
 
-        return _plan_columns(fields, self.columns, self.path, is_text)
+        return _plan_columns(fields, self.columns, self.path, is_text, self.pairs)
 
     def _read(self, plan):
         import pyarrow as pa
@@ -587,7 +640,8 @@ class ParquetSource(Source):
         try:
             row = 0
             for batch in pf.iter_batches(batch_size=self.batch_size, columns=cols):
-                yield from columns_to_segments([batch.column(c).to_pylist() for c in cols], cols, self.path, row)
+                yield from columns_to_segments([batch.column(c).to_pylist() for c in cols], cols, self.path, row,
+                                               self.pairs)
                 row += batch.num_rows
         except (pa.ArrowException, OSError) as exc:
             raise AttnkitError(f"{self.path}: cannot read Parquet data ({str(exc).splitlines()[0]})") from None
@@ -637,7 +691,7 @@ class DatasetSource(Source):
         def is_text(feature):
             return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "string_view")
 
-        return _plan_columns(list(features.items()), self.columns, self.path, is_text)
+        return _plan_columns(list(features.items()), self.columns, self.path, is_text, self.pairs)
 
     def _read(self, plan):
         import pyarrow as pa
@@ -647,7 +701,7 @@ class DatasetSource(Source):
         try:
             row = 0
             for batch in ds.iter(batch_size=self.batch_size):
-                yield from columns_to_segments([batch[c] for c in cols], cols, self.path, row)
+                yield from columns_to_segments([batch[c] for c in cols], cols, self.path, row, self.pairs)
                 row += len(batch[cols[0]])
         except (pa.ArrowException, OSError) as exc:
             raise AttnkitError(f"{self.path}: cannot read the datasets directory ({str(exc).splitlines()[0]})") \

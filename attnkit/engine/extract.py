@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from ..arch.pruning import pruned_head_grid, removed_heads
+from ..attention.kinds import seq2seq_layer_kinds
+from ..corpus.pairs import check_segments_for_model
 from ..corpus.sources import is_blank
 from ..errors import AttnkitError, arg, check_int
 from ..features import (
@@ -29,7 +31,7 @@ from ..models import attention_modules, check_max_length, model_feature_names, o
 from ..ops import BACKENDS, backend_label, resolve_backend
 from ..run.head_features import FeatureAccumulator, HeadFeatures
 from ..run.identity import IDENTITY_FIELD, model_identity
-from ..tokens import Encoder, Segment
+from ..tokens import Encoder, Segment, pair_decoder_start
 from .devices import parse_devices, replicate
 from .forward import default_batch_size, device_forward, measuring
 from .local import BatchResult, check_workers, run_pipeline
@@ -162,7 +164,8 @@ def run_extraction(
     state = resume or ExtractionState(FeatureAccumulator(*shape, names))
     if state.accumulator.names != names or state.accumulator.sum.shape[:2] != shape:
         raise AttnkitError("the accumulated features belong to another model or feature set")
-    encoder = Encoder(tokenizer, max_length=settings.max_length, split_sentences=settings.split_sentences)
+    encoder = Encoder(tokenizer, max_length=settings.max_length, split_sentences=settings.split_sentences,
+                      decoder_start=pair_decoder_start(model.config))  # an encoder–decoder measures pairs
     planned = plan_batches(segments, settings.batch_size, settings.window, skip_segments=state.next_index,
                            grouped=True)
     bar = _ProgressBar(label, segments, total, state.next_index, state.accumulator.n_tokens) if progress else None
@@ -187,6 +190,25 @@ def run_extraction(
         run_pipeline(models, encoder, planned, device_forward, workers=workers, threads=threads, prefetch=prefetch,
                      on_result=deliver, on_progress=running, on_choice=on_choice)
     return state
+
+
+def kinds_meta(config) -> dict:
+    """{"layer_kinds": [[kind, index in its kind], ...]} for a run of an encoder–decoder (docs/files.md), else {}:
+    a model of one stack's meta.json stays as it was."""
+    kinds = seq2seq_layer_kinds(config)
+    return {} if kinds is None else {"layer_kinds": [[k, i] for k, i in kinds]}
+
+
+def given_config(model):
+    """The config of a model as `resolve_model` takes it, without loading one: a model (or (model, tokenizer)
+    pair)'s own, else its config.json (None where there is none to read yet)."""
+    from ..embedded import model_config
+
+    if isinstance(model, tuple) and model:
+        model = model[0]
+    if model is None or isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        return model_config(model)
+    return getattr(model, "config", None)
 
 
 def check_texts(texts) -> list:
@@ -252,6 +274,8 @@ def extract(
 
     if not isinstance(texts, Corpus):  # a Corpus streams (and checks) its own segments
         texts = check_texts(texts)
+        # pairs for an encoder–decoder, single texts for a decoder: refused before a model given by its path loads
+        check_segments_for_model(texts, given_config(model))
     settings = ExtractSettings(max_length=max_length, batch_size=batch_size, window=window, num_windows=num_windows,
                                split_sentences=split_sentences, backend=backend, weighting=weighting).check()
     devs = None
@@ -292,6 +316,7 @@ def extract(
     }
     if removed_heads(model):  # a pruned model: its removed heads' features are NaN (docs/pruning.md)
         meta["removed_heads"] = removed_heads(model)
+    meta.update(kinds_meta(model.config))
     features = state.accumulator.result(meta)
     if per_sample:
         features.per_sample = np.stack([rows[i] for i in range(len(rows))])

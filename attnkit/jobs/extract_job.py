@@ -24,7 +24,7 @@ import numpy as np
 
 from ..arch.pruning import removed_heads
 from ..engine.devices import parse_devices, replicate
-from ..engine.extract import ExtractionState, MaxLogitCollector, run_extraction
+from ..engine.extract import ExtractionState, MaxLogitCollector, kinds_meta, run_extraction
 from ..engine.forward import default_batch_size
 from ..engine.local import BatchResult, check_workers
 from ..engine.openmp import wait_regime
@@ -47,7 +47,14 @@ from ..run.outputs import check_output_path
 from ..run.per_sample import PerSampleWriter
 from ..run.rundir import RunDir
 from ..run.versions import versions
-from .job_options import ENGINES, ExtractOptions, check_extract_options, extract_inputs, option_settings
+from .job_options import (
+    ENGINES,
+    ExtractOptions,
+    check_extract_options,
+    extract_inputs,
+    open_extract_corpus,
+    option_settings,
+)
 
 # what describes an input's bytes (compared through corpus_sha256 and named when it differs), not how it is read
 INPUT_STATE = ("n_segments", "sha256", "size", "mtime")
@@ -70,8 +77,6 @@ class Interrupted(KeyboardInterrupt):
 
 def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_message) -> None:
     """Run `attnkit extract` with `opts` (see the module docstring)."""
-    from ..corpus import open_corpus
-
     check_extract_options(opts)  # what needs no model, also checked by the command line before torch loads
     opts.extract_settings(opts.batch_size).check()  # what every engine checks again, refused before any work
     if opts.workers is not None:
@@ -85,8 +90,7 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
                           inputs=inputs):
         if not opts.resume:
             run.check_new(opts.overwrite, opts.per_sample)
-        corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
-                             squad_pairs=opts.squad_pairs, limit=opts.limit)
+        corpus = open_extract_corpus(opts)  # pairs for an encoder–decoder (docs/seq2seq.md)
         corpus.check_has_text()
         streams = [s.name for s in corpus.sources if s.is_stream]
         if opts.resume and streams:
@@ -159,6 +163,7 @@ class _Job:
             "settings": self.settings,
             "feature_names": acc.names,
             **({"removed_heads": pruned} if pruned else {}),
+            **kinds_meta(config),
             "versions": versions(),
             "elapsed_s": round(elapsed, 3),
         }

@@ -125,7 +125,6 @@ def preflight_extract(opts: ExtractOptions) -> None:
     says first that another command holds it), the corpus paths and formats (read up to the first text, which
     names a file in a wrong format; standard input is left for the job), and the model directory with
     `max_length` against its positions (local engine: on a Ray cluster it may exist only on the workers)."""
-    from ..corpus import open_corpus
     from ..run.locking import lock_owner
     from ..run.rundir import RunDir
 
@@ -143,13 +142,27 @@ def preflight_extract(opts: ExtractOptions) -> None:
             now.setdefault("max_logit", None)  # so does a run without max logits
             run.check_resume_settings(now)
     if "-" not in [str(p) for p in opts.paths]:
-        open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
-                    squad_pairs=opts.squad_pairs, limit=opts.limit).check_has_text()
+        open_extract_corpus(opts).check_has_text()
     if opts.engine == "local":
         if opts.model_path:
             check_model_dir(str(opts.model_path))
         check_output_place(opts.out, extract_inputs(opts))  # (the job checks it again, under its lock)
         check_model_max_length(opts.model_path, opts.max_length)  # config.json is enough
+
+
+def open_extract_corpus(opts: ExtractOptions):
+    """The corpus `attnkit extract` reads, opened for its model (read from config.json alone, before the model
+    loads; docs/seq2seq.md): an encoder–decoder's as (source, target) pairs, refusing inputs of single texts; a
+    decoder-only model's refusing inputs of pairs."""
+    from ..corpus import open_corpus
+    from ..corpus.pairs import check_corpus_for_model, reads_pairs
+    from ..embedded import model_config
+
+    config = model_config(opts.model_path)
+    corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
+                         squad_pairs=opts.squad_pairs, limit=opts.limit, pairs=reads_pairs(config))
+    check_corpus_for_model(corpus, config)
+    return corpus
 
 
 @dataclass
@@ -205,4 +218,5 @@ def preflight_distances(opts: DistancesOptions):
 
 
 __all__ = ["ENGINES", "DistancesOptions", "ExtractOptions", "check_distances_options", "check_engine",
-           "check_extract_options", "extract_inputs", "option_settings", "preflight_distances", "preflight_extract"]
+           "check_extract_options", "extract_inputs", "open_extract_corpus", "option_settings", "preflight_distances",
+           "preflight_extract"]

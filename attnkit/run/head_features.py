@@ -104,7 +104,8 @@ class HeadFeatures:
         return getattr(self, stat)[:, :, self.names.index(name)]
 
     def to_pandas(self):
-        """One row per (layer, head): columns `layer`, `head`, then one column per feature mean (named as the
+        """One row per (layer, head): columns `layer`, `head` (an encoder–decoder's run: then `kind` and `kind_layer`,
+        its layer within its kind), then one column per feature mean (named as the
         feature) and `<name>_std` per standard deviation, in the order of `names` (what `attnkit export`
         writes), and last `max_logit` when the run measured it. A removed head's row holds NaN (empty cells in a
         CSV)."""
@@ -112,12 +113,25 @@ class HeadFeatures:
 
         L, H, F = self.mean.shape
         heads = pd.DataFrame({"layer": np.repeat(np.arange(L), H), "head": np.tile(np.arange(H), L)})
+        kinds = self.layer_kinds
+        if kinds is not None:  # an encoder–decoder's run: each head's kind and layer within its kind
+            heads["kind"] = np.repeat([k for k, _ in kinds], H)
+            heads["kind_layer"] = np.repeat([i for _, i in kinds], H)
         df = pd.DataFrame(self.mean.reshape(L * H, F), columns=self.names)
         std = pd.DataFrame(self.std.reshape(L * H, F), columns=[f"{n}_std" for n in self.names])
         parts = [heads, df, std]
         if self.max_logit is not None:
             parts.append(pd.DataFrame({"max_logit": np.asarray(self.max_logit, dtype=np.float64).reshape(L * H)}))
         return pd.concat(parts, axis=1)
+
+    @property
+    def layer_kinds(self) -> list[tuple[str, int]] | None:
+        """(kind, index in its kind) of each layer of an encoder–decoder's run ("encoder", "decoder", "cross";
+        meta.json `layer_kinds`, docs/seq2seq.md); None for a run of one stack."""
+        kinds = self.meta.get("layer_kinds")
+        if not isinstance(kinds, list) or len(kinds) != self.n_layers:
+            return None
+        return [(str(k), int(i)) for k, i in kinds]
 
     def grid(self, feature: str = "cls", stat: str = "mean") -> HeadGrid:
         """One feature as a layer × head grid that a notebook shows as a coloured table (`_repr_html_`)."""

@@ -115,7 +115,9 @@ CLUSTERS_SCHEMA = {
         "heads": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["layer", "head", "label", "type"], "properties": {
                 "layer": _INT0, "head": _INT0, "label": _INT0, "type": {"type": "string", "minLength": 1},
-                "agreement": {"type": ["number", "null"], "minimum": 0, "maximum": 1}}}},
+                "agreement": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+                # an encoder–decoder's run: the head's kind and its layer within that kind (docs/seq2seq.md)
+                "kind": {"enum": ["encoder", "decoder", "cross"]}, "kind_layer": _INT0}}},
         "clusters": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["label", "type"], "properties": {
                 "label": _INT0, "type": {"type": "string", "minLength": 1}, "n_heads": _INT0,

@@ -52,17 +52,22 @@ def worker_encoder(model_path: str | None, max_length: int, split_sentences: boo
     key = (model_path, max_length, split_sentences)
     if key not in _encoders:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         from ...models import model_dir
-        from ...tokens import Encoder
+        from ...tokens import Encoder, pair_decoder_start
 
         path = model_dir(model_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as exc:
             raise AttnkitError(f"could not load the tokenizer of {path!r} on a Ray worker: {exc}") from None
-        _encoders[key] = Encoder(tokenizer, max_length=max_length, split_sentences=split_sentences)
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except Exception as exc:
+            raise AttnkitError(f"could not read the config of {path!r} on a Ray worker: {exc}") from None
+        _encoders[key] = Encoder(tokenizer, max_length=max_length, split_sentences=split_sentences,
+                                 decoder_start=pair_decoder_start(config))  # pairs for an encoder–decoder
     return _encoders[key]
 
 
