@@ -43,11 +43,12 @@ from ..ops import backend_label
 from ..run.files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
 from ..run.identity import IDENTITY_FIELD, model_identity
 from ..run.locking import output_directory
+from ..run.model_dir import check_model_takes
 from ..run.outputs import check_output_path
 from ..run.per_sample import PerSampleWriter
 from ..run.rundir import RunDir
 from ..run.versions import versions
-from .job_options import ENGINES, ExtractOptions, check_extract_options, extract_inputs, option_settings
+from .job_options import ENGINES, ExtractOptions, check_extract_options, extract_inputs, open_inputs, option_settings
 
 # what describes an input's bytes (compared through corpus_sha256 and named when it differs), not how it is read
 INPUT_STATE = ("n_segments", "sha256", "size", "mtime")
@@ -70,8 +71,6 @@ class Interrupted(KeyboardInterrupt):
 
 def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_message) -> None:
     """Run `attnkit extract` with `opts` (see the module docstring)."""
-    from ..corpus import open_corpus
-
     check_extract_options(opts)  # what needs no model, also checked by the command line before torch loads
     opts.extract_settings(opts.batch_size).check()  # what every engine checks again, refused before any work
     if opts.workers is not None:
@@ -85,9 +84,10 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
                           inputs=inputs):
         if not opts.resume:
             run.check_new(opts.overwrite, opts.per_sample)
-        corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
-                             squad_pairs=opts.squad_pairs, limit=opts.limit)
+        corpus = open_inputs(opts)
         corpus.check_has_text()
+        if opts.engine == "local":
+            check_model_takes(opts.model_path, opts.images)  # before the model loads
         streams = [s.name for s in corpus.sources if s.is_stream]
         if opts.resume and streams:
             raise AttnkitError(f"cannot resume a run that reads {streams[0]} (a stream cannot be read again to "
@@ -111,9 +111,12 @@ class _Job:
             # a stream is hashed as it is read: its fingerprint is recorded when the run finishes
             "corpus_sha256": None if corpus.has_streams else corpus.fingerprint(),
             # how to read the same corpus again (attnkit distances / report use it)
-            "reading": {"paths": [s.path if s.is_stream else str(Path(s.path).resolve()) for s in corpus.sources],
+            "reading": {"paths": [s.path if s.is_stream else
+                                  getattr(s, "reading_path", None) or str(Path(s.path).resolve())
+                                  for s in corpus.sources],
                         "format": opts.fmt, "text_unit": opts.text_unit,
-                        "columns": list(opts.columns) if opts.columns else None, "squad_pairs": opts.squad_pairs},
+                        "columns": list(opts.columns) if opts.columns else None, "squad_pairs": opts.squad_pairs,
+                        **({"images": True} if opts.images else {})},
             **option_settings(opts),  # the settings the options give, also compared before the model loads
             "batch_size": None,  # set by the engine
             "backend": None,
