@@ -274,5 +274,29 @@ def test_extract_cluster_and_report_from_the_command_line(tmp_path, vit_dir):
     for args in (["cluster", str(run)], ["report", str(run), "-q"]):
         res = runner.invoke(cli, args)
         assert res.exit_code == 0, res.output
-    assert (run / "report.html").stat().st_size > 0
+    page = (run / "report.html").read_text()
     assert math.isfinite(features_of(run)["mean"].sum())
+    # the two figures of image heads: distance against depth, and the [CLS] maps of the run's first image
+    for stem in ("attention_distance_by_layer", "cls_attention_maps"):
+        assert (run / "figures" / f"{stem}.png").stat().st_size > 0
+    assert "Mean attention distance of each head" in page and "embedded:astronaut" in page
+    assert page.count("data:image/png;base64,") >= 7
+
+
+def test_the_cls_maps_are_the_models_cls_rows(vit_dir, tmp_path):
+    """cls_attention_over_patches gives, per layer and head, eager's [CLS] row over the patches on the grid."""
+    from attnkit.jobs.maps import cls_attention_over_patches
+    from attnkit.models import load_model
+
+    paths = write_images(tmp_path / "imgs")
+    model, processor = load_model(str(vit_dir), device="cpu")
+    maps, image = cls_attention_over_patches(ImageItem(paths[3], path=paths[3]), model, processor)
+    px = torch.from_numpy(np.asarray(processor(images=[Image.open(paths[3]).convert("RGB")],
+                                               return_tensors="np")["pixel_values"]))
+    eager = T.AutoModel.from_pretrained(vit_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = torch.stack([a[0, :, 0, 1:] for a in eager(pixel_values=px, output_attentions=True).attentions])
+    side = SIZE // PATCH
+    assert maps.shape == (2, 2, side, side) and image.shape == (SIZE, SIZE, 3) and image.dtype == np.uint8
+    np.testing.assert_allclose(maps.reshape(2, 2, -1), want.numpy(), atol=1e-6)
+    np.testing.assert_allclose(maps[1, 0, 2, 3], want[1, 0, 2 * side + 3].item(), atol=1e-6)  # row-major grid

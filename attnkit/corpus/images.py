@@ -364,7 +364,8 @@ def is_image_corpus(corpus) -> bool:
 
 __all__ = ["EMBEDDED", "EMBEDDED_IMAGES", "IMAGE_CHARS", "MAX_IMAGE_PIXELS", "DatasetImagesSource",
            "EmbeddedImagesSource", "ImageFilesSource", "ImageItem", "ImageSource", "decode_image", "embedded_array",
-           "image_extensions", "image_problem", "image_sources", "is_image_corpus", "open_images"]
+           "image_extensions", "image_problem", "image_sources", "images_of_run", "is_image_corpus", "is_image_run",
+           "open_images"]
 
 
 def open_images(inputs=None, limit: int | None = None):
@@ -376,3 +377,24 @@ def open_images(inputs=None, limit: int | None = None):
     if limit is not None:
         check_int(limit, "limit")
     return Corpus(image_sources(inputs), limit)
+
+
+def is_image_run(meta) -> bool:
+    """Whether a run's meta.json records an image run (`attnkit extract --images`)."""
+    reading = ((meta or {}).get("settings") or {}).get("reading") if isinstance(meta, dict) else None
+    return isinstance(reading, dict) and bool(reading.get("images"))
+
+
+def images_of_run(run, meta: dict, limit: int | None = None):
+    """The images an image run measured (a `Corpus`, at most `limit`), read from meta.json's inputs as the run read
+    them and checked to be the same bytes (their SHA-256): the report's [CLS] maps are of the run's own images."""
+    reading = meta["settings"]["reading"]
+    corpus = open_images(reading.get("paths") or None, limit=limit)
+    recorded = meta.get("inputs")
+    if isinstance(recorded, list) and len(recorded) == len(corpus.sources):
+        for source, rec in zip(corpus.sources, recorded):
+            want = rec.get("sha256") if isinstance(rec, dict) else None
+            if want and source.sha256() != want:
+                raise AttnkitError(f"{source.name} changed since {run} was measured (its SHA-256 differs from "
+                                   "meta.json's)")
+    return corpus
