@@ -71,6 +71,10 @@ def extract(corpus, images, model_path, fmt, text_unit, columns, squad_pairs, ma
     for standard input; files may be gzip or zstd compressed. Segments are streamed: memory stays bounded
     whatever the corpus size.
 
+    With --images, CORPUS names images (files, folders, DATASET_DIR:COLUMN; default: the embedded image set) and
+    --model a vision transformer saved with its image processor; a folder's files of other kinds and its unreadable
+    images are skipped and recorded in meta.json.
+
     Writes OUT/features.npz (arrays mean, std: layers × heads × features; names; with --max-logit, max_logit:
     layers × heads) and OUT/meta.json
     (model, inputs with their formats and content hashes, counts, settings, versions, backend). Interrupted

@@ -176,8 +176,9 @@ class _Job:
             writer.close([d["n_segments"] for d in inputs])
             written += [PER_SAMPLE_FILE, PER_SAMPLE_META] + ([PER_SAMPLE_ROWS] if writer.rows_written else [])
         tok_s = acc.n_tokens / elapsed if elapsed > 0 and not opts.resume else None
-        self.echo(f"measured {features.n_samples} samples, {features.n_tokens} tokens "
-                  f"({n_truncated} truncated to {opts.max_length} tokens) in {elapsed:.1f}s"
+        cut = "" if opts.images else f" ({n_truncated} truncated to {opts.max_length} tokens)"  # an image is never cut
+        self.echo(f"measured {features.n_samples} {'images' if opts.images else 'samples'}, {features.n_tokens} tokens"
+                  f"{cut} in {elapsed:.1f}s"
                   + (f" ({tok_s:,.0f} tokens/s)" if tok_s else "") + f"; wrote {opts.out}/{', '.join(written)}")
         if removed:
             self.echo(removed, err=True)
