@@ -300,3 +300,29 @@ def test_the_cls_maps_are_the_models_cls_rows(vit_dir, tmp_path):
     assert maps.shape == (2, 2, side, side) and image.shape == (SIZE, SIZE, 3) and image.dtype == np.uint8
     np.testing.assert_allclose(maps.reshape(2, 2, -1), want.numpy(), atol=1e-6)
     np.testing.assert_allclose(maps[1, 0, 2, 3], want[1, 0, 2 * side + 3].item(), atol=1e-6)  # row-major grid
+
+
+@pytest.mark.parametrize("kind, prefix", [("vit", 1), ("dinov2", 3)])
+def test_an_image_processor_of_another_size_than_the_config_runs_through_interpolated_positions(tmp_path, kind,
+                                                                                                prefix):
+    """A processor making 48 × 24 images for a 32 × 32 config (as DINOv2's 224 for 518): a 6 × 3 grid, through the
+    model's interpolated position embeddings (ViT asks for interpolate_pos_encoding, DINOv2 always interpolates);
+    the features are eager's of the same pixels."""
+    model_dir = save_model(tmp_path / kind, kind)
+    T.ViTImageProcessor(size={"height": 48, "width": 24}).save_pretrained(model_dir)
+    paths = write_images(tmp_path / "imgs")[:2]
+    feats = attnkit.extract(images=paths, model=str(model_dir), device="cpu", per_sample=True)
+    processor = T.AutoImageProcessor.from_pretrained(model_dir)
+    px = torch.from_numpy(np.asarray(processor(images=[Image.open(p).convert("RGB") for p in paths],
+                                               return_tensors="np")["pixel_values"]))
+    assert px.shape[-2:] == (48, 24)
+    eager = T.AutoModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    kw = {"interpolate_pos_encoding": True} if kind == "vit" else {}
+    with torch.no_grad():
+        maps = eager(pixel_values=px, output_attentions=True, **kw).attentions
+    grid = torch.tensor([[i // 3, i % 3] for i in range(18)], dtype=torch.float64)
+    d = torch.cdist(grid, grid)
+    want = torch.stack([(a.double()[:, :, prefix:, prefix:] * d).sum(-1).mean(-1) for a in maps], 1).numpy()
+    got = feats.per_sample[..., feats.names.index("mean_attention_distance")]
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert feats.n_tokens == 2 * (prefix + 18)
