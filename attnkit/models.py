@@ -39,6 +39,7 @@ from .run.model_dir import (  # checked without torch
     check_model_dir,
     default_model_path,
     max_positions,  # noqa: F401 (attnkit.models.max_positions: where the engines read it)
+    takes_images,
 )
 
 log = logging.getLogger("attnkit")
@@ -396,8 +397,10 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     `name_or_path=None` loads the embedded MiniLM, `"smollm2"` the embedded decoder SmolLM2-135M-Instruct (the
     optional extra `attnkit[decoders]`; converted once to a cached copy: attnkit.embedded, docs/decoders.md); a
     directory written by `attnkit prune` is loaded with `attnkit.arch.pruning.load_pruned_model` (docs/pruning.md).
-    `task` picks the head: None (the bare model), "sequence-classification", "question-answering", "masked-lm",
-    "causal-lm" (a decoder with its language-model head). Returns (model, tokenizer),
+    A vision transformer's directory (attnkit.run.model_dir.takes_images) gives its image processor
+    (AutoImageProcessor) in the tokenizer's place. `task` picks the head: None (the bare model),
+    "sequence-classification", "question-answering", "masked-lm", "causal-lm" (a decoder with its language-model
+    head). Returns (model, tokenizer),
     the model in eval mode on `device` ("cpu", "cuda"; default: cuda when available).
     A directory without config, weights or tokenizer files, or whose tokenizer knows far fewer tokens
     than the model embeds (a tokenizer built from nothing), is refused with the files it lacks.
@@ -425,9 +428,15 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     check_model_dir(path)
     if max_length is not None:
         check_model_max_length(path, max_length)
+    vision = takes_images(model_config(path))
     try:
         with _no_transformers_bars():
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            if vision:  # a vision transformer's inputs come from its image processor (attnkit/pixels.py)
+                from transformers import AutoImageProcessor
+
+                tokenizer = AutoImageProcessor.from_pretrained(path)
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(path)
             if is_pruned_dir(path):  # heads removed by `attnkit prune`: transformers alone cannot load it
                 model = load_pruned_model(path, classes[task], dtype=dt)
             else:
@@ -440,9 +449,9 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
             raise AttnkitError(f"{path!r} holds a {mtype!r} model, for which transformers has no {task} model "
                                f"({TASK_NEEDS[task]})") from None
         raise AttnkitError(f"could not load a model from {path!r}: {one_line(exc)}") from None
-    if not getattr(tokenizer, "is_fast", False):
+    if not vision and not getattr(tokenizer, "is_fast", False):
         raise AttnkitError(f"the tokenizer at {path!r} is not a fast tokenizer; attnkit needs one (tokenizer.json)")
-    vocab = getattr(model.config, "vocab_size", None)
+    vocab = None if vision else getattr(model.config, "vocab_size", None)
     if vocab and len(tokenizer) < vocab // 2:
         found = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(path, f))]
         raise AttnkitError(f"the tokenizer at {path!r} knows {len(tokenizer)} tokens but the model embeds {vocab}: "
@@ -450,7 +459,7 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     if max_length is not None:
         check_max_length(model, max_length)
     model.to(dev).eval()
-    instrument(model, tokenizer)
+    instrument(model, None if vision else tokenizer)
     if task == "causal-lm" and not any(getattr(m, "is_causal", False) for m in model._attnkit_modules):
         # transformers gives an encoder a language-model head too, but its rows see the tokens they predict
         raise AttnkitError(f"{path!r} holds a {model.config.model_type!r} model whose attention is not causal: "

@@ -11,15 +11,22 @@ Llama, Qwen, Mistral, Gemma, ...), or `causal=True`. There CLS is the sample's f
 holds (the BOS token where the tokenizer adds one: where a causal model puts its attention sink), SEP the EOS
 tokens, and a BOS token elsewhere is OTHER. A decoder has no pair format, so text pairs are refused, not joined.
 A tokenizer without a padding token pads with its EOS token (the attention mask marks the padding either way).
+
+Images: `ImageEncoder` builds a vision transformer's batches from images (below, "images").
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from .attention.positions import ImageLayout, ImageTokens, image_tokens
+from .attention.runtime import RUNTIME_ATTR
+from .corpus.images import ImageItem, decode_image
 from .errors import AttnkitError, check_int
 from .features import CLS, COMMA, DEFAULT_MAX_LENGTH, OTHER, PERIOD, SEP
 
@@ -105,8 +112,8 @@ class EncodedArrays:
         lengths = self.lengths[index]
         width = int(lengths.max()) if len(lengths) else 0
 
-        def take(a: np.ndarray) -> np.ndarray:
-            return np.ascontiguousarray(a[index, :width])
+        def take(a: np.ndarray) -> np.ndarray:  # an image's pixel_values (B×C×H×W) have no token axis to cut
+            return np.ascontiguousarray(a[index, :width] if a.ndim == 2 else a[index])
 
         full = None if self.full_lengths is None else self.full_lengths[index]
         target = None if self.target is None else self.target._batch_of(index)
@@ -209,6 +216,10 @@ class Encoder:
         """Tokenise `segments` into numpy arrays (what worker processes run: no torch operations)."""
         if not segments:
             raise AttnkitError("cannot encode an empty batch")
+        for s in segments:
+            if not isinstance(s, (str, tuple, list)):
+                raise AttnkitError(f"this model takes text, not {type(s).__name__} {s!r:.60}: images need a vision "
+                                   "transformer")
         if self.decoder_start is not None:
             return self.encode_pairs(segments)
         items = [self.bounded(s) if isinstance(s, str) else [self.bounded(x) for x in s] for s in segments]
@@ -335,6 +346,85 @@ def pair_decoder_start(config) -> int | None:
         raise AttnkitError(f"the {config.model_type!r} encoder–decoder's config names no decoder_start_token_id: "
                            "attnkit cannot build the decoder's teacher-forced input")
     return start
+
+
+# --- images (docs/features.md §10) -------------------------------------------------------------------------------
+# From images to batches, as `Encoder` turns texts into them: the images of a corpus (attnkit.corpus.images.ImageItem,
+# decoded and converted to RGB there) through the model's own image processor (transformers' AutoImageProcessor:
+# resizing, cropping, normalising) into `pixel_values`, with the tokens the vision transformer will make of them: its
+# tokens before the patches ([CLS], DeiT's distillation token, DINOv2's registers), then rows × columns patches
+# (attnkit/attention/positions.py). Every image of a batch is processed to one size, so every sample has the same
+# tokens and nothing is padded or truncated. An image processor that makes images of another size than the model's
+# config (DINOv2's crops 224 pixels for a config of 518) is measured through the model's interpolated position
+# embeddings (`image_forward_arguments`).
+
+
+class ImageEncoder:
+    """Turns lists of `ImageItem`s into batches (`encode_arrays`, as `attnkit.tokens.Encoder`) for one vision
+    transformer: `processor` its image processor, `layout` its tokens (the instrumented model's `Runtime.image`)."""
+
+    def __init__(self, processor, layout: ImageLayout):
+        if layout is None:
+            raise AttnkitError("images need a vision transformer: this model takes text")
+        if not callable(processor) or not hasattr(processor, "preprocess"):
+            raise AttnkitError(f"a vision transformer's inputs come from its image processor (AutoImageProcessor), "
+                               f"not a {type(processor).__name__}")
+        self.processor, self.layout = processor, layout
+
+    def encode_arrays(self, items: Sequence[ImageItem]) -> EncodedArrays:
+        """Decode and process `items` into numpy arrays (what worker processes run: no torch operations)."""
+        if not items:
+            raise AttnkitError("cannot encode an empty batch")
+        for item in items:
+            if not isinstance(item, ImageItem):
+                raise AttnkitError(f"this model is a vision transformer ({self.layout.model_type}): it takes images, "
+                                   f"not {type(item).__name__} {item!r:.60}")
+        images = [decode_image(item) for item in items]
+        pixels = np.ascontiguousarray(self.processor(images=images, return_tensors="np")["pixel_values"],
+                                      dtype=np.float32)
+        if pixels.ndim != 4 or pixels.shape[1] != self.layout.channels:
+            raise AttnkitError(f"the image processor made pixel_values of shape {pixels.shape}, not B × "
+                               f"{self.layout.channels} × H × W")
+        tokens = ImageTokens(self.layout, tuple(pixels.shape[-2:]))
+        rows, cols = tokens.shape
+        if rows * cols == 0:
+            raise AttnkitError(f"the image processor made {pixels.shape[2]}×{pixels.shape[3]} images, smaller than "
+                               f"one {self.layout.patch[0]}×{self.layout.patch[1]} patch")
+        L = len(self.layout.prefix) + rows * cols
+        classes = image_tokens(tokens, L, "cpu")[0].numpy()
+        B = len(items)
+        lengths = np.full(B, L, dtype=np.int64)
+        return EncodedArrays({"pixel_values": pixels}, lengths, np.ascontiguousarray(np.repeat(classes, B, 0)),
+                             np.zeros((B, L), dtype=np.int32), 0, lengths.copy())
+
+    def __call__(self, items: Sequence[ImageItem]):
+        return Batch.from_arrays(self.encode_arrays(items))
+
+
+@functools.cache
+def _takes_interpolation(cls) -> bool:
+    return "interpolate_pos_encoding" in inspect.signature(cls.forward).parameters
+
+
+def image_forward_arguments(model, inputs: dict) -> dict:
+    """Keyword arguments a forward of `model` on `inputs` needs besides them: `interpolate_pos_encoding=True` when
+    the pixel_values are of another size than the config's and the model interpolates its position embeddings only
+    when asked (ViT, DeiT, BEiT, CLIP, SigLIP; DINOv2 always does). Empty for text."""
+    pixels = inputs.get("pixel_values")
+    layout = getattr(getattr(model, RUNTIME_ATTR, None), "image", None)
+    if pixels is None or layout is None or tuple(pixels.shape[-2:]) == tuple(layout.image):
+        return {}
+    return {"interpolate_pos_encoding": True} if _takes_interpolation(type(model)) else {}
+
+
+def batch_encoder(model, preprocessor, *, max_length: int, split_sentences: bool = False):
+    """What builds the batches of `model`: an `ImageEncoder` of its image processor for a vision transformer, else
+    an `attnkit.tokens.Encoder` of its tokenizer."""
+    layout = getattr(getattr(model, RUNTIME_ATTR, None), "image", None)
+    if layout is not None:
+        return ImageEncoder(preprocessor, layout)
+    return Encoder(preprocessor, max_length=max_length, split_sentences=split_sentences,
+                   decoder_start=pair_decoder_start(model.config))  # an encoder–decoder measures pairs
 
 
 # How a token's text is drawn where whitespace would vanish (maps, the report's head view; `shown_token`).

@@ -319,7 +319,57 @@ def attention_examples(examples, max_tokens: int = 40):
     return fig
 
 
+def attention_distance_by_layer(distance, patch: int | None = None):
+    """Dosovitskiy et al. (ViT) Fig. 7: each head's mean attention distance (L × H, in patches; NaN: a removed head)
+    against its layer, one point per head. `patch`: the patch size in pixels, for a second axis in pixels."""
+    d = np.asarray(distance, dtype=np.float64)
+    L, H = d.shape
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.45 * L + 3), 4.0))
+    layers = np.repeat(np.arange(L), H)
+    jitter = (np.tile(np.arange(H), L) - (H - 1) / 2) * (0.5 / max(H, 1))  # the heads of a layer side by side
+    ax.scatter(layers + jitter, d.ravel(), s=22, color="#1f77b4", alpha=0.8, edgecolors="white", linewidths=0.4)
+    ax.set_xticks(range(L))
+    ax.set_xlim(-0.6, L - 0.4)
+    ax.set_xlabel("layer (network depth)")
+    ax.set_ylabel("mean attention distance (patches)")
+    top = np.nanmax(d) if np.isfinite(d).any() else 1.0
+    ax.set_ylim(0, 1.08 * top if top > 0 else 1.0)
+    if patch:
+        px = ax.secondary_yaxis("right", functions=(lambda x: x * patch, lambda x: x / patch))
+        px.set_ylabel("pixels")
+    ax.set_title("mean attention distance of each head by layer", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def cls_attention_maps(maps, image=None):
+    """DINO's figure (Caron et al. 2021, Fig. 1): for one image, each head's attention from [CLS] to the patches
+    (`maps`, layers × heads × rows × columns), a small heatmap per head, layers down and heads across, each scaled
+    to its own maximum; `image` (H × W × 3 uint8, as the model saw it) drawn first in the top-left corner."""
+    m = np.asarray(maps, dtype=np.float64)
+    L, H = m.shape[:2]
+    cols = H + (image is not None)
+    fig, axes = plt.subplots(L, cols, figsize=(0.9 * cols + 0.6, 0.9 * L + 0.6), squeeze=False)
+    for ax in axes.ravel():
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_frame_on(False)
+    for layer in range(L):
+        axes[layer, 0].set_ylabel(f"L{layer}", fontsize=7, rotation=0, labelpad=10)
+        for h in range(H):
+            ax = axes[layer, h + (image is not None)]
+            ax.imshow(m[layer, h], cmap="inferno", interpolation="nearest")
+            if layer == 0:
+                ax.set_title(f"H{h}", fontsize=7)
+    if image is not None:
+        axes[0, 0].imshow(image)
+        axes[0, 0].set_title("image", fontsize=7)
+    fig.suptitle("[CLS] attention over the patches, per head", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 __all__ = ["DECODER_HEATMAP_FEATURES", "save_figure", "feature_heatmaps", "grid_heatmaps",
            "tsne_scatter", "mds_maps", "type_share_per_layer",
            "distance_boxplots", "stability_sweep", "attention_examples", "type_colors", "label_candidates",
-           "place_head_labels"]
+           "place_head_labels", "attention_distance_by_layer", "cls_attention_maps"]

@@ -131,12 +131,17 @@ def _example_sources(run: Path, feats: HeadFeatures, wanted: bool, say, *, corpu
     inputs (`unverifiable_corpus`), or whose model or corpus cannot be read, gets none, with a note; when asked
     for, that is an error."""
     from ..corpus import corpus_of_run
+    from ..corpus.images import images_of_run, is_image_run
     from ..models import load_model
 
     name = feats.meta.get("model") or None
     try:
         if not wanted and name is None:
             raise AttnkitError("the run records no model")
+        if is_image_run(feats.meta) and corpus is None:  # one of its images, for the [CLS] maps
+            images = list(itertools.islice(images_of_run(run, feats.meta, limit=1), 1))
+            say(f"attnkit report: loading the model of {run} for the [CLS] maps of {images[0].name}")
+            return images, load_model(name, device=device)
         if not wanted and corpus is None and unverifiable_corpus(feats.meta):
             raise AttnkitError(unverifiable_corpus(feats.meta))
         texts = list(itertools.islice(corpus_of_run(run, feats.meta, corpus, fmt, squad_pairs=squad_pairs,
@@ -148,7 +153,8 @@ def _example_sources(run: Path, feats: HeadFeatures, wanted: bool, say, *, corpu
     except AttnkitError as exc:
         if wanted:
             raise
-        say(f"attnkit report: no example inputs ({exc}); give --examples 0 to skip them quietly")
+        what = "[CLS] maps" if is_image_run(feats.meta) else "example inputs"
+        say(f"attnkit report: no {what} ({exc}); give --examples 0 to skip them quietly")
         return None, None
 
 

@@ -59,7 +59,8 @@ from .results import save_clusters
 
 # The figures the report writes into RUN/figures (a replaced report replaces them).
 REPORT_FIGURES = ("type_share_per_layer", "distance_boxplots", "stability_sweep", "tsne_types", "mds_js",
-                  "feature_heatmaps", "layer_summaries", "attention_examples", "detected_heads")
+                  "feature_heatmaps", "layer_summaries", "attention_examples", "detected_heads",
+                  "attention_distance_by_layer", "cls_attention_maps")
 DEFAULT_EXAMPLES = 4  # example inputs whose maps the page embeds (`attnkit report --examples`)
 EXAMPLE_MAX_LENGTH = 64  # tokens of an example input at most (fewer when the run was extracted with fewer)
 EXAMPLE_MIN_TOKENS = 6  # shorter inputs (a title, an empty line) make poor examples
@@ -227,6 +228,8 @@ class Report:
         self.head_ids = [f"L{m // H}H{m % H}" for m in range(L * H)]
         # distances.npz when it is this run's (another model's or corpus's is listed as not shown: attached.py)
         self.distances: HeadDistances | None = attached.distances
+        self.image = "mean_attention_distance" in features.names  # a vision transformer's run
+        self.cls_maps = None  # an image run: (layers × heads × rows × cols [CLS] attention, the image, its name)
         self.maps = []  # AttentionMaps of the example inputs, shortest first
         self.example_idx: list[int] = []  # their indices in texts
         self.notes: list[str] = []
@@ -554,6 +557,33 @@ def heatmaps(r: Report) -> Section:
         header=["layer"] + [shown.get(k, k) for k in labels], rows=rows))
 
 
+def image_heads(r: Report) -> Section | None:
+    """A vision transformer's run: each head's mean attention distance against depth (Dosovitskiy et al. Fig. 7),
+    and for one image each head's [CLS] attention over the patches (Caron et al., DINO, Fig. 1)."""
+    if not r.image:
+        return None
+    patch = None
+    if r.model is not None:
+        from ..models import runtime_of
+
+        patch = runtime_of(r.model[0]).image.patch[0]
+    distance = r.kept_values(r.features.mean[..., r.features.names.index("mean_attention_distance")])
+    figures = [r.img(figs.attention_distance_by_layer(distance, patch), "attention_distance_by_layer",
+                     "Mean attention distance of each head (dots; Σ weight × distance between patches on the grid, "
+                     "in patches, averaged over patch queries and images) against its layer (cf. Dosovitskiy et al. "
+                     "Fig. 7).")]
+    notes = []
+    if r.cls_maps is not None:
+        maps, image, name = r.cls_maps
+        figures.append(r.img(figs.cls_attention_maps(maps, image), "cls_attention_maps",
+                             f"[CLS] attention over the patches of one image ({name}), per head: layers down, heads "
+                             "across, each map scaled to its own maximum (cf. Caron et al., DINO, Fig. 1)."))
+    else:
+        notes.append("No [CLS] maps: `attnkit report` draws them from the run's first image with the run's model, "
+                     "which were not read (see the notes above), or the report was made with --examples 0.")
+    return Section("images", "Image heads", part("figures_and_notes", figs=figures, notes=notes))
+
+
 def detected_section(r: Report) -> Section | None:
     """`attnkit detect-heads`'s scores: one layer × head grid per kind, and the top heads of each."""
     d = r.attached.detected
@@ -683,7 +713,8 @@ def settings(r: Report) -> Section:
 # The sections in page order. Other analyses add theirs here (a function (report) -> Section | None), e.g.
 # SECTIONS.insert(SECTIONS.index(heatmaps) + 1, my_section).
 SECTIONS: list[Callable[[Report], Section | None]] = [
-    findings, explorer, inputs_section, types_figures, head_maps, heatmaps, detected_section, example_section,
+    findings, explorer, inputs_section, types_figures, head_maps, heatmaps, image_heads, detected_section,
+    example_section,
     patterns_section,
     probe_section, ablation_section, links_section, tables, glossary_section, settings]
 
@@ -724,6 +755,11 @@ def _example_maps(r: Report) -> None:
     """The maps of the example inputs (the shortest of the texts, within MAPS_BUDGET_BYTES): one forward each with
     `attnkit.attention_maps`, as `attnkit report --corpus` reads the texts."""
     if not (r.n_examples and r.texts is not None and r.model is not None):
+        return
+    if r.image:  # the [CLS] maps of the run's first image (`image_heads`)
+        from ..jobs.maps import cls_attention_over_patches
+
+        r.cls_maps = (*cls_attention_over_patches(r.texts[0], *r.model), r.texts[0].name)
         return
     from ..jobs.maps import attention_maps
 
@@ -788,7 +824,7 @@ def build_report(run_dir, *, k: int | None = None, method: str = "kmeans", seed:
         _example_maps(report)
         # types, box plots, t-SNE, heatmaps, per-layer summaries; the sweep, MDS and examples when they are drawn
         save.expect(5 + bool(data["stability"].get("sweep")) + (report.distances is not None) + bool(report.maps)
-                    + (attached.detected is not None))
+                    + (attached.detected is not None) + report.image + (report.cls_maps is not None))
         panel = _panel(report)  # first: it reads the examples' texts, which may be damaged, before any figure
         sections = [s for s in (build(report) for build in SECTIONS) if s is not None]
     finally:

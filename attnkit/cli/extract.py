@@ -12,6 +12,11 @@ from .options import OutputPath, check_devices, cli_errors, command_line, echo_f
 
 @click.command()
 @click.argument("corpus", nargs=-1, metavar="[CORPUS]...")
+@click.option("--images", is_flag=True,
+              help="CORPUS names images: image files, folders (searched recursively; other files skipped and "
+                   "counted), DATASET_DIR:COLUMN (a datasets directory's image column) or 'embedded' (the default: "
+                   "scikit-image's sample images, pip install 'attnkit[vision]'), read through the model's image "
+                   "processor. The model must be a vision transformer (docs/features.md §10).")
 @shared("model", "format")
 @click.option("--text-unit", type=click.Choice(["auto", "line", "paragraph", "file"]), default="auto",
               show_default=True,
@@ -57,7 +62,7 @@ from .options import OutputPath, check_devices, cli_errors, command_line, echo_f
                    "same choice.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
-def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length, batch_size, window, device,
+def extract(corpus, images, model_path, fmt, text_unit, columns, squad_pairs, max_length, batch_size, window, device,
             devices, workers, threads, dtype, num_windows, sentences, limit, backend, engine, ray_address, out, resume,
             overwrite, checkpoint_every, per_sample, weighting, max_logit, quiet):
     """Measure per-head attention features over CORPUS (default: a small built-in English corpus).
@@ -65,6 +70,10 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
     CORPUS is any number of files, directories (searched recursively for corpus files), shell globs, or '-'
     for standard input; files may be gzip or zstd compressed. Segments are streamed: memory stays bounded
     whatever the corpus size.
+
+    With --images, CORPUS names images (files, folders, DATASET_DIR:COLUMN; default: the embedded image set) and
+    --model a vision transformer saved with its image processor; a folder's files of other kinds and its unreadable
+    images are skipped and recorded in meta.json.
 
     Writes OUT/features.npz (arrays mean, std: layers × heads × features; names; with --max-logit, max_logit:
     layers × heads) and OUT/meta.json
@@ -77,7 +86,7 @@ def extract(corpus, model_path, fmt, text_unit, columns, squad_pairs, max_length
 
     check_not_in_use(out)  # a directory another command holds is refused first, as the job's lock would
     opts = ExtractOptions(
-        paths=list(corpus), model_path=model_path, fmt=fmt, text_unit=text_unit, columns=columns,
+        paths=list(corpus), images=images, model_path=model_path, fmt=fmt, text_unit=text_unit, columns=columns,
         squad_pairs=squad_pairs, max_length=max_length, batch_size=batch_size, window=window, device=device,
         devices=devices, dtype=dtype, num_windows=num_windows, sentences=sentences, limit=limit, backend=backend,
         workers=workers, threads=threads, engine=engine, ray_address=ray_address, out=out, resume=resume,

@@ -413,6 +413,8 @@ def corpus_of_run(run, meta: dict, corpus=None, fmt: str = "auto", *, squad_pair
     given = corpus
     if corpus is None:
         reading = (meta.get("settings") or {}).get("reading")
+        if isinstance(reading, dict) and reading.get("images"):
+            raise AttnkitError(f"{run} measured images (attnkit extract --images): they are no text to read again")
         if isinstance(reading, dict) and reading.get("paths"):
             paths = reading["paths"]
             fmt, text_unit = reading.get("format") or "auto", reading.get("text_unit") or "auto"

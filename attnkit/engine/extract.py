@@ -31,7 +31,7 @@ from ..models import attention_modules, check_max_length, model_feature_names, o
 from ..ops import BACKENDS, backend_label, resolve_backend
 from ..run.head_features import FeatureAccumulator, HeadFeatures
 from ..run.identity import IDENTITY_FIELD, model_identity
-from ..tokens import Encoder, Segment, pair_decoder_start
+from ..tokens import Segment, batch_encoder
 from .devices import parse_devices, replicate
 from .forward import default_batch_size, device_forward, measuring
 from .local import BatchResult, check_workers, run_pipeline
@@ -164,8 +164,8 @@ def run_extraction(
     state = resume or ExtractionState(FeatureAccumulator(*shape, names))
     if state.accumulator.names != names or state.accumulator.sum.shape[:2] != shape:
         raise AttnkitError("the accumulated features belong to another model or feature set")
-    encoder = Encoder(tokenizer, max_length=settings.max_length, split_sentences=settings.split_sentences,
-                      decoder_start=pair_decoder_start(model.config))  # an encoder–decoder measures pairs
+    # a vision model's batches from its image processor, an encoder–decoder's from (source, target) pairs
+    encoder = batch_encoder(model, tokenizer, max_length=settings.max_length, split_sentences=settings.split_sentences)
     planned = plan_batches(segments, settings.batch_size, settings.window, skip_segments=state.next_index,
                            grouped=True)
     bar = _ProgressBar(label, segments, total, state.next_index, state.accumulator.n_tokens) if progress else None
@@ -228,9 +228,10 @@ def check_texts(texts) -> list:
 
 
 def extract(
-    texts: Sequence[Segment],
+    texts: Sequence[Segment] | None = None,
     model=None,
     *,
+    images=None,
     max_length: int = DEFAULT_MAX_LENGTH,
     batch_size: int | None = None,
     device=None,
@@ -251,7 +252,9 @@ def extract(
     max_logit: bool = False,
 ) -> HeadFeatures:
     """Per-head features of `texts` (a list of str or of (str, str) pairs, or an attnkit.corpus.Corpus, which
-    is streamed) under `model`.
+    is streamed) under `model`; or, for a vision transformer, of `images` instead: "embedded" (scikit-image's sample
+    images), image files, folders, "DATASET_DIR:COLUMN", a list of them, or a Corpus of
+    attnkit.corpus.images.open_images, decoded and processed by the model's image processor (docs/features.md §10).
 
     `model`: None for the embedded MiniLM, a local path, or a (model, tokenizer) pair.
     `backend`: "reference" (pure PyTorch), "fused" (the compiled op), "auto" (fused when loaded).
@@ -271,8 +274,16 @@ def extract(
     pass per layer (`.save(dir)` writes it into features.npz).
     """
     from ..corpus import Corpus
+    from ..corpus.images import open_images
+    from ..run.model_dir import check_model_takes
 
-    if not isinstance(texts, Corpus):  # a Corpus streams (and checks) its own segments
+    if (texts is None) == (images is None):
+        raise AttnkitError(f"give {arg('texts')} or {arg('images')}" + ("" if texts is None else ", not both"))
+    if model is None or isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        check_model_takes(model, images is not None)  # from config.json, before the model loads
+    if images is not None:
+        texts = images if isinstance(images, Corpus) else open_images(images)
+    elif not isinstance(texts, Corpus):  # a Corpus streams (and checks) its own segments
         texts = check_texts(texts)
         # pairs for an encoder–decoder, single texts for a decoder: refused before a model given by its path loads
         check_segments_for_model(texts, given_config(model))

@@ -20,7 +20,7 @@ from ..attention.kinds import layer_of
 from ..errors import AttnkitError
 from ..features import DEFAULT_NUM_WINDOWS, check_weighting, num_features
 from ..models import attention_modules, runtime_of
-from ..tokens import Batch, EncodedArrays
+from ..tokens import Batch, EncodedArrays, image_forward_arguments
 
 DEFAULT_BATCH_SIZE = {"cpu": 16, "cuda": 64}
 
@@ -88,7 +88,7 @@ def forward_features(model, batch, rt=None, *, to_cpu: bool = True) -> torch.Ten
     try:
         with rt.attached(EarlyStop(features)), rt.batch_of(batch), torch.inference_mode():
             try:
-                model(**batch.inputs, **no_cache(model))
+                model(**batch.inputs, **no_cache(model), **image_forward_arguments(model, batch.inputs))
             except FeaturesComplete:
                 pass
         missing = [i for i in range(n_layers) if i not in features.store]

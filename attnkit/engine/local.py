@@ -98,8 +98,7 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="attnkit-parent-watch", daemon=True).start()
 
 
-def _worker_main(tasks, results, tokenizer, max_length: int, split_sentences: bool, parent: int,
-                 decoder_start: int | None = None) -> None:
+def _worker_main(tasks, results, encoder, parent: int) -> None:
     """A tokenisation worker process: tasks (lists of batches' segments) from `tasks`, in order, and for each one
     ("ok", its arrays, the seconds tokenising them took: the run re-measures its plan with them) or ("error", which
     batch, the failure) to `results`, in the same order. A thread of its own sends them, so the worker goes on with
@@ -112,7 +111,6 @@ def _worker_main(tasks, results, tokenizer, max_length: int, split_sentences: bo
     # traceback. A worker just ends on SIGTERM.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ[TOKENIZER_THREADS] = "false"
-    encoder = Encoder(tokenizer, max_length=max_length, split_sentences=split_sentences, decoder_start=decoder_start)
     outbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def send() -> None:
@@ -135,7 +133,8 @@ def _worker_main(tasks, results, tokenizer, max_length: int, split_sentences: bo
             try:
                 out.append(encoder.encode_arrays(segments))
             except Exception as exc:
-                outbox.put(("error", j, f"{type(exc).__name__}: {exc}"))
+                why = str(exc) if isinstance(exc, AttnkitError) else f"{type(exc).__name__}: {exc}"
+                outbox.put(("error", j, why))
                 break
         else:
             outbox.put(("ok", out, time.perf_counter() - t))
@@ -165,8 +164,7 @@ class _Worker:
         tasks_end, self.tasks = ctx.Pipe(duplex=False)
         self.results, results_end = ctx.Pipe(duplex=False)
         self.process = ctx.Process(target=_worker_main, name="attnkit-tokenise", daemon=True,
-                                   args=(tasks_end, results_end, encoder.tokenizer, encoder.max_length,
-                                         encoder.split_sentences, os.getpid(), encoder.decoder_start))
+                                   args=(tasks_end, results_end, encoder, os.getpid()))
         self.process.start()
         tasks_end.close()  # the worker holds the other ends alone: its death is an end of file here
         results_end.close()

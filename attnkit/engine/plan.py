@@ -64,7 +64,10 @@ def take_forwards(items: Iterator, forwards: int, *, at_least: int = 1, planned=
 
 
 def segment_chars(segment: Segment) -> int:
-    return len(segment) if isinstance(segment, str) else sum(len(x) for x in segment)
+    """A segment's characters; an image (attnkit.corpus.images.ImageItem) counts as its nominal `chars`."""
+    if isinstance(segment, str):
+        return len(segment)
+    return segment.chars if hasattr(segment, "chars") else sum(len(x) for x in segment)
 
 
 def check_plan_settings(batch_size: int, window: int) -> None:

@@ -43,18 +43,12 @@ from ..ops import backend_label
 from ..run.files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
 from ..run.identity import IDENTITY_FIELD, model_identity
 from ..run.locking import output_directory
+from ..run.model_dir import check_model_takes
 from ..run.outputs import check_output_path
 from ..run.per_sample import PerSampleWriter
 from ..run.rundir import RunDir
 from ..run.versions import versions
-from .job_options import (
-    ENGINES,
-    ExtractOptions,
-    check_extract_options,
-    extract_inputs,
-    open_extract_corpus,
-    option_settings,
-)
+from .job_options import ENGINES, ExtractOptions, check_extract_options, extract_inputs, open_inputs, option_settings
 
 # what describes an input's bytes (compared through corpus_sha256 and named when it differs), not how it is read
 INPUT_STATE = ("n_segments", "sha256", "size", "mtime")
@@ -90,8 +84,10 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
                           inputs=inputs):
         if not opts.resume:
             run.check_new(opts.overwrite, opts.per_sample)
-        corpus = open_extract_corpus(opts)  # pairs for an encoder–decoder (docs/seq2seq.md)
+        corpus = open_inputs(opts)  # images, or pairs for an encoder–decoder (docs/seq2seq.md)
         corpus.check_has_text()
+        if opts.engine == "local":
+            check_model_takes(opts.model_path, opts.images)  # before the model loads
         streams = [s.name for s in corpus.sources if s.is_stream]
         if opts.resume and streams:
             raise AttnkitError(f"cannot resume a run that reads {streams[0]} (a stream cannot be read again to "
@@ -115,9 +111,12 @@ class _Job:
             # a stream is hashed as it is read: its fingerprint is recorded when the run finishes
             "corpus_sha256": None if corpus.has_streams else corpus.fingerprint(),
             # how to read the same corpus again (attnkit distances / report use it)
-            "reading": {"paths": [s.path if s.is_stream else str(Path(s.path).resolve()) for s in corpus.sources],
+            "reading": {"paths": [s.path if s.is_stream else
+                                  getattr(s, "reading_path", None) or str(Path(s.path).resolve())
+                                  for s in corpus.sources],
                         "format": opts.fmt, "text_unit": opts.text_unit,
-                        "columns": list(opts.columns) if opts.columns else None, "squad_pairs": opts.squad_pairs},
+                        "columns": list(opts.columns) if opts.columns else None, "squad_pairs": opts.squad_pairs,
+                        **({"images": True} if opts.images else {})},
             **option_settings(opts),  # the settings the options give, also compared before the model loads
             "batch_size": None,  # set by the engine
             "backend": None,
@@ -178,8 +177,9 @@ class _Job:
             writer.close([d["n_segments"] for d in inputs])
             written += [PER_SAMPLE_FILE, PER_SAMPLE_META] + ([PER_SAMPLE_ROWS] if writer.rows_written else [])
         tok_s = acc.n_tokens / elapsed if elapsed > 0 and not opts.resume else None
-        self.echo(f"measured {features.n_samples} samples, {features.n_tokens} tokens "
-                  f"({n_truncated} truncated to {opts.max_length} tokens) in {elapsed:.1f}s"
+        cut = "" if opts.images else f" ({n_truncated} truncated to {opts.max_length} tokens)"  # an image is never cut
+        self.echo(f"measured {features.n_samples} {'images' if opts.images else 'samples'}, {features.n_tokens} tokens"
+                  f"{cut} in {elapsed:.1f}s"
                   + (f" ({tok_s:,.0f} tokens/s)" if tok_s else "") + f"; wrote {opts.out}/{', '.join(written)}")
         if removed:
             self.echo(removed, err=True)

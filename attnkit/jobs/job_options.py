@@ -22,6 +22,7 @@ class ExtractOptions:
     """Everything `attnkit extract` takes (its options, by their Python names)."""
 
     paths: list = field(default_factory=list)
+    images: bool = False  # `paths` name images (attnkit/corpus/images.py; none: the embedded image set)
     model_path: str | None = None
     fmt: str = "auto"
     text_unit: str = "auto"
@@ -112,6 +113,40 @@ def check_extract_options(opts: ExtractOptions) -> None:
                                "has none)")
     check_ray_address(opts.engine, opts.ray_address)
     check_output_path(opts.out)
+    if opts.images:
+        check_image_options(opts)
+
+
+def check_image_options(opts: ExtractOptions) -> None:
+    """Refuse, with `images`, the options that only say how to read or cut text."""
+    text_only = [name for name, given in (("fmt", opts.fmt != "auto"), ("text_unit", opts.text_unit != "auto"),
+                                          ("columns", opts.columns), ("squad_pairs", opts.squad_pairs),
+                                          ("sentences", opts.sentences)) if given]
+    if text_only:
+        raise AttnkitError(f"{arg(text_only[0])} says how to read text; with {arg('images')} the inputs are images "
+                           "(a datasets directory's image column is named as DIR:COLUMN)")
+    if opts.engine == "ray":
+        raise AttnkitError(f"images are measured by the local engine (drop {arg('engine')} ray)")
+    if "-" in [str(p) for p in opts.paths]:
+        raise AttnkitError(f"{arg('images')} reads image files, not standard input")
+
+
+def open_inputs(opts: ExtractOptions):
+    """The corpus `opts` name: images (`images`), or texts opened for the model (read from config.json alone, before
+    the model loads; docs/seq2seq.md): an encoder–decoder's as (source, target) pairs, refusing inputs of single
+    texts; a decoder-only model's refusing inputs of pairs."""
+    from ..corpus import open_corpus
+    from ..corpus.images import open_images
+    from ..corpus.pairs import check_corpus_for_model, reads_pairs
+    from ..embedded import model_config
+
+    if opts.images:
+        return open_images(opts.paths or None, limit=opts.limit)
+    config = model_config(opts.model_path)
+    corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
+                         squad_pairs=opts.squad_pairs, limit=opts.limit, pairs=reads_pairs(config))
+    check_corpus_for_model(corpus, config)
+    return corpus
 
 
 def extract_inputs(opts: ExtractOptions) -> list:
@@ -126,6 +161,7 @@ def preflight_extract(opts: ExtractOptions) -> None:
     names a file in a wrong format; standard input is left for the job), and the model directory with
     `max_length` against its positions (local engine: on a Ray cluster it may exist only on the workers)."""
     from ..run.locking import lock_owner
+    from ..run.model_dir import check_model_takes
     from ..run.rundir import RunDir
 
     check_extract_options(opts)
@@ -142,27 +178,13 @@ def preflight_extract(opts: ExtractOptions) -> None:
             now.setdefault("max_logit", None)  # so does a run without max logits
             run.check_resume_settings(now)
     if "-" not in [str(p) for p in opts.paths]:
-        open_extract_corpus(opts).check_has_text()
+        open_inputs(opts).check_has_text()
     if opts.engine == "local":
         if opts.model_path:
             check_model_dir(str(opts.model_path))
+        check_model_takes(opts.model_path, opts.images)  # images for a text model, or text for a vision one
         check_output_place(opts.out, extract_inputs(opts))  # (the job checks it again, under its lock)
         check_model_max_length(opts.model_path, opts.max_length)  # config.json is enough
-
-
-def open_extract_corpus(opts: ExtractOptions):
-    """The corpus `attnkit extract` reads, opened for its model (read from config.json alone, before the model
-    loads; docs/seq2seq.md): an encoder–decoder's as (source, target) pairs, refusing inputs of single texts; a
-    decoder-only model's refusing inputs of pairs."""
-    from ..corpus import open_corpus
-    from ..corpus.pairs import check_corpus_for_model, reads_pairs
-    from ..embedded import model_config
-
-    config = model_config(opts.model_path)
-    corpus = open_corpus(opts.paths or None, opts.fmt, text_unit=opts.text_unit, columns=opts.columns,
-                         squad_pairs=opts.squad_pairs, limit=opts.limit, pairs=reads_pairs(config))
-    check_corpus_for_model(corpus, config)
-    return corpus
 
 
 @dataclass
@@ -218,5 +240,5 @@ def preflight_distances(opts: DistancesOptions):
 
 
 __all__ = ["ENGINES", "DistancesOptions", "ExtractOptions", "check_distances_options", "check_engine",
-           "check_extract_options", "extract_inputs", "open_extract_corpus", "option_settings", "preflight_distances",
-           "preflight_extract"]
+           "check_extract_options", "check_image_options", "extract_inputs", "open_inputs", "option_settings",
+           "preflight_distances", "preflight_extract"]

@@ -103,4 +103,30 @@ def attention_maps(text, model=None, *, tokenizer=None, max_length: int = DEFAUL
     return AttentionMaps(text if isinstance(text, str) else tuple(text), tokens, weights)
 
 
-__all__ = ["AttentionMaps", "attention_maps"]
+def cls_attention_over_patches(item, model, processor) -> tuple[np.ndarray, np.ndarray]:
+    """For one image (`item`, an attnkit.corpus.images.ImageItem) under an instrumented vision transformer and its
+    image processor: (layers × heads × rows × columns, the attention of [CLS] to each patch; the image as the model
+    saw it, H × W × 3 uint8, its pixel_values scaled back to 0..255). Processed as `attnkit extract --images` does
+    (attnkit.tokens.ImageEncoder)."""
+    from ..attention.positions import ImageTokens
+    from ..models import runtime_of
+    from ..tokens import ImageEncoder, image_forward_arguments
+
+    layout = runtime_of(model).image
+    arrays = ImageEncoder(processor, layout).encode_arrays([item])
+    dev = next(model.parameters()).device
+    inputs = {k: torch.from_numpy(v).to(dev) for k, v in arrays.inputs.items()}
+    with torch.inference_mode():
+        out = model(**inputs, output_attentions=True, **image_forward_arguments(model, inputs))
+    rows, cols = ImageTokens(layout, tuple(inputs["pixel_values"].shape[-2:])).shape
+    first = len(layout.prefix)
+    if not first:
+        raise AttnkitError(f"a {layout.model_type} model has no [CLS] token: there is no [CLS] attention to map")
+    maps = torch.stack([a[0, :, 0, first:] for a in out.attentions]).float().cpu().numpy()
+    px = arrays.inputs["pixel_values"][0].transpose(1, 2, 0)
+    lo, hi = float(px.min()), float(px.max())
+    image = ((px - lo) / (hi - lo if hi > lo else 1.0) * 255).astype(np.uint8)
+    return maps.reshape(maps.shape[0], maps.shape[1], rows, cols), image
+
+
+__all__ = ["AttentionMaps", "attention_maps", "cls_attention_over_patches"]

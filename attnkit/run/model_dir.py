@@ -48,6 +48,29 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
                    "tokenizer.model")
+# what a vision transformer's directory holds instead of a tokenizer: its image processor's settings
+IMAGE_PROCESSOR_FILES = ("preprocessor_config.json",)
+
+
+def takes_images(cfg) -> bool:
+    """Whether the config.json (a dict; None: unknown, taken as text) is a vision transformer's: one that names an
+    image size and a patch size (ViT, DeiT, BEiT, CLIP's and SigLIP's vision towers, DINOv2)."""
+    return isinstance(cfg, dict) and cfg.get("image_size") is not None and cfg.get("patch_size") is not None
+
+
+def check_model_takes(path, images: bool) -> None:
+    """Refuse, from config.json before the model loads, images for a model that takes text and text for a
+    vision transformer (`path` None: the embedded MiniLM, a text model)."""
+    cfg = read_config(path) if path is not None and not is_embedded_name(path) else None
+    vision = takes_images(cfg)
+    mtype = (cfg or {}).get("model_type", "bert" if path is None else "?")
+    if images and not vision:
+        raise AttnkitError(f"model {str(path) if path else 'MiniLM (the default)'!r} is a text model ({mtype}): it "
+                           f"takes no images; give a vision transformer (ViT, DeiT, BEiT, CLIP or "
+                           "SigLIP vision tower, DINOv2)")
+    if vision and not images:
+        raise AttnkitError(f"model {str(path)!r} is a vision transformer ({mtype}): it takes images, not text; "
+                           f"measure images with {arg('images', True)}")
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -79,8 +102,9 @@ def check_model_dir(path: str) -> None:
                            f"and the tokenizer files")
     present = set(os.listdir(path))
     missing = []
-    for what, group in (("the config", CONFIG_FILES), ("the weights", WEIGHT_FILES),
-                        ("the tokenizer files", TOKENIZER_FILES)):
+    inputs = (("the image processor's settings", IMAGE_PROCESSOR_FILES) if takes_images(read_config(path))
+              else ("the tokenizer files", TOKENIZER_FILES))
+    for what, group in (("the config", CONFIG_FILES), ("the weights", WEIGHT_FILES), inputs):
         if not present & set(group):
             missing.append(f"{what} ({' or '.join(group)})")
     if missing:
@@ -153,7 +177,7 @@ def some_names(names: list[str], n: int = 10) -> str:
     return ", ".join(names[:n]) + (f", … and {len(names) - n} more" if len(names) > n else "")
 
 
-__all__ = ["CONFIG_FILES", "DECODER_TYPES", "EMBEDDED", "OFFSET_POSITIONS", "TOKENIZER_FILES", "WEIGHT_FILES",
-           "check_max_length", "check_model_dir", "default_model_path", "fitted_length", "is_decoder_meta",
-           "is_embedded_name",
+__all__ = ["CONFIG_FILES", "DECODER_TYPES", "EMBEDDED", "IMAGE_PROCESSOR_FILES", "OFFSET_POSITIONS", "TOKENIZER_FILES",
+           "WEIGHT_FILES", "check_max_length", "check_model_dir", "check_model_takes", "takes_images",
+           "default_model_path", "fitted_length", "is_decoder_meta", "is_embedded_name",
            "looks_like_hub_id", "max_positions", "read_config", "some_names"]

@@ -230,7 +230,12 @@ class _RowsTable:
         if self._f is None:
             self._f = open(self.partial, "w", encoding="utf-8")  # noqa: SIM115
         for pos, seg in zip(positions, segments):
-            text, pair = (seg, None) if isinstance(seg, str) else (seg[0], seg[1])
+            if isinstance(seg, str):
+                text, pair = seg, None
+            elif hasattr(seg, "name"):  # an image (attnkit.corpus.images.ImageItem): its name
+                text, pair = seg.name, None
+            else:
+                text, pair = seg[0], seg[1]
             self._f.write(json.dumps([pos, text, pair], ensure_ascii=False) + "\n")
         self.lines += len(positions)
 
