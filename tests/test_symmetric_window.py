@@ -14,8 +14,10 @@ import torch
 
 from attnkit import ops
 from attnkit.errors import AttnkitError
-from attnkit.features import CLS, KEEP, NO_INTER, NO_INTRA, UNIFORM, ZERO
+from attnkit.features import KEEP, NO_INTER, NO_INTRA, UNIFORM, ZERO
 from attnkit.reference import max_logits, reference_attention, visible_keys
+
+from .test_decoder_op import make  # q, k, v in transformers' transposed layout, lengths, classes, sentences
 
 needs_kernel = pytest.mark.skipif(not ops.fused_symmetric_window("cpu"),
                                   reason="attnkit._C has no CPU kernel that takes symmetric_window (rebuild it)")
@@ -24,22 +26,6 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FLOOR = {torch.float32: 2e-6, torch.bfloat16: 1e-5, torch.float16: 1e-5}
 N = 8
 CAPABILITIES = ops.cpu_capabilities()[::-1]  # default first
-
-
-def make(B=2, H=6, Hkv=3, L=37, D=32, dtype=torch.float32, seed=0, lengths=None):
-    """q, k, v (transformers' transposed layout), lengths (random, the first sample full), token classes, sentences."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, L, H, D, generator=g).transpose(1, 2).to(dtype)
-    k, v = (torch.randn(B, L, Hkv, D, generator=g).transpose(1, 2).to(dtype) for _ in range(2))
-    if lengths is None:
-        lengths = torch.randint(1, L + 1, (B,), generator=g)
-        lengths[0] = L
-    lengths = torch.as_tensor(lengths, dtype=torch.int64)
-    tc = torch.randint(0, 5, (B, L), generator=g, dtype=torch.int32)
-    tc = torch.where(torch.rand(B, L, generator=g) < 0.6, torch.zeros_like(tc), tc)
-    tc[:, 0] = CLS
-    sid = torch.randint(0, 3, (B, L), generator=g, dtype=torch.int32)
-    return q, k, v, lengths, tc, sid
 
 
 @pytest.fixture(params=CAPABILITIES)
