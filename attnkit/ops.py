@@ -28,9 +28,10 @@ included, always on the reference until a GPU has tested a kernel (docs/cuda.md)
 intervention, no soft cap or sink: `plain_step`) the reference's definition computes in one call of torch's
 scaled_dot_product_attention. The fake kernel's shapes hold for them (out B×Lq×H×D).
 
-An image's patch grid (`grid`, attnkit/reference.py "Images"): only the compiled CPU kernel measures its feature;
-with features wanted, CUDA calls (the Triton kernel's too) and builds before it run on the reference, and
-`backend="fused"` refuses them by name; without features the grid is dropped (it changes nothing else). A grid
+An image's patch grid (`grid`, attnkit/reference.py "Images"): only the reference measures all its features (the
+compiled CPU kernel measures `mean_attention_distance` but not the ring masses, the CUDA and Triton kernels neither):
+with features wanted, calls run on the reference on every device, and `backend="fused"` refuses them by name;
+without features the grid is dropped (it changes nothing else). A grid
 with cross-attention is refused by name (attnkit/reference.py).
 
 Cross-attention (`key_lengths`, attnkit/reference.py, "Cross-attention") runs on the compiled CPU kernel where it says
@@ -152,9 +153,11 @@ _FUSED_GRID = (extension_loaded() and _op_takes("fused_attention", "grid")
 
 
 def fused_grid(device_type: str) -> bool:
-    """Whether the compiled kernel for `device_type` measures the features of an image's patch grid (`grid`): the
-    CPU kernel of a build that takes it. CUDA does not (docs/cuda.md): such calls run on the reference."""
-    return device_type == "cpu" and _FUSED_GRID
+    """Whether the compiled kernel for `device_type` measures the features of an image's patch grid (`grid`,
+    IMAGE_FEATURES). None does: the CPU kernel of a build that takes the grid measures `mean_attention_distance` in
+    its pass but not the ring masses after it, the CUDA kernels neither (docs/cuda.md); such calls run on the
+    reference on every device (exact, at its L×L memory per call)."""
+    return False
 
 
 def fused_decoder() -> bool:
@@ -417,9 +420,9 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
         chosen = "reference"  # (exact, no warning: docs/cuda.md)
     if chosen == "fused" and p.grid is not None and not fused_grid(dev.type):
         if backend == "fused":
-            raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel of this build does not measure an "
-                               "image's patch grid (grid): use backend 'auto' or 'reference'")
-        chosen = "reference"  # exact, no warning (docs/cuda.md: the CUDA kernels do not take the grid)
+            raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel does not measure the ring masses "
+                               "of an image's patch grid (grid): use backend 'auto' or 'reference'")
+        chosen = "reference"  # exact, no warning (docs/cuda.md: no compiled kernel measures the ring masses)
     if chosen == "reference" and fewer_queries and backend == "auto" and _plain_step(q, k, v, p):
         return plain_step(q, k, v, lengths, p.scaling, p.causal, p.sliding_window)
     if chosen == "reference":
