@@ -213,7 +213,12 @@ CASES = [  # (B, H, L, D, lengths, first, rows, cols)
 ]
 
 
-@pytest.mark.parametrize("backend", ["reference", "auto"])
+# the backends that measure a grid's features on CPU: the reference, and the compiled kernel of a build that measures
+# the ring masses (`ops.fused_grid`)
+BACKENDS = ["reference"] + (["fused"] if ops.fused_grid("cpu") else [])
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "auto"])
 @pytest.mark.parametrize("case", CASES)
 def test_the_ops_image_features_against_pytorch(case, backend):
     B, H, L, D, lengths, first, rows, cols = case
@@ -258,20 +263,28 @@ def test_the_worked_example_of_the_docs():
     torch.testing.assert_close(got, torch.tensor([36 / 9, 1 / 9, 1 / 9, 2 / 9, 4 / 9, 1 / 9]), atol=1e-6, rtol=0)
 
 
-def test_the_fused_backend_refuses_a_grid_by_name_and_runs_without_features():
-    """No compiled kernel measures the ring masses: `backend="fused"` refuses a grid with features by name (auto
-    runs the reference); without features the grid is dropped and the kernel runs."""
+def test_the_fused_backend_measures_a_grid_where_the_build_says_so():
+    """The CPU kernel of a build with `attnkit::cpu_grid_rings` measures the distance and the rings (the cases above
+    compare it with PyTorch); an older build refuses `backend="fused"` by name; without features the grid is dropped
+    and the kernel runs. The CUDA kernels never take it."""
     q = torch.randn(1, 1, 5, 4)
     grid = image_grid(1, 5, 1, 2, 2)
-    if ops.resolve_backend("auto", q.device) == "fused":
-        with pytest.raises(AttnkitError, match="does not measure the ring masses"):
+    assert not ops.fused_grid("cuda")
+    if ops.resolve_backend("auto", q.device) != "fused":
+        pytest.skip("no compiled CPU kernel")
+    if ops.fused_grid("cpu"):
+        assert bool(torch.ops.attnkit.cpu_grid_rings())
+        _, feats = ops.attention(q, q, q, torch.tensor([5]), want_features=True, grid=grid, backend="fused")
+        assert feats.shape[-1] == ops.attention(q, q, q, torch.tensor([5]), want_features=True)[1].shape[-1] + 6
+    else:
+        with pytest.raises(AttnkitError, match="does not measure the features of an image's patch grid"):
             ops.attention(q, q, q, torch.tensor([5]), want_features=True, grid=grid, backend="fused")
-        out, feats = ops.attention(q, q, q, torch.tensor([5]), grid=grid, backend="fused")
-        assert feats.shape == (1, 1, 0)
-    assert not ops.fused_grid("cpu") and not ops.fused_grid("cuda")
+    out, feats = ops.attention(q, q, q, torch.tensor([5]), grid=grid, backend="fused")
+    assert feats.shape == (1, 1, 0)
 
 
-def test_the_features_under_interventions_norm_weighting_and_a_sink():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_features_under_interventions_norm_weighting_and_a_sink(backend):
     """Mode uniform spreads each row over its keys; mode zero gives 0; a key scale weighs the keys (norm
     weighting); a sink takes mass that is at no distance and in no ring."""
     B, H, L, D = 2, 3, 13, 8
@@ -281,10 +294,12 @@ def test_the_features_under_interventions_norm_weighting_and_a_sink():
     grid = image_grid(B, L, 1, 3, 4)
     kw = dict(want_features=True, grid=grid, mode=torch.tensor([0, 1, 2], dtype=torch.int32),
               key_scale=torch.rand(B, H, L, generator=g) + 0.1, sink=torch.tensor([0.5, -1.0, 2.0]))
-    _, feats = ops.attention(q, k, v, lengths, **kw)
+    _, feats = ops.attention(q, k, v, lengths, **kw, backend=backend)
+    _, ref = ops.attention(q, k, v, lengths, **kw, backend="reference")
+    torch.testing.assert_close(feats, ref, atol=1e-5, rtol=1e-5)
     assert float(feats[:, 1, -6:].abs().max()) == 0.0  # mode zero
     # mode uniform, no key scale: each patch row's mean distance to the n patches it sees, / n keys; its rings
-    _, uni = ops.attention(q, k, v, lengths, want_features=True, grid=grid, mode=kw["mode"])
+    _, uni = ops.attention(q, k, v, lengths, want_features=True, grid=grid, mode=kw["mode"], backend=backend)
     for b, n in enumerate(lengths.tolist()):
         pos = grid[b, :n]
         d = patch_distances(pos[pos[:, 0] >= 0])
@@ -292,18 +307,20 @@ def test_the_features_under_interventions_norm_weighting_and_a_sink():
         for i, (lo, hi) in enumerate(RINGS.values(), 1):
             assert abs(float(uni[b, 2, -6 + i]) - float(((d >= lo) & (d < hi)).sum(-1).double().mean() / n)) < 1e-6
     # a sink's mass lies in no ring: the rings sum to the patch keys' share of the rows' mass
-    _, sunk = ops.attention(q, k, v, lengths, want_features=True, grid=grid, sink=torch.tensor([9.0, 9.0, 9.0]))
+    _, sunk = ops.attention(q, k, v, lengths, want_features=True, grid=grid, sink=torch.tensor([9.0, 9.0, 9.0]),
+                            backend=backend)
     assert float(sunk[..., -5:].sum(-1).max()) < 0.01
 
 
-def test_a_bad_grid_is_refused_by_name():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bad_grid_is_refused_by_name(backend):
     q = torch.randn(1, 1, 5, 4)
     grid = image_grid(1, 5, 1, 2, 2)
     grid[0, 2, 1] = -1  # a patch with a row and no column
     with pytest.raises(AttnkitError, match="grid positions must be"):
-        ops.attention(q, q, q, torch.tensor([5]), want_features=True, grid=grid)
+        ops.attention(q, q, q, torch.tensor([5]), want_features=True, grid=grid, backend=backend)
     with pytest.raises(AttnkitError, match="grid must have shape"):
-        ops.attention(q, q, q, torch.tensor([5]), want_features=True, grid=grid[:, :4])
+        ops.attention(q, q, q, torch.tensor([5]), want_features=True, grid=grid[:, :4], backend=backend)
     # without features the grid is not read
     out, feats = ops.attention(q, q, q, torch.tensor([5]), grid=grid)
     assert feats.shape == (1, 1, 0)
@@ -323,8 +340,9 @@ def test_a_grid_with_cross_attention_is_refused_by_name():
                                               True, key_lengths=torch.tensor([7]), grid=image_grid(1, 7, 1, 2, 3))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("Lq", [1, 6])
-def test_fewer_queries_than_keys_with_a_grid(Lq):
+def test_fewer_queries_than_keys_with_a_grid(Lq, backend):
     """A KV-cache step's rows are the last Lq key positions: its image features are those of the full forward's
     last Lq rows."""
     B, H, L, D = 2, 2, 13, 8
@@ -333,13 +351,14 @@ def test_fewer_queries_than_keys_with_a_grid(Lq):
     k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(2))
     lengths = torch.tensor([13, 11])
     grid = image_grid(B, L, 1, 3, 4)
-    _, feats = ops.attention(q, k, v, lengths, want_features=True, grid=grid)
+    _, feats = ops.attention(q, k, v, lengths, want_features=True, grid=grid, backend=backend)
     torch.testing.assert_close(feats[..., -6:].double(), independent(q, k, lengths, grid, Lq), atol=1e-5, rtol=1e-5)
 
 
 def test_a_training_forward_tracks_the_distance_and_the_max_logit_through_the_lse_op():
-    """With gradients wanted a call with a grid runs on the differentiable reference: the tracked distance and
-    rings are still eager's, the max logit is there, and backward runs."""
+    """With gradients wanted the CPU op runs as attnkit::fused_attention_lse (the grid by keyword) where the build
+    measures a grid, else on the differentiable reference: the tracked distance and rings are eager's either way,
+    the max logit is there, and backward runs."""
     model, eager = tiny("vit")
     model.train()
     px = pixels(2, 8, 8, seed=5)
