@@ -39,6 +39,11 @@ PLAN = "units by tokens"
 ROW_FEATURES = ("prev", "next", "entropy", "max", "intra", "inter")
 # The feature of image heads (docs/features.md, "Image heads"): last, when the op is given the patch grid
 MEAN_ATTENTION_DISTANCE = "mean_attention_distance"
+# then the masses within 2-D rings of distance on the patch grid (docs/features.md, "Image heads"): ring_R is the
+# mass on the patch keys t with R <= ‖grid(s) − grid(t)‖ < the next bound (∞ after the last), in patches
+RING_BOUNDS = (0, 1, 2, 4, 8)
+RING_FEATURES = tuple(f"ring_{r}" for r in RING_BOUNDS)
+IMAGE_FEATURES = (MEAN_ATTENTION_DISTANCE, *RING_FEATURES)
 
 
 def bucket_names(num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
@@ -49,14 +54,14 @@ def bucket_names(num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
 def feature_names(num_windows: int = DEFAULT_NUM_WINDOWS, sink: bool = False, grid: bool = False) -> list[str]:
     """All per-head features, in the order the ops emit them. With `sink` (a model with a learned sink logit
     per head, e.g. gpt-oss), one more comes next: `sink`, the sink's mass (docs/features.md, "Decoder models").
-    With `grid` (a vision model: the op is given its patch grid), `mean_attention_distance` comes last
-    (docs/features.md, "Image heads")."""
+    With `grid` (a vision model: the op is given its patch grid), `mean_attention_distance` and the ring masses
+    come last (IMAGE_FEATURES; docs/features.md, "Image heads")."""
     return (bucket_names(num_windows) + list(ROW_FEATURES) + ["cls_entropy"] + (["sink"] if sink else [])
-            + ([MEAN_ATTENTION_DISTANCE] if grid else []))
+            + (list(IMAGE_FEATURES) if grid else []))
 
 
 def num_features(num_windows: int = DEFAULT_NUM_WINDOWS, sink: bool = False, grid: bool = False) -> int:
-    return 5 + num_windows + len(ROW_FEATURES) + 1 + (1 if sink else 0) + (1 if grid else 0)
+    return 5 + num_windows + len(ROW_FEATURES) + 1 + (1 if sink else 0) + (len(IMAGE_FEATURES) if grid else 0)
 
 
 def windows_of(n_features: int, sink: bool = False, grid: bool = False) -> int:
@@ -86,6 +91,9 @@ _DEFINITIONS = {
     "sink": "mass on the learned sink logit of the head (no key, no value; with the buckets it sums to 1)",
     MEAN_ATTENTION_DISTANCE: "for each patch query, Σ over patch keys of weight × distance on the patch grid "
                              "(in patches), averaged over the image's patches",
+    **{name: f"for each patch query, the weight on the patch keys at grid distance d with {lo} <= d < {hi} patches"
+              f"{' (the patch itself)' if lo == 0 else ''}, averaged over the image's patches"
+       for name, lo, hi in zip(RING_FEATURES, RING_BOUNDS, RING_BOUNDS[1:] + ("∞",))},
 }
 # What differs on a decoder's run (causal rows): `cls` is the sample's first position, `sep` its EOS tokens.
 _DECODER_DEFINITIONS = {
@@ -124,7 +132,7 @@ def shown_features(names, decoder: bool = False) -> list[str]:
 def _section_of(name: str) -> str:
     if name in ("cls_entropy", "sink"):
         return name
-    if name == MEAN_ATTENTION_DISTANCE:
+    if name in IMAGE_FEATURES:
         return "image"
     return "row" if name in ROW_FEATURES else "bucket"
 

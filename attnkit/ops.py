@@ -28,9 +28,10 @@ included, always on the reference until a GPU has tested a kernel (docs/cuda.md)
 intervention, no soft cap or sink: `plain_step`) the reference's definition computes in one call of torch's
 scaled_dot_product_attention. The fake kernel's shapes hold for them (out B×Lq×H×D).
 
-An image's patch grid (`grid`, attnkit/reference.py "Images"): only the compiled CPU kernel measures its feature;
-with features wanted, CUDA calls (the Triton kernel's too) and builds before it run on the reference, and
-`backend="fused"` refuses them by name; without features the grid is dropped (it changes nothing else). A grid
+An image's patch grid (`grid`, attnkit/reference.py "Images"): only the compiled CPU kernel (of a build that says so,
+`fused_grid`) measures its features; with features wanted, CUDA calls (the Triton kernel's too) and older builds run
+on the reference, and `backend="fused"` refuses them by name; without features the grid is dropped (it changes
+nothing else). A grid
 with cross-attention is refused by name (attnkit/reference.py).
 
 Cross-attention (`key_lengths`, attnkit/reference.py, "Cross-attention") runs on the compiled CPU kernel where it says
@@ -151,10 +152,26 @@ _FUSED_GRID = (extension_loaded() and _op_takes("fused_attention", "grid")
                and _op_takes("fused_attention", "key_lengths"))
 
 
+def _cpu_grid_rings() -> bool:
+    """Whether the compiled CPU kernel measures every feature of an image's patch grid (IMAGE_FEATURES: the mean
+    attention distance and the ring masses): a build says so with the op `attnkit::cpu_grid_rings() -> bool`; a
+    build before the rings measured the distance alone, and grids do not run on it."""
+    if not _FUSED_GRID:
+        return False
+    try:
+        return bool(torch.ops.attnkit.cpu_grid_rings())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_CPU_GRID = _cpu_grid_rings()
+
+
 def fused_grid(device_type: str) -> bool:
-    """Whether the compiled kernel for `device_type` measures the features of an image's patch grid (`grid`): the
-    CPU kernel of a build that takes it. CUDA does not (docs/cuda.md): such calls run on the reference."""
-    return device_type == "cpu" and _FUSED_GRID
+    """Whether the compiled kernel for `device_type` measures the features of an image's patch grid (`grid`,
+    IMAGE_FEATURES): the CPU kernel of a build that takes the grid and measures the ring masses. The CUDA kernels do
+    not (docs/cuda.md): such calls run on the reference there (exact, at its L×L memory per call)."""
+    return device_type == "cpu" and _CPU_GRID
 
 
 def fused_decoder() -> bool:
@@ -417,8 +434,9 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
         chosen = "reference"  # (exact, no warning: docs/cuda.md)
     if chosen == "fused" and p.grid is not None and not fused_grid(dev.type):
         if backend == "fused":
-            raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel of this build does not measure an "
-                               "image's patch grid (grid): use backend 'auto' or 'reference'")
+            raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel of this build does not measure "
+                               "the features of an image's patch grid (grid: the distance and the ring masses): use "
+                               "backend 'auto' or 'reference'")
         chosen = "reference"  # exact, no warning (docs/cuda.md: the CUDA kernels do not take the grid)
     if chosen == "reference" and fewer_queries and backend == "auto" and _plain_step(q, k, v, p):
         return plain_step(q, k, v, lengths, p.scaling, p.causal, p.sliding_window)

@@ -36,9 +36,12 @@ Semantics (docs/features.md, docs/interventions.md):
 
   * Images (docs/features.md, "Image heads"): `grid` (B×L×2 integers) gives each token's (row, column) on the
     image's patch grid, (−1, −1) for a token that is no patch ([CLS], a distillation token, registers). With
-    features wanted, one more feature comes last (after `sink`): `mean_attention_distance`, for each patch row s
-    Σ_t w[s, t]·‖grid(s) − grid(t)‖ over the patch keys t (mass on keys that are no patch adds nothing: it is not
-    renormalised away), averaged over the sample's valid patch rows (0 for a sample with none). Without features
+    features wanted, six more features come last (after `sink`, IMAGE_FEATURES): `mean_attention_distance`, for
+    each patch row s Σ_t w[s, t]·‖grid(s) − grid(t)‖ over the patch keys t (mass on keys that are no patch adds
+    nothing: it is not renormalised away), then the ring masses `ring_0`, `ring_1`, `ring_2`, `ring_4`, `ring_8`,
+    for each patch row s Σ_t w[s, t] over the patch keys t with R <= ‖grid(s) − grid(t)‖ < the next bound of
+    RING_BOUNDS (0, 1, 2, 4, 8, ∞), each averaged over the sample's valid patch rows (0 for a sample with none).
+    Only this reference measures them: calls with a grid and features run on it on every device. Without features
     `grid` is not read. A grid is one sequence's tokens on one image: with cross-attention (`key_lengths`, two
     sequences) it is refused by name.
 
@@ -108,6 +111,7 @@ from .features import (
     NO_INTRA,
     OTHER,
     PERIOD,
+    RING_BOUNDS,
     SEP,
     UNIFORM,
     ZERO,
@@ -567,7 +571,7 @@ def row_features(
 ) -> torch.Tensor:
     """Per-(sample, head) feature vectors B×H×F (fp32) from final B×H×Lq×L weights; with `sink_weights`
     (B×H×Lq, each row's sink mass) one more feature, `sink`, comes next (its mean over the rows); with `grid`
-    (B×L×2, an image's patch grid) `mean_attention_distance` comes last (`mean_attention_distance`).
+    (B×L×2, an image's patch grid) IMAGE_FEATURES come last (`image_features`).
 
     Query row i is key position s = L − Lq + i (`query_positions`); it is valid when s < n. Each valid row's
     features are defined as in a full forward, with n = the sample's length over the keys; the result is their
@@ -621,7 +625,7 @@ def row_features(
         parts.append((torch.where(valid_rows[:, None, :], sw, 0.0).sum(-1) / n[..., 0])[..., None])
         nan_rows = nan_rows | sw.isnan()
     if grid is not None:
-        parts.append(mean_attention_distance(w, lengths, grid)[..., None])
+        parts.append(image_features(w, lengths, grid))
     out = torch.cat(parts, dim=-1)
     # NaN policy: a valid row with NaN weights makes every feature of its (sample, head) NaN
     nan_row = (nan_rows & valid_rows[:, None, :]).any(-1, keepdim=True)  # B×H×1
@@ -635,16 +639,30 @@ def mean_attention_distance(weights: torch.Tensor, lengths: torch.Tensor, grid: 
     valid patch row s (at key position L − Lq + s), Σ_t w[s, t]·‖grid(s) − grid(t)‖ over the patch keys t < n,
     averaged over the sample's valid patch rows (0 when it has none). `weights` B×H×Lq×L, `grid` B×L×2 (row,
     col; −1 off the grid)."""
+    return image_features(weights, lengths, grid)[..., 0]
+
+
+def image_features(weights: torch.Tensor, lengths: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """B×H×(1 + len(RING_BOUNDS)) fp32, the features of IMAGE_FEATURES (docs/features.md, "Image heads"):
+    `mean_attention_distance`, then for each ring [R_i, R_i+1) of RING_BOUNDS (the last one unbounded) the mass
+    Σ w[s, t] over the patch keys t < n with R_i <= ‖grid(s) − grid(t)‖ < R_i+1, each averaged as the distance is
+    over the sample's valid patch rows s (0 when it has none). The rings compare integer squared distances with
+    squared bounds, so a key on a bound (distance 2, 4, 8) falls in the outer ring exactly."""
     B, H, Lq, L = weights.shape
     valid = _key_mask(lengths, L)
-    pos = grid.to(weights.device).float()
+    pos = grid.to(weights.device).long()
     patch = (grid[..., 0] >= 0).to(weights.device) & valid  # B×L
-    d = (pos[:, L - Lq:, None, :] - pos[:, None, :, :]).square().sum(-1).sqrt()  # B×Lq×L
-    d = torch.where(patch[:, None, :], d, 0.0)
-    per_row = (torch.where(patch[:, None, None, :], weights.float(), 0.0) * d[:, None]).sum(-1)  # B×H×Lq
+    d2 = (pos[:, L - Lq:, None, :] - pos[:, None, :, :]).square().sum(-1)  # B×Lq×L, integer squared distances
+    w = torch.where(patch[:, None, None, :], weights.float(), 0.0)  # the patch keys' weights
+    dist = (w * d2.float().sqrt()[:, None]).sum(-1)  # B×H×Lq
+    bounds = torch.tensor(RING_BOUNDS[1:], device=w.device).square()
+    ring = torch.bucketize(d2, bounds, right=True)  # B×Lq×L: index of the ring holding each key
+    rings = torch.zeros(B, H, Lq, len(RING_BOUNDS), dtype=torch.float32, device=w.device).scatter_add_(
+        -1, ring[:, None].expand(B, H, Lq, L), w)
+    per_row = torch.cat([dist[..., None], rings], dim=-1)  # B×H×Lq×(1 + rings)
     rows = patch[:, L - Lq:]  # B×Lq: the valid patch rows
-    count = rows.sum(-1).clamp(min=1).float().view(B, 1)
-    return torch.where(rows[:, None, :], per_row, 0.0).sum(-1) / count
+    count = rows.sum(-1).clamp(min=1).float().view(B, 1, 1)
+    return torch.where(rows[:, None, :, None], per_row, 0.0).sum(2) / count
 
 
 @takes_params
@@ -755,6 +773,7 @@ __all__ = [
     "intervene_weights",
     "row_features",
     "mean_attention_distance",
+    "image_features",
     "bucket_index",
     "KEEP",
     "SEP",

@@ -73,6 +73,10 @@ TORCH_LIBRARY(attnkit, m) {
   // True: the CPU kernel takes cross-attention (key_lengths, key_class); attnkit/ops.py then sends such calls on CPU
   // to fused_attention instead of the reference.
   m.def("cpu_cross_attention() -> bool", []() { return true; });
+  // True: the CPU kernel measures every feature of an image's patch grid (grid: mean_attention_distance and the ring
+  // masses, docs/features.md "Image heads"); a build before the rings measured the distance alone, and attnkit/ops.py
+  // sends calls with a grid to the reference there.
+  m.def("cpu_grid_rings() -> bool", []() { return true; });
   // Which build of the CPU kernel runs (csrc/cpu/fused_attention_kernel.h): "default", "avx2" or "avx512".
   m.def("cpu_capability() -> str", &attnkit::cpu::cpu_capability);
   // Clark et al.'s Jensen-Shannon distances between every pair of M heads of one batch:

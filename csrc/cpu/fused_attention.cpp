@@ -307,8 +307,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   const int64_t N = a.num_windows;
   const int64_t F0 = kNumFeatures(int(N));
   const bool want_grid = a.want_features && a.grid.has_value();
-  // with a sink the feature `sink` comes after them, with a grid `mean_attention_distance` last
-  const int64_t F = F0 + (a.sink ? 1 : 0) + (want_grid ? 1 : 0);
+  // with a sink the feature `sink` comes after them, with a grid `mean_attention_distance` and the ring masses last
+  const int64_t F = F0 + (a.sink ? 1 : 0) + (want_grid ? 1 + kRingSlots : 0);
   at::Tensor key_scale;
   if (a.want_features && a.key_scale) key_scale = a.key_scale->contiguous();
   at::Tensor tc, sid, qc;  // tc: the keys' token classes; qc: cross-attention's queries' (the CLS rows)
@@ -531,7 +531,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
         for (int64_t f = 0; f < F0 - 1; ++f) dst[f] = static_cast<float>(total(f) * inv_n);
         dst[F0 - 1] = static_cast<float>(total(F0) * inv_cls);
         if (a.sink) dst[F0] = static_cast<float>(total(F0 + 1) * inv_n);
-        if (want_grid) dst[F - 1] = static_cast<float>(total(F0 + 2) * inv_patch);
+        if (want_grid) {
+          const int64_t g = F0 + (a.sink ? 1 : 0);  // mean_attention_distance, then ring_0 … ring_8
+          for (int64_t j = 0; j <= kRingSlots; ++j) dst[g + j] = static_cast<float>(total(F0 + 2 + j) * inv_patch);
+        }
       }
     }
   }

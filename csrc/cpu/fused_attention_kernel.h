@@ -89,7 +89,12 @@ struct FusedCpuParams {
 constexpr int64_t kSmallProducts = int64_t(1) << 19;
 
 // The per-row online state of the tasks (floats): see fused_attention_rows.h.
-constexpr int64_t kRowStateSlots(int64_t num_windows) { return 17 + num_windows; }
+// An image's ring masses (docs/features.md "Image heads", attnkit.features.RING_BOUNDS 0, 1, 2, 4, 8 patches): the
+// squared bounds between them, and the row's sums below each bound and over every patch key
+constexpr int64_t kRingSlots = 5;
+constexpr float kRingSquared[kRingSlots - 1] = {1.f, 4.f, 16.f, 64.f};
+constexpr int64_t kRowStateFixed = 17 + kRingSlots;  // the row state's slots before the windows
+constexpr int64_t kRowStateSlots(int64_t num_windows) { return kRowStateFixed + num_windows; }
 
 // Per-thread scratch, fixed in size (independent of L): S BQ×BK scores, acc BQ×D output accumulator, pc BK
 // feature weights, state BQ × kRowStateSlots(N), diag BQ + BK per-offset window sums (zero between tasks), kt
@@ -98,10 +103,10 @@ struct FusedCpuScratch {
   float *S, *acc, *pc, *state, *diag, *kt;
 };
 
-// The slots of the per-task feature sums (FA = F0 + 3 doubles, F0 = kNumFeatures(N)): [0, F0 − 1) the
+// The slots of the per-task feature sums (FA = F0 + 3 + kRingSlots doubles, F0 = kNumFeatures(N)): [0, F0 − 1) the
 // per-row feature sums, [F0 − 1] unused, [F0] the CLS rows' entropy sum, [F0 + 1] the sink mass sum, [F0 + 2] the
-// patch rows' attention distance sum.
-constexpr int64_t kPartialSlots(int64_t f0) { return f0 + 3; }
+// patch rows' attention distance sum, [F0 + 3, F0 + 3 + kRingSlots) their ring masses' sums.
+constexpr int64_t kPartialSlots(int64_t f0) { return f0 + 3 + kRingSlots; }
 
 using FusedTasksFn = void (*)(const FusedCpuParams&, int64_t begin, int64_t end, const FusedCpuScratch&);
 

@@ -50,11 +50,13 @@ constexpr int kAll = kRegionAll, kNoIntra = kRegionNoIntra, kNoInter = kRegionNo
 //   Mx: max w; I: Σ w over the row's own sentence; self, prev, next; cls[4]; bad: the row's softmax is
 //   undefined (a NaN or +inf score, a NaN sink); ML (slot sPad): the largest score the row saw, before any
 //   soft-cap (its max logit, docs/features.md §9); Dist: Σ w·‖grid(s) − grid(t)‖ over the patch keys (a patch row
-//   of an image, docs/features.md "Image heads"); win[N].
+//   of an image, docs/features.md "Image heads"); Near[kRingSlots]: Σ w over the patch keys with squared grid
+//   distance below 1, 4, 16, 64, and over all patch keys (the ring masses are their differences); win[N].
 enum : int64_t {
-  sM = 0, sZ, sZk, sZf, sA, sMx, sI, sSelf, sPrev, sNext, sCls0, sCls1, sCls2, sCls3, sBad, sPad, sDist, sWin
+  sM = 0, sZ, sZk, sZf, sA, sMx, sI, sSelf, sPrev, sNext, sCls0, sCls1, sCls2, sCls3, sBad, sPad, sDist, sNear,
+  sWin = sNear + kRingSlots
 };
-static_assert(sWin == 17, "kRowStateSlots counts 17 slots before the windows");
+static_assert(sWin == kRowStateFixed, "kRowStateSlots counts the slots before the windows");
 
 struct BlockSums {
   float Z, Zk, Zf, A, Mx, I;
@@ -183,19 +185,27 @@ inline void class_sums(const float* w, int64_t k0, const int32_t* pos, const flo
   out[0] += sum(a1), out[1] += sum(a2), out[2] += sum(a3), out[3] += sum(a4);
 }
 
-// Σ w[i]·mask[i]·‖(row[i], col[i]) − (rs, cs)‖ over [0, len): a patch row's attention distance over the patch keys
-// (mask: 1 for a patch key, 0 otherwise; the missing lanes of the tail load as 0 and add 0).
-inline float grid_distance_sum(const float* w, const float* row, const float* col, const float* mask, int64_t len,
-                               float rs, float cs) {
+// A patch row's grid sums over the patch keys [0, len) (mask: 1 for a patch key, 0 otherwise; the missing lanes of
+// the tail load as 0 and add 0): st[sDist] += Σ w·mask·‖(row, col) − (rs, cs)‖, and st[sNear + j] += Σ w·mask over
+// the keys whose squared distance is below kRingSquared[j] (the last: every patch key). Squared distances of integer
+// grid positions are exact integers in float, so a key at a ring's bound falls in the ring it starts.
+inline void grid_sums(const float* w, const float* row, const float* col, const float* mask, int64_t len, float rs,
+                      float cs, float* st) {
   const Vec rv(rs), cv(cs);
-  Vec acc(0.f);
+  Vec dist(0.f), near[kRingSlots];
+  for (int64_t j = 0; j < kRingSlots; ++j) near[j] = Vec(0.f);
   for (int64_t i = 0; i < len; i += kW) {
     const int64_t cnt = std::min<int64_t>(kW, len - i);
     const Vec dr = Vec::loadu(row + i, cnt) - rv, dc = Vec::loadu(col + i, cnt) - cv;
-    const Vec d = at::vec::fmadd(dr, dr, dc * dc).sqrt();
-    acc = at::vec::fmadd(Vec::loadu(w + i, cnt) * Vec::loadu(mask + i, cnt), d, acc);
+    const Vec d2 = at::vec::fmadd(dr, dr, dc * dc);
+    const Vec wm = Vec::loadu(w + i, cnt) * Vec::loadu(mask + i, cnt);
+    dist = at::vec::fmadd(wm, d2.sqrt(), dist);
+    for (int64_t j = 0; j + 1 < kRingSlots; ++j) near[j] = at::vec::fmadd(wm, d2.lt(Vec(kRingSquared[j])), near[j]);
+    near[kRingSlots - 1] = near[kRingSlots - 1] + wm;
   }
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  auto sum = [](Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); };
+  st[sDist] += sum(dist);
+  for (int64_t j = 0; j < kRingSlots; ++j) st[sNear + j] += sum(near[j]);
 }
 
 // One key block holds every key of the task's rows (L <= BK, the short texts): each row's weights are final after
@@ -218,7 +228,7 @@ void rescale_row(float* st, float* o, int64_t D, int64_t N, float delta) {
   st[sA] = alpha * (st[sA] - delta * st[sZf]);
   for (int64_t j = sZ; j <= sCls3; ++j)
     if (j != sA) st[j] *= alpha;
-  st[sDist] *= alpha;
+  for (int64_t j = sDist; j < sWin; ++j) st[j] *= alpha;
   scale_inplace(st + sWin, N, alpha);
   scale_inplace(o, D, alpha);
 }
@@ -369,7 +379,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
           if (i1 > i0) st[sI] += range_sum(fw + (i0 - k0), i1 - i0);
         }
         if (g_mask != nullptr && g_mask[s] != 0.f)  // a patch row: its distance to the patch keys it sees
-          st[sDist] += grid_distance_sum(fw + (lo - k0), g_row + lo, g_col + lo, g_mask + lo, len, g_row[s], g_col[s]);
+          grid_sums(fw + (lo - k0), g_row + lo, g_col + lo, g_mask + lo, len, g_row[s], g_col[s], st);
         // distance windows (d = |t − s| ≥ 1): sums of the OTHER keys' weights over each window's keys, left of
         // s then right; the special keys' weights go to their class bucket in the same pass
         float* win = st + sWin;
@@ -482,7 +492,11 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       a[R + kRowInter] += std::max(0.f, T - intra);
       if (qcls != nullptr && qcls[s] == kClassCls) a[F0] += H_ent;
       a[F0 + 1] += fsink;
-      if (g_mask != nullptr && g_mask[s] != 0.f) a[F0 + 2] += dc * st[sDist];
+      if (g_mask != nullptr && g_mask[s] != 0.f) {  // the distance, then each ring's mass (a difference of Near)
+        a[F0 + 2] += dc * st[sDist];
+        a[F0 + 3] += dc * st[sNear];
+        for (int64_t j = 1; j < kRingSlots; ++j) a[F0 + 3 + j] += dc * (st[sNear + j] - st[sNear + j - 1]);
+      }
     }
     if (task_undefined) std::fill(a, a + p.FA, std::numeric_limits<double>::quiet_NaN());
     if (p.max_logit != nullptr) p.max_logit[task] = task_max;
