@@ -81,6 +81,20 @@ def test_heads_experiment_zeroes_a_cross_head_as_a_direct_forward(bart_dir, tmp_
             assert float(r["delta_loss_lo"]) <= float(r["delta_loss"]) <= float(r["delta_loss_hi"])
 
 
+@pytest.mark.slow
+def test_importance_ranks_and_prunes_every_kind(bart_dir, tmp_path):
+    data = write_tsv(tmp_path / "pairs.tsv", PAIRS)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(ablate, [str(bart_dir), "--task", "seq2seq", "--data", str(data), "--experiment",
+                                      "importance", "--out", str(out), "--resamples", "100", "--quiet"])
+    assert res.exit_code == 0, res.output
+    with open(out / "importance.csv") as f:
+        rows = list(csv.DictReader(f))
+    pruned = [h for r in rows[1:] for h in r["newly_pruned"].split(",")]
+    assert sorted(pruned) == sorted(f"L{layer}H{head}" for layer in range(6) for head in range(4))
+    assert int(rows[-1]["pruned"]) == 24
+
+
 def test_a_task_that_does_not_fit_the_model_is_refused(bart_dir, tmp_path):
     model, tok = tiny_bert()
     bert = tmp_path / "bert"
@@ -96,6 +110,10 @@ def test_a_task_that_does_not_fit_the_model_is_refused(bart_dir, tmp_path):
                                           "heads", "--out", str(tmp_path / f"out-{task}")])
         assert res.exit_code != 0 and said in res.output, res.output
         assert not (tmp_path / f"out-{task}").exists()
+    res = CliRunner().invoke(ablate, [str(bart_dir), "--task", "seq2seq", "--data", str(pairs), "--experiment",
+                                      "heads", "--mode", "mean", "--out", str(tmp_path / "out-mean")])
+    assert res.exit_code != 0 and "--mode mean is not built for --task seq2seq" in res.output, res.output
+    assert not (tmp_path / "out-mean").exists()
     from attnkit.ablation.job import AblateOptions, run_ablation
 
     with pytest.raises(AttnkitError, match="not an encoder–decoder"):  # the job alone refuses it before the model loads

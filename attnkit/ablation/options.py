@@ -84,6 +84,9 @@ def check_ablate_options(opts: AblateOptions) -> None:
         raise AttnkitError(f"{arg('metric')} is for {arg('experiment', 'patching')}")
     if opts.mode == "mean" and opts.experiment not in MEAN_EXPERIMENTS:
         raise AttnkitError(f"{arg('mode', 'mean')} applies to the experiments {', '.join(MEAN_EXPERIMENTS)}")
+    if opts.mode == "mean" and opts.task_name in PAIR_TASKS:  # head_means reads single texts, not pairs
+        raise AttnkitError(f"{arg('mode', 'mean')} is not built for {arg('task_name', opts.task_name)}: the heads' "
+                           "means of an encoder–decoder are not measured over pairs yet; use mode zero or uniform")
     if opts.mean_corpus and opts.mode != "mean":
         raise AttnkitError(f"{arg('mean_corpus')} is for {arg('mode', 'mean')}")
     check_int(opts.resamples, "resamples")
