@@ -1,4 +1,4 @@
-"""`attnkit ablate --task seq2seq` on a tiny random BART saved with a word-level tokenizer into tmp_path: the task's
+"""`attnkit ablate --task seq2seq` on a tiny random BART (and T5, for the loss) saved with a word-level tokenizer into tmp_path: the task's
 loss against the model's own teacher-forced loss (`labels`), computed pair by pair without attnkit; the heads
 experiment end to end, a cross-attention head's Δloss against a direct forward under that head zeroed; and the
 refusals of a task that does not fit the model."""
@@ -43,8 +43,15 @@ def direct_loss(model, tok, pairs, heads=None) -> float:
     return total / count
 
 
-def test_loss_is_the_models_own_teacher_forced_loss(bart_dir, tmp_path):
-    model, tok = attnkit.load_model(str(bart_dir), device="cpu", task="seq2seq-lm")
+@pytest.mark.parametrize("kind", ["bart", "t5"])
+def test_loss_is_the_models_own_teacher_forced_loss(kind, bart_dir, tmp_path):
+    path = bart_dir
+    if kind == "t5":
+        tok, vocab = word_tokenizer("t5")
+        path = tmp_path / "t5"
+        tiny_seq2seq("t5", vocab=vocab).save_pretrained(path)
+        tok.save_pretrained(path)
+    model, tok = attnkit.load_model(str(path), device="cpu", task="seq2seq-lm")
     task = get_task("seq2seq", write_tsv(tmp_path / "pairs.tsv", PAIRS))
     got = task.evaluate(model, tok, batch_size=4)  # batches padded on both sides, sorted by source length
     assert got["n"] == len(PAIRS)
