@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..corpus import read_corpus, read_table
+from ..corpus import open_corpus, read_corpus, read_table
 from ..errors import AttnkitError, arg, check_int
 from ..run.schemas import SQUAD_SCHEMA, load_json
 from .names import TASKS
@@ -225,6 +225,16 @@ def read_text_data(path: str) -> list[str]:
     return texts
 
 
+def read_pairs(path: str) -> list[tuple[str, str]]:
+    """The (source, target) pairs of the seq2seq task, read as `attnkit extract` reads an encoder–decoder's corpus
+    (attnkit.corpus, `pairs=True`: two columns of a TSV/CSV or two fields of JSONL; docs/seq2seq.md)."""
+    check_data_file(path, "(source, target) pairs")
+    pairs = [tuple(p) for p in open_corpus([path], pairs=True)]
+    if not pairs:
+        raise AttnkitError(f"{path}: no (source, target) pairs")
+    return pairs
+
+
 # --- activation patching ---------------------------------------------------------------------------------
 PATCHING_METRICS = {"stsb": ("cosine",), "mlm": ("logit_diff",), "glue": ("logit_diff",), "lm": ("logit_diff",)}
 
@@ -268,12 +278,12 @@ def read_task_data(task_name: str, path, *, experiment: str | None = None, glue_
     if experiment == "patching":
         return read_patching(path, task_name, metric)
     readers = {"stsb": read_stsb, "glue": lambda p: read_glue(p, glue_task), "squad": read_squad,
-               "mlm": read_text_data, "lm": read_text_data}
+               "mlm": read_text_data, "lm": read_text_data, "seq2seq": read_pairs}
     if task_name not in readers:
         raise AttnkitError(f"unknown task {task_name!r}; use one of {', '.join(TASKS)}")
     return readers[task_name](path)
 
 
 __all__ = ["GLUE", "PATCHING_METRICS", "GlueSpec", "check_data_file", "check_gold_varies", "detect_glue",
-           "parse_score", "read_glue", "read_patching", "read_squad", "read_stsb", "read_task_data", "read_text_data",
-           "read_texts", "read_tsv", "subset"]
+           "parse_score", "read_glue", "read_pairs", "read_patching", "read_squad", "read_stsb", "read_task_data",
+           "read_text_data", "read_texts", "read_tsv", "subset"]

@@ -12,9 +12,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..embedded import model_config
 from ..errors import arg
-from ..interventions import head_types_of, load_clusters
-from ..models import load_model
+from ..interventions import Intervention, head_types_of, load_clusters
+from ..models import layer_kinds, load_model
 from ..run.files import HEAD_MEANS_FILE, REPORT_FILE
 from ..run.identity import IDENTITY_FIELD, model_identity
 from ..run.locking import output_directory
@@ -23,7 +24,14 @@ from ..run.overwrite import claim_outputs
 from .experiments import ResultTable, TaskEvaluator, run_experiment
 from .figures import save_figure
 from .names import task_max_length
-from .options import DEFAULT_MODES, AblateOptions, ablate_out, check_ablate_options, output_paths
+from .options import (
+    DEFAULT_MODES,
+    AblateOptions,
+    ablate_out,
+    check_ablate_options,
+    check_task_for_model,
+    output_paths,
+)
 from .patching import PatchingTask
 from .tasks import get_task
 
@@ -41,6 +49,19 @@ class Ablation:
     type_counts: dict | None = None
     removed: str | None = None  # what --overwrite removed
     note: str | None = None  # the task's default length cut to the model's positions
+
+
+def add_layer_kinds(table: ResultTable, kinds: list) -> None:
+    """An encoder–decoder's rows: after `layer`, the layer's `kind` (encoder, decoder, cross) and `kind_layer`, its
+    index among the layers of that kind (docs/seq2seq.md); empty where a row names no layer."""
+    for i, row in enumerate(table.rows):
+        if "layer" not in row:
+            continue
+        layer = row["layer"]
+        kind, index = (None, None) if layer is None else kinds[int(layer)]
+        items = list(row.items())
+        at = [k for k, _ in items].index("layer") + 1
+        table.rows[i] = dict(items[:at] + [("kind", kind), ("kind_layer", index)] + items[at:])
 
 
 def _mean_corpus(opts: AblateOptions):
@@ -82,6 +103,7 @@ def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
         task.length_given = opts.max_length is not None
     else:
         task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task, max_length=opts.max_length)
+    check_task_for_model(opts.task_name, model_config(opts.model), opts.model)  # before the model loads
     if opts.limit is not None:
         task.head(opts.limit)
     corpus = _mean_corpus(opts)
@@ -97,7 +119,7 @@ def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
                             task=task.model_task, max_length=opts.max_length)
         cut = task.fit_to(m)
         evaluate = TaskEvaluator(task, m, tok, limit=opts.sample, batch_size=opts.batch_size, stack=opts.stack)
-        shape = (m.config.num_hidden_layers, m.config.num_attention_heads)
+        shape = Intervention.for_model(m).shape  # an encoder–decoder: its encoder, decoder and cross layers
         head_types = None
         if opts.clusters:
             head_types = (load_clusters(opts.clusters, shape) if clusters is None
@@ -111,6 +133,8 @@ def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
             normalize_layers=not opts.no_layer_norm, renormalize=opts.renormalize, progress=not opts.quiet,
             n_boot=opts.resamples, means=means, patching=task if opts.experiment == "patching" else None,
         )
+        if getattr(m.config, "is_encoder_decoder", False):
+            add_layer_kinds(table, layer_kinds(m))
         paths = table.save(out)
         name = "default (embedded MiniLM)" if opts.model == "default" else opts.model
         fig = save_figure(table, shape, out, title=f"{name}: {opts.task_name} {opts.experiment}")

@@ -15,10 +15,27 @@ from ..run.files import LOCK_FILE, OWNER_FILE
 from ..run.model_dir import DECODER_TYPES, check_model_dir, default_model_path
 from ..run.outputs import check_output_place
 from .data import read_task_data
-from .names import EXPERIMENTS, N_BOOT, task_max_length
+from .names import EXPERIMENTS, N_BOOT, PAIR_TASKS, task_max_length
 
 DEFAULT_MODES = {"layers": "uniform", "patching": "patch"}  # when no mode is given: zero, but layers uniform
 MEAN_EXPERIMENTS = ("heads", "layers", "types")  # the experiments that --mode mean applies to
+
+
+def check_task_for_model(task_name: str, config, model: str) -> None:
+    """A task that reads (source, target) pairs (PAIR_TASKS) needs an encoder–decoder, and an encoder–decoder
+    needs one of them: refused by name (`config`: the model's config, or its config.json as a dict; None: unknown,
+    nothing to check)."""
+    if config is None:
+        return
+    get = config.get if isinstance(config, dict) else (lambda key: getattr(config, key, None))
+    mtype = get("model_type")
+    if task_name in PAIR_TASKS and not get("is_encoder_decoder"):
+        raise AttnkitError(f"{arg('task_name', task_name)} scores an encoder–decoder's target given its source; "
+                           f"{model!r} holds a {mtype!r} model, which is not an encoder–decoder")
+    if task_name not in PAIR_TASKS and get("is_encoder_decoder"):
+        raise AttnkitError(f"{model!r} holds a {mtype!r} encoder–decoder, which {arg('task_name', task_name)} cannot "
+                           f"score: use {' or '.join(arg('task_name', t) for t in PAIR_TASKS)} with (source, target) "
+                           "pairs")
 
 
 @dataclass
@@ -67,6 +84,9 @@ def check_ablate_options(opts: AblateOptions) -> None:
         raise AttnkitError(f"{arg('metric')} is for {arg('experiment', 'patching')}")
     if opts.mode == "mean" and opts.experiment not in MEAN_EXPERIMENTS:
         raise AttnkitError(f"{arg('mode', 'mean')} applies to the experiments {', '.join(MEAN_EXPERIMENTS)}")
+    if opts.mode == "mean" and opts.task_name in PAIR_TASKS:  # head_means reads single texts, not pairs
+        raise AttnkitError(f"{arg('mode', 'mean')} is not built for {arg('task_name', opts.task_name)}: the heads' "
+                           "means of an encoder–decoder are not measured over pairs yet; use mode zero or uniform")
     if opts.mean_corpus and opts.mode != "mean":
         raise AttnkitError(f"{arg('mean_corpus')} is for {arg('mode', 'mean')}")
     check_int(opts.resamples, "resamples")
@@ -113,7 +133,9 @@ def preflight_ablate(opts: AblateOptions) -> dict | None:
     claim_outputs(output_paths(out, opts.experiment), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
     if opts.model != "default":
         check_model_dir(str(opts.model))
-    mtype = (model_config(opts.model) or {}).get("model_type")
+    config = model_config(opts.model)
+    mtype = (config or {}).get("model_type")
+    check_task_for_model(opts.task_name, config, opts.model)
     if opts.task_name == "mlm" and mtype in DECODER_TYPES:  # (an unknown decoder is refused as it loads)
         raise AttnkitError(f"{arg('task_name', 'mlm')} scores a masked language model (an encoder); {opts.model!r} "
                            f"holds a {mtype!r} decoder: use {arg('task_name', 'lm')} for its next-token loss")

@@ -12,6 +12,7 @@ Each task also yields differentiable losses (`losses`) for gradient head importa
 * squad: the model's start/end cross-entropy on the first answer (position 0 = no answer / not in window).
 * mlm: cross-entropy on the masked tokens (also the task's main metric, `loss`).
 * lm: next-token cross-entropy of a causal language model over the corpus tokens (main metric `loss`, nats).
+* seq2seq: an encoder–decoder's teacher-forced cross-entropy of each target given its source (main metric `loss`).
 
 Every task evaluates in four steps that the ablation sweeps (attnkit/ablation/sweep.py) also drive one by one:
 `plan` (the batches, and what reading their outputs needs), `outputs` (one forward of a batch: tensors whose
@@ -35,12 +36,13 @@ import torch
 from ..errors import AttnkitError, check_int
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import check_max_length, instrument, max_positions, runtime_of
-from ..tokens import Batch, Encoder
+from ..tokens import Batch, Encoder, pair_decoder_start
 from . import metrics
 from .data import (
     GLUE,
     check_gold_varies,
     read_glue,
+    read_pairs,
     read_squad,
     read_stsb,
     read_text_data,
@@ -92,6 +94,7 @@ class Task:
     max_length = DEFAULT_MAX_LENGTH
     length_given = False  # whether max_length was asked for; else it is the task's default (`fit_to`)
     last_examples = None  # metrics.ExampleScores of the last evaluate(), for bootstrap intervals
+    sweeps = True  # whether sweeps (sweep.py, which resume one stack of layers) evaluate its settings
 
     path = ""
 
@@ -679,9 +682,90 @@ class LmTask(Task):
             yield nll.sum() / (batch.lengths - 1).clamp(min=0).sum()
 
 
+# --- an encoder–decoder's target given its source ------------------------------------------------------------
+class Seq2seqTask(Task):
+    """Teacher-forced loss of an encoder–decoder (docs/seq2seq.md): each (source, target) pair is encoded as
+    `attnkit extract` measures it (`Encoder(decoder_start=...)`: the decoder reads the target shifted right), and
+    every target token is predicted from the source and the target before it — the loss transformers computes with
+    `labels` = the target's tokens. The main metric is Σ nll / Σ target tokens over the pairs (nats per token); the
+    bootstrap resamples pairs."""
+
+    name = "seq2seq"
+    model_task = "seq2seq-lm"
+    main_metric = "loss"
+    sweeps = False  # an encoder–decoder has two stacks: every setting runs the whole model
+
+    def __init__(self, path: str):
+        self.path = path
+        self.examples = read_pairs(path)
+
+    def segments(self, limit=None) -> list:
+        return [self.examples[i] for i in subset(len(self.examples), limit)]
+
+    def _batches(self, model, tokenizer, chosen: list[int], batch_size: int, by_length: bool = True) -> list:
+        """(pair indices, Batch, labels) per batch of the pairs `chosen`, sorted by source length (less padding)
+        or, without `by_length`, in their order; labels: the targets' tokens (B × target length, −100 on padding),
+        the positions the decoder predicts."""
+        key = ("pairs", id(tokenizer), tuple(chosen), batch_size, by_length)
+        cache = self.__dict__.setdefault("_cache", {})
+        if key not in cache:
+            enc = Encoder(tokenizer, max_length=self.max_length, split_sentences=True,
+                          decoder_start=pair_decoder_start(model.config))
+            pairs = [self.examples[i] for i in chosen]
+            order = (np.argsort(self.token_lengths(tokenizer, [s for s, _ in pairs]), kind="stable") if by_length
+                     else np.arange(len(pairs)))
+            out = []
+            for i in range(0, len(order), batch_size):
+                idx = order[i:i + batch_size]
+                batch = enc([pairs[j] for j in idx])
+                target = tokenizer(text_target=[enc.bounded(pairs[j][1]) for j in idx], truncation=True,
+                                   max_length=self.max_length, padding="longest", return_tensors="pt",
+                                   padding_side="right")
+                labels = target["input_ids"].masked_fill(target["attention_mask"] == 0, -100)
+                out.append(([chosen[int(j)] for j in idx], batch, labels))
+            cache[key] = out
+        return cache[key]
+
+    def plan(self, model, tokenizer, limit=None, batch_size=32) -> Plan:
+        chosen = subset(len(self.examples), limit)
+        steps = [Step(batch, (orig, labels)) for orig, batch, labels in
+                 self._batches(model, tokenizer, chosen, batch_size)]
+        return Plan(steps, len(chosen))
+
+    def outputs(self, model, batch):
+        return forward(model, batch).logits
+
+    def reduce(self, step, logits):
+        """Per pair of the step: (pair, target tokens, their summed cross-entropy in nats)."""
+        orig, labels = step.info
+        nll = torch.nn.functional.cross_entropy(logits.float().cpu().transpose(1, 2), labels, reduction="none",
+                                                ignore_index=-100).double()
+        n = (labels != -100).sum(-1)
+        return [(j, int(n[b]), float(nll[b].sum())) for b, j in enumerate(orig)]
+
+    def summarize(self, plan, parts) -> dict:
+        per_example = {j: (n, nll) for part in parts for j, n, nll in part}
+        keys = sorted(per_example)
+        tokens, nll = (np.array([per_example[k][i] for k in keys]) for i in range(2))
+        total = int(tokens.sum())
+        if total == 0:
+            raise AttnkitError(f"{self.path}: no target has a token to predict")
+        self.last_examples = metrics.ExampleScores({"tokens": tokens, "nll": nll}, token_mean_loss("tokens"),
+                                                   np.asarray(keys))
+        loss = float(nll.sum()) / total
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "n": plan.info, "tokens": total}
+
+    def losses(self, model, tokenizer, limit=None, batch_size=1):
+        instrument(model)
+        chosen = subset(len(self.examples), limit)
+        for _, batch, labels in self._batches(model, tokenizer, chosen, batch_size, by_length=False):
+            if (labels != -100).any():
+                yield forward(model, batch, labels=labels.to(_device(model))).loss
+
+
 def get_task(name: str, path, **options) -> Task:
-    """Load a task's data from a local file: name in stsb, glue, squad, mlm, lm; `max_length`: the tokens per input
-    (default: `task_max_length`)."""
+    """Load a task's data from a local file: name in stsb, glue, squad, mlm, lm, seq2seq; `max_length`: the tokens
+    per input (default: `task_max_length`)."""
     path = str(path)
     if name == "stsb":
         task = StsbTask(path)
@@ -694,6 +778,8 @@ def get_task(name: str, path, **options) -> Task:
         task = MlmTask(path, seed=options.get("seed") or 0)
     elif name == "lm":
         task = LmTask(path)
+    elif name == "seq2seq":
+        task = Seq2seqTask(path)
     else:
         raise AttnkitError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")
     task.max_length = check_int(task_max_length(name, options.get("max_length")), "max_length", minimum=2)
