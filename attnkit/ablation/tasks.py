@@ -623,6 +623,22 @@ def next_token_nll(logits: torch.Tensor, input_ids: torch.Tensor, lengths: torch
     return torch.where(keep, nll, torch.zeros_like(nll))
 
 
+def summarize_token_loss(task: Task, plan, parts, nothing_to_predict: str) -> dict:
+    """The token-mean loss of a task whose steps reduce to (example, predicted tokens, their summed cross-entropy):
+    {"loss", "perplexity", "n", "tokens"}, with the per-example scores kept on `task.last_examples` for the
+    bootstrap. `nothing_to_predict` says why no example has a token (refused by name)."""
+    per_example = {j: (n, nll) for part in parts for j, n, nll in part}
+    keys = sorted(per_example)
+    tokens, nll = (np.array([per_example[k][i] for k in keys]) for i in range(2))
+    total = int(tokens.sum())
+    if total == 0:
+        raise AttnkitError(f"{task.path}: {nothing_to_predict}")
+    task.last_examples = metrics.ExampleScores({"tokens": tokens, "nll": nll}, token_mean_loss("tokens"),
+                                               np.asarray(keys))
+    loss = float(nll.sum()) / total
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "n": plan.info, "tokens": total}
+
+
 class LmTask(Task):
     """Language-model loss of a causal (decoder) model: the mean next-token cross-entropy, in nats, over the
     corpus tokens. Each text is tokenised as the model's tokenizer does (its BOS where it adds one), truncated to
@@ -659,16 +675,8 @@ class LmTask(Task):
         return [(j, int(n[b]), float(nll[b].sum())) for b, j in enumerate(step.info)]
 
     def summarize(self, plan, parts) -> dict:
-        per_example = {j: (n, nll) for part in parts for j, n, nll in part}
-        keys = sorted(per_example)
-        tokens, nll = (np.array([per_example[k][i] for k in keys]) for i in range(2))
-        total = int(tokens.sum())
-        if total == 0:
-            raise AttnkitError(f"{self.path}: every text is one token long: there is no next token to predict")
-        self.last_examples = metrics.ExampleScores({"tokens": tokens, "nll": nll}, token_mean_loss("tokens"),
-                                                   np.asarray(keys))
-        loss = float(nll.sum()) / total
-        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "n": plan.info, "tokens": total}
+        return summarize_token_loss(self, plan, parts, "every text is one token long: there is no next token to "
+                                                       "predict")
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
         instrument(model)
@@ -744,16 +752,7 @@ class Seq2seqTask(Task):
         return [(j, int(n[b]), float(nll[b].sum())) for b, j in enumerate(orig)]
 
     def summarize(self, plan, parts) -> dict:
-        per_example = {j: (n, nll) for part in parts for j, n, nll in part}
-        keys = sorted(per_example)
-        tokens, nll = (np.array([per_example[k][i] for k in keys]) for i in range(2))
-        total = int(tokens.sum())
-        if total == 0:
-            raise AttnkitError(f"{self.path}: no target has a token to predict")
-        self.last_examples = metrics.ExampleScores({"tokens": tokens, "nll": nll}, token_mean_loss("tokens"),
-                                                   np.asarray(keys))
-        loss = float(nll.sum()) / total
-        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "n": plan.info, "tokens": total}
+        return summarize_token_loss(self, plan, parts, "no target has a token to predict")
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
         instrument(model)
