@@ -152,19 +152,20 @@ _FUSED_GRID = (extension_loaded() and _op_takes("fused_attention", "grid")
                and _op_takes("fused_attention", "key_lengths"))
 
 
-def _cpu_grid_rings() -> bool:
-    """Whether the compiled CPU kernel measures every feature of an image's patch grid (IMAGE_FEATURES: the mean
-    attention distance and the ring masses): a build says so with the op `attnkit::cpu_grid_rings() -> bool`; a
-    build before the rings measured the distance alone, and grids do not run on it."""
-    if not _FUSED_GRID:
+def _cpu_says(flag: str) -> bool:
+    """Whether the compiled CPU kernel says it has a capability: an extension with one defines the op
+    `attnkit::<flag>() -> bool` (csrc/ops.cpp); one built before it has no such op, and has not."""
+    if not has_kernel("cpu"):
         return False
     try:
-        return bool(torch.ops.attnkit.cpu_grid_rings())
+        return bool(getattr(torch.ops.attnkit, flag)())
     except (AttributeError, RuntimeError):
         return False
 
 
-_CPU_GRID = _cpu_grid_rings()
+# every feature of an image's patch grid (IMAGE_FEATURES: the mean attention distance and the ring masses); a build
+# before the rings measured the distance alone, and grids do not run on it
+_CPU_GRID = _FUSED_GRID and _cpu_says("cpu_grid_rings")
 
 
 def fused_grid(device_type: str) -> bool:
@@ -179,33 +180,10 @@ def fused_decoder() -> bool:
     return _FUSED_DECODER
 
 
-def _cpu_fewer_queries() -> bool:
-    """Whether the compiled CPU kernel takes fewer queries than keys (q B×H×Lq×D, k B×Hkv×L×D, Lq < L: the last Lq
-    positions, attnkit/reference.py). An extension says so with the op `attnkit::cpu_fewer_queries() -> bool`;
-    one without it (every build before it) does not."""
-    if not has_kernel("cpu"):
-        return False
-    try:
-        return bool(torch.ops.attnkit.cpu_fewer_queries())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_CPU_FEWER_QUERIES = _cpu_fewer_queries()
-
-
-def _cpu_cross() -> bool:
-    """Whether the compiled CPU kernel takes cross-attention (`key_lengths`, `key_class`): an extension says so with
-    the op `attnkit::cpu_cross_attention() -> bool`; one without it does not."""
-    if not (has_kernel("cpu") and _op_takes("fused_attention", "key_lengths")):
-        return False
-    try:
-        return bool(torch.ops.attnkit.cpu_cross_attention())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_CPU_CROSS = _cpu_cross()
+# fewer queries than keys (q B×H×Lq×D, k B×Hkv×L×D, Lq < L: the last Lq positions, attnkit/reference.py)
+_CPU_FEWER_QUERIES = _cpu_says("cpu_fewer_queries")
+# cross-attention (`key_lengths`, `key_class`)
+_CPU_CROSS = _op_takes("fused_attention", "key_lengths") and _cpu_says("cpu_cross_attention")
 
 
 def fused_cross(device_type: str) -> bool:
