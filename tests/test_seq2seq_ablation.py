@@ -64,15 +64,20 @@ def test_loss_is_the_models_own_teacher_forced_loss(kind, bart_dir, tmp_path):
     assert losses == pytest.approx([direct_loss(model, tok, [p]) for p in PAIRS], rel=1e-5)
 
 
-@pytest.mark.slow
-def test_heads_experiment_zeroes_a_cross_head_as_a_direct_forward(bart_dir, tmp_path):
+def ablate_table(model_dir, tmp_path, experiment: str, resamples: int) -> list[dict]:
+    """`attnkit ablate MODEL --task seq2seq` over a TSV of PAIRS: the rows of `experiment`'s table."""
     data = write_tsv(tmp_path / "pairs.tsv", PAIRS)
     out = tmp_path / "out"
-    res = CliRunner().invoke(ablate, [str(bart_dir), "--task", "seq2seq", "--data", str(data), "--experiment",
-                                      "heads", "--out", str(out), "--resamples", "200", "--quiet"])
+    res = CliRunner().invoke(ablate, [str(model_dir), "--task", "seq2seq", "--data", str(data), "--experiment",
+                                      experiment, "--out", str(out), "--resamples", str(resamples), "--quiet"])
     assert res.exit_code == 0, res.output
-    with open(out / "heads.csv") as f:
-        rows = list(csv.DictReader(f))
+    with open(out / f"{experiment}.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_heads_experiment_zeroes_a_cross_head_as_a_direct_forward(bart_dir, tmp_path):
+    rows = ablate_table(bart_dir, tmp_path, "heads", 200)
     assert len(rows) == 1 + 6 * 4  # baseline, then 2 encoder + 2 decoder + 2 cross layers × 4 heads
     assert [(r["kind"], r["kind_layer"]) for r in rows[1::4]] == [
         ("encoder", "0"), ("encoder", "1"), ("decoder", "0"), ("decoder", "1"), ("cross", "0"), ("cross", "1")]
@@ -90,13 +95,7 @@ def test_heads_experiment_zeroes_a_cross_head_as_a_direct_forward(bart_dir, tmp_
 
 @pytest.mark.slow
 def test_importance_ranks_and_prunes_every_kind(bart_dir, tmp_path):
-    data = write_tsv(tmp_path / "pairs.tsv", PAIRS)
-    out = tmp_path / "out"
-    res = CliRunner().invoke(ablate, [str(bart_dir), "--task", "seq2seq", "--data", str(data), "--experiment",
-                                      "importance", "--out", str(out), "--resamples", "100", "--quiet"])
-    assert res.exit_code == 0, res.output
-    with open(out / "importance.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = ablate_table(bart_dir, tmp_path, "importance", 100)
     pruned = [h for r in rows[1:] for h in r["newly_pruned"].split(",")]
     assert sorted(pruned) == sorted(f"L{layer}H{head}" for layer in range(6) for head in range(4))
     assert int(rows[-1]["pruned"]) == 24
