@@ -469,6 +469,12 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     return model, tokenizer
 
 
+def given_by_path(model) -> bool:
+    """Whether `model`, as a caller passes it, names a model still to load (None: the embedded MiniLM; a local path)
+    rather than a loaded model or a (model, tokenizer) pair."""
+    return model is None or isinstance(model, (str, bytes)) or hasattr(model, "__fspath__")
+
+
 def resolve_model(model=None, tokenizer=None, device=None, dtype=None, max_length: int | None = None, *,
                   function: str | None = None):
     """(model, tokenizer), instrumented, from what a caller may pass as a model: None (the embedded MiniLM), a
@@ -478,7 +484,7 @@ def resolve_model(model=None, tokenizer=None, device=None, dtype=None, max_lengt
     used (`warn_if_default_is_not_the_last_model`)."""
     if model is None and tokenizer is None and function is not None:
         warn_if_default_is_not_the_last_model(function)
-    if model is None or isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+    if given_by_path(model):
         return load_model(model, device=device, dtype=dtype, max_length=max_length)
     if isinstance(model, tuple) and len(model) == 2:
         model, tokenizer = model

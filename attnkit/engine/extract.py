@@ -27,7 +27,14 @@ from ..features import (
     check_num_windows,
     check_weighting,
 )
-from ..models import attention_modules, check_max_length, model_feature_names, observing, resolve_model
+from ..models import (
+    attention_modules,
+    check_max_length,
+    given_by_path,
+    model_feature_names,
+    observing,
+    resolve_model,
+)
 from ..ops import BACKENDS, backend_label, resolve_backend
 from ..run.head_features import FeatureAccumulator, HeadFeatures
 from ..run.identity import IDENTITY_FIELD, model_identity
@@ -206,7 +213,7 @@ def given_config(model):
 
     if isinstance(model, tuple) and model:
         model = model[0]
-    if model is None or isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+    if given_by_path(model):
         return model_config(model)
     return getattr(model, "config", None)
 
@@ -279,7 +286,7 @@ def extract(
 
     if (texts is None) == (images is None):
         raise AttnkitError(f"give {arg('texts')} or {arg('images')}" + ("" if texts is None else ", not both"))
-    if model is None or isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+    if given_by_path(model):
         check_model_takes(model, images is not None)  # from config.json, before the model loads
     if images is not None:
         texts = images if isinstance(images, Corpus) else open_images(images)

@@ -32,6 +32,7 @@ from ..models import (
     attention_modules,
     check_max_length,
     check_model_max_length,
+    given_by_path,
     model_feature_names,
     observing,
     resolve_model,
@@ -317,7 +318,7 @@ def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=Non
     if isinstance(texts, Corpus):
         texts.check_has_text()  # an empty corpus is named before two models load
     for m in (model_a, model_b):  # both models' positions from their config.json before either loads
-        if m is None or isinstance(m, (str, bytes)) or hasattr(m, "__fspath__"):
+        if given_by_path(m):
             check_model_max_length(m, max_length)
     model_a, tok_a = resolve_model(model_a, tokenizer_a, device)
     model_b, tok_b = resolve_model(model_b, tokenizer_b, device)

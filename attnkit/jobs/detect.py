@@ -30,7 +30,7 @@ import torch
 from ..arch.pruning import pruned_head_grid
 from ..corpus import default_corpus_path
 from ..errors import AttnkitError, arg, check_int
-from ..models import attention_modules, max_positions, observing, resolve_model
+from ..models import attention_modules, given_by_path, max_positions, observing, resolve_model
 from ..words import row_stats
 from .detect_options import (
     KINDS,
@@ -249,7 +249,7 @@ def detect_heads(model=None, *, kinds=REPEAT_KINDS, length: int = 50, n_sequence
         what, remedy = f"the repeated sequences (2 × {R} tokens", f"lower {arg('length')}"
     if repeat and "induction" in repeat:
         check_repeat_length(R, "sequences")
-    if model is None or isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):  # positions: config.json
+    if given_by_path(model):  # positions: config.json
         cfg = model_config(model)
         if cfg is not None and repeat:
             check_positions(cfg, 2 * R, what + (")" if ids is None else ""), remedy)
