@@ -43,13 +43,18 @@ def config_sha256(config) -> str:
 def model_identity(model, name=None) -> dict:
     """What a command records of the model it ran (`model`: the loaded model, or its config; `name`: the model as
     the command was given it, None for the embedded MiniLM): `name`, `path` (the model's directory, absolute with
-    symbolic links resolved; null when it is not a local directory), `model_type`, `n_layers`, `n_heads` and
-    `config_sha256` (`config_sha256`)."""
+    symbolic links resolved; null when it is not a local directory), `model_type`, `n_layers` (attnkit's layers,
+    those a run's features have: an encoder–decoder's encoder, decoder and cross-attention layers together,
+    docs/seq2seq.md §2), `n_heads` and `config_sha256` (`config_sha256`)."""
+    from ..attention.kinds import seq2seq_layer_kinds
+
     config = getattr(model, "config", model)
+    kinds = seq2seq_layer_kinds(config)
+    n_layers = int(config.num_hidden_layers) if kinds is None else len(kinds)
     where = getattr(config, "_name_or_path", "") or ""
     path = os.path.realpath(where) if where and os.path.isdir(where) else None
     return {"name": "default" if name is None else str(name), "path": path,
-            "model_type": getattr(config, "model_type", None), "n_layers": int(config.num_hidden_layers),
+            "model_type": getattr(config, "model_type", None), "n_layers": n_layers,
             "n_heads": int(config.num_attention_heads), "config_sha256": config_sha256(config)}
 
 

@@ -1,0 +1,43 @@
+"""`attnkit cluster` and `attnkit report` on a run of an encoder–decoder over (source, target) pairs
+(docs/seq2seq.md §5): the run records attnkit's layers (encoder, decoder and cross-attention together) as its
+model's, so the clusters it is given are recognised as its own, and example maps, not drawn for pairs yet, are
+refused by name when asked for."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .synthetic import tiny_seq2seq
+from .test_seq2seq_extract import PAIRS, cli, extract_args, word_tokenizer, write_tsv
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    tok, vocab = word_tokenizer("bart")
+    model = tmp_path_factory.mktemp("bart")
+    tiny_seq2seq("bart", vocab=vocab).save_pretrained(model)
+    tok.save_pretrained(model)
+    where = tmp_path_factory.mktemp("run")
+    corpus = write_tsv(where / "pairs.tsv", PAIRS * 3)
+    code, text = cli(*extract_args(corpus, model, where / "run"))
+    assert code == 0, text
+    return where / "run"
+
+
+def test_the_run_records_every_kind_of_layer_and_clusters_and_reports(run_dir):
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert len(meta["layer_kinds"]) == 6  # 2 encoder, 2 decoder, 2 cross-attention layers
+    assert (meta["model_identity"]["n_layers"], meta["model_identity"]["n_heads"]) == (6, 4)
+    code, text = cli("cluster", run_dir, "-k", 3, "-q")
+    assert code == 0, text
+    code, text = cli("report", run_dir, "-q")
+    assert code == 0, text
+    html = (run_dir / "report.html").read_text()
+    assert "L5H3" in html  # a head of the last cross-attention layer is in the report
+
+
+def test_example_maps_of_pairs_are_refused_by_name(run_dir):
+    code, text = cli("report", run_dir, "--examples", 2, "--overwrite")
+    assert code != 0
+    assert "encoder–decoder" in text and "not drawn yet" in text
