@@ -35,6 +35,7 @@ def test_the_run_records_every_kind_of_layer_and_clusters_and_reports(run_dir):
     assert code == 0, text
     html = (run_dir / "report.html").read_text()
     assert "L5H3" in html  # a head of the last cross-attention layer is in the report
+    assert ">4 · cross 0</td>" in html  # the per-layer table names each layer's kind
 
 
 def test_example_maps_of_pairs_are_refused_by_name(run_dir):

@@ -56,11 +56,13 @@ def feature_heatmaps(features, panels=HEATMAP_FEATURES):
     panels = [(t, ns) for t, ns in panels if all(n in features.names for n in ns)]
     if not panels:
         raise AttnkitError("none of the heatmap features are in this run")
-    return grid_heatmaps([(title, sum(features.feature(n) for n in ns)) for title, ns in panels])
+    return grid_heatmaps([(title, sum(features.feature(n) for n in ns)) for title, ns in panels],
+                         layer_labels=features.layer_labels())
 
 
-def grid_heatmaps(panels, *, vmin=None, vmax=None):
-    """One layer × head heatmap per (title, L × H grid) of `panels`, three to a row; NaN (a removed head) blank."""
+def grid_heatmaps(panels, *, vmin=None, vmax=None, layer_labels=None):
+    """One layer × head heatmap per (title, L × H grid) of `panels`, three to a row; NaN (a removed head) blank;
+    `layer_labels`: the rows' names (default: their numbers)."""
     L, H = np.shape(panels[0][1])
     cols = min(3, len(panels))
     rows = (len(panels) + cols - 1) // cols
@@ -71,7 +73,7 @@ def grid_heatmaps(panels, *, vmin=None, vmax=None):
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         ax.set_xticks(range(H))
-        ax.set_yticks(range(L))
+        ax.set_yticks(range(L), labels=layer_labels)
         ax.tick_params(labelsize=7)
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03)
     for ax in list(axes.flat)[len(panels):]:

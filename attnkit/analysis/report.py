@@ -550,7 +550,8 @@ def heatmaps(r: Report) -> Section:
                                                  "numbered among themselves." if len(layers) < r.features.n_layers
                                                  else "")))
     labels = [k for k in summ["per_layer"] if not (r.decoder and k == "[CLS] entropy")]  # row 0 sees itself only
-    rows = [[layers[i]] + [fmt(summ["per_layer"][k][i]) for k in labels] for i in range(len(layers))]
+    names = r.features.layer_labels()
+    rows = [[names[layers[i]]] + [fmt(summ["per_layer"][k][i]) for k in labels] for i in range(len(layers))]
     shown = sm.DECODER_LABELS if r.decoder else {}
     return Section("heatmaps", "Features per layer and head", part(
         "layer_table", figs=figures, title="Per-layer summaries (Clark et al.)",

@@ -133,6 +133,14 @@ class HeadFeatures:
             return None
         return [(str(k), int(i)) for k, i in kinds]
 
+    def layer_labels(self) -> list[str]:
+        """Each layer as figures and tables name it: its number, and for an encoder–decoder's run its kind and
+        index in its kind as well ("4 · cross 0")."""
+        kinds = self.layer_kinds
+        if kinds is None:
+            return [str(layer) for layer in range(self.n_layers)]
+        return [f"{layer} · {kind} {index}" for layer, (kind, index) in enumerate(kinds)]
+
     def grid(self, feature: str = "cls", stat: str = "mean") -> HeadGrid:
         """One feature as a layer × head grid that a notebook shows as a coloured table (`_repr_html_`)."""
         if stat not in ("mean", "std"):
