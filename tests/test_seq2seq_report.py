@@ -42,3 +42,11 @@ def test_example_maps_of_pairs_are_refused_by_name(run_dir):
     code, text = cli("report", run_dir, "--examples", 2, "--overwrite")
     assert code != 0
     assert "encoder–decoder" in text and "not drawn yet" in text
+
+
+def test_export_names_the_kind_columns_it_writes(run_dir, tmp_path):
+    code, text = cli("export", run_dir, "-o", tmp_path / "heads.csv")
+    assert code == 0, text
+    header = (tmp_path / "heads.csv").read_text().splitlines()[0].split(",")
+    assert header[:4] == ["layer", "head", "kind", "kind_layer"]
+    assert f"× {len(header)} columns: layer, head, kind, kind_layer, " in text

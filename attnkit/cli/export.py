@@ -72,7 +72,8 @@ def export_cmd(run, fmt, out, overwrite, quiet):
         removed = (f"; {feats.n_removed} head(s) removed by pruning have empty (NaN) cells" if feats.n_removed
                    else "")
         click.echo(f"wrote {out} ({len(df)} rows, one per head × {df.shape[1]} columns: layer, head, "
-                   f"{n_feats} feature means and their {n_feats} stds"
+                   + ("kind, kind_layer, " if feats.layer_kinds is not None else "")
+                   + f"{n_feats} feature means and their {n_feats} stds"
                    + (", max_logit" if feats.max_logit is not None else "") + f"; {fmt}{removed})")
         if claim.removed_message():
             echo_for()(claim.removed_message(), err=True)
