@@ -144,7 +144,15 @@ def test_norm_weighting_and_a_sink_describe_the_feature_weights(backend):
 
 
 def test_worked_example_of_features_md():
-    """docs/features.md, "Alignment features": target of 3 rows over a source of 5 keys."""
+    """docs/features.md, "Alignment features": the cross-attention row of docs/seq2seq.md §3 (row 1 of a target of 7
+    over a source of 5), then a target of 3 rows over a source of 5 keys."""
+    row = torch.zeros(1, 1, 7, 5)
+    row[0, 0, 1] = torch.tensor([0.10, 0.30, 0.40, 0.15, 0.05])
+    p1 = aligned_positions(torch.tensor([7]), 7, 5, torch.tensor([5]))[0, 1].item()
+    assert p1 == pytest.approx(2 / 3)
+    # row 1's own values: the mean over the 7 rows times 7, the other rows being 0
+    got = alignment_features(row, torch.tensor([7]), torch.tensor([5]))[0, 0] * 7
+    torch.testing.assert_close(got, torch.tensor([1.21667, 0.80]), atol=1e-5, rtol=0)
     w = torch.tensor([[0.70, 0.20, 0.05, 0.05, 0.00],
                       [0.10, 0.20, 0.40, 0.20, 0.10],
                       [0.05, 0.05, 0.10, 0.20, 0.60]])[None, None]
