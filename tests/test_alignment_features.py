@@ -203,3 +203,17 @@ def test_the_cpu_kernel_equals_the_reference_in_every_block_layout(monkeypatch, 
         _, fused = ops.attention(q, k, v, lengths, backend="fused", **args)
         _, ref = ops.attention(q, k, v, lengths, backend="reference", **args)
         torch.testing.assert_close(fused, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_only_encoder_decoders_name_them():
+    """attnkit.instrument turns the alignment features on for an encoder–decoder (every kind of layer), not for a
+    model of one stack, whose features stay as before."""
+    from attnkit.models import instrument, model_feature_names
+
+    from .synthetic import tiny_bert, tiny_seq2seq
+
+    bert = instrument(tiny_bert()[0])
+    assert model_feature_names(bert, NW) == feature_names(NW)
+    seq2seq = instrument(tiny_seq2seq("bart"))
+    assert model_feature_names(seq2seq, NW) == feature_names(NW, alignment=True)
+    assert feature_names(NW, alignment=True)[-2:] == list(ALIGNMENT_FEATURES)
