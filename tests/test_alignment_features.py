@@ -217,3 +217,28 @@ def test_only_encoder_decoders_name_them():
     seq2seq = instrument(tiny_seq2seq("bart"))
     assert model_feature_names(seq2seq, NW) == feature_names(NW, alignment=True)
     assert feature_names(NW, alignment=True)[-2:] == list(ALIGNMENT_FEATURES)
+
+
+@pytest.mark.skipif(not ops.fused_alignment("cpu"), reason="a build whose CPU kernel measures the alignment features")
+def test_the_compiled_ops_take_alignment_with_their_fake_kernels_autograd_and_the_lse_op():
+    L = 6
+    q, k, v = qkv(L, L, seed=7)
+    lengths = torch.tensor([6, 4, 2])
+    p = ops.AttentionParams(want_features=True, num_windows=NW, scaling=D**-0.5, causal=True, alignment=True)
+    torch.library.opcheck(torch.ops.attnkit.fused_attention.default, (q, k, v, lengths, *p.op_args()),
+                          test_utils=("test_schema", "test_faketensor"))
+    _, ref = ops.attention(q, k, v, lengths, want_features=True, num_windows=NW, causal=True, alignment=True,
+                           backend="reference")
+    # a gradient wanted: the lse op runs (its backward reuses the output); with the max logit measured in the op
+    qg = q.clone().requires_grad_(True)
+    assert ops.saves_lse(qg, k, v, p)
+    out, feats, ml = ops.attention(qg, k, v, lengths, want_features=True, num_windows=NW, causal=True,
+                                   alignment=True, want_max_logit=True)
+    torch.testing.assert_close(feats, ref, atol=2e-5, rtol=1e-5)
+    out.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    lse_args = (q, k, v, lengths, *p.op_args()[:ops._LSE_PARAMS], False, True, None, True)
+    torch.library.opcheck(torch.ops.attnkit.fused_attention_lse.default, lse_args,
+                          test_utils=("test_schema", "test_faketensor"))
+    _, lse_feats, _, _ = torch.ops.attnkit.fused_attention_lse(*lse_args)
+    torch.testing.assert_close(lse_feats, ref, atol=2e-5, rtol=1e-5)
