@@ -89,7 +89,7 @@ H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats; key_scale B×H×L floats, 
 when features are wanted; num_windows from 1 to 1024 (MAX_NUM_WINDOWS); scaling a finite number (inf or NaN is
 refused). Cross-attention: key_lengths B integers in [1, Lk] (then lengths in [1, Lq], token_class B×Lq), key_class
 B×Lk codes 0..4 at valid keys, no sentence_id, region, causal, sliding_window, symmetric_window (a window over another
-sequence is undefined) or grid; bias (1 or B)×H×Lq×Lk floats.
+sequence is undefined) or grid; bias (1 or B)×H×Lq×Lk floats; alignment a bool.
 
 Numerics policy (NaN propagates, as in torch.softmax and scaled_dot_product_attention): a query row
 whose softmax is undefined — a NaN score among the keys it sees, a +inf score, or every score −inf (with
