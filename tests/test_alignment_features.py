@@ -196,7 +196,9 @@ def test_arguments_and_shapes():
 def test_the_cpu_kernel_equals_the_reference_in_every_block_layout(monkeypatch, blocks):
     monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", blocks)
     for Lq, Lk, extra in ((5, 11, {"key_lengths": torch.tensor([11, 4, 7])}), (11, 11, {"causal": True}),
-                          (11, 11, {"sliding_window": 3}), (11, 11, {})):
+                          (11, 11, {"sliding_window": 3}), (11, 11, {}),
+                          (11, 11, {"region": torch.tensor([0, 1, 2, 0], dtype=torch.int32), "renormalize": True,
+                                    "sentence_id": (torch.arange(11)[None] >= 4).int().expand(B, 11)})):
         q, k, v = qkv(Lq, Lk, seed=6)
         lengths = torch.tensor([5, 2, 1]) if "key_lengths" in extra else torch.tensor([11, 8, 3])
         args = dict(want_features=True, num_windows=NW, alignment=True, **extra)
