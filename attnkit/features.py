@@ -44,6 +44,10 @@ MEAN_ATTENTION_DISTANCE = "mean_attention_distance"
 RING_BOUNDS = (0, 1, 2, 4, 8)
 RING_FEATURES = tuple(f"ring_{r}" for r in RING_BOUNDS)
 IMAGE_FEATURES = (MEAN_ATTENTION_DISTANCE, *RING_FEATURES)
+# How diagonal a head's attention is (docs/features.md, "Alignment features"): last, when the op is given
+# `alignment` (every layer of an encoder–decoder's run): the mean |t − p| of a row's mass from its aligned key
+# position p, and the mass within one token of it
+ALIGNMENT_FEATURES = ("align_offset", "align_near")
 
 
 def bucket_names(num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
@@ -51,22 +55,25 @@ def bucket_names(num_windows: int = DEFAULT_NUM_WINDOWS) -> list[str]:
     return ["cls", "sep", "comma", "period", "self"] + [f"win_{i}" for i in range(num_windows)]
 
 
-def feature_names(num_windows: int = DEFAULT_NUM_WINDOWS, sink: bool = False, grid: bool = False) -> list[str]:
+def feature_names(num_windows: int = DEFAULT_NUM_WINDOWS, sink: bool = False, grid: bool = False,
+                  alignment: bool = False) -> list[str]:
     """All per-head features, in the order the ops emit them. With `sink` (a model with a learned sink logit
     per head, e.g. gpt-oss), one more comes next: `sink`, the sink's mass (docs/features.md, "Decoder models").
     With `grid` (a vision model: the op is given its patch grid), `mean_attention_distance` and the ring masses
-    come last (IMAGE_FEATURES; docs/features.md, "Image heads")."""
+    come next (IMAGE_FEATURES; docs/features.md, "Image heads"); with `alignment` (an encoder–decoder's run),
+    ALIGNMENT_FEATURES last (docs/features.md, "Alignment features")."""
     return (bucket_names(num_windows) + list(ROW_FEATURES) + ["cls_entropy"] + (["sink"] if sink else [])
-            + (list(IMAGE_FEATURES) if grid else []))
+            + (list(IMAGE_FEATURES) if grid else []) + (list(ALIGNMENT_FEATURES) if alignment else []))
 
 
-def num_features(num_windows: int = DEFAULT_NUM_WINDOWS, sink: bool = False, grid: bool = False) -> int:
-    return 5 + num_windows + len(ROW_FEATURES) + 1 + (1 if sink else 0) + (len(IMAGE_FEATURES) if grid else 0)
+def num_features(num_windows: int = DEFAULT_NUM_WINDOWS, sink: bool = False, grid: bool = False,
+                 alignment: bool = False) -> int:
+    return len(feature_names(num_windows, sink=sink, grid=grid, alignment=alignment))
 
 
-def windows_of(n_features: int, sink: bool = False, grid: bool = False) -> int:
+def windows_of(n_features: int, sink: bool = False, grid: bool = False, alignment: bool = False) -> int:
     """The number of distance windows behind `n_features` features (the inverse of `num_features`)."""
-    return n_features - num_features(0, sink=sink, grid=grid)
+    return n_features - num_features(0, sink=sink, grid=grid, alignment=alignment)
 
 
 # Features that are 0 for every head of a decoder (a causal model, docs/features.md "Decoder models"): no row sees a
@@ -94,6 +101,9 @@ _DEFINITIONS = {
     **{name: f"for each patch query, the weight on the patch keys at grid distance d with {lo} <= d < {hi} patches"
               f"{' (the patch itself)' if lo == 0 else ''}, averaged over the image's patches"
        for name, lo, hi in zip(RING_FEATURES, RING_BOUNDS, RING_BOUNDS[1:] + ("∞",))},
+    "align_offset": "Σ over keys of weight × |t − p| (in tokens), p the row's aligned key position: its own for "
+                    "self-attention, i·(nk − 1)/(nq − 1) for cross-attention",
+    "align_near": "weight on the (at most three) keys within one token of the row's aligned key position",
 }
 # What differs on a decoder's run (causal rows): `cls` is the sample's first position, `sep` its EOS tokens.
 _DECODER_DEFINITIONS = {
@@ -105,12 +115,12 @@ _DECODER_DEFINITIONS = {
 _SECTIONS = {"bucket": "the-21-exclusive-distance-buckets-5--n-in-general", "row": "the-row-features",
              "cls_entropy": "3-from-rows-to-a-sample-from-samples-to-the-corpus",
              "sink": "8-decoder-models-causal-rows-grouped-query-attention-windows-soft-capping-sinks",
-             "image": "10-image-heads-vision-transformers"}
+             "image": "10-image-heads-vision-transformers", "alignment": "11-alignment-features"}
 _SECTION_TITLES = {"bucket": "2. Features of one query row › The 21 exclusive distance buckets (5 + N in general)",
                    "row": "2. Features of one query row › The row features",
                    "cls_entropy": "3. From rows to a sample, from samples to the corpus",
                    "sink": "8. Decoder models: causal rows, grouped-query attention, windows, soft-capping, sinks",
-                   "image": "10. Image heads: vision transformers"}
+                   "image": "10. Image heads: vision transformers", "alignment": "11. Alignment features"}
 
 
 def describe_feature(name: str, decoder: bool = False) -> str:
@@ -134,6 +144,8 @@ def _section_of(name: str) -> str:
         return name
     if name in IMAGE_FEATURES:
         return "image"
+    if name in ALIGNMENT_FEATURES:
+        return "alignment"
     return "row" if name in ROW_FEATURES else "bucket"
 
 

@@ -107,10 +107,10 @@ def attention_modules(model) -> list:
 
 def model_feature_names(model, num_windows: int) -> list[str]:
     """The names of the features an instrumented `model` gives: `feature_names`, with `sink` for a model with a
-    learned sink logit per head (gpt-oss) and `mean_attention_distance` last for a vision transformer
-    (docs/features.md)."""
+    learned sink logit per head (gpt-oss), the image features for a vision transformer and the alignment features
+    last for an encoder–decoder (docs/features.md)."""
     rt = runtime_of(model)
-    return feature_names(num_windows, sink=rt.sink, grid=rt.image is not None)
+    return feature_names(num_windows, sink=rt.sink, grid=rt.image is not None, alignment=rt.alignment)
 
 
 def runtime_of(model) -> Runtime:
@@ -204,7 +204,8 @@ def instrument(model, tokenizer=None):
         if getattr(mod, "layer_idx", None) is None:
             mod.layer_idx = i
     runtime = Runtime(separator_ids=_separator_ids(model, tokenizer),
-                      segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1, sink=seen.sink, image=image)
+                      segment_types=(getattr(cfg, "type_vocab_size", None) or 0) > 1, sink=seen.sink, image=image,
+                      alignment=seq2seq)
     for mod in seen:
         setattr(mod, RUNTIME_ATTR, runtime)
     _record_inputs(model, runtime)

@@ -34,11 +34,16 @@ on the reference, and `backend="fused"` refuses them by name; without features t
 nothing else). A grid
 with cross-attention is refused by name (attnkit/reference.py).
 
+The alignment features (`alignment`, attnkit/reference.py "Alignment"): only the compiled CPU kernel (of a build that
+says so, `fused_alignment`) measures them; with features wanted, CUDA calls (the Triton kernel's too) and older
+builds run on the reference, and `backend="fused"` refuses them by name; without features `alignment` is dropped.
+
 Cross-attention (`key_lengths`, attnkit/reference.py, "Cross-attention") runs on the compiled CPU kernel where it says
 it takes it (`fused_cross`), else on the reference; on CUDA and Triton always on the reference until a GPU has tested
 a kernel (docs/cuda.md). An additive `bias` (T5's position_bias) runs on the reference on every device. Their
 backward is the differentiable reference's (the bias gets a gradient). `fused_attention_lse` takes neither (its
-schema: the arguments before key_lengths, then symmetric_window, want_max_logit and grid). A bidirectional window with
+schema: the arguments before key_lengths, then symmetric_window, want_max_logit, grid and alignment). A bidirectional
+window with
 cross-attention is refused by name (a window over another sequence is undefined).
 """
 from __future__ import annotations
@@ -173,6 +178,18 @@ def fused_grid(device_type: str) -> bool:
     IMAGE_FEATURES): the CPU kernel of a build that takes the grid and measures the ring masses. The CUDA kernels do
     not (docs/cuda.md): such calls run on the reference there (exact, at its L×L memory per call)."""
     return device_type == "cpu" and _CPU_GRID
+
+
+# a build that takes `alignment` (after grid) and whose CPU kernel measures the alignment features
+_FUSED_ALIGNMENT = extension_loaded() and _op_takes("fused_attention", "alignment")
+_CPU_ALIGNMENT = _FUSED_ALIGNMENT and _FUSED_GRID and _cpu_says("cpu_alignment")
+
+
+def fused_alignment(device_type: str) -> bool:
+    """Whether the compiled kernel for `device_type` measures the alignment features (`alignment`,
+    ALIGNMENT_FEATURES): the CPU kernel of a build that says so. The CUDA kernels do not (docs/cuda.md): such calls
+    run on the reference there."""
+    return device_type == "cpu" and _CPU_ALIGNMENT
 
 
 def fused_decoder() -> bool:
@@ -329,23 +346,25 @@ def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
         causal=bool(p.causal), softcap=None if p.softcap is None else float(p.softcap),
         key_lengths=_as(p.key_lengths, torch.int64, dev), key_class=_as(p.key_class, torch.int32, dev),
         bias=_as(p.bias, torch.float32, dev) if p.bias is None or not p.bias.requires_grad else p.bias.to(dev),
-        grid=_as(p.grid, torch.int32, dev) if p.want_features else None)  # (no features: the grid changes nothing)
+        grid=_as(p.grid, torch.int32, dev) if p.want_features else None,  # (no features: the grid changes nothing)
+        alignment=bool(p.alignment) and bool(p.want_features))  # (nor alignment)
 
 
 # the op's arguments before the decoder ones: all that a build before them takes; those before cross-attention's:
 # all that a build before it takes, and the first of what `_LSE_OP` takes (then symmetric_window, want_max_logit,
-# grid); those before symmetric_window and before grid: all that a build before each takes
+# grid, alignment); those before symmetric_window, before grid and before alignment: all that a build before each takes
 _BEFORE_DECODER = AttentionParams.position("kv_head") - 4
 _BEFORE_CROSS = _LSE_PARAMS = AttentionParams.position("key_lengths") - 4
 _BEFORE_SYMMETRIC = AttentionParams.position("symmetric_window") - 4
 _BEFORE_GRID = AttentionParams.position("grid") - 4
+_BEFORE_ALIGNMENT = AttentionParams.position("alignment") - 4
 _FUSED_CROSS = extension_loaded() and _op_takes("fused_attention", "key_lengths")
 
 
 def _compiled_args(p: AttentionParams) -> tuple:
     """`p.op_args()` as the compiled `_OP`'s schema takes them by position: a build before the decoder arguments,
-    before cross-attention's, before symmetric_window or before `grid` has no such arguments (`_attention` has sent
-    calls that use them to the reference)."""
+    before cross-attention's, before symmetric_window, before `grid` or before `alignment` has no such arguments
+    (`_attention` has sent calls that use them to the reference)."""
     args = p.op_args()
     if not _FUSED_DECODER:
         return args[:_BEFORE_DECODER]
@@ -353,17 +372,21 @@ def _compiled_args(p: AttentionParams) -> tuple:
         return args[:_BEFORE_CROSS]
     if not _FUSED_SYMMETRIC:
         return args[:_BEFORE_SYMMETRIC]
-    return args if _FUSED_GRID else args[:_BEFORE_GRID]
+    if not _FUSED_GRID:
+        return args[:_BEFORE_GRID]
+    return args if _FUSED_ALIGNMENT else args[:_BEFORE_ALIGNMENT]
 
 
 def _lse_call(q, k, v, lengths, p: AttentionParams, want_max_logit: bool):
     """`_LSE_OP` on the arguments `p`: its schema takes the arguments before key_lengths (cross-attention and a bias
-    never run on it), then symmetric_window, want_max_logit and grid (csrc/ops.cpp), the last two by keyword here (a
-    build before either has no such argument, and is not given it). Only for a build that takes symmetric_window
-    (`_FUSED_SYMMETRIC`: `saves_lse` and `fused_max_logit` ask for it)."""
+    never run on it), then symmetric_window, want_max_logit, grid and alignment (csrc/ops.cpp), the last three by
+    keyword here (a build before one has no such argument, and is not given it). Only for a build that takes
+    symmetric_window (`_FUSED_SYMMETRIC`: `saves_lse` and `fused_max_logit` ask for it)."""
     kw = {"want_max_logit": True} if want_max_logit else {}
     if p.grid is not None:
         kw["grid"] = p.grid
+    if p.alignment:
+        kw["alignment"] = True
     return torch.ops.attnkit.fused_attention_lse(q, k, v, lengths, *p.op_args()[:_LSE_PARAMS],
                                                  bool(p.symmetric_window), **kw)
 
@@ -382,7 +405,7 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
     fewer_queries = q.shape[2] < k.shape[2] and not p.cross
     if (backend in ("auto", "fused") and dev.type == "cuda" and q.dtype in _TRITON_DTYPES and cuda_kernel() == "triton"
             and not fewer_queries and not p.cross and p.bias is None and not p.symmetric_window
-            and p.grid is None):
+            and p.grid is None and not p.alignment):
         # the Triton kernel takes every argument, the decoder ones included, and needs no compiled extension
         return torch.ops.attnkit.fused_attention_triton(q, k, v, lengths, *p.op_args())
     chosen = resolve_backend(backend, dev)
@@ -416,6 +439,11 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
                                "the features of an image's patch grid (grid: the distance and the ring masses): use "
                                "backend 'auto' or 'reference'")
         chosen = "reference"  # exact, no warning (docs/cuda.md: the CUDA kernels do not take the grid)
+    if chosen == "fused" and p.alignment and not fused_alignment(dev.type):
+        if backend == "fused":
+            raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel of this build does not measure "
+                               "the alignment features (alignment): use backend 'auto' or 'reference'")
+        chosen = "reference"  # exact, no warning (docs/cuda.md: the CUDA kernels do not measure them)
     if chosen == "reference" and fewer_queries and backend == "auto" and _plain_step(q, k, v, p):
         return plain_step(q, k, v, lengths, p.scaling, p.causal, p.sliding_window)
     if chosen == "reference":
@@ -511,7 +539,8 @@ _LIB.define(
     "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, bool renormalize, "
     "Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, bool causal=False, "
     "int? sliding_window=None, float? softcap=None, Tensor? sink=None, Tensor? key_lengths=None, "
-    "Tensor? key_class=None, Tensor? bias=None, bool symmetric_window=False, Tensor? grid=None) "
+    "Tensor? key_class=None, Tensor? bias=None, bool symmetric_window=False, Tensor? grid=None, "
+    "bool alignment=False) "
     "-> (Tensor, Tensor)")
 
 
@@ -534,7 +563,8 @@ def _fused_attention_fake(q, k, v, lengths, *args, **params):
     p = AttentionParams(*args, **params)
     B, H, Lq, D = q.shape  # Lq <= the keys' length: a KV-cache step has one row per new token
     out = q.new_empty((B, Lq, H, D))
-    nf = num_features(p.num_windows, sink=p.sink is not None, grid=p.grid is not None) if p.want_features else 0
+    nf = (num_features(p.num_windows, sink=p.sink is not None, grid=p.grid is not None, alignment=bool(p.alignment))
+          if p.want_features else 0)
     feats = q.new_empty((B, H, nf), dtype=torch.float32)
     return out, feats
 
@@ -549,11 +579,13 @@ _N_PARAMS = len(dataclasses.fields(AttentionParams))
 def _setup_context(ctx, inputs, output):
     q, k, v, lengths = inputs[:4]
     # the decoder arguments come last, absent from older builds (their defaults); the lse op (3 or 4 outputs) takes
-    # those before key_lengths, then symmetric_window, want_max_logit and grid (the dispatcher fills in defaults)
+    # those before key_lengths, then symmetric_window, want_max_logit, grid and alignment (the dispatcher fills in
+    # defaults)
     if len(output) >= 3:
         tail = inputs[4 + _LSE_PARAMS:]
         p = AttentionParams(*inputs[4:4 + _LSE_PARAMS], symmetric_window=bool(tail[0]) if tail else False,
-                            grid=tail[2] if len(tail) > 2 else None)
+                            grid=tail[2] if len(tail) > 2 else None,
+                            alignment=bool(tail[3]) if len(tail) > 3 else False)
     else:
         p = AttentionParams(*inputs[4:4 + _N_PARAMS])
     # _LSE_OP's outputs (out, features, lse[, max_logit]): its backward reuses out and lse instead of recomputing them
@@ -631,13 +663,15 @@ if extension_loaded():
     if has_kernel("cpu", _LSE_OP):  # an extension built before the op has no such schema
         @torch.library.register_fake(_LSE_OP)
         def _fused_attention_lse_fake(q, k, v, lengths, *args, symmetric_window=False, want_max_logit=False,
-                                      grid=None):
-            n = _LSE_PARAMS  # the arguments before key_lengths; then symmetric_window, want_max_logit, grid
+                                      grid=None, alignment=False):
+            n = _LSE_PARAMS  # the arguments before key_lengths; then symmetric_window, want_max_logit, grid, alignment
             if len(args) > n + 1:  # given by position (symmetric_window does not change a shape)
                 want_max_logit = args[n + 1]
             if len(args) > n + 2:
                 grid = args[n + 2]
-            out, feats = _fused_attention_fake(q, k, v, lengths, *args[:n], grid=grid)
+            if len(args) > n + 3:
+                alignment = args[n + 3]
+            out, feats = _fused_attention_fake(q, k, v, lengths, *args[:n], grid=grid, alignment=bool(alignment))
             B, H, L, _ = q.shape
             lse = q.new_empty((B, H, L), dtype=torch.float32)
             if not _LSE_MAX_LOGIT:  # an extension built before the max logit: three outputs

@@ -45,6 +45,14 @@ Semantics (docs/features.md, docs/interventions.md):
     `grid` is not read. A grid is one sequence's tokens on one image: with cross-attention (`key_lengths`, two
     sequences) it is refused by name.
 
+  * Alignment (docs/features.md, "Alignment features"): with `alignment` and features wanted, two more features come
+    last (after the image features, ALIGNMENT_FEATURES): each valid row i has an aligned key position p_i, its own
+    position s for self-attention (encoder, causal decoder, a KV-cache step alike) and i·(nk − 1)/(nq − 1) for
+    cross-attention (nq valid query rows, nk valid keys; 0 when nq = 1); `align_offset` is Σ_t w[i, t]·|t − p_i| (in
+    tokens) and `align_near` Σ_t w[i, t] over the keys with |t − ⌊p_i + 1/2⌋| <= 1, each averaged over the valid
+    rows. They describe the final weights as every feature does (interventions, norm weighting); a sink's mass is on
+    no key and adds to neither. Without features `alignment` is not read.
+
   * Norm weighting (docs/features.md, "Norm-weighted features"): with a key scale g (B×H×L, ≥ 0) the
     features describe w'[s, t] = w[s, t]·g[t] / Σ_u w[s, u]·g[u] instead of the final weights w (a row
     whose Σ is 0 stays 0); the output is unchanged.
@@ -81,7 +89,7 @@ H codes ALL/NO_INTRA/NO_INTER (0..2); gates H floats; key_scale B×H×L floats, 
 when features are wanted; num_windows from 1 to 1024 (MAX_NUM_WINDOWS); scaling a finite number (inf or NaN is
 refused). Cross-attention: key_lengths B integers in [1, Lk] (then lengths in [1, Lq], token_class B×Lq), key_class
 B×Lk codes 0..4 at valid keys, no sentence_id, region, causal, sliding_window, symmetric_window (a window over another
-sequence is undefined) or grid; bias (1 or B)×H×Lq×Lk floats.
+sequence is undefined) or grid; bias (1 or B)×H×Lq×Lk floats; alignment a bool.
 
 Numerics policy (NaN propagates, as in torch.softmax and scaled_dot_product_attention): a query row
 whose softmax is undefined — a NaN score among the keys it sees, a +inf score, or every score −inf (with
@@ -130,9 +138,9 @@ class AttentionParams:
     token_class, sentence_id: B×L (None: all OTHER / one sentence); scaling (None: D^-1/2); num_windows; mode,
     region: H codes; renormalize; gates: H floats; want_features; key_scale: B×H×L (norm weighting); the decoder
     arguments kv_head, causal, sliding_window, softcap, sink; cross-attention's key_lengths (B) and key_class (B×Lk),
-    and an additive bias ((1 or B)×H×Lq×Lk); symmetric_window; grid: B×L×2, an image's patch grid (module
-    docstring). `fused_attention_lse` takes the fields before key_lengths, then symmetric_window, want_max_logit and
-    grid (cross-attention and a bias never run on it)."""
+    and an additive bias ((1 or B)×H×Lq×Lk); symmetric_window; grid: B×L×2, an image's patch grid; alignment: the
+    alignment features (module docstring). `fused_attention_lse` takes the fields before key_lengths, then
+    symmetric_window, want_max_logit, grid and alignment (cross-attention and a bias never run on it)."""
 
     token_class: torch.Tensor | None = None
     sentence_id: torch.Tensor | None = None
@@ -154,6 +162,7 @@ class AttentionParams:
     bias: torch.Tensor | None = None
     symmetric_window: bool = False
     grid: torch.Tensor | None = None
+    alignment: bool = False
 
     @property
     def cross(self) -> bool:
@@ -170,7 +179,7 @@ class AttentionParams:
         return (self.token_class, self.sentence_id, float(self.scaling), int(self.num_windows), self.mode,
                 self.region, bool(self.renormalize), self.gates, bool(self.want_features), self.key_scale,
                 self.kv_head, bool(self.causal), self.sliding_window, self.softcap, self.sink, self.key_lengths,
-                self.key_class, self.bias, bool(self.symmetric_window), self.grid)
+                self.key_class, self.bias, bool(self.symmetric_window), self.grid, bool(self.alignment))
 
     def tensors(self) -> tuple:
         """The tensor arguments (None where not given), in field order: what autograd saves."""
@@ -202,6 +211,8 @@ class AttentionParams:
         if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                            or sliding_window < 1):
             raise AttnkitError(f"sliding_window must be an integer >= 1, got {sliding_window!r}")
+        if not isinstance(self.alignment, bool):
+            raise AttnkitError(f"alignment must be a bool, got {self.alignment!r}")
         if not isinstance(self.symmetric_window, bool):
             raise AttnkitError(f"symmetric_window must be a bool, got {self.symmetric_window!r}")
         if self.symmetric_window and sliding_window is None:
@@ -568,10 +579,12 @@ def row_features(
     *,
     key_lengths: torch.Tensor | None = None,
     key_class: torch.Tensor | None = None,
+    alignment: bool = False,
 ) -> torch.Tensor:
     """Per-(sample, head) feature vectors B×H×F (fp32) from final B×H×Lq×L weights; with `sink_weights`
     (B×H×Lq, each row's sink mass) one more feature, `sink`, comes next (its mean over the rows); with `grid`
-    (B×L×2, an image's patch grid) IMAGE_FEATURES come last (`image_features`).
+    (B×L×2, an image's patch grid) IMAGE_FEATURES come next (`image_features`); with `alignment`, ALIGNMENT_FEATURES
+    last (`alignment_features`).
 
     Query row i is key position s = L − Lq + i (`query_positions`); it is valid when s < n. Each valid row's
     features are defined as in a full forward, with n = the sample's length over the keys; the result is their
@@ -626,12 +639,47 @@ def row_features(
         nan_rows = nan_rows | sw.isnan()
     if grid is not None:
         parts.append(image_features(w, lengths, grid))
+    if alignment:
+        parts.append(alignment_features(w, lengths, key_lengths))
     out = torch.cat(parts, dim=-1)
     # NaN policy: a valid row with NaN weights makes every feature of its (sample, head) NaN
     nan_row = (nan_rows & valid_rows[:, None, :]).any(-1, keepdim=True)  # B×H×1
     out = torch.where(nan_row, float("nan"), out)
-    assert out.shape[-1] == num_features(num_windows, sink=sink_weights is not None, grid=grid is not None)
+    assert out.shape[-1] == num_features(num_windows, sink=sink_weights is not None, grid=grid is not None,
+                                         alignment=alignment)
     return out
+
+
+def aligned_positions(lengths: torch.Tensor, Lq: int, L: int, key_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """B×Lq fp64: each query row's aligned key position p (docs/features.md, "Alignment features"). Self-attention:
+    the row's own position s = L − Lq + i. Cross-attention (`key_lengths` nk given, `lengths` the query lengths nq):
+    p = i·(nk − 1)/(nq − 1), first target token over the first source token and last over last (0 when nq = 1)."""
+    i = torch.arange(Lq, device=lengths.device)
+    if key_lengths is None:
+        return (L - Lq + i).double()[None].expand(lengths.shape[0], Lq)
+    nq, nk = lengths.long()[:, None], key_lengths.to(lengths.device).long()[:, None]
+    return torch.where(nq > 1, (i[None] * (nk - 1)).double() / (nq - 1).clamp(min=1).double(), 0.0)
+
+
+def alignment_features(weights: torch.Tensor, lengths: torch.Tensor,
+                       key_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """B×H×2 fp32, ALIGNMENT_FEATURES of B×H×Lq×L weights (docs/features.md, "Alignment features"): per valid row,
+    `align_offset` = Σ_t w[i, t]·|t − p_i| and `align_near` = Σ_t w[i, t] over the keys |t − ⌊p_i + 1/2⌋| <= 1
+    (p_i: `aligned_positions`), each averaged over the sample's valid rows (0 when it has none). Keys past the
+    sample's keys count nothing; the weights are taken as given (a sink's mass is on no key)."""
+    B, H, Lq, L = weights.shape
+    cross = key_lengths is not None
+    lengths = lengths.to(weights.device).long()
+    n_keys = key_lengths.to(weights.device).long() if cross else lengths
+    pos = aligned_positions(lengths, Lq, L, key_lengths)[:, None, :, None]  # B×1×Lq×1
+    t = torch.arange(L, device=weights.device).double()
+    offset = (t - pos).abs().float()  # B×1×Lq×L
+    near = (t - torch.floor(pos + 0.5)).abs() <= 1
+    w = torch.where(_key_mask(n_keys, L)[:, None, None, :], weights.float(), 0.0)
+    per_row = torch.stack([(w * offset).sum(-1), torch.where(near, w, 0.0).sum(-1)], dim=-1)  # B×H×Lq×2
+    rows = _key_mask(lengths, Lq) if cross else _key_mask(lengths, L)[:, L - Lq:]  # B×Lq: the valid rows
+    count = rows.sum(-1).clamp(min=1).float().view(B, 1, 1)
+    return torch.where(rows[:, None, :, None], per_row, 0.0).sum(2) / count
 
 
 def mean_attention_distance(weights: torch.Tensor, lengths: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
@@ -675,7 +723,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengt
     any L with `key_lengths`: cross-attention). lengths: B (int, over the keys; cross-attention: over the queries).
     The other arguments are those of AttentionParams, by keyword.
     Returns (out B×Lq×H×D in q's dtype, features B×H×F fp32 — F = num_features(num_windows, sink=sink is not
-    None, grid=grid is not None) — or B×H×0 when not wanted).
+    None, grid=grid is not None, alignment=alignment) — or B×H×0 when not wanted).
     """
     return params_attention(q, k, v, lengths, AttentionParams(token_class, sentence_id, **params))
 
@@ -712,7 +760,8 @@ def params_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
             if sw is not None:  # the sink adds no value vector: weight 0 under norm weighting (NaN stays NaN)
                 sw = sw * 0.0
         cross = {"key_lengths": key_lengths, "key_class": p.key_class} if p.cross else {}
-        feats = row_features(fw, lengths, token_class, p.sentence_id, p.num_windows, sw, p.grid, **cross)
+        feats = row_features(fw, lengths, token_class, p.sentence_id, p.num_windows, sw, p.grid,
+                             alignment=bool(p.alignment), **cross)
     else:
         feats = q.new_zeros((B, H, 0), dtype=torch.float32)
     return out, feats

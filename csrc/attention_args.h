@@ -33,6 +33,7 @@ struct FusedAttentionArgs {
   bool symmetric_window = false;  // the window also limits the keys after each row: |s − t| < W (bidirectional)
   std::optional<at::Tensor> grid;  // int32 B×L×2: each token's (row, col) on an image's patch grid, −1 off it
   bool want_max_logit = false;  // attnkit::fused_attention_lse only
+  bool alignment = false;  // with want_features: the alignment features align_offset, align_near last
 };
 
 // Pops a boxed call's arguments off the stack, each by its name in the op's schema (an argument the schema does not
@@ -58,7 +59,7 @@ inline FusedAttentionArgs pop_fused_attention_args(const c10::OperatorHandle& op
   read("causal", a.causal), read("sliding_window", a.sliding_window), read("softcap", a.softcap);
   read("sink", a.sink), read("symmetric_window", a.symmetric_window), read("want_max_logit", a.want_max_logit);
   read("key_lengths", a.key_lengths), read("key_class", a.key_class), read("bias", a.bias);
-  read("grid", a.grid);
+  read("grid", a.grid), read("alignment", a.alignment);
   torch::jit::drop(*stack, n);
   return a;
 }

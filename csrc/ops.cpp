@@ -37,16 +37,20 @@ TORCH_LIBRARY(attnkit, m) {
   //   (row, col) on the image's patch grid, (−1, −1) for a token that is no patch ([CLS], registers); read only with
   //   want_features (the CPU kernel; CUDA calls with it run on the reference, attnkit/ops.py). A grid places the
   //   tokens of one sequence on one image, so it is refused together with key_lengths (cross-attention).
+  // alignment, appended after grid (docs/features.md, "Alignment"): with want_features, two more features last,
+  //   `align_offset` and `align_near`: how far each row's mass lies from the row's aligned key position (its own
+  //   position; cross-attention: i·(nk − 1)/(nq − 1)). The CPU kernel measures them; CUDA refuses them (attnkit/ops.py
+  //   runs such calls on the reference).
   // Returns out: B×L×H×D (q's dtype) and features: fp32 B×H×F (F = kNumFeatures(num_windows),
-  // csrc/feature_slots.h, plus one — `sink` — when sink is given, then one — `mean_attention_distance`, last —
-  // when grid is given), or B×H×0 when want_features is false.
+  // csrc/feature_slots.h, plus one — `sink` — when sink is given, then `mean_attention_distance` and the ring masses
+  // when grid is given, then `align_offset` and `align_near` with alignment), or B×H×0 when want_features is false.
   m.def(
       "fused_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
       "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, "
       "Tensor? key_lengths=None, Tensor? key_class=None, Tensor? bias=None, bool symmetric_window=False, "
-      "Tensor? grid=None) -> (Tensor, Tensor)");
+      "Tensor? grid=None, bool alignment=False) -> (Tensor, Tensor)");
   // The same op, also returning lse: fp32 B×H×L, per row the natural-log log-sum-exp of the scores it sees
   // (scaling·q·k, soft-capped when asked; the sink logit included), i.e. log of the denominator the output is
   // divided by (with renormalize: over the kept keys and the sink), as ATen's
@@ -57,14 +61,14 @@ TORCH_LIBRARY(attnkit, m) {
   // attnkit.reference.max_logits: the largest scaling·q·k over the valid rows s < n and the keys each sees, before any
   // soft-cap; the sink is no key; NaN propagates), measured by the kernel while it runs (no second q·kᵀ pass); else
   // B×0. CPU only (csrc/cpu/fused_attention.cpp); the training path's backward reads lse, attnkit.track and
-  // extraction's max logit read max_logit (issue 36). grid (as fused_attention's) comes after want_max_logit, so
-  // that callers passing want_max_logit by position keep working.
+  // extraction's max logit read max_logit (issue 36). grid and alignment (as fused_attention's) come after
+  // want_max_logit, so that callers passing want_max_logit by position keep working.
   m.def(
       "fused_attention_lse(Tensor q, Tensor k, Tensor v, Tensor lengths, Tensor? token_class, "
       "Tensor? sentence_id, float scaling, int num_windows, Tensor? mode, Tensor? region, "
       "bool renormalize, Tensor? gates, bool want_features, Tensor? key_scale=None, Tensor? kv_head=None, "
       "bool causal=False, int? sliding_window=None, float? softcap=None, Tensor? sink=None, "
-      "bool symmetric_window=False, bool want_max_logit=False, Tensor? grid=None) "
+      "bool symmetric_window=False, bool want_max_logit=False, Tensor? grid=None, bool alignment=False) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   // True: the CPU kernel takes fewer queries than keys (q B×H×Lq×D, k/v B×Hkv×L×D, Lq <= L: a KV-cache step, the
   // queries are the last Lq key positions; attnkit/reference.py, "Fewer queries than keys"). attnkit/ops.py then
@@ -77,6 +81,9 @@ TORCH_LIBRARY(attnkit, m) {
   // masses, docs/features.md "Image heads"); a build before the rings measured the distance alone, and attnkit/ops.py
   // sends calls with a grid to the reference there.
   m.def("cpu_grid_rings() -> bool", []() { return true; });
+  // True: the CPU kernel measures the alignment features (alignment: align_offset, align_near); attnkit/ops.py sends
+  // calls with alignment and features to the reference on a build without it.
+  m.def("cpu_alignment() -> bool", []() { return true; });
   // Which build of the CPU kernel runs (csrc/cpu/fused_attention_kernel.h): "default", "avx2" or "avx512".
   m.def("cpu_capability() -> str", &attnkit::cpu::cpu_capability);
   // Clark et al.'s Jensen-Shannon distances between every pair of M heads of one batch:

@@ -3,6 +3,8 @@ random-weight BERT with a WordPiece tokenizer built in code, and tiny random enc
 architecture with padded inputs."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from attnkit.features import feature_names
@@ -405,6 +407,35 @@ def cross_features_from_maps(p, q_lengths, k_lengths, q_classes, k_classes, nw):
 
 
 SEQ2SEQ_KINDS = ("bart", "marian", "t5", "whisper")
+
+
+def alignment_from_maps(p, q_lengths, k_lengths=None, first_row=None):
+    """docs/features.md's alignment features (align_offset, align_near) of B × H × Lq × Lk maps, by loops, written
+    independently of attnkit.reference: B × H × 2 means over the valid rows. Self-attention (`k_lengths` None): row i
+    is position s = first_row + i (default Lk − Lq), valid when s < n, aligned with itself; cross-attention: row i < n
+    aligned with i·(nk − 1)/(n − 1) (0 when n = 1), keys t < nk."""
+    Bn, Hn, Lq, Lk = p.shape
+    first = Lk - Lq if first_row is None else first_row
+    out = np.zeros((Bn, Hn, 2))
+    for b in range(Bn):
+        n = int(q_lengths[b])
+        nk = n if k_lengths is None else int(k_lengths[b])
+        rows = range(n) if k_lengths is not None else range(max(0, n - first))
+        for h in range(Hn):
+            acc, count = np.zeros(2), 0
+            for i in rows:
+                if k_lengths is None:
+                    pos = float(first + i)
+                else:
+                    pos = i * (nk - 1) / (n - 1) if n > 1 else 0.0
+                near = math.floor(pos + 0.5)
+                for t in range(nk):
+                    w = float(p[b, h, i, t])
+                    acc[0] += w * abs(t - pos)
+                    acc[1] += w if abs(t - near) <= 1 else 0.0
+                count += 1
+            out[b, h] = acc / max(count, 1)
+    return out
 
 
 def tiny_seq2seq(kind: str, vocab: int = 120, n_layers: int = 2, seed: int = 0):

@@ -18,7 +18,14 @@ from attnkit.features import CLS, OTHER, SEP
 from attnkit.models import attention_modules, layer_kinds, runtime_of
 from attnkit.tokens import Batch
 
-from .synthetic import SEQ2SEQ_KINDS, CallCounter, cross_features_from_maps, features_from_maps, tiny_seq2seq
+from .synthetic import (
+    SEQ2SEQ_KINDS,
+    CallCounter,
+    alignment_from_maps,
+    cross_features_from_maps,
+    features_from_maps,
+    tiny_seq2seq,
+)
 
 VOCAB, H, D = 120, 4, 8
 SOURCE = [7, 5, 2]
@@ -142,7 +149,7 @@ def test_features_equal_those_of_eager_maps(pair):
     batch = seq2seq_batch(kind)
     with measuring(ours, backend="auto", num_windows=NW):
         feats = forward_features(ours, batch).numpy()
-    assert feats.shape == (3, 6, H, 5 + NW + 7)
+    assert feats.shape == (3, 6, H, 5 + NW + 7 + 2)  # the alignment features last, every kind
     with torch.no_grad():
         e = eager(**batch.inputs, output_attentions=True)
     src, tgt = source_lengths(kind), TARGET
@@ -151,7 +158,10 @@ def test_features_equal_those_of_eager_maps(pair):
     enc = features_from_maps([a.numpy() for a in e.encoder_attentions], src, sc, zeros_s, NW)
     dec = features_from_maps([a.numpy() for a in e.decoder_attentions], tgt, tc, zeros_t, NW)
     cross = np.stack([cross_features_from_maps(a.numpy(), tgt, src, tc, sc, NW) for a in e.cross_attentions], 1)
-    want = np.concatenate([enc, dec, cross], 1)
+    align = np.stack([alignment_from_maps(a.numpy(), src) for a in e.encoder_attentions]
+                     + [alignment_from_maps(a.numpy(), tgt) for a in e.decoder_attentions]
+                     + [alignment_from_maps(a.numpy(), tgt, src) for a in e.cross_attentions], 1)
+    want = np.concatenate([np.concatenate([enc, dec, cross], 1), align], -1)
     np.testing.assert_allclose(feats, want, atol=1e-5)
     np.testing.assert_allclose(feats[..., :5 + NW].sum(-1), 1.0, atol=1e-5)
 
@@ -329,7 +339,8 @@ def test_tracking_a_plain_forward_counts_every_kind(pair, side):
     targets padded on either side."""
     kind, eager, ours = pair
     x = inputs(kind, side)
-    with attnkit.track(ours, features=("entropy", "cls", "self", "max", "win_0", "next")) as tracker, torch.no_grad():
+    tracked = ("entropy", "cls", "self", "max", "win_0", "next", "align_offset", "align_near")
+    with attnkit.track(ours, features=tracked) as tracker, torch.no_grad():
         ours(**x)
         got = {k: v.numpy() for k, v in tracker.read().items()}
     with torch.no_grad():
@@ -348,6 +359,10 @@ def test_tracking_a_plain_forward_counts_every_kind(pair, side):
         features_from_maps([a.numpy() for a in e.encoder_attentions], src, sc, np.zeros_like(sc), nw),
         features_from_maps([a.numpy() for a in e.decoder_attentions], tgt, tc, np.zeros_like(tc), nw),
         np.stack([cross_features_from_maps(a.numpy(), tgt, src, tc, sc, nw) for a in e.cross_attentions], 1)], 1)
-    names = attnkit.feature_names(nw)
+    align = np.stack([alignment_from_maps(a.numpy(), src) for a in e.encoder_attentions]
+                     + [alignment_from_maps(a.numpy(), tgt) for a in e.decoder_attentions]
+                     + [alignment_from_maps(a.numpy(), tgt, src) for a in e.cross_attentions], 1)
+    want = np.concatenate([want, align], -1)
+    names = attnkit.feature_names(nw, alignment=True)
     for name, values in got.items():
         np.testing.assert_allclose(values, want[..., names.index(name)].mean(0), atol=1e-5, err_msg=name)

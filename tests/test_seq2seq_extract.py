@@ -18,7 +18,7 @@ from attnkit.errors import AttnkitError
 from attnkit.features import CLS, COMMA, OTHER, PERIOD, SEP
 from attnkit.run.head_features import HeadFeatures
 
-from .synthetic import cross_features_from_maps, features_from_maps, tiny_seq2seq
+from .synthetic import alignment_from_maps, cross_features_from_maps, features_from_maps, tiny_seq2seq
 
 NW = 4
 WORDS = ("the cat sat on mat a dog ran far le chat est assis sur tapis un chien court loin and it was very big "
@@ -108,7 +108,11 @@ def eager_features(path, kind: str, pairs) -> np.ndarray:
         dec = features_from_maps([a.numpy() for a in out.decoder_attentions], [len(t)], tc, np.zeros_like(tc), NW)
         cross = np.stack([cross_features_from_maps(a.numpy(), [len(t)], [len(s)], tc, sc, NW)
                           for a in out.cross_attentions], 1)
-        rows.append(np.concatenate([enc, dec, cross], 1)[0])
+        # every kind's features end with the alignment features (docs/features.md, "Alignment features")
+        align = np.stack([alignment_from_maps(a.numpy(), [len(s)]) for a in out.encoder_attentions]
+                         + [alignment_from_maps(a.numpy(), [len(t)]) for a in out.decoder_attentions]
+                         + [alignment_from_maps(a.numpy(), [len(t)], [len(s)]) for a in out.cross_attentions], 1)
+        rows.append(np.concatenate([np.concatenate([enc, dec, cross], 1), align], -1)[0])
     return np.stack(rows)
 
 

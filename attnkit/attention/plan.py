@@ -32,6 +32,7 @@ class Plan:
     consumers: tuple = ()
     key_class: torch.Tensor | None = None  # cross-attention: the keys' token classes, int32 B×Lk
     grid: torch.Tensor | None = None  # int32 B×L×2: an image's patch grid (attnkit/attention/positions.py)
+    alignment: bool = False  # the alignment features (an encoder–decoder's layers, every kind: Runtime.alignment)
 
 
 def plan_call(call: AttentionCall) -> Plan:
@@ -55,7 +56,7 @@ def plan_call(call: AttentionCall) -> Plan:
     projection = next((w.out_proj for _, w in taking if w.out_proj is not None), None)
     return Plan(kept_parts(call, parts), token_class, sentence_id, key_scale(call, projection), want_features,
                 want_max_logit, rt.backend, rt.num_windows, tuple(c for c, _ in taking),
-                call.key_classes(want_features), grid)
+                call.key_classes(want_features), grid, rt.alignment and want_features)
 
 
 def intervention_parts(call: AttentionCall) -> tuple[list, torch.Tensor | None]:

@@ -36,7 +36,8 @@ def run_part(call: AttentionCall, plan: Plan, p: LayerPart, rows: slice) -> tupl
     q, k, v, L, H = call.query, call.key, call.value, call.L, call.H
     if H == 0:  # a layer whose heads were all pruned: nothing to attend with (no max logit is wanted)
         n = q[rows].shape[0]
-        width = num_features(plan.num_windows, "sink" in call.dec, grid=plan.grid is not None)
+        width = num_features(plan.num_windows, "sink" in call.dec, grid=plan.grid is not None,
+                             alignment=plan.alignment)
         return q.new_zeros(n, L, 0, call.D), q.new_zeros((n, 0, width), dtype=torch.float32)
     if call.grouped_by_length:  # no features (attnkit's own batches are refused by the reader)
         out = q.new_zeros(q[rows].shape[0], L, H, call.D)
@@ -53,7 +54,8 @@ def run_part(call: AttentionCall, plan: Plan, p: LayerPart, rows: slice) -> tupl
         scaling=call.scaling, num_windows=plan.num_windows, mode=p.mode, region=p.region,
         renormalize=p.renormalize, gates=p.gates, want_features=plan.want_features,
         key_scale=None if plan.key_scale is None else plan.key_scale[rows], backend=plan.backend,
-        want_max_logit=plan.want_max_logit, grid=None if plan.grid is None else plan.grid[rows], **call.dec,
+        want_max_logit=plan.want_max_logit, grid=None if plan.grid is None else plan.grid[rows],
+        alignment=plan.alignment, **call.dec,
         **call.sample_args(rows, plan.key_class),
     )
 
@@ -82,7 +84,8 @@ def run_training(call: AttentionCall) -> tuple:
         with torch.no_grad():
             _, feats, *ml = attention(call.query, call.key, call.value, call.lengths, classes, None,
                                       scaling=call.scaling, num_windows=rt.num_windows, want_features=True,
-                                      grid=call.tokens.grid(B, L, call.device), backend=rt.backend,
+                                      grid=call.tokens.grid(B, L, call.device), alignment=rt.alignment,
+                                      backend=rt.backend,
                                       want_max_logit=any(w.max_logit for _, w in taking),
                                       **call.dec, **call.sample_args(slice(None), call.key_classes(True)))
         for c, _ in taking:

@@ -74,6 +74,9 @@ class Runtime(ReadsGiven):
     # a vision transformer's ImageLayout (attnkit/attention/positions.py): a setting of the model, read from its
     # config at attnkit.instrument; the size of one forward's image is that forward's (ModelInputs.image_size)
     image: object | None = None
+    # an encoder–decoder: every layer's features end with the alignment features (docs/features.md, "Alignment
+    # features"), so that encoder, decoder and cross heads share one feature axis
+    alignment: bool = False
     forwards: list = field(default_factory=list)  # the Forward of each forward under way (nested calls), innermost last
 
     def give(self, **changes) -> None:

@@ -83,7 +83,8 @@ def forward_features(model, batch, rt=None, *, to_cpu: bool = True) -> torch.Ten
     features = next((c for c in reversed(rt.consumers) if isinstance(c, Features)), None)
     if features is None:
         raise AttnkitError("forward_features measures inside attnkit.engine.forward.measuring(model)")
-    shape = (len(batch.lengths), model.config.num_attention_heads, num_features(rt.num_windows, rt.sink))
+    shape = (len(batch.lengths), model.config.num_attention_heads,
+             num_features(rt.num_windows, rt.sink, alignment=rt.alignment))
     features.store = LayerFeatures(n_layers, shape, batch.lengths.device)
     try:
         with rt.attached(EarlyStop(features)), rt.batch_of(batch), torch.inference_mode():

@@ -393,6 +393,9 @@ def fused_attention(q, k, v, lengths, *args, block_m: int | None = None, block_n
     if p.grid is not None and p.want_features:
         raise AttnkitError("the Triton kernel does not measure an image's patch grid (grid): attnkit.ops.attention "
                            "runs such calls on the reference (docs/cuda.md)")
+    if p.alignment and p.want_features:
+        raise AttnkitError("the Triton kernel does not measure the alignment features (alignment): "
+                           "attnkit.ops.attention runs such calls on the reference (docs/cuda.md)")
     if q.dtype not in _DTYPES:
         raise AttnkitError(f"the Triton kernel takes float16 or bfloat16 inputs, got {q.dtype}")
     B, H, L, D = q.shape

@@ -307,8 +307,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   const int64_t N = a.num_windows;
   const int64_t F0 = kNumFeatures(int(N));
   const bool want_grid = a.want_features && a.grid.has_value();
-  // with a sink the feature `sink` comes after them, with a grid `mean_attention_distance` and the ring masses last
-  const int64_t F = F0 + (a.sink ? 1 : 0) + (want_grid ? 1 + kRingSlots : 0);
+  const bool want_align = a.want_features && a.alignment;
+  // with a sink the feature `sink` comes after them, with a grid `mean_attention_distance` and the ring masses, then
+  // with alignment `align_offset` and `align_near` last
+  const int64_t F = F0 + (a.sink ? 1 : 0) + (want_grid ? 1 + kRingSlots : 0) + (want_align ? 2 : 0);
   at::Tensor key_scale;
   if (a.want_features && a.key_scale) key_scale = a.key_scale->contiguous();
   at::Tensor tc, sid, qc;  // tc: the keys' token classes; qc: cross-attention's queries' (the CLS rows)
@@ -479,6 +481,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.grid_row = want_grid ? grid_row.data() : nullptr;
   p.grid_col = want_grid ? grid_col.data() : nullptr;
   p.grid_mask = want_grid ? grid_mask.data() : nullptr;
+  p.align = want_align;
   p.key_scale = key_scale.defined() ? key_scale.data_ptr<float>() : nullptr;
   p.log_key_scale = key_scale.defined() ? log_key_scale.data_ptr<float>() : nullptr;
   p.scaling = a.scaling, p.renormalize = a.renormalize, p.want_features = a.want_features, p.causal = a.causal;
@@ -535,6 +538,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
           const int64_t g = F0 + (a.sink ? 1 : 0);  // mean_attention_distance, then ring_0 … ring_8
           for (int64_t j = 0; j <= kRingSlots; ++j) dst[g + j] = static_cast<float>(total(F0 + 2 + j) * inv_patch);
         }
+        if (want_align)  // the offset and the near mass, means over the valid rows as the per-row features
+          for (int64_t j = 0; j < 2; ++j) dst[F - 2 + j] = static_cast<float>(total(kAlignSlot(F0) + j) * inv_n);
       }
     }
   }

@@ -65,6 +65,10 @@ struct FusedCpuParams {
   // an image's patch grid (docs/features.md, "Image heads"), B×L each: key t's row and column (0 off the grid)
   // and grid_mask 1 where t is a patch and t < n, else 0; nullptr when no grid is given
   const float *grid_row, *grid_col, *grid_mask;
+  // alignment features (docs/features.md, "Alignment"): each valid row's aligned key position p (self-attention: its
+  // own position s; cross-attention: i·(nk − 1)/(n − 1), 0 when n = 1), Σ w·|t − p| and the mass on the keys within
+  // 1 of ⌊p + 1/2⌋
+  bool align;
   const float* key_scale;  // B×H×L or nullptr (norm weighting of the features)
   const float* log_key_scale;  // ln g (0 where g = 0), B×H×L, with key_scale
   double scaling;
@@ -93,7 +97,7 @@ constexpr int64_t kSmallProducts = int64_t(1) << 19;
 // squared bounds between them, and the row's sums below each bound and over every patch key
 constexpr int64_t kRingSlots = 5;
 constexpr float kRingSquared[kRingSlots - 1] = {1.f, 4.f, 16.f, 64.f};
-constexpr int64_t kRowStateFixed = 17 + kRingSlots;  // the row state's slots before the windows
+constexpr int64_t kRowStateFixed = 19 + kRingSlots;  // the row state's slots before the windows
 constexpr int64_t kRowStateSlots(int64_t num_windows) { return kRowStateFixed + num_windows; }
 
 // Per-thread scratch, fixed in size (independent of L): S BQ×BK scores, acc BQ×D output accumulator, pc BK
@@ -103,10 +107,12 @@ struct FusedCpuScratch {
   float *S, *acc, *pc, *state, *diag, *kt;
 };
 
-// The slots of the per-task feature sums (FA = F0 + 3 + kRingSlots doubles, F0 = kNumFeatures(N)): [0, F0 − 1) the
+// The slots of the per-task feature sums (FA = F0 + 5 + kRingSlots doubles, F0 = kNumFeatures(N)): [0, F0 − 1) the
 // per-row feature sums, [F0 − 1] unused, [F0] the CLS rows' entropy sum, [F0 + 1] the sink mass sum, [F0 + 2] the
-// patch rows' attention distance sum, [F0 + 3, F0 + 3 + kRingSlots) their ring masses' sums.
-constexpr int64_t kPartialSlots(int64_t f0) { return f0 + 3 + kRingSlots; }
+// patch rows' attention distance sum, [F0 + 3, F0 + 3 + kRingSlots) their ring masses' sums, then the alignment
+// sums: kAlignSlot(F0) the offset, kAlignSlot(F0) + 1 the near mass.
+constexpr int64_t kAlignSlot(int64_t f0) { return f0 + 3 + kRingSlots; }
+constexpr int64_t kPartialSlots(int64_t f0) { return kAlignSlot(f0) + 2; }
 
 using FusedTasksFn = void (*)(const FusedCpuParams&, int64_t begin, int64_t end, const FusedCpuScratch&);
 

@@ -51,10 +51,11 @@ constexpr int kAll = kRegionAll, kNoIntra = kRegionNoIntra, kNoInter = kRegionNo
 //   undefined (a NaN or +inf score, a NaN sink); ML (slot sPad): the largest score the row saw, before any
 //   soft-cap (its max logit, docs/features.md §9); Dist: Σ w·‖grid(s) − grid(t)‖ over the patch keys (a patch row
 //   of an image, docs/features.md "Image heads"); Near[kRingSlots]: Σ w over the patch keys with squared grid
-//   distance below 1, 4, 16, 64, and over all patch keys (the ring masses are their differences); win[N].
+//   distance below 1, 4, 16, 64, and over all patch keys (the ring masses are their differences); AlOff: Σ w·|t − p|,
+//   AlNear: Σ w over |t − ⌊p + 1/2⌋| <= 1 (p the row's aligned key position: alignment features); win[N].
 enum : int64_t {
   sM = 0, sZ, sZk, sZf, sA, sMx, sI, sSelf, sPrev, sNext, sCls0, sCls1, sCls2, sCls3, sBad, sPad, sDist, sNear,
-  sWin = sNear + kRingSlots
+  sAlOff = sNear + kRingSlots, sAlNear, sWin
 };
 static_assert(sWin == kRowStateFixed, "kRowStateSlots counts the slots before the windows");
 
@@ -206,6 +207,20 @@ inline void grid_sums(const float* w, const float* row, const float* col, const 
   auto sum = [](Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); };
   st[sDist] += sum(dist);
   for (int64_t j = 0; j < kRingSlots; ++j) st[sNear + j] += sum(near[j]);
+}
+
+// A row's alignment sums over the keys [t0, t0 + len) (w indexed by t − t0; the missing lanes of the tail load as 0
+// and add 0): st[sAlOff] += Σ w·|t − pos| and st[sAlNear] += Σ w over the keys within 1 of near (three at most).
+inline void align_sums(const float* w, int64_t t0, int64_t len, double pos, int64_t near, float* st) {
+  const Vec pv(static_cast<float>(pos));
+  Vec off(0.f);
+  for (int64_t i = 0; i < len; i += kW) {
+    const int64_t cnt = std::min<int64_t>(kW, len - i);
+    const Vec d = (Vec::arange(static_cast<float>(t0 + i), 1.f) - pv).abs();
+    off = at::vec::fmadd(Vec::loadu(w + i, cnt), d, off);
+  }
+  st[sAlOff] += at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, off);
+  for (int64_t t = std::max(t0, near - 1); t < std::min(t0 + len, near + 2); ++t) st[sAlNear] += w[t - t0];
 }
 
 // One key block holds every key of the task's rows (L <= BK, the short texts): each row's weights are final after
@@ -380,6 +395,10 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         }
         if (g_mask != nullptr && g_mask[s] != 0.f)  // a patch row: its distance to the patch keys it sees
           grid_sums(fw + (lo - k0), g_row + lo, g_col + lo, g_mask + lo, len, g_row[s], g_col[s], st);
+        if (p.align) {  // the row's aligned key position: its own (s), or cross-attention's proportional one
+          const double pos = !p.cross ? double(s) : n > 1 ? double(s * (nk - 1)) / double(n - 1) : 0.0;
+          align_sums(fw + (lo - k0), lo, len, pos, static_cast<int64_t>(std::floor(pos + 0.5)), st);
+        }
         // distance windows (d = |t − s| ≥ 1): sums of the OTHER keys' weights over each window's keys, left of
         // s then right; the special keys' weights go to their class bucket in the same pass
         float* win = st + sWin;
@@ -497,6 +516,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         a[F0 + 3] += dc * st[sNear];
         for (int64_t j = 1; j < kRingSlots; ++j) a[F0 + 3 + j] += dc * (st[sNear + j] - st[sNear + j - 1]);
       }
+      if (p.align) a[kAlignSlot(F0)] += dc * st[sAlOff], a[kAlignSlot(F0) + 1] += dc * st[sAlNear];
     }
     if (task_undefined) std::fill(a, a + p.FA, std::numeric_limits<double>::quiet_NaN());
     if (p.max_logit != nullptr) p.max_logit[task] = task_max;

@@ -295,6 +295,9 @@ std::tuple<at::Tensor, at::Tensor> fused_attention_cuda(const FusedAttentionArgs
   // no CUDA kernel has been tested with a bidirectional window: attnkit.ops.attention runs it on the reference
   ATTNKIT_CHECK(!a.symmetric_window, kOp, "the CUDA kernels do not take symmetric_window (a bidirectional sliding "
                 "window); attnkit.ops.attention runs such calls on the reference");
+  // nor with the alignment features (docs/features.md, "Alignment"): attnkit.ops.attention runs those on the reference
+  ATTNKIT_CHECK(!(a.alignment && a.want_features), kOp, "the CUDA kernels do not measure the alignment features "
+                "(alignment); attnkit.ops.attention runs such calls on the reference");
   ATTNKIT_CHECK(!a.softcap.has_value() || (std::isfinite(*a.softcap) && *a.softcap > 0), kOp,
                 "softcap must be a finite number > 0, got ", a.softcap.value_or(0.0));
   const at::Device device = a.q.device();

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import AttnkitError, check_int
-from ...features import PLAN, feature_names, num_features
+from ...features import PLAN, feature_names
 from ...models import check_max_length, model_dir
 from ...run.distances import HeadDistances
 from ...run.head_features import FeatureAccumulator
@@ -261,7 +261,10 @@ def run_ray_extraction(segments: Iterable[Segment], settings: ExtractSettings | 
                              model_path=model_path, dtype=dtype, address=address, num_actors=num_actors,
                              cpus_per_actor=cpus_per_actor, progress=progress, shards_per_group=shards_per_group).run()
     L, H, F = total["sum"].shape
-    names = feature_names(settings.num_windows, sink=F == num_features(settings.num_windows, sink=True))
+    # with a sink one more feature, with alignment (an encoder–decoder) two more: each count is one model's names
+    names = next((n for n in (feature_names(settings.num_windows, sink=sink, alignment=alignment)
+                              for sink in (False, True) for alignment in (False, True)) if len(n) == F),
+                 feature_names(settings.num_windows))
     if F != len(names):
         raise AttnkitError(f"the actors returned {F} features per head, expected {len(names)}")
     acc = FeatureAccumulator(L, H, names)
