@@ -122,9 +122,19 @@ def padding_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **
         return attention_mask[:, -kv_length:]
     if attention_mask is None and not compiling and kwargs.get("q_offset") is not None:
         seen = int(kwargs["q_offset"]) + q_length  # a static layer's offset is a tensor (one host read)
-        if seen < kv_length:
+        if seen < kv_length and _hides_later_keys(kwargs.get("mask_function"), kv_length):
             return torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device"))
     return flash_attention_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, **kwargs)
+
+
+def _hides_later_keys(mask_function, kv_length: int) -> bool:
+    """Whether transformers' `mask_function` hides a later key from the first query (a causal mask, whose keys may be
+    a static cache's slots, filled or not), as flash_attention_mask's default does. A bidirectional one (an
+    encoder's, or cross-attention's over an encoder's states: more keys than queries, every one a token) does not."""
+    if mask_function is None or kv_length < 2:
+        return True
+    zero = torch.tensor(0)
+    return not bool(mask_function(zero, zero, zero, torch.tensor(kv_length - 1)))
 
 
 def register() -> None:

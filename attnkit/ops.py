@@ -40,7 +40,8 @@ builds run on the reference, and `backend="fused"` refuses them by name; without
 
 Cross-attention (`key_lengths`, attnkit/reference.py, "Cross-attention") runs on the compiled CPU kernel where it says
 it takes it (`fused_cross`), else on the reference; on CUDA and Triton always on the reference until a GPU has tested
-a kernel (docs/cuda.md). An additive `bias` (T5's position_bias) runs on the reference on every device. Their
+a kernel (docs/cuda.md). An additive `bias` (T5's position_bias) likewise: the compiled CPU kernel adds it to its
+scores where it says so (`fused_bias`), CUDA calls run on the reference. Their
 backward is the differentiable reference's (the bias gets a gradient). `fused_attention_lse` takes neither (its
 schema: the arguments before key_lengths, then symmetric_window, want_max_logit, grid and alignment). A bidirectional
 window with
@@ -201,6 +202,16 @@ def fused_decoder() -> bool:
 _CPU_FEWER_QUERIES = _cpu_says("cpu_fewer_queries")
 # cross-attention (`key_lengths`, `key_class`)
 _CPU_CROSS = _op_takes("fused_attention", "key_lengths") and _cpu_says("cpu_cross_attention")
+
+
+_CPU_BIAS = _CPU_CROSS and _cpu_says("cpu_bias")
+
+
+def fused_bias(device_type: str) -> bool:
+    """Whether the compiled kernel for `device_type` adds an additive bias (T5's position_bias) to its scores: the
+    CPU kernel of a build that says so. On CUDA (and the Triton kernel) no: those run on the reference until a GPU
+    has tested a kernel (docs/cuda.md)."""
+    return device_type == "cpu" and _CPU_BIAS
 
 
 def fused_cross(device_type: str) -> bool:
@@ -420,8 +431,10 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
                                f"keys ({q.shape[2]} queries, {k.shape[2]} keys: a KV-cache step); use backend "
                                "'auto' or 'reference'")
         chosen = "reference"  # a decode step costs the reference O(keys) per head and query row (exact, no warning)
-    if chosen == "fused" and (p.bias is not None or (p.cross and not fused_cross(dev.type))):
-        what = "an additive bias" if p.bias is not None else "cross-attention (key_lengths)"
+    if chosen == "fused" and ((p.bias is not None and not fused_bias(dev.type))
+                              or (p.cross and not fused_cross(dev.type))):
+        what = ("an additive bias" if p.bias is not None and not fused_bias(dev.type)
+                else "cross-attention (key_lengths)")
         if backend == "fused":
             raise AttnkitError(f"backend 'fused' requested but the {dev.type} kernel does not take {what}; use "
                                "backend 'auto' or 'reference'")
@@ -490,10 +503,10 @@ def saves_lse(q, k, v, p: AttentionParams) -> bool:
 
 def _plain_step(q, k, v, p: AttentionParams) -> bool:
     """Whether a call with fewer queries than keys is plain attention (`plain_step` computes it): fp32, no
-    features, no intervention, even KV groups, no soft cap, no sink, no gradients."""
+    features, no intervention, even KV groups, no soft cap, no sink, no bias (T5's step), no gradients."""
     return (q.dtype == torch.float32 and not p.want_features and p.mode is None and p.region is None
             and p.gates is None and p.kv_head is None and p.softcap is None and p.sink is None
-            and not p.symmetric_window
+            and not p.symmetric_window and p.bias is None
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 

@@ -1,13 +1,14 @@
 """Benchmark: extraction on an encoder–decoder and on a vision transformer against the same model's plain sdpa
 forward on the same batches (issues 48 and 49; docs/seq2seq.md, docs/features.md §10).
 
-    python bench/families.py [--models marian,t5,vit,dinov2] [--rounds 5] [--batch 16]
+    python bench/families.py [--models marian,t5,vit,dinov2] [--rounds 5] [--batch 16] [--tokens 16,48]
 
 Models are random-weight copies of published shapes, built offline from their configs (the figure is the cost of
 the forward and the features, which weights do not change):
   marian   Marian / OPUS-MT base: 6 + 6 layers, d_model 512, 8 heads, vocabulary 32,000; (source, target) pairs of
-           16-48 tokens each, right-padded, teacher-forced
-  t5       T5-small: 6 + 6 layers, d_model 512, 8 heads (its position bias runs on the reference, docs/seq2seq.md)
+           16-48 tokens each (--tokens LO,HI), right-padded, teacher-forced
+  t5       T5-small: 6 + 6 layers, d_model 512, 8 heads, with its relative-position bias (docs/seq2seq.md §3); long
+           pairs (--tokens 1024,1024 --batch 1) show what the bias costs where the op runs it
   vit      ViT-B/16 at 224 × 224 (197 tokens, 12 layers, 768 wide, 12 heads)
   dinov2   DINOv2-S/14 with 4 registers at 224 × 224 (261 tokens, 12 layers, 384 wide, 6 heads)
 Configurations, interleaved (the order rotates every round), medians after one warm-up round:
@@ -75,8 +76,8 @@ def vision_model(kind: str):
     return AutoModel.from_config(cfg, attn_implementation="sdpa").eval()
 
 
-def seq2seq_batches(kind: str, n_batches: int, batch: int, seed: int = 0):
-    """Right-padded (source, target) batches of random ids, 16-48 tokens a side, EOS last; attnkit's Batch of each
+def seq2seq_batches(kind: str, n_batches: int, batch: int, seed: int = 0, tokens: tuple = (16, 48)):
+    """Right-padded (source, target) batches of random ids, `tokens` (lo, hi) a side, EOS last; attnkit's Batch of each
     (the source's lengths and token classes, the target's in `target`: docs/seq2seq.md §4)."""
     from attnkit.features import CLS, OTHER, SEP
     from attnkit.tokens import Batch
@@ -97,8 +98,8 @@ def seq2seq_batches(kind: str, n_batches: int, batch: int, seed: int = 0):
 
     out = []
     for _ in range(n_batches):
-        src_n = torch.randint(16, 49, (batch,), generator=g)
-        tgt_n = torch.randint(16, 49, (batch,), generator=g)
+        src_n = torch.randint(tokens[0], tokens[1] + 1, (batch,), generator=g)
+        tgt_n = torch.randint(tokens[0], tokens[1] + 1, (batch,), generator=g)
         src, src_mask, src_cls = side(src_n)
         tgt, tgt_mask, tgt_cls = side(tgt_n)
         inputs = {"input_ids": src, "attention_mask": src_mask, "decoder_input_ids": tgt,
@@ -128,14 +129,15 @@ def vision_batches(model, n_batches: int, batch: int, seed: int = 0):
     return out
 
 
-def measure(kind: str, rounds: int, batch: int, n_batches: int) -> dict:
+def measure(kind: str, rounds: int, batch: int, n_batches: int, tokens: tuple = (16, 48)) -> dict:
     import attnkit
     from attnkit.engine.forward import forward_features, measuring
 
     seq2seq = kind in SEQ2SEQ
     sdpa = seq2seq_model(kind) if seq2seq else vision_model(kind)
     ours = attnkit.instrument(copy.deepcopy(sdpa))
-    batches = seq2seq_batches(kind, n_batches, batch) if seq2seq else vision_batches(sdpa, n_batches, batch)
+    batches = (seq2seq_batches(kind, n_batches, batch, tokens=tokens) if seq2seq
+               else vision_batches(sdpa, n_batches, batch))
     n_tokens = sum(int(b.lengths.sum()) + (int(b.target.lengths.sum()) if b.target is not None else 0)
                    for b in batches)
 
@@ -180,12 +182,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--batches", type=int, default=4, help="batches per round")
+    ap.add_argument("--tokens", default="16,48", help="LO,HI: the tokens of each side of a pair (encoder–decoders)")
     args = ap.parse_args(argv)
+    try:
+        tokens = tuple(int(x) for x in args.tokens.split(","))
+        assert len(tokens) == 2 and 2 <= tokens[0] <= tokens[1]
+    except (ValueError, AssertionError):
+        ap.error(f"--tokens must be LO,HI with 2 <= LO <= HI, got {args.tokens!r}")
     for kind in args.models.split(","):
         if kind not in SEQ2SEQ + VISION:
             ap.error(f"unknown model {kind!r}: one of {', '.join(SEQ2SEQ + VISION)}")
     for kind in args.models.split(","):
-        measure(kind, args.rounds, args.batch if kind in SEQ2SEQ else max(1, args.batch // 2), args.batches)
+        measure(kind, args.rounds, args.batch if kind in SEQ2SEQ else max(1, args.batch // 2), args.batches, tokens)
     return 0
 
 

@@ -84,6 +84,9 @@ TORCH_LIBRARY(attnkit, m) {
   // True: the CPU kernel measures the alignment features (alignment: align_offset, align_near); attnkit/ops.py sends
   // calls with alignment and features to the reference on a build without it.
   m.def("cpu_alignment() -> bool", []() { return true; });
+  // True: the CPU kernel adds an additive bias (bias: T5's position_bias) to its scores; attnkit/ops.py sends calls
+  // with a bias to the reference on a build without it.
+  m.def("cpu_bias() -> bool", []() { return true; });
   // Which build of the CPU kernel runs (csrc/cpu/fused_attention_kernel.h): "default", "avx2" or "avx512".
   m.def("cpu_capability() -> str", &attnkit::cpu::cpu_capability);
   // Clark et al.'s Jensen-Shannon distances between every pair of M heads of one batch:

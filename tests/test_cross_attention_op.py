@@ -229,7 +229,8 @@ def test_the_cpu_kernel_equals_the_reference_in_every_block_layout(monkeypatch, 
     q, k, v, ql, kl, qc, kc = tensors(Lq, Lk, q_lengths=(Lq, max(1, Lq - 2), 1), k_lengths=(Lk, max(1, Lk - 3), 1))
     mode = torch.tensor([0, ZERO, UNIFORM, 0], dtype=torch.int32)
     for extra in (dict(), dict(mode=mode, gates=torch.tensor([1.0, 1.0, 0.5, 2.0])),
-                  dict(key_scale=torch.rand(B, H, Lk) + 0.1), dict(kv_head=torch.tensor([0, 0, 1, 1], dtype=torch.int32))):
+                  dict(key_scale=torch.rand(B, H, Lk) + 0.1), dict(kv_head=torch.tensor([0, 0, 1, 1], dtype=torch.int32)),
+                  dict(bias=torch.randn(B, H, Lq, Lk) * 2), dict(bias=torch.randn(1, H, Lq, Lk), mode=mode)):
         kk, vv = (k[:, :2], v[:, :2]) if "kv_head" in extra else (k, v)
         args = dict(key_lengths=kl, key_class=kc, want_features=True, num_windows=NW, **extra)
         out, feats, ml = ops.attention(q, kk, vv, ql, qc, backend="fused", want_max_logit=True, **args)
@@ -237,18 +238,48 @@ def test_the_cpu_kernel_equals_the_reference_in_every_block_layout(monkeypatch, 
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(feats, rfeats, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(ml, rml, atol=1e-5, rtol=1e-5)
-    with pytest.raises(AttnkitError, match="does not take an additive bias"):
-        ops.attention(q, k, v, ql, key_lengths=kl, bias=torch.zeros(1, H, Lq, Lk), backend="fused")
+
+
+@pytest.mark.skipif(not ops.fused_bias("cpu"), reason="the compiled CPU kernel of this build takes no bias")
+@pytest.mark.parametrize("blocks", ["", "2x3", "1x1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernel_adds_a_bias_to_self_attention_as_the_reference_does(monkeypatch, blocks, dtype):
+    """T5's self-attention (its encoder; its decoder, causal, and a KV-cache step of it) with a bias per sample or one
+    for all, keys the bias masks (−inf), soft-capped scores and interventions: the compiled kernel against the
+    reference, outputs of the valid rows and features."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", blocks)
+    g = torch.Generator().manual_seed(5)
+    L = 9
+    q, k, v = ((torch.randn(B, H, L, D, generator=g) * 1.5).to(dtype) for _ in range(3))
+    lengths = torch.tensor([9, 6, 1])
+    tc = torch.full((B, L), OTHER, dtype=torch.int32)
+    tc[:, 0], tc[0, 8], tc[1, 3] = CLS, SEP, COMMA
+    mode = torch.tensor([0, ZERO, UNIFORM, 0], dtype=torch.int32)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for n_bias in (1, B):
+        bias = torch.randn(n_bias, H, L, L, generator=g) * 3
+        bias[..., 2] = float("-inf")  # key 2 is seen by no row
+        for extra in (dict(), dict(causal=True), dict(causal=True, sliding_window=3), dict(softcap=4.0),
+                      dict(mode=mode, gates=torch.tensor([1.0, 1.0, 0.5, 2.0]))):
+            for rows in (slice(0, L), slice(L - 2, L)):  # every row, or a KV-cache step's last two
+                args = dict(bias=bias[:, :, rows], want_features=True, num_windows=NW, **extra)
+                if rows.start and "causal" not in extra:
+                    continue  # a KV-cache step is a decoder's (causal)
+                out, feats = ops.attention(q[:, :, rows], k, v, lengths, tc, backend="fused", **args)
+                ref, rfeats = ops.attention(q[:, :, rows], k, v, lengths, tc, backend="reference", **args)
+                valid = (torch.arange(L)[rows][None] < lengths[:, None])  # B × rows: the rows with a token
+                torch.testing.assert_close(out[valid].float(), ref[valid].float(), **tol)
+                torch.testing.assert_close(feats, rfeats, **tol)
 
 
 @pytest.mark.skipif(not ops.fused_cross("cpu"), reason="the compiled CPU kernel of this build takes no cross-attention")
-def test_the_compiled_op_passes_opcheck_and_refuses_a_bias_by_name():
+def test_the_compiled_op_passes_opcheck_and_refuses_a_bias_of_another_shape_by_name():
     q, k, v, ql, kl, qc, kc = tensors(5, 7)
     args = (q, k, v, ql, qc, None, D**-0.5, NW, None, None, False, None, True, None, None, False, None, None, None,
             kl, kc, None)
     torch.library.opcheck(torch.ops.attnkit.fused_attention.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    with pytest.raises(RuntimeError, match="takes no bias"):
-        torch.ops.attnkit.fused_attention(*args[:-1], torch.zeros(1, H, 5, 7))
+    with pytest.raises(RuntimeError, match="bias must be a float32 CPU tensor of shape"):
+        torch.ops.attnkit.fused_attention(*args[:-1], torch.zeros(1, H, 7, 5))
     with pytest.raises(RuntimeError, match="takes no sentence_id, region, causal"):
         torch.ops.attnkit.fused_attention(*args[:15], True, *args[16:])

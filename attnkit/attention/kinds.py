@@ -10,24 +10,12 @@ from __future__ import annotations
 
 from ..errors import AttnkitError
 
-ENCODER, DECODER, CROSS = "encoder", "decoder", "cross"
-KINDS = (ENCODER, DECODER, CROSS)
+# the kinds and their count from a config alone are the run directory's to know (meta.json's layer_kinds, the model
+# identity); this module marks the modules with them
+from ..run.model_dir import CROSS, DECODER, ENCODER, KINDS, seq2seq_layer_kinds  # noqa: F401  (re-exported)
+
 KIND_ATTR = "attnkit_kind"
 LAYER_ATTR = "attnkit_layer"
-
-
-def seq2seq_layer_kinds(config) -> list[tuple[str, int]] | None:
-    """(kind, index in its kind) of each of attnkit's layers of an encoder–decoder, from its config alone (what
-    `attnkit.models.layer_kinds` finds on the instrumented model: E encoder layers, D decoder self-attention layers,
-    D cross-attention layers); None for a model of one stack. A run's meta.json records it as `layer_kinds`."""
-    if not getattr(config, "is_encoder_decoder", False):
-        return None
-    n_enc = getattr(config, "encoder_layers", None) or getattr(config, "num_layers", None)
-    n_dec = getattr(config, "decoder_layers", None) or getattr(config, "num_decoder_layers", None) or n_enc
-    if not isinstance(n_enc, int) or not isinstance(n_dec, int):
-        return None
-    return ([(ENCODER, i) for i in range(n_enc)] + [(DECODER, i) for i in range(n_dec)]
-            + [(CROSS, i) for i in range(n_dec)])
 
 
 def kind_of(module) -> str | None:

@@ -46,7 +46,7 @@ def model_identity(model, name=None) -> dict:
     symbolic links resolved; null when it is not a local directory), `model_type`, `n_layers` (attnkit's layers,
     those a run's features have: an encoder–decoder's encoder, decoder and cross-attention layers together,
     docs/seq2seq.md §2), `n_heads` and `config_sha256` (`config_sha256`)."""
-    from ..attention.kinds import seq2seq_layer_kinds
+    from .model_dir import seq2seq_layer_kinds
 
     config = getattr(model, "config", model)
     kinds = seq2seq_layer_kinds(config)

@@ -177,7 +177,27 @@ def some_names(names: list[str], n: int = 10) -> str:
     return ", ".join(names[:n]) + (f", … and {len(names) - n} more" if len(names) > n else "")
 
 
+# The three kinds of attention layers of an encoder–decoder (attnkit/attention/kinds.py, docs/seq2seq.md §2)
+ENCODER, DECODER, CROSS = "encoder", "decoder", "cross"
+KINDS = (ENCODER, DECODER, CROSS)
+
+
+def seq2seq_layer_kinds(config) -> list[tuple[str, int]] | None:
+    """(kind, index in its kind) of each of attnkit's layers of an encoder–decoder, from its config alone (what
+    `attnkit.models.layer_kinds` finds on the instrumented model: E encoder layers, D decoder self-attention layers,
+    D cross-attention layers); None for a model of one stack. A run's meta.json records it as `layer_kinds`."""
+    if not getattr(config, "is_encoder_decoder", False):
+        return None
+    n_enc = getattr(config, "encoder_layers", None) or getattr(config, "num_layers", None)
+    n_dec = getattr(config, "decoder_layers", None) or getattr(config, "num_decoder_layers", None) or n_enc
+    if not isinstance(n_enc, int) or not isinstance(n_dec, int):
+        return None
+    return ([(ENCODER, i) for i in range(n_enc)] + [(DECODER, i) for i in range(n_dec)]
+            + [(CROSS, i) for i in range(n_dec)])
+
+
 __all__ = ["CONFIG_FILES", "DECODER_TYPES", "EMBEDDED", "IMAGE_PROCESSOR_FILES", "OFFSET_POSITIONS", "TOKENIZER_FILES",
            "WEIGHT_FILES", "check_max_length", "check_model_dir", "check_model_takes", "takes_images",
            "default_model_path", "fitted_length", "is_decoder_meta", "is_embedded_name",
-           "looks_like_hub_id", "max_positions", "read_config", "some_names"]
+           "looks_like_hub_id", "max_positions", "read_config", "some_names",
+           "ENCODER", "DECODER", "CROSS", "KINDS", "seq2seq_layer_kinds"]

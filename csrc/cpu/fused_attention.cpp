@@ -204,8 +204,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
                 " (or B×Hkv×L×D with Hkv KV heads and L >= q's length; any L with key_lengths), got k ", a.k.sizes(),
                 " and v ", a.v.sizes());
   const int64_t L = a.k.size(2), off = cross ? 0 : L - Lq;
-  ATTNKIT_CHECK(!a.bias.has_value(), "fused_attention: the CPU kernel takes no bias (attnkit.ops.attention runs it "
-                "on the reference)");
+  ATTNKIT_CHECK(!a.bias.has_value() || (a.bias->scalar_type() == at::kFloat && a.bias->dim() == 4 &&
+                                         (a.bias->size(0) == 1 || a.bias->size(0) == B) && a.bias->size(1) == H &&
+                                         a.bias->size(2) == Lq && a.bias->size(3) == L && a.bias->device().is_cpu()),
+                "fused_attention: bias must be a float32 CPU tensor of shape [1 or ", B, ", ", H, ", ", Lq, ", ", L,
+                "], got ", a.bias.has_value() ? a.bias->sizes() : at::IntArrayRef{});
   ATTNKIT_CHECK(cross || !a.key_class.has_value(),
                 "fused_attention: key_class is the keys' token classes of cross-attention: give key_lengths too");
   ATTNKIT_CHECK(!cross || !a.symmetric_window, "fused_attention: cross-attention (key_lengths given) takes no "
@@ -482,6 +485,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.grid_col = want_grid ? grid_col.data() : nullptr;
   p.grid_mask = want_grid ? grid_mask.data() : nullptr;
   p.align = want_align;
+  const at::Tensor bias = a.bias.has_value() ? a.bias->contiguous() : at::Tensor();
+  p.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  p.bias_bs = bias.defined() && bias.size(0) == B && B > 1 ? H * Lq * L : 0;
   p.key_scale = key_scale.defined() ? key_scale.data_ptr<float>() : nullptr;
   p.log_key_scale = key_scale.defined() ? log_key_scale.data_ptr<float>() : nullptr;
   p.scaling = a.scaling, p.renormalize = a.renormalize, p.want_features = a.want_features, p.causal = a.causal;

@@ -69,6 +69,11 @@ struct FusedCpuParams {
   // own position s; cross-attention: i·(nk − 1)/(n − 1), 0 when n = 1), Σ w·|t − p| and the mass on the keys within
   // 1 of ⌊p + 1/2⌋
   bool align;
+  // an additive bias (T5's position_bias, docs/seq2seq.md §3): fp32 (1 or B)×H×Lq×L, contiguous, added to the scores
+  // q·k·scaling before the soft-cap as the reference adds it; sample b's at bias + b·bias_bs (0: one bias for every
+  // sample); nullptr: none
+  const float* bias;
+  int64_t bias_bs;
   const float* key_scale;  // B×H×L or nullptr (norm weighting of the features)
   const float* log_key_scale;  // ln g (0 where g = 0), B×H×L, with key_scale
   double scaling;

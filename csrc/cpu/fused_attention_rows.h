@@ -334,6 +334,10 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         else
           p.gemm('T', 'N', kb, bq, D, alpha, kt, p.ks2, qt, p.qs2, 0.f, S, kb);
         if (p.scaling == 0.0) scale_inplace(S, bq * kb, 0.f);
+        if (p.bias != nullptr) {  // the bias of the block's rows (query rows r0 + r) and keys [k0, k0 + kb)
+          const float* bias = p.bias + b * p.bias_bs + (h * p.Lq + r0) * L + k0;
+          for (int64_t r = 0; r < bq; ++r) axpy(1.f, bias + r * L, S + r * kb, kb);
+        }
       }
       // the special keys of this block
       const int64_t j0 = std::lower_bound(sp_pos, sp_pos + n_special, static_cast<int32_t>(k0)) - sp_pos;
