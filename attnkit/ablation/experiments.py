@@ -189,26 +189,37 @@ def bootstrap_settings(n_boot: int = N_BOOT, seed: int = 0, level: float = LEVEL
 
 
 class DeltaIntervals:
-    """Paired bootstrap intervals of main-metric changes against the first (baseline) evaluation."""
+    """Paired bootstrap intervals of metric changes against the first (baseline) evaluation: of the main metric,
+    and of every further metric the per-example outputs score (`ExampleScores.others`), all on the same
+    resamples."""
 
     def __init__(self, n_boot: int = N_BOOT, seed: int = 0, level: float = LEVEL):
         self.n_boot, self.seed, self.level = n_boot, seed, level
-        self.base = None  # the baseline's metric on every resample
+        self.base = {}  # metric → the baseline's value on every resample
         self.n = None
 
-    def add(self, row: dict, key: str, examples) -> None:
-        """Put the interval of row[key] into row[key + "_lo"], row[key + "_hi"], and whether it excludes 0 beyond
-        Monte-Carlo noise into row[key + "_excludes_0"] (nothing without per-example outputs)."""
+    def add(self, row: dict, main_metric: str, examples) -> None:
+        """For each metric m (the main one, then `examples.others`), put the interval of row["delta_m"] into
+        row["delta_m_lo"], row["delta_m_hi"], and whether it excludes 0 beyond Monte-Carlo noise into
+        row["delta_m_excludes_0"] (nothing without per-example outputs)."""
         if examples is None or self.n_boot == 0:
             return
         if self.n is not None and examples.n != self.n:
             raise AttnkitError(f"paired resampling needs the same examples in every setting: {examples.n} vs {self.n}")
-        values = bootstrap_values(examples, self.n_boot, self.seed)
-        if self.base is None:
-            self.base, self.n = values, examples.n
-        diff = values - self.base
-        row[f"{key}_lo"], row[f"{key}_hi"] = percentile_interval(diff, self.level)
-        row[f"{key}_excludes_0"] = excludes_zero(diff, self.level)
+        self.n = examples.n
+        for name in (main_metric, *examples.others):
+            values = bootstrap_values(examples if name == main_metric else examples.of(name), self.n_boot, self.seed)
+            diff = values - self.base.setdefault(name, values)
+            key = f"delta_{name}"
+            row[f"{key}_lo"], row[f"{key}_hi"] = percentile_interval(diff, self.level)
+            row[f"{key}_excludes_0"] = excludes_zero(diff, self.level)
+
+
+def add_deltas(row: dict, metrics: dict, base: dict, main_metric: str, examples) -> None:
+    """row["delta_m"] = metrics[m] − base[m] for the main metric and every further metric of the per-example
+    outputs (`ExampleScores.others`)."""
+    for name in (main_metric, *(examples.others if examples is not None else ())):
+        row[f"delta_{name}"] = metrics[name] - base[name]
 
 
 def evaluate_settings(experiment: str, settings: list[Setting], evaluate, progress: bool = True) -> list[tuple]:
@@ -234,13 +245,13 @@ def run_settings(experiment: str, settings: list[Setting], evaluate: Callable[[I
         if main_metric not in m:
             raise AttnkitError(f"the evaluation returned no {main_metric!r} (got {sorted(m)})")
         if base is None:
-            base = m[main_metric]
-        if isinstance(base, float) and math.isnan(base):
+            base = m
+        if isinstance(base[main_metric], float) and math.isnan(base[main_metric]):
             raise AttnkitError(f"the baseline {main_metric} is NaN (undefined on this data): the table would "
                                f"hold only NaN; check the data file's gold labels or scores")
         row = {"setting": s.name, **s.info, **{k: v for k, v in m.items()}}
-        row[f"delta_{main_metric}"] = m[main_metric] - base
-        intervals.add(row, f"delta_{main_metric}", ex)
+        add_deltas(row, m, base, main_metric, ex)
+        intervals.add(row, main_metric, ex)
         rows.append(row)
         examples.append(ex)
     undefined = [r["setting"] for r in rows if isinstance(r[main_metric], float) and math.isnan(r[main_metric])]
@@ -383,17 +394,18 @@ def _run_experiment(experiment, model, evaluate, main_metric, shape, kept, *, mo
         res = iterative_pruning(model, evaluate_and_keep, losses, mode=mode, step=step, max_share=max_share,
                                 normalize_layers=normalize_layers, progress=progress)
         intervals = DeltaIntervals(n_boot)
-        base = res["steps"][0]["metrics"][main_metric]
+        base = res["steps"][0]["metrics"]
         rows = []
         prev: list = []
         for i, s in enumerate(res["steps"]):
             new = [h for h in s["heads"] if h not in prev]
             prev = s["heads"]
+            ex = examples[i] if i < len(examples) else None
             row = {"setting": "baseline" if s["pruned"] == 0 else f"prune {s['pruned']} heads",
-                   "pruned": s["pruned"], "share": s["share"], **s["metrics"],
-                   f"delta_{main_metric}": s["metrics"][main_metric] - base,
-                   "newly_pruned": format_heads(new)}
-            intervals.add(row, f"delta_{main_metric}", examples[i] if i < len(examples) else None)
+                   "pruned": s["pruned"], "share": s["share"], **s["metrics"]}
+            add_deltas(row, s["metrics"], base, main_metric, ex)
+            row["newly_pruned"] = format_heads(new)
+            intervals.add(row, main_metric, ex)
             rows.append(row)
         if mode == "zero" and pruning_supported(model):  # Michel et al.'s curve with the real sizes of each step
             for row, size in zip(rows, pruned_sizes(model, [s["heads"] for s in res["steps"]], progress=progress)):
