@@ -384,38 +384,77 @@ def _run_experiment(experiment, model, evaluate, main_metric, shape, kept, *, mo
     if experiment == "importance":
         if losses is None:
             raise AttnkitError(f"the importance experiment needs {arg('losses')}: the task's differentiable loss")
-        examples = []
+        return importance_table(model, evaluate, losses, main_metric, shape, kept, mode=mode, step=step,
+                                max_share=max_share, normalize_layers=normalize_layers, progress=progress,
+                                n_boot=n_boot)
+    raise AttnkitError(f"unknown {arg('experiment')} {experiment!r}; use one of {', '.join(EXPERIMENTS)}")
 
-        def evaluate_and_keep(iv):
+
+def kind_masks(model, shape) -> dict:
+    """An encoder–decoder's heads by kind (encoder, decoder, cross: docs/seq2seq.md §2), each a layers × heads
+    boolean array; {} for a model of one kind."""
+    from ..models import layer_kinds
+
+    kinds = [k for k, _ in layer_kinds(model)]
+    if len(set(kinds)) < 2 or len(kinds) != shape[0]:
+        return {}
+    return {kind: np.repeat((np.array(kinds) == kind)[:, None], shape[1], axis=1) for kind in dict.fromkeys(kinds)}
+
+
+def _curve_rows(res: dict, examples: list, main_metric: str, base: dict, intervals: DeltaIntervals,
+                kind: str | None) -> list[dict]:
+    """The rows of one pruning curve (`iterative_pruning`'s result): `kind` None for the only curve of a model of
+    one kind, "all" for the curve over all heads, else the kind pruned alone."""
+    rows, prev = [], []
+    for i, s in enumerate(res["steps"]):
+        new = [h for h in s["heads"] if h not in prev]
+        prev = s["heads"]
+        ex = examples[i] if i < len(examples) else None
+        if kind in (None, "all"):
+            name = "baseline" if s["pruned"] == 0 else f"prune {s['pruned']} heads"
+        else:
+            name = f"prune {s['pruned']} {kind} heads"
+        row = {"setting": name, **({} if kind is None else {"kind": kind}), "pruned": s["pruned"],
+               "share": s["share"], **s["metrics"]}
+        add_deltas(row, s["metrics"], base, main_metric, ex)
+        row["newly_pruned"] = format_heads(new)
+        intervals.add(row, main_metric, ex)
+        rows.append(row)
+    return rows
+
+
+def importance_table(model, evaluate, losses, main_metric: str, shape, kept, *, mode: str, step: float,
+                     max_share: float, normalize_layers: bool, progress: bool, n_boot: int) -> ResultTable:
+    """Michel et al.'s importance and iterative pruning over all heads; on an encoder–decoder also one curve per
+    kind of attention, each pruning that kind's heads alone by importance, the others intact (their Enc-Enc, Dec-Dec
+    and Enc-Dec curves; `iterative_pruning(..., among=)`), its rows after the curve over all heads with `kind`
+    saying which curve a row belongs to. Every change is against the unpruned model."""
+    masks = kind_masks(model, shape)
+    curves = [("all" if masks else None, None), *masks.items()]
+    intervals = DeltaIntervals(n_boot)
+    rows, examples, first, base = [], [], None, None
+    for kind, among in curves:
+        kept_examples: list = []
+
+        def evaluate_and_keep(iv, kept_examples=kept_examples):
             m = evaluate(iv)
-            examples.append(getattr(evaluate, "last_examples", None))
+            kept_examples.append(getattr(evaluate, "last_examples", None))
             return m
 
         res = iterative_pruning(model, evaluate_and_keep, losses, mode=mode, step=step, max_share=max_share,
-                                normalize_layers=normalize_layers, progress=progress)
-        intervals = DeltaIntervals(n_boot)
-        base = res["steps"][0]["metrics"]
-        rows = []
-        prev: list = []
-        for i, s in enumerate(res["steps"]):
-            new = [h for h in s["heads"] if h not in prev]
-            prev = s["heads"]
-            ex = examples[i] if i < len(examples) else None
-            row = {"setting": "baseline" if s["pruned"] == 0 else f"prune {s['pruned']} heads",
-                   "pruned": s["pruned"], "share": s["share"], **s["metrics"]}
-            add_deltas(row, s["metrics"], base, main_metric, ex)
-            row["newly_pruned"] = format_heads(new)
-            intervals.add(row, main_metric, ex)
-            rows.append(row)
-        if mode == "zero" and pruning_supported(model):  # Michel et al.'s curve with the real sizes of each step
-            for row, size in zip(rows, pruned_sizes(model, [s["heads"] for s in res["steps"]], progress=progress)):
-                row.update(size)
-        imp = res["importance"]
-        extra = {"importance": imp["importance"], "importance_raw": imp["raw"], "importance_n": imp["n"],
-                 "normalize_layers": normalize_layers, "mode": mode,
-                 "ranking": format_heads(tuple(int(x) for x in np.unravel_index(f, shape))
-                                         for f in np.argsort(-imp["importance"], axis=None, kind="stable")
-                                         if kept.flat[f])}  # heads removed before have no rank
-        extra["bootstrap"] = bootstrap_settings(n_boot)
-        return ResultTable("importance", main_metric, rows, extra, examples)
-    raise AttnkitError(f"unknown {arg('experiment')} {experiment!r}; use one of {', '.join(EXPERIMENTS)}")
+                                normalize_layers=normalize_layers, progress=progress, among=among)
+        if first is None:
+            first, base = res, res["steps"][0]["metrics"]
+        rows += _curve_rows(res, kept_examples, main_metric, base, intervals, kind)
+        examples += kept_examples + [None] * (len(res["steps"]) - len(kept_examples))
+    if mode == "zero" and pruning_supported(model):  # Michel et al.'s curve with the real sizes of each step
+        for row, size in zip(rows, pruned_sizes(model, [s["heads"] for s in first["steps"]], progress=progress)):
+            row.update(size)
+    imp = first["importance"]
+    extra = {"importance": imp["importance"], "importance_raw": imp["raw"], "importance_n": imp["n"],
+             "normalize_layers": normalize_layers, "mode": mode,
+             "ranking": format_heads(tuple(int(x) for x in np.unravel_index(f, shape))
+                                     for f in np.argsort(-imp["importance"], axis=None, kind="stable")
+                                     if kept.flat[f])}  # heads removed before have no rank
+    extra["bootstrap"] = bootstrap_settings(n_boot)
+    return ResultTable("importance", main_metric, rows, extra, examples)

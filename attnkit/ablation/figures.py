@@ -4,7 +4,8 @@ length is the change, not the score), with the paired bootstrap intervals as err
 * `heads`: a layer × head grid of the change when each head alone is disabled (Kovaleva et al. Fig. 8);
 * `patching`: the same grid of the share of the clean − corrupted gap that patching each head restores;
 * `types`, `layers`: one bar per setting;
-* `importance`: head importance and the pruning curve (Michel et al.).
+* `importance`: head importance and the pruning curve (Michel et al.); an encoder–decoder's one curve per kind of
+  attention pruned alone beside the curve over all heads.
 """
 from __future__ import annotations
 
@@ -156,14 +157,23 @@ def importance_axes(table: ResultTable, title: str = ""):
                  "head importance |∂L/∂ξ|")
     fig.colorbar(im, ax=a1)
     base, deltas = _deltas(table)
-    share = [100 * r["share"] for r in table.rows]
-    a2.plot(share, deltas, marker="o")
-    err = _error_bars(table, table.rows)
-    if err is not None:  # the paired bootstrap 95% interval of each change
-        a2.errorbar(share, deltas, yerr=err, fmt="none", ecolor="#333", capsize=2, lw=0.8)
+    curves: dict = {}  # kind → row indices: an encoder–decoder's curves over all heads and over each kind alone
+    for i, r in enumerate(table.rows):
+        curves.setdefault(r.get("kind"), []).append(i)
+    ends = []
+    for kind, idx in curves.items():
+        rows = [table.rows[i] for i in idx]
+        share, d = [100 * r["share"] for r in rows], deltas[idx]
+        line, = a2.plot(share, d, marker="o", label=None if kind is None else f"{kind} heads")
+        err = _error_bars(table, rows)
+        if err is not None:  # the paired bootstrap 95% interval of each change
+            a2.errorbar(share, d, yerr=err, fmt="none", ecolor=line.get_color(), capsize=2, lw=0.8)
+        ends += _with_interval_ends(d, err)
+    if len(curves) > 1:
+        a2.legend(fontsize=8, title="pruned among", title_fontsize=8)
     a2.axhline(0.0, color="black", linewidth=1.0)
-    a2.set_ylim(*_zero_centred_limits(_with_interval_ends(deltas, err)))
-    a2.set_xlabel("% heads pruned")
+    a2.set_ylim(*_zero_centred_limits(ends))
+    a2.set_xlabel("% heads pruned" if len(curves) == 1 else "% of the curve's heads pruned")
     a2.set_ylabel(f"Δ {table.main_metric} from the unpruned model ({base:.2f})")
     _absolute_axis(a2, base, table.main_metric, "y")
     a2.set_title(title or "iterative pruning by importance")
