@@ -5,6 +5,7 @@
   intra/inter attention only, i.e. remove it from every other type).
 * `heads`  — Kovaleva et al. Fig. 8 / Michel et al. Table 3: one head at a time (zero or uniform).
 * `layers` — Kovaleva et al. Fig. 9: one whole layer at a time.
+* `best_head` — Michel et al. Table 4: in each layer all heads but one, for every choice of the head kept.
 * `importance` — Michel et al.: gradient importance + iterative pruning (see `importance.py`); with mode zero every
   step also gets the parameters, FLOPs per token and tokens/s of the model with its heads removed (`sizes.py`).
 * `patching` — activation patching: the share of the clean-vs-corrupted gap each head restores (`patching.py`).
@@ -101,6 +102,7 @@ class ResultTable:
     rows: list  # dicts; rows[0] is the baseline
     extra: dict = field(default_factory=dict)  # e.g. importance matrices, the bootstrap settings
     examples: list = field(default_factory=list)  # per row: its per-example outputs (ExampleScores) or None
+    shown: list | None = None  # the indices of the rows the Markdown shows (None: all; CSV and JSON hold all)
 
     @property
     def columns(self) -> list[str]:
@@ -132,7 +134,7 @@ class ResultTable:
             return "" if v is None else str(v)
 
         lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-        for r in self.rows:
+        for r in (self.rows if self.shown is None else [self.rows[i] for i in self.shown]):
             lines.append("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
         return "\n".join(lines)
 
@@ -296,6 +298,43 @@ def layers_settings(shape, mode: str = "uniform", means=None, kept=None) -> list
     return out
 
 
+def best_head_settings(shape, mode: str = "zero", means=None, kept=None) -> list[Setting]:
+    """Michel et al. Table 4: the baseline, then in every layer all heads but one in `mode`, for each choice of the
+    head kept (`kept`: the heads the model has; a layer with fewer than two is no setting)."""
+    L, H = shape
+    kept = _kept(shape, kept)
+    out = [Setting("baseline", Intervention.identity(L, H), {"layer": None, "head": None})]
+    for layer in range(L):
+        heads = np.flatnonzero(kept[layer]).tolist()
+        if len(heads) < 2:
+            continue
+        for head in heads:
+            iv = Intervention.from_heads(shape, [(layer, h) for h in heads if h != head], mode=mode, means=means)
+            out.append(Setting(f"L{layer} only H{head}", iv, {"layer": layer, "head": head}))
+    return out
+
+
+LOWER_IS_BETTER = ("loss",)  # main metrics where less is better (the language-model losses); scores: more
+
+
+def mark_best_heads(table: ResultTable) -> ResultTable:
+    """Each row of a best_head table gets `best`: True for the kept head that scores best in its layer (the
+    lowest loss, else the highest score; NaN never), False for the others, None for the baseline; the Markdown then
+    shows the baseline and each layer's best row (the CSV and JSON all of them)."""
+    metric, sign = table.main_metric, (1.0 if table.main_metric in LOWER_IS_BETTER else -1.0)
+    best: dict = {}
+    for i, row in enumerate(table.rows[1:], start=1):
+        value = row[metric]
+        if not (isinstance(value, float) and math.isnan(value)) and (
+                row["layer"] not in best or sign * value < sign * table.rows[best[row["layer"]]][metric]):
+            best[row["layer"]] = i
+    chosen = set(best.values())
+    for i, row in enumerate(table.rows):
+        row["best"] = None if i == 0 else i in chosen
+    table.shown = [0, *sorted(chosen)]
+    return table
+
+
 def types_settings(shape, head_types: HeadTypes, renormalize: bool = False, means=None, kept=None) -> list[Setting]:
     """Guan et al. Tables 2 and 3 for whatever types the clustering found. `renormalize` rescales what is
     left of a row after removing intra/inter attention (Guan et al. do not; default off). With `means` (the
@@ -341,9 +380,9 @@ def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], di
                    mode: str = "zero", head_types: HeadTypes | None = None, losses=None, step: float = 0.1,
                    max_share: float = 1.0, normalize_layers: bool = True, renormalize: bool = False,
                    progress: bool = True, n_boot: int = N_BOOT, means=None, patching=None) -> ResultTable:
-    """Run `experiment` (types, heads, layers, importance, patching) and return its table. Mode mean (heads, layers,
-    types) replaces each head's output by its corpus mean from `means` (`attnkit.head_means`); patching needs the
-    `PatchingTask` that `evaluate` evaluates, as `patching`."""
+    """Run `experiment` (types, heads, layers, importance, patching, best_head) and return its table. Mode mean
+    (heads, layers, types) replaces each head's output by its corpus mean from `means` (`attnkit.head_means`);
+    patching needs the `PatchingTask` that `evaluate` evaluates, as `patching`."""
     shape = Intervention.for_model(model).shape
     kept = pruned_head_grid(model)  # heads a pruning removed are no settings of any table
     if getattr(model.config, "is_encoder_decoder", False):  # never pruned (refused: docs/seq2seq.md); its layers:
@@ -372,6 +411,9 @@ def _run_experiment(experiment, model, evaluate, main_metric, shape, kept, *, mo
     if experiment == "heads":
         return run_settings("heads", heads_settings(shape, mode, means, kept), evaluate, main_metric, progress,
                             n_boot)
+    if experiment == "best_head":
+        return mark_best_heads(run_settings("best_head", best_head_settings(shape, mode, means, kept), evaluate,
+                                            main_metric, progress, n_boot))
     if experiment == "layers":
         return run_settings("layers", layers_settings(shape, mode, means, kept), evaluate, main_metric, progress,
                             n_boot)

@@ -2,6 +2,7 @@
 length is the change, not the score), with the paired bootstrap intervals as error bars.
 
 * `heads`: a layer × head grid of the change when each head alone is disabled (Kovaleva et al. Fig. 8);
+* `best_head`: the same grid of the change when each head alone of its layer is kept (Michel et al. Table 4);
 * `patching`: the same grid of the share of the clean − corrupted gap that patching each head restores;
 * `types`, `layers`: one bar per setting;
 * `importance`: head importance and the pruning curve (Michel et al.); an encoder–decoder's one curve per kind of
@@ -39,6 +40,8 @@ def heads_axes(table: ResultTable, shape, title: str = ""):
     base = table.rows[0][table.main_metric]
     has_ci = any(f"{key}_lo" in r for r in table.rows)
     default = ("share of the clean − corrupted gap that patching one head restores (%)" if patching
+               else f"Δ {table.main_metric} when only this head of its layer is kept (baseline {base:.2f})"
+               if table.experiment == "best_head"
                else f"Δ {table.main_metric} when one head is disabled (baseline {base:.2f})")
     ax.set_title((title or default) + ("\n* the 95% bootstrap interval excludes 0" if has_ci else ""), fontsize=9)
     fig.tight_layout()
@@ -185,7 +188,7 @@ def importance_axes(table: ResultTable, title: str = ""):
 def save_figure(table: ResultTable, shape, out_dir: str, title: str = "") -> str:
     """Draw the experiment's figure into `out_dir`/<experiment>.png, atomically (a failed write leaves neither a
     partial figure nor a temporary file, only a one-line error)."""
-    if table.experiment in ("heads", "patching"):
+    if table.experiment in ("heads", "patching", "best_head"):
         fig, _ = heads_axes(table, shape, title)
     elif table.experiment == "importance":
         fig, _ = importance_axes(table, title)

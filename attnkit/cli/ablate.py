@@ -17,7 +17,9 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.option("--data", type=click.Path(exists=True, dir_okay=True), required=True,
               help="Local data: STS-B/GLUE TSV, SQuAD JSON, or a text corpus for mlm and lm; for --experiment "
                    "patching a TSV/CSV of clean and corrupted inputs (docs/interventions.md).")
-@click.option("--experiment", type=click.Choice(EXPERIMENTS), required=True)
+@click.option("--experiment", type=click.Choice(EXPERIMENTS), required=True,
+              help="types, heads, layers, importance (gradient importance and pruning), patching, or best_head "
+                   "(in every layer all heads but one, for each head kept; prints each layer's best).")
 @click.option("--clusters", "clusters", type=click.Path(exists=True), default=None,
               help="Run directory (or clusters.json) with head types; needed by --experiment types.")
 @click.option("--mode", type=click.Choice(["zero", "uniform", "mean"]), default=None,
