@@ -162,3 +162,9 @@ def test_importance_figure_draws_one_curve_per_kind():
     for line, k in zip(curves, (1, 2, 3)):
         assert line.get_ydata().tolist() == pytest.approx([0.0, 0.1 * k, 0.2 * k])
     assert [line.get_xdata().tolist() for line in curves] == [[0.0, 50.0, 100.0]] * 3
+    for r in rows:  # with --decode: a panel each for BLEU and chrF, the same curves
+        r.update(bleu=50.0 - r["pruned"], delta_bleu=-float(r["pruned"]), chrf=60.0, delta_chrf=0.0)
+    fig, axes = importance_axes(ResultTable("importance", "loss", rows, {"importance": [[1.0, 0.5]] * 3}))
+    assert len(axes) == 4 and "Δ bleu" in axes[2].get_ylabel() and "Δ chrf" in axes[3].get_ylabel()
+    bleu = [line for line in axes[2].get_lines() if line.get_label() == "cross heads"]
+    assert bleu[0].get_ydata().tolist() == [0.0, -1.0, -2.0]
