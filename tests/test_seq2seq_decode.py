@@ -171,6 +171,9 @@ def test_decode_is_refused_by_name(decoder_dir, tmp_path, monkeypatch):
     refused(["--task", "lm", "--experiment", "heads", "--decode"], "--decode translates with an encoder–decoder")
     with pytest.raises(AttnkitError, match="decode translates"):
         get_task("lm", texts, decode=True)
+    model, tok = attnkit.load_model(str(path), device="cpu", task="seq2seq-lm")  # 64 positions
+    with pytest.raises(AttnkitError, match="max_new_tokens 64 runs past the model's 64 positions"):
+        get_task("seq2seq", data, decode=True, max_new_tokens=64).evaluate(model, tok)
     monkeypatch.setitem(sys.modules, "sacrebleu", None)  # not installed
     refused(["--task", "seq2seq", "--experiment", "heads", "--decode"], "pip install attnkit[seq2seq]")
     with pytest.raises(AttnkitError, match=r"pip install attnkit\[seq2seq\]"):

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..plotting import head_grid, plt, save_figure_file
 from .experiments import ResultTable
+from .translation import TRANSLATION_METRICS
 
 
 def heads_axes(table: ResultTable, shape, title: str = ""):
@@ -174,7 +175,7 @@ def _pruning_curves(ax, table: ResultTable, metric: str, title: str) -> None:
     ax.grid(alpha=0.3)
 
 
-DECODED = ("bleu", "chrf")  # the further metrics of a seq2seq task with --decode, each drawn beside the main one
+DECODED = tuple(TRANSLATION_METRICS)  # the further metrics of a seq2seq task with --decode, drawn beside the main one
 
 
 def importance_axes(table: ResultTable, title: str = ""):

@@ -111,7 +111,7 @@ def check_decode_options(opts: AblateOptions) -> None:
         return
     if opts.task_name not in PAIR_TASKS or opts.experiment == "patching":
         raise AttnkitError(f"{arg('decode', True)} translates with an encoder–decoder: it is for "
-                           f"{arg('task_name', 'seq2seq')} (heads, layers, importance), not "
+                           f"{arg('task_name', 'seq2seq')} (any experiment but patching), not "
                            f"{opts.task_name} {opts.experiment}")
     from .translation import require_sacrebleu
 

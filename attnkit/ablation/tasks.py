@@ -751,6 +751,10 @@ class Seq2seqTask(Task):
         if self.decode:
             targets = [int((step.info[1] != -100).sum(-1).max()) for step in steps]
             self.decoding = self.max_new_tokens or translation.default_max_new_tokens(targets, self.max_length)
+            limit = max_positions(model)  # the decoder's start token takes one of them
+            if limit is not None and self.decoding >= limit:
+                raise AttnkitError(f"{arg('max_new_tokens')} {self.decoding} runs past the model's {limit} positions "
+                                   f"(with the decoder's start token): give at most {limit - 1}")
         return Plan(steps, (len(chosen), tokenizer))
 
     def outputs(self, model, batch):
