@@ -95,10 +95,32 @@ def test_heads_experiment_zeroes_a_cross_head_as_a_direct_forward(bart_dir, tmp_
 
 @pytest.mark.slow
 def test_importance_ranks_and_prunes_every_kind(bart_dir, tmp_path):
+    """The curve over all heads, then one curve per kind pruning that kind's heads alone (Michel et al.'s Enc-Enc,
+    Dec-Dec and Enc-Dec curves), each step's loss that of a direct forward with the curve's heads so far zeroed."""
     rows = ablate_table(bart_dir, tmp_path, "importance", 100)
-    pruned = [h for r in rows[1:] for h in r["newly_pruned"].split(",")]
+    curves = {}
+    for r in rows:
+        curves.setdefault(r["kind"], []).append(r)
+    assert list(curves) == ["all", "encoder", "decoder", "cross"]
+    every = curves["all"]
+    pruned = [h for r in every[1:] for h in r["newly_pruned"].split(",")]
     assert sorted(pruned) == sorted(f"L{layer}H{head}" for layer in range(6) for head in range(4))
-    assert int(rows[-1]["pruned"]) == 24
+    assert int(every[-1]["pruned"]) == 24
+    model, tok = attnkit.load_model(str(bart_dir), device="cpu", task="seq2seq-lm")
+    base = float(rows[0]["loss"])
+    for kind, layers in (("encoder", (0, 1)), ("decoder", (2, 3)), ("cross", (4, 5))):
+        curve = curves[kind]
+        assert float(curve[0]["loss"]) == pytest.approx(base, rel=1e-6) and int(curve[0]["pruned"]) == 0
+        so_far = []
+        for r in curve[1:]:
+            so_far += r["newly_pruned"].split(",")
+            assert int(r["pruned"]) == len(so_far) and float(r["share"]) == pytest.approx(len(so_far) / 8)
+            assert {int(h[1:].split("H")[0]) for h in so_far} <= set(layers)  # the other kinds stay intact
+        assert len(set(so_far)) == 8
+        mid = curve[len(curve) // 2]
+        heads = ",".join(h for r in curve[1:curve.index(mid) + 1] for h in r["newly_pruned"].split(","))
+        assert float(mid["delta_loss"]) == pytest.approx(direct_loss(model, tok, PAIRS, heads) - base, rel=1e-4,
+                                                         abs=1e-6)
 
 
 def test_a_task_that_does_not_fit_the_model_is_refused(bart_dir, tmp_path):
@@ -125,3 +147,24 @@ def test_a_task_that_does_not_fit_the_model_is_refused(bart_dir, tmp_path):
     with pytest.raises(AttnkitError, match="not an encoder–decoder"):  # the job alone refuses it before the model loads
         run_ablation(AblateOptions(model=str(bert), task_name="seq2seq", data=str(pairs),
                                    experiment="layers", out=str(tmp_path / "job")))
+
+
+def test_importance_figure_draws_one_curve_per_kind():
+    from attnkit.ablation.experiments import ResultTable
+    from attnkit.ablation.figures import importance_axes
+
+    rows = [{"setting": "baseline" if k == 0 and kind == "all" else f"prune {k} {kind} heads", "kind": kind,
+             "pruned": k, "share": k / 2, "loss": 1.0 + 0.1 * k * (i + 1), "delta_loss": 0.1 * k * (i + 1)}
+            for i, kind in enumerate(["all", "encoder", "cross"]) for k in range(3)]
+    fig, (_, right) = importance_axes(ResultTable("importance", "loss", rows, {"importance": [[1.0, 0.5]] * 3}))
+    curves = [line for line in right.get_lines() if line.get_label() in ("all heads", "encoder heads", "cross heads")]
+    assert [line.get_label() for line in curves] == ["all heads", "encoder heads", "cross heads"]
+    for line, k in zip(curves, (1, 2, 3)):
+        assert line.get_ydata().tolist() == pytest.approx([0.0, 0.1 * k, 0.2 * k])
+    assert [line.get_xdata().tolist() for line in curves] == [[0.0, 50.0, 100.0]] * 3
+    for r in rows:  # with --decode: a panel each for BLEU and chrF, the same curves
+        r.update(bleu=50.0 - r["pruned"], delta_bleu=-float(r["pruned"]), chrf=60.0, delta_chrf=0.0)
+    fig, axes = importance_axes(ResultTable("importance", "loss", rows, {"importance": [[1.0, 0.5]] * 3}))
+    assert len(axes) == 4 and "Δ bleu" in axes[2].get_ylabel() and "Δ chrf" in axes[3].get_ylabel()
+    bleu = [line for line in axes[2].get_lines() if line.get_label() == "cross heads"]
+    assert bleu[0].get_ydata().tolist() == [0.0, -1.0, -2.0]

@@ -5,6 +5,7 @@
   intra/inter attention only, i.e. remove it from every other type).
 * `heads`  — Kovaleva et al. Fig. 8 / Michel et al. Table 3: one head at a time (zero or uniform).
 * `layers` — Kovaleva et al. Fig. 9: one whole layer at a time.
+* `best_head` — Michel et al. Table 4: in each layer all heads but one, for every choice of the head kept.
 * `importance` — Michel et al.: gradient importance + iterative pruning (see `importance.py`); with mode zero every
   step also gets the parameters, FLOPs per token and tokens/s of the model with its heads removed (`sizes.py`).
 * `patching` — activation patching: the share of the clean-vs-corrupted gap each head restores (`patching.py`).
@@ -101,6 +102,7 @@ class ResultTable:
     rows: list  # dicts; rows[0] is the baseline
     extra: dict = field(default_factory=dict)  # e.g. importance matrices, the bootstrap settings
     examples: list = field(default_factory=list)  # per row: its per-example outputs (ExampleScores) or None
+    shown: list | None = None  # the indices of the rows the Markdown shows (None: all; CSV and JSON hold all)
 
     @property
     def columns(self) -> list[str]:
@@ -132,7 +134,7 @@ class ResultTable:
             return "" if v is None else str(v)
 
         lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-        for r in self.rows:
+        for r in (self.rows if self.shown is None else [self.rows[i] for i in self.shown]):
             lines.append("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
         return "\n".join(lines)
 
@@ -189,26 +191,37 @@ def bootstrap_settings(n_boot: int = N_BOOT, seed: int = 0, level: float = LEVEL
 
 
 class DeltaIntervals:
-    """Paired bootstrap intervals of main-metric changes against the first (baseline) evaluation."""
+    """Paired bootstrap intervals of metric changes against the first (baseline) evaluation: of the main metric,
+    and of every further metric the per-example outputs score (`ExampleScores.others`), all on the same
+    resamples."""
 
     def __init__(self, n_boot: int = N_BOOT, seed: int = 0, level: float = LEVEL):
         self.n_boot, self.seed, self.level = n_boot, seed, level
-        self.base = None  # the baseline's metric on every resample
+        self.base = {}  # metric → the baseline's value on every resample
         self.n = None
 
-    def add(self, row: dict, key: str, examples) -> None:
-        """Put the interval of row[key] into row[key + "_lo"], row[key + "_hi"], and whether it excludes 0 beyond
-        Monte-Carlo noise into row[key + "_excludes_0"] (nothing without per-example outputs)."""
+    def add(self, row: dict, main_metric: str, examples) -> None:
+        """For each metric m (the main one, then `examples.others`), put the interval of row["delta_m"] into
+        row["delta_m_lo"], row["delta_m_hi"], and whether it excludes 0 beyond Monte-Carlo noise into
+        row["delta_m_excludes_0"] (nothing without per-example outputs)."""
         if examples is None or self.n_boot == 0:
             return
         if self.n is not None and examples.n != self.n:
             raise AttnkitError(f"paired resampling needs the same examples in every setting: {examples.n} vs {self.n}")
-        values = bootstrap_values(examples, self.n_boot, self.seed)
-        if self.base is None:
-            self.base, self.n = values, examples.n
-        diff = values - self.base
-        row[f"{key}_lo"], row[f"{key}_hi"] = percentile_interval(diff, self.level)
-        row[f"{key}_excludes_0"] = excludes_zero(diff, self.level)
+        self.n = examples.n
+        for name in (main_metric, *examples.others):
+            values = bootstrap_values(examples if name == main_metric else examples.of(name), self.n_boot, self.seed)
+            diff = values - self.base.setdefault(name, values)
+            key = f"delta_{name}"
+            row[f"{key}_lo"], row[f"{key}_hi"] = percentile_interval(diff, self.level)
+            row[f"{key}_excludes_0"] = excludes_zero(diff, self.level)
+
+
+def add_deltas(row: dict, metrics: dict, base: dict, main_metric: str, examples) -> None:
+    """row["delta_m"] = metrics[m] − base[m] for the main metric and every further metric of the per-example
+    outputs (`ExampleScores.others`)."""
+    for name in (main_metric, *(examples.others if examples is not None else ())):
+        row[f"delta_{name}"] = metrics[name] - base[name]
 
 
 def evaluate_settings(experiment: str, settings: list[Setting], evaluate, progress: bool = True) -> list[tuple]:
@@ -234,13 +247,13 @@ def run_settings(experiment: str, settings: list[Setting], evaluate: Callable[[I
         if main_metric not in m:
             raise AttnkitError(f"the evaluation returned no {main_metric!r} (got {sorted(m)})")
         if base is None:
-            base = m[main_metric]
-        if isinstance(base, float) and math.isnan(base):
+            base = m
+        if isinstance(base[main_metric], float) and math.isnan(base[main_metric]):
             raise AttnkitError(f"the baseline {main_metric} is NaN (undefined on this data): the table would "
                                f"hold only NaN; check the data file's gold labels or scores")
         row = {"setting": s.name, **s.info, **{k: v for k, v in m.items()}}
-        row[f"delta_{main_metric}"] = m[main_metric] - base
-        intervals.add(row, f"delta_{main_metric}", ex)
+        add_deltas(row, m, base, main_metric, ex)
+        intervals.add(row, main_metric, ex)
         rows.append(row)
         examples.append(ex)
     undefined = [r["setting"] for r in rows if isinstance(r[main_metric], float) and math.isnan(r[main_metric])]
@@ -283,6 +296,43 @@ def layers_settings(shape, mode: str = "uniform", means=None, kept=None) -> list
         iv = Intervention.from_heads(shape, heads, mode=mode, means=means)
         out.append(Setting(f"L{layer} {mode}", iv, {"layer": layer}))
     return out
+
+
+def best_head_settings(shape, mode: str = "zero", means=None, kept=None) -> list[Setting]:
+    """Michel et al. Table 4: the baseline, then in every layer all heads but one in `mode`, for each choice of the
+    head kept (`kept`: the heads the model has; a layer with fewer than two is no setting)."""
+    L, H = shape
+    kept = _kept(shape, kept)
+    out = [Setting("baseline", Intervention.identity(L, H), {"layer": None, "head": None})]
+    for layer in range(L):
+        heads = np.flatnonzero(kept[layer]).tolist()
+        if len(heads) < 2:
+            continue
+        for head in heads:
+            iv = Intervention.from_heads(shape, [(layer, h) for h in heads if h != head], mode=mode, means=means)
+            out.append(Setting(f"L{layer} only H{head}", iv, {"layer": layer, "head": head}))
+    return out
+
+
+LOWER_IS_BETTER = ("loss",)  # main metrics where less is better (the language-model losses); scores: more
+
+
+def mark_best_heads(table: ResultTable) -> ResultTable:
+    """Each row of a best_head table gets `best`: True for the kept head that scores best in its layer (the
+    lowest loss, else the highest score; NaN never), False for the others, None for the baseline; the Markdown then
+    shows the baseline and each layer's best row (the CSV and JSON all of them)."""
+    metric, sign = table.main_metric, (1.0 if table.main_metric in LOWER_IS_BETTER else -1.0)
+    best: dict = {}
+    for i, row in enumerate(table.rows[1:], start=1):
+        value = row[metric]
+        if not (isinstance(value, float) and math.isnan(value)) and (
+                row["layer"] not in best or sign * value < sign * table.rows[best[row["layer"]]][metric]):
+            best[row["layer"]] = i
+    chosen = set(best.values())
+    for i, row in enumerate(table.rows):
+        row["best"] = None if i == 0 else i in chosen
+    table.shown = [0, *sorted(chosen)]
+    return table
 
 
 def types_settings(shape, head_types: HeadTypes, renormalize: bool = False, means=None, kept=None) -> list[Setting]:
@@ -330,9 +380,9 @@ def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], di
                    mode: str = "zero", head_types: HeadTypes | None = None, losses=None, step: float = 0.1,
                    max_share: float = 1.0, normalize_layers: bool = True, renormalize: bool = False,
                    progress: bool = True, n_boot: int = N_BOOT, means=None, patching=None) -> ResultTable:
-    """Run `experiment` (types, heads, layers, importance, patching) and return its table. Mode mean (heads, layers,
-    types) replaces each head's output by its corpus mean from `means` (`attnkit.head_means`); patching needs the
-    `PatchingTask` that `evaluate` evaluates, as `patching`."""
+    """Run `experiment` (types, heads, layers, importance, patching, best_head) and return its table. Mode mean
+    (heads, layers, types) replaces each head's output by its corpus mean from `means` (`attnkit.head_means`);
+    patching needs the `PatchingTask` that `evaluate` evaluates, as `patching`."""
     shape = Intervention.for_model(model).shape
     kept = pruned_head_grid(model)  # heads a pruning removed are no settings of any table
     if getattr(model.config, "is_encoder_decoder", False):  # never pruned (refused: docs/seq2seq.md); its layers:
@@ -361,6 +411,9 @@ def _run_experiment(experiment, model, evaluate, main_metric, shape, kept, *, mo
     if experiment == "heads":
         return run_settings("heads", heads_settings(shape, mode, means, kept), evaluate, main_metric, progress,
                             n_boot)
+    if experiment == "best_head":
+        return mark_best_heads(run_settings("best_head", best_head_settings(shape, mode, means, kept), evaluate,
+                                            main_metric, progress, n_boot))
     if experiment == "layers":
         return run_settings("layers", layers_settings(shape, mode, means, kept), evaluate, main_metric, progress,
                             n_boot)
@@ -373,37 +426,77 @@ def _run_experiment(experiment, model, evaluate, main_metric, shape, kept, *, mo
     if experiment == "importance":
         if losses is None:
             raise AttnkitError(f"the importance experiment needs {arg('losses')}: the task's differentiable loss")
-        examples = []
+        return importance_table(model, evaluate, losses, main_metric, shape, kept, mode=mode, step=step,
+                                max_share=max_share, normalize_layers=normalize_layers, progress=progress,
+                                n_boot=n_boot)
+    raise AttnkitError(f"unknown {arg('experiment')} {experiment!r}; use one of {', '.join(EXPERIMENTS)}")
 
-        def evaluate_and_keep(iv):
+
+def kind_masks(model, shape) -> dict:
+    """An encoder–decoder's heads by kind (encoder, decoder, cross: docs/seq2seq.md §2), each a layers × heads
+    boolean array; {} for a model of one kind."""
+    from ..models import layer_kinds
+
+    kinds = [k for k, _ in layer_kinds(model)]
+    if len(set(kinds)) < 2 or len(kinds) != shape[0]:
+        return {}
+    return {kind: np.repeat((np.array(kinds) == kind)[:, None], shape[1], axis=1) for kind in dict.fromkeys(kinds)}
+
+
+def _curve_rows(res: dict, examples: list, main_metric: str, base: dict, intervals: DeltaIntervals,
+                kind: str | None) -> list[dict]:
+    """The rows of one pruning curve (`iterative_pruning`'s result): `kind` None for the only curve of a model of
+    one kind, "all" for the curve over all heads, else the kind pruned alone."""
+    rows, prev = [], []
+    for i, s in enumerate(res["steps"]):
+        new = [h for h in s["heads"] if h not in prev]
+        prev = s["heads"]
+        ex = examples[i] if i < len(examples) else None
+        if kind in (None, "all"):
+            name = "baseline" if s["pruned"] == 0 else f"prune {s['pruned']} heads"
+        else:
+            name = f"prune {s['pruned']} {kind} heads"
+        row = {"setting": name, **({} if kind is None else {"kind": kind}), "pruned": s["pruned"],
+               "share": s["share"], **s["metrics"]}
+        add_deltas(row, s["metrics"], base, main_metric, ex)
+        row["newly_pruned"] = format_heads(new)
+        intervals.add(row, main_metric, ex)
+        rows.append(row)
+    return rows
+
+
+def importance_table(model, evaluate, losses, main_metric: str, shape, kept, *, mode: str, step: float,
+                     max_share: float, normalize_layers: bool, progress: bool, n_boot: int) -> ResultTable:
+    """Michel et al.'s importance and iterative pruning over all heads; on an encoder–decoder also one curve per
+    kind of attention, each pruning that kind's heads alone by importance, the others intact (their Enc-Enc, Dec-Dec
+    and Enc-Dec curves; `iterative_pruning(..., among=)`), its rows after the curve over all heads with `kind`
+    saying which curve a row belongs to. Every change is against the unpruned model."""
+    masks = kind_masks(model, shape)
+    curves = [("all" if masks else None, None), *masks.items()]
+    intervals = DeltaIntervals(n_boot)
+    rows, examples, first, base = [], [], None, None
+    for kind, among in curves:
+        kept_examples: list = []
+
+        def evaluate_and_keep(iv, kept_examples=kept_examples):
             m = evaluate(iv)
-            examples.append(getattr(evaluate, "last_examples", None))
+            kept_examples.append(getattr(evaluate, "last_examples", None))
             return m
 
         res = iterative_pruning(model, evaluate_and_keep, losses, mode=mode, step=step, max_share=max_share,
-                                normalize_layers=normalize_layers, progress=progress)
-        intervals = DeltaIntervals(n_boot)
-        base = res["steps"][0]["metrics"][main_metric]
-        rows = []
-        prev: list = []
-        for i, s in enumerate(res["steps"]):
-            new = [h for h in s["heads"] if h not in prev]
-            prev = s["heads"]
-            row = {"setting": "baseline" if s["pruned"] == 0 else f"prune {s['pruned']} heads",
-                   "pruned": s["pruned"], "share": s["share"], **s["metrics"],
-                   f"delta_{main_metric}": s["metrics"][main_metric] - base,
-                   "newly_pruned": format_heads(new)}
-            intervals.add(row, f"delta_{main_metric}", examples[i] if i < len(examples) else None)
-            rows.append(row)
-        if mode == "zero" and pruning_supported(model):  # Michel et al.'s curve with the real sizes of each step
-            for row, size in zip(rows, pruned_sizes(model, [s["heads"] for s in res["steps"]], progress=progress)):
-                row.update(size)
-        imp = res["importance"]
-        extra = {"importance": imp["importance"], "importance_raw": imp["raw"], "importance_n": imp["n"],
-                 "normalize_layers": normalize_layers, "mode": mode,
-                 "ranking": format_heads(tuple(int(x) for x in np.unravel_index(f, shape))
-                                         for f in np.argsort(-imp["importance"], axis=None, kind="stable")
-                                         if kept.flat[f])}  # heads removed before have no rank
-        extra["bootstrap"] = bootstrap_settings(n_boot)
-        return ResultTable("importance", main_metric, rows, extra, examples)
-    raise AttnkitError(f"unknown {arg('experiment')} {experiment!r}; use one of {', '.join(EXPERIMENTS)}")
+                                normalize_layers=normalize_layers, progress=progress, among=among)
+        if first is None:
+            first, base = res, res["steps"][0]["metrics"]
+        rows += _curve_rows(res, kept_examples, main_metric, base, intervals, kind)
+        examples += kept_examples + [None] * (len(res["steps"]) - len(kept_examples))
+    if mode == "zero" and pruning_supported(model):  # Michel et al.'s curve with the real sizes of each step
+        for row, size in zip(rows, pruned_sizes(model, [s["heads"] for s in first["steps"]], progress=progress)):
+            row.update(size)
+    imp = first["importance"]
+    extra = {"importance": imp["importance"], "importance_raw": imp["raw"], "importance_n": imp["n"],
+             "normalize_layers": normalize_layers, "mode": mode,
+             "ranking": format_heads(tuple(int(x) for x in np.unravel_index(f, shape))
+                                     for f in np.argsort(-imp["importance"], axis=None, kind="stable")
+                                     if kept.flat[f])}  # heads removed before have no rank
+    extra["bootstrap"] = bootstrap_settings(n_boot)
+    return ResultTable("importance", main_metric, rows, extra, examples)

@@ -2,9 +2,11 @@
 length is the change, not the score), with the paired bootstrap intervals as error bars.
 
 * `heads`: a layer × head grid of the change when each head alone is disabled (Kovaleva et al. Fig. 8);
+* `best_head`: the same grid of the change when each head alone of its layer is kept (Michel et al. Table 4);
 * `patching`: the same grid of the share of the clean − corrupted gap that patching each head restores;
 * `types`, `layers`: one bar per setting;
-* `importance`: head importance and the pruning curve (Michel et al.).
+* `importance`: head importance and the pruning curve (Michel et al.); an encoder–decoder's one curve per kind of
+  attention pruned alone beside the curve over all heads.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import numpy as np
 
 from ..plotting import head_grid, plt, save_figure_file
 from .experiments import ResultTable
+from .translation import TRANSLATION_METRICS
 
 
 def heads_axes(table: ResultTable, shape, title: str = ""):
@@ -38,16 +41,18 @@ def heads_axes(table: ResultTable, shape, title: str = ""):
     base = table.rows[0][table.main_metric]
     has_ci = any(f"{key}_lo" in r for r in table.rows)
     default = ("share of the clean − corrupted gap that patching one head restores (%)" if patching
+               else f"Δ {table.main_metric} when only this head of its layer is kept (baseline {base:.2f})"
+               if table.experiment == "best_head"
                else f"Δ {table.main_metric} when one head is disabled (baseline {base:.2f})")
     ax.set_title((title or default) + ("\n* the 95% bootstrap interval excludes 0" if has_ci else ""), fontsize=9)
     fig.tight_layout()
     return fig, ax
 
 
-def _error_bars(table: ResultTable, rows) -> np.ndarray | None:
-    """2 × len(rows) distances from each row's change of the main metric to the ends of its bootstrap
-    interval (for `xerr`/`yerr`); None when the table has no intervals."""
-    key = f"delta_{table.main_metric}"
+def _error_bars(table: ResultTable, rows, metric: str | None = None) -> np.ndarray | None:
+    """2 × len(rows) distances from each row's change of `metric` (default: the main metric) to the ends of its
+    bootstrap interval (for `xerr`/`yerr`); None when the table has no intervals."""
+    key = f"delta_{metric or table.main_metric}"
     if not any(f"{key}_lo" in r for r in rows):
         return None
     lo = [r[key] - r.get(f"{key}_lo", np.nan) for r in rows]
@@ -63,9 +68,10 @@ def _with_interval_ends(values, err) -> list:
     return values + [v - e for v, e in zip(values, err[0])] + [v + e for v, e in zip(values, err[1])]
 
 
-def _deltas(table: ResultTable) -> tuple[float, np.ndarray]:
-    """(baseline value, Δ of the main metric from the baseline for every row); NaN where unknown."""
-    metric = table.main_metric
+def _deltas(table: ResultTable, metric: str | None = None) -> tuple[float, np.ndarray]:
+    """(baseline value, Δ of `metric` (default: the main metric) from the baseline for every row); NaN where
+    unknown."""
+    metric = metric or table.main_metric
     base = table.rows[0].get(metric)
     base = float("nan") if base is None else float(base)
     out = []
@@ -142,11 +148,44 @@ def bars_axes(table: ResultTable, title: str = ""):
     return fig, ax
 
 
+def _pruning_curves(ax, table: ResultTable, metric: str, title: str) -> None:
+    """The pruning curves of `metric` on `ax`: Δ from the unpruned model against the share of heads pruned, one
+    curve per `kind` of an encoder–decoder's rows (all heads, and each kind pruned alone), with error bars."""
+    base, deltas = _deltas(table, metric)
+    curves: dict = {}  # kind → row indices
+    for i, r in enumerate(table.rows):
+        curves.setdefault(r.get("kind"), []).append(i)
+    ends = []
+    for kind, idx in curves.items():
+        rows = [table.rows[i] for i in idx]
+        share, d = [100 * r["share"] for r in rows], deltas[idx]
+        line, = ax.plot(share, d, marker="o", label=None if kind is None else f"{kind} heads")
+        err = _error_bars(table, rows, metric)
+        if err is not None:  # the paired bootstrap 95% interval of each change
+            ax.errorbar(share, d, yerr=err, fmt="none", ecolor=line.get_color(), capsize=2, lw=0.8)
+        ends += _with_interval_ends(d, err)
+    if len(curves) > 1:
+        ax.legend(fontsize=8, title="pruned among", title_fontsize=8)
+    ax.axhline(0.0, color="black", linewidth=1.0)
+    ax.set_ylim(*_zero_centred_limits(ends))
+    ax.set_xlabel("% heads pruned" if len(curves) == 1 else "% of the curve's heads pruned")
+    ax.set_ylabel(f"Δ {metric} from the unpruned model ({base:.2f})")
+    _absolute_axis(ax, base, metric, "y")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+
+
+DECODED = tuple(TRANSLATION_METRICS)  # the further metrics of a seq2seq task with --decode, drawn beside the main one
+
+
 def importance_axes(table: ResultTable, title: str = ""):
     """Head importance (left) and the pruning curve as Δ of the main metric from the unpruned model on an
-    axis through 0 (right; its right-hand axis reads absolute scores). Returns (figure, (left, right))."""
+    axis through 0 (its right-hand axis reads absolute scores); an encoder–decoder's one curve per kind, and with
+    --decode a panel each for BLEU and chrF. Returns (figure, (importance axes, curve axes...))."""
     imp = np.asarray(table.extra["importance"])
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.45 * imp.shape[0]))
+    more = [m for m in DECODED if any(f"delta_{m}" in r for r in table.rows)]
+    fig, axes = plt.subplots(1, 2 + len(more), figsize=(12 + 5 * len(more), 1.5 + 0.45 * imp.shape[0]))
+    a1 = axes[0]
     im = a1.imshow(imp, cmap="viridis", aspect="auto")
     a1.set_xlabel("head")
     a1.set_ylabel("layer")
@@ -155,27 +194,17 @@ def importance_axes(table: ResultTable, title: str = ""):
     a1.set_title("head importance |∂L/∂ξ| (layer-normalised)" if table.extra.get("normalize_layers") else
                  "head importance |∂L/∂ξ|")
     fig.colorbar(im, ax=a1)
-    base, deltas = _deltas(table)
-    share = [100 * r["share"] for r in table.rows]
-    a2.plot(share, deltas, marker="o")
-    err = _error_bars(table, table.rows)
-    if err is not None:  # the paired bootstrap 95% interval of each change
-        a2.errorbar(share, deltas, yerr=err, fmt="none", ecolor="#333", capsize=2, lw=0.8)
-    a2.axhline(0.0, color="black", linewidth=1.0)
-    a2.set_ylim(*_zero_centred_limits(_with_interval_ends(deltas, err)))
-    a2.set_xlabel("% heads pruned")
-    a2.set_ylabel(f"Δ {table.main_metric} from the unpruned model ({base:.2f})")
-    _absolute_axis(a2, base, table.main_metric, "y")
-    a2.set_title(title or "iterative pruning by importance")
-    a2.grid(alpha=0.3)
+    for ax, metric in zip(axes[1:], [table.main_metric, *more]):
+        _pruning_curves(ax, table, metric, (title or "iterative pruning by importance") if metric ==
+                        table.main_metric else f"{metric} of the greedy translations")
     fig.tight_layout()
-    return fig, (a1, a2)
+    return fig, tuple(axes)
 
 
 def save_figure(table: ResultTable, shape, out_dir: str, title: str = "") -> str:
     """Draw the experiment's figure into `out_dir`/<experiment>.png, atomically (a failed write leaves neither a
     partial figure nor a temporary file, only a one-line error)."""
-    if table.experiment in ("heads", "patching"):
+    if table.experiment in ("heads", "patching", "best_head"):
         fig, _ = heads_axes(table, shape, title)
     elif table.experiment == "importance":
         fig, _ = importance_axes(table, title)

@@ -102,7 +102,8 @@ def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
         task.max_length = task_max_length(opts.task_name, opts.max_length)
         task.length_given = opts.max_length is not None
     else:
-        task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task, max_length=opts.max_length)
+        task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task, max_length=opts.max_length,
+                        **({"decode": True, "max_new_tokens": opts.max_new_tokens} if opts.decode else {}))
     check_task_for_model(opts.task_name, model_config(opts.model), opts.model)  # before the model loads
     if opts.limit is not None:
         task.head(opts.limit)
@@ -150,6 +151,9 @@ def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
             meta["type_counts"] = head_types.counts()
         if opts.experiment == "patching":
             meta["metric"] = task.metric
+        if opts.decode:  # greedy translations scored by sacrebleu (translation.py)
+            meta["decode"] = {"method": "greedy", "max_new_tokens": task.decoding, "bleu": "sacrebleu corpus BLEU "
+                              "(13a, exp smoothing)", "chrf": "sacrebleu corpus chrF (chrF2)"}
         if means is not None:
             meta["means"] = {"file": HEAD_MEANS_FILE, "n_tokens": means.n_tokens,
                              "corpus": [p if p == "-" else os.path.abspath(p) for p in opts.mean_corpus]

@@ -17,7 +17,7 @@ import collections
 import re
 import string
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -241,11 +241,18 @@ class ExampleScores:
     order for every setting of an experiment) and `metric(arrays, weights) → k values`, the main metric (×100)
     of the k resamples given as a k × n matrix of counts (the weighted_* functions above); `index` says which
     examples of the data the rows are (their positions in the task's examples). Tasks leave one in
-    `task.last_examples`; `attnkit ablate` writes the arrays per setting (docs/files.md)."""
+    `task.last_examples`; `attnkit ablate` writes the arrays per setting (docs/files.md). `others`: further metrics
+    of the same arrays (name → metric, as `metric`), whose changes get intervals of their own on the same resamples
+    (a seq2seq task's decoded `bleu` and `chrf` beside its `loss`)."""
 
     arrays: dict
     metric: Callable[[dict, np.ndarray], np.ndarray]
     index: np.ndarray | None = None
+    others: dict = field(default_factory=dict)
+
+    def of(self, name: str) -> ExampleScores:
+        """The same examples scored by the further metric `name`."""
+        return ExampleScores(self.arrays, self.others[name], self.index)
 
     @property
     def n(self) -> int:

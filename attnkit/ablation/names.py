@@ -2,7 +2,7 @@
 can list them without importing torch; the experiments: experiments.py, the tasks: tasks.py)."""
 from ..features import DEFAULT_MAX_LENGTH
 
-EXPERIMENTS = ("types", "heads", "layers", "importance", "patching")
+EXPERIMENTS = ("types", "heads", "layers", "importance", "patching", "best_head")
 TASKS = ("stsb", "glue", "squad", "mlm", "lm", "seq2seq")
 PAIR_TASKS = ("seq2seq",)  # the tasks of an encoder–decoder, which read (source, target) pairs
 N_BOOT = 10_000  # bootstrap resamples by default (`--resamples`; metrics.py)

@@ -64,6 +64,8 @@ class AblateOptions:
     resamples: int = N_BOOT  # bootstrap resamples (0: no intervals)
     stack: int | None = None  # settings per forward (None: as memory allows)
     max_length: int | None = None  # tokens per input (None: the task's default, `task_max_length`)
+    decode: bool = False  # seq2seq: also translate greedily and score BLEU and chrF (translation.py)
+    max_new_tokens: int | None = None  # decode: tokens per translation (None: from the targets' lengths)
 
 
 def check_ablate_options(opts: AblateOptions) -> None:
@@ -95,6 +97,25 @@ def check_ablate_options(opts: AblateOptions) -> None:
     check_int(task_max_length(opts.task_name, opts.max_length), "max_length", minimum=2)
     if opts.resamples != 0 and opts.resamples < 10:
         raise AttnkitError(f"{arg('resamples')} must be 0 (no intervals) or at least 10, got {opts.resamples}")
+    check_decode_options(opts)
+
+
+def check_decode_options(opts: AblateOptions) -> None:
+    """Greedy decoding is for the tasks of an encoder–decoder, needs sacrebleu, and bounds its translations only
+    when on."""
+    if opts.max_new_tokens is not None:
+        if not opts.decode:
+            raise AttnkitError(f"{arg('max_new_tokens')} is for {arg('decode', True)}")
+        check_int(opts.max_new_tokens, "max_new_tokens")
+    if not opts.decode:
+        return
+    if opts.task_name not in PAIR_TASKS or opts.experiment == "patching":
+        raise AttnkitError(f"{arg('decode', True)} translates with an encoder–decoder: it is for "
+                           f"{arg('task_name', 'seq2seq')} (any experiment but patching), not "
+                           f"{opts.task_name} {opts.experiment}")
+    from .translation import require_sacrebleu
+
+    require_sacrebleu()
 
 
 def output_paths(out, experiment: str) -> list[str]:

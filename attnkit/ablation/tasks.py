@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import AttnkitError, check_int
+from ..errors import AttnkitError, arg, check_int
 from ..features import DEFAULT_MAX_LENGTH
 from ..models import check_max_length, instrument, max_positions, runtime_of
 from ..tokens import Batch, Encoder, pair_decoder_start
-from . import metrics
+from . import metrics, translation
 from .data import (
     GLUE,
     check_gold_varies,
@@ -696,16 +696,26 @@ class Seq2seqTask(Task):
     `attnkit extract` measures it (`Encoder(decoder_start=...)`: the decoder reads the target shifted right), and
     every target token is predicted from the source and the target before it — the loss transformers computes with
     `labels` = the target's tokens. The main metric is Σ nll / Σ target tokens over the pairs (nats per token); the
-    bootstrap resamples pairs."""
+    bootstrap resamples pairs. With `decode`, every source is also translated greedily (`model.generate`, at most
+    `max_new_tokens` tokens; default: `translation.default_max_new_tokens` of the targets) and the translations are
+    scored against the targets by corpus BLEU and chrF (attnkit/ablation/translation.py), reported beside the
+    loss."""
 
     name = "seq2seq"
     model_task = "seq2seq-lm"
     main_metric = "loss"
     sweeps = False  # an encoder–decoder has two stacks: every setting runs the whole model
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, decode: bool = False, max_new_tokens: int | None = None):
         self.path = path
         self.examples = read_pairs(path)
+        if decode:
+            translation.require_sacrebleu()
+        elif max_new_tokens is not None:
+            raise AttnkitError(f"{arg('max_new_tokens')} is for {arg('decode', True)}")
+        self.decode = decode
+        self.max_new_tokens = None if max_new_tokens is None else check_int(max_new_tokens, "max_new_tokens")
+        self.decoding = None  # the plan's max_new_tokens when decoding
 
     def segments(self, limit=None) -> list:
         return [self.examples[i] for i in subset(len(self.examples), limit)]
@@ -738,21 +748,48 @@ class Seq2seqTask(Task):
         chosen = subset(len(self.examples), limit)
         steps = [Step(batch, (orig, labels)) for orig, batch, labels in
                  self._batches(model, tokenizer, chosen, batch_size)]
-        return Plan(steps, len(chosen))
+        if self.decode:
+            targets = [int((step.info[1] != -100).sum(-1).max()) for step in steps]
+            self.decoding = self.max_new_tokens or translation.default_max_new_tokens(targets, self.max_length)
+            limit = max_positions(model)  # the decoder's start token takes one of them
+            if limit is not None and self.decoding >= limit:
+                raise AttnkitError(f"{arg('max_new_tokens')} {self.decoding} runs past the model's {limit} positions "
+                                   f"(with the decoder's start token): give at most {limit - 1}")
+        return Plan(steps, (len(chosen), tokenizer))
 
     def outputs(self, model, batch):
-        return forward(model, batch).logits
+        """The teacher-forced logits; with `decode`, also the greedy translations of the batch's sources."""
+        logits = forward(model, batch).logits
+        if not self.decode:
+            return logits
+        source = {k: v for k, v in batch.to(_device(model)).inputs.items() if not k.startswith("decoder_")}
+        return logits, model.generate(**source, max_new_tokens=self.decoding, do_sample=False, num_beams=1)
 
-    def reduce(self, step, logits):
-        """Per pair of the step: (pair, target tokens, their summed cross-entropy in nats)."""
+    def reduce(self, step, outputs):
+        """Per pair of the step: (pair, target tokens, their summed cross-entropy in nats), and with `decode` the
+        tokens of its translation."""
         orig, labels = step.info
+        logits, generated = outputs if self.decode else (outputs, None)
         nll = torch.nn.functional.cross_entropy(logits.float().cpu().transpose(1, 2), labels, reduction="none",
                                                 ignore_index=-100).double()
         n = (labels != -100).sum(-1)
-        return [(j, int(n[b]), float(nll[b].sum())) for b, j in enumerate(orig)]
+        rows = [(j, int(n[b]), float(nll[b].sum())) for b, j in enumerate(orig)]
+        return rows if generated is None else [(*r, generated[b].tolist()) for b, r in enumerate(rows)]
 
     def summarize(self, plan, parts) -> dict:
-        return summarize_token_loss(self, plan, parts, "no target has a token to predict")
+        n, tokenizer = plan.info
+        out = summarize_token_loss(self, Plan(plan.steps, n), [[r[:3] for r in part] for part in parts],
+                                   "no target has a token to predict")
+        if self.decode:  # the pairs in the order of the loss's per-example outputs (their index)
+            generated = {r[0]: r[3] for part in parts for r in part}
+            keys = self.last_examples.index.tolist()
+            hypotheses = tokenizer.batch_decode([generated[k] for k in keys], skip_special_tokens=True)
+            scores = self.last_examples
+            scores.arrays.update(translation.pair_statistics(hypotheses, [self.examples[k][1] for k in keys]))
+            scores.arrays["hypothesis"] = np.array(hypotheses, dtype=object)
+            scores.others = dict(translation.TRANSLATION_METRICS)
+            out.update({name: scores.of(name).value() for name in scores.others})
+        return out
 
     def losses(self, model, tokenizer, limit=None, batch_size=1):
         instrument(model)
@@ -764,8 +801,11 @@ class Seq2seqTask(Task):
 
 def get_task(name: str, path, **options) -> Task:
     """Load a task's data from a local file: name in stsb, glue, squad, mlm, lm, seq2seq; `max_length`: the tokens
-    per input (default: `task_max_length`)."""
+    per input (default: `task_max_length`); seq2seq's `decode` and `max_new_tokens` (Seq2seqTask)."""
     path = str(path)
+    if name != "seq2seq" and (options.get("decode") or options.get("max_new_tokens") is not None):
+        raise AttnkitError(f"{arg('decode')} translates with an encoder–decoder: it is for "
+                           f"{arg('task_name', 'seq2seq')}, not {name}")
     if name == "stsb":
         task = StsbTask(path)
     elif name == "glue":
@@ -778,7 +818,7 @@ def get_task(name: str, path, **options) -> Task:
     elif name == "lm":
         task = LmTask(path)
     elif name == "seq2seq":
-        task = Seq2seqTask(path)
+        task = Seq2seqTask(path, decode=bool(options.get("decode")), max_new_tokens=options.get("max_new_tokens"))
     else:
         raise AttnkitError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")
     task.max_length = check_int(task_max_length(name, options.get("max_length")), "max_length", minimum=2)

@@ -17,7 +17,9 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.option("--data", type=click.Path(exists=True, dir_okay=True), required=True,
               help="Local data: STS-B/GLUE TSV, SQuAD JSON, or a text corpus for mlm and lm; for --experiment "
                    "patching a TSV/CSV of clean and corrupted inputs (docs/interventions.md).")
-@click.option("--experiment", type=click.Choice(EXPERIMENTS), required=True)
+@click.option("--experiment", type=click.Choice(EXPERIMENTS), required=True,
+              help="types, heads, layers, importance (gradient importance and pruning), patching, or best_head "
+                   "(in every layer all heads but one, for each head kept; prints each layer's best).")
 @click.option("--clusters", "clusters", type=click.Path(exists=True), default=None,
               help="Run directory (or clusters.json) with head types; needed by --experiment types.")
 @click.option("--mode", type=click.Choice(["zero", "uniform", "mean"]), default=None,
@@ -41,6 +43,13 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
                                 "of a model with fewer, and said so")
 @shared("batch-size", batch_size=32)
 @click.option("--glue-task", default=None, help="GLUE task of --data when it cannot be told from the header.")
+@click.option("--decode", is_flag=True,
+              help="seq2seq: also translate every source greedily in each setting and score the translations "
+                   "against the targets by corpus BLEU and chrF (sacrebleu: pip install attnkit[seq2seq]), beside "
+                   "the loss, each change with its bootstrap interval.")
+@click.option("--max-new-tokens", "max_new_tokens", type=click.IntRange(min=1), default=None,
+              help="--decode: tokens per translation (default: 1.5 × the longest target's tokens + 5, within "
+                   "--max-length).")
 @click.option("--step", type=float, default=0.1, show_default=True, help="importance: share pruned per step.")
 @click.option("--no-layer-norm", is_flag=True, help="importance: do not normalise scores per layer.")
 @click.option("--renormalize", is_flag=True,
@@ -52,7 +61,8 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @cli_errors
 def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metric, resamples, stack, limit, sample,
-           max_length, batch_size, glue_task, step, no_layer_norm, renormalize, device, out, overwrite, quiet):
+           max_length, batch_size, glue_task, decode, max_new_tokens, step, no_layer_norm, renormalize, device, out,
+           overwrite, quiet):
     """Disable heads, layers or head types of MODEL (a local model directory, `default` for the embedded MiniLM,
     or `smollm2` for the embedded decoder SmolLM2-135M-Instruct, its install: docs/decoders.md), or patch its
     heads from clean into corrupted inputs, and measure the task metric; writes CSV/JSON/Markdown tables, every
@@ -64,7 +74,8 @@ def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metr
         model=model, task_name=task_name, data=data, experiment=experiment, clusters=clusters, mode=mode,
         limit=limit, sample=sample, batch_size=batch_size, glue_task=glue_task, step=step,
         no_layer_norm=no_layer_norm, renormalize=renormalize, device=device, out=out, quiet=quiet, metric=metric,
-        mean_corpus=tuple(mean_corpus), resamples=resamples, stack=stack, overwrite=overwrite, max_length=max_length)
+        mean_corpus=tuple(mean_corpus), resamples=resamples, stack=stack, overwrite=overwrite, max_length=max_length,
+        decode=decode, max_new_tokens=max_new_tokens)
     check_not_in_use(ablate_out(opts))  # a directory another command holds is refused first, as the job's lock would
     clusters = preflight_ablate(opts)  # refusals that need no model come before torch is imported
     from ..ablation.job import run_ablation
