@@ -23,7 +23,8 @@ from ..run.outputs import write_json
 from ..run.overwrite import claim_outputs
 from .experiments import ResultTable, TaskEvaluator, run_experiment
 from .figures import save_figure
-from .names import task_max_length
+from .image_tasks import ImageClassificationTask
+from .names import IMAGE_TASKS, task_max_length
 from .options import (
     DEFAULT_MODES,
     AblateOptions,
@@ -101,9 +102,13 @@ def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
         task = PatchingTask(opts.data, opts.task_name, opts.metric)
         task.max_length = task_max_length(opts.task_name, opts.max_length)
         task.length_given = opts.max_length is not None
+    elif opts.task_name in IMAGE_TASKS:
+        task = ImageClassificationTask(opts.data)
     else:
         task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task, max_length=opts.max_length)
     check_task_for_model(opts.task_name, model_config(opts.model), opts.model)  # before the model loads
+    if opts.task_name in IMAGE_TASKS:  # every label a class of the model's, before it loads
+        task.check_labels(model_config(opts.model), opts.model)
     if opts.limit is not None:
         task.head(opts.limit)
     corpus = _mean_corpus(opts)

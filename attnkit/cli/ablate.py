@@ -13,10 +13,12 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.command("ablate")
 @click.argument("model")
 @click.option("--task", "task_name", type=click.Choice(TASKS), required=True,
-              help="Evaluation task (mlm, lm: the model's own masked-LM or next-token loss).")
-@click.option("--data", type=click.Path(exists=True, dir_okay=True), required=True,
+              help="Evaluation task (mlm, lm: the model's own masked-LM or next-token loss; image-classification: "
+                   "a vision transformer's classifier on labelled images).")
+@click.option("--data", required=True,
               help="Local data: STS-B/GLUE TSV, SQuAD JSON, or a text corpus for mlm and lm; for --experiment "
-                   "patching a TSV/CSV of clean and corrupted inputs (docs/interventions.md).")
+                   "patching a TSV/CSV of clean and corrupted inputs; for image-classification a folder of label "
+                   "folders (DATA/cat/1.png) or DATASET_DIR:IMAGES[:LABELS] (docs/interventions.md).")
 @click.option("--experiment", type=click.Choice(EXPERIMENTS), required=True)
 @click.option("--clusters", "clusters", type=click.Path(exists=True), default=None,
               help="Run directory (or clusters.json) with head types; needed by --experiment types.")
