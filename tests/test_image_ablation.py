@@ -88,8 +88,8 @@ def eager_outputs(model_dir, paths, gold, zero=(), gates=None):
     return acc, nll, logits.argmax(-1)
 
 
-def ablate(tmp_path, model_dir, data, experiment="heads", **kw):
-    opts = AblateOptions(model=str(model_dir), task_name="image-classification", data=str(data),
+def ablate(tmp_path, model_dir, data, experiment="heads", task="image-classification", **kw):
+    opts = AblateOptions(model=str(model_dir), task_name=task, data=str(data),
                          experiment=experiment, out=str(tmp_path / f"out-{experiment}"), device="cpu", quiet=True,
                          batch_size=4, **kw)
     preflight_ablate(opts)
@@ -209,3 +209,78 @@ def test_what_does_not_fit_is_refused_by_name_before_a_model_loads(vit_dir, tmp_
     with pytest.raises(AttnkitError, match="max.length.* is not for .*image-classification.*no tokens to cut"):
         preflight(tmp_path, vit_dir, tmp_path / "imgs", max_length=64)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    """A tiny random CLIP (both towers) with a word-level tokenizer and an image processor of SIZE pixels."""
+    from .synthetic import tiny_bert
+
+    path = tmp_path_factory.mktemp("clip")
+    _, tok = tiny_bert()
+    torch.manual_seed(0)
+    text = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                vocab_size=len(tok), max_position_embeddings=32, eos_token_id=tok.sep_token_id)
+    cfg = T.CLIPConfig(text_config=text, vision_config={k: v for k, v in SMALL.items() if k != "initializer_range"},
+                       projection_dim=8, initializer_factor=5.0)
+    T.CLIPModel(cfg).eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    T.CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE}).save_pretrained(path)
+    return path
+
+
+def clip_logits(model_dir, paths, prompts, zero=()):
+    """The image–text logits of the plain transformers CLIP (eager, no attnkit), the vision heads `zero` zeroed at
+    their output projection."""
+    model = T.CLIPModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    tok = T.AutoTokenizer.from_pretrained(model_dir)
+    processor = T.AutoImageProcessor.from_pretrained(model_dir)
+    vision = model.vision_model
+    H = vision.config.num_attention_heads
+    handles = []
+    for layer, block in enumerate(vision.encoder.layers):
+        heads = [h for lay, h in zero if lay == layer]
+        if heads:
+            def gate(module, args, heads=heads):
+                x = args[0].unflatten(-1, (H, -1)).clone()
+                x[..., heads, :] = 0
+                return (x.flatten(-2),)
+            handles.append(block.self_attn.out_proj.register_forward_pre_hook(gate))
+    px = torch.from_numpy(np.asarray(processor(images=[Image.open(p).convert("RGB") for p in paths],
+                                               return_tensors="np")["pixel_values"]))
+    with torch.no_grad():
+        out = model(pixel_values=px, **tok(prompts, padding=True, return_tensors="pt"))
+    for h in handles:
+        h.remove()
+    return out.logits_per_image.double()
+
+
+def test_zero_shot_deltas_equal_clips_own_logits_with_a_vision_head_zeroed(clip_dir, tmp_path):
+    paths, gold = write_folders(tmp_path / "imgs", per_label=2)
+    classes = ["dog", "cat", "bird", "fish"]  # a class no image has, and the order given
+    template = "a {} here"
+    rows = ablate(tmp_path, clip_dir, tmp_path / "imgs", task="zero-shot-image", resamples=100,
+                  labels=",".join(classes), template=template).table.rows
+    prompts = [template.format(c) for c in classes]
+    y = torch.tensor([classes.index(g) for g in gold])
+    moved = 0
+    base = None
+    for row in rows:
+        zero = [] if row["layer"] is None else [(row["layer"], row["head"])]
+        logits = clip_logits(clip_dir, paths, prompts, zero)
+        loss = float(torch.nn.functional.cross_entropy(logits, y))
+        acc = 100.0 * float((logits.argmax(-1) == y).double().mean())
+        assert row["loss"] == pytest.approx(loss, rel=1e-5), row["setting"]
+        assert row["accuracy"] == pytest.approx(acc), row["setting"]
+        base = loss if base is None else base
+        moved += abs(loss - base) > 1e-3
+        assert row["delta_accuracy_lo"] <= row["delta_accuracy"] + 1e-9 <= row["delta_accuracy_hi"] + 2e-9
+    assert len(rows) == 5 and moved >= 2
+    with pytest.raises(AttnkitError, match=r"label\(s\) 'dog' are none of the classes given \('bird', 'cat'\)"):
+        preflight(tmp_path, clip_dir, tmp_path / "imgs", task_name="zero-shot-image", labels="bird,cat")
+    with pytest.raises(AttnkitError, match="has no {} for the class name"):
+        preflight(tmp_path, clip_dir, tmp_path / "imgs", task_name="zero-shot-image", template="a photo")
+    with pytest.raises(AttnkitError, match="without a vision and a text tower"):
+        preflight(tmp_path, save_classifier(tmp_path / "vit"), tmp_path / "imgs", task_name="zero-shot-image")
+    with pytest.raises(AttnkitError, match="labels.* is for .*zero-shot-image"):
+        preflight(tmp_path, clip_dir, tmp_path / "imgs", labels="bird,cat")

@@ -23,6 +23,7 @@ from ..corpus.sources import is_datasets_dir
 from ..errors import AttnkitError
 
 LABEL_COLUMN = "label"  # the labels of DIR:IMAGES
+DEFAULT_TEMPLATE = "a photo of a {}."  # zero-shot-image: a class's prompt, the class name in place of {}
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,32 @@ def check_classifier(config: dict | None, model: str) -> None:
                            "needs a model fine-tuned to classify images (e.g. ViTForImageClassification)")
 
 
+def check_two_towers(config: dict | None, model: str) -> None:
+    """Refuse, from config.json before it loads, a model without a text and a vision tower (zero-shot-image)."""
+    cfg = config or {}
+    if cfg.get("vision_config") is None or cfg.get("text_config") is None:
+        raise AttnkitError(f"{model!r} holds a {cfg.get('model_type')!r} model without a vision and a text tower: "
+                           "zero-shot-image needs an image–text model such as CLIP or SigLIP")
+
+
+def zero_shot_classes(data: LabelledImages, labels=None, template: str | None = None) -> tuple[list, list]:
+    """(classes, their prompts) of zero-shot-image: `labels` (a list, or names separated by commas; default the
+    data's labels, sorted), each prompt `template` (default DEFAULT_TEMPLATE) with the class in place of {}. A label
+    of the data that is no class is refused by name."""
+    template = DEFAULT_TEMPLATE if template is None else template
+    if "{}" not in template:
+        raise AttnkitError(f"the prompt template {template!r} has no {{}} for the class name")
+    names = [str(label) for label in data.labels]
+    if isinstance(labels, str):
+        labels = [c.strip() for c in labels.split(",") if c.strip()]
+    classes = list(dict.fromkeys(labels)) if labels else sorted(set(names))
+    unknown = sorted(set(names) - set(classes))
+    if unknown:
+        raise AttnkitError(f"{data.source}: label(s) {', '.join(map(repr, unknown[:5]))} are none of the classes "
+                           f"given ({', '.join(map(repr, classes[:8]))})")
+    return classes, [template.format(c) for c in classes]
+
+
 def label_ids(data: LabelledImages, config: dict | None, model: str) -> list[int]:
     """The model's class index of every label of `data`, from `config` (config.json as a dict): a name through
     its label2id, an index checked against num_labels. A label the model does not know is refused by name."""
@@ -155,4 +182,5 @@ def label_ids(data: LabelledImages, config: dict | None, model: str) -> list[int
     return out
 
 
-__all__ = ["LABEL_COLUMN", "LabelledImages", "check_classifier", "label_ids", "read_labelled_images"]
+__all__ = ["DEFAULT_TEMPLATE", "LABEL_COLUMN", "LabelledImages", "check_classifier", "check_two_towers", "label_ids",
+           "read_labelled_images", "zero_shot_classes"]

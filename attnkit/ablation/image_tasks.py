@@ -12,11 +12,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import AttnkitError
 from ..models import instrument, runtime_of
 from ..tokens import ImageEncoder, image_forward_arguments
 from . import metrics
 from .data import subset
-from .image_data import LabelledImages, label_ids, read_labelled_images
+from .image_data import (
+    DEFAULT_TEMPLATE,
+    LabelledImages,
+    check_two_towers,
+    label_ids,
+    read_labelled_images,
+    zero_shot_classes,
+)
 from .tasks import Plan, Step, Task, forward
 
 
@@ -117,4 +125,76 @@ class ImageClassificationTask(Task):
             yield torch.nn.functional.cross_entropy(logits, gold.to(logits.device))
 
 
-__all__ = ["ImageClassificationTask", "image_logits"]
+
+
+# --- zero-shot classification with an image–text model (CLIP, SigLIP) ------------------------------------------
+
+class ZeroShotImageTask(ImageClassificationTask):
+    """Zero-shot classification by a two-tower image–text model (CLIPModel, SiglipModel): each class is a prompt
+    (`template` filled with the class name; `labels`: the classes, default the data's labels, sorted), an image's
+    class logits are the model's own image–text logits (logit_scale · cosine, plus SigLIP's logit_bias), and the
+    metrics are those of `ImageClassificationTask` over them. The ablated model is the vision tower
+    (`model.vision_model`, instrumented alone); the prompts' embeddings come from the text tower once, as it is, so
+    no intervention reaches the text tower's heads."""
+
+    name = "zero-shot-image"
+    model_task = None
+
+    def __init__(self, path: str, labels: list[str] | None = None, template: str = DEFAULT_TEMPLATE):
+        super().__init__(path)
+        self.classes, self.prompts = zero_shot_classes(self._labelled(list(range(len(self.examples)))), labels,
+                                                       template)
+        self.text = None  # the prompts' normalised embeddings, set by `load`
+
+    def check_labels(self, config: dict | None, model: str) -> None:
+        """The labels are the prompts' classes (checked when the task is made); the model needs two towers."""
+        check_two_towers(config, model)
+
+    def load(self, path: str, device=None):
+        """The image–text model at `path` (transformers' AutoModel), its vision tower instrumented, and the prompts'
+        embeddings from its text tower: returns (the vision tower, the image processor), what the ablation runs."""
+        from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+
+        from ..models import resolve_device
+
+        dev = resolve_device(device)
+        try:
+            model = AutoModel.from_pretrained(path).to(dev).eval()
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            processor = AutoImageProcessor.from_pretrained(path)
+        except Exception as exc:
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise AttnkitError(f"could not load an image–text model from {path!r}: {why}") from None
+        padding = "max_length" if model.config.model_type == "siglip" else True  # SigLIP's text tower: as trained
+        enc = tokenizer(self.prompts, padding=padding, truncation=True, return_tensors="pt").to(dev)
+        with torch.no_grad():
+            text = _features(model.get_text_features(**enc))
+            self.scale = float(model.logit_scale.exp())
+            self.bias = float(model.logit_bias) if getattr(model, "logit_bias", None) is not None else 0.0
+        self.text = torch.nn.functional.normalize(text.float(), dim=-1)
+        self.projection = getattr(model, "visual_projection", None)
+        return instrument(model.vision_model), processor
+
+    def targets(self, model, chosen: list[int]) -> np.ndarray:
+        return np.asarray([self.classes.index(str(self.examples[i][1])) for i in chosen], dtype=np.int64)
+
+    def outputs(self, model, batch):
+        pooled = forward(model, batch, **image_forward_arguments(model, batch.inputs)).pooler_output
+        image = pooled if self.projection is None else self.projection(pooled)
+        image = torch.nn.functional.normalize(image.float(), dim=-1)
+        return image @ self.text.to(image.device).T * self.scale + self.bias
+
+    def losses(self, model, tokenizer, limit=None, batch_size=1):
+        instrument(model)
+        chosen = subset(len(self.examples), limit)
+        for _, batch, gold in self._batches(model, tokenizer, chosen, batch_size):
+            logits = self.outputs(model, batch)
+            yield torch.nn.functional.cross_entropy(logits, gold.to(logits.device))
+
+
+def _features(out) -> torch.Tensor:
+    """get_text_features' embeddings (transformers 5 returns them as the pooler_output of a model output)."""
+    return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+
+__all__ = ["DEFAULT_TEMPLATE", "ImageClassificationTask", "ZeroShotImageTask", "image_logits"]

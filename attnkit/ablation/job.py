@@ -23,7 +23,7 @@ from ..run.outputs import write_json
 from ..run.overwrite import claim_outputs
 from .experiments import ResultTable, TaskEvaluator, run_experiment
 from .figures import save_figure
-from .image_tasks import ImageClassificationTask
+from .image_tasks import ImageClassificationTask, ZeroShotImageTask
 from .names import IMAGE_TASKS, task_max_length
 from .options import (
     DEFAULT_MODES,
@@ -102,6 +102,8 @@ def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
         task = PatchingTask(opts.data, opts.task_name, opts.metric)
         task.max_length = task_max_length(opts.task_name, opts.max_length)
         task.length_given = opts.max_length is not None
+    elif opts.task_name == "zero-shot-image":
+        task = ZeroShotImageTask(opts.data, opts.labels, opts.template)
     elif opts.task_name in IMAGE_TASKS:
         task = ImageClassificationTask(opts.data)
     else:
@@ -120,8 +122,11 @@ def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
         means_file = Path(out) / HEAD_MEANS_FILE  # without --overwrite, a rerun continues it (same settings only)
         if opts.overwrite and opts.mode == "mean" and means_file.exists():
             claim.replaced.append(means_file)  # measured again: the model or its corpus may have changed
-        m, tok = load_model(None if opts.model == "default" else opts.model, device=opts.device,
-                            task=task.model_task, max_length=opts.max_length)
+        if isinstance(task, ZeroShotImageTask):  # the vision tower of an image–text model; the prompts embedded
+            m, tok = task.load(opts.model, opts.device)
+        else:
+            m, tok = load_model(None if opts.model == "default" else opts.model, device=opts.device,
+                                task=task.model_task, max_length=opts.max_length)
         cut = task.fit_to(m)
         evaluate = TaskEvaluator(task, m, tok, limit=opts.sample, batch_size=opts.batch_size, stack=opts.stack)
         shape = Intervention.for_model(m).shape  # an encoder–decoder: its encoder, decoder and cross layers

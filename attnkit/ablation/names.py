@@ -3,9 +3,9 @@ can list them without importing torch; the experiments: experiments.py, the task
 from ..features import DEFAULT_MAX_LENGTH
 
 EXPERIMENTS = ("types", "heads", "layers", "importance", "patching")
-TASKS = ("stsb", "glue", "squad", "mlm", "lm", "seq2seq", "image-classification")
+TASKS = ("stsb", "glue", "squad", "mlm", "lm", "seq2seq", "image-classification", "zero-shot-image")
 PAIR_TASKS = ("seq2seq",)  # the tasks of an encoder–decoder, which read (source, target) pairs
-IMAGE_TASKS = ("image-classification",)  # the tasks of a vision transformer, which read labelled images
+IMAGE_TASKS = ("image-classification", "zero-shot-image")  # the tasks that read labelled images
 N_BOOT = 10_000  # bootstrap resamples by default (`--resamples`; metrics.py)
 SQUAD_MAX_LENGTH, SQUAD_STRIDE = 384, 128  # SQuAD's windows over long contexts, and their overlap
 

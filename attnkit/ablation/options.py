@@ -36,10 +36,11 @@ def check_task_for_model(task_name: str, config, model: str) -> None:
         raise AttnkitError(f"{model!r} holds a {mtype!r} encoder–decoder, which {arg('task_name', task_name)} cannot "
                            f"score: use {' or '.join(arg('task_name', t) for t in PAIR_TASKS)} with (source, target) "
                            "pairs")
-    if task_name in IMAGE_TASKS:  # a text model, or a vision transformer without a classification head
-        from .image_data import check_classifier
+    if task_name in IMAGE_TASKS:  # a text model, a vision transformer without a classification head, one tower
+        from .image_data import check_classifier, check_two_towers
 
-        check_classifier(config if isinstance(config, dict) else config.to_dict(), model)
+        check = check_two_towers if task_name == "zero-shot-image" else check_classifier
+        check(config if isinstance(config, dict) else config.to_dict(), model)
     elif get("image_size") is not None and get("patch_size") is not None:
         raise AttnkitError(f"{model!r} holds a {mtype!r} vision transformer, which takes images: use "
                            f"{' or '.join(arg('task_name', t) for t in IMAGE_TASKS)} with labelled images")
@@ -71,6 +72,8 @@ class AblateOptions:
     resamples: int = N_BOOT  # bootstrap resamples (0: no intervals)
     stack: int | None = None  # settings per forward (None: as memory allows)
     max_length: int | None = None  # tokens per input (None: the task's default, `task_max_length`)
+    labels: str | None = None  # zero-shot-image: the classes, separated by commas (None: the data's labels)
+    template: str | None = None  # zero-shot-image: a class's prompt, {} the class (None: image_data.DEFAULT_TEMPLATE)
 
 
 def check_ablate_options(opts: AblateOptions) -> None:
@@ -99,6 +102,9 @@ def check_ablate_options(opts: AblateOptions) -> None:
         raise AttnkitError(f"{what} is not for {arg('task_name', opts.task_name)}: "
                            + ("the heads' means are measured over texts only" if opts.mode == "mean"
                               else "every image becomes the model's patches, with no tokens to cut"))
+    if opts.task_name != "zero-shot-image" and (opts.labels is not None or opts.template is not None):
+        raise AttnkitError(f"{arg('labels') if opts.labels is not None else arg('template')} is for "
+                           f"{arg('task_name', 'zero-shot-image')}")
     if opts.mean_corpus and opts.mode != "mean":
         raise AttnkitError(f"{arg('mean_corpus')} is for {arg('mode', 'mean')}")
     check_int(opts.resamples, "resamples")
@@ -148,10 +154,14 @@ def preflight_ablate(opts: AblateOptions) -> dict | None:
     config = model_config(opts.model)
     mtype = (config or {}).get("model_type")
     check_task_for_model(opts.task_name, config, opts.model)
-    if opts.task_name in IMAGE_TASKS:  # every label a class of the model's
+    if opts.task_name == "image-classification":  # every label a class of the model's
         from .image_data import label_ids
 
         label_ids(data, config, opts.model)
+    elif opts.task_name == "zero-shot-image":  # every label one of the classes
+        from .image_data import zero_shot_classes
+
+        zero_shot_classes(data, opts.labels, opts.template)
     if opts.task_name == "mlm" and mtype in DECODER_TYPES:  # (an unknown decoder is refused as it loads)
         raise AttnkitError(f"{arg('task_name', 'mlm')} scores a masked language model (an encoder); {opts.model!r} "
                            f"holds a {mtype!r} decoder: use {arg('task_name', 'lm')} for its next-token loss")
