@@ -211,34 +211,45 @@ def test_what_does_not_fit_is_refused_by_name_before_a_model_loads(vit_dir, tmp_
     assert not (tmp_path / "out").exists()
 
 
-@pytest.fixture(scope="module")
-def clip_dir(tmp_path_factory):
-    """A tiny random CLIP (both towers) with a word-level tokenizer and an image processor of SIZE pixels."""
+def save_two_towers(path, kind: str = "clip"):
+    """A tiny random CLIP or SigLIP (both towers) with a word-level tokenizer and an image processor of SIZE
+    pixels."""
     from .synthetic import tiny_bert
 
-    path = tmp_path_factory.mktemp("clip")
     _, tok = tiny_bert()
     torch.manual_seed(0)
     text = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
                 vocab_size=len(tok), max_position_embeddings=32, eos_token_id=tok.sep_token_id)
-    cfg = T.CLIPConfig(text_config=text, vision_config={k: v for k, v in SMALL.items() if k != "initializer_range"},
-                       projection_dim=8, initializer_factor=5.0)
-    T.CLIPModel(cfg).eval().save_pretrained(path)
+    vision = {k: v for k, v in SMALL.items() if k != "initializer_range"}
+    if kind == "clip":
+        model = T.CLIPModel(T.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8,
+                                         initializer_factor=5.0))
+    else:
+        model = T.SiglipModel(T.SiglipConfig(text_config=text, vision_config=vision, initializer_factor=5.0))
+    model.eval().save_pretrained(path)
     tok.save_pretrained(path)
     T.CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE}).save_pretrained(path)
     return path
 
 
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    return save_two_towers(tmp_path_factory.mktemp("clip"))
+
+
 def clip_logits(model_dir, paths, prompts, zero=()):
     """The image–text logits of the plain transformers CLIP (eager, no attnkit), the vision heads `zero` zeroed at
     their output projection."""
-    model = T.CLIPModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    from attnkit.ablation.image_tasks import prompt_padding
+
+    model = T.AutoModel.from_pretrained(model_dir, attn_implementation="eager").eval()
     tok = T.AutoTokenizer.from_pretrained(model_dir)
     processor = T.AutoImageProcessor.from_pretrained(model_dir)
     vision = model.vision_model
     H = vision.config.num_attention_heads
     handles = []
-    for layer, block in enumerate(vision.encoder.layers):
+    blocks = vision.encoder.layers if hasattr(vision, "encoder") else vision.layers
+    for layer, block in enumerate(blocks):
         heads = [h for lay, h in zero if lay == layer]
         if heads:
             def gate(module, args, heads=heads):
@@ -249,13 +260,16 @@ def clip_logits(model_dir, paths, prompts, zero=()):
     px = torch.from_numpy(np.asarray(processor(images=[Image.open(p).convert("RGB") for p in paths],
                                                return_tensors="np")["pixel_values"]))
     with torch.no_grad():
-        out = model(pixel_values=px, **tok(prompts, padding=True, return_tensors="pt"))
+        out = model(pixel_values=px, **tok(prompts, **prompt_padding(model.config), return_tensors="pt"))
     for h in handles:
         h.remove()
     return out.logits_per_image.double()
 
 
-def test_zero_shot_deltas_equal_clips_own_logits_with_a_vision_head_zeroed(clip_dir, tmp_path):
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_zero_shot_deltas_equal_the_models_own_logits_with_a_vision_head_zeroed(kind, clip_dir, tmp_path):
+    if kind == "siglip":
+        clip_dir = save_two_towers(tmp_path / "siglip", "siglip")
     paths, gold = write_folders(tmp_path / "imgs", per_label=2)
     classes = ["dog", "cat", "bird", "fish"]  # a class no image has, and the order given
     template = "a {} here"

@@ -165,8 +165,7 @@ class ZeroShotImageTask(ImageClassificationTask):
         except Exception as exc:
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise AttnkitError(f"could not load an image–text model from {path!r}: {why}") from None
-        padding = "max_length" if model.config.model_type == "siglip" else True  # SigLIP's text tower: as trained
-        enc = tokenizer(self.prompts, padding=padding, truncation=True, return_tensors="pt").to(dev)
+        enc = tokenizer(self.prompts, **prompt_padding(model.config), truncation=True, return_tensors="pt").to(dev)
         with torch.no_grad():
             text = _features(model.get_text_features(**enc))
             self.scale = float(model.logit_scale.exp())
@@ -192,9 +191,17 @@ class ZeroShotImageTask(ImageClassificationTask):
             yield torch.nn.functional.cross_entropy(logits, gold.to(logits.device))
 
 
+def prompt_padding(config) -> dict:
+    """How the prompts are padded: SigLIP's text tower to its positions (as it was trained: it pools the last token),
+    CLIP's to the longest prompt (it pools the end-of-text token)."""
+    if config.model_type == "siglip":
+        return {"padding": "max_length", "max_length": config.text_config.max_position_embeddings}
+    return {"padding": True}
+
+
 def _features(out) -> torch.Tensor:
     """get_text_features' embeddings (transformers 5 returns them as the pooler_output of a model output)."""
     return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 
-__all__ = ["DEFAULT_TEMPLATE", "ImageClassificationTask", "ZeroShotImageTask", "image_logits"]
+__all__ = ["DEFAULT_TEMPLATE", "ImageClassificationTask", "ZeroShotImageTask", "image_logits", "prompt_padding"]
