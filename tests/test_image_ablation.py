@@ -298,3 +298,30 @@ def test_zero_shot_deltas_equal_the_models_own_logits_with_a_vision_head_zeroed(
         preflight(tmp_path, save_classifier(tmp_path / "vit"), tmp_path / "imgs", task_name="zero-shot-image")
     with pytest.raises(AttnkitError, match="labels.* is for .*zero-shot-image"):
         preflight(tmp_path, clip_dir, tmp_path / "imgs", labels="bird,cat")
+
+
+def test_the_command_line_runs_the_layers_experiment_on_images(vit_dir, tmp_path):
+    import csv
+
+    from click.testing import CliRunner
+
+    from attnkit.cli.ablate import ablate as ablate_command
+
+    paths, gold = write_folders(tmp_path / "imgs", per_label=2)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(ablate_command, [str(vit_dir), "--task", "image-classification", "--data",
+                                              str(tmp_path / "imgs"), "--experiment", "layers", "--mode", "zero",
+                                              "--out", str(out), "--resamples", "50", "--quiet", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "image-classification · layers (mode zero) · 6 examples" in res.output
+    with open(out / "layers.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["setting"] for r in rows] == ["baseline", "L0 zero", "L1 zero"]
+    for row in rows[1:]:
+        layer = int(row["layer"])
+        _, nll, _ = eager_outputs(vit_dir, paths, gold, zero=[(layer, 0), (layer, 1)])
+        assert float(row["loss"]) == pytest.approx(float(nll.mean()), rel=1e-5)
+    res = CliRunner().invoke(ablate_command, [str(vit_dir), "--task", "image-classification", "--data",
+                                              str(tmp_path / "imgs"), "--experiment", "heads", "--labels", "a,b",
+                                              "--out", str(tmp_path / "x")])
+    assert res.exit_code != 0 and "--labels is for --task zero-shot-image" in res.output
