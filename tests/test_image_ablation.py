@@ -325,3 +325,42 @@ def test_the_command_line_runs_the_layers_experiment_on_images(vit_dir, tmp_path
                                               str(tmp_path / "imgs"), "--experiment", "heads", "--labels", "a,b",
                                               "--out", str(tmp_path / "x")])
     assert res.exit_code != 0 and "--labels is for --task zero-shot-image" in res.output
+
+
+def test_regions_of_the_images_reach_the_tasks_region_interventions(vit_dir, tmp_path):
+    import attnkit
+    from attnkit.ablation.experiments import TaskEvaluator
+    from attnkit.ablation.image_tasks import ImageClassificationTask
+    from attnkit.interventions import patch_regions
+
+    paths, gold = write_folders(tmp_path / "imgs", per_label=2)
+    model, processor = attnkit.load_model(str(vit_dir), device="cpu", task="image-classification")
+    iv = attnkit.Intervention.for_model(model)
+    iv.set(0, 1, region="no_inter").set(1, 0, region="no_intra")
+    px = torch.from_numpy(np.asarray(processor(images=[Image.open(p).convert("RGB") for p in paths],
+                                               return_tensors="np")["pixel_values"]))
+    y = torch.tensor([LABELS.index(g) for g in gold])
+    np.save(tmp_path / "halves.npy", (np.arange(SIZE)[None, :] >= SIZE // 2).repeat(SIZE, 0).astype(np.int64))
+    for regions in ("quadrants", str(tmp_path / "halves.npy")):
+        ids = patch_regions(model, regions if regions == "quadrants" else np.load(regions), batch=len(paths))
+        with torch.no_grad(), attnkit.intervene(model, iv, sentences=ids):
+            want = float(torch.nn.functional.cross_entropy(model(pixel_values=px).logits.double(), y))
+        task = ImageClassificationTask(str(tmp_path / "imgs"), regions=regions)
+        for sweep in (True, False):
+            got = TaskEvaluator(task, model, processor, batch_size=4, sweep=sweep).evaluate_many([iv])[0][0]
+            assert got["loss"] == pytest.approx(want, rel=1e-5), (regions, sweep)
+    with torch.no_grad():
+        plain = float(torch.nn.functional.cross_entropy(model(pixel_values=px).logits.double(), y))
+    assert abs(want - plain) > 1e-3
+    # without regions every image is one region: no_inter removes nothing
+    alone = attnkit.Intervention.for_model(model).set(0, 1, region="no_inter")
+    got = TaskEvaluator(ImageClassificationTask(str(tmp_path / "imgs")), model, processor)(alone)
+    assert got["loss"] == pytest.approx(plain, rel=1e-5)
+    with pytest.raises(AttnkitError, match="give 'quadrants' or a .npy file"):
+        ImageClassificationTask(str(tmp_path / "imgs"), regions="halves")
+    np.save(tmp_path / "bad.npy", np.zeros((4, 4)))
+    with pytest.raises(AttnkitError, match="non-negative integers, got float64"):
+        preflight(tmp_path, vit_dir, tmp_path / "imgs", regions=str(tmp_path / "bad.npy"))
+    with pytest.raises(AttnkitError, match="regions.* is for the image tasks"):
+        (tmp_path / "texts.txt").write_text("a text\n")
+        preflight(tmp_path, vit_dir, tmp_path / "texts.txt", task_name="mlm", regions="quadrants")

@@ -129,6 +129,25 @@ def check_classifier(config: dict | None, model: str) -> None:
                            "needs a model fine-tuned to classify images (e.g. ViTForImageClassification)")
 
 
+def read_regions(regions):
+    """The image regions of `attnkit ablate --regions` (docs/interventions.md, "Regions of an image"): None,
+    "quadrants", or a .npy file of one map of non-negative integer region ids (H × W), checked here."""
+    if regions is None or regions == "quadrants":
+        return regions
+    import numpy as np
+
+    if not str(regions).endswith(".npy") or not os.path.isfile(regions):
+        raise AttnkitError(f"image regions {regions!r}: give 'quadrants' or a .npy file of region ids (H × W)")
+    try:
+        m = np.load(regions, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise AttnkitError(f"{regions}: cannot read the region map ({exc})") from None
+    if m.ndim != 2 or m.dtype.kind not in "iu" or min(m.shape) < 1 or (m < 0).any():
+        raise AttnkitError(f"{regions}: a region map is one H × W array of non-negative integers, got {m.dtype} of "
+                           f"shape {m.shape}")
+    return m
+
+
 def check_two_towers(config: dict | None, model: str) -> None:
     """Refuse, from config.json before it loads, a model without a text and a vision tower (zero-shot-image)."""
     cfg = config or {}
@@ -183,4 +202,4 @@ def label_ids(data: LabelledImages, config: dict | None, model: str) -> list[int
 
 
 __all__ = ["DEFAULT_TEMPLATE", "LABEL_COLUMN", "LabelledImages", "check_classifier", "check_two_towers", "label_ids",
-           "read_labelled_images", "zero_shot_classes"]
+           "read_labelled_images", "read_regions", "zero_shot_classes"]

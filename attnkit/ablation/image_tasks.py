@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..attention.positions import ImageTokens, region_ids
 from ..errors import AttnkitError
 from ..models import instrument, runtime_of
 from ..tokens import ImageEncoder, image_forward_arguments
@@ -23,6 +24,7 @@ from .image_data import (
     check_two_towers,
     label_ids,
     read_labelled_images,
+    read_regions,
     zero_shot_classes,
 )
 from .tasks import Plan, Step, Task, forward
@@ -48,11 +50,12 @@ class ImageClassificationTask(Task):
     main_metric = "accuracy"
     max_length = None  # no tokens to cut: every image becomes the model's patches
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, regions=None):
         self.path = path
         data = read_labelled_images(path)
         self.source = data.source
         self.examples = list(zip(data.items, data.labels))
+        self.regions = read_regions(regions)  # the patches' regions for no_intra / no_inter (None: one per image)
 
     def fit_to(self, model) -> None:
         """Images have no token limit: every image becomes the model's patches."""
@@ -85,8 +88,11 @@ class ImageClassificationTask(Task):
             out = []
             for i in range(0, len(chosen), batch_size):
                 idx = chosen[i:i + batch_size]
-                out.append((idx, encoder([self.examples[j][0] for j in idx]),
-                            torch.from_numpy(gold[i:i + batch_size])))
+                batch = encoder([self.examples[j][0] for j in idx])
+                if self.regions is not None:  # as interventions.patch_regions gives them
+                    tokens = ImageTokens(runtime_of(model).image, tuple(batch.inputs["pixel_values"].shape[-2:]))
+                    batch.sentence_id = region_ids(tokens, self.regions, len(idx))
+                out.append((idx, batch, torch.from_numpy(gold[i:i + batch_size])))
             cache[key] = out
         return cache[key]
 
@@ -140,8 +146,8 @@ class ZeroShotImageTask(ImageClassificationTask):
     name = "zero-shot-image"
     model_task = None
 
-    def __init__(self, path: str, labels: list[str] | None = None, template: str = DEFAULT_TEMPLATE):
-        super().__init__(path)
+    def __init__(self, path: str, labels: list[str] | None = None, template: str = DEFAULT_TEMPLATE, regions=None):
+        super().__init__(path, regions)
         self.classes, self.prompts = zero_shot_classes(self._labelled(list(range(len(self.examples)))), labels,
                                                        template)
         self.text = None  # the prompts' normalised embeddings, set by `load`

@@ -103,9 +103,9 @@ def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
         task.max_length = task_max_length(opts.task_name, opts.max_length)
         task.length_given = opts.max_length is not None
     elif opts.task_name == "zero-shot-image":
-        task = ZeroShotImageTask(opts.data, opts.labels, opts.template)
+        task = ZeroShotImageTask(opts.data, opts.labels, opts.template, opts.regions)
     elif opts.task_name in IMAGE_TASKS:
-        task = ImageClassificationTask(opts.data)
+        task = ImageClassificationTask(opts.data, opts.regions)
     else:
         task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task, max_length=opts.max_length)
     check_task_for_model(opts.task_name, model_config(opts.model), opts.model)  # before the model loads
@@ -158,6 +158,8 @@ def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
                 "bootstrap": table.extra["bootstrap"], "seconds": round(time.perf_counter() - t0, 1)}
         if head_types is not None:
             meta["type_counts"] = head_types.counts()
+        if opts.regions is not None:  # the images' regions (quadrants, or the map's file)
+            meta["regions"] = opts.regions if opts.regions == "quadrants" else os.path.abspath(opts.regions)
         if opts.experiment == "patching":
             meta["metric"] = task.metric
         if means is not None:

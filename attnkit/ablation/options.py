@@ -74,6 +74,7 @@ class AblateOptions:
     max_length: int | None = None  # tokens per input (None: the task's default, `task_max_length`)
     labels: str | None = None  # zero-shot-image: the classes, separated by commas (None: the data's labels)
     template: str | None = None  # zero-shot-image: a class's prompt, {} the class (None: image_data.DEFAULT_TEMPLATE)
+    regions: str | None = None  # image tasks: "quadrants" or a .npy map of region ids (None: one region per image)
 
 
 def check_ablate_options(opts: AblateOptions) -> None:
@@ -105,6 +106,13 @@ def check_ablate_options(opts: AblateOptions) -> None:
     if opts.task_name != "zero-shot-image" and (opts.labels is not None or opts.template is not None):
         raise AttnkitError(f"{arg('labels') if opts.labels is not None else arg('template')} is for "
                            f"{arg('task_name', 'zero-shot-image')}")
+    if opts.regions is not None:
+        if opts.task_name not in IMAGE_TASKS:
+            raise AttnkitError(f"{arg('regions')} is for the image tasks ({', '.join(IMAGE_TASKS)}): a text's regions "
+                               "are its sentences")
+        from .image_data import read_regions
+
+        read_regions(opts.regions)
     if opts.mean_corpus and opts.mode != "mean":
         raise AttnkitError(f"{arg('mean_corpus')} is for {arg('mode', 'mean')}")
     check_int(opts.resamples, "resamples")

@@ -47,6 +47,9 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
               help="zero-shot-image: the classes, separated by commas (default: the data's labels).")
 @click.option("--template", default=None,
               help="zero-shot-image: a class's prompt, {} standing for the class (default: 'a photo of a {}.').")
+@click.option("--regions", default=None, metavar="quadrants|MAP.npy",
+              help="Image tasks: the regions of each image's patches for the types experiment's intra/inter rows "
+                   "(quadrants, or an H × W .npy map of integer region ids; default: one region per image).")
 @click.option("--glue-task", default=None, help="GLUE task of --data when it cannot be told from the header.")
 @click.option("--step", type=float, default=0.1, show_default=True, help="importance: share pruned per step.")
 @click.option("--no-layer-norm", is_flag=True, help="importance: do not normalise scores per layer.")
@@ -59,8 +62,8 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @cli_errors
 def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metric, resamples, stack, limit, sample,
-           max_length, batch_size, labels, template, glue_task, step, no_layer_norm, renormalize, device, out,
-           overwrite, quiet):
+           max_length, batch_size, labels, template, regions, glue_task, step, no_layer_norm, renormalize, device,
+           out, overwrite, quiet):
     """Disable heads, layers or head types of MODEL (a local model directory, `default` for the embedded MiniLM,
     or `smollm2` for the embedded decoder SmolLM2-135M-Instruct, its install: docs/decoders.md), or patch its
     heads from clean into corrupted inputs, and measure the task metric; writes CSV/JSON/Markdown tables, every
@@ -73,7 +76,7 @@ def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metr
         limit=limit, sample=sample, batch_size=batch_size, glue_task=glue_task, step=step,
         no_layer_norm=no_layer_norm, renormalize=renormalize, device=device, out=out, quiet=quiet, metric=metric,
         mean_corpus=tuple(mean_corpus), resamples=resamples, stack=stack, overwrite=overwrite, max_length=max_length,
-        labels=labels, template=template)
+        labels=labels, template=template, regions=regions)
     check_not_in_use(ablate_out(opts))  # a directory another command holds is refused first, as the job's lock would
     clusters = preflight_ablate(opts)  # refusals that need no model come before torch is imported
     from ..ablation.job import run_ablation
