@@ -16,7 +16,7 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
               help="Evaluation task (mlm, lm: the model's own masked-LM or next-token loss; image-classification: "
                    "a vision transformer's classifier on labelled images; zero-shot-image: CLIP or SigLIP with class "
                    "prompts, its vision tower ablated).")
-@click.option("--data", required=True,
+@click.option("--data", required=True, metavar="PATH",
               help="Local data: STS-B/GLUE TSV, SQuAD JSON, or a text corpus for mlm and lm; for --experiment "
                    "patching a TSV/CSV of clean and corrupted inputs; for image-classification a folder of label "
                    "folders (DATA/cat/1.png) or DATASET_DIR:IMAGES[:LABELS] (docs/interventions.md).")
