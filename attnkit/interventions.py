@@ -702,6 +702,23 @@ def sentences(model, sentence_ids):
     return _block(model, None, _as_sentence_ids(sentence_ids), sets=False)
 
 
+def patch_regions(model, regions, *, batch: int = 1, size: tuple | None = None) -> torch.Tensor:
+    """Regions of the patches of an instrumented vision transformer's `batch` images, as the sentence ids that
+    `sentences` and `intervene(..., sentences=...)` take: so no_intra / no_inter keep a head from attending within /
+    across regions of the image. `regions`: "quadrants", or a map of region ids (H × W or batch × H × W non-negative
+    integers: a label map of the image in pixels, or one id per patch), read at each patch's centre; [CLS], the
+    distillation token and the registers form a region of their own (−1). `size`: the images' (height, width) in
+    pixels as the model gets them (default: its config's). attnkit.attention.positions.region_ids says how."""
+    from .attention.positions import ImageTokens, region_ids
+
+    layout = runtime_of(model).image
+    if layout is None:
+        raise AttnkitError("patch regions are for a vision transformer: this model takes text (its sentences are "
+                           "its regions)")
+    check_int(batch, "batch")
+    return region_ids(ImageTokens(layout, tuple(size) if size is not None else layout.image), regions, batch)
+
+
 def intervene(model, intervention: Intervention, sentences=None):
     """Apply `intervention` to an instrumented model inside the block; always restores the model.
 

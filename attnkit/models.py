@@ -390,7 +390,8 @@ TASK_NEEDS = {"sequence-classification": "a model with a sequence-classification
               "question-answering": "a model with a question-answering head",
               "masked-lm": "masked-language-model loss: an encoder such as BERT, RoBERTa, ELECTRA or DistilBERT",
               "causal-lm": "next-token loss: a decoder language model such as Llama, Qwen or GPT-2",
-              "seq2seq-lm": "a target's loss given its source: an encoder–decoder such as BART, Marian or T5"}
+              "seq2seq-lm": "a target's loss given its source: an encoder–decoder such as BART, Marian or T5",
+              "image-classification": "a vision transformer with an image-classification head"}
 
 
 def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None = None, max_length: int | None = None):
@@ -402,7 +403,8 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     A vision transformer's directory (attnkit.run.model_dir.takes_images) gives its image processor
     (AutoImageProcessor) in the tokenizer's place. `task` picks the head: None (the bare model),
     "sequence-classification", "question-answering", "masked-lm", "causal-lm" (a decoder with its language-model
-    head), "seq2seq-lm" (an encoder–decoder with its language-model head). Returns (model, tokenizer),
+    head), "seq2seq-lm" (an encoder–decoder with its language-model head), "image-classification" (a vision
+    transformer with its classification head). Returns (model, tokenizer),
     the model in eval mode on `device` ("cpu", "cuda"; default: cuda when available).
     A directory without config, weights or tokenizer files, or whose tokenizer knows far fewer tokens
     than the model embeds (a tokenizer built from nothing), is refused with the files it lacks.
@@ -412,6 +414,7 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     from transformers import (
         AutoModel,
         AutoModelForCausalLM,
+        AutoModelForImageClassification,
         AutoModelForMaskedLM,
         AutoModelForQuestionAnswering,
         AutoModelForSeq2SeqLM,
@@ -421,7 +424,8 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
 
     classes = {None: AutoModel, "sequence-classification": AutoModelForSequenceClassification,
                "question-answering": AutoModelForQuestionAnswering, "masked-lm": AutoModelForMaskedLM,
-               "causal-lm": AutoModelForCausalLM, "seq2seq-lm": AutoModelForSeq2SeqLM}
+               "causal-lm": AutoModelForCausalLM, "seq2seq-lm": AutoModelForSeq2SeqLM,
+               "image-classification": AutoModelForImageClassification}
     if task not in classes:
         raise AttnkitError(f"unknown {arg('task')} {task!r}; use one of {', '.join(str(k) for k in classes)}")
     path = model_dir(name_or_path)

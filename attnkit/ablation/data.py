@@ -274,11 +274,14 @@ def read_task_data(task_name: str, path, *, experiment: str | None = None, glue_
                    metric: str | None = None):
     """Read and check `attnkit ablate`'s --data as task `task_name` (or, for `experiment` patching, as patching
     pairs for a model of that task) reads it; returns what the reader returns."""
+    from .image_data import read_labelled_images
+
     path = str(path)
     if experiment == "patching":
         return read_patching(path, task_name, metric)
     readers = {"stsb": read_stsb, "glue": lambda p: read_glue(p, glue_task), "squad": read_squad,
-               "mlm": read_text_data, "lm": read_text_data, "seq2seq": read_pairs}
+               "mlm": read_text_data, "lm": read_text_data, "seq2seq": read_pairs,
+               "image-classification": read_labelled_images, "zero-shot-image": read_labelled_images}
     if task_name not in readers:
         raise AttnkitError(f"unknown task {task_name!r}; use one of {', '.join(TASKS)}")
     return readers[task_name](path)

@@ -23,7 +23,8 @@ from ..run.outputs import write_json
 from ..run.overwrite import claim_outputs
 from .experiments import ResultTable, TaskEvaluator, run_experiment
 from .figures import save_figure
-from .names import task_max_length
+from .image_tasks import ImageClassificationTask, ZeroShotImageTask
+from .names import IMAGE_TASKS, task_max_length
 from .options import (
     DEFAULT_MODES,
     AblateOptions,
@@ -101,10 +102,16 @@ def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
         task = PatchingTask(opts.data, opts.task_name, opts.metric)
         task.max_length = task_max_length(opts.task_name, opts.max_length)
         task.length_given = opts.max_length is not None
+    elif opts.task_name == "zero-shot-image":
+        task = ZeroShotImageTask(opts.data, opts.labels, opts.template, opts.regions)
+    elif opts.task_name in IMAGE_TASKS:
+        task = ImageClassificationTask(opts.data, opts.regions)
     else:
         task = get_task(opts.task_name, opts.data, glue_task=opts.glue_task, max_length=opts.max_length,
                         **({"decode": True, "max_new_tokens": opts.max_new_tokens} if opts.decode else {}))
     check_task_for_model(opts.task_name, model_config(opts.model), opts.model)  # before the model loads
+    if opts.task_name in IMAGE_TASKS:  # every label a class of the model's, before it loads
+        task.check_labels(model_config(opts.model), opts.model)
     if opts.limit is not None:
         task.head(opts.limit)
     corpus = _mean_corpus(opts)
@@ -116,8 +123,11 @@ def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
         means_file = Path(out) / HEAD_MEANS_FILE  # without --overwrite, a rerun continues it (same settings only)
         if opts.overwrite and opts.mode == "mean" and means_file.exists():
             claim.replaced.append(means_file)  # measured again: the model or its corpus may have changed
-        m, tok = load_model(None if opts.model == "default" else opts.model, device=opts.device,
-                            task=task.model_task, max_length=opts.max_length)
+        if isinstance(task, ZeroShotImageTask):  # the vision tower of an image–text model; the prompts embedded
+            m, tok = task.load(opts.model, opts.device)
+        else:
+            m, tok = load_model(None if opts.model == "default" else opts.model, device=opts.device,
+                                task=task.model_task, max_length=opts.max_length)
         cut = task.fit_to(m)
         evaluate = TaskEvaluator(task, m, tok, limit=opts.sample, batch_size=opts.batch_size, stack=opts.stack)
         shape = Intervention.for_model(m).shape  # an encoder–decoder: its encoder, decoder and cross layers
@@ -149,6 +159,8 @@ def run_ablation(opts: AblateOptions, clusters: dict | None = None) -> Ablation:
                 "bootstrap": table.extra["bootstrap"], "seconds": round(time.perf_counter() - t0, 1)}
         if head_types is not None:
             meta["type_counts"] = head_types.counts()
+        if opts.regions is not None:  # the images' regions (quadrants, or the map's file)
+            meta["regions"] = opts.regions if opts.regions == "quadrants" else os.path.abspath(opts.regions)
         if opts.experiment == "patching":
             meta["metric"] = task.metric
         if opts.decode:  # greedy translations scored by sacrebleu (translation.py)

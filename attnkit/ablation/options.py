@@ -15,7 +15,7 @@ from ..run.files import LOCK_FILE, OWNER_FILE
 from ..run.model_dir import DECODER_TYPES, check_model_dir, default_model_path
 from ..run.outputs import check_output_place
 from .data import read_task_data
-from .names import EXPERIMENTS, N_BOOT, PAIR_TASKS, task_max_length
+from .names import EXPERIMENTS, IMAGE_TASKS, N_BOOT, PAIR_TASKS, task_max_length
 
 DEFAULT_MODES = {"layers": "uniform", "patching": "patch"}  # when no mode is given: zero, but layers uniform
 MEAN_EXPERIMENTS = ("heads", "layers", "types")  # the experiments that --mode mean applies to
@@ -36,6 +36,14 @@ def check_task_for_model(task_name: str, config, model: str) -> None:
         raise AttnkitError(f"{model!r} holds a {mtype!r} encoder–decoder, which {arg('task_name', task_name)} cannot "
                            f"score: use {' or '.join(arg('task_name', t) for t in PAIR_TASKS)} with (source, target) "
                            "pairs")
+    if task_name in IMAGE_TASKS:  # a text model, a vision transformer without a classification head, one tower
+        from .image_data import check_classifier, check_two_towers
+
+        check = check_two_towers if task_name == "zero-shot-image" else check_classifier
+        check(config if isinstance(config, dict) else config.to_dict(), model)
+    elif get("image_size") is not None and get("patch_size") is not None:
+        raise AttnkitError(f"{model!r} holds a {mtype!r} vision transformer, which takes images: use "
+                           f"{' or '.join(arg('task_name', t) for t in IMAGE_TASKS)} with labelled images")
 
 
 @dataclass
@@ -66,6 +74,9 @@ class AblateOptions:
     max_length: int | None = None  # tokens per input (None: the task's default, `task_max_length`)
     decode: bool = False  # seq2seq: also translate greedily and score BLEU and chrF (translation.py)
     max_new_tokens: int | None = None  # decode: tokens per translation (None: from the targets' lengths)
+    labels: str | None = None  # zero-shot-image: the classes, separated by commas (None: the data's labels)
+    template: str | None = None  # zero-shot-image: a class's prompt, {} the class (None: image_data.DEFAULT_TEMPLATE)
+    regions: str | None = None  # image tasks: "quadrants" or a .npy map of region ids (None: one region per image)
 
 
 def check_ablate_options(opts: AblateOptions) -> None:
@@ -89,6 +100,21 @@ def check_ablate_options(opts: AblateOptions) -> None:
     if opts.mode == "mean" and opts.task_name in PAIR_TASKS:  # head_means reads single texts, not pairs
         raise AttnkitError(f"{arg('mode', 'mean')} is not built for {arg('task_name', opts.task_name)}: the heads' "
                            "means of an encoder–decoder are not measured over pairs yet; use mode zero or uniform")
+    if opts.task_name in IMAGE_TASKS and (opts.mode == "mean" or opts.max_length is not None):
+        what = arg("mode", "mean") if opts.mode == "mean" else arg("max_length")
+        raise AttnkitError(f"{what} is not for {arg('task_name', opts.task_name)}: "
+                           + ("the heads' means are measured over texts only" if opts.mode == "mean"
+                              else "every image becomes the model's patches, with no tokens to cut"))
+    if opts.task_name != "zero-shot-image" and (opts.labels is not None or opts.template is not None):
+        raise AttnkitError(f"{arg('labels') if opts.labels is not None else arg('template')} is for "
+                           f"{arg('task_name', 'zero-shot-image')}")
+    if opts.regions is not None:
+        if opts.task_name not in IMAGE_TASKS:
+            raise AttnkitError(f"{arg('regions')} is for the image tasks ({', '.join(IMAGE_TASKS)}): a text's regions "
+                               "are its sentences")
+        from .image_data import read_regions
+
+        read_regions(opts.regions)
     if opts.mean_corpus and opts.mode != "mean":
         raise AttnkitError(f"{arg('mean_corpus')} is for {arg('mode', 'mean')}")
     check_int(opts.resamples, "resamples")
@@ -147,8 +173,8 @@ def preflight_ablate(opts: AblateOptions) -> dict | None:
     check_ablate_options(opts)
     out = ablate_out(opts)
     check_no_file_in_the_way(out)
-    read_task_data(opts.task_name, opts.data, experiment=opts.experiment, glue_task=opts.glue_task,
-                   metric=opts.metric)
+    data = read_task_data(opts.task_name, opts.data, experiment=opts.experiment, glue_task=opts.glue_task,
+                          metric=opts.metric)
     if opts.mean_corpus and "-" not in opts.mean_corpus:
         open_corpus(list(opts.mean_corpus)).check_has_text()
     claim_outputs(output_paths(out, opts.experiment), opts.overwrite, stale=[os.path.join(out, REPORT_FILE)])
@@ -157,6 +183,14 @@ def preflight_ablate(opts: AblateOptions) -> dict | None:
     config = model_config(opts.model)
     mtype = (config or {}).get("model_type")
     check_task_for_model(opts.task_name, config, opts.model)
+    if opts.task_name == "image-classification":  # every label a class of the model's
+        from .image_data import label_ids
+
+        label_ids(data, config, opts.model)
+    elif opts.task_name == "zero-shot-image":  # every label one of the classes
+        from .image_data import zero_shot_classes
+
+        zero_shot_classes(data, opts.labels, opts.template)
     if opts.task_name == "mlm" and mtype in DECODER_TYPES:  # (an unknown decoder is refused as it loads)
         raise AttnkitError(f"{arg('task_name', 'mlm')} scores a masked language model (an encoder); {opts.model!r} "
                            f"holds a {mtype!r} decoder: use {arg('task_name', 'lm')} for its next-token loss")

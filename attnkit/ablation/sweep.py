@@ -86,7 +86,7 @@ class Sweep:
     def _stack_size(self, batch: Batch, outputs) -> int:
         if self.stack is not None:
             return self.stack
-        B, L = batch.inputs["input_ids"].shape
+        B, L = batch.token_class.shape  # (an image's batch has pixel_values, no input_ids)
         hidden = getattr(self.model.config, "hidden_size", 768)
         per_copy = B * L * hidden * 4 * 16 + nbytes(outputs)  # ~16 hidden-sized activations alive per token
         return max(1, int(self.stack_bytes // max(per_copy, 1)))
@@ -130,7 +130,7 @@ class Sweep:
         chosen = len(ivs)
         parts: list = [[] for _ in ivs]
         for k, step in enumerate(plan.steps):
-            B = step.batch.inputs["input_ids"].shape[0]
+            B = len(step.batch.lengths)
             starts = [iv.first_changed_layer() for iv in ivs[:chosen]]
             keep = {s - 1 for s in starts if 0 < s < n_layers}
             with torch.inference_mode():

@@ -48,7 +48,7 @@ from .data import (
     read_text_data,
     subset,
 )
-from .names import SQUAD_MAX_LENGTH, SQUAD_STRIDE, TASKS, task_max_length
+from .names import IMAGE_TASKS, SQUAD_MAX_LENGTH, SQUAD_STRIDE, TASKS, task_max_length
 
 
 def _device(model) -> torch.device:
@@ -819,6 +819,9 @@ def get_task(name: str, path, **options) -> Task:
         task = LmTask(path)
     elif name == "seq2seq":
         task = Seq2seqTask(path, decode=bool(options.get("decode")), max_new_tokens=options.get("max_new_tokens"))
+    elif name in IMAGE_TASKS:  # built on this module's Task: image_tasks.py imports it, not the other way round
+        raise AttnkitError(f"task {name!r} reads images: make it with "
+                           "attnkit.ablation.image_tasks.ImageClassificationTask(path)")
     else:
         raise AttnkitError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")
     task.max_length = check_int(task_max_length(name, options.get("max_length")), "max_length", minimum=2)

@@ -134,6 +134,42 @@ def image_tokens(tokens: ImageTokens, L: int, device: str) -> tuple:
     return classes.to(device), grid.to(device)
 
 
+PREFIX_REGION = -1  # the region of the tokens before the patches ([CLS], distillation token, registers)
+
+
+def region_ids(tokens: ImageTokens, regions, batch: int = 1) -> torch.Tensor:
+    """Region ids (int32 batch × L) of a vision transformer's tokens, as sentence ids for region interventions
+    (docs/interventions.md, "Regions of an image"): every patch the id of its region, the tokens before the patches
+    PREFIX_REGION, a region of their own. `regions`: "quadrants" (0 top left, 1 top right, 2 bottom left, 3 bottom
+    right: row · 2 // rows and column · 2 // columns), or a map of non-negative integer region ids, H × W or
+    batch × H × W (a label map of the image, in pixels, or one id per patch), which each patch reads at its centre
+    (nearest neighbour: row (r + ½) · H / rows, column (c + ½) · W / columns)."""
+    rows, cols = tokens.shape
+    if isinstance(regions, str):
+        if regions != "quadrants":
+            raise AttnkitError(f"unknown image regions {regions!r}: give 'quadrants' or a map of region ids")
+        r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+        grid = (r * 2 // rows * 2 + c * 2 // cols)[None].expand(batch, rows, cols)
+    else:
+        m = torch.as_tensor(regions)
+        if m.dtype.is_floating_point or m.dtype == torch.bool or m.dtype.is_complex:
+            raise AttnkitError(f"a region map holds integer region ids, got {m.dtype}")
+        if m.dim() == 2:
+            m = m[None].expand(batch, *m.shape)
+        if m.dim() != 3 or m.shape[0] != batch or min(m.shape[1:]) < 1:
+            raise AttnkitError(f"a region map is H × W or batch × H × W with batch {batch}, got shape {tuple(m.shape)}")
+        if bool((m < 0).any()):
+            raise AttnkitError("region ids are non-negative integers (−1 is the region of [CLS] and the registers)")
+        H, W = m.shape[1:]
+        at_r = ((torch.arange(rows) * 2 + 1) * H // (2 * rows)).long()
+        at_c = ((torch.arange(cols) * 2 + 1) * W // (2 * cols)).long()
+        grid = m[:, at_r][:, :, at_c]
+    prefix = len(tokens.layout.prefix)
+    out = torch.full((batch, prefix + rows * cols), PREFIX_REGION, dtype=torch.int32)
+    out[:, prefix:] = grid.reshape(batch, rows * cols).to(torch.int32)
+    return out
+
+
 def read_tokens(rt, forward) -> TextTokens | ImageTokens:
     """The tokens of `forward` (attnkit/attention/context.py) on Runtime `rt` (None: not instrumented): an image's
     when the model is a vision transformer (the Runtime's ImageLayout; the image's size from the forward's

@@ -13,10 +13,13 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.command("ablate")
 @click.argument("model")
 @click.option("--task", "task_name", type=click.Choice(TASKS), required=True,
-              help="Evaluation task (mlm, lm: the model's own masked-LM or next-token loss).")
-@click.option("--data", type=click.Path(exists=True, dir_okay=True), required=True,
+              help="Evaluation task (mlm, lm: the model's own masked-LM or next-token loss; image-classification: "
+                   "a vision transformer's classifier on labelled images; zero-shot-image: CLIP or SigLIP with class "
+                   "prompts, its vision tower ablated).")
+@click.option("--data", required=True, metavar="PATH",
               help="Local data: STS-B/GLUE TSV, SQuAD JSON, or a text corpus for mlm and lm; for --experiment "
-                   "patching a TSV/CSV of clean and corrupted inputs (docs/interventions.md).")
+                   "patching a TSV/CSV of clean and corrupted inputs; for image-classification a folder of label "
+                   "folders (DATA/cat/1.png) or DATASET_DIR:IMAGES[:LABELS] (docs/interventions.md).")
 @click.option("--experiment", type=click.Choice(EXPERIMENTS), required=True,
               help="types, heads, layers, importance (gradient importance and pruning), patching, or best_head "
                    "(in every layer all heads but one, for each head kept; prints each layer's best).")
@@ -42,6 +45,13 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @shared("max-length", max_length="128, squad 384; a language model's loss depends on it; cut to the positions "
                                 "of a model with fewer, and said so")
 @shared("batch-size", batch_size=32)
+@click.option("--labels", default=None, metavar="NAMES",
+              help="zero-shot-image: the classes, separated by commas (default: the data's labels).")
+@click.option("--template", default=None,
+              help="zero-shot-image: a class's prompt, {} standing for the class (default: 'a photo of a {}.').")
+@click.option("--regions", default=None, metavar="quadrants|MAP.npy",
+              help="Image tasks: the regions of each image's patches for the types experiment's intra/inter rows "
+                   "(quadrants, or an H × W .npy map of integer region ids; default: one region per image).")
 @click.option("--glue-task", default=None, help="GLUE task of --data when it cannot be told from the header.")
 @click.option("--decode", is_flag=True,
               help="seq2seq: also translate every source greedily in each setting and score the translations "
@@ -61,8 +71,8 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @cli_errors
 def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metric, resamples, stack, limit, sample,
-           max_length, batch_size, glue_task, decode, max_new_tokens, step, no_layer_norm, renormalize, device, out,
-           overwrite, quiet):
+           max_length, batch_size, labels, template, regions, glue_task, decode, max_new_tokens, step, no_layer_norm,
+           renormalize, device, out, overwrite, quiet):
     """Disable heads, layers or head types of MODEL (a local model directory, `default` for the embedded MiniLM,
     or `smollm2` for the embedded decoder SmolLM2-135M-Instruct, its install: docs/decoders.md), or patch its
     heads from clean into corrupted inputs, and measure the task metric; writes CSV/JSON/Markdown tables, every
@@ -75,7 +85,7 @@ def ablate(model, task_name, data, experiment, clusters, mode, mean_corpus, metr
         limit=limit, sample=sample, batch_size=batch_size, glue_task=glue_task, step=step,
         no_layer_norm=no_layer_norm, renormalize=renormalize, device=device, out=out, quiet=quiet, metric=metric,
         mean_corpus=tuple(mean_corpus), resamples=resamples, stack=stack, overwrite=overwrite, max_length=max_length,
-        decode=decode, max_new_tokens=max_new_tokens)
+        decode=decode, max_new_tokens=max_new_tokens, labels=labels, template=template, regions=regions)
     check_not_in_use(ablate_out(opts))  # a directory another command holds is refused first, as the job's lock would
     clusters = preflight_ablate(opts)  # refusals that need no model come before torch is imported
     from ..ablation.job import run_ablation
