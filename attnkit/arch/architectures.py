@@ -24,6 +24,8 @@ alike: BART and Marian `q_proj`, `k_proj`, `v_proj` and `out_proj` (head size `h
 (head size `key_value_proj_dim`; its `n_heads` stays the unpruned count: T5 builds each stack's position bias for
 all heads from it). Their layers are listed in attnkit's order, the encoder's, then the decoder's self-attention,
 then its cross-attention layers (`seq2seq_order`).
+Vision transformers (docs/features.md, "Image heads"): ViT, DeiT and DINOv2 hold the Llama family's `q_proj`, `k_proj`,
+`v_proj` and `o_proj`, CLIP's and SigLIP's vision towers BART's `q_proj`, `k_proj`, `v_proj` and `out_proj`.
 ModernBERT (an encoder) holds one fused `Wqkv` computing [q | k | v], each H·D wide, and its output projection `Wo`
 in the attention module; the head size is `head_dim`.
 Head h's slice of the output projection is, in every one of them, the columns h·D … (h+1)·D − 1 of W_O as an
@@ -77,7 +79,9 @@ LAYOUTS = {"bert": BERT_LIKE, "roberta": BERT_LIKE, "electra": BERT_LIKE, "xlm-r
            "camembert": BERT_LIKE, "distilbert": DISTILBERT,
            "llama": LLAMA_LIKE, "qwen2": LLAMA_LIKE, "qwen3": LLAMA_LIKE, "mistral": LLAMA_LIKE, "gemma2": LLAMA_LIKE,
            "gemma3_text": LLAMA_LIKE, "gpt_oss": LLAMA_LIKE, "gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3,
-           "olmo2": OLMO2, "modernbert": MODERNBERT, "bart": BART_LIKE, "marian": BART_LIKE, "t5": T5}
+           "olmo2": OLMO2, "modernbert": MODERNBERT, "bart": BART_LIKE, "marian": BART_LIKE, "t5": T5,
+           "vit": LLAMA_LIKE, "deit": LLAMA_LIKE, "dinov2": LLAMA_LIKE, "dinov2_with_registers": LLAMA_LIKE,
+           "clip_vision_model": BART_LIKE, "siglip_vision_model": BART_LIKE}
 
 
 def projection_types() -> tuple:

@@ -176,7 +176,8 @@ def _forward_without_heads(self, hidden_states, attention_mask=None, *args, **kw
     for name in ("past_key_values", "cache", "position_embeddings"):  # rotary positions: nothing to rotate
         kwargs.pop(name, None)
     fn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _no_attention)
-    out, weights = fn(self, empty, empty, empty, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+    scaling = getattr(self, "scaling", None) or getattr(self, "scale", None)  # CLIP's and SigLIP's: `scale`
+    out, weights = fn(self, empty, empty, empty, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
     out = out.reshape(B, L, 0)
     own = getattr(self, OWN_OUTPUT_ATTR, None)
     if own is not None:
@@ -419,9 +420,25 @@ def _read_weights(path: str) -> dict:
     raise AttnkitError(f"{path}: no weights (model.safetensors, its index, or pytorch_model.bin)")
 
 
+def _renamed_as_loaded(model, state: dict) -> dict:
+    """The checkpoint's weights under the names `model` gives them: transformers saves some models (ViT, DeiT,
+    DINOv2) with their weights' earlier names and renames them when it loads them (its conversion mapping). Weights
+    it converts otherwise (split, merged) stay as they are, and `_load_state` refuses them as unexpected."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    own = model.state_dict().keys()
+    if all(k in own for k in state):
+        return state
+    renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+    return {apply_renamings(k, renamings): v for k, v in state.items()} if renamings else state
+
+
 def _load_state(model, state: dict, path: str) -> None:
-    """Load a checkpoint into `model` as transformers would: the base model's prefix added or removed as needed,
-    tied weights tied again; a missing or unexpected weight of the encoder is refused."""
+    """Load a checkpoint into `model` as transformers would: weights renamed as transformers renames them, the base
+    model's prefix added or removed as needed, tied weights tied again; a missing or unexpected weight of the
+    encoder is refused."""
+    state = _renamed_as_loaded(model, state)
     own = model.state_dict()
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and not own.keys() & state.keys():
