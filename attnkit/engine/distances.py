@@ -29,6 +29,7 @@ import math
 import numpy as np
 import torch
 
+from ..corpus.images import is_image_corpus
 from ..errors import AttnkitError, arg, check_int
 from ..models import attention_modules, resolve_model
 from ..ops import has_kernel
@@ -241,13 +242,16 @@ class DistanceCollector:
 
 def collect_distances(texts, model=None, *, rows_per_sample: int | None = None, seed: int = 0,
                       use_op: bool | None = None, smoothing: float = 0.0, **extract_kwargs):
-    """Extract features and JS divergences in one pass over `texts`: returns (HeadFeatures, HeadDistances).
+    """Extract features and JS divergences in one pass over `texts` (or an image Corpus, `open_images`): returns
+    (HeadFeatures, HeadDistances).
     `smoothing`: ε of Clark et al.'s (1 − ε)·A + ε/n before the divergence (CLARK_SMOOTHING = 0.001)."""
     model, tokenizer = resolve_model(model, extract_kwargs.pop("tokenizer", None), extract_kwargs.pop("device", None),
                                      extract_kwargs.pop("dtype", None))
     collector = DistanceCollector(len(attention_modules(model)), rows_per_sample=rows_per_sample, seed=seed,
                                   use_op=use_op, smoothing=smoothing)
     extract_kwargs.setdefault("label", "distances")
+    if is_image_corpus(texts):  # an image run's images (attnkit.corpus.images.images_of_run)
+        extract_kwargs["images"], texts = texts, None
     feats = extract(texts, (model, tokenizer), observers=[collector], **extract_kwargs)
     return feats, collector.result()
 
