@@ -240,10 +240,14 @@ def preflight_distances(opts: DistancesOptions):
 def distances_inputs(opts: DistancesOptions, meta: dict):
     """The inputs `attnkit distances` reads again: an image run's images (`images_of_run`: the same bytes), else
     the run's text corpus or the one `opts.corpus` names (`corpus_of_run`). Options that say how to read text,
-    and the Ray engine, are refused for an image run."""
+    and the Ray engine, are refused for an image run; an encoder–decoder's run is refused by name."""
     from ..corpus import corpus_of_run
     from ..corpus.images import images_of_run, is_image_run
 
+    if meta.get("layer_kinds"):
+        raise AttnkitError(f"{opts.run} measured an encoder–decoder, whose heads are compared within each kind "
+                           "(docs/seq2seq.md §9); distances.npz holds one matrix over all heads, so attnkit distances "
+                           "does not take such a run yet: use attnkit.analysis.collect_distances from Python")
     if is_image_run(meta):
         given = [name for name, on in (("corpus", opts.corpus is not None), ("fmt", opts.fmt != "auto"),
                                        ("squad_pairs", opts.squad_pairs), ("columns", opts.columns)) if on]
