@@ -210,3 +210,10 @@ def test_a_pruned_encoder_decoder_measures_its_kept_heads(bart_dir, tmp_path):
     removed[1, 2] = removed[5] = True
     assert np.isnan(a[:, removed]).all()
     np.testing.assert_allclose(a[:, ~removed], b[:, ~removed], rtol=1e-5, atol=1e-6)
+
+
+def test_norm_weighting_of_an_encoder_decoder_is_refused_by_name(bart_dir):
+    """The layout registry knows BART's projections (for pruning), but norm weighting of encoder–decoders is not
+    built: refused by name rather than measured untested."""
+    with pytest.raises(AttnkitError, match="norm weighting of an encoder–decoder"):
+        attnkit.extract(PAIRS[:2], model=str(bart_dir), weighting="norm", max_length=32)
