@@ -280,3 +280,29 @@ def test_ray_on_a_decoder_with_sinks_equals_in_process(cluster, tmp_path, decode
     assert (dist.n_layers, dist.n_heads, dist.n_rows) == (want.n_layers, want.n_heads, want.n_rows)
     assert np.all(want.total[~np.eye(len(want.total), dtype=bool)] > 0)
     np.testing.assert_allclose(dist.total, want.total, rtol=1e-12, atol=0)
+
+
+@needs_ray
+@pytest.mark.slow
+def test_ray_over_pairs_of_an_encoder_decoder_equals_in_process(cluster, tmp_path):
+    """A tiny BART saved with a word-level tokenizer, over (source, target) pairs (docs/seq2seq.md §5): the Ray
+    engine's features of every head of the three kinds equal the in-process loop's."""
+    from attnkit.engine import run_extraction
+    from attnkit.models import load_model
+
+    from .synthetic import tiny_seq2seq
+    from .test_seq2seq_extract import PAIRS, word_tokenizer
+
+    tok, vocab = word_tokenizer("bart")
+    path = tmp_path / "tiny-bart"
+    tiny_seq2seq("bart", vocab=vocab).save_pretrained(path)
+    tok.save_pretrained(path)
+    pairs = PAIRS * 6
+    model, tokenizer = load_model(str(path), device="cpu")
+    settings = ExtractSettings(max_length=32, batch_size=4, window=WINDOW)
+    with one_thread():
+        ref = run_extraction(model, tokenizer, pairs, settings).accumulator
+    acc, _, info = run_ray_extraction(pairs, settings, model_path=str(path), run_dir=tmp_path / "run",
+                                      run_settings={"corpus": "PAIRS × 6", "max_length": 32}, progress=False)
+    assert info["engine"] == "ray" and acc.sum.shape[:2] == (6, 4)  # 2 encoder, 2 decoder, 2 cross layers
+    _assert_same_features(acc, ref)

@@ -202,7 +202,7 @@ def test_unknown_architecture_is_refused_for_norm_weighting():
     except AttnkitError:
         pytest.skip("ALBERT does not route attention through the interface in this transformers version")
     with pytest.raises(AttnkitError, match="norm weighting needs to know where a 'albert' model keeps its attention "
-                                           "projections; supported model types: bert, camembert, distilbert"):
+                                           "projections; supported model types: bart, bert, camembert, clip_vision_model"):
         attnkit.extract(["a b"], (model, tok), weighting="norm", max_length=16)
     with pytest.raises(AttnkitError, match="unknown weighting 'l2': use 'attention' or 'norm'"):
         attnkit.extract(["a b"], (model, tok), weighting="l2", max_length=16)

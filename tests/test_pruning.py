@@ -468,7 +468,7 @@ def test_unknown_architectures_are_refused():
     model = AlbertModel(AlbertConfig(vocab_size=30, embedding_size=8, hidden_size=16, num_hidden_layers=1,
                                      num_attention_heads=2, intermediate_size=32))
     with pytest.raises(AttnkitError, match="pruning heads needs to know where a 'albert' model keeps its attention "
-                                           "projections; supported model types: bert, camembert, distilbert, electra"):
+                                           "projections; supported model types: bart, bert, camembert, clip_vision_model"):
         prune_heads(model, [(0, 0)])
 
 

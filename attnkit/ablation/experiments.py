@@ -385,8 +385,6 @@ def run_experiment(experiment: str, model, evaluate: Callable[[Intervention], di
     patching needs the `PatchingTask` that `evaluate` evaluates, as `patching`."""
     shape = Intervention.for_model(model).shape
     kept = pruned_head_grid(model)  # heads a pruning removed are no settings of any table
-    if getattr(model.config, "is_encoder_decoder", False):  # never pruned (refused: docs/seq2seq.md); its layers:
-        kept = np.ones(shape, dtype=bool)                   # encoder, decoder and cross (config counts one stack)
     table = _run_experiment(experiment, model, evaluate, main_metric, shape, kept, mode=mode, head_types=head_types,
                             losses=losses, step=step, max_share=max_share, normalize_layers=normalize_layers,
                             renormalize=renormalize, progress=progress, n_boot=n_boot, means=means, patching=patching)

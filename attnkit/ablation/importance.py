@@ -67,16 +67,13 @@ def normalize_by_layer(scores: np.ndarray) -> np.ndarray:
 
 
 def kept_head_grid(model, shape: tuple[int, int]) -> np.ndarray:
-    """layers × heads booleans of attnkit's numbering, True where the model still has the head. An encoder–decoder's
-    config counts its encoder's layers only (attnkit numbers encoder, decoder and cross layers: docs/seq2seq.md);
-    physical pruning of encoder–decoders is refused, so every one of its heads is there."""
+    """layers × heads booleans of attnkit's numbering, True where the model still has the head (an encoder–decoder's
+    encoder, decoder and cross layers: docs/seq2seq.md)."""
     grid = pruned_head_grid(model)
-    if grid.shape == tuple(shape):
-        return grid
-    if not grid.all():
-        raise AttnkitError(f"the model's pruned heads ({grid.shape[0]} layers) do not match attnkit's {shape[0]} "
-                           "layers")
-    return np.ones(shape, dtype=bool)
+    if grid.shape != tuple(shape):
+        raise AttnkitError(f"the model's pruned heads ({grid.shape[0]} layers × {grid.shape[1]} heads) do not match "
+                           f"attnkit's {shape[0]} × {shape[1]}")
+    return grid
 
 
 def pruning_schedule(n_heads: int, step: float = 0.1, max_share: float = 1.0) -> list[int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..arch.architectures import attention_layers
-from ..arch.pruning import prune_heads, pruned_head_grid
+from ..arch.pruning import n_attnkit_layers, prune_heads, pruned_head_grid
 from ..errors import AttnkitError, arg
 from ..interventions import format_heads, parse_heads
 from ..models import default_model_path, load_model, model_dir
@@ -91,14 +91,20 @@ def _config_of(path: str):
 
 
 def _task_of(config, path: str) -> str | None:
-    """The `task` of attnkit.load_model that keeps the head the config's architecture names."""
-    for arch in (getattr(config, "architectures", None) or []) if config is not None else []:
+    """The `task` of attnkit.load_model that keeps the head the config's architecture names (an encoder–decoder's
+    language-model head: BART's and T5's …ForConditionalGeneration, Marian's MarianMTModel)."""
+    archs = (getattr(config, "architectures", None) or []) if config is not None else []
+    if getattr(config, "is_encoder_decoder", False) and any(a.endswith(("ForConditionalGeneration", "MTModel"))
+                                                           for a in archs):
+        return "seq2seq-lm"
+    for arch in archs:
         for suffix, task in _TASKS.items():
             if arch.endswith(suffix):
                 return task
         if "For" in arch:
             raise AttnkitError(f"{path} holds a {arch}: attnkit prune keeps the heads of encoders, sequence "
-                               "classifiers, question answering, masked-LM and causal-LM models")
+                               "classifiers, question answering, masked-LM, causal-LM and encoder–decoder "
+                               "(conditional generation) models")
     return None
 
 
@@ -113,9 +119,9 @@ def readable_as_umask_says(directory: Path) -> None:
 
 
 def _shape_of(config) -> tuple[int, int] | None:
-    """(layers, heads) that the config records (unpruned numbering), or None."""
+    """(layers, heads) of attnkit's numbering that the config records (unpruned numbering), or None."""
     try:
-        return int(config.num_hidden_layers), int(config.num_attention_heads)
+        return n_attnkit_layers(config), int(config.num_attention_heads)
     except (AttributeError, TypeError, ValueError):
         return None
 

@@ -41,13 +41,22 @@ def count_parameters(model) -> int:
 
 def reference_inputs(model, batch_size: int = REFERENCE_BATCH[0], length: int = REFERENCE_BATCH[1],
                      seed: int = 0) -> dict:
-    """`batch_size` × `length` random token ids of the model's vocabulary (at most its positions), no padding."""
+    """`batch_size` × `length` random token ids of the model's vocabulary (at most its positions), no padding; an
+    encoder–decoder reads the same ids as its source and its target (`decoder_input_ids`)."""
     limit = max_positions(model)
     length = length if limit is None else min(length, limit)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, int(model.config.vocab_size), (batch_size, length), generator=g)
     device = next(model.parameters()).device
-    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
+    ids, mask = ids.to(device), torch.ones_like(ids).to(device)
+    if getattr(model.config, "is_encoder_decoder", False):
+        return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": ids, "decoder_attention_mask": mask}
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def count_tokens(inputs: dict) -> int:
+    """The tokens of a reference batch: an encoder–decoder's source and target tokens both."""
+    return sum(int(inputs[k].numel()) for k in ("input_ids", "decoder_input_ids") if k in inputs)
 
 
 def forward_flops(model, inputs: dict) -> int:
@@ -81,7 +90,7 @@ def pruned_sizes(model, head_sets: Sequence[Sequence[tuple[int, int]]], *, repea
     """For each set of heads, the model with those heads removed: {"params", "flops_per_token", "tokens_per_s"}
     (module docstring); `model` itself is not changed."""
     inputs = reference_inputs(model, batch_size, length)
-    n_tokens = int(inputs["input_ids"].numel())
+    n_tokens = count_tokens(inputs)
     has = pruned_head_grid(model)  # a model pruned before: the heads it no longer has are already gone
     head_sets = [[(l, h) for l, h in heads if has[l, h]] for heads in head_sets]
     rows = [{} for _ in head_sets]
@@ -109,5 +118,5 @@ def pruned_sizes(model, head_sets: Sequence[Sequence[tuple[int, int]]], *, repea
     return rows
 
 
-__all__ = ["REFERENCE_BATCH", "count_parameters", "forward_flops", "pruned_sizes", "pruning_supported",
+__all__ = ["REFERENCE_BATCH", "count_parameters", "count_tokens", "forward_flops", "pruned_sizes", "pruning_supported",
            "reference_inputs", "time_forward"]

@@ -19,6 +19,13 @@ Decoder language models (docs/decoders.md) keep their output projection in the a
   `o_proj`.
 - OLMo 2: the Llama family's projections, but its `q_norm` and `k_norm` normalise q and k over all heads together
   (RMSNorm over H·D), so removing a head would change the others' q and k: not prunable.
+Encoder–decoders (docs/seq2seq.md) hold separate projections in each attention module, encoder, decoder and cross
+alike: BART and Marian `q_proj`, `k_proj`, `v_proj` and `out_proj` (head size `head_dim`), T5 `q`, `k`, `v` and `o`
+(head size `key_value_proj_dim`; its `n_heads` stays the unpruned count: T5 builds each stack's position bias for
+all heads from it). Their layers are listed in attnkit's order, the encoder's, then the decoder's self-attention,
+then its cross-attention layers (`seq2seq_order`).
+Vision transformers (docs/features.md, "Image heads"): ViT, DeiT and DINOv2 hold the Llama family's `q_proj`, `k_proj`,
+`v_proj` and `o_proj`, CLIP's and SigLIP's vision towers BART's `q_proj`, `k_proj`, `v_proj` and `out_proj`.
 ModernBERT (an encoder) holds one fused `Wqkv` computing [q | k | v], each H·D wide, and its output projection `Wo`
 in the attention module; the head size is `head_dim`.
 Head h's slice of the output projection is, in every one of them, the columns h·D … (h+1)·D − 1 of W_O as an
@@ -65,12 +72,16 @@ GPT_NEOX = Layout(None, None, None, "dense", False, None, None, "head_size", fus
 PHI3 = Layout(None, None, None, "o_proj", False, None, None, "head_dim", fused="qkv_proj", prunable=False)
 OLMO2 = Layout("q_proj", "k_proj", "v_proj", "o_proj", False, None, None, "head_dim", prunable=False)
 MODERNBERT = Layout(None, None, None, "Wo", False, None, None, "head_dim", fused="Wqkv", prunable=False)
+BART_LIKE = Layout("q_proj", "k_proj", "v_proj", "out_proj", False, "num_heads", None, "head_dim")
+T5 = Layout("q", "k", "v", "o", False, None, None, "key_value_proj_dim")
 
 LAYOUTS = {"bert": BERT_LIKE, "roberta": BERT_LIKE, "electra": BERT_LIKE, "xlm-roberta": BERT_LIKE,
            "camembert": BERT_LIKE, "distilbert": DISTILBERT,
            "llama": LLAMA_LIKE, "qwen2": LLAMA_LIKE, "qwen3": LLAMA_LIKE, "mistral": LLAMA_LIKE, "gemma2": LLAMA_LIKE,
            "gemma3_text": LLAMA_LIKE, "gpt_oss": LLAMA_LIKE, "gpt2": GPT2, "gpt_neox": GPT_NEOX, "phi3": PHI3,
-           "olmo2": OLMO2, "modernbert": MODERNBERT}
+           "olmo2": OLMO2, "modernbert": MODERNBERT, "bart": BART_LIKE, "marian": BART_LIKE, "t5": T5,
+           "vit": LLAMA_LIKE, "deit": LLAMA_LIKE, "dinov2": LLAMA_LIKE, "dinov2_with_registers": LLAMA_LIKE,
+           "clip_vision_model": BART_LIKE, "siglip_vision_model": BART_LIKE}
 
 
 def projection_types() -> tuple:
@@ -183,7 +194,24 @@ def attention_layers(model, purpose: str = "this") -> list[AttentionLayer]:
         out.append(AttentionLayer(mod, owner, attr, layout, head_size))
     if not out:
         raise AttnkitError(f"{purpose}: found no self-attention layer in this {model.config.model_type} model")
-    return out
+    return seq2seq_order(model, out) if getattr(model.config, "is_encoder_decoder", False) else out
+
+
+def seq2seq_order(model, layers: list[AttentionLayer]) -> list[AttentionLayer]:
+    """An encoder–decoder's attention layers in attnkit's order (docs/seq2seq.md §2): the encoder's, the decoder's
+    self-attention (causal), then its cross-attention layers, each kind in the model's order. Told apart by where a
+    module sits (the encoder's stack, `model.get_encoder()`) and whether it is causal, so that a model never
+    instrumented (attnkit.arch.load_pruned_model builds one) numbers its layers as attnkit.instrument does."""
+    from ..attention.kinds import CROSS, DECODER, ENCODER, KINDS
+
+    encoder = {id(m) for m in model.get_encoder().modules()}
+
+    def kind(layer: AttentionLayer) -> str:
+        if id(layer.module) in encoder:
+            return ENCODER
+        return DECODER if getattr(layer.module, "is_causal", False) else CROSS
+
+    return [layer for k in KINDS for layer in layers if kind(layer) == k]
 
 
 @dataclass
@@ -245,6 +273,7 @@ def scale_output_units(proj: nn.Module, units: torch.Tensor, factors: torch.Tens
             proj.bias[idx] *= f
 
 
-__all__ = ["AttentionLayer", "BERT_LIKE", "DISTILBERT", "GPT2", "GPT_NEOX", "LAYOUTS", "LLAMA_LIKE", "Layout",
-           "MODERNBERT", "OLMO2", "PHI3",
-           "QueryKeyUnits", "attention_layers", "layout_of", "output_matrix", "query_key_units", "scale_output_units"]
+__all__ = ["AttentionLayer", "BART_LIKE", "BERT_LIKE", "DISTILBERT", "GPT2", "GPT_NEOX", "LAYOUTS", "LLAMA_LIKE",
+           "Layout", "MODERNBERT", "OLMO2", "PHI3",
+           "QueryKeyUnits", "T5", "attention_layers", "layout_of", "output_matrix", "query_key_units",
+           "scale_output_units", "seq2seq_order"]

@@ -20,15 +20,24 @@ repeats K/V), and its k_proj and v_proj are `GroupedKV` projections: under any o
 (eager, sdpa) they hand each query head its KV head's keys and values (`num_key_value_groups` 1), so the module
 computes the same in plain transformers. gpt-oss's per-head sink logits (`sinks`) keep the entries of the heads kept.
 
+Encoder–decoders (BART, Marian, T5; docs/seq2seq.md) prune heads of each kind, numbered as attnkit numbers their
+layers (encoder, decoder self-attention, cross-attention; `attnkit.arch.architectures.seq2seq_order`), and the config
+records the heads of every one of those layers. A headless layer's keys are the source's in cross-attention, and
+its decoder self-attention still grows the KV cache (by a head of zeros: later steps of generation count their positions
+from it). T5 builds one position bias for all heads of a stack (in its first layer) and hands it on from layer to
+layer: a pruned T5 layer passes on the whole bias and attends with its kept heads' part (`_t5_forward_kept`).
+
 transformers cannot load such a model by itself (each layer of its classes has `num_attention_heads` heads):
 `load_pruned_model(path)` builds the unpruned structure from the config, removes the heads the config names and
 loads the weights; `attnkit.load_model(path)` uses it for a pruned directory.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
+import re
 import types
 import warnings
 from collections.abc import Iterable
@@ -37,8 +46,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..attention.kinds import seq2seq_layer_kinds
 from ..errors import AttnkitError
-from .architectures import LAYOUTS, AttentionLayer, attention_layers
+from .architectures import LAYOUTS, T5, AttentionLayer, attention_layers
 
 log = logging.getLogger("attnkit")
 
@@ -78,6 +88,13 @@ def to_unpruned(t: torch.Tensor, kept: tuple[tuple[int, ...], int], fill: float 
 
 def _n_heads(model) -> int:
     return int(model.config.num_attention_heads)
+
+
+def n_attnkit_layers(config) -> int:
+    """How many of attnkit's layers a model of `config` has: an encoder–decoder's encoder, decoder and cross
+    layers (docs/seq2seq.md §2; its `num_hidden_layers` counts one stack), any other model's hidden layers."""
+    kinds = seq2seq_layer_kinds(config)
+    return len(kinds) if kinds is not None else int(config.num_hidden_layers)
 
 
 def kv_group_size(config) -> int:
@@ -159,12 +176,83 @@ def _forward_without_heads(self, hidden_states, attention_mask=None, *args, **kw
     for name in ("past_key_values", "cache", "position_embeddings"):  # rotary positions: nothing to rotate
         kwargs.pop(name, None)
     fn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _no_attention)
-    out, weights = fn(self, empty, empty, empty, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+    scaling = getattr(self, "scaling", None) or getattr(self, "scale", None)  # CLIP's and SigLIP's: `scale`
+    out, weights = fn(self, empty, empty, empty, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
     out = out.reshape(B, L, 0)
     own = getattr(self, OWN_OUTPUT_ATTR, None)
     if own is not None:
         out = getattr(self, own)(out)
     return out, weights
+
+
+def _seq2seq_arguments(module, args, kwargs) -> dict:
+    """The arguments of a call of an encoder–decoder's attention module by name (BART's and T5's forwards order
+    them differently), its other keyword arguments under "kwargs"."""
+    a = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments
+    a.pop("self", None)
+    a["kwargs"] = dict(a.get("kwargs", {}))
+    return a
+
+
+def _t5_position_bias(module, hidden_states, key_value_states, position_bias, cache) -> torch.Tensor:
+    """The position bias of all the unpruned heads that T5's attention module computes when it is handed none (the
+    first layer of a stack; what it then hands on): a relative bias from its `relative_attention_bias` (kept whole),
+    else zeros, over the queries' and the keys' lengths (a dynamic KV cache's past tokens before the queries)."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    if position_bias is not None:
+        return position_bias
+    L = hidden_states.shape[1]
+    own = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+    if key_value_states is None and own is not None and not isinstance(own, DynamicCache):
+        raise AttnkitError(f"a pruned T5 generates with a dynamic KV cache (generate's default), not a "
+                           f"{type(own).__name__}")
+    past = own.get_seq_length(module.layer_idx) if own is not None and key_value_states is None else 0
+    Lk = key_value_states.shape[1] if key_value_states is not None else past + L
+    if not module.has_relative_attention_bias:
+        return hidden_states.new_zeros(1, module.n_heads, L, Lk)
+    return module.compute_bias(L, Lk, device=hidden_states.device, past_seen_tokens=past)
+
+
+def _t5_forward_kept(self, *args, **kwargs):
+    """The forward of a pruned T5 attention module that kept heads: T5's own, given its kept heads' part of the
+    position bias; it returns the bias of all heads for the layers after it (module docstring)."""
+    a = _seq2seq_arguments(self, args, kwargs)
+    full = _t5_position_bias(self, a["hidden_states"], a.get("key_value_states"), a.get("position_bias"),
+                             a.get("cache"))
+    a["position_bias"] = to_kept(full.transpose(0, 1), kept_heads(self)).transpose(0, 1)
+    out, _, weights = type(self).forward(self, **a.pop("kwargs"), **a)
+    return out, full, weights
+
+
+def _seq2seq_forward_without_heads(self, *args, **kwargs):
+    """The forward of an encoder–decoder's attention module with no head left (BART, Marian, T5): as
+    `_forward_without_heads`, the keys of cross-attention the source's, a decoder self-attention's KV cache grown by
+    a zero head of the step's keys (a cache's length counts the positions of later steps), and T5's position bias of all
+    heads returned for the layers after it."""
+    from transformers.cache_utils import EncoderDecoderCache
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    a = _seq2seq_arguments(self, args, kwargs)
+    hidden, source, cache = a["hidden_states"], a.get("key_value_states"), a.get("cache")
+    B, L = hidden.shape[:2]
+    D = getattr(self, "head_dim", None) or self.key_value_proj_dim
+    extra = dict(a["kwargs"])
+    t5 = "position_bias" in inspect.signature(type(self).forward).parameters
+    if t5:  # before the cache grows: T5 counts the past tokens first
+        full = _t5_position_bias(self, hidden, source, a.get("position_bias"), cache)
+        extra["position_bias"] = full[:, :0]
+    Lk = L if source is None else source.shape[1]
+    if source is None and cache is not None:  # one zero head: transformers counts an empty cache layer as no tokens
+        own = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+        zero = hidden.new_zeros(B, 1, L, D)
+        Lk = own.update(zero, zero.clone(), self.layer_idx, kwargs=a["kwargs"])[0].shape[2]
+    query, key = hidden.new_zeros(B, 0, L, D), hidden.new_zeros(B, 0, Lk, D)
+    mask = a.get("attention_mask", a.get("mask"))
+    fn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _no_attention)
+    out, weights = fn(self, query, key, key, mask, dropout=0.0, scaling=self.scaling, **extra)
+    out = getattr(self, getattr(self, OWN_OUTPUT_ATTR))(out.reshape(B, L, 0))
+    return (out, full, weights) if t5 else (out, weights)
 
 
 def _head_rows(positions: list[int], D: int) -> torch.Tensor:
@@ -223,6 +311,9 @@ def prune_heads(model, heads: Iterable[tuple[int, int]]):
     A head outside the model's layers × heads, or one it no longer has, is refused (AttnkitError) before anything
     changes. The config records what each layer kept (module docstring)."""
     layers = attention_layers(model, "pruning heads")
+    seq2seq = seq2seq_layer_kinds(model.config) is not None
+    if seq2seq:
+        _check_one_head_count(model.config)
     if not layers[0].layout.prunable:
         raise AttnkitError(f"pruning heads of a {model.config.model_type!r} model is not supported: attnkit prunes "
                            f"separate query, key and value projections "
@@ -250,11 +341,23 @@ def prune_heads(model, heads: Iterable[tuple[int, int]]):
         if not kept:
             if not layers[layer].layout.output_beside:
                 setattr(mod, OWN_OUTPUT_ATTR, layers[layer].layout.output)
-            mod.forward = types.MethodType(_forward_without_heads, mod)
+            headless = _seq2seq_forward_without_heads if seq2seq else _forward_without_heads
+            mod.forward = types.MethodType(headless, mod)
+        elif layers[layer].layout is T5:
+            mod.forward = types.MethodType(_t5_forward_kept, mod)
         current[layer] = kept
     setattr(model.config, CONFIG_HEADS, [list(k) for k in current])
     setattr(model.config, CONFIG_COUNTS, [len(k) for k in current])
     return model
+
+
+def _check_one_head_count(config) -> None:
+    """An encoder–decoder's heads are numbered on one layers × heads grid: both stacks need one head count."""
+    counts = {getattr(config, name, None) for name in ("encoder_attention_heads", "decoder_attention_heads")} - {None}
+    if len(counts) > 1:
+        raise AttnkitError(f"pruning heads of a {config.model_type!r} model with {config.encoder_attention_heads} "
+                           f"heads in its encoder and {config.decoder_attention_heads} in its decoder is not "
+                           "supported: attnkit numbers an encoder–decoder's heads with one head count in every layer")
 
 
 def heads_in_config(config, where: str = "the config") -> list[list[int]] | None:
@@ -264,7 +367,7 @@ def heads_in_config(config, where: str = "the config") -> list[list[int]] | None
     if kept is None:
         return None
     H = int(config.num_attention_heads)
-    L = int(config.num_hidden_layers)
+    L = n_attnkit_layers(config)
     if not isinstance(kept, list) or len(kept) != L:
         raise AttnkitError(f"{where}: {CONFIG_HEADS} must list the heads kept by each of the {L} layers")
     for l, heads in enumerate(kept):
@@ -281,7 +384,7 @@ def heads_in_config(config, where: str = "the config") -> list[list[int]] | None
 def pruned_head_grid(model_or_config) -> np.ndarray:
     """n_layers × n_heads booleans, True where the head is kept (all True for a model that was not pruned)."""
     config = getattr(model_or_config, "config", model_or_config)
-    L, H = int(config.num_hidden_layers), int(config.num_attention_heads)
+    L, H = n_attnkit_layers(config), int(config.num_attention_heads)
     grid = np.ones((L, H), dtype=bool)
     kept = heads_in_config(config)
     if kept is not None:
@@ -317,9 +420,25 @@ def _read_weights(path: str) -> dict:
     raise AttnkitError(f"{path}: no weights (model.safetensors, its index, or pytorch_model.bin)")
 
 
+def _renamed_as_loaded(model, state: dict) -> dict:
+    """The checkpoint's weights under the names `model` gives them: transformers saves some models (ViT, DeiT,
+    DINOv2) with their weights' earlier names and renames them when it loads them (its conversion mapping). Weights
+    it converts otherwise (split, merged) stay as they are, and `_load_state` refuses them as unexpected."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    own = model.state_dict().keys()
+    if all(k in own for k in state):
+        return state
+    renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+    return {apply_renamings(k, renamings): v for k, v in state.items()} if renamings else state
+
+
 def _load_state(model, state: dict, path: str) -> None:
-    """Load a checkpoint into `model` as transformers would: the base model's prefix added or removed as needed,
-    tied weights tied again; a missing or unexpected weight of the encoder is refused."""
+    """Load a checkpoint into `model` as transformers would: weights renamed as transformers renames them, the base
+    model's prefix added or removed as needed, tied weights tied again; a missing or unexpected weight of the
+    encoder is refused."""
+    state = _renamed_as_loaded(model, state)
     own = model.state_dict()
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and not own.keys() & state.keys():
@@ -334,6 +453,8 @@ def _load_state(model, state: dict, path: str) -> None:
         raise AttnkitError(f"{path}: the weights do not fit the heads its config keeps"
                            + (f" ({lines[0]})" if lines else "")) from None
     model.tie_weights()
+    ignored = getattr(model, "_keys_to_ignore_on_load_missing", None) or ()  # rebuilt by the model (Marian's
+    missing = [k for k in missing if not any(re.search(p, k) for p in ignored)]  # sinusoidal positions)
     loaded = {t.data_ptr() for k, t in model.state_dict().items() if k in state}
     base = f"{prefix}." if prefix and model.base_model is not model else ""
     untied = [k for k in missing if model.state_dict()[k].data_ptr() not in loaded]
@@ -369,5 +490,5 @@ def load_pruned_model(path, model_class=None, *, dtype=None):
 
 
 __all__ = ["CONFIG_COUNTS", "CONFIG_HEADS", "KV_HEAD_ATTR", "GroupedKV", "current_heads", "heads_in_config",
-           "kept_heads", "kv_group_size", "load_pruned_model", "prune_heads", "pruned_head_grid", "removed_heads",
-           "to_kept", "to_unpruned"]
+           "kept_heads", "kv_group_size", "load_pruned_model", "n_attnkit_layers", "prune_heads", "pruned_head_grid",
+           "removed_heads", "to_kept", "to_unpruned"]

@@ -33,7 +33,10 @@ def default_batch_size(device) -> int:
 def output_projections(model) -> dict:
     """layer → the output projection (nn.Linear) of each attention module of an instrumented `model`, found by the
     layout of its architecture (attnkit/arch/architectures.py); an AttnkitError for an architecture attnkit does
-    not know."""
+    not know, or an encoder–decoder (not built: docs/seq2seq.md)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise AttnkitError(f"norm weighting of an encoder–decoder ({model.config.model_type}) is not built: measure it "
+                           "with attention weighting (docs/seq2seq.md)")
     layers = {id(a.module): a for a in attention_layers(model, "norm weighting")}
     out = {}
     for mod in attention_modules(model):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..corpus import Corpus, corpus_of_run
+from ..corpus import Corpus
 from ..engine.distances import check_smoothing, collect_distances
 from ..engine.extract import ExtractSettings
 from ..engine.local import default_workers
@@ -25,7 +25,7 @@ from ..run.locking import output_directory
 from ..run.opened import Run, open_run
 from ..run.outputs import os_errors
 from ..run.overwrite import claim_outputs
-from .job_options import DistancesOptions, check_distances_options
+from .job_options import DistancesOptions, check_distances_options, distances_inputs
 
 
 def _check_shape(run, meta: dict, n_layers: int, n_heads: int) -> None:
@@ -70,8 +70,7 @@ def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_
             os_errors(f"write into {run}"):
         if read is None:
             opened = open_run(run)
-            texts = corpus_of_run(run, opened.features.meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs,
-                                  columns=opts.columns, limit=opts.limit)
+            texts = distances_inputs(opts, opened.features.meta)
         else:
             opened, texts = read
         run_feats = opened.features

@@ -223,7 +223,6 @@ def preflight_distances(opts: DistancesOptions):
     earlier distances that only `overwrite` replaces. Returns (the run as read here, a `Run`; the corpus), for the
     job to use as they are (the run's files are not read again, the corpus's hashes not computed twice), or None
     while another command holds the run (its lock names the holder; the job reads both then)."""
-    from ..corpus import corpus_of_run
     from ..run.files import DISTANCES_FILE
     from ..run.locking import lock_owner
     from ..run.opened import open_run
@@ -233,12 +232,35 @@ def preflight_distances(opts: DistancesOptions):
     if lock_owner(opts.run) is not None:
         return None
     opened = open_run(opts.run)
-    texts = corpus_of_run(opts.run, opened.features.meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs,
-                          columns=opts.columns, limit=opts.limit)
+    texts = distances_inputs(opts, opened.features.meta)
     claim_outputs([Path(opts.run) / DISTANCES_FILE], opts.overwrite)
     return opened, texts
 
 
+def distances_inputs(opts: DistancesOptions, meta: dict):
+    """The inputs `attnkit distances` reads again: an image run's images (`images_of_run`: the same bytes), else
+    the run's text corpus or the one `opts.corpus` names (`corpus_of_run`). Options that say how to read text,
+    and the Ray engine, are refused for an image run; an encoder–decoder's run is refused by name."""
+    from ..corpus import corpus_of_run
+    from ..corpus.images import images_of_run, is_image_run
+
+    if meta.get("layer_kinds"):
+        raise AttnkitError(f"{opts.run} measured an encoder–decoder, whose heads are compared within each kind "
+                           "(docs/seq2seq.md §9); distances.npz holds one matrix over all heads, so attnkit distances "
+                           "does not take such a run yet: use attnkit.analysis.collect_distances from Python")
+    if is_image_run(meta):
+        given = [name for name, on in (("corpus", opts.corpus is not None), ("fmt", opts.fmt != "auto"),
+                                       ("squad_pairs", opts.squad_pairs), ("columns", opts.columns)) if on]
+        if given:
+            raise AttnkitError(f"{arg(given[0])} says which text to read; {opts.run} measured images, which "
+                               "attnkit distances reads again from its meta.json")
+        if opts.engine == "ray":
+            raise AttnkitError(f"images are measured by the local engine (drop {arg('engine')} ray)")
+        return images_of_run(opts.run, meta, limit=opts.limit or meta.get("n_segments"))
+    return corpus_of_run(opts.run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs, columns=opts.columns,
+                         limit=opts.limit)
+
+
 __all__ = ["ENGINES", "DistancesOptions", "ExtractOptions", "check_distances_options", "check_engine",
            "check_extract_options", "check_image_options", "extract_inputs", "open_inputs", "option_settings",
-           "preflight_distances", "preflight_extract"]
+           "distances_inputs", "preflight_distances", "preflight_extract"]

@@ -7,7 +7,10 @@ Observers see the unpruned heads (attnkit.attention.call.observed): a removed he
 NaN. On a decoder, an observer of q and k is called only when it has a true attribute `decoder_arguments`, with the
 op's decoder arguments as keywords (causal, kv_head, sliding_window, softcap, sink, symmetric_window; k then with its
 KV heads); the others are refused by name. ModernBERT's local layers pass the window arguments too, so they count as
-such a layer here. Observers take whole sequences: a step of generation with a KV cache is refused."""
+such a layer here. An observer with a true attribute `two_sequences` also takes an encoder–decoder's cross-attention
+(the keyword `key_lengths`: the source's lengths, `lengths` then the target's) and T5's position bias (`bias`, as
+attnkit.reference.attention_weights takes them); the others are refused by name there. Observers take whole
+sequences: a step of generation with a KV cache is refused."""
 from __future__ import annotations
 
 from ...arch.pruning import to_unpruned
@@ -22,8 +25,8 @@ def _refuse_steps(call: AttentionCall) -> None:
                            "generation with a KV cache: run the forward without past_key_values")
 
 
-def _refuse_two_sequences(call: AttentionCall) -> None:
-    if call.cross or call.bias is not None:
+def _refuse_two_sequences(call: AttentionCall, observer) -> None:
+    if (call.cross or call.bias is not None) and not getattr(observer, "two_sequences", False):
         raise AttnkitError(f"observers of q and k (e.g. JS distances) compute self-attention from q and k alone, but "
                            f"layer {call.layer} is {'cross-attention' if call.cross else 'given an additive bias (T5)'}"
                            ": this analysis does not support encoder–decoders yet")
@@ -39,12 +42,16 @@ class QKObserver(BaseConsumer):
 
     def wants(self, call: AttentionCall) -> Wants | None:
         _refuse_steps(call)
-        _refuse_two_sequences(call)
+        _refuse_two_sequences(call, self.observer)
         return Wants()
 
     def before(self, call: AttentionCall) -> None:
         obs = self.observer
         q, k, dec = call.observed
+        if call.cross:
+            dec = {**dec, "key_lengths": call.key_lengths}
+        if call.bias is not None:  # T5's position bias, over the unpruned heads as q and k are
+            dec = {**dec, "bias": call.bias if call.kept is None else to_unpruned(call.bias, call.kept)}
         if not dec:
             obs(call.layer, q, k, call.lengths, call.scaling)
         elif getattr(obs, "decoder_arguments", False):  # it computes a decoder's attention as the op does

@@ -1,0 +1,88 @@
+"""Jensen-Shannon distances of an encoder–decoder's heads (attnkit/engine/distances.py, docs/seq2seq.md §9), on a
+tiny random BART and T5 over (source, target) pairs: heads are compared within each kind, and each kind's sums equal
+those computed with numpy from eager attention's maps of each pair alone (encoder heads over the source's rows,
+decoder and cross-attention heads over the target's); comparing across kinds, and `attnkit distances` on a run of
+pairs, are refused by name."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from attnkit.cli.main import main
+from attnkit.engine.distances import DistanceCollector, collect_distances
+from attnkit.errors import AttnkitError
+
+from .test_seq2seq_extract import PAIRS, model_dir  # noqa: F401  (the module's fixture of tiny BART and T5)
+
+
+def plogp(x: np.ndarray) -> np.ndarray:
+    return np.where(x > 0, x * np.log(np.where(x > 0, x, 1.0)), 0.0)
+
+
+def js_sums(maps: list[np.ndarray]) -> np.ndarray:
+    """Σ over rows of JS(A_i[s], A_j[s]) between the heads of `maps` (layers of 1 × H × Lq × Lk, unpadded)."""
+    a = np.concatenate(maps, axis=1)[0]  # M × Lq × Lk
+    M = a.shape[0]
+    out = np.zeros((M, M))
+    for i in range(M):
+        for j in range(M):
+            m = (a[i] + a[j]) / 2
+            out[i, j] = (0.5 * plogp(a[i]).sum(-1) + 0.5 * plogp(a[j]).sum(-1) - plogp(m).sum(-1)).sum()
+    return out
+
+
+def eager_sums(path, pairs) -> dict:
+    """Per kind, the JS sums over every pair alone through the eager model, teacher-forced as attnkit extracts."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
+    start = model.config.decoder_start_token_id
+    total = {"encoder": 0.0, "decoder": 0.0, "cross": 0.0}
+    rows = {"encoder": 0, "decoder": 0, "cross": 0}
+    for src, tgt in pairs:
+        s = tok(src)["input_ids"]
+        t = [start] + tok(text_target=tgt)["input_ids"][:-1]
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([s]), decoder_input_ids=torch.tensor([t]), output_attentions=True)
+        for kind, maps, n in (("encoder", out.encoder_attentions, len(s)), ("decoder", out.decoder_attentions, len(t)),
+                              ("cross", out.cross_attentions, len(t))):
+            total[kind] = total[kind] + js_sums([m.double().numpy() for m in maps])
+            rows[kind] += n
+    return {k: (total[k], rows[k]) for k in total}
+
+
+def test_distances_within_each_kind_equal_numpy_from_eager_maps(model_dir):  # noqa: F811
+    kind, path = model_dir
+    _, got = collect_distances(PAIRS, str(path), max_length=32, batch_size=4)
+    want = eager_sums(path, PAIRS)
+    assert sorted(got) == ["cross", "decoder", "encoder"]
+    for k, (total, rows) in want.items():
+        assert (got[k].n_layers, got[k].n_heads, got[k].n_rows) == (2, 4, rows), (kind, k)
+        assert total.max() > 0.01
+        np.testing.assert_allclose(got[k].total, total, rtol=1e-4, atol=1e-6, err_msg=f"{kind} {k}")
+    # smoothed: each row spread over the keys it sees (a cross row: the source's), the divergences smaller
+    _, smooth = collect_distances(PAIRS, str(path), max_length=32, batch_size=4, smoothing=0.01)
+    for k in want:
+        off = ~np.eye(8, dtype=bool)
+        assert np.all(smooth[k].total[off] < got[k].total[off] + 1e-9) and smooth[k].meta["smoothing"] == 0.01
+
+
+def test_comparisons_across_kinds_and_the_command_are_refused(model_dir, tmp_path):  # noqa: F811
+    kind, path = model_dir
+    collector = DistanceCollector(6, kinds=["encoder"] * 2 + ["decoder"] * 2 + ["cross"] * 2)
+    with pytest.raises(AttnkitError, match="compared within each kind"):
+        collector.result()
+    with pytest.raises(AttnkitError, match="given no kinds"):
+        DistanceCollector(6).by_kind()
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("source\ttarget\n" + "".join(f"{s}\t{t}\n" for s, t in PAIRS))
+    run = tmp_path / "run"
+    res = CliRunner().invoke(main, ["extract", "--model", str(path), str(tsv), "-o", str(run), "--max-length", "32",
+                                    "-q"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, ["distances", str(run)])
+    assert res.exit_code != 0 and "compared within each kind" in res.output, res.output
+    assert "loading the model" not in res.output  # refused before the model loads
