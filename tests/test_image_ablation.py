@@ -145,6 +145,10 @@ def test_importance_is_the_gate_gradient_of_each_images_loss(vit_dir, tmp_path):
     last = table.rows[-1]  # every head pruned: the model as eager with all heads zeroed
     acc, nll, _ = eager_outputs(vit_dir, paths, gold, zero=[(l, h) for l in range(2) for h in range(2)])
     assert last["loss"] == pytest.approx(float(nll.mean()), rel=1e-5) and last["accuracy"] == pytest.approx(acc)
+    # the pruned models' sizes (a ViT is pruned physically): a head's projections gone with each step
+    params = [r["params"] for r in table.rows]
+    assert all(a > b for a, b in zip(params, params[1:])), params
+    assert all(r["flops_per_token"] > 0 for r in table.rows)
 
 
 def test_a_datasets_directory_with_names_or_indices_reads_as_the_folders(vit_dir, tmp_path):

@@ -8,8 +8,9 @@
   timed with `time.perf_counter`, the median of `repeats`.
 
 The reference batch is `batch_size` × `length` token ids drawn at random from the vocabulary (fixed seed), no
-padding: speed and FLOPs depend on the shapes, not on the text. `pruned_sizes` measures the models of a pruning
-curve interleaved (every step once per round, `repeats` rounds), so a slow minute of the machine does not fall
+padding: speed and FLOPs depend on the shapes, not on the text. A vision transformer's is `batch_size` random images
+of its config's size (its tokens: the patches and the tokens before them). `pruned_sizes` measures the models of a
+pruning curve interleaved (every step once per round, `repeats` rounds), so a slow minute of the machine does not fall
 on one step only; each step's model is a copy of the unpruned one with its heads removed, built anew each round,
 so only one copy is in memory at a time.
 """
@@ -24,6 +25,7 @@ import torch
 
 from ..arch.architectures import LAYOUTS
 from ..arch.pruning import prune_heads, pruned_head_grid
+from ..attention.positions import ImageTokens, image_layout
 from ..models import max_positions
 
 REFERENCE_BATCH = (16, 128)  # samples × tokens
@@ -42,7 +44,12 @@ def count_parameters(model) -> int:
 def reference_inputs(model, batch_size: int = REFERENCE_BATCH[0], length: int = REFERENCE_BATCH[1],
                      seed: int = 0) -> dict:
     """`batch_size` × `length` random token ids of the model's vocabulary (at most its positions), no padding; an
-    encoder–decoder reads the same ids as its source and its target (`decoder_input_ids`)."""
+    encoder–decoder reads the same ids as its source and its target (`decoder_input_ids`); a vision transformer
+    `batch_size` random images of its config's size (`pixel_values`; `length` does not apply)."""
+    layout = image_layout(model.config)
+    if layout is not None:
+        pixels = torch.rand(batch_size, layout.channels, *layout.image, generator=torch.Generator().manual_seed(seed))
+        return {"pixel_values": pixels.to(next(model.parameters()).device)}
     limit = max_positions(model)
     length = length if limit is None else min(length, limit)
     g = torch.Generator().manual_seed(seed)
@@ -54,8 +61,14 @@ def reference_inputs(model, batch_size: int = REFERENCE_BATCH[0], length: int = 
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def count_tokens(inputs: dict) -> int:
-    """The tokens of a reference batch: an encoder–decoder's source and target tokens both."""
+def count_tokens(inputs: dict, model=None) -> int:
+    """The tokens of a reference batch: an encoder–decoder's source and target tokens both; a vision transformer's
+    (`model` given) its images' patches and the tokens before them."""
+    if "pixel_values" in inputs:
+        layout = image_layout(model.config)
+        tokens = ImageTokens(layout, layout.image)
+        rows, cols = tokens.shape
+        return int(inputs["pixel_values"].shape[0]) * (len(layout.prefix) + rows * cols)
     return sum(int(inputs[k].numel()) for k in ("input_ids", "decoder_input_ids") if k in inputs)
 
 
@@ -90,7 +103,7 @@ def pruned_sizes(model, head_sets: Sequence[Sequence[tuple[int, int]]], *, repea
     """For each set of heads, the model with those heads removed: {"params", "flops_per_token", "tokens_per_s"}
     (module docstring); `model` itself is not changed."""
     inputs = reference_inputs(model, batch_size, length)
-    n_tokens = count_tokens(inputs)
+    n_tokens = count_tokens(inputs, model)
     has = pruned_head_grid(model)  # a model pruned before: the heads it no longer has are already gone
     head_sets = [[(l, h) for l, h in heads if has[l, h]] for heads in head_sets]
     rows = [{} for _ in head_sets]
