@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from attnkit.cli.main import main
 from attnkit.engine.distances import DistanceCollector, collect_distances
 from attnkit.errors import AttnkitError
+from attnkit.run.distances import HeadDistances
 
 from .test_seq2seq_extract import PAIRS, model_dir  # noqa: F401  (the module's fixture of tiny BART and T5)
 
@@ -70,19 +71,57 @@ def test_distances_within_each_kind_equal_numpy_from_eager_maps(model_dir):  # n
         assert np.all(smooth[k].total[off] < got[k].total[off] + 1e-9) and smooth[k].meta["smoothing"] == 0.01
 
 
-def test_comparisons_across_kinds_and_the_command_are_refused(model_dir, tmp_path):  # noqa: F811
-    kind, path = model_dir
+def test_comparisons_across_kinds_are_refused():
     collector = DistanceCollector(6, kinds=["encoder"] * 2 + ["decoder"] * 2 + ["cross"] * 2)
     with pytest.raises(AttnkitError, match="compared within each kind"):
         collector.result()
     with pytest.raises(AttnkitError, match="given no kinds"):
         DistanceCollector(6).by_kind()
+
+
+def extract_run(path, tmp_path):
     tsv = tmp_path / "pairs.tsv"
     tsv.write_text("source\ttarget\n" + "".join(f"{s}\t{t}\n" for s, t in PAIRS))
     run = tmp_path / "run"
     res = CliRunner().invoke(main, ["extract", "--model", str(path), str(tsv), "-o", str(run), "--max-length", "32",
-                                    "-q"])
+                                    "--batch-size", "4", "-q"])
     assert res.exit_code == 0, res.output
+    return run
+
+
+def test_the_command_writes_one_file_per_kind_equal_to_collect_distances(model_dir, tmp_path):  # noqa: F811
+    kind, path = model_dir
+    run = extract_run(path, tmp_path)
+    res = CliRunner().invoke(main, ["distances", str(run), "--batch-size", "4", "-q"])
+    assert res.exit_code == 0, res.output
+    assert not (run / "distances.npz").exists()
+    assert sorted(p.name for p in run.glob("distances_*.npz")) == ["distances_cross.npz", "distances_decoder.npz",
+                                                                    "distances_encoder.npz"]
+    for k in ("encoder", "decoder", "cross"):
+        assert f"between {k} heads" in res.output and f"distances_{k}.npz" in res.output
+    got = HeadDistances.load_by_kind(run)
+    _, want = collect_distances(PAIRS, str(path), max_length=32, batch_size=4)
+    assert sorted(got) == ["cross", "decoder", "encoder"]
+    for k, d in want.items():
+        assert (got[k].n_layers, got[k].n_heads, got[k].n_rows, got[k].meta["kind"]) == (2, 4, d.n_rows, k)
+        assert got[k].meta["corpus_sha256"] and got[k].meta["model_identity"]["n_layers"] == 6
+        np.testing.assert_allclose(got[k].total, d.total, rtol=1e-6, atol=1e-9, err_msg=f"{kind} {k}")
+    assert sorted(HeadDistances.load_by_kind(run, ["cross"])) == ["cross"]
+    with pytest.raises(AttnkitError, match="no layers of kind 'all'"):
+        HeadDistances.load_by_kind(run, ["all"])
+    with pytest.raises(AttnkitError, match="collect distances first"):
+        HeadDistances.load(run)  # no matrix over all heads: a reader of distances.npz never pairs heads across kinds
+    # a file of one kind under another's name is refused, not read as that kind's
+    (run / "distances_decoder.npz").write_bytes((run / "distances_cross.npz").read_bytes())
+    with pytest.raises(AttnkitError, match="of kind 'cross', not 'decoder'"):
+        HeadDistances.load_by_kind(run)
+
+    # earlier distances are replaced only with --overwrite, before the model loads; the report goes with them
     res = CliRunner().invoke(main, ["distances", str(run)])
-    assert res.exit_code != 0 and "compared within each kind" in res.output, res.output
-    assert "loading the model" not in res.output  # refused before the model loads
+    assert res.exit_code != 0 and "distances_encoder.npz" in res.output and "--overwrite" in res.output, res.output
+    assert "loading the model" not in res.output
+    res = CliRunner().invoke(main, ["distances", str(run), "--engine", "ray"])
+    assert res.exit_code != 0 and "local engine" in res.output, res.output
+    res = CliRunner().invoke(main, ["distances", str(run), "--batch-size", "4", "--overwrite", "-q"])
+    assert res.exit_code == 0, res.output
+    assert HeadDistances.load_by_kind(run)["decoder"].meta["kind"] == "decoder"

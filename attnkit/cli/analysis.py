@@ -134,7 +134,9 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
                   engine, ray_address, overwrite, quiet):
     """Jensen-Shannon divergences between all pairs of heads of RUN's model over a corpus (Clark et al.
     2019; natural logs, between 0 and ln 2 per token; not the metric sqrt(JS)); writes RUN/distances.npz
-    (sums, per-token means, rows counted, smoothing).
+    (sums, per-token means, rows counted, smoothing). An encoder–decoder's heads are compared within each kind
+    over the run's (source, target) pairs: one file per kind, RUN/distances_encoder.npz, distances_decoder.npz
+    and distances_cross.npz (docs/seq2seq.md §9; local engine only).
 
     Runs the model over the corpus (by default the one in RUN/meta.json, with the run's model and
     max length); the attention maps are recomputed per layer inside the forward (Runtime observers)
@@ -146,6 +148,7 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
     import numpy as np
 
     from ..jobs.job_options import DistancesOptions, preflight_distances
+    from ..run.distances import distances_file
     from ..run.locking import check_not_in_use
 
     check_not_in_use(run)  # a directory another command holds is refused first, as the job's lock would
@@ -157,13 +160,17 @@ def distances_cmd(run, corpus, fmt, squad_pairs, columns, limit, rows_per_sample
     from ..jobs.distances_job import run_distances_job
 
     dist, n_samples, path = run_distances_job(opts, echo=echo_for(), read=read)
-    pt = dist.per_token
-    kept = ~dist.removed
-    off = pt[np.ix_(kept, kept)][~np.eye(int(kept.sum()), dtype=bool)]
     smoothed = f" (rows smoothed with ε = {smooth:g})" if smooth else ""
-    gone = f"; left out {int((~kept).sum())} head(s) removed by pruning" if (~kept).any() else ""
-    click.echo(f"{n_samples} segments, {dist.n_rows} query tokens{smoothed}: mean JS divergence per token "
-               f"between heads {off.mean():.4f} (min {off.min():.4f}, max {off.max():.4f}){gone}; wrote {path}")
+    by_kind = dist if isinstance(dist, dict) else {None: dist}
+    for kind, d in by_kind.items():
+        pt = d.per_token
+        kept = ~d.removed
+        off = pt[np.ix_(kept, kept)][~np.eye(int(kept.sum()), dtype=bool)]
+        gone = f"; left out {int((~kept).sum())} head(s) removed by pruning" if (~kept).any() else ""
+        between = "heads" if kind is None else f"{kind} heads"
+        click.echo(f"{n_samples} segments, {d.n_rows} query tokens{smoothed}: mean JS divergence per token "
+                   f"between {between} {off.mean():.4f} (min {off.min():.4f}, max {off.max():.4f}){gone}; wrote "
+                   f"{path if kind is None else path.parent / distances_file(kind)}")
 
 
 @click.command("report")

@@ -405,10 +405,10 @@ def read_corpus(path, fmt: str = "auto", *, text_unit: str = "auto", squad_pairs
 
 
 def corpus_of_run(run, meta: dict, corpus=None, fmt: str = "auto", *, squad_pairs: bool = False, columns=None,
-                  limit: int | None = None) -> Corpus:
+                  limit: int | None = None, pairs: bool = False) -> Corpus:
     """The corpus a run measured, to read it again (JS distances, example maps): `corpus` when given, else the
     inputs recorded in the run's `meta` (meta.json), read as the run read them and checked to be the same
-    bytes (their SHA-256)."""
+    bytes (their SHA-256). `pairs`: read (source, target) pairs, as an encoder–decoder's run did (`open_corpus`)."""
     text_unit = "auto"
     given = corpus
     if corpus is None:
@@ -432,7 +432,8 @@ def corpus_of_run(run, meta: dict, corpus=None, fmt: str = "auto", *, squad_pair
                                f"{arg('corpus')} PATH")
         corpus = paths
         limit = limit or meta.get("n_segments")
-    texts = open_corpus(corpus, fmt, text_unit=text_unit, squad_pairs=squad_pairs, columns=columns, limit=limit)
+    texts = open_corpus(corpus, fmt, text_unit=text_unit, squad_pairs=squad_pairs, columns=columns, limit=limit,
+                        pairs=pairs)
     if given is None:
         _check_same_inputs(run, meta, texts)
     return texts

@@ -1,6 +1,7 @@
 """`attnkit distances RUN` as a job: the Jensen-Shannon divergences between all heads of a run's model, over the
 run's corpus (read again, checked to be the same bytes), on this machine or on a Ray cluster, saved to
-RUN/distances.npz (docs/analysis.md; the file: docs/files.md, "distances.npz").
+RUN/distances.npz (docs/analysis.md; the file: docs/files.md, "distances.npz"); an encoder–decoder's, over its
+(source, target) pairs, within each kind, to RUN/distances_KIND.npz (docs/seq2seq.md §9).
 
 The job reports stage messages through `echo(text, err=False)` and returns what the command line prints.
 """
@@ -19,13 +20,13 @@ from ..errors import AttnkitError, print_message
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, weighting_of
 from ..models import attention_modules, load_model
 from ..run.distances import HeadDistances
-from ..run.files import DISTANCES_FILE, REPORT_FILE
+from ..run.files import REPORT_FILE
 from ..run.identity import IDENTITY_FIELD, model_identity, model_mismatch, recorded_identity
 from ..run.locking import output_directory
 from ..run.opened import Run, open_run
 from ..run.outputs import os_errors
 from ..run.overwrite import claim_outputs
-from .job_options import DistancesOptions, check_distances_options, distances_inputs
+from .job_options import DistancesOptions, check_distances_options, distances_inputs, distances_outputs
 
 
 def _check_shape(run, meta: dict, n_layers: int, n_heads: int) -> None:
@@ -52,9 +53,10 @@ def _check_model(run, meta: dict, identity: dict) -> dict:
 
 
 def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_message,
-                      read: tuple[Run, Corpus] | None = None) -> tuple[HeadDistances, int, Path]:
+                      read: tuple[Run, Corpus] | None = None) -> tuple[HeadDistances | dict, int, Path]:
     """Measure and save the distances of `opts.run`; returns (the distances, the segments measured, the path
-    written). Earlier distances are replaced only with `opts.overwrite` (the report drawn from them goes with
+    written); for an encoder–decoder's run ({kind: the distances}, the segments, the first path written). Earlier
+    distances are replaced only with `opts.overwrite` (the report drawn from them goes with
     them; what was removed is said through `echo`). `read`: (the run, its corpus) as the command read them before
     (`preflight_distances`), used as they are; None reads them here, once."""
     check_distances_options(opts)  # also checked by the command line before torch loads
@@ -75,7 +77,7 @@ def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_
             opened, texts = read
         run_feats = opened.features
         meta = run_feats.meta
-        claim = claim_outputs([run / DISTANCES_FILE], opts.overwrite, stale=[run / REPORT_FILE])
+        claim = claim_outputs(distances_outputs(run, run_feats), opts.overwrite, stale=[run / REPORT_FILE])
         if weighting_of(meta) == "norm":
             say(f"attnkit distances: {run} holds norm-weighted features; the distances compare attention weights")
         max_length = int(meta.get("max_length", DEFAULT_MAX_LENGTH))
@@ -101,11 +103,8 @@ def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_
         # (the run's own inputs were read again and checked to be its bytes, `corpus_of_run`: the run's corpus, even
         # with another --limit; a corpus given with --corpus is named by its own fingerprint, its limit included)
         corpus = (meta.get("settings") or {}).get("corpus_sha256") if opts.corpus is None else None
-        dist.meta.update({IDENTITY_FIELD: identity, "corpus_sha256": corpus or texts.fingerprint()})
-        removed = run_feats.removed
-        if removed.any():  # a removed head has no attention: its distances are left out (docs/pruning.md)
-            dist.meta["removed_heads"] = [[int(l), int(h)] for l, h in np.argwhere(removed)]
-        path = dist.save(run)
+        provenance = {IDENTITY_FIELD: identity, "corpus_sha256": corpus or texts.fingerprint()}
+        path = _save(run, dist, run_feats, provenance)
         if opts.engine == "ray":
             from ..run.shards import remove_shards
 
@@ -114,6 +113,27 @@ def run_distances_job(opts: DistancesOptions, echo: Callable[..., None] = print_
     if claim.removed_message():
         echo(claim.removed_message(), err=True)
     return dist, n_samples, path
+
+
+def _save(run: Path, dist: HeadDistances | dict, run_feats, provenance: dict) -> Path:
+    """Save `dist` (an encoder–decoder's: {kind: HeadDistances}, each into its own file) with `provenance` and the
+    heads removed by pruning, which have no attention: their distances are left out (docs/pruning.md). Returns the
+    (first) path written."""
+    removed = np.argwhere(run_feats.removed)
+    if not isinstance(dist, dict):
+        dist.meta.update(provenance)
+        if len(removed):
+            dist.meta["removed_heads"] = [[int(l), int(h)] for l, h in removed]
+        return dist.save(run)
+    kinds = run_feats.layer_kinds  # a removed head's layer numbered within its kind, as the kind's matrix is
+    paths = []
+    for kind, d in dist.items():
+        d.meta.update(provenance)
+        gone = [[kinds[l][1], int(h)] for l, h in removed if kinds[l][0] == kind]
+        if gone:
+            d.meta["removed_heads"] = gone
+        paths.append(d.save(run))
+    return paths[0]
 
 
 def _on_ray(run, meta, texts, opts: DistancesOptions, max_length: int, num_windows: int, say):

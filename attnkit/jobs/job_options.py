@@ -223,7 +223,6 @@ def preflight_distances(opts: DistancesOptions):
     earlier distances that only `overwrite` replaces. Returns (the run as read here, a `Run`; the corpus), for the
     job to use as they are (the run's files are not read again, the corpus's hashes not computed twice), or None
     while another command holds the run (its lock names the holder; the job reads both then)."""
-    from ..run.files import DISTANCES_FILE
     from ..run.locking import lock_owner
     from ..run.opened import open_run
     from ..run.overwrite import claim_outputs
@@ -233,21 +232,29 @@ def preflight_distances(opts: DistancesOptions):
         return None
     opened = open_run(opts.run)
     texts = distances_inputs(opts, opened.features.meta)
-    claim_outputs([Path(opts.run) / DISTANCES_FILE], opts.overwrite)
+    claim_outputs(distances_outputs(opts.run, opened.features), opts.overwrite)
     return opened, texts
+
+
+def distances_outputs(run, features) -> list[Path]:
+    """The files `attnkit distances` writes into `run` (its `features`, a HeadFeatures): RUN/distances.npz, or one
+    RUN/distances_KIND.npz per kind of an encoder–decoder's layers (docs/seq2seq.md §9)."""
+    from ..run.distances import distances_file
+
+    kinds = [None] if features.layer_kinds is None else dict.fromkeys(k for k, _ in features.layer_kinds)
+    return [Path(run) / distances_file(kind) for kind in kinds]
 
 
 def distances_inputs(opts: DistancesOptions, meta: dict):
     """The inputs `attnkit distances` reads again: an image run's images (`images_of_run`: the same bytes), else
     the run's text corpus or the one `opts.corpus` names (`corpus_of_run`). Options that say how to read text,
-    and the Ray engine, are refused for an image run; an encoder–decoder's run is refused by name."""
+    and the Ray engine, are refused for an image run; the Ray engine for an encoder–decoder's run."""
     from ..corpus import corpus_of_run
     from ..corpus.images import images_of_run, is_image_run
 
-    if meta.get("layer_kinds"):
-        raise AttnkitError(f"{opts.run} measured an encoder–decoder, whose heads are compared within each kind "
-                           "(docs/seq2seq.md §9); distances.npz holds one matrix over all heads, so attnkit distances "
-                           "does not take such a run yet: use attnkit.analysis.collect_distances from Python")
+    if meta.get("layer_kinds") and opts.engine == "ray":
+        raise AttnkitError(f"{opts.run} measured an encoder–decoder, whose distances are measured by the local "
+                           f"engine (drop {arg('engine')} ray)")
     if is_image_run(meta):
         given = [name for name, on in (("corpus", opts.corpus is not None), ("fmt", opts.fmt != "auto"),
                                        ("squad_pairs", opts.squad_pairs), ("columns", opts.columns)) if on]
@@ -258,7 +265,7 @@ def distances_inputs(opts: DistancesOptions, meta: dict):
             raise AttnkitError(f"images are measured by the local engine (drop {arg('engine')} ray)")
         return images_of_run(opts.run, meta, limit=opts.limit or meta.get("n_segments"))
     return corpus_of_run(opts.run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs, columns=opts.columns,
-                         limit=opts.limit)
+                         limit=opts.limit, pairs=bool(meta.get("layer_kinds")))
 
 
 __all__ = ["ENGINES", "DistancesOptions", "ExtractOptions", "check_distances_options", "check_engine",

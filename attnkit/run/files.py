@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .model_dir import KINDS
+
 # written by `attnkit extract`
 FEATURES_FILE = "features.npz"
 META_FILE = "meta.json"
@@ -18,6 +20,8 @@ FEATURE_SHARDS_DIR = "shards"  # --engine ray, while unfinished
 # written by the analysis commands
 CLUSTERS_FILE = "clusters.json"
 DISTANCES_FILE = "distances.npz"
+# an encoder–decoder's run: one file per kind of layers, its heads compared within the kind (docs/seq2seq.md §9)
+DISTANCES_KIND_FILES = {kind: f"distances_{kind}.npz" for kind in KINDS}
 DISTANCE_SHARDS_DIR = "distance-shards"  # `attnkit distances --engine ray`, while unfinished
 PATTERNS_FILE = "patterns.json"
 PATTERN_LABELS = "pattern_labels.npy"  # the class of every (example, head)
@@ -45,8 +49,9 @@ HEAD_MEANS_FILE = "head_means.npz"
 
 # What later steps add to a run directory: a fresh run that replaces a finished one removes them, since they
 # describe the old features.
-DERIVED_OUTPUTS = (CLUSTERS_FILE, DISTANCES_FILE, REPORT_FILE, FIGURES_DIR, PATTERNS_FILE, PATTERN_LABELS,
-                   PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS, DETECTED_HEADS_FILE, DETECTED_HEADS_META)
+DERIVED_OUTPUTS = (CLUSTERS_FILE, DISTANCES_FILE, *DISTANCES_KIND_FILES.values(), REPORT_FILE, FIGURES_DIR,
+                   PATTERNS_FILE, PATTERN_LABELS, PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS,
+                   DETECTED_HEADS_FILE, DETECTED_HEADS_META)
 
 
 def compare_models_outputs(directory, *, svg: bool = True) -> list[Path]:
@@ -58,6 +63,7 @@ def compare_models_outputs(directory, *, svg: bool = True) -> list[Path]:
 
 
 __all__ = ["CHECKPOINT_FILE", "CLUSTERS_FILE", "COMPARE_JSON", "COMPARE_NPZ", "DERIVED_OUTPUTS", "DISTANCES_FILE",
+           "DISTANCES_KIND_FILES",
            "DISTANCE_SHARDS_DIR", "FEATURES_FILE", "FEATURE_SHARDS_DIR", "FIGURES_DIR", "LOCK_FILE", "META_FILE",
            "OWNER_FILE", "PATTERN_LABELS", "PATTERNS_FILE", "PER_SAMPLE_FILE", "PER_SAMPLE_META", "PER_SAMPLE_ROWS",
            "PROBE_CSV", "PROBE_HEATMAP", "PROBE_JSON", "PROBE_TABLE", "REPORT_FILE"]
