@@ -125,3 +125,25 @@ def test_the_command_writes_one_file_per_kind_equal_to_collect_distances(model_d
     res = CliRunner().invoke(main, ["distances", str(run), "--batch-size", "4", "--overwrite", "-q"])
     assert res.exit_code == 0, res.output
     assert HeadDistances.load_by_kind(run)["decoder"].meta["kind"] == "decoder"
+
+
+SINGLE_STACK_ARRAYS = {"total", "per_token", "n_rows", "n_layers", "n_heads", "rows_per_sample", "smoothing",
+                       "measure", "removed_heads", "model_identity", "corpus_sha256"}  # what main writes
+
+
+def test_a_run_of_one_stack_keeps_its_one_file_and_has_no_kinds(run):
+    rng = np.random.default_rng(0)
+    a = rng.random((12, 12))
+    dist = HeadDistances(a + a.T, 40, 3, 4, {"smoothing": 0.0, "corpus_sha256": "ab",
+                                             "model_identity": {"name": "m", "n_layers": 3, "n_heads": 4}})
+    path = dist.save(run)
+    assert path == run / "distances.npz" and not list(run.glob("distances_*.npz"))
+    with np.load(path) as z:
+        assert set(z.files) == SINGLE_STACK_ARRAYS
+    back = HeadDistances.load(run)
+    np.testing.assert_array_equal(back.total, a + a.T)
+    assert "kind" not in back.meta
+    with pytest.raises(AttnkitError, match="one stack"):
+        HeadDistances.load_by_kind(run)
+    with pytest.raises(AttnkitError, match="per kind of encoder, decoder, cross, not 'all'"):
+        HeadDistances(a + a.T, 40, 3, 4, {"kind": "all"}).save(run)

@@ -50,3 +50,17 @@ def test_export_names_the_kind_columns_it_writes(run_dir, tmp_path):
     header = (tmp_path / "heads.csv").read_text().splitlines()[0].split(",")
     assert header[:4] == ["layer", "head", "kind", "kind_layer"]
     assert f"× {len(header)} columns: layer, head, kind, kind_layer, " in text
+
+
+def test_the_report_after_distances_by_kind_notes_them_and_pairs_no_heads_across_kinds(run_dir):
+    code, text = cli("cluster", run_dir, "-k", 3, "-q", "--overwrite")
+    assert code == 0, text
+    code, text = cli("distances", run_dir, "-q", "--overwrite")
+    assert code == 0, text
+    assert {p.name for p in run_dir.glob("distances*.npz")} == {"distances_encoder.npz", "distances_decoder.npz",
+                                                                 "distances_cross.npz"}
+    code, text = cli("report", run_dir, "-q", "--overwrite")
+    assert code == 0, text
+    html = (run_dir / "report.html").read_text()
+    assert "compared within each kind only" in html and "distances_cross.npz" in html
+    assert "mds_js" not in html and "No distances.npz" not in html

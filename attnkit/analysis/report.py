@@ -508,6 +508,12 @@ def head_maps(r: Report) -> Section:
         return Section("maps", "Maps of heads", part("figures_and_notes", figs=figures, notes=[
             f"{DISTANCES_FILE} is not this run's (see \"Results not shown here\"): the MDS map of Jensen-Shannon "
             f"distances needs `attnkit distances RUN --overwrite`."]))
+    if dist is None and r.features.layer_kinds is not None:  # never a map pairing heads of different kinds
+        return Section("maps", "Maps of heads", part("figures_and_notes", figs=figures, notes=[
+            "An encoder–decoder's heads are compared within each kind only (docs/seq2seq.md §9): `attnkit distances "
+            "RUN` writes one file per kind (distances_encoder.npz, distances_decoder.npz, distances_cross.npz; "
+            "attnkit.run.HeadDistances.load_by_kind reads them), and this report draws no MDS map of them nor the "
+            "nearest heads by divergence."]))
     if dist is None:
         return Section("maps", "Maps of heads", part("figures_and_notes", figs=figures, notes=[
             f"No {DISTANCES_FILE} in this run: the MDS map of Jensen-Shannon distances (and the nearest heads by "
