@@ -147,3 +147,20 @@ def test_a_run_of_one_stack_keeps_its_one_file_and_has_no_kinds(run):
         HeadDistances.load_by_kind(run)
     with pytest.raises(AttnkitError, match="per kind of encoder, decoder, cross, not 'all'"):
         HeadDistances(a + a.T, 40, 3, 4, {"kind": "all"}).save(run)
+
+
+def test_removed_heads_are_numbered_within_their_kind(tmp_path):
+    """A pruned encoder–decoder's run: each kind's file records its removed heads by layer within the kind."""
+    from types import SimpleNamespace
+
+    from attnkit.jobs.distances_job import _save
+
+    removed = np.zeros((6, 4), dtype=bool)
+    removed[1, 2] = removed[4, 0] = removed[5, 3] = True  # encoder 1, cross 0 and cross 1
+    run_feats = SimpleNamespace(removed=removed, layer_kinds=[("encoder", 0), ("encoder", 1), ("decoder", 0),
+                                                              ("decoder", 1), ("cross", 0), ("cross", 1)])
+    dist = {k: HeadDistances(np.zeros((8, 8)), 5, 2, 4, {"kind": k}) for k in ("encoder", "decoder", "cross")}
+    _save(tmp_path, dist, run_feats, {"corpus_sha256": "ab"})
+    for k, want in (("encoder", [[1, 2]]), ("decoder", []), ("cross", [[0, 0], [1, 3]])):
+        with np.load(tmp_path / f"distances_{k}.npz") as z:
+            assert z["removed_heads"].tolist() == want and str(z["kind"]) == k and str(z["corpus_sha256"]) == "ab"
