@@ -95,6 +95,7 @@ INT_RANGES = {
     "length": (2, INT32_MAX),
     "n_sequences": (1, INT32_MAX),
     "top": (1, INT32_MAX),
+    "max_new_tokens": (1, INT32_MAX),
 }
 
 

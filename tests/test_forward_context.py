@@ -27,9 +27,10 @@ from .synthetic import padded_inputs, tiny_encoder
 # What a Runtime may hold: settings, the consumers attached, what the blocks give the next forwards (`given`) and the
 # forwards under way. The data of one forward (its inputs, attnkit's batch, sentence ids, ...) belongs in `Forward`.
 # `image`: a vision transformer's ImageLayout, a setting of the model read from its config at attnkit.instrument (as
-# `sink`); the size of one forward's image is per-forward data (ModelInputs.image_size).
-RUNTIME_FIELDS = {"backend", "num_windows", "separator_ids", "sink", "segment_types", "image", "consumers", "given",
-                  "forwards"}
+# `sink`); the size of one forward's image is per-forward data (ModelInputs.image_size). `alignment`: whether every
+# layer measures the alignment features (an encoder–decoder's, set at attnkit.instrument: docs/features.md §11).
+RUNTIME_FIELDS = {"backend", "num_windows", "separator_ids", "sink", "segment_types", "image", "alignment", "consumers",
+                  "given", "forwards"}
 
 OUTER = padded_inputs(120, (9, 5), pair=True)  # segment B from position 4
 INNER = padded_inputs(120, (7, 7, 3))  # other samples and length, segment B from position 2

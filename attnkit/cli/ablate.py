@@ -57,7 +57,7 @@ from .options import OutputPath, cli_errors, echo_for, int_range, shared
               help="seq2seq: also translate every source greedily in each setting and score the translations "
                    "against the targets by corpus BLEU and chrF (sacrebleu: pip install attnkit[seq2seq]), beside "
                    "the loss, each change with its bootstrap interval.")
-@click.option("--max-new-tokens", "max_new_tokens", type=click.IntRange(min=1), default=None,
+@click.option("--max-new-tokens", "max_new_tokens", type=int_range("max_new_tokens"), default=None,
               help="--decode: tokens per translation (default: 1.5 × the longest target's tokens + 5, within "
                    "--max-length).")
 @click.option("--step", type=float, default=0.1, show_default=True, help="importance: share pruned per step.")
