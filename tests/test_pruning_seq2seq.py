@@ -23,7 +23,7 @@ from attnkit.cli.main import main
 from attnkit.errors import AttnkitError
 
 from .synthetic import tiny_seq2seq
-from .test_seq2seq_extract import PAIRS, word_tokenizer
+from .test_seq2seq_extract import PAIRS, save_seq2seq
 
 # 2 encoder (L0, L1), 2 decoder (L2, L3) and 2 cross layers (L4, L5) × 4 heads: L1 (encoder), L2 (the first decoder
 # self-attention: the KV cache's length is read from it) and L5 (cross) lose every head, the others some.
@@ -149,11 +149,7 @@ def test_refusals_name_the_problem():
 
 @pytest.fixture(scope="module")
 def bart_dir(tmp_path_factory):
-    tok, vocab = word_tokenizer("bart")
-    path = tmp_path_factory.mktemp("bart")
-    tiny_seq2seq("bart", vocab=vocab).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_seq2seq("bart", tmp_path_factory.mktemp("bart"))
 
 
 def pair_inputs(tok):

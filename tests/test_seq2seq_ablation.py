@@ -16,16 +16,12 @@ from attnkit.cli.ablate import ablate
 from attnkit.errors import AttnkitError
 
 from .synthetic import tiny_bert, tiny_seq2seq
-from .test_seq2seq_extract import PAIRS, word_tokenizer, write_jsonl, write_tsv
+from .test_seq2seq_extract import PAIRS, save_seq2seq, word_tokenizer, write_jsonl, write_tsv
 
 
 @pytest.fixture(scope="module")
 def bart_dir(tmp_path_factory):
-    tok, vocab = word_tokenizer("bart")
-    path = tmp_path_factory.mktemp("bart")
-    tiny_seq2seq("bart", vocab=vocab).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_seq2seq("bart", tmp_path_factory.mktemp("bart"))
 
 
 def direct_loss(model, tok, pairs, heads=None) -> float:

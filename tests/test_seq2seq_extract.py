@@ -58,12 +58,7 @@ def word_tokenizer(kind: str):
 def model_dir(request, tmp_path_factory):
     """(kind, a directory holding a tiny random encoder–decoder of `kind` and its tokenizer)"""
     kind = request.param
-    tok, vocab = word_tokenizer(kind)
-    model = tiny_seq2seq(kind, vocab=vocab)
-    path = tmp_path_factory.mktemp(kind)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return kind, path
+    return kind, save_seq2seq(kind, tmp_path_factory.mktemp(kind))
 
 
 def write_tsv(path, pairs, header=("source", "target")):
@@ -208,13 +203,17 @@ def test_meta_records_layer_kinds_and_truncation_of_either_side(model_dir, tmp_p
     assert [[h["kind"], h["kind_layer"]] for h in heads] == [k for k in kinds for _ in range(4)]
 
 
-@pytest.fixture(scope="module")
-def bart_dir(tmp_path_factory):
-    tok, vocab = word_tokenizer("bart")
-    path = tmp_path_factory.mktemp("bart")
-    tiny_seq2seq("bart", vocab=vocab).save_pretrained(path)
+def save_seq2seq(kind: str, path):
+    """A tiny random encoder–decoder of `kind` and its word-level tokenizer saved into `path`; returns `path`."""
+    tok, vocab = word_tokenizer(kind)
+    tiny_seq2seq(kind, vocab=vocab).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def bart_dir(tmp_path_factory):
+    return save_seq2seq("bart", tmp_path_factory.mktemp("bart"))
 
 
 @pytest.fixture()

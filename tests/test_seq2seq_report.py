@@ -8,16 +8,12 @@ import json
 
 import pytest
 
-from .synthetic import tiny_seq2seq
-from .test_seq2seq_extract import PAIRS, cli, extract_args, word_tokenizer, write_tsv
+from .test_seq2seq_extract import PAIRS, cli, extract_args, save_seq2seq, write_tsv
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    tok, vocab = word_tokenizer("bart")
-    model = tmp_path_factory.mktemp("bart")
-    tiny_seq2seq("bart", vocab=vocab).save_pretrained(model)
-    tok.save_pretrained(model)
+    model = save_seq2seq("bart", tmp_path_factory.mktemp("bart"))
     where = tmp_path_factory.mktemp("run")
     corpus = write_tsv(where / "pairs.tsv", PAIRS * 3)
     code, text = cli(*extract_args(corpus, model, where / "run"))
