@@ -13,12 +13,11 @@ pytest.importorskip("PIL")
 pytest.importorskip("skimage")
 
 import transformers as T  # noqa: E402
-from PIL import Image  # noqa: E402
 
 from attnkit.cli.main import main  # noqa: E402
 from attnkit.run.distances import HeadDistances  # noqa: E402
 
-from .test_images import PATCH, SIZE, SMALL, write_images  # noqa: E402
+from .test_images import PATCH, SIZE, SMALL, eager_image_maps, write_images  # noqa: E402
 
 
 def sharp_vit(path):
@@ -37,12 +36,7 @@ def sharp_vit(path):
 
 def js_by_numpy(model_dir, paths) -> np.ndarray:
     """Σ over images and query rows of JS(A_i[s], A_j[s]) (natural logs) between heads m = layer · H + head."""
-    processor = T.AutoImageProcessor.from_pretrained(model_dir)
-    images = [Image.open(p).convert("RGBA").convert("RGB") for p in paths]
-    px = torch.from_numpy(np.asarray(processor(images=images, return_tensors="np")["pixel_values"]))
-    eager = T.AutoModel.from_pretrained(model_dir, attn_implementation="eager").eval()
-    with torch.no_grad():
-        maps = eager(pixel_values=px, output_attentions=True).attentions
+    maps = eager_image_maps(model_dir, paths)
     a = np.concatenate([m.double().numpy() for m in maps], axis=1)  # B × M × L × L
     M = a.shape[1]
 

@@ -68,16 +68,25 @@ def write_images(folder):
     return [str(folder / n) for n in ("a_rgb.png", "b_gray.png", "c_rgba.png", "d_tall.jpg", "e_palette.png")]
 
 
+def pixels_of(model_dir, paths) -> torch.Tensor:
+    """The images at `paths`, decoded here with Pillow and processed by the directory's image processor."""
+    processor = T.AutoImageProcessor.from_pretrained(model_dir)
+    images = [Image.open(p).convert("RGBA").convert("RGB") for p in paths]
+    return torch.from_numpy(np.asarray(processor(images=images, return_tensors="np")["pixel_values"]))
+
+
+def eager_image_maps(model_dir, paths) -> tuple:
+    """Eager attention's maps (one B × H × L × L per layer) of the directory's model over the images at `paths`."""
+    eager = T.AutoModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return eager(pixel_values=pixels_of(model_dir, paths), output_attentions=True).attentions
+
+
 def expected_features(model_dir, paths, prefix: int) -> dict:
     """Per image, per layer and head: the mean row entropy and the mean attention distance (Σ over patch keys of
     weight × Euclidean distance of their grid positions, averaged over patch queries) from eager's maps, the images
     decoded here with Pillow and processed by the directory's image processor."""
-    processor = T.AutoImageProcessor.from_pretrained(model_dir)
-    images = [Image.open(p).convert("RGBA").convert("RGB") for p in paths]
-    px = torch.from_numpy(np.asarray(processor(images=images, return_tensors="np")["pixel_values"]))
-    eager = T.AutoModel.from_pretrained(model_dir, attn_implementation="eager").eval()
-    with torch.no_grad():
-        maps = eager(pixel_values=px, output_attentions=True).attentions
+    maps = eager_image_maps(model_dir, paths)
     side = SIZE // PATCH
     grid = torch.tensor([[i // side, i % side] for i in range(side * side)], dtype=torch.float64)
     d = torch.cdist(grid, grid)

@@ -12,17 +12,14 @@ import torch
 pytest.importorskip("PIL")
 
 import transformers as T  # noqa: E402
-from PIL import Image  # noqa: E402
 
 import attnkit  # noqa: E402
 
-from .test_images import PATCH, SIZE, save_model, write_images  # noqa: E402
+from .test_images import PATCH, SIZE, pixels_of, save_model, write_images  # noqa: E402
 
 
 def eager_norm_features(model_dir, paths) -> dict:
-    processor = T.AutoImageProcessor.from_pretrained(model_dir)
-    images = [Image.open(p).convert("RGBA").convert("RGB") for p in paths]
-    px = torch.from_numpy(np.asarray(processor(images=images, return_tensors="np")["pixel_values"]))
+    px = pixels_of(model_dir, paths)
     eager = T.AutoModel.from_pretrained(model_dir, attn_implementation="eager").eval()
     layers = eager.layers
     values = {}
