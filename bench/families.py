@@ -119,7 +119,7 @@ def vision_batches(model, n_batches: int, batch: int, seed: int = 0):
     cfg = model.config
     layout = image_layout(cfg)
     tokens = ImageTokens(layout, layout.image)
-    n_tokens = len(layout.prefix) + tokens.shape[0] * tokens.shape[1]
+    n_tokens = tokens.length
     out = []
     for _ in range(n_batches):
         px = torch.rand(batch, 3, *layout.image, generator=g)

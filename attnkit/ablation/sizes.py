@@ -66,9 +66,7 @@ def count_tokens(inputs: dict, model=None) -> int:
     (`model` given) its images' patches and the tokens before them."""
     if "pixel_values" in inputs:
         layout = image_layout(model.config)
-        tokens = ImageTokens(layout, layout.image)
-        rows, cols = tokens.shape
-        return int(inputs["pixel_values"].shape[0]) * (len(layout.prefix) + rows * cols)
+        return int(inputs["pixel_values"].shape[0]) * ImageTokens(layout, layout.image).length
     return sum(int(inputs[k].numel()) for k in ("input_ids", "decoder_input_ids") if k in inputs)
 
 

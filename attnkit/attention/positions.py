@@ -109,6 +109,12 @@ class ImageTokens:
         """(rows, columns) of the patch grid."""
         return self.size[0] // self.layout.patch[0], self.size[1] // self.layout.patch[1]
 
+    @property
+    def length(self) -> int:
+        """The tokens of one image: those before the patches, then the patches."""
+        rows, cols = self.shape
+        return len(self.layout.prefix) + rows * cols
+
     def token_class(self, B: int, L: int, device) -> torch.Tensor:
         return image_tokens(self, L, str(device))[0].expand(B, L)
 
@@ -121,9 +127,9 @@ def image_tokens(tokens: ImageTokens, L: int, device: str) -> tuple:
     """(token classes int32 1×L, grid positions int32 1×L×2) of a forward's image tokens (module docstring),
     computed once per image size: every layer of every forward at that size reads the same ones."""
     prefix, (rows, cols) = tokens.layout.prefix, tokens.shape
-    if len(prefix) + rows * cols != L:
+    if tokens.length != L:
         raise AttnkitError(f"a {tokens.layout.model_type} forward of a {tokens.size[0]}×{tokens.size[1]} image should "
-                           f"have {len(prefix)} tokens before its {rows}×{cols} patches ({len(prefix) + rows * cols} "
+                           f"have {len(prefix)} tokens before its {rows}×{cols} patches ({tokens.length} "
                            f"in all), but its attention got {L}")
     classes = torch.full((1, L), IMAGE_PATCH, dtype=torch.int32)
     classes[0, :len(prefix)] = torch.tensor(prefix, dtype=torch.int32)
