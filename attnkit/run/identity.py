@@ -14,6 +14,8 @@ import hashlib
 import json
 import os
 
+from .model_dir import seq2seq_layer_kinds
+
 IDENTITY_FIELD = "model_identity"
 # The config fields that make the model's shape: what `config_sha256` hashes. A fixed list, not the whole config,
 # so that the hash does not change with the class a model is loaded as (a bare model, a language-model head, a
@@ -46,8 +48,6 @@ def model_identity(model, name=None) -> dict:
     symbolic links resolved; null when it is not a local directory), `model_type`, `n_layers` (attnkit's layers,
     those a run's features have: an encoder–decoder's encoder, decoder and cross-attention layers together,
     docs/seq2seq.md §2), `n_heads` and `config_sha256` (`config_sha256`)."""
-    from .model_dir import seq2seq_layer_kinds
-
     config = getattr(model, "config", model)
     kinds = seq2seq_layer_kinds(config)
     n_layers = int(config.num_hidden_layers) if kinds is None else len(kinds)
