@@ -60,3 +60,18 @@ def test_the_report_after_distances_by_kind_notes_them_and_pairs_no_heads_across
     html = (run_dir / "report.html").read_text()
     assert "compared within each kind only" in html and "distances_cross.npz" in html
     assert "mds_js" not in html and "No distances.npz" not in html
+
+
+def test_a_run_whose_identity_counts_the_encoders_layers_alone_still_clusters_and_reports(run_dir, tmp_path):
+    """A run extracted before the model identity counted attnkit's layers records the encoder's (2 of 6)."""
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(run_dir, old)
+    meta = json.loads((old / "meta.json").read_text())
+    meta["model_identity"]["n_layers"] = 2
+    (old / "meta.json").write_text(json.dumps(meta))
+    code, text = cli("cluster", old, "-k", 3, "-q", "--overwrite")
+    assert code == 0, text
+    code, text = cli("report", old, "-q", "--overwrite")
+    assert code == 0, text

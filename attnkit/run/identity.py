@@ -60,11 +60,13 @@ def model_identity(model, name=None) -> dict:
 
 def recorded_identity(record: dict, n_layers=None, n_heads=None) -> dict:
     """The identity a file records (`record`: its JSON object): its `model_identity` when it has one, else what an
-    older file has, `model` as the name, `model_type`, and the layers × heads given (or its n_layers, n_heads);
-    `partial` tells which."""
+    older file has, `model` as the name, `model_type`, and its n_layers, n_heads; `partial` tells which. The layers ×
+    heads given (the shape of the file's own arrays) replace the recorded ones: an encoder–decoder's run made before
+    `model_identity` counted attnkit's layers records its encoder's alone."""
     ident = record.get(IDENTITY_FIELD) if isinstance(record, dict) else None
     if isinstance(ident, dict):
-        return {**ident, "partial": False}
+        shape = {k: v for k, v in (("n_layers", n_layers), ("n_heads", n_heads)) if v is not None}
+        return {**ident, **shape, "partial": False}
     record = record if isinstance(record, dict) else {}
     return {"name": record.get("model"), "path": None, "model_type": record.get("model_type"),
             "n_layers": record.get("n_layers") if n_layers is None else n_layers,
