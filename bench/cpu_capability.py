@@ -60,22 +60,40 @@ def load() -> str:
         return "load ?"
 
 
+# A timed sample lasts at least this long: a call shorter than that is repeated within the sample and the mean per
+# call taken (a single call of a fraction of a millisecond measures the clock and the scheduler, not the call).
+MIN_SAMPLE_S = 0.02
+
+
 def timed(cfgs: dict, rounds: int, title: str, budget_s: float | None = None) -> dict:
-    """Interleaved rounds (every case once per round), medians of wall and process CPU time. Stops early, after
-    at least 3 rounds, once budget_s seconds have passed. Returns {case: (wall s, cpu s)}."""
-    for fn in cfgs.values():
-        fn()
+    """Interleaved rounds (every case once per round), medians of wall and process CPU time per call. A case whose
+    call takes less than MIN_SAMPLE_S is called that many times per sample (the same count in every round, set by
+    its warm-up call). Stops early, after at least 3 rounds, once budget_s seconds have passed. Returns
+    {case: (wall s, cpu s)}."""
+    reps = {}
+    for k, fn in cfgs.items():
+        t0 = time.perf_counter()
+        fn()  # warm-up
+        took = time.perf_counter() - t0
+        if took < MIN_SAMPLE_S:  # (a warm call may be faster still: time one)
+            t0 = time.perf_counter()
+            fn()
+            took = time.perf_counter() - t0
+        reps[k] = max(1, min(1000, int(MIN_SAMPLE_S / max(took, 1e-6)) + 1)) if took < MIN_SAMPLE_S else 1
     times = {k: [] for k in cfgs}
     cpu = {k: [] for k in cfgs}
     start = time.perf_counter()
     for i in range(rounds):
         for k, fn in cfgs.items():
             c0, t0 = time.process_time(), time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-            cpu[k].append(time.process_time() - c0)
+            for _ in range(reps[k]):
+                fn()
+            times[k].append((time.perf_counter() - t0) / reps[k])
+            cpu[k].append((time.process_time() - c0) / reps[k])
         if budget_s is not None and i >= 2 and time.perf_counter() - start > budget_s:
             break
+    if max(reps.values()) > 1:
+        title += " [calls per sample: " + ", ".join(f"{k} {r}" for k, r in reps.items()) + "]"
     base = statistics.median(times[next(iter(times))])
     print(f"-- {title} ({len(times[next(iter(times))])} rounds, {load()} after)")
     for k, v in times.items():

@@ -440,7 +440,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   // Blocks (as ATen's CPU flash attention): BQ query rows × BK keys, the score tile in L2 whatever L is.
   // $ATTNKIT_CPU_BLOCKS="BQxBK" overrides them (tests use small blocks to reach every path at small L).
   // full rows: 256 as ATen (more reuse of each K/V block); causal / windowed rows: 128 (less waste at the diagonal)
-  int64_t BQ = L < 768 ? 64 : (a.causal || a.sliding_window.has_value()) ? 128 : 256, BK = 512;
+  // up to 4k keys, 256 from there (each K/V block is packed by BLAS once per block of rows: at 8k, packing twice as
+  // often cost more than the diagonal's waste; bench/cpu_capability.py --only lengths, docs/cpu.md)
+  const bool narrow = (a.causal || a.sliding_window.has_value()) && L < 4096;
+  int64_t BQ = L < 768 ? 64 : narrow ? 128 : 256, BK = 512;
   if (const char* env = std::getenv("ATTNKIT_CPU_BLOCKS"); env != nullptr && *env != '\0') {
     long bq = 0, bk = 0;
     ATTNKIT_CHECK(std::sscanf(env, "%ldx%ld", &bq, &bk) == 2 && bq >= 1 && bk >= 1,
@@ -496,7 +499,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.softcap = a.softcap.has_value() ? static_cast<float>(*a.softcap) : 0.f;
   p.FA = kPartialSlots(F0);
   p.gemm = gemm;
-  p.small_products = BQ * BK * D <= small_products;
+  p.small_products = BQ * BK * D < small_products;
   const int64_t n_tasks = B * H * p.n_qblk;
   std::vector<double> partial(a.want_features ? n_tasks * p.FA : 0, 0.0);
   p.partial = a.want_features ? partial.data() : nullptr;

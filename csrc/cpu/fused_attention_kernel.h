@@ -90,10 +90,9 @@ struct FusedCpuParams {
   bool small_products;
 };
 
-// Tiles of at most this many multiply-adds per product (BQ · BK · D) use the products in place by default: up to
-// 64 rows × 128 keys at D = 64 the op took 0.79–0.96× its time with MKL for sentences (bench/cpu_capability.py
-// --only products), about even at the limit itself (B=4, L=128, D=64: 0.82–1.10 over six runs, B=8: 0.95), and
-// at 64 × 256 × 64 forced in place 0.95–1.14×, no gain.
+// Tiles of fewer than this many multiply-adds per product (BQ · BK · D) use the products in place by default: below
+// it a BLAS call's fixed cost outweighs its faster arithmetic; at the limit itself (64 rows × 128 keys at D = 64) BLAS
+// is as fast or faster (docs/cuda.md, "Small tiles", has the runs).
 // $ATTNKIT_CPU_SMALL_PRODUCTS overrides it (0: always BLAS).
 constexpr int64_t kSmallProducts = int64_t(1) << 19;
 
