@@ -59,7 +59,41 @@ def test_the_report_after_distances_by_kind_notes_them_and_pairs_no_heads_across
     assert code == 0, text
     html = (run_dir / "report.html").read_text()
     assert "compared within each kind only" in html and "distances_cross.npz" in html
-    assert "mds_js" not in html and "No distances.npz" not in html
+    assert "No distances.npz" not in html
+    # one map per kind, of that kind's heads alone (the page embeds the figures; RUN/figures keeps their files);
+    # none of the whole model
+    for kind in ("encoder", "decoder", "cross"):
+        assert f"Jensen-Shannon divergences between the {kind} heads" in html
+        assert (run_dir / "figures" / f"mds_js_{kind}.png").is_file()
+        assert f"{kind} heads, mean JS divergence per token: within a layer " in html
+    assert "Jensen-Shannon divergences between heads" not in html and not (run_dir / "figures" / "mds_js.png").exists()
+
+
+def test_a_kind_without_its_distances_or_with_another_models_is_named_and_not_drawn(run_dir, tmp_path):
+    """The report maps the kinds whose distances_KIND.npz is the run's: a missing file is named with the command
+    that writes it, another model's is listed among the results not shown, with why."""
+    import shutil
+
+    import numpy as np
+
+    code, text = cli("distances", run_dir, "-q", "--overwrite")
+    assert code == 0, text
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other)
+    (other / "distances_cross.npz").unlink()
+    with np.load(other / "distances_decoder.npz") as z:
+        arrays = dict(z)
+    ident = json.loads(str(arrays["model_identity"]))
+    arrays["model_identity"] = np.array(json.dumps({**ident, "name": "another-model", "path": "/elsewhere"}))
+    np.savez(other / "distances_decoder.npz", **arrays)
+    code, text = cli("report", other, "-q", "--overwrite")
+    assert code == 0, text
+    html = (other / "report.html").read_text()
+    drawn = {k for k in ("encoder", "decoder", "cross") if f"divergences between the {k} heads" in html}
+    assert drawn == {"encoder"}
+    assert "No map of the cross heads: run `attnkit distances RUN` for distances_cross.npz." in html
+    assert "No map of the decoder heads: distances_decoder.npz is not this run&#39;s" in html
+    assert "Jensen-Shannon distances of the decoder heads" in html
 
 
 def test_a_run_whose_identity_counts_the_encoders_layers_alone_still_clusters_and_reports(run_dir, tmp_path):

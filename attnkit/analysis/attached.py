@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import AttnkitError
 from ..features import weighting_of
 from ..jobs.detect_options import KINDS
-from ..run.distances import HeadDistances
+from ..run.distances import HeadDistances, distances_file
 from ..run.files import (
     DETECTED_HEADS_FILE,
     DETECTED_HEADS_META,
@@ -56,7 +56,8 @@ class Attached:
     path, why) of results that are not shown: another model's, or unreadable beside a readable file) and `partial`
     (the files shown whose model could be compared with the run's only in part: made before attnkit recorded the
     model's identity, attnkit/run/identity.py); `distances` (RUN/distances.npz, `read_distances`, when it is the
-    run's)."""
+    run's); `distances_by_kind` (an encoder–decoder's run: {kind: its RUN/distances_KIND.npz} for the kinds whose file
+    is the run's, in the run's order of kinds)."""
 
     patterns: dict | None = None
     probe: dict | None = None
@@ -66,6 +67,7 @@ class Attached:
     links: list = field(default_factory=list)
     partial: list = field(default_factory=list)
     distances: HeadDistances | None = None
+    distances_by_kind: dict = field(default_factory=dict)
 
 
 class _Elsewhere(Exception):
@@ -89,15 +91,18 @@ def _same_model(run: dict | None, record: dict, path: Path, partial: list | None
 
 
 def read_distances(path: Path, shape: tuple[int, int], meta: dict, run: dict | None = None,
-                   partial: list | None = None) -> HeadDistances:
-    """RUN/distances.npz (`HeadDistances.load`), when it was measured with the run's model (`run`, `partial`: as
+                   partial: list | None = None, kind: str | None = None) -> HeadDistances:
+    """RUN/distances.npz (`HeadDistances.load`), or with `kind` an encoder–decoder's RUN/distances_KIND.npz
+    (`shape`: that kind's layers × heads in the run), when it was measured with the run's model (`run`, `partial`: as
     `_same_model`'s; a file without `model_identity` is compared by its layers × heads) over the run's corpus
     (`meta`: the run's meta.json, whose settings.corpus_sha256 is compared when both record one)."""
-    dist = HeadDistances.load(path.parent)
+    dist = HeadDistances.load(path.parent) if kind is None else HeadDistances.load_kind(path.parent, kind)
+    # (a kind's file covers the kind's layers alone: its model identity, the whole model's, is compared as recorded)
     _same_model(run, {"model_identity": dist.meta["model_identity"]} if dist.meta.get("model_identity") else {},
-                path, partial, dist.n_layers, dist.n_heads)
+                path, partial, *((dist.n_layers, dist.n_heads) if kind is None else (None, None)))
     if (dist.n_layers, dist.n_heads) != tuple(shape):  # (also when the run is not compared: its shape must fit)
-        raise _Elsewhere(f"it covers {dist.n_layers} layers × {dist.n_heads} heads, the run {shape[0]} × {shape[1]}")
+        what = "the run" if kind is None else f"the run's {kind} layers"
+        raise _Elsewhere(f"it covers {dist.n_layers} layers × {dist.n_heads} heads, {what} {shape[0]} × {shape[1]}")
     theirs, ours = dist.meta.get("corpus_sha256"), (meta.get("settings") or {}).get("corpus_sha256")
     if theirs and ours and theirs != ours:
         raise _Elsewhere("measured over another corpus than the run's (corpus_sha256 differ): run `attnkit "
@@ -385,6 +390,15 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
             found.distances = read_distances(run_dir / DISTANCES_FILE, shape, meta, run, partial)
         except _Elsewhere as exc:
             found.links.append(("Jensen-Shannon distances", run_dir / DISTANCES_FILE, str(exc)))
+    kinds = [k for k, _ in features.layer_kinds or []] if features is not None else []
+    for kind in dict.fromkeys(kinds):  # an encoder–decoder's distances, one file per kind
+        path = run_dir / distances_file(kind)
+        if path.is_file():
+            try:
+                found.distances_by_kind[kind] = read_distances(path, (kinds.count(kind), shape[1]), meta, run,
+                                                               partial, kind)
+            except _Elsewhere as exc:
+                found.links.append((f"Jensen-Shannon distances of the {kind} heads", path, str(exc)))
     if (run_dir / PATTERNS_FILE).is_file():
         try:
             found.patterns = read_patterns(run_dir / PATTERNS_FILE, shape, features)
@@ -394,7 +408,8 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
         _read_place(found, place, run_dir, shape, run, partial, features)
     shown = {found.probe and found.probe["path"] / PROBE_JSON, found.detected and found.detected["meta_path"],
              found.weighting and found.weighting["other"] / META_FILE,
-             found.distances and run_dir / DISTANCES_FILE} | {a["meta_path"] for a in found.ablations}
+             found.distances and run_dir / DISTANCES_FILE} | {a["meta_path"] for a in found.ablations} \
+        | {run_dir / distances_file(kind) for kind in found.distances_by_kind}
     found.partial = [p for p in dict.fromkeys(partial) if p in shown]
     return found
 

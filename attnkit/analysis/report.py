@@ -34,7 +34,7 @@ from ..errors import AttnkitError
 from ..features import describe_feature, shown_features, weighting_of
 from ..plotting import save_figure
 from ..run.clusters import label_grid, load_clusters, run_stability
-from ..run.distances import HeadDistances
+from ..run.distances import HeadDistances, distances_file
 from ..run.files import CLUSTERS_FILE, DISTANCES_FILE, FIGURES_DIR, PER_SAMPLE_FILE, REPORT_FILE
 from ..run.head_features import HeadFeatures
 from ..run.identity import IDENTITY_FIELD
@@ -207,6 +207,20 @@ class Section:
         return macros().section(self.id, self.title, Markup(self.body))
 
 
+def _heads_of_kind(features: HeadFeatures, kind: str) -> np.ndarray:
+    """The indices (layer-major, among all of the run's heads) of the heads of an encoder–decoder's layers of `kind`."""
+    H = features.n_heads
+    return np.array([l * H + h for l, (k, _) in enumerate(features.layer_kinds) if k == kind for h in range(H)])
+
+
+def _within_and_across_layers(pt: np.ndarray, layers: np.ndarray) -> tuple[float, float]:
+    """The mean divergence `pt` (heads × heads) between two heads of one layer and between heads of two layers (NaN
+    where there is no such pair)."""
+    same = layers[:, None] == layers[None, :]
+    within, across = pt[same & ~np.eye(len(layers), dtype=bool)], pt[~same]
+    return (within.mean() if within.size else np.nan), (across.mean() if across.size else np.nan)
+
+
 class Report:
     """What every section reads: the run, its features, clusters, distances, attached results, figures saver, the
     example inputs' maps, and which heads were removed."""
@@ -228,6 +242,10 @@ class Report:
         self.head_ids = [f"L{m // H}H{m % H}" for m in range(L * H)]
         # distances.npz when it is this run's (another model's or corpus's is listed as not shown: attached.py)
         self.distances: HeadDistances | None = attached.distances
+        # an encoder–decoder's: the kinds whose distances_KIND.npz is the run's and keeps two heads or more to map,
+        # with their heads' indices among the run's (layer-major)
+        heads = {kind: _heads_of_kind(features, kind) for kind in attached.distances_by_kind}
+        self.kind_maps = [(kind, idx) for kind, idx in heads.items() if self.kept[idx].sum() >= 2]
         self.image = "mean_attention_distance" in features.names  # a vision transformer's run
         self.cls_maps = None  # an image run: (layers × heads × rows × cols [CLS] attention, the image, its name)
         self.maps = []  # AttentionMaps of the example inputs, shortest first
@@ -509,11 +527,7 @@ def head_maps(r: Report) -> Section:
             f"{DISTANCES_FILE} is not this run's (see \"Results not shown here\"): the MDS map of Jensen-Shannon "
             f"distances needs `attnkit distances RUN --overwrite`."]))
     if dist is None and r.features.layer_kinds is not None:  # never a map pairing heads of different kinds
-        return Section("maps", "Maps of heads", part("figures_and_notes", figs=figures, notes=[
-            "An encoder–decoder's heads are compared within each kind only (docs/seq2seq.md §9): `attnkit distances "
-            "RUN` writes one file per kind (distances_encoder.npz, distances_decoder.npz, distances_cross.npz; "
-            "attnkit.run.HeadDistances.load_by_kind reads them), and this report draws no MDS map of them nor the "
-            "nearest heads by divergence."]))
+        return _kind_maps(r, figures, removed)
     if dist is None:
         return Section("maps", "Maps of heads", part("figures_and_notes", figs=figures, notes=[
             f"No {DISTANCES_FILE} in this run: the MDS map of Jensen-Shannon distances (and the nearest heads by "
@@ -525,12 +539,52 @@ def head_maps(r: Report) -> Section:
                          "mds_js", f"Metric MDS of the Jensen-Shannon divergences between heads (mean per token over "
                                    f"{dist.n_rows} query tokens{smoothed}), coloured by type and by layer (cf. Clark "
                                    "et al. Fig. 6)." + removed))
-    kl = layers[kept]
-    within = pt[(kl[:, None] == kl[None, :]) & ~np.eye(len(kl), dtype=bool)].mean()
-    across = pt[kl[:, None] != kl[None, :]].mean()
+    within, across = _within_and_across_layers(pt, layers[kept])
     return Section("maps", "Maps of heads", part("figures_and_notes", figs=figures, notes=[
         f"Mean JS divergence per token: between heads of the same layer {within:.4f}, between heads of different "
         f"layers {across:.4f}."]))
+
+
+def _kind_maps(r: Report, figures: list, removed: str) -> Section:
+    """An encoder–decoder's maps of heads: one MDS map of Jensen-Shannon divergences per kind whose
+    distances_KIND.npz is the run's, each kind's heads compared among themselves only (docs/seq2seq.md §9)."""
+    from .embedding import mds
+
+    H = r.features.n_heads
+    kinds = list(dict.fromkeys(k for k, _ in r.features.layer_kinds))
+    notes = ["An encoder–decoder's heads are compared within each kind only (docs/seq2seq.md §9): `attnkit distances "
+             "RUN` writes one file per kind (distances_encoder.npz, distances_decoder.npz, distances_cross.npz; "
+             "attnkit.run.HeadDistances.load_by_kind reads them). No map or nearest head pairs heads of two kinds."]
+    for kind, idx in r.kind_maps:
+        dist = r.attached.distances_by_kind[kind]
+        keep = r.kept[idx]
+        pt = np.asarray(dist.per_token)[np.ix_(keep, keep)]
+        layers = idx[keep] // H
+        smoothed = f", rows smoothed with ε = {dist.meta['smoothing']:g}" if dist.meta.get("smoothing") else ""
+        figures.append(r.img(figs.mds_maps(mds(pt, seed=r.seed), r.labels[idx][keep], r.type_names, layers,
+                                           [r.head_ids[m] for m in idx[keep]]),
+                             f"mds_js_{kind}", f"Metric MDS of the Jensen-Shannon divergences between the {kind} heads "
+                                               f"(mean per token over {dist.n_rows} query tokens{smoothed}), coloured "
+                                               "by type and by layer (cf. Clark et al. Fig. 6)." + removed))
+        means = zip(("within a layer", "across layers"), _within_and_across_layers(pt, layers))
+        parts = [f"{what} {x:.4f}" for what, x in means if not np.isnan(x)]
+        notes.append(f"{kind} heads, mean JS divergence per token: {', '.join(parts)}.")
+    drawn = {kind for kind, _ in r.kind_maps}
+    absent = [k for k in kinds if k not in r.attached.distances_by_kind]
+    missing = [k for k in absent if not (r.run_dir / distances_file(k)).is_file()]
+    if missing:
+        notes.append(f"No map of the {', '.join(missing)} heads: run `attnkit distances RUN` for "
+                     + ", ".join(distances_file(k) for k in missing) + ".")
+    others = [k for k in absent if k not in missing]
+    if others:
+        notes.append(f"No map of the {', '.join(others)} heads: " + ", ".join(distances_file(k) for k in others)
+                     + (" is" if len(others) == 1 else " are") + " not this run's (see \"Results not shown here\"): "
+                     "`attnkit distances RUN --overwrite` measures them again.")
+    few = [k for k in r.attached.distances_by_kind if k not in drawn]
+    if few:
+        notes.append(f"No map of the {', '.join(few)} heads: fewer than two of them are left.")
+    notes.append("The head panel's nearest heads by divergence are not listed for an encoder–decoder's run.")
+    return Section("maps", "Maps of heads", part("figures_and_notes", figs=figures, notes=notes))
 
 
 def heatmaps(r: Report) -> Section:
@@ -830,7 +884,8 @@ def build_report(run_dir, *, k: int | None = None, method: str = "kmeans", seed:
                         model=model)
         _example_maps(report)
         # types, box plots, t-SNE, heatmaps, per-layer summaries; the sweep, MDS and examples when they are drawn
-        save.expect(5 + bool(data["stability"].get("sweep")) + (report.distances is not None) + bool(report.maps)
+        save.expect(5 + bool(data["stability"].get("sweep")) + (report.distances is not None) + len(report.kind_maps)
+                    + bool(report.maps)
                     + (attached.detected is not None) + report.image + (report.cls_maps is not None))
         panel = _panel(report)  # first: it reads the examples' texts, which may be damaged, before any figure
         sections = [s for s in (build(report) for build in SECTIONS) if s is not None]

@@ -102,8 +102,13 @@ class HeadDistances:
             if kind not in layer_kinds:
                 raise AttnkitError(f"{directory} has no layers of kind {kind!r} (its kinds: "
                                    f"{', '.join(dict.fromkeys(layer_kinds))})")
-        return {kind: cls._read(directory / distances_file(kind), directory, kind,
-                                (layer_kinds.count(kind), run.n_heads)) for kind in wanted}
+        return {kind: cls.load_kind(directory, kind, (layer_kinds.count(kind), run.n_heads)) for kind in wanted}
+
+    @classmethod
+    def load_kind(cls, directory, kind: str, shape: tuple[int, int] | None = None) -> HeadDistances:
+        """One kind's RUN/distances_KIND.npz of an encoder–decoder's run (checked against that kind's (layers, heads)
+        in the run when `shape` is given), without reading the run's features: for a caller that has them."""
+        return cls._read(Path(directory) / distances_file(kind), directory, kind, shape)
 
     @classmethod
     def _read(cls, path: Path, directory, kind: str | None, shape) -> HeadDistances:
