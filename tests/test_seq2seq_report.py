@@ -109,3 +109,40 @@ def test_a_run_whose_identity_counts_the_encoders_layers_alone_still_clusters_an
     assert code == 0, text
     code, text = cli("report", old, "-q", "--overwrite")
     assert code == 0, text
+
+
+def test_the_head_panel_lists_each_heads_nearest_among_its_own_kind(run_dir):
+    """The panel's nearest heads by divergence of an encoder–decoder's run: an independent argsort of the head's kind's
+    distances_KIND.npz (self excluded), never a head of another kind; a kind without its file gives its heads none."""
+    import re
+
+    import numpy as np
+
+    from attnkit.run import HeadDistances
+
+    code, text = cli("distances", run_dir, "-q", "--overwrite")
+    assert code == 0, text
+    by_kind = HeadDistances.load_by_kind(run_dir)
+    (run_dir / "distances_cross.npz").unlink()
+    try:
+        code, text = cli("report", run_dir, "-q", "--overwrite")
+        assert code == 0, text
+        page = (run_dir / "report.html").read_text()
+    finally:  # (the other tests of this module expect every kind's file)
+        code, text = cli("distances", run_dir, "-q", "--overwrite")
+        assert code == 0, text
+    data = json.loads(re.search(r'id="attnkit-data">(.*?)</script>', page, re.S).group(1))
+    kinds = [k for k, _ in json.loads((run_dir / "meta.json").read_text())["layer_kinds"]]
+    H = data["H"]
+    assert data["near"]["js_source"].startswith("distances_KIND.npz")
+    for kind in ("encoder", "decoder"):
+        heads = [l * H + h for l, k in enumerate(kinds) if k == kind for h in range(H)]
+        d_kind = by_kind[kind].per_token
+        for i, m in enumerate(heads):
+            d = d_kind[i].copy()
+            d[i] = np.inf
+            want = [heads[j] for j in np.argsort(d, kind="stable")[:5]]
+            assert [x[0] for x in data["near"]["js"][m]] == want
+            np.testing.assert_allclose([x[1] for x in data["near"]["js"][m]], np.sort(d)[:5], atol=1e-6)
+    cross = [l * H + h for l, k in enumerate(kinds) if k == "cross" for h in range(H)]
+    assert all(data["near"]["js"][m] == [] for m in cross)

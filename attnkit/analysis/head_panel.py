@@ -37,7 +37,8 @@ def _ranked(rows, values) -> list:
 
 def nearest(D: np.ndarray, n: int = N_NEAR, removed=None) -> list:
     """For each head, the `n` others nearest by the M × M dissimilarities `D`: [[head, value], ...]; `removed` (M
-    booleans): heads that are nobody's neighbour and have none."""
+    booleans): heads that are nobody's neighbour and have none. An infinite (or NaN) dissimilarity pairs no heads: a
+    head has fewer neighbours, or none, when fewer others are compared with it."""
     D = np.array(D, dtype=np.float64)
     gone = np.zeros(len(D), dtype=bool) if removed is None else np.asarray(removed, dtype=bool).ravel()
     D[:, gone] = np.inf
@@ -45,7 +46,8 @@ def nearest(D: np.ndarray, n: int = N_NEAR, removed=None) -> list:
     np.fill_diagonal(D, np.inf)
     n = min(n, int((~gone).sum()) - 1)
     order = np.argsort(D, axis=1, kind="stable")[:, :max(n, 0)]
-    return [[] if gone[i] else [[int(j), round(float(D[i, j]), 6)] for j in row] for i, row in enumerate(order)]
+    return [[] if gone[i] else [[int(j), round(float(D[i, j]), 6)] for j in row if np.isfinite(D[i, j])]
+            for i, row in enumerate(order)]
 
 
 def feature_scales(features) -> list[dict]:
@@ -161,11 +163,13 @@ def encode_maps(weights: np.ndarray) -> tuple[list[str], list[float]]:
 
 def panel_data(features, clusters: dict, colors: dict, *, distances=None, extremes: dict | None = None,
                row_texts=None, maps=None, attached: Attached | None = None, docs: dict, notes: dict,
-               removed=None, shown=None) -> dict:
+               removed=None, shown=None, js_source: str = "distances.npz") -> dict:
     """Everything report.js shows about each head (the format: docs/files.md, "report.html"). `extremes`: the
     top and bottom examples (`extremes(per_sample, names)`), `row_texts` their texts, `maps` AttentionMaps of the
     example inputs, `removed` (L × H booleans) the heads removed from a pruned model, `shown` the features the
-    panel lists (default: all; a decoder's run leaves out those 0 for every head, attnkit.features.shown_features)."""
+    panel lists (default: all; a decoder's run leaves out those 0 for every head, attnkit.features.shown_features).
+    `distances`: the JS divergences per token between heads (an M × M array, infinite between heads never compared;
+    or a HeadDistances), which `js_source` names."""
     L, H, F = features.mean.shape
     M = L * H
     cols = [features.names.index(n) for n in (features.names if shown is None else shown)]
@@ -189,8 +193,8 @@ def panel_data(features, clusters: dict, colors: dict, *, distances=None, extrem
                   "short": short_names(type_names),
                   "label": [int(label.get((m // H, m % H), -1)) for m in range(M)],
                   "agreement": None if all(a is None for a in agreement) else agreement},
-        "near": {"js": nearest(distances.per_token, removed=gone) if distances is not None else None,
-                 "feat": nearest(feat_d, removed=gone)},
+        "near": {"js": nearest(getattr(distances, "per_token", distances), removed=gone)
+                 if distances is not None else None, "feat": nearest(feat_d, removed=gone), "js_source": js_source},
         "examples": None, "maps": None, "probe": None, "patterns": None, "ablation": [], "detected": None,
         "notes": notes,
     }

@@ -583,7 +583,8 @@ def _kind_maps(r: Report, figures: list, removed: str) -> Section:
     few = [k for k in r.attached.distances_by_kind if k not in drawn]
     if few:
         notes.append(f"No map of the {', '.join(few)} heads: fewer than two of them are left.")
-    notes.append("The head panel's nearest heads by divergence are not listed for an encoder–decoder's run.")
+    notes.append("The head panel lists each head's nearest heads by divergence among its own kind's heads (none for "
+                 "a kind without its map).")
     return Section("maps", "Maps of heads", part("figures_and_notes", figs=figures, notes=notes))
 
 
@@ -855,9 +856,15 @@ def _panel(r: Report) -> dict:
     notes["removed"] = "This head was removed from the model (pruned): it has no attention and no features."
     docs = {"links": {n: f"#glossary-{anchor(n)}" for n in r.shown},
             "defs": {n: describe_feature(n, r.decoder) for n in r.shown}}
-    return panel_data(r.features, r.data, r.colors, distances=r.distances, extremes=ext,
+    js, source = r.distances, DISTANCES_FILE
+    if r.kind_maps:  # an encoder–decoder's: each head's nearest among its own kind's heads
+        M = r.features.n_layers * r.features.n_heads
+        js, source = np.full((M, M), np.inf), "distances_KIND.npz, among the heads of the head's kind"
+        for kind, idx in r.kind_maps:
+            js[np.ix_(idx, idx)] = r.attached.distances_by_kind[kind].per_token
+    return panel_data(r.features, r.data, r.colors, distances=js, extremes=ext,
                       row_texts=row_texts, maps=r.maps, attached=r.attached, docs=docs, notes=notes,
-                      removed=r.removed, shown=r.shown)
+                      removed=r.removed, shown=r.shown, js_source=source)
 
 
 def build_report(run_dir, *, k: int | None = None, method: str = "kmeans", seed: int = 0, examples: int = 0,

@@ -104,7 +104,7 @@
 
   function nearPart(m) {
     var box = el("div");
-    [["js", "by Jensen-Shannon divergence per token (distances.npz)"], ["feat", "by distance of the clustered features"]].forEach(function (k) {
+    [["js", "by Jensen-Shannon divergence per token (" + (D.near.js_source || "distances.npz") + ")"], ["feat", "by distance of the clustered features"]].forEach(function (k) {
       var list = D.near[k[0]];
       if (!list) return;
       var p = el("p", {}, ["Nearest heads " + k[1] + ": "]);
