@@ -79,7 +79,7 @@ def timed(cfgs: dict, rounds: int, title: str, budget_s: float | None = None) ->
             t0 = time.perf_counter()
             fn()
             took = time.perf_counter() - t0
-        reps[k] = max(1, min(1000, int(MIN_SAMPLE_S / max(took, 1e-6)) + 1)) if took < MIN_SAMPLE_S else 1
+        reps[k] = 1 if took >= MIN_SAMPLE_S else min(1000, int(MIN_SAMPLE_S / max(took, 1e-6)) + 1)
     times = {k: [] for k in cfgs}
     cpu = {k: [] for k in cfgs}
     start = time.perf_counter()

@@ -68,9 +68,8 @@ def minilm_eager():
 def smollm2_cache(tmp_path_factory):
     """ATTNKIT_CACHE for the whole session, holding ONE converted SmolLM2 copy (the conversion takes about a minute)
     that every test needing the embedded decoder shares: the environment's ATTNKIT_CACHE where it is set (a copy
-    kept across sessions), else a folder under pytest's base temporary directory (its parent under pytest-xdist, shared
-    by the workers). Skips without the extra
-    attnkit[decoders]."""
+    kept across sessions), else a folder under pytest's base temporary directory (its parent under pytest-xdist,
+    shared by the workers). Skips without the extra attnkit[decoders]."""
     from attnkit.embedded import INSTALL_DECODERS, embedded_path, missing_packages
 
     if missing_packages():

@@ -570,12 +570,14 @@ def _kind_maps(r: Report, figures: list, removed: str) -> Section:
         parts = [f"{what} {x:.4f}" for what, x in means if not np.isnan(x)]
         notes.append(f"{kind} heads, mean JS divergence per token: {', '.join(parts)}.")
     drawn = {kind for kind, _ in r.kind_maps}
+    # a kind's file that find_attached read and set aside (another model's or corpus's) is in its links
+    set_aside = {Path(path) for _, path, _ in r.attached.links}
     absent = [k for k in kinds if k not in r.attached.distances_by_kind]
-    missing = [k for k in absent if not (r.run_dir / distances_file(k)).is_file()]
+    others = [k for k in absent if r.run_dir / distances_file(k) in set_aside]
+    missing = [k for k in absent if k not in others]
     if missing:
         notes.append(f"No map of the {', '.join(missing)} heads: run `attnkit distances RUN` for "
                      + ", ".join(distances_file(k) for k in missing) + ".")
-    others = [k for k in absent if k not in missing]
     if others:
         notes.append(f"No map of the {', '.join(others)} heads: " + ", ".join(distances_file(k) for k in others)
                      + (" is" if len(others) == 1 else " are") + " not this run's (see \"Results not shown here\"): "

@@ -441,7 +441,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   // $ATTNKIT_CPU_BLOCKS="BQxBK" overrides them (tests use small blocks to reach every path at small L).
   // full rows: 256 as ATen (more reuse of each K/V block); causal / windowed rows: 128 (less waste at the diagonal)
   // up to 4k keys, 256 from there (each K/V block is packed by BLAS once per block of rows: at 8k, packing twice as
-  // often cost more than the diagonal's waste; bench/cpu_capability.py --only lengths, docs/cpu.md)
+  // often cost more than the diagonal's waste; bench/cpu_capability.py --only lengths, docs/cuda.md)
   const bool narrow = (a.causal || a.sliding_window.has_value()) && L < 4096;
   int64_t BQ = L < 768 ? 64 : narrow ? 128 : 256, BK = 512;
   if (const char* env = std::getenv("ATTNKIT_CPU_BLOCKS"); env != nullptr && *env != '\0') {
