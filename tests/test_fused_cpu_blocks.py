@@ -436,3 +436,68 @@ def test_keys_before_a_rows_window_with_minus_inf_scores(capability, monkeypatch
         assert torch.isfinite(out[:, 2:]).all()
     else:
         assert torch.isfinite(out).all() and torch.isfinite(feats).all()
+
+
+# --- the query heads of one KV head in one task (FusedCpuParams::GH, fused_attention.cpp) --------------------------
+GROUP_CASES = {
+    "plain": dict(),
+    # a zeroed and a uniform head inside a task's heads, dropped keys, gates, renormalisation
+    "interventions": dict(mode=torch.tensor([0, 1, 2, 0, 0, 2], dtype=torch.int32),
+                          region=torch.tensor([NO_INTRA, 0, 0, NO_INTER, 0, 0], dtype=torch.int32),
+                          gates=torch.tensor([1.0, 1.0, 1.0, 0.5, 2.0, 0.0]), renormalize=True),
+    "decoder": dict(causal=True, sliding_window=11, softcap=3.0, sink=SINK),
+    "key_scale": dict(causal=True, key_scale="random"),
+    "bias": dict(bias="random"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GROUP_CASES))
+@pytest.mark.parametrize("Hkv", [2, 3])
+@pytest.mark.parametrize("blocks,L,D,products", [("5x16", 37, 16, None), ("5x16", 37, 16, "0"), ("7x8", 40, 33, "0"),
+                                                 ("64x512", 130, 64, None)])
+def test_the_heads_of_a_kv_head_in_one_task_give_the_bits_of_one_head_per_task(capability, monkeypatch, case, Hkv,
+                                                                              blocks, L, D, products):
+    """The heads that share a KV head run in one task by default: each key block's scores and outputs of all of them
+    come from one product of their stacked query rows (BLAS) or from one transposed key block (the products in
+    place). Every output is bit for bit that of one head per task (ATTNKIT_CPU_GROUP_HEADS=1): the output, the
+    features, the log-sum-exp and the max logit, with a zeroed and a uniform head among a task's heads, padding
+    (n = 1 included), several query and key blocks, and odd head sizes; and it agrees with the reference."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", blocks)
+    if products is not None:
+        monkeypatch.setenv("ATTNKIT_CPU_SMALL_PRODUCTS", products)
+    q, k, v, lengths, tc, sid = make(B=3, H=6, Hkv=Hkv, L=L, D=D, seed=L + Hkv, lengths=[L, L - 9, 1])
+    kw = dict(GROUP_CASES[case], kv_head=torch.arange(6, dtype=torch.int32) // (6 // Hkv))
+    g = torch.Generator().manual_seed(5)
+    if kw.get("key_scale") == "random":
+        kw["key_scale"] = torch.rand(3, 6, L, generator=g) + 0.05
+    if kw.get("bias") == "random":
+        kw["bias"] = torch.randn(3, 6, L, L, generator=g)
+    results = {}
+    for group in ("1", ""):  # one head per task; the default (every head of a KV head)
+        monkeypatch.setenv("ATTNKIT_CPU_GROUP_HEADS", group)
+        if "bias" in kw:  # (the lse op takes no bias)
+            results[group] = run(q, k, v, lengths, tc, sid, **kw)
+        else:
+            p = dict(kw, mode=kw.get("mode"), region=kw.get("region"), gates=kw.get("gates"))
+            results[group] = torch.ops.attnkit.fused_attention_lse(
+                q, k, v, lengths, tc, sid, D ** -0.5, N, p["mode"], p["region"], bool(kw.get("renormalize")),
+                p["gates"], True, kw.get("key_scale"), kw["kv_head"], bool(kw.get("causal")),
+                kw.get("sliding_window"), kw.get("softcap"), kw.get("sink"),
+                **({"symmetric_window": False, "want_max_logit": True} if ops.fused_max_logit("cpu") else {}))
+    for one, grouped in zip(results["1"], results[""]):
+        torch.testing.assert_close(grouped, one, rtol=0, atol=0, equal_nan=True)
+    check(q, k, v, lengths, tc, sid, **kw)
+
+
+def test_heads_that_do_not_share_a_kv_head_with_their_neighbours_run_alone(capability, monkeypatch):
+    """kv_head [0, 1, 2, 0, 1, 2] (heads of one KV head not next to each other): one head per task, as the reference."""
+    monkeypatch.setenv("ATTNKIT_CPU_BLOCKS", "5x16")
+    monkeypatch.setenv("ATTNKIT_CPU_SMALL_PRODUCTS", "0")
+    q, k, v, lengths, tc, sid = make(B=2, L=37, seed=9, lengths=[37, 12])
+    check(q, k, v, lengths, tc, sid, kv_head=torch.tensor([0, 1, 2, 0, 1, 2], dtype=torch.int32), causal=True)
+
+
+def test_group_heads_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("ATTNKIT_CPU_GROUP_HEADS", "0")
+    with pytest.raises(AttnkitError, match="ATTNKIT_CPU_GROUP_HEADS must be an integer >= 1, got 0"):
+        run(*make(B=1, L=8), kv_head=KV)

@@ -18,6 +18,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -460,8 +461,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
     small_products = n;
   }
 
+  // Query heads per task: the heads that share a KV head (grouped-query attention), while their stacked rows stay
+  // within kGroupedRows, so that BLAS packs each K and V block once for them all (one product of GH · BQ rows is
+  // faster than GH of BQ, with the same bits per element); $ATTNKIT_CPU_GROUP_HEADS caps them (1: one head per task).
+  int64_t GH = Hkv < H && H % Hkv == 0 ? H / Hkv : 1;
+  GH = std::min({GH, kMaxGroupedHeads, std::max<int64_t>(1, kGroupedRows / BQ)});
+  if (const char* env = std::getenv("ATTNKIT_CPU_GROUP_HEADS"); env != nullptr && *env != '\0') {
+    long cap = 0;
+    ATTNKIT_CHECK(std::sscanf(env, "%ld", &cap) == 1 && cap >= 1,
+                  "fused_attention: ATTNKIT_CPU_GROUP_HEADS must be an integer >= 1, got ", env);
+    GH = std::min<int64_t>({H / Hkv, kMaxGroupedHeads, cap});
+  }
+  while (GH > 1 && H % GH != 0) --GH;
+  for (int64_t h = 0; GH > 1 && h < H; ++h)  // every task's heads must read one KV head
+    if (kv_head[h] != kv_head[h - h % GH]) GH = 1;
+
   FusedCpuParams p{};
-  p.B = B, p.H = H, p.L = L, p.D = D, p.N = N, p.BQ = BQ, p.BK = BK, p.n_qblk = (Lq + BQ - 1) / BQ;
+  p.B = B, p.H = H, p.L = L, p.D = D, p.N = N, p.BQ = BQ, p.BK = BK, p.n_qblk = (Lq + BQ - 1) / BQ, p.GH = GH;
   p.Lq = Lq, p.off = off, p.WL = WL;
   p.q = q.data_ptr<float>(), p.k = k.data_ptr<float>(), p.v = v.data_ptr<float>();
   p.qs0 = q.stride(0), p.qs1 = q.stride(1), p.qs2 = q.stride(2);
@@ -500,26 +516,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   p.FA = kPartialSlots(F0);
   p.gemm = gemm;
   p.small_products = BQ * BK * D < small_products;
-  const int64_t n_tasks = B * H * p.n_qblk;
+  const int64_t n_tasks = B * H * p.n_qblk;  // (sample, head, query block)s: the tasks' units
   std::vector<double> partial(a.want_features ? n_tasks * p.FA : 0, 0.0);
   p.partial = a.want_features ? partial.data() : nullptr;
   std::vector<float> task_max(a.want_max_logit ? n_tasks : 0, -std::numeric_limits<float>::infinity());
   p.max_logit = a.want_max_logit ? task_max.data() : nullptr;
   const FusedTasksFn tasks = current_build().fn;
-  // per-thread scratch, fixed in size: one allocation per thread and call
+  // per-thread scratch, fixed in size: one allocation per thread and call, each part on its own cache line (the
+  // vector loads and stores of a row, and BLAS's writes of S and acc, then never straddle two lines)
   const int64_t RS = kRowStateSlots(N);
-  const int64_t scratch = BQ * BK + BQ * D + BK + BQ * RS + BQ + BK + (p.small_products ? BK * D : 0);
+  constexpr int64_t kLine = 64 / sizeof(float);
+  auto line_up = [](int64_t count) { return (count + kLine - 1) / kLine * kLine; };
+  const bool stack_queries = GH > 1 && !p.small_products && D % 4 == 0;  // (fused_attention_rows.h)
+  const int64_t parts[] = {GH * BQ * BK, GH * BQ * D, BK,          GH * BQ * RS, GH * (BQ + BK),
+                           p.small_products ? BK * D : 0, stack_queries ? GH * BQ * D : 0};
+  int64_t scratch = 0;
+  for (const int64_t part : parts) scratch += line_up(part);
 
-  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_tasks / GH, 1, [&](int64_t begin, int64_t end) {
     const SequentialBlas sequential;
-    std::vector<float> buf(static_cast<size_t>(scratch), 0.f);
-    float* S = buf.data();
-    float* acc = S + BQ * BK;
-    float* pc = acc + BQ * D;
-    float* state = pc + BK;
-    float* diag = state + BQ * RS;
-    float* kt = p.small_products ? diag + BQ + BK : nullptr;
-    tasks(p, begin, end, FusedCpuScratch{S, acc, pc, state, diag, kt});
+    std::vector<float> buf(static_cast<size_t>(scratch + kLine), 0.f);
+    const auto address = reinterpret_cast<std::uintptr_t>(buf.data());
+    float* at = buf.data() + (line_up(int64_t(address / sizeof(float))) - int64_t(address / sizeof(float)));
+    float* part_at[7];
+    for (int i = 0; i < 7; ++i) part_at[i] = at, at += line_up(parts[i]);
+    float *S = part_at[0], *acc = part_at[1], *pc = part_at[2], *state = part_at[3], *diag = part_at[4];
+    float* kt = p.small_products ? part_at[5] : nullptr;
+    float* qc = stack_queries ? part_at[6] : nullptr;
+    tasks(p, begin, end, FusedCpuScratch{S, acc, pc, state, diag, kt, qc});
   });
 
   if (!out_f32) out.copy_(out32);

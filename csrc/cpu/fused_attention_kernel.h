@@ -23,6 +23,9 @@ using GemmFn = void (*)(char ta, char tb, int64_t m, int64_t n, int64_t k, float
 struct FusedCpuParams {
   int64_t B, H, L, D, N;  // N: distance windows
   int64_t BQ, BK, n_qblk;  // query rows per task, keys per block, query blocks per (sample, head)
+  // query heads per task: GH consecutive heads that share one KV head (GH divides H; at most kMaxGroupedHeads), whose
+  // scores and outputs each key block gives in one product of their stacked query rows
+  int64_t GH;
   int64_t Lq, off;        // query rows; query row i is key position off + i (off = L − Lq: a KV-cache step)
   int64_t WL;             // the per-sample stride of win_of: max(L, Lq)
   // cross-attention (queries and keys from two sequences, off = 0): the keys of sample b are t < nk[b] (nullptr:
@@ -104,11 +107,17 @@ constexpr float kRingSquared[kRingSlots - 1] = {1.f, 4.f, 16.f, 64.f};
 constexpr int64_t kRowStateFixed = 19 + kRingSlots;  // the row state's slots before the windows
 constexpr int64_t kRowStateSlots(int64_t num_windows) { return kRowStateFixed + num_windows; }
 
-// Per-thread scratch, fixed in size (independent of L): S BQ×BK scores, acc BQ×D output accumulator, pc BK
-// feature weights, state BQ × kRowStateSlots(N), diag BQ + BK per-offset window sums (zero between tasks), kt
-// D×BK the key block transposed (small_products only, else nullptr).
+// The most query heads one task takes (FusedCpuParams::GH), and the most query rows of its stacked heads (GH · BQ):
+// beyond them the stacked score tiles outgrow the L2 cache.
+constexpr int64_t kMaxGroupedHeads = 8;
+constexpr int64_t kGroupedRows = 768;
+
+// Per-thread scratch, fixed in size (independent of L), for the GH heads of a task: S GH×BQ×BK scores, acc GH×BQ×D
+// output accumulators, pc BK feature weights, state GH×BQ × kRowStateSlots(N), diag GH×(BQ + BK) per-offset window
+// sums (zero between tasks), kt D×BK the key block transposed (small_products only, else nullptr), qc GH×BQ×D the
+// stacked query rows (GH > 1 without small_products, else nullptr).
 struct FusedCpuScratch {
-  float *S, *acc, *pc, *state, *diag, *kt;
+  float *S, *acc, *pc, *state, *diag, *kt, *qc;
 };
 
 // The slots of the per-task feature sums (FA = F0 + 5 + kRingSlots doubles, F0 = kNumFeatures(N)): [0, F0 − 1) the

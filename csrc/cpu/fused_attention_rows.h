@@ -251,7 +251,7 @@ void rescale_row(float* st, float* o, int64_t D, int64_t N, float delta) {
 }  // namespace
 
 void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, const FusedCpuScratch& w) {
-  const int64_t H = p.H, L = p.L, D = p.D, N = p.N, BQ = p.BQ, BK = p.BK;
+  const int64_t H = p.H, L = p.L, D = p.D, N = p.N, BQ = p.BQ, BK = p.BK, GH = p.GH;
   const int64_t RS = kRowStateSlots(N);
   const int64_t R = kNumBucketSlots(int(N));  // first per-row feature slot
   const int64_t F0 = kNumFeatures(int(N));
@@ -259,27 +259,29 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float pos_inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  float* S = w.S;
-  float* acc = w.acc;
-  for (int64_t task = begin; task < end; ++task) {
+  // One (sample, head, query block) of the task: its head's settings and its part of the scratch.
+  struct Unit {
+    int64_t h;
+    bool uniform;
+    int region;
+    float sink;
+    const float *qt, *g, *lg;  // its query rows; the key scale and ln g (nullptr: none)
+    PassFn pass_feat, pass_plain;
+    float *o, *lse, *acc, *state, *diag;
+    double* a;  // its feature sums (nullptr: not wanted)
+    int64_t task;  // its index among the (sample, head, query block)s: of its partial sums and max logit
+  };
+  Unit units[kMaxGroupedHeads];
+  for (int64_t item = begin; item < end; ++item) {
     // query blocks in zigzag order (0, last, 1, last − 1, ...): any run of tasks holds light and heavy
     // causal blocks alike, so at::parallel_for's contiguous chunks get even work
-    const int64_t i_blk = task % p.n_qblk, bh = task / p.n_qblk, h = bh % H, b = bh / H;
+    const int64_t n_groups = H / GH;
+    const int64_t i_blk = item % p.n_qblk, bg = item / p.n_qblk, h0 = (bg % n_groups) * GH, b = bg / n_groups;
     const int64_t qblk = (i_blk % 2 == 0) ? i_blk / 2 : p.n_qblk - 1 - i_blk / 2;
     const int64_t r0 = qblk * BQ, bq = std::min(BQ, p.Lq - r0);
     const int64_t n = p.n[b];  // the valid query rows are s < n
     const int64_t nk = p.nk == nullptr ? n : p.nk[b];  // the keys (cross-attention: the other sequence's)
-    float* o = p.out + b * p.Lq * os_row + r0 * os_row + h * D;
-    float* lse = p.lse == nullptr ? nullptr : p.lse + (b * H + h) * p.Lq + r0;
     const int64_t s0 = p.off + r0;  // the key position of the block's first query row
-    double* a = p.want_features ? p.partial + task * p.FA : nullptr;
-    if (p.mode[h] == kModeZero) {  // weights all 0: output 0, features 0
-      for (int64_t r = 0; r < bq; ++r) std::fill(o + r * os_row, o + r * os_row + D, 0.f);
-      if (lse != nullptr) std::fill(lse, lse + bq, pos_inf);
-      continue;
-    }
-    const bool uniform = p.mode[h] == kModeUniform;
-    const int region = p.region[h];
     // the keys row s sees: [lo(s), hi(s)), both non-decreasing in s (empty when lo(s) >= hi(s))
     auto lo_of = [&](int64_t s) { return p.window > 0 ? std::max<int64_t>(0, s - p.window + 1) : int64_t(0); };
     auto hi_of = [&](int64_t s) {
@@ -290,17 +292,10 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     // one key block for the whole task: windows through diag (offset t − s, from dbase) folded once per task
     const bool one_block = p.want_features && khi - klo <= BK;
     const int64_t dbase = klo - (s0 + bq - 1);
-    float* diag = w.diag;
-    const int64_t kvh = p.kv_head[h];
-    const float* qt = p.q + b * p.qs0 + h * p.qs1 + r0 * p.qs2;
+    const int64_t kvh = p.kv_head[h0];  // (every head of the task's: fused_attention.cpp groups only those)
     const float* sidf = p.sidf == nullptr ? nullptr : p.sidf + b * L;
     const bool sid_feat = sidf != nullptr && !p.one_sentence[b];
     const bool sid_run = sid_feat && p.sid_runs[b];  // intra by a range sum over the row's sentence
-    const float sink = p.sink == nullptr ? neg_inf : p.sink[h];
-    const float* g = p.key_scale == nullptr ? nullptr : p.key_scale + (b * H + h) * L;
-    const float* lg = p.key_scale == nullptr ? nullptr : p.log_key_scale + (b * H + h) * L;
-    const PassFn pass_feat = pick_pass(p.want_features, region, g != nullptr, sid_feat && !sid_run);
-    const PassFn pass_plain = pick_pass(false, region, false, false);
     const int32_t* sp_pos = p.special_pos + p.special_at[b];
     const float* sp_cls = p.special_cls + p.special_at[b];
     const int64_t n_special = p.special_at[b + 1] - p.special_at[b];
@@ -313,217 +308,294 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     const float* g_row = p.grid_row == nullptr ? nullptr : p.grid_row + b * L;
     const float* g_col = p.grid_col == nullptr ? nullptr : p.grid_col + b * L;
     const float* g_mask = p.grid_mask == nullptr ? nullptr : p.grid_mask + b * L;
-    // the rows' state: base m (the sink logit, uniform 0), every sum 0
-    for (int64_t r = 0; r < bq; ++r) {
-      float* st = w.state + r * RS;
-      std::fill(st, st + RS, 0.f);
-      st[sM] = uniform ? 0.f : sink;
-      st[sBad] = (!uniform && std::isnan(sink)) ? 1.f : 0.f;
-      st[sPad] = neg_inf;  // the row's max logit so far
+    // the task's heads (a zeroed one is done here: weights all 0, output 0, features 0); unit u's scores, output
+    // accumulator and row state follow the previous unit's, as one product of the stacked heads writes them
+    int64_t n_units = 0;
+    bool any_scores = false;  // a unit whose scores are read (not uniform)
+    for (int64_t gi = 0; gi < GH; ++gi) {
+      const int64_t h = h0 + gi, task = (b * H + h) * p.n_qblk + i_blk;
+      float* o = p.out + b * p.Lq * os_row + r0 * os_row + h * D;
+      float* lse = p.lse == nullptr ? nullptr : p.lse + (b * H + h) * p.Lq + r0;
+      if (p.mode[h] == kModeZero) {
+        for (int64_t r = 0; r < bq; ++r) std::fill(o + r * os_row, o + r * os_row + D, 0.f);
+        if (lse != nullptr) std::fill(lse, lse + bq, pos_inf);
+        continue;
+      }
+      Unit& u = units[n_units];
+      u.h = h, u.task = task, u.o = o, u.lse = lse;
+      u.a = p.want_features ? p.partial + task * p.FA : nullptr;
+      u.uniform = p.mode[h] == kModeUniform;
+      u.region = p.region[h];
+      u.sink = p.sink == nullptr ? neg_inf : p.sink[h];
+      u.qt = p.q + b * p.qs0 + h * p.qs1 + r0 * p.qs2;
+      u.g = p.key_scale == nullptr ? nullptr : p.key_scale + (b * H + h) * L;
+      u.lg = p.key_scale == nullptr ? nullptr : p.log_key_scale + (b * H + h) * L;
+      u.pass_feat = pick_pass(p.want_features, u.region, u.g != nullptr, sid_feat && !sid_run);
+      u.pass_plain = pick_pass(false, u.region, false, false);
+      u.acc = w.acc + gi * bq * D;
+      u.state = w.state + gi * BQ * RS;
+      u.diag = w.diag + gi * (BQ + BK);
+      // the rows' state: base m (the sink logit, uniform 0), every sum 0
+      for (int64_t r = 0; r < bq; ++r) {
+        float* st = u.state + r * RS;
+        std::fill(st, st + RS, 0.f);
+        st[sM] = u.uniform ? 0.f : u.sink;
+        st[sBad] = (!u.uniform && std::isnan(u.sink)) ? 1.f : 0.f;
+        st[sPad] = neg_inf;  // the row's max logit so far
+      }
+      any_scores = any_scores || !u.uniform;
+      ++n_units;
     }
+    if (n_units == 0) continue;
+    // The heads' products stacked (through BLAS): one product of (GH · bq) query rows, read as one contiguous
+    // operand, per key block. MKL computes an element of a product of fewer than 4 columns (bq < 4) or of a single
+    // row (kb = 1), and one whose head size is not a multiple of 4 read at another stride, another way than the
+    // products one head at a time: those keep one product per head, so that every element has the bits it has
+    // without the grouping (tests/test_fused_cpu_blocks.py; measured on MKL's Zen kernels).
+    const bool stack = GH > 1 && !p.small_products && bq >= 4 && D % 4 == 0;
+    if (stack && any_scores)
+      for (int64_t gi = 0; gi < GH; ++gi) {
+        const float* qh = p.q + b * p.qs0 + (h0 + gi) * p.qs1 + r0 * p.qs2;
+        for (int64_t r = 0; r < bq; ++r) std::copy(qh + r * p.qs2, qh + r * p.qs2 + D, w.qc + (gi * bq + r) * D);
+      }
     bool first = true;
     for (int64_t k0 = klo; k0 < khi; k0 += BK) {
       const int64_t kb = std::min(BK, khi - k0);
-      // S (row-major bq×kb, ld kb) == column-major Sᵀ (kb×bq) = K_blk (kb×D) · Q_blkᵀ
-      if (!uniform) {
+      // S (row-major bq×kb, ld kb) == column-major Sᵀ (kb×bq) = K_blk (kb×D) · Q_blkᵀ, for every head of the task
+      if (any_scores) {
         const float* kt = p.k + b * p.ks0 + kvh * p.ks1 + k0 * p.ks2;
         // BLAS skips the product when alpha is 0; scaling by 0 afterwards keeps NaN/inf scores NaN.
         const float alpha = p.scaling != 0.0 ? static_cast<float>(p.scaling) : 1.f;
-        if (p.small_products)
-          small_qk(qt, p.qs2, kt, p.ks2, bq, kb, D, alpha, S, w.kt);
-        else
-          p.gemm('T', 'N', kb, bq, D, alpha, kt, p.ks2, qt, p.qs2, 0.f, S, kb);
-        if (p.scaling == 0.0) scale_inplace(S, bq * kb, 0.f);
-        if (p.bias != nullptr) {  // the bias of the block's rows (query rows r0 + r) and keys [k0, k0 + kb)
-          const float* bias = p.bias + b * p.bias_bs + (h * p.Lq + r0) * L + k0;
-          for (int64_t r = 0; r < bq; ++r) axpy(1.f, bias + r * L, S + r * kb, kb);
+        if (p.small_products) {
+          transpose_keys(kt, p.ks2, kb, D, w.kt);
+          for (int64_t ui = 0; ui < n_units; ++ui)
+            if (!units[ui].uniform) small_qk_t(units[ui].qt, p.qs2, w.kt, bq, kb, D, alpha, w.S + (units[ui].h - h0) * bq * kb);
+        } else if (stack && kb >= 2) {
+          p.gemm('T', 'N', kb, GH * bq, D, alpha, kt, p.ks2, w.qc, D, 0.f, w.S, kb);
+        } else {
+          for (int64_t ui = 0; ui < n_units; ++ui)
+            if (!units[ui].uniform)
+              p.gemm('T', 'N', kb, bq, D, alpha, kt, p.ks2, units[ui].qt, p.qs2, 0.f, w.S + (units[ui].h - h0) * bq * kb, kb);
         }
+        if (p.scaling == 0.0) scale_inplace(w.S, GH * bq * kb, 0.f);
       }
       // the special keys of this block
       const int64_t j0 = std::lower_bound(sp_pos, sp_pos + n_special, static_cast<int32_t>(k0)) - sp_pos;
       const int64_t j1 = std::lower_bound(sp_pos + j0, sp_pos + n_special, static_cast<int32_t>(k0 + kb)) - sp_pos;
-      for (int64_t r = 0; r < bq; ++r) {
-        const int64_t s = s0 + r;
-        float* row = S + r * kb;
-        float* st = w.state + r * RS;
-        const int64_t lo = std::max(lo_of(s), k0), hi = std::min(hi_of(s), k0 + kb);
-        if (hi <= lo || st[sBad] != 0.f) {  // sees no key of this block (or is already undefined): weight 0
-          std::fill(row, row + kb, 0.f);
-          continue;
+      for (int64_t ui = 0; ui < n_units; ++ui) {
+        const Unit& u = units[ui];
+        const int64_t h = u.h;
+        const bool uniform = u.uniform;
+        const int region = u.region;
+        const float sink = u.sink;
+        const float* g = u.g;
+        const float* lg = u.lg;
+        float* S = w.S + (h - h0) * bq * kb;
+        float* acc = u.acc;
+        float* diag = u.diag;
+        if (!uniform && p.bias != nullptr) {  // the bias of the block's rows (query rows r0 + r) and keys [k0, k0 + kb)
+          const float* bias = p.bias + b * p.bias_bs + (h * p.Lq + r0) * L + k0;
+          for (int64_t r = 0; r < bq; ++r) axpy(1.f, bias + r * L, S + r * kb, kb);
         }
-        std::fill(row, row + (lo - k0), 0.f);
-        std::fill(row + (hi - k0), row + kb, 0.f);
-        float* x = row + (lo - k0);
-        const int64_t len = hi - lo;
-        float m = st[sM];
-        float mb = 0.f;  // the block's max score (uniform: all scores taken as 0)
-        if (!uniform) {
-          if (p.softcap > 0.f && p.max_logit != nullptr) st[sPad] = std::max(st[sPad], range_max(x, len));
-          if (p.softcap > 0.f) softcap_inplace(x, len, p.softcap);
-          mb = range_max(x, len);
-          if (p.softcap <= 0.f) st[sPad] = std::max(st[sPad], mb);  // the max logit (NaN: the row is bad, below)
-          if (std::isnan(mb) || mb == pos_inf) {  // the softmax is undefined (numerics policy of the reference)
-            st[sBad] = 1.f;
-            std::fill(x, x + len, 0.f);
+        for (int64_t r = 0; r < bq; ++r) {
+          const int64_t s = s0 + r;
+          float* row = S + r * kb;
+          float* st = u.state + r * RS;
+          const int64_t lo = std::max(lo_of(s), k0), hi = std::min(hi_of(s), k0 + kb);
+          if (hi <= lo || st[sBad] != 0.f) {  // sees no key of this block (or is already undefined): weight 0
+            std::fill(row, row + kb, 0.f);
             continue;
           }
-          if (mb > m) {
-            if (m != neg_inf) rescale_row(st, acc + r * D, D, N, mb - m);
-            st[sM] = m = mb;
+          std::fill(row, row + (lo - k0), 0.f);
+          std::fill(row + (hi - k0), row + kb, 0.f);
+          float* x = row + (lo - k0);
+          const int64_t len = hi - lo;
+          float m = st[sM];
+          float mb = 0.f;  // the block's max score (uniform: all scores taken as 0)
+          if (!uniform) {
+            if (p.softcap > 0.f && p.max_logit != nullptr) st[sPad] = std::max(st[sPad], range_max(x, len));
+            if (p.softcap > 0.f) softcap_inplace(x, len, p.softcap);
+            mb = range_max(x, len);
+            if (p.softcap <= 0.f) st[sPad] = std::max(st[sPad], mb);  // the max logit (NaN: the row is bad, below)
+            if (std::isnan(mb) || mb == pos_inf) {  // the softmax is undefined (numerics policy of the reference)
+              st[sBad] = 1.f;
+              std::fill(x, x + len, 0.f);
+              continue;
+            }
+            if (mb > m) {
+              if (m != neg_inf) rescale_row(st, acc + r * D, D, N, mb - m);
+              st[sM] = m = mb;
+            }
+            if (m == neg_inf) {  // every score so far −inf (and no sink): weight 0, unless one is NaN
+              for (int64_t i = 0; i < len; ++i)
+                if (std::isnan(x[i])) st[sBad] = 1.f;
+              std::fill(x, x + len, 0.f);
+              continue;
+            }
           }
-          if (m == neg_inf) {  // every score so far −inf (and no sink): weight 0, unless one is NaN
-            for (int64_t i = 0; i < len; ++i)
-              if (std::isnan(x[i])) st[sBad] = 1.f;
-            std::fill(x, x + len, 0.f);
-            continue;
+          const bool feat_row = p.want_features && s < n;
+          const int64_t koff = lo - k0;
+          float* pc = g != nullptr ? w.pc : nullptr;
+          const BlockSums bs = (feat_row ? u.pass_feat : u.pass_plain)(
+              x, len, uniform, m, sidf == nullptr ? nullptr : sidf + lo, sidf == nullptr ? 0.f : sidf[s],
+              g == nullptr ? nullptr : g + lo, lg == nullptr ? nullptr : lg + lo, pc == nullptr ? nullptr : pc + koff);
+          st[sZ] += bs.Z;
+          st[sZk] += bs.Zk;
+          if (!feat_row) continue;
+          st[sZf] += bs.Zf;
+          st[sA] += bs.A;
+          st[sMx] = std::max(st[sMx], pass_sums_max(region, g != nullptr) ? bs.Mx : std::exp(mb - m));
+          st[sI] += bs.I;
+          // the feature weights of this block's keys, indexed by t − k0
+          const float* fw = pc != nullptr ? pc : row;
+          if (sid_run) {
+            const int64_t i0 = std::max<int64_t>(lo, p.sent_lo[b * L + s]), i1 = std::min<int64_t>(hi, p.sent_hi[b * L + s]);
+            if (i1 > i0) st[sI] += range_sum(fw + (i0 - k0), i1 - i0);
           }
-        }
-        const bool feat_row = p.want_features && s < n;
-        const int64_t koff = lo - k0;
-        float* pc = g != nullptr ? w.pc : nullptr;
-        const BlockSums bs = (feat_row ? pass_feat : pass_plain)(
-            x, len, uniform, m, sidf == nullptr ? nullptr : sidf + lo, sidf == nullptr ? 0.f : sidf[s],
-            g == nullptr ? nullptr : g + lo, lg == nullptr ? nullptr : lg + lo, pc == nullptr ? nullptr : pc + koff);
-        st[sZ] += bs.Z;
-        st[sZk] += bs.Zk;
-        if (!feat_row) continue;
-        st[sZf] += bs.Zf;
-        st[sA] += bs.A;
-        st[sMx] = std::max(st[sMx], pass_sums_max(region, g != nullptr) ? bs.Mx : std::exp(mb - m));
-        st[sI] += bs.I;
-        // the feature weights of this block's keys, indexed by t − k0
-        const float* fw = pc != nullptr ? pc : row;
-        if (sid_run) {
-          const int64_t i0 = std::max<int64_t>(lo, p.sent_lo[b * L + s]), i1 = std::min<int64_t>(hi, p.sent_hi[b * L + s]);
-          if (i1 > i0) st[sI] += range_sum(fw + (i0 - k0), i1 - i0);
-        }
-        if (g_mask != nullptr && g_mask[s] != 0.f)  // a patch row: its distance to the patch keys it sees
-          grid_sums(fw + (lo - k0), g_row + lo, g_col + lo, g_mask + lo, len, g_row[s], g_col[s], st);
-        if (p.align) {  // the row's aligned key position: its own (s), or cross-attention's proportional one
-          const double pos = !p.cross ? double(s) : n > 1 ? double(s * (nk - 1)) / double(n - 1) : 0.0;
-          align_sums(fw + (lo - k0), lo, len, pos, static_cast<int64_t>(std::floor(pos + 0.5)), st);
-        }
-        // distance windows (d = |t − s| ≥ 1): sums of the OTHER keys' weights over each window's keys, left of
-        // s then right; the special keys' weights go to their class bucket in the same pass
-        float* win = st + sWin;
-        const float* other = p.other_mask == nullptr ? nullptr : p.other_mask + b * L + k0;  // indexed by t − k0
-        const float* om = other == nullptr ? nullptr : other + (lo - k0);                       // indexed by t − lo
-        if (one_block) {  // the row's sums are final: normalise now (as the epilogue does) and add to diag
-          const float Es = (uniform || p.sink == nullptr) ? 0.f : std::exp(sink - m);
-          const float den = p.renormalize ? st[sZk] + Es : st[sZ] + Es;
-          float fc = den > 0.f ? 1.f / den : 0.f;
-          if (g != nullptr) fc = st[sZf] > 0.f ? 1.f / st[sZf] : 0.f;
-          diag_pass(fw + (lo - k0), om, len, fc, diag + (lo - s - dbase));  // (offset 0, the own key: never folded)
-        } else {
-          for (int64_t t_hi = std::min(hi, s); t_hi > lo;) {
-            const int32_t j = win_of[s - (t_hi - 1)];
-            const int64_t t_lo = std::max(lo, s - win_lo[j + 1] + 1);
-            win[j] += masked_sum(fw + (t_lo - k0), om == nullptr ? nullptr : om + (t_lo - lo), t_hi - t_lo);
-            t_hi = t_lo;
+          if (g_mask != nullptr && g_mask[s] != 0.f)  // a patch row: its distance to the patch keys it sees
+            grid_sums(fw + (lo - k0), g_row + lo, g_col + lo, g_mask + lo, len, g_row[s], g_col[s], st);
+          if (p.align) {  // the row's aligned key position: its own (s), or cross-attention's proportional one
+            const double pos = !p.cross ? double(s) : n > 1 ? double(s * (nk - 1)) / double(n - 1) : 0.0;
+            align_sums(fw + (lo - k0), lo, len, pos, static_cast<int64_t>(std::floor(pos + 0.5)), st);
           }
-          for (int64_t t_lo = std::max(lo, s + 1); t_lo < hi;) {
-            const int32_t j = win_of[t_lo - s];
-            const int64_t t_hi = std::min(hi, s + win_lo[j + 1]);
-            win[j] += masked_sum(fw + (t_lo - k0), om == nullptr ? nullptr : om + (t_lo - lo), t_hi - t_lo);
-            t_lo = t_hi;
+          // distance windows (d = |t − s| ≥ 1): sums of the OTHER keys' weights over each window's keys, left of
+          // s then right; the special keys' weights go to their class bucket in the same pass
+          float* win = st + sWin;
+          const float* other = p.other_mask == nullptr ? nullptr : p.other_mask + b * L + k0;  // indexed by t − k0
+          const float* om = other == nullptr ? nullptr : other + (lo - k0);                       // indexed by t − lo
+          if (one_block) {  // the row's sums are final: normalise now (as the epilogue does) and add to diag
+            const float Es = (uniform || p.sink == nullptr) ? 0.f : std::exp(sink - m);
+            const float den = p.renormalize ? st[sZk] + Es : st[sZ] + Es;
+            float fc = den > 0.f ? 1.f / den : 0.f;
+            if (g != nullptr) fc = st[sZf] > 0.f ? 1.f / st[sZf] : 0.f;
+            diag_pass(fw + (lo - k0), om, len, fc, diag + (lo - s - dbase));  // (offset 0, the own key: never folded)
+          } else {
+            for (int64_t t_hi = std::min(hi, s); t_hi > lo;) {
+              const int32_t j = win_of[s - (t_hi - 1)];
+              const int64_t t_lo = std::max(lo, s - win_lo[j + 1] + 1);
+              win[j] += masked_sum(fw + (t_lo - k0), om == nullptr ? nullptr : om + (t_lo - lo), t_hi - t_lo);
+              t_hi = t_lo;
+            }
+            for (int64_t t_lo = std::max(lo, s + 1); t_lo < hi;) {
+              const int32_t j = win_of[t_lo - s];
+              const int64_t t_hi = std::min(hi, s + win_lo[j + 1]);
+              win[j] += masked_sum(fw + (t_lo - k0), om == nullptr ? nullptr : om + (t_lo - lo), t_hi - t_lo);
+              t_lo = t_hi;
+            }
           }
+          // the special keys the row sees (its own key too) to their class buckets
+          const int32_t* ja = lo > k0 ? std::lower_bound(sp_pos + j0, sp_pos + j1, static_cast<int32_t>(lo)) : sp_pos + j0;
+          const int32_t* jb = hi < k0 + kb ? std::lower_bound(ja, sp_pos + j1, static_cast<int32_t>(hi)) : sp_pos + j1;
+          static_assert(sCls1 == sCls0 + 1 && sCls3 == sCls0 + 3 && kSlotCls == 0 && kSlotPeriod == 3,
+                        "class buckets in class order");
+          if (jb > ja) class_sums(fw, k0, ja, sp_cls + (ja - sp_pos), jb - ja, st + sCls0);
+          if (s >= lo && s < hi) {  // the row's own key: self, or its class bucket
+            if (tcls == nullptr || tcls[s] == kClassOther) st[sSelf] += fw[s - k0];  // (else: in its class bucket)
+          }
+          if (s - 1 >= lo && s - 1 < hi) st[sPrev] += fw[s - 1 - k0];
+          if (s + 1 >= lo && s + 1 < hi) st[sNext] += fw[s + 1 - k0];
         }
-        // the special keys the row sees (its own key too) to their class buckets
-        const int32_t* ja = lo > k0 ? std::lower_bound(sp_pos + j0, sp_pos + j1, static_cast<int32_t>(lo)) : sp_pos + j0;
-        const int32_t* jb = hi < k0 + kb ? std::lower_bound(ja, sp_pos + j1, static_cast<int32_t>(hi)) : sp_pos + j1;
-        static_assert(sCls1 == sCls0 + 1 && sCls3 == sCls0 + 3 && kSlotCls == 0 && kSlotPeriod == 3,
-                      "class buckets in class order");
-        if (jb > ja) class_sums(fw, k0, ja, sp_cls + (ja - sp_pos), jb - ja, st + sCls0);
-        if (s >= lo && s < hi) {  // the row's own key: self, or its class bucket
-          if (tcls == nullptr || tcls[s] == kClassOther) st[sSelf] += fw[s - k0];  // (else: in its class bucket)
-        }
-        if (s - 1 >= lo && s - 1 < hi) st[sPrev] += fw[s - 1 - k0];
-        if (s + 1 >= lo && s + 1 < hi) st[sNext] += fw[s + 1 - k0];
       }
-      // O_blk (column-major D×bq, ld D) (+)= V_blkᵀ (D×kb) · Eᵀ (kb×bq)
+      // O_blk (column-major D×bq, ld D) (+)= V_blkᵀ (D×kb) · Eᵀ (kb×bq), for every head of the task (a zeroed
+      // head's rows in the stacked product are never read)
       const float* vt = p.v + b * p.vs0 + kvh * p.vs1 + k0 * p.vs2;
-      if (p.small_products)
-        small_pv(S, kb, vt, p.vs2, bq, D, !first, acc);
-      else
-        p.gemm('N', 'N', D, bq, kb, 1.f, vt, p.vs2, S, kb, first ? 0.f : 1.f, acc, D);
+      if (p.small_products) {
+        for (int64_t ui = 0; ui < n_units; ++ui)
+          small_pv(w.S + (units[ui].h - h0) * bq * kb, kb, vt, p.vs2, bq, D, !first, units[ui].acc);
+      } else if (stack && kb >= 2 && n_units == GH) {
+        p.gemm('N', 'N', D, GH * bq, kb, 1.f, vt, p.vs2, w.S, kb, first ? 0.f : 1.f, w.acc, D);
+      } else {
+        for (int64_t ui = 0; ui < n_units; ++ui)
+          p.gemm('N', 'N', D, bq, kb, 1.f, vt, p.vs2, w.S + (units[ui].h - h0) * bq * kb, kb, first ? 0.f : 1.f,
+                 units[ui].acc, D);
+      }
       first = false;
     }
-    if (first) std::fill(acc, acc + bq * D, 0.f);  // no key for any row of the block
-    if (one_block && !first) {  // fold diag into the windows: offsets ±[win_lo[j], win_lo[j + 1]), then clear it
-      const int64_t dlen = khi - klo + bq - 1;  // offsets [dbase, dbase + dlen)
-      for (int64_t j = 0; j < N; ++j) {
-        const int64_t wl = std::max<int64_t>(1, win_lo[j]), wh = win_lo[j + 1];
-        if (wh <= wl) continue;
-        double sum = 0.0;
-        // positive offsets [wl, wh) and negative offsets (−wh, −wl]
-        const int64_t p_lo = std::max(wl, dbase), p_hi = std::min(wh, dbase + dlen);
-        if (p_hi > p_lo) sum += range_sum(diag + (p_lo - dbase), p_hi - p_lo);
-        const int64_t n_lo = std::max(-wh + 1, dbase), n_hi = std::min(-wl + 1, dbase + dlen);
-        if (n_hi > n_lo) sum += range_sum(diag + (n_lo - dbase), n_hi - n_lo);
-        a[kSlotFirstWindow + j] += sum;
-      }
-      std::fill(diag, diag + dlen, 0.f);
-    }
 
-    // --- epilogue: output rows, log-sum-exp, features
-    bool task_undefined = false;
-    float task_max = neg_inf;  // the max logit of the block's valid rows (NaN: a bad row; the host recomputes it)
-    for (int64_t r = 0; r < bq; ++r) {
-      const int64_t s = s0 + r;
-      float* orow = o + r * os_row;
-      const float* st = w.state + r * RS;
-      if (lo_of(s) >= hi_of(s)) {  // a padded row outside the window sees nothing: weight 0, output 0
-        std::fill(orow, orow + D, 0.f);
-        if (lse != nullptr) lse[r] = pos_inf;
-        continue;
+    for (int64_t ui = 0; ui < n_units; ++ui) {
+      const Unit& u = units[ui];
+      const int64_t h = u.h;
+      const bool uniform = u.uniform;
+      const float* g = u.g;
+      double* a = u.a;
+      float* diag = u.diag;
+      if (first) std::fill(u.acc, u.acc + bq * D, 0.f);  // no key for any row of the block
+      if (one_block && !first) {  // fold diag into the windows: offsets ±[win_lo[j], win_lo[j + 1]), then clear it
+        const int64_t dlen = khi - klo + bq - 1;  // offsets [dbase, dbase + dlen)
+        for (int64_t j = 0; j < N; ++j) {
+          const int64_t wl = std::max<int64_t>(1, win_lo[j]), wh = win_lo[j + 1];
+          if (wh <= wl) continue;
+          double sum = 0.0;
+          // positive offsets [wl, wh) and negative offsets (−wh, −wl]
+          const int64_t p_lo = std::max(wl, dbase), p_hi = std::min(wh, dbase + dlen);
+          if (p_hi > p_lo) sum += range_sum(diag + (p_lo - dbase), p_hi - p_lo);
+          const int64_t n_lo = std::max(-wh + 1, dbase), n_hi = std::min(-wl + 1, dbase + dlen);
+          if (n_hi > n_lo) sum += range_sum(diag + (n_lo - dbase), n_hi - n_lo);
+          a[kSlotFirstWindow + j] += sum;
+        }
+        std::fill(diag, diag + dlen, 0.f);
       }
-      const float m = st[sM];
-      const bool bad = st[sBad] != 0.f || (!uniform && !std::isfinite(m));
-      const float Es = (uniform || p.sink == nullptr || bad) ? 0.f : std::exp(sink - m);
-      const float den = p.renormalize ? st[sZk] + Es : st[sZ] + Es;
-      const float c = bad ? nan : (den > 0.f ? 1.f / den : 0.f);
-      const float* arow = acc + r * D;
-      const float cg = c * p.gate[h];
-      for (int64_t d = 0; d < D; ++d) orow[d] = arow[d] * cg;
-      if (lse != nullptr) lse[r] = bad ? nan : (den > 0.f ? m + std::log(den) : pos_inf);
-      if (s < n && !std::isnan(task_max)) task_max = bad ? nan : std::max(task_max, st[sPad]);
-      if (!p.want_features || s >= n) continue;
-      if (bad) {  // NaN features for the whole (sample, head)
-        task_undefined = true;
-        continue;
+
+      // --- epilogue: output rows, log-sum-exp, features
+      bool task_undefined = false;
+      float task_max = neg_inf;  // the max logit of the block's valid rows (NaN: a bad row; the host recomputes it)
+      for (int64_t r = 0; r < bq; ++r) {
+        const int64_t s = s0 + r;
+        float* orow = u.o + r * os_row;
+        const float* st = u.state + r * RS;
+        if (lo_of(s) >= hi_of(s)) {  // a padded row outside the window sees nothing: weight 0, output 0
+          std::fill(orow, orow + D, 0.f);
+          if (u.lse != nullptr) u.lse[r] = pos_inf;
+          continue;
+        }
+        const float m = st[sM];
+        const bool bad = st[sBad] != 0.f || (!uniform && !std::isfinite(m));
+        const float Es = (uniform || p.sink == nullptr || bad) ? 0.f : std::exp(u.sink - m);
+        const float den = p.renormalize ? st[sZk] + Es : st[sZ] + Es;
+        const float c = bad ? nan : (den > 0.f ? 1.f / den : 0.f);
+        const float* arow = u.acc + r * D;
+        const float cg = c * p.gate[h];
+        for (int64_t d = 0; d < D; ++d) orow[d] = arow[d] * cg;
+        if (u.lse != nullptr) u.lse[r] = bad ? nan : (den > 0.f ? m + std::log(den) : pos_inf);
+        if (s < n && !std::isnan(task_max)) task_max = bad ? nan : std::max(task_max, st[sPad]);
+        if (!p.want_features || s >= n) continue;
+        if (bad) {  // NaN features for the whole (sample, head)
+          task_undefined = true;
+          continue;
+        }
+        // the feature weights w = fc · (kept e, times g under a key scale); the sink has no value under g
+        float fc = c, fZ = st[sZk], fsink = c * Es;
+        if (g != nullptr) {
+          fZ = st[sZf];
+          fc = fZ > 0.f ? 1.f / fZ : 0.f;
+          fsink = 0.f;
+        }
+        const double dc = fc;
+        for (int j = 0; j < 4; ++j) a[kSlotCls + j] += dc * st[sCls0 + j];
+        a[kSlotSelf] += dc * st[sSelf];
+        if (!one_block)  // (one_block: the windows are in diag, folded above)
+          for (int64_t j = 0; j < N; ++j) a[kSlotFirstWindow + j] += dc * st[sWin + j];
+        const float T = fc * fZ;
+        const float H_ent = fc > 0.f ? std::max(0.f, -fc * st[sA] - fc * std::log(fc) * fZ) : 0.f;
+        const float intra = sid_feat ? fc * st[sI] : T;
+        a[R + kRowPrev] += fc * st[sPrev];
+        a[R + kRowNext] += fc * st[sNext];
+        a[R + kRowEntropy] += H_ent;
+        a[R + kRowMax] += fc * st[sMx];
+        a[R + kRowIntra] += intra;
+        a[R + kRowInter] += std::max(0.f, T - intra);
+        if (qcls != nullptr && qcls[s] == kClassCls) a[F0] += H_ent;
+        a[F0 + 1] += fsink;
+        if (g_mask != nullptr && g_mask[s] != 0.f) {  // the distance, then each ring's mass (a difference of Near)
+          a[F0 + 2] += dc * st[sDist];
+          a[F0 + 3] += dc * st[sNear];
+          for (int64_t j = 1; j < kRingSlots; ++j) a[F0 + 3 + j] += dc * (st[sNear + j] - st[sNear + j - 1]);
+        }
+        if (p.align) a[kAlignSlot(F0)] += dc * st[sAlOff], a[kAlignSlot(F0) + 1] += dc * st[sAlNear];
       }
-      // the feature weights w = fc · (kept e, times g under a key scale); the sink has no value under g
-      float fc = c, fZ = st[sZk], fsink = c * Es;
-      if (g != nullptr) {
-        fZ = st[sZf];
-        fc = fZ > 0.f ? 1.f / fZ : 0.f;
-        fsink = 0.f;
-      }
-      const double dc = fc;
-      for (int j = 0; j < 4; ++j) a[kSlotCls + j] += dc * st[sCls0 + j];
-      a[kSlotSelf] += dc * st[sSelf];
-      if (!one_block)  // (one_block: the windows are in diag, folded above)
-        for (int64_t j = 0; j < N; ++j) a[kSlotFirstWindow + j] += dc * st[sWin + j];
-      const float T = fc * fZ;
-      const float H_ent = fc > 0.f ? std::max(0.f, -fc * st[sA] - fc * std::log(fc) * fZ) : 0.f;
-      const float intra = sid_feat ? fc * st[sI] : T;
-      a[R + kRowPrev] += fc * st[sPrev];
-      a[R + kRowNext] += fc * st[sNext];
-      a[R + kRowEntropy] += H_ent;
-      a[R + kRowMax] += fc * st[sMx];
-      a[R + kRowIntra] += intra;
-      a[R + kRowInter] += std::max(0.f, T - intra);
-      if (qcls != nullptr && qcls[s] == kClassCls) a[F0] += H_ent;
-      a[F0 + 1] += fsink;
-      if (g_mask != nullptr && g_mask[s] != 0.f) {  // the distance, then each ring's mass (a difference of Near)
-        a[F0 + 2] += dc * st[sDist];
-        a[F0 + 3] += dc * st[sNear];
-        for (int64_t j = 1; j < kRingSlots; ++j) a[F0 + 3 + j] += dc * (st[sNear + j] - st[sNear + j - 1]);
-      }
-      if (p.align) a[kAlignSlot(F0)] += dc * st[sAlOff], a[kAlignSlot(F0) + 1] += dc * st[sAlNear];
+      if (task_undefined) std::fill(a, a + p.FA, std::numeric_limits<double>::quiet_NaN());
+      if (p.max_logit != nullptr) p.max_logit[u.task] = task_max;
     }
-    if (task_undefined) std::fill(a, a + p.FA, std::numeric_limits<double>::quiet_NaN());
-    if (p.max_logit != nullptr) p.max_logit[task] = task_max;
   }
 }
 

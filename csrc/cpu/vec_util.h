@@ -104,11 +104,15 @@ inline void small_qk_rows(const float* q, int64_t qs, const float* kt, int64_t k
   }
 }
 
-// S[r·kb + j] = alpha · Σ_d q[r·qs + d] · k[j·ks + d]  (r < bq, j < kb); kt: D·kb floats of scratch.
-inline void small_qk(const float* q, int64_t qs, const float* k, int64_t ks, int64_t bq, int64_t kb, int64_t D,
-                     float alpha, float* S, float* kt) {
+// kt[d·kb + j] = k[j·ks + d] (j < kb, d < D): a key block transposed for small_qk_t, once for every head that reads it.
+inline void transpose_keys(const float* k, int64_t ks, int64_t kb, int64_t D, float* kt) {
   for (int64_t j = 0; j < kb; ++j)
     for (int64_t d = 0; d < D; ++d) kt[d * kb + j] = k[j * ks + d];
+}
+
+// S[r·kb + j] = alpha · Σ_d q[r·qs + d] · kt[d·kb + j]  (r < bq, j < kb): each row's scores alone, whatever bq is.
+inline void small_qk_t(const float* q, int64_t qs, const float* kt, int64_t bq, int64_t kb, int64_t D, float alpha,
+                       float* S) {
   int64_t r = 0;
   for (; r + 8 <= bq; r += 8) small_qk_rows<8>(q, qs, kt, kb, D, alpha, S, r);
   for (; r + 4 <= bq; r += 4) small_qk_rows<4>(q, qs, kt, kb, D, alpha, S, r);
