@@ -347,8 +347,8 @@ def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
     """The arguments in the dtypes the compiled op's schema takes, on q's device (scaling resolved); gates and
     sink that need a gradient keep their dtype, so that autograd reaches them."""
     dev = q.device
-    return dataclasses.replace(
-        p, scaling=q.shape[-1] ** -0.5 if p.scaling is None else p.scaling,
+    return p.replaced(
+        scaling=q.shape[-1] ** -0.5 if p.scaling is None else p.scaling,
         token_class=_as(p.token_class, torch.int32, dev), sentence_id=_as(p.sentence_id, torch.int32, dev),
         mode=_as(p.mode, torch.int32, dev), region=_as(p.region, torch.int32, dev),
         gates=_as(p.gates, torch.float32, dev) if p.gates is None or not p.gates.requires_grad else p.gates.to(dev),
@@ -492,10 +492,11 @@ def saves_lse(q, k, v, p: AttentionParams) -> bool:
     (`kernels.backward.uses_aten`: no sliding window, soft-cap or sink). Gates are allowed: the op then runs
     ungated, which is the output ATen's backward wants, and `attention` multiplies by the gates outside it. Every
     other call keeps `_OP`, and its backward recomputes what it needs."""
+    if not (torch.is_grad_enabled() and q.device.type == "cpu"):  # (inference: no import per call)
+        return False
     from .kernels.backward import uses_aten
 
-    return (q.device.type == "cpu" and torch.is_grad_enabled()
-            and any(t is not None and t.requires_grad for t in (q, k, v, p.gates, p.sink))
+    return (any(t is not None and t.requires_grad for t in (q, k, v, p.gates, p.sink))
             and p.mode is None and p.region is None and not p.renormalize and q.shape[2] == k.shape[2]
             and not p.cross and p.bias is None
             and uses_aten(q, p.sliding_window, p.softcap, p.sink) and _FUSED_SYMMETRIC and has_kernel("cpu", _LSE_OP))

@@ -185,6 +185,18 @@ class AttentionParams:
         """The tensor arguments (None where not given), in field order: what autograd saves."""
         return tuple(getattr(self, name) for name in TENSOR_ARGUMENTS)
 
+    def replaced(self, **changes) -> AttentionParams:
+        """`dataclasses.replace(self, **changes)` without running __init__ over every field again: the op's wrapper
+        converts the arguments of every attention call (`attnkit.ops`), where that was a tenth of a short call's
+        time. Unknown names are refused as replace refuses them."""
+        unknown = changes.keys() - _FIELD_NAMES
+        if unknown:
+            raise TypeError(f"AttentionParams has no field {sorted(unknown)[0]!r}")
+        new = object.__new__(AttentionParams)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
+
     def with_tensors(self, tensors) -> AttentionParams:
         """These arguments with the tensor ones replaced by `tensors` (`tensors()`'s order)."""
         return dataclasses.replace(self, **dict(zip(TENSOR_ARGUMENTS, tensors)))
@@ -353,6 +365,7 @@ def _check_lengths(lengths: torch.Tensor, name: str, top: int, top_name: str) ->
 TENSOR_ARGUMENTS = ("token_class", "sentence_id", "mode", "region", "gates", "key_scale", "kv_head", "sink",
                     "key_lengths", "key_class", "bias", "grid")
 DECODER_ARGUMENTS = ("kv_head", "causal", "sliding_window", "softcap", "sink", "symmetric_window")
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(AttentionParams))
 # what `attention_weights` takes besides the interventions: the decoder arguments, cross-attention's key lengths and
 # the additive bias
 WEIGHT_ARGUMENTS = (*DECODER_ARGUMENTS, "key_lengths", "bias")
