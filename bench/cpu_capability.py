@@ -9,6 +9,8 @@ side by side in ONE process (ATTNKIT_CPU_CAPABILITY is read at every call), inte
   products the op with the tile's two products in place (the default for tiles of up to 2^19 multiply-adds, BQ·BK·D)
            against the same op with every product through BLAS (ATTNKIT_CPU_SMALL_PRODUCTS=0) and sdpa, from
            sentences (B=16, L=20-40) to SmolLM2's L=512, one thread (--threads)
+  groups   the op with the query heads of one KV head in one task (the default) against one head per task
+           (ATTNKIT_CPU_GROUP_HEADS=1) and sdpa, at SmolLM2-135M's shapes (causal GQA and bidirectional, --lengths)
   minilm   attnkit extraction on the embedded MiniLM (bench/extract.py's "fused") per capability, against the
            plain sdpa forward ("plain-sdpa"), B=16, L=128
 
@@ -16,6 +18,7 @@ side by side in ONE process (ATTNKIT_CPU_CAPABILITY is read at every call), inte
     python bench/cpu_capability.py --only op --rounds 50
     python bench/cpu_capability.py --only lengths --lengths 128 512 2048 4096 8192
     python bench/cpu_capability.py --only products --threads 1
+    python bench/cpu_capability.py --only groups --lengths 128 512 2048 8192
 """
 from __future__ import annotations
 
@@ -177,6 +180,30 @@ def products(rounds: int, g: torch.Generator) -> list[tuple]:
     return out
 
 
+def groups(lens, rounds: int, budget_s: float, g: torch.Generator) -> list[tuple]:
+    """The op with features, its query heads grouped per KV head (the default) against one head per task and sdpa,
+    SmolLM2-135M's shapes (B=1, H=9, Hkv=3, D=64), causal and bidirectional, per length of `lens`. Returns
+    [(L, "causal" | "full", grouped / one head per task, grouped / sdpa)], wall medians."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = []
+    for L in lens:
+        q, k, v, n, tc = op_inputs(1, 9, L, 64, g, Hkv=3)
+        for causal in (True, False):
+            def op(q=q, k=k, v=v, n=n, tc=tc, causal=causal):
+                return ops.attention(q, k, v, n, tc, want_features=True, causal=causal, backend="fused")
+
+            mask = "causal" if causal else "full"
+            res = timed({"grouped": op, "one head per task": with_env("ATTNKIT_CPU_GROUP_HEADS", "1", op),
+                         "sdpa": lambda q=q, k=k, v=v, causal=causal: sdpa(q, k, v, is_causal=causal, enable_gqa=True)},
+                        rounds, f"groups L={L} {mask} GQA B=1 H=9 Hkv=3 D=64", budget_s=budget_s)
+            out.append((L, mask, res["grouped"][0] / res["one head per task"][0], res["grouped"][0] / res["sdpa"][0]))
+    print(f"-- summary: the op with its heads grouped per KV head / one head per task, and / sdpa (wall medians; "
+          f"{load()})")
+    for L, mask, rg, rs in out:
+        print(f"  L={L:5d} {mask:6s}: {rg:5.3f}  {rs:5.3f}")
+    return out
+
+
 def minilm(rounds: int, caps=None) -> dict:
     """attnkit extraction on MiniLM, B=16, L=128, per build of `caps` (default: every build this CPU runs; "" is
     torch's choice), against the plain sdpa forward. Returns timed()'s {case: (wall s, cpu s)}: "plain-sdpa" and
@@ -195,7 +222,7 @@ def minilm(rounds: int, caps=None) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["op", "causal", "minilm", "lengths", "products"], default=None)
+    p.add_argument("--only", choices=["op", "causal", "minilm", "lengths", "products", "groups"], default=None)
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 4096, 8192])
     p.add_argument("--budget", type=float, default=60.0, help="seconds per length and mask (lengths)")
     p.add_argument("--rounds", type=int, default=21)
@@ -218,6 +245,8 @@ def main(argv=None) -> int:
             lengths(args.lengths, args.rounds, args.budget, g)
         if args.only == "products":
             products(args.rounds, g)
+        if args.only == "groups":
+            groups(args.lengths, args.rounds, args.budget, g)
         if args.only in (None, "causal"):
             q, k, v, n, tc = op_inputs(1, 9, 2048, 64, g)
             def run(causal):  # torch's choice of build
