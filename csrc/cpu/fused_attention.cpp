@@ -462,8 +462,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   }
 
   // Query heads per task: the heads that share a KV head (grouped-query attention), while their stacked rows stay
-  // within kGroupedRows, so that BLAS packs each K and V block once for them all (one product of GH · BQ rows is
-  // faster than GH of BQ, with the same bits per element); $ATTNKIT_CPU_GROUP_HEADS caps them (1: one head per task).
+  // within kGroupedRows, so that each K and V block is read (and packed by BLAS) once for them all; one product of
+  // GH · BQ rows is faster than GH of BQ, and gives the same bits where fused_attention_rows.h stacks them.
+  // $ATTNKIT_CPU_GROUP_HEADS caps them (1: one head per task).
   int64_t GH = Hkv < H && H % Hkv == 0 ? H / Hkv : 1;
   GH = std::min({GH, kMaxGroupedHeads, std::max<int64_t>(1, kGroupedRows / BQ)});
   if (const char* env = std::getenv("ATTNKIT_CPU_GROUP_HEADS"); env != nullptr && *env != '\0') {
@@ -527,7 +528,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
   const int64_t RS = kRowStateSlots(N);
   constexpr int64_t kLine = 64 / sizeof(float);
   auto line_up = [](int64_t count) { return (count + kLine - 1) / kLine * kLine; };
-  const bool stack_queries = GH > 1 && !p.small_products && D % 4 == 0;  // (fused_attention_rows.h)
+  // the stacked query rows of a task's heads for their one BLAS product (fused_attention_rows.h): not with the products
+  // in place, nor for a head size that is not a multiple of 4, whose rows MKL reads at another stride and sums another
+  // way than one head's (measured on MKL's Zen kernels)
+  const bool stack_queries = GH > 1 && !p.small_products && D % 4 == 0;
   const int64_t parts[] = {GH * BQ * BK, GH * BQ * D, BK,          GH * BQ * RS, GH * (BQ + BK),
                            p.small_products ? BK * D : 0, stack_queries ? GH * BQ * D : 0};
   int64_t scratch = 0;
@@ -537,9 +541,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_impl(
     const SequentialBlas sequential;
     std::vector<float> buf(static_cast<size_t>(scratch + kLine), 0.f);
     const auto address = reinterpret_cast<std::uintptr_t>(buf.data());
-    float* at = buf.data() + (line_up(int64_t(address / sizeof(float))) - int64_t(address / sizeof(float)));
+    float* next = buf.data() + (line_up(int64_t(address / sizeof(float))) - int64_t(address / sizeof(float)));
     float* part_at[7];
-    for (int i = 0; i < 7; ++i) part_at[i] = at, at += line_up(parts[i]);
+    for (int i = 0; i < 7; ++i) part_at[i] = next, next += line_up(parts[i]);
     float *S = part_at[0], *acc = part_at[1], *pc = part_at[2], *state = part_at[3], *diag = part_at[4];
     float* kt = p.small_products ? part_at[5] : nullptr;
     float* qc = stack_queries ? part_at[6] : nullptr;

@@ -272,10 +272,10 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     int64_t task;  // its index among the (sample, head, query block)s: of its partial sums and max logit
   };
   Unit units[kMaxGroupedHeads];
+  const int64_t n_groups = H / GH;
   for (int64_t item = begin; item < end; ++item) {
     // query blocks in zigzag order (0, last, 1, last − 1, ...): any run of tasks holds light and heavy
     // causal blocks alike, so at::parallel_for's contiguous chunks get even work
-    const int64_t n_groups = H / GH;
     const int64_t i_blk = item % p.n_qblk, bg = item / p.n_qblk, h0 = (bg % n_groups) * GH, b = bg / n_groups;
     const int64_t qblk = (i_blk % 2 == 0) ? i_blk / 2 : p.n_qblk - 1 - i_blk / 2;
     const int64_t r0 = qblk * BQ, bq = std::min(BQ, p.Lq - r0);
@@ -348,16 +348,19 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
     }
     if (n_units == 0) continue;
     // The heads' products stacked (through BLAS): one product of (GH · bq) query rows, read as one contiguous
-    // operand, per key block. MKL computes an element of a product of fewer than 4 columns (bq < 4) or of a single
-    // row (kb = 1), and one whose head size is not a multiple of 4 read at another stride, another way than the
-    // products one head at a time: those keep one product per head, so that every element has the bits it has
-    // without the grouping (tests/test_fused_cpu_blocks.py; measured on MKL's Zen kernels).
-    const bool stack = GH > 1 && !p.small_products && bq >= 4 && D % 4 == 0;
+    // operand (w.qc, given by fused_attention.cpp where it stacks them at all), per key block. MKL computes an element
+    // of a product of fewer than 4 columns (bq < 4) or of a single row (kb = 1) another way than the products one
+    // head at a time: those keep one product per head, so that every element has the bits it has without the
+    // grouping (tests/test_fused_cpu_blocks.py; measured on MKL's Zen kernels).
+    const bool stack = w.qc != nullptr && bq >= 4;
     if (stack && any_scores)
       for (int64_t gi = 0; gi < GH; ++gi) {
         const float* qh = p.q + b * p.qs0 + (h0 + gi) * p.qs1 + r0 * p.qs2;
         for (int64_t r = 0; r < bq; ++r) std::copy(qh + r * p.qs2, qh + r * p.qs2 + D, w.qc + (gi * bq + r) * D);
       }
+    // unit u's scores of a block of kb keys: row-major bq × kb, after the previous heads' (as the stacked product
+    // writes them)
+    auto scores_of = [&](const Unit& u, int64_t kb) { return w.S + (u.h - h0) * bq * kb; };
     bool first = true;
     for (int64_t k0 = klo; k0 < khi; k0 += BK) {
       const int64_t kb = std::min(BK, khi - k0);
@@ -369,13 +372,13 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         if (p.small_products) {
           transpose_keys(kt, p.ks2, kb, D, w.kt);
           for (int64_t ui = 0; ui < n_units; ++ui)
-            if (!units[ui].uniform) small_qk_t(units[ui].qt, p.qs2, w.kt, bq, kb, D, alpha, w.S + (units[ui].h - h0) * bq * kb);
+            if (!units[ui].uniform) small_qk_t(units[ui].qt, p.qs2, w.kt, bq, kb, D, alpha, scores_of(units[ui], kb));
         } else if (stack && kb >= 2) {
           p.gemm('T', 'N', kb, GH * bq, D, alpha, kt, p.ks2, w.qc, D, 0.f, w.S, kb);
         } else {
           for (int64_t ui = 0; ui < n_units; ++ui)
             if (!units[ui].uniform)
-              p.gemm('T', 'N', kb, bq, D, alpha, kt, p.ks2, units[ui].qt, p.qs2, 0.f, w.S + (units[ui].h - h0) * bq * kb, kb);
+              p.gemm('T', 'N', kb, bq, D, alpha, kt, p.ks2, units[ui].qt, p.qs2, 0.f, scores_of(units[ui], kb), kb);
         }
         if (p.scaling == 0.0) scale_inplace(w.S, GH * bq * kb, 0.f);
       }
@@ -390,7 +393,7 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
         const float sink = u.sink;
         const float* g = u.g;
         const float* lg = u.lg;
-        float* S = w.S + (h - h0) * bq * kb;
+        float* S = scores_of(u, kb);
         float* acc = u.acc;
         float* diag = u.diag;
         if (!uniform && p.bias != nullptr) {  // the bias of the block's rows (query rows r0 + r) and keys [k0, k0 + kb)
@@ -501,12 +504,12 @@ void fused_attention_tasks(const FusedCpuParams& p, int64_t begin, int64_t end, 
       const float* vt = p.v + b * p.vs0 + kvh * p.vs1 + k0 * p.vs2;
       if (p.small_products) {
         for (int64_t ui = 0; ui < n_units; ++ui)
-          small_pv(w.S + (units[ui].h - h0) * bq * kb, kb, vt, p.vs2, bq, D, !first, units[ui].acc);
+          small_pv(scores_of(units[ui], kb), kb, vt, p.vs2, bq, D, !first, units[ui].acc);
       } else if (stack && kb >= 2 && n_units == GH) {
         p.gemm('N', 'N', D, GH * bq, kb, 1.f, vt, p.vs2, w.S, kb, first ? 0.f : 1.f, w.acc, D);
       } else {
         for (int64_t ui = 0; ui < n_units; ++ui)
-          p.gemm('N', 'N', D, bq, kb, 1.f, vt, p.vs2, w.S + (units[ui].h - h0) * bq * kb, kb, first ? 0.f : 1.f,
+          p.gemm('N', 'N', D, bq, kb, 1.f, vt, p.vs2, scores_of(units[ui], kb), kb, first ? 0.f : 1.f,
                  units[ui].acc, D);
       }
       first = false;
