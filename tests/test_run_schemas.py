@@ -28,6 +28,10 @@ def clusters_data(tmp_path_factory, feats):
     ({"settings": "x"}, "field settings", "expected an object"),
     ({"n_layers": 7}, "field n_layers", "is 7 but"),
     ({"feature_names": ["a"]}, "field feature_names", "does not match"),
+    ({"layer_kinds": [["encoder", 0], ["decodr", 0], ["cross", 0]]}, "field layer_kinds[1][0]", 'must be one of "encoder", "decoder", "cross", got "decodr"'),
+    ({"layer_kinds": [["encoder", 0], ["decoder", -1], ["cross", 0]]}, "field layer_kinds", "must be at least 0"),
+    ({"layer_kinds": [["encoder", 0], ["decoder"], ["cross", 0]]}, "field layer_kinds[1]", "needs at least 2 item(s), got 1"),
+    ({"layer_kinds": [["encoder", 0], ["cross", 0]]}, "field layer_kinds", "names 2 layers but"),
 ])
 def test_meta_json_is_validated(run, meta, field, problem):
     (run / "meta.json").write_text(json.dumps(meta))
@@ -43,6 +47,23 @@ def test_meta_json_valid_fields_load(run, feats):
     got = HeadFeatures.load(run)
     assert got.n_samples == feats.n_samples == 100 and got.n_tokens == 3000
     np.testing.assert_array_equal(got.mean, feats.mean)
+
+
+def test_an_encoder_decoders_kinds_are_named_once_in_layer_order(run):
+    meta = json.loads((run / "meta.json").read_text())
+    meta["layer_kinds"] = [["encoder", 0], ["decoder", 0], ["cross", 0]]
+    (run / "meta.json").write_text(json.dumps(meta))
+    got = HeadFeatures.load(run)
+    assert got.kinds == ["encoder", "decoder", "cross"]
+    assert [got.n_layers_of(k) for k in ("encoder", "decoder", "cross")] == [1, 1, 1]
+    meta["layer_kinds"] = [["encoder", 0], ["encoder", 1], ["decoder", 0]]
+    (run / "meta.json").write_text(json.dumps(meta))
+    got = HeadFeatures.load(run)
+    assert got.kinds == ["encoder", "decoder"] and got.n_layers_of("encoder") == 2 and got.n_layers_of("cross") == 0
+    del meta["layer_kinds"]
+    (run / "meta.json").write_text(json.dumps(meta))
+    got = HeadFeatures.load(run)
+    assert got.kinds is None and got.n_layers_of("encoder") == 0
 
 
 @pytest.mark.parametrize("arrays, problem", [

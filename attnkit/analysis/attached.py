@@ -390,13 +390,12 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
             found.distances = read_distances(run_dir / DISTANCES_FILE, shape, meta, run, partial)
         except _Elsewhere as exc:
             found.links.append(("Jensen-Shannon distances", run_dir / DISTANCES_FILE, str(exc)))
-    kinds = [k for k, _ in features.layer_kinds or []] if features is not None else []
-    for kind in dict.fromkeys(kinds):  # an encoder–decoder's distances, one file per kind
-        path = run_dir / distances_file(kind)
+    for kind in (features.kinds if features is not None else None) or []:  # an encoder–decoder's distances,
+        path = run_dir / distances_file(kind)                                 # one file per kind
         if path.is_file():
             try:
-                found.distances_by_kind[kind] = read_distances(path, (kinds.count(kind), shape[1]), meta, run,
-                                                               partial, kind)
+                found.distances_by_kind[kind] = read_distances(path, (features.n_layers_of(kind), shape[1]), meta,
+                                                               run, partial, kind)
             except _Elsewhere as exc:
                 found.links.append((f"Jensen-Shannon distances of the {kind} heads", path, str(exc)))
     if (run_dir / PATTERNS_FILE).is_file():

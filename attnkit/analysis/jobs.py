@@ -138,7 +138,7 @@ def _example_sources(run: Path, feats: HeadFeatures, wanted: bool, say, *, corpu
     try:
         if not wanted and name is None:
             raise AttnkitError("the run records no model")
-        if feats.meta.get("layer_kinds"):
+        if feats.kinds is not None:
             raise AttnkitError("the run is an encoder–decoder's, whose example maps over (source, target) pairs "
                                "are not drawn yet")
         if is_image_run(feats.meta) and corpus is None:  # one of its images, for the [CLS] maps

@@ -551,7 +551,7 @@ def _kind_maps(r: Report, figures: list, removed: str) -> Section:
     from .embedding import mds
 
     H = r.features.n_heads
-    kinds = list(dict.fromkeys(k for k, _ in r.features.layer_kinds))
+    kinds = r.features.kinds
     notes = ["An encoder–decoder's heads are compared within each kind only (docs/seq2seq.md §9): `attnkit distances "
              "RUN` writes one file per kind (distances_encoder.npz, distances_decoder.npz, distances_cross.npz; "
              "attnkit.run.HeadDistances.load_by_kind reads them). No map or nearest head pairs heads of two kinds."]

@@ -241,7 +241,7 @@ def distances_outputs(run, features) -> list[Path]:
     RUN/distances_KIND.npz per kind of an encoder–decoder's layers (docs/seq2seq.md §9)."""
     from ..run.distances import distances_file
 
-    kinds = [None] if features.layer_kinds is None else dict.fromkeys(k for k, _ in features.layer_kinds)
+    kinds = features.kinds or [None]
     return [Path(run) / distances_file(kind) for kind in kinds]
 
 

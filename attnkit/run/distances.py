@@ -93,16 +93,14 @@ class HeadDistances:
 
         directory = Path(directory)
         run = HeadFeatures.load(directory)
-        layer_kinds = [k for k, _ in run.layer_kinds or []]
-        if not layer_kinds:
+        if run.kinds is None:
             raise AttnkitError(f"{directory} measured a model of one stack: its distances are "
                                f"{DISTANCES_FILE} (HeadDistances.load)")
-        wanted = list(dict.fromkeys(layer_kinds)) if kinds is None else list(kinds)
+        wanted = run.kinds if kinds is None else list(kinds)
         for kind in wanted:
-            if kind not in layer_kinds:
-                raise AttnkitError(f"{directory} has no layers of kind {kind!r} (its kinds: "
-                                   f"{', '.join(dict.fromkeys(layer_kinds))})")
-        return {kind: cls.load_kind(directory, kind, (layer_kinds.count(kind), run.n_heads)) for kind in wanted}
+            if kind not in run.kinds:
+                raise AttnkitError(f"{directory} has no layers of kind {kind!r} (its kinds: {', '.join(run.kinds)})")
+        return {kind: cls.load_kind(directory, kind, (run.n_layers_of(kind), run.n_heads)) for kind in wanted}
 
     @classmethod
     def load_kind(cls, directory, kind: str, shape: tuple[int, int] | None = None) -> HeadDistances:

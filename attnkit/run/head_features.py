@@ -133,6 +133,17 @@ class HeadFeatures:
             return None
         return [(str(k), int(i)) for k, i in kinds]
 
+    @property
+    def kinds(self) -> list[str] | None:
+        """The kinds of an encoder–decoder's layers, each once, in the order of its layers (encoder, decoder,
+        cross); None for a run of one stack."""
+        kinds = self.layer_kinds
+        return None if kinds is None else list(dict.fromkeys(kind for kind, _ in kinds))
+
+    def n_layers_of(self, kind: str) -> int:
+        """How many of an encoder–decoder's layers are of `kind` (0 for a run of one stack)."""
+        return sum(k == kind for k, _ in self.layer_kinds or [])
+
     def layer_labels(self) -> list[str]:
         """Each layer as figures and tables name it: its number, and for an encoder–decoder's run its kind and
         index in its kind as well ("4 · cross 0")."""
@@ -224,6 +235,9 @@ class HeadFeatures:
                     raise AttnkitError(f"{mpath}: field {key} is {meta[key]} but {fpath} holds {want}")
             if "feature_names" in meta and meta["feature_names"] != names:
                 raise AttnkitError(f"{mpath}: field feature_names does not match the names in {fpath}")
+            if "layer_kinds" in meta and len(meta["layer_kinds"]) != L:
+                raise AttnkitError(f"{mpath}: field layer_kinds names {len(meta['layer_kinds'])} layers but "
+                                   f"{fpath} holds {L}")
             for i, (l, h) in enumerate(meta.get("removed_heads", [])):
                 if l >= L or h >= H:
                     raise AttnkitError(f"{mpath}: field removed_heads[{i}]: L{l}H{h} is outside the run's "

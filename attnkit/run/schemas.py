@@ -19,6 +19,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
 from ..errors import AttnkitError
+from .model_dir import KINDS
 
 _INT0 = {"type": "integer", "minimum": 0}
 _INT1 = {"type": "integer", "minimum": 1}
@@ -62,6 +63,10 @@ META_SCHEMA = {
         # [[layer, head], ...]: heads a pruning removed from the model (their features are NaN); absent in runs
         # of unpruned models and in runs made before it was recorded
         "removed_heads": _HEAD_PAIRS,
+        # [[kind, index in its kind], ...], one per layer: an encoder–decoder's run (docs/seq2seq.md); absent for a
+        # model of one stack
+        "layer_kinds": {"type": "array", "items": {"type": "array", "minItems": 2, "maxItems": 2, "prefixItems": [
+            {"enum": list(KINDS)}, _INT0]}},
         "settings": {
             "type": "object",
             "properties": {
