@@ -163,7 +163,7 @@ inline float masked_sum(const float* w, const float* mask, int64_t len) {
 }
 
 // The special keys at positions pos[0..cnt) (increasing, all in [k0, k0 + len of w)), of classes cls[0..cnt) (as
-// floats): their weights w[t − k0] summed per class into out[0..4) (CLS, SEP, COMMA, PERIOD), 16 keys per gather.
+// floats): their weights w[t − k0] summed per class into out[0..4) (CLS, SEP, COMMA, PERIOD), a vector of keys per gather.
 inline void class_sums(const float* w, int64_t k0, const int32_t* pos, const float* cls, int64_t cnt, float* out) {
   using IVec = at::vec::Vectorized<int32_t>;
   const IVec base(static_cast<int32_t>(k0)), izero(0);
@@ -171,10 +171,12 @@ inline void class_sums(const float* w, int64_t k0, const int32_t* pos, const flo
   Vec a1(0.f), a2(0.f), a3(0.f), a4(0.f);
   for (int64_t j = 0; j < cnt; j += kW) {
     const int64_t m = std::min<int64_t>(kW, cnt - j);
-    // a partial load fills the lanes past cnt with class 0 (OTHER: no bucket) and with position 1 (AVX-512) or 0,
-    // clamped to offset ≥ 0: an address in the block's weights, finite there (the score row is 0 outside the
-    // row's keys), so the lane adds 0
-    const IVec idx = at::vec::maximum(IVec::loadu(pos + j, m) - base, izero);
+    // a partial load fills the lanes past cnt with class 0 (OTHER: no bucket) and with position 1, clamped to
+    // offset ≥ 0: an address in the block's weights, finite there (the score row is 0 outside the row's keys), so
+    // the lane adds 0. A whole vector is loaded as one: at::vec's AVX2 int32 load with a count copies through the
+    // stack even when the count is the vector's size (a stall on every gather; AVX-512's is a masked load).
+    const IVec at_pos = m == kW ? IVec::loadu(pos + j) : IVec::loadu(pos + j, static_cast<int32_t>(m));
+    const IVec idx = at::vec::maximum(at_pos - base, izero);
     const Vec cv = Vec::loadu(cls + j, m);
     const Vec wv = at::vec::gather<sizeof(float)>(w, idx);
     a1 = at::vec::fmadd(wv, cv.eq(c1), a1);
