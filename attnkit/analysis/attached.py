@@ -390,8 +390,9 @@ def find_attached(run_dir, shape: tuple[int, int], include=(), features: HeadFea
             found.distances = read_distances(run_dir / DISTANCES_FILE, shape, meta, run, partial)
         except _Elsewhere as exc:
             found.links.append(("Jensen-Shannon distances", run_dir / DISTANCES_FILE, str(exc)))
-    for kind in (features.kinds if features is not None else None) or []:  # an encoder–decoder's distances,
-        path = run_dir / distances_file(kind)                                 # one file per kind
+    kinds = features.kinds if features is not None else None  # an encoder–decoder's: its distances per kind
+    for kind in kinds or []:
+        path = run_dir / distances_file(kind)
         if path.is_file():
             try:
                 found.distances_by_kind[kind] = read_distances(path, (features.n_layers_of(kind), shape[1]), meta,
