@@ -331,7 +331,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.
     included), else from `attnkit.kernels.statistics.max_logits` (one more blocked q·kᵀ pass). A step's rows count
     at their true positions; a sample with no valid row has −inf.
     """
-    p = AttentionParams(token_class, sentence_id, **params)
+    p = AttentionParams.of(token_class, sentence_id, **params)
     res = _attention(q, k, v, lengths, p, backend, _max_logit=want_max_logit)
     if not want_max_logit or len(res) == 3:
         return res
@@ -343,22 +343,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.
                              key_lengths=p.key_lengths, symmetric_window=p.symmetric_window))
 
 
+# the tensor arguments in the dtypes the compiled op's schema takes; gates, sink and bias that need a gradient keep
+# theirs, so that autograd reaches them
+_KERNEL_DTYPES = (("token_class", torch.int32), ("sentence_id", torch.int32), ("mode", torch.int32),
+                  ("region", torch.int32), ("gates", torch.float32), ("key_scale", torch.float32),
+                  ("kv_head", torch.int32), ("sink", torch.float32), ("key_lengths", torch.int64),
+                  ("key_class", torch.int32), ("bias", torch.float32), ("grid", torch.int32))
+_KEEP_GRADIENT = frozenset({"gates", "sink", "bias"})
+
+
 def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
-    """The arguments in the dtypes the compiled op's schema takes, on q's device (scaling resolved); gates and
-    sink that need a gradient keep their dtype, so that autograd reaches them."""
+    """The arguments in the dtypes the compiled op's schema takes (`_KERNEL_DTYPES`), on q's device (scaling
+    resolved). Only the tensors given and not already so are converted: this runs on every attention call."""
     dev = q.device
-    return p.replaced(
-        scaling=q.shape[-1] ** -0.5 if p.scaling is None else p.scaling,
-        token_class=_as(p.token_class, torch.int32, dev), sentence_id=_as(p.sentence_id, torch.int32, dev),
-        mode=_as(p.mode, torch.int32, dev), region=_as(p.region, torch.int32, dev),
-        gates=_as(p.gates, torch.float32, dev) if p.gates is None or not p.gates.requires_grad else p.gates.to(dev),
-        key_scale=_as(p.key_scale, torch.float32, dev), kv_head=_as(p.kv_head, torch.int32, dev),
-        sink=_as(p.sink, torch.float32, dev) if p.sink is None or not p.sink.requires_grad else p.sink.to(dev),
-        causal=bool(p.causal), softcap=None if p.softcap is None else float(p.softcap),
-        key_lengths=_as(p.key_lengths, torch.int64, dev), key_class=_as(p.key_class, torch.int32, dev),
-        bias=_as(p.bias, torch.float32, dev) if p.bias is None or not p.bias.requires_grad else p.bias.to(dev),
-        grid=_as(p.grid, torch.int32, dev) if p.want_features else None,  # (no features: the grid changes nothing)
-        alignment=bool(p.alignment) and bool(p.want_features))  # (nor alignment)
+    changes = {"scaling": q.shape[-1] ** -0.5 if p.scaling is None else p.scaling, "causal": bool(p.causal),
+               "softcap": None if p.softcap is None else float(p.softcap),
+               "alignment": bool(p.alignment) and bool(p.want_features)}  # (no features: alignment changes nothing)
+    if not p.want_features:
+        changes["grid"] = None  # (nor the grid)
+    given = p.__dict__
+    for name, dtype in _KERNEL_DTYPES:
+        t = given[name]
+        if t is None or name in changes:
+            continue
+        if name in _KEEP_GRADIENT and t.requires_grad:
+            if t.device != dev:
+                changes[name] = t.to(dev)
+        elif t.dtype != dtype or t.device != dev:
+            changes[name] = t.to(device=dev, dtype=dtype)
+    return p.replaced(**changes)
 
 
 # the op's arguments before the decoder ones: all that a build before them takes; those before cross-attention's:
@@ -411,7 +424,6 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
     dev = q.device
     lengths = lengths.to(device=dev, dtype=torch.int64)
     p = _for_kernels(p, q)
-    decoder = p.decoder_used(q.shape[1], k.shape[1])
     # a KV-cache step: the queries are the last positions of the keys (cross-attention's are another sequence)
     fewer_queries = q.shape[2] < k.shape[2] and not p.cross
     if (backend in ("auto", "fused") and dev.type == "cuda" and q.dtype in _TRITON_DTYPES and cuda_kernel() == "triton"
@@ -420,7 +432,8 @@ def _attention(q, k, v, lengths, p: AttentionParams, backend: str, _max_logit=Fa
         # the Triton kernel takes every argument, the decoder ones included, and needs no compiled extension
         return torch.ops.attnkit.fused_attention_triton(q, k, v, lengths, *p.op_args())
     chosen = resolve_backend(backend, dev)
-    if chosen == "fused" and decoder and not _FUSED_DECODER:
+    decoder = p.decoder_used(q.shape[1], k.shape[1]) if chosen == "fused" and not _FUSED_DECODER else ()
+    if decoder:
         if backend == "fused":
             raise AttnkitError(f"backend 'fused' requested but this build of the extension does not take "
                                f"{', '.join(decoder)}: rebuild it (pip install --no-build-isolation -e .)")

@@ -185,6 +185,22 @@ class AttentionParams:
         """The tensor arguments (None where not given), in field order: what autograd saves."""
         return tuple(getattr(self, name) for name in TENSOR_ARGUMENTS)
 
+    @classmethod
+    def of(cls, token_class: torch.Tensor | None = None, sentence_id: torch.Tensor | None = None,
+           **params) -> AttentionParams:
+        """`AttentionParams(token_class, sentence_id, **params)` without the frozen dataclass's __init__, which sets
+        each field through object.__setattr__: the op's wrapper builds one per attention call (`attnkit.ops`).
+        Unknown names are refused as __init__ refuses them."""
+        unknown = params.keys() - _FIELD_NAMES
+        if unknown:
+            raise TypeError(f"AttentionParams got an unexpected keyword argument {sorted(unknown)[0]!r}")
+        new = object.__new__(cls)
+        fields = new.__dict__
+        fields.update(_DEFAULTS)
+        fields["token_class"], fields["sentence_id"] = token_class, sentence_id
+        fields.update(params)
+        return new
+
     def replaced(self, **changes) -> AttentionParams:
         """`dataclasses.replace(self, **changes)` without running __init__ over every field again: the op's wrapper
         converts the arguments of every attention call (`attnkit.ops`), where that was a tenth of a short call's
@@ -366,6 +382,7 @@ TENSOR_ARGUMENTS = ("token_class", "sentence_id", "mode", "region", "gates", "ke
                     "key_lengths", "key_class", "bias", "grid")
 DECODER_ARGUMENTS = ("kv_head", "causal", "sliding_window", "softcap", "sink", "symmetric_window")
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(AttentionParams))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AttentionParams)}
 # what `attention_weights` takes besides the interventions: the decoder arguments, cross-attention's key lengths and
 # the additive bias
 WEIGHT_ARGUMENTS = (*DECODER_ARGUMENTS, "key_lengths", "bias")
@@ -805,12 +822,16 @@ def _first_bad(bad: torch.Tensor) -> str:
     return "[" + ", ".join(map(str, idx)) + "]"
 
 
+# (the usual dtypes of an integer argument: `_int_tensor` asks nothing more of them, once per argument of every call)
+_INTEGER_DTYPES = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
+
+
 def _int_tensor(t, name, shape) -> None:
     if not isinstance(t, torch.Tensor):
         raise AttnkitError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+    if t.dtype not in _INTEGER_DTYPES and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
         raise AttnkitError(f"{name} must be an integer tensor, got {t.dtype}")
-    if tuple(t.shape) != shape:
+    if t.shape != shape:
         raise AttnkitError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
 
 
