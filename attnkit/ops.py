@@ -310,10 +310,6 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return "reference"
 
 
-def _as(t: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    return None if t is None else t.to(device=device, dtype=dtype)
-
-
 @takes_params
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
               token_class: torch.Tensor | None = None, sentence_id: torch.Tensor | None = None, *,
