@@ -11,6 +11,9 @@ side by side in ONE process (ATTNKIT_CPU_CAPABILITY is read at every call), inte
            sentences (B=16, L=20-40) to SmolLM2's L=512, one thread (--threads)
   groups   the op with the query heads of one KV head in one task (the default) against one head per task
            (ATTNKIT_CPU_GROUP_HEADS=1) and sdpa, at SmolLM2-135M's shapes (causal GQA and bidirectional, --lengths)
+  wrapper  the op with features through attnkit.ops.attention (its Python: the arguments checked and converted, the
+           backend chosen) against the compiled op called directly with the arguments the wrapper passes, and sdpa,
+           at SmolLM2-135M's shapes, bidirectional, per length of --lengths: what the Python costs per call
   minilm   attnkit extraction on the embedded MiniLM (bench/extract.py's "fused") per capability, against the
            plain sdpa forward ("plain-sdpa"), B=16, L=128
 
@@ -19,6 +22,7 @@ side by side in ONE process (ATTNKIT_CPU_CAPABILITY is read at every call), inte
     python bench/cpu_capability.py --only lengths --lengths 128 512 2048 4096 8192
     python bench/cpu_capability.py --only products --threads 1
     python bench/cpu_capability.py --only groups --lengths 128 512 2048 8192
+    python bench/cpu_capability.py --only wrapper --lengths 128 512 --rounds 30
 """
 from __future__ import annotations
 
@@ -204,6 +208,32 @@ def groups(lens, rounds: int, budget_s: float, g: torch.Generator) -> list[tuple
     return out
 
 
+def wrapper(lens, rounds: int, budget_s: float, g: torch.Generator) -> list[tuple]:
+    """The op with features through `ops.attention` and called directly (`torch.ops.attnkit.fused_attention` on the
+    arguments the wrapper gives it, captured once), against sdpa, SmolLM2-135M's shapes, bidirectional, per length
+    of `lens`. Returns [(L, wrapper / sdpa, direct / sdpa)], wall medians."""
+    from attnkit.reference import AttentionParams
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = []
+    for L in lens:
+        q, k, v, n, tc = op_inputs(1, 9, L, 64, g, Hkv=3)
+        p = ops._for_kernels(AttentionParams.of(tc, None, want_features=True), q)
+        args = (q, k, v, n.to(torch.int64), *ops._compiled_args(p))
+        res = timed({"sdpa": lambda q=q, k=k, v=v: sdpa(q, k, v, enable_gqa=True),
+                     "ops.attention": lambda q=q, k=k, v=v, n=n, tc=tc: ops.attention(
+                         q, k, v, n, tc, want_features=True, backend="fused"),
+                     "the op directly": lambda args=args: torch.ops.attnkit.fused_attention.default(*args)},
+                    rounds, f"wrapper L={L} full GQA B=1 H=9 Hkv=3 D=64", budget_s=budget_s)
+        s = res["sdpa"][0]
+        out.append((L, res["ops.attention"][0] / s, res["the op directly"][0] / s))
+    print(f"-- summary: the op with features through ops.attention and called directly, / sdpa (wall medians; "
+          f"{load()})")
+    for L, w, d in out:
+        print(f"  L={L:5d}: {w:5.3f}  {d:5.3f}")
+    return out
+
+
 def minilm(rounds: int, caps=None) -> dict:
     """attnkit extraction on MiniLM, B=16, L=128, per build of `caps` (default: every build this CPU runs; "" is
     torch's choice), against the plain sdpa forward. Returns timed()'s {case: (wall s, cpu s)}: "plain-sdpa" and
@@ -222,7 +252,8 @@ def minilm(rounds: int, caps=None) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["op", "causal", "minilm", "lengths", "products", "groups"], default=None)
+    p.add_argument("--only", choices=["op", "causal", "minilm", "lengths", "products", "groups", "wrapper"],
+                   default=None)
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 4096, 8192])
     p.add_argument("--budget", type=float, default=60.0, help="seconds per length and mask (lengths)")
     p.add_argument("--rounds", type=int, default=21)
@@ -247,6 +278,8 @@ def main(argv=None) -> int:
             products(args.rounds, g)
         if args.only == "groups":
             groups(args.lengths, args.rounds, args.budget, g)
+        if args.only == "wrapper":
+            wrapper(args.lengths, args.rounds, args.budget, g)
         if args.only in (None, "causal"):
             q, k, v, n, tc = op_inputs(1, 9, 2048, 64, g)
             def run(causal):  # torch's choice of build
