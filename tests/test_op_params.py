@@ -75,4 +75,4 @@ def test_classes_of_any_integer_dtype_give_the_same_numbers():
                           mode=torch.tensor([0, 1, 0, 2], dtype=dtype)) for dtype in (torch.int64, torch.int32)]
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     ref = ops.attention(q, k, v, n, tc, want_features=True, backend="reference", mode=torch.tensor([0, 1, 0, 2]))
-    torch.testing.assert_close(outs[0][1], ref[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(outs[0][1], ref[1], rtol=1e-4, atol=1e-5)
