@@ -185,33 +185,20 @@ class AttentionParams:
         """The tensor arguments (None where not given), in field order: what autograd saves."""
         return tuple(getattr(self, name) for name in TENSOR_ARGUMENTS)
 
-    @classmethod
-    def of(cls, token_class: torch.Tensor | None = None, sentence_id: torch.Tensor | None = None,
+    @staticmethod
+    def of(token_class: torch.Tensor | None = None, sentence_id: torch.Tensor | None = None,
            **params) -> AttentionParams:
         """`AttentionParams(token_class, sentence_id, **params)` without the frozen dataclass's __init__, which sets
         each field through object.__setattr__: the op's wrapper builds one per attention call (`attnkit.ops`).
-        Unknown names are refused as __init__ refuses them."""
-        unknown = params.keys() - _FIELD_NAMES
-        if unknown:
-            raise TypeError(f"AttentionParams got an unexpected keyword argument {sorted(unknown)[0]!r}")
-        new = object.__new__(cls)
-        fields = new.__dict__
-        fields.update(_DEFAULTS)
-        fields["token_class"], fields["sentence_id"] = token_class, sentence_id
-        fields.update(params)
-        return new
+        Unknown names are refused with a TypeError, as __init__ refuses them."""
+        params["token_class"], params["sentence_id"] = token_class, sentence_id
+        return _made(_DEFAULTS, params)
 
     def replaced(self, **changes) -> AttentionParams:
         """`dataclasses.replace(self, **changes)` without running __init__ over every field again: the op's wrapper
         converts the arguments of every attention call (`attnkit.ops`), where that was a tenth of a short call's
         time. Unknown names are refused as replace refuses them."""
-        unknown = changes.keys() - _FIELD_NAMES
-        if unknown:
-            raise TypeError(f"AttentionParams has no field {sorted(unknown)[0]!r}")
-        new = object.__new__(AttentionParams)
-        new.__dict__.update(self.__dict__)
-        new.__dict__.update(changes)
-        return new
+        return _made(self.__dict__, changes)
 
     def with_tensors(self, tensors) -> AttentionParams:
         """These arguments with the tensor ones replaced by `tensors` (`tensors()`'s order)."""
@@ -383,6 +370,20 @@ TENSOR_ARGUMENTS = ("token_class", "sentence_id", "mode", "region", "gates", "ke
 DECODER_ARGUMENTS = ("kv_head", "causal", "sliding_window", "softcap", "sink", "symmetric_window")
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(AttentionParams))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(AttentionParams)}
+
+
+def _made(fields: dict, changes: dict) -> AttentionParams:
+    """AttentionParams with `fields`, then `changes`, without __init__ (`AttentionParams.of` and `replaced`); an
+    unknown name in `changes` is refused as the dataclass refuses it."""
+    unknown = changes.keys() - _FIELD_NAMES
+    if unknown:
+        raise TypeError(f"AttentionParams has no field {sorted(unknown)[0]!r}")
+    new = object.__new__(AttentionParams)
+    new.__dict__.update(fields)
+    new.__dict__.update(changes)
+    return new
+
+
 # what `attention_weights` takes besides the interventions: the decoder arguments, cross-attention's key lengths and
 # the additive bias
 WEIGHT_ARGUMENTS = (*DECODER_ARGUMENTS, "key_lengths", "bias")
