@@ -57,7 +57,7 @@ import threading
 
 import torch
 
-from .errors import AttnkitError, arg
+from .errors import MAX_NUM_WINDOWS, AttnkitError, arg
 from .features import num_features
 from .reference import AttentionParams, params_attention, takes_params, visible_keys
 
@@ -328,6 +328,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.
     at their true positions; a sample with no valid row has −inf.
     """
     p = AttentionParams.of(token_class, sentence_id, **params)
+    if not want_max_logit and backend != "reference":
+        try:
+            direct = _direct_args(q, k, v, lengths, p)
+            if direct is not None:
+                return torch.ops.attnkit.fused_attention(q, k, v, lengths, *direct)
+        except Exception:  # noqa: BLE001,S110 (the checked path below refuses bad arguments with its own message)
+            pass
     res = _attention(q, k, v, lengths, p, backend, _max_logit=want_max_logit)
     if not want_max_logit or len(res) == 3:
         return res
@@ -368,6 +375,45 @@ def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
         elif t.dtype != dtype or t.device != dev:
             changes[name] = t.to(device=dev, dtype=dtype)
     return p.replaced(**changes)
+
+
+# a build whose CPU kernel takes every argument of AttentionParams (`_direct_args`)
+_CPU_TAKES_ALL = (has_kernel("cpu") and _FUSED_DECODER and _FUSED_SYMMETRIC and _FUSED_GRID and _FUSED_ALIGNMENT
+                  and _CPU_FEWER_QUERIES and _CPU_CROSS and _CPU_BIAS and _CPU_GRID and _CPU_ALIGNMENT)
+
+
+def _direct_args(q, k, v, lengths, p: AttentionParams) -> tuple | None:
+    """The compiled CPU op's arguments after lengths for a call that `_attention` would send to it as given (plain
+    CPU tensors already in the schema's dtypes, no gradient wanted, scalars of the types `check_layout` takes), else
+    None. Such a call skips `check_layout`, the conversions and the routing, a visible part of a short call's time
+    (bench/README.md, "The op's Python wrapper"): the kernel checks every shape, dtype and value that `check_layout`
+    checks of such arguments, and when it refuses them (or this function fails on them), `attention` runs the checked
+    path, which refuses them with its own message. tests/test_op_direct.py holds both paths to the same bits and
+    errors."""
+    if not (_CPU_TAKES_ALL and type(q) is torch.Tensor and q.is_cpu and type(lengths) is torch.Tensor
+            and lengths.dtype is torch.int64 and lengths.is_cpu) or torch.compiler.is_compiling():
+        return None
+    f = p.__dict__
+    num_windows, window, softcap, scaling = f["num_windows"], f["sliding_window"], f["softcap"], f["scaling"]
+    if (type(num_windows) is not int or num_windows > MAX_NUM_WINDOWS
+            or (window is not None and type(window) is not int)
+            or (softcap is not None and type(softcap) not in (float, int))
+            or (scaling is not None and type(scaling) not in (float, int))
+            or type(f["alignment"]) is not bool or type(f["symmetric_window"]) is not bool
+            or (f["grid"] is not None and not f["want_features"])):  # (the checked path drops such a grid)
+        return None
+    grad = torch.is_grad_enabled()
+    if grad and (q.requires_grad or type(k) is not torch.Tensor or k.requires_grad
+                 or type(v) is not torch.Tensor or v.requires_grad):
+        return None
+    for name, dtype in _KERNEL_DTYPES:
+        t = f[name]
+        if t is not None and (type(t) is not torch.Tensor or t.dtype is not dtype or not t.is_cpu
+                              or (grad and t.requires_grad)):
+            return None
+    return p.replaced(scaling=q.shape[-1] ** -0.5 if scaling is None else scaling,
+                      softcap=None if softcap is None else float(softcap),
+                      alignment=f["alignment"] and bool(f["want_features"])).op_args()
 
 
 # the op's arguments before the decoder ones: all that a build before them takes; those before cross-attention's:
