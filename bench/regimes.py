@@ -125,6 +125,7 @@ def measure(cases, regimes=REGIMES, neighbour: str = "both", repeats: int = 3, n
     the table of medians. Returns {condition: {case: {regime: {"wall", "cpu", "over_best"}}}} (medians; over_best:
     the regime's wall time over the best regime's of that condition and case)."""
     cases, regimes = list(cases), list(regimes)
+    stsb = Path(stsb).resolve()  # the runs start in a temporary directory: a path relative to here would not be found
     conditions = CONDITIONS[neighbour]
     print(f"{cpu_model()}, {os.cpu_count()} CPUs, {load()}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="attnkit-regimes-"))
