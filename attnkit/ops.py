@@ -328,12 +328,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.
     at their true positions; a sample with no valid row has −inf.
     """
     p = AttentionParams.of(token_class, sentence_id, **params)
-    if not want_max_logit and backend != "reference":
+    direct = None if want_max_logit else _direct_args(q, k, v, lengths, p, backend)
+    if direct is not None:
         try:
-            direct = _direct_args(q, k, v, lengths, p)
-            if direct is not None:
-                return torch.ops.attnkit.fused_attention(q, k, v, lengths, *direct)
-        except Exception:  # noqa: BLE001,S110 (the checked path below refuses bad arguments with its own message)
+            return torch.ops.attnkit.fused_attention(q, k, v, lengths, *direct)
+        except Exception:  # noqa: BLE001,S110 (refused: the checked path below refuses it with its own message)
             pass
     res = _attention(q, k, v, lengths, p, backend, _max_logit=want_max_logit)
     if not want_max_logit or len(res) == 3:
@@ -377,30 +376,37 @@ def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
     return p.replaced(**changes)
 
 
-# a build whose CPU kernel takes every argument of AttentionParams (`_direct_args`)
-_CPU_TAKES_ALL = (has_kernel("cpu") and _FUSED_DECODER and _FUSED_SYMMETRIC and _FUSED_GRID and _FUSED_ALIGNMENT
-                  and _CPU_FEWER_QUERIES and _CPU_CROSS and _CPU_BIAS and _CPU_GRID and _CPU_ALIGNMENT)
+def _cpu_takes_all() -> bool:
+    """Whether the CPU kernel takes every argument of AttentionParams, so that `_attention` would route no CPU call
+    elsewhere: read at each call from the same flags `_attention` reads."""
+    return (has_kernel("cpu") and _FUSED_DECODER and _FUSED_CROSS and _FUSED_GRID and _FUSED_ALIGNMENT
+            and fused_symmetric_window("cpu") and fused_fewer_queries("cpu") and fused_cross("cpu")
+            and fused_bias("cpu") and fused_grid("cpu") and fused_alignment("cpu"))
 
 
-def _direct_args(q, k, v, lengths, p: AttentionParams) -> tuple | None:
-    """The compiled CPU op's arguments after lengths for a call that `_attention` would send to it as given (plain
-    CPU tensors already in the schema's dtypes, no gradient wanted, scalars of the types `check_layout` takes), else
-    None. Such a call skips `check_layout`, the conversions and the routing, a visible part of a short call's time
-    (bench/README.md, "The op's Python wrapper"): the kernel checks every shape, dtype and value that `check_layout`
-    checks of such arguments, and when it refuses them (or this function fails on them), `attention` runs the checked
-    path, which refuses them with its own message. tests/test_op_direct.py holds both paths to the same bits and
-    errors."""
-    if not (_CPU_TAKES_ALL and type(q) is torch.Tensor and q.is_cpu and type(lengths) is torch.Tensor
-            and lengths.dtype is torch.int64 and lengths.is_cpu) or torch.compiler.is_compiling():
+def _direct_args(q, k, v, lengths, p: AttentionParams, backend: str) -> tuple | None:
+    """The compiled CPU op's arguments after lengths for a call that `_attention` would send to it unchanged, else
+    None: backend "auto" or "fused", a build whose CPU kernel takes every argument, plain CPU tensors already in the
+    schema's dtypes (`_KERNEL_DTYPES`; lengths int64), no gradient wanted, scalars of the types `check_layout` takes,
+    and not while torch.compile or torch.jit traces the call. Such a call skips `check_layout`, the conversions and
+    the routing, a visible part of a short call's time (bench/README.md, "The direct path"): the kernel checks
+    every shape, dtype and value that `check_layout` checks of such arguments, and when it refuses them,
+    `attention` runs the checked path, which refuses them with its own message. tests/test_op_direct.py holds both
+    paths to the same bits and errors."""
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or not (type(q) is torch.Tensor and q.is_cpu and q.dim() == 4 and q.shape[3] > 0
+                    and type(lengths) is torch.Tensor and lengths.dtype is torch.int64 and lengths.is_cpu
+                    and (backend == "auto" or backend == "fused"))):
         return None
-    f = p.__dict__
+    f = p.__dict__  # (the fields, read without a getattr each: this runs on every call)
     num_windows, window, softcap, scaling = f["num_windows"], f["sliding_window"], f["softcap"], f["scaling"]
     if (type(num_windows) is not int or num_windows > MAX_NUM_WINDOWS
             or (window is not None and type(window) is not int)
             or (softcap is not None and type(softcap) not in (float, int))
             or (scaling is not None and type(scaling) not in (float, int))
             or type(f["alignment"]) is not bool or type(f["symmetric_window"]) is not bool
-            or (f["grid"] is not None and not f["want_features"])):  # (the checked path drops such a grid)
+            # a grid without features: the checked path checks its shape, then does not pass it on
+            or (f["grid"] is not None and not f["want_features"])):
         return None
     grad = torch.is_grad_enabled()
     if grad and (q.requires_grad or type(k) is not torch.Tensor or k.requires_grad
@@ -411,6 +417,8 @@ def _direct_args(q, k, v, lengths, p: AttentionParams) -> tuple | None:
         if t is not None and (type(t) is not torch.Tensor or t.dtype is not dtype or not t.is_cpu
                               or (grad and t.requires_grad)):
             return None
+    if not _cpu_takes_all():
+        return None
     return p.replaced(scaling=q.shape[-1] ** -0.5 if scaling is None else scaling,
                       softcap=None if softcap is None else float(softcap),
                       alignment=f["alignment"] and bool(f["want_features"])).op_args()

@@ -9,7 +9,7 @@ from attnkit import ops
 from attnkit.errors import MAX_NUM_WINDOWS, AttnkitError
 from attnkit.reference import AttentionParams, params_attention
 
-pytestmark = pytest.mark.skipif(not ops._CPU_TAKES_ALL, reason="needs a build whose CPU kernel takes every argument")
+pytestmark = pytest.mark.skipif(not ops._cpu_takes_all(), reason="needs a build whose CPU kernel takes every argument")
 
 B, H, HKV, D = 3, 4, 2, 8
 
@@ -131,7 +131,7 @@ def test_calls_the_checked_path_treats_otherwise_leave_the_direct_path(why, chan
         assert taken == [False]
         return
     got = ops.attention(a["q"], k, v, a["n"], a["tc"], backend=a["backend"], **kw)
-    assert taken == ([] if a["backend"] == "reference" else [False]), why
+    assert taken == [False], why
     p = AttentionParams.of(a["tc"].int(), None, **{**kw, **({"gates": kw["gates"].float()} if "gates" in kw else {})})
     want = ops._attention(q, k, v, n, p, a["backend"])
     for x, y in zip(got, want):
@@ -194,3 +194,45 @@ def test_bad_inputs_are_refused_with_the_checked_paths_message(case):
     assert type(direct.value) is type(checked.value)
     assert str(direct.value) == str(checked.value)
     assert isinstance(direct.value, AttnkitError), f"{case[0]}: {direct.value!r}"
+
+
+@pytest.mark.parametrize("backend", ["bogus", None, "Reference", "FUSED"])
+def test_an_unknown_backend_is_refused_as_before(backend):
+    q, k, v, n = _inputs()
+    with pytest.raises(AttnkitError, match="unknown backend"):
+        ops.attention(q, k, v, n, backend=backend)
+
+
+@pytest.mark.parametrize("flag, params, refusal", [
+    ("_FUSED_SYMMETRIC", {"sliding_window": 2, "symmetric_window": True}, "does not take symmetric_window"),
+    ("fused_bias", {"bias": torch.zeros(1, H, 6, 6)}, "does not take an additive bias"),
+    ("_KERNELS", {}, "has no cpu kernel"),
+])
+def test_a_build_without_a_capability_is_asked_at_each_call(flag, params, refusal, monkeypatch):
+    """The flags `_attention` routes by are read at each call (as a build without them, or a test, sets them): the
+    direct path reads the same, so a call the kernel of this build would not take runs where the checked path says."""
+    q, k, v, n = _inputs()
+    if flag == "_KERNELS":
+        monkeypatch.setitem(ops._KERNELS, ("cpu", ops._OP), False)
+    elif flag == "fused_bias":
+        monkeypatch.setattr(ops, "fused_bias", lambda device_type: False)
+    else:
+        monkeypatch.setattr(ops, flag, False)
+    taken = _spy(monkeypatch)
+    with pytest.raises(AttnkitError, match=refusal):
+        ops.attention(q, k, v, n, backend="fused", **params)
+    assert taken == [False]
+    got = ops.attention(q, k, v, n, backend="auto", **params)
+    want = params_attention(q, k, v, n, AttentionParams.of(None, None, **params))  # routed to the reference
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_traced_call_takes_the_checked_path(monkeypatch):
+    """torch.jit.trace records what runs: the checked path's conversion of lengths stays in the trace, so the traced
+    function takes int32 lengths as the untraced one does."""
+    q, k, v, n = _inputs()
+    taken = _spy(monkeypatch)
+    with pytest.warns(torch.jit.TracerWarning):
+        traced = torch.jit.trace(lambda q, k, v, n: ops.attention(q, k, v, n)[0], (q, k, v, n), check_trace=False)
+    assert taken == [False]
+    assert torch.equal(traced(q, k, v, n.int()), ops.attention(q, k, v, n)[0])
