@@ -354,13 +354,20 @@ _KERNEL_DTYPES = (("token_class", torch.int32), ("sentence_id", torch.int32), ("
 _KEEP_GRADIENT = frozenset({"gates", "sink", "bias"})
 
 
+def _kernel_scalars(p: AttentionParams, q: torch.Tensor) -> dict:
+    """The scalar arguments as the kernels take them: scaling resolved, causal a bool, softcap a float, alignment
+    only with features (without them it changes nothing). `_for_kernels` and `_direct_args` apply them."""
+    return {"scaling": q.shape[-1] ** -0.5 if p.scaling is None else p.scaling, "causal": bool(p.causal),
+            "softcap": None if p.softcap is None else float(p.softcap),
+            "alignment": bool(p.alignment) and bool(p.want_features)}
+
+
 def _for_kernels(p: AttentionParams, q: torch.Tensor) -> AttentionParams:
-    """The arguments in the dtypes the compiled op's schema takes (`_KERNEL_DTYPES`), on q's device (scaling
-    resolved). Only the tensors given and not already so are converted: this runs on every attention call."""
+    """The arguments in the dtypes the compiled op's schema takes (`_KERNEL_DTYPES`), on q's device, and the
+    scalars as `_kernel_scalars` gives them. Only the tensors given and not already so are converted: this runs on
+    every attention call."""
     dev = q.device
-    changes = {"scaling": q.shape[-1] ** -0.5 if p.scaling is None else p.scaling, "causal": bool(p.causal),
-               "softcap": None if p.softcap is None else float(p.softcap),
-               "alignment": bool(p.alignment) and bool(p.want_features)}  # (no features: alignment changes nothing)
+    changes = _kernel_scalars(p, q)
     if not p.want_features:
         changes["grid"] = None  # (nor the grid)
     given = p.__dict__
@@ -419,9 +426,7 @@ def _direct_args(q, k, v, lengths, p: AttentionParams, backend: str) -> tuple | 
             return None
     if not _cpu_takes_all():
         return None
-    return p.replaced(scaling=q.shape[-1] ** -0.5 if scaling is None else scaling,
-                      softcap=None if softcap is None else float(softcap),
-                      alignment=f["alignment"] and bool(f["want_features"])).op_args()
+    return p.replaced(**_kernel_scalars(p, q)).op_args()
 
 
 # the op's arguments before the decoder ones: all that a build before them takes; those before cross-attention's:
