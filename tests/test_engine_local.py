@@ -1,8 +1,10 @@
 """The corpus-scale pipeline: the batch plan, tokenisation workers, several replicas, failures, and the CLI
 job around them. Every path must give the numbers of the plain in-process loop."""
+import collections
 import os
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -283,9 +285,11 @@ def test_workers_die_with_a_killed_run(tmp_path, paused_extract):
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("".join(f"Line number {i} of a corpus, long enough to take a while.\n" for i in range(2000)))
-    # the run stands still after its first checkpoint, its workers running (tests/paused_extract.py)
-    proc = paused_extract(["extract", corpus, "-o", tmp_path / "r", "-q", "--workers", 2, "--backend", "reference",
-                         "--max-length", 16, "--checkpoint-every", 1])
+    # the run stands still after its first checkpoint, its workers running (tests/paused_extract.py); threads
+    # given too, so no result is held back while a thread count is measured (its first checkpoint could then
+    # come after the last batch, the workers gone)
+    proc = paused_extract(["extract", corpus, "-o", tmp_path / "r", "-q", "--workers", 2, "--threads", 1,
+                           "--backend", "reference", "--max-length", 16, "--checkpoint-every", 1])
 
     def children(pid):
         try:
@@ -456,7 +460,7 @@ def test_the_caller_tokenises_while_a_worker_is_busy_and_batches_stay_in_plan_or
     monkeypatch.setattr(Encoder, "encode_arrays", gated)  # the worker forks after this
     encoder = Encoder(tok, max_length=24)
     plan = list(plan_batches(segments[:120], 4, 40))
-    with TokenizerPool(encoder, workers=1, help_here=help_here) as pool:
+    with TokenizerPool(encoder, workers=1, prefetch=2, help_here=help_here) as pool:  # batches left to help with
         got = list(pool.map(iter(plan)))
         helped = pool.helped
     monkeypatch.setattr(Encoder, "encode_arrays", original)
@@ -467,18 +471,68 @@ def test_the_caller_tokenises_while_a_worker_is_busy_and_batches_stay_in_plan_or
     assert helped == calls["here"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers fork on Linux only")
+def test_a_forked_worker_leaves_the_objects_it_inherits_out_of_its_collections(minilm, monkeypatch):
+    """A worker's full collection would scan every object forked from the parent (torch, transformers) and write
+    to their pages: it stalled a run for a few hundred milliseconds. They are frozen in the worker, and the
+    parent's collector is left as it was."""
+    import gc
+
+    from attnkit.engine.local import TokenizerPool
+    from attnkit.tokens import Encoder
+
+    parent, before = os.getpid(), gc.get_freeze_count()
+
+    def report(self, segs):  # runs in the worker: its frozen objects, as the task's failure
+        if os.getpid() != parent:
+            raise RuntimeError(f"frozen {gc.get_freeze_count()} of {len(gc.get_objects()) + gc.get_freeze_count()}")
+        return []
+
+    monkeypatch.setattr(Encoder, "encode_arrays", report)  # the worker forks after this
+    with TokenizerPool(Encoder(minilm[1], max_length=24), workers=1) as pool:
+        with pytest.raises(AttnkitError, match="frozen") as err:
+            list(pool.map(iter(plan_batches(["a line"] * 4, 2, 100))))
+    frozen, total = map(int, re.search(r"frozen (\d+) of (\d+)", str(err.value)).groups())
+    assert frozen > 0.9 * total and frozen > 10_000  # about everything: torch and transformers are loaded
+    assert gc.get_freeze_count() == before
+
+
 def test_a_task_holds_fewer_batches_where_their_text_is_long(minilm):
     from attnkit.engine.local import TASK_BATCHES, TASK_CHARS, TokenizerPool
     from attnkit.tokens import Encoder
 
     pool = TokenizerPool(Encoder(minilm[1], max_length=24), workers=1)
     short = iter(plan_batches(["a short line"] * (3 * TASK_BATCHES), 1, 10**6))
-    assert len(pool._next_task(short)) == TASK_BATCHES
+    task, chars = pool._next_task(short)
+    assert len(task) == TASK_BATCHES and chars == TASK_BATCHES * len("a short line")
     long_text = "word " * (TASK_CHARS // 10)  # two of them pass TASK_CHARS
     long = iter(plan_batches([long_text] * 6, 1, 10**6))
-    assert len(pool._next_task(long)) == 2 and len(pool._next_task(long)) == 2
+    assert [len(pool._next_task(long)[0]) for _ in range(2)] == [2, 2]
     pairs = iter(plan_batches([(long_text, long_text)] * 3, 1, 10**6))  # a pair counts both sides
-    assert len(pool._next_task(pairs)) == 1
+    task, chars = pool._next_task(pairs)
+    assert len(task) == 1 and chars == 2 * len(long_text)
+
+
+def test_tasks_in_flight_stay_within_the_task_pipe():
+    """A worker always takes TASKS_IN_FLIGHT tasks; a pool the caller helps keeps up to HELPED_TASKS in flight,
+    but only while their text fits in the task pipe's buffer (where it could be grown), so sending never blocks."""
+    from attnkit.engine.local import HELPED_TASKS, PIPE_BYTES, TASK_CHARS, TASKS_IN_FLIGHT, TokenizerPool, _Worker
+
+    w = object.__new__(_Worker)  # its bookkeeping only, no process
+    w.pipe_bytes, w.pending = PIPE_BYTES, collections.deque([100] * TASKS_IN_FLIGHT)
+    assert w.has_room()
+    w.pending = collections.deque([TASK_CHARS] * (PIPE_BYTES // TASK_CHARS - 1))
+    assert len(w.pending) >= TASKS_IN_FLIGHT and w.has_room()
+    w.pending.append(TASK_CHARS)
+    assert not w.has_room()
+    w.pipe_bytes = 0  # the pipe could not be grown: TASKS_IN_FLIGHT, as many as fit in any pipe
+    w.pending = collections.deque([100] * (TASKS_IN_FLIGHT - 1))
+    assert w.has_room()
+    w.pending.append(100)
+    assert not w.has_room()
+    assert TokenizerPool(None, 2, help_here=True).prefetch == 2 * HELPED_TASKS > 2 * TASKS_IN_FLIGHT
+    assert TokenizerPool(None, 2).prefetch == 2 * TASKS_IN_FLIGHT
+    assert TokenizerPool(None, 2, prefetch=5, help_here=True).prefetch == 5
 
 
 def test_a_cpu_run_turns_the_tokenizers_own_threads_off_and_back(minilm, segments, monkeypatch):

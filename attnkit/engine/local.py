@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -105,6 +106,11 @@ def _worker_main(tasks, results, encoder, parent: int) -> None:
     the next task while the parent is inside a forward and has not read the last one yet. None or the end of
     `tasks` ends it."""
     _die_with_parent(parent)
+    # A forked worker inherits the parent's objects (torch, transformers, the user's own): its first full
+    # collection would scan them all and write to their pages (copy-on-write), a stall of a few hundred
+    # milliseconds in which the run waits for this worker. They live as long as the worker, so the collector
+    # leaves them alone and sees only what the worker makes. (The parent's collector is not touched.)
+    gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it saves a checkpoint)
     # A forked worker inherits the parent's Python handlers: the parent's SIGTERM handler (which turns SIGTERM
     # into KeyboardInterrupt to save a checkpoint) would make a worker that the pool terminates print a
@@ -168,10 +174,32 @@ class _Worker:
         self.process.start()
         tasks_end.close()  # the worker holds the other ends alone: its death is an end of file here
         results_end.close()
+        self.pipe_bytes = 0  # the task pipe's buffer where it could be grown to PIPE_BYTES
         set_size = getattr(fcntl, "F_SETPIPE_SZ", None)  # (None where fcntl is: Windows)
         if set_size is not None:  # room for the tasks in flight: sending them never waits for the worker
             with contextlib.suppress(OSError):
                 fcntl.fcntl(self.tasks.fileno(), set_size, PIPE_BYTES)
+                self.pipe_bytes = PIPE_BYTES
+        self.pending: collections.deque = collections.deque()  # characters of each task sent and not read back
+
+    def has_room(self) -> bool:
+        """Whether another task may be sent: TASKS_IN_FLIGHT always; more (a pool the caller helps) only while the
+        text of those not yet read back stays within the pipe's buffer, so that sending never waits for the worker
+        while the caller could be running forwards."""
+        return len(self.pending) < TASKS_IN_FLIGHT or sum(self.pending) + TASK_CHARS <= self.pipe_bytes
+
+    def send(self, task: list, chars: int) -> None:
+        try:
+            self.tasks.send(task)
+        except OSError:  # its end of the pipe is closed: the worker has died
+            raise AttnkitError("a tokenisation worker process died (killed, or out of memory)") from None
+        self.pending.append(chars)
+
+    def receive_result(self) -> tuple:
+        """The result of the oldest task sent (waiting for it)."""
+        message = self.receive()
+        self.pending.popleft()
+        return message
 
     def ready(self) -> bool:
         """Whether the next result (or the worker's end) can be read without waiting."""
@@ -199,6 +227,10 @@ class _Worker:
 
 TASK_BATCHES = 8  # forwards' worth of planned batches per task sent to a tokenisation worker
 TASK_CHARS = 200_000  # and at most about this much text (a task pipe holds the tasks in flight)
+TASKS_IN_FLIGHT = 3  # tasks per worker sent and not yet read back
+# ... where the caller tokenises too (`help_here`): between two reads the caller runs a run of forwards and may
+# tokenise a batch of its own, and a worker with fewer tasks queued runs dry in the meantime
+HELPED_TASKS = 8
 
 
 def workers_for_plan(planned: Iterable[PlannedBatch], workers: int,
@@ -236,7 +268,7 @@ class TokenizerPool:
         self.on_task = on_task
         self.workers = workers
         self.group = max(1, group)
-        self.prefetch = prefetch or max(2, 3 * workers)
+        self.prefetch = prefetch or max(2, (HELPED_TASKS if help_here else TASKS_IN_FLIGHT) * workers)
         self.help_here = help_here
         self.helped = 0  # batches the caller tokenised while waiting for a worker
         self._procs: list[_Worker] = []
@@ -262,9 +294,10 @@ class TokenizerPool:
         for w in procs:
             w.stop()
 
-    def _next_task(self, it: Iterator[PlannedBatch]) -> list[PlannedBatch]:
-        """The next planned batches for one worker: `group` forwards' worth of them, fewer where their text passes
-        TASK_CHARS (estimated from each batch's first segment, its longest in the plan's order)."""
+    def _next_task(self, it: Iterator[PlannedBatch]) -> tuple[list[PlannedBatch], int]:
+        """The next planned batches for one worker and their characters: `group` forwards' worth of them, fewer
+        where their text passes TASK_CHARS (estimated from each batch's first segment, its longest in the plan's
+        order)."""
         task, chars, n = [], 0, 0
         for pb in it:
             task.append(pb)
@@ -272,7 +305,7 @@ class TokenizerPool:
             n += pb.n_forwards
             if n >= self.group or chars >= TASK_CHARS:
                 break
-        return task
+        return task, chars
 
     def map(self, planned: Iterable[PlannedBatch]) -> Iterator[tuple[PlannedBatch, EncodedArrays]]:
         if not self._procs:
@@ -286,15 +319,14 @@ class TokenizerPool:
         sent = in_flight = here = 0  # tasks sent; tasks sent and not yet read; forwards made here, not yet taken
         while True:
             while not exhausted and in_flight < self.prefetch:
-                task = self._next_task(it)
+                worker = self._procs[sent % len(self._procs)]
+                if not worker.has_room():
+                    break
+                task, chars = self._next_task(it)
                 if not task:
                     exhausted = True
                     break
-                worker = self._procs[sent % len(self._procs)]
-                try:
-                    worker.tasks.send([pb.segments for pb in task])
-                except OSError:  # its end of the pipe is closed: the worker has died
-                    raise AttnkitError("a tokenisation worker process died (killed, or out of memory)") from None
+                worker.send([pb.segments for pb in task], chars)
                 slots.append((task, worker))
                 sent += 1
                 in_flight += 1
@@ -314,7 +346,7 @@ class TokenizerPool:
             slots.popleft()
             if isinstance(source, _Worker):
                 in_flight -= 1
-                message = source.receive()
+                message = source.receive_result()
                 if message[0] == "error":
                     raise AttnkitError(f"tokenising batch {task[message[1]].index} failed in a worker: "
                                        f"{message[2]}")
