@@ -497,39 +497,88 @@ def test_a_forked_worker_leaves_the_objects_it_inherits_out_of_its_collections(m
     assert gc.get_freeze_count() == before
 
 
+class _Marker:
+    """An encoder whose "arrays" name the batch they came from (the pool passes them on as they are): a run of
+    `map` whose tasks are megabytes of text costs no tokenizer time. Workers below `gate` wait until it exists."""
+
+    def __init__(self, parent: int, gate=None, deadline: float = 30.0):
+        self.parent, self.gate, self.deadline = parent, gate, deadline
+        self.here = 0
+
+    def encode_arrays(self, segments):
+        if os.getpid() != self.parent:
+            end = time.monotonic() + self.deadline
+            while self.gate is not None and not self.gate.exists():
+                if time.monotonic() > end:
+                    raise RuntimeError("the caller never tokenised a batch itself")
+                time.sleep(0.005)
+        else:
+            self.here += 1
+            if self.gate is not None and self.here == 3:
+                self.gate.touch()
+        return (segments[0][-6:], len(segments))
+
+
+@pytest.mark.parametrize("help_here", [True, False])
+@pytest.mark.parametrize("char", ["a", "語"])
+def test_a_pool_returns_every_batch_in_order_whatever_its_text_weighs(char, help_here):
+    """Megabytes of text (3 bytes a character in UTF-8 for "語") through 2 workers: every planned batch comes back
+    once, in plan order, whether the tasks fit in a task pipe or wait for room there."""
+    from attnkit.engine.local import TokenizerPool
+
+    texts = [char * 12_000 + f"{i:06d}" for i in range(300)]  # 8 a task: 96,000 characters, 288 KB for "語"
+    plan = list(plan_batches(texts, 1, 10**6))
+    with TokenizerPool(_Marker(os.getpid()), workers=2, help_here=help_here) as pool:
+        got = list(pool.map(iter(plan)))
+    assert [pb.index for pb, _ in got] == [pb.index for pb in plan]
+    assert [arrays for _, arrays in got] == [(t[-6:], 1) for t in texts]
+
+
+def test_a_full_task_pipe_never_stops_the_caller(tmp_path):
+    """A worker that cannot go on until the caller has tokenised 3 batches itself, with tasks of 288 KB each: the
+    caller sends what fits in the worker's pipe and tokenises the next batches itself. Were it to send a task that
+    does not fit, it would wait for a worker that waits for it (the worker gives up after 30 s, and the run
+    fails)."""
+    from attnkit.engine.local import TokenizerPool
+
+    texts = ["語" * 12_000 + f"{i:06d}" for i in range(120)]
+    plan = list(plan_batches(texts, 1, 10**6))
+    encoder = _Marker(os.getpid(), gate=tmp_path / "release")
+    with TokenizerPool(encoder, workers=1, help_here=True) as pool:
+        got = list(pool.map(iter(plan)))
+        helped = pool.helped
+    assert [pb.index for pb, _ in got] == [pb.index for pb in plan]
+    assert [arrays for _, arrays in got] == [(t[-6:], 1) for t in texts]
+    assert helped >= 3 and helped == encoder.here
+
+
 def test_a_task_holds_fewer_batches_where_their_text_is_long(minilm):
     from attnkit.engine.local import TASK_BATCHES, TASK_CHARS, TokenizerPool
     from attnkit.tokens import Encoder
 
     pool = TokenizerPool(Encoder(minilm[1], max_length=24), workers=1)
     short = iter(plan_batches(["a short line"] * (3 * TASK_BATCHES), 1, 10**6))
-    task, chars = pool._next_task(short)
-    assert len(task) == TASK_BATCHES and chars == TASK_BATCHES * len("a short line")
+    assert len(pool._next_task(short)) == TASK_BATCHES
     long_text = "word " * (TASK_CHARS // 10)  # two of them pass TASK_CHARS
     long = iter(plan_batches([long_text] * 6, 1, 10**6))
-    assert [len(pool._next_task(long)[0]) for _ in range(2)] == [2, 2]
+    assert len(pool._next_task(long)) == 2 and len(pool._next_task(long)) == 2
     pairs = iter(plan_batches([(long_text, long_text)] * 3, 1, 10**6))  # a pair counts both sides
-    task, chars = pool._next_task(pairs)
-    assert len(task) == 1 and chars == 2 * len(long_text)
+    assert len(pool._next_task(pairs)) == 1
 
 
 def test_tasks_in_flight_stay_within_the_task_pipe():
     """A worker always takes TASKS_IN_FLIGHT tasks; a pool the caller helps keeps up to HELPED_TASKS in flight,
-    but only while their text fits in the task pipe's buffer (where it could be grown), so sending never blocks."""
-    from attnkit.engine.local import HELPED_TASKS, PIPE_BYTES, TASK_CHARS, TASKS_IN_FLIGHT, TokenizerPool, _Worker
+    but only while their bytes fit in the task pipe's buffer (where it could be grown), so sending never blocks."""
+    from attnkit.engine.local import HELPED_TASKS, PIPE_BYTES, TASKS_IN_FLIGHT, TokenizerPool, _Worker
 
     w = object.__new__(_Worker)  # its bookkeeping only, no process
-    w.pipe_bytes, w.pending = PIPE_BYTES, collections.deque([100] * TASKS_IN_FLIGHT)
-    assert w.has_room()
-    w.pending = collections.deque([TASK_CHARS] * (PIPE_BYTES // TASK_CHARS - 1))
-    assert len(w.pending) >= TASKS_IN_FLIGHT and w.has_room()
-    w.pending.append(TASK_CHARS)
-    assert not w.has_room()
-    w.pipe_bytes = 0  # the pipe could not be grown: TASKS_IN_FLIGHT, as many as fit in any pipe
-    w.pending = collections.deque([100] * (TASKS_IN_FLIGHT - 1))
-    assert w.has_room()
-    w.pending.append(100)
-    assert not w.has_room()
+    w.pipe_bytes, w.pending = PIPE_BYTES, collections.deque([PIPE_BYTES] * (TASKS_IN_FLIGHT - 1))
+    assert w.has_room(PIPE_BYTES)  # fewer than TASKS_IN_FLIGHT: always
+    w.pending = collections.deque([100_000] * 8)
+    assert w.has_room(PIPE_BYTES - 800_000) and not w.has_room(PIPE_BYTES - 800_000 + 1)
+    w.pipe_bytes = 0  # the pipe could not be grown: TASKS_IN_FLIGHT, as before
+    w.pending = collections.deque([100] * TASKS_IN_FLIGHT)
+    assert not w.has_room(1)
     assert TokenizerPool(None, 2, help_here=True).prefetch == 2 * HELPED_TASKS > 2 * TASKS_IN_FLIGHT
     assert TokenizerPool(None, 2).prefetch == 2 * TASKS_IN_FLIGHT
     assert TokenizerPool(None, 2, prefetch=5, help_here=True).prefetch == 5

@@ -32,6 +32,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 
 try:
     import fcntl
@@ -110,7 +111,8 @@ def _worker_main(tasks, results, encoder, parent: int) -> None:
     # collection would scan them all and write to their pages (copy-on-write), a stall of a few hundred
     # milliseconds in which the run waits for this worker. They live as long as the worker, so the collector
     # leaves them alone and sees only what the worker makes. (The parent's collector is not touched.)
-    gc.freeze()
+    if getattr(sys, "_is_gil_enabled", lambda: True)():  # (a free-threaded build marks each object to freeze it)
+        gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it saves a checkpoint)
     # A forked worker inherits the parent's Python handlers: the parent's SIGTERM handler (which turns SIGTERM
     # into KeyboardInterrupt to save a checkpoint) would make a worker that the pool terminates print a
@@ -180,20 +182,25 @@ class _Worker:
             with contextlib.suppress(OSError):
                 fcntl.fcntl(self.tasks.fileno(), set_size, PIPE_BYTES)
                 self.pipe_bytes = PIPE_BYTES
-        self.pending: collections.deque = collections.deque()  # characters of each task sent and not read back
+        self.pending: collections.deque = collections.deque()  # bytes of each task sent and not read back
 
-    def has_room(self) -> bool:
-        """Whether another task may be sent: TASKS_IN_FLIGHT always; more (a pool the caller helps) only while the
-        text of those not yet read back stays within the pipe's buffer, so that sending never waits for the worker
-        while the caller could be running forwards."""
-        return len(self.pending) < TASKS_IN_FLIGHT or sum(self.pending) + TASK_CHARS <= self.pipe_bytes
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a task of `nbytes` (pickled) may be sent now: while fewer than TASKS_IN_FLIGHT are pending,
+        always; beyond that (a pool the caller helps) only while it fits in the pipe's buffer beside those not yet
+        read back, so that sending never waits for the worker while the caller could be running forwards."""
+        return len(self.pending) < TASKS_IN_FLIGHT or sum(self.pending) + nbytes <= self.pipe_bytes
 
-    def send(self, task: list, chars: int) -> None:
+    def send(self, data: memoryview) -> None:
+        """Send a task pickled by `pickled` (what `Connection.send` would send; the worker's `recv` reads it)."""
         try:
-            self.tasks.send(task)
+            self.tasks.send_bytes(data)
         except OSError:  # its end of the pipe is closed: the worker has died
             raise AttnkitError("a tokenisation worker process died (killed, or out of memory)") from None
-        self.pending.append(chars)
+        self.pending.append(len(data))
+
+    @staticmethod
+    def pickled(task: list[PlannedBatch]) -> memoryview:
+        return ForkingPickler.dumps([pb.segments for pb in task])
 
     def receive_result(self) -> tuple:
         """The result of the oldest task sent (waiting for it)."""
@@ -294,10 +301,9 @@ class TokenizerPool:
         for w in procs:
             w.stop()
 
-    def _next_task(self, it: Iterator[PlannedBatch]) -> tuple[list[PlannedBatch], int]:
-        """The next planned batches for one worker and their characters: `group` forwards' worth of them, fewer
-        where their text passes TASK_CHARS (estimated from each batch's first segment, its longest in the plan's
-        order)."""
+    def _next_task(self, it: Iterator[PlannedBatch]) -> list[PlannedBatch]:
+        """The next planned batches for one worker: `group` forwards' worth of them, fewer where their text passes
+        TASK_CHARS (estimated from each batch's first segment, its longest in the plan's order)."""
         task, chars, n = [], 0, 0
         for pb in it:
             task.append(pb)
@@ -305,7 +311,7 @@ class TokenizerPool:
             n += pb.n_forwards
             if n >= self.group or chars >= TASK_CHARS:
                 break
-        return task, chars
+        return task
 
     def map(self, planned: Iterable[PlannedBatch]) -> Iterator[tuple[PlannedBatch, EncodedArrays]]:
         if not self._procs:
@@ -317,24 +323,32 @@ class TokenizerPool:
         it = iter(planned)
         exhausted = False
         sent = in_flight = here = 0  # tasks sent; tasks sent and not yet read; forwards made here, not yet taken
+        unsent = None  # (the next task, pickled): it waits for room in its worker's pipe
         while True:
             while not exhausted and in_flight < self.prefetch:
                 worker = self._procs[sent % len(self._procs)]
-                if not worker.has_room():
+                if unsent is None:
+                    task = self._next_task(it)
+                    if not task:
+                        exhausted = True
+                        break
+                    unsent = (task, _Worker.pickled(task))
+                if not worker.has_room(len(unsent[1])):
                     break
-                task, chars = self._next_task(it)
-                if not task:
-                    exhausted = True
-                    break
-                worker.send([pb.segments for pb in task], chars)
-                slots.append((task, worker))
+                worker.send(unsent[1])
+                slots.append((unsent[0], worker))
+                unsent = None
                 sent += 1
                 in_flight += 1
             if not slots:
+                if not exhausted:  # cannot happen: a worker with nothing pending has room for any task
+                    raise RuntimeError("attnkit's tokenisation pool stopped before the end of the plan")
                 return
             task, source = slots[0]
             waiting = isinstance(source, _Worker) and not source.ready()
             if waiting and self.help_here and not exhausted and here < self.prefetch * self.group:
+                if unsent is not None:  # its batches come next in the plan: the caller takes them from the front
+                    it, unsent = itertools.chain(unsent[0], it), None
                 pb = next(it, None)
                 if pb is None:
                     exhausted = True
