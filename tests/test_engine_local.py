@@ -428,6 +428,27 @@ def _arrays_equal(a, b) -> bool:
             and np.array_equal(a.sentence_id, b.sentence_id) and a.n_tokens == b.n_tokens)
 
 
+class _CallerGate:
+    """Tokenisation workers wait at `passing()` until the calling process has passed it 3 times itself (`here`
+    counts the caller's passes), or until `release` exists otherwise; after 60 s a worker gives up, and its run
+    fails. No `release`: nobody waits."""
+
+    def __init__(self, release=None):
+        self.parent, self.release, self.here = os.getpid(), release, 0
+
+    def passing(self) -> None:
+        if os.getpid() != self.parent:  # a worker: wait for the caller
+            deadline = time.monotonic() + 60
+            while self.release is not None and not self.release.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the caller never tokenised a batch itself")
+                time.sleep(0.005)
+        else:
+            self.here += 1
+            if self.release is not None and self.here == 3:
+                self.release.touch()
+
+
 @pytest.mark.parametrize("help_here", [True, False])
 def test_the_caller_tokenises_while_a_worker_is_busy_and_batches_stay_in_plan_order(minilm, segments, tmp_path,
                                                                                     monkeypatch, help_here):
@@ -438,21 +459,12 @@ def test_the_caller_tokenises_while_a_worker_is_busy_and_batches_stay_in_plan_or
     from attnkit.tokens import Encoder
 
     _, tok = minilm
-    parent, release = os.getpid(), tmp_path / "release"
+    release = tmp_path / "release"
+    gate = _CallerGate(release)
     original = Encoder.encode_arrays
-    calls = {"here": 0}
 
     def gated(self, segs):
-        if os.getpid() != parent:  # a worker: wait for the caller
-            deadline = time.monotonic() + 60
-            while not release.exists():
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the caller never tokenised a batch itself")
-                time.sleep(0.005)
-        else:
-            calls["here"] += 1
-            if calls["here"] == 3:
-                release.touch()
+        gate.passing()
         return original(self, segs)
 
     if not help_here:
@@ -468,7 +480,7 @@ def test_the_caller_tokenises_while_a_worker_is_busy_and_batches_stay_in_plan_or
     plain = [encoder.encode_arrays(pb.segments) for pb in plan]
     assert all(_arrays_equal(a, b) for (_, a), b in zip(got, plain))
     assert helped >= 3 if help_here else helped == 0
-    assert helped == calls["here"]
+    assert helped == gate.here
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers fork on Linux only")
@@ -499,23 +511,13 @@ def test_a_forked_worker_leaves_the_objects_it_inherits_out_of_its_collections(m
 
 class _Marker:
     """An encoder whose "arrays" name the batch they came from (the pool passes them on as they are): a run of
-    `map` whose tasks are megabytes of text costs no tokenizer time. Workers below `gate` wait until it exists."""
+    `map` whose tasks are megabytes of text costs no tokenizer time. Its workers wait at `gate`."""
 
-    def __init__(self, parent: int, gate=None, deadline: float = 30.0):
-        self.parent, self.gate, self.deadline = parent, gate, deadline
-        self.here = 0
+    def __init__(self, gate: _CallerGate):
+        self.gate = gate
 
     def encode_arrays(self, segments):
-        if os.getpid() != self.parent:
-            end = time.monotonic() + self.deadline
-            while self.gate is not None and not self.gate.exists():
-                if time.monotonic() > end:
-                    raise RuntimeError("the caller never tokenised a batch itself")
-                time.sleep(0.005)
-        else:
-            self.here += 1
-            if self.gate is not None and self.here == 3:
-                self.gate.touch()
+        self.gate.passing()
         return (segments[0][-6:], len(segments))
 
 
@@ -528,7 +530,7 @@ def test_a_pool_returns_every_batch_in_order_whatever_its_text_weighs(char, help
 
     texts = [char * 12_000 + f"{i:06d}" for i in range(300)]  # 8 a task: 96,000 characters, 288 KB for "語"
     plan = list(plan_batches(texts, 1, 10**6))
-    with TokenizerPool(_Marker(os.getpid()), workers=2, help_here=help_here) as pool:
+    with TokenizerPool(_Marker(_CallerGate()), workers=2, help_here=help_here) as pool:
         got = list(pool.map(iter(plan)))
     assert [pb.index for pb, _ in got] == [pb.index for pb in plan]
     assert [arrays for _, arrays in got] == [(t[-6:], 1) for t in texts]
@@ -537,19 +539,19 @@ def test_a_pool_returns_every_batch_in_order_whatever_its_text_weighs(char, help
 def test_a_full_task_pipe_never_stops_the_caller(tmp_path):
     """A worker that cannot go on until the caller has tokenised 3 batches itself, with tasks of 288 KB each: the
     caller sends what fits in the worker's pipe and tokenises the next batches itself. Were it to send a task that
-    does not fit, it would wait for a worker that waits for it (the worker gives up after 30 s, and the run
+    does not fit, it would wait for a worker that waits for it (the worker gives up after 60 s, and the run
     fails)."""
     from attnkit.engine.local import TokenizerPool
 
     texts = ["語" * 12_000 + f"{i:06d}" for i in range(120)]
     plan = list(plan_batches(texts, 1, 10**6))
-    encoder = _Marker(os.getpid(), gate=tmp_path / "release")
-    with TokenizerPool(encoder, workers=1, help_here=True) as pool:
+    gate = _CallerGate(tmp_path / "release")
+    with TokenizerPool(_Marker(gate), workers=1, help_here=True) as pool:
         got = list(pool.map(iter(plan)))
         helped = pool.helped
     assert [pb.index for pb, _ in got] == [pb.index for pb in plan]
     assert [arrays for _, arrays in got] == [(t[-6:], 1) for t in texts]
-    assert helped >= 3 and helped == encoder.here
+    assert helped >= 3 and helped == gate.here
 
 
 def test_a_task_holds_fewer_batches_where_their_text_is_long(minilm):

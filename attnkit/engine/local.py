@@ -160,6 +160,7 @@ def _mp_context():
     return multiprocessing.get_context("spawn")
 
 
+WORKER_DIED = "a tokenisation worker process died (killed, or out of memory)"
 PIPE_BYTES = 1 << 20  # a task pipe's buffer where the system lets it grow (Linux: up to /proc/sys/fs/pipe-max-size)
 
 
@@ -195,7 +196,7 @@ class _Worker:
         try:
             self.tasks.send_bytes(data)
         except OSError:  # its end of the pipe is closed: the worker has died
-            raise AttnkitError("a tokenisation worker process died (killed, or out of memory)") from None
+            raise AttnkitError(WORKER_DIED) from None
         self.pending.append(len(data))
 
     @staticmethod
@@ -218,7 +219,7 @@ class _Worker:
         if self.results in ready:  # a message the worker sent before it ended is still read
             with contextlib.suppress(EOFError, OSError):
                 return self.results.recv()
-        raise AttnkitError("a tokenisation worker process died (killed, or out of memory)")
+        raise AttnkitError(WORKER_DIED)
 
     def stop(self) -> None:
         """End the worker now: it holds nothing worth waiting for (SIGTERM ends it without a traceback)."""
