@@ -33,7 +33,7 @@ from attnkit.features import (
     feature_names,
     num_features,
 )
-from attnkit.ops import has_kernel
+from attnkit.ops import attention, has_kernel
 from attnkit.reference import _key_mask, intervene_weights, reference_attention, reference_js_distances
 
 HAS_CUDA_KERNEL = torch.cuda.is_available() and has_kernel("cuda")
@@ -209,6 +209,68 @@ def test_num_windows(num_windows, dtype):
     _, feats = check(q, k, v, lengths, tc, sid, num_windows=num_windows)
     buckets = feats[..., : 5 + num_windows].sum(-1)
     torch.testing.assert_close(buckets, torch.ones_like(buckets), rtol=1e-5, atol=1e-5)
+
+
+def decoder_same_dtype(q, k, v, lengths, kv_head, scaling, *, causal=False, sliding_window=None, softcap=None,
+                       sink=None):
+    """Decoder attention as PyTorch computes it in the input dtype (the yardstick of the 2× rule): K/V heads
+    repeated per query head, soft-capping, causal and sliding-window masks, the sink as one more logit per row."""
+    B, H, L, _ = q.shape
+    kk, vv = k[:, kv_head.long()], v[:, kv_head.long()]
+    scores = torch.matmul(q, kk.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    s, t = torch.arange(L, device=q.device).view(L, 1), torch.arange(L, device=q.device).view(1, L)
+    seen = _key_mask(lengths, L)[:, None, None, :] & (t <= s if causal else True)
+    if sliding_window is not None:
+        seen = seen & (t > s - sliding_window)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if sink is not None:
+        scores = torch.cat([scores, sink.to(scores.dtype).view(1, H, 1, 1).expand(B, H, L, 1)], dim=-1)
+    w = torch.softmax(scores, dim=-1)[..., :L]
+    return torch.matmul(w, vv).transpose(1, 2)
+
+
+DECODER_CASES = [
+    dict(causal=True),
+    dict(causal=True, sliding_window=37),
+    dict(sliding_window=20),
+    dict(causal=True, softcap=2.0, sink=[0.5, -1.0, 2.0, 0.0]),
+    dict(causal=True, sink=[1.0, 0.0, -0.5, 3.0], kv_head=[1, 0, 1, 1]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", DECODER_CASES, ids=["causal", "causal-window", "window", "softcap-sink",
+                                                     "sink-uneven-kv-heads"])
+def test_decoder_arguments(monkeypatch, dtype, case):
+    # v1 takes the decoder arguments (docs/cuda.md): four query heads on two K/V heads, lengths around its 64-row
+    # tiles (130 keys: three tiles; 65; 1), against the fp32 reference
+    monkeypatch.setenv("ATTNKIT_CUDA_KERNEL", "v1")
+    L, H, Hkv, D = 130, 4, 2, 64
+    q, _, _, lengths, tc, sid = make_inputs(3, H, L, D, dtype, [L, 65, 1], seed=41)
+    _, k, v, _, _, _ = make_inputs(3, Hkv, L, D, dtype, [L, 65, 1], seed=42, classes=False, sentences=False)
+    case = {name: torch.tensor(x, dtype=torch.int32 if name == "kv_head" else torch.float32, device=DEV)
+            if isinstance(x, list) else x for name, x in case.items()}
+    kv_head = case.get("kv_head", torch.arange(H, device=DEV) // (H // Hkv))
+    scaling = D ** -0.5
+    out, feats = attention(q, k, v, lengths, tc, sid, backend="fused", scaling=scaling, num_windows=16,
+                           want_features=True, **case)
+    ref_out, ref_feats = reference_attention(q.float(), k.float(), v.float(), lengths, tc, sid, scaling=scaling,
+                                             num_windows=16, want_features=True, **case)
+    assert feats.shape == (3, H, num_features(16, sink="sink" in case)) and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    else:
+        window = {n: case[n] for n in ("causal", "sliding_window", "softcap", "sink") if n in case}
+        pt = decoder_same_dtype(q, k, v, lengths, kv_head, scaling, **window)
+        rows = _key_mask(lengths, L)  # the yardstick's padded rows may see no key at all (NaN)
+        err, pt_err = ((x.float() - ref_out.float())[rows].abs().max().item() for x in (out, pt))
+        assert err <= 2 * pt_err + 1e-5, f"fused error {err} > 2 × PyTorch's {dtype} error {pt_err}"
+    rtol = 1e-4 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(feats, ref_feats, rtol=rtol, atol=rtol * 0.1)
+    if case.get("causal"):
+        assert (feats[..., feature_names(16).index("next")] == 0).all()  # a causal row never sees the next key
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

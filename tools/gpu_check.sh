@@ -39,7 +39,7 @@ OUTDIR="$(cd "$OUTDIR" && pwd)"
 PYTHON="${PYTHON:-python3}"
 CARRY="${CARRY:-$ROOT/.gpu_carry}"
 KERNELS="${KERNELS:-v1 v2 triton}"
-CHANGED="${CHANGED:-v2 triton}"
+CHANGED="${CHANGED:-v1 v2 triton}"
 BENCH_KERNEL="${BENCH_KERNEL:-v2}"
 NCU_KERNEL="${NCU_KERNEL:-v2}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -118,9 +118,12 @@ case "$CALL" in
     else
       XDIST=(); "$PYTHON" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
       for k in $CHANGED; do
-        if [[ $k == triton ]]; then  # the Triton kernel compiled for the GPU, on the interpreter tests' cases
+        if [[ $k == triton ]]; then  # the Triton kernel compiled for the GPU, on the interpreter tests' cases,
+          # then as the op's kernel on the CUDA tests (compute-sanitizer does not apply to Triton's launches)
           step "tests.$k" 200 env ATTNKIT_TRITON_DEVICE=cuda "$PYTHON" -m pytest -q --no-header -p no:cacheprovider \
-            tests/test_triton_attention.py --junitxml="$OUTDIR/tests_$k.xml"
+            "${XDIST[@]}" tests/test_triton_attention.py --junitxml="$OUTDIR/tests_$k.xml"
+          step "tests.$k-op" 200 env ATTNKIT_CUDA_KERNEL=triton "$PYTHON" -m pytest -q --no-header "${XDIST[@]}" \
+            -p no:cacheprovider tests/test_fused_cuda.py -k "cuda and not sanitizer" --junitxml="$OUTDIR/tests_$k-op.xml"
         else
           step "tests.$k" 200 env ATTNKIT_CUDA_KERNEL="$k" "$PYTHON" -m pytest -q --no-header "${XDIST[@]}" \
             -p no:cacheprovider tests/test_fused_cuda.py -k "cuda and not sanitizer" --junitxml="$OUTDIR/tests_$k.xml"
