@@ -19,6 +19,14 @@ peak RSS (/proc/self/clear_refs), times one forward and reads the peak (VmHWM). 
 RSS of the process (model included) and its rise over the forward ("Δ"), medians over `--rounds` rounds, the
 rounds interleaved (sdpa, attnkit, eager, sdpa, ...).
 
+`--same-process` runs every configuration's model in one fresh process instead and interleaves their forwards
+(sdpa, attnkit, attnkit, sdpa, ...): tokens/s and the paired ratio of each round, without what differs between fresh
+processes (beside another busy process, fresh processes' 4k forwards fall into a fast and a slow mode, 150-158
+against 170-190 tok/s, for sdpa and attnkit alike, so a median of a few fresh rounds draws its modes by chance;
+bench/README.md). It reports no peak memory (the models share the process), and runs no preloaded allocator.
+
+    python bench/long.py --lengths 4096 --configs sdpa,attnkit --rounds 6 --same-process
+
 Guard: a configuration whose estimated peak exceeds `--memory-share` (default 0.6) of MemAvailable at the
 start is not run, and the table says so with the estimate (eager: every layer's maps, B·layers·H·L²·4 bytes,
 plus one layer's scores and softmax; attnkit on the reference backend: about 8 L × L float tensors per layer).
@@ -83,8 +91,8 @@ def inputs(tokenizer, L: int):
                  torch.zeros_like(t, dtype=torch.int32), 0)
 
 
-def child(config: str, L: int, threads: int, backend: str) -> dict:
-    """One measurement in this (fresh) process."""
+def build(config: str, backend: str):
+    """The model of `config` and its forward: returns (run(batch), tokenizer)."""
     import torch
     from transformers import AutoModel
 
@@ -92,7 +100,6 @@ def child(config: str, L: int, threads: int, backend: str) -> dict:
     from attnkit.engine.forward import forward_features, measuring, no_cache
     from attnkit.models import model_dir
 
-    torch.set_num_threads(threads)
     if config.startswith("attnkit"):
         model, tok = attnkit.load_model("smollm2", device="cpu")
     else:
@@ -108,6 +115,17 @@ def child(config: str, L: int, threads: int, backend: str) -> dict:
             return out.last_hidden_state
 
     run(inputs(tok, 64))  # warm-up
+    return run, tok
+
+
+def child(config: str, L: int, threads: int, backend: str) -> dict:
+    """One measurement in this (fresh) process."""
+    import torch
+
+    import attnkit
+
+    torch.set_num_threads(threads)
+    run, tok = build(config, backend)
     batch = inputs(tok, L)
     before = rss_kb("VmRSS")
     try:
@@ -121,6 +139,42 @@ def child(config: str, L: int, threads: int, backend: str) -> dict:
     peak = rss_kb("VmHWM")
     return {"config": config, "L": L, "seconds": seconds, "tokens_per_s": L / seconds, "peak_mb": peak / 1024,
             "delta_mb": max(0, peak - before) / 1024, "backend": attnkit.backend_info()}
+
+
+def same_process(lengths, configs, rounds: int, threads: int, backend: str) -> dict:
+    """Every configuration's model in this one process, their forwards interleaved per length and round (the
+    order reversed every other round): the speed without what differs between fresh processes. Returns
+    {"runs": [...], "medians": [{"L", "config", "tokens_per_s"}], "paired": [{"L", "config", "ratios"}]}."""
+    import torch
+
+    torch.set_num_threads(threads)
+    models = {config: build(config, backend) for config in configs}
+    batches = {L: inputs(models[configs[0]][1], L) for L in lengths}
+    runs = []
+    for r in range(rounds):
+        for L in lengths:
+            for config in (configs if r % 2 == 0 else configs[::-1]):
+                t0 = time.perf_counter()
+                models[config][0](batches[L])
+                seconds = time.perf_counter() - t0
+                runs.append({"config": config, "L": L, "round": r, "seconds": seconds, "tokens_per_s": L / seconds})
+                print(f"round {r} {config:8s} L={L:5d}: {L / seconds:8.1f} tok/s", flush=True)
+    print("\nmedians (one process; no peak memory: the models share it)")
+    print(f"{'L':>6} {'config':8} {'tok/s':>9} {'min':>8} {'max':>8} {'vs sdpa':>8} {'paired vs sdpa (per round)':>28}")
+    medians, paired = [], []
+    for L in lengths:
+        speed = {c: [x["tokens_per_s"] for x in runs if x["config"] == c and x["L"] == L] for c in configs}
+        for c in configs:
+            m = statistics.median(speed[c])
+            medians.append({"L": L, "config": c, "tokens_per_s": m})
+            line = f"{L:6d} {c:8} {m:9.1f} {min(speed[c]):8.1f} {max(speed[c]):8.1f}"
+            if "sdpa" in speed:
+                ratios = [a / b for a, b in zip(speed[c], speed["sdpa"])]
+                paired.append({"L": L, "config": c, "ratios": ratios})
+                line += (f" {m / statistics.median(speed['sdpa']):8.2f}  median {statistics.median(ratios):.2f} of "
+                         + " ".join(f"{x:.2f}" for x in ratios))
+            print(line)
+    return {"runs": runs, "medians": medians, "paired": paired, "same_process": True}
 
 
 def measure(lengths, configs=CONFIGS, rounds: int = 3, threads: int = 2, backend: str = "auto",
@@ -205,14 +259,30 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="auto", help="attnkit's backend (auto, fused, reference)")
     p.add_argument("--memory-share", type=float, default=0.6)
     p.add_argument("--json", default=None)
+    p.add_argument("--same-process", action="store_true",
+                   help="every configuration's model in one fresh process, forwards interleaved: speeds and paired "
+                        "ratios without the variation between processes; no peak memory (not with the "
+                        "preloaded-allocator configurations)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         config, L = a.child.split(":")
         print(json.dumps(child(config, int(L), a.threads, a.backend)))
         return 0
-    out = measure([int(x) for x in a.lengths.split(",")], [c for c in a.configs.split(",") if c], a.rounds, a.threads,
-                  a.backend, a.memory_share)
+    lengths, configs = [int(x) for x in a.lengths.split(",")], [c for c in a.configs.split(",") if c]
+    if a.same_process:
+        preloaded = [c for c in configs if c in ALLOCATORS]
+        if preloaded:
+            p.error(f"--same-process cannot run {', '.join(preloaded)}: a preloaded allocator needs a process of "
+                    "its own")
+        env_threads = {"OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)}
+        if any(os.environ.get(k) != v for k, v in env_threads.items()):  # libgomp reads them at start: a fresh process
+            os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])],
+                      dict(os.environ, **env_threads))
+        print(f"SmolLM2-135M, fp32, {a.threads} threads, batch 1, one process", flush=True)
+        out = same_process(lengths, configs, a.rounds, a.threads, a.backend)
+    else:
+        out = measure(lengths, configs, a.rounds, a.threads, a.backend, a.memory_share)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
