@@ -23,7 +23,8 @@ rounds interleaved (sdpa, attnkit, eager, sdpa, ...).
 (sdpa, attnkit, attnkit, sdpa, ...): tokens/s and the paired ratio of each round, without what differs between fresh
 processes (beside another busy process, fresh processes' 4k forwards fall into a fast and a slow mode, 150-158
 against 170-190 tok/s, for sdpa and attnkit alike: libgomp's threads spinning at barriers, which
-OMP_WAIT_POLICY=PASSIVE removes; a median of a few fresh rounds draws its modes by chance; bench/README.md). It reports no peak memory (the models share the process), and runs no preloaded allocator.
+OMP_WAIT_POLICY=PASSIVE removes; a median of a few fresh rounds draws its modes by chance; bench/README.md). It
+reports no peak memory (the models share the process), and runs no preloaded allocator.
 
     python bench/long.py --lengths 4096 --configs sdpa,attnkit --rounds 6 --same-process
 
