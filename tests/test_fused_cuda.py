@@ -34,7 +34,14 @@ from attnkit.features import (
     num_features,
 )
 from attnkit.ops import attention, has_kernel
-from attnkit.reference import _key_mask, intervene_weights, reference_attention, reference_js_distances
+from attnkit.reference import (
+    _key_mask,
+    intervene_weights,
+    reference_attention,
+    reference_js_distances,
+    resolve_kv_head,
+    visible_keys,
+)
 
 HAS_CUDA_KERNEL = torch.cuda.is_available() and has_kernel("cuda")
 pytestmark = pytest.mark.skipif(not HAS_CUDA_KERNEL, reason="needs a GPU and attnkit._C built with CUDA")
@@ -214,21 +221,18 @@ def test_num_windows(num_windows, dtype):
 def decoder_same_dtype(q, k, v, lengths, kv_head, scaling, *, causal=False, sliding_window=None, softcap=None,
                        sink=None):
     """Decoder attention as PyTorch computes it in the input dtype (the yardstick of the 2× rule): K/V heads
-    repeated per query head, soft-capping, causal and sliding-window masks, the sink as one more logit per row."""
+    repeated per query head, soft-capping, the keys each row sees (`visible_keys`), the sink as one more logit per
+    row."""
     B, H, L, _ = q.shape
-    kk, vv = k[:, kv_head.long()], v[:, kv_head.long()]
-    scores = torch.matmul(q, kk.transpose(-1, -2)) * scaling
+    kv = resolve_kv_head(H, k.shape[1], kv_head, q.device)
+    scores = torch.matmul(q, k[:, kv].transpose(-1, -2)) * scaling
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    s, t = torch.arange(L, device=q.device).view(L, 1), torch.arange(L, device=q.device).view(1, L)
-    seen = _key_mask(lengths, L)[:, None, None, :] & (t <= s if causal else True)
-    if sliding_window is not None:
-        seen = seen & (t > s - sliding_window)
-    scores = scores.masked_fill(~seen, float("-inf"))
+    scores = scores.masked_fill(~visible_keys(lengths, L, causal, sliding_window), float("-inf"))
     if sink is not None:
         scores = torch.cat([scores, sink.to(scores.dtype).view(1, H, 1, 1).expand(B, H, L, 1)], dim=-1)
     w = torch.softmax(scores, dim=-1)[..., :L]
-    return torch.matmul(w, vv).transpose(1, 2)
+    return torch.matmul(w, v[:, kv]).transpose(1, 2)
 
 
 DECODER_CASES = [
@@ -252,7 +256,6 @@ def test_decoder_arguments(monkeypatch, dtype, case):
     _, k, v, _, _, _ = make_inputs(3, Hkv, L, D, dtype, [L, 65, 1], seed=42, classes=False, sentences=False)
     case = {name: torch.tensor(x, dtype=torch.int32 if name == "kv_head" else torch.float32, device=DEV)
             if isinstance(x, list) else x for name, x in case.items()}
-    kv_head = case.get("kv_head", torch.arange(H, device=DEV) // (H // Hkv))
     scaling = D ** -0.5
     out, feats = attention(q, k, v, lengths, tc, sid, backend="fused", scaling=scaling, num_windows=16,
                            want_features=True, **case)
@@ -263,7 +266,7 @@ def test_decoder_arguments(monkeypatch, dtype, case):
         torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
     else:
         window = {n: case[n] for n in ("causal", "sliding_window", "softcap", "sink") if n in case}
-        pt = decoder_same_dtype(q, k, v, lengths, kv_head, scaling, **window)
+        pt = decoder_same_dtype(q, k, v, lengths, case.get("kv_head"), scaling, **window)
         rows = _key_mask(lengths, L)  # the yardstick's padded rows may see no key at all (NaN)
         err, pt_err = ((x.float() - ref_out.float())[rows].abs().max().item() for x in (out, pt))
         assert err <= 2 * pt_err + 1e-5, f"fused error {err} > 2 × PyTorch's {dtype} error {pt_err}"
