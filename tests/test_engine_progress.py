@@ -4,6 +4,7 @@ import os
 import threading
 
 from attnkit.corpus import open_corpus
+from attnkit.engine import progress
 from attnkit.engine.progress import segment_bar
 
 from .synthetic import layered_truth, make_features, tiny_bert
@@ -58,9 +59,35 @@ def test_a_pipe_is_not_read_twice(tmp_path):
     writer.join(timeout=30)
 
 
-def test_distances_are_labelled_distances_with_a_total(tmp_path, capsys):
+def no_background_count(monkeypatch):
+    """The background count never arrives (as when the run outpaces it): a deterministic stand-in for the race."""
+    monkeypatch.setattr(progress, "count_in_background", lambda segments, bar: None)
+
+
+def test_a_finished_run_ends_on_its_count_even_before_the_background_count(monkeypatch, tmp_path):
+    no_background_count(monkeypatch)
+    out = io.StringIO()
+    bar = segment_bar("extract", open_corpus([_lines(tmp_path, 7)]), file=out)
+    for _ in range(7):
+        bar.update(1)
+    assert bar.total is None
+    bar.finish()
+    assert bar.total == 7 and "7/7" in out.getvalue() and "100%" in out.getvalue()
+
+
+def test_an_interrupted_run_does_not_claim_a_total(monkeypatch, tmp_path):
+    no_background_count(monkeypatch)
+    out = io.StringIO()
+    bar = segment_bar("extract", open_corpus([_lines(tmp_path, 7)]), file=out)
+    bar.update(3)
+    bar.close()  # what an exception or Ctrl-C does: no finish
+    assert bar.total is None and "3seg" in out.getvalue() and "/" not in out.getvalue().split("[")[0]
+
+
+def test_distances_are_labelled_distances_with_a_total(tmp_path, capsys, monkeypatch):
     from attnkit.engine.distances import collect_distances
 
+    no_background_count(monkeypatch)  # the total must come from the finished run, not from winning a race
     model, tok = tiny_bert()
     collect_distances(open_corpus([_lines(tmp_path, 9)]), (model, tok), max_length=16, progress=True)
     err = capsys.readouterr().err

@@ -114,6 +114,9 @@ class _ProgressBar:
     def close(self) -> None:
         self.bar.close()
 
+    def finish(self) -> None:
+        self.bar.finish()
+
 
 def check_replicas(models: Sequence) -> None:
     """Replicas must be the same model (same config and weights shape) on their own devices."""
@@ -196,6 +199,8 @@ def run_extraction(
             stack.callback(bar.close)
         run_pipeline(models, encoder, planned, device_forward, workers=workers, threads=threads, prefetch=prefetch,
                      on_result=deliver, on_progress=running, on_choice=on_choice)
+        if bar is not None:
+            bar.finish()  # every segment read: the total is known whatever the background count is doing
     return state
 
 

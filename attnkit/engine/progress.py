@@ -2,8 +2,9 @@
 
 A list knows its length and `--limit` bounds the work; a corpus of files does not say how many segments it holds
 until it is read, so `segment_bar` counts them in a background thread (reading only: no tokenisation, a small
-fraction of the work) and gives the bar its total once the count is done. Standard input and pipes are read once,
-so a run from them shows a count without a total.
+fraction of the work) and gives the bar its total once the count is done; a run that reads its whole input before
+the count is done ends its bar (`finish`) on the number it read. Standard input and pipes are read once, so a run
+from them shows a count without a total until it ends.
 """
 from __future__ import annotations
 
@@ -54,6 +55,14 @@ def bar_class():
                 self.n += n  # the last step: drawn by close
                 return None
             return super().update(n)
+
+        def finish(self):
+            """Close the bar of a run that read its whole input: its total, if the background count has not
+            given it yet, is the number of segments taken (so a short run ends on "n/n" whatever the count's
+            thread is doing). An interrupted run calls `close` alone and keeps the total it had."""
+            if self.total is None:
+                self.total = self.n
+            self.close()
 
         def close(self):
             if not self.disable and self.last_print_t < self.start_t + self.delay:

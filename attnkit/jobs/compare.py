@@ -336,20 +336,24 @@ def compare_models(texts, model_a, model_b, *, tokenizer_a=None, tokenizer_b=Non
         from ..engine.progress import segment_bar
 
         bar = segment_bar("compare-models", texts)
-    with measuring(model_a, backend=backend, num_windows=num_windows) as rt_a, \
-            measuring(model_b, backend=backend, num_windows=num_windows) as rt_b, \
-            observing(rt_a, [coll.observe_a]), observing(rt_b, [coll.observe_b]):
-        for pb in plan_batches(texts, batch_size, window):
-            batch = Batch.from_arrays(encoder.encode_arrays(pb.segments))
-            fa = forward_features(model_a, batch.to(dev_a), rt_a)
-            fb = forward_features(model_b, batch.to(dev_b), rt_b)
-            coll.check_complete()
-            acc_a.update(fa.numpy(), batch.n_tokens)
-            acc_b.update(fb.numpy(), batch.n_tokens)
-            if bar is not None:
-                bar.update(len(pb.segments))
-    if bar is not None:
-        bar.close()
+    try:
+        with measuring(model_a, backend=backend, num_windows=num_windows) as rt_a, \
+                measuring(model_b, backend=backend, num_windows=num_windows) as rt_b, \
+                observing(rt_a, [coll.observe_a]), observing(rt_b, [coll.observe_b]):
+            for pb in plan_batches(texts, batch_size, window):
+                batch = Batch.from_arrays(encoder.encode_arrays(pb.segments))
+                fa = forward_features(model_a, batch.to(dev_a), rt_a)
+                fb = forward_features(model_b, batch.to(dev_b), rt_b)
+                coll.check_complete()
+                acc_a.update(fa.numpy(), batch.n_tokens)
+                acc_b.update(fb.numpy(), batch.n_tokens)
+                if bar is not None:
+                    bar.update(len(pb.segments))
+        if bar is not None:
+            bar.finish()
+    finally:
+        if bar is not None:
+            bar.close()  # an interrupted comparison leaves no bar half drawn
     if coll.n_samples == 0:
         raise AttnkitError("no texts to compare")
     meta = {"model_a": getattr(model_a.config, "_name_or_path", "") or "A",

@@ -122,6 +122,8 @@ def head_means(texts, model=None, *, tokenizer=None, max_length: int = DEFAULT_M
     planned = plan_batches(texts, batch_size, window, skip_segments=state.next_index)
     try:
         run_pipeline([model], encoder, planned, head_sums, workers=workers, on_result=deliver)
+        if bar is not None:
+            bar.finish()
     except BaseException:
         if checkpoint is not None:
             state.save(checkpoint)  # what was measured is kept: the same call continues from here

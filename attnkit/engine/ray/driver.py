@@ -154,6 +154,8 @@ class ShardedRun:
             self.red = Reduction(self.kind, self.shards, self._bar())
             try:
                 self._stream()
+                if self.red.bar is not None:
+                    self.red.bar.finish()
             finally:
                 if self.red.bar is not None:
                     self.red.bar.close()
