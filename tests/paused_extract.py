@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from attnkit.cli.main import main
@@ -44,8 +45,11 @@ def _pause_after_first_checkpoint(fd: int) -> None:
             state["paused"] = True
             os.write(fd, f"{os.getpid()}\n".encode())
             os.close(fd)
-            while True:  # until a signal handler raises (SIGINT, SIGTERM) or the process is killed
-                signal.pause()
+            # until a signal handler raises (SIGINT, SIGTERM) or the process is killed. Not signal.pause(): a
+            # signal that lands after the loop's last check and before pause() starts would be waited for forever;
+            # a handler pending when a sleep starts runs when it ends
+            while True:
+                time.sleep(0.05)
 
     extract_job.Checkpoints.save = save
 

@@ -54,7 +54,7 @@ def test_extract_writes_run_directory(corpus, tmp_path):
 
 def _extract_args(corpus, out, *extra):
     return ["extract", corpus, "-o", out, "--batch-size", 1, "--checkpoint-every", 1, "-q", "--backend", "reference",
-            "--max-length", 24, *extra]
+            "--max-length", 24, "--threads", 1, *extra]  # one thread: every run sums in the same order
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def uninterrupted_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("uninterrupted")
     full = folder / "full"
     assert run("extract", _write_corpus(folder), "-o", full, "--batch-size", 1, "-q", "--backend", "reference",
-               "--max-length", 24)[0] == 0
+               "--max-length", 24, "--threads", 1)[0] == 0
     return full
 
 
@@ -103,7 +103,7 @@ def test_an_interrupted_run_of_units_resumes_at_a_unit_to_identical_numbers(corp
     unit, and the resumed run cuts the rest of the plan into the same units and forwards."""
     from attnkit.engine.plan import plan_batches
 
-    args = ["--batch-size", 2, "-q", "--backend", "reference", "--max-length", 24]
+    args = ["--batch-size", 2, "-q", "--backend", "reference", "--max-length", 24, "--threads", 1]
     full, part = tmp_path / "full", tmp_path / "part"
     assert run("extract", corpus, "-o", full, *args)[0] == 0
     proc = paused_extract(["extract", corpus, "-o", part, "--checkpoint-every", 1, *args])
@@ -565,7 +565,7 @@ def test_max_logit_on_the_fused_cpu_op_takes_no_second_pass(corpus, tmp_path, mo
 
 def test_max_logit_resumes_to_the_same_max_and_a_resume_must_keep_the_choice(corpus, tmp_path, paused_extract):
     full, part = tmp_path / "full", tmp_path / "part"
-    args = ["--batch-size", 1, "-q", "--backend", "reference", "--max-length", 24, "--max-logit"]
+    args = ["--batch-size", 1, "-q", "--backend", "reference", "--max-length", 24, "--threads", 1, "--max-logit"]
     assert run("extract", corpus, "-o", full, *args)[0] == 0
     proc = paused_extract(["extract", corpus, "-o", part, "--checkpoint-every", 1, *args])
     proc.send_signal(signal.SIGINT)

@@ -103,6 +103,28 @@ def test_fingerprint_follows_content_and_settings_not_location(tree, tmp_path):
     assert corpus.fingerprint() != fp  # the same Corpus notices the change
 
 
+def test_a_same_size_rewrite_within_one_clock_tick_is_noticed(tmp_path, monkeypatch):
+    """A filesystem with a coarse clock gives a rewrite of the same size the same modification time (and the
+    inode stays): the stat key cannot tell, so a recently modified file is hashed again."""
+    import attnkit.corpus.sources as sources
+
+    path = tmp_path / "c.txt"
+    write(path, "one\n")
+    st = path.stat()
+    corpus = open_corpus([path])
+    fp = corpus.fingerprint()
+    write(path, "two\n")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the same tick
+    assert path.stat().st_ino == st.st_ino and corpus.fingerprint() != fp
+    old = st.st_mtime_ns - 3600 * 10**9  # a file untouched for an hour is hashed once, then trusted
+    os.utime(path, ns=(old, old))
+    calls = []
+    real = sources.hash_file
+    monkeypatch.setattr(sources, "hash_file", lambda p: calls.append(p) or real(p))
+    first = corpus.fingerprint()
+    assert corpus.fingerprint() == first and len(calls) == 1
+
+
 def test_text_unit_auto_decides_from_a_bounded_look_ahead(tmp_path):
     late_gap = write(tmp_path / "late.txt", "".join(f"line {i}\n" for i in range(10_050)) + "\nlast\n")
     corpus = open_corpus([late_gap])

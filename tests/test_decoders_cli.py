@@ -53,7 +53,7 @@ def test_workers_and_per_sample_give_the_in_process_numbers(decoder_dir, corpus,
 
 
 def test_interrupted_run_resumes_to_identical_numbers(decoder_dir, corpus, tmp_path, paused_extract):
-    args = ["--model", decoder_dir, "--batch-size", 1, "-q", "--max-length", 24]
+    args = ["--model", decoder_dir, "--batch-size", 1, "-q", "--max-length", 24, "--threads", 1]
     full, part = tmp_path / "full", tmp_path / "part"
     assert run("extract", corpus, "-o", full, *args)[0] == 0
     proc = paused_extract(["extract", corpus, "-o", part, "--checkpoint-every", 1, *args])

@@ -199,11 +199,9 @@ def test_failing_worker_ends_the_run_with_a_message(minilm, segments, monkeypatc
         return original(self, segs)
 
     monkeypatch.setattr(Encoder, "encode_arrays", failing)  # workers fork after this, so they fail too
-    t0 = time.time()
     with pytest.raises(AttnkitError, match="tokenising batch .* failed in a worker: _Boom: tokenizer exploded"):
         run_extraction(model, tok, segments, ExtractSettings(max_length=24, batch_size=8, backend="reference"),
                        workers=2)
-    assert time.time() - t0 < 60
 
 
 def test_killed_worker_ends_the_run_instead_of_hanging(minilm, segments):

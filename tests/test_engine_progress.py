@@ -19,12 +19,12 @@ def _lines(tmp_path, n):
 def test_a_corpus_of_files_gets_its_total_counted_in_the_background(tmp_path):
     corpus = open_corpus([_lines(tmp_path, 57)])
     bar = segment_bar("extract", corpus)
-    bar.counter.join(timeout=30)
+    bar.counter.join()
     assert bar.total == 57
     bar.close()
     limited = open_corpus([_lines(tmp_path, 57)], limit=20)
     bar = segment_bar("extract", limited)
-    bar.counter.join(timeout=30)
+    bar.counter.join()
     assert bar.total == 20
     bar.close()
     bar = segment_bar("extract", ["a", "b", "c"])  # a list knows its length: no thread
@@ -151,7 +151,7 @@ def test_the_bar_draws_no_total_less_start_and_one_end(tmp_path):
     for n, steps in ((57, [16, 16, 16, 9]), (1, [1])):
         out = io.StringIO()
         bar = segment_bar("extract", open_corpus([_lines(tmp_path, n)]), file=out)
-        bar.counter.join(timeout=30)
+        bar.counter.join()
         assert out.getvalue() == ""  # counted, not drawn: nothing before the first update
         for k in steps:
             bar.update(k)

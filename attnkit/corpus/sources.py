@@ -12,6 +12,7 @@ import datetime
 import json
 import stat
 import sys
+import time
 from pathlib import Path
 
 from ..errors import AttnkitError, arg
@@ -36,6 +37,10 @@ PAIR_COLUMN_GUESSES = (("source", "target"), ("src", "tgt")) + tuple(g for g in 
 # A quoted CSV field may hold newlines, but one that runs this many lines is an unclosed quote.
 CSV_MAX_ROW_LINES = 200
 STDIN_NAME = "<stdin>"
+
+# A file rewritten within one tick of its filesystem's clock (up to 2 s on some) with the same size keeps its
+# stat key: a hash is trusted only for a file last modified well before it was hashed (git's "racy" rule).
+RACY_MTIME_NS = 2_000_000_000
 
 
 def is_blank(segment) -> bool:
@@ -172,7 +177,7 @@ class Source:
         self._pipe = bool(stream) and stdin is None
         self._stream_lines = None
         self._plan = None
-        self._hash = None  # (stat key, sha256) of the last hash of a file
+        self._hash = None  # (stat key, when it was hashed (ns), sha256) of the last hash of a file
         self.n_segments = None  # segments taken from this source by the last complete pass over the corpus
 
     @property
@@ -252,9 +257,9 @@ class Source:
         except OSError:
             return hash_file(self.path)  # raises the one-line error
         key = (st.st_size, st.st_mtime_ns, st.st_ino)
-        if self._hash is None or self._hash[0] != key:
-            self._hash = (key, hash_file(self.path))
-        return self._hash[1]
+        if self._hash is None or self._hash[0] != key or st.st_mtime_ns >= self._hash[1] - RACY_MTIME_NS:
+            self._hash = (key, time.time_ns(), hash_file(self.path))
+        return self._hash[2]
 
     def bytes_read_sha256(self) -> str | None:
         """For a stream: sha256 of the bytes read from it so far (None for a file, or before any read)."""
