@@ -218,7 +218,8 @@ def tiny_model(path: Path, hidden: int = 64, layers: int = 2, heads: int = 4, in
 
 
 def memory(args) -> dict:
-    tmp = Path(tempfile.mkdtemp(prefix="attnkit-bench-"))
+    scratch = tempfile.TemporaryDirectory(prefix="attnkit-bench-")  # removed on return or error
+    tmp = Path(scratch.name)
     model = tiny_model(tmp / "tiny")
     out = {}
     for mb in args.sizes:
@@ -277,7 +278,8 @@ def workers(args) -> dict:
     from attnkit.engine.plan import plan_batches
     from attnkit.tokens import Encoder
 
-    tmp = Path(tempfile.mkdtemp(prefix="attnkit-bench-"))
+    scratch = tempfile.TemporaryDirectory(prefix="attnkit-bench-")  # removed on return or error
+    tmp = Path(scratch.name)
     model_dir = tiny_model(tmp / "tiny")
     corpus = tmp / "corpus.txt"
     with open(corpus, "w") as f:
@@ -376,7 +378,8 @@ def measure_plan(plan_size_mb: float, stsb: str, fixed: list[str], repeats: int,
     the tokenise-bound case "tokenise_s", "forward_s", "limit_s", "share_of_limit"}}."""
     import csv
 
-    tmp = Path(tempfile.mkdtemp(prefix="attnkit-plan-"))
+    scratch = tempfile.TemporaryDirectory(prefix="attnkit-plan-")  # removed on return or error
+    tmp = Path(scratch.name)
     cases = {}
     if "tokenise-bound" in which:
         tiny = tiny_bert16(tmp / "bert16")
@@ -509,7 +512,8 @@ def _plan_story(pipeline: dict | None) -> str:
 def spike(args) -> dict:
     import shutil
 
-    tmp = Path(tempfile.mkdtemp(prefix="attnkit-spike-"))
+    scratch = tempfile.TemporaryDirectory(prefix="attnkit-spike-")  # removed on return or error
+    tmp = Path(scratch.name)
     model_dir = tiny_bert16(tmp / "bert16")
     corpus = tmp / "generated.txt"
     with open(corpus, "w") as f:
@@ -543,13 +547,13 @@ def spike(args) -> dict:
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}): " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items()))
     print(f"  beside the neighbour / quiet: {out['neighbour_over_quiet']:.2f}; resume under it / quiet resume: "
           f"{out['resume_spike_over_quiet']:.2f} (the bar: 1.3)")
-    shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
 # --- ray -------------------------------------------------------------------------------------------------
 def ray_vs_local(args) -> dict:
-    tmp = Path(tempfile.mkdtemp(prefix="attnkit-bench-"))
+    scratch = tempfile.TemporaryDirectory(prefix="attnkit-bench-")  # removed on return or error
+    tmp = Path(scratch.name)
     corpus = Path(args.corpus) if args.corpus else tmp / "corpus.txt"
     if not args.corpus:
         with open(corpus, "w") as f:

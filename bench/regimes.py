@@ -128,7 +128,8 @@ def measure(cases, regimes=REGIMES, neighbour: str = "both", repeats: int = 3, n
     stsb = Path(stsb).resolve()  # the runs start in a temporary directory: a path relative to here would not be found
     conditions = CONDITIONS[neighbour]
     print(f"{cpu_model()}, {os.cpu_count()} CPUs, {load()}", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix="attnkit-regimes-"))
+    scratch = tempfile.TemporaryDirectory(prefix="attnkit-regimes-")  # removed on return or error
+    tmp = Path(scratch.name)
     times: dict = {}
     for r in range(repeats):
         for cond in conditions:

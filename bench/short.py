@@ -131,7 +131,8 @@ def measure(texts: list[str], kind: str = "stsb", batch: int = 16, repeats: int 
     n_tokens = sum(b.n_tokens for b in batches)
     ids = {"cls": tok.cls_token_id, "sep": tok.sep_token_id, "comma": tok.convert_tokens_to_ids(","),
            "period": tok.convert_tokens_to_ids(".")}
-    tmp = Path(tempfile.mkdtemp(prefix="attnkit-short-"))
+    scratch = tempfile.TemporaryDirectory(prefix="attnkit-short-")  # removed on return or error
+    tmp = Path(scratch.name)
     corpus = tmp / "texts.txt"
     corpus.write_text("\n".join(texts) + "\n")
     print(f"{cpu_model()}; waits: {REGIME}; {len(texts)} {kind} texts, {n_tokens} tokens "
