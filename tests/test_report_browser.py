@@ -3,7 +3,10 @@ panel; sort a table; colour the grid by a feature. Skipped where Chromium, chrom
 (`apt-get install -y chromium chromium-driver`, `pip install -e ".[test]"`)."""
 import csv
 import json
+import os
 import shutil
+import tempfile
+import weakref
 
 import numpy as np
 import pytest
@@ -20,7 +23,9 @@ pytestmark = pytest.mark.skipif(BROWSER is None or DRIVER is None,
 
 
 def chromium():
-    """A headless Chromium driven by Selenium (quit it when done)."""
+    """A headless Chromium driven by Selenium (quit it when done). Its temporary files go to a directory of its
+    own, removed with the driver: Chromium leaves one in TMPDIR after every session, and they piled up in /tmp. (A
+    short path: Chromium's socket there must fit a Unix socket's 108 bytes, which pytest's tmp_path may not.)"""
     from selenium.webdriver.chrome.service import Service
 
     opts = webdriver.ChromeOptions()
@@ -28,7 +33,11 @@ def chromium():
                  "--window-size=1400,2000"):
         opts.add_argument(flag)
     opts.binary_location = BROWSER
-    return webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER))
+    scratch = tempfile.mkdtemp(prefix="attnkit-chromium-")
+    driver = webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER,
+                                                            env={**os.environ, "TMPDIR": scratch}))
+    weakref.finalize(driver, shutil.rmtree, scratch, True)
+    return driver
 
 
 @pytest.fixture(scope="module")
