@@ -394,6 +394,18 @@ TASK_NEEDS = {"sequence-classification": "a model with a sequence-classification
               "image-classification": "a vision transformer with an image-classification head"}
 
 
+def load_preprocessor(path: str, vision: bool):
+    """What turns inputs into a model's batches: a vision transformer's image processor (transformers'
+    AutoImageProcessor; attnkit.tokens.ImageEncoder), else the tokenizer of the model directory `path`."""
+    if vision:
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None = None, max_length: int | None = None):
     """Load a model and its tokenizer from a local path (no hub downloads) with attnkit attention.
 
@@ -419,7 +431,6 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
         AutoModelForQuestionAnswering,
         AutoModelForSeq2SeqLM,
         AutoModelForSequenceClassification,
-        AutoTokenizer,
     )
 
     classes = {None: AutoModel, "sequence-classification": AutoModelForSequenceClassification,
@@ -438,12 +449,7 @@ def load_model(name_or_path=None, *, device=None, dtype=None, task: str | None =
     vision = takes_images(model_config(path))
     try:
         with _no_transformers_bars():
-            if vision:  # a vision transformer's inputs come from its image processor (attnkit/pixels.py)
-                from transformers import AutoImageProcessor
-
-                tokenizer = AutoImageProcessor.from_pretrained(path)
-            else:
-                tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = load_preprocessor(path, vision)
             if is_pruned_dir(path):  # heads removed by `attnkit prune`: transformers alone cannot load it
                 model = load_pruned_model(path, classes[task], dtype=dt)
             else:

@@ -421,10 +421,17 @@ def batch_encoder(model, preprocessor, *, max_length: int, split_sentences: bool
     """What builds the batches of `model`: an `ImageEncoder` of its image processor for a vision transformer, else
     an `attnkit.tokens.Encoder` of its tokenizer."""
     layout = getattr(getattr(model, RUNTIME_ATTR, None), "image", None)
+    return config_encoder(model.config, preprocessor, layout, max_length=max_length, split_sentences=split_sentences)
+
+
+def config_encoder(config, preprocessor, layout, *, max_length: int, split_sentences: bool = False):
+    """`batch_encoder` of a model known by its `config` alone (a Ray worker's, which holds no model): an
+    `ImageEncoder` when `layout` (attnkit.attention.positions.image_layout of the config) is given, else an
+    `Encoder` (of pairs for an encoder–decoder)."""
     if layout is not None:
         return ImageEncoder(preprocessor, layout)
     return Encoder(preprocessor, max_length=max_length, split_sentences=split_sentences,
-                   decoder_start=pair_decoder_start(model.config))  # an encoder–decoder measures pairs
+                   decoder_start=pair_decoder_start(config))  # an encoder–decoder measures pairs
 
 
 # How a token's text is drawn where whitespace would vanish (maps, the report's head view; `shown_token`).

@@ -306,3 +306,42 @@ def test_ray_over_pairs_of_an_encoder_decoder_equals_in_process(cluster, tmp_pat
                                       run_settings={"corpus": "PAIRS × 6", "max_length": 32}, progress=False)
     assert info["engine"] == "ray" and acc.sum.shape[:2] == (6, 4)  # 2 encoder, 2 decoder, 2 cross layers
     _assert_same_features(acc, ref)
+
+
+@needs_ray
+@pytest.mark.slow
+def test_ray_over_images_equals_the_local_engine(cluster, tmp_path, monkeypatch):
+    """A tiny ViT over a folder of image files named relative to the working directory (a Ray worker runs in
+    another one): `attnkit extract --images DIR --engine ray` and `attnkit distances RUN --engine ray` give the
+    local engine's numbers at the same thread count, with the image features named as the local run names them."""
+    pytest.importorskip("PIL")
+    from click.testing import CliRunner
+
+    from attnkit.cli.main import main
+    from attnkit.features import IMAGE_FEATURES
+    from attnkit.run.distances import HeadDistances
+    from attnkit.run.head_features import HeadFeatures
+
+    from .test_images import save_model, write_images
+
+    model = save_model(tmp_path / "vit", "vit")
+    paths = write_images(tmp_path / "images")
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", str(model), "--images", "images", "--batch-size", "2", "-q"]
+    runs = {"local": ["--device", "cpu", "--threads", "1", "--workers", "0"], "ray": ["--engine", "ray"]}
+    for name, more in runs.items():
+        with one_thread():  # the local distances at a CPU actor's thread count
+            res = CliRunner().invoke(main, ["extract", *common, "-o", name, *more])
+            assert res.exit_code == 0, res.output
+            res = CliRunner().invoke(main, ["distances", name, "-q", *more[:2]])
+            assert res.exit_code == 0, res.output
+    local, on_ray = HeadFeatures.load(tmp_path / "local"), HeadFeatures.load(tmp_path / "ray")
+    assert on_ray.names == local.names and set(IMAGE_FEATURES) <= set(on_ray.names)
+    assert on_ray.n_samples == local.n_samples == len(paths) and on_ray.meta["engine"] == "ray"
+    np.testing.assert_allclose(on_ray.mean, local.mean, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(on_ray.std, local.std, rtol=1e-12, atol=1e-300)
+    assert not shard_dir(tmp_path / "ray").exists()
+    want, got = HeadDistances.load(tmp_path / "local"), HeadDistances.load(tmp_path / "ray")
+    assert got.n_rows == want.n_rows == len(paths) * 17  # [CLS] and 16 patches per image
+    assert np.all(want.total[~np.eye(len(want.total), dtype=bool)] > 0)
+    np.testing.assert_allclose(got.total, want.total, rtol=1e-12, atol=0)

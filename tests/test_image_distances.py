@@ -66,7 +66,5 @@ def test_distances_of_an_image_run_equal_numpy_from_eager_maps(tmp_path):
     want = js_by_numpy(model_dir, paths)
     assert want.max() > 0.05  # the heads differ
     np.testing.assert_allclose(dist.total, want, rtol=1e-4, atol=1e-5)
-    for more, said in ((["--corpus", str(paths[0])], "--corpus says which text to read"),
-                       (["--engine", "ray"], "images are measured by the local engine")):
-        res = CliRunner().invoke(main, ["distances", str(run), "--overwrite", *more])
-        assert res.exit_code != 0 and said in res.output, res.output
+    res = CliRunner().invoke(main, ["distances", str(run), "--overwrite", "--corpus", str(paths[0])])
+    assert res.exit_code != 0 and "--corpus says which text to read" in res.output, res.output

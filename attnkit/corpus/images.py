@@ -52,6 +52,15 @@ class ImageItem:
     chars = IMAGE_CHARS
 
 
+def absolute_item(item: ImageItem) -> ImageItem:
+    """`item` with its file or datasets directory as an absolute path: read the same from a process that runs in
+    another working directory (a Ray worker). Its name, which messages show, is kept."""
+    import dataclasses
+
+    return dataclasses.replace(item, path=item.path and os.path.abspath(item.path),
+                               dataset=item.dataset and os.path.abspath(item.dataset))
+
+
 def image_extensions() -> frozenset:
     """The file extensions Pillow reads (lower case, with the dot)."""
     from PIL import Image
@@ -362,7 +371,7 @@ def is_image_corpus(corpus) -> bool:
     return any(isinstance(s, ImageSource) for s in getattr(corpus, "sources", ()))
 
 
-__all__ = ["EMBEDDED", "EMBEDDED_IMAGES", "IMAGE_CHARS", "MAX_IMAGE_PIXELS", "DatasetImagesSource",
+__all__ = ["EMBEDDED", "EMBEDDED_IMAGES", "IMAGE_CHARS", "MAX_IMAGE_PIXELS", "DatasetImagesSource", "absolute_item",
            "EmbeddedImagesSource", "ImageFilesSource", "ImageItem", "ImageSource", "decode_image", "embedded_array",
            "image_extensions", "image_problem", "image_sources", "images_of_run", "is_image_corpus", "is_image_run",
            "open_images"]

@@ -86,7 +86,7 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
             run.check_new(opts.overwrite, opts.per_sample)
         corpus = open_inputs(opts)  # images, or pairs for an encoder–decoder (docs/seq2seq.md)
         corpus.check_has_text()
-        if opts.engine == "local":
+        if opts.engine == "local" or _model_here(opts.model_path):
             check_model_takes(opts.model_path, opts.images)  # before the model loads
         streams = [s.name for s in corpus.sources if s.is_stream]
         if opts.resume and streams:
@@ -94,6 +94,14 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
                                "check it is the same): save the input to a file and extract from the file")
         job = _RayJob(opts, run, corpus, echo) if opts.engine == "ray" else _LocalJob(opts, run, corpus, echo)
         job.run()
+
+
+def _model_here(path) -> bool:
+    """Whether the model is on this machine (a Ray cluster's may be on its nodes alone: they check it there)."""
+    try:
+        return path is None or Path(model_dir(path)).is_dir()
+    except AttnkitError:
+        return False
 
 
 class _Job:

@@ -125,8 +125,6 @@ def check_image_options(opts: ExtractOptions) -> None:
     if text_only:
         raise AttnkitError(f"{arg(text_only[0])} says how to read text; with {arg('images')} the inputs are images "
                            "(a datasets directory's image column is named as DIR:COLUMN)")
-    if opts.engine == "ray":
-        raise AttnkitError(f"images are measured by the local engine (drop {arg('engine')} ray)")
     if "-" in [str(p) for p in opts.paths]:
         raise AttnkitError(f"{arg('images')} reads image files, not standard input")
 
@@ -247,8 +245,8 @@ def distances_outputs(run, features) -> list[Path]:
 
 def distances_inputs(opts: DistancesOptions, meta: dict):
     """The inputs `attnkit distances` reads again: an image run's images (`images_of_run`: the same bytes), else
-    the run's text corpus or the one `opts.corpus` names (`corpus_of_run`). Options that say how to read text,
-    and the Ray engine, are refused for an image run; the Ray engine for an encoder–decoder's run."""
+    the run's text corpus or the one `opts.corpus` names (`corpus_of_run`). Options that say how to read text are
+    refused for an image run; the Ray engine for an encoder–decoder's run."""
     from ..corpus import corpus_of_run
     from ..corpus.images import images_of_run, is_image_run
 
@@ -261,8 +259,6 @@ def distances_inputs(opts: DistancesOptions, meta: dict):
         if given:
             raise AttnkitError(f"{arg(given[0])} says which text to read; {opts.run} measured images, which "
                                "attnkit distances reads again from its meta.json")
-        if opts.engine == "ray":
-            raise AttnkitError(f"images are measured by the local engine (drop {arg('engine')} ray)")
         return images_of_run(opts.run, meta, limit=opts.limit or meta.get("n_segments"))
     return corpus_of_run(opts.run, meta, opts.corpus, opts.fmt, squad_pairs=opts.squad_pairs, columns=opts.columns,
                          limit=opts.limit, pairs=bool(meta.get("layer_kinds")))

@@ -2,14 +2,15 @@
 reduced into shard files and merged in shard order (the whole design: attnkit/engine/ray/__init__.py)."""
 from __future__ import annotations
 
-import json
 import os
+import pickle
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
+from ...corpus.images import ImageItem, absolute_item
 from ...errors import AttnkitError, check_int
 from ...features import PLAN, feature_names
 from ...models import check_max_length, model_dir
@@ -45,6 +46,12 @@ def check_model_here(model_path: str | None, max_length: int, local: bool) -> No
     except Exception as exc:
         raise AttnkitError(f"could not read the model config in {path!r}: {exc}") from None
     check_max_length(config, max_length)
+
+
+def portable(segments) -> list:
+    """A planned batch's segments as a Ray worker reads them: texts and pairs as they are, images with absolute
+    paths (the worker decodes them, maybe in another working directory)."""
+    return [absolute_item(s) if isinstance(s, ImageItem) else s for s in segments]
 
 
 class Reduction:
@@ -204,8 +211,7 @@ class ShardedRun:
             else:
                 red.expect(k, [pb.index for pb in planned], len(chunk))
                 rows.extend({"shard": k, "batch": pb.index, "n_segments": len(pb.segments),
-                             "segments": json.dumps([s if isinstance(s, str) else list(s) for s in pb.segments],
-                                                    ensure_ascii=False)} for pb in planned)
+                             "segments": pickle.dumps(portable(pb.segments), protocol=5)} for pb in planned)
                 pending += 1
                 if pending >= self.group_size:
                     self._run_group(rows)
@@ -263,10 +269,11 @@ def run_ray_extraction(segments: Iterable[Segment], settings: ExtractSettings | 
                              model_path=model_path, dtype=dtype, address=address, num_actors=num_actors,
                              cpus_per_actor=cpus_per_actor, progress=progress, shards_per_group=shards_per_group).run()
     L, H, F = total["sum"].shape
-    # with a sink one more feature, with alignment (an encoder–decoder) two more: each count is one model's names
-    names = next((n for n in (feature_names(settings.num_windows, sink=sink, alignment=alignment)
-                              for sink in (False, True) for alignment in (False, True)) if len(n) == F),
-                 feature_names(settings.num_windows))
+    # with a sink one more feature, with a patch grid (a vision transformer) six more, with alignment (an
+    # encoder–decoder) two more: each count is one model's names
+    names = next((n for n in (feature_names(settings.num_windows, sink=sink, grid=grid, alignment=alignment)
+                              for sink in (False, True) for grid in (False, True) for alignment in (False, True))
+                  if len(n) == F), feature_names(settings.num_windows))
     if F != len(names):
         raise AttnkitError(f"the actors returned {F} features per head, expected {len(names)}")
     acc = FeatureAccumulator(L, H, names)

@@ -8,7 +8,6 @@ actor runs torch with exactly the CPUs it holds and equals the in-process loop r
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pickle
 import time
@@ -44,37 +43,42 @@ def worker_env(local: bool) -> dict[str, str]:
         env.update(openmp_in_effect()[0])
     return env
 
-_encoders: dict = {}  # (model path, max_length, split_sentences) -> the Encoder of this worker process
+_encoders: dict = {}  # (model path, max_length, split_sentences) -> the batch encoder of this worker process
 
 
 def worker_encoder(model_path: str | None, max_length: int, split_sentences: bool):
-    """The attnkit Encoder of this worker process (built on first use, then reused by every batch)."""
+    """The batch encoder of this worker process (built on first use, then reused by every batch): the model's
+    `attnkit.tokens.Encoder`, or a vision transformer's `ImageEncoder` (attnkit.tokens.config_encoder)."""
     key = (model_path, max_length, split_sentences)
     if key not in _encoders:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
-        from ...models import model_dir
-        from ...tokens import Encoder, pair_decoder_start
+        from ...attention.positions import image_layout
+        from ...models import load_preprocessor, model_dir
+        from ...tokens import config_encoder
 
         path = model_dir(model_path)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except Exception as exc:
-            raise AttnkitError(f"could not load the tokenizer of {path!r} on a Ray worker: {exc}") from None
         try:
             config = AutoConfig.from_pretrained(path)
         except Exception as exc:
             raise AttnkitError(f"could not read the config of {path!r} on a Ray worker: {exc}") from None
-        _encoders[key] = Encoder(tokenizer, max_length=max_length, split_sentences=split_sentences,
-                                 decoder_start=pair_decoder_start(config))  # pairs for an encoder–decoder
+        layout = image_layout(config)
+        try:
+            preprocessor = load_preprocessor(path, vision=layout is not None)
+        except Exception as exc:
+            what = "image processor" if layout is not None else "tokenizer"
+            raise AttnkitError(f"could not load the {what} of {path!r} on a Ray worker: {exc}") from None
+        _encoders[key] = config_encoder(config, preprocessor, layout, max_length=max_length,
+                                        split_sentences=split_sentences)
     return _encoders[key]
 
 
 def tokenise(rows: dict, *, model_path, max_length, split_sentences) -> dict:
-    """Ray Data stage: planned batches (segments as JSON) → pickled `EncodedArrays`."""
+    """Ray Data stage: planned batches (their segments pickled: texts, pairs or `ImageItem`s) → pickled
+    `EncodedArrays`."""
     enc = worker_encoder(model_path, max_length, split_sentences)
-    encoded = [pickle.dumps(enc.encode_arrays(json.loads(str(s))), protocol=5) for s in rows["segments"]]
+    encoded = [pickle.dumps(enc.encode_arrays(pickle.loads(s)), protocol=5) for s in rows["segments"]]
     return {"shard": rows["shard"], "batch": rows["batch"], "n_segments": rows["n_segments"],
             "encoded": np.array(encoded, dtype=object)}
 
