@@ -218,8 +218,8 @@ class Encoder:
             raise AttnkitError("cannot encode an empty batch")
         for s in segments:
             if not isinstance(s, (str, tuple, list)):
-                raise AttnkitError(f"this model takes text, not {type(s).__name__} {s!r:.60}: images need a vision "
-                                   "transformer")
+                what = f"images ({s.name})" if isinstance(s, ImageItem) else f"{type(s).__name__} {s!r:.60}"
+                raise AttnkitError(f"this model takes text, not {what}: images need a vision transformer")
         if self.decoder_start is not None:
             return self.encode_pairs(segments)
         items = [self.bounded(s) if isinstance(s, str) else [self.bounded(x) for x in s] for s in segments]

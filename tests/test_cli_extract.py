@@ -599,3 +599,21 @@ def test_max_logit_refuses_engines_and_devices_that_cannot_measure_it(corpus, tm
     code, text = run("extract", corpus, "-o", tmp_path / "d", "--devices", "cpu,cpu", "--max-logit", "-q",
                      "--limit", 2)
     assert code != 0 and "--max-logit is measured on one device only" in text
+
+
+def test_a_ray_run_whose_model_is_not_here_stops_before_any_work(corpus, tmp_path):
+    """The machine that runs the command writes the run from the model's config: a model missing here is named
+    before the cluster is reached or a shard measured. (On a remote cluster the model may be on the nodes alone as
+    far as the engine is concerned, and the command used to fail only after measuring the whole corpus.) The
+    "cluster" is a socket that accepts connections and answers nothing: reaching Ray there would hang."""
+    import socket
+
+    pytest.importorskip("ray")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        code, text = run("extract", corpus, "-o", tmp_path / "r", "--engine", "ray", "--ray-address", address,
+                         "--model", tmp_path / "nowhere", "-q")
+    assert code == 1 and "could not read the config of model" in text and "nowhere" in text, text
+    assert len(text.strip().splitlines()) == 1 and not (tmp_path / "r").exists()

@@ -34,8 +34,12 @@ def chromium():
         opts.add_argument(flag)
     opts.binary_location = BROWSER
     scratch = tempfile.mkdtemp(prefix="attnkit-chromium-")
-    driver = webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER,
-                                                            env={**os.environ, "TMPDIR": scratch}))
+    try:
+        driver = webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER,
+                                                                env={**os.environ, "TMPDIR": scratch}))
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
     weakref.finalize(driver, shutil.rmtree, scratch, True)
     return driver
 

@@ -39,7 +39,8 @@ CSV_MAX_ROW_LINES = 200
 STDIN_NAME = "<stdin>"
 
 # A file rewritten within one tick of its filesystem's clock (up to 2 s on some) with the same size keeps its
-# stat key: a hash is trusted only for a file last modified well before it was hashed (git's "racy" rule).
+# stat key: a hash is trusted only for a file last modified well before it was hashed (git's "racy" rule). A file
+# dated in the future (a skewed clock) is hashed again each time: correct, at the cost of a read.
 RACY_MTIME_NS = 2_000_000_000
 
 
@@ -256,7 +257,7 @@ class Source:
             st = Path(self.path).stat()
         except OSError:
             return hash_file(self.path)  # raises the one-line error
-        key = (st.st_size, st.st_mtime_ns, st.st_ino)
+        key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)  # ctime: a rewrite that restores mtime
         if self._hash is None or self._hash[0] != key or st.st_mtime_ns >= self._hash[1] - RACY_MTIME_NS:
             self._hash = (key, time.time_ns(), hash_file(self.path))
         return self._hash[2]

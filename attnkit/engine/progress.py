@@ -57,11 +57,10 @@ def bar_class():
             return super().update(n)
 
         def finish(self):
-            """Close the bar of a run that read its whole input: its total, if the background count has not
-            given it yet, is the number of segments taken (so a short run ends on "n/n" whatever the count's
+            """Close the bar of a run that read its whole input: its total is the number of segments taken, whether
+            or not the background count has given it yet (so a short run ends on "n/n" whatever the count's
             thread is doing). An interrupted run calls `close` alone and keeps the total it had."""
-            if self.total is None:
-                self.total = self.n
+            self.total = self.n
             self.close()
 
         def close(self):

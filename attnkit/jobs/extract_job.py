@@ -29,7 +29,7 @@ from ..engine.forward import default_batch_size
 from ..engine.local import BatchResult, check_workers
 from ..engine.openmp import wait_regime
 from ..engine.tuning import AUTO
-from ..errors import AttnkitError, arg, print_message
+from ..errors import AttnkitError, arg, one_line, print_message
 from ..models import (
     attention_modules,
     check_max_length,
@@ -43,7 +43,7 @@ from ..ops import backend_label
 from ..run.files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
 from ..run.identity import IDENTITY_FIELD, model_identity
 from ..run.locking import output_directory
-from ..run.model_dir import check_model_takes
+from ..run.model_dir import check_model_takes, model_is_here
 from ..run.outputs import check_output_path
 from ..run.per_sample import PerSampleWriter
 from ..run.rundir import RunDir
@@ -86,7 +86,7 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
             run.check_new(opts.overwrite, opts.per_sample)
         corpus = open_inputs(opts)  # images, or pairs for an encoder–decoder (docs/seq2seq.md)
         corpus.check_has_text()
-        if opts.engine == "local" or _model_here(opts.model_path):
+        if opts.engine == "local" or model_is_here(opts.model_path):
             check_model_takes(opts.model_path, opts.images)  # before the model loads
         streams = [s.name for s in corpus.sources if s.is_stream]
         if opts.resume and streams:
@@ -94,14 +94,6 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
                                "check it is the same): save the input to a file and extract from the file")
         job = _RayJob(opts, run, corpus, echo) if opts.engine == "ray" else _LocalJob(opts, run, corpus, echo)
         job.run()
-
-
-def _model_here(path) -> bool:
-    """Whether the model is on this machine (a Ray cluster's may be on its nodes alone: they check it there)."""
-    try:
-        return path is None or Path(model_dir(path)).is_dir()
-    except AttnkitError:
-        return False
 
 
 class _Job:
@@ -297,13 +289,18 @@ class _RayJob(_Job):
         elif run.is_finished() and not shard_dir(run.path).is_dir():
             self.resume_finished()
             return
+        try:  # before any work: the run's meta.json is written from it
+            config = AutoConfig.from_pretrained(model_dir(opts.model_path))
+        except Exception as exc:
+            raise AttnkitError(f"could not read the config of model {str(opts.model_path)!r} on this machine, which "
+                               f"writes the run: the model must be here too, at the same path as on the cluster's "
+                               f"nodes ({one_line(exc)})") from None
         self.say("attnkit extract (ray): " + self.corpus.summary())
         t0 = time.perf_counter()
         acc, n_truncated, info = run_ray_extraction(
             self.corpus, opts.extract_settings(opts.batch_size), run_dir=run.path, run_settings=self.settings,
             model_path=opts.model_path, dtype=opts.dtype, address=opts.ray_address, progress=not opts.quiet)
         elapsed = time.perf_counter() - t0
-        config = AutoConfig.from_pretrained(model_dir(opts.model_path))
         self.finish(acc, n_truncated, elapsed, dict(info, model_type=config.model_type), config)
         remove_shards(run.path)  # their sums are in features.npz now
 

@@ -159,7 +159,7 @@ def preflight_extract(opts: ExtractOptions) -> None:
     names a file in a wrong format; standard input is left for the job), and the model directory with
     `max_length` against its positions (local engine: on a Ray cluster it may exist only on the workers)."""
     from ..run.locking import lock_owner
-    from ..run.model_dir import check_model_takes
+    from ..run.model_dir import check_model_takes, model_is_here
     from ..run.rundir import RunDir
 
     check_extract_options(opts)
@@ -177,10 +177,11 @@ def preflight_extract(opts: ExtractOptions) -> None:
             run.check_resume_settings(now)
     if "-" not in [str(p) for p in opts.paths]:
         open_inputs(opts).check_has_text()
-    if opts.engine == "local":
-        if opts.model_path:
-            check_model_dir(str(opts.model_path))
+    if opts.engine == "local" and opts.model_path:
+        check_model_dir(str(opts.model_path))
+    if opts.engine == "local" or model_is_here(opts.model_path):
         check_model_takes(opts.model_path, opts.images)  # images for a text model, or text for a vision one
+    if opts.engine == "local":
         check_output_place(opts.out, extract_inputs(opts))  # (the job checks it again, under its lock)
         check_model_max_length(opts.model_path, opts.max_length)  # config.json is enough
 

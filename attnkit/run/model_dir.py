@@ -58,6 +58,12 @@ def takes_images(cfg) -> bool:
     return isinstance(cfg, dict) and cfg.get("image_size") is not None and cfg.get("patch_size") is not None
 
 
+def model_is_here(path) -> bool:
+    """Whether the model `path` names is on this machine: the embedded ones always are; a Ray cluster's model may
+    be on its nodes alone (attnkit.engine.ray checks it there)."""
+    return path is None or is_embedded_name(path) or os.path.isdir(str(path))
+
+
 def check_model_takes(path, images: bool) -> None:
     """Refuse, from config.json before the model loads, images for a model that takes text and text for a
     vision transformer (`path` None: the embedded MiniLM, a text model)."""
@@ -198,6 +204,6 @@ def seq2seq_layer_kinds(config) -> list[tuple[str, int]] | None:
 
 __all__ = ["CONFIG_FILES", "DECODER_TYPES", "EMBEDDED", "IMAGE_PROCESSOR_FILES", "OFFSET_POSITIONS", "TOKENIZER_FILES",
            "WEIGHT_FILES", "check_max_length", "check_model_dir", "check_model_takes", "takes_images",
-           "default_model_path", "fitted_length", "is_decoder_meta", "is_embedded_name",
+           "default_model_path", "fitted_length", "is_decoder_meta", "is_embedded_name", "model_is_here",
            "looks_like_hub_id", "max_positions", "read_config", "some_names",
            "ENCODER", "DECODER", "CROSS", "KINDS", "seq2seq_layer_kinds"]

@@ -3,7 +3,8 @@
     driver: segments ─► windows of `window` segments (shard k = window k) ─► plan_window ─► planned batches
     Ray Data, one execution per group of shards:
         from_items(rows: shard, batch index, segments)          one block per planned batch
-        ─► map_batches(tokenise)                               CPU tasks, attnkit Encoder built once per worker
+        ─► map_batches(tokenise)                               CPU tasks, a batch encoder (texts or images)
+                                                                 built once per worker
         ─► map_batches(ModelActor, ActorPoolStrategy(size=n))   the instrumented model, num_gpus=1 per actor
                                                                  when the cluster has GPUs, CPU actors otherwise
         ─► per-batch sums (features: sum, m2, n_samples, n_tokens, n_truncated; distances: JS sums, rows)

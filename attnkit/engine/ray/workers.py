@@ -1,5 +1,6 @@
-"""What runs on the Ray cluster: the tokenisation stage (one attnkit Encoder per worker process, built on first
-use) and the model actor (the instrumented model; per planned batch, its feature or distance sums).
+"""What runs on the Ray cluster: the tokenisation stage (one batch encoder per worker process, of texts or of a
+vision transformer's images, built on first use) and the model actor (the instrumented model; per planned batch,
+its feature or distance sums).
 
 Threads: on CPU, the per-sample numbers of a forward can depend on torch's intra-op thread count (a batch of
 one MiniLM sample differs by ~1e-7 between 1 and 2 threads, BLAS blocking thin matmuls differently), so a model
@@ -78,7 +79,13 @@ def tokenise(rows: dict, *, model_path, max_length, split_sentences) -> dict:
     """Ray Data stage: planned batches (their segments pickled: texts, pairs or `ImageItem`s) → pickled
     `EncodedArrays`."""
     enc = worker_encoder(model_path, max_length, split_sentences)
-    encoded = [pickle.dumps(enc.encode_arrays(pickle.loads(s)), protocol=5) for s in rows["segments"]]
+    try:
+        encoded = [pickle.dumps(enc.encode_arrays(pickle.loads(s)), protocol=5) for s in rows["segments"]]
+    except AttnkitError as exc:
+        if not hasattr(enc, "layout"):  # text: read on the driver, nothing depends on this node
+            raise
+        raise AttnkitError(f"{exc} (read on a Ray worker: with images the files must be at the same absolute paths "
+                           "on every node)") from None
     return {"shard": rows["shard"], "batch": rows["batch"], "n_segments": rows["n_segments"],
             "encoded": np.array(encoded, dtype=object)}
 
