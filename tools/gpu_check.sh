@@ -118,15 +118,16 @@ case "$CALL" in
     else
       XDIST=(); "$PYTHON" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
       for k in $CHANGED; do
+        name=$k
         if [[ $k == triton ]]; then  # the Triton kernel compiled for the GPU, on the interpreter tests' cases,
-          # then as the op's kernel on the CUDA tests (compute-sanitizer does not apply to Triton's launches)
+          # then as the op's kernel on the CUDA tests below
           step "tests.$k" 200 env ATTNKIT_TRITON_DEVICE=cuda "$PYTHON" -m pytest -q --no-header -p no:cacheprovider \
             "${XDIST[@]}" tests/test_triton_attention.py --junitxml="$OUTDIR/tests_$k.xml"
-          step "tests.$k-op" 200 env ATTNKIT_CUDA_KERNEL=triton "$PYTHON" -m pytest -q --no-header "${XDIST[@]}" \
-            -p no:cacheprovider tests/test_fused_cuda.py -k "cuda and not sanitizer" --junitxml="$OUTDIR/tests_$k-op.xml"
-        else
-          step "tests.$k" 200 env ATTNKIT_CUDA_KERNEL="$k" "$PYTHON" -m pytest -q --no-header "${XDIST[@]}" \
-            -p no:cacheprovider tests/test_fused_cuda.py -k "cuda and not sanitizer" --junitxml="$OUTDIR/tests_$k.xml"
+          name=$k-op
+        fi
+        step "tests.$name" 200 env ATTNKIT_CUDA_KERNEL="$k" "$PYTHON" -m pytest -q --no-header "${XDIST[@]}" \
+          -p no:cacheprovider tests/test_fused_cuda.py -k "cuda and not sanitizer" --junitxml="$OUTDIR/tests_$name.xml"
+        if [[ $k != triton ]]; then  # compute-sanitizer does not apply to Triton's launches
           step "sanitize.$k" 120 env ATTNKIT_CUDA_KERNEL="$k" TOOLS="memcheck racecheck" bash tools/sanitize_cuda.sh
         fi
       done

@@ -43,12 +43,19 @@ from ..ops import backend_label
 from ..run.files import FEATURES_FILE, META_FILE, PER_SAMPLE_FILE, PER_SAMPLE_META, PER_SAMPLE_ROWS
 from ..run.identity import IDENTITY_FIELD, model_identity
 from ..run.locking import output_directory
-from ..run.model_dir import check_model_takes, model_is_here
 from ..run.outputs import check_output_path
 from ..run.per_sample import PerSampleWriter
 from ..run.rundir import RunDir
 from ..run.versions import versions
-from .job_options import ENGINES, ExtractOptions, check_extract_options, extract_inputs, open_inputs, option_settings
+from .job_options import (
+    ENGINES,
+    ExtractOptions,
+    check_extract_options,
+    check_model_takes_inputs,
+    extract_inputs,
+    open_inputs,
+    option_settings,
+)
 
 # what describes an input's bytes (compared through corpus_sha256 and named when it differs), not how it is read
 INPUT_STATE = ("n_segments", "sha256", "size", "mtime")
@@ -86,8 +93,7 @@ def run_extract_job(opts: ExtractOptions, echo: Callable[..., None] = print_mess
             run.check_new(opts.overwrite, opts.per_sample)
         corpus = open_inputs(opts)  # images, or pairs for an encoder–decoder (docs/seq2seq.md)
         corpus.check_has_text()
-        if opts.engine == "local" or model_is_here(opts.model_path):
-            check_model_takes(opts.model_path, opts.images)  # before the model loads
+        check_model_takes_inputs(opts)  # before the model loads
         streams = [s.name for s in corpus.sources if s.is_stream]
         if opts.resume and streams:
             raise AttnkitError(f"cannot resume a run that reads {streams[0]} (a stream cannot be read again to "

@@ -11,7 +11,7 @@ from ..embedded import check_model_max_length
 from ..engine.ray.session import check_ray_address
 from ..errors import AttnkitError, arg, check_int
 from ..features import DEFAULT_MAX_LENGTH, DEFAULT_NUM_WINDOWS, DEFAULT_WEIGHTING, DEFAULT_WINDOW, PLAN
-from ..run.model_dir import check_model_dir
+from ..run.model_dir import check_model_dir, check_model_takes, model_is_here
 from ..run.outputs import check_no_file_in_the_way, check_output_path, check_output_place
 
 ENGINES = ("local", "ray")
@@ -129,6 +129,13 @@ def check_image_options(opts: ExtractOptions) -> None:
         raise AttnkitError(f"{arg('images')} reads image files, not standard input")
 
 
+def check_model_takes_inputs(opts: ExtractOptions) -> None:
+    """Refuse, from config.json before the model loads, images for a text model or text for a vision one, where
+    the model is on this machine (a Ray cluster's may be on its nodes alone)."""
+    if opts.engine == "local" or model_is_here(opts.model_path):
+        check_model_takes(opts.model_path, opts.images)
+
+
 def open_inputs(opts: ExtractOptions):
     """The corpus `opts` name: images (`images`), or texts opened for the model (read from config.json alone, before
     the model loads; docs/seq2seq.md): an encoder–decoder's as (source, target) pairs, refusing inputs of single
@@ -159,7 +166,6 @@ def preflight_extract(opts: ExtractOptions) -> None:
     names a file in a wrong format; standard input is left for the job), and the model directory with
     `max_length` against its positions (local engine: on a Ray cluster it may exist only on the workers)."""
     from ..run.locking import lock_owner
-    from ..run.model_dir import check_model_takes, model_is_here
     from ..run.rundir import RunDir
 
     check_extract_options(opts)
@@ -179,8 +185,7 @@ def preflight_extract(opts: ExtractOptions) -> None:
         open_inputs(opts).check_has_text()
     if opts.engine == "local" and opts.model_path:
         check_model_dir(str(opts.model_path))
-    if opts.engine == "local" or model_is_here(opts.model_path):
-        check_model_takes(opts.model_path, opts.images)  # images for a text model, or text for a vision one
+    check_model_takes_inputs(opts)
     if opts.engine == "local":
         check_output_place(opts.out, extract_inputs(opts))  # (the job checks it again, under its lock)
         check_model_max_length(opts.model_path, opts.max_length)  # config.json is enough
@@ -266,5 +271,5 @@ def distances_inputs(opts: DistancesOptions, meta: dict):
 
 
 __all__ = ["ENGINES", "DistancesOptions", "ExtractOptions", "check_distances_options", "check_engine",
-           "check_extract_options", "check_image_options", "extract_inputs", "open_inputs", "option_settings",
-           "distances_inputs", "preflight_distances", "preflight_extract"]
+           "check_extract_options", "check_image_options", "check_model_takes_inputs", "extract_inputs", "open_inputs",
+           "option_settings", "distances_inputs", "preflight_distances", "preflight_extract"]

@@ -78,11 +78,13 @@ def worker_encoder(model_path: str | None, max_length: int, split_sentences: boo
 def tokenise(rows: dict, *, model_path, max_length, split_sentences) -> dict:
     """Ray Data stage: planned batches (their segments pickled: texts, pairs or `ImageItem`s) → pickled
     `EncodedArrays`."""
+    from ...tokens import ImageEncoder
+
     enc = worker_encoder(model_path, max_length, split_sentences)
     try:
         encoded = [pickle.dumps(enc.encode_arrays(pickle.loads(s)), protocol=5) for s in rows["segments"]]
     except AttnkitError as exc:
-        if not hasattr(enc, "layout"):  # text: read on the driver, nothing depends on this node
+        if not isinstance(enc, ImageEncoder):  # text: read on the driver, nothing depends on this node
             raise
         raise AttnkitError(f"{exc} (read on a Ray worker: with images the files must be at the same absolute paths "
                            "on every node)") from None
